@@ -1,0 +1,37 @@
+"""zerojax: DeepSpeed's ZeRO, mixed precision, offload and JSON configs on JAX/Flax.
+
+Public names only. They are imported lazily (PEP 562) so that `import zerojax` stays cheap and
+a command such as `zerojax estimate` does not pay for modules it never uses.
+"""
+from importlib import import_module as _import_module
+
+__version__ = "0.1.0"
+
+# public name -> module that defines it
+_PUBLIC = {
+    "load_config": "config",
+    "Config": "config",
+    "ConfigError": "config",
+    "build_optimizer": "optim",
+    "build_schedule": "optim",
+    "dynamic_loss_scale": "precision",
+    "DynamicLossScaleState": "precision",
+    "make_mesh": "partition",
+    "shard": "engine",
+    "Engine": "engine",
+}
+
+__all__ = sorted(_PUBLIC) + ["__version__"]
+
+
+def __getattr__(name):
+    module = _PUBLIC.get(name)
+    if module is None:
+        raise AttributeError(f"module 'zerojax' has no attribute {name!r}")
+    value = getattr(_import_module(f"zerojax.{module}"), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__():
+    return __all__
