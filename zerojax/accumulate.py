@@ -1,0 +1,113 @@
+"""Gradient accumulation: one `lax.scan` over micro-batches (after levanter's grad_accum.py).
+
+This is the only place the micro-batch loop lives; a pipeline-parallel schedule replaces it later.
+
+DeepSpeed's arithmetic: each micro-batch loss is divided by gradient_accumulation_steps before
+backward (and multiplied by the loss scale under fp16), gradients are summed, and the reported loss
+is the mean of the micro-batch losses. The sum is kept in an accumulator of `accum_dtype` (fp32
+unless `data_types.grad_accum_dtype` says otherwise), constrained every iteration to the gradient
+sharding: at ZeRO stage >= 2 that sharding is split over "data", so XLA reduces each micro-batch's
+gradient straight into its shard (a reduce-scatter) instead of all-reducing a full copy.
+"""
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+# loss_fn(params, micro_batch, carry) -> (loss, aux, carry); `carry` is non-trained model state
+# (e.g. rng counters) threaded through the micro-batches; aux is a dict of scalars.
+LossFn = Callable[[Any, Any, Any], tuple[jax.Array, dict, Any]]
+
+
+def split_microbatches(batch, steps: int, mesh: Mesh | None = None, axis: str = "data"):
+    """[steps * micro * dp, ...] -> [steps, micro * dp, ...], each micro-batch spread over `axis`.
+
+    Rows are grouped device-major, as DeepSpeed's ranks see them: with the batch sharded over
+    `axis`, device d holds rows [d*steps*micro, (d+1)*steps*micro) and its k-th micro-batch is the
+    k-th `micro` of those. The reshape therefore moves no data between devices.
+    """
+    n = int(mesh.shape.get(axis, 1)) if mesh is not None else 1
+
+    def split(x):
+        rows = x.shape[0]
+        if rows % (steps * n):
+            raise ValueError(
+                f"batch leading dim {rows} is not divisible by gradient_accumulation_steps={steps} "
+                f"x data-parallel size={n}"
+            )
+        micro = rows // (steps * n)
+        rest = x.shape[1:]
+        x = x.reshape(n, steps, micro, *rest).swapaxes(0, 1).reshape(steps, n * micro, *rest)
+        if mesh is not None and n > 1:
+            x = jax.lax.with_sharding_constraint(x, NamedSharding(mesh, P(None, axis)))
+        return x
+
+    return jax.tree.map(split, batch)
+
+
+def _reduce_aux(stacked: dict) -> dict:
+    # Integer metrics are counts (tokens, examples): summed. Floats are per-micro-batch means: averaged.
+    def reduce(x):
+        if jnp.issubdtype(x.dtype, jnp.integer):
+            return x.sum(axis=0)
+        return x.astype(jnp.float32).mean(axis=0)
+
+    return jax.tree.map(reduce, stacked)
+
+
+def accumulate_gradients(
+    loss_fn: LossFn,
+    params,
+    batch,
+    *,
+    steps: int,
+    mesh: Mesh | None = None,
+    grad_shardings=None,
+    accum_dtype=jnp.float32,
+    loss_scale=1.0,
+    carry=None,
+):
+    """Sum of gradients of `loss / steps * loss_scale` over `steps` micro-batches of `batch`.
+
+    Returns `(grads, loss, aux, carry)`: grads in `accum_dtype` and `grad_shardings`, loss the fp32
+    mean of the (unscaled) micro-batch losses, aux the reduced auxiliary metrics.
+    """
+    if steps < 1:
+        raise ValueError(f"gradient_accumulation_steps={steps} must be >= 1")
+
+    def micro(mb, carry):
+        def objective(p):
+            loss, aux, new_carry = loss_fn(p, mb, carry)
+            loss = jnp.asarray(loss).astype(jnp.float32)
+            return loss / steps * loss_scale, (loss, aux, new_carry)
+
+        grads, (loss, aux, new_carry) = jax.grad(objective, has_aux=True)(params)
+        return grads, loss, aux, new_carry
+
+    def constrain(tree):
+        if grad_shardings is None:
+            return tree
+        return jax.lax.with_sharding_constraint(tree, grad_shardings)
+
+    if steps == 1:
+        grads, loss, aux, carry = micro(batch, carry)
+        grads = constrain(jax.tree.map(lambda g: g.astype(accum_dtype), grads))
+        return grads, loss, aux, carry
+
+    def body(c, mb):
+        acc, carry = c
+        grads, loss, aux, carry = micro(mb, carry)
+        acc = constrain(jax.tree.map(lambda a, g: a + g.astype(accum_dtype), acc, grads))
+        return (acc, carry), (loss, aux)
+
+    acc = constrain(jax.tree.map(lambda p: jnp.zeros(p.shape, accum_dtype), params))
+    (acc, carry), (losses, aux) = jax.lax.scan(
+        body, (acc, carry), split_microbatches(batch, steps, mesh)
+    )
+    return acc, losses.mean(), _reduce_aux(aux), carry
+
+
+__all__ = ["accumulate_gradients", "split_microbatches"]
