@@ -1,0 +1,458 @@
+"""Host offload through memory kinds: optimizer state streamed in chunks, params per layer.
+
+DeepSpeed's `offload_optimizer: {device: cpu}` keeps the fp32 master weights and optimizer moments
+in host memory and runs the update on the CPU. Here they stay in host memory too (a sharding whose
+`memory_kind` is "pinned_host"), but the update runs on the accelerator: inside the jitted step each
+chunk of (master, state) is copied to the device (`jax.device_put` to a "device" sharding), updated,
+cast to the compute dtype, and copied back. Device memory then holds a few chunks, never the whole
+optimizer state.
+
+Chunk layout. The tree's leaves are either *stacked* (a leading "layers" axis of size L, scanned by
+the model) or *rest* (embeddings, final norm). Pieces are `[rest, layers group 1, ..., group K]`
+(groups: `np.array_split(range(L), K)`; the rest piece only if there are rest leaves). With
+`ratio` (ZeRO-Offload++'s fraction of the optimizer state offloaded) the first ceil(ratio * pieces)
+pieces live in host memory; the others form one device chunk updated in place, with no transfer.
+How the host pieces are grouped into transfers is the *candidate*:
+
+- "whole":   all host pieces in one chunk, moved in and out at once (MaxText's way);
+- "chunked": one chunk per piece, in an unrolled Python loop: independent chains, so XLA may copy
+             chunk k+1 in while chunk k computes and chunk k-1 goes out. `window=w` adds
+             `optimization_barrier`s so that chunk k+w's copy-in waits for chunk k's update,
+             bounding device memory to about w+1 chunks whatever the scheduler decides;
+- "scan":    the host layer groups stacked as [K, L/K, ...] and updated by one `lax.scan` that
+             copies one group in and out per iteration (needs K | L).
+
+A chunk is a tree of the original structure with `None` in place of the leaves it lacks (so optax
+masks written as functions of the params tree keep working); its stacked leaves are slices
+`leaf[lo:hi]` (or, in a scan chunk, `leaf[lo:hi].reshape(K', (hi-lo)/K', ...)`).
+
+Parameter offload (stage 3 `offload_param`) is `fetch` called on a layer's slice inside the
+model's layer scan (or `scan_layers`, which also prefetches the next layer). JAX's typing rule
+makes the gradient of a host-resident input host-resident: the backward pass sends each layer's
+gradient to host as it is computed. `streamed_update` accepts host-resident gradients and streams
+them in with their chunk.
+
+On CPU the host memory kinds exist (device, pinned_host, unpinned_host) but are one address
+space: `device_put` between them inside jit lowers to nothing; only the entry computation's layout
+marks host buffers (`S(5)`). On GPU/TPU each such `device_put` lowers to an
+`annotate_device_placement` custom call, which XLA's host-offload passes turn into copies between
+memory spaces (async copy-start/copy-done on GPU).
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any, Callable, NamedTuple, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+DEVICE = "device"
+PINNED_HOST = "pinned_host"
+UNPINNED_HOST = "unpinned_host"
+CANDIDATES = ("whole", "chunked", "scan")
+
+_is_sharding = lambda x: isinstance(x, jax.sharding.Sharding)  # noqa: E731
+_is_none = lambda x: x is None  # noqa: E731
+
+
+# --------------------------------------------------------------------------- memory kinds
+
+
+def memory_kinds(device=None) -> tuple[str, ...]:
+    """The memory kinds `device` (default: the first device) can address."""
+    device = jax.devices()[0] if device is None else device
+    try:
+        return tuple(m.kind for m in device.addressable_memories())
+    except Exception:  # noqa: BLE001 - a backend without memories API
+        return (DEVICE,)
+
+
+def host_memory_kind(pin_memory: bool = True, device=None) -> str:
+    """"pinned_host" (DeepSpeed's `pin_memory: true`) or "unpinned_host" where the device offers it.
+
+    GPUs address only pinned host memory from a kernel; `pin_memory: false` falls back to
+    "pinned_host" there. Raises if the backend has no host memory kind at all.
+    """
+    kinds = memory_kinds(device)
+    want = PINNED_HOST if pin_memory else UNPINNED_HOST
+    if want in kinds:
+        return want
+    if PINNED_HOST in kinds:
+        return PINNED_HOST
+    raise ValueError(f"host offload needs a host memory kind; this device offers only {kinds} "
+                     f"(set offload_optimizer/offload_param device to \"none\")")
+
+
+def with_memory_kind(shardings, kind: str):
+    """The same tree of shardings, each moved to memory `kind` (None leaves stay None)."""
+    return jax.tree.map(lambda s: s.with_memory_kind(kind), shardings, is_leaf=_is_sharding)
+
+
+def is_host(x) -> bool:
+    """Whether an array (or a tracer inside jit) lives in host memory."""
+    space = getattr(jax.typeof(x), "memory_space", None)
+    if space is not None and hasattr(jax, "memory"):
+        return space == jax.memory.Space.Host
+    kind = getattr(getattr(x, "sharding", None), "memory_kind", None)
+    return kind in (PINNED_HOST, UNPINNED_HOST)
+
+
+def fetch(tree, shardings):
+    """Bring `tree` to device memory inside jit: `device_put` to each sharding's "device" kind.
+
+    Use on a layer's parameter slice inside the layer scan (stage 3 `offload_param`): `shardings`
+    are the per-layer shardings (`layer_shardings(stacked_shardings)`).
+    """
+    return jax.device_put(tree, with_memory_kind(shardings, DEVICE))
+
+
+def layer_shardings(stacked_shardings):
+    """Shardings of one layer's slice: each NamedSharding's spec without its leading entry."""
+    return jax.tree.map(lambda s: NamedSharding(s.mesh, P(*tuple(s.spec)[1:]), memory_kind=s.memory_kind),
+                        stacked_shardings, is_leaf=_is_sharding)
+
+
+def scan_layers(body: Callable, carry, stacked_params, shardings, *, prefetch: bool = True):
+    """`lax.scan(body, carry, stacked_params)` over host-resident layers, each fetched to device.
+
+    `body(carry, layer_params) -> carry`; `shardings`: the stacked params' shardings (any memory
+    kind). prefetch=True carries layer i+1's device copy through iteration i, so its host->device
+    copy is independent of (and can overlap) layer i's compute; device memory holds two layers.
+    """
+    dev = layer_shardings(shardings)
+    n = jax.tree.leaves(stacked_params)[0].shape[0]
+    take = lambda i: jax.tree.map(lambda x: jax.lax.dynamic_index_in_dim(x, i, keepdims=False),  # noqa: E731
+                                  stacked_params)
+    if not prefetch:
+        return jax.lax.scan(lambda c, p: (body(c, fetch(p, dev)), None), carry, stacked_params)[0]
+
+    def step(state, i):
+        c, cur = state
+        nxt = fetch(take(jnp.minimum(i + 1, n - 1)), dev)
+        return (body(c, cur), nxt), None
+
+    (carry, _), _ = jax.lax.scan(step, (carry, fetch(take(0), dev)), jnp.arange(n))
+    return carry
+
+
+# --------------------------------------------------------------------------- chunk layout
+
+
+@dataclasses.dataclass(frozen=True)
+class Chunk:
+    """One chunk: rest leaves (if `rest`), stacked leaves' layers [lo, hi), `groups` > 0: stacked
+    as [groups, (hi - lo) / groups, ...] and updated by a scan; `host`: lives in host memory."""
+
+    rest: bool
+    lo: int
+    hi: int
+    groups: int = 0
+    host: bool = True
+
+
+@dataclasses.dataclass(frozen=True)
+class ChunkLayout:
+    """How a params-shaped tree is cut into chunks (static: hashable, usable as a jit static arg)."""
+
+    treedef: Any
+    stacked: tuple[bool, ...]      # per leaf (leaf order of `treedef`)
+    num_layers: int
+    chunks: tuple[Chunk, ...]
+
+    def __len__(self):
+        return len(self.chunks)
+
+
+def _stacked_flags(leaves, stacked) -> tuple[int, tuple[bool, ...]]:
+    if stacked is None:  # the most common leading dim among leaves of rank >= 2, if shared
+        lead = [x.shape[0] for x in leaves if len(x.shape) >= 2]
+        counts = {d: lead.count(d) for d in lead}
+        stacked = max(counts, key=counts.get) if counts and max(counts.values()) >= 2 else 0
+    if isinstance(stacked, int):
+        flags = tuple(bool(stacked) and len(x.shape) >= 1 and x.shape[0] == stacked for x in leaves)
+        return (stacked if any(flags) else 0), flags
+    flags = tuple(bool(f) for f in stacked)
+    lengths = {leaves[i].shape[0] for i, f in enumerate(flags) if f}
+    if len(lengths) > 1:
+        raise ValueError(f"stacked leaves must share their leading (layers) dim; got {sorted(lengths)}")
+    return (lengths.pop() if lengths else 0), flags
+
+
+def chunk_layout(tree, k: int, *, candidate: str = "chunked", ratio: float = 1.0,
+                 stacked=None) -> ChunkLayout:
+    """The layout of `tree` (arrays or ShapeDtypeStructs) in `k` layer groups for `candidate`.
+
+    stacked: None (auto: leaves whose leading dim is the most common leading dim of rank >= 2
+    leaves), an int L (leaves with leading dim L), or a tree of bools like `tree`.
+    """
+    if candidate not in CANDIDATES:
+        raise ValueError(f"candidate={candidate!r}; choose one of {CANDIDATES}")
+    if not 0.0 <= ratio <= 1.0:
+        raise ValueError(f"offload_optimizer.ratio={ratio} must be in [0, 1]")
+    leaves, treedef = jax.tree.flatten(tree)
+    if stacked is not None and not isinstance(stacked, int):
+        stacked = treedef.flatten_up_to(stacked)
+    L, flags = _stacked_flags(leaves, stacked)
+    k = max(1, min(int(k), L)) if L else 0
+    has_rest = not all(flags)
+    bounds = [(int(g[0]), int(g[-1]) + 1) for g in np.array_split(np.arange(L), k)] if L else []
+    pieces = ([(True, 0, 0)] if has_rest else []) + [(False, lo, hi) for lo, hi in bounds]
+    n_host = math.ceil(ratio * len(pieces) - 1e-9)
+    host, dev = pieces[:n_host], pieces[n_host:]
+
+    chunks: list[Chunk] = []
+    if host:
+        if candidate == "whole":
+            lo, hi = (host[1][1] if host[0][0] and len(host) > 1 else host[0][1]), host[-1][2]
+            chunks.append(Chunk(rest=host[0][0], lo=lo, hi=hi))
+        elif candidate == "chunked":
+            chunks += [Chunk(rest=r, lo=lo, hi=hi) for r, lo, hi in host]
+        else:  # scan
+            if host[0][0]:
+                chunks.append(Chunk(rest=True, lo=0, hi=0))
+            groups = [p for p in host if not p[0]]
+            if groups:
+                if L % k:
+                    raise ValueError(f"candidate='scan' needs the layer count {L} divisible by k={k}")
+                chunks.append(Chunk(rest=False, lo=groups[0][1], hi=groups[-1][2], groups=len(groups)))
+    if dev:
+        r = dev[0][0]
+        lo = dev[1][1] if r and len(dev) > 1 else dev[0][1]
+        chunks.append(Chunk(rest=r, lo=lo, hi=dev[-1][2], host=False))
+    return ChunkLayout(treedef, flags, L, tuple(chunks))
+
+
+def _piece(x, stacked: bool, c: Chunk):
+    if not stacked:
+        return x if c.rest else None
+    if c.hi <= c.lo:
+        return None
+    x = x[c.lo:c.hi]
+    return x.reshape(c.groups, -1, *x.shape[1:]) if c.groups else x
+
+
+def to_chunks(tree, layout: ChunkLayout | int, **kw) -> list:
+    """Split a params-shaped tree into chunks (`layout` or a group count k plus chunk_layout's kw)."""
+    if isinstance(layout, int):
+        layout = chunk_layout(tree, layout, **kw)
+    leaves = layout.treedef.flatten_up_to(tree)
+    return [layout.treedef.unflatten([_piece(x, s, c) for x, s in zip(leaves, layout.stacked)])
+            for c in layout.chunks]
+
+
+def from_chunks(chunks: Sequence, layout: ChunkLayout | None = None):
+    """Merge chunks back into one tree: a leaf's pieces concatenated on the layers axis in order."""
+    flat = [jax.tree.flatten(c, is_leaf=_is_none) for c in chunks]
+    treedef = flat[0][1]
+    out = []
+    for i in range(treedef.num_leaves):
+        parts = []
+        for j, (leaves, _) in enumerate(flat):
+            x = leaves[i]
+            if x is None:
+                continue
+            if layout is not None and layout.chunks[j].groups:
+                x = x.reshape(-1, *x.shape[2:])
+            parts.append(x)
+        out.append(parts[0] if len(parts) == 1 else jnp.concatenate(parts, axis=0))
+    return treedef.unflatten(out)
+
+
+def _chunk_sharding(s, shape, c: Chunk, stacked: bool, kind: str):
+    spec = list(tuple(s.spec)) + [None] * (len(shape) - len(tuple(s.spec)))
+    if stacked and c.hi > c.lo:
+        n = c.hi - c.lo
+        if spec and spec[0] is not None:  # a layers-axis split that the slice may not divide
+            size = math.prod(s.mesh.shape[a] for a in (spec[0] if isinstance(spec[0], tuple) else (spec[0],)))
+            if (n // max(c.groups, 1)) % size:
+                spec[0] = None
+        if c.groups:
+            spec = [None] + spec
+    return NamedSharding(s.mesh, P(*spec), memory_kind=kind)
+
+
+# --------------------------------------------------------------------------- plan and state
+
+
+class OffloadState(NamedTuple):
+    """Per-chunk fp32 master weights and optimizer states (lists, in the plan's chunk order)."""
+
+    master: list
+    opt_state: list
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class OffloadPlan:
+    """Layout plus, per chunk, the shardings of master and opt state where they are stored."""
+
+    layout: ChunkLayout
+    master_shardings: tuple   # per chunk: tree like the chunk (None where absent)
+    state_shardings: tuple    # per chunk: tree like tx.init(chunk)
+    kind: str
+    window: int | None = None
+
+    @property
+    def shardings(self) -> OffloadState:
+        """out_shardings / in_shardings for an `OffloadState` under jit."""
+        return OffloadState(list(self.master_shardings), list(self.state_shardings))
+
+
+def _init_chunk(tx, chunk, c: Chunk):
+    return jax.vmap(tx.init)(chunk) if c.groups else tx.init(chunk)
+
+
+def offload_plan(tx, abstract_master, shardings, k: int, *, kind: str = PINNED_HOST,
+                 candidate: str = "chunked", ratio: float = 1.0, stacked=None,
+                 window: int | None = None) -> OffloadPlan:
+    """Chunk layout and shardings for master weights `abstract_master` sharded by `shardings`.
+
+    Host chunks get memory `kind`, device chunks (ratio < 1) "device". Optimizer-state leaves that
+    mirror a param take its chunk sharding (`optax.tree_map_params`); others (counts) replicated.
+    """
+    layout = chunk_layout(abstract_master, k, candidate=candidate, ratio=ratio, stacked=stacked)
+    abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), abstract_master)
+    leaves = layout.treedef.flatten_up_to(abstract)
+    sh = layout.treedef.flatten_up_to(shardings)
+    mesh = sh[0].mesh
+    m_sh, s_sh = [], []
+    for c, chunk in zip(layout.chunks, jax.eval_shape(lambda t: to_chunks(t, layout), abstract)):
+        ck = kind if c.host else DEVICE
+        tree = layout.treedef.unflatten([
+            _chunk_sharding(s, x.shape, c, f, ck) if (c.rest if not f else c.hi > c.lo) else None
+            for x, s, f in zip(leaves, sh, layout.stacked)])
+        m_sh.append(tree)
+        state = jax.eval_shape(lambda m, c=c: _init_chunk(tx, m, c), chunk)
+        rep = NamedSharding(mesh, P(), memory_kind=ck)
+        non_param = lambda x, rep=rep, c=c: (  # noqa: E731 - vmapped counts keep their [groups] axis
+            NamedSharding(mesh, P(*([None] * len(x.shape))), memory_kind=ck) if len(x.shape) else rep)
+        s_sh.append(_state_shardings(tx, state, chunk, tree, non_param))
+    return OffloadPlan(layout, tuple(m_sh), tuple(s_sh), kind, window)
+
+
+def _state_shardings(tx, state, chunk, chunk_shardings, non_param):
+    # state leaves that mirror a param take its sharding: optax.tree_map_params, else by shape
+    try:
+        out = optax.tree_map_params(tx, lambda _, s: s, state, chunk_shardings,
+                                    transform_non_params=non_param,
+                                    is_leaf=lambda x: _is_sharding(x) or x is None)
+        if jax.tree.structure(out, is_leaf=_is_sharding) == jax.tree.structure(state):
+            return out
+    except Exception:  # noqa: BLE001 - a transform that defeats the placeholder trick
+        pass
+    by_shape = {}
+    for x, s in zip(jax.tree.leaves(chunk), jax.tree.leaves(chunk_shardings, is_leaf=_is_sharding)):
+        by_shape.setdefault(tuple(x.shape), s)
+    return jax.tree.map(lambda x: by_shape.get(tuple(x.shape)) or non_param(x), state)
+
+
+def init_offloaded(tx, master_tree, k: int, shardings, kind: str = PINNED_HOST, **kw):
+    """-> (OffloadState, OffloadPlan): master chunks and `tx.init` states built straight into
+    their memory kind (one jit with out_shardings); kw: candidate, ratio, stacked, window."""
+    plan = offload_plan(tx, master_tree, shardings, k, kind=kind, **kw)
+
+    def build(master):
+        chunks = to_chunks(master, plan.layout)
+        return OffloadState(chunks, [_init_chunk(tx, m, c) for m, c in zip(chunks, plan.layout.chunks)])
+
+    return jax.jit(build, out_shardings=plan.shardings)(master_tree), plan
+
+
+def offload_master(state: OffloadState, plan: OffloadPlan):
+    """The fp32 master tree, merged (on the device of whoever calls; for checkpoints and tests)."""
+    return from_chunks(state.master, plan.layout)
+
+
+# --------------------------------------------------------------------------- the streamed update
+
+
+def _to(tree, shardings, kind):
+    return jax.device_put(tree, with_memory_kind(shardings, kind))
+
+
+def _grads_in(g, m_sh):
+    # gradients already on device pass through; host-resident ones (offload_param) come in
+    move = lambda x, s: x if x is None or not is_host(x) else jax.device_put(x, s.with_memory_kind(DEVICE))  # noqa: E731
+    return jax.tree.map(move, g, m_sh, is_leaf=_is_none)
+
+
+def _apply(tx, g, s, m, compute_dtype, skip):
+    u, s_new = tx.update(g, s, m)
+    m_new = optax.apply_updates(m, u)
+    if skip is not None:
+        keep = lambda new, old: jnp.where(skip, old, new)  # noqa: E731
+        m_new, s_new = jax.tree.map(keep, m_new, m), jax.tree.map(keep, s_new, s)
+    return m_new, s_new, jax.tree.map(lambda x: x.astype(compute_dtype), m_new)
+
+
+def _strip(shardings):
+    # per-group sharding inside a scan chunk: drop the leading [groups] axis
+    return jax.tree.map(lambda s: NamedSharding(s.mesh, P(*tuple(s.spec)[1:]), memory_kind=s.memory_kind),
+                        shardings, is_leaf=_is_sharding)
+
+
+def streamed_update(tx, grads, state: OffloadState, plan: OffloadPlan, *,
+                    compute_dtype=jnp.bfloat16, skip=None):
+    """One optimizer step over offloaded chunks; call inside the step's jit.
+
+    tx: an elementwise optax transform (no global-norm clipping inside: clip `grads` before).
+    grads: fp32 gradients, params-shaped, on device (or host-resident, see `fetch`).
+    skip: optional bool scalar (e.g. fp16 overflow): when True master and state stay as they were.
+    -> (compute params tree in `compute_dtype` on device, new OffloadState in place).
+    """
+    layout = plan.layout
+    g_chunks = to_chunks(grads, layout)
+    out_c, out_m, out_s = [], [], []
+    results = []
+    for i, (c, g, m, s) in enumerate(zip(layout.chunks, g_chunks, state.master, state.opt_state)):
+        m_sh, s_sh = plan.master_shardings[i], plan.state_shardings[i]
+        w = plan.window
+        if c.host and w is not None and i - w >= 0 and results[i - w] is not None:
+            # chunk i's copy-in may start only after chunk i-w's update: <= w+1 chunks on device
+            (m, s), _ = jax.lax.optimization_barrier(((m, s), results[i - w]))
+        if c.groups:
+            gm, gs = _strip(m_sh), _strip(s_sh)
+
+            def body(_, xs, gm=gm, gs=gs):
+                gg, mm, ss = xs
+                mm, ss = _to(mm, gm, DEVICE), _to(ss, gs, DEVICE)
+                mm, ss, cc = _apply(tx, _grads_in(gg, gm), ss, mm, compute_dtype, skip)
+                return None, (_to(mm, gm, plan.kind), _to(ss, gs, plan.kind), cc)
+
+            _, (m, s, cp) = jax.lax.scan(body, None, (g, m, s))
+        else:
+            if c.host:
+                m, s = _to(m, m_sh, DEVICE), _to(s, s_sh, DEVICE)
+            m, s, cp = _apply(tx, _grads_in(g, m_sh), s, m, compute_dtype, skip)
+            if c.host:
+                m, s = _to(m, m_sh, plan.kind), _to(s, s_sh, plan.kind)
+        results.append(cp if c.host else None)
+        out_c.append(cp)
+        out_m.append(m)
+        out_s.append(s)
+    return from_chunks(out_c, layout), OffloadState(out_m, out_s)
+
+
+def whole_update(tx, grads, master, opt_state, master_shardings, state_shardings, *,
+                 compute_dtype=jnp.bfloat16):
+    """Candidate A without chunks: whole master + state in, update, whole out (MaxText's way).
+
+    Same result as `streamed_update` with candidate="whole"; here for callers that keep the plain
+    (unchunked) tree layout. -> (compute params, master, opt_state).
+    """
+    m = _to(master, master_shardings, DEVICE)
+    s = _to(opt_state, state_shardings, DEVICE)
+    m, s, cp = _apply(tx, grads, s, m, compute_dtype, None)
+    kind = jax.tree.leaves(master_shardings, is_leaf=_is_sharding)[0].memory_kind
+    return cp, _to(m, master_shardings, kind), _to(s, state_shardings, kind)
+
+
+__all__ = [
+    "DEVICE", "PINNED_HOST", "UNPINNED_HOST", "CANDIDATES", "memory_kinds", "host_memory_kind",
+    "with_memory_kind", "is_host", "fetch", "layer_shardings", "scan_layers", "Chunk", "ChunkLayout",
+    "chunk_layout", "to_chunks", "from_chunks", "OffloadState", "OffloadPlan", "offload_plan",
+    "init_offloaded", "offload_master", "streamed_update", "whole_update",
+]
