@@ -1,0 +1,563 @@
+"""How much device memory a ZeRO configuration needs, three ways, and a planner built on the last.
+
+1. DeepSpeed's estimators, reproduced number for number (`estimate_zero2_model_states_mem_needs`,
+   `estimate_zero3_model_states_mem_needs`, with `additional_buffer_factor=1.5` and the offload
+   variants), and the ZeRO paper's per-device model-state table (16Ψ, 4Ψ+12Ψ/N, 2Ψ+14Ψ/N, 16Ψ/N).
+   These count model states only: no activations, no temporaries.
+2. The exact per-device peak of the real compiled step: `jit(...).lower(...).compile()` and
+   `Compiled.memory_analysis()` (arguments + outputs + temporaries - aliased (donated) bytes +
+   generated code). Compiling allocates nothing, so this runs before the first step (and on a
+   CPU for a GPU-sized model's shapes, when the mesh has the GPU's device count).
+3. A planner: under a memory budget, the (stage, offload, micro-batch, remat) choices whose compiled
+   peak fits, fastest first, and `fit_micro_batch` for `"train_micro_batch_size_per_gpu": "auto"`.
+
+`check_fits` is the guard the engine runs before its first step: `WillNotFitError` (a MemoryError)
+with the predicted peak, the budget and the plans that fit, instead of an out-of-memory crash.
+"""
+from __future__ import annotations
+
+import copy
+import dataclasses
+import inspect
+import math
+import re
+from typing import Any, Callable, Iterable, Sequence
+
+GiB = 2**30
+GB = 10**9
+
+# ---------------------------------------------------------------------------------------------
+# 1. Formulas
+
+
+def estimate_zero2_model_states_mem_needs(total_params, num_gpus_per_node=1, num_nodes=1,
+                                          cpu_offload=True, additional_buffer_factor=1.5,
+                                          *, legacy=False):
+    """DeepSpeed's `stage_1_and_2.estimate_zero2_model_states_mem_needs` -> (cpu_bytes, gpu_bytes).
+
+    Without offload DeepSpeed now counts 2Ψ + 18Ψ/N on the GPU (16-bit params; 16-bit grads, fp32
+    grads, fp32 master and Adam moments partitioned). `legacy=True` gives the older 4Ψ + 16Ψ/N that
+    DeepSpeed's "Memory Requirements" page still prints (15.93GB for 2851M params on 8 GPUs).
+    """
+    total_gpus = num_nodes * num_gpus_per_node
+    if cpu_offload:
+        gpu_mem = 2 * total_params
+        cpu_mem = total_params * max(4 * total_gpus, 16) * additional_buffer_factor
+    else:
+        if legacy:
+            gpu_mem = 4 * total_params + int(16 * total_params / total_gpus)
+        else:
+            gpu_mem = 2 * total_params + int(18 * total_params / total_gpus)
+        cpu_mem = total_params * 4 * num_gpus_per_node * additional_buffer_factor
+    return int(cpu_mem), int(gpu_mem)
+
+
+def estimate_zero3_model_states_mem_needs(total_params, largest_layer_params, num_gpus_per_node=1,
+                                          num_nodes=1, cpu_offload=True, cpu_offload_params=True,
+                                          zero_init=True, additional_buffer_factor=1.5):
+    """DeepSpeed's `stage3.estimate_zero3_model_states_mem_needs`
+    -> (cpu_bytes, gpu_bytes, largest_layer_memory)."""
+    total_gpus = num_nodes * num_gpus_per_node
+    gpus_factor = 1 / num_nodes
+    largest_layer_memory = 4 * largest_layer_params  # 16-bit params gathered + 16-bit grads
+    if cpu_offload:
+        per_param = 18 if cpu_offload_params else 16
+        if cpu_offload_params:
+            gpu_mem = largest_layer_memory
+        else:
+            gpu_mem = largest_layer_memory + int(2 * total_params / total_gpus)
+        if zero_init:
+            cpu_mem = total_params * per_param * gpus_factor * additional_buffer_factor
+        else:
+            cpu_mem = (total_params * max(4 * num_gpus_per_node, per_param * gpus_factor)
+                       * additional_buffer_factor)
+    else:
+        gpu_mem = largest_layer_memory + int(18 * total_params / total_gpus)
+        init_params = largest_layer_params if zero_init else total_params
+        cpu_mem = init_params * 4 * num_gpus_per_node * additional_buffer_factor
+    return int(cpu_mem), int(gpu_mem), largest_layer_memory
+
+
+def zero_paper_bytes(total_params, stage, n_devices, *, offload_optimizer=False,
+                     offload_param=False):
+    """Model-state bytes per device in the ZeRO paper's accounting (2-byte params and grads,
+    K=12 bytes of fp32 master + Adam moments): {"device": ..., "host": ...}.
+
+    stage 0: 16Ψ, 1: 4Ψ + 12Ψ/N, 2: 2Ψ + 14Ψ/N, 3: 16Ψ/N. `offload_optimizer` moves the 12Ψ/N
+    optimizer share to host memory; `offload_param` (stage 3) moves the 2Ψ/N params too.
+    """
+    if stage not in (0, 1, 2, 3):
+        raise ValueError(f"zero_optimization.stage={stage!r}; accepted: 0, 1, 2, 3")
+    if offload_param and stage != 3:
+        raise ValueError(f"offload_param needs zero_optimization.stage=3, got stage={stage}")
+    psi, n = total_params, n_devices
+    params = 2 * psi / n if stage >= 3 else 2 * psi
+    grads = 2 * psi / n if stage >= 2 else 2 * psi
+    optim = 12 * psi / n if stage >= 1 else 12 * psi
+    host = 0.0
+    if offload_optimizer:
+        host, optim = host + optim, 0.0
+    if offload_param:
+        host, params = host + params, 0.0
+    return {"device": int(params + grads + optim), "host": int(host)}
+
+
+@dataclasses.dataclass(frozen=True)
+class FormulaRow:
+    source: str        # "deepspeed" | "zero-paper"
+    stage: int
+    options: str       # e.g. "offload_optimizer=cpu"
+    cpu_bytes: int | None
+    gpu_bytes: int
+
+
+def formula_rows(total_params, largest_layer_params, num_gpus_per_node=1, num_nodes=1,
+                 additional_buffer_factor=1.5, stages=(0, 1, 2, 3)):
+    """Every formula's estimate for one model and cluster, as rows for `format_formula_table`."""
+    rows, n = [], num_gpus_per_node * num_nodes
+    for stage in stages:  # DeepSpeed offloads only under ZeRO: no offload rows for stage 0
+        offloads = [(False, False)] + ([(True, False)] if stage else []) + ([(True, True)] if stage == 3 else [])
+        for opt, par in offloads:
+            b = zero_paper_bytes(total_params, stage, n, offload_optimizer=opt, offload_param=par)
+            rows.append(FormulaRow("zero-paper", stage, _offload_str(opt, par, stage), b["host"],
+                                   b["device"]))
+    ds = dict(num_gpus_per_node=num_gpus_per_node, num_nodes=num_nodes,
+              additional_buffer_factor=additional_buffer_factor)
+    if any(s in (1, 2) for s in stages):  # DeepSpeed has one estimator for stages 1 and 2
+        for off in (True, False):
+            cpu, gpu = estimate_zero2_model_states_mem_needs(total_params, cpu_offload=off, **ds)
+            rows.append(FormulaRow("deepspeed", 2, _offload_str(off, False, 2), cpu, gpu))
+    if 3 in stages:
+        for off, par in ((True, True), (True, False), (False, False)):
+            for zero_init in (True, False):
+                cpu, gpu, _ = estimate_zero3_model_states_mem_needs(
+                    total_params, largest_layer_params, cpu_offload=off, cpu_offload_params=par,
+                    zero_init=zero_init, **ds)
+                rows.append(FormulaRow("deepspeed", 3,
+                                       f"{_offload_str(off, par, 3)}, zero_init={int(zero_init)}",
+                                       cpu, gpu))
+    return rows
+
+
+def _offload_str(opt, par, stage):
+    s = f"offload_optimizer={'cpu' if opt else 'none'}"
+    return s + (f", offload_param={'cpu' if par else 'none'}" if stage == 3 else "")
+
+
+def format_formula_table(rows, total_params, largest_layer_params, num_gpus_per_node=1,
+                         num_nodes=1):
+    lines = [f"Model states for {total_params / 1e6:.0f}M params "
+             f"({largest_layer_params / 1e6:.0f}M largest layer), {num_nodes} node(s) x "
+             f"{num_gpus_per_node} GPU(s); no activations. GB here = 2**30 bytes, as DeepSpeed prints.",
+             f"{'source':<11}{'stage':>6} | {'per CPU':>9} | {'per GPU':>9} | options"]
+    for r in rows:
+        cpu = "" if r.cpu_bytes is None else f"{r.cpu_bytes / GiB:7.2f}GB"
+        lines.append(f"{r.source:<11}{r.stage:>6} | {cpu:>9} | {r.gpu_bytes / GiB:7.2f}GB | {r.options}")
+    return "\n".join(lines)
+
+
+def count_params(state) -> tuple[int, int]:
+    """(total parameters, largest "layer") of an `nnx.State` / Module, as DeepSpeed counts them.
+
+    DeepSpeed's layer is a torch module's own parameters. Here a layer is the parameters sharing
+    a parent path; a leaf whose logical axes start with "layers" (a scanned stack) counts one slice.
+    Leaves directly on the root count one by one (GPT-2's wte is its own nn.Embedding in torch).
+    """
+    from flax import nnx
+
+    if isinstance(state, nnx.Module):
+        state = nnx.state(state, nnx.Param)
+    total, groups = 0, {}
+    for path, var in nnx.to_flat_state(state) if hasattr(nnx, "to_flat_state") else state.flat_state():
+        shape = tuple(getattr(var, "shape", None) or getattr(var, "value", var).shape)
+        n = math.prod(shape)
+        total += n
+        names = _logical_names(var)
+        if names and names[0] == "layers" and shape:
+            n //= shape[0]
+        key = path[:-1] if len(path) > 1 else path
+        groups[key] = groups.get(key, 0) + n
+    return total, max(groups.values(), default=0)
+
+
+def _logical_names(var):
+    get = getattr(var, "get_metadata", None)
+    meta = get() if get is not None else getattr(var, "metadata", {}) or {}
+    for key in ("out_sharding", "sharding_names", "sharding"):
+        if meta.get(key):
+            return tuple(meta[key])
+    return ()
+
+
+# ---------------------------------------------------------------------------------------------
+# 2. Ahead-of-time compiled memory
+
+
+@dataclasses.dataclass(frozen=True)
+class CompiledMemory:
+    """Per-device bytes of one compiled program (`Compiled.memory_analysis()`)."""
+
+    argument: int
+    output: int
+    temp: int
+    alias: int
+    generated_code: int = 0
+    host_argument: int = 0
+    host_output: int = 0
+    host_temp: int = 0
+    host_alias: int = 0
+    xla_peak: int | None = None  # XLA's own heap-simulated peak, where this jax reports it
+
+    @property
+    def peak(self) -> int:
+        """Device bytes live at once, conservatively: everything passed in, everything returned
+        (minus what reuses a donated input's buffer), all temporaries, and the code."""
+        return self.argument + self.output + self.temp - self.alias + self.generated_code
+
+    @property
+    def host_peak(self) -> int:
+        return self.host_argument + self.host_output + self.host_temp - self.host_alias
+
+    @classmethod
+    def of(cls, compiled) -> "CompiledMemory":
+        """From a `jax.stages.Compiled`, its `memory_analysis()` result, or a CompiledMemory."""
+        if isinstance(compiled, cls):
+            return compiled
+        m = compiled.memory_analysis() if hasattr(compiled, "memory_analysis") else compiled
+        if isinstance(m, (list, tuple)):  # some backends answer per device; take the worst
+            return max((cls.of(x) for x in m), key=lambda c: c.peak)
+        if m is None:
+            raise RuntimeError("this backend's Compiled.memory_analysis() returned None")
+        g = lambda name: int(getattr(m, name, 0) or 0)  # noqa: E731
+        xla_peak = getattr(m, "peak_memory_in_bytes", None)
+        return cls(g("argument_size_in_bytes"), g("output_size_in_bytes"),
+                   g("temp_size_in_bytes"), g("alias_size_in_bytes"),
+                   g("generated_code_size_in_bytes"), g("host_argument_size_in_bytes"),
+                   g("host_output_size_in_bytes"), g("host_temp_size_in_bytes"),
+                   g("host_alias_size_in_bytes"), None if xla_peak is None else int(xla_peak))
+
+    def to_dict(self):
+        return {**dataclasses.asdict(self), "peak": self.peak, "host_peak": self.host_peak}
+
+
+def compiled_memory(compiled) -> CompiledMemory:
+    return CompiledMemory.of(compiled)
+
+
+def device_budget(device=None) -> int | None:
+    """The allocator's limit for `device` (default: the first local device), or None (CPU)."""
+    import jax
+
+    device = device or jax.local_devices()[0]
+    try:
+        stats = device.memory_stats()
+    except Exception:  # noqa: BLE001 - some backends raise instead of returning None
+        return None
+    return int(stats["bytes_limit"]) if stats and "bytes_limit" in stats else None
+
+
+_UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "m": 10**6, "mb": 10**6, "g": GB, "gb": GB,
+          "t": 10**12, "tb": 10**12, "kib": 2**10, "mib": 2**20, "gib": GiB, "tib": 2**40}
+
+
+def parse_bytes(text) -> int:
+    """"24GB" -> 24e9, "24GiB" -> 24 * 2**30, "1.5e9" -> 1500000000, 1000 -> 1000."""
+    if isinstance(text, (int, float)):
+        return int(text)
+    m = re.fullmatch(r"\s*([0-9.eE+]+)\s*([a-zA-Z]*)\s*", str(text))
+    if not m or m.group(2).lower() not in _UNITS:
+        raise ValueError(f"cannot read {text!r} as a size; write e.g. 24GB, 22.5GiB or 2.4e10")
+    return int(float(m.group(1)) * _UNITS[m.group(2).lower()])
+
+
+def fmt_bytes(n) -> str:
+    return "-" if n is None else f"{n / GiB:.2f} GiB"
+
+
+# ---------------------------------------------------------------------------------------------
+# 3. Plans, the guard and the micro-batch search
+
+
+@dataclasses.dataclass(frozen=True)
+class Plan:
+    """One way to run: ZeRO stage, offload, micro-batch per device, remat; with its compiled peak."""
+
+    stage: int
+    micro_batch: int
+    offload_optimizer: bool = False
+    offload_param: bool = False
+    remat: bool | None = None  # None: as the model factory builds it
+    peak_bytes: int | None = None
+    host_bytes: int | None = None
+
+    def speed_key(self):
+        """Smaller is faster, by a simple cost model: moving parameters to and from the host costs
+        most, then moving the optimizer, then recomputing activations (remat); within those a larger
+        micro-batch keeps the GPU busier; lower stages issue fewer collectives."""
+        return (self.offload_param, self.offload_optimizer, bool(self.remat), -self.micro_batch,
+                self.stage)
+
+    def config_patch(self) -> dict:
+        """The DeepSpeed config keys this plan sets."""
+        zero = {"stage": self.stage,
+                "offload_optimizer": {"device": "cpu" if self.offload_optimizer else "none"}}
+        if self.stage == 3:
+            zero["offload_param"] = {"device": "cpu" if self.offload_param else "none"}
+        return {"train_micro_batch_size_per_gpu": self.micro_batch, "zero_optimization": zero}
+
+    def describe(self) -> str:
+        off = ("param+optimizer" if self.offload_param else
+               "optimizer" if self.offload_optimizer else "none")
+        remat = {None: "", True: ", remat", False: ", no remat"}[self.remat]
+        peak = "" if self.peak_bytes is None else f": peak {fmt_bytes(self.peak_bytes)}"
+        return f"stage {self.stage}, offload {off}, micro-batch {self.micro_batch}{remat}{peak}"
+
+    __str__ = describe
+
+
+def rank_plans(plans: Iterable[Plan]) -> list[Plan]:
+    return sorted(plans, key=Plan.speed_key)
+
+
+class WillNotFitError(MemoryError):
+    """The compiled step needs more device memory than the budget; `plans` lists ones that fit."""
+
+    def __init__(self, predicted_bytes: int, budget_bytes: int, plans: Sequence[Plan] = (),
+                 what: str = "the training step"):
+        self.predicted_bytes, self.budget_bytes = int(predicted_bytes), int(budget_bytes)
+        self.plans = list(plans)
+        lines = [f"{what} needs {fmt_bytes(predicted_bytes)} per device "
+                 f"({predicted_bytes:,} bytes, from XLA's ahead-of-time memory analysis) but the "
+                 f"budget is {fmt_bytes(budget_bytes)} ({budget_bytes:,} bytes)."]
+        if self.plans:
+            lines.append("These fit, fastest first (set them in the DeepSpeed config):")
+            lines += [f"  {i + 1}. {p.describe()}  {p.config_patch()}" for i, p in enumerate(self.plans)]
+        else:
+            lines.append("No plan that was tried fits: use more devices (ZeRO stage 3 divides "
+                         "model states by the device count), a shorter sequence, activation "
+                         "checkpointing (remat), or offload_optimizer / offload_param to cpu.")
+        super().__init__("\n".join(lines))
+
+
+def check_fits(compiled, budget_bytes=None, *, plans=(), what="the training step") -> CompiledMemory:
+    """Raise `WillNotFitError` if `compiled`'s predicted per-device peak exceeds the budget.
+
+    compiled: a `jax.stages.Compiled` (or its memory_analysis(), or a CompiledMemory).
+    budget_bytes: default `device_budget()`; with no budget known (CPU) nothing is checked.
+    plans: plans that fit, or a zero-argument callable returning them (called only on failure,
+    since planning compiles more programs).
+    Returns the CompiledMemory so the caller can log it.
+    """
+    mem = CompiledMemory.of(compiled)
+    if budget_bytes is None:
+        budget_bytes = device_budget()
+    if budget_bytes is not None and mem.peak > budget_bytes:
+        if callable(plans):
+            plans = plans()
+        raise WillNotFitError(mem.peak, budget_bytes, rank_plans(p for p in plans
+                                                                 if p.peak_bytes is None
+                                                                 or p.peak_bytes <= budget_bytes),
+                              what)
+    return mem
+
+
+def largest_fitting(peak_of: Callable[[int], int], budget_bytes: int, *, start=1,
+                    limit=1024) -> tuple[int, dict]:
+    """Largest m in [start, limit] with peak_of(m) <= budget, assuming peaks grow with m.
+
+    Doubles from `start` until a miss, then bisects. Returns (m, {m: peak}); m = 0 if even
+    `start` does not fit.
+    """
+    peaks: dict[int, int] = {}
+
+    def fits(m):
+        if m not in peaks:
+            peaks[m] = int(peak_of(m))
+        return peaks[m] <= budget_bytes
+
+    if not fits(start):
+        return 0, peaks
+    lo, hi = start, None  # lo fits; hi (if any) does not
+    while hi is None:
+        nxt = min(lo * 2, limit)
+        if nxt == lo:
+            return lo, peaks
+        if fits(nxt):
+            lo = nxt
+        else:
+            hi = nxt
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        lo, hi = (mid, hi) if fits(mid) else (lo, mid)
+    return lo, peaks
+
+
+# -- building the real step for a config, compiled, allocating nothing --------------------------
+
+
+def _with(cfg_dict: dict, **updates) -> dict:
+    out = copy.deepcopy(dict(cfg_dict))
+    for key, value in updates.items():
+        node = out
+        *parents, leaf = key.split(".")
+        for p in parents:
+            node = node.setdefault(p, {})
+        node[leaf] = value
+    return out
+
+
+def _plain_batch_keys(cfg_dict):
+    # the batch trio is recomputed from the micro-batch: drop a stale train_batch_size
+    out = copy.deepcopy(dict(cfg_dict))
+    out.pop("train_batch_size", None)
+    if out.get("gradient_accumulation_steps") == "auto":
+        out["gradient_accumulation_steps"] = 1
+    return out
+
+
+def _accepts_remat(factory) -> bool:
+    try:
+        return "remat" in inspect.signature(factory).parameters
+    except (TypeError, ValueError):
+        return False
+
+
+def _build_model(model_factory, remat):
+    """Abstract (shape-only) model from a factory, so planning never allocates parameters."""
+    from flax import nnx
+
+    if isinstance(model_factory, nnx.Module):
+        return model_factory
+    make = (lambda: model_factory(remat=remat)) if remat is not None else model_factory
+    return nnx.eval_shape(make)
+
+
+def default_loss_fn():
+    from zerojax.models.gpt2 import gpt2_loss
+
+    return gpt2_loss
+
+
+def step_memory(model_factory, cfg_dict, seq_len, micro_batch, *, remat=None, loss_fn=None,
+                mesh=None, batch_fn=None) -> CompiledMemory:
+    """Compile the engine's real training step for `cfg_dict` at `micro_batch` and read its memory.
+
+    model_factory: zero-argument callable returning an nnx.Module (called under nnx.eval_shape, so
+    nothing is allocated), or accepting `remat=bool` to vary activation checkpointing; or a Module.
+    batch_fn(global_batch, seq_len) -> a tree of ShapeDtypeStructs (default GPT-2's input_ids).
+    """
+    from zerojax import engine as engine_mod  # the engine builds on this module: import late
+    from zerojax.config import load_config
+
+    import jax
+    import jax.numpy as jnp
+
+    n_data = _data_size(mesh, cfg_dict)
+    cfg = load_config(_with(_plain_batch_keys(cfg_dict), train_micro_batch_size_per_gpu=micro_batch),
+                      world_size=n_data)
+    model = _build_model(model_factory, remat)
+    eng = engine_mod.shard(model, cfg, loss_fn=loss_fn or default_loss_fn(), mesh=mesh)
+    if batch_fn is None:
+        batch = {"input_ids": jax.ShapeDtypeStruct((cfg.train_batch_size, seq_len), jnp.int32)}
+    else:
+        batch = batch_fn(cfg.train_batch_size, seq_len)
+    return CompiledMemory.of(compile_engine_step(eng, batch))
+
+
+def compile_engine_step(eng, batch):
+    """The engine's AOT-compiled train step for `batch` (arrays or ShapeDtypeStructs)."""
+    for name in ("compile_train_step", "compiled_step", "compile_step", "aot_train_step",
+                 "lower_train_step"):
+        fn = getattr(eng, name, None)
+        if fn is not None:
+            out = fn(batch)
+            return out.compile() if hasattr(out, "compile") and not hasattr(out, "memory_analysis") else out
+    raise NotImplementedError(
+        "zerojax.memory needs Engine.compile_train_step(batch_shapes) -> jax.stages.Compiled; "
+        f"{type(eng).__name__} has none of the known AOT methods")
+
+
+def _data_size(mesh, cfg_dict):
+    import jax
+
+    if mesh is not None:
+        return int(dict(mesh.shape).get("data", 1))
+    tp = (cfg_dict.get("tensor_parallel") or {}).get("autotp_size", 1) or 1
+    return max(1, jax.device_count() // int(tp))
+
+
+def fit_micro_batch(model_factory, cfg_dict, budget, seq_len, *, remat=None, loss_fn=None,
+                    mesh=None, batch_fn=None, limit=1024) -> int:
+    """The largest `train_micro_batch_size_per_gpu` whose compiled step fits `budget` bytes
+    (`"auto"` in a config means this). Raises WillNotFitError if micro-batch 1 does not fit."""
+    budget = parse_bytes(budget)
+    m, peaks = largest_fitting(
+        lambda mb: step_memory(model_factory, cfg_dict, seq_len, mb, remat=remat, loss_fn=loss_fn,
+                               mesh=mesh, batch_fn=batch_fn).peak, budget, limit=limit)
+    if m == 0:
+        raise WillNotFitError(peaks[1], budget, (), what="micro-batch 1")
+    return m
+
+
+def plan(model_factory, cfg_dict, budget, seq_len, *, stages=(0, 1, 2, 3),
+         offloads=("none", "optimizer", "param"), remat=(False, True), micro_batch=None,
+         loss_fn=None, mesh=None, batch_fn=None, limit=64, on_result=None) -> list[Plan]:
+    """Every (stage, offload, remat) whose compiled step fits `budget`, fastest first.
+
+    micro_batch: an int checks that micro-batch only; None / "auto" finds the largest that fits
+    (up to `limit`) for each choice. remat values are passed to the factory as `remat=`; a factory
+    without that keyword is used as it is. offload "param" applies to stage 3 only.
+    on_result(plan, fits): called for every choice tried (progress output).
+    """
+    budget = parse_bytes(budget)
+    remats = tuple(remat) if _accepts_remat(model_factory) else (None,)
+    fitting = []
+    for stage in stages:
+        for off in offloads:
+            if off == "param" and stage != 3:
+                continue
+            if off != "none" and stage == 0:
+                continue  # DeepSpeed offloads the optimizer only under ZeRO (stage >= 1)
+            cfg = _with(cfg_dict, **{"zero_optimization.stage": stage,
+                                     "zero_optimization.offload_optimizer":
+                                         {"device": "cpu" if off != "none" else "none"}})
+            if stage == 3:
+                cfg = _with(cfg, **{"zero_optimization.offload_param":
+                                    {"device": "cpu" if off == "param" else "none"}})
+            else:
+                cfg.get("zero_optimization", {}).pop("offload_param", None)
+            for r in remats:
+                kw = dict(remat=r, loss_fn=loss_fn, mesh=mesh, batch_fn=batch_fn)
+                mems: dict[int, CompiledMemory] = {}
+
+                def peak_of(mb, cfg=cfg, kw=kw, mems=mems):
+                    mems[mb] = step_memory(model_factory, cfg, seq_len, mb, **kw)
+                    return mems[mb].peak
+
+                try:
+                    if micro_batch in (None, "auto"):
+                        mb, _ = largest_fitting(peak_of, budget, limit=limit)
+                    else:
+                        mb = micro_batch if peak_of(micro_batch) <= budget else 0
+                except NotImplementedError:
+                    raise
+                except Exception as e:  # noqa: BLE001 - a choice the engine rejects is not a plan
+                    if on_result:
+                        on_result(Plan(stage, 0, off != "none", off == "param", r), repr(e))
+                    continue
+                p = Plan(stage, mb or min(mems), off != "none", off == "param", r,
+                         mems[mb or min(mems)].peak, mems[mb or min(mems)].host_peak)
+                if on_result:
+                    on_result(p, bool(mb))
+                if mb:
+                    fitting.append(p)
+    return rank_plans(fitting)
+
+
+__all__ = [
+    "estimate_zero2_model_states_mem_needs", "estimate_zero3_model_states_mem_needs",
+    "zero_paper_bytes", "FormulaRow", "formula_rows", "format_formula_table", "count_params",
+    "CompiledMemory", "compiled_memory", "device_budget", "parse_bytes", "fmt_bytes", "Plan",
+    "rank_plans", "WillNotFitError", "check_fits", "largest_fitting", "step_memory",
+    "compile_engine_step", "fit_micro_batch", "plan", "GiB", "GB",
+]
