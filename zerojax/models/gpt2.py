@@ -1,0 +1,275 @@
+"""GPT-2 in Flax NNX, numerically Hugging Face's `GPT2LMHeadModel` (eval mode, no dropout).
+
+Learned positions, pre-LayerNorm blocks, gelu_new (tanh approximation), input and output
+embeddings tied, HF's init. The `n_layer` blocks are one module whose parameters carry a leading
+"layers" axis; the forward pass runs them with `jax.lax.scan`, so compile time does not grow
+with depth and a pipeline stage is later just a slice of that axis.
+
+Logical axis names (the `out_sharding` metadata of every `nnx.Param`, read with
+`nnx.get_partition_spec(nnx.state(model))`):
+
+  "vocab"     token-embedding rows (wte: vocab x embed), also the logits' last dim
+  "pos"       position-embedding rows (wpe: n_positions x embed)
+  "embed"     the model width d
+  "layers"    the stacked-block axis (leading axis of every per-block parameter)
+  "qkv"       size 3: which of query / key / value (c_attn keeps HF's fused [q|k|v] order)
+  "heads"     attention heads
+  "head_dim"  per-head width d / heads
+  "mlp"       the MLP's hidden width (4d)
+
+Parameters carry names only (`eager_sharding=False`): building the model never places anything;
+the engine maps names to mesh axes and places the state itself.
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+import optax
+from flax import nnx
+from jax.ad_checkpoint import checkpoint_name
+
+# activation names tagged with `checkpoint_name` inside each block; the "offload" remat
+# policy moves these to host memory instead of keeping them on the device
+OFFLOADED_ACTIVATIONS = ("layer_input",)
+REMAT_POLICIES = (None, "full", "dots", "offload")
+ATTENTION_IMPLS = (None, "xla", "cudnn")
+
+
+@dataclasses.dataclass(frozen=True)
+class GPT2Config:
+    vocab_size: int = 50257
+    n_positions: int = 1024
+    n_embd: int = 768
+    n_layer: int = 12
+    n_head: int = 12
+    n_inner: int | None = None  # MLP width; None = 4 * n_embd (every released GPT-2)
+    layer_norm_epsilon: float = 1e-5
+    initializer_range: float = 0.02
+
+    def __post_init__(self):
+        if self.n_embd % self.n_head:
+            raise ValueError(f"{self.n_embd=} must be divisible by {self.n_head=}")
+
+    @property
+    def head_dim(self) -> int:
+        return self.n_embd // self.n_head
+
+    @property
+    def mlp_dim(self) -> int:
+        return self.n_inner or 4 * self.n_embd
+
+    @classmethod
+    def named(cls, size: str, **overrides) -> "GPT2Config":
+        """"tiny" (tests; byte vocab 256), "small" 124M, "medium" 355M, "large" 774M, "xl" 1.5B."""
+        sizes = {
+            "tiny": dict(vocab_size=256, n_positions=128, n_embd=64, n_layer=2, n_head=4),
+            "small": dict(n_embd=768, n_layer=12, n_head=12),
+            "medium": dict(n_embd=1024, n_layer=24, n_head=16),
+            "large": dict(n_embd=1280, n_layer=36, n_head=20),
+            "xl": dict(n_embd=1600, n_layer=48, n_head=25),
+        }
+        key = size.lower().removeprefix("gpt2-").removeprefix("gpt2")
+        key = key.lstrip("-_") or "small"  # "gpt2" is the 124M model
+        if key not in sizes:
+            raise ValueError(f"unknown GPT-2 size {size!r}; choose one of {sorted(sizes)}")
+        return cls(**{**sizes[key], **overrides})
+
+
+def num_params(config: GPT2Config) -> int:
+    """All parameters, the tied wte counted once (HF's `num_parameters()`: 124,439,808 for small)."""
+    d, m, L = config.n_embd, config.mlp_dim, config.n_layer
+    per_block = 4 * d + (d * 3 * d + 3 * d) + (d * d + d) + (d * m + m) + (m * d + d)
+    return config.vocab_size * d + config.n_positions * d + L * per_block + 2 * d
+
+
+def flops_per_token(config: GPT2Config, seq_len: int) -> float:
+    """Training FLOPs per token, 6N + 12*L*d*T (PaLM's appendix B; ANCHORS.md).
+
+    N is *all* parameters (embeddings included, wte once): that is the definition that gives
+    ANCHORS' 5.21 GFLOP for GPT-2 Large at T=1024 (non-embedding N would give 4.82).
+    """
+    return 6.0 * num_params(config) + 12.0 * config.n_layer * config.n_embd * seq_len
+
+
+# --------------------------------------------------------------------------- parameters
+
+
+def _param(value, names):
+    return nnx.Param(value, out_sharding=tuple(names), eager_sharding=False)
+
+
+class Linear(nnx.Module):
+    def __init__(self, key, kernel_shape, kernel_names, bias_shape, bias_names, std, dtype):
+        self.kernel = _param(std * jax.random.normal(key, kernel_shape, dtype), kernel_names)
+        self.bias = _param(jnp.zeros(bias_shape, dtype), bias_names)
+
+
+class LayerNorm(nnx.Module):
+    def __init__(self, prefix_shape, prefix_names, d, dtype):
+        self.scale = _param(jnp.ones((*prefix_shape, d), dtype), (*prefix_names, "embed"))
+        self.bias = _param(jnp.zeros((*prefix_shape, d), dtype), (*prefix_names, "embed"))
+
+
+class Attention(nnx.Module):
+    def __init__(self, config: GPT2Config, rngs: nnx.Rngs, dtype):
+        L, d, H, Dh = config.n_layer, config.n_embd, config.n_head, config.head_dim
+        std = config.initializer_range
+        self.c_attn = Linear(rngs.params(), (L, d, 3, H, Dh), ("layers", "embed", "qkv", "heads", "head_dim"),
+                             (L, 3, H, Dh), ("layers", "qkv", "heads", "head_dim"), std, dtype)
+        self.c_proj = Linear(rngs.params(), (L, H, Dh, d), ("layers", "heads", "head_dim", "embed"),
+                             (L, d), ("layers", "embed"), std / math.sqrt(2 * L), dtype)
+
+
+class MLP(nnx.Module):
+    def __init__(self, config: GPT2Config, rngs: nnx.Rngs, dtype):
+        L, d, m = config.n_layer, config.n_embd, config.mlp_dim
+        std = config.initializer_range
+        self.c_fc = Linear(rngs.params(), (L, d, m), ("layers", "embed", "mlp"),
+                           (L, m), ("layers", "mlp"), std, dtype)
+        self.c_proj = Linear(rngs.params(), (L, m, d), ("layers", "mlp", "embed"),
+                             (L, d), ("layers", "embed"), std / math.sqrt(2 * L), dtype)
+
+
+class Blocks(nnx.Module):
+    """All n_layer transformer blocks, each parameter stacked on a leading "layers" axis."""
+
+    def __init__(self, config: GPT2Config, rngs: nnx.Rngs, dtype):
+        L, d = config.n_layer, config.n_embd
+        self.ln_1 = LayerNorm((L,), ("layers",), d, dtype)
+        self.attn = Attention(config, rngs, dtype)
+        self.ln_2 = LayerNorm((L,), ("layers",), d, dtype)
+        self.mlp = MLP(config, rngs, dtype)
+
+
+# --------------------------------------------------------------------------- forward
+
+
+def _layer_norm(x, scale, bias, eps, dtype):
+    x = x.astype(jnp.float32)
+    mean = x.mean(-1, keepdims=True)
+    var = jnp.square(x - mean).mean(-1, keepdims=True)
+    y = (x - mean) * jax.lax.rsqrt(var + eps)
+    return (y * scale.astype(jnp.float32) + bias.astype(jnp.float32)).astype(dtype)
+
+
+def _block(x, p, *, eps, dtype, attention_impl):
+    """One pre-LN block on [B, T, d] activations; p holds this layer's slice of `Blocks`."""
+    c = lambda a: a.astype(dtype)  # noqa: E731
+    x = checkpoint_name(x, "layer_input")
+
+    h = _layer_norm(x, p["ln_1"]["scale"], p["ln_1"]["bias"], eps, dtype)
+    qkv = jnp.einsum("btd,dcnh->btcnh", h, c(p["attn"]["c_attn"]["kernel"])) + c(p["attn"]["c_attn"]["bias"])
+    q, k, v = qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2]
+    # softmax is fp32 inside both implementations (XLA: fp32 logits; cuDNN: fp32 accumulators)
+    o = jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation=attention_impl)
+    x = x + jnp.einsum("btnh,nhd->btd", o, c(p["attn"]["c_proj"]["kernel"])) + c(p["attn"]["c_proj"]["bias"])
+
+    h = _layer_norm(x, p["ln_2"]["scale"], p["ln_2"]["bias"], eps, dtype)
+    h = jnp.einsum("btd,dm->btm", h, c(p["mlp"]["c_fc"]["kernel"])) + c(p["mlp"]["c_fc"]["bias"])
+    h = jax.nn.gelu(h, approximate=True)  # HF's gelu_new
+    x = x + jnp.einsum("btm,md->btd", h, c(p["mlp"]["c_proj"]["kernel"])) + c(p["mlp"]["c_proj"]["bias"])
+    return x
+
+
+def remat_policy_fn(name):
+    """The `jax.checkpoint` policy for a remat option name (None = no remat)."""
+    cp = jax.checkpoint_policies
+    if name == "full":
+        return cp.nothing_saveable
+    if name == "dots":
+        return cp.dots_with_no_batch_dims_saveable
+    if name == "offload":
+        return cp.save_and_offload_only_these_names(
+            names_which_can_be_saved=[],
+            names_which_can_be_offloaded=list(OFFLOADED_ACTIVATIONS),
+            offload_src="device",
+            offload_dst="pinned_host",
+        )
+    raise ValueError(f"remat_policy={name!r}; choose one of {REMAT_POLICIES}")
+
+
+def _resolve_attention(impl, dtype, head_dim):
+    """None: cuDNN flash attention on GPU where it applies (bf16/fp16, head_dim <= 128 and a
+    multiple of 8), else XLA. jax.nn.dot_product_attention's own None means XLA today."""
+    if impl is not None:
+        return impl
+    if (jax.default_backend() == "gpu" and jnp.dtype(dtype) in (jnp.bfloat16, jnp.float16)
+            and head_dim % 8 == 0 and head_dim <= 128):
+        return "cudnn"
+    return "xla"
+
+
+class GPT2(nnx.Module):
+    """`GPT2(config, rngs=nnx.Rngs(0))(input_ids [B, T] int) -> logits [B, T, vocab] float32`.
+
+    dtype: compute dtype (params are cast to it per use; layernorms, softmax, logits in fp32).
+    param_dtype: storage dtype of the parameters.
+    remat_policy: None | "full" | "dots" | "offload", applied per block inside the layer scan.
+    offload_activations: True is remat_policy="offload" (block inputs saved to pinned host memory).
+    attention_impl: None (cuDNN on GPU when it applies, else XLA) | "xla" | "cudnn".
+    """
+
+    def __init__(self, config: GPT2Config, *, rngs: nnx.Rngs, dtype=jnp.float32,
+                 param_dtype=jnp.float32, remat_policy: str | None = None,
+                 offload_activations: bool = False, attention_impl: str | None = None):
+        if offload_activations:
+            if remat_policy not in (None, "offload"):
+                raise ValueError(f"offload_activations=True conflicts with {remat_policy=}")
+            remat_policy = "offload"
+        if remat_policy is not None:
+            remat_policy_fn(remat_policy)  # validate early
+        if attention_impl not in ATTENTION_IMPLS:
+            raise ValueError(f"{attention_impl=}; choose one of {ATTENTION_IMPLS}")
+        self.config = config
+        self.dtype = jnp.dtype(dtype)
+        self.param_dtype = jnp.dtype(param_dtype)
+        self.remat_policy = remat_policy
+        self.attention_impl = attention_impl
+        d, std = config.n_embd, config.initializer_range
+        self.wte = _param(std * jax.random.normal(rngs.params(), (config.vocab_size, d), param_dtype),
+                          ("vocab", "embed"))
+        self.wpe = _param(std * jax.random.normal(rngs.params(), (config.n_positions, d), param_dtype),
+                          ("pos", "embed"))
+        self.h = Blocks(config, rngs, param_dtype)
+        self.ln_f = LayerNorm((), (), d, param_dtype)
+
+    def __call__(self, input_ids):
+        cfg, dtype = self.config, self.dtype
+        T = input_ids.shape[-1]
+        if T > cfg.n_positions:
+            raise ValueError(f"sequence length {T} exceeds n_positions={cfg.n_positions}")
+        wte = self.wte[...]
+        x = (wte[input_ids].astype(dtype) + self.wpe[...][:T].astype(dtype))
+
+        body = functools.partial(
+            _block, eps=cfg.layer_norm_epsilon, dtype=dtype,
+            attention_impl=_resolve_attention(self.attention_impl, dtype, cfg.head_dim))
+        if self.remat_policy is not None:
+            # scan already keeps iterations apart, so CSE prevention is not needed
+            body = jax.checkpoint(body, policy=remat_policy_fn(self.remat_policy), prevent_cse=False)
+        layers = nnx.to_pure_dict(nnx.state(self.h, nnx.Param))
+        x, _ = jax.lax.scan(lambda x, p: (body(x, p), None), x, layers)
+
+        x = _layer_norm(x, self.ln_f.scale[...], self.ln_f.bias[...], cfg.layer_norm_epsilon, dtype)
+        return jnp.einsum("btd,vd->btv", x, wte.astype(dtype), preferred_element_type=jnp.float32)
+
+
+def gpt2_loss(model: GPT2, batch):
+    """Next-token cross entropy, mean over predicted tokens, in fp32 -> (loss, {"tokens": n}).
+
+    batch["input_ids"]: int [B, T]; a block of T tokens yields T-1 predictions (the shift is done
+    here, as HF does). Optional batch["labels"] [B, T] aligned with input_ids (HF convention,
+    shifted here too); label -100 is ignored.
+    """
+    input_ids = batch["input_ids"]
+    labels = batch.get("labels", input_ids)[:, 1:]
+    logits = model(input_ids)[:, :-1].astype(jnp.float32)
+    valid = labels != -100
+    losses = optax.softmax_cross_entropy_with_integer_labels(logits, jnp.where(valid, labels, 0))
+    n = valid.sum()
+    loss = jnp.where(valid, losses, 0.0).sum() / jnp.maximum(n, 1).astype(jnp.float32)
+    return loss, {"tokens": n}

@@ -1,0 +1,224 @@
+"""Hugging Face GPT-2 weights in and out: a local folder with config.json + model.safetensors.
+
+HF's GPT-2 uses Conv1D, whose weight is already [in, out], so kernels need only a reshape
+(c_attn [d, 3d] -> [d, 3, heads, head_dim]; attn.c_proj [d, d] -> [heads, head_dim, d]) and
+stacking over layers. The attn.bias / attn.masked_bias causal-mask buffers are ignored; the
+lm_head is tied to wte, so HF omits lm_head.weight on save and so do we.
+
+The params tree is the pure-dict form of `nnx.state(GPT2(...), nnx.Param)` (`nnx.to_pure_dict`):
+nested dicts with array leaves, e.g. params["h"]["attn"]["c_attn"]["kernel"] [layers, d, 3, H, Dh].
+Export takes that dict, an `nnx.State`, or the model itself, so a checkpoint exporter can call
+it without building a model. Only numpy and safetensors here; no torch.
+"""
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Mapping
+
+import numpy as np
+from flax import nnx
+
+from zerojax.models.gpt2 import GPT2, GPT2Config
+
+_LAYER_KEYS = (  # HF per-layer name -> our path under "h"
+    ("ln_1.weight", ("ln_1", "scale")),
+    ("ln_1.bias", ("ln_1", "bias")),
+    ("attn.c_attn.weight", ("attn", "c_attn", "kernel")),
+    ("attn.c_attn.bias", ("attn", "c_attn", "bias")),
+    ("attn.c_proj.weight", ("attn", "c_proj", "kernel")),
+    ("attn.c_proj.bias", ("attn", "c_proj", "bias")),
+    ("ln_2.weight", ("ln_2", "scale")),
+    ("ln_2.bias", ("ln_2", "bias")),
+    ("mlp.c_fc.weight", ("mlp", "c_fc", "kernel")),
+    ("mlp.c_fc.bias", ("mlp", "c_fc", "bias")),
+    ("mlp.c_proj.weight", ("mlp", "c_proj", "kernel")),
+    ("mlp.c_proj.bias", ("mlp", "c_proj", "bias")),
+)
+_TOP_KEYS = (
+    ("wte.weight", ("wte",)),
+    ("wpe.weight", ("wpe",)),
+    ("ln_f.weight", ("ln_f", "scale")),
+    ("ln_f.bias", ("ln_f", "bias")),
+)
+_IGNORED_SUFFIXES = ("attn.bias", "attn.masked_bias", "lm_head.weight")
+
+
+def config_from_hf(hf: Mapping) -> GPT2Config:
+    """GPT2Config from a Hugging Face config.json dict; refuses variants this model does not run."""
+    if hf.get("model_type", "gpt2") != "gpt2":
+        raise ValueError(f"model_type={hf.get('model_type')!r}: only 'gpt2' is supported")
+    unsupported = {
+        "activation_function": ("gelu_new", hf.get("activation_function", "gelu_new")),
+        "scale_attn_weights": (True, hf.get("scale_attn_weights", True)),
+        "scale_attn_by_inverse_layer_idx": (False, hf.get("scale_attn_by_inverse_layer_idx", False)),
+        "reorder_and_upcast_attn": (False, hf.get("reorder_and_upcast_attn", False)),
+        "tie_word_embeddings": (True, hf.get("tie_word_embeddings", True)),
+    }
+    for key, (want, got) in unsupported.items():
+        if got != want:
+            raise ValueError(f"config.json {key}={got!r} is not supported; zerojax's GPT-2 needs {want!r}")
+    return GPT2Config(
+        vocab_size=hf["vocab_size"], n_positions=hf["n_positions"], n_embd=hf["n_embd"],
+        n_layer=hf["n_layer"], n_head=hf["n_head"], n_inner=hf.get("n_inner"),
+        layer_norm_epsilon=hf.get("layer_norm_epsilon", 1e-5),
+        initializer_range=hf.get("initializer_range", 0.02))
+
+
+def config_to_hf(config: GPT2Config, dtype: str = "float32") -> dict:
+    special = min(50256, config.vocab_size - 1)  # GPT-2's <|endoftext|>, kept inside small vocabs
+    return {
+        "architectures": ["GPT2LMHeadModel"], "model_type": "gpt2",
+        "vocab_size": config.vocab_size, "n_positions": config.n_positions,
+        "n_embd": config.n_embd, "n_layer": config.n_layer, "n_head": config.n_head,
+        "n_inner": config.n_inner, "activation_function": "gelu_new",
+        "layer_norm_epsilon": config.layer_norm_epsilon,
+        "initializer_range": config.initializer_range,
+        # zerojax trains without dropout; these are GPT-2's published values for HF users
+        "resid_pdrop": 0.1, "embd_pdrop": 0.1, "attn_pdrop": 0.1, "summary_first_dropout": 0.1,
+        "scale_attn_weights": True, "scale_attn_by_inverse_layer_idx": False,
+        "reorder_and_upcast_attn": False, "tie_word_embeddings": True, "use_cache": True,
+        "bos_token_id": special, "eos_token_id": special, "dtype": dtype,
+    }
+
+
+def _read_tensors(path: str) -> dict[str, np.ndarray]:
+    from safetensors.numpy import load_file
+
+    single = os.path.join(path, "model.safetensors")
+    index = single + ".index.json"
+    if os.path.exists(single):
+        return load_file(single)
+    if os.path.exists(index):  # sharded checkpoint
+        with open(index) as f:
+            files = sorted(set(json.load(f)["weight_map"].values()))
+        tensors = {}
+        for name in files:
+            tensors.update(load_file(os.path.join(path, name)))
+        return tensors
+    raise FileNotFoundError(f"no model.safetensors (or .index.json) in {path!r}")
+
+
+def _shapes(config: GPT2Config) -> dict:
+    """Per-layer shapes of our kernels, keyed by HF name, for the reshapes both ways."""
+    d, H, Dh = config.n_embd, config.n_head, config.head_dim
+    return {"attn.c_attn.weight": (d, 3, H, Dh), "attn.c_attn.bias": (3, H, Dh),
+            "attn.c_proj.weight": (H, Dh, d)}
+
+
+def _set(tree, path, value):
+    for key in path[:-1]:
+        tree = tree.setdefault(key, {})
+    tree[path[-1]] = value
+
+
+def _get(tree, path):
+    for key in path:
+        tree = tree[key]
+    return tree
+
+
+def load_hf(path: str, dtype=None) -> tuple[GPT2Config, dict]:
+    """Read a Hugging Face GPT-2 folder -> (GPT2Config, params pure dict of numpy arrays).
+
+    dtype: cast every tensor to it (default: keep the file's dtype).
+    """
+    cfg_file = os.path.join(path, "config.json")
+    if not os.path.exists(cfg_file):
+        raise FileNotFoundError(f"no config.json in {path!r}")
+    with open(cfg_file) as f:
+        config = config_from_hf(json.load(f))
+    tensors = _read_tensors(path)
+    # GPT2LMHeadModel saves "transformer.h.0..."; GPT2Model (and the hub's gpt2) saves "h.0..."
+    tensors = {k.removeprefix("transformer."): v for k, v in tensors.items()}
+    cast = (lambda a: np.asarray(a, dtype)) if dtype is not None else np.asarray
+    shapes = _shapes(config)
+    params: dict = {}
+    used = set()
+
+    def take(name):
+        if name not in tensors:
+            raise KeyError(f"{path!r}: tensor {name!r} missing from the safetensors file")
+        used.add(name)
+        return tensors[name]
+
+    for name, ours in _TOP_KEYS:
+        _set(params, ours, cast(take(name)))
+    for name, ours in _LAYER_KEYS:
+        per_layer = [take(f"h.{i}.{name}") for i in range(config.n_layer)]
+        if name in shapes:
+            per_layer = [a.reshape(shapes[name]) for a in per_layer]
+        _set(params, ("h", *ours), cast(np.stack(per_layer)))
+    extra = [k for k in tensors if k not in used and not k.endswith(_IGNORED_SUFFIXES)]
+    if extra:
+        raise ValueError(f"{path!r}: unexpected tensors for GPT-2: {sorted(extra)[:8]}")
+    return config, params
+
+
+def _plain(tree):
+    """An nnx.Module / nnx.State / nested dict of Params or arrays -> nested dict of numpy arrays."""
+    if isinstance(tree, nnx.Module):
+        tree = nnx.state(tree, nnx.Param)
+    if isinstance(tree, nnx.Variable):
+        return np.asarray(tree[...])
+    if isinstance(tree, Mapping):
+        return {k: _plain(v) for k, v in tree.items()}
+    return np.asarray(tree)  # a multi-host sharded array must be gathered by the caller first
+
+
+def save_hf(params, config: GPT2Config, out_dir: str, dtype=None) -> None:
+    """Write config.json + model.safetensors that `GPT2LMHeadModel.from_pretrained(out_dir)` loads.
+
+    params: the model, `nnx.state(model)` or its pure dict (`nnx.to_pure_dict`).
+    dtype: the saved dtype (e.g. np.float32, jnp.bfloat16; default: as given).
+    """
+    from safetensors.numpy import save_file
+
+    params = _plain(params)
+    cast = (lambda a: np.ascontiguousarray(a, dtype=dtype)) if dtype is not None else np.ascontiguousarray
+    shapes = _shapes(config)
+    tensors = {}
+    for name, ours in _TOP_KEYS:
+        tensors[f"transformer.{name}"] = cast(_get(params, ours))
+    for name, ours in _LAYER_KEYS:
+        stacked = _get(params, ("h", *ours))
+        if stacked.shape[0] != config.n_layer:
+            raise ValueError(f"h/{'/'.join(ours)} has {stacked.shape[0]} layers, config says {config.n_layer}")
+        for i in range(config.n_layer):
+            a = stacked[i]
+            if name in shapes:
+                a = a.reshape(_hf_shape(name, config))
+            tensors[f"transformer.h.{i}.{name}"] = cast(a)
+    os.makedirs(out_dir, exist_ok=True)
+    dtype_name = np.dtype(next(iter(tensors.values())).dtype).name
+    with open(os.path.join(out_dir, "config.json"), "w") as f:
+        json.dump(config_to_hf(config, dtype_name), f, indent=2, sort_keys=True)
+    save_file(tensors, os.path.join(out_dir, "model.safetensors"), metadata={"format": "pt"})
+
+
+def _hf_shape(name, config):
+    d = config.n_embd
+    return {"attn.c_attn.weight": (d, 3 * d), "attn.c_attn.bias": (3 * d,),
+            "attn.c_proj.weight": (d, d)}[name]
+
+
+def gpt2_from_hf(path: str, **model_kwargs) -> GPT2:
+    """Build a GPT2 module holding the weights of a Hugging Face folder, with no random init.
+
+    model_kwargs go to GPT2 (dtype, param_dtype, remat_policy, attention_impl, ...); the weights
+    are stored in param_dtype (default float32).
+    """
+    config, params = load_hf(path)
+    return gpt2_from_params(config, params, **model_kwargs)
+
+
+def gpt2_from_params(config: GPT2Config, params: Mapping, **model_kwargs) -> GPT2:
+    """A GPT2 module holding `params` (pure dict as from load_hf), built via nnx.eval_shape."""
+    import jax
+    import jax.numpy as jnp
+
+    param_dtype = model_kwargs.get("param_dtype", jnp.float32)
+    abstract = nnx.eval_shape(lambda: GPT2(config, rngs=nnx.Rngs(0), **model_kwargs))
+    graphdef, state = nnx.split(abstract)
+    nnx.replace_by_pure_dict(state, jax.tree.map(lambda a: jnp.asarray(a, param_dtype), params))
+    return nnx.merge(graphdef, state)
