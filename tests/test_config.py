@@ -512,6 +512,10 @@ def _schema_keys(cls, prefix):
             from zerojax.config import ZeroConfig as sub
         if sub is None and f.name == "tensor_parallel":
             from zerojax.config import TensorParallelConfig as sub
+        if sub is None and f.name == "optimizer":
+            from zerojax.config import OptimizerConfig as sub
+        if sub is None and f.name == "scheduler":
+            from zerojax.config import SchedulerConfig as sub
         if sub is not None:
             out += _schema_keys(sub, path + ".")
     return out

@@ -607,12 +607,12 @@ def _unknown(path, key, known, problems, *, list_known=True):
 
 def _convert(value, meta, path, problems):
     """Check one value against its field spec; returns (ok, converted)."""
-    kind = meta["kind"]
+    kind, given = meta["kind"], value
     if (value is None and meta.get("optional")) or (value is False and meta.get("false_is_none")):
         return True, None
 
     def bad(expected):
-        problems.append(f"{path} = {json.dumps(value) if _jsonable(value) else repr(value)}: expected {expected}")
+        problems.append(f"{path} = {json.dumps(given) if _jsonable(given) else repr(given)}: expected {expected}")
         return False, None
 
     if kind == "bool":
