@@ -1,0 +1,123 @@
+"""Text -> token blocks -> batches: packing, order, process shares, tokenizers, default corpus."""
+import json
+
+import numpy as np
+import pytest
+
+from zerojax import data
+from zerojax.data import Batches, ByteTokenizer, default_corpus, load_text_data, pack, tokenize
+
+
+def test_pack_concatenates_back_to_stream():
+    tokens = np.arange(1000, dtype=np.int32) % 251
+    blocks = pack(tokens, 64)
+    assert blocks.shape == (15, 64) and blocks.dtype == np.int32
+    np.testing.assert_array_equal(blocks.reshape(-1), tokens[: 15 * 64])
+
+
+def test_byte_tokenizer_round_trip():
+    tok = ByteTokenizer()
+    text = "héllo, wörld ✓ — zerojax\n"
+    ids = tok.encode(text)
+    assert ids.dtype == np.int32 and ids.max() < 256 and len(ids) == len(text.encode("utf-8"))
+    assert tok.decode(ids) == text
+
+
+def test_files_folder_and_split(tmp_path):
+    (tmp_path / "b").mkdir()
+    (tmp_path / "a.txt").write_text("first document. " * 20)
+    with open(tmp_path / "b" / "c.jsonl", "w") as f:
+        for i in range(5):
+            f.write(json.dumps({"text": f"record {i} " * 10, "id": i}) + "\n")
+    (tmp_path / "ignored.bin").write_bytes(b"\x00\x01")
+    docs = data.read_texts(tmp_path)
+    assert docs[0].startswith("first document.") and docs[1:] == [f"record {i} " * 10 for i in range(5)]
+    d = load_text_data(tmp_path, seq_len=16, val_fraction=0.1)
+    stream = ByteTokenizer().encode("\n\n".join(docs))
+    assert d.train.shape[1] == d.val.shape[1] == 16 and len(d.val) >= 1
+    np.testing.assert_array_equal(np.concatenate([d.train, d.val]).reshape(-1),
+                                  stream[: (len(d.train) + len(d.val)) * 16])
+
+
+def test_missing_file_is_named(tmp_path):
+    missing = tmp_path / "nope.txt"
+    with pytest.raises(FileNotFoundError, match="nope.txt"):
+        load_text_data(missing, seq_len=8)
+    with pytest.raises(FileNotFoundError, match="tok.json"):
+        data.load_tokenizer(tmp_path / "tok.json")
+
+
+def _blocks(n=40, seq=4):
+    return np.arange(n * seq, dtype=np.int32).reshape(n, seq)
+
+
+def test_order_deterministic_per_seed():
+    blocks = _blocks()
+    take = lambda seed: np.stack([b for b in Batches(blocks, 8, seed=seed, process_index=0,  # noqa: E731
+                                                     process_count=1, num_steps=10)])
+    np.testing.assert_array_equal(take(0), take(0))
+    assert not np.array_equal(take(0), take(1))
+    epoch0, epoch1 = take(0)[:5], take(0)[5:]
+    # each epoch (5 steps of 8) is a permutation of all 40 blocks, and epochs differ in order
+    for ep in (epoch0, epoch1):
+        np.testing.assert_array_equal(np.sort(ep[:, :, 0].reshape(-1)), blocks[:, 0])
+    assert not np.array_equal(epoch0, epoch1)
+    # random access equals iteration, so a resumed run continues exactly
+    b = Batches(blocks, 8, seed=0, process_index=0, process_count=1, start_step=7)
+    np.testing.assert_array_equal(next(iter(b)), take(0)[7])
+
+
+def test_process_shares_disjoint_and_cover():
+    blocks = _blocks(48)
+    count, batch = 4, 12
+    shares = [Batches(blocks, batch, seed=3, process_index=p, process_count=count) for p in range(count)]
+    assert all(s.local_batch_size == 3 for s in shares)
+    seen = []
+    for step in range(shares[0].steps_per_epoch):
+        parts = [s[step] for s in shares]
+        assert all(part.shape == (3, 4) and part.dtype == np.int32 for part in parts)
+        ids = [set(part[:, 0].tolist()) for part in parts]
+        assert all(not (ids[i] & ids[j]) for i in range(count) for j in range(i + 1, count))
+        np.testing.assert_array_equal(np.concatenate(parts), blocks[shares[0].global_rows(step)])
+        seen += [x for s in ids for x in s]
+    assert sorted(seen) == blocks[:, 0].tolist()  # one epoch over all processes = every block once
+    with pytest.raises(ValueError, match="divisible"):
+        Batches(blocks, 10, process_index=0, process_count=4)
+
+
+def test_default_process_from_jax():
+    b = Batches(_blocks(), 8)
+    assert (b.process_index, b.process_count) == (0, 1)
+
+
+def test_hf_tokenizer_json(tmp_path):
+    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.WordLevel(unk_token="[UNK]"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    tok.train_from_iterator(["the cat sat on the mat", "the dog sat"],
+                            trainers.WordLevelTrainer(special_tokens=["[UNK]", "<|endoftext|>"]))
+    path = tmp_path / "tokenizer.json"
+    tok.save(str(path))
+    (tmp_path / "docs.jsonl").write_text(
+        "\n".join(json.dumps({"text": t}) for t in ["the cat sat", "the dog sat on the mat"]))
+
+    loaded = data.load_tokenizer(tmp_path)  # a folder holding tokenizer.json works too
+    assert loaded.vocab_size == tok.get_vocab_size() and loaded.eos_id == tok.token_to_id("<|endoftext|>")
+    assert loaded.decode(loaded.encode("the cat sat on the mat")) == "the cat sat on the mat"
+    stream = tokenize(["the cat sat", "the dog sat on the mat"], loaded)
+    expected = [tok.token_to_id(w) for w in "the cat sat <|endoftext|> the dog sat on the mat".split()]
+    assert stream.tolist() == expected
+    d = load_text_data(tmp_path / "docs.jsonl", seq_len=3, tokenizer=path, val_fraction=0.0)
+    np.testing.assert_array_equal(d.train.reshape(-1), np.asarray(expected[:9]))
+
+
+def test_default_corpus():
+    text = default_corpus()
+    assert len(text) > 100_000 and len(text) < 5_000_000
+    assert "Module json" in text and " at 0x" not in text  # no object reprs with addresses
+    default_corpus.cache_clear()
+    assert default_corpus() == text  # rebuilt from scratch, identical
+    d = load_text_data(None, seq_len=128, val_fraction=0.01)
+    assert d.vocab_size == 256 and len(d.train) > 500 and len(d.val) >= 1
+    assert d.train.max() < 256
