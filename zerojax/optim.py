@@ -323,7 +323,8 @@ def clip_by_global_norm(max_norm: float) -> optax.GradientTransformation:
 
     def update(updates, state, params=None):
         del params
-        norm = optax.global_norm(updates)
+        norm = jnp.sqrt(sum(jnp.sum(jnp.square(g.astype(jnp.promote_types(g.dtype, jnp.float32))))
+                            for g in jax.tree.leaves(updates)))
         coef = max_norm / (norm + 1e-6)
         factor = jnp.where(coef < 1.0, coef, 1.0)
         return jax.tree.map(lambda g: (g * factor).astype(g.dtype), updates), state
