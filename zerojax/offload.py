@@ -124,18 +124,20 @@ def scan_layers(body: Callable, carry, stacked_params, shardings, *, prefetch: b
     copy is independent of (and can overlap) layer i's compute; device memory holds two layers.
     """
     dev = layer_shardings(shardings)
-    n = jax.tree.leaves(stacked_params)[0].shape[0]
-    take = lambda i: jax.tree.map(lambda x: jax.lax.dynamic_index_in_dim(x, i, keepdims=False),  # noqa: E731
-                                  stacked_params)
     if not prefetch:
         return jax.lax.scan(lambda c, p: (body(c, fetch(p, dev)), None), carry, stacked_params)[0]
 
-    def step(state, i):
-        c, cur = state
-        nxt = fetch(take(jnp.minimum(i + 1, n - 1)), dev)
-        return (body(c, cur), nxt), None
+    # static slices only: a dynamic index into host memory would transpose (backward) into a
+    # dynamic_update_slice mixing memory spaces, which JAX rejects
+    first = fetch(jax.tree.map(lambda x: x[0], stacked_params), dev)
+    rest = jax.tree.map(lambda x: x[1:], stacked_params)
 
-    (carry, _), _ = jax.lax.scan(step, (carry, fetch(take(0), dev)), jnp.arange(n))
+    def step(state, nxt):
+        c, cur = state
+        return (body(c, cur), fetch(nxt, dev)), None
+
+    (carry, last), _ = jax.lax.scan(step, (carry, first), rest)
+    carry = body(carry, last)
     return carry
 
 
@@ -362,8 +364,9 @@ def init_offloaded(tx, master_tree, k: int, shardings, kind: str = PINNED_HOST, 
 
 
 def offload_master(state: OffloadState, plan: OffloadPlan):
-    """The fp32 master tree, merged (on the device of whoever calls; for checkpoints and tests)."""
-    return from_chunks(state.master, plan.layout)
+    """The fp32 master tree merged in device memory (checkpoints, export, tests)."""
+    dev = [with_memory_kind(s, DEVICE) for s in plan.master_shardings]
+    return from_chunks([jax.device_put(m, s) for m, s in zip(state.master, dev)], plan.layout)
 
 
 # --------------------------------------------------------------------------- the streamed update
