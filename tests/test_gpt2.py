@@ -1,4 +1,6 @@
 """GPT-2: parity with Hugging Face's GPT2LMHeadModel through safetensors, remat, dtypes, counts."""
+import functools
+
 import numpy as np
 import pytest
 
@@ -130,6 +132,11 @@ def _leaf(tree, path):
     return tree
 
 
+@functools.lru_cache(maxsize=None)
+def _reference_loss_and_grads():
+    return _loss_and_grads(GPT2(CFG, rngs=nnx.Rngs(0)), jnp.asarray(_ids(CFG, seq=16)))
+
+
 def _loss_and_grads(model, ids):
     gd, st = nnx.split(model)
     f = jax.jit(jax.value_and_grad(lambda st: gpt2_loss(nnx.merge(gd, st), {"input_ids": ids})[0]))
@@ -139,7 +146,7 @@ def _loss_and_grads(model, ids):
 @pytest.mark.parametrize("policy", ["full", "dots", "offload"])
 def test_remat_matches_no_remat(policy):
     ids = jnp.asarray(_ids(CFG, seq=16))
-    ref_loss, ref_g = _loss_and_grads(GPT2(CFG, rngs=nnx.Rngs(0)), ids)
+    ref_loss, ref_g = _reference_loss_and_grads()
     loss, g = _loss_and_grads(GPT2(CFG, rngs=nnx.Rngs(0), remat_policy=policy), ids)
     np.testing.assert_allclose(loss, ref_loss, rtol=1e-6)
     jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-7), g, ref_g)
