@@ -1,0 +1,185 @@
+"""Optimizer-offload probe: how should the fp32 master + Adam moments stream from pinned host memory?
+
+GPT-2 (default Large: 36 layers, d=1280, vocab 50257), seq 1024, bf16 compute, per-layer remat,
+AdamW, clip 1.0. One jitted step: forward/backward on bf16 params on the device, then the
+optimizer update over master + state in `pinned_host` by one candidate of `zerojax.offload`:
+
+  none          everything on the device, plain optax (the reference)
+  whole         whole state to the device and back inside the step (MaxText's way; ANCHORS: 17.4k)
+  chunked/K     K layer groups (+ the embeddings chunk), unrolled; window=w adds barriers
+  scan/K        one lax.scan over K stacked layer groups (ANCHORS' per-layer scan: 5.3k)
+
+Each configuration runs in its own process so that `peak_bytes_in_use` is its own.
+
+  PYTHONPATH=. python3 benchmarks/offload_probe.py --mem-fraction 0.17      # GPU, ~3 min
+  PYTHONPATH=. python3 benchmarks/offload_probe.py --tiny                    # CPU smoke test
+Writes $OUT/offload_probe.json when OUT is set.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+
+DEFAULT = ["none", "whole", "chunked/4", "chunked/12", "chunked/36", "chunked/12/w2",
+           "scan/12", "scan/36"]
+TINY = ["none", "whole", "chunked/1", "chunked/2", "chunked/2/w1", "scan/1", "scan/2"]
+
+
+def run_one(args, name: str) -> dict:
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+    import optax
+    from flax import nnx
+    from jax.sharding import NamedSharding, PartitionSpec as P
+
+    from zerojax import offload as O
+    from zerojax.models import gpt2
+
+    parts = name.split("/")
+    cand, k = parts[0], int(parts[1]) if len(parts) > 1 else 1
+    window = int(parts[2][1:]) if len(parts) > 2 else None
+    if args.tiny:
+        cfg = gpt2.GPT2Config.named("tiny", n_layer=2)
+    else:
+        cfg = gpt2.GPT2Config.named(args.size)
+    dtype = jnp.bfloat16
+    mesh = jax.make_mesh((1,), ("data",), axis_types=(jax.sharding.AxisType.Auto,),
+                         devices=jax.devices()[:1])
+    rep = NamedSharding(mesh, P())
+
+    model = nnx.eval_shape(lambda: gpt2.GPT2(cfg, rngs=nnx.Rngs(0), dtype=dtype,
+                                              remat_policy=args.remat))
+    graphdef, abstract = nnx.split(model)
+    shardings = jax.tree.map(lambda _: rep, abstract)
+    init = jax.jit(lambda: nnx.split(gpt2.GPT2(cfg, rngs=nnx.Rngs(0), dtype=dtype,
+                                                 remat_policy=args.remat))[1], out_shardings=shardings)
+    tx = optax.adamw(1e-4, b1=0.9, b2=0.95, weight_decay=0.1)
+    clip = optax.clip_by_global_norm(1.0)
+    master = init()
+    compute = jax.jit(lambda m: jax.tree.map(lambda x: x.astype(dtype), m))(master)
+
+    def grads_of(cp, batch):
+        loss_fn = lambda p: gpt2.gpt2_loss(nnx.merge(graphdef, p), batch)[0]  # noqa: E731
+        loss, g = jax.value_and_grad(loss_fn)(cp)
+        g = jax.tree.map(lambda x: x.astype(jnp.float32), g)
+        g, _ = clip.update(g, clip.init(g))
+        return loss, g
+
+    if cand == "none":
+        state = jax.jit(tx.init)(master)
+
+        def step(cp, st, batch):
+            m, s = st
+            loss, g = grads_of(cp, batch)
+            u, s = tx.update(g, s, m)
+            m = optax.apply_updates(m, u)
+            return jax.tree.map(lambda x: x.astype(dtype), m), (m, s), loss
+
+        st = (master, state)
+    else:
+        st, plan = O.init_offloaded(tx, master, k, shardings, O.host_memory_kind(True),
+                                    candidate=cand, window=window)
+        del master
+
+        def step(cp, st, batch):
+            loss, g = grads_of(cp, batch)
+            cp, st = O.streamed_update(tx, g, st, plan, compute_dtype=dtype)
+            return cp, st, loss
+
+    B, T = args.micro, (64 if args.tiny else args.seq)
+    batch = {"input_ids": jnp.asarray(np.random.default_rng(0).integers(0, cfg.vocab_size, (B, T)),
+                                      jnp.int32)}
+    jstep = jax.jit(step, donate_argnums=(0, 1))
+    t0 = time.perf_counter()
+    compiled = jstep.lower(compute, st, batch).compile()
+    compile_s = time.perf_counter() - t0
+    mem = compiled.memory_analysis()
+    for _ in range(args.warmup):
+        compute, st, loss = compiled(compute, st, batch)
+    jax.block_until_ready(loss)
+    t0 = time.perf_counter()
+    for _ in range(args.steps):
+        compute, st, loss = compiled(compute, st, batch)
+    jax.block_until_ready((compute, st, loss))
+    dt = (time.perf_counter() - t0) / args.steps
+    stats = jax.devices()[0].memory_stats() or {}
+    hlo = compiled.as_text()
+    return {
+        "config": name, "candidate": cand, "k": k, "window": window,
+        "model": "tiny" if args.tiny else args.size, "micro": B, "seq": T,
+        "step_s": dt, "tokens_per_s": B * T / dt, "compile_s": compile_s, "loss": float(loss),
+        "peak_gib": stats.get("peak_bytes_in_use", 0) / 2**30,
+        "temp_gib": getattr(mem, "temp_size_in_bytes", 0) / 2**30,
+        "hlo_copy_start": hlo.count("copy-start"), "hlo_S5": hlo.count("S(5)"),
+        "backend": jax.default_backend(), "jax": jax.__version__,
+    }
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--tiny", action="store_true", help="tiny GPT-2 on CPU: checks it runs")
+    ap.add_argument("--size", default="large")
+    ap.add_argument("--micro", type=int, default=None)
+    ap.add_argument("--seq", type=int, default=1024)
+    ap.add_argument("--steps", type=int, default=5)
+    ap.add_argument("--warmup", type=int, default=2)
+    ap.add_argument("--remat", default="full", help="model remat policy (full | dots | offload)")
+    ap.add_argument("--mem-fraction", type=float, default=None, help="XLA_PYTHON_CLIENT_MEM_FRACTION")
+    ap.add_argument("--configs", default=None, help="comma list, e.g. whole,chunked/12,scan/36")
+    ap.add_argument("--timeout", type=float, default=150.0, help="seconds per configuration")
+    ap.add_argument("--one", default=None, help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    if args.micro is None:
+        args.micro = 2 if args.tiny else 8
+
+    if args.one:
+        print("RESULT " + json.dumps(run_one(args, args.one)), flush=True)
+        return
+
+    configs = args.configs.split(",") if args.configs else (TINY if args.tiny else DEFAULT)
+    env = dict(os.environ)
+    if args.mem_fraction is not None:
+        env["XLA_PYTHON_CLIENT_MEM_FRACTION"] = str(args.mem_fraction)
+    if args.tiny:
+        env.setdefault("JAX_PLATFORMS", "cpu")
+    passthrough = ["--size", args.size, "--micro", str(args.micro), "--seq", str(args.seq),
+                   "--steps", str(args.steps), "--warmup", str(args.warmup), "--remat", args.remat]
+    passthrough += ["--tiny"] if args.tiny else []
+    rows = []
+    for name in configs:
+        cmd = [sys.executable, __file__, *passthrough, "--one", name]
+        try:
+            p = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=args.timeout)
+            line = next((l for l in p.stdout.splitlines() if l.startswith("RESULT ")), None)
+            if line is None:
+                err = (p.stderr.strip().splitlines() or ["no output"])[-1]
+                row = {"config": name, "error": err[-300:]}
+            else:
+                row = json.loads(line[7:])
+        except subprocess.TimeoutExpired:
+            row = {"config": name, "error": f"timeout after {args.timeout}s"}
+        rows.append(row)
+        print(_fmt(row), flush=True)
+
+    out = os.environ.get("OUT")
+    if out:
+        os.makedirs(out, exist_ok=True)
+        with open(os.path.join(out, "offload_probe.json"), "w") as f:
+            json.dump({"argv": sys.argv[1:], "results": rows}, f, indent=1)
+
+
+def _fmt(r):
+    if "error" in r:
+        return f"{r['config']:<16} ERROR {r['error']}"
+    return (f"{r['config']:<16} {r['step_s'] * 1e3:8.1f} ms {r['tokens_per_s']:10.0f} tok/s "
+            f"peak {r['peak_gib']:6.2f} GiB temp {r['temp_gib']:6.2f} GiB "
+            f"compile {r['compile_s']:5.1f} s copy-start {r['hlo_copy_start']}")
+
+
+if __name__ == "__main__":
+    main()
