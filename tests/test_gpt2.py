@@ -207,3 +207,23 @@ def test_named_sizes_and_errors():
     model = GPT2(GPT2Config.named("tiny"), rngs=nnx.Rngs(0))
     with pytest.raises(ValueError, match="n_positions"):
         model(jnp.zeros((1, 129), jnp.int32))
+
+
+def test_bf16_export_and_hub_layout(tmp_path):
+    from safetensors.numpy import load_file, save_file
+
+    model = GPT2(CFG, rngs=nnx.Rngs(5))
+    save_hf(model, CFG, str(tmp_path / "bf16"), dtype=jnp.bfloat16)
+    config, params = load_hf(str(tmp_path / "bf16"))
+    kernel = params["h"]["attn"]["c_attn"]["kernel"]
+    assert config == CFG and kernel.dtype == jnp.bfloat16
+    np.testing.assert_array_equal(kernel, np.asarray(model.h.attn.c_attn.kernel[...]).astype(jnp.bfloat16))
+    # the hub's gpt2 files carry GPT2Model names ("h.0...", no "transformer.") and mask buffers
+    tensors = load_file(str(tmp_path / "bf16" / "model.safetensors"))
+    hub = {k.removeprefix("transformer."): v for k, v in tensors.items()}
+    hub["h.0.attn.bias"] = np.tril(np.ones((1, 1, CFG.n_positions, CFG.n_positions), np.float32))
+    (tmp_path / "hub").mkdir()
+    save_file(hub, str(tmp_path / "hub" / "model.safetensors"))
+    (tmp_path / "hub" / "config.json").write_text((tmp_path / "bf16" / "config.json").read_text())
+    _, hub_params = load_hf(str(tmp_path / "hub"))
+    jax.tree.map(np.testing.assert_array_equal, hub_params, params)
