@@ -1,0 +1,404 @@
+"""`zerojax.shard(model, cfg, loss_fn=...)`: a Flax NNX model + a DeepSpeed config -> an Engine.
+
+State placement. Two ways in, neither makes a full replicated copy on one device:
+- a zero-argument callable that builds the model (`lambda: GPT2(c, rngs=nnx.Rngs(0))`): traced
+  under `nnx.eval_shape`, then run once by `jax.jit(init, out_shardings=...)`, so every device
+  materialises only its shards (flax's recommended pattern; use it for models that do not fit one
+  device);
+- a model built eagerly (the usual case for small and medium models): each parameter is sent
+  straight to its target sharding with `jax.device_put`, leaf by leaf (several processes:
+  `jax.make_array_from_callback` from the host copy, each process placing its own shards).
+The train state (`zerojax.step.TrainState`) is donated to every step.
+
+Errors from the step are checked lazily, one step behind, so the host never waits for the device
+on an ordinary step: after dispatching step k the engine reads step k-1's `nonfinite` /
+`overflow_at_min` flags (already computed, or nearly). `engine.synchronize()` checks the last step.
+"""
+from __future__ import annotations
+
+import functools
+import logging
+import math
+import time
+from typing import Any, Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+from zerojax import partition, step as step_mod
+from zerojax.step import StepPlan, TrainState
+
+logger = logging.getLogger("zerojax")
+
+_HOST_KINDS = ("pinned_host", "unpinned_host")
+
+
+def shard(model, cfg, *, loss_fn: Callable, mesh: Mesh | None = None) -> "Engine":
+    """Wrap `model` (an nnx.Module, or a zero-argument callable returning one) for training.
+
+    cfg: a Config, or anything `load_config` accepts (path, JSON text, dict).
+    loss_fn(model, batch) -> loss, or (loss, metrics dict of scalars).
+    mesh: a ("data", "tensor") mesh; default all devices, "tensor" = tensor_parallel.autotp_size.
+    """
+    return Engine(model, cfg, loss_fn=loss_fn, mesh=mesh)
+
+
+def _resolve_config(cfg, mesh):
+    from zerojax.config import Config, load_config
+
+    if mesh is None:
+        if not isinstance(cfg, Config):
+            cfg = load_config(cfg)  # world size: devices / autotp_size, the mesh made below
+        mesh = partition.make_mesh(tensor=cfg.tensor_parallel.autotp_size)
+    n = partition.data_size(mesh)
+    if not isinstance(cfg, Config):
+        cfg = load_config(cfg, world_size=n)
+    if cfg.world_size != n:
+        raise ValueError(
+            f"the config was resolved for world_size={cfg.world_size} data-parallel devices but the "
+            f"mesh has data={n}; load it with load_config(..., world_size={n})"
+        )
+    return cfg, mesh
+
+
+def _nbytes(tree, host: bool) -> int:
+    total = 0
+    for a in jax.tree.leaves(tree):
+        kind = getattr(a.sharding, "memory_kind", None)
+        if (kind in _HOST_KINDS) == host:
+            total += a.addressable_shards[0].data.nbytes
+    return total
+
+
+class MemoryReport(dict):
+    """Per-device bytes; `str()` is a small table."""
+
+    def __str__(self):
+        gib = lambda b: f"{b / 2**20:10.2f} MiB" if b is not None else "       n/a"  # noqa: E731
+        rows = [("params (compute dtype)", "params"), ("gradients (accumulator)", "gradients"),
+                ("fp32 master", "master"), ("optimizer state", "optimizer_state"),
+                ("model states total", "model_states"), ("host memory", "host"),
+                ("XLA compiled peak", "compiled_peak")]
+        return "\n".join(f"{label:26s}{gib(self.get(key))}" for label, key in rows)
+
+
+class Engine:
+    """Trains one model under one config. See module docstring and `zerojax.step`."""
+
+    def __init__(self, model, cfg, *, loss_fn: Callable, mesh: Mesh | None = None):
+        from zerojax.monitor import Monitor
+        from zerojax.optim import build_optimizer, build_schedule
+        from zerojax.precision import compute_dtype, loss_scale_from_config
+
+        self.cfg, self.mesh = _resolve_config(cfg, mesh)
+        cfg = self.cfg
+        self.loss_fn = loss_fn
+        self.compute_dtype = jnp.dtype(compute_dtype(cfg))
+        self.fp16 = bool(cfg.fp16.enabled)
+        accum = {"fp32": jnp.float32, "bf16": jnp.bfloat16, "fp16": jnp.float16}
+        self.accum_dtype = jnp.dtype(accum.get(cfg.data_types.grad_accum_dtype or "fp32", jnp.float32))
+        tx = build_optimizer(cfg)
+        self.tx = loss_scale_from_config(tx, cfg.fp16) if self.fp16 else tx
+        self.schedule = build_schedule(cfg)
+        zero = cfg.zero_optimization
+        self.stage = int(zero.stage)
+
+        # abstract model -> shardings
+        init_fn = None
+        if isinstance(model, nnx.Module):
+            graphdef, params, rest = nnx.split(model, nnx.Param, ...)
+        elif callable(model):
+            init_fn = model
+            with _no_eager_sharding():
+                graphdef, params, rest = nnx.split(nnx.eval_shape(init_fn), nnx.Param, ...)
+        else:
+            raise TypeError(
+                f"shard() takes a flax.nnx.Module or a zero-argument callable returning one, got "
+                f"{type(model).__name__}; for a Linen module wrap it with flax.nnx.bridge.ToNNX"
+            )
+        abstract = lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype)  # noqa: E731
+        param_template, rest_template = jax.tree.map(abstract, params), jax.tree.map(abstract, rest)
+        pure_params, pure_rest = step_mod._pure(params), step_mod._pure(rest)
+        abstract_master = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, jnp.float32), pure_params)
+        self.shardings = partition.stage_shardings(
+            abstract_master, self.mesh, self.stage,
+            base_specs=partition.tensor_specs(params, self.mesh),
+            persistence_threshold=int(zero.stage3_param_persistence_threshold or 0),
+        )
+        self.opt_shardings = partition.opt_state_shardings(
+            self.tx, abstract_master, self.shardings.master, self.mesh)
+        self.rest_shardings = partition.replicated(self.mesh, pure_rest)
+        self.plan = StepPlan(
+            graphdef=graphdef, param_template=param_template, rest_template=rest_template,
+            loss_fn=loss_fn, tx=self.tx, schedule=self.schedule, mesh=self.mesh,
+            shardings=self.shardings, opt_shardings=self.opt_shardings,
+            rest_shardings=self.rest_shardings, compute_dtype=self.compute_dtype,
+            accum_dtype=self.accum_dtype, steps=int(cfg.gradient_accumulation_steps),
+            train_batch_size=int(cfg.train_batch_size), fp16=self.fp16,
+        )
+        self.state = self._init_state(init_fn, pure_params, pure_rest)
+        del model, params, rest, pure_params, pure_rest  # drop our references to the host copy
+
+        self._train = jax.jit(functools.partial(step_mod.train_step, self.plan), donate_argnums=0)
+        self._eval = jax.jit(functools.partial(step_mod.eval_step, self.plan))
+        self._compiled: dict = {}
+        self._global_steps = 0
+        self._pending = None
+        self._last_batch_shapes = None
+        self._print_time, self._print_tokens = time.perf_counter(), 0
+        self.monitor = Monitor(cfg, is_writer=jax.process_index() == 0)
+        betas = (cfg.optimizer.params.get("betas") if cfg.optimizer is not None else None) or (0.9, 0.999)
+        self._mom = tuple(float(b) for b in betas)
+
+    # ------------------------------------------------------------------ state placement
+
+    def _init_state(self, init_fn, pure_params, pure_rest) -> TrainState:
+        sh = self.shardings
+        fp32 = self.compute_dtype == jnp.float32
+        # The master lives in the optimizer sharding; with fp32 compute the params are the master.
+        target = sh.params if fp32 else sh.master
+        if init_fn is not None:
+            def init():
+                with _no_eager_sharding():
+                    _, p, r = nnx.split(init_fn(), nnx.Param, ...)
+                p = jax.tree.map(lambda x: x.astype(jnp.float32), step_mod._pure(p))
+                return p, step_mod._pure(r)
+
+            master, rest = jax.jit(init, out_shardings=(target, self.rest_shardings))()
+        else:
+            master = jax.tree.map(lambda x, s: _place(x, s, jnp.float32), pure_params, target)
+            rest = jax.tree.map(_place, pure_rest, self.rest_shardings)
+        if fp32:
+            params, master = master, None
+            master_view = params
+        else:
+            cast = lambda t: jax.tree.map(lambda x: x.astype(self.compute_dtype), t)  # noqa: E731
+            params = jax.jit(cast, out_shardings=sh.params)(master)
+            master_view = master
+        opt_state = jax.jit(self.tx.init, out_shardings=self.opt_shardings)(master_view)
+        zero = lambda: jax.device_put(jnp.zeros((), jnp.int32), NamedSharding(self.mesh, P()))  # noqa: E731
+        return TrainState(params=params, master=master, opt_state=opt_state, rest=rest,
+                          step=zero(), skipped_steps=zero(), global_samples=zero())
+
+    # ------------------------------------------------------------------ batches
+
+    @functools.cached_property
+    def _local_fraction(self) -> tuple[int, int]:
+        """(data indices this process feeds, data size)."""
+        devs = np.asarray(self.mesh.devices)
+        data_axis = self.mesh.axis_names.index(partition.DATA)
+        mine = {idx[data_axis] for idx in np.ndindex(devs.shape)
+                if devs[idx].process_index == jax.process_index()}
+        return len(mine), partition.data_size(self.mesh)
+
+    def _place_batch(self, batch, rows: int | None, what: str):
+        sharding = NamedSharding(self.mesh, P(partition.DATA))
+        mine, n = self._local_fraction
+        cfg = self.cfg
+
+        def place(path, x):
+            if isinstance(x, jax.Array) and not x.is_fully_addressable:
+                local, expect = x.shape[0], rows  # already global
+            else:
+                local = np.shape(x)[0] if np.ndim(x) else None
+                expect = None if rows is None else rows * mine // n
+            if expect is not None and local != expect:
+                name = jax.tree_util.keystr(path) or "batch"
+                share = "" if mine == n else (
+                    f"; with {jax.process_count()} processes this process feeds {expect} of them "
+                    f"(its {mine} of {n} data-parallel devices)")
+                raise ValueError(
+                    f"{what}: {name} has leading dim {local}, expected train_batch_size={rows} rows "
+                    f"(train_micro_batch_size_per_gpu={cfg.train_micro_batch_size_per_gpu} x "
+                    f"gradient_accumulation_steps={cfg.gradient_accumulation_steps} x data-parallel "
+                    f"world size={n}){share}")
+            if isinstance(x, jax.Array) and not x.is_fully_addressable:
+                return x
+            if local is None or local % mine:
+                raise ValueError(f"{what}: {jax.tree_util.keystr(path)} has shape {np.shape(x)}; every "
+                                 f"leaf needs a leading batch dim divisible by {mine} local data devices")
+            return jax.make_array_from_process_local_data(sharding, np.asarray(x))
+
+        return jax.tree_util.tree_map_with_path(place, batch)
+
+    def _abstract_batch(self, batch_shapes):
+        sharding = NamedSharding(self.mesh, P(partition.DATA))
+        return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding), batch_shapes)
+
+    # ------------------------------------------------------------------ steps
+
+    def train_step(self, batch) -> dict:
+        """One optimizer step on the global batch (this process's rows); metrics as jax arrays."""
+        placed = self._place_batch(batch, self.cfg.train_batch_size, "train_step")
+        self._last_batch_shapes = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), placed)
+        self.state, metrics = self._train(self.state, placed)
+        self._global_steps += 1
+        previous, self._pending = self._pending, (self._global_steps, metrics)
+        if previous is not None:
+            self._check(*previous)
+        self._print_tokens += _tokens(placed)
+        self.monitor.record(self._global_steps * self.cfg.train_batch_size, metrics)
+        spp = self.cfg.steps_per_print
+        if spp and self._global_steps % spp == 0:
+            self._log(metrics)
+            self.monitor.flush()
+        return metrics
+
+    def eval_step(self, batch):
+        """The loss on `batch` with the current compute params (no gradients)."""
+        mine, n = self._local_fraction
+        rows = jax.tree.leaves(batch)[0].shape[0]
+        placed = self._place_batch(batch, rows * n // mine if rows % mine == 0 else None, "eval_step")
+        return self._eval(self.state.params, self.state.rest, placed)
+
+    def synchronize(self) -> None:
+        """Wait for the last step and raise if it overflowed at the minimum scale / went non-finite."""
+        if self._pending is not None:
+            pending, self._pending = self._pending, None
+            self._check(*pending)
+
+    def _check(self, step: int, metrics: dict) -> None:
+        from zerojax.precision import MIN_SCALE_ERROR
+
+        if self.fp16:
+            if bool(metrics["overflow_at_min"]):
+                raise FloatingPointError(f"step {step}: {MIN_SCALE_ERROR}")
+            return
+        if bool(metrics["nonfinite"]):
+            dtype = "bf16" if self.compute_dtype == jnp.bfloat16 else "fp32"
+            raise FloatingPointError(
+                f"step {step}: the loss or gradients are not finite (loss={float(metrics['loss'])}, "
+                f"grad_norm={float(metrics['grad_norm'])}) under {dtype}; the update was skipped, so "
+                f"the weights are those after step {step - 1}. Usual causes: the learning rate is too "
+                f"high (lr={float(metrics['lr']):g}; add warmup or lower it), no gradient_clipping, "
+                f"inf/NaN in the batch, or values beyond the compute dtype's range (fp16 tops out at "
+                f"65504: prefer bf16)")
+
+    def _log(self, metrics) -> None:
+        now = time.perf_counter()
+        loss = float(metrics["loss"])  # waits for this step
+        tps = self._print_tokens / max(now - self._print_time, 1e-9)
+        self._print_time, self._print_tokens = time.perf_counter(), 0
+        line = (f"[Rank {jax.process_index()}] step={self._global_steps}, skipped={self.skipped_steps}, "
+                f"lr=[{float(metrics['lr']):g}], mom=[{self._mom}], loss={loss:.4f}, tokens/s={tps:.0f}")
+        if jax.process_index() == 0:
+            logger.info(line)
+            print(line, flush=True)
+
+    # ------------------------------------------------------------------ ahead of time
+
+    def lower_step(self, batch_shapes) -> jax.stages.Lowered:
+        """Lower the train step for a global batch of ShapeDtypeStructs (nothing runs)."""
+        abstract_state = jax.tree.map(
+            lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=a.sharding), self.state)
+        return self._train.lower(abstract_state, self._abstract_batch(batch_shapes))
+
+    def compiled_step(self, batch_shapes) -> jax.stages.Compiled:
+        """The compiled train step (`jax.stages.Compiled`) for these batch shapes, cached."""
+        key = str(jax.tree.map(lambda x: (tuple(x.shape), str(x.dtype)), batch_shapes))
+        if key not in self._compiled:
+            self._compiled[key] = self.lower_step(batch_shapes).compile()
+        return self._compiled[key]
+
+    compile_train_step = compiled_step
+
+    # ------------------------------------------------------------------ checkpoints (zerojax.checkpoint)
+
+    def save_checkpoint(self, save_dir, tag=None, client_state=None) -> str:
+        """DeepSpeed's save_checkpoint on orbax; tag defaults to global_step{N}. Returns the path."""
+        from zerojax import checkpoint
+
+        return checkpoint.save(self, save_dir, tag=tag, client_state=client_state)
+
+    def load_checkpoint(self, load_dir, tag=None, *, load_optimizer_states=True, load_module_only=False):
+        """(load_path, client_state), as DeepSpeed; reshards into this engine's mesh and stage."""
+        from zerojax import checkpoint
+
+        self.synchronize()
+        path, self.state, self._global_steps, client_state = checkpoint.restore(
+            self, load_dir, tag, load_optimizer_states=load_optimizer_states,
+            load_module_only=load_module_only)
+        self._pending = None
+        return path, client_state
+
+    # ------------------------------------------------------------------ views
+
+    @property
+    def global_steps(self) -> int:
+        return self._global_steps
+
+    @property
+    def skipped_steps(self) -> int:
+        return int(self.state.skipped_steps)
+
+    @property
+    def global_samples(self) -> int:
+        return int(self.state.global_samples)
+
+    @property
+    def lr(self) -> float:
+        """The learning rate the next step will use."""
+        return float(self.schedule(self.state.step - self.state.skipped_steps))
+
+    @property
+    def master_params(self):
+        """fp32 master weights (pure dict) in the optimizer sharding (fp32 runs: the params)."""
+        return self.state.master if self.state.master is not None else self.state.params
+
+    @property
+    def model(self) -> nnx.Module:
+        """An nnx module holding the current fp32 master weights."""
+        self.synchronize()
+        return step_mod.merge(self.plan, self.master_params, self.state.rest)
+
+    def memory_report(self, batch_shapes=None) -> MemoryReport:
+        """Per-device bytes of the model states (read from the arrays) and of XLA's compiled step."""
+        s = self.state
+        grads = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, self.accum_dtype), s.params)
+        report = MemoryReport(
+            params=_nbytes(s.params, False),
+            gradients=partition.per_device_bytes(grads, self.shardings.grads),
+            master=_nbytes(s.master, False),
+            optimizer_state=_nbytes(s.opt_state, False),
+            host=_nbytes((s.params, s.master, s.opt_state), True),
+        )
+        report["model_states"] = sum(report[k] for k in ("params", "gradients", "master", "optimizer_state"))
+        shapes = batch_shapes if batch_shapes is not None else self._last_batch_shapes
+        report["compiled_peak"] = None
+        if shapes is not None:
+            m = self.compiled_step(shapes).memory_analysis()
+            if m is not None:
+                report["compiled_peak"] = (m.temp_size_in_bytes + m.argument_size_in_bytes
+                                           + m.output_size_in_bytes - m.alias_size_in_bytes)
+        return report
+
+
+def _no_eager_sharding():
+    # flax >= 0.12 shards annotated variables at creation, which needs a mesh; we shard later.
+    use = getattr(nnx, "use_eager_sharding", None)
+    if use is None:
+        import contextlib
+
+        return contextlib.nullcontext()
+    return use(False)
+
+
+def _place(x, sharding, dtype=None):
+    if dtype is not None and jnp.issubdtype(x.dtype, jnp.floating) and x.dtype != dtype:
+        x = x.astype(dtype)
+    if jax.process_count() == 1:
+        return jax.device_put(x, sharding)
+    host = np.asarray(jax.device_get(x))  # every process built the same model
+    return jax.make_array_from_callback(host.shape, sharding, lambda idx: host[idx])
+
+
+def _tokens(batch) -> int:
+    if isinstance(batch, dict) and "input_ids" in batch:
+        return math.prod(batch["input_ids"].shape)
+    return jax.tree.leaves(batch)[0].shape[0]
+
+
+__all__ = ["shard", "Engine", "MemoryReport"]

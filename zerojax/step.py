@@ -1,0 +1,184 @@
+"""The train state and the one jitted training step (DESIGN.md, "One training step, as data flows").
+
+`train_step(plan, state, batch)` is pure: split the batch into micro-batches (accumulate.py) ->
+gradients in the gradient sharding -> unscale + finite check (fp16 loss-scale transform) -> clip ->
+optimizer update on the fp32 master (`optimizer_update`, kept apart so host offload can wrap it)
+-> new compute-dtype params in the param sharding -> metrics. The engine jits it with the state
+donated.
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Callable, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import optax
+from flax import nnx
+from jax.sharding import Mesh
+
+from zerojax.accumulate import accumulate_gradients
+from zerojax.partition import StageShardings
+
+
+class TrainState(NamedTuple):
+    """Everything that changes during training; all leaves are jax arrays (pure dicts for params).
+
+    params:   compute-dtype weights (bf16 / fp16 / fp32) in the stage's param sharding.
+    master:   fp32 master weights in the optimizer sharding, or None when the compute dtype is
+              fp32: then `params` is the master (one copy; a stage 1-2 update slices it locally).
+    opt_state: the optax state in the optimizer sharding (fp16: the loss-scale wrapper's state,
+              `opt_state.loss_scale`, around the optimizer's).
+    rest:     the model's non-Param state (rng counters, batch statistics), replicated.
+    step:     int32, optimizer steps taken, applied + skipped (DeepSpeed's global_steps).
+    skipped_steps: int32, steps skipped for fp16 overflow or a non-finite loss.
+    global_samples: int32, training samples consumed.
+    """
+
+    params: Any
+    master: Any
+    opt_state: Any
+    rest: Any
+    step: jax.Array
+    skipped_steps: jax.Array
+    global_samples: jax.Array
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class StepPlan:
+    """What the step needs besides the state: static, built once by the engine."""
+
+    graphdef: Any                 # nnx.GraphDef of the model
+    param_template: Any           # nnx.State of Params (abstract), filled with pure dicts to merge
+    rest_template: Any            # nnx.State of the rest (abstract)
+    loss_fn: Callable             # loss_fn(model, batch) -> loss | (loss, metrics)
+    tx: optax.GradientTransformation   # loss scaling (fp16) around clip + optimizer
+    schedule: Callable            # lr(k) of the k-th applied update
+    mesh: Mesh
+    shardings: StageShardings     # params / grads / master
+    opt_shardings: Any
+    rest_shardings: Any
+    compute_dtype: Any
+    accum_dtype: Any
+    steps: int                    # gradient_accumulation_steps
+    train_batch_size: int
+    fp16: bool
+
+
+def _pure(state):
+    to_pure = getattr(nnx, "to_pure_dict", None)
+    return to_pure(state) if to_pure is not None else state.to_pure_dict()
+
+
+def merge(plan: StepPlan, params, rest):
+    """An nnx module from the graphdef and pure-dict params / rest."""
+    p = jax.tree.map(lambda x: x, plan.param_template)
+    nnx.replace_by_pure_dict(p, params)
+    r = jax.tree.map(lambda x: x, plan.rest_template)
+    nnx.replace_by_pure_dict(r, rest)
+    return nnx.merge(plan.graphdef, p, r)
+
+
+def _call_loss(plan: StepPlan, params, batch, rest):
+    model = merge(plan, params, rest)
+    out = plan.loss_fn(model, batch)
+    loss, aux = out if isinstance(out, tuple) else (out, {})
+    new_rest = _pure(nnx.state(model, nnx.Not(nnx.Param)))
+    return jnp.asarray(loss).astype(jnp.float32), dict(aux), new_rest
+
+
+def master_of(plan: StepPlan, state: TrainState):
+    """The fp32 master in the optimizer sharding (a local slice of `params` when fp32)."""
+    if state.master is not None:
+        return state.master
+    return jax.lax.with_sharding_constraint(state.params, plan.shardings.master)
+
+
+def loss_scale_of(plan: StepPlan, opt_state):
+    if plan.fp16:
+        return jnp.asarray(opt_state.loss_scale, jnp.float32)
+    return jnp.float32(1.0)
+
+
+def optimizer_update(plan: StepPlan, grads, master, opt_state):
+    """One optimizer update on the fp32 master: (new_master, new_opt_state).
+
+    The seam for host offload: a variant moves `master` / `opt_state` in from pinned host memory,
+    calls this, and moves them back.
+    """
+    updates, opt_state = plan.tx.update(grads, opt_state, master)
+    master = optax.apply_updates(master, updates)
+    master = jax.lax.with_sharding_constraint(master, plan.shardings.master)
+    opt_state = jax.lax.with_sharding_constraint(opt_state, plan.opt_shardings)
+    return master, opt_state
+
+
+def train_step(plan: StepPlan, state: TrainState, batch):
+    scale = loss_scale_of(plan, state.opt_state)
+    grads, loss, aux, rest = accumulate_gradients(
+        lambda p, mb, r: _call_loss(plan, p, mb, r),
+        state.params, batch, steps=plan.steps, mesh=plan.mesh,
+        grad_shardings=plan.shardings.grads, accum_dtype=plan.accum_dtype,
+        loss_scale=scale, carry=state.rest,
+    )
+    # DeepSpeed reports the norm of the unscaled gradients before clipping.
+    grad_norm = _global_norm(grads) / scale
+    lr = plan.schedule(state.step - state.skipped_steps)
+    master = master_of(plan, state)
+    grads = jax.tree.map(lambda g: g.astype(jnp.float32), grads)
+
+    if plan.fp16:
+        # The loss-scale transform unscales, checks finiteness and skips (zero update, inner state
+        # untouched) by itself.
+        new_master, new_opt = optimizer_update(plan, grads, master, state.opt_state)
+        skipped = jnp.asarray(new_opt.skipped, jnp.bool_)
+        nonfinite = jnp.logical_not(jnp.isfinite(loss))
+        skipped = skipped | nonfinite
+        new_master, new_opt = jax.lax.cond(
+            nonfinite, lambda: (master, state.opt_state), lambda: (new_master, new_opt))
+    else:
+        # bf16 / fp32: never train on a non-finite loss or gradient; skip and let the engine raise.
+        nonfinite = jnp.logical_not(jnp.isfinite(loss) & jnp.isfinite(grad_norm))
+        skipped = nonfinite
+        new_master, new_opt = jax.lax.cond(
+            nonfinite,
+            lambda: (master, state.opt_state),
+            lambda: optimizer_update(plan, grads, master, state.opt_state),
+        )
+
+    params = jax.tree.map(lambda m: m.astype(plan.compute_dtype), new_master)
+    params = jax.lax.with_sharding_constraint(params, plan.shardings.params)
+    new_state = TrainState(
+        params=params,
+        master=new_master if state.master is not None else None,
+        opt_state=new_opt,
+        rest=jax.lax.with_sharding_constraint(rest, plan.rest_shardings),
+        step=state.step + 1,
+        skipped_steps=state.skipped_steps + skipped.astype(jnp.int32),
+        global_samples=state.global_samples + plan.train_batch_size,
+    )
+    metrics = {
+        **aux,
+        "loss": loss,
+        "grad_norm": grad_norm,
+        "lr": jnp.asarray(lr, jnp.float32),
+        "loss_scale": scale,
+        "skipped": skipped,
+        "nonfinite": nonfinite,
+    }
+    if plan.fp16:
+        metrics["overflow_at_min"] = jnp.asarray(new_opt.overflow_at_min, jnp.bool_)
+    return new_state, metrics
+
+
+def _global_norm(tree):
+    norm = getattr(getattr(optax, "tree", None), "norm", None)  # optax >= 0.2.5
+    return norm(tree) if norm is not None else optax.global_norm(tree)
+
+
+def eval_step(plan: StepPlan, params, rest, batch):
+    loss, _, _ = _call_loss(plan, params, batch, rest)
+    return loss
+
+
+__all__ = ["TrainState", "StepPlan", "train_step", "eval_step", "optimizer_update", "merge", "master_of"]
