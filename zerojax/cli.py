@@ -3,6 +3,7 @@
     zerojax estimate --model large --gpus 2                       # DeepSpeed + ZeRO-paper formulas
     zerojax estimate --model large --gpus 1 --aot --budget 24GB   # + compiled peaks and a plan
     zerojax estimate --params 2851e6 --largest-layer 32e6 --gpus 8
+    zerojax export runs/ckpt hf_out --dtype bf16                  # consolidated weights
 
 A new subcommand is a function `_add_<name>(subparsers)` that adds its parser and sets
 `func=<handler(args) -> exit code>`, appended to COMMANDS.
@@ -48,7 +49,34 @@ def _add_estimate(sub):
     p.set_defaults(func=cmd_estimate)
 
 
-COMMANDS = [_add_estimate]
+def _add_export(sub):
+    p = sub.add_parser(
+        "export", help="consolidated weights of a checkpoint as safetensors (GPT-2: Hugging Face)",
+        description="Write a checkpoint's master weights as one safetensors file: a Hugging Face "
+                    "GPT-2 folder (config.json + model.safetensors) when the checkpoint holds "
+                    "zerojax's GPT-2, else a flat safetensors file with dotted names. Reads only "
+                    "the weights, never the optimizer state.")
+    p.add_argument("checkpoint", metavar="CKPT", help="the save_checkpoint directory")
+    p.add_argument("out", metavar="OUT", help="output directory")
+    p.add_argument("--tag", help="checkpoint tag (default: the one named in CKPT/latest)")
+    p.add_argument("--dtype", choices=("fp32", "bf16", "fp16"), default="fp32",
+                   help="saved dtype (default fp32)")
+    p.set_defaults(func=cmd_export)
+
+
+def cmd_export(args) -> int:
+    from zerojax.checkpoint import export
+
+    try:
+        path = export(args.checkpoint, args.out, tag=args.tag, dtype=args.dtype)
+    except (FileNotFoundError, ValueError, RuntimeError) as e:
+        print(f"zerojax export: {e}", file=sys.stderr)
+        return 1
+    print(path)
+    return 0
+
+
+COMMANDS = [_add_estimate, _add_export]
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -1,0 +1,314 @@
+"""Checkpoints (zerojax.checkpoint) on 8 virtual CPU devices: exact resume in a new process,
+resharding into other stages / device counts / precisions, a save killed midway, export to
+Hugging Face, and the errors for missing, mismatched and corrupt checkpoints."""
+import functools
+import glob
+import importlib.util
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from zerojax import checkpoint, cli
+from zerojax.engine import shard
+from zerojax.partition import make_mesh
+
+ROWS = 32
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+class MLP(nnx.Module):
+    """Dropout keeps an nnx rng stream in the model's rest state: resuming must restore it."""
+
+    def __init__(self, rngs, hidden=32):
+        self.l1 = nnx.Linear(16, hidden, rngs=rngs)
+        self.l2 = nnx.Linear(hidden, 16, rngs=rngs)
+        self.drop = nnx.Dropout(0.1, rngs=rngs)
+
+    def __call__(self, x):
+        return self.l2(self.drop(jax.nn.gelu(self.l1(x))))
+
+
+def loss_fn(model, batch):
+    y = model(batch["x"].astype(model.l1.kernel.dtype)).astype(jnp.float32)
+    return jnp.mean((y - batch["y"]) ** 2)
+
+
+def config(stage, n, prec="bf16", **zero):
+    return {
+        "train_micro_batch_size_per_gpu": ROWS // n,
+        "optimizer": {"type": "AdamW", "params": {"lr": 1e-2, "weight_decay": 0.01}},
+        "scheduler": {"type": "WarmupLR", "params": {"warmup_num_steps": 4, "warmup_max_lr": 1e-2}},
+        "gradient_clipping": 1.0,
+        "zero_optimization": {"stage": stage, "stage3_param_persistence_threshold": 0, **zero},
+        "bf16": {"enabled": prec == "bf16"},
+    }
+
+
+def engine(stage=1, n=8, prec="bf16", seed=0, hidden=32):
+    mesh = make_mesh(devices=jax.devices()[:n])
+    return shard(MLP(nnx.Rngs(seed), hidden), config(stage, n, prec), loss_fn=loss_fn, mesh=mesh)
+
+
+def batches(n=10, seed=0):
+    rng = np.random.default_rng(seed)
+    return [{"x": rng.normal(size=(ROWS, 16)).astype(np.float32),
+             "y": rng.normal(size=(ROWS, 16)).astype(np.float32)} for _ in range(n)]
+
+
+def host(tree):
+    return jax.tree.map(lambda a: np.asarray(jax.device_get(a)), tree)
+
+
+def assert_equal(a, b):
+    for (path, x), y in zip(jax.tree_util.tree_leaves_with_path(a), jax.tree.leaves(b)):
+        np.testing.assert_array_equal(np.asarray(x), np.asarray(y), err_msg=jax.tree_util.keystr(path))
+
+
+def child(fn: str, *args, wait=True):
+    """Run this file's function `fn(*args)` in a new python process with 8 virtual CPU devices."""
+    env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=REPO,
+               XLA_FLAGS="--xla_force_host_platform_device_count=8")
+    code = (f"import importlib.util as u; s = u.spec_from_file_location('ckpt_child', {__file__!r}); "
+            f"m = u.module_from_spec(s); s.loader.exec_module(m); m.{fn}(*{args!r})")
+    if not wait:
+        return subprocess.Popen([sys.executable, "-c", code], env=env, stdout=subprocess.PIPE, text=True)
+    done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return done.stdout
+
+
+# ---------------------------------------------------------------------------------------------
+# 10 steps straight == 5 steps + save + (new process) load + 5 steps
+
+
+def resume_in_child(ckpt, out):
+    eng = engine()
+    path, client = eng.load_checkpoint(ckpt)
+    assert client == {"epoch": 0, "note": "five"} and path.endswith("global_step5"), (path, client)
+    assert eng.global_steps == 5
+    losses = [float(eng.train_step(b)["loss"]) for b in batches()[5:]]
+    eng.synchronize()
+    np.savez(out, *jax.tree.leaves(host(eng.master_params)), losses=np.asarray(losses),
+             counters=np.asarray([eng.global_steps, eng.skipped_steps, eng.global_samples]))
+
+
+def test_resume_in_new_process_is_exact(tmp_path):
+    data = batches()
+    straight = engine()
+    losses = [float(straight.train_step(b)["loss"]) for b in data]
+    straight.synchronize()
+
+    first = engine()
+    for b in data[:5]:
+        first.train_step(b)
+    first.save_checkpoint(tmp_path / "ckpt", client_state={"epoch": 0, "note": "five"})
+    assert (tmp_path / "ckpt" / "latest").read_text() == "global_step5"
+    meta = checkpoint.read_meta(tmp_path / "ckpt")
+    assert (meta["global_steps"], meta["data_position"], meta["scheduler_position"]) == (5, 5, 5)
+    assert meta["config"]["zero_optimization"]["stage"] == 1
+
+    child("resume_in_child", str(tmp_path / "ckpt"), str(tmp_path / "out.npz"))
+    out = np.load(tmp_path / "out.npz")
+    want = jax.tree.leaves(host(straight.master_params))
+    for i, w in enumerate(want):
+        np.testing.assert_array_equal(out[f"arr_{i}"], w)  # bitwise
+    np.testing.assert_array_equal(out["losses"], np.asarray(losses[5:], np.float64))
+    assert list(out["counters"]) == [10, straight.skipped_steps, 10 * ROWS]
+
+
+# ---------------------------------------------------------------------------------------------
+# stage 1 / 8 devices -> other stages, device counts and precisions
+
+
+@functools.lru_cache(maxsize=None)
+def source(prec):
+    """A stage-1 / 8-device run saved after 3 steps; its state then and its 4th step's loss."""
+    d = tempfile.mkdtemp(prefix=f"zerojax_ckpt_{prec}_")
+    eng = engine(1, 8, prec)
+    data = batches(4)
+    for b in data[:3]:
+        eng.train_step(b)
+    eng.save_checkpoint(d)
+    master, opt = host(eng.master_params), host(eng.state.opt_state)
+    loss = float(eng.train_step(data[3])["loss"])
+    return d, master, opt, loss
+
+
+@pytest.mark.parametrize("src,stage,n,prec", [
+    ("bf16", 3, 4, "bf16"),   # the issue's two cases
+    ("bf16", 0, 1, "bf16"),
+    ("fp32", 2, 2, "fp32"),
+    ("bf16", 3, 8, "fp32"),   # bf16 master -> fp32 params
+    ("fp32", 1, 4, "bf16"),   # fp32 params -> master, bf16 params cast from it
+])
+def test_reshard_into_other_stage_devices_precision(src, stage, n, prec):
+    d, master, opt, loss = source(src)
+    eng = engine(stage, n, prec, seed=7)  # other init: everything must come from the checkpoint
+    eng.load_checkpoint(d)
+    assert_equal(eng.master_params, master)
+    assert_equal(eng.state.opt_state, opt)
+    assert (eng.global_steps, eng.global_samples) == (3, 3 * ROWS)
+    a = next(iter(jax.tree.leaves(eng.state.params)))
+    assert len(a.sharding.device_set) == n
+    if stage == 3:  # restored straight into the stage-3 sharding
+        assert "data" in jax.tree.leaves(eng.state.params)[1].sharding.spec
+    new_loss = float(eng.train_step(batches(4)[3])["loss"])
+    if src == prec:
+        # the same weights, rng state and batch; only the partial sums' order over devices differs
+        np.testing.assert_allclose(new_loss, loss, rtol=1e-6)
+    else:
+        # bf16 vs fp32 compute of the same weights: bf16's 8-bit mantissa (~0.4% per rounding)
+        np.testing.assert_allclose(new_loss, loss, rtol=2e-2)
+
+
+# ---------------------------------------------------------------------------------------------
+# a save killed midway leaves the previous checkpoint and `latest`
+
+
+def killed_save_child(ckpt):
+    import orbax.checkpoint as ocp
+
+    eng = engine(2, 8, "fp32")
+    data = batches(3)
+    for b in data[:2]:
+        eng.train_step(b)
+    eng.save_checkpoint(ckpt)
+    eng.train_step(data[2])
+
+    def hang(self, *args, **kwargs):  # every shard written, not yet renamed into place
+        print("FINALIZING", flush=True)
+        time.sleep(600)
+
+    ocp.CompositeCheckpointHandler.finalize = hang
+    eng.save_checkpoint(ckpt)
+
+
+def test_killed_save_leaves_previous_checkpoint(tmp_path):
+    ckpt = tmp_path / "ckpt"
+    proc = child("killed_save_child", str(ckpt), wait=False)
+    try:
+        deadline = time.time() + 240
+        for line in proc.stdout:
+            if "FINALIZING" in line or time.time() > deadline:
+                break
+        assert proc.poll() is None, "the child ended before the second save hung"
+    finally:
+        proc.send_signal(signal.SIGKILL)
+        proc.wait()
+    assert glob.glob(str(ckpt / "global_step3.orbax-checkpoint-tmp*")), os.listdir(ckpt)
+    assert (ckpt / "latest").read_text() == "global_step2"
+    assert checkpoint.list_tags(ckpt) == ["global_step2"]
+
+    ref = engine(2, 8, "fp32")
+    for b in batches(2):
+        ref.train_step(b)
+    eng = engine(2, 8, "fp32", seed=3)
+    path, _ = eng.load_checkpoint(ckpt)
+    assert path.endswith("global_step2") and eng.global_steps == 2
+    assert_equal(eng.master_params, host(ref.master_params))
+    with pytest.raises(FileNotFoundError, match=r"global_step3.*tags found.*global_step2"):
+        eng.load_checkpoint(ckpt, tag="global_step3")
+
+
+# ---------------------------------------------------------------------------------------------
+# export
+
+
+def gpt2_engine(stage, prec, **zero):
+    from zerojax.models.gpt2 import GPT2, GPT2Config, gpt2_loss
+
+    c = GPT2Config(vocab_size=64, n_positions=16, n_embd=32, n_layer=2, n_head=4)
+    dtype = jnp.bfloat16 if prec == "bf16" else jnp.float32
+    cfg = config(stage, 8, prec, **zero)
+    cfg["train_micro_batch_size_per_gpu"] = 1
+    eng = shard(GPT2(c, rngs=nnx.Rngs(0), dtype=dtype), cfg, loss_fn=gpt2_loss)
+    ids = np.random.default_rng(0).integers(0, c.vocab_size, (8, 16)).astype(np.int32)
+    eng.train_step({"input_ids": ids})
+    return eng, ids
+
+
+def test_export_loads_in_transformers(tmp_path):
+    torch = pytest.importorskip("torch")
+    transformers = pytest.importorskip("transformers")
+    eng, ids = gpt2_engine(1, "fp32")
+    eng.save_checkpoint(tmp_path / "ckpt")
+    assert cli.main(["export", str(tmp_path / "ckpt"), str(tmp_path / "hf")]) == 0
+    hf = transformers.GPT2LMHeadModel.from_pretrained(str(tmp_path / "hf")).eval()
+    with torch.no_grad():
+        theirs = hf(torch.from_numpy(ids.astype(np.int64))).logits.numpy()
+    ours = np.asarray(eng.model(jnp.asarray(ids)))
+    np.testing.assert_allclose(ours, theirs, rtol=1e-5, atol=1e-5)
+
+    assert cli.main(["export", str(tmp_path / "ckpt"), str(tmp_path / "hf16"), "--dtype", "bf16"]) == 0
+    from zerojax.models.hf import load_hf
+
+    _, params = load_hf(str(tmp_path / "hf16"))
+    want = jax.tree.map(lambda a: np.asarray(a).astype(jnp.bfloat16), host(eng.master_params))
+    assert_equal(params, want)
+    assert cli.main(["export", str(tmp_path / "nothing"), str(tmp_path / "x")]) == 1
+
+
+def test_stage3_gathers_16bit_weights_on_save(tmp_path):
+    from zerojax.models.hf import load_hf
+
+    eng, _ = gpt2_engine(3, "bf16", stage3_gather_16bit_weights_on_model_save=True)
+    path = eng.save_checkpoint(tmp_path / "ckpt")
+    assert os.path.exists(os.path.join(path, "model.safetensors"))
+    _, params = load_hf(path)  # a Hugging Face GPT-2 folder: config.json + model.safetensors
+    assert_equal(params, host(eng.state.params))
+    assert jax.tree.leaves(params)[0].dtype == jnp.bfloat16
+
+
+def test_flat_export_for_other_models(tmp_path):
+    from safetensors.numpy import load_file
+
+    d, master, _, _ = source("bf16")
+    checkpoint.export(d, tmp_path / "flat")
+    tensors = load_file(str(tmp_path / "flat" / "model.safetensors"))
+    assert sorted(tensors) == ["l1.bias", "l1.kernel", "l2.bias", "l2.kernel"]
+    np.testing.assert_array_equal(tensors["l1.kernel"], master["l1"]["kernel"])
+
+
+# ---------------------------------------------------------------------------------------------
+# errors
+
+
+def test_missing_checkpoint_names_path_and_tags(tmp_path):
+    eng = engine(0, 1, "fp32")
+    with pytest.raises(FileNotFoundError, match=r"latest.*tags found.*none"):
+        eng.load_checkpoint(tmp_path / "nowhere")
+    d, *_ = source("bf16")
+    with pytest.raises(FileNotFoundError, match=r"global_step99.*tags found.*global_step3"):
+        eng.load_checkpoint(d, tag="global_step99")
+
+
+def test_wrong_shapes_name_the_leaf(tmp_path):
+    d, *_ = source("bf16")
+    eng = engine(1, 8, "bf16", hidden=64)
+    with pytest.raises(ValueError, match=r"\['l1'\]\['kernel'\] was saved with shape \(16, 32\), "
+                                         r"the model expects \(16, 64\)"):
+        eng.load_checkpoint(d)
+
+
+def test_corrupt_item_names_it_and_suggests_another_tag(tmp_path):
+    d, *_ = source("bf16")
+    ckpt = tmp_path / "ckpt"
+    shutil.copytree(d, ckpt)
+    shutil.copytree(ckpt / "global_step3", ckpt / "global_step2")
+    for f in glob.glob(str(ckpt / "global_step3" / "opt_state" / "**" / "*"), recursive=True):
+        if os.path.isfile(f):
+            with open(f, "wb") as fh:
+                fh.write(b"garbage")
+    eng = engine(1, 8, "bf16")
+    with pytest.raises(checkpoint.CheckpointError, match=r"'opt_state'.*another tag.*global_step2"):
+        eng.load_checkpoint(ckpt)

@@ -1,0 +1,422 @@
+"""Checkpoints on orbax: save, resume exactly, reshard into another stage / mesh, export weights.
+
+Layout (DeepSpeed's: one directory per tag, and a `latest` file naming the newest):
+
+    save_dir/
+      latest                  text file: the newest finalized tag, e.g. "global_step10"
+      global_step10/          one orbax checkpoint; written to a tmp dir, renamed on finalize
+        meta/                 JSON: format, zerojax version, resolved config, counters, scheduler
+                              and data position, model config, client_state, a manifest of every
+                              saved leaf (path, shape, dtype)
+        master/               fp32 master weights (fp32 runs: the params, which are the master)
+        params/               compute-dtype weights (bf16 / fp16 runs only)
+        opt_state/            optimizer state (fp16: the loss-scale state around it)
+        rest/                 the model's non-Param state: nnx rng keys (as key data) and counts
+        model.safetensors     stage 3 + stage3_gather_16bit_weights_on_model_save: consolidated
+        config.json           compute-dtype weights (GPT-2: Hugging Face layout with config.json;
+                              DeepSpeed writes pytorch_model.bin, a torch pickle: we use safetensors)
+
+Every process writes its own shards (orbax, OCDBT); `latest` is replaced (write tmp + os.replace)
+by process 0 only after orbax has finalized the tag, so a crash mid-save leaves the previous
+checkpoint loadable and `latest` pointing at it. Restore reads each array straight into the live
+engine's shardings (abstract target = live shapes, dtypes, shardings), so a checkpoint from any
+stage or device count loads into any other without gathering on one device.
+"""
+from __future__ import annotations
+
+import json
+import os
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+FORMAT = "zerojax-checkpoint/1"
+LATEST = "latest"
+_ITEMS = ("master", "params", "opt_state", "rest")
+_TMP_MARK = ".orbax-checkpoint-tmp"
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint that exists but cannot be read (corrupt, partial, or incompatible)."""
+
+
+# ---------------------------------------------------------------------------------------------
+# helpers
+
+
+def _ocp():
+    import orbax.checkpoint as ocp
+
+    return ocp
+
+
+def _checkpointer():
+    ocp = _ocp()
+    return ocp.Checkpointer(ocp.CompositeCheckpointHandler())
+
+
+def _is_key(x) -> bool:
+    return hasattr(x, "dtype") and jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key)
+
+
+def _key_json(k) -> Any:
+    for attr in ("key", "idx", "name"):
+        if hasattr(k, attr):
+            return getattr(k, attr)
+    return str(k)
+
+
+def _manifest(tree) -> list[dict]:
+    """[{path, keys, shape, dtype}] for every leaf (prng keys as their key data)."""
+    out = []
+    for path, x in jax.tree_util.tree_leaves_with_path(tree):
+        if _is_key(x):
+            x = jax.random.key_data(x)
+        out.append({"path": jax.tree_util.keystr(path), "keys": [_key_json(k) for k in path],
+                    "shape": list(x.shape), "dtype": np.dtype(x.dtype).name})
+    return out
+
+
+def _saveable(tree):
+    return jax.tree.map(lambda x: jax.random.key_data(x) if _is_key(x) else x, tree)
+
+
+def _abstract(live_tree, shardings=None, dtype=None):
+    """ShapeDtypeStructs with shardings: the restore target (prng keys as key data)."""
+    def one(x, s=None):
+        if _is_key(x):
+            x = jax.eval_shape(jax.random.key_data, x)
+        s = s if s is not None else x.sharding
+        return jax.ShapeDtypeStruct(x.shape, dtype or x.dtype, sharding=s)
+
+    if shardings is None:
+        return jax.tree.map(one, live_tree)
+    return jax.tree.map(one, live_tree, shardings)
+
+
+def _restore_args(target):
+    ocp = _ocp()
+    return jax.tree.map(
+        lambda t: ocp.ArrayRestoreArgs(sharding=t.sharding, global_shape=t.shape, dtype=t.dtype), target)
+
+
+def _rewrap_keys(restored, live):
+    return jax.tree.map(
+        lambda r, x: jax.random.wrap_key_data(r, impl=jax.random.key_impl(x)) if _is_key(x) else r,
+        restored, live)
+
+
+def _tag_dir(save_dir, tag) -> str:
+    return os.path.join(os.fspath(save_dir), str(tag))
+
+
+def list_tags(save_dir) -> list[str]:
+    """Finalized tags in `save_dir` (orbax tmp dirs of an interrupted save excluded), by mtime."""
+    save_dir = os.fspath(save_dir)
+    if not os.path.isdir(save_dir):
+        return []
+    tags = [d for d in os.listdir(save_dir)
+            if _TMP_MARK not in d and os.path.isdir(os.path.join(save_dir, d, "meta"))]
+    return sorted(tags, key=lambda d: os.path.getmtime(os.path.join(save_dir, d)))
+
+
+def _resolve_tag(load_dir, tag) -> str:
+    load_dir = os.fspath(load_dir)
+    found = list_tags(load_dir)
+    if tag is None:
+        latest = os.path.join(load_dir, LATEST)
+        if not os.path.exists(latest):
+            raise FileNotFoundError(
+                f"no checkpoint to load: {latest!r} does not exist (tags found in {load_dir!r}: "
+                f"{found or 'none'}); pass tag=... or save a checkpoint there first")
+        with open(latest) as f:
+            tag = f.read().strip()
+    path = _tag_dir(load_dir, tag)
+    if tag not in found:
+        raise FileNotFoundError(
+            f"no finalized checkpoint {path!r} (tags found in {load_dir!r}: {found or 'none'})")
+    return tag
+
+
+def read_meta(load_dir, tag=None) -> dict:
+    """The JSON metadata of a checkpoint (tag None: `latest`)."""
+    ocp = _ocp()
+    tag = _resolve_tag(load_dir, tag)
+    path = _tag_dir(load_dir, tag)
+    try:
+        meta = _checkpointer().restore(path, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))["meta"]
+    except Exception as e:  # noqa: BLE001 - orbax raises deep, varied errors
+        raise _corrupt(load_dir, tag, "meta", e) from e
+    if not isinstance(meta, dict) or meta.get("format") != FORMAT:
+        raise CheckpointError(f"{path!r}: item 'meta' is not a {FORMAT} metadata record")
+    return meta
+
+
+def _corrupt(load_dir, tag, item, e) -> CheckpointError:
+    others = [t for t in list_tags(load_dir) if t != tag]
+    return CheckpointError(
+        f"cannot read item {item!r} of checkpoint {_tag_dir(load_dir, tag)!r}: "
+        f"{type(e).__name__}: {str(e)[:400]}. The checkpoint is corrupt or incomplete; "
+        f"load another tag ({others or 'none other found'}) with load_checkpoint(dir, tag=...)")
+
+
+def _model_config(engine) -> dict | None:
+    """The model's GPT2Config as a dict, when the model has one (for export to Hugging Face)."""
+    import dataclasses
+
+    from flax import nnx
+
+    try:
+        model = nnx.merge(engine.plan.graphdef, engine.plan.param_template, engine.plan.rest_template)
+    except Exception:  # noqa: BLE001 - metadata only
+        return None
+    config = getattr(model, "config", None)
+    if config is None or type(config).__name__ != "GPT2Config" or not dataclasses.is_dataclass(config):
+        return None
+    return {"type": "gpt2", "config": dataclasses.asdict(config)}
+
+
+def _host_leaf(x) -> np.ndarray:
+    """One array, whole, on this host (several processes: all gather it; leaf by leaf)."""
+    if x.is_fully_addressable:
+        return np.asarray(jax.device_get(x))
+    from jax.experimental import multihost_utils
+
+    return np.asarray(multihost_utils.process_allgather(x, tiled=True))
+
+
+def _flat_names(tree) -> dict[str, Any]:
+    return {".".join(str(_key_json(k)) for k in path): x
+            for path, x in jax.tree_util.tree_leaves_with_path(tree)}
+
+
+def write_weights(params: dict, out_dir: str, model: dict | None, dtype=None) -> str:
+    """Consolidated weights as safetensors: HF GPT-2 layout, or flat dotted names otherwise."""
+    os.makedirs(out_dir, exist_ok=True)
+    if model is not None and model.get("type") == "gpt2":
+        from zerojax.models.gpt2 import GPT2Config
+        from zerojax.models.hf import save_hf
+
+        save_hf(params, GPT2Config(**model["config"]), out_dir, dtype=dtype)
+    else:
+        from safetensors.numpy import save_file
+
+        cast = (lambda a: np.ascontiguousarray(a, dtype)) if dtype is not None else np.ascontiguousarray
+        save_file({k: cast(v) for k, v in _flat_names(params).items()},
+                  os.path.join(out_dir, "model.safetensors"), metadata={"format": "np"})
+    return os.path.join(out_dir, "model.safetensors")
+
+
+# ---------------------------------------------------------------------------------------------
+# save
+
+
+def save(engine, save_dir, tag=None, client_state=None) -> str:
+    """Write the engine's state under save_dir/tag (default global_step{N}); update `latest`."""
+    ocp = _ocp()
+    engine.synchronize()
+    state = engine.state
+    steps = int(engine.global_steps)
+    tag = str(tag) if tag is not None else f"global_step{steps}"
+    save_dir = os.fspath(save_dir)
+    path = os.path.abspath(_tag_dir(save_dir, tag))
+    fp32 = state.master is None
+    items = {"master": state.params if fp32 else state.master, "opt_state": state.opt_state,
+             "rest": _saveable(state.rest)}
+    if not fp32:
+        items["params"] = state.params
+    items = {k: v for k, v in items.items() if jax.tree.leaves(v)}  # orbax refuses empty trees
+    skipped = int(state.skipped_steps)
+    meta = {
+        "format": FORMAT,
+        "zerojax_version": _version(),
+        "tag": tag,
+        "global_steps": steps,
+        "skipped_steps": skipped,
+        "global_samples": int(state.global_samples),
+        "scheduler_position": steps - skipped,  # lr(k) of the k-th applied update
+        "data_position": steps,                 # batches consumed: resume the data iterator here
+        "compute_dtype": np.dtype(engine.compute_dtype).name,
+        "zero_stage": int(engine.stage),
+        "mesh": {k: int(v) for k, v in engine.mesh.shape.items()},
+        "process_count": jax.process_count(),
+        "config": engine.cfg.to_dict(),
+        "model": _model_config(engine),
+        "items": {k: _manifest(v) for k, v in items.items()},
+        "client_state": client_state,
+    }
+    try:
+        meta = json.loads(json.dumps(meta))
+    except TypeError as e:
+        raise TypeError(f"save_checkpoint: client_state must be JSON-serializable "
+                        f"(dicts, lists, str, numbers, bool, None): {e}") from e
+    args = {k: ocp.args.PyTreeSave(v) for k, v in items.items()}
+    os.makedirs(save_dir, exist_ok=True)
+    # Orbax writes into <tag>.orbax-checkpoint-tmp-*, then renames it to <tag> (atomic finalize).
+    _checkpointer().save(path, args=ocp.args.Composite(meta=ocp.args.JsonSave(meta), **args),
+                         force=True)
+    zero = engine.cfg.zero_optimization
+    if engine.stage == 3 and zero.stage3_gather_16bit_weights_on_model_save:
+        weights = jax.tree.map(_host_leaf, state.params)  # every process joins each leaf's gather
+        if jax.process_index() == 0:
+            write_weights(weights, path, meta["model"])
+        del weights
+    if jax.process_index() == 0:
+        tmp = os.path.join(save_dir, f".{LATEST}.tmp{os.getpid()}")
+        with open(tmp, "w") as f:
+            f.write(tag)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, os.path.join(save_dir, LATEST))
+    _barrier("zerojax_save_checkpoint")
+    return path
+
+
+def _barrier(name):
+    if jax.process_count() > 1:
+        from jax.experimental import multihost_utils
+
+        multihost_utils.sync_global_devices(name)
+
+
+def _version() -> str:
+    import zerojax
+
+    return zerojax.__version__
+
+
+# ---------------------------------------------------------------------------------------------
+# load
+
+
+def _check_shapes(path, item, saved: list[dict], target) -> None:
+    want = {e["path"]: e for e in _manifest(target)}
+    have = {e["path"]: e for e in saved}
+    missing, extra = sorted(set(want) - set(have)), sorted(set(have) - set(want))
+    if missing or extra:
+        raise ValueError(
+            f"checkpoint {path!r} item {item!r} does not match the model: leaves the model has but "
+            f"the checkpoint lacks: {missing[:6] or 'none'}; leaves saved but not in the model: "
+            f"{extra[:6] or 'none'}")
+    wrong = [f"leaf {name} was saved with shape {tuple(have[name]['shape'])}, the model expects "
+             f"{tuple(e['shape'])}" for name, e in want.items()
+             if list(have[name]["shape"]) != list(e["shape"])]
+    if wrong:
+        more = f" (and {len(wrong) - 8} more)" if len(wrong) > 8 else ""
+        raise ValueError(f"checkpoint {path!r} item {item!r} does not fit the model: "
+                         + "; ".join(wrong[:8]) + more)
+
+
+def _restore_item(load_dir, tag, item, target):
+    ocp = _ocp()
+    args = ocp.args.PyTreeRestore(item=target, restore_args=_restore_args(target))
+    try:
+        return _checkpointer().restore(_tag_dir(load_dir, tag), args=ocp.args.Composite(**{item: args}))[item]
+    except Exception as e:  # noqa: BLE001 - orbax raises deep, varied errors
+        raise _corrupt(load_dir, tag, item, e) from e
+
+
+def restore(engine, load_dir, tag=None, *, load_optimizer_states=True, load_module_only=False):
+    """Read a checkpoint into the engine's current mesh / stage / precision.
+
+    Returns (load_path, state, global_steps, client_state); the engine installs the state.
+    """
+    from jax.sharding import NamedSharding, PartitionSpec as P
+
+    from zerojax.step import TrainState
+
+    load_dir = os.fspath(load_dir)
+    tag = _resolve_tag(load_dir, tag)
+    path = _tag_dir(load_dir, tag)
+    meta = read_meta(load_dir, tag)
+    saved = meta["items"]
+    live = engine.state
+    sh = engine.shardings
+    fp32 = live.master is None
+
+    # master: fp32, into the optimizer sharding (fp32 runs: into the param sharding, it is the params)
+    master_live = live.params if fp32 else live.master
+    target = _abstract(master_live, sh.params if fp32 else sh.master, jnp.float32)
+    _check_shapes(path, "master", saved["master"], target)
+    master = _restore_item(load_dir, tag, "master", target)
+
+    if fp32:
+        params, master = master, None
+    else:
+        ptarget = _abstract(live.params, sh.params)
+        same = "params" in saved and all(e["dtype"] == np.dtype(engine.compute_dtype).name
+                                         for e in saved["params"])
+        if same:
+            _check_shapes(path, "params", saved["params"], ptarget)
+            params = _restore_item(load_dir, tag, "params", ptarget)
+        else:  # from an fp32 run (or another compute dtype): the step's own cast of the master
+            cast = lambda t: jax.tree.map(lambda x: x.astype(engine.compute_dtype), t)  # noqa: E731
+            params = jax.jit(cast, out_shardings=sh.params)(master)
+
+    opt_state = live.opt_state
+    if load_optimizer_states and not load_module_only and jax.tree.leaves(live.opt_state):
+        otarget = _abstract(live.opt_state, engine.opt_shardings)
+        if "opt_state" not in saved:
+            raise CheckpointError(f"checkpoint {path!r} has no optimizer state; "
+                                  f"load it with load_optimizer_states=False")
+        try:
+            _check_shapes(path, "opt_state", saved["opt_state"], otarget)
+        except ValueError as e:
+            raise ValueError(
+                f"{e}. The optimizer state's structure differs (another optimizer type, or fp16 "
+                f"loss scaling on one side only); load the weights alone with "
+                f"load_optimizer_states=False") from None
+        opt_state = _restore_item(load_dir, tag, "opt_state", otarget)
+
+    rest = live.rest
+    if jax.tree.leaves(live.rest) and not load_module_only:
+        rtarget = _abstract(live.rest, engine.rest_shardings)
+        if "rest" in saved:
+            _check_shapes(path, "rest", saved["rest"], rtarget)
+            rest = _rewrap_keys(_restore_item(load_dir, tag, "rest", rtarget), live.rest)
+
+    if load_module_only:
+        steps, skipped, samples = 0, 0, 0
+    else:
+        steps, skipped, samples = meta["global_steps"], meta["skipped_steps"], meta["global_samples"]
+    scalar = NamedSharding(engine.mesh, P())
+    put = lambda v: jax.device_put(jnp.asarray(v, jnp.int32), scalar)  # noqa: E731
+    state = TrainState(params=params, master=master, opt_state=opt_state, rest=rest,
+                       step=put(steps), skipped_steps=put(skipped), global_samples=put(samples))
+    return path, state, steps, meta.get("client_state")
+
+
+# ---------------------------------------------------------------------------------------------
+# export
+
+
+def export(load_dir, out_dir, tag=None, dtype: str = "fp32") -> str:
+    """Consolidated weights of a checkpoint as safetensors (GPT-2: a Hugging Face folder).
+
+    Reads only the master weights item into host memory (numpy); never the optimizer state.
+    """
+    ocp = _ocp()
+    np_dtype = {"fp32": np.float32, "bf16": jnp.bfloat16, "fp16": np.float16}.get(dtype)
+    if np_dtype is None:
+        raise ValueError(f"export dtype={dtype!r}; accepted: fp32, bf16, fp16")
+    load_dir = os.fspath(load_dir)
+    tag = _resolve_tag(load_dir, tag)
+    meta = read_meta(load_dir, tag)
+    target: dict = {}
+    for e in meta["items"]["master"]:
+        node = target
+        for k in e["keys"][:-1]:
+            node = node.setdefault(k, {})
+        node[e["keys"][-1]] = jax.ShapeDtypeStruct(tuple(e["shape"]), np.dtype(e["dtype"]))
+    restore_args = jax.tree.map(lambda t: ocp.RestoreArgs(restore_type=np.ndarray, dtype=t.dtype), target)
+    try:
+        master = _checkpointer().restore(_tag_dir(load_dir, tag), args=ocp.args.Composite(
+            master=ocp.args.PyTreeRestore(item=target, restore_args=restore_args)))["master"]
+    except Exception as e:  # noqa: BLE001
+        raise _corrupt(load_dir, tag, "master", e) from e
+    return write_weights(master, os.fspath(out_dir), meta.get("model"), dtype=np_dtype)
+
+
+__all__ = ["CheckpointError", "save", "restore", "export", "read_meta", "list_tags", "write_weights"]
