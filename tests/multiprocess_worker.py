@@ -1,0 +1,90 @@
+"""One process of the multi-process test (tests/test_multiprocess.py), also importable in-process.
+
+Usage: python multiprocess_worker.py PROCESS_ID NUM_PROCESSES PORT OUT.npz
+Each process owns 4 virtual CPU devices and feeds only its own rows of every global batch.
+"""
+import os
+import sys
+
+CASES = [  # (stage, precision, gradient_accumulation_steps)
+    (3, "fp32", 2),
+    (2, "bf16", 1),
+]
+ROWS, STEPS, LOCAL_DEVICES = 32, 3, 4
+
+
+def train(stage, prec, ga, rows_of):
+    """Train the tiny MLP; `rows_of(global_batch)` picks this process's rows. Returns fp32 master."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+    from flax import nnx
+    from jax.experimental import multihost_utils
+
+    from zerojax.engine import shard
+
+    class MLP(nnx.Module):
+        def __init__(self, rngs):
+            self.l1 = nnx.Linear(16, 32, rngs=rngs)
+            self.l2 = nnx.Linear(32, 16, rngs=rngs)
+
+        def __call__(self, x):
+            return self.l2(jax.nn.gelu(self.l1(x)))
+
+    def loss_fn(model, batch):
+        y = model(batch["x"].astype(model.l1.kernel.dtype)).astype(jnp.float32)
+        return jnp.mean((y - batch["y"]) ** 2)
+
+    n = jax.device_count()
+    cfg = {
+        "train_micro_batch_size_per_gpu": ROWS // n // ga, "gradient_accumulation_steps": ga,
+        "optimizer": {"type": "AdamW", "params": {"lr": 1e-2, "weight_decay": 0.01}},
+        "gradient_clipping": 0.1,
+        "zero_optimization": {"stage": stage, "stage3_param_persistence_threshold": 0},
+        "bf16": {"enabled": prec == "bf16"},
+    }
+    eng = shard(MLP(nnx.Rngs(0)), cfg, loss_fn=loss_fn)
+    rng = np.random.default_rng(0)
+    for _ in range(STEPS):
+        batch = {"x": rng.normal(size=(ROWS, 16)).astype(np.float32),
+                 "y": rng.normal(size=(ROWS, 16)).astype(np.float32)}
+        eng.train_step(jax.tree.map(rows_of, batch))
+    eng.synchronize()
+    gathered = multihost_utils.process_allgather(eng.master_params, tiled=True)
+    return jax.tree.map(lambda a: np.asarray(a, np.float32), gathered)
+
+
+def flat(tree, prefix=""):
+    out = {}
+    for k, v in tree.items():
+        if isinstance(v, dict):
+            out.update(flat(v, f"{prefix}{k}/"))
+        else:
+            out[f"{prefix}{k}"] = v
+    return out
+
+
+def main(process_id, num_processes, port, out):
+    os.environ["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={LOCAL_DEVICES}"
+    os.environ["JAX_PLATFORMS"] = "cpu"
+    import jax
+    import numpy as np
+
+    jax.config.update("jax_cpu_collectives_implementation", "gloo")
+    jax.distributed.initialize(coordinator_address=f"localhost:{port}", num_processes=num_processes,
+                               process_id=process_id, initialization_timeout=120)
+    assert jax.device_count() == LOCAL_DEVICES * num_processes, jax.devices()
+    share = ROWS // num_processes
+    rows_of = lambda x: x[process_id * share:(process_id + 1) * share]  # noqa: E731
+    results = {}
+    for stage, prec, ga in CASES:
+        for name, value in flat(train(stage, prec, ga, rows_of)).items():
+            results[f"{stage}-{prec}-{ga}/{name}"] = value
+    if process_id == 0:
+        np.savez(out, **results)
+    jax.distributed.shutdown()
+
+
+if __name__ == "__main__":
+    pid, nproc, port, out = sys.argv[1:5]
+    main(int(pid), int(nproc), int(port), out)
