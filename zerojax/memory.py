@@ -422,14 +422,14 @@ def _accepts_remat(factory) -> bool:
         return False
 
 
-def _build_model(model_factory, remat):
-    """Abstract (shape-only) model from a factory, so planning never allocates parameters."""
+def _model_source(model_factory, remat):
+    """What to hand the engine: a Module as is, else a zero-argument callable, which the engine
+    traces under nnx.eval_shape (so nothing is allocated here)."""
     from flax import nnx
 
-    if isinstance(model_factory, nnx.Module):
+    if isinstance(model_factory, nnx.Module) or remat is None:
         return model_factory
-    make = (lambda: model_factory(remat=remat)) if remat is not None else model_factory
-    return nnx.eval_shape(make)
+    return lambda: model_factory(remat=remat)
 
 
 def default_loss_fn():
@@ -438,43 +438,120 @@ def default_loss_fn():
     return gpt2_loss
 
 
+def abstract_engine(model, cfg, *, loss_fn, mesh=None):
+    """An Engine whose state is ShapeDtypeStructs (with shardings): it can lower and compile the
+    real train step, but holds no device memory. Prefers the engine's own abstract mode."""
+    from zerojax import engine as E
+
+    make = getattr(E, "abstract_engine", None)
+    if make is not None:
+        return make(model, cfg, loss_fn=loss_fn, mesh=mesh)
+    return _AbstractEngine(model, cfg, loss_fn=loss_fn, mesh=mesh)
+
+
+def _abstract_engine_class():
+    import jax
+    from jax.sharding import NamedSharding, PartitionSpec as P
+
+    from zerojax import engine as E
+
+    class AbstractEngine(E.Engine):
+        # Fallback while the engine has no abstract mode: run its own state init under
+        # jax.eval_shape (shapes and dtypes, no buffers) and attach the engine's shardings.
+        def _init_state(self, init_fn, pure_params, pure_rest):
+            shapes = jax.eval_shape(lambda: E.Engine._init_state(self, init_fn, pure_params, pure_rest))
+            rep = NamedSharding(self.mesh, P())
+            shardings = shapes._replace(
+                params=self.shardings.params,
+                master=None if shapes.master is None else self.shardings.master,
+                opt_state=self.opt_shardings, rest=self.rest_shardings,
+                **{f: rep for f in shapes._fields
+                   if f not in ("params", "master", "opt_state", "rest")})
+            return jax.tree.map(
+                lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), shapes, shardings)
+
+    return AbstractEngine
+
+
+def _AbstractEngine(*args, **kwargs):  # noqa: N802 - built lazily: engine imports are heavy
+    global _ABSTRACT
+    if _ABSTRACT is None:
+        _ABSTRACT = _abstract_engine_class()
+    return _ABSTRACT(*args, **kwargs)
+
+
+_ABSTRACT = None
+
+
 def step_memory(model_factory, cfg_dict, seq_len, micro_batch, *, remat=None, loss_fn=None,
                 mesh=None, batch_fn=None) -> CompiledMemory:
-    """Compile the engine's real training step for `cfg_dict` at `micro_batch` and read its memory.
+    """Compile the engine's real training step for `cfg_dict` at `micro_batch`; read its memory.
 
-    model_factory: zero-argument callable returning an nnx.Module (called under nnx.eval_shape, so
-    nothing is allocated), or accepting `remat=bool` to vary activation checkpointing; or a Module.
+    model_factory: zero-argument callable returning an nnx.Module (traced, never run: nothing is
+    allocated), one accepting `remat=bool` to vary activation checkpointing, or a built Module.
     batch_fn(global_batch, seq_len) -> a tree of ShapeDtypeStructs (default GPT-2's input_ids).
+    Results are memoised per (factory, config, shapes, mesh) for the life of the process.
     """
-    from zerojax import engine as engine_mod  # the engine builds on this module: import late
-    from zerojax.config import load_config
+    import json
 
     import jax
     import jax.numpy as jnp
 
+    from zerojax.config import load_config
+
     n_data = _data_size(mesh, cfg_dict)
-    cfg = load_config(_with(_plain_batch_keys(cfg_dict), train_micro_batch_size_per_gpu=micro_batch),
-                      world_size=n_data)
-    model = _build_model(model_factory, remat)
-    eng = engine_mod.shard(model, cfg, loss_fn=loss_fn or default_loss_fn(), mesh=mesh)
+    cfg_dict = _with(_plain_batch_keys(cfg_dict), train_micro_batch_size_per_gpu=micro_batch)
+    key = (model_factory, json.dumps(cfg_dict, sort_keys=True, default=str), seq_len, remat,
+           loss_fn, batch_fn, None if mesh is None else (tuple(mesh.shape.items()),
+                                                         tuple(d.id for d in mesh.devices.flat)),
+           n_data)
+    try:
+        hit = _STEP_MEMORY.get(key)
+    except TypeError:  # an unhashable factory: no memo
+        key, hit = None, None
+    if hit is not None:
+        return hit
+    cfg = load_config(cfg_dict, world_size=n_data)
+    eng = abstract_engine(_model_source(model_factory, remat), cfg,
+                          loss_fn=loss_fn or default_loss_fn(), mesh=mesh)
     if batch_fn is None:
         batch = {"input_ids": jax.ShapeDtypeStruct((cfg.train_batch_size, seq_len), jnp.int32)}
     else:
         batch = batch_fn(cfg.train_batch_size, seq_len)
-    return CompiledMemory.of(compile_engine_step(eng, batch))
+    mem = CompiledMemory.of(compile_engine_step(eng, batch, planning=True))
+    if key is not None:
+        _STEP_MEMORY[key] = mem
+    return mem
 
 
-def compile_engine_step(eng, batch):
-    """The engine's AOT-compiled train step for `batch` (arrays or ShapeDtypeStructs)."""
-    for name in ("compile_train_step", "compiled_step", "compile_step", "aot_train_step",
-                 "lower_train_step"):
+_STEP_MEMORY: dict = {}
+
+# Memory analysis comes from XLA's HLO passes and buffer assignment, before the CPU backend's
+# LLVM code generation; skipping LLVM's optimisations leaves the numbers unchanged and compiles
+# faster. Used only for planning compiles on CPU (virtual devices), never for a step that runs.
+_FAST_CPU_OPTIONS = {"xla_backend_optimization_level": 0}
+
+
+def compile_engine_step(eng, batch, *, planning=False):
+    """The engine's AOT-compiled train step (`jax.stages.Compiled`) for `batch` (arrays or
+    ShapeDtypeStructs). For a real engine this is the engine's cached compile (the one its steps
+    can reuse); `planning=True` compiles a throwaway copy, faster on CPU."""
+    import jax
+
+    shapes = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), batch)
+    lower = getattr(eng, "lower_step", None)
+    if planning and lower is not None:
+        options = _FAST_CPU_OPTIONS if jax.default_backend() == "cpu" else None
+        return lower(shapes).compile(compiler_options=options)
+    for name in ("compiled_step", "compile_train_step"):
         fn = getattr(eng, name, None)
         if fn is not None:
-            out = fn(batch)
-            return out.compile() if hasattr(out, "compile") and not hasattr(out, "memory_analysis") else out
+            return fn(shapes)
+    if lower is not None:
+        return lower(shapes).compile()
     raise NotImplementedError(
-        "zerojax.memory needs Engine.compile_train_step(batch_shapes) -> jax.stages.Compiled; "
-        f"{type(eng).__name__} has none of the known AOT methods")
+        "zerojax.memory needs Engine.compiled_step(batch_shapes) -> jax.stages.Compiled; "
+        f"{type(eng).__name__} has none")
 
 
 def _data_size(mesh, cfg_dict):
@@ -499,6 +576,20 @@ def fit_micro_batch(model_factory, cfg_dict, budget, seq_len, *, remat=None, los
     return m
 
 
+def _zero_choice(cfg_dict, stage, offload):
+    """cfg_dict with zero_optimization set to `stage` and offload "none" | "optimizer" | "param"
+    (other keys of the offload sections, e.g. pin_memory, kept)."""
+    cfg = copy.deepcopy(dict(cfg_dict))
+    zero = cfg["zero_optimization"] = dict(cfg.get("zero_optimization") or {}, stage=stage)
+    for section, on in (("offload_optimizer", offload in ("optimizer", "param")),
+                        ("offload_param", offload == "param")):
+        if on:
+            zero[section] = dict(zero.get(section) or {}, device="cpu")
+        elif section in zero:
+            zero[section] = dict(zero[section] or {}, device="none")
+    return cfg
+
+
 def plan(model_factory, cfg_dict, budget, seq_len, *, stages=(0, 1, 2, 3),
          offloads=("none", "optimizer", "param"), remat=(False, True), micro_batch=None,
          loss_fn=None, mesh=None, batch_fn=None, limit=64, on_result=None) -> list[Plan]:
@@ -518,14 +609,7 @@ def plan(model_factory, cfg_dict, budget, seq_len, *, stages=(0, 1, 2, 3),
                 continue
             if off != "none" and stage == 0:
                 continue  # DeepSpeed offloads the optimizer only under ZeRO (stage >= 1)
-            cfg = _with(cfg_dict, **{"zero_optimization.stage": stage,
-                                     "zero_optimization.offload_optimizer":
-                                         {"device": "cpu" if off != "none" else "none"}})
-            if stage == 3:
-                cfg = _with(cfg, **{"zero_optimization.offload_param":
-                                    {"device": "cpu" if off == "param" else "none"}})
-            else:
-                cfg.get("zero_optimization", {}).pop("offload_param", None)
+            cfg = _zero_choice(cfg_dict, stage, off)
             for r in remats:
                 kw = dict(remat=r, loss_fn=loss_fn, mesh=mesh, batch_fn=batch_fn)
                 mems: dict[int, CompiledMemory] = {}
@@ -559,5 +643,5 @@ __all__ = [
     "zero_paper_bytes", "FormulaRow", "formula_rows", "format_formula_table", "count_params",
     "CompiledMemory", "compiled_memory", "device_budget", "parse_bytes", "fmt_bytes", "Plan",
     "rank_plans", "WillNotFitError", "check_fits", "largest_fitting", "step_memory",
-    "compile_engine_step", "fit_micro_batch", "plan", "GiB", "GB",
+    "compile_engine_step", "abstract_engine", "fit_micro_batch", "plan", "GiB", "GB",
 ]

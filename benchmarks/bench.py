@@ -1,0 +1,454 @@
+"""zerojax against a bare jax.jit step (and, through ANCHORS.md, DeepSpeed) on GPT-2.
+
+    python benchmarks/bench.py --tiny                         # CPU, < 1 minute: does it run?
+    python benchmarks/bench.py                                # default matrix on all local GPUs
+    python benchmarks/bench.py --matrix custom --sizes xl --stages plain,3 --remat on \
+        --offload none,optimizer --micro 4,8 --mem-fraction 0.17
+
+Each matrix entry runs in a fresh subprocess (`--one <json spec>`): a device's
+`peak_bytes_in_use` is a process-lifetime maximum, so entries sharing a process would mix peaks,
+and the parent never touches the accelerator (a preallocating parent would starve its children).
+The bf16 matmul ceiling for MFU is measured first, in its own child, with an 8192^3 matmul.
+
+Columns: tokens/s per device after warm-up, model TFLOP/s per device (FLOPs/token = 6N + 12*L*d*T),
+MFU against the measured ceiling, measured peak per device (max over local devices), the
+planner's predicted peak (XLA's compiled memory analysis of the same step), compile seconds.
+"""
+from __future__ import annotations
+
+import argparse
+import datetime as _dt
+import json
+import os
+import subprocess
+import sys
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(HERE)
+TAG = "BENCH_RESULT "
+if ROOT not in sys.path:  # run from a checkout without installing
+    sys.path.insert(0, ROOT)
+
+# ---------------------------------------------------------------------------------------------
+# Matrix
+
+
+def build_matrix(args, n_devices: int) -> list[dict]:
+    if args.matrix not in ("default", "quick", "custom"):
+        text = open(args.matrix).read() if os.path.exists(args.matrix) else args.matrix
+        specs = json.loads(text)
+        return [dict(_base(args), **s) for s in (specs if isinstance(specs, list) else [specs])]
+    multi = n_devices > 1
+    stages = args.stages or (["plain", 1, 2, 3] if multi else ["plain", 0, 1, 2, 3])
+    remats = args.remat or ["off", "on"]
+    if args.matrix == "quick":
+        stages = args.stages or ["plain", 2 if not multi else 1, 3]
+        remats = args.remat or ["on"]
+    out = []
+    for size in args.sizes:
+        for dtype in args.dtypes:
+            for accum in args.accum:
+                for micro in args.micro:
+                    for stage in stages:
+                        for off in args.offload:
+                            if off != "none" and stage in ("plain", 0):
+                                continue
+                            if off == "param" and stage != 3:
+                                continue
+                            for remat in remats:
+                                out.append(dict(_base(args), size=size, dtype=dtype, accum=accum,
+                                                micro=micro, stage=stage, offload=off,
+                                                remat=remat == "on"))
+    return out
+
+
+def _base(args) -> dict:
+    return dict(seq=args.seq, steps=args.steps, warmup=args.warmup, size=args.sizes[0],
+                dtype=args.dtypes[0], accum=args.accum[0], micro=args.micro[0], stage="plain",
+                offload="none", remat=False, attention=args.attention)
+
+
+def name_of(s: dict) -> str:
+    what = "plain" if s["stage"] == "plain" else f"zero{s['stage']}"
+    extra = "" if s.get("offload", "none") == "none" else f"+off-{s['offload']}"
+    return (f"{s['size']} {what}{extra} {s['dtype']} mb{s['micro']}x{s['accum']}"
+            f"{' remat' if s['remat'] else ''}")
+
+
+# ---------------------------------------------------------------------------------------------
+# Children
+
+
+def child_env(args) -> dict:
+    env = dict(os.environ)
+    env["PYTHONPATH"] = ROOT + os.pathsep + env.get("PYTHONPATH", "")
+    if args.mem_fraction is not None:
+        env["XLA_PYTHON_CLIENT_MEM_FRACTION"] = str(args.mem_fraction)
+    if args.tiny:
+        env["JAX_PLATFORMS"] = "cpu"
+        env["XLA_FLAGS"] = (env.get("XLA_FLAGS", "") +
+                            f" --xla_force_host_platform_device_count={args.tiny_devices}").strip()
+    return env
+
+
+def run_child(spec: dict, env: dict, timeout: float) -> dict:
+    cmd = [sys.executable, os.path.abspath(__file__), "--one", json.dumps(spec)]
+    t0 = time.perf_counter()
+    try:
+        p = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)
+    except subprocess.TimeoutExpired:
+        return {"error": f"timed out after {timeout:.0f}s"}
+    for line in p.stdout.splitlines():
+        if line.startswith(TAG):
+            out = json.loads(line[len(TAG):])
+            out["wall_s"] = time.perf_counter() - t0
+            return out
+    tail = (p.stderr or p.stdout).strip().splitlines()[-12:]
+    err = next((l for l in reversed(tail) if "Error" in l or "error" in l), tail[-1] if tail else "")
+    return {"error": err.strip()[:300], "returncode": p.returncode, "stderr_tail": tail}
+
+
+def one(spec: dict) -> dict:
+    """Run one matrix entry in this process; returns the result dict."""
+    if spec["kind"] == "ceiling":
+        return measure_ceiling(spec.get("n", 8192))
+    return run_entry(spec)
+
+
+def measure_ceiling(n: int) -> dict:
+    import jax
+    import jax.numpy as jnp
+
+    devs = jax.local_devices()
+    k1, k2 = jax.random.split(jax.random.key(0))
+    a = jax.random.normal(k1, (n, n), jnp.bfloat16)
+    b = jax.random.normal(k2, (n, n), jnp.bfloat16)
+    mm = jax.jit(lambda a, b: a @ b)
+    mm(a, b).block_until_ready()
+    iters = 20 if jax.default_backend() != "cpu" else 3
+    t0 = time.perf_counter()
+    for _ in range(iters):
+        c = mm(a, b)
+    c.block_until_ready()
+    dt = (time.perf_counter() - t0) / iters
+    return {"ceiling_tflops": 2 * n**3 / dt / 1e12, "matmul_n": n, "backend": jax.default_backend(),
+            "device_kind": devs[0].device_kind, "n_devices": len(devs),
+            "jax_version": jax.__version__}
+
+
+def _peak_bytes():
+    import jax
+
+    peaks = []
+    for d in jax.local_devices():
+        try:
+            stats = d.memory_stats()
+        except Exception:  # noqa: BLE001
+            stats = None
+        peaks.append(None if not stats else stats.get("peak_bytes_in_use"))
+    return peaks
+
+
+def run_entry(spec: dict) -> dict:
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    from zerojax.models import gpt2 as G
+
+    config = G.GPT2Config.named(spec["size"])
+    seq = min(spec["seq"] or config.n_positions, config.n_positions)
+    n_dev = jax.device_count()
+    dtype = {"bf16": jnp.bfloat16, "fp16": jnp.float16, "fp32": jnp.float32}[spec["dtype"]]
+    global_batch = spec["micro"] * spec["accum"] * n_dev
+    rng = np.random.default_rng(0)
+    tokens = rng.integers(0, config.vocab_size, (global_batch, seq), dtype=np.int32)
+    batch = {"input_ids": tokens}
+
+    if spec["stage"] == "plain":
+        runner = PlainRunner(config, spec, dtype, batch)
+    else:
+        runner = ZeroRunner(config, spec, dtype, batch, n_dev)
+
+    losses = []
+    for _ in range(spec["warmup"]):
+        losses.append(runner.step())
+    runner.block()
+    t0 = time.perf_counter()
+    for _ in range(spec["steps"]):
+        losses.append(runner.step())
+    runner.block()
+    dt = time.perf_counter() - t0
+    tokens_per_s_dev = spec["steps"] * global_batch * seq / dt / n_dev
+    fpt = (G.flops_per_token(config, seq) if hasattr(G, "flops_per_token")
+           else 6 * G.num_params(config) + 12 * config.n_layer * config.n_embd * seq)
+    peaks = _peak_bytes()
+    return {
+        "tokens_per_s_per_device": tokens_per_s_dev,
+        "tflops_per_device": tokens_per_s_dev * fpt / 1e12,
+        "flops_per_token": fpt,
+        "step_s": dt / spec["steps"],
+        "compile_s": runner.compile_s,
+        "peak_bytes": max((p for p in peaks if p is not None), default=None),
+        "peak_bytes_per_device": peaks,
+        "predicted_peak_bytes": runner.predicted.peak if runner.predicted else None,
+        "predicted": runner.predicted.to_dict() if runner.predicted else None,
+        "losses": [float(x) for x in jax.device_get(losses)],
+        "n_devices": n_dev, "global_batch": global_batch, "seq": seq,
+        "params": G.num_params(config), "backend": jax.default_backend(),
+    }
+
+
+class PlainRunner:
+    """The overhead baseline: no zerojax. fp32 master + AdamW (optax) replicated, the step casts
+    params to the compute dtype, grads of the cast params, clip 1.0, per-layer remat optional,
+    cuDNN attention on GPU (the model's default), batch split over all devices."""
+
+    def __init__(self, config, spec, dtype, batch):
+        import jax
+        import jax.numpy as jnp
+        import optax
+        from flax import nnx
+        from jax.sharding import NamedSharding, PartitionSpec as P
+
+        from zerojax.memory import CompiledMemory
+        from zerojax.models.gpt2 import GPT2, gpt2_loss
+
+        mesh = jax.make_mesh((jax.device_count(),), ("data",),
+                             axis_types=(jax.sharding.AxisType.Auto,))
+        rep, data = NamedSharding(mesh, P()), NamedSharding(mesh, P("data"))
+        model = GPT2(config, rngs=nnx.Rngs(0), dtype=dtype, param_dtype=jnp.float32,
+                     remat_policy="full" if spec["remat"] else None,
+                     attention_impl=spec.get("attention"))
+        graphdef, params = nnx.split(model)
+        params = jax.device_put(params, rep)
+        tx = optax.chain(optax.clip_by_global_norm(1.0),
+                         optax.adamw(3e-4, b1=0.9, b2=0.999, eps=1e-8, weight_decay=0.01))
+        opt_state = jax.jit(tx.init, out_shardings=rep)(params)
+        accum = spec["accum"]
+
+        def loss_of(p16, mb):
+            return gpt2_loss(nnx.merge(graphdef, p16), mb)[0]
+
+        def step(params, opt_state, batch):
+            p16 = jax.tree.map(lambda x: x.astype(dtype), params)
+            if accum == 1:
+                loss, g = jax.value_and_grad(loss_of)(p16, batch)
+            else:
+                mbs = jax.tree.map(lambda x: x.reshape(accum, -1, *x.shape[1:]), batch)
+
+                def body(carry, mb):
+                    l, g = jax.value_and_grad(loss_of)(p16, mb)
+                    return jax.tree.map(lambda a, b: a + b.astype(jnp.float32), carry, (l, g)), None
+
+                zero = (jnp.float32(0), jax.tree.map(lambda x: jnp.zeros(x.shape, jnp.float32), p16))
+                (loss, g), _ = jax.lax.scan(body, zero, mbs)
+                loss, g = loss / accum, jax.tree.map(lambda x: x / accum, g)
+            g = jax.tree.map(lambda x: x.astype(jnp.float32), g)
+            updates, opt_state = tx.update(g, opt_state, params)
+            return optax.apply_updates(params, updates), opt_state, loss
+
+        self.batch = jax.device_put(batch, data)
+        jitted = jax.jit(step, donate_argnums=(0, 1), out_shardings=(rep, rep, rep))
+        t0 = time.perf_counter()
+        self.compiled = jitted.lower(params, opt_state, self.batch).compile()
+        self.compile_s = time.perf_counter() - t0
+        self.predicted = CompiledMemory.of(self.compiled)
+        self.state = (params, opt_state)
+
+    def step(self):
+        params, opt_state, loss = self.compiled(*self.state, self.batch)
+        self.state = (params, opt_state)
+        return loss
+
+    def block(self):
+        import jax
+
+        jax.block_until_ready(self.state)
+
+
+class ZeroRunner:
+    """zerojax.shard on a DeepSpeed config dict; the engine's own AOT step gives the prediction."""
+
+    def __init__(self, config, spec, dtype, batch, n_dev):
+        import jax.numpy as jnp
+        from flax import nnx
+
+        import zerojax
+        from zerojax import memory as M
+        from zerojax.models.gpt2 import GPT2, gpt2_loss
+
+        off = spec["offload"]
+        zero = {"stage": int(spec["stage"]),
+                "offload_optimizer": {"device": "cpu" if off in ("optimizer", "param") else "none",
+                                      "pin_memory": True}}
+        if int(spec["stage"]) == 3:
+            zero["offload_param"] = {"device": "cpu" if off == "param" else "none",
+                                     "pin_memory": True}
+        ds = {
+            "train_micro_batch_size_per_gpu": spec["micro"],
+            "gradient_accumulation_steps": spec["accum"],
+            "gradient_clipping": 1.0,
+            "optimizer": {"type": "AdamW", "params": {"lr": 3e-4, "betas": [0.9, 0.999],
+                                                      "eps": 1e-8, "weight_decay": 0.01}},
+            "zero_optimization": zero,
+            "steps_per_print": 10**9,
+        }
+        if spec["dtype"] == "bf16":
+            ds["bf16"] = {"enabled": True}
+        elif spec["dtype"] == "fp16":
+            ds["fp16"] = {"enabled": True}
+        cfg = zerojax.load_config(ds, world_size=n_dev)
+        model = GPT2(config, rngs=nnx.Rngs(0), dtype=dtype, param_dtype=jnp.float32,
+                     remat_policy="full" if spec["remat"] else None,
+                     attention_impl=spec.get("attention"))
+        self.engine = zerojax.shard(model, cfg, loss_fn=gpt2_loss)
+        self.batch = batch
+        self.predicted, self.compile_s = None, None
+        t0 = time.perf_counter()
+        try:
+            self.predicted = M.CompiledMemory.of(M.compile_engine_step(self.engine, batch))
+            self.compile_s = time.perf_counter() - t0
+        except NotImplementedError as e:
+            print(f"no prediction: {e}", file=sys.stderr)
+        self._first = True
+
+    def step(self):
+        t0 = time.perf_counter()
+        metrics = self.engine.train_step(self.batch)
+        if self._first and self.compile_s is None:
+            import jax
+
+            jax.block_until_ready(metrics)
+            self.compile_s = time.perf_counter() - t0  # includes one step
+        self._first = False
+        return metrics["loss"]
+
+    def block(self):
+        import jax
+
+        jax.block_until_ready(self.engine.state)
+
+
+# ---------------------------------------------------------------------------------------------
+# Table and main
+
+
+def fmt_table(rows: list[dict], ceiling: dict) -> str:
+    gib = 2**30
+    head = (f"{'entry':<44}{'tok/s/dev':>11}{'TFLOP/s':>9}{'MFU':>7}{'peak GiB':>10}"
+            f"{'pred GiB':>10}{'compile s':>11}  loss")
+    lines = [f"ceiling: {ceiling.get('ceiling_tflops', 0):.0f} TFLOP/s bf16 "
+             f"({ceiling.get('matmul_n')}^3 matmul) on {ceiling.get('n_devices')} x "
+             f"{ceiling.get('device_kind')} ({ceiling.get('backend')}, jax {ceiling.get('jax_version')})",
+             head, "-" * len(head)]
+    for r in rows:
+        res = r["result"]
+        if "error" in res:
+            lines.append(f"{r['name']:<44}  FAILED: {res['error']}")
+            continue
+        g = lambda b: "-" if b is None else f"{b / gib:.2f}"  # noqa: E731
+        mfu = res["tflops_per_device"] / ceiling["ceiling_tflops"] if ceiling.get("ceiling_tflops") else 0
+        comp = "-" if res.get("compile_s") is None else f"{res['compile_s']:.1f}"
+        loss = res["losses"][-1] if res.get("losses") else float("nan")
+        lines.append(f"{r['name']:<44}{res['tokens_per_s_per_device']:>11,.0f}"
+                     f"{res['tflops_per_device']:>9.1f}{mfu:>7.1%}{g(res['peak_bytes']):>10}"
+                     f"{g(res['predicted_peak_bytes']):>10}{comp:>11}  {loss:.3f}")
+    return "\n".join(lines)
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
+    csv = lambda f: lambda s: [f(x) for x in s.split(",") if x]  # noqa: E731
+    stage = lambda x: x if x == "plain" else int(x)  # noqa: E731
+    p.add_argument("--one", help=argparse.SUPPRESS)
+    p.add_argument("--matrix", default="default",
+                   help="default | quick | custom (from the flags below) | a JSON list of specs "
+                        "or a path to one")
+    p.add_argument("--tiny", action="store_true", help="tiny GPT-2 on 2 virtual CPU devices, 2 steps")
+    p.add_argument("--tiny-devices", type=int, default=2, help=argparse.SUPPRESS)
+    p.add_argument("--steps", type=int, default=None, help="timed steps (default 10)")
+    p.add_argument("--warmup", type=int, default=None, help="untimed steps first (default 3)")
+    p.add_argument("--seq", type=int, default=None, help="sequence length (default 1024)")
+    p.add_argument("--sizes", type=csv(str), default=None, help="GPT-2 sizes (default large)")
+    p.add_argument("--stages", type=csv(stage), default=None,
+                   help="plain and/or ZeRO stages, e.g. plain,0,1,2,3")
+    p.add_argument("--remat", type=csv(str), default=None, help="off,on (default both)")
+    p.add_argument("--offload", type=csv(str), default=None,
+                   help="none,optimizer,param (default none)")
+    p.add_argument("--micro", type=csv(int), default=None, help="micro-batch per device (default 8)")
+    p.add_argument("--accum", type=csv(int), default=None, help="gradient accumulation (default 1)")
+    p.add_argument("--dtypes", type=csv(str), default=None, help="bf16,fp16,fp32 (default bf16)")
+    p.add_argument("--attention", default=None, choices=(None, "xla", "cudnn"),
+                   help="attention implementation (default: cuDNN on GPU where it applies)")
+    p.add_argument("--mem-fraction", type=float, default=None,
+                   help="XLA_PYTHON_CLIENT_MEM_FRACTION for the children (e.g. 0.17 ~ 24 GB of an H200)")
+    p.add_argument("--timeout", type=float, default=600, help="seconds per entry")
+    p.add_argument("--out", default=None, help="JSON path (default benchmarks/results/<timestamp>.json)")
+    args = p.parse_args(argv)
+    tiny = args.tiny
+    args.steps = args.steps if args.steps is not None else (2 if tiny else 10)
+    args.warmup = args.warmup if args.warmup is not None else (1 if tiny else 3)
+    args.seq = args.seq if args.seq is not None else (64 if tiny else 1024)
+    args.sizes = args.sizes or (["tiny"] if tiny else ["large"])
+    args.micro = args.micro or ([2] if tiny else [8])
+    args.accum = args.accum or [1]
+    args.dtypes = args.dtypes or ["bf16"]
+    args.offload = args.offload or ["none"]
+    if tiny and args.matrix == "default" and not args.stages:
+        args.matrix = json.dumps(
+            [{"stage": "plain"}, {"stage": 1}, {"stage": 2, "offload": "optimizer"},
+             {"stage": 3, "remat": True}])
+    return args
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    if args.one:
+        print(TAG + json.dumps(one(json.loads(args.one))), flush=True)
+        return 0
+
+    env = child_env(args)
+    ceiling = run_child({"kind": "ceiling", "n": 1024 if args.tiny else 8192}, env, args.timeout)
+    if "error" in ceiling:
+        print(f"ceiling measurement failed: {ceiling}", file=sys.stderr)
+        return 1
+    specs = build_matrix(args, ceiling["n_devices"])
+    print(f"{len(specs)} entries on {ceiling['n_devices']} x {ceiling['device_kind']}; ceiling "
+          f"{ceiling['ceiling_tflops']:.0f} TFLOP/s", flush=True)
+    rows = []
+    for spec in specs:
+        spec = dict(spec, kind="entry")
+        name = name_of(spec)
+        res = run_child(spec, env, args.timeout)
+        rows.append({"name": name, "spec": spec, "result": res})
+        status = (f"FAILED {res['error']}" if "error" in res else
+                  f"{res['tokens_per_s_per_device']:,.0f} tok/s/dev")
+        print(f"  {name}: {status}  ({res.get('wall_s', 0):.0f}s)", flush=True)
+    if ceiling.get("ceiling_tflops"):
+        for r in rows:
+            if "tflops_per_device" in r["result"]:
+                r["result"]["mfu"] = r["result"]["tflops_per_device"] / ceiling["ceiling_tflops"]
+    print()
+    print(fmt_table(rows, ceiling))
+
+    report = {"time": _dt.datetime.now().isoformat(timespec="seconds"), "argv": sys.argv[1:],
+              "ceiling": ceiling, "entries": rows,
+              "mem_fraction": args.mem_fraction}
+    stamp = _dt.datetime.now().strftime("%Y%m%d-%H%M%S")
+    out = args.out or os.path.join(HERE, "results", f"{stamp}{'-tiny' if args.tiny else ''}.json")
+    paths = [out]
+    if os.environ.get("OUT"):
+        paths.append(os.path.join(os.environ["OUT"], os.path.basename(out)))
+    for path in paths:
+        os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+        with open(path, "w") as f:
+            json.dump(report, f, indent=2)
+        print(f"wrote {path}")
+    return 0 if all("error" not in r["result"] for r in rows) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,224 @@
+"""zerojax.memory: DeepSpeed's estimators (against an independent transcription and DeepSpeed's
+published output), the ZeRO paper's table, the AOT micro-batch search, and the OOM guard."""
+import functools
+
+import jax
+import jax.numpy as jnp
+import pytest
+from flax import nnx
+
+from zerojax import memory as M
+from zerojax.models.gpt2 import GPT2, GPT2Config
+
+GiB = 2**30
+
+
+# ---------------------------------------------------------------------------------------------
+# DeepSpeed's estimators, transcribed independently from deepspeed/runtime/zero/stage_1_and_2.py
+# and stage3.py (DeepSpeed master, 2025-2026), then compared with zerojax's.
+
+
+def ds_zero2(total_params, num_gpus_per_node=1, num_nodes=1, cpu_offload=True,
+             additional_buffer_factor=1.5):
+    total_gpus = num_nodes * num_gpus_per_node
+    if cpu_offload:
+        gpu_mem = 2 * total_params
+        cpu_mem = total_params * max(4 * total_gpus, 16) * additional_buffer_factor
+    else:
+        # 2 = params_16bit, 18 = 2_grads_16bit + 4_grads_32bit + 4_params_32bit + 8_optimizer_states
+        gpu_mem = 2 * total_params + int(18 * total_params / total_gpus)
+        cpu_mem = total_params * 4 * num_gpus_per_node * additional_buffer_factor
+    return int(cpu_mem), int(gpu_mem)
+
+
+def ds_zero3(total_params, largest_layer_params, num_gpus_per_node=1, num_nodes=1,
+             cpu_offload=True, cpu_offload_params=True, zero_init=True,
+             additional_buffer_factor=1.5):
+    total_gpus = num_nodes * num_gpus_per_node
+    gpus_factor = 1 / num_nodes
+    largest_layer_memory = (4 * largest_layer_params)
+    if cpu_offload:
+        if cpu_offload_params:
+            gpu_mem = largest_layer_memory
+            if zero_init:
+                cpu_mem = total_params * 18 * gpus_factor * additional_buffer_factor
+            else:
+                cpu_mem = total_params * max(4 * num_gpus_per_node, 18 * gpus_factor) * additional_buffer_factor
+        else:
+            gpu_mem = largest_layer_memory + int(2 * total_params / total_gpus)
+            if zero_init:
+                cpu_mem = total_params * 16 * gpus_factor * additional_buffer_factor
+            else:
+                cpu_mem = total_params * max(4 * num_gpus_per_node, 16 * gpus_factor) * additional_buffer_factor
+    else:
+        gpu_mem = largest_layer_memory + int(18 * total_params / total_gpus)
+        if zero_init:
+            cpu_mem = largest_layer_params * 4 * num_gpus_per_node * additional_buffer_factor
+        else:
+            cpu_mem = total_params * 4 * num_gpus_per_node * additional_buffer_factor
+    return int(cpu_mem), int(gpu_mem), largest_layer_memory
+
+
+CASES = [(124_439_808, 38_597_376), (774_030_080, 64_328_960), (2851e6, 32e6), (13e9, 325e6),
+         (7_241_732_096, 131_072_000)]
+CLUSTERS = [(1, 1), (2, 1), (8, 1), (8, 4), (3, 2)]
+
+
+@pytest.mark.parametrize("total,largest", CASES)
+@pytest.mark.parametrize("gpus,nodes", CLUSTERS)
+@pytest.mark.parametrize("factor", [1.5, 1.0])
+def test_deepspeed_estimators_match_transcription(total, largest, gpus, nodes, factor):
+    for off in (True, False):
+        assert M.estimate_zero2_model_states_mem_needs(
+            total, gpus, nodes, off, factor) == ds_zero2(total, gpus, nodes, off, factor)
+    for off, par in ((True, True), (True, False), (False, False)):
+        for zi in (True, False):
+            assert M.estimate_zero3_model_states_mem_needs(
+                total, largest, gpus, nodes, off, par, zi, factor) == ds_zero3(
+                total, largest, gpus, nodes, off, par, zi, factor)
+
+
+def test_deepspeed_documented_example_3b():
+    """DeepSpeed's docs (docs/code-docs/source/memory.rst), the `_all_cold` estimators for t5-3b:
+    total_params=2851e6, largest_layer_params=32e6, 1 node x 8 GPUs, printed as `{x/2**30:.2f}GB`."""
+    fmt = lambda b: f"{b / GiB:.2f}"  # noqa: E731
+    # ZeRO-3: (cpu, gpu) per (offload_param, offload_optimizer, zero_init), as the docs print them
+    printed = {(True, True, True): ("71.69", "0.12"), (True, True, False): ("127.45", "0.12"),
+               (False, True, True): ("63.72", "0.78"), (False, True, False): ("127.45", "0.78"),
+               (False, False, True): ("1.43", "6.09"), (False, False, False): ("127.45", "6.09")}
+    for (par, off, zi), (cpu, gpu) in printed.items():
+        c, g, _ = M.estimate_zero3_model_states_mem_needs(2851e6, 32e6, 8, 1, off, par, zi)
+        assert (fmt(c), fmt(g)) == (cpu, gpu), (par, off, zi)
+    # ZeRO-2 with offload_optimizer=cpu: 127.45GB | 5.31GB
+    c, g = M.estimate_zero2_model_states_mem_needs(2851e6, 8, 1, cpu_offload=True)
+    assert (fmt(c), fmt(g)) == ("127.45", "5.31")
+    # ZeRO-2 without offload: the docs still print the older formula's 15.93GB (4Ψ + 16Ψ/N)
+    c, g = M.estimate_zero2_model_states_mem_needs(2851e6, 8, 1, cpu_offload=False, legacy=True)
+    assert (fmt(c), fmt(g)) == ("127.45", "15.93")
+    # the docs' t5-large walk-through: case 1/2/3 in MB (>> 20) for 737.67M params, 4 GPUs
+    total, largest = 737_668_096, 32_899_072
+    assert (4 * largest) >> 20 == 125
+
+
+@pytest.mark.parametrize("n", [1, 2, 8, 64])
+def test_zero_paper_table(n):
+    psi = 7_500_000_000  # the paper's 7.5B-parameter example
+    expected = {0: 16 * psi, 1: 4 * psi + 12 * psi / n, 2: 2 * psi + 14 * psi / n, 3: 16 * psi / n}
+    for stage, want in expected.items():
+        assert M.zero_paper_bytes(psi, stage, n)["device"] == int(want)
+    if n == 64:  # the paper's Figure 1: 120GB, 31.4GB, 16.6GB, 1.9GB
+        got = [M.zero_paper_bytes(psi, s, n)["device"] / 1e9 for s in range(4)]
+        assert [round(x, 1) for x in got] == [120.0, 31.4, 16.6, 1.9]
+    off = M.zero_paper_bytes(psi, 2, n, offload_optimizer=True)
+    assert off == {"device": int(2 * psi + 2 * psi / n), "host": int(12 * psi / n)}
+
+
+def test_count_params_matches_hf_gpt2():
+    abstract = nnx.eval_shape(lambda: GPT2(GPT2Config.named("small"), rngs=nnx.Rngs(0)))
+    total, largest = M.count_params(abstract)
+    assert total == 124_439_808  # HF GPT2LMHeadModel.num_parameters()
+    assert largest == 50257 * 768  # wte, DeepSpeed's largest "layer" for GPT-2
+
+
+def test_cli_estimate_prints_deepspeed_numbers(capsys):
+    from zerojax.cli import main
+
+    assert main(["estimate", "--params", "2851e6", "--largest-layer", "32e6", "--gpus", "8"]) == 0
+    out = capsys.readouterr().out
+    assert "71.69GB" in out and "6.09GB" in out and "127.45GB" in out
+
+
+def test_parse_bytes_and_search():
+    assert M.parse_bytes("24GB") == 24 * 10**9
+    assert M.parse_bytes("1.5GiB") == 3 * 2**29
+    assert M.parse_bytes(100) == 100
+    with pytest.raises(ValueError, match="24GB"):
+        M.parse_bytes("lots")
+    peak = lambda m: 1000 + 100 * m  # noqa: E731
+    for budget, want in ((1050, 0), (1100, 1), (1350, 3), (1500, 5), (10**9, 1024)):
+        assert M.largest_fitting(peak, budget)[0] == want
+
+
+# ---------------------------------------------------------------------------------------------
+# Ahead-of-time: the real engine step on the 8-device CPU mesh
+
+
+SEQ = 32
+TINY = GPT2Config.named("tiny")
+CFG = {
+    "train_micro_batch_size_per_gpu": 1,
+    "gradient_accumulation_steps": 1,
+    "gradient_clipping": 1.0,
+    "bf16": {"enabled": True},
+    "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}},
+    "zero_optimization": {"stage": 2},
+}
+
+
+def tiny_factory():
+    return GPT2(TINY, rngs=nnx.Rngs(0), dtype=jnp.bfloat16, param_dtype=jnp.float32)
+
+
+@functools.cache
+def peak(m):
+    return M.step_memory(tiny_factory, CFG, SEQ, m).peak
+
+
+def test_fit_micro_batch_largest_that_fits():
+    # Budget between the compiled peaks of micro-batches 1 and 2 (the search itself, doubling and
+    # bisection, is checked on a synthetic peak curve above; compiles are what cost time here).
+    p1, p2 = peak(1), peak(2)
+    assert p1 < p2  # activations grow with the micro-batch
+    budget = (p1 + p2) // 2
+    m = M.fit_micro_batch(tiny_factory, CFG, budget, SEQ)
+    assert m == 1
+    assert peak(m) <= budget < peak(m + 1)
+    with pytest.raises(M.WillNotFitError, match="micro-batch 1"):
+        M.fit_micro_batch(tiny_factory, CFG, p1 - 1, SEQ)
+    # The planning compile (abstract engine, nothing allocated) is the real engine's step:
+    # a real engine at that micro-batch compiles to the same per-device memory.
+    import zerojax
+    from zerojax.config import load_config
+
+    cfg = load_config(dict(CFG, train_micro_batch_size_per_gpu=m), world_size=jax.device_count())
+    engine = zerojax.shard(tiny_factory, cfg, loss_fn=M.default_loss_fn())
+    batch = {"input_ids": jax.ShapeDtypeStruct((cfg.train_batch_size, SEQ), jnp.int32)}
+    real = M.CompiledMemory.of(M.compile_engine_step(engine, batch, planning=True))
+    assert real == M.step_memory(tiny_factory, CFG, SEQ, m)
+
+
+def test_will_not_fit_lists_plans():
+    too_big = M.step_memory(tiny_factory, CFG, SEQ, 2)
+    budget = (peak(1) + peak(2)) // 2
+    calls = []
+
+    def plans():
+        calls.append(1)
+        return M.plan(tiny_factory, CFG, budget, SEQ, stages=(2,), offloads=("none",),
+                      micro_batch=None, limit=4)
+
+    with pytest.raises(WillNotFit := M.WillNotFitError) as info:
+        M.check_fits(too_big, budget, plans=plans)
+    err = info.value
+    assert isinstance(err, MemoryError) and isinstance(err, WillNotFit)
+    assert err.predicted_bytes == too_big.peak > budget == err.budget_bytes
+    assert [(p.stage, p.micro_batch) for p in err.plans] == [(2, 1)]
+    assert err.plans[0].peak_bytes == peak(1) <= budget
+    msg = str(err)
+    assert f"{too_big.peak:,} bytes" in msg and f"{budget:,} bytes" in msg
+    assert "stage 2, offload none, micro-batch 1" in msg
+    assert "'train_micro_batch_size_per_gpu': 1" in msg
+    # fitting: no error, plans never computed
+    assert M.check_fits(too_big, too_big.peak, plans=plans).peak == too_big.peak
+    assert calls == [1]
+
+
+def test_plan_ranking_is_the_cost_model():
+    P = M.Plan
+    plans = [P(3, 8, True, True, False), P(2, 4, True, False, False), P(1, 8, False, False, True),
+             P(0, 2, False, False, False), P(2, 8, False, False, False), P(1, 8, False, False, False)]
+    order = [(p.stage, p.micro_batch, p.offload_optimizer, p.offload_param, p.remat)
+             for p in M.rank_plans(plans)]
+    assert order == [(1, 8, False, False, False), (2, 8, False, False, False),
+                     (0, 2, False, False, False), (1, 8, False, False, True),
+                     (2, 4, True, False, False), (3, 8, True, True, False)]
