@@ -103,19 +103,18 @@ def resume_in_child(ckpt, out):
 
 
 def test_resume_in_new_process_is_exact(tmp_path):
+    # One run of 10 steps that saves after step 5 (saving only reads the state), against
+    # 5 steps + load in a fresh process + 5 steps.
     data = batches()
     straight = engine()
-    losses = [float(straight.train_step(b)["loss"]) for b in data]
+    losses = [float(straight.train_step(b)["loss"]) for b in data[:5]]
+    straight.save_checkpoint(tmp_path / "ckpt", client_state={"epoch": 0, "note": "five"})
+    losses += [float(straight.train_step(b)["loss"]) for b in data[5:]]
     straight.synchronize()
-
-    first = engine()
-    for b in data[:5]:
-        first.train_step(b)
-    first.save_checkpoint(tmp_path / "ckpt", client_state={"epoch": 0, "note": "five"})
     assert (tmp_path / "ckpt" / "latest").read_text() == "global_step5"
     meta = checkpoint.read_meta(tmp_path / "ckpt")
     assert (meta["global_steps"], meta["data_position"], meta["scheduler_position"]) == (5, 5, 5)
-    assert meta["config"]["zero_optimization"]["stage"] == 1
+    assert meta["config"]["zero_optimization"]["stage"] == 1 and meta["zerojax_version"]
 
     child("resume_in_child", str(tmp_path / "ckpt"), str(tmp_path / "out.npz"))
     out = np.load(tmp_path / "out.npz")
@@ -224,49 +223,49 @@ def test_killed_save_leaves_previous_checkpoint(tmp_path):
 # export
 
 
-def gpt2_engine(stage, prec, **zero):
+@functools.lru_cache(maxsize=None)
+def gpt2_run():
+    """Tiny GPT-2, bf16 at stage 3 with stage3_gather_16bit_weights_on_model_save, one step, saved."""
     from zerojax.models.gpt2 import GPT2, GPT2Config, gpt2_loss
 
     c = GPT2Config(vocab_size=64, n_positions=16, n_embd=32, n_layer=2, n_head=4)
-    dtype = jnp.bfloat16 if prec == "bf16" else jnp.float32
-    cfg = config(stage, 8, prec, **zero)
+    cfg = config(3, 8, "bf16", stage3_gather_16bit_weights_on_model_save=True)
     cfg["train_micro_batch_size_per_gpu"] = 1
-    eng = shard(GPT2(c, rngs=nnx.Rngs(0), dtype=dtype), cfg, loss_fn=gpt2_loss)
+    eng = shard(GPT2(c, rngs=nnx.Rngs(0), dtype=jnp.bfloat16), cfg, loss_fn=gpt2_loss)
     ids = np.random.default_rng(0).integers(0, c.vocab_size, (8, 16)).astype(np.int32)
     eng.train_step({"input_ids": ids})
-    return eng, ids
+    path = eng.save_checkpoint(tempfile.mkdtemp(prefix="zerojax_ckpt_gpt2_"))
+    return c, ids, path, host(eng.master_params), host(eng.state.params)
 
 
 def test_export_loads_in_transformers(tmp_path):
     torch = pytest.importorskip("torch")
     transformers = pytest.importorskip("transformers")
-    eng, ids = gpt2_engine(1, "fp32")
-    eng.save_checkpoint(tmp_path / "ckpt")
-    assert cli.main(["export", str(tmp_path / "ckpt"), str(tmp_path / "hf")]) == 0
+    from zerojax.models.hf import gpt2_from_params, load_hf
+
+    c, ids, path, master, _ = gpt2_run()
+    ckpt = os.path.dirname(path)
+    assert cli.main(["export", ckpt, str(tmp_path / "hf")]) == 0
     hf = transformers.GPT2LMHeadModel.from_pretrained(str(tmp_path / "hf")).eval()
     with torch.no_grad():
         theirs = hf(torch.from_numpy(ids.astype(np.int64))).logits.numpy()
-    ours = np.asarray(eng.model(jnp.asarray(ids)))
+    ours = np.asarray(gpt2_from_params(c, master)(jnp.asarray(ids)))  # fp32 zerojax GPT-2
     np.testing.assert_allclose(ours, theirs, rtol=1e-5, atol=1e-5)
 
-    assert cli.main(["export", str(tmp_path / "ckpt"), str(tmp_path / "hf16"), "--dtype", "bf16"]) == 0
-    from zerojax.models.hf import load_hf
-
+    assert cli.main(["export", ckpt, str(tmp_path / "hf16"), "--dtype", "bf16"]) == 0
     _, params = load_hf(str(tmp_path / "hf16"))
-    want = jax.tree.map(lambda a: np.asarray(a).astype(jnp.bfloat16), host(eng.master_params))
-    assert_equal(params, want)
+    assert_equal(params, jax.tree.map(lambda a: a.astype(jnp.bfloat16), master))
     assert cli.main(["export", str(tmp_path / "nothing"), str(tmp_path / "x")]) == 1
 
 
-def test_stage3_gathers_16bit_weights_on_save(tmp_path):
+def test_stage3_gathers_16bit_weights_on_save():
     from zerojax.models.hf import load_hf
 
-    eng, _ = gpt2_engine(3, "bf16", stage3_gather_16bit_weights_on_model_save=True)
-    path = eng.save_checkpoint(tmp_path / "ckpt")
+    _, _, path, _, params16 = gpt2_run()
     assert os.path.exists(os.path.join(path, "model.safetensors"))
     _, params = load_hf(path)  # a Hugging Face GPT-2 folder: config.json + model.safetensors
-    assert_equal(params, host(eng.state.params))
     assert jax.tree.leaves(params)[0].dtype == jnp.bfloat16
+    assert_equal(params, params16)
 
 
 def test_flat_export_for_other_models(tmp_path):

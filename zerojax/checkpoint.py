@@ -109,7 +109,7 @@ def _rewrap_keys(restored, live):
 
 
 def _tag_dir(save_dir, tag) -> str:
-    return os.path.join(os.fspath(save_dir), str(tag))
+    return os.path.abspath(os.path.join(os.fspath(save_dir), str(tag)))
 
 
 def list_tags(save_dir) -> list[str]:
@@ -221,7 +221,7 @@ def save(engine, save_dir, tag=None, client_state=None) -> str:
     steps = int(engine.global_steps)
     tag = str(tag) if tag is not None else f"global_step{steps}"
     save_dir = os.fspath(save_dir)
-    path = os.path.abspath(_tag_dir(save_dir, tag))
+    path = _tag_dir(save_dir, tag)
     fp32 = state.master is None
     items = {"master": state.params if fp32 else state.master, "opt_state": state.opt_state,
              "rest": _saveable(state.rest)}
@@ -259,7 +259,14 @@ def save(engine, save_dir, tag=None, client_state=None) -> str:
                          force=True)
     zero = engine.cfg.zero_optimization
     if engine.stage == 3 and zero.stage3_gather_16bit_weights_on_model_save:
-        weights = jax.tree.map(_host_leaf, state.params)  # every process joins each leaf's gather
+        # leaf by leaf: every process joins each gather, only process 0 keeps the host copy
+        keep = jax.process_index() == 0
+
+        def gather(x):
+            g = _host_leaf(x)
+            return g if keep else None
+
+        weights = jax.tree.map(gather, state.params)
         if jax.process_index() == 0:
             write_weights(weights, path, meta["model"])
         del weights
