@@ -175,16 +175,6 @@ def test_fit_micro_batch_largest_that_fits():
     assert peak(m) <= budget < peak(m + 1)
     with pytest.raises(M.WillNotFitError, match="micro-batch 1"):
         M.fit_micro_batch(tiny_factory, CFG, p1 - 1, SEQ)
-    # The planning compile (abstract engine, nothing allocated) is the real engine's step:
-    # a real engine at that micro-batch compiles to the same per-device memory.
-    import zerojax
-    from zerojax.config import load_config
-
-    cfg = load_config(dict(CFG, train_micro_batch_size_per_gpu=m), world_size=jax.device_count())
-    engine = zerojax.shard(tiny_factory, cfg, loss_fn=M.default_loss_fn())
-    batch = {"input_ids": jax.ShapeDtypeStruct((cfg.train_batch_size, SEQ), jnp.int32)}
-    real = M.CompiledMemory.of(M.compile_engine_step(engine, batch, planning=True))
-    assert real == M.step_memory(tiny_factory, CFG, SEQ, m)
 
 
 def test_will_not_fit_lists_plans():
@@ -211,6 +201,24 @@ def test_will_not_fit_lists_plans():
     # fitting: no error, plans never computed
     assert M.check_fits(too_big, too_big.peak, plans=plans).peak == too_big.peak
     assert calls == [1]
+
+
+def test_engine_guard_raises_before_the_first_step():
+    """The guard the engine runs before its first step, on a real engine at micro-batch 2."""
+    import zerojax
+    from zerojax.config import load_config
+
+    cfg = load_config(dict(CFG, train_micro_batch_size_per_gpu=2), world_size=jax.device_count())
+    engine = zerojax.shard(tiny_factory, cfg, loss_fn=M.default_loss_fn())
+    batch = {"input_ids": jax.ShapeDtypeStruct((cfg.train_batch_size, SEQ), jnp.int32)}
+    budget = (peak(1) + peak(2)) // 2
+    with pytest.raises(M.WillNotFitError) as info:
+        M.guard(engine, batch, budget, stages=(2,), offloads=("none",))
+    # the real engine's compiled step predicts what the abstract (planning) compile predicted
+    assert info.value.predicted_bytes == peak(2)
+    assert [(p.stage, p.micro_batch, p.peak_bytes) for p in info.value.plans] == [(2, 1, peak(1))]
+    assert M.guard(engine, batch, peak(2)).peak == peak(2)
+    assert M.guard(engine, batch, None) is None or M.device_budget() is not None  # CPU: no limit
 
 
 def test_plan_ranking_is_the_cost_model():

@@ -330,7 +330,8 @@ class WillNotFitError(MemoryError):
                  f"({predicted_bytes:,} bytes, from XLA's ahead-of-time memory analysis) but the "
                  f"budget is {fmt_bytes(budget_bytes)} ({budget_bytes:,} bytes)."]
         if self.plans:
-            lines.append("These fit, fastest first (set them in the DeepSpeed config):")
+            lines.append("These fit, fastest first (set them in the DeepSpeed config; with a smaller "
+                         "micro-batch, raise gradient_accumulation_steps to keep train_batch_size):")
             lines += [f"  {i + 1}. {p.describe()}  {p.config_patch()}" for i, p in enumerate(self.plans)]
         else:
             lines.append("No plan that was tried fits: use more devices (ZeRO stage 3 divides "
@@ -638,10 +639,67 @@ def plan(model_factory, cfg_dict, budget, seq_len, *, stages=(0, 1, 2, 3),
     return rank_plans(fitting)
 
 
+def engine_model_factory(engine):
+    """A zero-argument factory rebuilding `engine`'s model from its graph and shapes (zeros when
+    traced): lets the planner compile variants of a built engine without its host copy."""
+    import jax
+    import jax.numpy as jnp
+    from flax import nnx
+
+    plan_ = engine.plan
+
+    def fill(s):
+        if jnp.issubdtype(s.dtype, jax.dtypes.prng_key):
+            return jax.random.split(jax.random.key(0), s.shape) if s.shape else jax.random.key(0)
+        return jnp.zeros(s.shape, s.dtype)
+
+    def factory():
+        return nnx.merge(plan_.graphdef, jax.tree.map(fill, plan_.param_template),
+                         jax.tree.map(fill, plan_.rest_template))
+
+    return factory
+
+
+def _batch_fn_like(batch_shapes):
+    import jax
+
+    return lambda rows, seq_len: jax.tree.map(
+        lambda x: jax.ShapeDtypeStruct((rows, *x.shape[1:]), x.dtype), batch_shapes)
+
+
+def engine_plans(engine, batch_shapes, budget=None, *, stages=(0, 1, 2, 3),
+                 offloads=("none", "optimizer", "param")) -> list[Plan]:
+    """Plans that fit `budget` for a built engine's model, loss, mesh and batch shapes: for each
+    stage / offload the largest micro-batch up to the engine's own. Remat is the model's as built."""
+    import jax
+
+    budget = device_budget() if budget is None else parse_bytes(budget)
+    shapes = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), batch_shapes)
+    return plan(engine_model_factory(engine), engine.cfg.to_dict(), budget, None, stages=stages,
+                offloads=offloads, remat=(None,), micro_batch=None, loss_fn=engine.loss_fn,
+                mesh=engine.mesh, batch_fn=_batch_fn_like(shapes),
+                limit=int(engine.cfg.train_micro_batch_size_per_gpu))
+
+
+def guard(engine, batch_shapes, budget=None, **plan_kw) -> CompiledMemory | None:
+    """The check an Engine runs before its first step: compile the step for `batch_shapes`
+    (the engine's cached AOT compile) and raise WillNotFitError, listing the plans that fit, if
+    its predicted peak exceeds `budget` (default: the device's bytes_limit; none on CPU)."""
+    import jax
+
+    budget = device_budget() if budget is None else parse_bytes(budget)
+    if budget is None:
+        return None
+    shapes = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), batch_shapes)
+    return check_fits(compile_engine_step(engine, shapes), budget,
+                      plans=lambda: engine_plans(engine, shapes, budget, **plan_kw))
+
+
 __all__ = [
     "estimate_zero2_model_states_mem_needs", "estimate_zero3_model_states_mem_needs",
     "zero_paper_bytes", "FormulaRow", "formula_rows", "format_formula_table", "count_params",
     "CompiledMemory", "compiled_memory", "device_budget", "parse_bytes", "fmt_bytes", "Plan",
     "rank_plans", "WillNotFitError", "check_fits", "largest_fitting", "step_memory",
-    "compile_engine_step", "abstract_engine", "fit_micro_batch", "plan", "GiB", "GB",
+    "compile_engine_step", "abstract_engine", "engine_model_factory", "engine_plans", "guard",
+    "fit_micro_batch", "plan", "GiB", "GB",
 ]
