@@ -265,3 +265,16 @@ def test_callable_model_is_initialised_sharded():
     assert_trees_close(jax.tree.map(np.asarray, eng.master_params), ref, rtol=0, atol=0)
     assert padded(eng.state.master["l1"]["kernel"]) == (None, "data")
     assert padded(eng.state.params["l2"]["bias"]) == ("data",)
+
+
+def test_fp16_overflow_at_minimum_scale_raises_deepspeeds_error():
+    from zerojax.precision import MIN_SCALE_ERROR
+
+    fp16 = {"enabled": True, "initial_scale_power": 0, "min_loss_scale": 1, "hysteresis": 1}
+    eng = shard(MLP(nnx.Rngs(0)), {**config(0, "fp16", 1), "fp16": fp16}, loss_fn=loss_fn)
+    bad = batches(1)[0]
+    bad["x"] *= 1e5  # fp16 activations overflow to inf at loss scale 1 = the minimum
+    m = eng.train_step(bad)
+    assert bool(m["skipped"]) and float(m["loss_scale"]) == 1.0
+    with pytest.raises(FloatingPointError, match="step 1: " + re.escape(MIN_SCALE_ERROR)):
+        eng.synchronize()

@@ -391,6 +391,9 @@ def _place(x, sharding, dtype=None):
         x = x.astype(dtype)
     if jax.process_count() == 1:
         return jax.device_put(x, sharding)
+    if jnp.issubdtype(x.dtype, jax.dtypes.prng_key):  # rng keys: place the raw key data
+        impl = jax.random.key_impl(x)
+        return jax.random.wrap_key_data(_place(jax.random.key_data(x), sharding), impl=impl)
     host = np.asarray(jax.device_get(x))  # every process built the same model
     return jax.make_array_from_callback(host.shape, sharding, lambda idx: host[idx])
 

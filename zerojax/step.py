@@ -128,14 +128,12 @@ def train_step(plan: StepPlan, state: TrainState, batch):
     grads = jax.tree.map(lambda g: g.astype(jnp.float32), grads)
 
     if plan.fp16:
-        # The loss-scale transform unscales, checks finiteness and skips (zero update, inner state
-        # untouched) by itself.
+        # The loss-scale transform unscales, checks the gradients' finiteness and skips (zero
+        # update, inner state untouched, scale lowered) by itself; a non-finite fp16 loss shows up
+        # as non-finite gradients, so it is skipped there too (DeepSpeed's overflow path).
         new_master, new_opt = optimizer_update(plan, grads, master, state.opt_state)
         skipped = jnp.asarray(new_opt.skipped, jnp.bool_)
         nonfinite = jnp.logical_not(jnp.isfinite(loss))
-        skipped = skipped | nonfinite
-        new_master, new_opt = jax.lax.cond(
-            nonfinite, lambda: (master, state.opt_state), lambda: (new_master, new_opt))
     else:
         # bf16 / fp32: never train on a non-finite loss or gradient; skip and let the engine raise.
         nonfinite = jnp.logical_not(jnp.isfinite(loss) & jnp.isfinite(grad_norm))
