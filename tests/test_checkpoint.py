@@ -3,7 +3,6 @@ resharding into other stages / device counts / precisions, a save killed midway,
 Hugging Face, and the errors for missing, mismatched and corrupt checkpoints."""
 import functools
 import glob
-import importlib.util
 import os
 import shutil
 import signal
@@ -51,6 +50,7 @@ def config(stage, n, prec="bf16", **zero):
         "gradient_clipping": 1.0,
         "zero_optimization": {"stage": stage, "stage3_param_persistence_threshold": 0, **zero},
         "bf16": {"enabled": prec == "bf16"},
+        "fp16": {"enabled": prec == "fp16", "initial_scale_power": 8},
     }
 
 
@@ -168,6 +168,35 @@ def test_reshard_into_other_stage_devices_precision(src, stage, n, prec):
     else:
         # bf16 vs fp32 compute of the same weights: bf16's 8-bit mantissa (~0.4% per rounding)
         np.testing.assert_allclose(new_loss, loss, rtol=2e-2)
+
+
+@pytest.mark.parametrize("src,prec", [("fp16", "bf16"), ("bf16", "fp16")])
+def test_fp16_loss_scale_state_across_precisions(src, prec):
+    from zerojax.precision import DynamicLossScaleState
+
+    d, master, opt, _ = source(src)
+    eng = engine(2, 4, prec, seed=7)
+    eng.load_checkpoint(d)
+    assert_equal(eng.master_params, master)
+    live = eng.state.opt_state
+    if prec == "fp16":  # moments restored, the loss scale starts at 2**initial_scale_power
+        assert_equal(live.inner_state, opt)
+        assert float(live.loss_scale) == 2.0 ** 8
+    else:  # moments restored, loss-scale counters dropped
+        assert isinstance(opt, DynamicLossScaleState)
+        assert_equal(live, opt.inner_state)
+    assert np.isfinite(float(eng.train_step(batches(4)[3])["loss"]))
+    eng.synchronize()
+
+
+def test_load_module_only_keeps_fresh_optimizer():
+    d, master, _, _ = source("bf16")
+    eng = engine(1, 8, "bf16", seed=7)
+    fresh = host(eng.state.opt_state)
+    eng.load_checkpoint(d, load_module_only=True)
+    assert_equal(eng.master_params, master)
+    assert_equal(eng.state.opt_state, fresh)
+    assert eng.global_steps == 0
 
 
 # ---------------------------------------------------------------------------------------------

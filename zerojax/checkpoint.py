@@ -34,7 +34,6 @@ import numpy as np
 
 FORMAT = "zerojax-checkpoint/1"
 LATEST = "latest"
-_ITEMS = ("master", "params", "opt_state", "rest")
 _TMP_MARK = ".orbax-checkpoint-tmp"
 
 
@@ -325,6 +324,46 @@ def _restore_item(load_dir, tag, item, target):
         raise _corrupt(load_dir, tag, item, e) from e
 
 
+def _restore_opt_state(engine, load_dir, tag, path, saved):
+    """The optimizer state into the live optimizer sharding; fp16 <-> bf16 / fp32 keep the moments.
+
+    fp16 wraps the optimizer's state in the loss-scale state (`.inner_state`): an fp16 checkpoint
+    loaded without fp16 drops the loss-scale counters; a bf16 / fp32 one loaded with fp16 starts
+    the loss scale afresh (initial_scale_power), as turning fp16 on does.
+    """
+    from jax.sharding import NamedSharding, PartitionSpec as P
+
+    from zerojax.precision import DynamicLossScaleState
+
+    live, shardings = engine.state.opt_state, engine.opt_shardings
+    saved_fp16 = any(e["path"].startswith(".inner_state") for e in saved)
+    live_fp16 = isinstance(live, DynamicLossScaleState)
+
+    def read(target):
+        try:
+            _check_shapes(path, "opt_state", saved, target)
+        except ValueError as e:
+            raise ValueError(
+                f"{e}. The optimizer state's structure differs (another optimizer type or "
+                f"settings); load the weights alone with load_optimizer_states=False") from None
+        return _restore_item(load_dir, tag, "opt_state", target)
+
+    if saved_fp16 == live_fp16:
+        return read(_abstract(live, shardings))
+    if live_fp16:
+        inner = read(_abstract(live.inner_state, shardings.inner_state))
+        return live._replace(inner_state=inner)
+    scalar = NamedSharding(engine.mesh, P())
+    fields = {e["path"].lstrip("."): jax.ShapeDtypeStruct((), np.dtype(e["dtype"]), sharding=scalar)
+              for e in saved if not e["path"].startswith(".inner_state")}
+    try:
+        target = DynamicLossScaleState(inner_state=_abstract(live, shardings), **fields)
+    except TypeError as e:
+        raise ValueError(f"checkpoint {path!r} item 'opt_state': unknown loss-scale state fields "
+                         f"{sorted(fields)}; load with load_optimizer_states=False") from e
+    return read(target).inner_state
+
+
 def restore(engine, load_dir, tag=None, *, load_optimizer_states=True, load_module_only=False):
     """Read a checkpoint into the engine's current mesh / stage / precision.
 
@@ -364,18 +403,10 @@ def restore(engine, load_dir, tag=None, *, load_optimizer_states=True, load_modu
 
     opt_state = live.opt_state
     if load_optimizer_states and not load_module_only and jax.tree.leaves(live.opt_state):
-        otarget = _abstract(live.opt_state, engine.opt_shardings)
         if "opt_state" not in saved:
             raise CheckpointError(f"checkpoint {path!r} has no optimizer state; "
                                   f"load it with load_optimizer_states=False")
-        try:
-            _check_shapes(path, "opt_state", saved["opt_state"], otarget)
-        except ValueError as e:
-            raise ValueError(
-                f"{e}. The optimizer state's structure differs (another optimizer type, or fp16 "
-                f"loss scaling on one side only); load the weights alone with "
-                f"load_optimizer_states=False") from None
-        opt_state = _restore_item(load_dir, tag, "opt_state", otarget)
+        opt_state = _restore_opt_state(engine, load_dir, tag, path, saved["opt_state"])
 
     rest = live.rest
     if jax.tree.leaves(live.rest) and not load_module_only:
@@ -384,14 +415,16 @@ def restore(engine, load_dir, tag=None, *, load_optimizer_states=True, load_modu
             _check_shapes(path, "rest", saved["rest"], rtarget)
             rest = _rewrap_keys(_restore_item(load_dir, tag, "rest", rtarget), live.rest)
 
-    if load_module_only:
-        steps, skipped, samples = 0, 0, 0
+    if load_module_only:  # DeepSpeed: the weights only; this run's counters stay
+        steps = int(engine.global_steps)
+        counters = dict(step=live.step, skipped_steps=live.skipped_steps, global_samples=live.global_samples)
     else:
-        steps, skipped, samples = meta["global_steps"], meta["skipped_steps"], meta["global_samples"]
-    scalar = NamedSharding(engine.mesh, P())
-    put = lambda v: jax.device_put(jnp.asarray(v, jnp.int32), scalar)  # noqa: E731
-    state = TrainState(params=params, master=master, opt_state=opt_state, rest=rest,
-                       step=put(steps), skipped_steps=put(skipped), global_samples=put(samples))
+        steps = meta["global_steps"]
+        scalar = NamedSharding(engine.mesh, P())
+        put = lambda v: jax.device_put(jnp.asarray(v, jnp.int32), scalar)  # noqa: E731
+        counters = dict(step=put(steps), skipped_steps=put(meta["skipped_steps"]),
+                        global_samples=put(meta["global_samples"]))
+    state = TrainState(params=params, master=master, opt_state=opt_state, rest=rest, **counters)
     return path, state, steps, meta.get("client_state")
 
 
