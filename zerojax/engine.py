@@ -288,6 +288,25 @@ class Engine:
             logger.info(line)
             print(line, flush=True)
 
+    # ------------------------------------------------------------------ checkpoints
+
+    def save_checkpoint(self, save_dir, tag=None, client_state=None) -> str:
+        """DeepSpeed's save_checkpoint (zerojax.checkpoint.save); returns the checkpoint path."""
+        from zerojax import checkpoint
+
+        return checkpoint.save(self, save_dir, tag=tag, client_state=client_state)
+
+    def load_checkpoint(self, load_dir, tag=None, *, load_optimizer_states=True, load_module_only=False):
+        """DeepSpeed's load_checkpoint: installs the restored state; returns (path, client_state)."""
+        from zerojax import checkpoint
+
+        self.synchronize()
+        path, state, steps, client_state = checkpoint.restore(
+            self, load_dir, tag=tag, load_optimizer_states=load_optimizer_states,
+            load_module_only=load_module_only)
+        self.state, self._global_steps, self._pending = state, int(steps), None
+        return path, client_state
+
     # ------------------------------------------------------------------ ahead of time
 
     def lower_step(self, batch_shapes) -> jax.stages.Lowered:
