@@ -278,3 +278,24 @@ def test_fp16_overflow_at_minimum_scale_raises_deepspeeds_error():
     assert bool(m["skipped"]) and float(m["loss_scale"]) == 1.0
     with pytest.raises(FloatingPointError, match="step 1: " + re.escape(MIN_SCALE_ERROR)):
         eng.synchronize()
+
+
+def test_linen_module_through_nnx_bridge():
+    import flax.linen as nn
+    from flax.nnx import bridge
+
+    class LinenMLP(nn.Module):
+        @nn.compact
+        def __call__(self, x):
+            return nn.Dense(16)(jax.nn.gelu(nn.Dense(32)(x)))
+
+    model = bridge.ToNNX(LinenMLP(), rngs=nnx.Rngs(0))
+    bridge.lazy_init(model, jnp.ones((1, 16)))
+
+    def linen_loss(m, b):
+        return jnp.mean((m(b["x"]).astype(jnp.float32) - b["y"]) ** 2)
+
+    eng = shard(model, config(2, "fp32", 1), loss_fn=linen_loss)
+    losses = [float(eng.train_step(b)["loss"]) for b in batches(3, seed=1) * 2]
+    assert losses[-1] < losses[2]  # same three batches again: lower loss after training
+    assert all(padded(x) == (None, None) for x in jax.tree.leaves(eng.state.params) if x.ndim == 2)
