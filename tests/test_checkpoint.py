@@ -22,7 +22,14 @@ from zerojax.engine import shard
 from zerojax.partition import make_mesh
 
 ROWS = 32
+SHARED = None  # a pytest tmp dir for the checkpoints several tests share (set by the fixture)
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _shared_dir(tmp_path_factory):
+    global SHARED
+    SHARED = str(tmp_path_factory.mktemp("shared"))
 
 
 class MLP(nnx.Module):
@@ -132,7 +139,7 @@ def test_resume_in_new_process_is_exact(tmp_path):
 @functools.lru_cache(maxsize=None)
 def source(prec):
     """A stage-1 / 8-device run saved after 3 steps; its state then and its 4th step's loss."""
-    d = tempfile.mkdtemp(prefix=f"zerojax_ckpt_{prec}_")
+    d = tempfile.mkdtemp(prefix=f"ckpt_{prec}_", dir=SHARED)
     eng = engine(1, 8, prec)
     data = batches(4)
     for b in data[:3]:
@@ -263,7 +270,8 @@ def gpt2_run():
     eng = shard(GPT2(c, rngs=nnx.Rngs(0), dtype=jnp.bfloat16), cfg, loss_fn=gpt2_loss)
     ids = np.random.default_rng(0).integers(0, c.vocab_size, (8, 16)).astype(np.int32)
     eng.train_step({"input_ids": ids})
-    path = eng.save_checkpoint(tempfile.mkdtemp(prefix="zerojax_ckpt_gpt2_"))
+    d = tempfile.mkdtemp(prefix="ckpt_gpt2_", dir=SHARED)
+    path = eng.save_checkpoint(d)
     return c, ids, path, host(eng.master_params), host(eng.state.params)
 
 
