@@ -7,6 +7,11 @@ loss_scaler.py) as a GradientTransformation: `update()` receives gradients of
 skips the step: zero updates, `inner_state` returned untouched (so the lr schedule, which reads
 the inner optimizer's count, does not advance either: DeepSpeed's engine does not call
 `lr_scheduler.step()` on an overflow step). The scale then moves by `update_scale(overflow)`.
+
+The same logic apart from any optimizer is a `LossScaler` (`loss_scaler_from_config`): `check`
+(unscale + finite flag + new scale state) and `next_state` (the scale's move for a flag computed
+elsewhere). Host offload uses it: its optimizer runs chunk by chunk over host memory, so the
+finiteness of the gradients is computed as they stream and the skip is applied per chunk.
 """
 from __future__ import annotations
 
@@ -56,12 +61,9 @@ def _unscale(grads, loss_scale):
     return jax.tree.map(one, grads)
 
 
-def _apply_or_skip(inner, grads, state, params):
-    """Unscale, check, then inner.update or (zeros, inner_state unchanged)."""
-    unscaled = _unscale(grads, state.loss_scale)
-    # Checked after unscaling: catches every non-finite input and an unscale that overflows.
-    finite = _all_finite(unscaled)
-    out_shape = jax.eval_shape(inner.update, unscaled, state.inner_state, params)[0]
+def _inner_or_skip(inner, unscaled, finite, inner_state, params):
+    """inner.update on finite gradients, else (zero updates, inner_state unchanged)."""
+    out_shape = jax.eval_shape(inner.update, unscaled, inner_state, params)[0]
 
     def apply(operands):
         g, s, p = operands
@@ -71,28 +73,59 @@ def _apply_or_skip(inner, grads, state, params):
         _, s, _ = operands
         return jax.tree.map(lambda x: jnp.zeros(x.shape, x.dtype), out_shape), s
 
-    updates, inner_state = jax.lax.cond(finite, apply, skip, (unscaled, state.inner_state, params))
-    return updates, inner_state, finite
+    return jax.lax.cond(finite, apply, skip, (unscaled, inner_state, params))
 
 
-def dynamic_loss_scale(inner: optax.GradientTransformation, *, initial_scale_power: int = 16,
-                       loss_scale_window: int = 1000, hysteresis: int = 2, consecutive_hysteresis: bool = False,
-                       min_loss_scale: float = 1.0) -> optax.GradientTransformation:
-    """DeepSpeed's dynamic loss scaling around `inner` (fp16 section names and defaults)."""
+class LossScaler(NamedTuple):
+    """The loss-scale logic apart from any optimizer (host offload runs the optimizer itself).
+
+    init(inner_state) -> LossScaleState around `inner_state`.
+    check(grads, state) -> (unscaled grads, finite flag, new state): unscale, check finiteness
+        (after unscaling), and move the scale; the new state's `inner_state` is the old one.
+    next_state(state, finite) -> the new state for a finiteness flag computed elsewhere (e.g.
+        over gradients streamed from host memory); what `check` uses.
+    skip_nonfinite: whether a non-finite step is skipped (False: fp32 / bf16 pass-through).
+    """
+
+    init: Any
+    check: Any
+    next_state: Any
+    skip_nonfinite: bool = True
+
+
+def _wrap(inner: optax.GradientTransformation, scaler: LossScaler) -> optax.GradientTransformation:
+    """`inner` behind `scaler`: the GradientTransformation form of a LossScaler."""
+
+    def init(params):
+        return scaler.init(inner.init(params))
+
+    def update(grads, state, params=None):
+        unscaled, finite, new_state = scaler.check(grads, state)
+        if scaler.skip_nonfinite:
+            updates, inner_state = _inner_or_skip(inner, unscaled, finite, state.inner_state, params)
+        else:
+            updates, inner_state = inner.update(unscaled, state.inner_state, params)
+        return updates, new_state._replace(inner_state=inner_state)
+
+    return optax.GradientTransformation(init, update)
+
+
+def dynamic_loss_scaler(*, initial_scale_power: int = 16, loss_scale_window: int = 1000, hysteresis: int = 2,
+                        consecutive_hysteresis: bool = False, min_loss_scale: float = 1.0) -> LossScaler:
+    """DeepSpeed's DynamicLossScaler as a LossScaler (see `dynamic_loss_scale`)."""
     if loss_scale_window < 1 or hysteresis < 1 or min_loss_scale <= 0:
         raise ValueError(f"{loss_scale_window=} and {hysteresis=} must be >= 1, {min_loss_scale=} must be > 0")
     init_scale = float(2.0 ** initial_scale_power)
     window, delayed_shift, min_scale = int(loss_scale_window), int(hysteresis), float(min_loss_scale)
 
-    def init(params):
+    def init(inner_state):
         return DynamicLossScaleState(
-            loss_scale=jnp.asarray(init_scale, jnp.float32), inner_state=inner.init(params),
+            loss_scale=jnp.asarray(init_scale, jnp.float32), inner_state=inner_state,
             cur_iter=jnp.zeros([], jnp.int32), last_overflow_iter=jnp.full([], -1, jnp.int32),
             cur_hysteresis=jnp.full([], delayed_shift, jnp.int32), skipped=jnp.asarray(False),
             overflow_at_min=jnp.asarray(False))
 
-    def update(grads, state, params=None):
-        updates, inner_state, finite = _apply_or_skip(inner, grads, state, params)
+    def next_state(state, finite):
         scale, hyst, it = state.loss_scale, state.cur_hysteresis, state.cur_iter
 
         # overflow: drop the scale only once hysteresis is used up, else spend one unit of it
@@ -110,17 +143,62 @@ def dynamic_loss_scale(inner: optax.GradientTransformation, *, initial_scale_pow
         else:
             hyst_ok = jnp.where(grow, delayed_shift, hyst)
 
-        new_state = DynamicLossScaleState(
+        return DynamicLossScaleState(
             loss_scale=jnp.where(finite, scale_ok, scale_ovf).astype(jnp.float32),
-            inner_state=inner_state,
+            inner_state=state.inner_state,
             cur_iter=it + 1,
             last_overflow_iter=jnp.where(finite, state.last_overflow_iter, it),
             cur_hysteresis=jnp.where(finite, hyst_ok, hyst_ovf).astype(jnp.int32),
             skipped=~finite,
             overflow_at_min=state.overflow_at_min | (~finite & at_min))
-        return updates, new_state
 
-    return optax.GradientTransformation(init, update)
+    def check(grads, state):
+        unscaled = _unscale(grads, state.loss_scale)
+        # Checked after unscaling: catches every non-finite input and an unscale that overflows.
+        finite = _all_finite(unscaled)
+        return unscaled, finite, next_state(state, finite)
+
+    return LossScaler(init, check, next_state)
+
+
+def dynamic_loss_scale(inner: optax.GradientTransformation, *, initial_scale_power: int = 16,
+                       loss_scale_window: int = 1000, hysteresis: int = 2, consecutive_hysteresis: bool = False,
+                       min_loss_scale: float = 1.0) -> optax.GradientTransformation:
+    """DeepSpeed's dynamic loss scaling around `inner` (fp16 section names and defaults)."""
+    return _wrap(inner, dynamic_loss_scaler(
+        initial_scale_power=initial_scale_power, loss_scale_window=loss_scale_window, hysteresis=hysteresis,
+        consecutive_hysteresis=consecutive_hysteresis, min_loss_scale=min_loss_scale))
+
+
+def static_loss_scaler(loss_scale: float, *, skip_nonfinite: bool = True) -> LossScaler:
+    """A fixed loss scale as a LossScaler (see `static_loss_scale`)."""
+    scale = float(loss_scale)
+    if scale <= 0:
+        raise ValueError(f"{loss_scale=} must be > 0")
+
+    def init(inner_state):
+        return DynamicLossScaleState(
+            loss_scale=jnp.asarray(scale, jnp.float32), inner_state=inner_state,
+            cur_iter=jnp.zeros([], jnp.int32), last_overflow_iter=jnp.full([], -1, jnp.int32),
+            cur_hysteresis=jnp.zeros([], jnp.int32), skipped=jnp.asarray(False),
+            overflow_at_min=jnp.asarray(False))
+
+    def next_state(state, finite):
+        finite = jnp.asarray(finite) if skip_nonfinite else jnp.asarray(True)
+        return state._replace(cur_iter=state.cur_iter + 1,
+                              last_overflow_iter=jnp.where(finite, state.last_overflow_iter, state.cur_iter),
+                              skipped=~finite)
+
+    def check(grads, state):
+        if skip_nonfinite:
+            unscaled = _unscale(grads, state.loss_scale)
+            finite = _all_finite(unscaled)
+        else:
+            unscaled = _unscale(grads, state.loss_scale) if scale != 1.0 else grads
+            finite = jnp.asarray(True)
+        return unscaled, finite, next_state(state, finite)
+
+    return LossScaler(init, check, next_state, skip_nonfinite)
 
 
 def static_loss_scale(inner: optax.GradientTransformation, loss_scale: float, *,
@@ -132,42 +210,24 @@ def static_loss_scale(inner: optax.GradientTransformation, loss_scale: float, *,
     return`), so non-finite steps are skipped here too. `skip_nonfinite=False` (used for fp32 /
     bf16, where DeepSpeed does not check) always applies `inner`.
     """
-    scale = float(loss_scale)
-    if scale <= 0:
-        raise ValueError(f"{loss_scale=} must be > 0")
+    return _wrap(inner, static_loss_scaler(loss_scale, skip_nonfinite=skip_nonfinite))
 
-    def init(params):
-        return DynamicLossScaleState(
-            loss_scale=jnp.asarray(scale, jnp.float32), inner_state=inner.init(params),
-            cur_iter=jnp.zeros([], jnp.int32), last_overflow_iter=jnp.full([], -1, jnp.int32),
-            cur_hysteresis=jnp.zeros([], jnp.int32), skipped=jnp.asarray(False),
-            overflow_at_min=jnp.asarray(False))
 
-    def update(grads, state, params=None):
-        if skip_nonfinite:
-            updates, inner_state, finite = _apply_or_skip(inner, grads, state, params)
-        else:
-            if scale != 1.0:
-                grads = _unscale(grads, state.loss_scale)
-            updates, inner_state = inner.update(grads, state.inner_state, params)
-            finite = jnp.asarray(True)
-        return updates, state._replace(
-            inner_state=inner_state, cur_iter=state.cur_iter + 1,
-            last_overflow_iter=jnp.where(finite, state.last_overflow_iter, state.cur_iter), skipped=~finite)
-
-    return optax.GradientTransformation(init, update)
+def loss_scaler_from_config(fp16) -> LossScaler:
+    """The LossScaler the fp16 section asks for: dynamic (loss_scale == 0), static, or (fp16 off) none."""
+    if fp16 is None or not fp16.enabled:
+        return static_loss_scaler(1.0, skip_nonfinite=False)
+    if fp16.loss_scale and fp16.loss_scale > 0:
+        return static_loss_scaler(fp16.loss_scale)
+    return dynamic_loss_scaler(initial_scale_power=fp16.initial_scale_power,
+                               loss_scale_window=fp16.loss_scale_window, hysteresis=fp16.hysteresis,
+                               consecutive_hysteresis=fp16.consecutive_hysteresis,
+                               min_loss_scale=fp16.min_loss_scale)
 
 
 def loss_scale_from_config(inner: optax.GradientTransformation, fp16) -> optax.GradientTransformation:
     """Wrap `inner` as the fp16 section says: dynamic (loss_scale == 0), static, or (fp16 off) none."""
-    if fp16 is None or not fp16.enabled:
-        return static_loss_scale(inner, 1.0, skip_nonfinite=False)
-    if fp16.loss_scale and fp16.loss_scale > 0:
-        return static_loss_scale(inner, fp16.loss_scale)
-    return dynamic_loss_scale(inner, initial_scale_power=fp16.initial_scale_power,
-                              loss_scale_window=fp16.loss_scale_window, hysteresis=fp16.hysteresis,
-                              consecutive_hysteresis=fp16.consecutive_hysteresis,
-                              min_loss_scale=fp16.min_loss_scale)
+    return _wrap(inner, loss_scaler_from_config(fp16))
 
 
 def compute_dtype(cfg) -> jnp.dtype:
