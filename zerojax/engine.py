@@ -324,25 +324,6 @@ class Engine:
 
     compile_train_step = compiled_step
 
-    # ------------------------------------------------------------------ checkpoints (zerojax.checkpoint)
-
-    def save_checkpoint(self, save_dir, tag=None, client_state=None) -> str:
-        """DeepSpeed's save_checkpoint on orbax; tag defaults to global_step{N}. Returns the path."""
-        from zerojax import checkpoint
-
-        return checkpoint.save(self, save_dir, tag=tag, client_state=client_state)
-
-    def load_checkpoint(self, load_dir, tag=None, *, load_optimizer_states=True, load_module_only=False):
-        """(load_path, client_state), as DeepSpeed; reshards into this engine's mesh and stage."""
-        from zerojax import checkpoint
-
-        self.synchronize()
-        path, self.state, self._global_steps, client_state = checkpoint.restore(
-            self, load_dir, tag, load_optimizer_states=load_optimizer_states,
-            load_module_only=load_module_only)
-        self._pending = None
-        return path, client_state
-
     # ------------------------------------------------------------------ views
 
     @property
