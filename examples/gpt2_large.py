@@ -10,6 +10,7 @@ fresh machine with no download. Without --hf-checkpoint the model starts from GP
 from __future__ import annotations
 
 import argparse
+import json
 import math
 import os
 import sys
@@ -91,7 +92,17 @@ def main(argv=None):
         "bf16.enabled": gpu, "fp16.enabled": False,
     }
     cfg = zerojax.load_config(args.config, fill=fill)
+    if cfg.optimizer is None:
+        # DeepSpeed then expects a client optimizer (deepspeed.initialize(optimizer=...)), as the
+        # Hugging Face Trainer supplies; ours is AdamW with the flags' lr.
+        print(f"{args.config} has no optimizer section: using AdamW(lr={lr})")
+        cfg = zerojax.load_config({**cfg.to_dict(), "optimizer": {"type": "AdamW", "params": {"lr": lr}}},
+                                  world_size=cfg.world_size)
 
+    if cfg.fp16.enabled and not gpu:
+        sys.exit(f"{args.config} enables fp16, whose matrix products XLA does not run on CPU "
+                 f"('F16_F16_F32' is not supported by dot_general); use a GPU or a bf16 config "
+                 f"such as configs/zero2_bf16.json")
     remat = args.remat
     if remat is None:
         ac = cfg.activation_checkpointing
@@ -147,7 +158,19 @@ def main(argv=None):
                 post["mem"] = f"{stats['peak_bytes_in_use'] / 2**30:.1f}GiB"
             bar.set_postfix(post)
     engine.synchronize()
+    jax.block_until_ready(engine.state)
     bar.close()
+    summary = {"model": size, "config": os.path.basename(args.config), "devices": n_dev,
+               "stage": cfg.zero_optimization.stage, "train_batch_size": cfg.train_batch_size,
+               "seq_len": seq_len, "remat": remat}
+    if t0 is not None and timed_tokens:
+        tps = timed_tokens / (time.perf_counter() - t0) / n_dev
+        summary["tokens_per_s_per_device"] = round(tps)
+        if peak:
+            summary["mfu"] = round(tps * fpt / (peak * 1e12), 4)
+    stats = jax.devices()[0].memory_stats() or {}
+    if "peak_bytes_in_use" in stats:
+        summary["peak_gib_device0"] = round(stats["peak_bytes_in_use"] / 2**30, 2)
 
     val_losses = [float(engine.eval_step({"input_ids": rows}))
                   for _, rows in zip(range(args.eval_batches), data.val_batches(cfg.train_batch_size))]
@@ -157,6 +180,8 @@ def main(argv=None):
     if first_loss is not None and last_loss is not None:
         print(f"train loss {first_loss:.4f} -> {last_loss:.4f}")
     print(engine.memory_report())
+    summary.update(first_loss=first_loss, last_loss=last_loss, val_loss=val_losses and float(np.mean(val_losses)))
+    print("SUMMARY " + json.dumps(summary), flush=True)
 
     if args.save:
         engine.save_checkpoint(args.save)
@@ -166,7 +191,7 @@ def main(argv=None):
         save_hf(engine.master_params, gpt_cfg, args.export_hf)
         print(f"Hugging Face weights written to {args.export_hf}")
     engine.close() if hasattr(engine, "close") else None
-    return {"first_loss": first_loss, "last_loss": last_loss, "val_loss": val_losses and float(np.mean(val_losses))}
+    return summary
 
 
 if __name__ == "__main__":
