@@ -69,11 +69,16 @@ def accumulate_gradients(
     accum_dtype=jnp.float32,
     loss_scale=1.0,
     carry=None,
+    grad_transform: Callable | None = None,
 ):
     """Sum of gradients of `loss / steps * loss_scale` over `steps` micro-batches of `batch`.
 
     Returns `(grads, loss, aux, carry)`: grads in `accum_dtype` and `grad_shardings`, loss the fp32
     mean of the (unscaled) micro-batch losses, aux the reduced auxiliary metrics.
+    grad_transform: applied to each micro-batch's gradients before they are added (host offload
+    of params: brings host-resident gradients to the device). With steps == 1, accum_dtype=None
+    keeps the gradients as they come (no cast, no sharding constraint: host-resident gradients
+    stay where they are and are cast chunk by chunk later).
     """
     if steps < 1:
         raise ValueError(f"gradient_accumulation_steps={steps} must be >= 1")
@@ -85,6 +90,8 @@ def accumulate_gradients(
             return loss / steps * loss_scale, (loss, aux, new_carry)
 
         grads, (loss, aux, new_carry) = jax.grad(objective, has_aux=True)(params)
+        if grad_transform is not None:
+            grads = grad_transform(grads)
         return grads, loss, aux, new_carry
 
     def constrain(tree):
@@ -94,6 +101,8 @@ def accumulate_gradients(
 
     if steps == 1:
         grads, loss, aux, carry = micro(batch, carry)
+        if accum_dtype is None:
+            return grads, loss, aux, carry
         grads = constrain(jax.tree.map(lambda g: g.astype(accum_dtype), grads))
         return grads, loss, aux, carry
 
@@ -103,6 +112,8 @@ def accumulate_gradients(
         acc = constrain(jax.tree.map(lambda a, g: a + g.astype(accum_dtype), acc, grads))
         return (acc, carry), (loss, aux)
 
+    if accum_dtype is None:
+        raise ValueError("accum_dtype=None (keep gradients as they come) needs steps == 1")
     acc = constrain(jax.tree.map(lambda p: jnp.zeros(p.shape, accum_dtype), params))
     (acc, carry), (losses, aux) = jax.lax.scan(
         body, (acc, carry), split_microbatches(batch, steps, mesh)

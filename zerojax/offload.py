@@ -382,7 +382,9 @@ def _grads_in(g, m_sh):
     return jax.tree.map(move, g, m_sh, is_leaf=_is_none)
 
 
-def _apply(tx, g, s, m, compute_dtype, skip):
+def _apply(tx, g, s, m, compute_dtype, skip, grad_scale=None):
+    if grad_scale is not None:  # unscale x clip, applied chunk by chunk on the device
+        g = jax.tree.map(lambda x: x.astype(jnp.float32) * grad_scale, g)
     u, s_new = tx.update(g, s, m)
     m_new = optax.apply_updates(m, u)
     if skip is not None:
@@ -398,13 +400,17 @@ def _strip(shardings):
 
 
 def streamed_update(tx, grads, state: OffloadState, plan: OffloadPlan, *,
-                    compute_dtype=jnp.bfloat16, skip=None):
+                    compute_dtype=jnp.bfloat16, skip=None, grad_scale=None, compute_kind=None):
     """One optimizer step over offloaded chunks; call inside the step's jit.
 
     tx: an elementwise optax transform (no global-norm clipping inside: clip `grads` before).
     grads: fp32 gradients, params-shaped, on device (or host-resident, see `fetch`).
     skip: optional bool scalar (e.g. fp16 overflow): when True master and state stay as they were.
-    -> (compute params tree in `compute_dtype` on device, new OffloadState in place).
+    grad_scale: optional fp32 scalar multiplied into each gradient chunk once it is on the device
+        (1 / loss scale x clip coefficient: host-resident gradients are never computed on in place).
+    compute_kind: None (compute params returned in device memory) or a host kind: each chunk's
+        compute copy is sent there as soon as it is made (stage 3 `offload_param`).
+    -> (compute params tree in `compute_dtype`, new OffloadState in place).
     """
     layout = plan.layout
     g_chunks = to_chunks(grads, layout)
@@ -422,21 +428,40 @@ def streamed_update(tx, grads, state: OffloadState, plan: OffloadPlan, *,
             def body(_, xs, gm=gm, gs=gs):
                 gg, mm, ss = xs
                 mm, ss = _to(mm, gm, DEVICE), _to(ss, gs, DEVICE)
-                mm, ss, cc = _apply(tx, _grads_in(gg, gm), ss, mm, compute_dtype, skip)
+                mm, ss, cc = _apply(tx, _grads_in(gg, gm), ss, mm, compute_dtype, skip, grad_scale)
+                if compute_kind is not None:
+                    cc = _to(cc, gm, compute_kind)
                 return None, (_to(mm, gm, plan.kind), _to(ss, gs, plan.kind), cc)
 
             _, (m, s, cp) = jax.lax.scan(body, None, (g, m, s))
         else:
             if c.host:
                 m, s = _to(m, m_sh, DEVICE), _to(s, s_sh, DEVICE)
-            m, s, cp = _apply(tx, _grads_in(g, m_sh), s, m, compute_dtype, skip)
+            m, s, cp = _apply(tx, _grads_in(g, m_sh), s, m, compute_dtype, skip, grad_scale)
             if c.host:
                 m, s = _to(m, m_sh, plan.kind), _to(s, s_sh, plan.kind)
+            if compute_kind is not None:
+                cp = _to(cp, m_sh, compute_kind)
         results.append(cp if c.host else None)
         out_c.append(cp)
         out_m.append(m)
         out_s.append(s)
     return from_chunks(out_c, layout), OffloadState(out_m, out_s)
+
+
+def grad_stats(grads, plan: OffloadPlan):
+    """(sum of squares in fp32, all finite) of a params-shaped gradient tree, chunk by chunk.
+
+    Host-resident leaves (offload_param's gradients) are brought to the device one chunk of the
+    plan's layout at a time, reduced there and dropped: nothing is computed in host memory.
+    """
+    total, finite = jnp.float32(0.0), jnp.asarray(True)
+    for g, m_sh in zip(to_chunks(grads, plan.layout), plan.master_shardings):
+        for x in jax.tree.leaves(_grads_in(g, m_sh)):
+            x = x.astype(jnp.float32)
+            total = total + jnp.sum(jnp.square(x))
+            finite = finite & jnp.all(jnp.isfinite(x))
+    return total, finite
 
 
 def whole_update(tx, grads, master, opt_state, master_shardings, state_shardings, *,
@@ -457,5 +482,5 @@ __all__ = [
     "DEVICE", "PINNED_HOST", "UNPINNED_HOST", "CANDIDATES", "memory_kinds", "host_memory_kind",
     "with_memory_kind", "is_host", "fetch", "layer_shardings", "scan_layers", "Chunk", "ChunkLayout",
     "chunk_layout", "to_chunks", "from_chunks", "OffloadState", "OffloadPlan", "offload_plan",
-    "init_offloaded", "offload_master", "streamed_update", "whole_update",
+    "init_offloaded", "offload_master", "streamed_update", "grad_stats", "whole_update",
 ]

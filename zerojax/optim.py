@@ -617,8 +617,11 @@ def optimizer_from(type: str, params: Mapping[str, Any] | None = None, *, gradie
     return opt
 
 
-def build_optimizer(cfg) -> optax.GradientTransformation:
-    """`cfg.optimizer` + `cfg.scheduler` + `cfg.gradient_clipping` -> one optax transform (no loss scaling)."""
+def build_optimizer(cfg, *, clip: bool = True) -> optax.GradientTransformation:
+    """`cfg.optimizer` + `cfg.scheduler` + `cfg.gradient_clipping` -> one optax transform (no loss scaling).
+
+    clip=False leaves out the global-norm clipping (host offload clips the whole gradient itself,
+    then runs the optimizer chunk by chunk)."""
     if cfg.optimizer is None:
         raise _error("optimizer: the config has no optimizer section; add one, e.g. "
                      '{"type": "AdamW", "params": {"lr": 1e-4}}')
@@ -626,5 +629,5 @@ def build_optimizer(cfg) -> optax.GradientTransformation:
     if cfg.scheduler is not None:
         momentum = momentum_schedule_from(cfg.scheduler.type, cfg.scheduler.params)
     return optimizer_from(cfg.optimizer.type, cfg.optimizer.params,
-                          gradient_clipping=float(cfg.gradient_clipping or 0.0),
+                          gradient_clipping=float(cfg.gradient_clipping or 0.0) if clip else 0.0,
                           schedule=build_schedule(cfg), momentum_schedule=momentum)

@@ -17,6 +17,7 @@ import optax
 from flax import nnx
 from jax.sharding import Mesh
 
+from zerojax import offload as offload_mod
 from zerojax.accumulate import accumulate_gradients
 from zerojax.partition import StageShardings
 
@@ -63,6 +64,25 @@ class StepPlan:
     steps: int                    # gradient_accumulation_steps
     train_batch_size: int
     fp16: bool
+    offload: "OffloadStep | None" = None   # host offload (zero_optimization.offload_*)
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class OffloadStep:
+    """Host offload of the optimizer (and, stage 3, of the params): built by the engine.
+
+    With it, `TrainState.master` is the list of per-chunk fp32 master pieces of `plan`
+    (`zerojax.offload`; host memory), `opt_state` the list of per-chunk states of `tx` (fp16: a
+    LossScaleState whose `inner_state` is that list), and `params` the compute copy (fp32 compute
+    too: a copy on the device apart from the host master).
+    """
+
+    plan: Any                     # offload.OffloadPlan: chunk layout, per-chunk shardings
+    tx: optax.GradientTransformation   # the bare optimizer + schedule (no clip, no loss scale)
+    scaler: Any                   # precision.LossScaler (fp16) or None
+    clip: float                   # gradient_clipping; 0 = off
+    param_shardings: Any = None   # offload_param: the compute params' host shardings
+    fetch_rest: Callable | None = None  # offload_param: non-layer params tree -> device copy
 
 
 def _pure(state):
@@ -80,6 +100,8 @@ def merge(plan: StepPlan, params, rest):
 
 
 def _call_loss(plan: StepPlan, params, batch, rest):
+    if plan.offload is not None and plan.offload.fetch_rest is not None:
+        params = plan.offload.fetch_rest(params)  # embeddings etc. whole; layers by the model's hook
     model = merge(plan, params, rest)
     out = plan.loss_fn(model, batch)
     loss, aux = out if isinstance(out, tuple) else (out, {})
@@ -115,12 +137,24 @@ def optimizer_update(plan: StepPlan, grads, master, opt_state):
 
 def train_step(plan: StepPlan, state: TrainState, batch):
     scale = loss_scale_of(plan, state.opt_state)
+    accum_dtype, grad_transform = plan.accum_dtype, None
+    if plan.offload is not None and plan.offload.param_shardings is not None:
+        # Gradients of host-resident params come back host-resident (JAX's typing rule). One
+        # micro-batch: leave them there; the update streams them in chunk by chunk. Several:
+        # bring each micro-batch's to the device to add them (device memory: the accumulator).
+        if plan.steps == 1:
+            accum_dtype = None
+        else:
+            dev = offload_mod.with_memory_kind(plan.shardings.grads, offload_mod.DEVICE)
+            grad_transform = lambda g: jax.device_put(g, dev)  # noqa: E731
     grads, loss, aux, rest = accumulate_gradients(
         lambda p, mb, r: _call_loss(plan, p, mb, r),
         state.params, batch, steps=plan.steps, mesh=plan.mesh,
-        grad_shardings=plan.shardings.grads, accum_dtype=plan.accum_dtype,
-        loss_scale=scale, carry=state.rest,
+        grad_shardings=plan.shardings.grads, accum_dtype=accum_dtype,
+        loss_scale=scale, carry=state.rest, grad_transform=grad_transform,
     )
+    if plan.offload is not None:
+        return _offloaded_tail(plan, state, grads, loss, aux, rest, scale)
     # DeepSpeed reports the norm of the unscaled gradients before clipping.
     grad_norm = _global_norm(grads) / scale
     lr = plan.schedule(state.step - state.skipped_steps)
@@ -169,6 +203,57 @@ def train_step(plan: StepPlan, state: TrainState, batch):
     return new_state, metrics
 
 
+def _offloaded_tail(plan: StepPlan, state: TrainState, grads, loss, aux, rest, scale):
+    """Unscale + finite check + clip on the whole gradient, then the update streamed chunk by
+    chunk over host memory (`offload.streamed_update`). No `lax.cond` around host state: a
+    skipped step keeps master and moments by a select inside each chunk."""
+    from zerojax.precision import _all_finite
+
+    off = plan.offload
+    if any(offload_mod.is_host(g) for g in jax.tree.leaves(grads)):
+        sumsq, finite = offload_mod.grad_stats(grads, off.plan)  # chunk by chunk on the device
+        raw_norm = jnp.sqrt(sumsq)
+    else:
+        raw_norm, finite = _global_norm(grads), _all_finite(grads)
+    grad_norm = raw_norm / scale
+    finite = finite & jnp.isfinite(grad_norm)  # an unscale that overflows
+    lr = plan.schedule(state.step - state.skipped_steps)
+    if plan.fp16:
+        # precision's loss-scale logic, with the finiteness computed here
+        new_ls = off.scaler.next_state(state.opt_state, finite)
+        inner = state.opt_state.inner_state
+        skip = ~finite
+        nonfinite = jnp.logical_not(jnp.isfinite(loss))
+    else:
+        inner = state.opt_state
+        nonfinite = jnp.logical_not(jnp.isfinite(loss) & finite)
+        skip = nonfinite
+    factor = (1.0 / scale).astype(jnp.float32)
+    if off.clip and off.clip > 0:  # optim.clip_by_global_norm's formula, on the unscaled norm
+        coef = off.clip / (grad_norm + 1e-6)
+        factor = factor * jnp.where(coef < 1.0, coef, 1.0)
+    params, new_off = offload_mod.streamed_update(
+        off.tx, grads, offload_mod.OffloadState(state.master, inner), off.plan,
+        compute_dtype=plan.compute_dtype, skip=skip, grad_scale=factor)
+    if off.param_shardings is not None:
+        params = jax.device_put(params, off.param_shardings)
+    else:
+        params = jax.lax.with_sharding_constraint(params, plan.shardings.params)
+    new_opt = new_ls._replace(inner_state=new_off.opt_state) if plan.fp16 else new_off.opt_state
+    new_state = TrainState(
+        params=params, master=new_off.master, opt_state=new_opt,
+        rest=jax.lax.with_sharding_constraint(rest, plan.rest_shardings),
+        step=state.step + 1,
+        skipped_steps=state.skipped_steps + skip.astype(jnp.int32),
+        global_samples=state.global_samples + plan.train_batch_size,
+    )
+    metrics = {**aux, "loss": loss, "grad_norm": grad_norm, "lr": jnp.asarray(lr, jnp.float32),
+               "loss_scale": scale, "skipped": skip, "nonfinite": nonfinite}
+    if plan.fp16:
+        metrics["overflow_at_min"] = jnp.asarray(new_ls.overflow_at_min, jnp.bool_)
+    return new_state, metrics
+
+
 def _global_norm(tree):
     norm = getattr(getattr(optax, "tree", None), "norm", None)  # optax >= 0.2.5
     return norm(tree) if norm is not None else optax.global_norm(tree)
@@ -179,4 +264,4 @@ def eval_step(plan: StepPlan, params, rest, batch):
     return loss
 
 
-__all__ = ["TrainState", "StepPlan", "train_step", "eval_step", "optimizer_update", "merge", "master_of"]
+__all__ = ["TrainState", "StepPlan", "OffloadStep", "train_step", "eval_step", "optimizer_update", "merge", "master_of"]

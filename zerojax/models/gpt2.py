@@ -211,6 +211,14 @@ class GPT2(nnx.Module):
     remat_policy: None | "full" | "dots" | "offload", applied per block inside the layer scan.
     offload_activations: True is remat_policy="offload" (block inputs saved to pinned host memory).
     attention_impl: None (cuDNN on GPU when it applies, else XLA) | "xla" | "cudnn".
+
+    Parameter offload hook: `layer_fetch` (attribute, default None) is a function applied to each
+    layer's parameter slice inside the layer scan, inside the block's remat, so the backward
+    pass fetches each layer again instead of keeping a device copy of every layer for it. A
+    trainer that keeps the stacked layer params in host memory sets it (e.g. to a `device_put`
+    to device memory); with it, remat_policy None means "full" (a saved device copy of every
+    layer is what the offload avoids). `scan_unroll` (default 1) unrolls the layer scan, giving
+    the scheduler a window to overlap the next layer's fetch with this layer's compute.
     """
 
     def __init__(self, config: GPT2Config, *, rngs: nnx.Rngs, dtype=jnp.float32,
@@ -229,6 +237,8 @@ class GPT2(nnx.Module):
         self.param_dtype = jnp.dtype(param_dtype)
         self.remat_policy = remat_policy
         self.attention_impl = attention_impl
+        self.layer_fetch = None  # see the class docstring: set by a trainer for param offload
+        self.scan_unroll = 1
         d, std = config.n_embd, config.initializer_range
         self.wte = _param(std * jax.random.normal(rngs.params(), (config.vocab_size, d), param_dtype),
                           ("vocab", "embed"))
@@ -248,11 +258,17 @@ class GPT2(nnx.Module):
         body = functools.partial(
             _block, eps=cfg.layer_norm_epsilon, dtype=dtype,
             attention_impl=_resolve_attention(self.attention_impl, dtype, cfg.head_dim))
-        if self.remat_policy is not None:
+        policy = self.remat_policy
+        fetch = getattr(self, "layer_fetch", None)
+        if fetch is not None:
+            block, policy = body, policy or "full"
+            body = lambda x, p: block(x, fetch(p))  # noqa: E731 - inside the remat: re-fetched in backward
+        if policy is not None:
             # scan already keeps iterations apart, so CSE prevention is not needed
-            body = jax.checkpoint(body, policy=remat_policy_fn(self.remat_policy), prevent_cse=False)
+            body = jax.checkpoint(body, policy=remat_policy_fn(policy), prevent_cse=False)
         layers = nnx.to_pure_dict(nnx.state(self.h, nnx.Param))
-        x, _ = jax.lax.scan(lambda x, p: (body(x, p), None), x, layers)
+        x, _ = jax.lax.scan(lambda x, p: (body(x, p), None), x, layers,
+                            unroll=getattr(self, "scan_unroll", 1) or 1)
 
         x = _layer_norm(x, self.ln_f.scale[...], self.ln_f.bias[...], cfg.layer_norm_epsilon, dtype)
         return jnp.einsum("btd,vd->btv", x, wte.astype(dtype), preferred_element_type=jnp.float32)
