@@ -35,15 +35,33 @@ logger = logging.getLogger("zerojax")
 
 _HOST_KINDS = ("pinned_host", "unpinned_host")
 
+PARAM_HOOK_ERROR = ("zero_optimization.offload_param: offload_param needs a model whose layer scan accepts a "
+                    "fetch hook (a `layer_fetch` attribute applied to each layer's params inside the scan); "
+                    "zerojax.models.gpt2.GPT2 does. {what}")
 
-def shard(model, cfg, *, loss_fn: Callable, mesh: Mesh | None = None) -> "Engine":
+
+def _env_or(value, name, cast, default=None):
+    """`value` if given, else env `name` ("none" -> 0), else `default`."""
+    import os
+
+    if value is not None:
+        return value
+    raw = os.environ.get(name, "").strip()
+    if not raw:
+        return default
+    return 0 if raw.lower() == "none" else cast(raw)
+
+
+def shard(model, cfg, *, loss_fn: Callable, mesh: Mesh | None = None, **offload_options) -> "Engine":
     """Wrap `model` (an nnx.Module, or a zero-argument callable returning one) for training.
 
     cfg: a Config, or anything `load_config` accepts (path, JSON text, dict).
     loss_fn(model, batch) -> loss, or (loss, metrics dict of scalars).
     mesh: a ("data", "tensor") mesh; default all devices, "tensor" = tensor_parallel.autotp_size.
+    offload_options: offload_chunks, offload_candidate, offload_window, offload_unroll (tuning of
+        host offload; see `Engine`; env ZEROJAX_OFFLOAD_CHUNKS / _CANDIDATE / _WINDOW / _UNROLL).
     """
-    return Engine(model, cfg, loss_fn=loss_fn, mesh=mesh)
+    return Engine(model, cfg, loss_fn=loss_fn, mesh=mesh, **offload_options)
 
 
 def _resolve_config(cfg, mesh):
@@ -88,7 +106,9 @@ class MemoryReport(dict):
 class Engine:
     """Trains one model under one config. See module docstring and `zerojax.step`."""
 
-    def __init__(self, model, cfg, *, loss_fn: Callable, mesh: Mesh | None = None):
+    def __init__(self, model, cfg, *, loss_fn: Callable, mesh: Mesh | None = None,
+                 offload_chunks: int | None = None, offload_candidate: str | None = None,
+                 offload_window: int | None = None, offload_unroll: int | None = None):
         from zerojax.monitor import Monitor
         from zerojax.optim import build_optimizer, build_schedule
         from zerojax.precision import compute_dtype, loss_scale_from_config
@@ -100,11 +120,24 @@ class Engine:
         self.fp16 = bool(cfg.fp16.enabled)
         accum = {"fp32": jnp.float32, "bf16": jnp.bfloat16, "fp16": jnp.float16}
         self.accum_dtype = jnp.dtype(accum.get(cfg.data_types.grad_accum_dtype or "fp32", jnp.float32))
-        tx = build_optimizer(cfg)
-        self.tx = loss_scale_from_config(tx, cfg.fp16) if self.fp16 else tx
         self.schedule = build_schedule(cfg)
         zero = cfg.zero_optimization
         self.stage = int(zero.stage)
+        # host offload (DeepSpeed: offload_optimizer at stage >= 1, offload_param at stage 3)
+        self.offload_optimizer = zero.offload_optimizer.device == "cpu" and self.stage >= 1
+        self.offload_param = zero.offload_param.device == "cpu" and self.stage == 3
+        offloading = self.offload_optimizer or self.offload_param
+        if offloading and cfg.optimizer is not None and "".join(
+                c for c in cfg.optimizer.type.lower() if c.isalnum()) == "lamb":
+            from zerojax.config import ConfigError
+
+            raise ConfigError(["zero_optimization.offload_optimizer / offload_param with optimizer.type "
+                               f"{cfg.optimizer.type!r}: Lamb's per-tensor trust ratio needs whole tensors, "
+                               "and the offloaded update runs on chunks of stacked layers; use Adam/AdamW, "
+                               "Lion, SGD or Adagrad with offload, or turn offload off for Lamb"])
+        # offload: the bare optimizer (clip, unscale and finite check run on the whole gradient first)
+        tx = build_optimizer(cfg, clip=not offloading)
+        self.tx = loss_scale_from_config(tx, cfg.fp16) if (self.fp16 and not offloading) else tx
 
         # abstract model -> shardings
         init_fn = None
@@ -113,7 +146,8 @@ class Engine:
         elif callable(model):
             init_fn = model
             with _no_eager_sharding():
-                graphdef, params, rest = nnx.split(nnx.eval_shape(init_fn), nnx.Param, ...)
+                model = nnx.eval_shape(init_fn)
+                graphdef, params, rest = nnx.split(model, nnx.Param, ...)
         else:
             raise TypeError(
                 f"shard() takes a flax.nnx.Module or a zero-argument callable returning one, got "
@@ -128,21 +162,32 @@ class Engine:
             base_specs=partition.tensor_specs(params, self.mesh),
             persistence_threshold=int(zero.stage3_param_persistence_threshold or 0),
         )
-        self.opt_shardings = partition.opt_state_shardings(
-            self.tx, abstract_master, self.shardings.master, self.mesh)
         self.rest_shardings = partition.replicated(self.mesh, pure_rest)
+        self.off_plan, offload_step = None, None
+        if offloading:
+            graphdef, offload_step = self._setup_offload(
+                model, init_fn, graphdef, params, abstract_master, offload_chunks, offload_candidate,
+                offload_window, offload_unroll)
+        else:
+            self.opt_shardings = partition.opt_state_shardings(
+                self.tx, abstract_master, self.shardings.master, self.mesh)
+            self.master_shardings = self.shardings.master
+            self.param_shardings = self.shardings.params
         self.plan = StepPlan(
             graphdef=graphdef, param_template=param_template, rest_template=rest_template,
             loss_fn=loss_fn, tx=self.tx, schedule=self.schedule, mesh=self.mesh,
             shardings=self.shardings, opt_shardings=self.opt_shardings,
             rest_shardings=self.rest_shardings, compute_dtype=self.compute_dtype,
             accum_dtype=self.accum_dtype, steps=int(cfg.gradient_accumulation_steps),
-            train_batch_size=int(cfg.train_batch_size), fp16=self.fp16,
+            train_batch_size=int(cfg.train_batch_size), fp16=self.fp16, offload=offload_step,
         )
         self.state = self._init_state(init_fn, pure_params, pure_rest)
         del model, params, rest, pure_params, pure_rest  # drop our references to the host copy
 
-        self._train = jax.jit(functools.partial(step_mod.train_step, self.plan), donate_argnums=0)
+        # offload: the state's memory kinds pinned by out_shardings (XLA may otherwise place an
+        # output it can choose freely, e.g. unpinned_host, in device memory)
+        outs = {"out_shardings": (self.state_shardings, None)} if self.off_plan is not None else {}
+        self._train = jax.jit(functools.partial(step_mod.train_step, self.plan), donate_argnums=0, **outs)
         self._eval = jax.jit(functools.partial(step_mod.eval_step, self.plan))
         self._compiled: dict = {}
         self._global_steps = 0
@@ -153,9 +198,163 @@ class Engine:
         betas = (cfg.optimizer.params.get("betas") if cfg.optimizer is not None else None) or (0.9, 0.999)
         self._mom = tuple(float(b) for b in betas)
 
+    # ------------------------------------------------------------------ host offload
+
+    def _setup_offload(self, model, init_fn, graphdef, params, abstract_master, chunks, candidate,
+                       window, unroll):
+        """Offload plan, shardings and (offload_param) the model's layer-fetch hook.
+
+        Chunks of the optimizer update: K layer groups (+ the non-layer leaves), default
+        K = ceil(layers / 3); candidate "chunked" with window 2 (<= 3 chunks on the device at once)."""
+        from zerojax import offload as O
+        from zerojax.precision import loss_scaler_from_config
+        from zerojax.step import OffloadStep
+
+        zero = self.cfg.zero_optimization
+        probe = O.chunk_layout(abstract_master, 1)
+        layers = probe.num_layers
+        chunks = _env_or(chunks, "ZEROJAX_OFFLOAD_CHUNKS", int)
+        candidate = _env_or(candidate, "ZEROJAX_OFFLOAD_CANDIDATE", str) or "chunked"
+        window = _env_or(window, "ZEROJAX_OFFLOAD_WINDOW", int, default=2) or None  # 0 / none: no barriers
+        unroll = _env_or(unroll, "ZEROJAX_OFFLOAD_UNROLL", int) or 2
+        k = chunks if chunks else max(1, math.ceil(layers / 3)) if layers else 1
+        if self.offload_optimizer:
+            kind = O.host_memory_kind(bool(zero.offload_optimizer.pin_memory))
+            ratio = float(zero.offload_optimizer.ratio)
+        else:  # offload_param alone: the optimizer state stays on the device (one device chunk)
+            kind, ratio = O.DEVICE, 0.0
+        self.off_plan = O.offload_plan(self.tx, abstract_master, self.shardings.master, k, kind=kind,
+                                       candidate=candidate, ratio=ratio, window=window)
+        self.offload_options = dict(chunks=k, candidate=candidate, window=window, ratio=ratio, kind=kind,
+                                    unroll=unroll if self.offload_param else None)
+        scaler = loss_scaler_from_config(self.cfg.fp16) if self.fp16 else None
+        inner_sh = self.off_plan.shardings.opt_state
+        if scaler is not None:
+            rep = NamedSharding(self.mesh, P())
+            ls = jax.eval_shape(lambda: scaler.init(None))
+            self.opt_shardings = jax.tree.map(lambda _: rep, ls)._replace(inner_state=inner_sh)
+        else:
+            self.opt_shardings = inner_sh
+        self.master_shardings = self.off_plan.shardings.master
+        self.param_shardings = self.shardings.params
+        param_host, fetch_rest = None, None
+        if self.offload_param:
+            pkind = O.host_memory_kind(bool(zero.offload_param.pin_memory))
+            param_host = O.with_memory_kind(self.shardings.params, pkind)
+            self.param_shardings = param_host
+            graphdef, fetch_rest = self._param_hook(model, init_fn, params, probe, unroll)
+        step = OffloadStep(plan=self.off_plan, tx=self.tx, scaler=scaler,
+                           clip=float(self.cfg.gradient_clipping or 0.0),
+                           param_shardings=param_host, fetch_rest=fetch_rest)
+        return graphdef, step
+
+    def _param_hook(self, model, init_fn, params, probe, unroll):
+        """Install the per-layer fetch on the model (via its `layer_fetch` hook) -> (graphdef, fetch_rest)."""
+        from zerojax import offload as O
+
+        flags = probe.treedef.unflatten(list(probe.stacked))
+        dev = O.with_memory_kind(self.shardings.params, O.DEVICE)
+        if not any(probe.stacked):
+            raise _config_error(PARAM_HOOK_ERROR.format(
+                what="This model has no stacked (scanned) layer parameters to fetch layer by layer."))
+        # every maximal subtree whose leaves are all stacked: its layer slice's structure -> shardings
+        table: dict = {}
+
+        def walk(f, d):
+            if isinstance(f, dict):
+                if f and all(jax.tree.leaves(f)):
+                    key = jax.tree.structure(f)
+                    layer = O.layer_shardings(d)
+                    if key in table and table[key] != layer:
+                        raise _config_error(PARAM_HOOK_ERROR.format(
+                            what="Two stacked parameter groups with one structure are sharded differently."))
+                    table[key] = layer
+                    return
+                for name in f:
+                    walk(f[name], d[name])
+
+        walk(flags, dev)
+
+        def layer_fetch(p):
+            target = table.get(jax.tree.structure(p))
+            if target is None:
+                raise ValueError("offload_param: the model's layer_fetch got a tree that matches no stacked "
+                                 f"parameter group: {jax.tree.structure(p)}")
+            return O.fetch(p, target)
+
+        def fetch_rest(tree):
+            return jax.tree.map(lambda x, f, s: x if f else jax.device_put(x, s), tree, flags, dev)
+
+        module = model  # the user's module, or the abstract one traced from the init callable
+        targets = [m for _, m in nnx.iter_graph(module) if isinstance(m, nnx.Module) and "layer_fetch" in vars(m)]
+        if not targets:
+            raise _config_error(PARAM_HOOK_ERROR.format(
+                what=f"{type(module).__name__} has no `layer_fetch` attribute, so its parameters would "
+                     "stay on the device."))
+        saved = [(m, m.layer_fetch, getattr(m, "scan_unroll", 1)) for m in targets]
+        try:
+            for m in targets:
+                m.layer_fetch = layer_fetch
+                if "scan_unroll" in vars(m):
+                    m.scan_unroll = unroll
+            with _no_eager_sharding():
+                graphdef = nnx.split(module, nnx.Param, ...)[0]
+        finally:
+            for m, f, u in saved:
+                m.layer_fetch = f
+                if "scan_unroll" in vars(m):
+                    m.scan_unroll = u
+        return graphdef, fetch_rest
+
+    def _init_offloaded(self, init_fn, pure_params, pure_rest) -> TrainState:
+        """Master chunks and optimizer states built straight into their memory kinds (one jit)."""
+        from zerojax import offload as O
+
+        plan, sh, cd = self.off_plan, self.shardings, self.compute_dtype
+
+        def build(master):
+            chunks = O.to_chunks(master, plan.layout)
+            states = [O._init_chunk(self.tx, m, c) for m, c in zip(chunks, plan.layout.chunks)]
+            compute = jax.tree.map(lambda x: x.astype(cd), master)
+            return chunks, states, compute
+
+        outs = (list(plan.master_shardings), list(plan.state_shardings), self.param_shardings)
+        if init_fn is not None:
+            def init():
+                with _no_eager_sharding():
+                    _, p, r = nnx.split(init_fn(), nnx.Param, ...)
+                p = jax.tree.map(lambda x: x.astype(jnp.float32), step_mod._pure(p))
+                return build(p), step_mod._pure(r)
+
+            (chunks, states, params), rest = jax.jit(init, out_shardings=(outs, self.rest_shardings))()
+        else:
+            master = jax.tree.map(lambda x, s: _place(x, s, jnp.float32), pure_params, sh.master)
+            rest = jax.tree.map(_place, pure_rest, self.rest_shardings)
+            chunks, states, params = jax.jit(build, out_shardings=outs, donate_argnums=0)(master)
+            del master
+        opt_state = states
+        if self.fp16:
+            ls = jax.jit(lambda: self.plan.offload.scaler.init(None),
+                         out_shardings=NamedSharding(self.mesh, P()))()
+            opt_state = ls._replace(inner_state=states)
+        zero = lambda: jax.device_put(jnp.zeros((), jnp.int32), NamedSharding(self.mesh, P()))  # noqa: E731
+        return TrainState(params=params, master=list(chunks), opt_state=opt_state, rest=rest,
+                          step=zero(), skipped_steps=zero(), global_samples=zero())
+
+    @property
+    def state_shardings(self) -> TrainState:
+        """Where every state leaf lives (a TrainState of shardings; offload: host memory kinds)."""
+        rep = NamedSharding(self.mesh, P())
+        fp32 = self.compute_dtype == jnp.float32
+        master = self.master_shardings if (self.off_plan is not None or not fp32) else None
+        return TrainState(params=self.param_shardings, master=master, opt_state=self.opt_shardings,
+                          rest=self.rest_shardings, step=rep, skipped_steps=rep, global_samples=rep)
+
     # ------------------------------------------------------------------ state placement
 
     def _init_state(self, init_fn, pure_params, pure_rest) -> TrainState:
+        if self.off_plan is not None:
+            return self._init_offloaded(init_fn, pure_params, pure_rest)
         sh = self.shardings
         fp32 = self.compute_dtype == jnp.float32
         # The master lives in the optimizer sharding; with fp32 compute the params are the master.
@@ -346,6 +545,14 @@ class Engine:
     @property
     def master_params(self):
         """fp32 master weights (pure dict) in the optimizer sharding (fp32 runs: the params)."""
+        if self.off_plan is not None:  # the host chunks merged into one tree on the device
+            from zerojax import offload as O
+
+            if not hasattr(self, "_merge_master"):
+                plan = self.off_plan
+                self._merge_master = jax.jit(lambda m: O.offload_master(O.OffloadState(m, []), plan),
+                                             out_shardings=self.shardings.master)
+            return self._merge_master(self.state.master)
         return self.state.master if self.state.master is not None else self.state.params
 
     @property
@@ -357,13 +564,17 @@ class Engine:
     def memory_report(self, batch_shapes=None) -> MemoryReport:
         """Per-device bytes of the model states (read from the arrays) and of XLA's compiled step."""
         s = self.state
-        grads = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, self.accum_dtype), s.params)
+        # offload_param with one micro-batch: the gradients stay in host memory (compute dtype)
+        host_grads = self.offload_param and self.cfg.gradient_accumulation_steps == 1
+        gdtype = self.compute_dtype if host_grads else self.accum_dtype
+        grads = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, gdtype), s.params)
+        grad_bytes = partition.per_device_bytes(grads, self.shardings.grads)
         report = MemoryReport(
             params=_nbytes(s.params, False),
-            gradients=partition.per_device_bytes(grads, self.shardings.grads),
+            gradients=0 if host_grads else grad_bytes,
             master=_nbytes(s.master, False),
             optimizer_state=_nbytes(s.opt_state, False),
-            host=_nbytes((s.params, s.master, s.opt_state), True),
+            host=_nbytes((s.params, s.master, s.opt_state), True) + (grad_bytes if host_grads else 0),
         )
         report["model_states"] = sum(report[k] for k in ("params", "gradients", "master", "optimizer_state"))
         shapes = batch_shapes if batch_shapes is not None else self._last_batch_shapes
@@ -374,6 +585,12 @@ class Engine:
                 report["compiled_peak"] = (m.temp_size_in_bytes + m.argument_size_in_bytes
                                            + m.output_size_in_bytes - m.alias_size_in_bytes)
         return report
+
+
+def _config_error(message):
+    from zerojax.config import ConfigError
+
+    return ConfigError([message])
 
 
 def _no_eager_sharding():
