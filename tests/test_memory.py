@@ -95,9 +95,6 @@ def test_deepspeed_documented_example_3b():
     # ZeRO-2 without offload: the docs still print the older formula's 15.93GB (4Ψ + 16Ψ/N)
     c, g = M.estimate_zero2_model_states_mem_needs(2851e6, 8, 1, cpu_offload=False, legacy=True)
     assert (fmt(c), fmt(g)) == ("127.45", "15.93")
-    # the docs' t5-large walk-through: case 1/2/3 in MB (>> 20) for 737.67M params, 4 GPUs
-    total, largest = 737_668_096, 32_899_072
-    assert (4 * largest) >> 20 == 125
 
 
 @pytest.mark.parametrize("n", [1, 2, 8, 64])

@@ -21,7 +21,7 @@ import dataclasses
 import inspect
 import math
 import re
-from typing import Any, Callable, Iterable, Sequence
+from typing import Callable, Iterable, Sequence
 
 GiB = 2**30
 GB = 10**9
@@ -477,6 +477,9 @@ def _abstract_engine_class():
         # jax.eval_shape (shapes and dtypes, no buffers) and attach the engine's shardings.
         def _init_state(self, init_fn, pure_params, pure_rest):
             shapes = jax.eval_shape(lambda: E.Engine._init_state(self, init_fn, pure_params, pure_rest))
+            if hasattr(type(self), "state_shardings"):  # the engine's own map, memory kinds included
+                return jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
+                                    shapes, self.state_shardings)
             rep = NamedSharding(self.mesh, P())
             shardings = shapes._replace(
                 params=self.shardings.params,
