@@ -19,6 +19,14 @@ _PUBLIC = {
     "make_mesh": "partition",
     "shard": "engine",
     "Engine": "engine",
+    "MemoryReport": "engine",
+    "TrainState": "step",
+    "static_loss_scale": "precision",
+    "loss_scale_from_config": "precision",
+    "WillNotFitError": "memory",
+    "check_fits": "memory",
+    "fit_micro_batch": "memory",
+    "plan": "memory",
 }
 
 __all__ = sorted(_PUBLIC) + ["__version__"]
