@@ -8,6 +8,8 @@ optimizer update over master + state in `pinned_host` by one candidate of `zeroj
   whole         whole state to the device and back inside the step (MaxText's way; ANCHORS: 17.4k)
   chunked/K     K layer groups (+ the embeddings chunk), unrolled; window=w adds barriers
   scan/K        one lax.scan over K stacked layer groups (ANCHORS' per-layer scan: 5.3k)
+  engine-opt[/K[/cand[/wW]]]    the real engine: zerojax.shard, ZeRO-3 + offload_optimizer cpu
+  engine-param[/K[/cand[/wW]]]  ... + offload_param cpu (layers fetched inside the layer scan)
 
 Each configuration runs in its own process so that `peak_bytes_in_use` is its own.
 
@@ -29,7 +31,90 @@ DEFAULT = ["none", "whole", "chunked/4", "chunked/12", "chunked/36", "chunked/12
 TINY = ["none", "whole", "chunked/1", "chunked/2", "chunked/2/w1", "scan/1", "scan/2"]
 
 
+def run_engine(args, name: str) -> dict:
+    """"engine-opt[/K[/candidate[/wW]]]" or "engine-param[...]": the real zerojax.shard path (ZeRO-3,
+    bf16, AdamW, clip 1.0, remat), offload_optimizer (+ offload_param) to cpu, model built under
+    jit (never whole on one device); K / candidate / window set ZEROJAX_OFFLOAD_* knobs."""
+    import jax
+    import numpy as np
+    from flax import nnx
+
+    import zerojax
+    from zerojax.models import gpt2
+
+    parts = name.split("/")
+    kw = {}
+    if len(parts) > 1 and parts[1]:
+        kw["offload_chunks"] = int(parts[1])
+    if len(parts) > 2:
+        kw["offload_candidate"] = parts[2]
+    if len(parts) > 3:
+        kw["offload_window"] = int(parts[3][1:])
+    cfg = _gpt_config(args)
+    param = parts[0] == "engine-param"
+    ds = {"train_micro_batch_size_per_gpu": args.micro, "gradient_accumulation_steps": 1,
+          "gradient_clipping": 1.0, "steps_per_print": 10**9, "bf16": {"enabled": True},
+          "optimizer": {"type": "AdamW", "params": {"lr": 1e-4, "betas": [0.9, 0.95], "weight_decay": 0.1}},
+          "zero_optimization": {"stage": 3, "offload_optimizer": {"device": "cpu", "pin_memory": True},
+                                "offload_param": {"device": "cpu" if param else "none", "pin_memory": True}}}
+    n = jax.device_count()
+    cfg_ds = zerojax.load_config(ds, world_size=n)
+    make = lambda: gpt2.GPT2(cfg, rngs=nnx.Rngs(0), dtype=jax.numpy.bfloat16,  # noqa: E731
+                             remat_policy=args.remat)
+    t0 = time.perf_counter()
+    eng = zerojax.shard(make, cfg_ds, loss_fn=gpt2.gpt2_loss, **kw)
+    init_s = time.perf_counter() - t0
+    B, T = args.micro * n, (64 if args.tiny else args.seq)
+    batch = {"input_ids": np.random.default_rng(0).integers(0, cfg.vocab_size, (B, T)).astype(np.int32)}
+    t0 = time.perf_counter()
+    compiled = eng.compiled_step(jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), batch))
+    compile_s = time.perf_counter() - t0
+    mem = compiled.memory_analysis()
+    for _ in range(args.warmup):
+        loss = eng.train_step(batch)["loss"]
+    jax.block_until_ready(loss)
+    t0 = time.perf_counter()
+    for _ in range(args.steps):
+        loss = eng.train_step(batch)["loss"]
+    jax.block_until_ready((eng.state, loss))
+    dt = (time.perf_counter() - t0) / args.steps
+    stats = jax.devices()[0].memory_stats() or {}
+    hlo = compiled.as_text()
+    rep = eng.memory_report()
+    return {
+        "config": name, "candidate": eng.offload_options["candidate"], "k": eng.offload_options["chunks"],
+        "window": eng.offload_options["window"], "model": _model_name(args), "micro": args.micro, "seq": T,
+        "n_params": int(sum(x.size for x in jax.tree.leaves(eng.state.params))),
+        "step_s": dt, "tokens_per_s": B * T / dt / n, "compile_s": compile_s, "init_s": init_s,
+        "loss": float(loss), "peak_gib": stats.get("peak_bytes_in_use", 0) / 2**30,
+        "temp_gib": getattr(mem, "temp_size_in_bytes", 0) / 2**30,
+        "host_gib": rep["host"] / 2**30, "device_state_gib": rep["model_states"] / 2**30,
+        "hlo_copy_start": hlo.count("copy-start"), "hlo_S5": hlo.count("S(5)"),
+        "backend": jax.default_backend(), "jax": jax.__version__,
+    }
+
+
+def _gpt_config(args):
+    from zerojax.models import gpt2
+
+    if args.tiny:
+        return gpt2.GPT2Config.named("tiny", n_layer=2)
+    over = {k: v for k, v in (("n_embd", args.n_embd), ("n_layer", args.n_layer), ("n_head", args.n_head))
+            if v is not None}
+    return gpt2.GPT2Config.named(args.size, **over)
+
+
+def _model_name(args):
+    if args.tiny:
+        return "tiny"
+    extra = "".join(f" {k}={v}" for k, v in (("n_embd", args.n_embd), ("n_layer", args.n_layer),
+                                             ("n_head", args.n_head)) if v is not None)
+    return args.size + extra
+
+
 def run_one(args, name: str) -> dict:
+    if name.startswith("engine"):
+        return run_engine(args, name)
     import jax
     import jax.numpy as jnp
     import numpy as np
@@ -43,10 +128,7 @@ def run_one(args, name: str) -> dict:
     parts = name.split("/")
     cand, k = parts[0], int(parts[1]) if len(parts) > 1 else 1
     window = int(parts[2][1:]) if len(parts) > 2 else None
-    if args.tiny:
-        cfg = gpt2.GPT2Config.named("tiny", n_layer=2)
-    else:
-        cfg = gpt2.GPT2Config.named(args.size)
+    cfg = _gpt_config(args)
     dtype = jnp.bfloat16
     mesh = jax.make_mesh((1,), ("data",), axis_types=(jax.sharding.AxisType.Auto,),
                          devices=jax.devices()[:1])
@@ -124,6 +206,9 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--tiny", action="store_true", help="tiny GPT-2 on CPU: checks it runs")
     ap.add_argument("--size", default="large")
+    ap.add_argument("--n-embd", type=int, default=None, help="override the named size's width")
+    ap.add_argument("--n-layer", type=int, default=None)
+    ap.add_argument("--n-head", type=int, default=None)
     ap.add_argument("--micro", type=int, default=None)
     ap.add_argument("--seq", type=int, default=1024)
     ap.add_argument("--steps", type=int, default=5)
@@ -142,12 +227,17 @@ def main():
         return
 
     configs = args.configs.split(",") if args.configs else (TINY if args.tiny else DEFAULT)
+    passthrough_extra: list = []
     env = dict(os.environ)
     if args.mem_fraction is not None:
         env["XLA_PYTHON_CLIENT_MEM_FRACTION"] = str(args.mem_fraction)
     if args.tiny:
         env.setdefault("JAX_PLATFORMS", "cpu")
-    passthrough = ["--size", args.size, "--micro", str(args.micro), "--seq", str(args.seq),
+    for flag in ("n_embd", "n_layer", "n_head"):
+        if getattr(args, flag) is not None:
+            args_extra = ["--" + flag.replace("_", "-"), str(getattr(args, flag))]
+            passthrough_extra.extend(args_extra)
+    passthrough = passthrough_extra + ["--size", args.size, "--micro", str(args.micro), "--seq", str(args.seq),
                    "--steps", str(args.steps), "--warmup", str(args.warmup), "--remat", args.remat]
     passthrough += ["--tiny"] if args.tiny else []
     rows = []
