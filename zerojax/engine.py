@@ -19,6 +19,7 @@ from __future__ import annotations
 import functools
 import logging
 import math
+import os
 import time
 from typing import Any, Callable
 
@@ -173,6 +174,9 @@ class Engine:
                 self.tx, abstract_master, self.shardings.master, self.mesh)
             self.master_shardings = self.shardings.master
             self.param_shardings = self.shardings.params
+        self.stage3_gather = None
+        if self.stage == 3 and not self.offload_param and partition.data_size(self.mesh) > 1:
+            graphdef = self._stage3_gather_hook(model, init_fn, graphdef, params, abstract_master)
         self.plan = StepPlan(
             graphdef=graphdef, param_template=param_template, rest_template=rest_template,
             loss_fn=loss_fn, tx=self.tx, schedule=self.schedule, mesh=self.mesh,
@@ -248,12 +252,41 @@ class Engine:
                            param_shardings=param_host, fetch_rest=fetch_rest)
         return graphdef, step
 
-    def _param_hook(self, model, init_fn, params, probe, unroll):
-        """Install the per-layer fetch on the model (via its `layer_fetch` hook) -> (graphdef, fetch_rest)."""
+    def _stage3_gather_hook(self, model, init_fn, graphdef, params, abstract_master):
+        """ZeRO-3's "all-gather on use": each layer's weights gathered inside the layer scan.
+
+        Left to itself, GSPMD may keep a sharded weight sharded and move activations instead, or
+        gather every layer at once; constraining the layer's slice to its stage-0 sharding makes
+        the all-gather per layer, where XLA can pipeline it with the previous layer's compute.
+        Models without a `layer_fetch` hook (or ZEROJAX_STAGE3_GATHER=auto) keep GSPMD's choice."""
+        from zerojax import offload as O
+
+        if os.environ.get("ZEROJAX_STAGE3_GATHER", "layer") == "auto":
+            return graphdef
+        module = model
+        if not any(isinstance(m, nnx.Module) and "layer_fetch" in vars(m) for _, m in nnx.iter_graph(module)):
+            return graphdef
+        probe = O.chunk_layout(abstract_master, 1)
+        if not any(probe.stacked):
+            return graphdef
+        gathered = partition.stage_shardings(
+            abstract_master, self.mesh, 0, base_specs=partition.tensor_specs(params, self.mesh)).params
+        self.stage3_gather = "layer"
+        graphdef, _ = self._param_hook(model, init_fn, params, probe, 1, targets=gathered,
+                                       move=jax.lax.with_sharding_constraint)
+        return graphdef
+
+    def _param_hook(self, model, init_fn, params, probe, unroll, *, targets=None, move=None):
+        """Install the per-layer fetch on the model (via its `layer_fetch` hook) -> (graphdef, fetch_rest).
+
+        Default (offload_param): bring each layer's slice from host to device memory. Stage 3
+        passes `targets` = the layer's gathered (stage-0) shardings and `move` = a sharding
+        constraint: ZeRO-3's all-gather on use, one layer at a time, inside the layer scan."""
         from zerojax import offload as O
 
         flags = probe.treedef.unflatten(list(probe.stacked))
-        dev = O.with_memory_kind(self.shardings.params, O.DEVICE)
+        dev = O.with_memory_kind(self.shardings.params, O.DEVICE) if targets is None else targets
+        move = move or O.fetch
         if not any(probe.stacked):
             raise _config_error(PARAM_HOOK_ERROR.format(
                 what="This model has no stacked (scanned) layer parameters to fetch layer by layer."))
@@ -280,7 +313,7 @@ class Engine:
             if target is None:
                 raise ValueError("offload_param: the model's layer_fetch got a tree that matches no stacked "
                                  f"parameter group: {jax.tree.structure(p)}")
-            return O.fetch(p, target)
+            return move(p, target)
 
         def fetch_rest(tree):
             return jax.tree.map(lambda x, f, s: x if f else jax.device_put(x, s), tree, flags, dev)

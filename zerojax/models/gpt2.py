@@ -36,6 +36,9 @@ from jax.ad_checkpoint import checkpoint_name
 # policy moves these to host memory instead of keeping them on the device
 OFFLOADED_ACTIVATIONS = ("layer_input",)
 REMAT_POLICIES = (None, "full", "dots", "offload")
+# name of a layer's weights after `layer_fetch` (host->device, or ZeRO-3's gather): never saved
+# for the backward pass, so a layer's full weights are not kept for every layer
+FETCHED_PARAMS = "fetched_layer_params"
 ATTENTION_IMPLS = (None, "xla", "cudnn")
 
 
@@ -180,6 +183,8 @@ def remat_policy_fn(name):
     cp = jax.checkpoint_policies
     if name == "full":
         return cp.nothing_saveable
+    if name == "except_fetched":  # no activation remat; only fetched / gathered weights re-fetched
+        return cp.save_anything_except_these_names(FETCHED_PARAMS)
     if name == "dots":
         return cp.dots_with_no_batch_dims_saveable
     if name == "offload":
@@ -261,8 +266,10 @@ class GPT2(nnx.Module):
         policy = self.remat_policy
         fetch = getattr(self, "layer_fetch", None)
         if fetch is not None:
-            block, policy = body, policy or "full"
-            body = lambda x, p: block(x, fetch(p))  # noqa: E731 - inside the remat: re-fetched in backward
+            # inside the remat, and named so that no policy saves them: re-fetched in backward
+            block, policy = body, policy or "except_fetched"
+            body = lambda x, p: block(x, jax.tree.map(  # noqa: E731
+                lambda a: checkpoint_name(a, FETCHED_PARAMS), fetch(p)))
         if policy is not None:
             # scan already keeps iterations apart, so CSE prevention is not needed
             body = jax.checkpoint(body, policy=remat_policy_fn(policy), prevent_cse=False)
