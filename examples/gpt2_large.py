@@ -190,7 +190,7 @@ def main(argv=None):
         from zerojax.models.hf import save_hf
         save_hf(engine.master_params, gpt_cfg, args.export_hf)
         print(f"Hugging Face weights written to {args.export_hf}")
-    engine.close() if hasattr(engine, "close") else None
+    engine.close()
     return summary
 
 

@@ -465,8 +465,16 @@ class Engine:
     def train_step(self, batch) -> dict:
         """One optimizer step on the global batch (this process's rows); metrics as jax arrays."""
         placed = self._place_batch(batch, self.cfg.train_batch_size, "train_step")
-        self._last_batch_shapes = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), placed)
-        self.state, metrics = self._train(self.state, placed)
+        shapes = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), placed)
+        self._last_batch_shapes = shapes
+        if self._shape_key(shapes) not in self._compiled and os.environ.get("ZEROJAX_MEMORY_GUARD", "1") != "0":
+            # before the first step of a shape: XLA's predicted peak against the device's memory;
+            # WillNotFitError (with the plans that fit) instead of an out-of-memory mid-step
+            from zerojax import memory
+
+            memory.guard(self, shapes)
+        # the AOT-compiled step: one compile shared with memory_report() and the planner
+        self.state, metrics = self.compiled_step(shapes)(self.state, placed)
         self._global_steps += 1
         previous, self._pending = self._pending, (self._global_steps, metrics)
         if previous is not None:
@@ -485,6 +493,11 @@ class Engine:
         rows = jax.tree.leaves(batch)[0].shape[0]
         placed = self._place_batch(batch, rows * n // mine if rows % mine == 0 else None, "eval_step")
         return self._eval(self.state.params, self.state.rest, placed)
+
+    def close(self) -> None:
+        """Check the last step and write out the monitors' buffered events (csv / tensorboard / wandb)."""
+        self.synchronize()
+        self.monitor.close()
 
     def synchronize(self) -> None:
         """Wait for the last step and raise if it overflowed at the minimum scale / went non-finite."""
@@ -547,9 +560,13 @@ class Engine:
             lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=a.sharding), self.state)
         return self._train.lower(abstract_state, self._abstract_batch(batch_shapes))
 
+    @staticmethod
+    def _shape_key(batch_shapes) -> str:
+        return str(jax.tree.map(lambda x: (tuple(x.shape), str(x.dtype)), batch_shapes))
+
     def compiled_step(self, batch_shapes) -> jax.stages.Compiled:
         """The compiled train step (`jax.stages.Compiled`) for these batch shapes, cached."""
-        key = str(jax.tree.map(lambda x: (tuple(x.shape), str(x.dtype)), batch_shapes))
+        key = self._shape_key(batch_shapes)
         if key not in self._compiled:
             self._compiled[key] = self.lower_step(batch_shapes).compile()
         return self._compiled[key]
