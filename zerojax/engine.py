@@ -190,7 +190,10 @@ class Engine:
 
         # offload: the state's memory kinds pinned by out_shardings (XLA may otherwise place an
         # output it can choose freely, e.g. unpinned_host, in device memory)
-        outs = {"out_shardings": (self.state_shardings, None)} if self.off_plan is not None else {}
+        # the new state comes out exactly as the state went in (and, with offload, in its memory
+        # kinds): left free, XLA may pick another sharding for a small leaf, which the AOT-compiled
+        # step would then refuse on the next call
+        outs = {"out_shardings": (self.state_shardings, None)}
         self._train = jax.jit(functools.partial(step_mod.train_step, self.plan), donate_argnums=0, **outs)
         self._eval = jax.jit(functools.partial(step_mod.eval_step, self.plan))
         self._compiled: dict = {}
