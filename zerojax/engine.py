@@ -223,7 +223,7 @@ class Engine:
         chunks = _env_or(chunks, "ZEROJAX_OFFLOAD_CHUNKS", int)
         candidate = _env_or(candidate, "ZEROJAX_OFFLOAD_CANDIDATE", str) or "chunked"
         window = _env_or(window, "ZEROJAX_OFFLOAD_WINDOW", int, default=2) or None  # 0 / none: no barriers
-        unroll = _env_or(unroll, "ZEROJAX_OFFLOAD_UNROLL", int) or 2
+        unroll = _env_or(unroll, "ZEROJAX_OFFLOAD_UNROLL", int) or 1  # 2 hit an XLA layout error on GPU (jax 0.11.2)
         k = chunks if chunks else max(1, math.ceil(layers / 3)) if layers else 1
         if self.offload_optimizer:
             kind = O.host_memory_kind(bool(zero.offload_optimizer.pin_memory))
