@@ -522,7 +522,7 @@ def _schema_keys(cls, prefix):
 
 
 def test_every_key_is_documented():
-    doc = (ROOT / "docs" / "config_keys.md").read_text(encoding="utf-8")
+    doc = (ROOT / "README.md").read_text(encoding="utf-8")
     documented = set(re.findall(r"`([a-z0-9_.]+)`", doc))
     missing = [k for k in _schema_keys(Config, "") if k not in documented]
     assert not missing, missing

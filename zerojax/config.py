@@ -334,7 +334,7 @@ class Config:
     checkpoint: CheckpointConfig = _f(kind="section", factory=CheckpointConfig, cls=CheckpointConfig)
     pipeline: PipelineConfig = _f(kind="section", factory=PipelineConfig, cls=PipelineConfig)
     tensor_parallel: TensorParallelConfig = _f(kind="special", factory=TensorParallelConfig)
-    # Accepted, carried as read-only mappings, not acted on (see docs/config_keys.md).
+    # Accepted, carried as read-only mappings, not acted on (see README.md, "Supported DeepSpeed config keys").
     amp: Mapping | None = _f(None, "special")
     torch_autocast: Mapping | None = _f(None, "special")
     sparse_attention: Mapping | None = _f(None, "mapping", optional=True)
@@ -714,7 +714,7 @@ def _build_top(raw, unresolved, problems):
         if name not in specs or name == "world_size":
             _unknown("", key, _CONFIG_KEYS + tuple(_TOP_ALIASES), problems, list_known=False)
             if not _suggest(key, _CONFIG_KEYS):
-                problems[-1] += " (see docs/config_keys.md for the keys zerojax accepts)"
+                problems[-1] += " (README.md, 'Supported DeepSpeed config keys', lists the keys zerojax accepts)"
             continue
         if key in unresolved_top:
             continue  # reported as unresolved auto, or resolved by the batch rule
