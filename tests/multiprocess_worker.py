@@ -16,24 +16,13 @@ ROWS, STEPS, LOCAL_DEVICES = 32, 3, 4
 def train(stage, prec, ga, rows_of):
     """Train the tiny MLP; `rows_of(global_batch)` picks this process's rows. Returns fp32 master."""
     import jax
-    import jax.numpy as jnp
     import numpy as np
     from flax import nnx
     from jax.experimental import multihost_utils
 
     from zerojax.engine import shard
 
-    class MLP(nnx.Module):
-        def __init__(self, rngs):
-            self.l1 = nnx.Linear(16, 32, rngs=rngs)
-            self.l2 = nnx.Linear(32, 16, rngs=rngs)
-
-        def __call__(self, x):
-            return self.l2(jax.nn.gelu(self.l1(x)))
-
-    def loss_fn(model, batch):
-        y = model(batch["x"].astype(model.l1.kernel.dtype)).astype(jnp.float32)
-        return jnp.mean((y - batch["y"]) ** 2)
+    from tiny_mlp import MLP, loss_fn  # after XLA_FLAGS: it imports jax
 
     n = jax.device_count()
     cfg = {

@@ -12,26 +12,12 @@ from flax import nnx
 
 from zerojax.engine import shard
 
+from tiny_mlp import MLP, loss_fn  # noqa: E402 (tests/ is on sys.path under pytest)
+
 N = 8          # data-parallel devices (conftest)
 ROWS = 32      # global batch: 8 devices x micro 4 x GA 1, or x micro 1 x GA 4
 STEPS = 5
 LR, WD, CLIP, BETAS = 1e-2, 0.01, 0.1, (0.9, 0.999)
-
-
-class MLP(nnx.Module):
-    """Every leaf divides by 8 (kernels 16x32 / 32x16, biases 32 / 16)."""
-
-    def __init__(self, rngs):
-        self.l1 = nnx.Linear(16, 32, rngs=rngs)
-        self.l2 = nnx.Linear(32, 16, rngs=rngs)
-
-    def __call__(self, x):
-        return self.l2(jax.nn.gelu(self.l1(x)))
-
-
-def loss_fn(model, batch):
-    y = model(batch["x"].astype(model.l1.kernel.dtype)).astype(jnp.float32)
-    return jnp.mean((y - batch["y"]) ** 2), {"rows": jnp.int32(batch["x"].shape[0])}
 
 
 def batches(n=STEPS, rows=ROWS, seed=0):

@@ -21,7 +21,7 @@ import logging
 import math
 import os
 import time
-from typing import Any, Callable
+from typing import Callable
 
 import jax
 import jax.numpy as jnp

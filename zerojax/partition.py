@@ -16,7 +16,7 @@ Everything here is a pure function of shapes, metadata and a mesh; nothing touch
 from __future__ import annotations
 
 import math
-from typing import Any, Callable, Iterable, NamedTuple, Sequence
+from typing import Any, Iterable, NamedTuple, Sequence
 
 import jax
 import numpy as np
