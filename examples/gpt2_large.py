@@ -223,4 +223,11 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    main()
+    from zerojax.config import ConfigError
+    from zerojax.memory import WillNotFitError
+
+    try:
+        main()
+    except (ConfigError, WillNotFitError, FileNotFoundError, FloatingPointError) as e:
+        # the message names the key / file / step and the fix: no traceback needed
+        sys.exit(f"error: {e}")
