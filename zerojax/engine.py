@@ -167,7 +167,7 @@ class Engine:
         self.off_plan, offload_step = None, None
         if offloading:
             graphdef, offload_step = self._setup_offload(
-                model, init_fn, graphdef, params, abstract_master, offload_chunks, offload_candidate,
+                model, graphdef, params, abstract_master, offload_chunks, offload_candidate,
                 offload_window, offload_unroll)
         else:
             self.opt_shardings = partition.opt_state_shardings(
@@ -176,7 +176,7 @@ class Engine:
             self.param_shardings = self.shardings.params
         self.stage3_gather = None
         if self.stage == 3 and not self.offload_param and partition.data_size(self.mesh) > 1:
-            graphdef = self._stage3_gather_hook(model, init_fn, graphdef, params, abstract_master)
+            graphdef = self._stage3_gather_hook(model, graphdef, params, abstract_master)
         self.plan = StepPlan(
             graphdef=graphdef, param_template=param_template, rest_template=rest_template,
             loss_fn=loss_fn, tx=self.tx, schedule=self.schedule, mesh=self.mesh,
@@ -188,13 +188,11 @@ class Engine:
         self.state = self._init_state(init_fn, pure_params, pure_rest)
         del model, params, rest, pure_params, pure_rest  # drop our references to the host copy
 
-        # offload: the state's memory kinds pinned by out_shardings (XLA may otherwise place an
-        # output it can choose freely, e.g. unpinned_host, in device memory)
-        # the new state comes out exactly as the state went in (and, with offload, in its memory
-        # kinds): left free, XLA may pick another sharding for a small leaf, which the AOT-compiled
-        # step would then refuse on the next call
-        outs = {"out_shardings": (self.state_shardings, None)}
-        self._train = jax.jit(functools.partial(step_mod.train_step, self.plan), donate_argnums=0, **outs)
+        # the new state comes out exactly where the state went in: left free, XLA may pick another
+        # sharding for a small leaf (which the AOT-compiled step then refuses on the next call) or
+        # place an output it may choose, e.g. unpinned_host, in device memory
+        self._train = jax.jit(functools.partial(step_mod.train_step, self.plan), donate_argnums=0,
+                              out_shardings=(self.state_shardings, None))
         self._eval = jax.jit(functools.partial(step_mod.eval_step, self.plan))
         self._compiled: dict = {}
         self._global_steps = 0
@@ -207,7 +205,7 @@ class Engine:
 
     # ------------------------------------------------------------------ host offload
 
-    def _setup_offload(self, model, init_fn, graphdef, params, abstract_master, chunks, candidate,
+    def _setup_offload(self, model, graphdef, params, abstract_master, chunks, candidate,
                        window, unroll):
         """Offload plan, shardings and (offload_param) the model's layer-fetch hook.
 
@@ -249,13 +247,13 @@ class Engine:
             pkind = O.host_memory_kind(bool(zero.offload_param.pin_memory))
             param_host = O.with_memory_kind(self.shardings.params, pkind)
             self.param_shardings = param_host
-            graphdef, fetch_rest = self._param_hook(model, init_fn, params, probe, unroll)
+            graphdef, fetch_rest = self._param_hook(model, params, probe, unroll)
         step = OffloadStep(plan=self.off_plan, tx=self.tx, scaler=scaler,
                            clip=float(self.cfg.gradient_clipping or 0.0),
                            param_shardings=param_host, fetch_rest=fetch_rest)
         return graphdef, step
 
-    def _stage3_gather_hook(self, model, init_fn, graphdef, params, abstract_master):
+    def _stage3_gather_hook(self, model, graphdef, params, abstract_master):
         """ZeRO-3's "all-gather on use": each layer's weights gathered inside the layer scan.
 
         Left to itself, GSPMD may keep a sharded weight sharded and move activations instead, or
@@ -266,8 +264,7 @@ class Engine:
 
         if os.environ.get("ZEROJAX_STAGE3_GATHER", "layer") == "auto":
             return graphdef
-        module = model
-        if not any(isinstance(m, nnx.Module) and "layer_fetch" in vars(m) for _, m in nnx.iter_graph(module)):
+        if not _hook_modules(model):
             return graphdef
         probe = O.chunk_layout(abstract_master, 1)
         if not any(probe.stacked):
@@ -275,11 +272,11 @@ class Engine:
         gathered = partition.stage_shardings(
             abstract_master, self.mesh, 0, base_specs=partition.tensor_specs(params, self.mesh)).params
         self.stage3_gather = "layer"
-        graphdef, _ = self._param_hook(model, init_fn, params, probe, 1, targets=gathered,
+        graphdef, _ = self._param_hook(model, params, probe, 1, targets=gathered,
                                        move=jax.lax.with_sharding_constraint)
         return graphdef
 
-    def _param_hook(self, model, init_fn, params, probe, unroll, *, targets=None, move=None):
+    def _param_hook(self, model, params, probe, unroll, *, targets=None, move=None):
         """Install the per-layer fetch on the model (via its `layer_fetch` hook) -> (graphdef, fetch_rest).
 
         Default (offload_param): bring each layer's slice from host to device memory. Stage 3
@@ -322,7 +319,7 @@ class Engine:
             return jax.tree.map(lambda x, f, s: x if f else jax.device_put(x, s), tree, flags, dev)
 
         module = model  # the user's module, or the abstract one traced from the init callable
-        targets = [m for _, m in nnx.iter_graph(module) if isinstance(m, nnx.Module) and "layer_fetch" in vars(m)]
+        targets = _hook_modules(module)
         if not targets:
             raise _config_error(PARAM_HOOK_ERROR.format(
                 what=f"{type(module).__name__} has no `layer_fetch` attribute, so its parameters would "
@@ -644,6 +641,11 @@ def _config_error(message):
     from zerojax.config import ConfigError
 
     return ConfigError([message])
+
+
+def _hook_modules(model) -> list:
+    """The modules of `model` that expose the per-layer `layer_fetch` hook (docs/CONTRACTS.md)."""
+    return [m for _, m in nnx.iter_graph(model) if isinstance(m, nnx.Module) and "layer_fetch" in vars(m)]
 
 
 def _no_eager_sharding():
