@@ -112,8 +112,12 @@ def run_child(spec: dict, env: dict, timeout: float) -> dict:
             out = json.loads(line[len(TAG):])
             out["wall_s"] = time.perf_counter() - t0
             return out
-    tail = (p.stderr or p.stdout).strip().splitlines()[-12:]
-    err = next((l for l in reversed(tail) if "Error" in l or "error" in l), tail[-1] if tail else "")
+    lines = (p.stderr or p.stdout).strip().splitlines()
+    tail = lines[-12:]
+    # the exception line ("XlaRuntimeError: RESOURCE_EXHAUSTED: ...") may sit above a long XLA
+    # stack trace, so search the whole output, last match first
+    err = next((l for l in reversed(lines) if "Error:" in l), None) or next(
+        (l for l in reversed(tail) if "rror" in l), tail[-1] if tail else "")
     return {"error": err.strip()[:300], "returncode": p.returncode, "stderr_tail": tail}
 
 
@@ -313,9 +317,11 @@ class ZeroRunner:
         elif spec["dtype"] == "fp16":
             ds["fp16"] = {"enabled": True}
         cfg = zerojax.load_config(ds, world_size=n_dev)
-        model = GPT2(config, rngs=nnx.Rngs(0), dtype=dtype, param_dtype=jnp.float32,
-                     remat_policy="full" if spec["remat"] else None,
-                     attention_impl=spec.get("attention"))
+        # a callable, so the engine builds the weights already sharded (an eager model would put
+        # a full fp32 copy on device 0 first, and into its lifetime peak)
+        model = lambda: GPT2(config, rngs=nnx.Rngs(0), dtype=dtype, param_dtype=jnp.float32,  # noqa: E731
+                             remat_policy="full" if spec["remat"] else None,
+                             attention_impl=spec.get("attention"))
         self.engine = zerojax.shard(model, cfg, loss_fn=gpt2_loss)
         self.batch = batch
         self.predicted, self.compile_s = None, None

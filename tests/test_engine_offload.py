@@ -140,7 +140,7 @@ def test_offload_param_and_optimizer_stage3(prec):
         close(master, ref, BF16_TOL, skip=NOISE)
     check_placement(eng, params_host=True)
     # the model's scan fetched each layer: the compiled step's parameters are host buffers
-    assert eng.plan.graphdef is not None and eng.plan.offload.fetch_rest is not None
+    assert eng.plan.graphdef is not None and eng.plan.fetch_rest is not None
 
 
 def test_pin_memory_true_is_pinned_host():

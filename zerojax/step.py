@@ -65,6 +65,9 @@ class StepPlan:
     train_batch_size: int
     fp16: bool
     offload: "OffloadStep | None" = None   # host offload (zero_optimization.offload_*)
+    # the non-layer params -> where the forward uses them (stage 3: gathered; offload_param:
+    # brought to the device); the layers are moved one at a time by the model's layer_fetch hook
+    fetch_rest: Callable | None = None
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -82,7 +85,6 @@ class OffloadStep:
     scaler: Any                   # precision.LossScaler (fp16) or None
     clip: float                   # gradient_clipping; 0 = off
     param_shardings: Any = None   # offload_param: the compute params' host shardings
-    fetch_rest: Callable | None = None  # offload_param: non-layer params tree -> device copy
 
 
 def _pure(state):
@@ -100,8 +102,8 @@ def merge(plan: StepPlan, params, rest):
 
 
 def _call_loss(plan: StepPlan, params, batch, rest):
-    if plan.offload is not None and plan.offload.fetch_rest is not None:
-        params = plan.offload.fetch_rest(params)  # embeddings etc. whole; layers by the model's hook
+    if plan.fetch_rest is not None:
+        params = plan.fetch_rest(params)
     model = merge(plan, params, rest)
     out = plan.loss_fn(model, batch)
     loss, aux = out if isinstance(out, tuple) else (out, {})
