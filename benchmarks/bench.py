@@ -54,7 +54,7 @@ def build_matrix(args, n_devices: int) -> list[dict]:
                         for off in args.offload:
                             if off != "none" and stage in ("plain", 0):
                                 continue
-                            if off == "param" and stage != 3:
+                            if off.split(":")[0] == "param" and stage != 3:
                                 continue
                             for remat in remats:
                                 out.append(dict(_base(args), size=size, dtype=dtype, accum=accum,
@@ -296,10 +296,10 @@ class ZeroRunner:
         from zerojax import memory as M
         from zerojax.models.gpt2 import GPT2, gpt2_loss
 
-        off = spec["offload"]
+        off, _, ratio = spec["offload"].partition(":")  # "optimizer:0.5": offload_optimizer.ratio
         zero = {"stage": int(spec["stage"]),
                 "offload_optimizer": {"device": "cpu" if off in ("optimizer", "param") else "none",
-                                      "pin_memory": True}}
+                                      "pin_memory": True, "ratio": float(ratio or 1.0)}}
         if int(spec["stage"]) == 3:
             zero["offload_param"] = {"device": "cpu" if off == "param" else "none",
                                      "pin_memory": True}
@@ -398,7 +398,8 @@ def parse_args(argv=None):
                    help="plain and/or ZeRO stages, e.g. plain,0,1,2,3")
     p.add_argument("--remat", type=csv(str), default=None, help="off,on (default both)")
     p.add_argument("--offload", type=csv(str), default=None,
-                   help="none,optimizer,param (default none)")
+                   help="none,optimizer,param (default none); optimizer:R / param:R set "
+                        "offload_optimizer.ratio R (the fraction offloaded)")
     p.add_argument("--micro", type=csv(int), default=None, help="micro-batch per device (default 8)")
     p.add_argument("--accum", type=csv(int), default=None, help="gradient accumulation (default 1)")
     p.add_argument("--dtypes", type=csv(str), default=None, help="bf16,fp16,fp32 (default bf16)")

@@ -10,4 +10,8 @@ python3 benchmarks/configs_sweep.py --configs 'configs/zero3_off*.json' --steps 
 python3 benchmarks/bench.py --matrix custom --sizes large --stages 2,3 --offload optimizer,param --remat on --micro 8 --mem-fraction 0.17 --steps 5 --warmup 2 --timeout 120 --out "$OUT/bench_offload_large.json" 2>&1 | tail -5
 python3 benchmarks/offload_probe.py --size xl --micro 8 --mem-fraction 0.17 --remat full --configs engine-param --steps 3 --warmup 1 --timeout 150 2>&1 | tail -4
 cp "$OUT/offload_probe.json" "$OUT/offload_probe_xl.json" 2>/dev/null
-python3 benchmarks/offload_probe.py --size xl --n-embd 4096 --n-layer 30 --n-head 32 --micro 8 --mem-fraction 0.17 --remat full --configs engine-param --steps 2 --warmup 1 --timeout 200 2>&1 | tail -4
+# partial optimizer offload (DeepSpeed's ratio, stage 3): the memory / speed trade-off
+python3 benchmarks/bench.py --matrix custom --sizes large --stages 3 --offload optimizer:0.5,optimizer:0.25 --remat on --micro 8 --mem-fraction 0.17 --steps 5 --warmup 2 --timeout 150 --out "$OUT/bench_offload_ratio.json" 2>&1 | grep -E "^large|FAIL"
+# 6.2B GPT shape: needs more pinned host memory than XLA's 64 GB default; its buffers reported
+XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB=112 XLA_FLAGS="--xla_dump_to=/tmp/dump6b" python3 benchmarks/offload_probe.py --size xl --n-embd 4096 --n-layer 30 --n-head 32 --micro 8 --mem-fraction 0.17 --remat full --loss-chunk 128 --configs engine-param --steps 2 --warmup 1 --timeout 300 2>&1 | tail -4
+python3 benchmarks/buffer_report.py /tmp/dump6b --top 12 > "$OUT/buffers_6b.txt"

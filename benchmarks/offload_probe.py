@@ -62,7 +62,8 @@ def run_engine(args, name: str) -> dict:
     make = lambda: gpt2.GPT2(cfg, rngs=nnx.Rngs(0), dtype=jax.numpy.bfloat16,  # noqa: E731
                              remat_policy=args.remat)
     t0 = time.perf_counter()
-    eng = zerojax.shard(make, cfg_ds, loss_fn=gpt2.gpt2_loss, **kw)
+    loss_fn = gpt2.chunked_gpt2_loss(args.loss_chunk) if args.loss_chunk else gpt2.gpt2_loss
+    eng = zerojax.shard(make, cfg_ds, loss_fn=loss_fn, **kw)
     init_s = time.perf_counter() - t0
     B, T = args.micro * n, (64 if args.tiny else args.seq)
     batch = {"input_ids": np.random.default_rng(0).integers(0, cfg.vocab_size, (B, T)).astype(np.int32)}
@@ -85,7 +86,7 @@ def run_engine(args, name: str) -> dict:
         "config": name, "candidate": eng.offload_options["candidate"], "k": eng.offload_options["chunks"],
         "window": eng.offload_options["window"], "model": _model_name(args), "micro": args.micro, "seq": T,
         "n_params": int(sum(x.size for x in jax.tree.leaves(eng.state.params))),
-        "step_s": dt, "tokens_per_s": B * T / dt / n, "compile_s": compile_s, "init_s": init_s,
+        "loss_chunk": args.loss_chunk, "step_s": dt, "tokens_per_s": B * T / dt / n, "compile_s": compile_s, "init_s": init_s,
         "loss": float(loss), "peak_gib": stats.get("peak_bytes_in_use", 0) / 2**30,
         "temp_gib": getattr(mem, "temp_size_in_bytes", 0) / 2**30,
         "host_gib": rep["host"] / 2**30, "device_state_gib": rep["model_states"] / 2**30,
@@ -214,6 +215,8 @@ def main():
     ap.add_argument("--steps", type=int, default=5)
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--remat", default="full", help="model remat policy (full | dots | offload)")
+    ap.add_argument("--loss-chunk", type=int, default=0,
+                    help="engine configs: cross entropy N positions at a time (0: full logits)")
     ap.add_argument("--mem-fraction", type=float, default=None, help="XLA_PYTHON_CLIENT_MEM_FRACTION")
     ap.add_argument("--configs", default=None, help="comma list, e.g. whole,chunked/12,scan/36")
     ap.add_argument("--timeout", type=float, default=150.0, help="seconds per configuration")
@@ -238,7 +241,8 @@ def main():
             args_extra = ["--" + flag.replace("_", "-"), str(getattr(args, flag))]
             passthrough_extra.extend(args_extra)
     passthrough = passthrough_extra + ["--size", args.size, "--micro", str(args.micro), "--seq", str(args.seq),
-                   "--steps", str(args.steps), "--warmup", str(args.warmup), "--remat", args.remat]
+                   "--steps", str(args.steps), "--warmup", str(args.warmup), "--remat", args.remat,
+                   "--loss-chunk", str(args.loss_chunk)]
     passthrough += ["--tiny"] if args.tiny else []
     rows = []
     for name in configs:

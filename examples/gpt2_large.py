@@ -46,19 +46,28 @@ def parse_args(argv=None):
     p.add_argument("--save", help="checkpoint folder (orbax); saved at the end")
     p.add_argument("--resume", action="store_true", help="continue from the latest checkpoint in --save")
     p.add_argument("--export-hf", help="write the trained weights as a Hugging Face GPT-2 folder")
+    p.add_argument("--loss-chunk", type=int, default=0,
+                   help="cross entropy N positions at a time (zerojax.models.chunked_gpt2_loss): the "
+                        "full batch x seq x vocab fp32 logits are never held; 0 = full logits")
     p.add_argument("--eval-batches", type=int, default=8)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--peak-tflops", type=float, default=None, help="per-device peak for MFU")
     return p.parse_args(argv)
 
 
-def _fit_micro_batch(config, fill, gpt_cfg, dtype, remat, seq_len, default):
+def _loss_fn(loss_chunk: int):
+    from zerojax.models.gpt2 import chunked_gpt2_loss, gpt2_loss
+
+    return chunked_gpt2_loss(loss_chunk) if loss_chunk else gpt2_loss
+
+
+def _fit_micro_batch(config, fill, gpt_cfg, dtype, remat, seq_len, default, loss_fn):
     """The planner's answer to train_micro_batch_size_per_gpu "auto" (zerojax.memory)."""
     from flax import nnx
 
     import zerojax
     from zerojax.memory import device_budget, fit_micro_batch, fmt_bytes
-    from zerojax.models.gpt2 import GPT2, gpt2_loss
+    from zerojax.models.gpt2 import GPT2
 
     budget = device_budget()
     if budget is None:
@@ -66,7 +75,7 @@ def _fit_micro_batch(config, fill, gpt_cfg, dtype, remat, seq_len, default):
         return default
     cfg_dict = zerojax.load_config(config, fill={**fill, "train_micro_batch_size_per_gpu": 1}).to_dict()
     micro = fit_micro_batch(lambda: GPT2(gpt_cfg, rngs=nnx.Rngs(0), dtype=dtype, remat_policy=remat),
-                            cfg_dict, budget, seq_len, loss_fn=gpt2_loss)
+                            cfg_dict, budget, seq_len, loss_fn=loss_fn)
     print(f"--micro-batch auto: {micro} is the largest micro-batch whose step fits "
           f"{fmt_bytes(budget)}")
     return micro
@@ -81,7 +90,7 @@ def main(argv=None):
 
     import zerojax
     from zerojax.data import load_text_data
-    from zerojax.models.gpt2 import GPT2, GPT2Config, flops_per_token, gpt2_loss
+    from zerojax.models.gpt2 import GPT2, GPT2Config, flops_per_token
     from zerojax.precision import compute_dtype
 
     gpu = jax.default_backend() == "gpu"
@@ -134,7 +143,8 @@ def main(argv=None):
     dtype = compute_dtype(cfg)
 
     if args.micro_batch == "auto":
-        micro = _fit_micro_batch(args.config, fill, gpt_cfg, dtype, remat, seq_len, default=micro)
+        micro = _fit_micro_batch(args.config, fill, gpt_cfg, dtype, remat, seq_len, default=micro,
+                                 loss_fn=_loss_fn(args.loss_chunk))
         fill["train_micro_batch_size_per_gpu"] = micro
         cfg = zerojax.load_config(cfg.to_dict() | {"train_micro_batch_size_per_gpu": micro,
                                                    "train_batch_size": "auto"}, world_size=cfg.world_size)
@@ -143,7 +153,7 @@ def main(argv=None):
         model = gpt2_from_params(gpt_cfg, hf, dtype=dtype, remat_policy=remat)
     else:  # built shard by shard on the devices, never whole on one
         model = lambda: GPT2(gpt_cfg, rngs=nnx.Rngs(args.seed), dtype=dtype, remat_policy=remat)  # noqa: E731
-    engine = zerojax.shard(model, cfg, loss_fn=gpt2_loss)
+    engine = zerojax.shard(model, cfg, loss_fn=_loss_fn(args.loss_chunk))
     del model, hf
 
     start = 0

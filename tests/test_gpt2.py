@@ -8,7 +8,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from zerojax.models import GPT2, GPT2Config, flops_per_token, gpt2_loss, num_params
+from zerojax.models import GPT2, GPT2Config, chunked_gpt2_loss, flops_per_token, gpt2_loss, num_params
 from zerojax.models.hf import gpt2_from_hf, load_hf, save_hf
 
 torch = pytest.importorskip("torch")
@@ -193,6 +193,30 @@ def test_loss_labels_and_token_count():
     nll = -np.take_along_axis(logp[:, :-1], np.asarray(ids)[:, 1:, None], -1)[..., 0]
     np.testing.assert_allclose(float(loss), nll.mean(), rtol=1e-5)
     np.testing.assert_allclose(float(loss_m), nll[:, :3].mean(), rtol=1e-5)
+
+
+@pytest.mark.parametrize("chunk", [1, 3, 16])
+def test_chunked_loss_matches_full_logits(chunk):
+    """Value and gradients of the chunked cross entropy equal `gpt2_loss`'s (full logits), with
+    ignored labels and a prediction count (11) that no chunk of 3 or 16 divides."""
+    model = GPT2(CFG, rngs=nnx.Rngs(0))
+    ids = jnp.asarray(_ids(CFG, seq=12))
+    batch = {"input_ids": ids, "labels": ids.at[0, 5:9].set(-100)}
+    graphdef, params = nnx.split(model)
+
+    def grad_of(loss_fn):
+        f = lambda p: loss_fn(nnx.merge(graphdef, p), batch)  # noqa: E731
+        return jax.value_and_grad(f, has_aux=True)(params)
+
+    (ref, ref_aux), ref_g = grad_of(gpt2_loss)
+    (got, got_aux), got_g = grad_of(chunked_gpt2_loss(chunk))
+    assert int(got_aux["tokens"]) == int(ref_aux["tokens"]) == 2 * 11 - 4
+    np.testing.assert_allclose(float(got), float(ref), rtol=1e-6)
+    for (path, a), b in zip(jax.tree_util.tree_leaves_with_path(got_g), jax.tree.leaves(ref_g)):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-7,
+                                   err_msg=jax.tree_util.keystr(path))
+    with pytest.raises(ValueError, match="chunk"):
+        chunked_gpt2_loss(0)
 
 
 def test_named_sizes_and_errors():

@@ -234,9 +234,14 @@ def _offloaded_tail(plan: StepPlan, state: TrainState, grads, loss, aux, rest, s
     if off.clip and off.clip > 0:  # optim.clip_by_global_norm's formula, on the unscaled norm
         coef = off.clip / (grad_norm + 1e-6)
         factor = factor * jnp.where(coef < 1.0, coef, 1.0)
+    # offload_param: each chunk's new compute copy goes to host memory as soon as it is made (in
+    # a "scan" chunk: inside the scan, so the stacked copy is built in host memory, never whole
+    # on the device)
+    pkind = None if off.param_shardings is None else jax.tree.leaves(
+        off.param_shardings, is_leaf=lambda x: isinstance(x, jax.sharding.Sharding))[0].memory_kind
     params, new_off = offload_mod.streamed_update(
         off.tx, grads, offload_mod.OffloadState(state.master, inner), off.plan,
-        compute_dtype=plan.compute_dtype, skip=skip, grad_scale=factor)
+        compute_dtype=plan.compute_dtype, skip=skip, grad_scale=factor, compute_kind=pkind)
     if off.param_shardings is not None:
         params = jax.device_put(params, off.param_shardings)
     else:
