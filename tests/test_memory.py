@@ -200,6 +200,29 @@ def test_will_not_fit_lists_plans():
     assert calls == [1]
 
 
+def test_plan_offers_partial_optimizer_offload_at_stage_3():
+    """"optimizer:R" (DeepSpeed's offload_optimizer.ratio) is a stage-3 choice, ranked before full
+    offload; its config patch builds an engine that keeps part of the optimizer state on the
+    device (read from the arrays' memory kinds, independently of the planner)."""
+    import zerojax
+    from zerojax.config import load_config
+
+    plans = M.plan(tiny_factory, CFG, 2**40, SEQ, stages=(2, 3), offloads=("optimizer", "optimizer:0.5"),
+                   remat=(None,), micro_batch=1)
+    assert [(p.stage, p.offload_ratio) for p in plans] == [(3, 0.5), (2, 1.0), (3, 1.0)]
+    half, full = plans[0], plans[2]
+    assert half.config_patch()["zero_optimization"]["offload_optimizer"] == {"device": "cpu", "ratio": 0.5}
+    assert "ratio" not in full.config_patch()["zero_optimization"]["offload_optimizer"]
+    assert "optimizer (ratio 0.5)" in half.describe()
+    host = {}
+    for p in (half, full):
+        cfg = load_config({**CFG, **p.config_patch()}, world_size=jax.device_count())
+        host[p.offload_ratio] = zerojax.shard(tiny_factory, cfg, loss_fn=M.default_loss_fn()).memory_report()["host"]
+    assert 0 < host[0.5] < host[1.0]
+    with pytest.raises(ValueError, match="offload choice"):
+        M.plan(tiny_factory, CFG, 2**40, SEQ, stages=(3,), offloads=("param:0.5",), micro_batch=1)
+
+
 def test_engine_guard_raises_before_the_first_step():
     """The guard the engine runs before its first step, on a real engine at micro-batch 2."""
     import zerojax

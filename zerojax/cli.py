@@ -214,7 +214,8 @@ def _estimate_aot(args, M, factory, model_cfg, stages, n_devices) -> dict:
         print("\nNo plan: the device reports no memory limit (CPU); pass --budget, e.g. 24GB.")
         return out
     print(f"\nPlan under {M.fmt_bytes(budget)} per device: fastest first (cost model: no offload > "
-          "optimizer offload > param offload; no remat > remat; larger micro-batch first):")
+          "partial optimizer offload (ratio) > optimizer offload > param offload; no remat > remat; "
+          "larger micro-batch first):")
 
     def progress(p, fits):
         status = "fits" if fits is True else "does not fit" if fits is False else f"failed: {fits}"
