@@ -4,6 +4,7 @@ import functools
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import pytest
 from flax import nnx
 
@@ -239,6 +240,27 @@ def test_engine_guard_raises_before_the_first_step():
     assert [(p.stage, p.micro_batch, p.peak_bytes) for p in info.value.plans] == [(2, 1, peak(1))]
     assert M.guard(engine, batch, peak(2)).peak == peak(2)
     assert M.guard(engine, batch, None) is None or M.device_budget() is not None  # CPU: no limit
+
+
+def test_train_step_guard_runs_even_after_an_earlier_compile(monkeypatch):
+    """train_step checks a batch shape before its first step even when that step was compiled
+    before (memory_report / compiled_step); nothing is trained when it does not fit."""
+    import zerojax
+    from zerojax.config import load_config
+
+    cfg = load_config(dict(CFG, train_micro_batch_size_per_gpu=2), world_size=jax.device_count())
+    engine = zerojax.shard(tiny_factory, cfg, loss_fn=M.default_loss_fn())
+    rows = np.random.default_rng(0).integers(0, TINY.vocab_size, (cfg.train_batch_size, SEQ)).astype(np.int32)
+    before = jax.tree.map(np.asarray, engine.master_params)
+    engine.memory_report({"input_ids": jax.ShapeDtypeStruct(rows.shape, jnp.int32)})  # compiles
+    monkeypatch.setattr(M, "device_budget", lambda device=None: (peak(1) + peak(2)) // 2)
+    with pytest.raises(M.WillNotFitError):
+        engine.train_step({"input_ids": rows})
+    assert engine.global_steps == 0
+    jax.tree.map(np.testing.assert_array_equal, jax.tree.map(np.asarray, engine.master_params), before)
+    monkeypatch.setattr(M, "device_budget", lambda device=None: peak(2))
+    engine.train_step({"input_ids": rows})
+    assert engine.global_steps == 1
 
 
 def test_plan_ranking_is_the_cost_model():

@@ -199,6 +199,7 @@ class Engine:
         self._global_steps = 0
         self._pending = None
         self._last_batch_shapes = None
+        self._guarded: set = set()  # batch shapes whose step passed the memory guard
         self._print_time, self._print_tokens = time.perf_counter(), 0
         self.monitor = Monitor(cfg, is_writer=jax.process_index() == 0)
         betas = (cfg.optimizer.params.get("betas") if cfg.optimizer is not None else None) or (0.9, 0.999)
@@ -471,12 +472,16 @@ class Engine:
         placed = self._place_batch(batch, self.cfg.train_batch_size, "train_step")
         shapes = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), placed)
         self._last_batch_shapes = shapes
-        if self._shape_key(shapes) not in self._compiled and os.environ.get("ZEROJAX_MEMORY_GUARD", "1") != "0":
+        key = self._shape_key(shapes)
+        if key not in self._guarded and os.environ.get("ZEROJAX_MEMORY_GUARD", "1") != "0":
             # before the first step of a shape: XLA's predicted peak against the device's memory;
-            # WillNotFitError (with the plans that fit) instead of an out-of-memory mid-step
+            # WillNotFitError (with the plans that fit) instead of an out-of-memory mid-step. Kept
+            # apart from the compile cache: a step compiled earlier (memory_report, the planner,
+            # compiled_step) is still checked before it first runs.
             from zerojax import memory
 
             memory.guard(self, shapes)
+            self._guarded.add(key)
         # the AOT-compiled step: one compile shared with memory_report() and the planner
         self.state, metrics = self.compiled_step(shapes)(self.state, placed)
         self._global_steps += 1
