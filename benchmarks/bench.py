@@ -54,7 +54,7 @@ def build_matrix(args, n_devices: int) -> list[dict]:
                         for off in args.offload:
                             if off != "none" and stage in ("plain", 0):
                                 continue
-                            if off.split(":")[0] == "param" and stage != 3:
+                            if off.partition(":")[0] == "param" and stage != 3:
                                 continue
                             for remat in remats:
                                 out.append(dict(_base(args), size=size, dtype=dtype, accum=accum,

@@ -141,10 +141,11 @@ def main(argv=None):
         remat = "none" if ac is None else ("offload" if ac.cpu_checkpointing else "full")
     remat = None if remat == "none" else remat
     dtype = compute_dtype(cfg)
+    loss_fn = _loss_fn(args.loss_chunk)
 
     if args.micro_batch == "auto":
         micro = _fit_micro_batch(args.config, fill, gpt_cfg, dtype, remat, seq_len, default=micro,
-                                 loss_fn=_loss_fn(args.loss_chunk))
+                                 loss_fn=loss_fn)
         fill["train_micro_batch_size_per_gpu"] = micro
         cfg = zerojax.load_config(cfg.to_dict() | {"train_micro_batch_size_per_gpu": micro,
                                                    "train_batch_size": "auto"}, world_size=cfg.world_size)
@@ -153,7 +154,7 @@ def main(argv=None):
         model = gpt2_from_params(gpt_cfg, hf, dtype=dtype, remat_policy=remat)
     else:  # built shard by shard on the devices, never whole on one
         model = lambda: GPT2(gpt_cfg, rngs=nnx.Rngs(args.seed), dtype=dtype, remat_policy=remat)  # noqa: E731
-    engine = zerojax.shard(model, cfg, loss_fn=_loss_fn(args.loss_chunk))
+    engine = zerojax.shard(model, cfg, loss_fn=loss_fn)
     del model, hf
 
     start = 0

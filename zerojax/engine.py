@@ -43,8 +43,6 @@ PARAM_HOOK_ERROR = ("zero_optimization.offload_param: offload_param needs a mode
 
 def _env_or(value, name, cast, default=None):
     """`value` if given, else env `name` ("none" -> 0), else `default`."""
-    import os
-
     if value is not None:
         return value
     raw = os.environ.get(name, "").strip()

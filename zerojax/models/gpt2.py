@@ -294,13 +294,27 @@ def gpt2_loss(model: GPT2, batch):
     shifted here too); label -100 is ignored.
     """
     input_ids = batch["input_ids"]
-    labels = batch.get("labels", input_ids)[:, 1:]
-    logits = model(input_ids)[:, :-1].astype(jnp.float32)
+    labels = _shifted_labels(batch)
+    return _mean_over_tokens(_nll_sum(model(input_ids)[:, :-1], labels), labels)
+
+
+def _shifted_labels(batch):
+    """The next-token targets [B, T-1] (batch["labels"] if given, else the input ids), HF's shift."""
+    return batch.get("labels", batch["input_ids"])[:, 1:]
+
+
+def _nll_sum(logits, labels):
+    """Sum of the fp32 cross entropy over positions whose label is not -100."""
     valid = labels != -100
-    losses = optax.softmax_cross_entropy_with_integer_labels(logits, jnp.where(valid, labels, 0))
-    n = valid.sum()
-    loss = jnp.where(valid, losses, 0.0).sum() / jnp.maximum(n, 1).astype(jnp.float32)
-    return loss, {"tokens": n}
+    losses = optax.softmax_cross_entropy_with_integer_labels(
+        logits.astype(jnp.float32), jnp.where(valid, labels, 0))
+    return jnp.where(valid, losses, 0.0).sum()
+
+
+def _mean_over_tokens(total, labels):
+    """(total / counted tokens, {"tokens": n}): the mean over labels that are not -100."""
+    n = (labels != -100).sum()
+    return total / jnp.maximum(n, 1).astype(jnp.float32), {"tokens": n}
 
 
 def chunked_gpt2_loss(chunk: int = 128):
@@ -316,9 +330,8 @@ def chunked_gpt2_loss(chunk: int = 128):
         raise ValueError(f"chunk={chunk} must be >= 1")
 
     def loss_fn(model: GPT2, batch):
-        input_ids = batch["input_ids"]
-        labels = batch.get("labels", input_ids)[:, 1:]
-        x = model.hidden_states(input_ids)[:, :-1]
+        labels = _shifted_labels(batch)
+        x = model.hidden_states(batch["input_ids"])[:, :-1]
         B, T, d = x.shape
         pad = -T % chunk
         x = jnp.pad(x, ((0, 0), (0, pad), (0, 0))).reshape(B, -1, chunk, d).swapaxes(0, 1)
@@ -327,13 +340,9 @@ def chunked_gpt2_loss(chunk: int = 128):
 
         @functools.partial(jax.checkpoint, prevent_cse=False)
         def piece(xc, lc):
-            logits = jnp.einsum("btd,vd->btv", xc, wte, preferred_element_type=jnp.float32)
-            valid = lc != -100
-            losses = optax.softmax_cross_entropy_with_integer_labels(logits, jnp.where(valid, lc, 0))
-            return jnp.where(valid, losses, 0.0).sum()
+            return _nll_sum(jnp.einsum("btd,vd->btv", xc, wte, preferred_element_type=jnp.float32), lc)
 
         total, _ = jax.lax.scan(lambda acc, xl: (acc + piece(*xl), None), jnp.float32(0), (x, lab))
-        n = (labels != -100).sum()
-        return total / jnp.maximum(n, 1).astype(jnp.float32), {"tokens": n}
+        return _mean_over_tokens(total, labels)
 
     return loss_fn
