@@ -143,6 +143,21 @@ def test_offload_param_and_optimizer_stage3(prec):
     assert eng.plan.graphdef is not None and eng.plan.fetch_rest is not None
 
 
+@pytest.mark.parametrize("par", ["none", "cpu"])
+def test_loop_candidate_matches_device(par, monkeypatch):
+    # "loop" updates the layers in place, a group at a time, and writes the new compute copy into
+    # the previous step's params: same arithmetic as the device update (fp32, 1e-6); with
+    # offload_param SGD as above (Adam would amplify the fetched layers' 1e-7 partitioning noise)
+    monkeypatch.setenv("ZEROJAX_OFFLOAD_CANDIDATE", "loop")
+    optimizer = "adamw" if par == "none" else "sgd"
+    eng, master = run.__wrapped__(3, "fp32", "cpu", par, optimizer=optimizer)
+    _, ref = run(3, "fp32", optimizer=optimizer)
+    close(master, ref, 1e-6)
+    check_placement(eng, params_host=par == "cpu")
+    chunks = eng.off_plan.layout.chunks
+    assert [(c.rest, c.loop) for c in chunks] == [(True, 0), (False, 2)]  # 4 layers in 2 groups
+
+
 def test_pin_memory_true_is_pinned_host():
     eng, _ = run(2, "fp32", "cpu", pin=True)
     assert kinds(eng.state.master) == kinds(eng.state.opt_state) == {"pinned_host"}

@@ -163,7 +163,37 @@ def _n_leaves(trees):
     return sum(len(jax.tree.leaves(t)) for t in trees)
 
 
-@pytest.mark.parametrize("candidate", ["chunked", "scan"])
+def test_loop_writes_compute_copy_in_place(mesh):
+    """"loop" writes the new compute copy into `compute_init` (donated), in the requested memory
+    kind, and takes host-resident gradients."""
+    params, sh = _params(mesh)
+    tx = optax.adam(1e-2)
+    state, plan = O.init_offloaded(tx, params, 3, sh, "pinned_host", candidate="loop")
+    assert [c.loop for c in plan.layout.chunks] == [0, 3]
+    host = O.with_memory_kind(sh, "pinned_host")
+    old = jax.device_put(jax.tree.map(jnp.zeros_like, params), host)
+    g = jax.device_put(_grads(params, 0), host)
+    step = jax.jit(lambda g, st, old: O.streamed_update(
+        tx, g, st, plan, compute_dtype=jnp.float32, compute_kind="pinned_host", compute_init=old),
+        donate_argnums=(1, 2), out_shardings=(host, plan.shardings))
+    compiled = step.lower(g, state, old).compile()
+    u, _ = tx.update(_grads(params, 0), tx.init(params), params)
+    compute, _ = compiled(g, state, old)
+    _close(compute, optax.apply_updates(params, u))
+    assert kinds_of(compute) == {"pinned_host"}
+    # the layers are written where they were read: no concatenation of per-chunk results (what
+    # "chunked" does to return the stacked compute copy, checked here as the control)
+    assert "concatenate(" not in compiled.as_text()
+    state2, plan2 = O.init_offloaded(tx, params, 3, sh, "pinned_host", candidate="chunked")
+    chunked = jax.jit(lambda g, st: O.streamed_update(tx, g, st, plan2, compute_kind="pinned_host"))
+    assert "concatenate(" in chunked.lower(g, state2).compile().as_text()
+
+
+def kinds_of(tree):
+    return {x.sharding.memory_kind for x in jax.tree.leaves(tree)}
+
+
+@pytest.mark.parametrize("candidate", ["chunked", "scan", "loop"])
 def test_hlo_has_host_device_transfers(mesh, candidate):
     """CPU: one address space, so XLA emits no copy; the host buffers show only as memory space
     S(5) in the entry computation's layout. Lowered for CUDA (no GPU needed), every transfer is an

@@ -20,7 +20,15 @@ How the host pieces are grouped into transfers is the *candidate*:
              `optimization_barrier`s so that chunk k+w's copy-in waits for chunk k's update,
              bounding device memory to about w+1 chunks whatever the scheduler decides;
 - "scan":    the host layer groups stacked as [K, L/K, ...] and updated by one `lax.scan` that
-             copies one group in and out per iteration (needs K | L).
+             copies one group in and out per iteration (needs K | L);
+- "loop":    the host layers as one [L, ...] chunk updated by a `fori_loop` over K groups of L/K
+             layers (needs K | L) that carries the stored arrays themselves: each iteration
+             slices its group out of host memory, updates it on the device and writes it back
+             into the same host buffer (dynamic_update_slice), and writes the new compute copy
+             into the previous step's compute params (`compute_init`). Everything is updated in
+             place: no concatenation of the layers' new weights on the device (what "chunked"
+             does to return a stacked compute copy) and no second host copy of the state (what
+             "scan"'s outputs need). Device memory holds one group's state.
 
 A chunk is a tree of the original structure with `None` in place of the leaves it lacks (so optax
 masks written as functions of the params tree keep working); its stacked leaves are slices
@@ -53,7 +61,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 DEVICE = "device"
 PINNED_HOST = "pinned_host"
 UNPINNED_HOST = "unpinned_host"
-CANDIDATES = ("whole", "chunked", "scan")
+CANDIDATES = ("whole", "chunked", "scan", "loop")
 
 _is_sharding = lambda x: isinstance(x, jax.sharding.Sharding)  # noqa: E731
 _is_none = lambda x: x is None  # noqa: E731
@@ -147,13 +155,15 @@ def scan_layers(body: Callable, carry, stacked_params, shardings, *, prefetch: b
 @dataclasses.dataclass(frozen=True)
 class Chunk:
     """One chunk: rest leaves (if `rest`), stacked leaves' layers [lo, hi), `groups` > 0: stacked
-    as [groups, (hi - lo) / groups, ...] and updated by a scan; `host`: lives in host memory."""
+    as [groups, (hi - lo) / groups, ...] and updated by a scan; `loop` > 0: stored as [hi - lo, ...]
+    and updated in place by `loop` iterations; `host`: lives in host memory."""
 
     rest: bool
     lo: int
     hi: int
     groups: int = 0
     host: bool = True
+    loop: int = 0  # > 0: updated in place by a fori_loop of `loop` iterations (candidate "loop")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -213,14 +223,18 @@ def chunk_layout(tree, k: int, *, candidate: str = "chunked", ratio: float = 1.0
             chunks.append(Chunk(rest=host[0][0], lo=lo, hi=hi))
         elif candidate == "chunked":
             chunks += [Chunk(rest=r, lo=lo, hi=hi) for r, lo, hi in host]
-        else:  # scan
+        else:  # scan / loop: the rest piece, then the host layer groups as one chunk
             if host[0][0]:
                 chunks.append(Chunk(rest=True, lo=0, hi=0))
             groups = [p for p in host if not p[0]]
             if groups:
                 if L % k:
-                    raise ValueError(f"candidate='scan' needs the layer count {L} divisible by k={k}")
-                chunks.append(Chunk(rest=False, lo=groups[0][1], hi=groups[-1][2], groups=len(groups)))
+                    raise ValueError(f"candidate={candidate!r} needs the layer count {L} divisible by "
+                                     f"k={k} (offload chunks)")
+                n = len(groups)
+                chunks.append(Chunk(rest=False, lo=groups[0][1], hi=groups[-1][2],
+                                    groups=n if candidate == "scan" else 0,
+                                    loop=n if candidate == "loop" else 0))
     if dev:
         r = dev[0][0]
         lo = dev[1][1] if r and len(dev) > 1 else dev[0][1]
@@ -399,8 +413,66 @@ def _strip(shardings):
                         shardings, is_leaf=_is_sharding)
 
 
+def _slice_sharding(s, n: int):
+    """A chunk sharding for a slice of `n` layers: the layers axis unsplit where n does not divide."""
+    spec = list(tuple(s.spec))
+    if spec and spec[0] is not None:
+        size = math.prod(s.mesh.shape[a] for a in (spec[0] if isinstance(spec[0], tuple) else (spec[0],)))
+        if n % size:
+            spec[0] = None
+    return NamedSharding(s.mesh, P(*spec), memory_kind=s.memory_kind)
+
+
+def _loop_update(tx, c: Chunk, g, m, s, cp, m_sh, s_sh, *, kind, compute_dtype, skip, grad_scale,
+                 compute_kind):
+    """Candidate "loop": a fori_loop over `c.loop` groups of layers carrying the stored arrays
+    (master, state, compute copy) and writing each group back where it was read (in place).
+
+    State leaves with the chunk's leading layers dim are sliced per group; the others (counts)
+    are read from the step's input by every group, so each group sees the same count."""
+    n = c.hi - c.lo
+    per = n // c.loop
+    s_leaves, s_def = jax.tree.flatten(s)
+    stacked = [x.ndim >= 1 and x.shape[0] == n for x in s_leaves]
+    s_sh_leaves = s_def.flatten_up_to(s_sh)
+    m_dev = jax.tree.map(lambda x: _slice_sharding(x, per), m_sh, is_leaf=_is_sharding)
+    s_dev = [_slice_sharding(x, per) if f else x for x, f in zip(s_sh_leaves, stacked)]
+    sl = lambda x, j: jax.lax.dynamic_slice_in_dim(x, j * per, per, axis=0)  # noqa: E731
+    put = lambda buf, x, j: jax.lax.dynamic_update_slice_in_dim(buf, x, j * per, axis=0)  # noqa: E731
+    tmap = lambda f, *t: jax.tree.map(f, *t, is_leaf=_is_none)  # noqa: E731
+
+    def body(j, carry):
+        m, s_l, cp = carry
+        mm = _to(tmap(lambda x: None if x is None else sl(x, j), m), m_dev, DEVICE)
+        ss = [sl(x, j) if f else x0 for x, x0, f in zip(s_l, s_leaves, stacked)]
+        ss = jax.device_put(ss, [x.with_memory_kind(DEVICE) for x in s_dev])
+        gg = _grads_in(tmap(lambda x: None if x is None else sl(x, j), g), m_dev)
+        mm, ss, cc = _apply(tx, gg, s_def.unflatten(ss), mm, compute_dtype, skip, grad_scale)
+        mm = _to(mm, m_dev, kind)
+        ss = jax.device_put(jax.tree.leaves(ss), [x.with_memory_kind(kind) for x in s_dev])
+        if compute_kind is not None:
+            cc = _to(cc, m_dev, compute_kind)
+        m = tmap(lambda b, x: None if b is None else put(b, x, j), m, mm)
+        s_l = [put(b, x, j) if f else x for b, x, f in zip(s_l, ss, stacked)]
+        cp = tmap(lambda b, x: None if b is None else put(b, x.astype(b.dtype), j), cp, cc)
+        return m, s_l, cp
+
+    m, s_l, cp = jax.lax.fori_loop(0, c.loop, body, (m, s_leaves, cp))
+    return m, s_def.unflatten(s_l), cp
+
+
+def _empty_like(m, m_sh, compute_dtype, compute_kind):
+    """A compute-copy buffer for a loop chunk when no previous compute params are given."""
+    z = jax.tree.map(lambda x: None if x is None else jnp.zeros(x.shape, compute_dtype), m, is_leaf=_is_none)
+    if compute_kind is not None:
+        return _to(z, m_sh, compute_kind)
+    return jax.tree.map(lambda x, s: None if x is None else jax.lax.with_sharding_constraint(
+        x, NamedSharding(s.mesh, s.spec)), z, m_sh, is_leaf=_is_none)
+
+
 def streamed_update(tx, grads, state: OffloadState, plan: OffloadPlan, *,
-                    compute_dtype=jnp.bfloat16, skip=None, grad_scale=None, compute_kind=None):
+                    compute_dtype=jnp.bfloat16, skip=None, grad_scale=None, compute_kind=None,
+                    compute_init=None):
     """One optimizer step over offloaded chunks; call inside the step's jit.
 
     tx: an elementwise optax transform (no global-norm clipping inside: clip `grads` before).
@@ -410,10 +482,13 @@ def streamed_update(tx, grads, state: OffloadState, plan: OffloadPlan, *,
         (1 / loss scale x clip coefficient: host-resident gradients are never computed on in place).
     compute_kind: None (compute params returned in device memory) or a host kind: each chunk's
         compute copy is sent there as soon as it is made (stage 3 `offload_param`).
+    compute_init: the previous compute params (params-shaped, donated by the caller): a "loop"
+        chunk writes its new compute copy into them in place.
     -> (compute params tree in `compute_dtype`, new OffloadState in place).
     """
     layout = plan.layout
     g_chunks = to_chunks(grads, layout)
+    init_chunks = to_chunks(compute_init, layout) if compute_init is not None else None
     out_c, out_m, out_s = [], [], []
     results = []
     for i, (c, g, m, s) in enumerate(zip(layout.chunks, g_chunks, state.master, state.opt_state)):
@@ -422,7 +497,13 @@ def streamed_update(tx, grads, state: OffloadState, plan: OffloadPlan, *,
         if c.host and w is not None and i - w >= 0 and results[i - w] is not None:
             # chunk i's copy-in may start only after chunk i-w's update: <= w+1 chunks on device
             (m, s), _ = jax.lax.optimization_barrier(((m, s), results[i - w]))
-        if c.groups:
+        if c.loop:
+            cp0 = (init_chunks[i] if init_chunks is not None
+                   else _empty_like(m, m_sh, compute_dtype, compute_kind))
+            m, s, cp = _loop_update(tx, c, g, m, s, cp0, m_sh, s_sh, kind=plan.kind,
+                                    compute_dtype=compute_dtype, skip=skip, grad_scale=grad_scale,
+                                    compute_kind=compute_kind)
+        elif c.groups:
             gm, gs = _strip(m_sh), _strip(s_sh)
 
             def body(_, xs, gm=gm, gs=gs):
@@ -455,13 +536,25 @@ def grad_stats(grads, plan: OffloadPlan):
     Host-resident leaves (offload_param's gradients) are brought to the device one chunk of the
     plan's layout at a time, reduced there and dropped: nothing is computed in host memory.
     """
-    total, finite = jnp.float32(0.0), jnp.asarray(True)
-    for g, m_sh in zip(to_chunks(grads, plan.layout), plan.master_shardings):
+    def stats(g, m_sh, acc):
+        total, finite = acc
         for x in jax.tree.leaves(_grads_in(g, m_sh)):
             x = x.astype(jnp.float32)
             total = total + jnp.sum(jnp.square(x))
             finite = finite & jnp.all(jnp.isfinite(x))
-    return total, finite
+        return total, finite
+
+    acc = (jnp.float32(0.0), jnp.asarray(True))
+    for c, g, m_sh in zip(plan.layout.chunks, to_chunks(grads, plan.layout), plan.master_shardings):
+        if c.loop:  # one group of layers on the device at a time, as the update does
+            per = (c.hi - c.lo) // c.loop
+            sl = lambda x, j: None if x is None else jax.lax.dynamic_slice_in_dim(x, j * per, per, 0)  # noqa: E731
+            dev = jax.tree.map(lambda x: _slice_sharding(x, per), m_sh, is_leaf=_is_sharding)
+            acc = jax.lax.fori_loop(0, c.loop, lambda j, a, g=g, dev=dev, sl=sl: stats(
+                jax.tree.map(lambda x: sl(x, j), g, is_leaf=_is_none), dev, a), acc)
+        else:
+            acc = stats(g, m_sh, acc)
+    return acc
 
 
 def whole_update(tx, grads, master, opt_state, master_shardings, state_shardings, *,

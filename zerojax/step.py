@@ -241,7 +241,8 @@ def _offloaded_tail(plan: StepPlan, state: TrainState, grads, loss, aux, rest, s
         off.param_shardings, is_leaf=lambda x: isinstance(x, jax.sharding.Sharding))[0].memory_kind
     params, new_off = offload_mod.streamed_update(
         off.tx, grads, offload_mod.OffloadState(state.master, inner), off.plan,
-        compute_dtype=plan.compute_dtype, skip=skip, grad_scale=factor, compute_kind=pkind)
+        compute_dtype=plan.compute_dtype, skip=skip, grad_scale=factor, compute_kind=pkind,
+        compute_init=state.params)
     if off.param_shardings is not None:
         params = jax.device_put(params, off.param_shardings)
     else:
