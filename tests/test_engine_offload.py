@@ -94,7 +94,8 @@ def test_offload_optimizer_fp32_matches_device(stage):
     check_placement(eng, params_host=False)
     # fp32 compute: the device params are a copy apart from the host master
     assert eng.state.params["wte"].dtype == jnp.float32 and kinds(eng.state.params) == {"device"}
-    assert len(eng.state.master) == 3  # non-layer chunk + ceil(4 layers / 3) = 2 layer groups
+    # default candidate "loop": the non-layer chunk + the 4 layers updated in place one at a time
+    assert [(c.rest, c.loop) for c in eng.off_plan.layout.chunks] == [(True, 0), (False, 4)]
 
 
 # bf16: the whole step is one XLA program, and a different update lets XLA fuse and partition the
@@ -113,7 +114,8 @@ def test_offload_optimizer_stage3_bf16(ratio):
     close(master, ref, BF16_TOL, skip=NOISE)
     check_placement(eng, params_host=False)
     hosts = [c.host for c in eng.off_plan.layout.chunks]
-    assert hosts == ([True, True, True] if ratio == 1.0 else [True, True, False])
+    # pieces: the non-layer leaves + 4 layers; ratio 0.5 keeps ceil(2.5) = 3 of them on the host
+    assert hosts == ([True, True] if ratio == 1.0 else [True, True, False])
 
 
 @pytest.mark.parametrize("prec", ["fp32", "bf16"])
@@ -145,10 +147,11 @@ def test_offload_param_and_optimizer_stage3(prec):
 
 @pytest.mark.parametrize("par", ["none", "cpu"])
 def test_loop_candidate_matches_device(par, monkeypatch):
-    # "loop" updates the layers in place, a group at a time, and writes the new compute copy into
+    # "loop" with 2 layers a group updates the layers in place, a group at a time, and writes the new compute copy into
     # the previous step's params: same arithmetic as the device update (fp32, 1e-6); with
     # offload_param SGD as above (Adam would amplify the fetched layers' 1e-7 partitioning noise)
     monkeypatch.setenv("ZEROJAX_OFFLOAD_CANDIDATE", "loop")
+    monkeypatch.setenv("ZEROJAX_OFFLOAD_CHUNKS", "2")
     optimizer = "adamw" if par == "none" else "sgd"
     eng, master = run.__wrapped__(3, "fp32", "cpu", par, optimizer=optimizer)
     _, ref = run(3, "fp32", optimizer=optimizer)
@@ -237,3 +240,6 @@ def test_offload_knobs_from_env(monkeypatch):
     eng2 = zerojax.shard(lambda: gpt2.GPT2(C, rngs=nnx.Rngs(0)), config(2, "fp32", "cpu"),
                          loss_fn=gpt2.gpt2_loss, offload_chunks=2, offload_candidate="whole", offload_window=1)
     assert eng2.offload_options == dict(eng2.offload_options, chunks=2, candidate="whole", window=1)
+    with pytest.raises(ValueError, match="layer count 4 divisible by k=3.*ZEROJAX_OFFLOAD_CHUNKS"):
+        zerojax.shard(lambda: gpt2.GPT2(C, rngs=nnx.Rngs(0)), config(2, "fp32", "cpu"),
+                      loss_fn=gpt2.gpt2_loss, offload_chunks=3, offload_candidate="loop")

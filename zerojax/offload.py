@@ -230,7 +230,7 @@ def chunk_layout(tree, k: int, *, candidate: str = "chunked", ratio: float = 1.0
             if groups:
                 if L % k:
                     raise ValueError(f"candidate={candidate!r} needs the layer count {L} divisible by "
-                                     f"k={k} (offload chunks)")
+                                     f"k={k} (zerojax.shard's offload_chunks / ZEROJAX_OFFLOAD_CHUNKS)")
                 n = len(groups)
                 chunks.append(Chunk(rest=False, lo=groups[0][1], hi=groups[-1][2],
                                     groups=n if candidate == "scan" else 0,
