@@ -161,6 +161,26 @@ def test_loop_candidate_matches_device(par, monkeypatch):
     assert [(c.rest, c.loop) for c in chunks] == [(True, 0), (False, 2)]  # 4 layers in 2 groups
 
 
+@pytest.mark.parametrize("par", ["none", "cpu"])
+def test_init_by_leaf_groups_equals_one_jit(par, monkeypatch):
+    # a model too large to initialise on the device at once is built a group of leaves at a time
+    # (here: one leaf a group); the state must be the one the single-jit init builds
+    make = lambda: gpt2.GPT2(C, rngs=nnx.Rngs(0), dtype=jnp.bfloat16)  # noqa: E731
+    cfg = config(3, "bf16", "cpu", par)
+    ref = zerojax.shard(make, cfg, loss_fn=gpt2.gpt2_loss)
+    monkeypatch.setenv("ZEROJAX_INIT_GROUP_BYTES", "1")
+    eng = zerojax.shard(make, cfg, loss_fn=gpt2.gpt2_loss)
+    assert len(eng._init_groups()) == len(jax.tree.leaves(eng.state.params)) > 1
+    for a, b, sa, sb in zip(jax.tree.leaves(eng.state), jax.tree.leaves(ref.state),
+                            jax.tree.leaves(eng.state_shardings), jax.tree.leaves(ref.state_shardings)):
+        np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32))
+        assert a.sharding.memory_kind == sa.memory_kind == sb.memory_kind
+    check_placement(eng, params_host=par == "cpu")
+    before = np.asarray(eng.master_params["wte"], np.float32)
+    eng.train_step(batches(1)[0])  # and it trains
+    assert not np.array_equal(np.asarray(eng.master_params["wte"], np.float32), before)
+
+
 def test_pin_memory_true_is_pinned_host():
     eng, _ = run(2, "fp32", "cpu", pin=True)
     assert kinds(eng.state.master) == kinds(eng.state.opt_state) == {"pinned_host"}

@@ -163,6 +163,7 @@ class Engine:
         )
         self.rest_shardings = partition.replicated(self.mesh, pure_rest)
         self.off_plan, offload_step, self._fetch_rest = None, None, None
+        self._abstract_master = abstract_master
         if offloading:
             graphdef, offload_step = self._setup_offload(
                 model, graphdef, params, abstract_master, offload_chunks, offload_candidate,
@@ -362,7 +363,12 @@ class Engine:
             return chunks, states, compute
 
         outs = (list(plan.master_shardings), list(plan.state_shardings), self.param_shardings)
-        if init_fn is not None:
+        groups = self._init_groups()
+        if init_fn is not None and len(groups) > 1:
+            chunks, params, rest = self._init_offloaded_by_leaves(init_fn, groups)
+            states = [jax.jit(lambda m, c=c: O._init_chunk(self.tx, m, c), out_shardings=s)(m)
+                      for m, c, s in zip(chunks, plan.layout.chunks, plan.state_shardings)]
+        elif init_fn is not None:
             def init():
                 with _no_eager_sharding():
                     _, p, r = nnx.split(init_fn(), nnx.Param, ...)
@@ -383,6 +389,67 @@ class Engine:
         zero = lambda: jax.device_put(jnp.zeros((), jnp.int32), NamedSharding(self.mesh, P()))  # noqa: E731
         return TrainState(params=params, master=list(chunks), opt_state=opt_state, rest=rest,
                           step=zero(), skipped_steps=zero(), global_samples=zero())
+
+    def _init_groups(self) -> list[list[int]]:
+        """Param leaves (flat indices) grouped so that a group's fp32 values stay under
+        ZEROJAX_INIT_GROUP_BYTES (default: a quarter of the device's memory limit; CPU: no limit,
+        one group). One jit builds each group, so the device never holds every fp32 weight."""
+        leaves = self.off_plan.layout.treedef.flatten_up_to(self._abstract_master)
+        limit = _env_or(None, "ZEROJAX_INIT_GROUP_BYTES", int)
+        if not limit:
+            from zerojax.memory import device_budget
+
+            budget = device_budget()
+            limit = budget // 4 if budget else 0
+        if not limit:
+            return [list(range(len(leaves)))]
+        groups, size = [[]], 0
+        for i, x in enumerate(leaves):
+            n = int(np.prod(x.shape)) * 4
+            if groups[-1] and size + n > limit:
+                groups.append([])
+                size = 0
+            groups[-1].append(i)
+            size += n
+        return groups
+
+    def _init_offloaded_by_leaves(self, init_fn, groups):
+        """Offload init for models too large to initialise on the device at once: per group of
+        leaves, one jit runs the model's initialiser, keeps only that group (XLA drops the other
+        leaves' random draws as dead code) and writes its master pieces and compute copy to their
+        memory kinds. -> (master chunks, compute params, rest)."""
+        from zerojax import offload as O
+
+        plan, cd = self.off_plan, self.compute_dtype
+        layout = plan.layout
+        n_chunks = len(layout.chunks)
+        m_sh = [layout.treedef.flatten_up_to(s) for s in plan.master_shardings]
+        p_sh = layout.treedef.flatten_up_to(self.param_shardings)
+        pieces = [[None] * len(layout.stacked) for _ in range(n_chunks)]
+        compute = [None] * len(layout.stacked)
+
+        def init():
+            with _no_eager_sharding():
+                _, p, r = nnx.split(init_fn(), nnx.Param, ...)
+            return layout.treedef.flatten_up_to(step_mod._pure(p)), step_mod._pure(r)
+
+        for group in groups:
+            def build(group=group):
+                leaves = init()[0]
+                out = []
+                for i in group:
+                    x = leaves[i].astype(jnp.float32)
+                    out.append(([O._piece(x, layout.stacked[i], c) for c in layout.chunks], x.astype(cd)))
+                return out
+
+            shardings = [([m_sh[j][i] for j in range(n_chunks)], p_sh[i]) for i in group]
+            for i, (ps, c) in zip(group, jax.jit(build, out_shardings=shardings)()):
+                compute[i] = c
+                for j in range(n_chunks):
+                    pieces[j][i] = ps[j]
+        rest = jax.jit(lambda: init()[1], out_shardings=self.rest_shardings)()
+        chunks = [layout.treedef.unflatten(p) for p in pieces]
+        return chunks, layout.treedef.unflatten(compute), rest
 
     @property
     def state_shardings(self) -> TrainState:
