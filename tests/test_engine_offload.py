@@ -143,6 +143,9 @@ def test_offload_param_and_optimizer_stage3(prec):
     check_placement(eng, params_host=True)
     # the model's scan fetched each layer: the compiled step's parameters are host buffers
     assert eng.plan.graphdef is not None and eng.plan.fetch_rest is not None
+    # ... one layer ahead (offload.prefetch_scan), the path these numbers went through
+    from zerojax.step import merge
+    assert merge(eng.plan, eng.state.params, eng.state.rest).layer_prefetch
 
 
 @pytest.mark.parametrize("par", ["none", "cpu"])

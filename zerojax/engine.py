@@ -296,7 +296,8 @@ class Engine:
         from zerojax import offload as O
 
         flags = probe.treedef.unflatten(list(probe.stacked))
-        dev = O.with_memory_kind(self.shardings.params, O.DEVICE) if targets is None else targets
+        host_layers = targets is None  # offload_param (else stage 3's gather on use)
+        dev = O.with_memory_kind(self.shardings.params, O.DEVICE) if host_layers else targets
         move = move or O.fetch
         if not any(probe.stacked):
             raise _config_error(PARAM_HOOK_ERROR.format(
@@ -335,19 +336,22 @@ class Engine:
             raise _config_error(PARAM_HOOK_ERROR.format(
                 what=f"{type(module).__name__} has no `layer_fetch` attribute, so its parameters would "
                      "stay on the device."))
-        saved = [(m, m.layer_fetch, getattr(m, "scan_unroll", 1)) for m in targets]
+        # offload_param: the model's scan fetches one layer ahead (ZEROJAX_OFFLOAD_PREFETCH=0: off)
+        prefetch = host_layers and bool(_env_or(None, "ZEROJAX_OFFLOAD_PREFETCH", int, default=1))
+        knobs = {"scan_unroll": unroll, "layer_prefetch": prefetch}  # where the model has them
+        saved = [(m, m.layer_fetch, {k: vars(m)[k] for k in knobs if k in vars(m)}) for m in targets]
         try:
-            for m in targets:
+            for m, _, old in saved:
                 m.layer_fetch = layer_fetch
-                if "scan_unroll" in vars(m):
-                    m.scan_unroll = unroll
+                for k in old:
+                    setattr(m, k, knobs[k])
             with _no_eager_sharding():
                 graphdef = nnx.split(module, nnx.Param, ...)[0]
         finally:
-            for m, f, u in saved:
+            for m, f, old in saved:
                 m.layer_fetch = f
-                if "scan_unroll" in vars(m):
-                    m.scan_unroll = u
+                for k, v in old.items():
+                    setattr(m, k, v)
         return graphdef, fetch_rest
 
     def _init_offloaded(self, init_fn, pure_params, pure_rest) -> TrainState:

@@ -149,6 +149,56 @@ def scan_layers(body: Callable, carry, stacked_params, shardings, *, prefetch: b
     return carry
 
 
+def prefetch_scan(block: Callable, x, layers, fetch: Callable):
+    """`x` through `block(x, layer)` for each layer of the stacked host-resident `layers`, each
+    layer's host->device copy issued one layer ahead, forward and backward.
+
+    `fetch(layer_slice)` moves one layer's slice to the device. Forward: the scan carries layer
+    i+1's device copy while layer i computes, and saves only each layer's input. Backward (a
+    custom VJP, since autodiff of a carried copy would save every layer's device copy): a reverse
+    scan recomputes layer i from its saved input, carries layer i-1's copy, and sends layer i's
+    weight gradient to host memory as soon as it is made. Device memory: two layers' weights.
+    Recomputing every layer in the backward pass is "full" remat at layer granularity, which is
+    what parameter offload implies anyway (a saved device copy per layer is what it avoids).
+    """
+    n = jax.tree.leaves(layers)[0].shape[0]
+    # each weight gradient goes where its weight lives (JAX types a cotangent like its primal)
+    spaces = jax.tree.map(lambda a: getattr(jax.typeof(a), "memory_space", None), layers)
+    host = getattr(getattr(jax, "memory", None), "Space", None)
+    to_home = lambda g, sp: jax.device_put(g, sp) if host is not None and sp == host.Host else g  # noqa: E731
+
+    def take(stacked, i):  # one layer's slice, read out of host memory by a dynamic index
+        return fetch(jax.tree.map(lambda a: jax.lax.dynamic_index_in_dim(a, i, keepdims=False), stacked))
+
+    def forward(x, stacked):
+        def step(carry, i):
+            h, cur = carry
+            nxt = take(stacked, jnp.minimum(i + 1, n - 1))
+            return (block(h, cur), nxt), h
+
+        (h, _), inputs = jax.lax.scan(step, (x, take(stacked, 0)), jnp.arange(n))
+        return h, (inputs, stacked)
+
+    def backward(res, g):
+        inputs, stacked = res
+
+        def step(carry, xs):
+            gh, cur = carry
+            h, i = xs
+            prv = take(stacked, jnp.maximum(i - 1, 0))
+            _, vjp = jax.vjp(block, h, cur)
+            gh, gw = vjp(gh)
+            return (gh, prv), jax.tree.map(to_home, gw, spaces)
+
+        (gx, _), gws = jax.lax.scan(step, (g, take(stacked, n - 1)), (inputs, jnp.arange(n)),
+                                    reverse=True)
+        return gx, gws
+
+    run = jax.custom_vjp(lambda x, stacked: forward(x, stacked)[0])
+    run.defvjp(forward, backward)
+    return run(x, layers)
+
+
 # --------------------------------------------------------------------------- chunk layout
 
 
@@ -573,7 +623,7 @@ def whole_update(tx, grads, master, opt_state, master_shardings, state_shardings
 
 __all__ = [
     "DEVICE", "PINNED_HOST", "UNPINNED_HOST", "CANDIDATES", "memory_kinds", "host_memory_kind",
-    "with_memory_kind", "is_host", "fetch", "layer_shardings", "scan_layers", "Chunk", "ChunkLayout",
+    "with_memory_kind", "is_host", "fetch", "layer_shardings", "scan_layers", "prefetch_scan", "Chunk", "ChunkLayout",
     "chunk_layout", "to_chunks", "from_chunks", "OffloadState", "OffloadPlan", "offload_plan",
     "init_offloaded", "offload_master", "streamed_update", "grad_stats", "whole_update",
 ]

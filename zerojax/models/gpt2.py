@@ -32,6 +32,8 @@ import optax
 from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
+from zerojax import offload
+
 # activation names tagged with `checkpoint_name` inside each block; the "offload" remat
 # policy moves these to host memory instead of keeping them on the device
 OFFLOADED_ACTIVATIONS = ("layer_input",)
@@ -223,7 +225,10 @@ class GPT2(nnx.Module):
     trainer that keeps the stacked layer params in host memory sets it (e.g. to a `device_put`
     to device memory); with it, remat_policy None means "full" (a saved device copy of every
     layer is what the offload avoids). `scan_unroll` (default 1) unrolls the layer scan, giving
-    the scheduler a window to overlap the next layer's fetch with this layer's compute.
+    the scheduler a window to overlap the next layer's fetch with this layer's compute. With
+    `layer_prefetch` (default False; the engine sets it for offload_param) the scan is
+    `zerojax.offload.prefetch_scan` instead: the next layer's copy is issued while this one
+    computes, forward and backward, and every layer is recomputed in the backward pass.
     """
 
     def __init__(self, config: GPT2Config, *, rngs: nnx.Rngs, dtype=jnp.float32,
@@ -244,6 +249,7 @@ class GPT2(nnx.Module):
         self.attention_impl = attention_impl
         self.layer_fetch = None  # see the class docstring: set by a trainer for param offload
         self.scan_unroll = 1
+        self.layer_prefetch = False  # with layer_fetch: offload.prefetch_scan (see above)
         d, std = config.n_embd, config.initializer_range
         self.wte = _param(std * jax.random.normal(rngs.params(), (config.vocab_size, d), param_dtype),
                           ("vocab", "embed"))
@@ -271,6 +277,11 @@ class GPT2(nnx.Module):
             attention_impl=_resolve_attention(self.attention_impl, dtype, cfg.head_dim))
         policy = self.remat_policy
         fetch = getattr(self, "layer_fetch", None)
+        layers = nnx.to_pure_dict(nnx.state(self.h, nnx.Param))
+        if fetch is not None and getattr(self, "layer_prefetch", False):
+            # host-resident layers (offload_param): fetched one layer ahead, forward and backward
+            x = offload.prefetch_scan(body, x, layers, fetch)
+            return _layer_norm(x, self.ln_f.scale[...], self.ln_f.bias[...], cfg.layer_norm_epsilon, dtype)
         if fetch is not None:
             # inside the remat, and named so that no policy saves them: re-fetched in backward
             block, policy = body, policy or "except_fetched"
@@ -279,7 +290,6 @@ class GPT2(nnx.Module):
         if policy is not None:
             # scan already keeps iterations apart, so CSE prevention is not needed
             body = jax.checkpoint(body, policy=remat_policy_fn(policy), prevent_cse=False)
-        layers = nnx.to_pure_dict(nnx.state(self.h, nnx.Param))
         x, _ = jax.lax.scan(lambda x, p: (body(x, p), None), x, layers,
                             unroll=getattr(self, "scan_unroll", 1) or 1)
 
