@@ -184,6 +184,16 @@ def test_init_by_leaf_groups_equals_one_jit(par, monkeypatch):
     assert not np.array_equal(np.asarray(eng.master_params["wte"], np.float32), before)
 
 
+def test_offload_param_with_cpu_checkpointing():
+    # offload_param + saved layer inputs in host memory (remat "offload", DeepSpeed's
+    # cpu_checkpointing): the prefetching scan keeps the inputs on the host; same numbers as the
+    # engine without any offload (fp32 SGD, as above)
+    eng, master = run(3, "fp32", "cpu", "cpu", remat="offload", optimizer="sgd")
+    _, ref = run(3, "fp32", optimizer="sgd")
+    close(master, ref, 1e-6)
+    check_placement(eng, params_host=True)
+
+
 def test_pin_memory_true_is_pinned_host():
     eng, _ = run(2, "fp32", "cpu", pin=True)
     assert kinds(eng.state.master) == kinds(eng.state.opt_state) == {"pinned_host"}

@@ -246,7 +246,8 @@ def test_param_offload_scan(mesh, prefetch):
     assert gpu.count('_xla_buffer_placement = "device"') >= 2  # w, b fetched inside the scan
 
 
-def test_prefetch_scan_matches_scan(mesh):
+@pytest.mark.parametrize("inputs_to_host", [False, True])
+def test_prefetch_scan_matches_scan(mesh, inputs_to_host):
     """The custom-VJP layer scan (fetch one layer ahead, recompute in backward) gives the plain
     scan's loss and gradients; the weight gradients come back host-resident, and the lowered
     program fetches inside both scans (forward and backward) by a dynamic index."""
@@ -257,7 +258,8 @@ def test_prefetch_scan_matches_scan(mesh):
     body = lambda h, p: jnp.tanh(h @ p["w"] + p["b"])  # noqa: E731
     ref_l, ref_g = jax.jit(jax.value_and_grad(_mlp_loss, argnums=(0, 1)))(jax.device_put(w, sh), x)
     dev = O.layer_shardings(sh)
-    loss = lambda w, x: jnp.mean(O.prefetch_scan(body, x, w, lambda p: O.fetch(p, dev)) ** 2)  # noqa: E731
+    loss = lambda w, x: jnp.mean(O.prefetch_scan(  # noqa: E731
+        body, x, w, lambda p: O.fetch(p, dev), inputs_to_host=inputs_to_host) ** 2)
     f = jax.jit(jax.value_and_grad(loss, argnums=(0, 1)))
     w_host = jax.device_put(w, O.with_memory_kind(sh, "pinned_host"))
     l, (gw, gx) = f(w_host, x)
@@ -266,7 +268,8 @@ def test_prefetch_scan_matches_scan(mesh):
     gpu = f.trace(w_host, x).lower(lowering_platforms=("cuda",)).as_text()
     # w and b fetched before each scan and inside each (forward, backward): 2 x 2 x 2
     assert gpu.count('_xla_buffer_placement = "device"') >= 8
-    assert gpu.count('_xla_buffer_placement = "pinned_host"') >= 2  # weight gradients out
+    # weight gradients out; with inputs_to_host also each layer's saved input (out and back in)
+    assert gpu.count('_xla_buffer_placement = "pinned_host"') == 2 + inputs_to_host
 
 
 def test_streamed_update_takes_host_grads(mesh):

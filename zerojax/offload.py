@@ -149,7 +149,7 @@ def scan_layers(body: Callable, carry, stacked_params, shardings, *, prefetch: b
     return carry
 
 
-def prefetch_scan(block: Callable, x, layers, fetch: Callable):
+def prefetch_scan(block: Callable, x, layers, fetch: Callable, *, inputs_to_host: bool = False):
     """`x` through `block(x, layer)` for each layer of the stacked host-resident `layers`, each
     layer's host->device copy issued one layer ahead, forward and backward.
 
@@ -160,6 +160,8 @@ def prefetch_scan(block: Callable, x, layers, fetch: Callable):
     weight gradient to host memory as soon as it is made. Device memory: two layers' weights.
     Recomputing every layer in the backward pass is "full" remat at layer granularity, which is
     what parameter offload implies anyway (a saved device copy per layer is what it avoids).
+    inputs_to_host: keep the saved layer inputs in host memory too (DeepSpeed's
+    `cpu_checkpointing`; the model's remat policy "offload").
     """
     n = jax.tree.leaves(layers)[0].shape[0]
     # each weight gradient goes where its weight lives (JAX types a cotangent like its primal)
@@ -174,7 +176,7 @@ def prefetch_scan(block: Callable, x, layers, fetch: Callable):
         def step(carry, i):
             h, cur = carry
             nxt = take(stacked, jnp.minimum(i + 1, n - 1))
-            return (block(h, cur), nxt), h
+            return (block(h, cur), nxt), (jax.device_put(h, host.Host) if inputs_to_host else h)
 
         (h, _), inputs = jax.lax.scan(step, (x, take(stacked, 0)), jnp.arange(n))
         return h, (inputs, stacked)
@@ -185,6 +187,8 @@ def prefetch_scan(block: Callable, x, layers, fetch: Callable):
         def step(carry, xs):
             gh, cur = carry
             h, i = xs
+            if inputs_to_host:
+                h = jax.device_put(h, host.Device)
             prv = take(stacked, jnp.maximum(i - 1, 0))
             _, vjp = jax.vjp(block, h, cur)
             gh, gw = vjp(gh)
@@ -328,14 +332,19 @@ def from_chunks(chunks: Sequence, layout: ChunkLayout | None = None):
     return treedef.unflatten(out)
 
 
+def _unsplit_layers(spec: list, mesh, n: int) -> list:
+    """`spec` with its layers-axis (first) entry dropped where `n` layers do not divide over it."""
+    if spec and spec[0] is not None:
+        size = math.prod(mesh.shape[a] for a in (spec[0] if isinstance(spec[0], tuple) else (spec[0],)))
+        if n % size:
+            spec = [None] + list(spec[1:])
+    return spec
+
+
 def _chunk_sharding(s, shape, c: Chunk, stacked: bool, kind: str):
     spec = list(tuple(s.spec)) + [None] * (len(shape) - len(tuple(s.spec)))
     if stacked and c.hi > c.lo:
-        n = c.hi - c.lo
-        if spec and spec[0] is not None:  # a layers-axis split that the slice may not divide
-            size = math.prod(s.mesh.shape[a] for a in (spec[0] if isinstance(spec[0], tuple) else (spec[0],)))
-            if (n // max(c.groups, 1)) % size:
-                spec[0] = None
+        spec = _unsplit_layers(spec, s.mesh, (c.hi - c.lo) // max(c.groups, 1))
         if c.groups:
             spec = [None] + spec
     return NamedSharding(s.mesh, P(*spec), memory_kind=kind)
@@ -465,12 +474,8 @@ def _strip(shardings):
 
 def _slice_sharding(s, n: int):
     """A chunk sharding for a slice of `n` layers: the layers axis unsplit where n does not divide."""
-    spec = list(tuple(s.spec))
-    if spec and spec[0] is not None:
-        size = math.prod(s.mesh.shape[a] for a in (spec[0] if isinstance(spec[0], tuple) else (spec[0],)))
-        if n % size:
-            spec[0] = None
-    return NamedSharding(s.mesh, P(*spec), memory_kind=s.memory_kind)
+    return NamedSharding(s.mesh, P(*_unsplit_layers(list(tuple(s.spec)), s.mesh, n)),
+                         memory_kind=s.memory_kind)
 
 
 def _loop_update(tx, c: Chunk, g, m, s, cp, m_sh, s_sh, *, kind, compute_dtype, skip, grad_scale,

@@ -280,7 +280,7 @@ class GPT2(nnx.Module):
         layers = nnx.to_pure_dict(nnx.state(self.h, nnx.Param))
         if fetch is not None and getattr(self, "layer_prefetch", False):
             # host-resident layers (offload_param): fetched one layer ahead, forward and backward
-            x = offload.prefetch_scan(body, x, layers, fetch)
+            x = offload.prefetch_scan(body, x, layers, fetch, inputs_to_host=policy == "offload")
             return _layer_norm(x, self.ln_f.scale[...], self.ln_f.bias[...], cfg.layer_norm_epsilon, dtype)
         if fetch is not None:
             # inside the remat, and named so that no policy saves them: re-fetched in backward
