@@ -177,6 +177,29 @@ def _model_config(engine) -> dict | None:
     return {"type": "gpt2", "config": dataclasses.asdict(config)}
 
 
+def _offload_layout(engine) -> list | None:
+    """The host-offload chunk layout the state was saved in (None: no offload), as JSON."""
+    plan = getattr(engine, "off_plan", None)
+    if plan is None:
+        return None
+    return [{"rest": c.rest, "layers": [c.lo, c.hi], "groups": c.groups, "loop": c.loop, "host": c.host}
+            for c in plan.layout.chunks]
+
+
+def _check_offload_layout(path, meta, engine) -> None:
+    """An offloaded state is saved as its chunks: it loads only into the same chunk layout."""
+    saved, live = meta.get("offload_layout"), _offload_layout(engine)
+    if saved == live:
+        return
+    describe = lambda lay: "no host offload" if lay is None else f"{len(lay)} chunks {lay}"  # noqa: E731
+    raise CheckpointError(
+        f"checkpoint {path!r} was saved with {describe(saved)}, but this engine has {describe(live)}. "
+        "An offloaded state is stored chunk by chunk, so it resumes only under the same "
+        "zero_optimization.offload_optimizer / offload_param settings and ZEROJAX_OFFLOAD_CANDIDATE / "
+        "ZEROJAX_OFFLOAD_CHUNKS; to start another layout from its weights, export them "
+        "(`zerojax export`) and load those (GPT-2: --hf-checkpoint)")
+
+
 def _host_leaf(x) -> np.ndarray:
     """One array, whole, on this host (several processes: all gather it; leaf by leaf)."""
     if x.is_fully_addressable:
@@ -244,6 +267,7 @@ def save(engine, save_dir, tag=None, client_state=None) -> str:
         "config": engine.cfg.to_dict(),
         "model": _model_config(engine),
         "items": {k: _manifest(v) for k, v in items.items()},
+        "offload_layout": _offload_layout(engine),
         "client_state": client_state,
     }
     try:
@@ -364,6 +388,12 @@ def _restore_opt_state(engine, load_dir, tag, path, saved):
     return read(target).inner_state
 
 
+def _merged(chunks, engine):
+    from zerojax import offload
+
+    return offload.from_chunks(chunks, engine.off_plan.layout)
+
+
 def restore(engine, load_dir, tag=None, *, load_optimizer_states=True, load_module_only=False):
     """Read a checkpoint into the engine's current mesh / stage / precision.
 
@@ -379,27 +409,30 @@ def restore(engine, load_dir, tag=None, *, load_optimizer_states=True, load_modu
     meta = read_meta(load_dir, tag)
     saved = meta["items"]
     live = engine.state
-    sh = engine.shardings
     fp32 = live.master is None
+    _check_offload_layout(path, meta, engine)
+    # where each leaf lives now (host offload: chunk lists in host memory kinds)
+    master_sh, param_sh = engine.master_shardings, engine.param_shardings
 
     # master: fp32, into the optimizer sharding (fp32 runs: into the param sharding, it is the params)
     master_live = live.params if fp32 else live.master
-    target = _abstract(master_live, sh.params if fp32 else sh.master, jnp.float32)
+    target = _abstract(master_live, param_sh if fp32 else master_sh, jnp.float32)
     _check_shapes(path, "master", saved["master"], target)
     master = _restore_item(load_dir, tag, "master", target)
 
     if fp32:
         params, master = master, None
     else:
-        ptarget = _abstract(live.params, sh.params)
+        ptarget = _abstract(live.params, param_sh)
         same = "params" in saved and all(e["dtype"] == np.dtype(engine.compute_dtype).name
                                          for e in saved["params"])
         if same:
             _check_shapes(path, "params", saved["params"], ptarget)
             params = _restore_item(load_dir, tag, "params", ptarget)
         else:  # from an fp32 run (or another compute dtype): the step's own cast of the master
-            cast = lambda t: jax.tree.map(lambda x: x.astype(engine.compute_dtype), t)  # noqa: E731
-            params = jax.jit(cast, out_shardings=sh.params)(master)
+            merged = _merged if engine.off_plan is not None else (lambda t, _: t)  # offload: chunks
+            cast = lambda t: jax.tree.map(lambda x: x.astype(engine.compute_dtype), merged(t, engine))  # noqa: E731
+            params = jax.jit(cast, out_shardings=param_sh)(master)
 
     opt_state = live.opt_state
     if load_optimizer_states and not load_module_only and jax.tree.leaves(live.opt_state):
@@ -444,19 +477,46 @@ def export(load_dir, out_dir, tag=None, dtype: str = "fp32") -> str:
     load_dir = os.fspath(load_dir)
     tag = _resolve_tag(load_dir, tag)
     meta = read_meta(load_dir, tag)
-    target: dict = {}
-    for e in meta["items"]["master"]:
-        node = target
-        for k in e["keys"][:-1]:
-            node = node.setdefault(k, {})
-        node[e["keys"][-1]] = jax.ShapeDtypeStruct(tuple(e["shape"]), np.dtype(e["dtype"]))
+    entries = meta["items"]["master"]
+    layout = meta.get("offload_layout")
+    if layout is not None:  # saved chunk by chunk: [chunk index, *keys of the leaf]
+        chunked = [dict(e, keys=e["keys"][1:]) for e in entries]
+        target = [_nested([e for e, c in zip(chunked, entries) if c["keys"][0] == j], chunked)
+                  for j in range(len(layout))]
+    else:
+        target = _nested(entries)
     restore_args = jax.tree.map(lambda t: ocp.RestoreArgs(restore_type=np.ndarray, dtype=t.dtype), target)
     try:
         master = _checkpointer().restore(_tag_dir(load_dir, tag), args=ocp.args.Composite(
             master=ocp.args.PyTreeRestore(item=target, restore_args=restore_args)))["master"]
     except Exception as e:  # noqa: BLE001
         raise _corrupt(load_dir, tag, "master", e) from e
+    if layout is not None:  # each leaf's pieces, in layer order, joined on the layers axis
+        flat = [jax.tree.flatten(c, is_leaf=lambda x: x is None) for c in master]
+        leaves = []
+        for i in range(flat[0][1].num_leaves):
+            parts = [x.reshape(-1, *x.shape[2:]) if lay["groups"] else x
+                     for (xs, _), lay in zip(flat, layout) if (x := xs[i]) is not None]
+            leaves.append(parts[0] if len(parts) == 1 else np.concatenate(parts, axis=0))
+        master = flat[0][1].unflatten(leaves)
     return write_weights(master, os.fspath(out_dir), meta.get("model"), dtype=np_dtype)
+
+
+def _nested(entries, every=None) -> dict:
+    """The tree of ShapeDtypeStructs that manifest `entries` describe; with `every` (all chunks'
+    entries), the leaves a chunk lacks are None, as in the saved chunk."""
+    target: dict = {}
+    for e in (every or entries):
+        node = target
+        for k in e["keys"][:-1]:
+            node = node.setdefault(k, {})
+        node[e["keys"][-1]] = None
+    for e in entries:
+        node = target
+        for k in e["keys"][:-1]:
+            node = node[k]
+        node[e["keys"][-1]] = jax.ShapeDtypeStruct(tuple(e["shape"]), np.dtype(e["dtype"]))
+    return target
 
 
 __all__ = ["CheckpointError", "save", "restore", "export", "read_meta", "list_tags", "write_weights"]
