@@ -177,27 +177,64 @@ def _model_config(engine) -> dict | None:
     return {"type": "gpt2", "config": dataclasses.asdict(config)}
 
 
-def _offload_layout(engine) -> list | None:
-    """The host-offload chunk layout the state was saved in (None: no offload), as JSON."""
-    plan = getattr(engine, "off_plan", None)
-    if plan is None:
-        return None
-    return [{"rest": c.rest, "layers": [c.lo, c.hi], "groups": c.groups, "loop": c.loop, "host": c.host}
-            for c in plan.layout.chunks]
+def _layout_free(engine, state):
+    """(master, opt_state) of `state` in the unchunked layout a run without offload has: a host
+    offloaded state is stored chunk by chunk (`zerojax.offload`), a checkpoint never is, so it
+    resumes with offload on or off, under any chunk layout."""
+    if engine.off_plan is None:
+        return state.master, state.opt_state
+    from zerojax import offload
+
+    layout = engine.off_plan.layout
+    wrap, _ = _as_without_offload(engine)
+    merge = lambda chunks: offload.merge_chunks(chunks, layout)  # noqa: E731
+    opt = state.opt_state
+    opt = opt._replace(inner_state=wrap(merge(opt.inner_state))) if engine.fp16 else wrap(merge(opt))
+    return merge(state.master), opt
 
 
-def _check_offload_layout(path, meta, engine) -> None:
-    """An offloaded state is saved as its chunks: it loads only into the same chunk layout."""
-    saved, live = meta.get("offload_layout"), _offload_layout(engine)
-    if saved == live:
-        return
-    describe = lambda lay: "no host offload" if lay is None else f"{len(lay)} chunks {lay}"  # noqa: E731
-    raise CheckpointError(
-        f"checkpoint {path!r} was saved with {describe(saved)}, but this engine has {describe(live)}. "
-        "An offloaded state is stored chunk by chunk, so it resumes only under the same "
-        "zero_optimization.offload_optimizer / offload_param settings and ZEROJAX_OFFLOAD_CANDIDATE / "
-        "ZEROJAX_OFFLOAD_CHUNKS; to start another layout from its weights, export them "
-        "(`zerojax export`) and load those (GPT-2: --hf-checkpoint)")
+def _as_without_offload(engine):
+    """(wrap, unwrap) between the offload's bare optimizer state and the state a run without
+    offload keeps: there, gradient clipping is a transform chained before the optimizer, so its
+    state is (clip state, optimizer state); offload clips the whole gradient itself."""
+    from zerojax.optim import build_optimizer
+
+    abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, jnp.float32), engine._abstract_master)
+    full = jax.eval_shape(build_optimizer(engine.cfg).init, abstract)
+    bare = jax.eval_shape(engine.tx.init, abstract)
+    if jax.tree.structure(full) == jax.tree.structure(bare):
+        return (lambda st: st), (lambda st: st)
+    if (isinstance(full, tuple) and len(full) == 2 and not jax.tree.leaves(full[0])
+            and jax.tree.structure(full[1]) == jax.tree.structure(bare)):
+        return (lambda st: (full[0], st)), (lambda st: st[1])
+    raise CheckpointError("host offload: the optimizer state of this config has a form the "
+                          "checkpoint cannot map to a run without offload")
+
+
+def _offload_targets(engine):
+    """Restore targets for an offloaded engine: the unchunked master and optimizer state (abstract,
+    in the offload's memory kind) and a function that chunks them as the engine keeps them."""
+    from zerojax import offload, partition
+
+    plan, sh = engine.off_plan, engine.shardings
+    abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, jnp.float32), engine._abstract_master)
+    master_sh = offload.with_memory_kind(sh.master, plan.kind)
+    wrap, unwrap = _as_without_offload(engine)
+    state = wrap(jax.eval_shape(engine.tx.init, abstract))
+    state_sh = wrap(partition.opt_state_shardings(engine.tx, abstract, sh.master, engine.mesh,
+                                                  memory_kind=plan.kind))
+    m_tmpl, s_tmpl = offload.chunk_templates(engine.tx, abstract, plan.layout)
+
+    def chunk(master, opt_state):
+        master = offload.split_chunks(master, plan.layout, m_tmpl, plan.master_shardings)
+        if opt_state is None:
+            return master, None
+        split = lambda st: offload.split_chunks(unwrap(st), plan.layout, s_tmpl, plan.state_shardings)  # noqa: E731
+        if engine.fp16:
+            return master, opt_state._replace(inner_state=split(opt_state.inner_state))
+        return master, split(opt_state)
+
+    return (abstract, master_sh), (state, state_sh), chunk
 
 
 def _host_leaf(x) -> np.ndarray:
@@ -245,7 +282,8 @@ def save(engine, save_dir, tag=None, client_state=None) -> str:
     save_dir = os.fspath(save_dir)
     path = _tag_dir(save_dir, tag)
     fp32 = state.master is None
-    items = {"master": state.params if fp32 else state.master, "opt_state": state.opt_state,
+    master, opt_state = _layout_free(engine, state)
+    items = {"master": state.params if fp32 else master, "opt_state": opt_state,
              "rest": _saveable(state.rest)}
     if not fp32:
         items["params"] = state.params
@@ -267,7 +305,6 @@ def save(engine, save_dir, tag=None, client_state=None) -> str:
         "config": engine.cfg.to_dict(),
         "model": _model_config(engine),
         "items": {k: _manifest(v) for k, v in items.items()},
-        "offload_layout": _offload_layout(engine),
         "client_state": client_state,
     }
     try:
@@ -348,7 +385,7 @@ def _restore_item(load_dir, tag, item, target):
         raise _corrupt(load_dir, tag, item, e) from e
 
 
-def _restore_opt_state(engine, load_dir, tag, path, saved):
+def _restore_opt_state(engine, load_dir, tag, path, saved, live, shardings):
     """The optimizer state into the live optimizer sharding; fp16 <-> bf16 / fp32 keep the moments.
 
     fp16 wraps the optimizer's state in the loss-scale state (`.inner_state`): an fp16 checkpoint
@@ -359,7 +396,6 @@ def _restore_opt_state(engine, load_dir, tag, path, saved):
 
     from zerojax.precision import DynamicLossScaleState
 
-    live, shardings = engine.state.opt_state, engine.opt_shardings
     saved_fp16 = any(e["path"].startswith(".inner_state") for e in saved)
     live_fp16 = isinstance(live, DynamicLossScaleState)
 
@@ -388,12 +424,6 @@ def _restore_opt_state(engine, load_dir, tag, path, saved):
     return read(target).inner_state
 
 
-def _merged(chunks, engine):
-    from zerojax import offload
-
-    return offload.from_chunks(chunks, engine.off_plan.layout)
-
-
 def restore(engine, load_dir, tag=None, *, load_optimizer_states=True, load_module_only=False):
     """Read a checkpoint into the engine's current mesh / stage / precision.
 
@@ -410,13 +440,20 @@ def restore(engine, load_dir, tag=None, *, load_optimizer_states=True, load_modu
     saved = meta["items"]
     live = engine.state
     fp32 = live.master is None
-    _check_offload_layout(path, meta, engine)
-    # where each leaf lives now (host offload: chunk lists in host memory kinds)
-    master_sh, param_sh = engine.master_shardings, engine.param_shardings
+    if saved["master"] and isinstance(saved["master"][0]["keys"][0], int):
+        raise CheckpointError(
+            f"checkpoint {path!r} holds a host-offloaded state chunk by chunk, as zerojax stored it "
+            "before checkpoints became layout-free; it cannot be resumed. Export its weights "
+            "(`zerojax export`) and start from them (GPT-2: --hf-checkpoint)")
+    param_sh = engine.param_shardings
+    offloaded = engine.off_plan is not None
+    if offloaded:  # read the layout-free form into host memory, then chunk it as the engine does
+        (master_live, master_sh), opt_target, chunk = _offload_targets(engine)
+    else:
+        master_live, master_sh = (live.params, param_sh) if fp32 else (live.master, engine.shardings.master)
 
     # master: fp32, into the optimizer sharding (fp32 runs: into the param sharding, it is the params)
-    master_live = live.params if fp32 else live.master
-    target = _abstract(master_live, param_sh if fp32 else master_sh, jnp.float32)
+    target = _abstract(master_live, master_sh, jnp.float32)
     _check_shapes(path, "master", saved["master"], target)
     master = _restore_item(load_dir, tag, "master", target)
 
@@ -430,16 +467,26 @@ def restore(engine, load_dir, tag=None, *, load_optimizer_states=True, load_modu
             _check_shapes(path, "params", saved["params"], ptarget)
             params = _restore_item(load_dir, tag, "params", ptarget)
         else:  # from an fp32 run (or another compute dtype): the step's own cast of the master
-            merged = _merged if engine.off_plan is not None else (lambda t, _: t)  # offload: chunks
-            cast = lambda t: jax.tree.map(lambda x: x.astype(engine.compute_dtype), merged(t, engine))  # noqa: E731
+            cast = lambda t: jax.tree.map(lambda x: x.astype(engine.compute_dtype), t)  # noqa: E731
             params = jax.jit(cast, out_shardings=param_sh)(master)
 
-    opt_state = live.opt_state
+    opt_state, fresh_opt = live.opt_state, None
     if load_optimizer_states and not load_module_only and jax.tree.leaves(live.opt_state):
         if "opt_state" not in saved:
             raise CheckpointError(f"checkpoint {path!r} has no optimizer state; "
                                   f"load it with load_optimizer_states=False")
-        opt_state = _restore_opt_state(engine, load_dir, tag, path, saved["opt_state"])
+        if offloaded:
+            state, state_sh = opt_target
+            if engine.fp16:  # the loss-scale state around the chunked one: keep its own fields
+                state, state_sh = (live.opt_state._replace(inner_state=state),
+                                   engine.opt_shardings._replace(inner_state=state_sh))
+            fresh_opt = _restore_opt_state(engine, load_dir, tag, path, saved["opt_state"], state, state_sh)
+        else:
+            opt_state = _restore_opt_state(engine, load_dir, tag, path, saved["opt_state"],
+                                           live.opt_state, engine.opt_shardings)
+    if offloaded:
+        master, opt = chunk(master, fresh_opt)
+        opt_state = opt if fresh_opt is not None else live.opt_state
 
     rest = live.rest
     if jax.tree.leaves(live.rest) and not load_module_only:
@@ -478,11 +525,13 @@ def export(load_dir, out_dir, tag=None, dtype: str = "fp32") -> str:
     tag = _resolve_tag(load_dir, tag)
     meta = read_meta(load_dir, tag)
     entries = meta["items"]["master"]
-    layout = meta.get("offload_layout")
-    if layout is not None:  # saved chunk by chunk: [chunk index, *keys of the leaf]
+    # zerojax before layout-free checkpoints stored an offloaded master chunk by chunk:
+    # [chunk index, *keys of the leaf], layer pieces in layer order ("chunked" layout, no groups)
+    n_chunks = 1 + max(e["keys"][0] for e in entries) if isinstance(entries[0]["keys"][0], int) else 0
+    if n_chunks:
         chunked = [dict(e, keys=e["keys"][1:]) for e in entries]
         target = [_nested([e for e, c in zip(chunked, entries) if c["keys"][0] == j], chunked)
-                  for j in range(len(layout))]
+                  for j in range(n_chunks)]
     else:
         target = _nested(entries)
     restore_args = jax.tree.map(lambda t: ocp.RestoreArgs(restore_type=np.ndarray, dtype=t.dtype), target)
@@ -491,12 +540,11 @@ def export(load_dir, out_dir, tag=None, dtype: str = "fp32") -> str:
             master=ocp.args.PyTreeRestore(item=target, restore_args=restore_args)))["master"]
     except Exception as e:  # noqa: BLE001
         raise _corrupt(load_dir, tag, "master", e) from e
-    if layout is not None:  # each leaf's pieces, in layer order, joined on the layers axis
+    if n_chunks:  # each leaf's pieces joined on the layers axis
         flat = [jax.tree.flatten(c, is_leaf=lambda x: x is None) for c in master]
         leaves = []
         for i in range(flat[0][1].num_leaves):
-            parts = [x.reshape(-1, *x.shape[2:]) if lay["groups"] else x
-                     for (xs, _), lay in zip(flat, layout) if (x := xs[i]) is not None]
+            parts = [x for xs, _ in flat if (x := xs[i]) is not None]
             leaves.append(parts[0] if len(parts) == 1 else np.concatenate(parts, axis=0))
         master = flat[0][1].unflatten(leaves)
     return write_weights(master, os.fspath(out_dir), meta.get("model"), dtype=np_dtype)

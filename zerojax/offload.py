@@ -442,6 +442,73 @@ def offload_master(state: OffloadState, plan: OffloadPlan):
     return from_chunks([jax.device_put(m, s) for m, s in zip(state.master, dev)], plan.layout)
 
 
+# --------------------------------------------------------------------------- layout-free form
+
+
+def _is_count(x, c: Chunk) -> bool:
+    # an optimizer counter: a scalar (a scan chunk's vmapped init: one per group)
+    return x.ndim == (1 if c.groups else 0)
+
+
+def merge_chunks(trees: Sequence, layout: ChunkLayout):
+    """Per-chunk trees (master pieces, or per-chunk optimizer states) -> one tree of the unchunked
+    layout (`tx.init(master)`'s, for states): what a checkpoint stores, whatever the offload.
+
+    A leaf held whole by one chunk (every leaf of the default "loop" layout) is returned as it is,
+    in place: nothing is copied. Layer pieces are joined on the layers axis; optimizer counters,
+    the same in every chunk, are taken from the first."""
+    flat = [jax.tree.flatten(t, is_leaf=_is_none) for t in trees]
+    treedef = flat[0][1]
+    out = []
+    for i in range(treedef.num_leaves):
+        parts = [(xs[i], c) for (xs, _), c in zip(flat, layout.chunks) if xs[i] is not None]
+        if not parts:  # None in every chunk: None in the state itself
+            out.append(None)
+        elif len(parts) == len(trees) > 1 and all(_is_count(x, c) for x, c in parts):
+            x, c = parts[0]
+            out.append(x[0] if c.groups else x)
+        elif len(parts) == 1 and not parts[0][1].groups:
+            out.append(parts[0][0])
+        else:
+            pieces = [x.reshape(-1, *x.shape[2:]) if c.groups else x for x, c in parts]
+            out.append(jax.jit(lambda *p: jnp.concatenate(p, axis=0))(*pieces))
+    return treedef.unflatten(out)
+
+
+def split_chunks(tree, layout: ChunkLayout, templates: Sequence, shardings: Sequence) -> list:
+    """The inverse of `merge_chunks`: one tree of the unchunked layout -> per-chunk trees shaped
+    like `templates` (abstract per-chunk trees, None where a chunk lacks a leaf) and placed by
+    `shardings`. A leaf a chunk holds whole is placed as it is (no copy where the sharding already
+    matches); layer pieces are sliced; counters are broadcast to the chunk's shape."""
+    leaves = jax.tree.leaves(tree, is_leaf=_is_none)
+    out = []
+    for c, tmpl, shs in zip(layout.chunks, templates, shardings):
+        t_leaves, t_def = jax.tree.flatten(tmpl, is_leaf=_is_none)
+        s_leaves = t_def.flatten_up_to(shs)
+        if len(t_leaves) != len(leaves):
+            raise ValueError(f"split_chunks: the tree has {len(leaves)} leaves, a chunk {len(t_leaves)}")
+        pieces = []
+        for x, t, sh in zip(leaves, t_leaves, s_leaves):
+            if t is None or x is None:
+                pieces.append(None)
+            elif x.ndim == 0:  # a counter: each chunk its own buffer (the step donates them)
+                pieces.append(jax.jit(lambda v, t=t: jnp.broadcast_to(v, t.shape), out_shardings=sh)(x))
+            elif tuple(t.shape) == tuple(x.shape):
+                pieces.append(x if x.sharding == sh else jax.device_put(x, sh))
+            else:
+                pieces.append(jax.jit(lambda v, t=t: v[c.lo:c.hi].reshape(t.shape), out_shardings=sh)(x))
+        out.append(t_def.unflatten(pieces))
+    return out
+
+
+def chunk_templates(tx, abstract_master, layout: ChunkLayout):
+    """(master chunk templates, optimizer-state chunk templates): abstract, None where absent."""
+    abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, jnp.float32), abstract_master)
+    chunks = jax.eval_shape(lambda t: to_chunks(t, layout), abstract)
+    states = [jax.eval_shape(lambda m, c=c: _init_chunk(tx, m, c), m) for m, c in zip(chunks, layout.chunks)]
+    return chunks, states
+
+
 # --------------------------------------------------------------------------- the streamed update
 
 
@@ -630,5 +697,6 @@ __all__ = [
     "DEVICE", "PINNED_HOST", "UNPINNED_HOST", "CANDIDATES", "memory_kinds", "host_memory_kind",
     "with_memory_kind", "is_host", "fetch", "layer_shardings", "scan_layers", "prefetch_scan", "Chunk", "ChunkLayout",
     "chunk_layout", "to_chunks", "from_chunks", "OffloadState", "OffloadPlan", "offload_plan",
-    "init_offloaded", "offload_master", "streamed_update", "grad_stats", "whole_update",
+    "init_offloaded", "offload_master", "merge_chunks", "split_chunks", "chunk_templates",
+    "streamed_update", "grad_stats", "whole_update",
 ]
