@@ -67,49 +67,44 @@ def run_xla_cpu(n, k, reps):
     return timed(once, reps)
 
 
-def run_compute_on(n, reps):
-    from jax._src import compute_on as co  # 0.10: compute_on2; 0.11: compute_on (decorator form)
+def _time_in_jit(n, reps, make_body):
+    """Time one AdamW step as a jit over pinned_host state: `make_body(host, dev)` returns
+    body(g, w, m, v, count) -> (w, m, v, bf16 weights) with the state in and out of host memory."""
     mesh = jax.make_mesh((1,), ("d",), devices=jax.devices()[:1])
     host = NamedSharding(mesh, P(), memory_kind="pinned_host")
     dev = NamedSharding(mesh, P(), memory_kind="device")
+    step = jax.jit(make_body(host, dev), donate_argnums=(1, 2, 3), out_shardings=(host, host, host, dev))
+    g = jax.device_put(jnp.full((n,), 0.01, jnp.bfloat16), dev)
+    st = [jax.device_put(jnp.zeros((n,), jnp.float32), host) for _ in range(3)]
+
+    def once():
+        w, m, v, b = step(g, *st, jnp.float32(1))
+        st[:] = [w, m, v]
+        return b
+    return timed(once, reps)
+
+
+def run_compute_on(n, reps):
+    from jax._src import compute_on as co  # 0.10: compute_on2; 0.11: compute_on (decorator form)
     on2 = getattr(co, "compute_on2", None) or co.compute_on
     hostfn = on2(compute_type="device_host", out_memory_spaces=(jax.memory.Space.Host,) * 4)(adamw)
 
-    def body(g, w, m, v, c):
-        g = jax.device_put(g, host)
-        w, m, v, b = hostfn(g, w, m, v, c)
-        return w, m, v, jax.device_put(b, dev)
-
-    step = jax.jit(body, donate_argnums=(1, 2, 3), out_shardings=(host, host, host, dev))
-    g = jax.device_put(jnp.full((n,), 0.01, jnp.bfloat16), dev)
-    st = [jax.device_put(jnp.zeros((n,), jnp.float32), host) for _ in range(3)]
-
-    def once():
-        w, m, v, b = step(g, *st, jnp.float32(1))
-        st[:] = [w, m, v]
-        return b
-    return timed(once, reps)
+    def make_body(host, dev):
+        def body(g, w, m, v, c):
+            w, m, v, b = hostfn(jax.device_put(g, host), w, m, v, c)
+            return w, m, v, jax.device_put(b, dev)
+        return body
+    return _time_in_jit(n, reps, make_body)
 
 
 def run_device_stream(n, reps):
-    mesh = jax.make_mesh((1,), ("d",), devices=jax.devices()[:1])
-    host = NamedSharding(mesh, P(), memory_kind="pinned_host")
-    dev = NamedSharding(mesh, P(), memory_kind="device")
-
-    def body(g, w, m, v, c):
-        w, m, v = (jax.device_put(x, dev) for x in (w, m, v))
-        w, m, v, b = adamw(g, w, m, v, c)
-        return (*(jax.device_put(x, host) for x in (w, m, v)), b)
-
-    step = jax.jit(body, donate_argnums=(1, 2, 3), out_shardings=(host, host, host, dev))
-    g = jax.device_put(jnp.full((n,), 0.01, jnp.bfloat16), dev)
-    st = [jax.device_put(jnp.zeros((n,), jnp.float32), host) for _ in range(3)]
-
-    def once():
-        w, m, v, b = step(g, *st, jnp.float32(1))
-        st[:] = [w, m, v]
-        return b
-    return timed(once, reps)
+    def make_body(host, dev):
+        def body(g, w, m, v, c):
+            w, m, v = (jax.device_put(x, dev) for x in (w, m, v))
+            w, m, v, b = adamw(g, w, m, v, c)
+            return (*(jax.device_put(x, host) for x in (w, m, v)), b)
+        return body
+    return _time_in_jit(n, reps, make_body)
 
 
 def run_transfer(n, reps):

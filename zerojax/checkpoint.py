@@ -199,7 +199,7 @@ def _as_without_offload(engine):
     state is (clip state, optimizer state); offload clips the whole gradient itself."""
     from zerojax.optim import build_optimizer
 
-    abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, jnp.float32), engine._abstract_master)
+    abstract = engine._abstract_master  # fp32 ShapeDtypeStructs of the params tree
     full = jax.eval_shape(build_optimizer(engine.cfg).init, abstract)
     bare = jax.eval_shape(engine.tx.init, abstract)
     if jax.tree.structure(full) == jax.tree.structure(bare):
@@ -217,7 +217,7 @@ def _offload_targets(engine):
     from zerojax import offload, partition
 
     plan, sh = engine.off_plan, engine.shardings
-    abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, jnp.float32), engine._abstract_master)
+    abstract = engine._abstract_master  # fp32 ShapeDtypeStructs of the params tree
     master_sh = offload.with_memory_kind(sh.master, plan.kind)
     wrap, unwrap = _as_without_offload(engine)
     state = wrap(jax.eval_shape(engine.tx.init, abstract))

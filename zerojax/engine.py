@@ -374,10 +374,8 @@ class Engine:
                       for m, c, s in zip(chunks, plan.layout.chunks, plan.state_shardings)]
         elif init_fn is not None:
             def init():
-                with _no_eager_sharding():
-                    _, p, r = nnx.split(init_fn(), nnx.Param, ...)
-                p = jax.tree.map(lambda x: x.astype(jnp.float32), step_mod._pure(p))
-                return build(p), step_mod._pure(r)
+                p, r = _init_pure(init_fn)
+                return build(p), r
 
             (chunks, states, params), rest = jax.jit(init, out_shardings=(outs, self.rest_shardings))()
         else:
@@ -432,17 +430,12 @@ class Engine:
         pieces = [[None] * len(layout.stacked) for _ in range(n_chunks)]
         compute = [None] * len(layout.stacked)
 
-        def init():
-            with _no_eager_sharding():
-                _, p, r = nnx.split(init_fn(), nnx.Param, ...)
-            return layout.treedef.flatten_up_to(step_mod._pure(p)), step_mod._pure(r)
-
         for group in groups:
             def build(group=group):
-                leaves = init()[0]
+                leaves = layout.treedef.flatten_up_to(_init_pure(init_fn)[0])
                 out = []
                 for i in group:
-                    x = leaves[i].astype(jnp.float32)
+                    x = leaves[i]
                     out.append(([O._piece(x, layout.stacked[i], c) for c in layout.chunks], x.astype(cd)))
                 return out
 
@@ -451,7 +444,7 @@ class Engine:
                 compute[i] = c
                 for j in range(n_chunks):
                     pieces[j][i] = ps[j]
-        rest = jax.jit(lambda: init()[1], out_shardings=self.rest_shardings)()
+        rest = jax.jit(lambda: _init_pure(init_fn)[1], out_shardings=self.rest_shardings)()
         chunks = [layout.treedef.unflatten(p) for p in pieces]
         return chunks, layout.treedef.unflatten(compute), rest
 
@@ -474,13 +467,7 @@ class Engine:
         # The master lives in the optimizer sharding; with fp32 compute the params are the master.
         target = sh.params if fp32 else sh.master
         if init_fn is not None:
-            def init():
-                with _no_eager_sharding():
-                    _, p, r = nnx.split(init_fn(), nnx.Param, ...)
-                p = jax.tree.map(lambda x: x.astype(jnp.float32), step_mod._pure(p))
-                return p, step_mod._pure(r)
-
-            master, rest = jax.jit(init, out_shardings=(target, self.rest_shardings))()
+            master, rest = jax.jit(lambda: _init_pure(init_fn), out_shardings=(target, self.rest_shardings))()
         else:
             master = jax.tree.map(lambda x, s: _place(x, s, jnp.float32), pure_params, target)
             rest = jax.tree.map(_place, pure_rest, self.rest_shardings)
@@ -731,6 +718,13 @@ def _config_error(message):
 def _hook_modules(model) -> list:
     """The modules of `model` that expose the per-layer `layer_fetch` hook (docs/CONTRACTS.md)."""
     return [m for _, m in nnx.iter_graph(model) if isinstance(m, nnx.Module) and "layer_fetch" in vars(m)]
+
+
+def _init_pure(init_fn):
+    """(fp32 params, rest) of a fresh model from its init callable, as pure dicts; call under jit."""
+    with _no_eager_sharding():
+        _, p, r = nnx.split(init_fn(), nnx.Param, ...)
+    return jax.tree.map(lambda x: x.astype(jnp.float32), step_mod._pure(p)), step_mod._pure(r)
 
 
 def _no_eager_sharding():
