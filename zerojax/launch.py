@@ -187,7 +187,10 @@ def parse_inclusion_exclusion(resource_pool, inclusion, exclusion):
     active_resources = collections.OrderedDict()
     node_configs = parse_node_config_list(inclusion)
     for hostname, slots in resource_pool.items():
-        active_resources[hostname] = node_configs[hostname] if hostname in node_configs else list(range(slots))
+        # DeepSpeed 0.19.6 takes node_configs[hostname] even when it is [] (a host named without
+        # slots), so `-i "worker-0@worker-1:0,2"` drops worker-0 and `-i worker-0` leaves nothing,
+        # against its own --include help ("all slots on worker-0"); the help is followed here.
+        active_resources[hostname] = node_configs.get(hostname) or list(range(slots))
     return parse_resource_filter(active_resources, include_str=inclusion, exclude_str=exclusion)
 
 
