@@ -11,13 +11,13 @@ import csv
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 
 import pytest
 
 from test_example import _example
+from test_multiprocess import _free_port
 from zerojax import launch
 from zerojax.distributed import plan_distributed
 
@@ -242,12 +242,6 @@ def test_a_failing_child_stops_the_run_with_its_status(tmp_path, stop, status):
     assert f"[1] exited with status {status}; stopping the others" in done.stderr
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("localhost", 0))
-        return s.getsockname()[1]
-
-
 def _example_args(tmp_path, name, steps, *extra):
     """The example's flags; its config writes the per-step losses (csv_monitor, process 0)."""
     with open(os.path.join(ROOT, "configs", "zero2_bf16.json")) as f:
@@ -279,42 +273,38 @@ def _finish(proc, log, timeout=600):
     proc.wait(timeout=timeout)
     log.seek(0)
     text = log.read()
-    log.close()
     assert proc.returncode == 0, text[-4000:]
     return text
 
 
 def test_two_processes_match_one_and_checkpoints_move_between_process_counts(tmp_path):
+    """1 process saves at step 2 -> 2 processes resume, train steps 3-4 and save -> 1 process
+    resumes and trains steps 5-6; every step's loss against one uninterrupted 1-process run
+    (one launch only: the machine running the suite has 2 cores)."""
     example = _example()
-    ck1, ck2 = str(tmp_path / "ck1"), str(tmp_path / "ck2")
-    procs = []
+    ck = str(tmp_path / "ck")
+    example.main(_example_args(tmp_path, "one", 2, "--save", ck))
+    proc, log = _start_two(tmp_path, "two", 4, "--save", ck, "--resume")
     try:
-        procs.append(_start_two(tmp_path, "two", 3, "--save", ck2))
-        # meanwhile, here: one process with 8 devices
-        example.main(_example_args(tmp_path, "one", 3, "--save", ck1))
-        example.main(_example_args(tmp_path, "reference", 5))  # uninterrupted
-        text = _finish(*procs[0])
-        assert "[0] SUMMARY" in text and "[1] SUMMARY" not in text  # prints from process 0 only
-        procs.append(_start_two(tmp_path, "two_resumed", 5, "--save", ck1, "--resume"))
-        example.main(_example_args(tmp_path, "one_resumed", 5, "--save", ck2, "--resume"))
-        _finish(*procs[1])
+        example.main(_example_args(tmp_path, "reference", 6))  # meanwhile, here: 8 devices
+        text = _finish(proc, log)
     finally:
-        for p, log in procs:
-            if p.poll() is None:
-                p.kill()
-                p.wait()
-            log.close()
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        log.close()
+    assert "[0] SUMMARY" in text and "[1] SUMMARY" not in text  # prints from process 0 only
+    example.main(_example_args(tmp_path, "one_resumed", 6, "--save", ck, "--resume"))
     reference = _losses(tmp_path, "reference")
     batch = 8  # 1 row x 8 data-parallel devices in both layouts
-    assert sorted(reference) == [batch * k for k in range(1, 6)]
-    runs = {"two": (1, 2, 3), "one_resumed": (4, 5), "two_resumed": (4, 5)}
-    for name, steps in runs.items():
+    assert sorted(reference) == [batch * k for k in range(1, 7)]
+    for name, steps in {"one": (1, 2), "two": (3, 4), "one_resumed": (5, 6)}.items():
         got = _losses(tmp_path, name)
-        assert sorted(got) == [batch * k for k in steps], name  # resumed: steps 4, 5 only
+        assert sorted(got) == [batch * k for k in steps], name  # resumed at the saved step
         for k in got:
             # fp32 throughout; the two layouts differ only in the order the gradient all-reduce
             # sums the 8 devices' contributions (gloo across processes vs the in-process
             # runtime): a few fp32 ulps (~1e-7 relative) per step, measured 1 ulp at step 3.
-            # 1e-5 allows that to grow over 5 Adam steps and is far below what a wrong row split,
+            # 1e-5 allows that to grow over 6 Adam steps and is far below what a wrong row split,
             # a lost optimizer state or a resume from the wrong step changes (>1e-3).
             assert got[k] == pytest.approx(reference[k], rel=1e-5), (name, k)

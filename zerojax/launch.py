@@ -207,7 +207,11 @@ def local_gpu_count() -> int:
     try:
         return len(os.listdir("/proc/driver/nvidia/gpus"))
     except OSError:
+        pass
+    if shutil.which("nvidia-smi") is None:  # no NVIDIA driver: CPU processes
         return 0
+    listed = subprocess.run(["nvidia-smi", "-L"], capture_output=True, text=True)
+    return sum(line.startswith("GPU ") for line in listed.stdout.splitlines()) if listed.returncode == 0 else 0
 
 
 def active_resources(args, env=os.environ, gpu_count=local_gpu_count):
