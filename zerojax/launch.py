@@ -461,7 +461,10 @@ def main(argv=None) -> int:
         active, pool, multi_node = active_resources(args)
         if not multi_node:
             return run_node(active, max(args.node_rank, 0) if args.no_ssh else 0, args)
-        commands = multinode_commands(args, active, pool, exports(os.environ))
+        # DeepSpeed: this directory goes first on PYTHONPATH, here and (exported) on every node
+        env = dict(os.environ, PYTHONPATH=os.pathsep.join(
+            [os.path.abspath("."), *filter(None, [os.environ.get("PYTHONPATH")])]))
+        commands = multinode_commands(args, active, pool, exports(env))
     except ValueError as e:
         print(f"zerojax launch: {e}", file=sys.stderr)
         return 2
@@ -473,8 +476,6 @@ def main(argv=None) -> int:
         print(f"zerojax launch: launcher '{args.launcher}' not installed ({commands[0][0]} not on PATH); "
               f"choose another with --launcher {{{','.join(LAUNCHERS)}}}", file=sys.stderr)
         return 2
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(
-        [os.path.abspath("."), *filter(None, [os.environ.get("PYTHONPATH")])]))
     return supervise(commands, [env] * len(commands),
                      [f"[{h}] " for h in active] if args.launcher == "ssh" else [""])
 
