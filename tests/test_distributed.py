@@ -58,6 +58,8 @@ def test_half_set_environment_names_what_is_missing(drop, missing):
         plan_distributed(env, **NO_CLUSTER)
     with pytest.raises(ValueError, match="JAX form: JAX_PROCESS_ID set but JAX_COORDINATOR_ADDRESS, JAX_NUM_PROCESSES"):
         plan_distributed({"JAX_PROCESS_ID": "0"}, **NO_CLUSTER)
+    with pytest.raises(ValueError, match="JAX_COORDINATOR_ADDRESS set but JAX_NUM_PROCESSES, JAX_PROCESS_ID"):
+        plan_distributed({"JAX_COORDINATOR_ADDRESS": "h0:1234"}, **NO_CLUSTER)
 
 
 @pytest.mark.parametrize("change, message", [
@@ -75,6 +77,8 @@ def test_slurm_is_detected_through_jax(monkeypatch):
         monkeypatch.setenv(k, v)
     plan = plan_distributed({})
     assert plan.cluster and plan.num_processes == 4 and "SlurmCluster" in plan.source
+    # the coordinator's address alone is for JAX's cluster detection, not a half-set JAX form
+    assert plan_distributed({"JAX_COORDINATOR_ADDRESS": "node001:1234"}).cluster
     # a launcher started inside the job (srun torchrun ...) describes its own processes
     assert plan_distributed(TORCHRUN).source.startswith("torchrun/DeepSpeed")
     monkeypatch.setenv("SLURM_NTASKS", "1")

@@ -26,10 +26,12 @@ from typing import Mapping
 
 logger = logging.getLogger(__name__)
 
-# (name, variables, the variables whose presence means the user meant this form)
+# (name, variables, the variables whose presence means the user meant this form; a form half set
+# is an error only when no cluster is detected: JAX_COORDINATOR_ADDRESS alone may name the
+# coordinator of a SLURM / Open MPI job, which JAX then reads itself)
 FORMS = (
     ("JAX", ("JAX_COORDINATOR_ADDRESS", "JAX_NUM_PROCESSES", "JAX_PROCESS_ID"),
-     ("JAX_NUM_PROCESSES", "JAX_PROCESS_ID")),
+     ("JAX_COORDINATOR_ADDRESS", "JAX_NUM_PROCESSES", "JAX_PROCESS_ID")),
     ("torchrun/DeepSpeed", ("MASTER_ADDR", "MASTER_PORT", "WORLD_SIZE", "RANK", "LOCAL_RANK"),
      ("WORLD_SIZE", "RANK", "LOCAL_RANK")),
     ("per-node", ("MASTER_ADDR", "MASTER_PORT", "NNODES", "NODE_RANK"), ("NNODES", "NODE_RANK")),
@@ -142,9 +144,9 @@ def init_distributed(*, initialization_timeout: int = 300) -> DistributedPlan:
             f"({plan.source}), but JAX's backend is already running, so it can no longer join "
             f"the others; call zerojax.init_distributed() before anything that touches a device "
             f"(jax.devices(), jnp arrays, jax.jit)")
-    # CPU processes talk through gloo (XLA's CPU client has no cross-process collectives by
-    # default before JAX 0.5); the setting is ignored on GPU, so it is safe to set before the
-    # platform is known. A choice the user made (mpi) stays.
+    # CPU processes talk through gloo (JAX 0.10's default; older JAX had none, and CPU
+    # collectives across processes then fail). GPUs ignore the setting, so it is safe to set
+    # before the platform is known. A choice the user made (mpi) stays.
     if jax.config.jax_cpu_collectives_implementation in (None, "gloo"):
         jax.config.update("jax_cpu_collectives_implementation", "gloo")
     if plan.cluster:
