@@ -257,7 +257,10 @@ def _example_args(tmp_path, name, steps, *extra):
 
 def _losses(tmp_path, name) -> dict:
     with open(tmp_path / "logs" / name / "Train_Samples_train_loss.csv") as f:
-        return {int(r["step"]): float(r["train_loss"]) for r in csv.DictReader(f)}
+        rows = [(int(r["step"]), float(r["train_loss"])) for r in csv.DictReader(f)]
+    # one row per step: only process 0 writes the monitor's files (both share this folder)
+    assert len({step for step, _ in rows}) == len(rows), (name, rows)
+    return dict(rows)
 
 
 def _start_two(tmp_path, name, steps, *extra):
