@@ -912,19 +912,20 @@ class Config:
 
 SUPPORTED_OPTIMIZERS = ("Adam", "AdamW", "Lamb", "Lion", "SGD", "Adagrad")
 _NUM, _NONNEG, _BOOL, _BETAS, _POSINT, _INT = "num", "nonneg", "bool", "betas", "posint", "int"
+_OPT_BOOL = "bool_or_null"  # torch.optim's foreach / fused: None means "let torch choose"
 
 
 class Param(NamedTuple):
     """One constructor argument of a DeepSpeed optimizer / scheduler: the one table that both
     `load_config` (validation) and `zerojax.optim` (the builders, which read `default`) use."""
 
-    check: str  # the value check: _NUM, _NONNEG, _BOOL, _BETAS, _POSINT, _INT or "warmup_type"
+    check: str  # the value check: _NUM, _NONNEG, _BOOL, _OPT_BOOL, _BETAS, _POSINT, _INT or "warmup_type"
     default: Any = None  # the default of the class DeepSpeed builds; None: computed by the builder or required
     required: bool = False
     inert: str = ""  # non-empty: accepted, but changes nothing in zerojax, and why
 
 
-_TORCH_SWITCH = Param(_BOOL, inert="a PyTorch kernel choice (foreach / fused / capturable / differentiable); "
+_TORCH_SWITCH = Param(_OPT_BOOL, inert="a PyTorch kernel choice (foreach / fused / capturable / differentiable); "
                                    "the update is the same")
 _SET_GRAD_NONE = Param(_BOOL, True, inert="frees PyTorch .grad tensors; JAX gradients are values")
 _FP32_STATES = Param(_BOOL, True, inert="optimizer states are always fp32 in zerojax")
@@ -1439,7 +1440,9 @@ def _check_params(params, schema, path, problems):
 
 
 def _check_param(value, kind, where, problems):
-    if kind == _BOOL:
+    if kind == _OPT_BOOL and value is None:
+        return True, None
+    if kind in (_BOOL, _OPT_BOOL):
         return _convert(value, {"kind": "bool"}, where, problems)
     if kind in (_NUM, _NONNEG):
         if isinstance(value, (list, tuple)):  # DeepSpeed allows one value per param group

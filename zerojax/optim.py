@@ -539,7 +539,7 @@ def optimizer_from(type: str, params: Mapping[str, Any] | None = None, *, gradie
         if torch_adam and p.given("bias_correction"):
             raise _error("optimizer.params.bias_correction is a FusedAdam option; torch.optim.Adam does not take it")
         # The name "AdamW" forces decoupled weight decay; "Adam" follows adam_w_mode (default true).
-        adam_w_mode = kind == "AdamW" or bool(p["adam_w_mode"])
+        adam_w_mode = bool(p["adam_w_mode"]) or kind == "AdamW"
         opt = scale_by_fused_adam(lr_fn, b1=b1, b2=b2, eps=float(p["eps"]), weight_decay=wd,
                                   adam_w_mode=adam_w_mode, bias_correction=bool(p["bias_correction"]),
                                   amsgrad=amsgrad, momentum=momentum_schedule)
