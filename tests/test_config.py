@@ -654,3 +654,70 @@ def test_config_keys_page_check_command(tmp_path):
     assert config_docs.main(["--check", str(page)]) == 0
     page.write_text(page.read_text(encoding="utf-8") + "edited\n", encoding="utf-8")
     assert config_docs.main(["--check", str(page)]) == 1
+
+
+# --- real-world configs (tests/data/ds_configs, sources in its README.md) ---------------------------
+
+DS_CONFIGS = ROOT / "tests" / "data" / "ds_configs"
+# What Hugging Face's Trainer writes into the "auto" values (trainer_config_process) for
+# per_device_train_batch_size=2, gradient_accumulation_steps=2, one process, default TrainingArguments
+# (lr 5e-5, betas (0.9, 0.999), eps 1e-8, weight_decay 0, max_grad_norm 1.0), --bf16.
+TRAINER_FILL = {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 2, "train_batch_size": 4,
+                "gradient_clipping": 1.0, "optimizer.params.lr": 5e-5, "optimizer.params.betas": [0.9, 0.999],
+                "optimizer.params.eps": 1e-8, "optimizer.params.weight_decay": 0.0,
+                "scheduler.params.warmup_min_lr": 0, "scheduler.params.warmup_max_lr": 5e-5,
+                "scheduler.params.warmup_num_steps": 10, "scheduler.params.total_num_steps": 100,
+                "fp16.enabled": False, "bf16.enabled": True}
+# DeepSpeed's DeepSpeedConfig(filled config) at world size 1 (README.md there says how this was run):
+# (train_batch_size, micro, accumulation), gradient_clipping, stage, fp16, bf16, optimizer, scheduler.
+DS_LOADS = {
+    "hf_transformers_ds_config_zero2.json": ((4, 2, 2), 1.0, 2, False, False, "adamw", "WarmupLR"),
+    "hf_transformers_ds_config_zero3.json": ((4, 2, 2), 1.0, 3, False, False, "adamw", "WarmupLR"),
+    "llama_factory_ds_z0_config.json": ((4, 2, 2), 1.0, 0, False, True, None, None),
+    "llama_factory_ds_z2_autotp_config.json": ((4, 2, 2), 1.0, 2, False, True, None, None),
+    "llama_factory_ds_z3_offload_config.json": ((4, 2, 2), 1.0, 3, False, True, None, None),
+    "axolotl_zero3_bf16.json": ((4, 2, 2), 1.0, 3, False, True, None, None),
+    "fastchat_deepspeed_config_s3.json": ((4, 2, 2), 1.0, 3, False, False, "adamw", None),
+    "deepspeedexamples_tp_hf_integration_ds_config.json": ((4, 2, 2), 1.0, 2, False, True, "adamw", "WarmupDecayLR"),
+    "deepspeedexamples_bing_bert_bsz64k_lamb_seq128.json": ((65536, 64, 1024), 1.0, 0, True, False, "lamb", None),
+}
+# The unknown top-level keys DeepSpeed ignores in them: one warning each in zerojax.
+DS_UNKNOWN = {"llama_factory_ds_z2_autotp_config.json": ["_comment"],
+              "fastchat_deepspeed_config_s3.json": ["micro_batch_size_per_gpu"]}
+# Refused by DeepSpeed 0.19.8, with the key DeepSpeed's error names.
+DS_REFUSES = {
+    "axolotl_zero2_torch_compile.json": ["compile.disable", "compile.backend"],  # CompileConfig: extra="forbid"
+    "deepspeed_unit_test_pld.json": ["progressive_layer_drop"],  # removed (_reject_removed_config_keys)
+    # removed (_reject_removed_config_keys); with no batch size, DeepSpeed's batch rule would fail next
+    # ("Either train_batch_size or train_micro_batch_size_per_gpu needs to be provided"): reported together.
+    "deepspeed_unit_test_elasticity.json": ["elasticity", "train_batch_size"],
+}
+
+
+def test_every_fixture_has_an_expectation():
+    files = {p.name for p in DS_CONFIGS.glob("*.json")}
+    assert files == set(DS_LOADS) | set(DS_REFUSES)
+    assert len(files) >= 10
+
+
+@pytest.mark.parametrize("name", sorted(DS_LOADS))
+def test_real_world_config_loads_as_deepspeed_loads_it(name):
+    trio_, clip, stage, fp16, bf16, opt, sched = DS_LOADS[name]
+    with warnings.catch_warnings(record=True) as record:
+        warnings.simplefilter("always")
+        cfg = load_config(DS_CONFIGS / name, world_size=1, fill=TRAINER_FILL)
+    assert trio(cfg) == trio_
+    assert cfg.gradient_clipping == clip
+    assert cfg.zero_optimization.stage == stage
+    assert (cfg.fp16.enabled, cfg.bf16.enabled) == (fp16, bf16)
+    assert (cfg.optimizer.type.lower() if cfg.optimizer else None) == opt
+    assert (cfg.scheduler.type if cfg.scheduler else None) == sched
+    unknown = sorted(str(w.message).split(":")[0] for w in record if "unknown top-level key" in str(w.message))
+    assert unknown == sorted(DS_UNKNOWN.get(name, []))
+    assert "\"auto\"" not in json.dumps({k: v for k, v in cfg.to_dict().items() if k != "pipeline"})
+
+
+@pytest.mark.parametrize("name", sorted(DS_REFUSES))
+def test_real_world_config_refused_where_deepspeed_refuses_it(name):
+    err = problems_of(DS_CONFIGS / name, world_size=1, fill=TRAINER_FILL)
+    assert sorted(p.split(" ")[0].rstrip(":") for p in err.problems) == sorted(DS_REFUSES[name])
