@@ -364,8 +364,9 @@ class BF16Config:
     check_grad_overflow: bool = _f(True, "bool")
     """Check bf16 gradients for inf/nan and skip the step when found (default true since DeepSpeed 0.19.5, PR
     #8035).
-    zerojax: **differs from DeepSpeed**: accepted, no effect; a bf16 step is never skipped (fp16 steps are, by
-      the loss scaler)"""
+    zerojax: **differs from DeepSpeed**: the check is always on and cannot be turned off: a bf16 / fp32 step with
+      a non-finite loss or gradient is skipped, and the engine then raises FloatingPointError naming the likely
+      causes, where DeepSpeed skips and continues"""
     bf16_master_weights_and_grads: bool = _f(False, "bool")
     """Keep master weights in bf16 (ZeRO 1-3).
     zerojax: **accepted, no effect**: master weights stay fp32; validated as DeepSpeed does"""
@@ -603,7 +604,8 @@ class TensorParallelConfig:
     zerojax: **accepted, no effect**: kept as a mapping"""
     dtype: str | None = _f(None, "dtype", optional=True)
     """Model dtype for AutoTP.
-    zerojax: **accepted, no effect**: dtype comes from fp16 / bf16"""
+    DeepSpeed default: "fp16" (torch.float16)
+    zerojax: **accepted, no effect**: stored as given (none when absent); the dtype comes from fp16 / bf16"""
     partition_config: Mapping | None = _f(None, "mapping", optional=True)
     """Custom layer partition rules.
     zerojax: **accepted, no effect**: logical axis rules on the model's parameters"""
@@ -1199,9 +1201,9 @@ def _suggest(key, known, cutoff=0.6):
     return f"; did you mean {match[0]!r}?" if match else ""
 
 
-def _unknown(path, key, known, problems, *, list_known=True):
+def _unknown(path, key, known, problems):
     hint = _suggest(key, known)
-    accepted = f" (accepted: {', '.join(sorted(known))})" if list_known and not hint else ""
+    accepted = f" (accepted: {', '.join(sorted(known))})" if not hint else ""
     where = f"{path}.{key}" if path else str(key)
     problems.append(f"{where}: unknown key{hint}{accepted}")
 
