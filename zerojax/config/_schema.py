@@ -1,0 +1,848 @@
+"""The DeepSpeed config schema: one frozen dataclass per section, fields named as DeepSpeed's keys, each with
+its documentation string (DeepSpeed's meaning, then "zerojax:" and what zerojax does with the key), and the
+keys DeepSpeed 0.19.8 removed."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Mapping
+
+from zerojax.config._values import _DEVICES, _empty, _f, _freeze, _to_json
+
+
+DEEPSPEED_VERSION = "0.19.8"
+
+
+# Features DeepSpeed removed (DeepSpeed issue #8489): any presence of the key, even null, {} or
+# false, is a DeepSpeedConfigError. Reasons transcribed from DeepSpeed 0.19.8
+# `deepspeed/runtime/config.py` (`_REMOVED_TOP_LEVEL_CONFIG_KEYS`, `_REMOVED_ZERO_CONFIG_KEYS`,
+# checked by `_reject_removed_config_keys` before anything else is read).
+_REMOVED_ISSUE = "https://github.com/deepspeedai/DeepSpeed/issues/8489"
+REMOVED_TOP_LEVEL_KEYS = {
+    "nebula": "Nebula checkpointing has been removed. A leftover 'nebula' block would be ignored and "
+              "checkpoints would silently fall back to local torch.save.",
+    "compression_training": "The DeepSpeed compression library has been removed. A leftover "
+                            "'compression_training' block would be ignored and the model would train unquantized.",
+    "amp": "NVIDIA Apex AMP integration has been removed. Use DeepSpeed 'fp16', 'bf16', or 'torch_autocast' "
+           "instead.",
+    "quantize_training": "Mixture-of-Quantization (MoQ) / 'quantize_training' has been removed.",
+    "sparse_gradients": "Sparse compression of dense torch.nn.Embedding gradients has been removed. A leftover "
+                        "'sparse_gradients' flag would be ignored and those gradients would be reduced dense.",
+    "eigenvalue": "Eigenvalue-based Mixture-of-Quantization (MoQ) has been removed; the standalone 'eigenvalue' "
+                  "configuration block is no longer supported.",
+    "sparse_attention": "DeepSpeed Sparse Attention has been removed; the 'sparse_attention' configuration block "
+                        "is no longer supported.",
+    "elasticity": "Elastic training has been removed; the 'elasticity' configuration block is no longer "
+                  "supported. Set train_batch_size / train_micro_batch_size_per_gpu / gradient_accumulation_steps "
+                  "directly.",
+    "graph_harvesting": "Graph harvesting has been removed; the 'graph_harvesting' configuration option is no "
+                        "longer supported.",
+    "curriculum_learning": "Legacy top-level 'curriculum_learning' has been removed. Use "
+                           "'data_efficiency.data_sampling.curriculum_learning' instead.",
+    "progressive_layer_drop": "Progressive Layer Dropping has been removed; the 'progressive_layer_drop' "
+                              "configuration block is no longer supported.",
+}
+REMOVED_ZERO_KEYS = {
+    "mics_shard_size": "MiCS ZeRO-3 sharding has been removed; 'zero_optimization.mics_shard_size' is no longer "
+                       "supported.",
+    "mics_hierarchical_params_gather": "MiCS ZeRO-3 sharding has been removed; "
+                                       "'zero_optimization.mics_hierarchical_params_gather' is no longer supported.",
+    "zeropp_loco_param": "LoCo-Zero++ has been removed; 'zero_optimization.zeropp_loco_param' is no longer "
+                         "supported. Remove this key to use standard ZeRO++ quantized gradients without LoCo error "
+                         "feedback.",
+}
+
+
+@dataclass(frozen=True)
+class OffloadParamConfig:
+    device: str = _f("none", "str", choices=_DEVICES, lower=True)
+    """none / cpu / nvme.
+    zerojax: **acted on**: cpu → parameters in `pinned_host` memory, streamed per layer; nvme → ConfigError (not
+      supported yet)"""
+    nvme_path: str | None = _f(None, "str", optional=True)
+    """NVMe swap directory.
+    zerojax: **accepted, no effect**: NVMe not supported yet"""
+    buffer_count: int = _f(5, "int", ge=0)
+    """NVMe swap buffers.
+    zerojax: **accepted, no effect**: NVMe not supported yet"""
+    buffer_size: int = _f(100_000_000, "int", ge=0)
+    """NVMe swap buffer size.
+    zerojax: **accepted, no effect**: NVMe not supported yet"""
+    max_in_cpu: int = _f(1_000_000_000, "int", ge=0)
+    """Parameter elements kept in CPU memory with NVMe.
+    zerojax: **accepted, no effect**: NVMe not supported yet"""
+    pin_memory: bool = _f(True, "bool")
+    """Use page-locked host memory (DeepSpeed's default true since 0.19.5, PR #8207).
+    zerojax: **accepted, no effect**: host offload always uses `pinned_host` memory"""
+
+
+@dataclass(frozen=True)
+class OffloadOptimizerConfig:
+    device: str = _f("none", "str", choices=_DEVICES, lower=True)
+    """none / cpu / nvme.
+    zerojax: **acted on**: cpu → fp32 master + moments in `pinned_host` memory; nvme → ConfigError (not
+      supported yet)"""
+    nvme_path: str | None = _f(None, "str", optional=True)
+    """NVMe swap directory.
+    zerojax: **accepted, no effect**: NVMe not supported yet"""
+    buffer_count: int = _f(4, "int", ge=0)
+    """NVMe swap buffers.
+    zerojax: **accepted, no effect**: NVMe not supported yet"""
+    pin_memory: bool = _f(True, "bool")
+    """Use page-locked host memory (DeepSpeed's default true since 0.19.5, PR #8207).
+    zerojax: **accepted, no effect**: host offload always uses `pinned_host` memory"""
+    pipeline_read: bool = _f(False, "bool")
+    """Overlap NVMe reads with the optimizer step.
+    zerojax: **accepted, no effect**: NVMe not supported yet"""
+    pipeline_write: bool = _f(False, "bool")
+    """Overlap NVMe writes with the optimizer step.
+    zerojax: **accepted, no effect**: NVMe not supported yet"""
+    fast_init: bool = _f(False, "bool")
+    """Fast optimizer init with NVMe.
+    zerojax: **accepted, no effect**: NVMe not supported yet"""
+    ratio: float = _f(1.0, "float", ge=0.0, le=1.0)
+    """Fraction of optimizer state offloaded (< 1 only at stage 3).
+    zerojax: **acted on**: the first ceil(ratio × pieces) pieces of the optimizer state (embeddings, then layer
+      groups) live in host memory, the rest on the device; `zerojax estimate` / the memory guard offer ratio 0.5
+      at stage 3 as a plan between no and full offload"""
+    super_offload: bool = _f(False, "bool")
+    """Superchip (Grace-Hopper) CPU offload path.
+    zerojax: **accepted, no effect**: —"""
+    convert_grad_on_cpu: bool = _f(True, "bool")
+    """Convert gradients to fp32 on the CPU.
+    zerojax: **accepted, no effect**: XLA places the conversion"""
+    cpuadam_cores_perc: float = _f(0.8, "float", ge=0.0, le=1.0)
+    """Share of CPU cores for CPU Adam.
+    zerojax: **accepted, no effect**: —"""
+
+
+@dataclass(frozen=True)
+class ZeroConfig:
+    stage: int = _f(0, "int", ge=0, le=3)
+    """0 off, 1 optimizer states, 2 + gradients, 3 + parameters partitioned.
+    zerojax: **acted on**: choice of `PartitionSpec`s over the `data` mesh axis (partition.py)"""
+    contiguous_gradients: bool = _f(True, "bool")
+    """Copy gradients into a contiguous buffer.
+    zerojax: **accepted, no effect**: XLA plans buffers itself"""
+    reduce_scatter: bool = _f(True, "bool")
+    """Use reduce-scatter rather than all-reduce for gradients.
+    zerojax: **accepted, no effect**: XLA emits reduce-scatter whenever gradients are sharded (stage ≥ 2)"""
+    reduce_bucket_size: int = _f(500_000_000, "int", ge=0)
+    """Elements reduced per bucket (default 5e8).
+    zerojax: **XLA**: `--xla_gpu_all_reduce_combine_threshold_bytes` and
+      `--xla_gpu_reduce_scatter_combine_threshold_bytes` (× bytes per element) via `xla_flags_for`"""
+    use_multi_rank_bucket_allreduce: bool = _f(True, "bool")
+    """Merge reduce buckets of several ranks into one all-reduce.
+    zerojax: **accepted, no effect**: XLA combines collectives (see the thresholds above)"""
+    allgather_partitions: bool = _f(True, "bool")
+    """All-gather vs broadcasts for updated parameters.
+    zerojax: **accepted, no effect**: XLA emits all-gather"""
+    allgather_bucket_size: int = _f(500_000_000, "int", ge=0)
+    """Elements all-gathered per bucket, stages 1-2 (default 5e8).
+    zerojax: **XLA**: `--xla_gpu_all_gather_combine_threshold_bytes` via `xla_flags_for` (stages 1-2)"""
+    # DeepSpeed's default is None, resolved to (stage == 3); stored resolved.
+    overlap_comm: bool | None = _f(None, "bool", optional=True)
+    """Overlap gradient reduction with backward (default: true only at stage 3).
+    zerojax: **XLA**: `--xla_gpu_enable_latency_hiding_scheduler=true` via `xla_flags_for` when true (already
+      XLA's default on GPU)"""
+    load_from_fp32_weights: bool = _f(True, "bool")
+    """Restore fp32 master weights from the checkpoint's fp32 copy.
+    zerojax: **accepted, no effect**: zerojax checkpoints always hold the fp32 master weights, so restores are
+      always from fp32"""
+    elastic_checkpoint: bool = _f(False, "bool")
+    """Legacy elastic ZeRO checkpoints.
+    zerojax: **accepted, no effect**: orbax checkpoints restore to any sharding"""
+    offload_param: OffloadParamConfig = _f(kind="section", factory=OffloadParamConfig, cls=OffloadParamConfig)
+    """Section: parameter offload (stage 3 only; warns below).
+    zerojax: **acted on**: see its keys"""
+    offload_optimizer: OffloadOptimizerConfig = _f(kind="section", factory=OffloadOptimizerConfig,
+                                                   cls=OffloadOptimizerConfig)
+    """Section: optimizer-state offload (stages 1-3).
+    zerojax: **acted on**: see its keys"""
+    zenflow: Mapping | None = _f(None, "mapping", optional=True)
+    """ZenFlow asynchronous offload settings.
+    zerojax: **accepted, no effect**: kept as a mapping"""
+    sub_group_size: int = _f(1_000_000_000, "int", ge=0)
+    """Tile size for the offloaded optimizer step (default 1e9).
+    zerojax: **accepted, no effect**: XLA schedules the update"""
+    stage3_prefetch_bucket_size: int = _f(50_000_000, "int", ge=0)
+    """Elements prefetched ahead of use at stage 3 (default 5e7; alias `prefetch_bucket_size`).
+    zerojax: **XLA**: `--xla_gpu_all_gather_combine_threshold_bytes` via `xla_flags_for` at stage 3"""
+    stage3_param_persistence_threshold: int = _f(100_000, "int", ge=0)
+    """Parameters smaller than this stay unpartitioned (default 1e5; alias `param_persistence_threshold`).
+    zerojax: **acted on**: leaves with fewer elements stay replicated at stage 3 (partition.py)"""
+    stage3_model_persistence_threshold: int = _f(9223372036854775807, "int", ge=0)  # sys.maxsize
+    """Cap on total unpartitioned elements (alias `model_persistence_threshold`).
+    zerojax: **accepted, no effect**: —"""
+    stage3_max_live_parameters: int = _f(1_000_000_000, "int", ge=0)
+    """Gathered parameters kept live (default 1e9; alias `max_live_parameters`).
+    zerojax: **accepted, no effect**: XLA frees gathered layers inside the layer scan"""
+    stage3_max_reuse_distance: int = _f(1_000_000_000, "int", ge=0)
+    """Keep a gathered parameter if reused soon (default 1e9; alias `max_reuse_distance`).
+    zerojax: **accepted, no effect**: XLA decides rematerialisation"""
+    stage3_gather_16bit_weights_on_model_save: bool = _f(False, "bool")
+    """Gather full 16-bit weights when saving (aliases `gather_16bit_weights_on_model_save`, deprecated
+    `stage3_gather_fp16_weights_on_model_save`).
+    zerojax: **acted on**: checkpoint export writes gathered 16-bit weights"""
+    stage3_module_granularity_threshold: int = _f(0, "int")
+    """Fetch fine-grained modules as a unit.
+    zerojax: **accepted, no effect**: —"""
+    stage3_use_all_reduce_for_fetch_params: bool = _f(False, "bool")
+    """Fetch parameters with all-reduce.
+    zerojax: **accepted, no effect**: XLA emits all-gather"""
+    stage3_allgather_sequential: bool = _f(False, "bool")
+    """Gather parameters one at a time, unbucketed.
+    zerojax: **accepted, no effect**: —"""
+    stage3_partition_stream_chunk_size: int = _f(0, "int", ge=0)
+    """Stream huge parameters through chunks during zero.Init.
+    zerojax: **accepted, no effect**: parameters are created already sharded (`jax.jit(init,
+      out_shardings=...)`)"""
+    ignore_unused_parameters: bool = _f(True, "bool")
+    """Tolerate parameters without gradients (stage 2).
+    zerojax: **accepted, no effect**: unused parameters get zero gradients in JAX"""
+    legacy_stage1: bool = _f(False, "bool")
+    """Old stage-1 implementation.
+    zerojax: **accepted, no effect**: —"""
+    round_robin_gradients: bool = _f(False, "bool")
+    """Round-robin gradient copies to CPU (stages 1-2 offload).
+    zerojax: **accepted, no effect**: —"""
+    zero_hpz_partition_size: int = _f(1, "int", ge=0)
+    """ZeRO++ hierarchical secondary partition size.
+    zerojax: **accepted, no effect**: —"""
+    zero_quantized_weights: bool = _f(False, "bool")
+    """ZeRO++ int8-quantised weight all-gather.
+    zerojax: **accepted, no effect**: would change numerics; not implemented"""
+    zero_quantized_nontrainable_weights: bool = _f(False, "bool")
+    """Store frozen weights quantised.
+    zerojax: **accepted, no effect**: —"""
+    zero_quantized_gradients: bool = _f(False, "bool")
+    """ZeRO++ quantised gradient reduce.
+    zerojax: **accepted, no effect**: would change numerics; not implemented"""
+    memory_efficient_linear: bool = _f(True, "bool")
+    """Stage-3 linear that frees inputs early.
+    zerojax: **accepted, no effect**: XLA plans activation memory"""
+    pipeline_loading_checkpoint: bool = _f(False, "bool")
+    """Load checkpoints in pipeline mode (stage 3).
+    zerojax: **accepted, no effect**: —"""
+    override_module_apply: bool = _f(True, "bool")
+    """Patch nn.Module.apply for stage 3.
+    zerojax: **accepted, no effect**: PyTorch-specific"""
+    log_trace_cache_warnings: bool = _f(False, "bool")
+    """Log stage-3 trace-cache invalidations.
+    zerojax: **accepted, no effect**: PyTorch-specific"""
+    enable_sanity_checks: bool = _f(False, "bool")
+    """Internal stage-3 checks.
+    zerojax: **accepted, no effect**: —"""
+    save_muon_momentum_buffer_in_memory: bool = _f(False, "bool")
+    """Keep Muon momentum off NVMe.
+    zerojax: **accepted, no effect**: Muon not supported"""
+    leaf_module: Mapping = _f(kind="mapping", factory=lambda: _freeze(_LEAF_MODULE_DEFAULT))
+    """Modules treated as ZeRO-3 leaves (`classes`, `names`, `name_suffixes`).
+    DeepSpeed default: the Mixtral, Qwen2-MoE and Qwen3-MoE sparse MoE block classes
+    zerojax: **accepted, no effect**: kept as a mapping"""
+
+
+# DeepSpeedZeroLeafModuleConfig's defaults (runtime/zero/leaf_module_config.py).
+_LEAF_MODULE_DEFAULT = {
+    "classes": ["transformers.models.mixtral.modeling_mixtral.MixtralSparseMoeBlock",
+                "transformers.models.qwen2_moe.modeling_qwen2_moe.Qwen2MoeSparseMoeBlock",
+                "transformers.models.qwen3_moe.modeling_qwen3_moe.Qwen3MoeSparseMoeBlock"],
+    "names": [], "name_suffixes": []}
+
+# DeepSpeed's pydantic aliases (populate_by_name): both spellings load; we keep the stage3_ name.
+_ZERO_ALIASES = {name[len("stage3_"):]: name for name in (
+    "stage3_prefetch_bucket_size", "stage3_param_persistence_threshold",
+    "stage3_model_persistence_threshold", "stage3_max_live_parameters", "stage3_max_reuse_distance",
+    "stage3_gather_16bit_weights_on_model_save", "stage3_module_granularity_threshold",
+    "stage3_use_all_reduce_for_fetch_params", "stage3_allgather_sequential",
+    "stage3_partition_stream_chunk_size")}
+_ZERO_ALIASES["stage3_gather_fp16_weights_on_model_save"] = "stage3_gather_16bit_weights_on_model_save"
+# Deprecated keys with no replacement value: accepted with a warning, as DeepSpeed does.
+_ZERO_DEPRECATED_NOOP = ("cpu_offload_use_pin_memory",)
+
+
+@dataclass(frozen=True)
+class FP16Config:
+    enabled: bool = _f(False, "bool")
+    """Train in fp16 with fp32 master weights. "auto" → `fill["fp16.enabled"]`, else false.
+    zerojax: **acted on**: compute dtype fp16 + loss scaling (precision.py)"""
+    auto_cast: bool = _f(False, "bool")
+    """Cast module inputs to fp16.
+    zerojax: **accepted, no effect**: the compute dtype is set on the model (`precision.compute_dtype`), not by
+      casting inputs"""
+    loss_scale: float = _f(0.0, "float", ge=0.0)
+    """Static loss scale; 0 = dynamic.
+    zerojax: **acted on**: `static_loss_scale` when > 0, else `dynamic_loss_scale`"""
+    initial_scale_power: int = _f(16, "int", ge=0)
+    """Dynamic scale starts at 2**power.
+    zerojax: **acted on**: `dynamic_loss_scale(initial_scale_power=...)`"""
+    loss_scale_window: int = _f(1000, "int", ge=1)
+    """Steps without overflow before the scale doubles.
+    zerojax: **acted on**: `dynamic_loss_scale(loss_scale_window=...)`"""
+    hysteresis: int = _f(2, "int", ge=1)
+    """Overflows tolerated before the scale is lowered.
+    zerojax: **acted on**: `dynamic_loss_scale(hysteresis=...)`"""
+    consecutive_hysteresis: bool = _f(False, "bool")
+    """Refill hysteresis after a step without overflow.
+    zerojax: **acted on**: `dynamic_loss_scale(consecutive_hysteresis=...)`"""
+    min_loss_scale: float = _f(1.0, "float", gt=0.0)
+    """Lower bound of the dynamic scale.
+    zerojax: **acted on**: `dynamic_loss_scale(min_loss_scale=...)`"""
+    fp16_master_weights_and_grads: bool = _f(False, "bool")
+    """Keep master weights in fp16 (CPU Adam only; ZeRO 1-3).
+    zerojax: **accepted, no effect**: master weights stay fp32; validated as DeepSpeed does"""
+
+
+@dataclass(frozen=True)
+class BF16Config:
+    enabled: bool = _f(False, "bool")
+    """Train in bf16 with fp32 master weights.
+    zerojax: **acted on**: compute dtype bf16, no loss scaling"""
+    immediate_grad_update: bool = _f(False, "bool")
+    """BF16 optimizer: apply gradients to fp32 accumulators immediately.
+    zerojax: **accepted, no effect**: gradients accumulate in the scan accumulator
+      (`data_types.grad_accum_dtype`)"""
+    check_grad_overflow: bool = _f(True, "bool")
+    """Check bf16 gradients for inf/nan and skip the step when found (default true since DeepSpeed 0.19.5, PR
+    #8035).
+    zerojax: **differs from DeepSpeed**: the check is always on and cannot be turned off: a bf16 / fp32 step with
+      a non-finite loss or gradient is skipped, and the engine then raises FloatingPointError naming the likely
+      causes, where DeepSpeed skips and continues"""
+    bf16_master_weights_and_grads: bool = _f(False, "bool")
+    """Keep master weights in bf16 (ZeRO 1-3).
+    zerojax: **accepted, no effect**: master weights stay fp32; validated as DeepSpeed does"""
+    bf16_optimizer_states: bool = _f(False, "bool")
+    """Keep optimizer states in bf16 (needs bf16 master weights).
+    zerojax: **accepted, no effect**: validated as DeepSpeed does"""
+
+
+@dataclass(frozen=True)
+class DataTypesConfig:
+    grad_accum_dtype: str | None = _f(None, "dtype", optional=True)
+    """Dtype of the gradient accumulator (fp32 / bf16 / fp16).
+    zerojax: **acted on**: dtype of the scan accumulator (default: fp32)"""
+    param_dtype: str | None = _f(None, "dtype", optional=True)
+    """Dtype to load parameters in.
+    zerojax: **accepted, no effect**: dtype comes from `precision.compute_dtype(cfg)`"""
+    buffer_dtype: str | None = _f(None, "dtype", optional=True)
+    """Dtype of module buffers.
+    zerojax: **accepted, no effect**: Flax models have no buffers"""
+
+
+@dataclass(frozen=True)
+class OptimizerConfig:
+    type: str = _f(None, "str")
+    """Optimizer name. OneBitAdam/ZeroOneAdam/OneBitLamb/MuAdam/MuAdamW/MuSGD/Muon are refused with the closest
+    supported choice.
+    zerojax: **acted on**: selects the optax optimizer"""
+    params: Mapping = _f(kind="mapping", factory=_empty)
+    """Constructor arguments (lr, betas, eps, weight_decay, ...; checked per type). `max_grad_norm` is refused
+    with DeepSpeed's message.
+    zerojax: **acted on**: optimizer hyper-parameters; "auto" needs `fill`"""
+    legacy_fusion: bool = _f(False, "bool")
+    """Legacy fused-Adam code path.
+    zerojax: **accepted, no effect**: —"""
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    type: str = _f(None, "str")
+    """WarmupLR, WarmupDecayLR, WarmupCosineLR, OneCycle or LRRangeTest.
+    zerojax: **acted on**: selects the schedule"""
+    params: Mapping = _f(kind="mapping", factory=_empty)
+    """Schedule arguments (lr_schedules.py names; required ones checked).
+    zerojax: **acted on**: schedule parameters; "auto" needs `fill`"""
+
+
+@dataclass(frozen=True)
+class ActivationCheckpointingConfig:
+    partition_activations: bool = _f(False, "bool")
+    """Shard checkpointed activations over model-parallel ranks.
+    zerojax: **accepted, no effect**: —"""
+    contiguous_memory_optimization: bool = _f(False, "bool")
+    """Copy checkpoints into one buffer.
+    zerojax: **accepted, no effect**: XLA plans buffers itself"""
+    cpu_checkpointing: bool = _f(False, "bool")
+    """Keep checkpointed activations in CPU memory.
+    zerojax: **acted on**: remat policy that offloads saved activations to host (offload.py)"""
+    # DeepSpeed reads it with get_scalar_param (any value); configs in the wild write false for "unset".
+    number_checkpoints: int | None = _f(None, "int", optional=True, ge=0, false_is_none=True)
+    """Number of checkpoints (`false` reads as unset).
+    zerojax: **accepted, no effect**: every layer of the scanned stack is a checkpoint"""
+    synchronize_checkpoint_boundary: bool = _f(False, "bool")
+    """cuda.synchronize at checkpoint boundaries.
+    zerojax: **accepted, no effect**: —"""
+    profile: bool = _f(False, "bool")
+    """Time checkpointed forwards.
+    zerojax: **accepted, no effect**: —"""
+
+
+@dataclass(frozen=True)
+class _FileMonitorConfig:
+    """The fields DeepSpeed's TensorBoardConfig and CSVConfig share (monitor/config.py)."""
+
+    enabled: bool = _f(False, "bool")
+    """Turn this monitor on.
+    zerojax: **acted on**: metrics writer on"""
+    output_path: str = _f("", "str")
+    """Directory for the logs.
+    zerojax: **acted on**: writer output directory"""
+    job_name: str = _f("DeepSpeedJobName", "str")
+    """Sub-directory / run name.
+    zerojax: **acted on**: writer run name"""
+
+
+@dataclass(frozen=True)
+class TensorBoardConfig(_FileMonitorConfig):
+    pass
+
+
+@dataclass(frozen=True)
+class CSVConfig(_FileMonitorConfig):
+    pass
+
+
+@dataclass(frozen=True)
+class WandbConfig:
+    enabled: bool = _f(False, "bool")
+    """Turn wandb on.
+    zerojax: **acted on**: metrics writer on"""
+    group: str | None = _f(None, "str", optional=True)
+    """wandb group.
+    zerojax: **acted on**: passed to wandb.init"""
+    team: str | None = _f(None, "str", optional=True)
+    """wandb team (entity).
+    zerojax: **acted on**: passed to wandb.init"""
+    project: str = _f("deepspeed", "str")
+    """wandb project.
+    zerojax: **acted on**: passed to wandb.init"""
+
+
+@dataclass(frozen=True)
+class CometConfig:
+    enabled: bool = _f(False, "bool")
+    """Turn Comet on.
+    zerojax: **accepted, no effect**: no Comet writer yet"""
+    samples_log_interval: int = _f(100, "int", ge=1)
+    """Log every N samples.
+    zerojax: **accepted, no effect**: no Comet writer yet"""
+    project: str | None = _f(None, "str", optional=True)
+    """Comet project.
+    zerojax: **accepted, no effect**: no Comet writer yet"""
+    workspace: str | None = _f(None, "str", optional=True)
+    """Comet workspace.
+    zerojax: **accepted, no effect**: no Comet writer yet"""
+    api_key: str | None = _f(None, "str", optional=True)
+    """Comet API key.
+    zerojax: **accepted, no effect**: no Comet writer yet"""
+    experiment_name: str | None = _f(None, "str", optional=True)
+    """Experiment name.
+    zerojax: **accepted, no effect**: no Comet writer yet"""
+    experiment_key: str | None = _f(None, "str", optional=True)
+    """Experiment key.
+    zerojax: **accepted, no effect**: no Comet writer yet"""
+    online: bool | None = _f(None, "bool", optional=True)
+    """Log online vs offline.
+    zerojax: **accepted, no effect**: no Comet writer yet"""
+    mode: str | None = _f(None, "str", optional=True, choices=("get", "create", "get_or_create"))
+    """get / create / get_or_create.
+    zerojax: **accepted, no effect**: no Comet writer yet"""
+
+
+@dataclass(frozen=True)
+class TrackioConfig:
+    enabled: bool = _f(False, "bool")
+    """Turn Trackio on.
+    zerojax: **accepted, no effect**: no Trackio writer yet"""
+    project: str = _f("deepspeed", "str")
+    """Trackio project.
+    zerojax: **accepted, no effect**: no Trackio writer yet"""
+
+
+@dataclass(frozen=True)
+class FlopsProfilerConfig:
+    enabled: bool = _f(False, "bool")
+    """Profile one step.
+    zerojax: **accepted, no effect**: no FLOPs profiler"""
+    recompute_fwd_factor: float = _f(0.0, "float", ge=0.0)
+    """Extra forward FLOPs from recomputation.
+    zerojax: **accepted, no effect**: no FLOPs profiler"""
+    profile_step: int = _f(1, "int", ge=1)
+    """Step to profile.
+    zerojax: **accepted, no effect**: no FLOPs profiler"""
+    module_depth: int = _f(-1, "int")
+    """Depth of the module table.
+    zerojax: **accepted, no effect**: no FLOPs profiler"""
+    top_modules: int = _f(1, "int", ge=1)
+    """Modules listed.
+    zerojax: **accepted, no effect**: no FLOPs profiler"""
+    detailed: bool = _f(True, "bool")
+    """Per-module detail.
+    zerojax: **accepted, no effect**: no FLOPs profiler"""
+    output_file: str | None = _f(None, "str", optional=True)
+    """Where to write the profile.
+    zerojax: **accepted, no effect**: no FLOPs profiler"""
+
+
+@dataclass(frozen=True)
+class CheckpointConfig:
+    tag_validation: str = _f("WARN", "str", upper=True, choices=("WARN", "IGNORE", "FAIL"))
+    """Check that all ranks save the same tag (Warn / Ignore / Fail).
+    zerojax: **accepted, no effect**: one process writes the tag through orbax"""
+    load_universal: bool = _f(False, "bool")
+    """Load a universal (reshardable) checkpoint.
+    zerojax: **accepted, no effect**: orbax checkpoints always reshard on load"""
+    use_node_local_storage: bool = _f(False, "bool")
+    """Each node writes to local storage.
+    zerojax: **accepted, no effect**: —"""
+    parallel_write: Mapping = _f(kind="mapping", factory=_empty)
+    """Parallel write options (`pipeline_stage`).
+    zerojax: **accepted, no effect**: orbax writes shards in parallel"""
+    serialization: bool = _f(True, "bool")
+    """Use torch serialization.
+    zerojax: **accepted, no effect**: PyTorch-specific"""
+    writer: Mapping | None = _f(None, "mapping", optional=True)
+    """Fast/decoupled checkpoint writer options.
+    zerojax: **accepted, no effect**: —"""
+
+
+@dataclass(frozen=True)
+class PipelineConfig:
+    stages: Any = _f("auto", "int_or_auto")
+    """Number of pipeline stages ("auto" is DeepSpeed's default and is kept).
+    zerojax: **accepted, no effect**: pipeline parallelism comes later"""
+    partition: str = _f("best", "str")
+    """Layer partition method.
+    zerojax: **accepted, no effect**: pipeline parallelism comes later"""
+    seed_layers: bool = _f(False, "bool")
+    """Seed each layer differently.
+    zerojax: **accepted, no effect**: pipeline parallelism comes later"""
+    activation_checkpoint_interval: int = _f(0, "int", ge=0)
+    """Checkpoint every N layers in the pipeline.
+    zerojax: **accepted, no effect**: pipeline parallelism comes later"""
+    pipe_partitioned: bool = _f(True, "bool")
+    """Partition activations between stages.
+    zerojax: **accepted, no effect**: pipeline parallelism comes later"""
+    grad_partitioned: bool = _f(True, "bool")
+    """Partition gradients between stages.
+    zerojax: **accepted, no effect**: pipeline parallelism comes later"""
+
+
+@dataclass(frozen=True)
+class TensorParallelConfig:
+    # DeepSpeed's default is 0 ("disabled"); zerojax reads 0 as 1 (no tensor axis).
+    autotp_size: int = _f(1, "int", ge=0)
+    """Tensor-parallel degree (0 = off).
+    DeepSpeed default: 0
+    zerojax: **acted on**, stored as 1 for 0 (no tensor axis): size of the mesh's `tensor` axis; divides the
+      default data-parallel size"""
+    tp_overlap_comm: bool = _f(False, "bool")
+    """Overlap TP all-reduce with compute.
+    zerojax: **accepted, no effect**: XLA's latency-hiding scheduler"""
+    tp: Mapping = _f(kind="mapping", factory=_empty)
+    """TP group settings (alias `tensor_parallel`).
+    zerojax: **accepted, no effect**: kept as a mapping"""
+    dtype: str | None = _f(None, "dtype", optional=True)
+    """Model dtype for AutoTP.
+    DeepSpeed default: "fp16" (torch.float16)
+    zerojax: **accepted, no effect**: stored as given (none when absent); the dtype comes from fp16 / bf16"""
+    partition_config: Mapping | None = _f(None, "mapping", optional=True)
+    """Custom layer partition rules.
+    zerojax: **accepted, no effect**: logical axis rules on the model's parameters"""
+    preset_model: str | None = _f(None, "str", optional=True)
+    """Built-in AutoTP preset.
+    zerojax: **accepted, no effect**: —"""
+    keep_module_on_host: bool = _f(False, "bool")
+    """Keep checkpoint weights on host while loading.
+    zerojax: **accepted, no effect**: —"""
+    replace_with_kernel_inject: bool = _f(False, "bool")
+    """Inject inference kernels (alias `kernel_inject`).
+    zerojax: **accepted, no effect**: PyTorch-specific"""
+
+
+_TP_ALIASES = {"tensor_parallel": "tp", "kernel_inject": "replace_with_kernel_inject"}
+
+
+# Sections DeepSpeed validates with pydantic models (DeepSpeedConfigModel: extra="forbid"), so a
+# misspelt key is an error there too. Transcribed from DeepSpeed 0.19.x `compile/config.py`,
+# `runtime/config.py` (HybridEngineConfig), `comm/config.py`, `utils/config.py`.
+
+@dataclass(frozen=True)
+class CompileConfig:
+    deepcompile: bool = _f(False, "bool")
+    """DeepCompile: compiler passes for ZeRO (gather / release / offload scheduling).
+    zerojax: **accepted, no effect**: the whole step is one XLA program already"""
+    free_activation: bool = _f(False, "bool")
+    """DeepCompile: free activations eagerly.
+    zerojax: **accepted, no effect**: XLA plans activation lifetimes"""
+    free_activation_threshold: int = _f(10 * 1024 * 1024, "int", ge=0)
+    """DeepCompile: activations at least this many bytes are freed eagerly.
+    zerojax: **accepted, no effect**: —"""
+    offload_activation: bool = _f(False, "bool")
+    """DeepCompile: move saved activations to pinned host memory.
+    zerojax: **accepted, no effect**: use `activation_checkpointing.cpu_checkpointing`"""
+    offload_activation_pin_memory: bool = _f(True, "bool")
+    """DeepCompile: pin the host buffers of activation offload.
+    zerojax: **accepted, no effect**: —"""
+    offload_opt_states: bool = _f(False, "bool")
+    """DeepCompile: offload optimizer states between steps.
+    zerojax: **accepted, no effect**: use `zero_optimization.offload_optimizer`"""
+    double_buffer: bool = _f(True, "bool")
+    """DeepCompile: double buffering.
+    zerojax: **accepted, no effect**: —"""
+    symmetric_memory: bool = _f(False, "bool")
+    """DeepCompile: symmetric memory.
+    zerojax: **accepted, no effect**: —"""
+    debug_log: bool = _f(False, "bool")
+    """DeepCompile: dump graphs.
+    zerojax: **accepted, no effect**: use `XLA_FLAGS=--xla_dump_to=...`"""
+    offload_parameters: bool = _f(False, "bool")
+    """DeepCompile: offload parameters.
+    zerojax: **accepted, no effect**: use `zero_optimization.offload_param`"""
+    sync_before_reduce: bool = _f(False, "bool")
+    """DeepCompile: synchronise before reduce.
+    zerojax: **accepted, no effect**: —"""
+    sync_after_reduce: bool = _f(False, "bool")
+    """DeepCompile: synchronise after reduce.
+    zerojax: **accepted, no effect**: —"""
+    sync_before_allgather: bool = _f(False, "bool")
+    """DeepCompile: synchronise before all-gather.
+    zerojax: **accepted, no effect**: —"""
+    sync_after_allgather: bool = _f(False, "bool")
+    """DeepCompile: synchronise after all-gather.
+    zerojax: **accepted, no effect**: —"""
+    keep_int_input_tensors: bool = _f(True, "bool")
+    """DeepCompile: keep real values of int inputs while profiling.
+    zerojax: **accepted, no effect**: —"""
+    keep_all_input_tensors: bool = _f(False, "bool")
+    """DeepCompile: keep real values of all inputs while profiling.
+    zerojax: **accepted, no effect**: —"""
+    passes: Any = _f(None, "any", optional=True)
+    """DeepCompile: list of passes ("z1", "z3", "autosp", "autotp").
+    zerojax: **accepted, no effect**: —"""
+
+
+@dataclass(frozen=True)
+class HybridEngineConfig:
+    enabled: bool = _f(False, "bool")
+    """Turn the RLHF hybrid train / inference engine on.
+    zerojax: **accepted, no effect**: no hybrid engine"""
+    max_out_tokens: int = _f(512, "int", gt=0)
+    """Longest generation.
+    zerojax: **accepted, no effect**: no hybrid engine"""
+    inference_tp_size: int = _f(1, "int")
+    """Tensor-parallel size for generation.
+    zerojax: **accepted, no effect**: no hybrid engine"""
+    release_inference_cache: bool = _f(False, "bool")
+    """Free the KV cache after generation.
+    zerojax: **accepted, no effect**: no hybrid engine"""
+    pin_parameters: bool = _f(True, "bool")
+    """Pin parameters for generation.
+    zerojax: **accepted, no effect**: no hybrid engine"""
+    tp_gather_partition_size: int = _f(8, "int")
+    """Gather partition size for generation.
+    zerojax: **accepted, no effect**: no hybrid engine"""
+    enable_cuda_graph: bool = _f(False, "bool")
+    """CUDA graphs for generation.
+    zerojax: **accepted, no effect**: no hybrid engine"""
+
+
+@dataclass(frozen=True)
+class CommsLoggerConfig:
+    enabled: bool = _f(False, "bool")
+    """Log collective calls.
+    zerojax: **accepted, no effect**: read the collectives in the compiled HLO or the JAX profiler"""
+    prof_all: bool = _f(True, "bool")
+    """Profile every collective.
+    zerojax: **accepted, no effect**: —"""
+    prof_ops: Any = _f(kind="any", factory=tuple)
+    """Collectives to profile when prof_all is false.
+    zerojax: **accepted, no effect**: —"""
+    verbose: bool = _f(False, "bool")
+    """Print every logged call.
+    zerojax: **accepted, no effect**: —"""
+    debug: bool = _f(False, "bool")
+    """Add the caller to each log line.
+    zerojax: **accepted, no effect**: —"""
+
+
+@dataclass(frozen=True)
+class ThroughputTimerConfig:
+    enabled: bool = _f(True, "bool")
+    """Throughput timer on.
+    zerojax: **accepted, no effect**: the engine reports its own step times"""
+    synchronized: bool = _f(True, "bool")
+    """Synchronise the device when timing.
+    zerojax: **accepted, no effect**: —"""
+
+
+@dataclass(frozen=True)
+class TimersConfig:
+    throughput: ThroughputTimerConfig = _f(kind="section", factory=ThroughputTimerConfig, cls=ThroughputTimerConfig)
+    """Section: the throughput timer.
+    zerojax: **accepted, no effect**: see its keys"""
+
+
+@dataclass(frozen=True)
+class Config:
+    """A resolved DeepSpeed config. Field names are DeepSpeed's keys."""
+
+    train_batch_size: int = _f(None, "int", optional=True)
+    """Global batch per optimizer step (micro × accumulation × data-parallel size).
+    zerojax: **acted on**: resolved by DeepSpeed's batch rule; the engine's step consumes this many rows"""
+    train_micro_batch_size_per_gpu: int = _f(None, "int", optional=True)
+    """Batch per device per forward/backward.
+    zerojax: **acted on**: size of each micro-batch in the accumulation scan"""
+    gradient_accumulation_steps: int = _f(None, "int", optional=True)
+    """Micro-batches accumulated before one optimizer step.
+    zerojax: **acted on**: length of the `lax.scan` over micro-batches inside one jitted step"""
+    world_size: int = 1  # not a DeepSpeed key: the data-parallel size the trio was resolved with
+    managed_gradient_accumulation: bool = _f(True, "bool")
+    """True: DeepSpeed counts micro-steps and steps the optimizer on the boundary; false: every `step()` applies an
+    update and the client owns the boundary.
+    zerojax: **accepted, no effect**: one engine step always runs the whole accumulation and one update"""
+    steps_per_print: int | None = _f(None, "int", optional=True, ge=1)
+    """Print progress every N steps (DeepSpeed default: none).
+    zerojax: **acted on**: engine logging interval"""
+    wall_clock_breakdown: bool = _f(False, "bool")
+    """Time forward/backward/step separately.
+    zerojax: **accepted, no effect**: one jitted step has no host-visible phases; use the JAX profiler"""
+    memory_breakdown: bool = _f(False, "bool")
+    """Print memory usage at stages of the step.
+    zerojax: **accepted, no effect**: use `engine.memory_report()` (XLA memory analysis)"""
+    dump_state: bool = _f(False, "bool")
+    """Print DeepSpeed state after initialisation.
+    zerojax: **accepted, no effect**: `print(cfg)` shows the resolved config"""
+    gradient_clipping: float = _f(1.0, "float", ge=0.0)
+    """Clip gradients by global norm (0 = off). DeepSpeed's GRADIENT_CLIPPING_DEFAULT is 1.0: a config without
+    the key clips at 1.0.
+    zerojax: **acted on**: optax global-norm clipping before the optimizer (optim.py)"""
+    prescale_gradients: bool = _f(False, "bool")
+    """Divide gradients by world size before the all-reduce instead of after.
+    zerojax: **accepted, no effect**: XLA reduces in one collective; the mean is computed identically either way"""
+    gradient_predivide_factor: float = _f(1.0, "float", gt=0.0)
+    """Divide gradients by this before the all-reduce and by world/this after.
+    zerojax: **accepted, no effect**: numerics guard for fp16 all-reduce in PyTorch; XLA's reduce keeps the
+      compute dtype"""
+    gradient_allreduce_op: str = _f("mean", "str", lower=True, choices=("mean", "sum"))
+    """How data-parallel gradients are combined: "mean" or "sum" ("sum" refused at ZeRO stage 3).
+    zerojax: **acted on**: "mean" is what zerojax does; "sum" is a ConfigError (not supported yet)"""
+    communication_data_type: str | None = _f(None, "str", optional=True, lower=True,
+                                             choices=("fp16", "bf16", "fp32"))
+    """Dtype of gradient collectives (fp16 / bf16 / fp32).
+    zerojax: **acted on**: picks the element width used by `xla_flags_for` and the gradient dtype for the reduce"""
+    seq_parallel_comm_data_type: str = _f("fp32", "str", lower=True, choices=("fp16", "bf16", "fp32"))
+    """Dtype of sequence-parallel gradient collectives.
+    zerojax: **accepted, no effect**: no sequence parallelism yet"""
+    sequence_parallel_size: int = _f(1, "int", ge=1)
+    """Ulysses sequence-parallel group size; DeepSpeed divides the world size by it.
+    zerojax: **acted on**: divides the default data-parallel size (`jax.device_count() // autotp_size //
+      sequence_parallel_size`)"""
+    disable_allgather: bool = _f(False, "bool")
+    """Legacy: skip the parameter all-gather.
+    zerojax: **accepted, no effect**: XLA inserts the collectives the shardings need"""
+    log_level: str | None = _f(None, "str", optional=True)
+    """DeepSpeed's logger level.
+    zerojax: **accepted, no effect**: zerojax logs through Python's `logging` (configure the "zerojax" logger)"""
+    dataloader_drop_last: bool = _f(False, "bool")
+    """Drop the last incomplete batch in DeepSpeed's data loader.
+    zerojax: **accepted, no effect**: zerojax has no data loader; you pass batches"""
+    use_data_before_expert_parallelism: bool = _f(False, "bool")
+    """Rank ordering for expert + data parallelism.
+    zerojax: **accepted, no effect**: no expert parallelism"""
+    vocabulary_size: int | None = _f(None, "int", optional=True, ge=1)
+    """Only used for a tensor-core alignment warning.
+    zerojax: **accepted, no effect**: —"""
+    zero_allow_untested_optimizer: bool = _f(False, "bool")
+    """Allow ZeRO with an optimizer DeepSpeed has not tested.
+    zerojax: **accepted, no effect**: every supported optimizer runs under every stage"""
+    zero_force_ds_cpu_optimizer: bool = _f(True, "bool")
+    """Require DeepSpeed's CPU optimizer when offloading.
+    zerojax: **accepted, no effect**: offloaded optimizer state is updated by the same optax code"""
+    data_types: DataTypesConfig = _f(kind="section", factory=DataTypesConfig, cls=DataTypesConfig)
+    """Section: dtypes for accumulation / params / buffers.
+    zerojax: **acted on**: see its keys"""
+    fp16: FP16Config = _f(kind="section", factory=FP16Config, cls=FP16Config)
+    """Section: fp16 mixed precision with loss scaling.
+    zerojax: **acted on**: see its keys"""
+    bf16: BF16Config = _f(kind="section", factory=BF16Config, cls=BF16Config)
+    """Section: bf16 mixed precision (old name `bfloat16` loads too).
+    zerojax: **acted on**: see its keys"""
+    optimizer: OptimizerConfig | None = _f(None, "special", cls=OptimizerConfig)
+    """Section: optimizer `type` and `params`.
+    zerojax: **acted on**: optax optimizer (optim.py); types Adam, AdamW, Lamb, Lion, SGD, Adagrad,
+      case-insensitive"""
+    scheduler: SchedulerConfig | None = _f(None, "special", cls=SchedulerConfig)
+    """Section: LR schedule `type` and `params`.
+    zerojax: **acted on**: optax schedule with DeepSpeed's formulas (optim.py)"""
+    zero_optimization: ZeroConfig = _f(kind="special", factory=ZeroConfig, cls=ZeroConfig)
+    """Section: ZeRO (or legacy `true`/`false` → stage 1/0).
+    zerojax: **acted on**: see its keys"""
+    activation_checkpointing: ActivationCheckpointingConfig | None = _f(
+        None, "section", optional=True, cls=ActivationCheckpointingConfig)
+    """Section: activation checkpointing (`None` when absent).
+    zerojax: **acted on**: see its keys"""
+    tensorboard: TensorBoardConfig = _f(kind="section", factory=TensorBoardConfig, cls=TensorBoardConfig)
+    """Section: tensorboard logging.
+    zerojax: **acted on**: metrics writer (monitor.py)"""
+    csv_monitor: CSVConfig = _f(kind="section", factory=CSVConfig, cls=CSVConfig)
+    """Section: csv_monitor logging.
+    zerojax: **acted on**: metrics writer (monitor.py)"""
+    wandb: WandbConfig = _f(kind="section", factory=WandbConfig, cls=WandbConfig)
+    """Section: Weights & Biases logging.
+    zerojax: **acted on**: metrics writer (monitor.py)"""
+    comet: CometConfig = _f(kind="section", factory=CometConfig, cls=CometConfig)
+    """Section: Comet logging.
+    zerojax: **accepted, no effect**: accepted; no Comet writer yet"""
+    trackio: TrackioConfig = _f(kind="section", factory=TrackioConfig, cls=TrackioConfig)
+    """Section: Trackio logging.
+    zerojax: **accepted, no effect**: accepted; no Trackio writer yet"""
+    flops_profiler: FlopsProfilerConfig = _f(kind="section", factory=FlopsProfilerConfig,
+                                             cls=FlopsProfilerConfig)
+    """Section: DeepSpeed's FLOPs profiler.
+    zerojax: **accepted, no effect**: use XLA's cost analysis (`jax.jit(...).lower(...).cost_analysis()`)"""
+    checkpoint: CheckpointConfig = _f(kind="section", factory=CheckpointConfig, cls=CheckpointConfig)
+    """Section: checkpoint options.
+    zerojax: **acted on**: see its keys"""
+    pipeline: PipelineConfig = _f(kind="section", factory=PipelineConfig, cls=PipelineConfig)
+    """Section: pipeline parallelism.
+    zerojax: **accepted, no effect**: accepted now; the `pipe` mesh axis comes later"""
+    tensor_parallel: TensorParallelConfig = _f(kind="special", factory=TensorParallelConfig, cls=TensorParallelConfig)
+    """Section: AutoTP tensor parallelism.
+    zerojax: **acted on**: see its keys"""
+    torch_autocast: Mapping | None = _f(None, "special")
+    """torch.autocast mixed precision; `enabled: true` is a ConfigError (use bf16 or fp16).
+    zerojax: **accepted, no effect**: kept as a mapping when disabled"""
+    aio: Mapping | None = _f(None, "mapping", optional=True)
+    """Async I/O settings for NVMe.
+    zerojax: **accepted, no effect**: kept as a read-only mapping; nothing in zerojax reads it"""
+    autotuning: Mapping | None = _f(None, "mapping", optional=True)
+    """DeepSpeed autotuner.
+    zerojax: **accepted, no effect**: kept as a read-only mapping; nothing in zerojax reads it"""
+    data_efficiency: Mapping | None = _f(None, "mapping", optional=True)
+    """Data sampling / routing.
+    zerojax: **accepted, no effect**: kept as a read-only mapping; nothing in zerojax reads it"""
+    hybrid_engine: HybridEngineConfig = _f(kind="section", factory=HybridEngineConfig, cls=HybridEngineConfig)
+    """Section: RLHF hybrid train / inference engine (validated strictly, as DeepSpeed does).
+    zerojax: **accepted, no effect**: see its keys"""
+    datastates: Mapping | None = _f(None, "mapping", optional=True)
+    """DataStates async checkpointing.
+    zerojax: **accepted, no effect**: kept as a read-only mapping; nothing in zerojax reads it"""
+    weight_quantization: Mapping | None = _f(None, "mapping", optional=True)
+    """Post-training weight quantisation.
+    zerojax: **accepted, no effect**: kept as a read-only mapping; nothing in zerojax reads it"""
+    compile: CompileConfig = _f(kind="section", factory=CompileConfig, cls=CompileConfig)
+    """Section: torch.compile / DeepCompile (validated strictly, as DeepSpeed does).
+    zerojax: **accepted, no effect**: see its keys"""
+    comms_logger: CommsLoggerConfig = _f(kind="section", factory=CommsLoggerConfig, cls=CommsLoggerConfig)
+    """Section: log collective calls (validated strictly, as DeepSpeed does).
+    zerojax: **accepted, no effect**: see its keys"""
+    timers: TimersConfig = _f(kind="section", factory=TimersConfig, cls=TimersConfig)
+    """Section: DeepSpeed timers (validated strictly, as DeepSpeed does).
+    zerojax: **accepted, no effect**: see its keys"""
+    expert_parallel: Mapping | None = _f(None, "mapping", optional=True)
+    """MoE expert parallelism.
+    zerojax: **accepted, no effect**: kept as a read-only mapping; nothing in zerojax reads it"""
+
+    def to_dict(self) -> dict:
+        """The resolved config as DeepSpeed JSON; `load_config(d, world_size=cfg.world_size) == cfg`."""
+        return _to_json(self)
