@@ -82,7 +82,7 @@ def _plan_micro_batch(cfg, gpt_cfg, dtype, remat, explore_remat, seq_len, loss_f
 
     budget = device_budget()
     if budget is None:
-        print(f"--micro-batch auto: this device reports no memory limit; using "
+        print(f"micro-batch auto: this device reports no memory limit; using "
               f"{cfg.train_micro_batch_size_per_gpu}")
         return cfg, remat
     if explore_remat:  # the planner varies activation checkpointing
@@ -96,7 +96,7 @@ def _plan_micro_batch(cfg, gpt_cfg, dtype, remat, explore_remat, seq_len, loss_f
         raise zerojax.WillNotFitError(min((p.peak_bytes for p, _ in found.tried if p.peak_bytes), default=0),
                                       budget, (), what="every plan tried")
     best = found.plans[0]
-    print(f"--micro-batch auto: {found.explain(best)}")
+    print(f"micro-batch auto: {found.explain(best)}")
     cfg = zerojax.load_config(best.apply(cfg.to_dict()), world_size=cfg.world_size)
     return cfg, (best.remat if explore_remat else remat)
 
