@@ -211,7 +211,7 @@ def test_plan_offers_partial_optimizer_offload_at_stage_3():
     from zerojax.config import load_config
 
     plans = PL.plan(tiny_factory, CFG, 2**40, SEQ, stages=(2, 3), offloads=("optimizer", "optimizer:0.5"),
-                    micro_batch=1)
+                    micro_batch=1, one_per_tier=False)
     # predicted step time: host bytes grow with the offloaded fraction; stage 3 also gathers params
     assert [(p.stage, p.offload_ratio) for p in plans] == [(3, 0.5), (2, 1.0), (3, 1.0)]
     half, full = plans[0], plans[2]

@@ -327,9 +327,9 @@ def model_state_floor(params: int, *, stage: int, n_data: int, precision: str,
                       optimizer: str | None = "adamw", offload_optimizer: bool = False,
                       offload_ratio: float = 1.0, offload_param: bool = False) -> int:
     """Per-device bytes that the step's arguments hold at least: the compute params (fp32 runs
-    keep none apart from the master unless it is offloaded), the fp32 master and the optimizer state, each divided by
-    the data-parallel size where the stage partitions it and without what offload moves to the
-    host. A lower bound of the compiled peak (gradients, activations and temporaries come on
+    keep none apart from the master unless it is offloaded), the fp32 master and the optimizer
+    state, each divided by the data-parallel size where the stage partitions it and without what
+    offload moves to the host. A lower bound of the compiled peak (gradients, activations and temporaries come on
     top), so a choice whose floor exceeds the budget is pruned without compiling it."""
     opt = OPTIMIZER_STATE_BYTES.get("".join(c for c in (optimizer or "").lower() if c.isalnum()), 0)
     master = (4 + opt) * params / (n_data if stage >= 1 else 1)

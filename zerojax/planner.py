@@ -7,8 +7,9 @@ stage, then offload. Every candidate gets a predicted step time (`zerojax.estima
 recompute at the matmul ceiling, collectives, host<->device copies); candidates are tried in that
 order, pruned first by formula (model states alone over the budget) and by dominance (a choice
 that holds at least as much as one that did not fit in every dimension is not compiled), then
-compiled (the engine's real step, abstract: nothing allocated) until `max_plans` fit. Compiles are
-memoised for the life of the process.
+compiled (the engine's real step, abstract: nothing allocated) until `max_plans` fit, at most one
+per speed tier (precision, remat, micro-batch): the first that fits is its tier's fastest, so
+slower stage / offload variants of it are not compiled. Compiles are memoised per process.
 
 This module imports the engine; the engine never imports it. `attach(engine)` (or `shard`
 here) hands an engine the callback through which its memory guard lists plans.
@@ -402,7 +403,7 @@ class Search:
 def search(model_factory, cfg_dict, budget, seq_len, *, stages=(0, 1, 2, 3),
            offloads=DEFAULT_OFFLOADS, remat=None, precision=None, micro_batch=None,
            batch_rows=None, loss_fn=None, mesh=None, batch_fn=None, hardware=est.H200,
-           max_plans=3, on_result: Callable | None = None) -> Search:
+           max_plans=3, one_per_tier=True, on_result: Callable | None = None) -> Search:
     """The planning run behind `plan`; returns what fits and what was tried (see `Search`)."""
     budget = parse_bytes(budget)
     n_data = _data_size(mesh, cfg_dict)
@@ -418,6 +419,7 @@ def search(model_factory, cfg_dict, budget, seq_len, *, stages=(0, 1, 2, 3),
     shape = model_shape(_model_source(model_factory, **_factory_kwargs(model_factory)), seq_len)
     optimizer = ((cfg_dict.get("optimizer") or {}).get("type") or "adamw")
 
+    auto_micro = micro_batch in (None, "auto")
     cands = []
     for off in offloads:
         kind, ratio = _offload_choice(off)
@@ -428,19 +430,19 @@ def search(model_factory, cfg_dict, budget, seq_len, *, stages=(0, 1, 2, 3),
             for prec in precisions:
                 for r in remats:
                     for m in micros:
-                        cands.append(_Candidate(prec, r, m, max(rows // m, 1) if micro_batch in (None, "auto")
-                                                else _accum(cfg_dict), stage, kind, ratio))
+                        accum = max(rows // m, 1) if auto_micro else _accum(cfg_dict)
+                        cands.append(_Candidate(prec, r, m, accum, stage, kind, ratio))
 
     def predicted(c):
         return est.predict_step_time(
             shape, micro_batch=c.micro_batch, grad_accum=c.grad_accum, n_data=n_data,
-            stage=c.stage, precision=c.precision or _configured(cfg_dict), remat=None if c.remat == AS_BUILT else c.remat,
-            offload_optimizer=c.kind != "none", offload_ratio=c.ratio,
-            offload_param=c.kind == "param", hardware=hardware)
+            stage=c.stage, precision=c.precision or _configured(cfg_dict),
+            remat=None if c.remat == AS_BUILT else c.remat, offload_optimizer=c.kind != "none",
+            offload_ratio=c.ratio, offload_param=c.kind == "param", hardware=hardware)
 
     timed = sorted(((predicted(c), c) for c in cands),
                    key=lambda tc: (tc[0].step_s, tc[1].stage, -_offload_rank(tc[1])))
-    fitting, tried, too_big, compiled = [], [], [], {}
+    fitting, tried, too_big, compiled, tiers_done = [], [], [], {}, set()
 
     def states(c, bound):
         f = est.model_state_floor if bound else est.model_state_bytes
@@ -460,7 +462,8 @@ def search(model_factory, cfg_dict, budget, seq_len, *, stages=(0, 1, 2, 3),
         r = min(refs, key=lambda r: (r.micro_batch, abs(r.stage - c.stage), r.kind != c.kind))
         peak = compiled[r].peak
         act = max(peak - states(r, False), 0)
-        return peak + states(c, False) - states(r, False) + act * (c.micro_batch / r.micro_batch - 1), r
+        scaled = act * (c.micro_batch / r.micro_batch - 1)
+        return peak + states(c, False) - states(r, False) + scaled, r
 
     for t, c in timed:
         if len(fitting) >= max_plans:
@@ -468,7 +471,11 @@ def search(model_factory, cfg_dict, budget, seq_len, *, stages=(0, 1, 2, 3),
         speed = dict(step_s=t.step_s, tokens_per_s=t.tokens_per_s)
         floor = states(c, True)
         guess, ref = estimated_peak(c)
-        if floor > budget:
+        if one_per_tier and (c.precision, c.remat, c.micro_batch) in tiers_done:
+            # a faster stage / offload of this precision, remat and micro-batch already fits: the
+            # rest of the tier only repeats it slower, so the next plan listed is another tier
+            outcome = "skipped: a faster choice of its precision, remat and micro-batch fits"
+        elif floor > budget:
             outcome = f"pruned: model states alone need {fmt_bytes(floor)}"
         elif any(c.holds_at_least(f) for f in too_big):
             outcome = "pruned: holds at least what a choice that does not fit holds"
@@ -493,6 +500,8 @@ def search(model_factory, cfg_dict, budget, seq_len, *, stages=(0, 1, 2, 3),
             p = c.plan(peak_bytes=m.peak, host_bytes=m.host_peak, **speed)
             fits = m.peak <= budget
             (fitting if fits else too_big).append(p if fits else c)
+            if fits:
+                tiers_done.add((c.precision, c.remat, c.micro_batch))
             tried.append((p, "fits" if fits else "does not fit"))
             if on_result:
                 on_result(*tried[-1])
@@ -536,7 +545,7 @@ def _configured(cfg_dict):
 def plan(model_factory, cfg_dict, budget, seq_len, *, stages=(0, 1, 2, 3),
          offloads=DEFAULT_OFFLOADS, remat=None, precision=None, micro_batch=None,
          batch_rows=None, loss_fn=None, mesh=None, batch_fn=None, hardware=est.H200,
-         max_plans=3, on_result=None) -> list[Plan]:
+         max_plans=3, one_per_tier=True, on_result=None) -> list[Plan]:
     """Up to `max_plans` choices whose compiled step fits `budget` bytes per device, fastest
     (predicted) first.
 
@@ -547,12 +556,15 @@ def plan(model_factory, cfg_dict, budget, seq_len, *, stages=(0, 1, 2, 3),
     from the config's batch keys, else 8), raising gradient_accumulation_steps to keep them.
     offloads: "none", "optimizer", "optimizer:R" (ratio R < 1, stage 3), "param" (stage 3).
     hardware: the throughputs the step-time model uses (`zerojax.estimate.Hardware`).
+    one_per_tier: list one plan per (precision, remat, micro-batch), the fastest stage / offload
+    that fits (False: every stage / offload that fits, up to max_plans).
     on_result(plan, outcome): called for every choice tried (progress output).
     """
     return search(model_factory, cfg_dict, budget, seq_len, stages=stages, offloads=offloads,
                   remat=remat, precision=precision, micro_batch=micro_batch,
                   batch_rows=batch_rows, loss_fn=loss_fn, mesh=mesh, batch_fn=batch_fn,
-                  hardware=hardware, max_plans=max_plans, on_result=on_result).plans
+                  hardware=hardware, max_plans=max_plans, one_per_tier=one_per_tier,
+                  on_result=on_result).plans
 
 
 def fit_micro_batch(model_factory, cfg_dict, budget, seq_len, *, remat=AS_BUILT, loss_fn=None,
