@@ -61,24 +61,44 @@ def _loss_fn(loss_chunk: int):
     return chunked_gpt2_loss(loss_chunk) if loss_chunk else gpt2_loss
 
 
-def _fit_micro_batch(config, fill, gpt_cfg, dtype, remat, seq_len, default, loss_fn):
-    """The planner's answer to train_micro_batch_size_per_gpu "auto" (zerojax.memory)."""
+def _micro_is_auto(path) -> bool:
+    """The config leaves train_micro_batch_size_per_gpu to "auto" (the planner picks it)."""
+    import hjson
+
+    with open(path) as f:
+        return hjson.load(f).get("train_micro_batch_size_per_gpu") == "auto"
+
+
+def _plan_micro_batch(cfg, gpt_cfg, dtype, remat, explore_remat, seq_len, loss_fn):
+    """train_micro_batch_size_per_gpu "auto": the planner's fastest choice that fits the device
+    (zerojax.planner: remat, micro-batch x accumulation keeping the global batch, stage, offload;
+    compiled before anything is allocated). -> (config, remat)."""
     from flax import nnx
 
     import zerojax
-    from zerojax.memory import device_budget, fit_micro_batch, fmt_bytes
+    from zerojax import planner
+    from zerojax.memory import device_budget
     from zerojax.models.gpt2 import GPT2
 
     budget = device_budget()
     if budget is None:
-        print(f"--micro-batch auto: this device reports no memory limit; using {default}")
-        return default
-    cfg_dict = zerojax.load_config(config, fill={**fill, "train_micro_batch_size_per_gpu": 1}).to_dict()
-    micro = fit_micro_batch(lambda: GPT2(gpt_cfg, rngs=nnx.Rngs(0), dtype=dtype, remat_policy=remat),
-                            cfg_dict, budget, seq_len, loss_fn=loss_fn)
-    print(f"--micro-batch auto: {micro} is the largest micro-batch whose step fits "
-          f"{fmt_bytes(budget)}")
-    return micro
+        print(f"micro-batch auto: this device reports no memory limit; using "
+              f"{cfg.train_micro_batch_size_per_gpu}")
+        return cfg, remat
+    if explore_remat:  # the planner varies activation checkpointing
+        def factory(remat_policy=None):
+            return GPT2(gpt_cfg, rngs=nnx.Rngs(0), dtype=dtype, remat_policy=remat_policy)
+    else:  # --remat given: kept
+        def factory():
+            return GPT2(gpt_cfg, rngs=nnx.Rngs(0), dtype=dtype, remat_policy=remat)
+    found = planner.search(factory, cfg.to_dict(), budget, seq_len, loss_fn=loss_fn, max_plans=1)
+    if not found.plans:
+        raise zerojax.WillNotFitError(min((p.peak_bytes for p, _ in found.tried if p.peak_bytes), default=0),
+                                      budget, (), what="every plan tried")
+    best = found.plans[0]
+    print(f"micro-batch auto: {found.explain(best)}")
+    cfg = zerojax.load_config(best.apply(cfg.to_dict()), world_size=cfg.world_size)
+    return cfg, (best.remat if explore_remat else remat)
 
 
 def main(argv=None):
@@ -151,12 +171,8 @@ def main(argv=None):
     dtype = compute_dtype(cfg)
     loss_fn = _loss_fn(args.loss_chunk)
 
-    if args.micro_batch == "auto":
-        micro = _fit_micro_batch(args.config, fill, gpt_cfg, dtype, remat, seq_len, default=micro,
-                                 loss_fn=loss_fn)
-        fill["train_micro_batch_size_per_gpu"] = micro
-        cfg = zerojax.load_config(cfg.to_dict() | {"train_micro_batch_size_per_gpu": micro,
-                                                   "train_batch_size": "auto"}, world_size=cfg.world_size)
+    if args.micro_batch == "auto" or (args.micro_batch is None and _micro_is_auto(args.config)):
+        cfg, remat = _plan_micro_batch(cfg, gpt_cfg, dtype, remat, args.remat is None, seq_len, loss_fn)
     if hf is not None:
         from zerojax.models.hf import gpt2_from_params
         model = gpt2_from_params(gpt_cfg, hf, dtype=dtype, remat_policy=remat)

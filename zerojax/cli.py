@@ -1,7 +1,8 @@
 """The `zerojax` command. One subcommand per `_add_<name>(subparsers)` function in `COMMANDS`.
 
     zerojax estimate --model large --gpus 2                       # DeepSpeed + ZeRO-paper formulas
-    zerojax estimate --model large --gpus 1 --aot --budget 24GB   # + compiled peaks and a plan
+    zerojax estimate --model large --gpus 1 --aot --budget 24GB   # + compiled peaks and plans
+    zerojax estimate --model tiny --gpus 2 --aot --cpu --budget 12MB --micro-batch auto --json
     zerojax estimate --params 2851e6 --largest-layer 32e6 --gpus 8
     zerojax export runs/ckpt hf_out --dtype bf16                  # consolidated weights
     zerojax launch --num_procs 2 train.py --config ds.json        # several processes (zerojax.launch)
@@ -15,6 +16,8 @@ import argparse
 import json
 import os
 import sys
+
+from zerojax import estimate
 
 SIZES = ("tiny", "small", "medium", "large", "xl")
 
@@ -39,14 +42,29 @@ def _add_estimate(sub):
     p.add_argument("--config", help="DeepSpeed JSON config to start from (default: bf16 AdamW)")
     p.add_argument("--seq", type=int, default=None, help="sequence length (default: model's)")
     p.add_argument("--micro-batch", default="8",
-                   help="micro-batch per device for compiled peaks, or 'auto' (default 8)")
-    p.add_argument("--remat", choices=("both", "on", "off"), default="both",
-                   help="activation checkpointing choices to plan over (default both)")
+                   help="micro-batch per device, or 'auto': every divisor of the rows per device "
+                        "per step (the config's batch keys, else 8), accumulation raised to keep "
+                        "them (default 8)")
+    p.add_argument("--remat", choices=("both", "on", "off", "offload"), default="both",
+                   help="activation checkpointing to plan over: both = none and full (default), "
+                        "on = full, off = none, offload = none, full and offload (block inputs in "
+                        "host memory)")
+    p.add_argument("--max-plans", type=int, default=3, help="plans to find (default 3)")
     p.add_argument("--no-plan", action="store_true", help="with --aot: compiled peaks only")
     p.add_argument("--cpu", action="store_true",
-                   help=f"compile on {'{gpus}'} virtual CPU devices (shapes only; CPU and GPU "
+                   help="compile on --gpus x --nodes virtual CPU devices (shapes only; CPU and GPU "
                         "compilers differ, so peaks are indicative)")
-    p.add_argument("--json", help="also write the results to this JSON file")
+    hw = estimate.Hardware()
+    p.add_argument("--matmul-flops", type=float, default=hw.matmul_flops,
+                   help=f"16-bit matmul ceiling per device for predicted speed (default "
+                        f"{hw.matmul_flops:.3g}, measured on an H200)")
+    p.add_argument("--host-bandwidth", type=float, default=hw.host_bytes_per_s,
+                   help=f"host<->device bytes/s (default {hw.host_bytes_per_s:.3g}, measured PCIe)")
+    p.add_argument("--interconnect-bandwidth", type=float, default=hw.interconnect_bytes_per_s,
+                   help=f"collective bytes/s per device (default {hw.interconnect_bytes_per_s:.3g})")
+    p.add_argument("--json", nargs="?", const="-", metavar="FILE",
+                   help="also write the results as JSON to FILE; without FILE, JSON on stdout "
+                        "(the tables then go to stderr)")
     p.set_defaults(func=cmd_estimate)
 
 
@@ -123,19 +141,21 @@ def default_config(micro_batch=8) -> dict:
 
 
 def gpt2_factory(size, cfg_dict, seq=None):
-    """model_factory(remat=False) for a GPT-2 size, compute dtype from the config."""
+    """model_factory(remat_policy=None, dtype=the config's) for a GPT-2 size: the planner varies
+    activation checkpointing and (when the config says "auto") the compute dtype."""
     import jax.numpy as jnp
     from flax import nnx
 
     from zerojax.models.gpt2 import GPT2, GPT2Config
 
     config = GPT2Config.named(size)
-    dtype = (jnp.bfloat16 if (cfg_dict.get("bf16") or {}).get("enabled")
-             else jnp.float16 if (cfg_dict.get("fp16") or {}).get("enabled") else jnp.float32)
+    configured = (jnp.bfloat16 if (cfg_dict.get("bf16") or {}).get("enabled") is True
+                  else jnp.float16 if (cfg_dict.get("fp16") or {}).get("enabled") is True
+                  else jnp.float32)
 
-    def factory(remat=False):
+    def factory(remat_policy=None, dtype=configured):
         return GPT2(config, rngs=nnx.Rngs(0), dtype=dtype, param_dtype=jnp.float32,
-                    remat_policy="full" if remat else None)
+                    remat_policy=remat_policy)
 
     return config, factory
 
@@ -147,7 +167,9 @@ def cmd_estimate(args) -> int:
         os.environ["JAX_PLATFORMS"] = "cpu"
         os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
                                    f" --xla_force_host_platform_device_count={n_devices}").strip()
-    from zerojax import memory as M
+    # with JSON on stdout, the human-readable tables go to stderr
+    out = sys.stderr if args.json == "-" else sys.stdout
+    say = lambda *a: print(*a, file=out)  # noqa: E731
 
     result: dict = {"gpus_per_node": args.gpus, "nodes": args.nodes}
     if args.params:
@@ -159,20 +181,24 @@ def cmd_estimate(args) -> int:
     else:
         from flax import nnx
 
+        from zerojax.memory import count_params
+
         cfg0 = _load_base_config(args)
         model_cfg, factory = gpt2_factory(args.model, cfg0)
-        total, largest = M.count_params(nnx.eval_shape(factory))
+        total, largest = count_params(nnx.eval_shape(factory))
         if args.largest_layer:
             largest = int(args.largest_layer)
     stages = (args.stage,) if args.stage is not None else (0, 1, 2, 3)
-    rows = M.formula_rows(total, largest, args.gpus, args.nodes, stages=stages)
-    print(M.format_formula_table(rows, total, largest, args.gpus, args.nodes))
+    rows = estimate.formula_rows(total, largest, args.gpus, args.nodes, stages=stages)
+    say(estimate.format_formula_table(rows, total, largest, args.gpus, args.nodes))
     result.update(total_params=total, largest_layer_params=largest,
                   formulas=[r.__dict__ for r in rows])
 
     if args.aot:
-        result.update(_estimate_aot(args, M, factory, model_cfg, stages, n_devices))
-    if args.json:
+        result.update(_estimate_aot(args, say, factory, model_cfg, stages, n_devices))
+    if args.json == "-":
+        print(json.dumps(result, indent=2, default=str))
+    elif args.json:
         with open(args.json, "w") as f:
             json.dump(result, f, indent=2, default=str)
     return 0
@@ -187,60 +213,70 @@ def _load_base_config(args) -> dict:
         return json.loads(json.dumps(hjson.load(f)))
 
 
-def _estimate_aot(args, M, factory, model_cfg, stages, n_devices) -> dict:
+def _estimate_aot(args, say, factory, model_cfg, stages, n_devices) -> dict:
     import jax
 
     if jax.device_count() < n_devices:
         raise SystemExit(f"--aot for {n_devices} devices but jax sees {jax.device_count()} "
                          f"({jax.default_backend()}); run on the GPUs or add --cpu")
+    from zerojax import planner
+    from zerojax.memory import device_budget, fmt_bytes, parse_bytes
     from zerojax.partition import make_mesh
 
     mesh = make_mesh(data=n_devices, devices=jax.devices()[:n_devices])
     cfg = _load_base_config(args)
     seq = args.seq or model_cfg.n_positions
-    budget = M.parse_bytes(args.budget) if args.budget else M.device_budget()
-    remats = {"both": (False, True), "on": (True,), "off": (False,)}[args.remat]
+    budget = parse_bytes(args.budget) if args.budget else device_budget()
+    remats = {"both": (None, "full"), "on": ("full",), "off": (None,),
+              "offload": (None, "full", "offload")}[args.remat]
     micro = args.micro_batch if args.micro_batch == "auto" else int(args.micro_batch)
+    rows = planner.rows_per_device(cfg, n_devices) if micro == "auto" else micro
+    precision = planner.precision_choices(cfg, factory)[0]
+    hardware = estimate.Hardware(matmul_flops=args.matmul_flops,
+                                 host_bytes_per_s=args.host_bandwidth,
+                                 interconnect_bytes_per_s=args.interconnect_bandwidth)
     out: dict = {"seq_len": seq, "budget_bytes": budget, "backend": jax.default_backend(),
                  "compiled": []}
 
-    print(f"\nCompiled training step per device ({jax.default_backend()}, {n_devices} device(s), "
-          f"seq {seq}, micro-batch {micro if micro != 'auto' else 8}):")
-    print(f"{'stage':>5} {'remat':>6} | {'peak':>11} | {'args':>10} | {'temp':>10} | {'host':>10}")
-    for stage in stages:
-        for r in remats:
-            c = M._with(cfg, **{"zero_optimization.stage": stage})
-            try:
-                mem = M.step_memory(factory, c, seq, 8 if micro == "auto" else micro, remat=r,
-                                    mesh=mesh)
-            except NotImplementedError as e:
-                print(f"  (unavailable: {e})")
-                return out
-            print(f"{stage:>5} {('on' if r else 'off'):>6} | {M.fmt_bytes(mem.peak):>11} | "
-                  f"{M.fmt_bytes(mem.argument):>10} | {M.fmt_bytes(mem.temp):>10} | "
-                  f"{M.fmt_bytes(mem.host_peak):>10}")
-            out["compiled"].append({"stage": stage, "remat": r, **mem.to_dict()})
-
+    if args.no_plan or budget is None:
+        # compiled peaks without a plan: no offload, micro-batch = the rows per step
+        say(f"\nCompiled training step per device ({jax.default_backend()}, {n_devices} "
+            f"device(s), seq {seq}, micro-batch {rows}):")
+        say(f"{'stage':>5} {'remat':>8} | {'peak':>11} | {'args':>10} | {'temp':>10} | {'host':>10}")
+        for stage in stages:
+            for r in remats:
+                try:
+                    m = planner.step_memory(factory, planner._zero_choice(cfg, stage, "none", 1.0),
+                                            seq, rows, remat=r, precision=precision, grad_accum=1,
+                                            mesh=mesh)
+                except NotImplementedError as e:
+                    say(f"  (unavailable: {e})")
+                    return out
+                say(f"{stage:>5} {r or 'none':>8} | {fmt_bytes(m.peak):>11} | {fmt_bytes(m.argument):>10}"
+                    f" | {fmt_bytes(m.temp):>10} | {fmt_bytes(m.host_peak):>10}")
+                out["compiled"].append({"stage": stage, "remat": r, "micro_batch": rows, **m.to_dict()})
+    if budget is None:
+        say("\nNo plan: the device reports no memory limit (CPU); pass --budget, e.g. 24GB.")
+        return out
     if args.no_plan:
         return out
-    if budget is None:
-        print("\nNo plan: the device reports no memory limit (CPU); pass --budget, e.g. 24GB.")
-        return out
-    print(f"\nPlan under {M.fmt_bytes(budget)} per device: fastest first (cost model: no offload > "
-          "partial optimizer offload (ratio) > optimizer offload > param offload; no remat > remat; "
-          "larger micro-batch first):")
+    say(f"\nPlans under {fmt_bytes(budget)} per device, fastest predicted first (step time: FLOPs "
+        f"with recompute at {hardware.matmul_flops:.3g} FLOP/s, collectives, host copies):")
 
-    def progress(p, fits):
-        status = "fits" if fits is True else "does not fit" if fits is False else f"failed: {fits}"
-        print(f"  tried {p.describe()} -> {status}", file=sys.stderr)
+    def progress(p, outcome):
+        print(f"  tried {p.describe()} -> {outcome}", file=sys.stderr)
 
-    plans = M.plan(factory, cfg, budget, seq, stages=stages, remat=remats, micro_batch=micro,
-                   mesh=mesh, on_result=progress)
-    for i, p in enumerate(plans):
-        print(f"  {i + 1}. {p.describe()}  {json.dumps(p.config_patch())}")
-    if not plans:
-        print("  nothing fits: more devices, a shorter sequence, or a smaller model")
-    out["plans"] = [dict(p.__dict__, config_patch=p.config_patch()) for p in plans]
+    found = planner.search(factory, cfg, budget, seq, stages=stages, remat=remats,
+                           micro_batch=micro, batch_rows=rows, mesh=mesh, hardware=hardware,
+                           max_plans=args.max_plans, on_result=progress)
+    for i, p in enumerate(found.plans):
+        say(f"  {i + 1}. {p.describe()}\n     {json.dumps(p.config_patch())}")
+    if not found.plans:
+        say("  nothing fits: more devices, a shorter sequence, or a smaller model")
+    out["plans"] = [p.to_dict() for p in found.plans]
+    out["tried"] = [{"plan": p.to_dict(), "outcome": o} for p, o in found.tried]
+    out["compiled"] = [{"plan": p.describe(), "peak": p.peak_bytes} for p, o in found.tried
+                       if o in ("fits", "does not fit")]
     return out
 
 

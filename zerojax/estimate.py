@@ -1,0 +1,349 @@
+"""DeepSpeed's memory estimators, the ZeRO paper's table, and a step-time model: formulas only.
+
+Nothing here imports jax, so `zerojax estimate --params ...` and the planner's pruning run before
+(or without) any compile.
+
+1. DeepSpeed's estimators, reproduced number for number (`estimate_zero2_model_states_mem_needs`,
+   `estimate_zero3_model_states_mem_needs`, with `additional_buffer_factor=1.5` and the offload
+   variants), and the ZeRO paper's per-device model-state table (16Ψ, 4Ψ+12Ψ/N, 2Ψ+14Ψ/N, 16Ψ/N).
+   These count model states only: no activations, no temporaries.
+2. A predicted step time for one training choice (precision, activation checkpointing,
+   micro-batch / accumulation, ZeRO stage, offload): FLOPs including recompute at a matmul
+   ceiling, collective bytes at an interconnect bandwidth, host<->device bytes at a PCIe
+   bandwidth. The planner ranks plans by it ("fastest first").
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+import re
+
+GiB = 2**30
+GB = 10**9
+
+# ---------------------------------------------------------------------------------------------
+# 1. Formulas
+
+
+def estimate_zero2_model_states_mem_needs(total_params, num_gpus_per_node=1, num_nodes=1,
+                                          cpu_offload=True, additional_buffer_factor=1.5,
+                                          *, legacy=False):
+    """DeepSpeed's `stage_1_and_2.estimate_zero2_model_states_mem_needs` -> (cpu_bytes, gpu_bytes).
+
+    Without offload DeepSpeed now counts 2Ψ + 18Ψ/N on the GPU (16-bit params; 16-bit grads, fp32
+    grads, fp32 master and Adam moments partitioned). `legacy=True` gives the older 4Ψ + 16Ψ/N that
+    DeepSpeed's "Memory Requirements" page still prints (15.93GB for 2851M params on 8 GPUs).
+    """
+    total_gpus = num_nodes * num_gpus_per_node
+    if cpu_offload:
+        gpu_mem = 2 * total_params
+        cpu_mem = total_params * max(4 * total_gpus, 16) * additional_buffer_factor
+    else:
+        if legacy:
+            gpu_mem = 4 * total_params + int(16 * total_params / total_gpus)
+        else:
+            gpu_mem = 2 * total_params + int(18 * total_params / total_gpus)
+        cpu_mem = total_params * 4 * num_gpus_per_node * additional_buffer_factor
+    return int(cpu_mem), int(gpu_mem)
+
+
+def estimate_zero3_model_states_mem_needs(total_params, largest_layer_params, num_gpus_per_node=1,
+                                          num_nodes=1, cpu_offload=True, cpu_offload_params=True,
+                                          zero_init=True, additional_buffer_factor=1.5):
+    """DeepSpeed's `stage3.estimate_zero3_model_states_mem_needs`
+    -> (cpu_bytes, gpu_bytes, largest_layer_memory)."""
+    total_gpus = num_nodes * num_gpus_per_node
+    gpus_factor = 1 / num_nodes
+    largest_layer_memory = 4 * largest_layer_params  # 16-bit params gathered + 16-bit grads
+    if cpu_offload:
+        per_param = 18 if cpu_offload_params else 16
+        if cpu_offload_params:
+            gpu_mem = largest_layer_memory
+        else:
+            gpu_mem = largest_layer_memory + int(2 * total_params / total_gpus)
+        if zero_init:
+            cpu_mem = total_params * per_param * gpus_factor * additional_buffer_factor
+        else:
+            cpu_mem = (total_params * max(4 * num_gpus_per_node, per_param * gpus_factor)
+                       * additional_buffer_factor)
+    else:
+        gpu_mem = largest_layer_memory + int(18 * total_params / total_gpus)
+        init_params = largest_layer_params if zero_init else total_params
+        cpu_mem = init_params * 4 * num_gpus_per_node * additional_buffer_factor
+    return int(cpu_mem), int(gpu_mem), largest_layer_memory
+
+
+def zero_paper_bytes(total_params, stage, n_devices, *, offload_optimizer=False,
+                     offload_param=False):
+    """Model-state bytes per device in the ZeRO paper's accounting (2-byte params and grads,
+    K=12 bytes of fp32 master + Adam moments): {"device": ..., "host": ...}.
+
+    stage 0: 16Ψ, 1: 4Ψ + 12Ψ/N, 2: 2Ψ + 14Ψ/N, 3: 16Ψ/N. `offload_optimizer` moves the 12Ψ/N
+    optimizer share to host memory; `offload_param` (stage 3) moves the 2Ψ/N params too.
+    """
+    if stage not in (0, 1, 2, 3):
+        raise ValueError(f"zero_optimization.stage={stage!r}; accepted: 0, 1, 2, 3")
+    if offload_param and stage != 3:
+        raise ValueError(f"offload_param needs zero_optimization.stage=3, got stage={stage}")
+    psi, n = total_params, n_devices
+    params = 2 * psi / n if stage >= 3 else 2 * psi
+    grads = 2 * psi / n if stage >= 2 else 2 * psi
+    optim = 12 * psi / n if stage >= 1 else 12 * psi
+    host = 0.0
+    if offload_optimizer:
+        host, optim = host + optim, 0.0
+    if offload_param:
+        host, params = host + params, 0.0
+    return {"device": int(params + grads + optim), "host": int(host)}
+
+
+@dataclasses.dataclass(frozen=True)
+class FormulaRow:
+    source: str        # "deepspeed" | "zero-paper"
+    stage: int
+    options: str       # e.g. "offload_optimizer=cpu"
+    cpu_bytes: int | None
+    gpu_bytes: int
+
+
+def formula_rows(total_params, largest_layer_params, num_gpus_per_node=1, num_nodes=1,
+                 additional_buffer_factor=1.5, stages=(0, 1, 2, 3)):
+    """Every formula's estimate for one model and cluster, as rows for `format_formula_table`."""
+    rows, n = [], num_gpus_per_node * num_nodes
+    for stage in stages:  # DeepSpeed offloads only under ZeRO: no offload rows for stage 0
+        offloads = [(False, False)] + ([(True, False)] if stage else []) + ([(True, True)] if stage == 3 else [])
+        for opt, par in offloads:
+            b = zero_paper_bytes(total_params, stage, n, offload_optimizer=opt, offload_param=par)
+            rows.append(FormulaRow("zero-paper", stage, _offload_str(opt, par, stage), b["host"],
+                                   b["device"]))
+    ds = dict(num_gpus_per_node=num_gpus_per_node, num_nodes=num_nodes,
+              additional_buffer_factor=additional_buffer_factor)
+    if any(s in (1, 2) for s in stages):  # DeepSpeed has one estimator for stages 1 and 2
+        for off in (True, False):
+            cpu, gpu = estimate_zero2_model_states_mem_needs(total_params, cpu_offload=off, **ds)
+            rows.append(FormulaRow("deepspeed", 2, _offload_str(off, False, 2), cpu, gpu))
+    if 3 in stages:
+        for off, par in ((True, True), (True, False), (False, False)):
+            for zero_init in (True, False):
+                cpu, gpu, _ = estimate_zero3_model_states_mem_needs(
+                    total_params, largest_layer_params, cpu_offload=off, cpu_offload_params=par,
+                    zero_init=zero_init, **ds)
+                rows.append(FormulaRow("deepspeed", 3,
+                                       f"{_offload_str(off, par, 3)}, zero_init={int(zero_init)}",
+                                       cpu, gpu))
+    return rows
+
+
+def _offload_str(opt, par, stage):
+    s = f"offload_optimizer={'cpu' if opt else 'none'}"
+    return s + (f", offload_param={'cpu' if par else 'none'}" if stage == 3 else "")
+
+
+def format_formula_table(rows, total_params, largest_layer_params, num_gpus_per_node=1,
+                         num_nodes=1):
+    lines = [f"Model states for {total_params / 1e6:.2f}M params "
+             f"({largest_layer_params / 1e6:.2f}M largest layer), {num_nodes} node(s) x "
+             f"{num_gpus_per_node} GPU(s); no activations. GB here = 2**30 bytes, as DeepSpeed prints.",
+             f"{'source':<11}{'stage':>6} | {'per CPU':>9} | {'per GPU':>9} | options"]
+    for r in rows:
+        cpu = "" if r.cpu_bytes is None else f"{r.cpu_bytes / GiB:7.2f}GB"
+        lines.append(f"{r.source:<11}{r.stage:>6} | {cpu:>9} | {r.gpu_bytes / GiB:7.2f}GB | {r.options}")
+    return "\n".join(lines)
+
+
+_UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "m": 10**6, "mb": 10**6, "g": GB, "gb": GB,
+          "t": 10**12, "tb": 10**12, "kib": 2**10, "mib": 2**20, "gib": GiB, "tib": 2**40}
+
+
+def parse_bytes(text) -> int:
+    """"24GB" -> 24e9, "24GiB" -> 24 * 2**30, "1.5e9" -> 1500000000, 1000 -> 1000."""
+    if isinstance(text, (int, float)):
+        return int(text)
+    m = re.fullmatch(r"\s*([0-9.eE+]+)\s*([a-zA-Z]*)\s*", str(text))
+    if not m or m.group(2).lower() not in _UNITS:
+        raise ValueError(f"cannot read {text!r} as a size; write e.g. 24GB, 22.5GiB or 2.4e10")
+    return int(float(m.group(1)) * _UNITS[m.group(2).lower()])
+
+
+def fmt_bytes(n) -> str:
+    if n is None:
+        return "-"
+    return f"{n / GiB:.2f} GiB" if abs(n) >= GiB else f"{n / 2**20:.2f} MiB"
+
+
+# ---------------------------------------------------------------------------------------------
+# 2. Predicted step time
+
+
+@dataclasses.dataclass(frozen=True)
+class Hardware:
+    """Throughputs the step-time model divides by (per device).
+
+    matmul_flops: 16-bit (bf16 / fp16) matmul ceiling. 791e12 was measured on one H200 (a large
+        bf16 matmul; the datasheet's dense peak is 989e12).
+    fp32_matmul_flops: fp32 ceiling; default half of `matmul_flops` (XLA runs fp32 matmuls as
+        TF32 on tensor cores, at half the 16-bit rate on the datasheet). An assumption, not measured.
+    interconnect_bytes_per_s: per-device collective bandwidth (one direction); 450e9 is NVLink 4's
+        datasheet figure. An assumption, not measured.
+    host_bytes_per_s: host<->device copies; 53e9 was measured (pinned memory, one H200, PCIe 5).
+    half_efficiency_tokens: tokens per micro-batch at which the step reaches half the matmul
+        ceiling (efficiency = tokens / (tokens + this)). 7000 makes the model give the 62,000
+        tokens/s measured for GPT-2 Large, bf16, per-layer remat, micro-batch 8 x 1024 on one
+        H200 (issue #13): one calibration point, so small micro-batches are extrapolated.
+    """
+
+    matmul_flops: float = 791e12
+    fp32_matmul_flops: float | None = None
+    interconnect_bytes_per_s: float = 450e9
+    host_bytes_per_s: float = 53e9
+    half_efficiency_tokens: float = 7000.0
+
+    def __post_init__(self):
+        for f in dataclasses.fields(self):
+            v = getattr(self, f.name)
+            if v is not None and not (isinstance(v, (int, float)) and v > 0 and math.isfinite(v)):
+                raise ValueError(f"Hardware.{f.name}={v!r}: must be a positive number")
+
+    def ceiling(self, precision: str) -> float:
+        if precision == "fp32":
+            return self.fp32_matmul_flops or self.matmul_flops / 2
+        return self.matmul_flops
+
+
+H200 = Hardware()
+
+PRECISION_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
+# remat policies of zerojax's GPT-2 (`models.gpt2.REMAT_POLICIES`); None = no remat
+REMAT_RECOMPUTE = {None: "nothing", "dots": "attention scores", "full": "every block's forward",
+                   "offload": "every block's forward"}
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelShape:
+    """What the step-time model needs to know of a model.
+
+    params: all parameters (tied embeddings once); layer_params: those of the repeated blocks
+    (all layers together: what a per-layer remat recomputes); n_layer, d_model, seq_len: for
+    attention's FLOPs (0 when unknown: attention is then not counted).
+    """
+
+    params: int
+    layer_params: int
+    n_layer: int = 0
+    d_model: int = 0
+    seq_len: int = 0
+
+
+def train_flops_per_token(shape: ModelShape, remat: str | None = None) -> float:
+    """Training FLOPs per token: 6N + 12·L·d·T (PaLM, appendix B), plus the recompute of `remat`:
+    "full" / "offload" run every block's forward again (2·N_layers + 4·L·d·T), "dots" keeps the
+    matmuls without batch dimensions and recomputes attention's two batched products (4·L·d·T)."""
+    attn = shape.n_layer * shape.d_model * shape.seq_len
+    base = 6.0 * shape.params + 12.0 * attn
+    if remat in (None, "none"):
+        return base
+    if remat in ("full", "offload", True):
+        return base + 2.0 * shape.layer_params + 4.0 * attn
+    if remat == "dots":
+        return base + 4.0 * attn
+    raise ValueError(f"remat={remat!r}; choose one of {tuple(REMAT_RECOMPUTE)}")
+
+
+@dataclasses.dataclass(frozen=True)
+class StepTime:
+    """Predicted seconds of one optimizer step per device, by what it waits on, added (no overlap:
+    GPT-2 Large, bf16, remat, micro-batch 8, offload_optimizer ratio 0.25, 0.5 and 1 measured 37k,
+    26k and 18k tokens/s on an H200; this sum predicts 37k, 27k and 17k)."""
+
+    compute_s: float
+    collective_s: float
+    host_s: float
+    tokens: int  # per device per optimizer step
+
+    @property
+    def step_s(self) -> float:
+        return self.compute_s + self.collective_s + self.host_s
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.tokens / self.step_s if self.step_s > 0 else float("inf")
+
+
+def predict_step_time(shape: ModelShape, *, micro_batch: int, grad_accum: int = 1,
+                      n_data: int = 1, stage: int = 0, precision: str = "bf16",
+                      remat: str | None = None, offload_optimizer: bool = False,
+                      offload_ratio: float = 1.0, offload_param: bool = False,
+                      hardware: Hardware = H200) -> StepTime:
+    """The step-time model (per device, one optimizer step of micro_batch x grad_accum rows).
+
+    compute: tokens x train_flops_per_token / (ceiling x efficiency(micro-batch tokens)).
+    collectives (ring; each device sends (N-1)/N of the buffer): stage 0/1 all-reduce the fp32
+      gradients once a step (stage 1 then all-gathers the new params); stage 2 reduce-scatters
+      every micro-batch and all-gathers the new params; stage 3 gathers the params twice per
+      micro-batch (forward, backward) and reduce-scatters the gradients.
+    host: offload_optimizer streams the fp32 master + Adam moments (12 bytes a parameter) in
+      and back out each step, for the offloaded `offload_ratio` of this device's shard;
+      offload_param fetches the 16-bit params twice per micro-batch and sends their gradients
+      back; remat "offload" writes each block's input to host and reads it back.
+    """
+    if precision not in PRECISION_BYTES:
+        raise ValueError(f"precision={precision!r}; choose one of {tuple(PRECISION_BYTES)}")
+    if micro_batch < 1 or grad_accum < 1 or n_data < 1:
+        raise ValueError(f"{micro_batch=}, {grad_accum=}, {n_data=}: each must be >= 1")
+    T = max(shape.seq_len, 1)
+    micro_tokens = micro_batch * T
+    tokens = micro_tokens * grad_accum
+    eff = micro_tokens / (micro_tokens + hardware.half_efficiency_tokens)
+    compute = tokens * train_flops_per_token(shape, remat) / (hardware.ceiling(precision) * eff)
+
+    P, pb, gb = shape.params, PRECISION_BYTES[precision], 4
+    f = (n_data - 1) / n_data
+    if stage in (0, 1):
+        comm = 2 * f * P * gb + (f * P * pb if stage == 1 else 0)
+    elif stage == 2:
+        comm = grad_accum * f * P * gb + f * P * pb
+    elif stage == 3:
+        comm = grad_accum * (2 * f * P * pb + f * P * gb)
+    else:
+        raise ValueError(f"zero_optimization.stage={stage!r}; accepted: 0, 1, 2, 3")
+
+    host = 0.0
+    shard = P / n_data
+    if offload_optimizer or offload_param:
+        host += 2 * 12 * shard * (offload_ratio if offload_optimizer else 1.0)
+    if offload_param:
+        host += grad_accum * 3 * pb * shard
+    if remat == "offload":
+        host += 2 * grad_accum * shape.n_layer * micro_tokens * shape.d_model * pb
+    return StepTime(compute, comm / hardware.interconnect_bytes_per_s,
+                    host / hardware.host_bytes_per_s, tokens)
+
+
+# optimizer state bytes per parameter (fp32), by DeepSpeed's optimizer.type, for the floor below
+OPTIMIZER_STATE_BYTES = {"adam": 8, "adamw": 8, "lion": 4, "adagrad": 4, "lamb": 8}
+
+
+def model_state_floor(params: int, *, stage: int, n_data: int, precision: str,
+                      optimizer: str | None = "adamw", offload_optimizer: bool = False,
+                      offload_ratio: float = 1.0, offload_param: bool = False) -> int:
+    """Per-device bytes that the step's arguments hold at least: the compute params (fp32 runs
+    keep none apart from the master unless it is offloaded), the fp32 master and the optimizer
+    state, each divided by the data-parallel size where the stage partitions it and without what
+    offload moves to the host. A lower bound of the compiled peak (gradients, activations and temporaries come on
+    top), so a choice whose floor exceeds the budget is pruned without compiling it."""
+    opt = OPTIMIZER_STATE_BYTES.get("".join(c for c in (optimizer or "").lower() if c.isalnum()), 0)
+    master = (4 + opt) * params / (n_data if stage >= 1 else 1)
+    if offload_optimizer or offload_param:
+        master *= 1.0 - (offload_ratio if offload_optimizer else 1.0)
+    compute = 0.0  # fp32 without offload: the master is the compute copy
+    if not offload_param and (precision != "fp32" or offload_optimizer):
+        compute = PRECISION_BYTES[precision] * params / (n_data if stage == 3 else 1)
+    return int(master + compute)
+
+
+def model_state_bytes(params: int, *, stage: int, n_data: int, precision: str, **floor_kw) -> int:
+    """`model_state_floor` plus the fp32 gradient accumulator (partitioned from stage 2): the
+    planner's estimate of how a choice's model states differ from a compiled neighbour's."""
+    grads = 4 * params / (n_data if stage >= 2 else 1)
+    return model_state_floor(params, stage=stage, n_data=n_data, precision=precision,
+                             **floor_kw) + int(grads)
