@@ -34,7 +34,7 @@ TINY = ["none", "whole", "chunked/1", "chunked/2", "chunked/2/w1", "scan/1", "sc
 def run_engine(args, name: str) -> dict:
     """"engine-opt[/K[/candidate[/wW]]]" or "engine-param[...]": the real zerojax.shard path (ZeRO-3,
     bf16, AdamW, clip 1.0, remat), offload_optimizer (+ offload_param) to cpu, model built under
-    jit (never whole on one device); K / candidate / window set ZEROJAX_OFFLOAD_* knobs."""
+    jit (never whole on one device); K / candidate / window set the EngineOptions offload knobs."""
     import jax
     import numpy as np
     from flax import nnx
@@ -63,7 +63,7 @@ def run_engine(args, name: str) -> dict:
                              remat_policy=args.remat)
     t0 = time.perf_counter()
     loss_fn = gpt2.chunked_gpt2_loss(args.loss_chunk) if args.loss_chunk else gpt2.gpt2_loss
-    eng = zerojax.shard(make, cfg_ds, loss_fn=loss_fn, **kw)
+    eng = zerojax.shard(make, cfg_ds, loss_fn=loss_fn, options=zerojax.EngineOptions.from_env(**kw))
     init_s = time.perf_counter() - t0
     B, T = args.micro * n, (64 if args.tiny else args.seq)
     batch = {"input_ids": np.random.default_rng(0).integers(0, cfg.vocab_size, (B, T)).astype(np.int32)}

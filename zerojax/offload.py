@@ -284,7 +284,7 @@ def chunk_layout(tree, k: int, *, candidate: str = "chunked", ratio: float = 1.0
             if groups:
                 if L % k:
                     raise ValueError(f"candidate={candidate!r} needs the layer count {L} divisible by "
-                                     f"k={k} (zerojax.shard's offload_chunks / ZEROJAX_OFFLOAD_CHUNKS)")
+                                     f"k={k} (EngineOptions.offload_chunks)")
                 n = len(groups)
                 chunks.append(Chunk(rest=False, lo=groups[0][1], hi=groups[-1][2],
                                     groups=n if candidate == "scan" else 0,
@@ -296,7 +296,7 @@ def chunk_layout(tree, k: int, *, candidate: str = "chunked", ratio: float = 1.0
     return ChunkLayout(treedef, flags, L, tuple(chunks))
 
 
-def _piece(x, stacked: bool, c: Chunk):
+def piece(x, stacked: bool, c: Chunk):
     if not stacked:
         return x if c.rest else None
     if c.hi <= c.lo:
@@ -310,7 +310,7 @@ def to_chunks(tree, layout: ChunkLayout | int, **kw) -> list:
     if isinstance(layout, int):
         layout = chunk_layout(tree, layout, **kw)
     leaves = layout.treedef.flatten_up_to(tree)
-    return [layout.treedef.unflatten([_piece(x, s, c) for x, s in zip(leaves, layout.stacked)])
+    return [layout.treedef.unflatten([piece(x, s, c) for x, s in zip(leaves, layout.stacked)])
             for c in layout.chunks]
 
 
@@ -350,18 +350,18 @@ def _chunk_sharding(s, shape, c: Chunk, stacked: bool, kind: str):
     return NamedSharding(s.mesh, P(*spec), memory_kind=kind)
 
 
-# --------------------------------------------------------------------------- plan and state
+# --------------------------------------------------------------------------- layout and state
 
 
 class OffloadState(NamedTuple):
-    """Per-chunk fp32 master weights and optimizer states (lists, in the plan's chunk order)."""
+    """Per-chunk fp32 master weights and optimizer states (lists, in the layout's chunk order)."""
 
     master: list
     opt_state: list
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
-class OffloadPlan:
+class OffloadLayout:
     """Layout plus, per chunk, the shardings of master and opt state where they are stored."""
 
     layout: ChunkLayout
@@ -376,13 +376,13 @@ class OffloadPlan:
         return OffloadState(list(self.master_shardings), list(self.state_shardings))
 
 
-def _init_chunk(tx, chunk, c: Chunk):
+def init_chunk(tx, chunk, c: Chunk):
     return jax.vmap(tx.init)(chunk) if c.groups else tx.init(chunk)
 
 
-def offload_plan(tx, abstract_master, shardings, k: int, *, kind: str = PINNED_HOST,
+def offload_layout(tx, abstract_master, shardings, k: int, *, kind: str = PINNED_HOST,
                  candidate: str = "chunked", ratio: float = 1.0, stacked=None,
-                 window: int | None = None) -> OffloadPlan:
+                 window: int | None = None) -> OffloadLayout:
     """Chunk layout and shardings for master weights `abstract_master` sharded by `shardings`.
 
     Host chunks get memory `kind`, device chunks (ratio < 1) "device". Optimizer-state leaves that
@@ -400,12 +400,12 @@ def offload_plan(tx, abstract_master, shardings, k: int, *, kind: str = PINNED_H
             _chunk_sharding(s, x.shape, c, f, ck) if (c.rest if not f else c.hi > c.lo) else None
             for x, s, f in zip(leaves, sh, layout.stacked)])
         m_sh.append(tree)
-        state = jax.eval_shape(lambda m, c=c: _init_chunk(tx, m, c), chunk)
+        state = jax.eval_shape(lambda m, c=c: init_chunk(tx, m, c), chunk)
         rep = NamedSharding(mesh, P(), memory_kind=ck)
         non_param = lambda x, rep=rep, c=c: (  # noqa: E731 - vmapped counts keep their [groups] axis
             NamedSharding(mesh, P(*([None] * len(x.shape))), memory_kind=ck) if len(x.shape) else rep)
         s_sh.append(_state_shardings(tx, state, chunk, tree, non_param))
-    return OffloadPlan(layout, tuple(m_sh), tuple(s_sh), kind, window)
+    return OffloadLayout(layout, tuple(m_sh), tuple(s_sh), kind, window)
 
 
 def _state_shardings(tx, state, chunk, chunk_shardings, non_param):
@@ -425,21 +425,21 @@ def _state_shardings(tx, state, chunk, chunk_shardings, non_param):
 
 
 def init_offloaded(tx, master_tree, k: int, shardings, kind: str = PINNED_HOST, **kw):
-    """-> (OffloadState, OffloadPlan): master chunks and `tx.init` states built straight into
+    """-> (OffloadState, OffloadLayout): master chunks and `tx.init` states built straight into
     their memory kind (one jit with out_shardings); kw: candidate, ratio, stacked, window."""
-    plan = offload_plan(tx, master_tree, shardings, k, kind=kind, **kw)
+    off = offload_layout(tx, master_tree, shardings, k, kind=kind, **kw)
 
     def build(master):
-        chunks = to_chunks(master, plan.layout)
-        return OffloadState(chunks, [_init_chunk(tx, m, c) for m, c in zip(chunks, plan.layout.chunks)])
+        chunks = to_chunks(master, off.layout)
+        return OffloadState(chunks, [init_chunk(tx, m, c) for m, c in zip(chunks, off.layout.chunks)])
 
-    return jax.jit(build, out_shardings=plan.shardings)(master_tree), plan
+    return jax.jit(build, out_shardings=off.shardings)(master_tree), off
 
 
-def offload_master(state: OffloadState, plan: OffloadPlan):
+def offload_master(state: OffloadState, off: OffloadLayout):
     """The fp32 master tree merged in device memory (checkpoints, export, tests)."""
-    dev = [with_memory_kind(s, DEVICE) for s in plan.master_shardings]
-    return from_chunks([jax.device_put(m, s) for m, s in zip(state.master, dev)], plan.layout)
+    dev = [with_memory_kind(s, DEVICE) for s in off.master_shardings]
+    return from_chunks([jax.device_put(m, s) for m, s in zip(state.master, dev)], off.layout)
 
 
 # --------------------------------------------------------------------------- layout-free form
@@ -505,7 +505,7 @@ def chunk_templates(tx, abstract_master, layout: ChunkLayout):
     """(master chunk templates, optimizer-state chunk templates): abstract, None where absent."""
     abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, jnp.float32), abstract_master)
     chunks = jax.eval_shape(lambda t: to_chunks(t, layout), abstract)
-    states = [jax.eval_shape(lambda m, c=c: _init_chunk(tx, m, c), m) for m, c in zip(chunks, layout.chunks)]
+    states = [jax.eval_shape(lambda m, c=c: init_chunk(tx, m, c), m) for m, c in zip(chunks, layout.chunks)]
     return chunks, states
 
 
@@ -592,7 +592,7 @@ def _empty_like(m, m_sh, compute_dtype, compute_kind):
         x, NamedSharding(s.mesh, s.spec)), z, m_sh, is_leaf=_is_none)
 
 
-def streamed_update(tx, grads, state: OffloadState, plan: OffloadPlan, *,
+def streamed_update(tx, grads, state: OffloadState, off: OffloadLayout, *,
                     compute_dtype=jnp.bfloat16, skip=None, grad_scale=None, compute_kind=None,
                     compute_init=None):
     """One optimizer step over offloaded chunks; call inside the step's jit.
@@ -608,21 +608,21 @@ def streamed_update(tx, grads, state: OffloadState, plan: OffloadPlan, *,
         chunk writes its new compute copy into them in place.
     -> (compute params tree in `compute_dtype`, new OffloadState in place).
     """
-    layout = plan.layout
+    layout = off.layout
     g_chunks = to_chunks(grads, layout)
     init_chunks = to_chunks(compute_init, layout) if compute_init is not None else None
     out_c, out_m, out_s = [], [], []
     results = []
     for i, (c, g, m, s) in enumerate(zip(layout.chunks, g_chunks, state.master, state.opt_state)):
-        m_sh, s_sh = plan.master_shardings[i], plan.state_shardings[i]
-        w = plan.window
+        m_sh, s_sh = off.master_shardings[i], off.state_shardings[i]
+        w = off.window
         if c.host and w is not None and i - w >= 0 and results[i - w] is not None:
             # chunk i's copy-in may start only after chunk i-w's update: <= w+1 chunks on device
             (m, s), _ = jax.lax.optimization_barrier(((m, s), results[i - w]))
         if c.loop:
             cp0 = (init_chunks[i] if init_chunks is not None
                    else _empty_like(m, m_sh, compute_dtype, compute_kind))
-            m, s, cp = _loop_update(tx, c, g, m, s, cp0, m_sh, s_sh, kind=plan.kind,
+            m, s, cp = _loop_update(tx, c, g, m, s, cp0, m_sh, s_sh, kind=off.kind,
                                     compute_dtype=compute_dtype, skip=skip, grad_scale=grad_scale,
                                     compute_kind=compute_kind)
         elif c.groups:
@@ -634,7 +634,7 @@ def streamed_update(tx, grads, state: OffloadState, plan: OffloadPlan, *,
                 mm, ss, cc = _apply(tx, _grads_in(gg, gm), ss, mm, compute_dtype, skip, grad_scale)
                 if compute_kind is not None:
                     cc = _to(cc, gm, compute_kind)
-                return None, (_to(mm, gm, plan.kind), _to(ss, gs, plan.kind), cc)
+                return None, (_to(mm, gm, off.kind), _to(ss, gs, off.kind), cc)
 
             _, (m, s, cp) = jax.lax.scan(body, None, (g, m, s))
         else:
@@ -642,7 +642,7 @@ def streamed_update(tx, grads, state: OffloadState, plan: OffloadPlan, *,
                 m, s = _to(m, m_sh, DEVICE), _to(s, s_sh, DEVICE)
             m, s, cp = _apply(tx, _grads_in(g, m_sh), s, m, compute_dtype, skip, grad_scale)
             if c.host:
-                m, s = _to(m, m_sh, plan.kind), _to(s, s_sh, plan.kind)
+                m, s = _to(m, m_sh, off.kind), _to(s, s_sh, off.kind)
             if compute_kind is not None:
                 cp = _to(cp, m_sh, compute_kind)
         results.append(cp if c.host else None)
@@ -652,11 +652,11 @@ def streamed_update(tx, grads, state: OffloadState, plan: OffloadPlan, *,
     return from_chunks(out_c, layout), OffloadState(out_m, out_s)
 
 
-def grad_stats(grads, plan: OffloadPlan):
+def grad_stats(grads, off: OffloadLayout):
     """(sum of squares in fp32, all finite) of a params-shaped gradient tree, chunk by chunk.
 
     Host-resident leaves (offload_param's gradients) are brought to the device one chunk of the
-    plan's layout at a time, reduced there and dropped: nothing is computed in host memory.
+    layout at a time, reduced there and dropped: nothing is computed in host memory.
     """
     def stats(g, m_sh, acc):
         total, finite = acc
@@ -667,7 +667,7 @@ def grad_stats(grads, plan: OffloadPlan):
         return total, finite
 
     acc = (jnp.float32(0.0), jnp.asarray(True))
-    for c, g, m_sh in zip(plan.layout.chunks, to_chunks(grads, plan.layout), plan.master_shardings):
+    for c, g, m_sh in zip(off.layout.chunks, to_chunks(grads, off.layout), off.master_shardings):
         if c.loop:  # one group of layers on the device at a time, as the update does
             per = (c.hi - c.lo) // c.loop
             sl = lambda x, j: None if x is None else jax.lax.dynamic_slice_in_dim(x, j * per, per, 0)  # noqa: E731
@@ -696,7 +696,7 @@ def whole_update(tx, grads, master, opt_state, master_shardings, state_shardings
 __all__ = [
     "DEVICE", "PINNED_HOST", "UNPINNED_HOST", "CANDIDATES", "memory_kinds", "host_memory_kind",
     "with_memory_kind", "is_host", "fetch", "layer_shardings", "scan_layers", "prefetch_scan", "Chunk", "ChunkLayout",
-    "chunk_layout", "to_chunks", "from_chunks", "OffloadState", "OffloadPlan", "offload_plan",
-    "init_offloaded", "offload_master", "merge_chunks", "split_chunks", "chunk_templates",
+    "chunk_layout", "to_chunks", "from_chunks", "OffloadState", "OffloadLayout", "offload_layout",
+    "init_offloaded", "offload_master", "init_chunk", "piece", "merge_chunks", "split_chunks", "chunk_templates",
     "streamed_update", "grad_stats", "whole_update",
 ]
