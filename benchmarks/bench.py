@@ -322,7 +322,8 @@ class ZeroRunner:
         model = lambda: GPT2(config, rngs=nnx.Rngs(0), dtype=dtype, param_dtype=jnp.float32,  # noqa: E731
                              remat_policy="full" if spec["remat"] else None,
                              attention_impl=spec.get("attention"))
-        self.engine = zerojax.shard(model, cfg, loss_fn=gpt2_loss)
+        # knobs swept by benchmarks/*.sh arrive as ZEROJAX_* environment variables
+        self.engine = zerojax.shard(model, cfg, loss_fn=gpt2_loss, options=zerojax.EngineOptions.from_env())
         self.batch = batch
         self.predicted, self.compile_s = None, None
         t0 = time.perf_counter()

@@ -21,7 +21,7 @@ def train(stage, prec, ga, rows_of):
     from flax import nnx
     from jax.experimental import multihost_utils
 
-    from zerojax.engine import shard
+    from zerojax.api import shard
 
     from tiny_mlp import MLP, loss_fn  # after XLA_FLAGS: it imports jax
 

@@ -18,7 +18,7 @@ import pytest
 from flax import nnx
 
 from zerojax import checkpoint, cli
-from zerojax.engine import shard
+from zerojax.api import shard
 from zerojax.partition import make_mesh
 
 ROWS = 32

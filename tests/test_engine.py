@@ -10,7 +10,7 @@ import optax
 import pytest
 from flax import nnx
 
-from zerojax.engine import shard
+from zerojax.api import shard
 
 from tiny_mlp import MLP, loss_fn  # noqa: E402 (tests/ is on sys.path under pytest)
 

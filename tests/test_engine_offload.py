@@ -50,10 +50,12 @@ def _dtype(prec):
 
 
 @functools.lru_cache(maxsize=None)
-def run(stage, prec, opt="none", par="none", ratio=1.0, remat=None, pin=False, optimizer="adamw"):
+def run(stage, prec, opt="none", par="none", ratio=1.0, remat=None, pin=False, optimizer="adamw",
+        options=zerojax.EngineOptions()):
     """Engine after STEPS steps and its fp32 master weights (numpy)."""
     make = lambda: gpt2.GPT2(C, rngs=nnx.Rngs(0), dtype=_dtype(prec), remat_policy=remat)  # noqa: E731
-    eng = zerojax.shard(make, config(stage, prec, opt, par, ratio, pin, optimizer), loss_fn=gpt2.gpt2_loss)
+    eng = zerojax.shard(make, config(stage, prec, opt, par, ratio, pin, optimizer), loss_fn=gpt2.gpt2_loss,
+                        options=options)
     for b in batches():
         eng.train_step(b)
     eng.synchronize()
@@ -74,7 +76,7 @@ def kinds(tree):
 
 def check_placement(eng, *, params_host):
     s = eng.state
-    master_chunks = eng.off_plan.layout.chunks
+    master_chunks = eng.offload_layout.layout.chunks
     for c, m, st in zip(master_chunks, s.master, s.opt_state.inner_state if eng.fp16 else s.opt_state):
         want = "unpinned_host" if c.host else "device"
         assert kinds(m) == kinds(st) == {want}, (c, kinds(m), kinds(st))
@@ -95,7 +97,7 @@ def test_offload_optimizer_fp32_matches_device(stage):
     # fp32 compute: the device params are a copy apart from the host master
     assert eng.state.params["wte"].dtype == jnp.float32 and kinds(eng.state.params) == {"device"}
     # default candidate "loop": the non-layer chunk + the 4 layers updated in place one at a time
-    assert [(c.rest, c.loop) for c in eng.off_plan.layout.chunks] == [(True, 0), (False, 4)]
+    assert [(c.rest, c.loop) for c in eng.offload_layout.layout.chunks] == [(True, 0), (False, 4)]
 
 
 # bf16: the whole step is one XLA program, and a different update lets XLA fuse and partition the
@@ -113,7 +115,7 @@ def test_offload_optimizer_stage3_bf16(ratio):
     _, ref = run(3, "bf16")
     close(master, ref, BF16_TOL, skip=NOISE)
     check_placement(eng, params_host=False)
-    hosts = [c.host for c in eng.off_plan.layout.chunks]
+    hosts = [c.host for c in eng.offload_layout.layout.chunks]
     # pieces: the non-layer leaves + 4 layers; ratio 0.5 keeps ceil(2.5) = 3 of them on the host
     assert hosts == ([True, True] if ratio == 1.0 else [True, True, False])
 
@@ -134,45 +136,42 @@ def test_offload_param_and_optimizer_stage3(prec):
         # bf16: Adam moves every weight by ~lr a step whatever its gradient, so bf16 rounding
         # differences between two partitionings of the layer math show up at lr scale. The
         # fetched layers are partitioned as GSPMD does by default, so the reference is stage 3
-        # without the per-layer gather (ZEROJAX_STAGE3_GATHER=auto), both with "full" remat.
+        # without the per-layer gather (stage3_gather="auto"), both with "full" remat.
         eng, master = run(3, prec, "cpu", "cpu", remat="full")
-        with pytest.MonkeyPatch.context() as mp:
-            mp.setenv("ZEROJAX_STAGE3_GATHER", "auto")
-            _, ref = run.__wrapped__(3, prec, remat="full")
+        _, ref = run(3, prec, remat="full", options=zerojax.EngineOptions(stage3_gather="auto"))
         close(master, ref, BF16_TOL, skip=NOISE)
     check_placement(eng, params_host=True)
     # the model's scan fetched each layer: the compiled step's parameters are host buffers
-    assert eng.plan.graphdef is not None and eng.plan.fetch_rest is not None
+    assert eng.step_settings.graphdef is not None and eng.step_settings.fetch_rest is not None
     # ... one layer ahead (offload.prefetch_scan), the path these numbers went through
+    from zerojax import offload
     from zerojax.step import merge
-    assert merge(eng.plan, eng.state.params, eng.state.rest).layer_prefetch
+    assert merge(eng.step_settings, eng.state.params, eng.state.rest).layer_scan is offload.prefetch_scan
 
 
 @pytest.mark.parametrize("par", ["none", "cpu"])
-def test_loop_candidate_matches_device(par, monkeypatch):
+def test_loop_candidate_matches_device(par):
     # "loop" with 2 layers a group updates the layers in place, a group at a time, and writes the new compute copy into
     # the previous step's params: same arithmetic as the device update (fp32, 1e-6); with
     # offload_param SGD as above (Adam would amplify the fetched layers' 1e-7 partitioning noise)
-    monkeypatch.setenv("ZEROJAX_OFFLOAD_CANDIDATE", "loop")
-    monkeypatch.setenv("ZEROJAX_OFFLOAD_CHUNKS", "2")
     optimizer = "adamw" if par == "none" else "sgd"
-    eng, master = run.__wrapped__(3, "fp32", "cpu", par, optimizer=optimizer)
+    eng, master = run(3, "fp32", "cpu", par, optimizer=optimizer,
+                      options=zerojax.EngineOptions(offload_chunks=2))
     _, ref = run(3, "fp32", optimizer=optimizer)
     close(master, ref, 1e-6)
     check_placement(eng, params_host=par == "cpu")
-    chunks = eng.off_plan.layout.chunks
+    chunks = eng.offload_layout.layout.chunks
     assert [(c.rest, c.loop) for c in chunks] == [(True, 0), (False, 2)]  # 4 layers in 2 groups
 
 
 @pytest.mark.parametrize("par", ["none", "cpu"])
-def test_init_by_leaf_groups_equals_one_jit(par, monkeypatch):
+def test_init_by_leaf_groups_equals_one_jit(par):
     # a model too large to initialise on the device at once is built a group of leaves at a time
     # (here: one leaf a group); the state must be the one the single-jit init builds
     make = lambda: gpt2.GPT2(C, rngs=nnx.Rngs(0), dtype=jnp.bfloat16)  # noqa: E731
     cfg = config(3, "bf16", "cpu", par)
     ref = zerojax.shard(make, cfg, loss_fn=gpt2.gpt2_loss)
-    monkeypatch.setenv("ZEROJAX_INIT_GROUP_BYTES", "1")
-    eng = zerojax.shard(make, cfg, loss_fn=gpt2.gpt2_loss)
+    eng = zerojax.shard(make, cfg, loss_fn=gpt2.gpt2_loss, options=zerojax.EngineOptions(init_group_bytes=1))
     assert len(eng._init_groups()) == len(jax.tree.leaves(eng.state.params)) > 1
     for a, b, sa, sb in zip(jax.tree.leaves(eng.state), jax.tree.leaves(ref.state),
                             jax.tree.leaves(eng.state_shardings), jax.tree.leaves(ref.state_shardings)):
@@ -194,13 +193,14 @@ def test_offload_param_with_cpu_checkpointing():
     check_placement(eng, params_host=True)
 
 
-def test_offload_checkpoint_resumes_under_any_layout(tmp_path, monkeypatch):
+def test_offload_checkpoint_resumes_under_any_layout(tmp_path):
     # A checkpoint stores the state unchunked, as a run without offload keeps it. Saved from
     # param + optimizer offload after 2 steps, it resumes (a) under the same offload: the next 2
     # steps equal the uninterrupted run's bitwise; (b) under another chunk layout and (c) with no
     # offload at all: the same weights and optimizer state (moments, counts) bitwise, and the next
     # losses to 1e-4 (the layer math is partitioned differently in bf16: ~2e-5 measured)
     from zerojax import checkpoint
+    from zerojax.models import weights_writer
     from zerojax.models.hf import load_hf
 
     make = lambda: gpt2.GPT2(C, rngs=nnx.Rngs(0), dtype=jnp.bfloat16)  # noqa: E731
@@ -211,12 +211,12 @@ def test_offload_checkpoint_resumes_under_any_layout(tmp_path, monkeypatch):
     a.save_checkpoint(tmp_path / "ck")
     saved = jax.tree.map(lambda x: np.asarray(x, np.float32), a.master_params)
     unchunked_opt = lambda e: [np.asarray(x, np.float32)  # noqa: E731
-                               for x in jax.tree.leaves(checkpoint._layout_free(e, e.state)[1])]
+                               for x in jax.tree.leaves(e.layout.to_stored(e.state).opt_state)]
     saved_opt = unchunked_opt(a)
     want = [float(a.train_step(b)["loss"]) for b in data[2:]]
 
-    def resume(cfg):
-        eng = zerojax.shard(make, cfg, loss_fn=gpt2.gpt2_loss)
+    def resume(cfg, options=zerojax.EngineOptions()):
+        eng = zerojax.shard(make, cfg, loss_fn=gpt2.gpt2_loss, options=options)
         eng.load_checkpoint(tmp_path / "ck")
         assert eng.global_steps == 2
         for x, y in zip(jax.tree.leaves(eng.master_params), jax.tree.leaves(saved)):
@@ -232,15 +232,16 @@ def test_offload_checkpoint_resumes_under_any_layout(tmp_path, monkeypatch):
     check_placement(same, params_host=True)
     for x, y in zip(jax.tree.leaves(same.master_params), jax.tree.leaves(a.master_params)):
         np.testing.assert_array_equal(np.asarray(x, np.float32), np.asarray(y, np.float32))
-    monkeypatch.setenv("ZEROJAX_OFFLOAD_CANDIDATE", "chunked")
-    other, losses = resume(config(3, "bf16", "cpu", "cpu"))
-    assert len(other.off_plan.layout.chunks) == 3  # rest + 2 layer groups, not loop's 2
+    # another layout: half the pieces offloaded (offload_optimizer.ratio 0.5), in groups of 2 layers
+    other, losses = resume(config(3, "bf16", "cpu", "cpu", ratio=0.5), zerojax.EngineOptions(offload_chunks=2))
+    assert [(c.host, c.lo, c.hi) for c in other.offload_layout.layout.chunks] == [
+        (True, 0, 0), (True, 0, 2), (False, 2, 4)]  # rest + layers 0-1 on the host, 2-3 on the device
     np.testing.assert_allclose(losses, want, rtol=1e-4)
     _, losses = resume(config(3, "bf16"))  # no offload
     np.testing.assert_allclose(losses, want, rtol=1e-4)
 
     # export: the weights as saved
-    checkpoint.export(tmp_path / "ck", tmp_path / "hf")
+    checkpoint.export(tmp_path / "ck", tmp_path / "hf", writer_for=weights_writer)
     _, exported = load_hf(str(tmp_path / "hf"))
     for x, y in zip(jax.tree.leaves(exported), jax.tree.leaves(saved)):
         np.testing.assert_array_equal(np.asarray(x, np.float32), y)
@@ -250,16 +251,16 @@ def test_chunked_checkpoint_of_earlier_zerojax_exports(tmp_path, monkeypatch):
     # zerojax before layout-free checkpoints saved an offloaded state chunk by chunk (and could
     # not load it): export still joins its chunks; resuming names the cause and the way out
     from zerojax import checkpoint
+    from zerojax.models import weights_writer
     from zerojax.models.hf import load_hf
 
-    monkeypatch.setenv("ZEROJAX_OFFLOAD_CANDIDATE", "chunked")
-    eng = zerojax.shard(lambda: gpt2.GPT2(C, rngs=nnx.Rngs(0)), config(3, "fp32", "cpu"),
-                        loss_fn=gpt2.gpt2_loss)
+    eng = zerojax.shard(lambda: gpt2.GPT2(C, rngs=nnx.Rngs(0)), config(3, "fp32", "cpu", ratio=0.5),
+                        loss_fn=gpt2.gpt2_loss, options=zerojax.EngineOptions(offload_chunks=2))
     eng.train_step(batches(1)[0])
     with monkeypatch.context() as m:
-        m.setattr(checkpoint, "_layout_free", lambda engine, state: (state.master, state.opt_state))
+        m.setattr(type(eng.layout), "to_stored", lambda layout, state: state)  # the old, chunked form
         eng.save_checkpoint(tmp_path / "old")
-    checkpoint.export(tmp_path / "old", tmp_path / "hf")
+    checkpoint.export(tmp_path / "old", tmp_path / "hf", writer_for=weights_writer)
     _, exported = load_hf(str(tmp_path / "hf"))
     for x, y in zip(jax.tree.leaves(exported), jax.tree.leaves(eng.master_params)):
         np.testing.assert_array_equal(np.asarray(x, np.float32), np.asarray(y, np.float32))
@@ -334,18 +335,32 @@ def test_offload_param_needs_a_model_hook():
         zerojax.shard(NoHook(nnx.Rngs(0)), cfg, loss_fn=lambda m, b: jnp.mean(m(b["x"]) ** 2))
 
 
-def test_offload_knobs_from_env(monkeypatch):
-    monkeypatch.setenv("ZEROJAX_OFFLOAD_CHUNKS", "4")
-    monkeypatch.setenv("ZEROJAX_OFFLOAD_CANDIDATE", "scan")
-    monkeypatch.setenv("ZEROJAX_OFFLOAD_WINDOW", "none")
+def test_offload_knobs_from_options():
+    opts = zerojax.EngineOptions.from_env({"ZEROJAX_OFFLOAD_CHUNKS": "2"})
+    assert opts == zerojax.EngineOptions(offload_chunks=2)
     eng = zerojax.shard(lambda: gpt2.GPT2(C, rngs=nnx.Rngs(0)), config(2, "fp32", "cpu"),
-                        loss_fn=gpt2.gpt2_loss)
-    assert eng.offload_options["chunks"] == 4 and eng.offload_options["candidate"] == "scan"
-    assert eng.off_plan.window is None
-    assert [c.groups for c in eng.off_plan.layout.chunks] == [0, 4]
-    eng2 = zerojax.shard(lambda: gpt2.GPT2(C, rngs=nnx.Rngs(0)), config(2, "fp32", "cpu"),
-                         loss_fn=gpt2.gpt2_loss, offload_chunks=2, offload_candidate="whole", offload_window=1)
-    assert eng2.offload_options == dict(eng2.offload_options, chunks=2, candidate="whole", window=1)
-    with pytest.raises(ValueError, match="layer count 4 divisible by k=3.*ZEROJAX_OFFLOAD_CHUNKS"):
+                        loss_fn=gpt2.gpt2_loss, options=opts)
+    assert eng.offload_settings["chunks"] == 2
+    assert [c.loop for c in eng.offload_layout.layout.chunks] == [0, 2]
+    default = zerojax.shard(lambda: gpt2.GPT2(C, rngs=nnx.Rngs(0)), config(2, "fp32", "cpu"), loss_fn=gpt2.gpt2_loss)
+    assert default.offload_settings["chunks"] == C.n_layer  # one layer a group
+    with pytest.raises(ValueError, match="layer count 4 is not divisible by k=3.*EngineOptions.offload_chunks"):
+        zerojax.shard(lambda: gpt2.GPT2(C, rngs=nnx.Rngs(0)), config(2, "fp32", "cpu"), loss_fn=gpt2.gpt2_loss,
+                      options=zerojax.EngineOptions(offload_chunks=3))
+    with pytest.raises(TypeError, match=r"options=zerojax.EngineOptions\(offload_chunks=2\)"):
         zerojax.shard(lambda: gpt2.GPT2(C, rngs=nnx.Rngs(0)), config(2, "fp32", "cpu"),
-                      loss_fn=gpt2.gpt2_loss, offload_chunks=3, offload_candidate="loop")
+                      loss_fn=gpt2.gpt2_loss, offload_chunks=2)
+
+
+def test_engine_options_validate_and_read_the_environment_once():
+    # every bad value is named with the values it takes; the environment's booleans mean what they say
+    with pytest.raises(ValueError, match=r"offload_chunks=0: an int >= 1 or None.*memory_guard='no'"):
+        zerojax.EngineOptions(offload_chunks=0, memory_guard="no")
+    with pytest.raises(ValueError, match=r"stage3_gather='all'.*\('layer', 'auto'\)"):
+        zerojax.EngineOptions(stage3_gather="all")
+    assert zerojax.EngineOptions.from_env({"ZEROJAX_MEMORY_GUARD": "false"}).memory_guard is False
+    assert zerojax.EngineOptions.from_env({"ZEROJAX_MEMORY_GUARD": "0"}).memory_guard is False
+    assert zerojax.EngineOptions.from_env({"ZEROJAX_OFFLOAD_PREFETCH": "off"}).offload_prefetch is False
+    assert zerojax.EngineOptions.from_env({}) == zerojax.EngineOptions()
+    with pytest.raises(ValueError, match="ZEROJAX_MEMORY_GUARD='maybe'.*'false'"):
+        zerojax.EngineOptions.from_env({"ZEROJAX_MEMORY_GUARD": "maybe"})

@@ -25,9 +25,8 @@ def cfg(stage):
 
 
 def train(stage, remat, monkeypatch, mode="layer", steps=3):
-    monkeypatch.setenv("ZEROJAX_STAGE3_GATHER", mode)
     make = lambda: gpt2.GPT2(C, rngs=nnx.Rngs(0), remat_policy=remat)  # noqa: E731
-    eng = zerojax.shard(make, cfg(stage), loss_fn=gpt2.gpt2_loss)
+    eng = zerojax.shard(make, cfg(stage), loss_fn=gpt2.gpt2_loss, options=zerojax.EngineOptions(stage3_gather=mode))
     rng = np.random.default_rng(0)
     for _ in range(steps):
         eng.train_step({"input_ids": rng.integers(0, C.vocab_size, (8, 8)).astype(np.int32)})

@@ -5,7 +5,7 @@ a command such as `zerojax estimate` does not pay for modules it never uses.
 """
 from importlib import import_module as _import_module
 
-__version__ = "0.1.0"
+from zerojax.version import __version__
 
 # public name -> module that defines it
 _PUBLIC = {
@@ -16,13 +16,14 @@ _PUBLIC = {
     "build_schedule": "optim",
     "dynamic_loss_scale": "precision",
     "DynamicLossScaleState": "precision",
+    "static_loss_scale": "precision",
+    "loss_scale_from_config": "precision",
     "make_mesh": "partition",
-    "shard": "engine",
+    "shard": "api",
+    "EngineOptions": "options",
     "Engine": "engine",
     "MemoryReport": "engine",
     "TrainState": "step",
-    "static_loss_scale": "precision",
-    "loss_scale_from_config": "precision",
     "WillNotFitError": "memory",
     "check_fits": "memory",
     "fit_micro_batch": "memory",

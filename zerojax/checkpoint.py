@@ -18,19 +18,31 @@ Layout (DeepSpeed's: one directory per tag, and a `latest` file naming the newes
 
 Every process writes its own shards (orbax, OCDBT); `latest` is replaced (write tmp + os.replace)
 by process 0 only after orbax has finalized the tag, so a crash mid-save leaves the previous
-checkpoint loadable and `latest` pointing at it. Restore reads each array straight into the live
-engine's shardings (abstract target = live shapes, dtypes, shardings), so a checkpoint from any
-stage or device count loads into any other without gathering on one device.
+checkpoint loadable and `latest` pointing at it. Restore reads each array straight into the
+caller's shardings (abstract target = the current state's shapes, dtypes, shardings), so a
+checkpoint from any stage or device count loads into any other without gathering on one device.
+
+This module knows pytrees, not engines: `save` takes a `TrainState` in the layout-free form (the
+engine converts an offloaded, chunked state with `EngineLayout.to_stored`) plus a small JSON
+description of the run; `restore` takes the current state and its shardings as the target and
+returns the restored trees; `export` writes weights through the model's own writer
+(`zerojax.models.weights_writer`), or flat safetensors.
 """
 from __future__ import annotations
 
 import json
 import os
-from typing import Any
+from typing import Any, Callable, NamedTuple
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+import orbax.checkpoint as ocp
+from jax.experimental import multihost_utils
+
+from zerojax.precision import DynamicLossScaleState
+from zerojax.step import TrainState
+from zerojax.version import __version__
 
 FORMAT = "zerojax-checkpoint/1"
 LATEST = "latest"
@@ -45,14 +57,7 @@ class CheckpointError(RuntimeError):
 # helpers
 
 
-def _ocp():
-    import orbax.checkpoint as ocp
-
-    return ocp
-
-
 def _checkpointer():
-    ocp = _ocp()
     return ocp.Checkpointer(ocp.CompositeCheckpointHandler())
 
 
@@ -96,7 +101,6 @@ def _abstract(live_tree, shardings=None, dtype=None):
 
 
 def _restore_args(target):
-    ocp = _ocp()
     return jax.tree.map(
         lambda t: ocp.ArrayRestoreArgs(sharding=t.sharding, global_shape=t.shape, dtype=t.dtype), target)
 
@@ -141,7 +145,6 @@ def _resolve_tag(load_dir, tag) -> str:
 
 def read_meta(load_dir, tag=None) -> dict:
     """The JSON metadata of a checkpoint (tag None: `latest`)."""
-    ocp = _ocp()
     tag = _resolve_tag(load_dir, tag)
     path = _tag_dir(load_dir, tag)
     try:
@@ -161,88 +164,10 @@ def _corrupt(load_dir, tag, item, e) -> CheckpointError:
         f"load another tag ({others or 'none other found'}) with load_checkpoint(dir, tag=...)")
 
 
-def _model_config(engine) -> dict | None:
-    """The model's GPT2Config as a dict, when the model has one (for export to Hugging Face)."""
-    import dataclasses
-
-    from flax import nnx
-
-    try:
-        model = nnx.merge(engine.plan.graphdef, engine.plan.param_template, engine.plan.rest_template)
-    except Exception:  # noqa: BLE001 - metadata only
-        return None
-    config = getattr(model, "config", None)
-    if config is None or type(config).__name__ != "GPT2Config" or not dataclasses.is_dataclass(config):
-        return None
-    return {"type": "gpt2", "config": dataclasses.asdict(config)}
-
-
-def _layout_free(engine, state):
-    """(master, opt_state) of `state` in the unchunked layout a run without offload has: a host
-    offloaded state is stored chunk by chunk (`zerojax.offload`), a checkpoint never is, so it
-    resumes with offload on or off, under any chunk layout."""
-    if engine.off_plan is None:
-        return state.master, state.opt_state
-    from zerojax import offload
-
-    layout = engine.off_plan.layout
-    wrap, _ = _as_without_offload(engine)
-    merge = lambda chunks: offload.merge_chunks(chunks, layout)  # noqa: E731
-    opt = state.opt_state
-    opt = opt._replace(inner_state=wrap(merge(opt.inner_state))) if engine.fp16 else wrap(merge(opt))
-    return merge(state.master), opt
-
-
-def _as_without_offload(engine):
-    """(wrap, unwrap) between the offload's bare optimizer state and the state a run without
-    offload keeps: there, gradient clipping is a transform chained before the optimizer, so its
-    state is (clip state, optimizer state); offload clips the whole gradient itself."""
-    from zerojax.optim import build_optimizer
-
-    abstract = engine._abstract_master  # fp32 ShapeDtypeStructs of the params tree
-    full = jax.eval_shape(build_optimizer(engine.cfg).init, abstract)
-    bare = jax.eval_shape(engine.tx.init, abstract)
-    if jax.tree.structure(full) == jax.tree.structure(bare):
-        return (lambda st: st), (lambda st: st)
-    if (isinstance(full, tuple) and len(full) == 2 and not jax.tree.leaves(full[0])
-            and jax.tree.structure(full[1]) == jax.tree.structure(bare)):
-        return (lambda st: (full[0], st)), (lambda st: st[1])
-    raise CheckpointError("host offload: the optimizer state of this config has a form the "
-                          "checkpoint cannot map to a run without offload")
-
-
-def _offload_targets(engine):
-    """Restore targets for an offloaded engine: the unchunked master and optimizer state (abstract,
-    in the offload's memory kind) and a function that chunks them as the engine keeps them."""
-    from zerojax import offload, partition
-
-    plan, sh = engine.off_plan, engine.shardings
-    abstract = engine._abstract_master  # fp32 ShapeDtypeStructs of the params tree
-    master_sh = offload.with_memory_kind(sh.master, plan.kind)
-    wrap, unwrap = _as_without_offload(engine)
-    state = wrap(jax.eval_shape(engine.tx.init, abstract))
-    state_sh = wrap(partition.opt_state_shardings(engine.tx, abstract, sh.master, engine.mesh,
-                                                  memory_kind=plan.kind))
-    m_tmpl, s_tmpl = offload.chunk_templates(engine.tx, abstract, plan.layout)
-
-    def chunk(master, opt_state):
-        master = offload.split_chunks(master, plan.layout, m_tmpl, plan.master_shardings)
-        if opt_state is None:
-            return master, None
-        split = lambda st: offload.split_chunks(unwrap(st), plan.layout, s_tmpl, plan.state_shardings)  # noqa: E731
-        if engine.fp16:
-            return master, opt_state._replace(inner_state=split(opt_state.inner_state))
-        return master, split(opt_state)
-
-    return (abstract, master_sh), (state, state_sh), chunk
-
-
 def _host_leaf(x) -> np.ndarray:
     """One array, whole, on this host (several processes: all gather it; leaf by leaf)."""
     if x.is_fully_addressable:
         return np.asarray(jax.device_get(x))
-    from jax.experimental import multihost_utils
-
     return np.asarray(multihost_utils.process_allgather(x, tiled=True))
 
 
@@ -251,39 +176,38 @@ def _flat_names(tree) -> dict[str, Any]:
             for path, x in jax.tree_util.tree_leaves_with_path(tree)}
 
 
-def write_weights(params: dict, out_dir: str, model: dict | None, dtype=None) -> str:
-    """Consolidated weights as safetensors: HF GPT-2 layout, or flat dotted names otherwise."""
+def write_safetensors(params: dict, out_dir, dtype=None) -> str:
+    """Consolidated weights as one safetensors file of flat dotted names (any model)."""
+    from safetensors.numpy import save_file
+
     os.makedirs(out_dir, exist_ok=True)
-    if model is not None and model.get("type") == "gpt2":
-        from zerojax.models.gpt2 import GPT2Config
-        from zerojax.models.hf import save_hf
-
-        save_hf(params, GPT2Config(**model["config"]), out_dir, dtype=dtype)
-    else:
-        from safetensors.numpy import save_file
-
-        cast = (lambda a: np.ascontiguousarray(a, dtype)) if dtype is not None else np.ascontiguousarray
-        save_file({k: cast(v) for k, v in _flat_names(params).items()},
-                  os.path.join(out_dir, "model.safetensors"), metadata={"format": "np"})
-    return os.path.join(out_dir, "model.safetensors")
+    cast = (lambda a: np.ascontiguousarray(a, dtype)) if dtype is not None else np.ascontiguousarray
+    path = os.path.join(out_dir, "model.safetensors")
+    save_file({k: cast(v) for k, v in _flat_names(params).items()}, path, metadata={"format": "np"})
+    return path
 
 
 # ---------------------------------------------------------------------------------------------
 # save
 
 
-def save(engine, save_dir, tag=None, client_state=None) -> str:
-    """Write the engine's state under save_dir/tag (default global_step{N}); update `latest`."""
-    ocp = _ocp()
-    engine.synchronize()
-    state = engine.state
-    steps = int(engine.global_steps)
+def save(save_dir, state: TrainState, *, steps: int, info: dict, tag=None, client_state=None,
+         export_weights: Callable | None = None) -> str:
+    """Write `state` under save_dir/tag (default global_step{steps}); update `latest`.
+
+    state: the layout-free TrainState (fp32 runs: master None, the params are the master).
+    info: JSON description of the run, stored in the metadata: compute_dtype, zero_stage, mesh,
+        config, model (the model's `checkpoint_record()`, read back by `export`).
+    export_weights: `writer(params, out_dir)`; when given, the compute-dtype params are gathered
+        leaf by leaf and written into the tag directory (DeepSpeed's
+        stage3_gather_16bit_weights_on_model_save).
+    """
+    steps = int(steps)
     tag = str(tag) if tag is not None else f"global_step{steps}"
     save_dir = os.fspath(save_dir)
     path = _tag_dir(save_dir, tag)
     fp32 = state.master is None
-    master, opt_state = _layout_free(engine, state)
-    items = {"master": state.params if fp32 else master, "opt_state": opt_state,
+    items = {"master": state.params if fp32 else state.master, "opt_state": state.opt_state,
              "rest": _saveable(state.rest)}
     if not fp32:
         items["params"] = state.params
@@ -291,19 +215,15 @@ def save(engine, save_dir, tag=None, client_state=None) -> str:
     skipped = int(state.skipped_steps)
     meta = {
         "format": FORMAT,
-        "zerojax_version": _version(),
+        "zerojax_version": __version__,
         "tag": tag,
         "global_steps": steps,
         "skipped_steps": skipped,
         "global_samples": int(state.global_samples),
         "scheduler_position": steps - skipped,  # lr(k) of the k-th applied update
         "data_position": steps,                 # batches consumed: resume the data iterator here
-        "compute_dtype": np.dtype(engine.compute_dtype).name,
-        "zero_stage": int(engine.stage),
-        "mesh": {k: int(v) for k, v in engine.mesh.shape.items()},
+        **info,
         "process_count": jax.process_count(),
-        "config": engine.cfg.to_dict(),
-        "model": _model_config(engine),
         "items": {k: _manifest(v) for k, v in items.items()},
         "client_state": client_state,
     }
@@ -317,8 +237,7 @@ def save(engine, save_dir, tag=None, client_state=None) -> str:
     # Orbax writes into <tag>.orbax-checkpoint-tmp-*, then renames it to <tag> (atomic finalize).
     _checkpointer().save(path, args=ocp.args.Composite(meta=ocp.args.JsonSave(meta), **args),
                          force=True)
-    zero = engine.cfg.zero_optimization
-    if engine.stage == 3 and zero.stage3_gather_16bit_weights_on_model_save:
+    if export_weights is not None:
         # leaf by leaf: every process joins each gather, only process 0 keeps the host copy
         keep = jax.process_index() == 0
 
@@ -327,8 +246,8 @@ def save(engine, save_dir, tag=None, client_state=None) -> str:
             return g if keep else None
 
         weights = jax.tree.map(gather, state.params)
-        if jax.process_index() == 0:
-            write_weights(weights, path, meta["model"])
+        if keep:
+            export_weights(weights, path)
         del weights
     if jax.process_index() == 0:
         tmp = os.path.join(save_dir, f".{LATEST}.tmp{os.getpid()}")
@@ -343,15 +262,7 @@ def save(engine, save_dir, tag=None, client_state=None) -> str:
 
 def _barrier(name):
     if jax.process_count() > 1:
-        from jax.experimental import multihost_utils
-
         multihost_utils.sync_global_devices(name)
-
-
-def _version() -> str:
-    import zerojax
-
-    return zerojax.__version__
 
 
 # ---------------------------------------------------------------------------------------------
@@ -377,7 +288,6 @@ def _check_shapes(path, item, saved: list[dict], target) -> None:
 
 
 def _restore_item(load_dir, tag, item, target):
-    ocp = _ocp()
     args = ocp.args.PyTreeRestore(item=target, restore_args=_restore_args(target))
     try:
         return _checkpointer().restore(_tag_dir(load_dir, tag), args=ocp.args.Composite(**{item: args}))[item]
@@ -385,17 +295,13 @@ def _restore_item(load_dir, tag, item, target):
         raise _corrupt(load_dir, tag, item, e) from e
 
 
-def _restore_opt_state(engine, load_dir, tag, path, saved, live, shardings):
+def _restore_opt_state(load_dir, tag, path, saved, live, shardings, scalar):
     """The optimizer state into the live optimizer sharding; fp16 <-> bf16 / fp32 keep the moments.
 
     fp16 wraps the optimizer's state in the loss-scale state (`.inner_state`): an fp16 checkpoint
     loaded without fp16 drops the loss-scale counters; a bf16 / fp32 one loaded with fp16 starts
     the loss scale afresh (initial_scale_power), as turning fp16 on does.
     """
-    from jax.sharding import NamedSharding, PartitionSpec as P
-
-    from zerojax.precision import DynamicLossScaleState
-
     saved_fp16 = any(e["path"].startswith(".inner_state") for e in saved)
     live_fp16 = isinstance(live, DynamicLossScaleState)
 
@@ -413,7 +319,6 @@ def _restore_opt_state(engine, load_dir, tag, path, saved, live, shardings):
     if live_fp16:
         inner = read(_abstract(live.inner_state, shardings.inner_state))
         return live._replace(inner_state=inner)
-    scalar = NamedSharding(engine.mesh, P())
     fields = {e["path"].lstrip("."): jax.ShapeDtypeStruct((), np.dtype(e["dtype"]), sharding=scalar)
               for e in saved if not e["path"].startswith(".inner_state")}
     try:
@@ -424,33 +329,43 @@ def _restore_opt_state(engine, load_dir, tag, path, saved, live, shardings):
     return read(target).inner_state
 
 
-def restore(engine, load_dir, tag=None, *, load_optimizer_states=True, load_module_only=False):
-    """Read a checkpoint into the engine's current mesh / stage / precision.
+class Restored(NamedTuple):
+    """What `restore` read, in the layout-free form; None where it read nothing (the caller keeps
+    its own: the optimizer state without load_optimizer_states, the rest and counters under
+    load_module_only)."""
 
-    Returns (load_path, state, global_steps, client_state); the engine installs the state.
+    path: str
+    params: Any
+    master: Any              # None for fp32 runs (the params are the master)
+    opt_state: Any
+    rest: Any
+    counters: dict | None    # step, skipped_steps, global_samples as replicated int32 arrays
+    global_steps: int | None
+    client_state: Any
+
+
+def restore(load_dir, current: TrainState, shardings: TrainState, *, compute_dtype, tag=None,
+            load_optimizer_states=True, load_module_only=False) -> Restored:
+    """Read a checkpoint into the shardings / precision of `current`.
+
+    current: the state to restore into, layout-free (leaves may be ShapeDtypeStructs where the
+        caller keeps nothing of them); its `master` is None for fp32 compute.
+    shardings: a TrainState of shardings like `current` (the restore targets).
+    compute_dtype: the params' dtype (from another dtype: the params are cast from the master).
     """
-    from jax.sharding import NamedSharding, PartitionSpec as P
-
-    from zerojax.step import TrainState
-
     load_dir = os.fspath(load_dir)
     tag = _resolve_tag(load_dir, tag)
     path = _tag_dir(load_dir, tag)
     meta = read_meta(load_dir, tag)
     saved = meta["items"]
-    live = engine.state
-    fp32 = live.master is None
+    fp32 = current.master is None
     if saved["master"] and isinstance(saved["master"][0]["keys"][0], int):
         raise CheckpointError(
             f"checkpoint {path!r} holds a host-offloaded state chunk by chunk, as zerojax stored it "
             "before checkpoints became layout-free; it cannot be resumed. Export its weights "
             "(`zerojax export`) and start from them (GPT-2: --hf-checkpoint)")
-    param_sh = engine.param_shardings
-    offloaded = engine.off_plan is not None
-    if offloaded:  # read the layout-free form into host memory, then chunk it as the engine does
-        (master_live, master_sh), opt_target, chunk = _offload_targets(engine)
-    else:
-        master_live, master_sh = (live.params, param_sh) if fp32 else (live.master, engine.shardings.master)
+    param_sh = shardings.params
+    master_live, master_sh = (current.params, param_sh) if fp32 else (current.master, shardings.master)
 
     # master: fp32, into the optimizer sharding (fp32 runs: into the param sharding, it is the params)
     target = _abstract(master_live, master_sh, jnp.float32)
@@ -460,64 +375,51 @@ def restore(engine, load_dir, tag=None, *, load_optimizer_states=True, load_modu
     if fp32:
         params, master = master, None
     else:
-        ptarget = _abstract(live.params, param_sh)
-        same = "params" in saved and all(e["dtype"] == np.dtype(engine.compute_dtype).name
+        ptarget = _abstract(current.params, param_sh)
+        same = "params" in saved and all(e["dtype"] == np.dtype(compute_dtype).name
                                          for e in saved["params"])
         if same:
             _check_shapes(path, "params", saved["params"], ptarget)
             params = _restore_item(load_dir, tag, "params", ptarget)
         else:  # from an fp32 run (or another compute dtype): the step's own cast of the master
-            cast = lambda t: jax.tree.map(lambda x: x.astype(engine.compute_dtype), t)  # noqa: E731
+            cast = lambda t: jax.tree.map(lambda x: x.astype(compute_dtype), t)  # noqa: E731
             params = jax.jit(cast, out_shardings=param_sh)(master)
 
-    opt_state, fresh_opt = live.opt_state, None
-    if load_optimizer_states and not load_module_only and jax.tree.leaves(live.opt_state):
+    opt_state = None
+    if load_optimizer_states and not load_module_only and jax.tree.leaves(current.opt_state):
         if "opt_state" not in saved:
             raise CheckpointError(f"checkpoint {path!r} has no optimizer state; "
                                   f"load it with load_optimizer_states=False")
-        if offloaded:
-            state, state_sh = opt_target
-            if engine.fp16:  # the loss-scale state around the chunked one: keep its own fields
-                state, state_sh = (live.opt_state._replace(inner_state=state),
-                                   engine.opt_shardings._replace(inner_state=state_sh))
-            fresh_opt = _restore_opt_state(engine, load_dir, tag, path, saved["opt_state"], state, state_sh)
-        else:
-            opt_state = _restore_opt_state(engine, load_dir, tag, path, saved["opt_state"],
-                                           live.opt_state, engine.opt_shardings)
-    if offloaded:
-        master, opt = chunk(master, fresh_opt)
-        opt_state = opt if fresh_opt is not None else live.opt_state
+        opt_state = _restore_opt_state(load_dir, tag, path, saved["opt_state"], current.opt_state,
+                                       shardings.opt_state, shardings.step)
 
-    rest = live.rest
-    if jax.tree.leaves(live.rest) and not load_module_only:
-        rtarget = _abstract(live.rest, engine.rest_shardings)
-        if "rest" in saved:
-            _check_shapes(path, "rest", saved["rest"], rtarget)
-            rest = _rewrap_keys(_restore_item(load_dir, tag, "rest", rtarget), live.rest)
+    rest = None
+    if jax.tree.leaves(current.rest) and not load_module_only and "rest" in saved:
+        rtarget = _abstract(current.rest, shardings.rest)
+        _check_shapes(path, "rest", saved["rest"], rtarget)
+        rest = _rewrap_keys(_restore_item(load_dir, tag, "rest", rtarget), current.rest)
 
-    if load_module_only:  # DeepSpeed: the weights only; this run's counters stay
-        steps = int(engine.global_steps)
-        counters = dict(step=live.step, skipped_steps=live.skipped_steps, global_samples=live.global_samples)
-    else:
+    counters = steps = None
+    if not load_module_only:  # DeepSpeed's load_module_only: the weights only; the run's counters stay
         steps = meta["global_steps"]
-        scalar = NamedSharding(engine.mesh, P())
-        put = lambda v: jax.device_put(jnp.asarray(v, jnp.int32), scalar)  # noqa: E731
+        put = lambda v: jax.device_put(jnp.asarray(v, jnp.int32), shardings.step)  # noqa: E731
         counters = dict(step=put(steps), skipped_steps=put(meta["skipped_steps"]),
                         global_samples=put(meta["global_samples"]))
-    state = TrainState(params=params, master=master, opt_state=opt_state, rest=rest, **counters)
-    return path, state, steps, meta.get("client_state")
+    return Restored(path, params, master, opt_state, rest, counters, steps, meta.get("client_state"))
 
 
 # ---------------------------------------------------------------------------------------------
 # export
 
 
-def export(load_dir, out_dir, tag=None, dtype: str = "fp32") -> str:
-    """Consolidated weights of a checkpoint as safetensors (GPT-2: a Hugging Face folder).
+def export(load_dir, out_dir, tag=None, dtype: str = "fp32", *,
+           writer_for: Callable[[dict | None], Callable | None] | None = None) -> str:
+    """Consolidated weights of a checkpoint: `writer_for(record)` (the model's `checkpoint_record`
+    saved in the metadata) gives the model's own writer (`zerojax.models.weights_writer`: GPT-2
+    writes a Hugging Face folder); without one, flat safetensors.
 
     Reads only the master weights item into host memory (numpy); never the optimizer state.
     """
-    ocp = _ocp()
     np_dtype = {"fp32": np.float32, "bf16": jnp.bfloat16, "fp16": np.float16}.get(dtype)
     if np_dtype is None:
         raise ValueError(f"export dtype={dtype!r}; accepted: fp32, bf16, fp16")
@@ -547,7 +449,8 @@ def export(load_dir, out_dir, tag=None, dtype: str = "fp32") -> str:
             parts = [x for xs, _ in flat if (x := xs[i]) is not None]
             leaves.append(parts[0] if len(parts) == 1 else np.concatenate(parts, axis=0))
         master = flat[0][1].unflatten(leaves)
-    return write_weights(master, os.fspath(out_dir), meta.get("model"), dtype=np_dtype)
+    writer = (writer_for(meta.get("model")) if writer_for is not None else None) or write_safetensors
+    return writer(master, os.fspath(out_dir), dtype=np_dtype)
 
 
 def _nested(entries, every=None) -> dict:
@@ -567,4 +470,4 @@ def _nested(entries, every=None) -> dict:
     return target
 
 
-__all__ = ["CheckpointError", "save", "restore", "export", "read_meta", "list_tags", "write_weights"]
+__all__ = ["CheckpointError", "Restored", "save", "restore", "export", "read_meta", "list_tags", "write_safetensors"]

@@ -85,9 +85,10 @@ def _add_export(sub):
 
 def cmd_export(args) -> int:
     from zerojax.checkpoint import export
+    from zerojax.models import weights_writer
 
     try:
-        path = export(args.checkpoint, args.out, tag=args.tag, dtype=args.dtype)
+        path = export(args.checkpoint, args.out, tag=args.tag, dtype=args.dtype, writer_for=weights_writer)
     except (FileNotFoundError, ValueError, RuntimeError) as e:
         print(f"zerojax export: {e}", file=sys.stderr)
         return 1

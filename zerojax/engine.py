@@ -1,4 +1,8 @@
-"""`zerojax.shard(model, cfg, loss_fn=...)`: a Flax NNX model + a DeepSpeed config -> an Engine.
+"""`Engine`: runs one model under one config -- init, train / eval step, save, load.
+
+The engine executes an `EngineLayout` (`zerojax.layout.build_layout`: shardings, offload layout,
+per-layer hooks, the step's settings); it decides nothing about where state lives. The user's
+entry point is `zerojax.shard` (zerojax/api.py), which also hands the engine the planner.
 
 State placement. Two ways in, neither makes a full replicated copy on one device:
 - a zero-argument callable that builds the model (`lambda: GPT2(c, rngs=nnx.Rngs(0))`): traced
@@ -8,6 +12,8 @@ State placement. Two ways in, neither makes a full replicated copy on one device
 - a model built eagerly (the usual case for small and medium models): each parameter is sent
   straight to its target sharding with `jax.device_put`, leaf by leaf (several processes:
   `jax.make_array_from_callback` from the host copy, each process placing its own shards).
+`abstract_engine(...)` builds the same engine with a state of ShapeDtypeStructs (nothing
+allocated): it lowers and compiles the real step, for the memory planner.
 The train state (`zerojax.step.TrainState`) is donated to every step.
 
 Errors from the step are checked lazily, one step behind, so the host never waits for the device
@@ -19,7 +25,6 @@ from __future__ import annotations
 import functools
 import logging
 import math
-import os
 import time
 from typing import Callable
 
@@ -29,56 +34,17 @@ import numpy as np
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from zerojax import partition, step as step_mod
-from zerojax.step import StepPlan, TrainState
+from zerojax import checkpoint, memory, offload as O, partition, step as step_mod
+from zerojax.layout import EngineLayout, build_layout, no_eager_sharding
+from zerojax.models import weights_writer
+from zerojax.monitor import Monitor
+from zerojax.options import EngineOptions
+from zerojax.precision import MIN_SCALE_ERROR
+from zerojax.step import TrainState, pure_dict
 
 logger = logging.getLogger("zerojax")
 
 _HOST_KINDS = ("pinned_host", "unpinned_host")
-
-PARAM_HOOK_ERROR = ("zero_optimization.offload_param: offload_param needs a model whose layer scan accepts a "
-                    "fetch hook (a `layer_fetch` attribute applied to each layer's params inside the scan); "
-                    "zerojax.models.gpt2.GPT2 does. {what}")
-
-
-def _env_or(value, name, cast, default=None):
-    """`value` if given, else env `name` ("none" -> 0), else `default`."""
-    if value is not None:
-        return value
-    raw = os.environ.get(name, "").strip()
-    if not raw:
-        return default
-    return 0 if raw.lower() == "none" else cast(raw)
-
-
-def shard(model, cfg, *, loss_fn: Callable, mesh: Mesh | None = None, **offload_options) -> "Engine":
-    """Wrap `model` (an nnx.Module, or a zero-argument callable returning one) for training.
-
-    cfg: a Config, or anything `load_config` accepts (path, JSON text, dict).
-    loss_fn(model, batch) -> loss, or (loss, metrics dict of scalars).
-    mesh: a ("data", "tensor") mesh; default all devices, "tensor" = tensor_parallel.autotp_size.
-    offload_options: offload_chunks, offload_candidate, offload_window, offload_unroll (tuning of
-        host offload; see `Engine`; env ZEROJAX_OFFLOAD_CHUNKS / _CANDIDATE / _WINDOW / _UNROLL).
-    """
-    return Engine(model, cfg, loss_fn=loss_fn, mesh=mesh, **offload_options)
-
-
-def _resolve_config(cfg, mesh):
-    from zerojax.config import Config, load_config
-
-    if mesh is None:
-        if not isinstance(cfg, Config):
-            cfg = load_config(cfg)  # world size: devices / autotp_size, the mesh made below
-        mesh = partition.make_mesh(tensor=cfg.tensor_parallel.autotp_size)
-    n = partition.data_size(mesh)
-    if not isinstance(cfg, Config):
-        cfg = load_config(cfg, world_size=n)
-    if cfg.world_size != n:
-        raise ValueError(
-            f"the config was resolved for world_size={cfg.world_size} data-parallel devices but the "
-            f"mesh has data={n}; load it with load_config(..., world_size={n})"
-        )
-    return cfg, mesh
 
 
 def _nbytes(tree, host: bool) -> int:
@@ -102,306 +68,173 @@ class MemoryReport(dict):
         return "\n".join(f"{label:26s}{gib(self.get(key))}" for label, key in rows)
 
 
+def abstract_engine(model, cfg, *, loss_fn: Callable, mesh: Mesh | None = None,
+                    options: EngineOptions | None = None) -> "Engine":
+    """An Engine whose state is ShapeDtypeStructs with the real shardings: it lowers and compiles
+    the real train step (memory analysis, planning) but holds no device memory."""
+    return Engine(model, cfg, loss_fn=loss_fn, mesh=mesh, options=options, abstract=True)
+
+
 class Engine:
-    """Trains one model under one config. See module docstring and `zerojax.step`."""
+    """Trains one model under one config. See the module docstring and `zerojax.step`.
+
+    model: an nnx.Module, or a zero-argument callable returning one (traced, then built sharded).
+    cfg: a Config, or anything `load_config` accepts; mesh: default all devices.
+    options: `EngineOptions` (knobs beyond the DeepSpeed config).
+    abstract: build the layout and a state of ShapeDtypeStructs only (see `abstract_engine`).
+    """
 
     def __init__(self, model, cfg, *, loss_fn: Callable, mesh: Mesh | None = None,
-                 offload_chunks: int | None = None, offload_candidate: str | None = None,
-                 offload_window: int | None = None, offload_unroll: int | None = None):
-        from zerojax.monitor import Monitor
-        from zerojax.optim import build_optimizer, build_schedule
-        from zerojax.precision import compute_dtype, loss_scale_from_config
-
-        self.cfg, self.mesh = _resolve_config(cfg, mesh)
-        cfg = self.cfg
-        self.loss_fn = loss_fn
-        self.compute_dtype = jnp.dtype(compute_dtype(cfg))
-        self.fp16 = bool(cfg.fp16.enabled)
-        accum = {"fp32": jnp.float32, "bf16": jnp.bfloat16, "fp16": jnp.float16}
-        self.accum_dtype = jnp.dtype(accum.get(cfg.data_types.grad_accum_dtype or "fp32", jnp.float32))
-        self.schedule = build_schedule(cfg)
-        zero = cfg.zero_optimization
-        self.stage = int(zero.stage)
-        # host offload (DeepSpeed: offload_optimizer at stage >= 1, offload_param at stage 3)
-        self.offload_optimizer = zero.offload_optimizer.device == "cpu" and self.stage >= 1
-        self.offload_param = zero.offload_param.device == "cpu" and self.stage == 3
-        offloading = self.offload_optimizer or self.offload_param
-        if offloading and cfg.optimizer is not None and "".join(
-                c for c in cfg.optimizer.type.lower() if c.isalnum()) == "lamb":
-            from zerojax.config import ConfigError
-
-            raise ConfigError(["zero_optimization.offload_optimizer / offload_param with optimizer.type "
-                               f"{cfg.optimizer.type!r}: Lamb's per-tensor trust ratio needs whole tensors, "
-                               "and the offloaded update runs on chunks of stacked layers; use Adam/AdamW, "
-                               "Lion, SGD or Adagrad with offload, or turn offload off for Lamb"])
-        # offload: the bare optimizer (clip, unscale and finite check run on the whole gradient first)
-        tx = build_optimizer(cfg, clip=not offloading)
-        self.tx = loss_scale_from_config(tx, cfg.fp16) if (self.fp16 and not offloading) else tx
-
-        # abstract model -> shardings
+                 options: EngineOptions | None = None, abstract: bool = False):
+        options = options if options is not None else EngineOptions()
+        if not isinstance(options, EngineOptions):
+            raise TypeError(f"options={options!r}: pass a zerojax.EngineOptions")
         init_fn = None
         if isinstance(model, nnx.Module):
-            graphdef, params, rest = nnx.split(model, nnx.Param, ...)
+            module = model
         elif callable(model):
             init_fn = model
-            with _no_eager_sharding():
-                model = nnx.eval_shape(init_fn)
-                graphdef, params, rest = nnx.split(model, nnx.Param, ...)
+            with no_eager_sharding():
+                module = nnx.eval_shape(init_fn)
         else:
             raise TypeError(
                 f"shard() takes a flax.nnx.Module or a zero-argument callable returning one, got "
                 f"{type(model).__name__}; for a Linen module wrap it with flax.nnx.bridge.ToNNX"
             )
-        abstract = lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype)  # noqa: E731
-        param_template, rest_template = jax.tree.map(abstract, params), jax.tree.map(abstract, rest)
-        pure_params, pure_rest = step_mod._pure(params), step_mod._pure(rest)
-        abstract_master = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, jnp.float32), pure_params)
-        self.shardings = partition.stage_shardings(
-            abstract_master, self.mesh, self.stage,
-            base_specs=partition.tensor_specs(params, self.mesh),
-            persistence_threshold=int(zero.stage3_param_persistence_threshold or 0),
-        )
-        self.rest_shardings = partition.replicated(self.mesh, pure_rest)
-        self.off_plan, offload_step, self._fetch_rest = None, None, None
-        self._abstract_master = abstract_master
-        if offloading:
-            graphdef, offload_step = self._setup_offload(
-                model, graphdef, params, abstract_master, offload_chunks, offload_candidate,
-                offload_window, offload_unroll)
+        self.layout: EngineLayout = build_layout(module, cfg, loss_fn=loss_fn, mesh=mesh, options=options)
+        self.loss_fn = loss_fn
+        record = getattr(module, "checkpoint_record", None)
+        self._model_record = record() if callable(record) else None
+        if abstract:
+            self.state = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
+                                      jax.eval_shape(lambda: self._init_state(init_fn, module)),
+                                      self.state_shardings)
         else:
-            self.opt_shardings = partition.opt_state_shardings(
-                self.tx, abstract_master, self.shardings.master, self.mesh)
-            self.master_shardings = self.shardings.master
-            self.param_shardings = self.shardings.params
-        self.stage3_gather = None
-        if self.stage == 3 and not self.offload_param and partition.data_size(self.mesh) > 1:
-            graphdef = self._stage3_gather_hook(model, graphdef, params, abstract_master)
-        self.plan = StepPlan(
-            graphdef=graphdef, param_template=param_template, rest_template=rest_template,
-            loss_fn=loss_fn, tx=self.tx, schedule=self.schedule, mesh=self.mesh,
-            shardings=self.shardings, opt_shardings=self.opt_shardings,
-            rest_shardings=self.rest_shardings, compute_dtype=self.compute_dtype,
-            accum_dtype=self.accum_dtype, steps=int(cfg.gradient_accumulation_steps),
-            train_batch_size=int(cfg.train_batch_size), fp16=self.fp16, offload=offload_step,
-            fetch_rest=self._fetch_rest,
-        )
-        self.state = self._init_state(init_fn, pure_params, pure_rest)
-        del model, params, rest, pure_params, pure_rest  # drop our references to the host copy
+            self.state = self._init_state(init_fn, module)
+        del model, module  # drop our references to the host copy
 
         # the new state comes out exactly where the state went in: left free, XLA may pick another
         # sharding for a small leaf (which the AOT-compiled step then refuses on the next call) or
         # place an output it may choose, e.g. unpinned_host, in device memory
-        self._train = jax.jit(functools.partial(step_mod.train_step, self.plan), donate_argnums=0,
+        settings = self.layout.step
+        self._train = jax.jit(functools.partial(step_mod.train_step, settings), donate_argnums=0,
                               out_shardings=(self.state_shardings, None))
-        self._eval = jax.jit(functools.partial(step_mod.eval_step, self.plan))
+        self._eval = jax.jit(functools.partial(step_mod.eval_step, settings))
         self._compiled: dict = {}
         self._global_steps = 0
         self._pending = None
         self._last_batch_shapes = None
         self._guarded: set = set()  # batch shapes whose step passed the memory guard
         self._print_time, self._print_tokens = time.perf_counter(), 0
+        cfg = self.cfg
         self.monitor = Monitor(cfg, is_writer=jax.process_index() == 0)
         betas = (cfg.optimizer.params.get("betas") if cfg.optimizer is not None else None) or (0.9, 0.999)
         self._mom = tuple(float(b) for b in betas)
 
-    # ------------------------------------------------------------------ host offload
+    # ------------------------------------------------------------------ the layout, read through
 
-    def _setup_offload(self, model, graphdef, params, abstract_master, chunks, candidate,
-                       window, unroll):
-        """Offload plan, shardings and (offload_param) the model's layer-fetch hook.
+    cfg = property(lambda self: self.layout.cfg)
+    mesh = property(lambda self: self.layout.mesh)
+    options = property(lambda self: self.layout.options)
+    stage = property(lambda self: self.layout.stage)
+    fp16 = property(lambda self: self.layout.fp16)
+    compute_dtype = property(lambda self: self.layout.compute_dtype)
+    accum_dtype = property(lambda self: self.layout.accum_dtype)
+    offload_param = property(lambda self: self.layout.offload_param)
+    tx = property(lambda self: self.layout.tx)
+    schedule = property(lambda self: self.layout.schedule)
+    shardings = property(lambda self: self.layout.shardings)
+    param_shardings = property(lambda self: self.layout.param_shardings)
+    master_shardings = property(lambda self: self.layout.master_shardings)
+    opt_shardings = property(lambda self: self.layout.opt_shardings)
+    rest_shardings = property(lambda self: self.layout.rest_shardings)
+    state_shardings = property(lambda self: self.layout.state_shardings,
+                               doc="Where every state leaf lives (a TrainState of shardings).")
+    offload_layout = property(lambda self: self.layout.offload, doc="The chunk layout of an offloaded state, or None.")
+    offload_settings = property(lambda self: self.layout.offload_settings)
+    stage3_gather = property(lambda self: self.layout.stage3_gather)
+    step_settings = property(lambda self: self.layout.step)
+    # `plan` is the name zerojax.memory (the planner) reads today; new code: step_settings
+    plan = step_settings
 
-        Default: candidate "loop" with K = layers (the layers updated in place one at a time, the
-        non-layer leaves as one more chunk). It beat "chunked" (K = ceil(layers / 3), window 2) on
-        an H200 in speed and device memory, and is the only candidate under which a 6.2B GPT's
-        parameter + optimizer offload fits 24 GB (README, "Measured")."""
-        from zerojax import offload as O
-        from zerojax.precision import loss_scaler_from_config
-        from zerojax.step import OffloadStep
+    # ------------------------------------------------------------------ state placement
 
-        zero = self.cfg.zero_optimization
-        probe = O.chunk_layout(abstract_master, 1)
-        layers = probe.num_layers
-        chunks = _env_or(chunks, "ZEROJAX_OFFLOAD_CHUNKS", int)
-        candidate = _env_or(candidate, "ZEROJAX_OFFLOAD_CANDIDATE", str) or "loop"
-        window = _env_or(window, "ZEROJAX_OFFLOAD_WINDOW", int, default=2) or None  # 0 / none: no barriers
-        unroll = _env_or(unroll, "ZEROJAX_OFFLOAD_UNROLL", int) or 1  # 2 hit an XLA layout error on GPU (jax 0.11.2)
-        if chunks:
-            k = chunks
-        elif not layers:
-            k = 1
+    def _init_state(self, init_fn, module) -> TrainState:
+        """The initial state: built sharded from `init_fn` (a callable model) or placed leaf by
+        leaf from `module`'s values (a built model)."""
+        lay = self.layout
+        values = None
+        if init_fn is None:
+            _, params, rest = nnx.split(module, nnx.Param, ...)
+            values = pure_dict(params), pure_dict(rest)
+        if lay.offload is not None:
+            return self._init_offloaded(init_fn, values)
+        sh = lay.shardings
+        fp32 = lay.compute_dtype == jnp.float32
+        # The master lives in the optimizer sharding; with fp32 compute the params are the master.
+        target = sh.params if fp32 else sh.master
+        if init_fn is not None:
+            master, rest = jax.jit(lambda: _init_pure(init_fn), out_shardings=(target, lay.rest_shardings))()
         else:
-            k = layers if candidate == "loop" else max(1, math.ceil(layers / 3))
-        if self.offload_optimizer:
-            kind = O.host_memory_kind(bool(zero.offload_optimizer.pin_memory))
-            ratio = float(zero.offload_optimizer.ratio)
-        else:  # offload_param alone: the optimizer state stays on the device (one device chunk)
-            kind, ratio = O.DEVICE, 0.0
-        self.off_plan = O.offload_plan(self.tx, abstract_master, self.shardings.master, k, kind=kind,
-                                       candidate=candidate, ratio=ratio, window=window)
-        self.offload_options = dict(chunks=k, candidate=candidate, window=window, ratio=ratio, kind=kind,
-                                    unroll=unroll if self.offload_param else None)
-        scaler = loss_scaler_from_config(self.cfg.fp16) if self.fp16 else None
-        inner_sh = self.off_plan.shardings.opt_state
-        if scaler is not None:
-            rep = NamedSharding(self.mesh, P())
-            ls = jax.eval_shape(lambda: scaler.init(None))
-            self.opt_shardings = jax.tree.map(lambda _: rep, ls)._replace(inner_state=inner_sh)
+            master = jax.tree.map(lambda x, s: _place(x, s, jnp.float32), values[0], target)
+            rest = jax.tree.map(_place, values[1], lay.rest_shardings)
+        if fp32:
+            params, master = master, None
+            master_view = params
         else:
-            self.opt_shardings = inner_sh
-        self.master_shardings = self.off_plan.shardings.master
-        self.param_shardings = self.shardings.params
-        param_host = None
-        if self.offload_param:
-            pkind = O.host_memory_kind(bool(zero.offload_param.pin_memory))
-            param_host = O.with_memory_kind(self.shardings.params, pkind)
-            self.param_shardings = param_host
-            graphdef, self._fetch_rest = self._param_hook(model, params, probe, unroll)
-        step = OffloadStep(plan=self.off_plan, tx=self.tx, scaler=scaler,
-                           clip=float(self.cfg.gradient_clipping or 0.0),
-                           param_shardings=param_host)
-        return graphdef, step
+            cast = lambda t: jax.tree.map(lambda x: x.astype(lay.compute_dtype), t)  # noqa: E731
+            params = jax.jit(cast, out_shardings=sh.params)(master)
+            master_view = master
+        opt_state = jax.jit(lay.tx.init, out_shardings=lay.opt_shardings)(master_view)
+        return self._fresh_state(params, master, opt_state, rest)
 
-    def _stage3_gather_hook(self, model, graphdef, params, abstract_master):
-        """ZeRO-3's "all-gather on use": each layer's weights gathered inside the layer scan.
+    def _fresh_state(self, params, master, opt_state, rest) -> TrainState:
+        zero = lambda: jax.device_put(jnp.zeros((), jnp.int32), NamedSharding(self.mesh, P()))  # noqa: E731
+        return TrainState(params=params, master=master, opt_state=opt_state, rest=rest,
+                          step=zero(), skipped_steps=zero(), global_samples=zero())
 
-        Left to itself, GSPMD may keep a sharded weight sharded and move activations instead, or
-        gather every layer at once; constraining the layer's slice to its stage-0 sharding makes
-        the all-gather per layer, where XLA can pipeline it with the previous layer's compute.
-        Models without a `layer_fetch` hook (or ZEROJAX_STAGE3_GATHER=auto) keep GSPMD's choice."""
-        from zerojax import offload as O
-
-        if os.environ.get("ZEROJAX_STAGE3_GATHER", "layer") == "auto":
-            return graphdef
-        if not _hook_modules(model):
-            return graphdef
-        probe = O.chunk_layout(abstract_master, 1)
-        if not any(probe.stacked):
-            return graphdef
-        gathered = partition.stage_shardings(
-            abstract_master, self.mesh, 0, base_specs=partition.tensor_specs(params, self.mesh)).params
-        self.stage3_gather = "layer"
-        # the non-layer leaves are gathered too: left sharded, a hidden-sharded embedding made
-        # GSPMD gather the token ids and the full-batch fp32 logits (3.3 GB for GPT-2 Large at
-        # micro-batch 8 on 2 GPUs) -- stage 3 ran at 60% of stage 2
-        graphdef, self._fetch_rest = self._param_hook(model, params, probe, 1, targets=gathered,
-                                                      move=jax.lax.with_sharding_constraint)
-        return graphdef
-
-    def _param_hook(self, model, params, probe, unroll, *, targets=None, move=None):
-        """Install the per-layer fetch on the model (via its `layer_fetch` hook) -> (graphdef, fetch_rest).
-
-        Default (offload_param): bring each layer's slice from host to device memory. Stage 3
-        passes `targets` = the layer's gathered (stage-0) shardings and `move` = a sharding
-        constraint: ZeRO-3's all-gather on use, one layer at a time, inside the layer scan."""
-        from zerojax import offload as O
-
-        flags = probe.treedef.unflatten(list(probe.stacked))
-        host_layers = targets is None  # offload_param (else stage 3's gather on use)
-        dev = O.with_memory_kind(self.shardings.params, O.DEVICE) if host_layers else targets
-        move = move or O.fetch
-        if not any(probe.stacked):
-            raise _config_error(PARAM_HOOK_ERROR.format(
-                what="This model has no stacked (scanned) layer parameters to fetch layer by layer."))
-        # every maximal subtree whose leaves are all stacked: its layer slice's structure -> shardings
-        table: dict = {}
-
-        def walk(f, d):
-            if isinstance(f, dict):
-                if f and all(jax.tree.leaves(f)):
-                    key = jax.tree.structure(f)
-                    layer = O.layer_shardings(d)
-                    if key in table and table[key] != layer:
-                        raise _config_error(PARAM_HOOK_ERROR.format(
-                            what="Two stacked parameter groups with one structure are sharded differently."))
-                    table[key] = layer
-                    return
-                for name in f:
-                    walk(f[name], d[name])
-
-        walk(flags, dev)
-
-        def layer_fetch(p):
-            target = table.get(jax.tree.structure(p))
-            if target is None:
-                raise ValueError("offload_param: the model's layer_fetch got a tree that matches no stacked "
-                                 f"parameter group: {jax.tree.structure(p)}")
-            return move(p, target)
-
-        def fetch_rest(tree):  # the non-layer leaves (embeddings, final norm): whole, where used
-            return jax.tree.map(lambda x, f, s: x if f else move(x, s), tree, flags, dev)
-
-        module = model  # the user's module, or the abstract one traced from the init callable
-        targets = _hook_modules(module)
-        if not targets:
-            raise _config_error(PARAM_HOOK_ERROR.format(
-                what=f"{type(module).__name__} has no `layer_fetch` attribute, so its parameters would "
-                     "stay on the device."))
-        # offload_param: the model's scan fetches one layer ahead (ZEROJAX_OFFLOAD_PREFETCH=0: off)
-        prefetch = host_layers and bool(_env_or(None, "ZEROJAX_OFFLOAD_PREFETCH", int, default=1))
-        knobs = {"scan_unroll": unroll, "layer_prefetch": prefetch}  # where the model has them
-        saved = [(m, m.layer_fetch, {k: vars(m)[k] for k in knobs if k in vars(m)}) for m in targets]
-        try:
-            for m, _, old in saved:
-                m.layer_fetch = layer_fetch
-                for k in old:
-                    setattr(m, k, knobs[k])
-            with _no_eager_sharding():
-                graphdef = nnx.split(module, nnx.Param, ...)[0]
-        finally:
-            for m, f, old in saved:
-                m.layer_fetch = f
-                for k, v in old.items():
-                    setattr(m, k, v)
-        return graphdef, fetch_rest
-
-    def _init_offloaded(self, init_fn, pure_params, pure_rest) -> TrainState:
+    def _init_offloaded(self, init_fn, values) -> TrainState:
         """Master chunks and optimizer states built straight into their memory kinds (one jit)."""
-        from zerojax import offload as O
-
-        plan, sh, cd = self.off_plan, self.shardings, self.compute_dtype
+        lay = self.layout
+        off, sh, cd, tx = lay.offload, lay.shardings, lay.compute_dtype, lay.tx
 
         def build(master):
-            chunks = O.to_chunks(master, plan.layout)
-            states = [O._init_chunk(self.tx, m, c) for m, c in zip(chunks, plan.layout.chunks)]
+            chunks = O.to_chunks(master, off.layout)
+            states = [tx.init(m) for m in chunks]
             compute = jax.tree.map(lambda x: x.astype(cd), master)
             return chunks, states, compute
 
-        outs = (list(plan.master_shardings), list(plan.state_shardings), self.param_shardings)
+        outs = (list(off.master_shardings), list(off.state_shardings), lay.param_shardings)
         groups = self._init_groups()
         if init_fn is not None and len(groups) > 1:
             chunks, params, rest = self._init_offloaded_by_leaves(init_fn, groups)
-            states = [jax.jit(lambda m, c=c: O._init_chunk(self.tx, m, c), out_shardings=s)(m)
-                      for m, c, s in zip(chunks, plan.layout.chunks, plan.state_shardings)]
+            states = [jax.jit(tx.init, out_shardings=s)(m) for m, s in zip(chunks, off.state_shardings)]
         elif init_fn is not None:
             def init():
                 p, r = _init_pure(init_fn)
                 return build(p), r
 
-            (chunks, states, params), rest = jax.jit(init, out_shardings=(outs, self.rest_shardings))()
+            (chunks, states, params), rest = jax.jit(init, out_shardings=(outs, lay.rest_shardings))()
         else:
-            master = jax.tree.map(lambda x, s: _place(x, s, jnp.float32), pure_params, sh.master)
-            rest = jax.tree.map(_place, pure_rest, self.rest_shardings)
+            master = jax.tree.map(lambda x, s: _place(x, s, jnp.float32), values[0], sh.master)
+            rest = jax.tree.map(_place, values[1], lay.rest_shardings)
             chunks, states, params = jax.jit(build, out_shardings=outs, donate_argnums=0)(master)
             del master
         opt_state = states
-        if self.fp16:
-            ls = jax.jit(lambda: self.plan.offload.scaler.init(None),
+        if lay.fp16:
+            ls = jax.jit(lambda: lay.step.offload.scaler.init(None),
                          out_shardings=NamedSharding(self.mesh, P()))()
             opt_state = ls._replace(inner_state=states)
-        zero = lambda: jax.device_put(jnp.zeros((), jnp.int32), NamedSharding(self.mesh, P()))  # noqa: E731
-        return TrainState(params=params, master=list(chunks), opt_state=opt_state, rest=rest,
-                          step=zero(), skipped_steps=zero(), global_samples=zero())
+        return self._fresh_state(params, list(chunks), opt_state, rest)
 
     def _init_groups(self) -> list[list[int]]:
         """Param leaves (flat indices) grouped so that a group's fp32 values stay under
-        ZEROJAX_INIT_GROUP_BYTES (default: a quarter of the device's memory limit; CPU: no limit,
-        one group). One jit builds each group, so the device never holds every fp32 weight."""
-        leaves = self.off_plan.layout.treedef.flatten_up_to(self._abstract_master)
-        limit = _env_or(None, "ZEROJAX_INIT_GROUP_BYTES", int)
+        `options.init_group_bytes` (default: a quarter of the device's memory limit; CPU: no
+        limit, one group). One jit builds each group, so the device never holds every fp32 weight."""
+        leaves = self.layout.offload.layout.treedef.flatten_up_to(self.layout.abstract_master)
+        limit = self.options.init_group_bytes
         if not limit:
-            from zerojax.memory import device_budget
-
-            budget = device_budget()
+            budget = memory.device_budget()
             limit = budget // 4 if budget else 0
         if not limit:
             return [list(range(len(leaves)))]
@@ -420,13 +253,12 @@ class Engine:
         leaves, one jit runs the model's initialiser, keeps only that group (XLA drops the other
         leaves' random draws as dead code) and writes its master pieces and compute copy to their
         memory kinds. -> (master chunks, compute params, rest)."""
-        from zerojax import offload as O
-
-        plan, cd = self.off_plan, self.compute_dtype
-        layout = plan.layout
+        lay = self.layout
+        off, cd = lay.offload, lay.compute_dtype
+        layout = off.layout
         n_chunks = len(layout.chunks)
-        m_sh = [layout.treedef.flatten_up_to(s) for s in plan.master_shardings]
-        p_sh = layout.treedef.flatten_up_to(self.param_shardings)
+        m_sh = [layout.treedef.flatten_up_to(s) for s in off.master_shardings]
+        p_sh = layout.treedef.flatten_up_to(lay.param_shardings)
         pieces = [[None] * len(layout.stacked) for _ in range(n_chunks)]
         compute = [None] * len(layout.stacked)
 
@@ -436,7 +268,7 @@ class Engine:
                 out = []
                 for i in group:
                     x = leaves[i]
-                    out.append(([O._piece(x, layout.stacked[i], c) for c in layout.chunks], x.astype(cd)))
+                    out.append(([O.piece(x, layout.stacked[i], c) for c in layout.chunks], x.astype(cd)))
                 return out
 
             shardings = [([m_sh[j][i] for j in range(n_chunks)], p_sh[i]) for i in group]
@@ -444,44 +276,9 @@ class Engine:
                 compute[i] = c
                 for j in range(n_chunks):
                     pieces[j][i] = ps[j]
-        rest = jax.jit(lambda: _init_pure(init_fn)[1], out_shardings=self.rest_shardings)()
+        rest = jax.jit(lambda: _init_pure(init_fn)[1], out_shardings=lay.rest_shardings)()
         chunks = [layout.treedef.unflatten(p) for p in pieces]
         return chunks, layout.treedef.unflatten(compute), rest
-
-    @property
-    def state_shardings(self) -> TrainState:
-        """Where every state leaf lives (a TrainState of shardings; offload: host memory kinds)."""
-        rep = NamedSharding(self.mesh, P())
-        fp32 = self.compute_dtype == jnp.float32
-        master = self.master_shardings if (self.off_plan is not None or not fp32) else None
-        return TrainState(params=self.param_shardings, master=master, opt_state=self.opt_shardings,
-                          rest=self.rest_shardings, step=rep, skipped_steps=rep, global_samples=rep)
-
-    # ------------------------------------------------------------------ state placement
-
-    def _init_state(self, init_fn, pure_params, pure_rest) -> TrainState:
-        if self.off_plan is not None:
-            return self._init_offloaded(init_fn, pure_params, pure_rest)
-        sh = self.shardings
-        fp32 = self.compute_dtype == jnp.float32
-        # The master lives in the optimizer sharding; with fp32 compute the params are the master.
-        target = sh.params if fp32 else sh.master
-        if init_fn is not None:
-            master, rest = jax.jit(lambda: _init_pure(init_fn), out_shardings=(target, self.rest_shardings))()
-        else:
-            master = jax.tree.map(lambda x, s: _place(x, s, jnp.float32), pure_params, target)
-            rest = jax.tree.map(_place, pure_rest, self.rest_shardings)
-        if fp32:
-            params, master = master, None
-            master_view = params
-        else:
-            cast = lambda t: jax.tree.map(lambda x: x.astype(self.compute_dtype), t)  # noqa: E731
-            params = jax.jit(cast, out_shardings=sh.params)(master)
-            master_view = master
-        opt_state = jax.jit(self.tx.init, out_shardings=self.opt_shardings)(master_view)
-        zero = lambda: jax.device_put(jnp.zeros((), jnp.int32), NamedSharding(self.mesh, P()))  # noqa: E731
-        return TrainState(params=params, master=master, opt_state=opt_state, rest=rest,
-                          step=zero(), skipped_steps=zero(), global_samples=zero())
 
     # ------------------------------------------------------------------ batches
 
@@ -536,14 +333,8 @@ class Engine:
         shapes = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), placed)
         self._last_batch_shapes = shapes
         key = self._shape_key(shapes)
-        if key not in self._guarded and os.environ.get("ZEROJAX_MEMORY_GUARD", "1") != "0":
-            # before the first step of a shape: XLA's predicted peak against the device's memory;
-            # WillNotFitError (with the plans that fit) instead of an out-of-memory mid-step. Kept
-            # apart from the compile cache: a step compiled earlier (memory_report, the planner,
-            # compiled_step) is still checked before it first runs.
-            from zerojax import memory
-
-            memory.guard(self, shapes)
+        if key not in self._guarded and self.options.memory_guard:
+            self._check_fits(shapes)
             self._guarded.add(key)
         # the AOT-compiled step: one compile shared with memory_report() and the planner
         self.state, metrics = self.compiled_step(shapes)(self.state, placed)
@@ -566,6 +357,18 @@ class Engine:
         placed = self._place_batch(batch, rows * n // mine if rows % mine == 0 else None, "eval_step")
         return self._eval(self.state.params, self.state.rest, placed)
 
+    def _check_fits(self, shapes) -> None:
+        """Before the first step of a batch shape: XLA's predicted peak against the device's
+        memory; WillNotFitError (listing the plans `options.plans_for` finds) instead of an
+        out-of-memory mid-step. Kept apart from the compile cache: a step compiled earlier
+        (memory_report, the planner, compiled_step) is still checked before it first runs."""
+        budget = memory.device_budget()
+        if budget is None:  # CPU: no limit known
+            return
+        plans_for = self.options.plans_for
+        memory.check_fits(self.compiled_step(shapes), budget,
+                          plans=(lambda: plans_for(self, shapes, budget)) if plans_for else ())
+
     def close(self) -> None:
         """Check the last step and write out the monitors' buffered events (csv / tensorboard / wandb)."""
         self.synchronize()
@@ -578,8 +381,6 @@ class Engine:
             self._check(*pending)
 
     def _check(self, step: int, metrics: dict) -> None:
-        from zerojax.precision import MIN_SCALE_ERROR
-
         if self.fp16:
             if bool(metrics["overflow_at_min"]):
                 raise FloatingPointError(f"step {step}: {MIN_SCALE_ERROR}")
@@ -609,20 +410,33 @@ class Engine:
 
     def save_checkpoint(self, save_dir, tag=None, client_state=None) -> str:
         """DeepSpeed's save_checkpoint (zerojax.checkpoint.save); returns the checkpoint path."""
-        from zerojax import checkpoint
-
-        return checkpoint.save(self, save_dir, tag=tag, client_state=client_state)
+        self.synchronize()
+        export = None
+        if self.stage == 3 and self.cfg.zero_optimization.stage3_gather_16bit_weights_on_model_save:
+            export = weights_writer(self._model_record) or checkpoint.write_safetensors
+        info = {"compute_dtype": np.dtype(self.compute_dtype).name, "zero_stage": self.stage,
+                "mesh": {k: int(v) for k, v in self.mesh.shape.items()}, "config": self.cfg.to_dict(),
+                "model": self._model_record}
+        return checkpoint.save(save_dir, self.layout.to_stored(self.state), steps=self._global_steps,
+                               info=info, tag=tag, client_state=client_state, export_weights=export)
 
     def load_checkpoint(self, load_dir, tag=None, *, load_optimizer_states=True, load_module_only=False):
         """DeepSpeed's load_checkpoint: installs the restored state; returns (path, client_state)."""
-        from zerojax import checkpoint
-
         self.synchronize()
-        path, state, steps, client_state = checkpoint.restore(
-            self, load_dir, tag=tag, load_optimizer_states=load_optimizer_states,
-            load_module_only=load_module_only)
-        self.state, self._global_steps, self._pending = state, int(steps), None
-        return path, client_state
+        live = self.state
+        current, shardings = self.layout.stored_targets(live)
+        got = checkpoint.restore(load_dir, current, shardings, compute_dtype=self.compute_dtype, tag=tag,
+                                 load_optimizer_states=load_optimizer_states,
+                                 load_module_only=load_module_only)
+        master, opt_state = self.layout.from_stored(got.master, got.opt_state)
+        self.state = live._replace(
+            params=got.params, master=master,
+            opt_state=live.opt_state if opt_state is None else opt_state,
+            rest=live.rest if got.rest is None else got.rest, **(got.counters or {}))
+        if got.global_steps is not None:
+            self._global_steps = int(got.global_steps)
+        self._pending = None
+        return got.path, got.client_state
 
     # ------------------------------------------------------------------ ahead of time
 
@@ -667,12 +481,10 @@ class Engine:
     @property
     def master_params(self):
         """fp32 master weights (pure dict) in the optimizer sharding (fp32 runs: the params)."""
-        if self.off_plan is not None:  # the host chunks merged into one tree on the device
-            from zerojax import offload as O
-
+        off = self.layout.offload
+        if off is not None:  # the host chunks merged into one tree on the device
             if not hasattr(self, "_merge_master"):
-                plan = self.off_plan
-                self._merge_master = jax.jit(lambda m: O.offload_master(O.OffloadState(m, []), plan),
+                self._merge_master = jax.jit(lambda m: O.offload_master(O.OffloadState(m, []), off),
                                              out_shardings=self.shardings.master)
             return self._merge_master(self.state.master)
         return self.state.master if self.state.master is not None else self.state.params
@@ -681,7 +493,7 @@ class Engine:
     def model(self) -> nnx.Module:
         """An nnx module holding the current fp32 master weights."""
         self.synchronize()
-        return step_mod.merge(self.plan, self.master_params, self.state.rest)
+        return step_mod.merge(self.step_settings, self.master_params, self.state.rest)
 
     def memory_report(self, batch_shapes=None) -> MemoryReport:
         """Per-device bytes of the model states (read from the arrays) and of XLA's compiled step."""
@@ -709,32 +521,11 @@ class Engine:
         return report
 
 
-def _config_error(message):
-    from zerojax.config import ConfigError
-
-    return ConfigError([message])
-
-
-def _hook_modules(model) -> list:
-    """The modules of `model` that expose the per-layer `layer_fetch` hook (docs/CONTRACTS.md)."""
-    return [m for _, m in nnx.iter_graph(model) if isinstance(m, nnx.Module) and "layer_fetch" in vars(m)]
-
-
 def _init_pure(init_fn):
     """(fp32 params, rest) of a fresh model from its init callable, as pure dicts; call under jit."""
-    with _no_eager_sharding():
+    with no_eager_sharding():
         _, p, r = nnx.split(init_fn(), nnx.Param, ...)
-    return jax.tree.map(lambda x: x.astype(jnp.float32), step_mod._pure(p)), step_mod._pure(r)
-
-
-def _no_eager_sharding():
-    # flax >= 0.12 shards annotated variables at creation, which needs a mesh; we shard later.
-    use = getattr(nnx, "use_eager_sharding", None)
-    if use is None:
-        import contextlib
-
-        return contextlib.nullcontext()
-    return use(False)
+    return jax.tree.map(lambda x: x.astype(jnp.float32), pure_dict(p)), pure_dict(r)
 
 
 def _place(x, sharding, dtype=None):
@@ -755,4 +546,4 @@ def _tokens(batch) -> int:
     return jax.tree.leaves(batch)[0].shape[0]
 
 
-__all__ = ["shard", "Engine", "MemoryReport"]
+__all__ = ["Engine", "abstract_engine", "MemoryReport"]

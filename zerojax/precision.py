@@ -42,7 +42,7 @@ class DynamicLossScaleState(NamedTuple):
 LossScaleState = DynamicLossScaleState  # the static scaler uses the same state (counters unused)
 
 
-def _all_finite(tree) -> jax.Array:
+def all_finite(tree) -> jax.Array:
     leaves = jax.tree.leaves(tree)
     if not leaves:
         return jnp.asarray(True)
@@ -155,7 +155,7 @@ def dynamic_loss_scaler(*, initial_scale_power: int = 16, loss_scale_window: int
     def check(grads, state):
         unscaled = _unscale(grads, state.loss_scale)
         # Checked after unscaling: catches every non-finite input and an unscale that overflows.
-        finite = _all_finite(unscaled)
+        finite = all_finite(unscaled)
         return unscaled, finite, next_state(state, finite)
 
     return LossScaler(init, check, next_state)
@@ -192,7 +192,7 @@ def static_loss_scaler(loss_scale: float, *, skip_nonfinite: bool = True) -> Los
     def check(grads, state):
         if skip_nonfinite:
             unscaled = _unscale(grads, state.loss_scale)
-            finite = _all_finite(unscaled)
+            finite = all_finite(unscaled)
         else:
             unscaled = _unscale(grads, state.loss_scale) if scale != 1.0 else grads
             finite = jnp.asarray(True)

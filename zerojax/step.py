@@ -1,6 +1,6 @@
 """The train state and the one jitted training step (DESIGN.md, "One training step, as data flows").
 
-`train_step(plan, state, batch)` is pure: split the batch into micro-batches (accumulate.py) ->
+`train_step(settings, state, batch)` is pure: split the batch into micro-batches (accumulate.py) ->
 gradients in the gradient sharding -> unscale + finite check (fp16 loss-scale transform) -> clip ->
 optimizer update on the fp32 master (`optimizer_update`, kept apart so host offload can wrap it)
 -> new compute-dtype params in the param sharding -> metrics. The engine jits it with the state
@@ -20,6 +20,7 @@ from jax.sharding import Mesh
 from zerojax import offload as offload_mod
 from zerojax.accumulate import accumulate_gradients
 from zerojax.partition import StageShardings
+from zerojax.precision import all_finite
 
 
 class TrainState(NamedTuple):
@@ -46,8 +47,8 @@ class TrainState(NamedTuple):
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
-class StepPlan:
-    """What the step needs besides the state: static, built once by the engine."""
+class StepSettings:
+    """What the step needs besides the state: static, built once by `zerojax.layout.build_layout`."""
 
     graphdef: Any                 # nnx.GraphDef of the model
     param_template: Any           # nnx.State of Params (abstract), filled with pure dicts to merge
@@ -72,102 +73,103 @@ class StepPlan:
 
 @dataclasses.dataclass(frozen=True, eq=False)
 class OffloadStep:
-    """Host offload of the optimizer (and, stage 3, of the params): built by the engine.
+    """Host offload of the optimizer (and, stage 3, of the params): built by `build_layout`.
 
-    With it, `TrainState.master` is the list of per-chunk fp32 master pieces of `plan`
+    With it, `TrainState.master` is the list of per-chunk fp32 master pieces of `layout`
     (`zerojax.offload`; host memory), `opt_state` the list of per-chunk states of `tx` (fp16: a
     LossScaleState whose `inner_state` is that list), and `params` the compute copy (fp32 compute
     too: a copy on the device apart from the host master).
     """
 
-    plan: Any                     # offload.OffloadPlan: chunk layout, per-chunk shardings
+    layout: Any                   # offload.OffloadLayout: chunk layout, per-chunk shardings
     tx: optax.GradientTransformation   # the bare optimizer + schedule (no clip, no loss scale)
     scaler: Any                   # precision.LossScaler (fp16) or None
     clip: float                   # gradient_clipping; 0 = off
     param_shardings: Any = None   # offload_param: the compute params' host shardings
 
 
-def _pure(state):
+def pure_dict(state):
+    """An nnx.State as nested dicts of its values."""
     to_pure = getattr(nnx, "to_pure_dict", None)
     return to_pure(state) if to_pure is not None else state.to_pure_dict()
 
 
-def merge(plan: StepPlan, params, rest):
+def merge(settings: StepSettings, params, rest):
     """An nnx module from the graphdef and pure-dict params / rest."""
-    p = jax.tree.map(lambda x: x, plan.param_template)
+    p = jax.tree.map(lambda x: x, settings.param_template)
     nnx.replace_by_pure_dict(p, params)
-    r = jax.tree.map(lambda x: x, plan.rest_template)
+    r = jax.tree.map(lambda x: x, settings.rest_template)
     nnx.replace_by_pure_dict(r, rest)
-    return nnx.merge(plan.graphdef, p, r)
+    return nnx.merge(settings.graphdef, p, r)
 
 
-def _call_loss(plan: StepPlan, params, batch, rest):
-    if plan.fetch_rest is not None:
-        params = plan.fetch_rest(params)
-    model = merge(plan, params, rest)
-    out = plan.loss_fn(model, batch)
+def _call_loss(settings: StepSettings, params, batch, rest):
+    if settings.fetch_rest is not None:
+        params = settings.fetch_rest(params)
+    model = merge(settings, params, rest)
+    out = settings.loss_fn(model, batch)
     loss, aux = out if isinstance(out, tuple) else (out, {})
-    new_rest = _pure(nnx.state(model, nnx.Not(nnx.Param)))
+    new_rest = pure_dict(nnx.state(model, nnx.Not(nnx.Param)))
     return jnp.asarray(loss).astype(jnp.float32), dict(aux), new_rest
 
 
-def master_of(plan: StepPlan, state: TrainState):
+def master_of(settings: StepSettings, state: TrainState):
     """The fp32 master in the optimizer sharding (a local slice of `params` when fp32)."""
     if state.master is not None:
         return state.master
-    return jax.lax.with_sharding_constraint(state.params, plan.shardings.master)
+    return jax.lax.with_sharding_constraint(state.params, settings.shardings.master)
 
 
-def loss_scale_of(plan: StepPlan, opt_state):
-    if plan.fp16:
+def loss_scale_of(settings: StepSettings, opt_state):
+    if settings.fp16:
         return jnp.asarray(opt_state.loss_scale, jnp.float32)
     return jnp.float32(1.0)
 
 
-def optimizer_update(plan: StepPlan, grads, master, opt_state):
+def optimizer_update(settings: StepSettings, grads, master, opt_state):
     """One optimizer update on the fp32 master: (new_master, new_opt_state).
 
     The seam for host offload: a variant moves `master` / `opt_state` in from pinned host memory,
     calls this, and moves them back.
     """
-    updates, opt_state = plan.tx.update(grads, opt_state, master)
+    updates, opt_state = settings.tx.update(grads, opt_state, master)
     master = optax.apply_updates(master, updates)
-    master = jax.lax.with_sharding_constraint(master, plan.shardings.master)
-    opt_state = jax.lax.with_sharding_constraint(opt_state, plan.opt_shardings)
+    master = jax.lax.with_sharding_constraint(master, settings.shardings.master)
+    opt_state = jax.lax.with_sharding_constraint(opt_state, settings.opt_shardings)
     return master, opt_state
 
 
-def train_step(plan: StepPlan, state: TrainState, batch):
-    scale = loss_scale_of(plan, state.opt_state)
-    accum_dtype, grad_transform = plan.accum_dtype, None
-    if plan.offload is not None and plan.offload.param_shardings is not None:
+def train_step(settings: StepSettings, state: TrainState, batch):
+    scale = loss_scale_of(settings, state.opt_state)
+    accum_dtype, grad_transform = settings.accum_dtype, None
+    if settings.offload is not None and settings.offload.param_shardings is not None:
         # Gradients of host-resident params come back host-resident (JAX's typing rule). One
         # micro-batch: leave them there; the update streams them in chunk by chunk. Several:
         # bring each micro-batch's to the device to add them (device memory: the accumulator).
-        if plan.steps == 1:
+        if settings.steps == 1:
             accum_dtype = None
         else:
-            dev = offload_mod.with_memory_kind(plan.shardings.grads, offload_mod.DEVICE)
+            dev = offload_mod.with_memory_kind(settings.shardings.grads, offload_mod.DEVICE)
             grad_transform = lambda g: jax.device_put(g, dev)  # noqa: E731
     grads, loss, aux, rest = accumulate_gradients(
-        lambda p, mb, r: _call_loss(plan, p, mb, r),
-        state.params, batch, steps=plan.steps, mesh=plan.mesh,
-        grad_shardings=plan.shardings.grads, accum_dtype=accum_dtype,
+        lambda p, mb, r: _call_loss(settings, p, mb, r),
+        state.params, batch, steps=settings.steps, mesh=settings.mesh,
+        grad_shardings=settings.shardings.grads, accum_dtype=accum_dtype,
         loss_scale=scale, carry=state.rest, grad_transform=grad_transform,
     )
-    if plan.offload is not None:
-        return _offloaded_tail(plan, state, grads, loss, aux, rest, scale)
+    if settings.offload is not None:
+        return _offloaded_tail(settings, state, grads, loss, aux, rest, scale)
     # DeepSpeed reports the norm of the unscaled gradients before clipping.
     grad_norm = _global_norm(grads) / scale
-    lr = plan.schedule(state.step - state.skipped_steps)
-    master = master_of(plan, state)
+    lr = settings.schedule(state.step - state.skipped_steps)
+    master = master_of(settings, state)
     grads = jax.tree.map(lambda g: g.astype(jnp.float32), grads)
 
-    if plan.fp16:
+    if settings.fp16:
         # The loss-scale transform unscales, checks the gradients' finiteness and skips (zero
         # update, inner state untouched, scale lowered) by itself; a non-finite fp16 loss shows up
         # as non-finite gradients, so it is skipped there too (DeepSpeed's overflow path).
-        new_master, new_opt = optimizer_update(plan, grads, master, state.opt_state)
+        new_master, new_opt = optimizer_update(settings, grads, master, state.opt_state)
         skipped = jnp.asarray(new_opt.skipped, jnp.bool_)
         nonfinite = jnp.logical_not(jnp.isfinite(loss))
     else:
@@ -177,19 +179,19 @@ def train_step(plan: StepPlan, state: TrainState, batch):
         new_master, new_opt = jax.lax.cond(
             nonfinite,
             lambda: (master, state.opt_state),
-            lambda: optimizer_update(plan, grads, master, state.opt_state),
+            lambda: optimizer_update(settings, grads, master, state.opt_state),
         )
 
-    params = jax.tree.map(lambda m: m.astype(plan.compute_dtype), new_master)
-    params = jax.lax.with_sharding_constraint(params, plan.shardings.params)
+    params = jax.tree.map(lambda m: m.astype(settings.compute_dtype), new_master)
+    params = jax.lax.with_sharding_constraint(params, settings.shardings.params)
     new_state = TrainState(
         params=params,
         master=new_master if state.master is not None else None,
         opt_state=new_opt,
-        rest=jax.lax.with_sharding_constraint(rest, plan.rest_shardings),
+        rest=jax.lax.with_sharding_constraint(rest, settings.rest_shardings),
         step=state.step + 1,
         skipped_steps=state.skipped_steps + skipped.astype(jnp.int32),
-        global_samples=state.global_samples + plan.train_batch_size,
+        global_samples=state.global_samples + settings.train_batch_size,
     )
     metrics = {
         **aux,
@@ -200,27 +202,25 @@ def train_step(plan: StepPlan, state: TrainState, batch):
         "skipped": skipped,
         "nonfinite": nonfinite,
     }
-    if plan.fp16:
+    if settings.fp16:
         metrics["overflow_at_min"] = jnp.asarray(new_opt.overflow_at_min, jnp.bool_)
     return new_state, metrics
 
 
-def _offloaded_tail(plan: StepPlan, state: TrainState, grads, loss, aux, rest, scale):
+def _offloaded_tail(settings: StepSettings, state: TrainState, grads, loss, aux, rest, scale):
     """Unscale + finite check + clip on the whole gradient, then the update streamed chunk by
     chunk over host memory (`offload.streamed_update`). No `lax.cond` around host state: a
     skipped step keeps master and moments by a select inside each chunk."""
-    from zerojax.precision import _all_finite
-
-    off = plan.offload
+    off = settings.offload
     if any(offload_mod.is_host(g) for g in jax.tree.leaves(grads)):
-        sumsq, finite = offload_mod.grad_stats(grads, off.plan)  # chunk by chunk on the device
+        sumsq, finite = offload_mod.grad_stats(grads, off.layout)  # chunk by chunk on the device
         raw_norm = jnp.sqrt(sumsq)
     else:
-        raw_norm, finite = _global_norm(grads), _all_finite(grads)
+        raw_norm, finite = _global_norm(grads), all_finite(grads)
     grad_norm = raw_norm / scale
     finite = finite & jnp.isfinite(grad_norm)  # an unscale that overflows
-    lr = plan.schedule(state.step - state.skipped_steps)
-    if plan.fp16:
+    lr = settings.schedule(state.step - state.skipped_steps)
+    if settings.fp16:
         # precision's loss-scale logic, with the finiteness computed here
         new_ls = off.scaler.next_state(state.opt_state, finite)
         inner = state.opt_state.inner_state
@@ -240,24 +240,24 @@ def _offloaded_tail(plan: StepPlan, state: TrainState, grads, loss, aux, rest, s
     pkind = None if off.param_shardings is None else jax.tree.leaves(
         off.param_shardings, is_leaf=lambda x: isinstance(x, jax.sharding.Sharding))[0].memory_kind
     params, new_off = offload_mod.streamed_update(
-        off.tx, grads, offload_mod.OffloadState(state.master, inner), off.plan,
-        compute_dtype=plan.compute_dtype, skip=skip, grad_scale=factor, compute_kind=pkind,
+        off.tx, grads, offload_mod.OffloadState(state.master, inner), off.layout,
+        compute_dtype=settings.compute_dtype, skip=skip, grad_scale=factor, compute_kind=pkind,
         compute_init=state.params)
     if off.param_shardings is not None:
         params = jax.device_put(params, off.param_shardings)
     else:
-        params = jax.lax.with_sharding_constraint(params, plan.shardings.params)
-    new_opt = new_ls._replace(inner_state=new_off.opt_state) if plan.fp16 else new_off.opt_state
+        params = jax.lax.with_sharding_constraint(params, settings.shardings.params)
+    new_opt = new_ls._replace(inner_state=new_off.opt_state) if settings.fp16 else new_off.opt_state
     new_state = TrainState(
         params=params, master=new_off.master, opt_state=new_opt,
-        rest=jax.lax.with_sharding_constraint(rest, plan.rest_shardings),
+        rest=jax.lax.with_sharding_constraint(rest, settings.rest_shardings),
         step=state.step + 1,
         skipped_steps=state.skipped_steps + skip.astype(jnp.int32),
-        global_samples=state.global_samples + plan.train_batch_size,
+        global_samples=state.global_samples + settings.train_batch_size,
     )
     metrics = {**aux, "loss": loss, "grad_norm": grad_norm, "lr": jnp.asarray(lr, jnp.float32),
                "loss_scale": scale, "skipped": skip, "nonfinite": nonfinite}
-    if plan.fp16:
+    if settings.fp16:
         metrics["overflow_at_min"] = jnp.asarray(new_ls.overflow_at_min, jnp.bool_)
     return new_state, metrics
 
@@ -267,9 +267,9 @@ def _global_norm(tree):
     return norm(tree) if norm is not None else optax.global_norm(tree)
 
 
-def eval_step(plan: StepPlan, params, rest, batch):
-    loss, _, _ = _call_loss(plan, params, batch, rest)
+def eval_step(settings: StepSettings, params, rest, batch):
+    loss, _, _ = _call_loss(settings, params, batch, rest)
     return loss
 
 
-__all__ = ["TrainState", "StepPlan", "OffloadStep", "train_step", "eval_step", "optimizer_update", "merge", "master_of"]
+__all__ = ["TrainState", "StepSettings", "pure_dict", "OffloadStep", "train_step", "eval_step", "optimizer_update", "merge", "master_of"]

@@ -32,8 +32,6 @@ import optax
 from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
-from zerojax import offload
-
 # activation names tagged with `checkpoint_name` inside each block; the "offload" remat
 # policy moves these to host memory instead of keeping them on the device
 OFFLOADED_ACTIVATIONS = ("layer_input",)
@@ -226,9 +224,11 @@ class GPT2(nnx.Module):
     to device memory); with it, remat_policy None means "full" (a saved device copy of every
     layer is what the offload avoids). `scan_unroll` (default 1) unrolls the layer scan, giving
     the scheduler a window to overlap the next layer's fetch with this layer's compute. With
-    `layer_prefetch` (default False; the engine sets it for offload_param) the scan is
-    `zerojax.offload.prefetch_scan` instead: the next layer's copy is issued while this one
-    computes, forward and backward, and every layer is recomputed in the backward pass.
+    `layer_scan` (default None; the engine sets it for offload_param to
+    `zerojax.offload.prefetch_scan`) the layers run through
+    `layer_scan(block, x, layers, layer_fetch, inputs_to_host=...)` instead: the next layer's copy
+    is issued while this one computes, forward and backward, and every layer is recomputed in the
+    backward pass. The model itself imports nothing of zerojax's runtime.
     """
 
     def __init__(self, config: GPT2Config, *, rngs: nnx.Rngs, dtype=jnp.float32,
@@ -249,7 +249,7 @@ class GPT2(nnx.Module):
         self.attention_impl = attention_impl
         self.layer_fetch = None  # see the class docstring: set by a trainer for param offload
         self.scan_unroll = 1
-        self.layer_prefetch = False  # with layer_fetch: offload.prefetch_scan (see above)
+        self.layer_scan = None  # with layer_fetch: a prefetching layer scan (see above)
         d, std = config.n_embd, config.initializer_range
         self.wte = _param(std * jax.random.normal(rngs.params(), (config.vocab_size, d), param_dtype),
                           ("vocab", "embed"))
@@ -257,6 +257,11 @@ class GPT2(nnx.Module):
                           ("pos", "embed"))
         self.h = Blocks(config, rngs, param_dtype)
         self.ln_f = LayerNorm((), (), d, param_dtype)
+
+    def checkpoint_record(self) -> dict:
+        """What a checkpoint stores about this model (JSON), so that an export can write Hugging
+        Face's layout from the weights alone (`zerojax.models.weights_writer`)."""
+        return {"type": "gpt2", "config": dataclasses.asdict(self.config)}
 
     def __call__(self, input_ids):
         x = self.hidden_states(input_ids)
@@ -278,9 +283,10 @@ class GPT2(nnx.Module):
         policy = self.remat_policy
         fetch = getattr(self, "layer_fetch", None)
         layers = nnx.to_pure_dict(nnx.state(self.h, nnx.Param))
-        if fetch is not None and getattr(self, "layer_prefetch", False):
+        layer_scan = getattr(self, "layer_scan", None)
+        if fetch is not None and layer_scan is not None:
             # host-resident layers (offload_param): fetched one layer ahead, forward and backward
-            x = offload.prefetch_scan(body, x, layers, fetch, inputs_to_host=policy == "offload")
+            x = layer_scan(body, x, layers, fetch, inputs_to_host=policy == "offload")
             return _layer_norm(x, self.ln_f.scale[...], self.ln_f.bias[...], cfg.layer_norm_epsilon, dtype)
         if fetch is not None:
             # inside the remat, and named so that no policy saves them: re-fetched in backward

@@ -1,0 +1,44 @@
+"""`zerojax.shard`: the user's entry point -- a model and a DeepSpeed config -> a training Engine.
+
+It builds the engine (`zerojax.engine.Engine`) and hands it the planner, so that a step that will
+not fit lists the plans that do. The engine itself only runs the memory check; the planner builds
+abstract engines, so it imports the engine and the engine never imports it.
+"""
+from __future__ import annotations
+
+import importlib.util
+from typing import Callable
+
+from jax.sharding import Mesh
+
+from zerojax.engine import Engine
+from zerojax.options import EngineOptions
+
+if importlib.util.find_spec("zerojax.planner") is not None:  # planner.py imports the engine
+    from zerojax.planner import engine_plans
+else:  # pragma: no cover - before zerojax.memory's planner moved to zerojax/planner.py
+    from zerojax.memory import engine_plans
+
+
+def shard(model, cfg, *, loss_fn: Callable, mesh: Mesh | None = None,
+          options: EngineOptions | None = None, **unknown) -> Engine:
+    """Wrap `model` (an nnx.Module, or a zero-argument callable returning one) for training.
+
+    cfg: a Config, or anything `load_config` accepts (path, JSON text, dict).
+    loss_fn(model, batch) -> loss, or (loss, metrics dict of scalars).
+    mesh: a ("data", "tensor") mesh; default all devices, "tensor" = tensor_parallel.autotp_size.
+    options: `zerojax.EngineOptions`, the knobs beyond the DeepSpeed config (offload layout,
+        stage-3 gather, memory guard, ...). Unless `options.plans_for` is set, a step that will not
+        fit raises WillNotFitError listing the planner's plans for this model.
+    """
+    if unknown:
+        fields = ", ".join(f"{k}={v!r}" for k, v in unknown.items())
+        raise TypeError(f"shard() got unexpected keyword arguments {sorted(unknown)}; engine knobs are "
+                        f"fields of EngineOptions: shard(..., options=zerojax.EngineOptions({fields}))")
+    options = options if options is not None else EngineOptions()
+    if isinstance(options, EngineOptions) and options.plans_for is None:
+        options = options.replace(plans_for=engine_plans)
+    return Engine(model, cfg, loss_fn=loss_fn, mesh=mesh, options=options)
+
+
+__all__ = ["shard"]

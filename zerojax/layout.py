@@ -1,0 +1,339 @@
+"""The engine's setup, apart from running it: `build_layout(model, cfg, ...) -> EngineLayout`.
+
+A pure function of (the model's abstract state, the resolved config, the mesh, `EngineOptions`):
+where every state leaf lives (the ZeRO stage's sharding trees, the offload's chunk layout and
+memory kinds), the per-layer hook the model is handed (stage 3's gather on use, offload_param's
+fetch), and the step's static settings (`zerojax.step.StepSettings`). Nothing is allocated here;
+`zerojax.engine.Engine` executes the layout (init, step, save, load). A new parallelism axis or
+offload tier changes this build, not the engine.
+"""
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+from typing import Any, Callable
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+from zerojax import offload as O, partition
+from zerojax.config import Config, ConfigError, load_config
+from zerojax.optim import build_optimizer, build_schedule
+from zerojax.options import EngineOptions
+from zerojax.precision import compute_dtype as compute_dtype_of, loss_scale_from_config, loss_scaler_from_config
+from zerojax.step import OffloadStep, StepSettings, TrainState, pure_dict
+
+PARAM_HOOK_ERROR = ("zero_optimization.offload_param: offload_param needs a model whose layer scan accepts a "
+                    "fetch hook (a `layer_fetch` attribute applied to each layer's params inside the scan); "
+                    "zerojax.models.gpt2.GPT2 does. {what}")
+
+_ACCUM_DTYPES = {"fp32": jnp.float32, "bf16": jnp.bfloat16, "fp16": jnp.float16}
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class EngineLayout:
+    """Everything static about one engine: built once by `build_layout`, read by the engine."""
+
+    cfg: Config
+    mesh: Mesh
+    options: EngineOptions
+    stage: int
+    fp16: bool
+    compute_dtype: Any
+    accum_dtype: Any
+    offload_optimizer: bool
+    offload_param: bool
+    tx: Any                        # the optimizer the step applies (fp16, no offload: inside loss scaling)
+    schedule: Callable
+    abstract_master: Any           # fp32 ShapeDtypeStructs of the params tree (pure dict)
+    shardings: partition.StageShardings   # params / grads / master of the ZeRO stage
+    param_shardings: Any           # where state.params lives (offload_param: host memory)
+    master_shardings: Any          # where state.master lives (offload: per-chunk trees)
+    opt_shardings: Any             # where state.opt_state lives
+    rest_shardings: Any
+    offload: O.OffloadLayout | None    # the chunk layout of an offloaded state, or None
+    offload_settings: dict | None      # the offload's resolved knobs (reported, e.g. by bench.py)
+    stage3_gather: str | None          # "layer" when stage 3 gathers per layer in the model's scan
+    step: StepSettings
+
+    @property
+    def state_shardings(self) -> TrainState:
+        """Where every state leaf lives (a TrainState of shardings; offload: host memory kinds)."""
+        rep = NamedSharding(self.mesh, P())
+        fp32 = self.compute_dtype == jnp.float32
+        master = self.master_shardings if (self.offload is not None or not fp32) else None
+        return TrainState(params=self.param_shardings, master=master, opt_state=self.opt_shardings,
+                          rest=self.rest_shardings, step=rep, skipped_steps=rep, global_samples=rep)
+
+    # -- the layout-free form: how a checkpoint stores the state, whatever the offload
+
+    def stored_opt_codec(self):
+        """(wrap, unwrap) between the offload's bare optimizer state and the state a run without
+        offload keeps: there, gradient clipping is a transform chained before the optimizer, so
+        its state is (clip state, optimizer state); offload clips the whole gradient itself."""
+        full = jax.eval_shape(build_optimizer(self.cfg).init, self.abstract_master)
+        bare = jax.eval_shape(self.tx.init, self.abstract_master)
+        if jax.tree.structure(full) == jax.tree.structure(bare):
+            return (lambda st: st), (lambda st: st)
+        if (isinstance(full, tuple) and len(full) == 2 and not jax.tree.leaves(full[0])
+                and jax.tree.structure(full[1]) == jax.tree.structure(bare)):
+            return (lambda st: (full[0], st)), (lambda st: st[1])
+        raise ValueError("host offload: the optimizer state of this config has a form that cannot "
+                         "be mapped to a run without offload")
+
+    def to_stored(self, state: TrainState) -> TrainState:
+        """`state` in the unchunked layout a run without offload keeps (nothing copied for the
+        default "loop" layout): what a checkpoint stores."""
+        if self.offload is None:
+            return state
+        wrap, _ = self.stored_opt_codec()
+        merge = lambda chunks: O.merge_chunks(chunks, self.offload.layout)  # noqa: E731
+        opt = state.opt_state
+        opt = opt._replace(inner_state=wrap(merge(opt.inner_state))) if self.fp16 else wrap(merge(opt))
+        return state._replace(master=merge(state.master), opt_state=opt)
+
+    def stored_targets(self, state: TrainState) -> tuple[TrainState, TrainState]:
+        """(the stored form of `state`, its shardings) for a restore: abstract where the stored form
+        differs from the live one (offload: the unchunked master and optimizer state, in the
+        offload's memory kind), the live arrays elsewhere."""
+        shardings = self.state_shardings
+        if self.offload is None:
+            return state, shardings
+        kind, sh = self.offload.kind, self.shardings
+        wrap, _ = self.stored_opt_codec()
+        opt = wrap(jax.eval_shape(self.tx.init, self.abstract_master))
+        opt_sh = wrap(partition.opt_state_shardings(self.tx, self.abstract_master, sh.master, self.mesh,
+                                                    memory_kind=kind))
+        if self.fp16:  # the loss-scale state around the chunked one: keep its own fields
+            opt, opt_sh = (state.opt_state._replace(inner_state=opt),
+                           self.opt_shardings._replace(inner_state=opt_sh))
+        target = state._replace(master=self.abstract_master, opt_state=opt)
+        return target, shardings._replace(master=O.with_memory_kind(sh.master, kind), opt_state=opt_sh)
+
+    def from_stored(self, master, opt_state):
+        """The inverse of `to_stored` for (master, opt_state or None): chunked as the engine keeps them."""
+        if self.offload is None:
+            return master, opt_state
+        off = self.offload
+        m_tmpl, s_tmpl = O.chunk_templates(self.tx, self.abstract_master, off.layout)
+        master = O.split_chunks(master, off.layout, m_tmpl, off.master_shardings)
+        if opt_state is None:
+            return master, None
+        _, unwrap = self.stored_opt_codec()
+        split = lambda st: O.split_chunks(unwrap(st), off.layout, s_tmpl, off.state_shardings)  # noqa: E731
+        if self.fp16:
+            return master, opt_state._replace(inner_state=split(opt_state.inner_state))
+        return master, split(opt_state)
+
+
+def resolve_config(cfg, mesh: Mesh | None) -> tuple[Config, Mesh]:
+    """(Config, mesh): `cfg` loaded for the mesh's data-parallel size (default mesh: all devices)."""
+    if mesh is None:
+        if not isinstance(cfg, Config):
+            cfg = load_config(cfg)  # world size: devices / autotp_size, the mesh made below
+        mesh = partition.make_mesh(tensor=cfg.tensor_parallel.autotp_size)
+    n = partition.data_size(mesh)
+    if not isinstance(cfg, Config):
+        cfg = load_config(cfg, world_size=n)
+    if cfg.world_size != n:
+        raise ValueError(
+            f"the config was resolved for world_size={cfg.world_size} data-parallel devices but the "
+            f"mesh has data={n}; load it with load_config(..., world_size={n})"
+        )
+    return cfg, mesh
+
+
+def build_layout(module: nnx.Module, cfg, *, loss_fn: Callable, mesh: Mesh | None = None,
+                 options: EngineOptions | None = None) -> EngineLayout:
+    """The layout of `module` (a built or an abstract nnx.Module) under `cfg` on `mesh`.
+
+    Pure: reads only the module's structure and shapes; installs the per-layer hook on a copy of
+    its graph (`StepSettings.graphdef`), never on `module` itself.
+    """
+    options = options or EngineOptions()
+    cfg, mesh = resolve_config(cfg, mesh)
+    dtype = jnp.dtype(compute_dtype_of(cfg))
+    fp16 = bool(cfg.fp16.enabled)
+    accum_dtype = jnp.dtype(_ACCUM_DTYPES.get(cfg.data_types.grad_accum_dtype or "fp32", jnp.float32))
+    schedule = build_schedule(cfg)
+    zero = cfg.zero_optimization
+    stage = int(zero.stage)
+    # host offload (DeepSpeed: offload_optimizer at stage >= 1, offload_param at stage 3)
+    offload_optimizer = zero.offload_optimizer.device == "cpu" and stage >= 1
+    offload_param = zero.offload_param.device == "cpu" and stage == 3
+    offloading = offload_optimizer or offload_param
+    if offloading and cfg.optimizer is not None and "".join(
+            c for c in cfg.optimizer.type.lower() if c.isalnum()) == "lamb":
+        raise ConfigError(["zero_optimization.offload_optimizer / offload_param with optimizer.type "
+                           f"{cfg.optimizer.type!r}: Lamb's per-tensor trust ratio needs whole tensors, "
+                           "and the offloaded update runs on chunks of stacked layers; use Adam/AdamW, "
+                           "Lion, SGD or Adagrad with offload, or turn offload off for Lamb"])
+    # offload: the bare optimizer (clip, unscale and finite check run on the whole gradient first)
+    tx = build_optimizer(cfg, clip=not offloading)
+    tx = loss_scale_from_config(tx, cfg.fp16) if (fp16 and not offloading) else tx
+
+    graphdef, params, rest = nnx.split(module, nnx.Param, ...)
+    abstract = lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype)  # noqa: E731
+    param_template, rest_template = jax.tree.map(abstract, params), jax.tree.map(abstract, rest)
+    abstract_master = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, jnp.float32), pure_dict(params))
+    base_specs = partition.tensor_specs(params, mesh)
+    shardings = partition.stage_shardings(
+        abstract_master, mesh, stage, base_specs=base_specs,
+        persistence_threshold=int(zero.stage3_param_persistence_threshold or 0))
+    rest_shardings = partition.replicated(mesh, pure_dict(rest))
+
+    off = offload_settings = offload_step = fetch_rest = None
+    stage3_gather = None
+    param_shardings, master_shardings = shardings.params, shardings.master
+    if offloading:
+        off, offload_settings, opt_shardings, scaler = _offload_layout(
+            cfg, options, tx, abstract_master, shardings, mesh, fp16, offload_optimizer, offload_param)
+        master_shardings = off.shardings.master
+        if offload_param:
+            kind = O.host_memory_kind(bool(zero.offload_param.pin_memory))
+            param_shardings = O.with_memory_kind(shardings.params, kind)
+            graphdef, fetch_rest = _install_layer_hook(
+                module, abstract_master, O.with_memory_kind(shardings.params, O.DEVICE), O.fetch,
+                {"scan_unroll": options.offload_unroll,
+                 "layer_scan": O.prefetch_scan if options.offload_prefetch else None})
+        offload_step = OffloadStep(layout=off, tx=tx, scaler=scaler, clip=float(cfg.gradient_clipping or 0.0),
+                                   param_shardings=param_shardings if offload_param else None)
+    else:
+        opt_shardings = partition.opt_state_shardings(tx, abstract_master, shardings.master, mesh)
+    if (stage == 3 and not offload_param and partition.data_size(mesh) > 1 and options.stage3_gather == "layer"
+            and _hook_modules(module) and any(O.chunk_layout(abstract_master, 1).stacked)):
+        # ZeRO-3's "all-gather on use": each layer's weights constrained to their stage-0
+        # sharding inside the layer scan. Left to itself, GSPMD may keep a sharded weight
+        # sharded and move activations instead, or gather every layer at once; per layer, XLA
+        # can pipeline the gather with the previous layer's compute. The non-layer leaves are
+        # gathered too: left sharded, a hidden-sharded embedding made GSPMD gather the token
+        # ids and the full-batch fp32 logits (3.3 GB for GPT-2 Large at micro-batch 8 on 2
+        # GPUs) -- stage 3 ran at 60% of stage 2
+        gathered = partition.stage_shardings(abstract_master, mesh, 0, base_specs=base_specs).params
+        graphdef, fetch_rest = _install_layer_hook(
+            module, abstract_master, gathered, jax.lax.with_sharding_constraint,
+            {"scan_unroll": 1, "layer_scan": None})
+        stage3_gather = "layer"
+
+    step = StepSettings(
+        graphdef=graphdef, param_template=param_template, rest_template=rest_template,
+        loss_fn=loss_fn, tx=tx, schedule=schedule, mesh=mesh, shardings=shardings,
+        opt_shardings=opt_shardings, rest_shardings=rest_shardings, compute_dtype=dtype,
+        accum_dtype=accum_dtype, steps=int(cfg.gradient_accumulation_steps),
+        train_batch_size=int(cfg.train_batch_size), fp16=fp16, offload=offload_step, fetch_rest=fetch_rest)
+    return EngineLayout(
+        cfg=cfg, mesh=mesh, options=options, stage=stage, fp16=fp16, compute_dtype=dtype,
+        accum_dtype=accum_dtype, offload_optimizer=offload_optimizer, offload_param=offload_param,
+        tx=tx, schedule=schedule, abstract_master=abstract_master, shardings=shardings,
+        param_shardings=param_shardings, master_shardings=master_shardings, opt_shardings=opt_shardings,
+        rest_shardings=rest_shardings, offload=off, offload_settings=offload_settings,
+        stage3_gather=stage3_gather, step=step)
+
+
+def _offload_layout(cfg, options, tx, abstract_master, shardings, mesh, fp16, offload_optimizer,
+                    offload_param):
+    """(OffloadLayout, its settings, the opt-state shardings, the fp16 loss scaler or None).
+
+    Default K = layers (the layers updated in place one at a time, the non-layer leaves as one
+    more chunk). It beat "chunked" (K = ceil(layers / 3), window 2) on an H200 in speed and device
+    memory, and is the only layout under which a 6.2B GPT's parameter + optimizer offload fits
+    24 GB (README, "Measured")."""
+    zero = cfg.zero_optimization
+    layers = O.chunk_layout(abstract_master, 1).num_layers
+    k = options.offload_chunks or layers or 1
+    if offload_optimizer:
+        kind = O.host_memory_kind(bool(zero.offload_optimizer.pin_memory))
+        ratio = float(zero.offload_optimizer.ratio)
+    else:  # offload_param alone: the optimizer state stays on the device (one device chunk)
+        kind, ratio = O.DEVICE, 0.0
+    off = O.offload_layout(tx, abstract_master, shardings.master, k, kind=kind, ratio=ratio)
+    settings = dict(chunks=k, ratio=ratio, kind=kind, unroll=options.offload_unroll if offload_param else None)
+    scaler = loss_scaler_from_config(cfg.fp16) if fp16 else None
+    opt_shardings = off.shardings.opt_state
+    if scaler is not None:
+        rep = NamedSharding(mesh, P())
+        ls = jax.eval_shape(lambda: scaler.init(None))
+        opt_shardings = jax.tree.map(lambda _: rep, ls)._replace(inner_state=opt_shardings)
+    return off, settings, opt_shardings, scaler
+
+
+def _hook_modules(model) -> list:
+    """The modules of `model` that expose the per-layer `layer_fetch` hook (docs/CONTRACTS.md)."""
+    return [m for _, m in nnx.iter_graph(model) if isinstance(m, nnx.Module) and "layer_fetch" in vars(m)]
+
+
+def _config_error(message):
+    return ConfigError([message])
+
+
+def _install_layer_hook(module, abstract_master, targets, move, knobs: dict):
+    """The model's graph with its per-layer hook installed -> (graphdef, fetch_rest).
+
+    `layer_fetch` = `move(layer slice, that layer's `targets` shardings)`, applied by the model to
+    each layer's params inside its scan: offload_param brings the layer from host to device
+    memory (`offload.fetch`), stage 3 constrains it to its gathered sharding (ZeRO-3's all-gather
+    on use). `knobs` (e.g. scan_unroll, layer_scan) are set where the module has them. The user's
+    module is left as it was: the hook lives only in the returned graphdef."""
+    probe = O.chunk_layout(abstract_master, 1)
+    flags = probe.treedef.unflatten(list(probe.stacked))
+    if not any(probe.stacked):
+        raise _config_error(PARAM_HOOK_ERROR.format(
+            what="This model has no stacked (scanned) layer parameters to fetch layer by layer."))
+    # every maximal subtree whose leaves are all stacked: its layer slice's structure -> shardings
+    table: dict = {}
+
+    def walk(f, d):
+        if isinstance(f, dict):
+            if f and all(jax.tree.leaves(f)):
+                key = jax.tree.structure(f)
+                layer = O.layer_shardings(d)
+                if key in table and table[key] != layer:
+                    raise _config_error(PARAM_HOOK_ERROR.format(
+                        what="Two stacked parameter groups with one structure are sharded differently."))
+                table[key] = layer
+                return
+            for name in f:
+                walk(f[name], d[name])
+
+    walk(flags, targets)
+
+    def layer_fetch(p):
+        target = table.get(jax.tree.structure(p))
+        if target is None:
+            raise ValueError("offload_param: the model's layer_fetch got a tree that matches no stacked "
+                             f"parameter group: {jax.tree.structure(p)}")
+        return move(p, target)
+
+    def fetch_rest(tree):  # the non-layer leaves (embeddings, final norm): whole, where used
+        return jax.tree.map(lambda x, f, s: x if f else move(x, s), tree, flags, targets)
+
+    hooked = _hook_modules(module)
+    if not hooked:
+        raise _config_error(PARAM_HOOK_ERROR.format(
+            what=f"{type(module).__name__} has no `layer_fetch` attribute, so its parameters would "
+                 "stay on the device."))
+    saved = [(m, m.layer_fetch, {k: vars(m)[k] for k in knobs if k in vars(m)}) for m in hooked]
+    try:
+        for m, _, old in saved:
+            m.layer_fetch = layer_fetch
+            for k in old:
+                setattr(m, k, knobs[k])
+        with no_eager_sharding():
+            graphdef = nnx.split(module, nnx.Param, ...)[0]
+    finally:
+        for m, f, old in saved:
+            m.layer_fetch = f
+            for k, v in old.items():
+                setattr(m, k, v)
+    return graphdef, fetch_rest
+
+
+def no_eager_sharding():
+    # flax >= 0.12 shards annotated variables at creation, which needs a mesh; we shard later.
+    use = getattr(nnx, "use_eager_sharding", None)
+    return contextlib.nullcontext() if use is None else use(False)
+
+
+__all__ = ["EngineLayout", "build_layout", "resolve_config", "PARAM_HOOK_ERROR"]

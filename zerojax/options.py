@@ -1,0 +1,148 @@
+"""`EngineOptions`: every engine knob beyond DeepSpeed's JSON config, typed and validated once.
+
+DeepSpeed's config says *what* to train (stage, precision, offload device); these say *how* zerojax
+lays it out where DeepSpeed has no key (the offload's chunk layout, the stage-3 gather, ...). The
+defaults are the measured winners (README, "Measured"); change them to measure, not to tune.
+
+    engine = zerojax.shard(model, cfg, loss_fn=loss_fn,
+                           options=zerojax.EngineOptions(offload_prefetch=False))
+
+Benchmarks that sweep a knob from a shell script read the `ZEROJAX_*` environment variables through
+`EngineOptions.from_env()`, the one place in zerojax that reads them; the engine never does.
+"""
+from __future__ import annotations
+
+import dataclasses
+import os
+from typing import Any, Callable, Mapping
+
+STAGE3_GATHER_MODES = ("layer", "auto")
+
+
+@dataclasses.dataclass(frozen=True)
+class EngineOptions:
+    """Engine knobs with no DeepSpeed key. Fields (defaults in brackets):
+
+    offload_chunks [None]: the offloaded layers are updated K groups at a time (`zerojax.offload`);
+        None = one layer a group (measured fastest, and the least device memory). K must divide
+        the layer count.
+    offload_unroll [1]: unroll of the model's layer scan under offload_param (2 hit an XLA layout
+        error on GPU, jax 0.11.2).
+    offload_prefetch [True]: under offload_param, fetch layer i+1 while layer i computes (the
+        model's `layer_scan`).
+    stage3_gather ["layer"]: ZeRO-3's all-gather on use, one layer at a time inside the layer scan;
+        "auto" leaves the placement to GSPMD.
+    init_group_bytes [None]: offload init builds the fp32 weights in groups of at most this many
+        bytes; None = a quarter of the device's memory (no limit on CPU).
+    memory_guard [True]: before the first step of each batch shape, compare XLA's predicted peak
+        with the device's memory and raise WillNotFitError instead of running out mid-step.
+    plans_for [None]: `plans_for(engine, batch_shapes, budget) -> plans` called when the guard
+        fails, so the WillNotFitError lists plans that fit (`zerojax.shard` sets the planner's).
+    """
+
+    offload_chunks: int | None = None
+    offload_unroll: int = 1
+    offload_prefetch: bool = True
+    stage3_gather: str = "layer"
+    init_group_bytes: int | None = None
+    memory_guard: bool = True
+    plans_for: Callable[[Any, Any, int], Any] | None = dataclasses.field(default=None, compare=False)
+
+    def __post_init__(self):
+        problems = []
+        if self.stage3_gather not in STAGE3_GATHER_MODES:
+            problems.append(f"stage3_gather={self.stage3_gather!r}: choose one of {STAGE3_GATHER_MODES}")
+        for name, least, optional in (("offload_chunks", 1, True),
+                                      ("offload_unroll", 1, False), ("init_group_bytes", 1, True)):
+            value = getattr(self, name)
+            if value is None and optional:
+                continue
+            if isinstance(value, bool) or not isinstance(value, int) or value < least:
+                problems.append(f"{name}={value!r}: an int >= {least}" + (" or None" if optional else ""))
+        for name in ("offload_prefetch", "memory_guard"):
+            if not isinstance(getattr(self, name), bool):
+                problems.append(f"{name}={getattr(self, name)!r}: True or False")
+        if self.plans_for is not None and not callable(self.plans_for):
+            problems.append(f"plans_for={self.plans_for!r}: a callable (engine, batch_shapes, budget) -> plans, or None")
+        if problems:
+            raise ValueError("EngineOptions: " + "; ".join(problems))
+
+    def replace(self, **changes) -> "EngineOptions":
+        return dataclasses.replace(self, **changes)
+
+    @classmethod
+    def from_env(cls, environ: Mapping[str, str] | None = None, **overrides) -> "EngineOptions":
+        """Options from the ZEROJAX_* environment variables (benchmark scripts), then `overrides`.
+
+        ZEROJAX_OFFLOAD_CHUNKS, _OFFLOAD_UNROLL, _OFFLOAD_PREFETCH, _STAGE3_GATHER, _INIT_GROUP_BYTES, _MEMORY_GUARD.
+        Booleans accept 1/0, true/false, yes/no, on/off; anything else is an error naming the
+        variable and the values it takes.
+        """
+        env = os.environ if environ is None else environ
+        values: dict[str, Any] = {}
+        problems = []
+        for name, (var, parse) in _ENV.items():
+            raw = env.get(var, "").strip()
+            if not raw:
+                continue
+            try:
+                values[name] = parse(raw)
+            except ValueError as e:
+                problems.append(f"{var}={raw!r}: {e}")
+        if problems:
+            raise ValueError("EngineOptions.from_env: " + "; ".join(problems))
+        return cls(**{**values, **overrides})
+
+
+def _int_or_none(raw: str) -> int | None:
+    if raw.lower() == "none":
+        return None
+    try:
+        return int(raw)
+    except ValueError:
+        raise ValueError("an integer or none") from None
+
+
+def _positive_or_none(raw: str) -> int | None:
+    # the variables' old meaning: 0 or "none" = the default
+    value = _int_or_none(raw)
+    return value or None
+
+
+def _int(raw: str) -> int:
+    try:
+        return int(raw)
+    except ValueError:
+        raise ValueError("an integer") from None
+
+
+_TRUE, _FALSE = ("1", "true", "yes", "on"), ("0", "false", "no", "off")
+
+
+def _bool(raw: str) -> bool:
+    if raw.lower() in _TRUE:
+        return True
+    if raw.lower() in _FALSE:
+        return False
+    raise ValueError(f"one of {_TRUE + _FALSE}")
+
+
+def _choice(choices):
+    def parse(raw: str) -> str:
+        if raw not in choices:
+            raise ValueError(f"one of {choices}")
+        return raw
+    return parse
+
+
+# field -> (environment variable, parser)
+_ENV = {
+    "offload_chunks": ("ZEROJAX_OFFLOAD_CHUNKS", _positive_or_none),
+    "offload_unroll": ("ZEROJAX_OFFLOAD_UNROLL", _int),
+    "offload_prefetch": ("ZEROJAX_OFFLOAD_PREFETCH", _bool),
+    "stage3_gather": ("ZEROJAX_STAGE3_GATHER", _choice(STAGE3_GATHER_MODES)),
+    "init_group_bytes": ("ZEROJAX_INIT_GROUP_BYTES", _positive_or_none),
+    "memory_guard": ("ZEROJAX_MEMORY_GUARD", _bool),
+}
+
+__all__ = ["EngineOptions", "STAGE3_GATHER_MODES"]
