@@ -607,11 +607,18 @@ class Engine:
 
     # ------------------------------------------------------------------ checkpoints
 
-    def save_checkpoint(self, save_dir, tag=None, client_state=None) -> str:
-        """DeepSpeed's save_checkpoint (zerojax.checkpoint.save); returns the checkpoint path."""
-        from zerojax import checkpoint
+    def save_checkpoint(self, save_dir, tag=None, client_state=None, *, keep: int | None = None) -> str:
+        """DeepSpeed's save_checkpoint (zerojax.checkpoint.save); returns the checkpoint path.
+        keep=N: then delete all but the N newest checkpoints, never `latest`'s
+        (Hugging Face's save_total_limit; zerojax.checkpoint_files.prune)."""
+        from zerojax import checkpoint, checkpoint_files
 
-        return checkpoint.save(self, save_dir, tag=tag, client_state=client_state)
+        if keep is not None:
+            checkpoint_files.check_keep(keep)
+        path = checkpoint.save(self, save_dir, tag=tag, client_state=client_state)
+        if keep is not None:
+            checkpoint_files.prune(save_dir, keep)
+        return path
 
     def load_checkpoint(self, load_dir, tag=None, *, load_optimizer_states=True, load_module_only=False):
         """DeepSpeed's load_checkpoint: installs the restored state; returns (path, client_state)."""
