@@ -151,3 +151,40 @@ def test_one_step_stage3_lr0_and_cpu_precision_default(tmp_path, capsys):
 def test_steps_zero_evaluates_only():
     summary = _example().main([*TINY, "--steps", "0", "--eval-batches", "1"])
     assert summary["losses"] == [] and summary["last_loss"] is None and summary["val_loss"] > 0
+
+
+@pytest.mark.parametrize("sections, flag, device, expect", [
+    # the config decides when it enables a mode (the flag must agree, as HF's "mismatch" check)
+    ({"bf16": {"enabled": True}}, None, "cpu", ("bf16", {"bf16": True})),
+    ({"bf16": {"enabled": True}}, "bf16", "gpu9", ("bf16", {"bf16": True})),
+    ({"bf16": {"enabled": True}}, "fp16", "gpu9", "--fp16 asks for fp16, but the config sets bf16.enabled: true"),
+    # "auto" (or no section, as the guide's config has no bf16): the flag, else the default
+    ({"fp16": {"enabled": "auto"}}, None, "gpu9", ("bf16", {"bf16": True, "fp16": False})),
+    ({"fp16": {"enabled": "auto"}}, "fp16", "gpu9", ("fp16", {"fp16": True})),
+    ({"fp16": {"enabled": "auto"}}, None, "cpu", ("fp32", {"fp16": False})),
+    ({"fp16": {"enabled": "auto"}}, None, "gpu7", ("fp32", {"fp16": False})),  # V100: no fast bf16
+    ({"bfloat16": {"enabled": "auto"}}, "bf16", "cpu", ("bf16", {"bfloat16": True})),
+    ({"bf16": {"enabled": "auto"}, "fp16": {"enabled": "auto"}}, "fp32", "gpu9", ("fp32", {"bf16": False, "fp16": False})),
+    # a mode the config turns off is never chosen
+    ({"bf16": {"enabled": False}}, None, "gpu9", ("fp32", {"bf16": False})),
+    ({"bf16": {"enabled": False}}, "bf16", "gpu9", "--bf16 asks for bf16, but the config sets bf16.enabled: false"),
+])
+def test_precision_resolved_as_hugging_face_fills_it(sections, flag, device, expect):
+    from types import SimpleNamespace
+
+    example = _example()
+    dev = {"cpu": SimpleNamespace(platform="cpu", device_kind="cpu"),
+           "gpu9": SimpleNamespace(platform="gpu", device_kind="NVIDIA H200", compute_capability="9.0"),
+           "gpu7": SimpleNamespace(platform="gpu", device_kind="Tesla V100", compute_capability="7.0")}[device]
+    raw = {"train_batch_size": 8, **sections}
+    if isinstance(expect, str):
+        with pytest.raises(example.ConfigMismatch, match=expect.replace("(", r"\(")):
+            example.resolve_precision(raw, flag, dev)
+        return
+    out, mode, _ = example.resolve_precision(raw, flag, dev)
+    assert mode == expect[0] and {k: out[k]["enabled"] for k in expect[1]} == expect[1]
+    import zerojax
+    from zerojax.precision import compute_dtype
+
+    assert compute_dtype(zerojax.load_config(out)).name == {"fp32": "float32", "bf16": "bfloat16",
+                                                             "fp16": "float16"}[mode]
