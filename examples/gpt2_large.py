@@ -426,7 +426,8 @@ def _print_run(args, cfg, size, steps, schedule_steps, lr, lr_default, precision
     lr_why = ("--lr" if args.lr is not None else "saved with the checkpoint" if "lr" in saved
               else f"default for {'--hf-checkpoint' if args.hf_checkpoint else size}; --lr to change")
     sched_why = ("--schedule-steps" if args.schedule_steps is not None else
-                 "saved with the checkpoint" if "schedule_steps" in saved else "= --steps")
+                 "saved with the checkpoint" if "schedule_steps" in saved else
+                 "= --steps" if steps else "unused: no training step")
     data_name = args.data or "the embedded corpus"
     print(f"run: GPT-2 {size}, config {args.config}, ZeRO stage {cfg.zero_optimization.stage}")
     print(f"  steps:     {'resume, then ' if args.resume else ''}train until global step {steps}"

@@ -99,16 +99,27 @@ def _summary(out):
 
 
 def test_resume_matches_the_uninterrupted_run_step_for_step(tmp_path, capsys):
-    """Straight 4 steps vs 2 + resume to 4, same flags. The schedule (6 steps, WarmupDecayLR) is
-    the one saved with the checkpoint: had the resumed run rebuilt it from --steps 4, the update
-    at step 3 would use lr 0.5*lr0 instead of 0.8*lr0 (DeepSpeed's decay (T-k)/(T-warmup), T 4 vs
-    6, k=2, warmup 1) and the 4th loss would differ. The resumed program is the same jitted step
-    on the same state (orbax restores bf16 / fp32 leaves exactly) and the same batches (random
-    access by step), so the losses are compared bitwise."""
+    """Straight 4 steps vs 2 + resume to 4, same flags. The schedule (WarmupDecayLR over 40
+    steps, warmup 4) is the one saved with the checkpoint: had the resumed run rebuilt it from
+    --steps 4 (warmup 1), the update before the 4th loss would use another lr (checked below
+    with zerojax.build_schedule) and that loss would differ. The resumed program is the same
+    jitted step on the same state (orbax restores bf16 / fp32 leaves exactly) and the same
+    batches (random access by step), so the losses are compared bitwise."""
+    import zerojax
+
+    def lr(total, k):  # the example's fill: warmup 10% of the schedule, at least 1
+        cfg = zerojax.load_config(os.path.join(ROOT, "configs", "zero2_bf16.json"), world_size=8, fill={
+            "train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": 1,
+            "optimizer.params.lr": 1e-3, "optimizer.params.weight_decay": 0.0,
+            "scheduler.params.warmup_max_lr": 1e-3, "scheduler.params.warmup_num_steps": max(1, total // 10),
+            "scheduler.params.total_num_steps": total})
+        return float(zerojax.build_schedule(cfg)(k))
+
+    assert lr(40, 2) > 0 and lr(40, 2) != lr(4, 2)  # the test can tell the two schedules apart
     example = _example()
-    straight = example.main([*TINY, "--steps", "4", "--schedule-steps", "6"])
+    straight = example.main([*TINY, "--steps", "4", "--schedule-steps", "40"])
     ckpt = tmp_path / "ckpt"
-    first = example.main([*TINY, "--steps", "2", "--schedule-steps", "6", "--save", str(ckpt)])
+    first = example.main([*TINY, "--steps", "2", "--schedule-steps", "40", "--save", str(ckpt)])
     # a save killed mid-way leaves orbax's temporary folder: removed at the next start
     leftover = ckpt / "global_step3.orbax-checkpoint-tmp"
     (leftover / "meta").mkdir(parents=True)
@@ -119,7 +130,7 @@ def test_resume_matches_the_uninterrupted_run_step_for_step(tmp_path, capsys):
     assert len(straight["losses"]) == 4 and straight["last_loss"] == straight["losses"][-1]
     assert f"removed {leftover}: left by an interrupted save" in out and not leftover.exists()
     assert f"resumed from {ckpt / 'global_step2'} at step 2 (data position: batch 2" in out
-    assert "[length 6: saved with the checkpoint]" in out and "lr:        0.001 (saved with the checkpoint)" in out
+    assert "[length 40: saved with the checkpoint]" in out and "lr:        0.001 (saved with the checkpoint)" in out
     # --keep 1: the older step is pruned after the save, the one `latest` names is kept
     assert sorted(p.name for p in ckpt.iterdir() if not p.name.startswith(".")) == ["global_step4", "latest"]
     assert (ckpt / "latest").read_text() == "global_step4"
