@@ -225,11 +225,19 @@ def _warn_replicated(engine, cfg):
 
 def main(argv=None):
     args = parse_args(argv)
+    from zerojax.distributed import init_distributed
+
+    init_distributed()  # several processes (zerojax launch, srun, ...): before any device use
     import jax
     import numpy as np
     from flax import nnx
     from tqdm import tqdm
 
+    # Each process feeds only its rows: the data loader splits every global batch by
+    # jax.process_index(). Progress and prints come from process 0 only.
+    quiet = jax.process_index() != 0
+    if quiet:
+        sys.stdout = open(os.devnull, "w")
     import zerojax
     from zerojax import checkpoint_files
     from zerojax.config import _read as read_config
@@ -352,7 +360,8 @@ def main(argv=None):
           f"x {cfg.world_size}, seq {seq_len}, remat {remat}")
 
     tokens_per_step = cfg.train_batch_size * seq_len
-    bar = tqdm(batches, total=max(0, steps - start), initial=0, desc="train", dynamic_ncols=True)
+    bar = tqdm(batches, total=max(0, steps - start), initial=0, desc="train", dynamic_ncols=True,
+               disable=quiet)
     losses = []  # device scalars, read once at the end (no host sync per step)
     t0, timed_tokens = None, 0
     for i, rows in enumerate(bar):
@@ -368,7 +377,7 @@ def main(argv=None):
             post = {"loss": f"{float(metrics['loss']):.3f}", "tok/s": f"{tps:,.0f}"}
             if peak:
                 post["MFU"] = f"{100 * tps * fpt / (peak * 1e12 * n_dev):.1f}%"
-            stats = jax.devices()[0].memory_stats() or {}
+            stats = jax.local_devices()[0].memory_stats() or {}
             if "peak_bytes_in_use" in stats:
                 post["mem"] = f"{stats['peak_bytes_in_use'] / 2**30:.1f}GiB"
             bar.set_postfix(post)
@@ -385,7 +394,7 @@ def main(argv=None):
         summary["tokens_per_s_per_device"] = round(tps)
         if peak:
             summary["mfu"] = round(tps * fpt / (peak * 1e12), 4)
-    stats = jax.devices()[0].memory_stats() or {}
+    stats = jax.local_devices()[0].memory_stats() or {}
     if "peak_bytes_in_use" in stats:
         summary["peak_gib_device0"] = round(stats["peak_bytes_in_use"] / 2**30, 2)
 

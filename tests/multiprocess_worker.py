@@ -1,7 +1,8 @@
 """One process of the multi-process test (tests/test_multiprocess.py), also importable in-process.
 
-Usage: python multiprocess_worker.py PROCESS_ID NUM_PROCESSES PORT OUT.npz
-Each process owns 4 virtual CPU devices and feeds only its own rows of every global batch.
+Usage: RANK=.. WORLD_SIZE=.. LOCAL_RANK=.. MASTER_ADDR=.. MASTER_PORT=.. python multiprocess_worker.py OUT.npz
+(the variables DeepSpeed's launcher sets; zerojax.init_distributed reads them). Each process owns
+4 virtual CPU devices and feeds only its own rows of every global batch.
 """
 import os
 import sys
@@ -53,15 +54,20 @@ def flat(tree, prefix=""):
     return out
 
 
-def main(process_id, num_processes, port, out):
+def main(out):
     os.environ["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={LOCAL_DEVICES}"
     os.environ["JAX_PLATFORMS"] = "cpu"
     import jax
     import numpy as np
 
-    jax.config.update("jax_cpu_collectives_implementation", "gloo")
-    jax.distributed.initialize(coordinator_address=f"localhost:{port}", num_processes=num_processes,
-                               process_id=process_id, initialization_timeout=120)
+    from zerojax.distributed import init_distributed
+
+    # the launcher's variables (RANK, WORLD_SIZE, ... as DeepSpeed's launcher sets them)
+    plan = init_distributed(initialization_timeout=120)
+    assert plan.source.startswith("torchrun/DeepSpeed"), plan
+    assert jax.config.jax_cpu_collectives_implementation == "gloo"
+    process_id, num_processes = jax.process_index(), jax.process_count()
+    assert (process_id, num_processes) == (plan.process_id, plan.num_processes)
     assert jax.device_count() == LOCAL_DEVICES * num_processes, jax.devices()
     share = ROWS // num_processes
     rows_of = lambda x: x[process_id * share:(process_id + 1) * share]  # noqa: E731
@@ -75,5 +81,4 @@ def main(process_id, num_processes, port, out):
 
 
 if __name__ == "__main__":
-    pid, nproc, port, out = sys.argv[1:5]
-    main(int(pid), int(nproc), int(port), out)
+    main(sys.argv[1])

@@ -1,5 +1,7 @@
 """Two processes x 4 CPU devices (gloo collectives, local coordinator) end with the same weights
-as one process x 8 devices; each process feeds only its own rows."""
+as one process x 8 devices; each process feeds only its own rows. The processes join through
+zerojax.init_distributed reading DeepSpeed's launcher variables (RANK, WORLD_SIZE, LOCAL_RANK,
+MASTER_ADDR, MASTER_PORT)."""
 import os
 import socket
 import subprocess
@@ -30,9 +32,12 @@ def _launch(tmp_path):
     for pid in range(2):
         log = open(tmp_path / f"worker{pid}.log", "w+")
         logs.append(log)
+        # DeepSpeed's launcher's variables (deepspeed/launcher/launch.py), read by init_distributed
+        ds_env = {"MASTER_ADDR": "localhost", "MASTER_PORT": str(port), "WORLD_SIZE": "2",
+                  "RANK": str(pid), "LOCAL_RANK": str(pid)}
         procs.append(subprocess.Popen(
-            [sys.executable, os.path.join(HERE, "multiprocess_worker.py"), str(pid), "2", str(port), str(out)],
-            env=env, stdout=log, stderr=subprocess.STDOUT, cwd=str(tmp_path)))
+            [sys.executable, os.path.join(HERE, "multiprocess_worker.py"), str(out)],
+            env={**env, **ds_env}, stdout=log, stderr=subprocess.STDOUT, cwd=str(tmp_path)))
     return procs, logs, out
 
 

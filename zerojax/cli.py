@@ -4,6 +4,7 @@
     zerojax estimate --model large --gpus 1 --aot --budget 24GB   # + compiled peaks and a plan
     zerojax estimate --params 2851e6 --largest-layer 32e6 --gpus 8
     zerojax export runs/ckpt hf_out --dtype bf16                  # consolidated weights
+    zerojax launch --num_procs 2 train.py --config ds.json        # several processes (zerojax.launch)
 
 A new subcommand is a function `_add_<name>(subparsers)` that adds its parser and sets
 `func=<handler(args) -> exit code>`, appended to COMMANDS.
@@ -76,7 +77,14 @@ def cmd_export(args) -> int:
     return 0
 
 
-COMMANDS = [_add_estimate, _add_export]
+def _add_launch(sub):
+    # listed for --help only: main() hands `launch ...` to zerojax.launch before parsing, since its
+    # arguments end with the user's script and that script's own flags
+    sub.add_parser("launch", add_help=False,
+                   help="start a multi-process / multi-node run (DeepSpeed's launcher flags)")
+
+
+COMMANDS = [_add_estimate, _add_export, _add_launch]
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -89,6 +97,11 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv=None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv[:1] == ["launch"]:
+        from zerojax.launch import main as launch
+
+        return launch(argv[1:])
     args = build_parser().parse_args(argv)
     return int(args.func(args) or 0)
 
