@@ -8,7 +8,8 @@
 Each matrix entry runs in a fresh subprocess (`--one <json spec>`): a device's
 `peak_bytes_in_use` is a process-lifetime maximum, so entries sharing a process would mix peaks,
 and the parent never touches the accelerator (a preallocating parent would starve its children).
-The bf16 matmul ceiling for MFU is measured first, in its own child, with an 8192^3 matmul.
+The bf16 matmul ceiling for MFU is measured first, in its own child: one 8192^3 matmul per
+local device, all at once.
 
 Columns: tokens/s per device after warm-up, model TFLOP/s per device (FLOPs/token = 6N + 12*L*d*T),
 MFU against the measured ceiling, measured peak per device (max over local devices), the
