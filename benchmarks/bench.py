@@ -8,7 +8,8 @@
 Each matrix entry runs in a fresh subprocess (`--one <json spec>`): a device's
 `peak_bytes_in_use` is a process-lifetime maximum, so entries sharing a process would mix peaks,
 and the parent never touches the accelerator (a preallocating parent would starve its children).
-The bf16 matmul ceiling for MFU is measured first, in its own child, with an 8192^3 matmul.
+The bf16 matmul ceiling for MFU is measured first, in its own child: one 8192^3 matmul per
+local device, all at once.
 
 Columns: tokens/s per device after warm-up, model TFLOP/s per device (FLOPs/token = 6N + 12*L*d*T),
 MFU against the measured ceiling, measured peak per device (max over local devices), the
@@ -129,14 +130,20 @@ def one(spec: dict) -> dict:
 
 
 def measure_ceiling(n: int) -> dict:
+    """Per-device bf16 matmul TFLOP/s with every local device busy at once, as in a training step:
+    one n^3 matmul per device, batched over a device axis (no collectives). On CPU the virtual
+    devices share the host's cores, so a one-device measurement would overstate each one's share."""
     import jax
     import jax.numpy as jnp
+    from jax.sharding import NamedSharding, PartitionSpec as P
 
     devs = jax.local_devices()
+    mesh = jax.sharding.Mesh(devs, ("d",))
+    spread = NamedSharding(mesh, P("d"))
     k1, k2 = jax.random.split(jax.random.key(0))
-    a = jax.random.normal(k1, (n, n), jnp.bfloat16)
-    b = jax.random.normal(k2, (n, n), jnp.bfloat16)
-    mm = jax.jit(lambda a, b: a @ b)
+    init = jax.jit(lambda k: jax.random.normal(k, (len(devs), n, n), jnp.bfloat16), out_shardings=spread)
+    a, b = init(k1), init(k2)
+    mm = jax.jit(lambda a, b: jnp.einsum("dij,djk->dik", a, b), out_shardings=spread)
     mm(a, b).block_until_ready()
     iters = 20 if jax.default_backend() != "cpu" else 3
     t0 = time.perf_counter()
@@ -147,6 +154,11 @@ def measure_ceiling(n: int) -> dict:
     return {"ceiling_tflops": 2 * n**3 / dt / 1e12, "matmul_n": n, "backend": jax.default_backend(),
             "device_kind": devs[0].device_kind, "n_devices": len(devs),
             "jax_version": jax.__version__}
+
+
+def fmt_tflops(x) -> str:
+    """Three significant digits: a CPU's 0.02 TFLOP/s must not print as 0 beside its MFU."""
+    return "-" if x is None else f"{x:.3g}"
 
 
 def _peak_bytes():
@@ -361,7 +373,7 @@ def fmt_table(rows: list[dict], ceiling: dict) -> str:
     unit, gib = ("GiB", 2**30) if biggest >= 2**30 else ("MiB", 2**20)
     head = (f"{'entry':<44}{'tok/s/dev':>11}{'TFLOP/s':>9}{'MFU':>7}{'peak ' + unit:>10}"
             f"{'pred ' + unit:>10}{'compile s':>11}  loss")
-    lines = [f"ceiling: {ceiling.get('ceiling_tflops', 0):.0f} TFLOP/s bf16 "
+    lines = [f"ceiling: {fmt_tflops(ceiling.get('ceiling_tflops'))} TFLOP/s bf16 per device, all busy "
              f"({ceiling.get('matmul_n')}^3 matmul) on {ceiling.get('n_devices')} x "
              f"{ceiling.get('device_kind')} ({ceiling.get('backend')}, jax {ceiling.get('jax_version')})",
              head, "-" * len(head)]
@@ -371,11 +383,11 @@ def fmt_table(rows: list[dict], ceiling: dict) -> str:
             lines.append(f"{r['name']:<44}  FAILED: {res['error']}")
             continue
         g = lambda b: "-" if b is None else f"{b / gib:.2f}"  # noqa: E731
-        mfu = res["tflops_per_device"] / ceiling["ceiling_tflops"] if ceiling.get("ceiling_tflops") else 0
+        mfu = f"{res['mfu']:.1%}" if res.get("mfu") is not None else "-"  # only against a measured ceiling
         comp = "-" if res.get("compile_s") is None else f"{res['compile_s']:.1f}"
         loss = res["losses"][-1] if res.get("losses") else float("nan")
         lines.append(f"{r['name']:<44}{res['tokens_per_s_per_device']:>11,.0f}"
-                     f"{res['tflops_per_device']:>9.1f}{mfu:>7.1%}{g(res['peak_bytes']):>10}"
+                     f"{fmt_tflops(res['tflops_per_device']):>9}{mfu:>7}{g(res['peak_bytes']):>10}"
                      f"{g(res['predicted_peak_bytes']):>10}{comp:>11}  {loss:.3f}")
     return "\n".join(lines)
 
@@ -443,7 +455,7 @@ def main(argv=None):
         return 1
     specs = build_matrix(args, ceiling["n_devices"])
     print(f"{len(specs)} entries on {ceiling['n_devices']} x {ceiling['device_kind']}; ceiling "
-          f"{ceiling['ceiling_tflops']:.0f} TFLOP/s", flush=True)
+          f"{fmt_tflops(ceiling['ceiling_tflops'])} TFLOP/s per device", flush=True)
     rows = []
     for spec in specs:
         spec = dict(spec, kind="entry")

@@ -23,6 +23,49 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 PEAK_TFLOPS = {"H200": 989.0, "H100": 989.0, "A100": 312.0, "L4": 121.0, "A10": 125.0, "4090": 165.0}
 
 
+def _number(kind, lo=None, *, above=False, note=""):
+    """An argparse type: a finite int / float, >= lo (> lo with above=True); `note` says why."""
+    def parse(text):
+        try:
+            value = kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not {'an integer' if kind is int else 'a number'}") from None
+        if kind is float and not math.isfinite(value):
+            raise argparse.ArgumentTypeError(f"{text!r} is not a finite number")
+        if lo is not None and (value <= lo if above else value < lo):
+            raise argparse.ArgumentTypeError(f"{value} must be {'>' if above else '>='} {lo}{note}")
+        return value
+    return parse
+
+
+def _micro_batch(text):
+    return "auto" if text == "auto" else _number(int, 1, note=" (or auto)")(text)
+
+
+# Flags whose value may be negative: argparse reads "-1e-3" as an option (its negative-number rule
+# misses exponents), so "--lr -1e-3" is rewritten "--lr=-1e-3" and the type checks then say why
+# a negative value is refused, instead of "expected one argument".
+_VALUE_FLAGS = ("--steps", "--schedule-steps", "--seq-len", "--grad-accum", "--lr", "--loss-chunk",
+                "--eval-batches", "--seed", "--peak-tflops", "--keep", "--micro-batch")
+
+
+def _join_negative_values(argv):
+    out, i = [], 0
+    while i < len(argv):
+        if argv[i] in _VALUE_FLAGS and i + 1 < len(argv) and argv[i + 1].startswith("-"):
+            try:
+                float(argv[i + 1])
+            except ValueError:
+                pass
+            else:
+                out.append(f"{argv[i]}={argv[i + 1]}")
+                i += 2
+                continue
+        out.append(argv[i])
+        i += 1
+    return out
+
+
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--config", default=os.path.join(os.path.dirname(__file__), "..", "configs", "zero2_bf16.json"),
@@ -32,41 +75,57 @@ def parse_args(argv=None):
     p.add_argument("--hf-checkpoint", help="local Hugging Face GPT-2 folder (config.json, model.safetensors)")
     p.add_argument("--data", help=".txt / .jsonl file or folder; default: the embedded corpus")
     p.add_argument("--tokenizer", help="tokenizer.json (default: the checkpoint's, else byte-level)")
-    p.add_argument("--steps", type=int, default=None, help="optimizer steps (default 300 on CPU, 100 on GPU)")
-    p.add_argument("--seq-len", type=int, default=None, help="tokens per row (default 1024; tiny: 128)")
-    p.add_argument("--micro-batch", default=None,
+    p.add_argument("--steps", type=_number(int, 0, note=" (0 = no training, evaluation only)"), default=None,
+                   help="train until this global optimizer step (default 300 on CPU, 100 on GPU); with "
+                        "--resume the run continues from the checkpoint's step up to it")
+    p.add_argument("--schedule-steps", type=_number(int, 1), default=None,
+                   help="length of the lr schedule (fills scheduler total_num_steps \"auto\"; warmup "
+                        "is 10%% of it); default: --steps, or on --resume the length saved with the "
+                        "checkpoint")
+    p.add_argument("--seq-len", type=_number(int, 2, note=" (a row of T tokens gives T-1 predictions)"),
+                   default=None, help="tokens per row (default 1024; tiny: 128)")
+    p.add_argument("--micro-batch", type=_micro_batch, default=None,
                    help="fills train_micro_batch_size_per_gpu \"auto\": a number, or auto = the largest "
                         "that fits the device (XLA's compiled peak, found before anything is allocated); "
                         "default 8 on a GPU, 4 on CPU")
-    p.add_argument("--grad-accum", type=int, default=1, help="fills gradient_accumulation_steps \"auto\"")
-    p.add_argument("--lr", type=float, default=None, help="fills optimizer/scheduler lr \"auto\"")
+    p.add_argument("--grad-accum", type=_number(int, 1), default=1, help="fills gradient_accumulation_steps \"auto\"")
+    p.add_argument("--lr", type=_number(float, 0.0, note=" (as torch.optim.AdamW; 0 keeps the weights fixed)"),
+                   default=None, help="fills optimizer/scheduler lr \"auto\" (default 1e-3 tiny, 3e-4 "
+                                      "others, 1e-4 from --hf-checkpoint; on --resume the checkpoint's)")
+    precision = p.add_mutually_exclusive_group()
+    for name in ("bf16", "fp16", "fp32"):
+        precision.add_argument(f"--{name}", dest="precision", action="store_const", const=name,
+                               help=f"train in {name} where the config leaves precision to \"auto\" "
+                                    f"(default: bf16 on a GPU that has it, fp32 on CPU)")
     p.add_argument("--remat", choices=["none", "full", "dots", "offload"], default=None,
                    help="activation checkpointing per layer (default: from the config's "
                         "activation_checkpointing section; cpu_checkpointing -> offload)")
     p.add_argument("--save", help="checkpoint folder (orbax); saved at the end")
     p.add_argument("--resume", action="store_true", help="continue from the latest checkpoint in --save")
+    p.add_argument("--keep", type=_number(int, 1), default=None,
+                   help="after saving, delete all but the newest N checkpoints in --save, never the "
+                        "one `latest` names (Hugging Face's save_total_limit); default: keep all")
     p.add_argument("--export-hf", help="write the trained weights as a Hugging Face GPT-2 folder")
-    p.add_argument("--loss-chunk", type=int, default=0,
+    p.add_argument("--loss-chunk", type=_number(int, 0), default=0,
                    help="cross entropy N positions at a time (zerojax.models.chunked_gpt2_loss): the "
                         "full batch x seq x vocab fp32 logits are never held; 0 = full logits")
-    p.add_argument("--eval-batches", type=int, default=8)
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--peak-tflops", type=float, default=None, help="per-device peak for MFU")
-    return p.parse_args(argv)
+    p.add_argument("--eval-batches", type=_number(int, 0), default=8)
+    p.add_argument("--seed", type=_number(int, 0), default=None,
+                   help="init and data-order seed (default 0; on --resume the checkpoint's)")
+    p.add_argument("--peak-tflops", type=_number(float, 0.0, above=True), default=None,
+                   help="per-device peak for MFU")
+    args = p.parse_args(_join_negative_values(list(sys.argv[1:] if argv is None else argv)))
+    if args.keep is not None and not args.save:
+        p.error("--keep needs --save DIR (the checkpoint folder to prune)")
+    if args.resume and not args.save:
+        p.error("--resume needs --save DIR (the checkpoint folder to continue from)")
+    return args
 
 
 def _loss_fn(loss_chunk: int):
     from zerojax.models.gpt2 import chunked_gpt2_loss, gpt2_loss
 
     return chunked_gpt2_loss(loss_chunk) if loss_chunk else gpt2_loss
-
-
-def _micro_is_auto(path) -> bool:
-    """The config leaves train_micro_batch_size_per_gpu to "auto" (the planner picks it)."""
-    import hjson
-
-    with open(path) as f:
-        return hjson.load(f).get("train_micro_batch_size_per_gpu") == "auto"
 
 
 def _plan_micro_batch(cfg, gpt_cfg, dtype, remat, explore_remat, seq_len, loss_fn):
@@ -101,6 +160,81 @@ def _plan_micro_batch(cfg, gpt_cfg, dtype, remat, explore_remat, seq_len, loss_f
     return cfg, (best.remat if explore_remat else remat)
 
 
+def default_precision(device) -> tuple[str, str]:
+    """What a user expects when nothing says: bf16 on a GPU that runs it natively (compute
+    capability >= 8.0, Hugging Face's `is_torch_bf16_gpu_available` rule) and on TPU, else fp32."""
+    if device.platform == "cpu":
+        return "fp32", "default on CPU"
+    cc = getattr(device, "compute_capability", None)
+    if device.platform == "gpu" and cc is not None and float(cc) < 8.0:
+        return "fp32", f"default on {device.device_kind}: compute capability {cc} has no fast bf16"
+    return "bf16", f"default on {device.device_kind}"
+
+
+def resolve_precision(raw: dict, flag: str | None, device) -> tuple[dict, str, str]:
+    """The config's fp16 / bf16 `enabled` resolved as Hugging Face's Trainer fills them.
+
+    A config that sets `enabled: true` decides (a contradicting flag is an error, as the Trainer's
+    "mismatch" check); otherwise, where `enabled` is "auto" or the section is absent, the flag
+    (--bf16 / --fp16 / --fp32) or `default_precision` picks, never a mode the config sets false.
+    Returns (config dict with both `enabled` set, precision, why).
+    """
+    raw = json.loads(json.dumps(raw))
+    keys = {"fp16": "fp16", "bf16": "bfloat16" if "bfloat16" in raw and "bf16" not in raw else "bf16"}
+    enabled = {m: (raw[k].get("enabled", False) if isinstance(raw.get(k), dict) else None)
+               for m, k in keys.items()}
+    chosen = [m for m in ("bf16", "fp16") if enabled[m] is True]
+    if chosen:
+        mode, why = chosen[0], f"the config's {keys[chosen[0]]}.enabled: true"
+        if flag is not None and flag != mode:
+            raise ConfigMismatch(f"--{flag} asks for {flag}, but the config sets {keys[mode]}.enabled: "
+                                 f"true; drop the flag, or set {keys[mode]}.enabled to \"auto\" so the flag decides")
+    else:
+        mode, why = (flag, f"--{flag}") if flag else default_precision(device)
+        if mode != "fp32" and enabled[mode] is False:
+            if flag:
+                raise ConfigMismatch(f"--{flag} asks for {flag}, but the config sets {keys[mode]}.enabled: "
+                                     f"false; drop the flag, or set it to \"auto\" so the flag decides")
+            mode, why = "fp32", f"the config sets {keys['bf16']}.enabled: false"
+    for m, k in keys.items():
+        if enabled[m] is not None or m == mode:
+            raw[k] = {**raw.get(k, {}), "enabled": m == mode}
+    return raw, mode, why
+
+
+class ConfigMismatch(ValueError):
+    """A flag that contradicts what the config sets explicitly."""
+
+
+def _from_checkpoint(name, flag, value, saved, default, notes):
+    """A run setting: the flag's value, else the one saved with the checkpoint, else default.
+    A flag that changes the saved value adds a line to `notes`."""
+    if value is None:
+        return saved.get(name, default)
+    if name in saved and saved[name] != value:
+        notes.append(f"{flag} {value} replaces the checkpoint's {saved[name]}")
+    return value
+
+
+def _warn_replicated(engine, cfg):
+    """Stage 3 keeps leaves under stage3_param_persistence_threshold elements whole on every
+    device (DeepSpeed's rule): a small model then is barely partitioned, so say so once."""
+    import jax
+
+    zero = cfg.zero_optimization
+    if zero.stage != 3 or engine.mesh.shape.get("data", 1) < 2:
+        return
+    threshold = int(zero.stage3_param_persistence_threshold or 0)
+    leaves = [x for x in jax.tree.leaves(engine.state.params) if hasattr(x, "sharding")]
+    total = sum(x.size for x in leaves)
+    kept = sum(x.size for x in leaves if x.size < threshold and x.sharding.is_fully_replicated)
+    if total and kept > total / 2:
+        print(f"warning: ZeRO stage 3 leaves {kept / total:.0%} of the parameters ({kept:,} of {total:,} "
+              f"elements) replicated on every device: tensors under "
+              f"zero_optimization.stage3_param_persistence_threshold = {threshold:,} elements are not "
+              f"partitioned; set it lower in the config (e.g. 0) to partition them")
+
+
 def main(argv=None):
     args = parse_args(argv)
     from zerojax.distributed import init_distributed
@@ -117,13 +251,33 @@ def main(argv=None):
     if quiet:
         sys.stdout = open(os.devnull, "w")
     import zerojax
+    from zerojax import checkpoint_files
+    from zerojax.config import read_source as read_config
     from zerojax.data import load_text_data
     from zerojax.models.gpt2 import GPT2, GPT2Config, flops_per_token
     from zerojax.precision import compute_dtype
 
     gpu = jax.default_backend() == "gpu"
     size = args.model if args.model != "auto" else ("large" if gpu else "tiny")
-    steps = args.steps or (100 if gpu else 300)
+    steps = args.steps if args.steps is not None else (100 if gpu else 300)
+
+    # the checkpoint folder first: leftovers of a killed save, and what a resumed run continues
+    saved, notes, meta = {}, [], None
+    if args.save:
+        for path in checkpoint_files.remove_interrupted_saves(args.save):
+            print(f"removed {path}: left by an interrupted save (the checkpoint it was writing never "
+                  f"finished; `latest` still names the one before)")
+    if args.resume:
+        from zerojax.checkpoint import read_meta
+
+        meta = read_meta(args.save)
+        saved = ((meta.get("client_state") or {}).get("gpt2_large_example") or {})
+        if not saved:
+            notes.append("the checkpoint records no run settings (not saved by this example): "
+                         "schedule, lr and seed come from the flags")
+    schedule_steps = _from_checkpoint("schedule_steps", "--schedule-steps", args.schedule_steps, saved,
+                                      max(steps, 1), notes)  # steps 0: the schedule is never used
+    seed = _from_checkpoint("seed", "--seed", args.seed, saved, 0, notes)
 
     hf = None
     if args.hf_checkpoint:
@@ -133,25 +287,23 @@ def main(argv=None):
         args.tokenizer = args.tokenizer or (tok_file if os.path.exists(tok_file) else None)
     else:
         gpt_cfg = GPT2Config.named(size)
-    seq_len = args.seq_len or min(1024, gpt_cfg.n_positions)
-    data = load_text_data(args.data, seq_len=seq_len, tokenizer=args.tokenizer)
-    if data.vocab_size > gpt_cfg.vocab_size:
-        sys.exit(f"the tokenizer has {data.vocab_size} tokens but the model's vocab is {gpt_cfg.vocab_size}")
+    seq_len = args.seq_len if args.seq_len is not None else min(1024, gpt_cfg.n_positions)
+    lr_default = 1e-4 if hf is not None else 1e-3 if size == "tiny" else 3e-4
+    lr = _from_checkpoint("lr", "--lr", args.lr, saved, lr_default, notes)
 
-    micro = int(args.micro_batch) if args.micro_batch not in (None, "auto") else (8 if gpu else 4)
-    lr = args.lr or (1e-4 if hf is not None else 1e-3 if size == "tiny" else 3e-4)
+    micro = args.micro_batch if args.micro_batch not in (None, "auto") else (8 if gpu else 4)
     fill = {
         "train_micro_batch_size_per_gpu": micro,
         "gradient_accumulation_steps": args.grad_accum,
         "optimizer.params.lr": lr, "optimizer.params.betas": [0.9, 0.999],
         "optimizer.params.eps": 1e-8, "optimizer.params.weight_decay": 0.0,
         "scheduler.params.warmup_min_lr": 0.0, "scheduler.params.warmup_max_lr": lr,
-        "scheduler.params.warmup_num_steps": max(1, steps // 10),
-        "scheduler.params.total_num_steps": steps,
+        "scheduler.params.warmup_num_steps": max(1, schedule_steps // 10),
+        "scheduler.params.total_num_steps": schedule_steps,
         "gradient_clipping": 1.0,
-        "bf16.enabled": gpu, "fp16.enabled": False,
     }
-    cfg = zerojax.load_config(args.config, fill=fill)
+    raw, precision, precision_why = resolve_precision(read_config(args.config), args.precision, jax.devices()[0])
+    cfg = zerojax.load_config(raw, fill=fill)
     if cfg.optimizer is None:
         # DeepSpeed then expects a client optimizer (deepspeed.initialize(optimizer=...)), as the
         # Hugging Face Trainer supplies; ours is AdamW with the flags' lr.
@@ -163,32 +315,52 @@ def main(argv=None):
         sys.exit(f"{args.config} enables fp16, whose matrix products XLA does not run on CPU "
                  f"('F16_F16_F32' is not supported by dot_general); use a GPU or a bf16 config "
                  f"such as configs/zero2_bf16.json")
+    # read (and refuse) the data before anything is compiled
+    data = load_text_data(args.data, seq_len=seq_len, tokenizer=args.tokenizer,
+                          min_train_rows=cfg.train_batch_size)
+    if data.vocab_size > gpt_cfg.vocab_size:
+        sys.exit(f"the tokenizer has {data.vocab_size} tokens but the model's vocab is {gpt_cfg.vocab_size}")
     remat = args.remat
+    remat_why = "--remat"
     if remat is None:
         ac = cfg.activation_checkpointing
         remat = "none" if ac is None else ("offload" if ac.cpu_checkpointing else "full")
+        remat_why = ("the config has no activation_checkpointing section" if ac is None else
+                     "the config's activation_checkpointing section")
     remat = None if remat == "none" else remat
     dtype = compute_dtype(cfg)
     loss_fn = _loss_fn(args.loss_chunk)
 
-    if args.micro_batch == "auto" or (args.micro_batch is None and _micro_is_auto(args.config)):
+    if args.micro_batch == "auto" or (args.micro_batch is None and
+                                      raw.get("train_micro_batch_size_per_gpu") == "auto"):
+        planned_remat = remat
         cfg, remat = _plan_micro_batch(cfg, gpt_cfg, dtype, remat, args.remat is None, seq_len, loss_fn)
+        if remat != planned_remat:
+            remat_why = "chosen by the planner (micro-batch auto)"
+    _print_run(args, cfg, size, steps, schedule_steps, lr, lr_default, precision, precision_why,
+               remat, remat_why, seq_len, data, saved, notes)
     if hf is not None:
         from zerojax.models.hf import gpt2_from_params
         model = gpt2_from_params(gpt_cfg, hf, dtype=dtype, remat_policy=remat)
     else:  # built shard by shard on the devices, never whole on one
-        model = lambda: GPT2(gpt_cfg, rngs=nnx.Rngs(args.seed), dtype=dtype, remat_policy=remat)  # noqa: E731
+        model = lambda: GPT2(gpt_cfg, rngs=nnx.Rngs(seed), dtype=dtype, remat_policy=remat)  # noqa: E731
     engine = zerojax.shard(model, cfg, loss_fn=loss_fn)
     del model, hf
+    _warn_replicated(engine, cfg)
 
     start = 0
     if args.resume:
-        if not args.save:
-            sys.exit("--resume needs --save DIR (the checkpoint folder to continue from)")
-        engine.load_checkpoint(args.save)
+        path, _ = engine.load_checkpoint(args.save)
         start = engine.global_steps
-    batches = data.train_batches(cfg.train_batch_size, seed=args.seed, start_step=start,
+    batches = data.train_batches(cfg.train_batch_size, seed=seed, start_step=start,
                                  num_steps=max(0, steps - start))
+    if args.resume:
+        epoch, k = divmod(start, batches.steps_per_epoch)
+        print(f"resumed from {path} at step {start} (data position: batch {start}, i.e. epoch {epoch} "
+              f"batch {k} of {batches.steps_per_epoch}, seed {seed})")
+        if start >= steps:
+            print(f"the checkpoint is at step {start} >= --steps {steps}: nothing to train "
+                  f"(raise --steps to continue)")
 
     n_dev = jax.device_count()
     kind = jax.devices()[0].device_kind
@@ -202,19 +374,19 @@ def main(argv=None):
     tokens_per_step = cfg.train_batch_size * seq_len
     bar = tqdm(batches, total=max(0, steps - start), initial=0, desc="train", dynamic_ncols=True,
                disable=quiet)
-    first_loss = last_loss = None
+    losses = []  # device scalars, read once at the end (no host sync per step)
     t0, timed_tokens = None, 0
     for i, rows in enumerate(bar):
         metrics = engine.train_step({"input_ids": rows})
+        losses.append(metrics["loss"])
         if i == 0:
-            first_loss = float(metrics["loss"])  # waits for the compile + first step
+            float(metrics["loss"])  # waits for the compile + first step
             t0 = time.perf_counter()
             continue
         timed_tokens += tokens_per_step
         if i % 10 == 0 or i == steps - start - 1:
-            last_loss = float(metrics["loss"])
             tps = timed_tokens / (time.perf_counter() - t0)
-            post = {"loss": f"{last_loss:.3f}", "tok/s": f"{tps:,.0f}"}
+            post = {"loss": f"{float(metrics['loss']):.3f}", "tok/s": f"{tps:,.0f}"}
             if peak:
                 post["MFU"] = f"{100 * tps * fpt / (peak * 1e12 * n_dev):.1f}%"
             stats = jax.local_devices()[0].memory_stats() or {}
@@ -224,9 +396,11 @@ def main(argv=None):
     engine.synchronize()
     jax.block_until_ready(engine.state)
     bar.close()
+    losses = [float(x) for x in losses]
     summary = {"model": size, "config": os.path.basename(args.config), "devices": n_dev,
                "stage": cfg.zero_optimization.stage, "train_batch_size": cfg.train_batch_size,
-               "seq_len": seq_len, "remat": remat}
+               "seq_len": seq_len, "remat": remat, "precision": precision, "start_step": start,
+               "steps": steps, "schedule_steps": schedule_steps, "lr": lr}
     if t0 is not None and timed_tokens:
         tps = timed_tokens / (time.perf_counter() - t0) / n_dev
         summary["tokens_per_s_per_device"] = round(tps)
@@ -241,15 +415,21 @@ def main(argv=None):
     if val_losses:
         v = float(np.mean(val_losses))
         print(f"validation loss {v:.4f}, perplexity {math.exp(min(v, 50)):.2f}")
-    if first_loss is not None and last_loss is not None:
-        print(f"train loss {first_loss:.4f} -> {last_loss:.4f}")
+    if losses:
+        print(f"train loss {losses[0]:.4f} -> {losses[-1]:.4f}")
     print(engine.memory_report())
-    summary.update(first_loss=first_loss, last_loss=last_loss, val_loss=val_losses and float(np.mean(val_losses)))
+    summary.update(first_loss=losses[0] if losses else None, last_loss=losses[-1] if losses else None,
+                   losses=losses, val_loss=float(np.mean(val_losses)) if val_losses else None)
     print("SUMMARY " + json.dumps(summary), flush=True)
 
-    if args.save:
-        engine.save_checkpoint(args.save)
-        print(f"checkpoint saved under {args.save}")
+    if args.save and (losses or not args.resume):  # a resumed run that trained nothing changed nothing
+        before = set(checkpoint_files.finalized_tags(args.save))
+        client_state = {"gpt2_large_example": {"schedule_steps": schedule_steps, "lr": lr, "seed": seed}}
+        path = engine.save_checkpoint(args.save, client_state=client_state, keep=args.keep)
+        print(f"checkpoint saved: {path}")
+        removed = sorted(before - set(checkpoint_files.finalized_tags(args.save)))
+        if removed:
+            print(f"--keep {args.keep}: removed the older checkpoint(s) {', '.join(removed)}")
     if args.export_hf:
         from zerojax.models.hf import save_hf
         save_hf(engine.master_params, gpt_cfg, args.export_hf)
@@ -258,12 +438,46 @@ def main(argv=None):
     return summary
 
 
+def _print_run(args, cfg, size, steps, schedule_steps, lr, lr_default, precision, precision_why,
+               remat, remat_why, seq_len, data, saved, notes):
+    """The run as resolved from flags, config and checkpoint, printed once before any compile."""
+    sched = cfg.to_dict().get("scheduler")
+    sched_text = "none (constant lr)" if not sched else (
+        f"{sched['type']} " + ", ".join(f"{k}={v}" for k, v in sorted((sched.get("params") or {}).items())))
+    lr_why = ("--lr" if args.lr is not None else "saved with the checkpoint" if "lr" in saved
+              else f"default for {'--hf-checkpoint' if args.hf_checkpoint else size}; --lr to change")
+    sched_why = ("--schedule-steps" if args.schedule_steps is not None else
+                 "saved with the checkpoint" if "schedule_steps" in saved else
+                 "= --steps" if steps else "unused: no training step")
+    data_name = args.data or "the embedded corpus"
+    print(f"run: GPT-2 {size}, config {args.config}, ZeRO stage {cfg.zero_optimization.stage}")
+    print(f"  steps:     {'resume, then ' if args.resume else ''}train until global step {steps}"
+          + (" (0: no training, evaluation only)" if steps == 0 else ""))
+    print(f"  schedule:  {sched_text}  [length {schedule_steps}: {sched_why}]")
+    print(f"  lr:        {lr:g} ({lr_why}){'  (0: the weights will not change)' if lr == 0 else ''}")
+    print(f"  precision: {precision} ({precision_why}; --bf16 / --fp16 / --fp32)")
+    print(f"  remat:     {remat or 'none'} ({remat_why})")
+    print(f"  batch:     train_batch_size {cfg.train_batch_size} = micro-batch "
+          f"{cfg.train_micro_batch_size_per_gpu} x accumulation {cfg.gradient_accumulation_steps} x "
+          f"{cfg.world_size} data-parallel; seq {seq_len}: {cfg.train_batch_size * seq_len:,} tokens/step")
+    print(f"  data:      {data_name}: {len(data.train):,} training rows, {len(data.val):,} validation")
+    total = (((sched or {}).get("params") or {}).get("total_num_steps"))
+    if isinstance(total, int) and steps > total:
+        notes.append(f"--steps {steps} runs past the schedule's {total} steps: the lr stays at its "
+                     f"end value after step {total} (--schedule-steps {steps} stretches the schedule)")
+    for note in notes:
+        print(f"  note:      {note}")
+
+
 if __name__ == "__main__":
+    from zerojax.checkpoint import CheckpointError
     from zerojax.config import ConfigError
+    from zerojax.data import DataError
     from zerojax.memory import WillNotFitError
 
     try:
         main()
-    except (ConfigError, WillNotFitError, FileNotFoundError, FloatingPointError) as e:
+    except (ConfigError, ConfigMismatch, DataError, CheckpointError, WillNotFitError, FileNotFoundError,
+            FloatingPointError) as e:
         # the message names the key / file / step and the fix: no traceback needed
         sys.exit(f"error: {e}")

@@ -121,3 +121,47 @@ def test_default_corpus():
     d = load_text_data(None, seq_len=128, val_fraction=0.01)
     assert d.vocab_size == 256 and len(d.train) > 500 and len(d.val) >= 1
     assert d.train.max() < 256
+
+
+def _bad_files(tmp):
+    (tmp / "empty.txt").write_text("")
+    (tmp / "blank.jsonl").write_text("\n\n")
+    (tmp / "model.bin.txt").write_bytes(b"PK\x03\x04" + bytes(range(256)))
+    (tmp / "latin1.txt").write_bytes("ok line\ncaf\xe9\n".encode("latin-1"))
+    (tmp / "bad.jsonl").write_text('{"text": "fine"}\n{"text": "no closing quote}\n')
+    (tmp / "notext.jsonl").write_text('{"text": "fine"}\n{"body": "x"}\n')
+    (tmp / "list.jsonl").write_text('["text"]\n')
+    # places by construction: the NUL follows the 4 bytes "PK\x03\x04"; "ok line\n" + "caf" is
+    # 11 bytes before the Latin-1 \xe9; the bad JSON line is line 2, its string opens at column 10
+    return [("empty.txt", "empty.txt: no text"),
+            ("blank.jsonl", "blank.jsonl: no records"),
+            ("model.bin.txt", "model.bin.txt: byte offset 4: a NUL byte"),
+            ("latin1.txt", "latin1.txt: byte offset 11 (line 2): not UTF-8 text (invalid continuation byte)"),
+            ("bad.jsonl", "bad.jsonl:2: column 10: not JSON (Unterminated string"),
+            ("notext.jsonl", "notext.jsonl:2: no string \"text\" field (keys ['body'])"),
+            ("list.jsonl", "list.jsonl:1: no string \"text\" field (a JSON list)")]
+
+
+def test_unusable_files_name_file_place_and_fix(tmp_path):
+    for name, message in _bad_files(tmp_path):
+        with pytest.raises(data.DataError) as e:
+            load_text_data(tmp_path / name, seq_len=8)
+        assert message in str(e.value), (name, str(e.value))
+    # a folder skips its empty files, and names itself when all are empty
+    folder = tmp_path / "docs"
+    folder.mkdir()
+    (folder / "a.txt").write_text("")
+    with pytest.raises(data.DataError, match="docs: its 1 .txt/.jsonl file\\(s\\) hold no text"):
+        data.read_texts(folder)
+    (folder / "b.txt").write_text("some text")
+    assert data.read_texts(folder) == ["some text"]
+
+
+def test_too_short_is_found_while_reading(tmp_path):
+    path = tmp_path / "short.txt"
+    path.write_text("x" * 100)  # 100 byte tokens -> 3 blocks of 32; 1 held out for validation
+    with pytest.raises(data.DataError, match="short.txt: too short: 100 tokens make 3 blocks of 32 "
+                                             "\\(2 for training after 1 held out for validation\\), "
+                                             "fewer than one batch of 8 rows"):
+        load_text_data(path, seq_len=32, min_train_rows=8)
+    assert len(load_text_data(path, seq_len=32, min_train_rows=2).train) == 2

@@ -46,3 +46,156 @@ def test_main_job_trains_and_writes_deepspeed_csv_logs(tmp_path):
     assert os.path.exists(tmp_path / "logs" / "tiny" / "Train_Samples_lr.csv")
     # no fp16: DeepSpeed logs no loss scale
     assert not os.path.exists(tmp_path / "logs" / "tiny" / "Train_Samples_loss_scale.csv")
+
+
+# --------------------------------------------------------------------------- issue #20: every flag,
+# file and resume does what the user asked, through the example's entry point
+
+import subprocess  # noqa: E402
+import sys  # noqa: E402
+
+EXAMPLE = os.path.join(ROOT, "examples", "gpt2_large.py")
+TINY = ["--model", "tiny", "--seq-len", "32", "--micro-batch", "1", "--eval-batches", "0"]
+
+
+def _cli(*argv, timeout=300):
+    """The example as a user runs it: exit status and everything it printed."""
+    p = subprocess.run([sys.executable, EXAMPLE, *argv], capture_output=True, text=True, timeout=timeout,
+                       env={**os.environ, "JAX_PLATFORMS": "cpu"})
+    return p.returncode, p.stdout + p.stderr
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--steps", "-1"], "argument --steps: -1 must be >= 0"),
+    # without "=": argparse alone would answer "expected one argument"
+    (["--lr", "-1e-3"], "argument --lr: -0.001 must be >= 0.0 (as torch.optim.AdamW"),
+    (["--lr", "nan"], "argument --lr: 'nan' is not a finite number"),
+    (["--seq-len", "1"], "argument --seq-len: 1 must be >= 2"),
+    (["--keep", "0", "--save", "d"], "argument --keep: 0 must be >= 1"),
+    (["--keep", "2"], "--keep needs --save DIR"),
+    (["--resume"], "--resume needs --save DIR"),
+    (["--micro-batch", "0"], "argument --micro-batch: 0 must be >= 1 (or auto)"),
+])
+def test_bad_flag_values_are_refused_with_the_reason(argv, message):
+    code, out = _cli(*argv)
+    assert code == 2 and message in out, out  # argparse's usage-error status
+
+
+def test_data_errors_name_file_and_place_before_any_compile(tmp_path):
+    # the issue's three through the entry point; every case is in tests/test_data.py
+    (tmp_path / "empty.txt").write_text("")
+    (tmp_path / "model.bin.txt").write_bytes(b"PK\x03\x04" + bytes(range(256)))
+    (tmp_path / "bad.jsonl").write_text('{"text": "fine"}\n{"text": "no closing quote}\n')
+    for name, message in [("empty.txt", "empty.txt: no text"),
+                          ("model.bin.txt", "model.bin.txt: byte offset 4: a NUL byte, so this is a binary file"),
+                          ("bad.jsonl", "bad.jsonl:2: column 10: not JSON (Unterminated string")]:
+        code, out = _cli("--data", str(tmp_path / name), *TINY, "--steps", "1")
+        assert code == 1 and f"error: {tmp_path / name}" in out and message in out, (name, out)
+        assert "Traceback" not in out and "run: GPT-2" not in out, out  # refused before the model
+
+
+def _summary(out):
+    return json.loads(next(line for line in out.splitlines() if line.startswith("SUMMARY "))[8:])
+
+
+def test_resume_matches_the_uninterrupted_run_step_for_step(tmp_path, capsys):
+    """Straight 4 steps vs 2 + resume to 4, same flags. The schedule (WarmupDecayLR over 40
+    steps, warmup 4) is the one saved with the checkpoint: had the resumed run rebuilt it from
+    --steps 4 (warmup 1), the update before the 4th loss would use another lr (checked below
+    with zerojax.build_schedule) and that loss would differ. The resumed program is the same
+    jitted step on the same state (orbax restores bf16 / fp32 leaves exactly) and the same
+    batches (random access by step), so the losses are compared bitwise."""
+    import zerojax
+
+    def lr(total, k):  # the example's fill: warmup 10% of the schedule, at least 1
+        cfg = zerojax.load_config(os.path.join(ROOT, "configs", "zero2_bf16.json"), world_size=8, fill={
+            "train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": 1,
+            "optimizer.params.lr": 1e-3, "optimizer.params.weight_decay": 0.0,
+            "scheduler.params.warmup_max_lr": 1e-3, "scheduler.params.warmup_num_steps": max(1, total // 10),
+            "scheduler.params.total_num_steps": total})
+        return float(zerojax.build_schedule(cfg)(k))
+
+    assert lr(40, 2) > 0 and lr(40, 2) != lr(4, 2)  # the test can tell the two schedules apart
+    example = _example()
+    straight = example.main([*TINY, "--steps", "4", "--schedule-steps", "40"])
+    ckpt = tmp_path / "ckpt"
+    first = example.main([*TINY, "--steps", "2", "--schedule-steps", "40", "--save", str(ckpt)])
+    # a save killed mid-way leaves orbax's temporary folder: removed at the next start
+    leftover = ckpt / "global_step3.orbax-checkpoint-tmp"
+    (leftover / "meta").mkdir(parents=True)
+    capsys.readouterr()
+    second = example.main([*TINY, "--steps", "4", "--save", str(ckpt), "--resume", "--keep", "1"])
+    out = capsys.readouterr().out
+    assert first["losses"] + second["losses"] == straight["losses"], (first, second, straight)
+    assert len(straight["losses"]) == 4 and straight["last_loss"] == straight["losses"][-1]
+    assert f"removed {leftover}: left by an interrupted save" in out and not leftover.exists()
+    assert f"resumed from {ckpt / 'global_step2'} at step 2 (data position: batch 2" in out
+    assert "[length 40: saved with the checkpoint]" in out and "lr:        0.001 (saved with the checkpoint)" in out
+    # --keep 1: the older step is pruned after the save, the one `latest` names is kept
+    assert sorted(p.name for p in ckpt.iterdir() if not p.name.startswith(".")) == ["global_step4", "latest"]
+    assert (ckpt / "latest").read_text() == "global_step4"
+    assert "--keep 1: removed the older checkpoint(s) global_step2" in out
+
+
+def test_one_step_stage3_lr0_and_cpu_precision_default(tmp_path, capsys):
+    """--lr 0 is honoured (the engine reports lr 0 for the step, DeepSpeed's csv_monitor file),
+    one step gives a last loss, and a stage-3 run whose tensors all sit under the persistence
+    threshold (tiny GPT-2: the largest leaf is 64*256 elements < DeepSpeed's 1e5 default)
+    warns once naming the key."""
+    with open(os.path.join(ROOT, "configs", "zero3_bf16.json")) as f:
+        cfg = json.load(f)
+    cfg["bf16"]["enabled"] = "auto"  # precision left to the flags: fp32 on CPU by default
+    cfg["csv_monitor"] = {"enabled": True, "output_path": str(tmp_path / "logs"), "job_name": "lr0"}
+    path = tmp_path / "zero3.json"
+    path.write_text(json.dumps(cfg))
+    summary = _example().main(["--config", str(path), *TINY, "--steps", "1", "--lr", "0"])
+    out = capsys.readouterr().out
+    assert summary["last_loss"] is not None and summary["last_loss"] == summary["first_loss"]
+    assert summary["precision"] == "fp32" and "precision: fp32 (default on CPU" in out
+    assert "lr:        0 (--lr)" in out
+    with open(tmp_path / "logs" / "lr0" / "Train_Samples_lr.csv") as f:
+        assert [float(r[1]) for r in list(csv.reader(f))[1:]] == [0.0]
+    warning = "replicated on every device: tensors under zero_optimization.stage3_param_persistence_threshold"
+    assert out.count(warning) == 1, out
+
+
+def test_steps_zero_evaluates_only():
+    summary = _example().main([*TINY, "--steps", "0", "--eval-batches", "1"])
+    assert summary["losses"] == [] and summary["last_loss"] is None and summary["val_loss"] > 0
+
+
+@pytest.mark.parametrize("sections, flag, device, expect", [
+    # the config decides when it enables a mode (the flag must agree, as HF's "mismatch" check)
+    ({"bf16": {"enabled": True}}, None, "cpu", ("bf16", {"bf16": True})),
+    ({"bf16": {"enabled": True}}, "bf16", "gpu9", ("bf16", {"bf16": True})),
+    ({"bf16": {"enabled": True}}, "fp16", "gpu9", "--fp16 asks for fp16, but the config sets bf16.enabled: true"),
+    # "auto" (or no section, as the guide's config has no bf16): the flag, else the default
+    ({"fp16": {"enabled": "auto"}}, None, "gpu9", ("bf16", {"bf16": True, "fp16": False})),
+    ({"fp16": {"enabled": "auto"}}, "fp16", "gpu9", ("fp16", {"fp16": True})),
+    ({"fp16": {"enabled": "auto"}}, None, "cpu", ("fp32", {"fp16": False})),
+    ({"fp16": {"enabled": "auto"}}, None, "gpu7", ("fp32", {"fp16": False})),  # V100: no fast bf16
+    ({"bfloat16": {"enabled": "auto"}}, "bf16", "cpu", ("bf16", {"bfloat16": True})),
+    ({"bf16": {"enabled": "auto"}, "fp16": {"enabled": "auto"}}, "fp32", "gpu9", ("fp32", {"bf16": False, "fp16": False})),
+    # a mode the config turns off is never chosen
+    ({"bf16": {"enabled": False}}, None, "gpu9", ("fp32", {"bf16": False})),
+    ({"bf16": {"enabled": False}}, "bf16", "gpu9", "--bf16 asks for bf16, but the config sets bf16.enabled: false"),
+])
+def test_precision_resolved_as_hugging_face_fills_it(sections, flag, device, expect):
+    from types import SimpleNamespace
+
+    example = _example()
+    dev = {"cpu": SimpleNamespace(platform="cpu", device_kind="cpu"),
+           "gpu9": SimpleNamespace(platform="gpu", device_kind="NVIDIA H200", compute_capability="9.0"),
+           "gpu7": SimpleNamespace(platform="gpu", device_kind="Tesla V100", compute_capability="7.0")}[device]
+    raw = {"train_batch_size": 8, **sections}
+    if isinstance(expect, str):
+        with pytest.raises(example.ConfigMismatch, match=expect.replace("(", r"\(")):
+            example.resolve_precision(raw, flag, dev)
+        return
+    out, mode, _ = example.resolve_precision(raw, flag, dev)
+    assert mode == expect[0] and {k: out[k]["enabled"] for k in expect[1]} == expect[1]
+    import zerojax
+    from zerojax.precision import compute_dtype
+
+    assert compute_dtype(zerojax.load_config(out)).name == {"fp32": "float32", "bf16": "bfloat16",
+                                                             "fp16": "float16"}[mode]

@@ -4,16 +4,10 @@ so an import hidden inside a function counts as much as one at the top."""
 import ast
 import pathlib
 
-import pytest
 
 PKG = pathlib.Path(__file__).resolve().parent.parent / "zerojax"
 
 # edges that still close a cycle and are being removed by another change (name them, with why)
-KNOWN = {
-    # zerojax.memory builds abstract engines for the planner (engine_plans, abstract_engine):
-    # the planner split moves that into zerojax/planner.py, which imports the engine
-    ("zerojax.memory", "zerojax.engine"),
-}
 
 
 def _module_name(path: pathlib.Path) -> str:
@@ -92,16 +86,8 @@ def test_the_graph_reader_sees_function_local_imports_and_cycles():
     assert find_cycle({"a": {"b"}, "b": set()}) is None
 
 
-def test_no_import_cycle_apart_from_known_edges():
-    graph = import_graph()
-    cycle = find_cycle(graph, ignore=frozenset(KNOWN))
-    assert cycle is None, " -> ".join(cycle)
-
-
 def test_no_import_cycle():
     cycle = find_cycle(import_graph())
-    if cycle is not None and set(zip(cycle, cycle[1:])) & KNOWN:
-        pytest.xfail(f"known cycle {' -> '.join(cycle)}: goes with the planner split (zerojax/planner.py)")
     assert cycle is None, " -> ".join(cycle)
 
 

@@ -26,8 +26,9 @@ _PUBLIC = {
     "TrainState": "step",
     "WillNotFitError": "memory",
     "check_fits": "memory",
-    "fit_micro_batch": "memory",
-    "plan": "memory",
+    "fit_micro_batch": "planner",
+    "plan": "planner",
+    "init_distributed": "distributed",
 }
 
 __all__ = sorted(_PUBLIC) + ["__version__"]

@@ -6,7 +6,6 @@ abstract engines, so it imports the engine and the engine never imports it.
 """
 from __future__ import annotations
 
-import importlib.util
 from typing import Callable
 
 from jax.sharding import Mesh
@@ -14,10 +13,7 @@ from jax.sharding import Mesh
 from zerojax.engine import Engine
 from zerojax.options import EngineOptions
 
-if importlib.util.find_spec("zerojax.planner") is not None:  # planner.py imports the engine
-    from zerojax.planner import engine_plans
-else:  # pragma: no cover - before zerojax.memory's planner moved to zerojax/planner.py
-    from zerojax.memory import engine_plans
+from zerojax.planner import engine_plans  # the planner imports the engine, never the reverse
 
 
 def shard(model, cfg, *, loss_fn: Callable, mesh: Mesh | None = None,

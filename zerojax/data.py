@@ -29,9 +29,19 @@ TEXT_SUFFIXES = (".txt", ".jsonl")
 # --------------------------------------------------------------------------- text
 
 
+class DataError(ValueError):
+    """Training text that cannot be used; the message names the file, the line or byte offset,
+    and the fix."""
+
+
 def read_texts(path: str | os.PathLike) -> list[str]:
     """Documents from a .txt file (one document), a .jsonl file (the "text" field of each line),
-    or a folder of them (recursively, sorted by path)."""
+    or a folder of them (recursively, sorted by path; empty files in a folder are skipped).
+
+    Raises DataError naming the file and the line (.jsonl) or byte offset (.txt) for text that
+    is not UTF-8 (e.g. a binary file), a .jsonl line that is not a JSON object with a string
+    "text", and a file (or a whole folder) with no text.
+    """
     path = os.fspath(path)
     if not os.path.exists(path):
         raise FileNotFoundError(f"text data not found: {path!r}")
@@ -41,20 +51,52 @@ def read_texts(path: str | os.PathLike) -> list[str]:
             for root, _, names in os.walk(path) for name in names if name.endswith(TEXT_SUFFIXES))
         if not files:
             raise FileNotFoundError(f"no {'/'.join(TEXT_SUFFIXES)} files under {path!r}")
-        return [doc for f in files for doc in read_texts(f)]
-    if path.endswith(".jsonl"):
-        docs = []
-        with open(path, encoding="utf-8") as f:
-            for lineno, line in enumerate(f, 1):
-                if not line.strip():
-                    continue
-                record = json.loads(line)
-                if "text" not in record:
-                    raise ValueError(f"{path}:{lineno}: no \"text\" field in {sorted(record)[:5]}")
-                docs.append(record["text"])
+        docs = [doc for f in files for doc in _read_file(f)]
+        if not docs:
+            raise DataError(f"{path}: its {len(files)} {'/'.join(TEXT_SUFFIXES)} file(s) hold no "
+                            f"text; add text to them or point --data at another folder")
         return docs
-    with open(path, encoding="utf-8") as f:
-        return [f.read()]
+    docs = _read_file(path)
+    if not docs:
+        what = "no records" if path.endswith(".jsonl") else "no text (empty or only whitespace)"
+        raise DataError(f"{path}: {what}; give a file with text to train on")
+    return docs
+
+
+def _read_file(path: str) -> list[str]:
+    """One file's documents ([] when it holds no text)."""
+    with open(path, "rb") as f:
+        raw = f.read()
+    nul = raw.find(b"\x00")
+    if nul >= 0:  # valid UTF-8 may still be binary (e.g. UTF-16 text or an archive)
+        raise DataError(f"{path}: byte offset {nul}: a NUL byte, so this is a binary file (or not "
+                        f"UTF-8, e.g. UTF-16); give UTF-8 text: a .txt file, or a .jsonl file of "
+                        f"{{\"text\": ...}} lines (convert with `iconv -t UTF-8`)")
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        line = raw.count(b"\n", 0, e.start) + 1
+        raise DataError(f"{path}: byte offset {e.start} (line {line}): not UTF-8 text "
+                        f"({e.reason}); give UTF-8 text (convert with `iconv -f <encoding> "
+                        f"-t UTF-8`)") from None
+    if not path.endswith(".jsonl"):
+        return [text] if text.strip() else []
+    docs = []
+    for lineno, line in enumerate(text.split("\n"), 1):  # not splitlines: JSON strings may hold U+2028
+        if not line.strip():
+            continue
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError as e:
+            raise DataError(f"{path}:{lineno}: column {e.colno}: not JSON ({e.msg}); each line of "
+                            f"a .jsonl file is one JSON object such as {{\"text\": \"...\"}}") from None
+        if not isinstance(record, dict) or not isinstance(record.get("text"), str):
+            found = (f"keys {sorted(record)[:5]}" if isinstance(record, dict)
+                     else f"a JSON {type(record).__name__}")
+            raise DataError(f"{path}:{lineno}: no string \"text\" field ({found}); each line of a "
+                            f"JSONL file is one object such as {{\"text\": \"...\"}}")
+        docs.append(record["text"])
+    return docs
 
 
 # stdlib modules whose docstrings make the default corpus (pure-Python ones mostly, so the text
@@ -284,21 +326,33 @@ class TokenData:
 
 
 def load_text_data(source: str | os.PathLike | None = None, *, seq_len: int,
-                   tokenizer: str | os.PathLike | None = None, val_fraction: float = 0.05) -> TokenData:
+                   tokenizer: str | os.PathLike | None = None, val_fraction: float = 0.05,
+                   min_train_rows: int = 1) -> TokenData:
     """Read, tokenize and pack text into train / validation blocks.
 
     source: a .txt / .jsonl file or a folder of them; None -> `default_corpus()`.
     tokenizer: path of a tokenizer.json (or its folder); None -> bytes (vocab 256).
     val_fraction: share of the blocks held out at the end of the stream (at least one block
     when > 0 and there are two or more blocks).
+    min_train_rows: fewest training blocks the caller needs (one global batch); fewer raise a
+    DataError here, while reading, rather than when the first batch is drawn.
     """
     if not 0.0 <= val_fraction < 1.0:
         raise ValueError(f"{val_fraction=} must be in [0, 1)")
+    if seq_len < 1:
+        raise ValueError(f"{seq_len=} must be >= 1")
     tok = load_tokenizer(tokenizer)
     texts = [default_corpus()] if source is None else read_texts(source)
-    blocks = pack(tokenize(texts, tok), seq_len)
+    tokens = tokenize(texts, tok)
+    blocks = pack(tokens, seq_len)
     n_val = 0
     if val_fraction > 0 and len(blocks) >= 2:
         n_val = max(1, int(round(len(blocks) * val_fraction)))
-    return TokenData(train=blocks[: len(blocks) - n_val], val=blocks[len(blocks) - n_val:],
-                     tokenizer=tok, seq_len=seq_len)
+    n_train = len(blocks) - n_val
+    if n_train < min_train_rows:
+        where = "the default corpus" if source is None else os.fspath(source)
+        raise DataError(
+            f"{where}: too short: {len(tokens)} tokens make {len(blocks)} blocks of {seq_len} "
+            f"({n_train} for training after {n_val} held out for validation), fewer than one batch "
+            f"of {min_train_rows} rows; give more text, a shorter --seq-len or a smaller batch")
+    return TokenData(train=blocks[:n_train], val=blocks[n_train:], tokenizer=tok, seq_len=seq_len)

@@ -34,7 +34,7 @@ import numpy as np
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from zerojax import checkpoint, memory, offload as O, partition, step as step_mod
+from zerojax import checkpoint, checkpoint_files, memory, offload as O, partition, step as step_mod
 from zerojax.layout import EngineLayout, build_layout, no_eager_sharding
 from zerojax.models import weights_writer
 from zerojax.monitor import Monitor
@@ -408,8 +408,12 @@ class Engine:
 
     # ------------------------------------------------------------------ checkpoints
 
-    def save_checkpoint(self, save_dir, tag=None, client_state=None) -> str:
-        """DeepSpeed's save_checkpoint (zerojax.checkpoint.save); returns the checkpoint path."""
+    def save_checkpoint(self, save_dir, tag=None, client_state=None, *, keep: int | None = None) -> str:
+        """DeepSpeed's save_checkpoint (zerojax.checkpoint.save); returns the checkpoint path.
+        keep=N: then delete all but the N newest checkpoints, never `latest`'s
+        (Hugging Face's save_total_limit; zerojax.checkpoint_files.prune)."""
+        if keep is not None:
+            checkpoint_files.check_keep(keep)
         self.synchronize()
         export = None
         if self.stage == 3 and self.cfg.zero_optimization.stage3_gather_16bit_weights_on_model_save:
@@ -417,8 +421,11 @@ class Engine:
         info = {"compute_dtype": np.dtype(self.compute_dtype).name, "zero_stage": self.stage,
                 "mesh": {k: int(v) for k, v in self.mesh.shape.items()}, "config": self.cfg.to_dict(),
                 "model": self._model_record}
-        return checkpoint.save(save_dir, self.layout.to_stored(self.state), steps=self._global_steps,
+        path = checkpoint.save(save_dir, self.layout.to_stored(self.state), steps=self._global_steps,
                                info=info, tag=tag, client_state=client_state, export_weights=export)
+        if keep is not None:
+            checkpoint_files.prune(save_dir, keep)
+        return path
 
     def load_checkpoint(self, load_dir, tag=None, *, load_optimizer_states=True, load_module_only=False):
         """DeepSpeed's load_checkpoint: installs the restored state; returns (path, client_state)."""

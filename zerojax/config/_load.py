@@ -31,7 +31,7 @@ def load_config(source, *, world_size: int | None = None, fill: Mapping[str, Any
     tensor_parallel.autotp_size and sequence_parallel_size.
     fill: values for `"auto"` entries, by dotted key (`{"optimizer.params.lr": 3e-4}`).
     """
-    raw = _read(source)
+    raw = read_source(source)
     problems: list[str] = []
     fill = dict(fill or {})
     for key in fill:
@@ -109,7 +109,9 @@ def _no_duplicates(pairs):
     return out
 
 
-def _read(source):
+def read_source(source) -> Mapping:
+    """The raw config dict of a path, JSON/hjson text or dict (comments allowed, duplicate keys an
+    error), before any validation: what a caller inspects or edits before `load_config`."""
     if isinstance(source, Mapping):
         return source
     if isinstance(source, (str, os.PathLike)) and not (isinstance(source, str) and "{" in source):
