@@ -83,8 +83,9 @@ def assert_equal(a, b):
 
 def child(fn: str, *args, wait=True):
     """Run this file's function `fn(*args)` in a new python process with 8 virtual CPU devices."""
-    env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=REPO,
-               XLA_FLAGS="--xla_force_host_platform_device_count=8")
+    # the parent's XLA_FLAGS (conftest's 8 devices after any user flags): the resume is compared
+    # bitwise, so the child must compile the same program on the same CPU code path
+    env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=REPO, XLA_FLAGS=os.environ["XLA_FLAGS"])
     code = (f"import importlib.util as u; s = u.spec_from_file_location('ckpt_child', {__file__!r}); "
             f"m = u.module_from_spec(s); s.loader.exec_module(m); m.{fn}(*{args!r})")
     if not wait:

@@ -69,12 +69,27 @@ def assert_trees_close(a, b, rtol, atol):
 # (eps 2^-8) / fp16 (eps 2^-11) at other points. The relative error of a gradient component is
 # eps x kappa, kappa = sum|terms| / |sum| (cancellation over rows; bias gradients cancel most);
 # Adam's update lr x m/sqrt(v) moves by about that relative amount, so after STEPS steps
-# |dw| <= STEPS x lr x eps x kappa. We allow kappa = 4 (1.6% / 0.2% of the total movement
-# STEPS x lr for bf16 / fp16). Stage 3 on this tiny batch is partitioned differently by GSPMD
-# (with 1 row per device per micro-batch it gathers activations rather than weights), which moves
-# bf16 roundings the same way: same bound.
-KAPPA = 4
+# |dw| <= STEPS x lr x eps x kappa. Stage 3 on this tiny batch is partitioned differently by
+# GSPMD (with 1 row per device per micro-batch it gathers activations rather than weights),
+# which moves bf16 roundings the same way: same bound. kappa is a property of the data, and
+# its largest element decides: measured max |dw| / (STEPS x lr x eps) = 4.0 (fp16, GA 4 vs 1)
+# and 3.1 (fp16, stage 3 vs 0), 1.1 for bf16, the same under XLA_FLAGS
+# --xla_backend_optimization_level=0 and --xla_cpu_max_isa=AVX --xla_cpu_prefer_vector_width=128
+# (the summation order is machine-dependent: kappa = 4 failed on a 2-core AMD EPYC, issue #21).
+# We allow kappa = 16: 0.8% / 6% of the total movement STEPS x lr for fp16 / bf16, while a
+# dropped micro-batch or a wrong shard moves weights by a sizeable part of it.
+KAPPA = 16
 TOL = {"fp32": 1e-6, "bf16": STEPS * LR * 2.0**-8 * KAPPA, "fp16": STEPS * LR * 2.0**-11 * KAPPA}
+# Loss and gradient norm are scalars: their relative error is the norm-wise one,
+# ||dg|| / ||g|| <= eps x kappa_norm, kappa_norm = || |terms| || / ||sum|| (<= the elementwise
+# kappa above), plus what the weights moved in earlier steps. fp32: the partial sums over 8
+# devices are added in another order, at most 8 roundings of 2^-24. Measured relative errors:
+# fp32 5.7e-7 (stage 2 vs 0 at -O0), bf16 7.6e-4 (GA 4 vs 1), fp16 1.2e-4 (stage 3 vs 0, GA 4;
+# failed the weights' tolerance 9.8e-5 on the EPYC, issue #21). kappa_norm = 4 leaves >= 3x
+# margin, and stays far below what the features guard: the loss scale (2^16 in fp16), the
+# 1 / GA scaling (4x), a dropped micro-batch (measured: 25% of the norm, 4% of the loss in bf16).
+KAPPA_NORM = 4
+NORM_RTOL = {"fp32": 8 * 2.0**-24 * KAPPA_NORM, "bf16": 2.0**-8 * KAPPA_NORM, "fp16": 2.0**-11 * KAPPA_NORM}
 
 
 @pytest.mark.parametrize("ga", [1, 4])
@@ -85,8 +100,9 @@ def test_stage_matches_stage0(stage, prec, ga):
     _, ref, ref_m = run(0, prec, ga)
     tol = 1e-6 if prec == "fp32" or stage < 3 else TOL[prec]
     assert_trees_close(master, ref, rtol=tol, atol=1e-7 if tol == 1e-6 else tol)
-    np.testing.assert_allclose(m["loss"], ref_m["loss"], rtol=max(tol, 1e-6))
-    np.testing.assert_allclose(m["grad_norm"], ref_m["grad_norm"], rtol=max(tol, 1e-6))
+    rtol = NORM_RTOL["fp32" if tol == 1e-6 else prec]  # stages 1-2: only fp32 sums reordered
+    np.testing.assert_allclose(m["loss"], ref_m["loss"], rtol=rtol)
+    np.testing.assert_allclose(m["grad_norm"], ref_m["grad_norm"], rtol=rtol)
     assert eng.global_steps == STEPS and eng.skipped_steps == run(0, prec, ga)[0].skipped_steps
     # the state really is laid out as the stage says
     spec = lambda t: padded(t["l1"]["kernel"])  # noqa: E731
@@ -109,9 +125,8 @@ def test_accumulation_matches_one_big_batch(stage, prec):
     assert_trees_close(master, ref, rtol=tol, atol=tol)
     # reported loss = mean of micro-batch losses = the big batch's loss (equal-size micro-batches);
     # grad_norm checks the 1/GA scaling, to which Adam's update itself is nearly blind.
-    eps = {"fp32": 1e-6, "bf16": 2.0**-8, "fp16": 2.0**-11}[prec]
-    np.testing.assert_allclose(m["loss"], ref_m["loss"], rtol=2 * eps)
-    np.testing.assert_allclose(m["grad_norm"], ref_m["grad_norm"], rtol=2 * eps)
+    np.testing.assert_allclose(m["loss"], ref_m["loss"], rtol=NORM_RTOL[prec])
+    np.testing.assert_allclose(m["grad_norm"], ref_m["grad_norm"], rtol=NORM_RTOL[prec])
     np.testing.assert_array_equal(m["rows"], ROWS)  # integer aux metrics are summed over micro-batches
 
 
