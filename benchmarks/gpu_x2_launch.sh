@@ -48,7 +48,7 @@ for stage in (2, 3):
         s, l = summary(name), losses(name)
         common = sorted(set(ref) & set(l))
         diff = max((abs(l[k] - ref[k]) / abs(ref[k]) for k in common), default=float("nan"))
-        rows.append(dict(stage=stage, layout=label, steps_compared=len(common), max_rel_loss_diff=diff, **s))
+        rows.append({**s, "stage": stage, "layout": label, "steps_compared": len(common), "max_rel_loss_diff": diff})
         print(f"{stage:>5} {label:24} {s.get('tokens_per_s_per_device', 0):>10} "
               f"{s.get('first_loss', float('nan')):>10.4f} {s.get('last_loss', float('nan')):>10.4f} {diff:>12.2e}")
 json.dump(rows, open(os.path.join(out, "launch_2xh200.json"), "w"), indent=1)
