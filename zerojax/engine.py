@@ -154,8 +154,6 @@ class Engine:
     offload_settings = property(lambda self: self.layout.offload_settings)
     stage3_gather = property(lambda self: self.layout.stage3_gather)
     step_settings = property(lambda self: self.layout.step)
-    # `plan` is the name zerojax.memory (the planner) reads today; new code: step_settings
-    plan = step_settings
 
     # ------------------------------------------------------------------ state placement
 

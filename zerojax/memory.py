@@ -223,8 +223,8 @@ def guard(engine, batch_shapes, budget=None, *, plans=None) -> CompiledMemory | 
     (default: the device's bytes_limit; none on CPU: nothing is checked).
 
     plans: a zero-argument callable returning the plans that fit, called only on failure. By
-    default `engine.plans_for(batch_shapes, budget)` when the engine carries one (the planner
-    attaches it: `zerojax.planner.attach`), else none are listed.
+    default the engine's `options.plans_for(engine, batch_shapes, budget)` when it has one
+    (`zerojax.shard` sets the planner's), else none are listed.
     """
     import jax
 
@@ -233,8 +233,8 @@ def guard(engine, batch_shapes, budget=None, *, plans=None) -> CompiledMemory | 
         return None
     shapes = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), batch_shapes)
     if plans is None:
-        plans_for = getattr(engine, "plans_for", None)
-        plans = (lambda: plans_for(shapes, budget)) if plans_for is not None else ()
+        plans_for = engine.options.plans_for
+        plans = (lambda: plans_for(engine, shapes, budget)) if plans_for is not None else ()
     return check_fits(compile_engine_step(engine, shapes), budget, plans=plans)
 
 

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import copy
 import dataclasses
-import functools
 import inspect
 import json
 import math
@@ -188,27 +187,8 @@ def default_loss_fn():
 
 def abstract_engine(model, cfg, *, loss_fn, mesh=None):
     """An Engine whose state is ShapeDtypeStructs (with shardings): it can lower and compile the
-    real train step, but holds no device memory. Uses the engine's own abstract mode
-    (`zerojax.engine.abstract_engine`) where it has one."""
-    make = getattr(E, "abstract_engine", None)
-    if make is not None:
-        return make(model, cfg, loss_fn=loss_fn, mesh=mesh)
-    return _fallback_abstract_engine()(model, cfg, loss_fn=loss_fn, mesh=mesh)
-
-
-@functools.cache
-def _fallback_abstract_engine():
-    """For an engine without an abstract mode: its own state init run under jax.eval_shape
-    (shapes and dtypes, no buffers) with the engine's shardings attached. Built only when
-    needed, since it overrides a private method; delete once every engine has the hook."""
-
-    class AbstractEngine(E.Engine):
-        def _init_state(self, init_fn, pure_params, pure_rest):
-            shapes = jax.eval_shape(lambda: E.Engine._init_state(self, init_fn, pure_params, pure_rest))
-            return jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
-                                shapes, self.state_shardings)
-
-    return AbstractEngine
+    real train step, but holds no device memory (`zerojax.engine.abstract_engine`)."""
+    return E.abstract_engine(model, cfg, loss_fn=loss_fn, mesh=mesh)
 
 
 def _plain_batch_keys(cfg_dict, micro_batch, grad_accum=None):
@@ -587,8 +567,7 @@ def fit_micro_batch(model_factory, cfg_dict, budget, seq_len, *, remat=AS_BUILT,
 def engine_model_factory(engine):
     """A zero-argument factory rebuilding `engine`'s model from its graph and shapes (zeros when
     traced): lets the planner compile variants of a built engine without its host copy."""
-    # the step's static settings: `engine.plan` here, `engine.layout.step` in the engine to come
-    plan_ = getattr(engine, "plan", None) or engine.layout.step
+    plan_ = engine.step_settings  # the step's static settings (graphdef, param / rest templates)
 
     def fill(s):
         if jnp.issubdtype(s.dtype, jax.dtypes.prng_key):
@@ -634,18 +613,7 @@ def guard(engine, batch_shapes, budget=None, **plan_kw) -> CompiledMemory | None
                      plans=lambda: engine_plans(engine, batch_shapes, budget, **plan_kw))
 
 
-def attach(engine):
-    """Give `engine` the callback its memory guard calls for plans on a failed fit check."""
-    engine.plans_for = lambda shapes, budget: engine_plans(engine, shapes, budget)
-    return engine
-
-
-def shard(model, cfg, **kwargs):
-    """`zerojax.engine.shard` with the planner attached: a WillNotFitError lists plans."""
-    return attach(E.shard(model, cfg, **kwargs))
-
-
 __all__ = ["Plan", "rank_plans", "Search", "search", "plan", "fit_micro_batch", "step_memory",
            "abstract_engine", "model_shape", "precision_choices", "rows_per_device",
-           "engine_model_factory", "engine_plans", "guard", "attach", "shard", "AS_BUILT",
+           "engine_model_factory", "engine_plans", "guard", "AS_BUILT",
            "DEFAULT_OFFLOADS", "REMAT_CHOICES"]
