@@ -569,22 +569,26 @@ class CheckpointConfig:
 class PipelineConfig:
     stages: Any = _f("auto", "int_or_auto")
     """Number of pipeline stages ("auto" is DeepSpeed's default and is kept).
-    zerojax: **accepted, no effect**: pipeline parallelism comes later"""
+    zerojax: **acted on**: size of the mesh's `pipe` axis ("auto" = 1, no pipeline); the stacked layers are
+      split into this many stages, micro-batches = gradient_accumulation_steps, data-parallel size =
+      devices / (stages x autotp_size); ZeRO stage <= 1 and no offload (DeepSpeed's rule)"""
     partition: str = _f("best", "str")
     """Layer partition method.
-    zerojax: **accepted, no effect**: pipeline parallelism comes later"""
+    zerojax: **accepted, no effect**: a stacked layer scan is split evenly (its layers are identical, so
+      "uniform", "parameters" and "best" give the same split)"""
     seed_layers: bool = _f(False, "bool")
     """Seed each layer differently.
-    zerojax: **accepted, no effect**: pipeline parallelism comes later"""
+    zerojax: **accepted, no effect**: the model's own init seeds its layers"""
     activation_checkpoint_interval: int = _f(0, "int", ge=0)
     """Checkpoint every N layers in the pipeline.
-    zerojax: **accepted, no effect**: pipeline parallelism comes later"""
+    zerojax: **accepted, no effect**: every pipeline iteration is rematerialised (its stage input saved);
+      the model's remat_policy applies inside"""
     pipe_partitioned: bool = _f(True, "bool")
     """Partition activations between stages.
-    zerojax: **accepted, no effect**: pipeline parallelism comes later"""
+    zerojax: **accepted, no effect**: activations move between stages as XLA collective-permutes"""
     grad_partitioned: bool = _f(True, "bool")
     """Partition gradients between stages.
-    zerojax: **accepted, no effect**: pipeline parallelism comes later"""
+    zerojax: **accepted, no effect**: activation gradients move between stages as XLA collective-permutes"""
 
 
 @dataclass(frozen=True)
@@ -1029,7 +1033,7 @@ def load_config(source, *, world_size: int | None = None, fill: Mapping[str, Any
     """Load a DeepSpeed config (path, JSON/hjson text, or dict) into a resolved, validated Config.
 
     world_size: the data-parallel size for the batch trio; default `jax.device_count()` divided by
-    tensor_parallel.autotp_size and sequence_parallel_size.
+    tensor_parallel.autotp_size, pipeline.stages and sequence_parallel_size.
     fill: values for `"auto"` entries, by dotted key (`{"optimizer.params.lr": 3e-4}`).
     """
     raw = _read(source)
@@ -1054,7 +1058,8 @@ def load_config(source, *, world_size: int | None = None, fill: Mapping[str, Any
     if world_size is None:
         import jax  # lazily: config.py itself must not need jax
 
-        world_size = max(1, jax.device_count() // (tp.autotp_size * kwargs.get("sequence_parallel_size", 1)))
+        world_size = max(1, jax.device_count() // (tp.autotp_size * kwargs.get("sequence_parallel_size", 1)
+                                                   * pipeline_stages(kwargs.get("pipeline", PipelineConfig()))))
     kwargs["world_size"] = world_size
     _resolve_batch(kwargs, raw, unresolved, world_size, problems)
 
@@ -1531,9 +1536,23 @@ def _build_scheduler(value, problems):
 # ----------------------------------------------------------------------------------------------
 # Cross-field rules.
 
+def pipeline_stages(pipeline: "PipelineConfig") -> int:
+    """The pipe axis size of a pipeline section: its stages, "auto" read as 1 (no pipeline)."""
+    return 1 if _is_auto(pipeline.stages) else int(pipeline.stages)
+
+
 def _cross_checks(kwargs, zero, problems):
     """Problems go to `problems`; returns warnings, issued only if the config loads."""
     notes = []
+    if pipeline_stages(kwargs.get("pipeline", PipelineConfig())) > 1:
+        stages = kwargs["pipeline"].stages
+        if zero.stage >= 2:  # DeepSpeed 0.19.8 PipelineEngine's assert
+            problems.append(f"zero_optimization.stage = {zero.stage} with pipeline.stages = {stages}: ZeRO-2 and "
+                            "ZeRO-3 are incompatible with pipeline parallelism; use stage 0 or 1, or pipeline.stages 1")
+        if zero.stage == 1 and zero.offload_optimizer.device != "none":
+            problems.append(f"zero_optimization.offload_optimizer.device = {zero.offload_optimizer.device!r} with "
+                            f"pipeline.stages = {stages}: zerojax does not offload a pipelined model's optimizer; "
+                            "set the device to \"none\" or pipeline.stages to 1")
     fp16, bf16 = kwargs.get("fp16", FP16Config()), kwargs.get("bf16", BF16Config())
     if fp16.enabled and bf16.enabled:
         problems.append("fp16.enabled and bf16.enabled are both true: bfloat16 and fp16 modes cannot be "
