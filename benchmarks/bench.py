@@ -58,21 +58,25 @@ def build_matrix(args, n_devices: int) -> list[dict]:
                             if off.partition(":")[0] == "param" and stage != 3:
                                 continue
                             for remat in remats:
-                                out.append(dict(_base(args), size=size, dtype=dtype, accum=accum,
-                                                micro=micro, stage=stage, offload=off,
-                                                remat=remat == "on"))
+                                for pipe in args.pipe:
+                                    if pipe > 1 and (stage == "plain" or stage > 1 or off != "none"):
+                                        continue  # pipelining: ZeRO stage <= 1, no offload
+                                    out.append(dict(_base(args), size=size, dtype=dtype, accum=accum,
+                                                    micro=micro, stage=stage, offload=off,
+                                                    remat=remat == "on", pipe=pipe))
     return out
 
 
 def _base(args) -> dict:
     return dict(seq=args.seq, steps=args.steps, warmup=args.warmup, size=args.sizes[0],
                 dtype=args.dtypes[0], accum=args.accum[0], micro=args.micro[0], stage="plain",
-                offload="none", remat=False, attention=args.attention)
+                offload="none", remat=False, attention=args.attention, pipe=1)
 
 
 def name_of(s: dict) -> str:
     what = "plain" if s["stage"] == "plain" else f"zero{s['stage']}"
     extra = "" if s.get("offload", "none") == "none" else f"+off-{s['offload']}"
+    extra += f" pipe{s['pipe']}" if s.get("pipe", 1) > 1 else ""
     return (f"{s['size']} {what}{extra} {s['dtype']} mb{s['micro']}x{s['accum']}"
             f"{' remat' if s['remat'] else ''}")
 
@@ -185,7 +189,8 @@ def run_entry(spec: dict) -> dict:
     seq = min(spec["seq"] or config.n_positions, config.n_positions)
     n_dev = jax.device_count()
     dtype = {"bf16": jnp.bfloat16, "fp16": jnp.float16, "fp32": jnp.float32}[spec["dtype"]]
-    global_batch = spec["micro"] * spec["accum"] * n_dev
+    pipe = int(spec.get("pipe", 1))
+    global_batch = spec["micro"] * spec["accum"] * (n_dev // pipe)  # data-parallel size: devices / pipe
     rng = np.random.default_rng(0)
     tokens = rng.integers(0, config.vocab_size, (global_batch, seq), dtype=np.int32)
     batch = {"input_ids": tokens}
@@ -193,7 +198,7 @@ def run_entry(spec: dict) -> dict:
     if spec["stage"] == "plain":
         runner = PlainRunner(config, spec, dtype, batch)
     else:
-        runner = ZeroRunner(config, spec, dtype, batch, n_dev)
+        runner = ZeroRunner(config, spec, dtype, batch, n_dev // pipe)
 
     losses = []
     t0 = time.perf_counter()
@@ -226,6 +231,7 @@ def run_entry(spec: dict) -> dict:
         "losses": [float(x) for x in jax.device_get(losses)],
         "n_devices": n_dev, "global_batch": global_batch, "seq": seq,
         "params": G.num_params(config), "backend": jax.default_backend(),
+        "pipe": pipe, "predicted_bubble": getattr(getattr(runner, "engine", None), "pipeline_bubble", None),
     }
 
 
@@ -301,6 +307,7 @@ class ZeroRunner:
     """zerojax.shard on a DeepSpeed config dict; the engine's own AOT step gives the prediction."""
 
     def __init__(self, config, spec, dtype, batch, n_dev):
+        """n_dev: the data-parallel size (devices / pipe)."""
         import jax.numpy as jnp
         from flax import nnx
 
@@ -324,6 +331,8 @@ class ZeroRunner:
             "zero_optimization": zero,
             "steps_per_print": 10**9,
         }
+        if spec.get("pipe", 1) > 1:  # micro-batches through the stages = gradient_accumulation_steps
+            ds["pipeline"] = {"stages": spec["pipe"]}
         if spec["dtype"] == "bf16":
             ds["bf16"] = {"enabled": True}
         elif spec["dtype"] == "fp16":
@@ -414,6 +423,9 @@ def parse_args(argv=None):
                    help="none,optimizer,param (default none); optimizer:R / param:R set "
                         "offload_optimizer.ratio R (the fraction offloaded)")
     p.add_argument("--micro", type=csv(int), default=None, help="micro-batch per device (default 8)")
+    p.add_argument("--pipe", type=csv(int), default=None,
+                   help="pipeline stages (pipeline.stages; ZeRO stage <= 1), e.g. 1,2 (default 1); the "
+                        "data-parallel size is devices / pipe, the micro-batches are --accum")
     p.add_argument("--accum", type=csv(int), default=None, help="gradient accumulation (default 1)")
     p.add_argument("--dtypes", type=csv(str), default=None, help="bf16,fp16,fp32 (default bf16)")
     p.add_argument("--attention", default=None, choices=(None, "xla", "cudnn"),
@@ -430,6 +442,7 @@ def parse_args(argv=None):
     args.sizes = args.sizes or (["tiny"] if tiny else ["large"])
     args.micro = args.micro or ([2] if tiny else [8])
     args.accum = args.accum or [1]
+    args.pipe = args.pipe or [1]
     args.dtypes = args.dtypes or ["bf16"]
     args.offload = args.offload or ["none"]
     if tiny and args.matrix == "default" and not args.stages:

@@ -153,6 +153,13 @@ class Engine:
     offload_layout = property(lambda self: self.layout.offload, doc="The chunk layout of an offloaded state, or None.")
     offload_settings = property(lambda self: self.layout.offload_settings)
     stage3_gather = property(lambda self: self.layout.stage3_gather)
+    pipeline = property(lambda self: self.layout.pipeline,
+                        doc="The pipeline schedule (stages, micro-batches, repeats) or None.")
+
+    @property
+    def pipeline_bubble(self) -> float:
+        """The share of pipeline stage-iterations that idle, (S - 1) / (M R + S - 1); 0.0 unpipelined."""
+        return self.layout.pipeline.bubble_fraction if self.layout.pipeline is not None else 0.0
     step_settings = property(lambda self: self.layout.step)
 
     # ------------------------------------------------------------------ state placement

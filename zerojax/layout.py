@@ -19,7 +19,8 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from zerojax import offload as O, partition
-from zerojax.config import Config, ConfigError, load_config
+from zerojax.config import Config, ConfigError, load_config, pipeline_stages
+from zerojax.pipeline import PipelineSchedule, pipeline_scan, schedule_problems
 from zerojax.optim import build_optimizer, build_schedule
 from zerojax.options import EngineOptions
 from zerojax.precision import compute_dtype as compute_dtype_of, loss_scale_from_config, loss_scaler_from_config
@@ -57,6 +58,7 @@ class EngineLayout:
     offload_settings: dict | None      # the offload's resolved knobs (reported, e.g. by bench.py)
     stage3_gather: str | None          # "layer" when stage 3 gathers per layer in the model's scan
     step: StepSettings
+    pipeline: PipelineSchedule | None = None   # pipeline.stages > 1: the schedule the model's scan runs
 
     @property
     def state_shardings(self) -> TrainState:
@@ -133,7 +135,10 @@ def resolve_config(cfg, mesh: Mesh | None) -> tuple[Config, Mesh]:
     if mesh is None:
         if not isinstance(cfg, Config):
             cfg = load_config(cfg)  # world size: devices / autotp_size, the mesh made below
-        mesh = partition.make_mesh(tensor=cfg.tensor_parallel.autotp_size)
+        try:
+            mesh = partition.make_mesh(tensor=cfg.tensor_parallel.autotp_size, pipe=pipeline_stages(cfg.pipeline))
+        except ValueError as e:
+            raise _config_error(f"pipeline.stages = {cfg.pipeline.stages}: {e}") from None
     n = partition.data_size(mesh)
     if not isinstance(cfg, Config):
         cfg = load_config(cfg, world_size=n)
@@ -217,11 +222,16 @@ def build_layout(module: nnx.Module, cfg, *, loss_fn: Callable, mesh: Mesh | Non
             {"scan_unroll": 1, "layer_scan": None})
         stage3_gather = "layer"
 
+    schedule_ = None
+    if partition.pipe_size(mesh) > 1 or pipeline_stages(cfg.pipeline) > 1:
+        schedule_, graphdef = _pipeline_layout(module, cfg, mesh, options, abstract_master)
+
     step = StepSettings(
         graphdef=graphdef, param_template=param_template, rest_template=rest_template,
         loss_fn=loss_fn, tx=tx, schedule=schedule, mesh=mesh, shardings=shardings,
         opt_shardings=opt_shardings, rest_shardings=rest_shardings, compute_dtype=dtype,
-        accum_dtype=accum_dtype, steps=int(cfg.gradient_accumulation_steps),
+        # pipelined: the micro-batches flow through the stages inside one loss_fn call
+        accum_dtype=accum_dtype, steps=1 if schedule_ else int(cfg.gradient_accumulation_steps),
         train_batch_size=int(cfg.train_batch_size), fp16=fp16, offload=offload_step, fetch_rest=fetch_rest)
     return EngineLayout(
         cfg=cfg, mesh=mesh, options=options, stage=stage, fp16=fp16, compute_dtype=dtype,
@@ -229,7 +239,37 @@ def build_layout(module: nnx.Module, cfg, *, loss_fn: Callable, mesh: Mesh | Non
         tx=tx, schedule=schedule, abstract_master=abstract_master, shardings=shardings,
         param_shardings=param_shardings, master_shardings=master_shardings, opt_shardings=opt_shardings,
         rest_shardings=rest_shardings, offload=off, offload_settings=offload_settings,
-        stage3_gather=stage3_gather, step=step)
+        stage3_gather=stage3_gather, step=step, pipeline=schedule_)
+
+
+PIPELINE_HOOK_ERROR = ("pipeline.stages = {stages}: pipelining needs a model whose layers run as one stacked scan "
+                       "with a `layer_scan` hook (docs/CONTRACTS.md; zerojax.models.gpt2.GPT2 has it). {what}")
+
+
+def _pipeline_layout(module, cfg, mesh, options, abstract_master):
+    """(PipelineSchedule, the graphdef whose layer scan runs it) for pipeline.stages > 1."""
+    stages = pipeline_stages(cfg.pipeline)
+    if partition.pipe_size(mesh) != stages:
+        raise _config_error(f"pipeline.stages = {cfg.pipeline.stages} but the mesh's \"pipe\" axis has size "
+                            f"{partition.pipe_size(mesh)}; pass mesh=None or a mesh made with "
+                            f"zerojax.make_mesh(pipe={stages})")
+    if cfg.tensor_parallel.autotp_size > 1:
+        raise _config_error(f"tensor_parallel.autotp_size = {cfg.tensor_parallel.autotp_size} with pipeline.stages "
+                            f"= {stages}: tensor and pipeline parallelism together are not supported yet; "
+                            "use one of them")
+    hooked = [m for _, m in nnx.iter_graph(module) if isinstance(m, nnx.Module) and "layer_scan" in vars(m)]
+    layers = O.chunk_layout(abstract_master, 1).num_layers
+    if not hooked or not layers:
+        raise _config_error(PIPELINE_HOOK_ERROR.format(
+            stages=stages, what=f"{type(module).__name__} has no " + (
+                "`layer_scan` attribute" if not hooked else "stacked (scanned) layer parameters")
+            + "; use pipeline.stages 1 (data parallelism with ZeRO) for it"))
+    schedule = PipelineSchedule(stages=stages, microbatches=int(cfg.gradient_accumulation_steps),
+                                repeats=options.pipeline_repeats)
+    problems = schedule_problems(layers, stages, schedule.microbatches, schedule.repeats)
+    if problems:
+        raise ConfigError(problems)
+    return schedule, _split_with(module, hooked, {"layer_scan": pipeline_scan(schedule, mesh)})
 
 
 def _offload_layout(cfg, options, tx, abstract_master, shardings, mesh, fp16, offload_optimizer,
@@ -314,20 +354,23 @@ def _install_layer_hook(module, abstract_master, targets, move, knobs: dict):
         raise _config_error(PARAM_HOOK_ERROR.format(
             what=f"{type(module).__name__} has no `layer_fetch` attribute, so its parameters would "
                  "stay on the device."))
-    saved = [(m, m.layer_fetch, {k: vars(m)[k] for k in knobs if k in vars(m)}) for m in hooked]
+    return _split_with(module, hooked, {"layer_fetch": layer_fetch, **knobs}), fetch_rest
+
+
+def _split_with(module, hooked, attrs: dict):
+    """The graphdef of `module` with `attrs` set on the `hooked` modules where they have them,
+    `module` itself left as it was."""
+    saved = [(m, {k: vars(m)[k] for k in attrs if k in vars(m)}) for m in hooked]
     try:
-        for m, _, old in saved:
-            m.layer_fetch = layer_fetch
+        for m, old in saved:
             for k in old:
-                setattr(m, k, knobs[k])
+                setattr(m, k, attrs[k])
         with no_eager_sharding():
-            graphdef = nnx.split(module, nnx.Param, ...)[0]
+            return nnx.split(module, nnx.Param, ...)[0]
     finally:
-        for m, f, old in saved:
-            m.layer_fetch = f
+        for m, old in saved:
             for k, v in old.items():
                 setattr(m, k, v)
-    return graphdef, fetch_rest
 
 
 def no_eager_sharding():

@@ -34,6 +34,9 @@ class EngineOptions:
         "auto" leaves the placement to GSPMD.
     init_group_bytes [None]: offload init builds the fp32 weights in groups of at most this many
         bytes; None = a quarter of the device's memory (no limit on CPU).
+    pipeline_repeats [1]: with pipeline.stages > 1, circular repeats R: each stage holds R blocks of
+        layers / (stages x R) layers and every micro-batch passes the stages R times, shrinking the
+        bubble from (S - 1) / (M + S - 1) to (S - 1) / (M R + S - 1) (`zerojax.pipeline`).
     memory_guard [True]: before the first step of each batch shape, compare XLA's predicted peak
         with the device's memory and raise WillNotFitError instead of running out mid-step.
     plans_for [None]: `plans_for(engine, batch_shapes, budget) -> plans` called when the guard
@@ -45,6 +48,7 @@ class EngineOptions:
     offload_prefetch: bool = True
     stage3_gather: str = "layer"
     init_group_bytes: int | None = None
+    pipeline_repeats: int = 1
     memory_guard: bool = True
     plans_for: Callable[[Any, Any, int], Any] | None = dataclasses.field(default=None, compare=False)
 
@@ -53,7 +57,8 @@ class EngineOptions:
         if self.stage3_gather not in STAGE3_GATHER_MODES:
             problems.append(f"stage3_gather={self.stage3_gather!r}: choose one of {STAGE3_GATHER_MODES}")
         for name, least, optional in (("offload_chunks", 1, True),
-                                      ("offload_unroll", 1, False), ("init_group_bytes", 1, True)):
+                                      ("offload_unroll", 1, False), ("init_group_bytes", 1, True),
+                                      ("pipeline_repeats", 1, False)):
             value = getattr(self, name)
             if value is None and optional:
                 continue

@@ -24,6 +24,7 @@ from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P
 
 DATA = "data"
 TENSOR = "tensor"
+PIPE = "pipe"
 AXES = (DATA, TENSOR)
 
 # Logical axis name -> mesh axis, first match wins (flax's logical_axis_rules). Used only when the
@@ -36,8 +37,10 @@ DEFAULT_RULES: tuple[tuple[str, str | None], ...] = (
 )
 
 
-def make_mesh(data: int | None = None, tensor: int = 1, devices: Sequence[Any] | None = None) -> Mesh:
-    """A ("data", "tensor") mesh over `devices` (default: all devices of all processes).
+def make_mesh(data: int | None = None, tensor: int = 1, devices: Sequence[Any] | None = None,
+              pipe: int = 1) -> Mesh:
+    """A ("data", "tensor") mesh over `devices` (default: all devices of all processes); with
+    `pipe` > 1 (pipeline.stages) a ("data", "pipe", "tensor") mesh.
 
     Axes are `AxisType.Auto` (GSPMD propagation): with explicit axes ordinary ops such as an
     embedding gather would need an `out_sharding` argument.
@@ -47,18 +50,28 @@ def make_mesh(data: int | None = None, tensor: int = 1, devices: Sequence[Any] |
         raise ValueError(
             f"tensor={tensor} (tensor_parallel.autotp_size) must divide the {len(devices)} devices"
         )
+    if pipe < 1 or len(devices) % (pipe * tensor):
+        raise ValueError(f"pipe={pipe} (pipeline.stages) x tensor={tensor} must divide the {len(devices)} "
+                         f"devices; stage counts that would: "
+                         f"{[s for s in range(1, len(devices) + 1) if len(devices) % (s * tensor) == 0]}")
     if data is None:
-        data = len(devices) // tensor
-    if data * tensor != len(devices):
-        if data * tensor > len(devices):
-            raise ValueError(f"mesh data={data} x tensor={tensor} needs {data * tensor} devices; "
+        data = len(devices) // (tensor * pipe)
+    inner = tensor * pipe
+    if data * inner != len(devices):
+        if data * inner > len(devices):
+            raise ValueError(f"mesh data={data} x pipe={pipe} x tensor={tensor} needs {data * inner} devices; "
                              f"only {len(devices)} are available")
-        devices = devices[: data * tensor]
-    axis_types = (AxisType.Auto, AxisType.Auto)
+        devices = devices[: data * inner]
+    shape, names = ((data, pipe, tensor), (DATA, PIPE, TENSOR)) if pipe > 1 else ((data, tensor), AXES)
+    axis_types = (AxisType.Auto,) * len(shape)
     if len(devices) == len(jax.devices()) and devices == list(jax.devices()):
         # jax.make_mesh picks a physical device order that keeps "tensor" neighbours close.
-        return jax.make_mesh((data, tensor), AXES, axis_types=axis_types)
-    return Mesh(np.asarray(devices, dtype=object).reshape(data, tensor), AXES, axis_types=axis_types)
+        return jax.make_mesh(shape, names, axis_types=axis_types)
+    return Mesh(np.asarray(devices, dtype=object).reshape(shape), names, axis_types=axis_types)
+
+
+def pipe_size(mesh: Mesh) -> int:
+    return int(mesh.shape.get(PIPE, 1))
 
 
 def data_size(mesh: Mesh) -> int:
@@ -113,6 +126,8 @@ def logical_to_mesh(names: Iterable | None, mesh: Mesh, rules=None) -> P:
         return P()
     if rules is None:
         rules = DEFAULT_RULES if mesh.shape.get(TENSOR, 1) > 1 else ()
+        if pipe_size(mesh) > 1:  # the stacked layers split into pipeline stages
+            rules = (*rules, ("layers", PIPE))
     used: set[str] = set()
     out = []
     for name in names:
@@ -290,7 +305,7 @@ def per_device_bytes(shapes_dtypes, shardings) -> int:
 
 
 __all__ = [
-    "DATA", "TENSOR", "DEFAULT_RULES", "make_mesh", "data_size", "tensor_specs",
+    "DATA", "TENSOR", "PIPE", "DEFAULT_RULES", "make_mesh", "data_size", "pipe_size", "tensor_specs",
     "logical_to_mesh", "zero_spec", "StageShardings", "stage_specs", "stage_shardings",
     "opt_state_shardings", "replicated", "per_device_bytes",
 ]

@@ -36,6 +36,7 @@ from zerojax.config._schema import (  # noqa: F401 -- the public names
     ActivationCheckpointingConfig, BF16Config, CSVConfig, CheckpointConfig, CometConfig, CommsLoggerConfig,
     CompileConfig, Config, DEEPSPEED_VERSION, DataTypesConfig, FP16Config, FlopsProfilerConfig,
     HybridEngineConfig, OffloadOptimizerConfig, OffloadParamConfig, OptimizerConfig, PipelineConfig,
+    pipeline_stages,
     REMOVED_TOP_LEVEL_KEYS, REMOVED_ZERO_KEYS, SchedulerConfig, TensorBoardConfig, TensorParallelConfig,
     ThroughputTimerConfig, TimersConfig, TrackioConfig, WandbConfig, ZeroConfig)
 from zerojax.config._params import (  # noqa: F401 -- the public names

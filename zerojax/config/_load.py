@@ -12,8 +12,8 @@ import hjson
 from zerojax.config._values import ConfigError, _convert, _freeze, _is_auto, _plain, _suggest, _unknown
 from zerojax.config._schema import (
     BF16Config, Config, DEEPSPEED_VERSION, FP16Config, OffloadOptimizerConfig, OffloadParamConfig,
-    OptimizerConfig, REMOVED_TOP_LEVEL_KEYS, REMOVED_ZERO_KEYS, SchedulerConfig, TensorParallelConfig,
-    ZeroConfig, _REMOVED_ISSUE, _TP_ALIASES, _ZERO_ALIASES, _ZERO_DEPRECATED_NOOP)
+    OptimizerConfig, PipelineConfig, REMOVED_TOP_LEVEL_KEYS, REMOVED_ZERO_KEYS, SchedulerConfig,
+    TensorParallelConfig, ZeroConfig, pipeline_stages, _REMOVED_ISSUE, _TP_ALIASES, _ZERO_ALIASES, _ZERO_DEPRECATED_NOOP)
 from zerojax.config._params import (
     MAX_GRAD_NORM_MSG, SUPPORTED_OPTIMIZERS, SUPPORTED_SCHEDULERS, UNSUPPORTED_OPTIMIZERS, canonical_optimizer,
     check_optimizer_params, check_scheduler_params)
@@ -28,7 +28,7 @@ def load_config(source, *, world_size: int | None = None, fill: Mapping[str, Any
     """Load a DeepSpeed config (path, JSON/hjson text, or dict) into a resolved, validated Config.
 
     world_size: the data-parallel size for the batch trio; default `jax.device_count()` divided by
-    tensor_parallel.autotp_size and sequence_parallel_size.
+    tensor_parallel.autotp_size, pipeline.stages and sequence_parallel_size.
     fill: values for `"auto"` entries, by dotted key (`{"optimizer.params.lr": 3e-4}`).
     """
     raw = read_source(source)
@@ -53,7 +53,8 @@ def load_config(source, *, world_size: int | None = None, fill: Mapping[str, Any
     if world_size is None:
         import jax  # lazily: zerojax.config itself must not need jax
 
-        world_size = max(1, jax.device_count() // (tp.autotp_size * kwargs.get("sequence_parallel_size", 1)))
+        world_size = max(1, jax.device_count() // (tp.autotp_size * kwargs.get("sequence_parallel_size", 1)
+                                                   * pipeline_stages(kwargs.get("pipeline", PipelineConfig()))))
     kwargs["world_size"] = world_size
     _resolve_batch(kwargs, raw, unresolved, world_size, problems)
 
@@ -379,6 +380,15 @@ def _build_scheduler(value, problems):
 def _cross_checks(kwargs, zero, problems):
     """Problems go to `problems`; returns warnings, issued only if the config loads."""
     notes = []
+    if pipeline_stages(kwargs.get("pipeline", PipelineConfig())) > 1:
+        stages = kwargs["pipeline"].stages
+        if zero.stage >= 2:  # DeepSpeed 0.19.8 PipelineEngine's assert
+            problems.append(f"zero_optimization.stage = {zero.stage} with pipeline.stages = {stages}: ZeRO-2 and "
+                            "ZeRO-3 are incompatible with pipeline parallelism; use stage 0 or 1, or pipeline.stages 1")
+        if zero.stage == 1 and zero.offload_optimizer.device != "none":
+            problems.append(f"zero_optimization.offload_optimizer.device = {zero.offload_optimizer.device!r} with "
+                            f"pipeline.stages = {stages}: zerojax does not offload a pipelined model's optimizer; "
+                            "set the device to \"none\" or pipeline.stages to 1")
     fp16, bf16 = kwargs.get("fp16", FP16Config()), kwargs.get("bf16", BF16Config())
     if fp16.enabled and bf16.enabled:
         problems.append("fp16.enabled and bf16.enabled are both true: bfloat16 and fp16 modes cannot be "

@@ -6,7 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Mapping
 
-from zerojax.config._values import _DEVICES, _empty, _f, _freeze, _to_json
+from zerojax.config._values import _DEVICES, _empty, _f, _freeze, _is_auto, _to_json
 
 
 DEEPSPEED_VERSION = "0.19.8"
@@ -509,22 +509,31 @@ class CheckpointConfig:
 class PipelineConfig:
     stages: Any = _f("auto", "int_or_auto")
     """Number of pipeline stages ("auto" is DeepSpeed's default and is kept).
-    zerojax: **accepted, no effect**: pipeline parallelism comes later"""
+    zerojax: **acted on**: size of the mesh's `pipe` axis ("auto" = 1, no pipeline); the stacked layers are
+      split into this many stages, micro-batches = gradient_accumulation_steps, data-parallel size =
+      devices / (stages x autotp_size); ZeRO stage <= 1 and no offload (DeepSpeed's rule)"""
     partition: str = _f("best", "str")
     """Layer partition method.
-    zerojax: **accepted, no effect**: pipeline parallelism comes later"""
+    zerojax: **accepted, no effect**: a stacked layer scan is split evenly (its layers are identical, so
+      "uniform", "parameters" and "best" give the same split)"""
     seed_layers: bool = _f(False, "bool")
     """Seed each layer differently.
-    zerojax: **accepted, no effect**: pipeline parallelism comes later"""
+    zerojax: **accepted, no effect**: the model's own init seeds its layers"""
     activation_checkpoint_interval: int = _f(0, "int", ge=0)
     """Checkpoint every N layers in the pipeline.
-    zerojax: **accepted, no effect**: pipeline parallelism comes later"""
+    zerojax: **accepted, no effect**: every pipeline iteration is rematerialised (its stage input saved);
+      the model's remat_policy applies inside"""
     pipe_partitioned: bool = _f(True, "bool")
     """Partition activations between stages.
-    zerojax: **accepted, no effect**: pipeline parallelism comes later"""
+    zerojax: **accepted, no effect**: activations move between stages as XLA collective-permutes"""
     grad_partitioned: bool = _f(True, "bool")
     """Partition gradients between stages.
-    zerojax: **accepted, no effect**: pipeline parallelism comes later"""
+    zerojax: **accepted, no effect**: activation gradients move between stages as XLA collective-permutes"""
+
+
+def pipeline_stages(pipeline: PipelineConfig) -> int:
+    """The pipe axis size of a pipeline section: its stages, "auto" read as 1 (no pipeline)."""
+    return 1 if _is_auto(pipeline.stages) else int(pipeline.stages)
 
 
 @dataclass(frozen=True)
@@ -805,7 +814,7 @@ class Config:
     zerojax: **acted on**: see its keys"""
     pipeline: PipelineConfig = _f(kind="section", factory=PipelineConfig, cls=PipelineConfig)
     """Section: pipeline parallelism.
-    zerojax: **accepted, no effect**: accepted now; the `pipe` mesh axis comes later"""
+    zerojax: **acted on**: `stages` > 1 splits the stacked layers over the mesh's `pipe` axis (zerojax.pipeline)"""
     tensor_parallel: TensorParallelConfig = _f(kind="special", factory=TensorParallelConfig, cls=TensorParallelConfig)
     """Section: AutoTP tensor parallelism.
     zerojax: **acted on**: see its keys"""

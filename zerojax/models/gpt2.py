@@ -228,7 +228,9 @@ class GPT2(nnx.Module):
     `zerojax.offload.prefetch_scan`) the layers run through
     `layer_scan(block, x, layers, layer_fetch, inputs_to_host=...)` instead: the next layer's copy
     is issued while this one computes, forward and backward, and every layer is recomputed in the
-    backward pass. The model itself imports nothing of zerojax's runtime.
+    backward pass. Without `layer_fetch`, a `layer_scan` set by the engine runs the (remat-wrapped)
+    blocks as `layer_scan(block, x, layers, None)`: pipeline.stages > 1 hands it
+    `zerojax.pipeline.pipeline_scan`. The model itself imports nothing of zerojax's runtime.
     """
 
     def __init__(self, config: GPT2Config, *, rngs: nnx.Rngs, dtype=jnp.float32,
@@ -296,8 +298,11 @@ class GPT2(nnx.Module):
         if policy is not None:
             # scan already keeps iterations apart, so CSE prevention is not needed
             body = jax.checkpoint(body, policy=remat_policy_fn(policy), prevent_cse=False)
-        x, _ = jax.lax.scan(lambda x, p: (body(x, p), None), x, layers,
-                            unroll=getattr(self, "scan_unroll", 1) or 1)
+        if layer_scan is not None:  # no fetch: e.g. pipeline stages over the "pipe" mesh axis
+            x = layer_scan(body, x, layers, None)
+        else:
+            x, _ = jax.lax.scan(lambda x, p: (body(x, p), None), x, layers,
+                                unroll=getattr(self, "scan_unroll", 1) or 1)
 
         return _layer_norm(x, self.ln_f.scale[...], self.ln_f.bias[...], cfg.layer_norm_epsilon, dtype)
 

@@ -1,0 +1,164 @@
+"""Pipeline parallelism (zerojax.pipeline, issue #15) on 8 virtual CPU devices with a tiny GPT-2:
+pipelined steps against the unpipelined model, the collectives XLA emits, checkpoints across stage
+counts, and the errors."""
+import functools
+import re
+
+import jax
+import numpy as np
+import pytest
+from flax import nnx
+
+import zerojax
+from zerojax.config import ConfigError
+from zerojax.models.gpt2 import GPT2, GPT2Config, gpt2_loss
+
+from tiny_mlp import MLP, loss_fn as mlp_loss  # noqa: E402 (tests/ is on sys.path under pytest)
+
+MODEL = GPT2Config.named("tiny", vocab_size=64, n_positions=16, n_embd=32, n_head=2, n_layer=8)
+ROWS, SEQ, GA, STEPS, LR = 32, 16, 4, 3, 0.1
+EPS32 = float(np.finfo(np.float32).eps)
+# Tolerance. Pipelined and plain steps compute the same per-row functions with the same weights in
+# fp32; only the order of the sums differs: the loss and every gradient entry sum the
+# contributions of ROWS x (SEQ - 1) = 480 predicted tokens (plain: per micro-batch, then over
+# 8 data devices; pipelined: per stage iteration, then over 4 or 2 data devices). A reordered
+# n-term fp32 sum differs by at most (n - 1) eps times the sum of the terms' magnitudes, ~5.7e-5
+# relative. SGD moves the weights by LR x gradient (gradient_clipping 1.0 bounds every entry by 1),
+# so after STEPS steps they differ by at most STEPS x LR x 5.7e-5 ~ 1.7e-5 in absolute terms.
+REL = ROWS * (SEQ - 1) * EPS32
+WEIGHT_ATOL = STEPS * LR * REL
+
+
+def config(stages, zero_stage=0, **extra):
+    return {"train_batch_size": ROWS, "gradient_accumulation_steps": GA,
+            "optimizer": {"type": "SGD", "params": {"lr": LR, "momentum": 0.9}},
+            "gradient_clipping": 1.0, "zero_optimization": {"stage": zero_stage},
+            "pipeline": {"stages": stages}, **extra}
+
+
+def model():
+    return GPT2(MODEL, rngs=nnx.Rngs(0))
+
+
+def engine(stages, repeats=1, zero_stage=0):
+    return zerojax.shard(model, config(stages, zero_stage), loss_fn=gpt2_loss,
+                         options=zerojax.EngineOptions(pipeline_repeats=repeats))
+
+
+def batches():
+    return [{"input_ids": np.random.default_rng(i).integers(0, MODEL.vocab_size, (ROWS, SEQ)).astype(np.int32)}
+            for i in range(STEPS)]
+
+
+def host(tree):
+    return jax.tree.map(lambda a: np.asarray(jax.device_get(a)), tree)
+
+
+@functools.lru_cache(maxsize=None)
+def trained(stages, repeats=1, zero_stage=0):
+    """(engine, per-step losses and grad norms, weights after step 1, weights after STEPS steps)."""
+    eng = engine(stages, repeats, zero_stage)
+    metrics, first = [], None
+    for i, b in enumerate(batches()):
+        m = eng.train_step(b)
+        metrics.append((float(m["loss"]), float(m["grad_norm"])))
+        if i == 0:
+            first = host(eng.master_params)
+    return eng, np.asarray(metrics), first, host(eng.master_params)
+
+
+CASES = [(2, 1, 0), (4, 1, 1), (2, 2, 1), (4, 2, 0)]  # (stages, circular repeats, ZeRO stage)
+
+
+@pytest.mark.parametrize("stages,repeats,zero_stage", CASES)
+def test_pipelined_steps_match_the_plain_model(stages, repeats, zero_stage):
+    eng, metrics, first, last = trained(stages, repeats, zero_stage)
+    _, ref_metrics, ref_first, ref_last = trained(1, 1, zero_stage)
+    assert eng.pipeline.stages == stages and eng.mesh.shape["pipe"] == stages
+    assert eng.mesh.shape["data"] == 8 // stages
+    np.testing.assert_allclose(metrics, ref_metrics, rtol=REL, atol=0)
+    # step 1's update is -LR x (clipped) gradient: the gradients themselves
+    for got, want in ((first, ref_first), (last, ref_last)):
+        for (path, a), b in zip(jax.tree_util.tree_leaves_with_path(got), jax.tree.leaves(want)):
+            np.testing.assert_allclose(a, b, rtol=0, atol=WEIGHT_ATOL, err_msg=jax.tree_util.keystr(path))
+    # the bubble the engine reports: (S - 1) / (M R + S - 1)
+    assert eng.pipeline_bubble == pytest.approx((stages - 1) / (GA * repeats + stages - 1))
+    # ZeRO-1: the fp32 master / momentum split over "data" too (the stacked layers: over "pipe")
+    spec = eng.shardings.master["h"]["mlp"]["c_fc"]["kernel"].spec
+    assert spec[0] == "pipe" and (("data" in spec) == (zero_stage == 1)), spec
+
+
+def _collectives(hlo: str):
+    pat = r"= (\(?[^=]*?\)?) (all-gather|collective-permute|all-to-all|all-reduce)(?:-start)?\("
+    return [(m.group(2), m.group(1)) for m in re.finditer(pat, hlo)]
+
+
+@pytest.mark.parametrize("stages,repeats", [(4, 1), (2, 2)])
+def test_activations_move_by_collective_permute(stages, repeats):
+    """The stage-to-stage shift is a collective-permute of one micro-batch's hidden states
+    [1, micro rows, SEQ, n_embd] per stage; no collective carries the whole stacked layer axis
+    (8 layers): each device keeps its own stage's layers. Without repeats nothing moves the
+    weights between stages at all (no all-to-all); with circular repeats the layers, stored
+    contiguously per stage, are exchanged once per step into the circular order (stage s runs
+    blocks r S + s) by all-to-alls of half a stage's layers each way -- the cost of the option."""
+    zero_stage = {c[:2]: c[2] for c in CASES}[(stages, repeats)]
+    eng = trained(stages, repeats, zero_stage)[0]
+    shapes = {"input_ids": jax.ShapeDtypeStruct((ROWS, SEQ), np.int32)}
+    ops = _collectives(eng.compiled_step(shapes).as_text())
+    rows = ROWS // GA // eng.mesh.shape["data"]
+    hidden = f"[1,{rows},{SEQ},{MODEL.n_embd}]"
+    assert any(op == "collective-permute" and hidden in shp for op, shp in ops), ops
+    stack = f"[{MODEL.n_layer},"
+    assert not [o for o in ops if o[0] in ("all-gather", "all-to-all") and stack in o[1]], ops
+    assert any(op == "all-to-all" for op, _ in ops) == (repeats > 1), ops
+
+
+def test_checkpoint_resumes_across_stage_counts(tmp_path):
+    """A pipelined run's checkpoint is the plain model's state: it resumes under 4 stages and
+    without pipelining with the same weights and optimizer state, bit for bit."""
+    src = trained(2, 1, 0)[0]
+    src.save_checkpoint(str(tmp_path), tag="t")
+    want = host((src.master_params, src.state.opt_state))
+    for stages in (4, 1):
+        eng = engine(stages)
+        eng.load_checkpoint(str(tmp_path), tag="t")
+        got = host((eng.master_params, eng.state.opt_state))
+        jax.tree.map(np.testing.assert_array_equal, got, want)
+        assert eng.global_steps == STEPS
+
+
+def _refusal(cfg, *, module=model, loss=gpt2_loss, repeats=1):
+    with pytest.raises((ConfigError, ValueError)) as e:
+        zerojax.shard(module, cfg, loss_fn=loss, options=zerojax.EngineOptions(pipeline_repeats=repeats))
+    return str(e.value)
+
+
+def test_errors():
+    # layers not divisible by stages x repeats: 8 layers, 4 x 4
+    msg = _refusal(config(4), repeats=4)
+    assert "pipeline.stages=4" in msg and "8 stacked layers" in msg
+    # circular repeats need at least as many micro-batches as stages
+    msg = _refusal({**config(4), "gradient_accumulation_steps": 2, "train_batch_size": 8}, repeats=2)
+    assert "gradient_accumulation_steps >= pipeline.stages" in msg
+    # stages that do not divide the devices
+    msg = _refusal(config(3))
+    assert "pipeline.stages" in msg and "must divide the 8 devices" in msg
+    # a model without a layer stack
+    msg = _refusal({**config(2), "train_batch_size": 32}, module=lambda: MLP(nnx.Rngs(0)), loss=mlp_loss)
+    assert "pipeline.stages = 2" in msg and "layer_scan" in msg
+    # DeepSpeed's refusal of ZeRO-2/3 with pipelining, and offload
+    for zero in ({"stage": 2}, {"stage": 3}):
+        assert "incompatible with pipeline parallelism" in _refusal({**config(2), "zero_optimization": zero})
+    msg = _refusal({**config(2, 1), "zero_optimization": {"stage": 1, "offload_optimizer": {"device": "cpu"}}})
+    assert "zero_optimization.offload_optimizer.device" in msg and "pipeline.stages" in msg
+
+
+def test_batch_rule_counts_data_devices_only():
+    """DeepSpeed's batch rule with pipelining: train_batch_size = micro x gradient_accumulation_steps
+    x data-parallel size, the data-parallel size being devices / (pipe x tensor) (DeepSpeed 0.19.8:
+    PipelineEngine's dp_world_size from its PipeDataParallelTopology)."""
+    for stages, data in ((1, 8), (2, 4), (4, 2)):
+        cfg = zerojax.load_config({"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 4,
+                                   "pipeline": {"stages": stages}})
+        assert (cfg.world_size, cfg.train_batch_size) == (data, 2 * 4 * data)
+    assert zerojax.load_config({"train_batch_size": 32, "pipeline": {"stages": "auto"}}).world_size == 8
