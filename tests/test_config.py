@@ -258,7 +258,16 @@ BAD = [
     ({"scheduler": {"type": "WarmupLR", "params": {"warmup_type": "cosine"}}}, "scheduler.params.warmup_type"),
     ({"scheduler": {"type": "WarmupDecayLR", "params": {"warmup_max_lr": 1e-3}}}, "scheduler.params.total_num_steps"),
     ({"scheduler": {"type": "OneCycle", "params": {"cycle_min_lr": 0.0}}}, "scheduler.params.cycle_max_lr"),
-    ({"amp": {"enabled": True, "opt_level": "O1"}}, "amp.enabled"),
+    ({"amp": {"enabled": False}}, "amp"),
+    ({"torch_autocast": {"enabled": True}}, "torch_autocast.enabled"),
+    ({"compile": {"deepcompil": True}}, "compile.deepcompil"),
+    ({"hybrid_engine": {"max_out_tokens": 0}}, "hybrid_engine.max_out_tokens"),
+    ({"timers": {"throughput": {"enable": True}}}, "timers.throughput.enable"),
+    ({"comms_logger": {"enabled": True, "prof": True}}, "comms_logger.prof"),
+    ({"gradient_allreduce_op": "sum"}, "gradient_allreduce_op"),
+    ({"gradient_allreduce_op": "max"}, "gradient_allreduce_op"),
+    ({"zero_optimization": {"stage": 3, "zeropp_loco_param": None}}, "zero_optimization.zeropp_loco_param"),
+    ({"train_micro_batch_size_per_gpu": 0}, "train_micro_batch_size_per_gpu"),
     ({"activation_checkpointing": {"partition_activation": True}}, "activation_checkpointing.partition_activation"),
     ({"activation_checkpointing": {"number_checkpoints": -2}}, "activation_checkpointing.number_checkpoints"),
     ({"tensorboard": {"enabled": True, "output_dir": "x"}}, "tensorboard.output_dir"),
@@ -269,7 +278,7 @@ BAD = [
     ({"tensor_parallel": {"autotp": 2}}, "tensor_parallel.autotp"),
     ({"pipeline": {"stages": 0}}, "pipeline.stages"),
     ({"sparse_attention": "fixed"}, "sparse_attention"),
-    ({"train_batch_sizee": 8}, "train_batch_sizee"),
+    ({"zero_optimization": {"stage": 3, "mics_shard_size": 2}}, "zero_optimization.mics_shard_size"),
     ({"gradient_clipping": "auto"}, "gradient_clipping"),
     ({"optimizer": {"type": "AdamW", "params": {"lr": "auto"}}}, "optimizer.params.lr"),
     ({"zero_optimization": {"stage": 2, "offload_optimizer": "cpu"}}, "zero_optimization.offload_optimizer"),
@@ -309,8 +318,120 @@ def test_all_problems_reported_at_once():
 def test_did_you_mean_stage_and_top_level():
     err = problems_of({"train_batch_size": 8, "zero_optimization": {"stgae": 2}}, world_size=1)
     assert "zero_optimization.stgae" in str(err) and "did you mean 'stage'?" in str(err)
-    err = problems_of({"train_batch_size": 8, "gradient_cliping": 1.0}, world_size=1)
-    assert "did you mean 'gradient_clipping'?" in str(err)
+    with pytest.warns(UserWarning, match="did you mean 'gradient_clipping'?"):
+        load_config({"train_batch_size": 8, "gradient_cliping": 0.5}, world_size=1)
+
+
+# --- parity with DeepSpeed 0.19.8 ----------------------------------------------------------------------
+# Transcribed from DeepSpeed 0.19.8 deepspeed/runtime/config.py: DeepSpeedConfig.__init__ calls
+# _reject_removed_config_keys(param_dict) before reading anything; it raises DeepSpeedConfigError for
+# each key of _REMOVED_TOP_LEVEL_CONFIG_KEYS present at top level (whatever its value) and each key of
+# _REMOVED_ZERO_CONFIG_KEYS present in a dict "zero_optimization". Each message says "... has been
+# removed" and links https://github.com/deepspeedai/DeepSpeed/issues/8489.
+DS_0_19_8_REMOVED_TOP_LEVEL = ("nebula", "compression_training", "amp", "quantize_training", "sparse_gradients",
+                               "eigenvalue", "sparse_attention", "elasticity", "graph_harvesting",
+                               "curriculum_learning", "progressive_layer_drop")
+DS_0_19_8_REMOVED_ZERO = ("mics_shard_size", "mics_hierarchical_params_gather", "zeropp_loco_param")
+
+
+@pytest.mark.parametrize("value", [None, {}, False, {"enabled": False}])
+@pytest.mark.parametrize("key", DS_0_19_8_REMOVED_TOP_LEVEL)
+def test_removed_top_level_features_are_refused_with_deepspeeds_reason(key, value):
+    err = problems_of({"train_batch_size": 8, key: value}, world_size=1)
+    assert len(err.problems) == 1
+    assert err.problems[0].startswith(f"{key}: ")
+    assert "removed" in err.problems[0] and "issues/8489" in err.problems[0] and "remove the key" in err.problems[0]
+
+
+@pytest.mark.parametrize("key", DS_0_19_8_REMOVED_ZERO)
+def test_removed_zero_features_are_refused_with_deepspeeds_reason(key):
+    err = problems_of({"train_batch_size": 8, "zero_optimization": {"stage": 3, key: 4}}, world_size=1)
+    assert len(err.problems) == 1
+    assert err.problems[0].startswith(f"zero_optimization.{key}: ")
+    assert "removed" in err.problems[0] and "issues/8489" in err.problems[0]
+
+
+def test_removed_keys_are_exactly_deepspeeds():
+    from zerojax.config import REMOVED_TOP_LEVEL_KEYS, REMOVED_ZERO_KEYS
+
+    assert set(REMOVED_TOP_LEVEL_KEYS) == set(DS_0_19_8_REMOVED_TOP_LEVEL)
+    assert set(REMOVED_ZERO_KEYS) == set(DS_0_19_8_REMOVED_ZERO)
+
+
+def test_amp_reason_names_the_replacements():
+    # DeepSpeed 0.19.8: "NVIDIA Apex AMP integration has been removed. Use DeepSpeed 'fp16', 'bf16', or
+    # 'torch_autocast' instead."
+    err = problems_of({"train_batch_size": 8, "amp": {"enabled": True, "opt_level": "O2"}}, world_size=1)
+    assert "Use DeepSpeed 'fp16', 'bf16', or 'torch_autocast' instead" in str(err)
+
+
+@pytest.mark.parametrize("key", ["_comment", "cuda_visible_devices", "comms_config", "monitor_config"])
+def test_unknown_top_level_keys_load_with_one_warning_each(key):
+    # DeepSpeed 0.19.8 reads top-level keys with get_scalar_param / param_dict.get and never lists the
+    # rest, so these real-world keys load there; zerojax loads them and warns once per key.
+    with pytest.warns(UserWarning) as record:
+        cfg = load_config({"train_batch_size": 8, key: {"x": 1}, "gradient_clipping": 0.5}, world_size=1)
+    mine = [str(w.message) for w in record if key in str(w.message)]
+    assert len(mine) == 1 and "unknown top-level key, ignored" in mine[0]
+    assert cfg == quiet_load({"train_batch_size": 8, "gradient_clipping": 0.5}, world_size=1)
+
+
+def test_unknown_top_level_keys_warn_once_per_key_with_did_you_mean():
+    with pytest.warns(UserWarning) as record:
+        load_config({"train_batch_size": 8, "gradient_cliping": 0.5, "stpes_per_print": 10, "_comment": "x"},
+                    world_size=1)
+    unknown = [str(w.message) for w in record if "unknown top-level key" in str(w.message)]
+    assert len(unknown) == 3
+    assert any(m.startswith("gradient_cliping:") and "did you mean 'gradient_clipping'?" in m for m in unknown)
+    assert any(m.startswith("stpes_per_print:") and "did you mean 'steps_per_print'?" in m for m in unknown)
+    assert any(m.startswith("_comment:") and "did you mean" not in m for m in unknown)
+
+
+def test_gradient_clipping_default_is_deepspeeds():
+    # DeepSpeed 0.19.8 runtime/constants.py: GRADIENT_CLIPPING_DEFAULT = 1.0 ("By default, this feature is
+    # enabled with a value of 1.0"); get_gradient_clipping reads it with get_scalar_param.
+    assert quiet_load({"train_batch_size": 8}, world_size=1).gradient_clipping == 1.0
+    assert quiet_load({"train_batch_size": 8, "gradient_clipping": 0.0}, world_size=1).gradient_clipping == 0.0
+
+
+def test_defaults_changed_in_deepspeed_0_19_5():
+    # DeepSpeed PR #8207 (v0.19.5): offload buffers pinned by default (runtime/zero/offload_config.py
+    # pin_memory: bool = True); PR #8035 (v0.19.5): bf16 check_grad_overflow defaults to True
+    # (runtime/precision_config.py).
+    cfg = quiet_load({"train_batch_size": 8}, world_size=1)
+    assert cfg.zero_optimization.offload_param.pin_memory is True
+    assert cfg.zero_optimization.offload_optimizer.pin_memory is True
+    assert cfg.bf16.check_grad_overflow is True
+
+
+@pytest.mark.parametrize("section,key", [("compile", "deepcompil"), ("hybrid_engine", "enabeld"),
+                                         ("comms_logger", "verbos"), ("fp16", "enabeld")])
+def test_strict_sections_refuse_unknown_keys_with_did_you_mean(section, key):
+    # DeepSpeed 0.19.8 builds these with DeepSpeedConfigModel subclasses (runtime/config_utils.py:
+    # model_config = ConfigDict(extra="forbid", ...)), so an unknown key is a pydantic ValidationError.
+    err = problems_of({"train_batch_size": 8, section: {key: True}}, world_size=1)
+    assert f"{section}.{key}: unknown key; did you mean" in str(err)
+
+
+@pytest.mark.parametrize("raw", [
+    {"train_micro_batch_size_per_gpu": 0},
+    {"train_micro_batch_size_per_gpu": -2, "gradient_accumulation_steps": 2},
+    {"train_batch_size": 0},
+    {"train_batch_size": 8, "gradient_accumulation_steps": 0},
+])
+def test_batch_errors_name_the_key_the_user_wrote(raw):
+    ws = 2
+    # DeepSpeed refuses each too (gradient_accumulation_steps 0 with train_batch_size: a ZeroDivisionError)
+    with pytest.raises((AssertionError, ZeroDivisionError)):
+        deepspeed_batch(*(raw.get(k) for k in ("train_batch_size", "train_micro_batch_size_per_gpu",
+                                               "gradient_accumulation_steps")), ws)
+    err = problems_of(raw, world_size=ws)
+    bad = [k for k, v in raw.items() if v <= 0]
+    assert [p.split(" ")[0] for p in err.problems] == bad
+    for key in ("train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps"):
+        if key not in raw:
+            assert key not in str(err), f"the message talks about {key}, which the config does not hold"
+    assert "has to be greater than 0" in str(err) and "give a positive integer" in str(err)
 
 
 def test_unresolved_autos_listed_together():
@@ -363,11 +484,11 @@ def test_max_grad_norm_message_is_deepspeeds():
             "more details") in str(err)
 
 
-def test_amp_says_use_bf16_or_fp16():
-    err = problems_of({"train_batch_size": 8, "amp": {"enabled": True, "opt_level": "O2"}}, world_size=1)
-    assert "amp.enabled" in str(err) and '"bf16"' in str(err) and '"fp16"' in str(err)
-    cfg = quiet_load({"train_batch_size": 8, "amp": {"enabled": False}}, world_size=1)
-    assert cfg.amp["enabled"] is False
+def test_torch_autocast_says_use_bf16_or_fp16():
+    err = problems_of({"train_batch_size": 8, "torch_autocast": {"enabled": True}}, world_size=1)
+    assert "torch_autocast.enabled" in str(err) and '"bf16"' in str(err) and '"fp16"' in str(err)
+    cfg = quiet_load({"train_batch_size": 8, "torch_autocast": {"enabled": False}}, world_size=1)
+    assert cfg.torch_autocast["enabled"] is False
 
 
 @pytest.mark.parametrize("name,closest", [("OneBitAdam", "Adam"), ("ZeroOneAdam", "Adam"), ("OneBitLamb", "Lamb"),
@@ -450,8 +571,9 @@ def test_comments_and_text_and_path_sources(tmp_path):
     (CONFIGS / "zero3_offload_param_optimizer.json", HF_FILL),
     ({"train_batch_size": 16, "optimizer": {"type": "Lamb", "params": {"lr": 1e-3, "betas": [0.9, 0.99]}},
       "scheduler": {"type": "OneCycle", "params": {"cycle_min_lr": 0, "cycle_max_lr": 1e-3}},
-      "activation_checkpointing": {"partition_activations": True}, "amp": {"enabled": False},
-      "tensorboard": {"enabled": True, "output_path": "/tmp/tb"}, "sparse_attention": {"mode": "fixed"},
+      "activation_checkpointing": {"partition_activations": True}, "torch_autocast": {"enabled": False},
+      "tensorboard": {"enabled": True, "output_path": "/tmp/tb"}, "compile": {"deepcompile": True},
+      "hybrid_engine": {"max_out_tokens": 64}, "timers": {"throughput": {"synchronized": False}},
       "data_types": {"grad_accum_dtype": "float32"}, "communication_data_type": "BF16",
       "pipeline": {"stages": 2}}, None),
 ])
@@ -507,22 +629,95 @@ def _schema_keys(cls, prefix):
             continue
         path = f"{prefix}{f.name}"
         out.append(path)
-        sub = f.metadata.get("cls")
-        if sub is None and f.name == "zero_optimization":
-            from zerojax.config import ZeroConfig as sub
-        if sub is None and f.name == "tensor_parallel":
-            from zerojax.config import TensorParallelConfig as sub
-        if sub is None and f.name == "optimizer":
-            from zerojax.config import OptimizerConfig as sub
-        if sub is None and f.name == "scheduler":
-            from zerojax.config import SchedulerConfig as sub
-        if sub is not None:
-            out += _schema_keys(sub, path + ".")
+        if f.metadata.get("cls") is not None:
+            out += _schema_keys(f.metadata["cls"], path + ".")
     return out
 
 
-def test_every_key_is_documented():
-    doc = (ROOT / "README.md").read_text(encoding="utf-8")
-    documented = set(re.findall(r"`([a-z0-9_.]+)`", doc))
+def test_config_keys_page_is_generated_from_the_schema():
+    from zerojax import config_docs
+
+    committed = (ROOT / "docs" / "config-keys.md").read_text(encoding="utf-8")
+    assert committed == config_docs.render(), (
+        "docs/config-keys.md is stale: run python -m zerojax.config_docs --write docs/config-keys.md")
+    documented = set(re.findall(r"^\| `([A-Za-z0-9_.]+)` \|", committed, flags=re.M))
     missing = [k for k in _schema_keys(Config, "") if k not in documented]
     assert not missing, missing
+    assert "DeepSpeed 0.19.8" in committed
+
+
+def test_config_keys_page_check_command(tmp_path):
+    from zerojax import config_docs
+
+    page = tmp_path / "keys.md"
+    assert config_docs.main(["--write", str(page)]) == 0
+    assert config_docs.main(["--check", str(page)]) == 0
+    page.write_text(page.read_text(encoding="utf-8") + "edited\n", encoding="utf-8")
+    assert config_docs.main(["--check", str(page)]) == 1
+
+
+# --- real-world configs (tests/data/ds_configs, sources in its README.md) ---------------------------
+
+DS_CONFIGS = ROOT / "tests" / "data" / "ds_configs"
+# What Hugging Face's Trainer writes into the "auto" values (trainer_config_process) for
+# per_device_train_batch_size=2, gradient_accumulation_steps=2, one process, default TrainingArguments
+# (lr 5e-5, betas (0.9, 0.999), eps 1e-8, weight_decay 0, max_grad_norm 1.0), --bf16.
+TRAINER_FILL = {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 2, "train_batch_size": 4,
+                "gradient_clipping": 1.0, "optimizer.params.lr": 5e-5, "optimizer.params.betas": [0.9, 0.999],
+                "optimizer.params.eps": 1e-8, "optimizer.params.weight_decay": 0.0,
+                "scheduler.params.warmup_min_lr": 0, "scheduler.params.warmup_max_lr": 5e-5,
+                "scheduler.params.warmup_num_steps": 10, "scheduler.params.total_num_steps": 100,
+                "fp16.enabled": False, "bf16.enabled": True}
+# DeepSpeed's DeepSpeedConfig(filled config) at world size 1 (README.md there says how this was run):
+# (train_batch_size, micro, accumulation), gradient_clipping, stage, fp16, bf16, optimizer, scheduler.
+DS_LOADS = {
+    "hf_transformers_ds_config_zero2.json": ((4, 2, 2), 1.0, 2, False, False, "adamw", "WarmupLR"),
+    "hf_transformers_ds_config_zero3.json": ((4, 2, 2), 1.0, 3, False, False, "adamw", "WarmupLR"),
+    "llama_factory_ds_z0_config.json": ((4, 2, 2), 1.0, 0, False, True, None, None),
+    "llama_factory_ds_z2_autotp_config.json": ((4, 2, 2), 1.0, 2, False, True, None, None),
+    "llama_factory_ds_z3_offload_config.json": ((4, 2, 2), 1.0, 3, False, True, None, None),
+    "axolotl_zero3_bf16.json": ((4, 2, 2), 1.0, 3, False, True, None, None),
+    "fastchat_deepspeed_config_s3.json": ((4, 2, 2), 1.0, 3, False, False, "adamw", None),
+    "deepspeedexamples_tp_hf_integration_ds_config.json": ((4, 2, 2), 1.0, 2, False, True, "adamw", "WarmupDecayLR"),
+    "deepspeedexamples_bing_bert_bsz64k_lamb_seq128.json": ((65536, 64, 1024), 1.0, 0, True, False, "lamb", None),
+}
+# The unknown top-level keys DeepSpeed ignores in them: one warning each in zerojax.
+DS_UNKNOWN = {"llama_factory_ds_z2_autotp_config.json": ["_comment"],
+              "fastchat_deepspeed_config_s3.json": ["micro_batch_size_per_gpu"]}
+# Refused by DeepSpeed 0.19.8, with the key DeepSpeed's error names.
+DS_REFUSES = {
+    "axolotl_zero2_torch_compile.json": ["compile.disable", "compile.backend"],  # CompileConfig: extra="forbid"
+    "deepspeed_unit_test_pld.json": ["progressive_layer_drop"],  # removed (_reject_removed_config_keys)
+    # removed (_reject_removed_config_keys); with no batch size, DeepSpeed's batch rule would fail next
+    # ("Either train_batch_size or train_micro_batch_size_per_gpu needs to be provided"): reported together.
+    "deepspeed_unit_test_elasticity.json": ["elasticity", "train_batch_size"],
+}
+
+
+def test_every_fixture_has_an_expectation():
+    files = {p.name for p in DS_CONFIGS.glob("*.json")}
+    assert files == set(DS_LOADS) | set(DS_REFUSES)
+    assert len(files) >= 10
+
+
+@pytest.mark.parametrize("name", sorted(DS_LOADS))
+def test_real_world_config_loads_as_deepspeed_loads_it(name):
+    trio_, clip, stage, fp16, bf16, opt, sched = DS_LOADS[name]
+    with warnings.catch_warnings(record=True) as record:
+        warnings.simplefilter("always")
+        cfg = load_config(DS_CONFIGS / name, world_size=1, fill=TRAINER_FILL)
+    assert trio(cfg) == trio_
+    assert cfg.gradient_clipping == clip
+    assert cfg.zero_optimization.stage == stage
+    assert (cfg.fp16.enabled, cfg.bf16.enabled) == (fp16, bf16)
+    assert (cfg.optimizer.type.lower() if cfg.optimizer else None) == opt
+    assert (cfg.scheduler.type if cfg.scheduler else None) == sched
+    unknown = sorted(str(w.message).split(":")[0] for w in record if "unknown top-level key" in str(w.message))
+    assert unknown == sorted(DS_UNKNOWN.get(name, []))
+    assert "\"auto\"" not in json.dumps({k: v for k, v in cfg.to_dict().items() if k != "pipeline"})
+
+
+@pytest.mark.parametrize("name", sorted(DS_REFUSES))
+def test_real_world_config_refused_where_deepspeed_refuses_it(name):
+    err = problems_of(DS_CONFIGS / name, world_size=1, fill=TRAINER_FILL)
+    assert sorted(p.split(" ")[0].rstrip(":") for p in err.problems) == sorted(DS_REFUSES[name])

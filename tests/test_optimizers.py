@@ -317,3 +317,68 @@ def test_build_optimizer_through_load_config():
         opt.step()
         want.append({k: t.detach().numpy().copy() for k, t in tp.items()})
     assert_trajectories(run_ours(zerojax.build_optimizer(cfg), p0, grads, np.float64), want, np.float64)
+
+
+# --- one parameter table (zerojax.config.OPTIMIZER_PARAMS) for validation and the builders ---------
+
+def _every_param(table):
+    """A valid value for every key of a table: its default, or one where the builder computes it."""
+    return {name: spec.default for name, spec in table.items()}
+
+
+class _ReadLog:
+    """Patches optim._Args so that every key a builder reads is logged."""
+
+    def __init__(self, monkeypatch):
+        import zerojax.optim as optim
+
+        self.read = set()
+        log = self.read
+
+        class Recording(optim._Args):
+            def __getitem__(self, name):
+                log.add(name)
+                return super().__getitem__(name)
+
+            def given(self, name):
+                log.add(name)
+                return super().given(name)
+
+        monkeypatch.setattr(optim, "_Args", Recording)
+
+
+@pytest.mark.parametrize("kind", ["Adam", "AdamW", "Lamb", "Lion", "SGD", "Adagrad"])
+def test_every_accepted_optimizer_key_reaches_the_builder(kind, monkeypatch):
+    from zerojax.config import OPTIMIZER_PARAMS
+
+    table = OPTIMIZER_PARAMS[kind]
+    log = _ReadLog(monkeypatch)
+    optimizer_from(kind, _every_param(table))
+    # The builder reads exactly the keys that change the update; a key outside the table would be a
+    # KeyError in optim._Args, so every key a builder reads is one validation accepts.
+    assert log.read == {name for name, spec in table.items() if not spec.inert}
+    assert all(spec.inert for name, spec in table.items() if name not in log.read)
+
+
+@pytest.mark.parametrize("kind,extra", [("Lion", {"fp32_optimizer_states": True}), ("SGD", {"maximize": False}),
+                                        ("Adam", {"set_grad_none": True, "foreach": False})])
+def test_load_config_accepts_what_the_builders_take(kind, extra):
+    # Issue #12: load_config refused Lion fp32_optimizer_states and SGD maximize, which optim implements.
+    import zerojax
+    from zerojax.config import OPTIMIZER_PARAMS
+
+    params = {**_every_param(OPTIMIZER_PARAMS[kind]), **extra}
+    cfg = zerojax.load_config({"train_batch_size": 8, "optimizer": {"type": kind, "params": params}}, world_size=1)
+    p0, grads = _problem(3)
+    plain = {k: v for k, v in params.items() if not OPTIMIZER_PARAMS[kind][k].inert}
+    # The inert keys change nothing: same trajectory as the optimizer built without them.
+    assert_trajectories(run_ours(zerojax.build_optimizer(cfg), p0, grads, np.float64),
+                        run_ours(optimizer_from(kind, plain, gradient_clipping=cfg.gradient_clipping),
+                                 p0, grads, np.float64), np.float64)
+
+
+def test_maximize_true_is_refused_with_the_way_out():
+    from zerojax.config import ConfigError
+
+    with pytest.raises(ConfigError, match="maximize: only false is supported; negate the loss"):
+        optimizer_from("SGD", {"lr": 0.1, "maximize": True})

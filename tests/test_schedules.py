@@ -331,3 +331,28 @@ def test_build_schedule_through_load_config():
     np.testing.assert_allclose(ours(zerojax.build_schedule(cfg)), want, rtol=RTOL, atol=0)
     cfg = zerojax.load_config({"train_batch_size": 8, "optimizer": {"type": "Adam", "params": {}}}, world_size=1)
     np.testing.assert_allclose(ours(zerojax.build_schedule(cfg), 5), 1e-3, rtol=RTOL)
+
+
+@pytest.mark.parametrize("kind", ["WarmupLR", "WarmupDecayLR", "WarmupCosineLR", "OneCycle", "LRRangeTest"])
+def test_every_accepted_scheduler_key_reaches_the_builder(kind, monkeypatch):
+    # One table (zerojax.config.SCHEDULER_PARAMS) for load_config's validation and optim's builders:
+    # the builders read every key it accepts, and a key outside it is a KeyError in optim._Args.
+    import zerojax.optim as optim
+    from zerojax.config import SCHEDULER_PARAMS
+
+    read = set()
+
+    class Recording(optim._Args):
+        def __getitem__(self, name):
+            read.add(name)
+            return super().__getitem__(name)
+
+    monkeypatch.setattr(optim, "_Args", Recording)
+    table = SCHEDULER_PARAMS[kind]
+    # A valid value for each key: the table's default, or one where it is required / computed.
+    given = {"warmup_max_lr": 1e-3, "total_num_steps": 100, "cycle_min_lr": 0.0, "cycle_max_lr": 1e-3,
+             "cycle_second_step_size": 500, "cycle_second_stair_count": 0}
+    params = {name: given.get(name, spec.default) for name, spec in table.items()}
+    schedule_from(kind, params)
+    momentum_schedule_from(kind, params)
+    assert read == {name for name, spec in table.items() if not spec.inert}

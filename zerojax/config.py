@@ -1,9 +1,13 @@
 """DeepSpeed JSON configs -> frozen dataclasses, with DeepSpeed's defaults, aliases and batch rule.
 
-Follows DeepSpeed 0.19.x (`deepspeed/runtime/config.py`, `constants.py`, `precision_config.py`,
-`zero/config.py`, `zero/offload_config.py`, `monitor/config.py`, `lr_schedules.py`, and the
-optimizer construction in `runtime/engine.py`). Configs are parsed with hjson as DeepSpeed does,
-so `#` and `//` comments load; duplicate keys are an error.
+Follows DeepSpeed 0.19.8 (`deepspeed/runtime/config.py`, `constants.py`, `precision_config.py`,
+`zero/config.py`, `zero/offload_config.py`, `monitor/config.py`, `compile/config.py`,
+`lr_schedules.py`, and the optimizer construction in `runtime/engine.py`). Configs are parsed with
+hjson as DeepSpeed does, so `#` and `//` comments load; duplicate keys are an error.
+
+Each schema field carries its documentation as the string under it (DeepSpeed's meaning, then
+"zerojax:" and what zerojax does with it); `docs/config-keys.md` is generated from them
+(`python -m zerojax.config_docs --write docs/config-keys.md`).
 
 `"auto"` (the Hugging Face convention DeepSpeed tolerates):
 - inside a section (`zero_optimization`, `fp16`, ...) it means DeepSpeed's default, as DeepSpeed's
@@ -14,8 +18,12 @@ so `#` and `//` comments load; duplicate keys are an error.
   `fill` entry whose key does not hold `"auto"` is not used. Autos left unresolved are reported
   together in one ConfigError.
 
-Validation is stricter than DeepSpeed's in one way: unknown keys are errors everywhere (with a
-"did you mean" suggestion), where DeepSpeed ignores unknown top-level keys silently.
+Unknown keys, as DeepSpeed treats them: at top level DeepSpeed reads the keys it knows and never
+looks at the others, so zerojax loads them too, with one warning per key ("did you mean" when one
+is close to a known key). Sections DeepSpeed validates with pydantic models (extra="forbid":
+`zero_optimization` and its offload sections, `fp16`, `bf16`, monitors, `compile`, ...) are
+strict here as well, with a "did you mean". Features DeepSpeed 0.19.8 removed are refused with
+DeepSpeed's reason.
 """
 from __future__ import annotations
 
@@ -27,11 +35,11 @@ import os
 import types
 import warnings
 from dataclasses import dataclass, field, fields
-from typing import Any, Mapping
+from typing import Any, Mapping, NamedTuple
 
 import hjson
 
-DEEPSPEED_VERSION = "0.19.x"
+DEEPSPEED_VERSION = "0.19.8"
 AUTO = "auto"
 
 
@@ -42,6 +50,46 @@ class ConfigError(ValueError):
         self.problems = list(problems)
         lines = "\n".join(f"  - {p}" for p in self.problems)
         super().__init__(f"{len(self.problems)} problem(s) in the DeepSpeed config:\n{lines}")
+
+
+# Features DeepSpeed removed (DeepSpeed issue #8489): any presence of the key, even null, {} or
+# false, is a DeepSpeedConfigError. Reasons transcribed from DeepSpeed 0.19.8
+# `deepspeed/runtime/config.py` (`_REMOVED_TOP_LEVEL_CONFIG_KEYS`, `_REMOVED_ZERO_CONFIG_KEYS`,
+# checked by `_reject_removed_config_keys` before anything else is read).
+_REMOVED_ISSUE = "https://github.com/deepspeedai/DeepSpeed/issues/8489"
+REMOVED_TOP_LEVEL_KEYS = {
+    "nebula": "Nebula checkpointing has been removed. A leftover 'nebula' block would be ignored and "
+              "checkpoints would silently fall back to local torch.save.",
+    "compression_training": "The DeepSpeed compression library has been removed. A leftover "
+                            "'compression_training' block would be ignored and the model would train unquantized.",
+    "amp": "NVIDIA Apex AMP integration has been removed. Use DeepSpeed 'fp16', 'bf16', or 'torch_autocast' "
+           "instead.",
+    "quantize_training": "Mixture-of-Quantization (MoQ) / 'quantize_training' has been removed.",
+    "sparse_gradients": "Sparse compression of dense torch.nn.Embedding gradients has been removed. A leftover "
+                        "'sparse_gradients' flag would be ignored and those gradients would be reduced dense.",
+    "eigenvalue": "Eigenvalue-based Mixture-of-Quantization (MoQ) has been removed; the standalone 'eigenvalue' "
+                  "configuration block is no longer supported.",
+    "sparse_attention": "DeepSpeed Sparse Attention has been removed; the 'sparse_attention' configuration block "
+                        "is no longer supported.",
+    "elasticity": "Elastic training has been removed; the 'elasticity' configuration block is no longer "
+                  "supported. Set train_batch_size / train_micro_batch_size_per_gpu / gradient_accumulation_steps "
+                  "directly.",
+    "graph_harvesting": "Graph harvesting has been removed; the 'graph_harvesting' configuration option is no "
+                        "longer supported.",
+    "curriculum_learning": "Legacy top-level 'curriculum_learning' has been removed. Use "
+                           "'data_efficiency.data_sampling.curriculum_learning' instead.",
+    "progressive_layer_drop": "Progressive Layer Dropping has been removed; the 'progressive_layer_drop' "
+                              "configuration block is no longer supported.",
+}
+REMOVED_ZERO_KEYS = {
+    "mics_shard_size": "MiCS ZeRO-3 sharding has been removed; 'zero_optimization.mics_shard_size' is no longer "
+                       "supported.",
+    "mics_hierarchical_params_gather": "MiCS ZeRO-3 sharding has been removed; "
+                                       "'zero_optimization.mics_hierarchical_params_gather' is no longer supported.",
+    "zeropp_loco_param": "LoCo-Zero++ has been removed; 'zero_optimization.zeropp_loco_param' is no longer "
+                         "supported. Remove this key to use standard ZeRO++ quantized gradients without LoCo error "
+                         "feedback.",
+}
 
 
 # ----------------------------------------------------------------------------------------------
@@ -67,74 +115,198 @@ _DTYPES = {"fp32": "fp32", "float32": "fp32", "float": "fp32", "torch.float32": 
 @dataclass(frozen=True)
 class OffloadParamConfig:
     device: str = _f("none", "str", choices=_DEVICES, lower=True)
+    """none / cpu / nvme.
+    zerojax: **acted on**: cpu → parameters in `pinned_host` memory, streamed per layer; nvme → ConfigError (not
+      supported yet)"""
     nvme_path: str | None = _f(None, "str", optional=True)
+    """NVMe swap directory.
+    zerojax: **accepted, no effect**: NVMe not supported yet"""
     buffer_count: int = _f(5, "int", ge=0)
+    """NVMe swap buffers.
+    zerojax: **accepted, no effect**: NVMe not supported yet"""
     buffer_size: int = _f(100_000_000, "int", ge=0)
+    """NVMe swap buffer size.
+    zerojax: **accepted, no effect**: NVMe not supported yet"""
     max_in_cpu: int = _f(1_000_000_000, "int", ge=0)
-    pin_memory: bool = _f(False, "bool")
+    """Parameter elements kept in CPU memory with NVMe.
+    zerojax: **accepted, no effect**: NVMe not supported yet"""
+    pin_memory: bool = _f(True, "bool")
+    """Use page-locked host memory (DeepSpeed's default true since 0.19.5, PR #8207).
+    zerojax: **accepted, no effect**: host offload always uses `pinned_host` memory"""
 
 
 @dataclass(frozen=True)
 class OffloadOptimizerConfig:
     device: str = _f("none", "str", choices=_DEVICES, lower=True)
+    """none / cpu / nvme.
+    zerojax: **acted on**: cpu → fp32 master + moments in `pinned_host` memory; nvme → ConfigError (not
+      supported yet)"""
     nvme_path: str | None = _f(None, "str", optional=True)
+    """NVMe swap directory.
+    zerojax: **accepted, no effect**: NVMe not supported yet"""
     buffer_count: int = _f(4, "int", ge=0)
-    pin_memory: bool = _f(False, "bool")
+    """NVMe swap buffers.
+    zerojax: **accepted, no effect**: NVMe not supported yet"""
+    pin_memory: bool = _f(True, "bool")
+    """Use page-locked host memory (DeepSpeed's default true since 0.19.5, PR #8207).
+    zerojax: **accepted, no effect**: host offload always uses `pinned_host` memory"""
     pipeline_read: bool = _f(False, "bool")
+    """Overlap NVMe reads with the optimizer step.
+    zerojax: **accepted, no effect**: NVMe not supported yet"""
     pipeline_write: bool = _f(False, "bool")
+    """Overlap NVMe writes with the optimizer step.
+    zerojax: **accepted, no effect**: NVMe not supported yet"""
     fast_init: bool = _f(False, "bool")
+    """Fast optimizer init with NVMe.
+    zerojax: **accepted, no effect**: NVMe not supported yet"""
     ratio: float = _f(1.0, "float", ge=0.0, le=1.0)
+    """Fraction of optimizer state offloaded (< 1 only at stage 3).
+    zerojax: **acted on**: the first ceil(ratio × pieces) pieces of the optimizer state (embeddings, then layer
+      groups) live in host memory, the rest on the device; `zerojax estimate` / the memory guard offer ratio 0.5
+      at stage 3 as a plan between no and full offload"""
     super_offload: bool = _f(False, "bool")
+    """Superchip (Grace-Hopper) CPU offload path.
+    zerojax: **accepted, no effect**: —"""
     convert_grad_on_cpu: bool = _f(True, "bool")
+    """Convert gradients to fp32 on the CPU.
+    zerojax: **accepted, no effect**: XLA places the conversion"""
     cpuadam_cores_perc: float = _f(0.8, "float", ge=0.0, le=1.0)
+    """Share of CPU cores for CPU Adam.
+    zerojax: **accepted, no effect**: —"""
 
 
 @dataclass(frozen=True)
 class ZeroConfig:
     stage: int = _f(0, "int", ge=0, le=3)
+    """0 off, 1 optimizer states, 2 + gradients, 3 + parameters partitioned.
+    zerojax: **acted on**: choice of `PartitionSpec`s over the `data` mesh axis (partition.py)"""
     contiguous_gradients: bool = _f(True, "bool")
+    """Copy gradients into a contiguous buffer.
+    zerojax: **accepted, no effect**: XLA plans buffers itself"""
     reduce_scatter: bool = _f(True, "bool")
+    """Use reduce-scatter rather than all-reduce for gradients.
+    zerojax: **accepted, no effect**: XLA emits reduce-scatter whenever gradients are sharded (stage ≥ 2)"""
     reduce_bucket_size: int = _f(500_000_000, "int", ge=0)
+    """Elements reduced per bucket (default 5e8).
+    zerojax: **XLA**: `--xla_gpu_all_reduce_combine_threshold_bytes` and
+      `--xla_gpu_reduce_scatter_combine_threshold_bytes` (× bytes per element) via `xla_flags_for`"""
     use_multi_rank_bucket_allreduce: bool = _f(True, "bool")
+    """Merge reduce buckets of several ranks into one all-reduce.
+    zerojax: **accepted, no effect**: XLA combines collectives (see the thresholds above)"""
     allgather_partitions: bool = _f(True, "bool")
+    """All-gather vs broadcasts for updated parameters.
+    zerojax: **accepted, no effect**: XLA emits all-gather"""
     allgather_bucket_size: int = _f(500_000_000, "int", ge=0)
+    """Elements all-gathered per bucket, stages 1-2 (default 5e8).
+    zerojax: **XLA**: `--xla_gpu_all_gather_combine_threshold_bytes` via `xla_flags_for` (stages 1-2)"""
     # DeepSpeed's default is None, resolved to (stage == 3); stored resolved.
     overlap_comm: bool | None = _f(None, "bool", optional=True)
+    """Overlap gradient reduction with backward (default: true only at stage 3).
+    zerojax: **XLA**: `--xla_gpu_enable_latency_hiding_scheduler=true` via `xla_flags_for` when true (already
+      XLA's default on GPU)"""
     load_from_fp32_weights: bool = _f(True, "bool")
+    """Restore fp32 master weights from the checkpoint's fp32 copy.
+    zerojax: **accepted, no effect**: zerojax checkpoints always hold the fp32 master weights, so restores are
+      always from fp32"""
     elastic_checkpoint: bool = _f(False, "bool")
+    """Legacy elastic ZeRO checkpoints.
+    zerojax: **accepted, no effect**: orbax checkpoints restore to any sharding"""
     offload_param: OffloadParamConfig = _f(kind="section", factory=OffloadParamConfig, cls=OffloadParamConfig)
+    """Section: parameter offload (stage 3 only; warns below).
+    zerojax: **acted on**: see its keys"""
     offload_optimizer: OffloadOptimizerConfig = _f(kind="section", factory=OffloadOptimizerConfig,
                                                    cls=OffloadOptimizerConfig)
+    """Section: optimizer-state offload (stages 1-3).
+    zerojax: **acted on**: see its keys"""
     zenflow: Mapping | None = _f(None, "mapping", optional=True)
+    """ZenFlow asynchronous offload settings.
+    zerojax: **accepted, no effect**: kept as a mapping"""
     sub_group_size: int = _f(1_000_000_000, "int", ge=0)
+    """Tile size for the offloaded optimizer step (default 1e9).
+    zerojax: **accepted, no effect**: XLA schedules the update"""
     stage3_prefetch_bucket_size: int = _f(50_000_000, "int", ge=0)
+    """Elements prefetched ahead of use at stage 3 (default 5e7; alias `prefetch_bucket_size`).
+    zerojax: **XLA**: `--xla_gpu_all_gather_combine_threshold_bytes` via `xla_flags_for` at stage 3"""
     stage3_param_persistence_threshold: int = _f(100_000, "int", ge=0)
+    """Parameters smaller than this stay unpartitioned (default 1e5; alias `param_persistence_threshold`).
+    zerojax: **acted on**: leaves with fewer elements stay replicated at stage 3 (partition.py)"""
     stage3_model_persistence_threshold: int = _f(9223372036854775807, "int", ge=0)  # sys.maxsize
+    """Cap on total unpartitioned elements (alias `model_persistence_threshold`).
+    zerojax: **accepted, no effect**: —"""
     stage3_max_live_parameters: int = _f(1_000_000_000, "int", ge=0)
+    """Gathered parameters kept live (default 1e9; alias `max_live_parameters`).
+    zerojax: **accepted, no effect**: XLA frees gathered layers inside the layer scan"""
     stage3_max_reuse_distance: int = _f(1_000_000_000, "int", ge=0)
+    """Keep a gathered parameter if reused soon (default 1e9; alias `max_reuse_distance`).
+    zerojax: **accepted, no effect**: XLA decides rematerialisation"""
     stage3_gather_16bit_weights_on_model_save: bool = _f(False, "bool")
+    """Gather full 16-bit weights when saving (aliases `gather_16bit_weights_on_model_save`, deprecated
+    `stage3_gather_fp16_weights_on_model_save`).
+    zerojax: **acted on**: checkpoint export writes gathered 16-bit weights"""
     stage3_module_granularity_threshold: int = _f(0, "int")
+    """Fetch fine-grained modules as a unit.
+    zerojax: **accepted, no effect**: —"""
     stage3_use_all_reduce_for_fetch_params: bool = _f(False, "bool")
+    """Fetch parameters with all-reduce.
+    zerojax: **accepted, no effect**: XLA emits all-gather"""
     stage3_allgather_sequential: bool = _f(False, "bool")
+    """Gather parameters one at a time, unbucketed.
+    zerojax: **accepted, no effect**: —"""
     stage3_partition_stream_chunk_size: int = _f(0, "int", ge=0)
+    """Stream huge parameters through chunks during zero.Init.
+    zerojax: **accepted, no effect**: parameters are created already sharded (`jax.jit(init,
+      out_shardings=...)`)"""
     ignore_unused_parameters: bool = _f(True, "bool")
+    """Tolerate parameters without gradients (stage 2).
+    zerojax: **accepted, no effect**: unused parameters get zero gradients in JAX"""
     legacy_stage1: bool = _f(False, "bool")
+    """Old stage-1 implementation.
+    zerojax: **accepted, no effect**: —"""
     round_robin_gradients: bool = _f(False, "bool")
+    """Round-robin gradient copies to CPU (stages 1-2 offload).
+    zerojax: **accepted, no effect**: —"""
     zero_hpz_partition_size: int = _f(1, "int", ge=0)
+    """ZeRO++ hierarchical secondary partition size.
+    zerojax: **accepted, no effect**: —"""
     zero_quantized_weights: bool = _f(False, "bool")
+    """ZeRO++ int8-quantised weight all-gather.
+    zerojax: **accepted, no effect**: would change numerics; not implemented"""
     zero_quantized_nontrainable_weights: bool = _f(False, "bool")
+    """Store frozen weights quantised.
+    zerojax: **accepted, no effect**: —"""
     zero_quantized_gradients: bool = _f(False, "bool")
-    zeropp_loco_param: Mapping | None = _f(None, "mapping", optional=True)
-    mics_shard_size: int = _f(-1, "int")
-    mics_hierarchical_params_gather: bool = _f(False, "bool")
+    """ZeRO++ quantised gradient reduce.
+    zerojax: **accepted, no effect**: would change numerics; not implemented"""
     memory_efficient_linear: bool = _f(True, "bool")
+    """Stage-3 linear that frees inputs early.
+    zerojax: **accepted, no effect**: XLA plans activation memory"""
     pipeline_loading_checkpoint: bool = _f(False, "bool")
+    """Load checkpoints in pipeline mode (stage 3).
+    zerojax: **accepted, no effect**: —"""
     override_module_apply: bool = _f(True, "bool")
+    """Patch nn.Module.apply for stage 3.
+    zerojax: **accepted, no effect**: PyTorch-specific"""
     log_trace_cache_warnings: bool = _f(False, "bool")
+    """Log stage-3 trace-cache invalidations.
+    zerojax: **accepted, no effect**: PyTorch-specific"""
     enable_sanity_checks: bool = _f(False, "bool")
+    """Internal stage-3 checks.
+    zerojax: **accepted, no effect**: —"""
     save_muon_momentum_buffer_in_memory: bool = _f(False, "bool")
-    leaf_module: Mapping = _f(kind="mapping", factory=_empty)
+    """Keep Muon momentum off NVMe.
+    zerojax: **accepted, no effect**: Muon not supported"""
+    leaf_module: Mapping = _f(kind="mapping", factory=lambda: _freeze(_LEAF_MODULE_DEFAULT))
+    """Modules treated as ZeRO-3 leaves (`classes`, `names`, `name_suffixes`).
+    DeepSpeed default: the Mixtral, Qwen2-MoE and Qwen3-MoE sparse MoE block classes
+    zerojax: **accepted, no effect**: kept as a mapping"""
 
+
+# DeepSpeedZeroLeafModuleConfig's defaults (runtime/zero/leaf_module_config.py).
+_LEAF_MODULE_DEFAULT = {
+    "classes": ["transformers.models.mixtral.modeling_mixtral.MixtralSparseMoeBlock",
+                "transformers.models.qwen2_moe.modeling_qwen2_moe.Qwen2MoeSparseMoeBlock",
+                "transformers.models.qwen3_moe.modeling_qwen3_moe.Qwen3MoeSparseMoeBlock"],
+    "names": [], "name_suffixes": []}
 
 # DeepSpeed's pydantic aliases (populate_by_name): both spellings load; we keep the stage3_ name.
 _ZERO_ALIASES = {name[len("stage3_"):]: name for name in (
@@ -151,142 +323,422 @@ _ZERO_DEPRECATED_NOOP = ("cpu_offload_use_pin_memory",)
 @dataclass(frozen=True)
 class FP16Config:
     enabled: bool = _f(False, "bool")
+    """Train in fp16 with fp32 master weights. "auto" → `fill["fp16.enabled"]`, else false.
+    zerojax: **acted on**: compute dtype fp16 + loss scaling (precision.py)"""
     auto_cast: bool = _f(False, "bool")
+    """Cast module inputs to fp16.
+    zerojax: **accepted, no effect**: the compute dtype is set on the model (`precision.compute_dtype`), not by
+      casting inputs"""
     loss_scale: float = _f(0.0, "float", ge=0.0)
+    """Static loss scale; 0 = dynamic.
+    zerojax: **acted on**: `static_loss_scale` when > 0, else `dynamic_loss_scale`"""
     initial_scale_power: int = _f(16, "int", ge=0)
+    """Dynamic scale starts at 2**power.
+    zerojax: **acted on**: `dynamic_loss_scale(initial_scale_power=...)`"""
     loss_scale_window: int = _f(1000, "int", ge=1)
+    """Steps without overflow before the scale doubles.
+    zerojax: **acted on**: `dynamic_loss_scale(loss_scale_window=...)`"""
     hysteresis: int = _f(2, "int", ge=1)
+    """Overflows tolerated before the scale is lowered.
+    zerojax: **acted on**: `dynamic_loss_scale(hysteresis=...)`"""
     consecutive_hysteresis: bool = _f(False, "bool")
+    """Refill hysteresis after a step without overflow.
+    zerojax: **acted on**: `dynamic_loss_scale(consecutive_hysteresis=...)`"""
     min_loss_scale: float = _f(1.0, "float", gt=0.0)
+    """Lower bound of the dynamic scale.
+    zerojax: **acted on**: `dynamic_loss_scale(min_loss_scale=...)`"""
     fp16_master_weights_and_grads: bool = _f(False, "bool")
+    """Keep master weights in fp16 (CPU Adam only; ZeRO 1-3).
+    zerojax: **accepted, no effect**: master weights stay fp32; validated as DeepSpeed does"""
 
 
 @dataclass(frozen=True)
 class BF16Config:
     enabled: bool = _f(False, "bool")
+    """Train in bf16 with fp32 master weights.
+    zerojax: **acted on**: compute dtype bf16, no loss scaling"""
     immediate_grad_update: bool = _f(False, "bool")
-    check_grad_overflow: bool = _f(False, "bool")
+    """BF16 optimizer: apply gradients to fp32 accumulators immediately.
+    zerojax: **accepted, no effect**: gradients accumulate in the scan accumulator
+      (`data_types.grad_accum_dtype`)"""
+    check_grad_overflow: bool = _f(True, "bool")
+    """Check bf16 gradients for inf/nan and skip the step when found (default true since DeepSpeed 0.19.5, PR
+    #8035).
+    zerojax: **differs from DeepSpeed**: accepted, no effect; a bf16 step is never skipped (fp16 steps are, by
+      the loss scaler)"""
     bf16_master_weights_and_grads: bool = _f(False, "bool")
+    """Keep master weights in bf16 (ZeRO 1-3).
+    zerojax: **accepted, no effect**: master weights stay fp32; validated as DeepSpeed does"""
     bf16_optimizer_states: bool = _f(False, "bool")
+    """Keep optimizer states in bf16 (needs bf16 master weights).
+    zerojax: **accepted, no effect**: validated as DeepSpeed does"""
 
 
 @dataclass(frozen=True)
 class DataTypesConfig:
     grad_accum_dtype: str | None = _f(None, "dtype", optional=True)
+    """Dtype of the gradient accumulator (fp32 / bf16 / fp16).
+    zerojax: **acted on**: dtype of the scan accumulator (default: fp32)"""
     param_dtype: str | None = _f(None, "dtype", optional=True)
+    """Dtype to load parameters in.
+    zerojax: **accepted, no effect**: dtype comes from `precision.compute_dtype(cfg)`"""
     buffer_dtype: str | None = _f(None, "dtype", optional=True)
+    """Dtype of module buffers.
+    zerojax: **accepted, no effect**: Flax models have no buffers"""
 
 
 @dataclass(frozen=True)
 class OptimizerConfig:
     type: str = _f(None, "str")
+    """Optimizer name. OneBitAdam/ZeroOneAdam/OneBitLamb/MuAdam/MuAdamW/MuSGD/Muon are refused with the closest
+    supported choice.
+    zerojax: **acted on**: selects the optax optimizer"""
     params: Mapping = _f(kind="mapping", factory=_empty)
+    """Constructor arguments (lr, betas, eps, weight_decay, ...; checked per type). `max_grad_norm` is refused
+    with DeepSpeed's message.
+    zerojax: **acted on**: optimizer hyper-parameters; "auto" needs `fill`"""
     legacy_fusion: bool = _f(False, "bool")
+    """Legacy fused-Adam code path.
+    zerojax: **accepted, no effect**: —"""
 
 
 @dataclass(frozen=True)
 class SchedulerConfig:
     type: str = _f(None, "str")
+    """WarmupLR, WarmupDecayLR, WarmupCosineLR, OneCycle or LRRangeTest.
+    zerojax: **acted on**: selects the schedule"""
     params: Mapping = _f(kind="mapping", factory=_empty)
+    """Schedule arguments (lr_schedules.py names; required ones checked).
+    zerojax: **acted on**: schedule parameters; "auto" needs `fill`"""
 
 
 @dataclass(frozen=True)
 class ActivationCheckpointingConfig:
     partition_activations: bool = _f(False, "bool")
+    """Shard checkpointed activations over model-parallel ranks.
+    zerojax: **accepted, no effect**: —"""
     contiguous_memory_optimization: bool = _f(False, "bool")
+    """Copy checkpoints into one buffer.
+    zerojax: **accepted, no effect**: XLA plans buffers itself"""
     cpu_checkpointing: bool = _f(False, "bool")
+    """Keep checkpointed activations in CPU memory.
+    zerojax: **acted on**: remat policy that offloads saved activations to host (offload.py)"""
     # DeepSpeed reads it with get_scalar_param (any value); configs in the wild write false for "unset".
     number_checkpoints: int | None = _f(None, "int", optional=True, ge=0, false_is_none=True)
+    """Number of checkpoints (`false` reads as unset).
+    zerojax: **accepted, no effect**: every layer of the scanned stack is a checkpoint"""
     synchronize_checkpoint_boundary: bool = _f(False, "bool")
+    """cuda.synchronize at checkpoint boundaries.
+    zerojax: **accepted, no effect**: —"""
     profile: bool = _f(False, "bool")
+    """Time checkpointed forwards.
+    zerojax: **accepted, no effect**: —"""
 
 
 @dataclass(frozen=True)
 class TensorBoardConfig:
     enabled: bool = _f(False, "bool")
+    """Turn this monitor on.
+    zerojax: **acted on**: metrics writer on"""
     output_path: str = _f("", "str")
+    """Directory for the logs.
+    zerojax: **acted on**: writer output directory"""
     job_name: str = _f("DeepSpeedJobName", "str")
+    """Sub-directory / run name.
+    zerojax: **acted on**: writer run name"""
 
 
 @dataclass(frozen=True)
 class CSVConfig:
     enabled: bool = _f(False, "bool")
+    """Turn this monitor on.
+    zerojax: **acted on**: metrics writer on"""
     output_path: str = _f("", "str")
+    """Directory for the logs.
+    zerojax: **acted on**: writer output directory"""
     job_name: str = _f("DeepSpeedJobName", "str")
+    """Sub-directory / run name.
+    zerojax: **acted on**: writer run name"""
 
 
 @dataclass(frozen=True)
 class WandbConfig:
     enabled: bool = _f(False, "bool")
+    """Turn wandb on.
+    zerojax: **acted on**: metrics writer on"""
     group: str | None = _f(None, "str", optional=True)
+    """wandb group.
+    zerojax: **acted on**: passed to wandb.init"""
     team: str | None = _f(None, "str", optional=True)
+    """wandb team (entity).
+    zerojax: **acted on**: passed to wandb.init"""
     project: str = _f("deepspeed", "str")
+    """wandb project.
+    zerojax: **acted on**: passed to wandb.init"""
 
 
 @dataclass(frozen=True)
 class CometConfig:
     enabled: bool = _f(False, "bool")
+    """Turn Comet on.
+    zerojax: **accepted, no effect**: no Comet writer yet"""
     samples_log_interval: int = _f(100, "int", ge=1)
+    """Log every N samples.
+    zerojax: **accepted, no effect**: no Comet writer yet"""
     project: str | None = _f(None, "str", optional=True)
+    """Comet project.
+    zerojax: **accepted, no effect**: no Comet writer yet"""
     workspace: str | None = _f(None, "str", optional=True)
+    """Comet workspace.
+    zerojax: **accepted, no effect**: no Comet writer yet"""
     api_key: str | None = _f(None, "str", optional=True)
+    """Comet API key.
+    zerojax: **accepted, no effect**: no Comet writer yet"""
     experiment_name: str | None = _f(None, "str", optional=True)
+    """Experiment name.
+    zerojax: **accepted, no effect**: no Comet writer yet"""
     experiment_key: str | None = _f(None, "str", optional=True)
+    """Experiment key.
+    zerojax: **accepted, no effect**: no Comet writer yet"""
     online: bool | None = _f(None, "bool", optional=True)
+    """Log online vs offline.
+    zerojax: **accepted, no effect**: no Comet writer yet"""
     mode: str | None = _f(None, "str", optional=True, choices=("get", "create", "get_or_create"))
+    """get / create / get_or_create.
+    zerojax: **accepted, no effect**: no Comet writer yet"""
 
 
 @dataclass(frozen=True)
 class TrackioConfig:
     enabled: bool = _f(False, "bool")
+    """Turn Trackio on.
+    zerojax: **accepted, no effect**: no Trackio writer yet"""
     project: str = _f("deepspeed", "str")
+    """Trackio project.
+    zerojax: **accepted, no effect**: no Trackio writer yet"""
 
 
 @dataclass(frozen=True)
 class FlopsProfilerConfig:
     enabled: bool = _f(False, "bool")
+    """Profile one step.
+    zerojax: **accepted, no effect**: no FLOPs profiler"""
     recompute_fwd_factor: float = _f(0.0, "float", ge=0.0)
+    """Extra forward FLOPs from recomputation.
+    zerojax: **accepted, no effect**: no FLOPs profiler"""
     profile_step: int = _f(1, "int", ge=1)
+    """Step to profile.
+    zerojax: **accepted, no effect**: no FLOPs profiler"""
     module_depth: int = _f(-1, "int")
+    """Depth of the module table.
+    zerojax: **accepted, no effect**: no FLOPs profiler"""
     top_modules: int = _f(1, "int", ge=1)
+    """Modules listed.
+    zerojax: **accepted, no effect**: no FLOPs profiler"""
     detailed: bool = _f(True, "bool")
+    """Per-module detail.
+    zerojax: **accepted, no effect**: no FLOPs profiler"""
     output_file: str | None = _f(None, "str", optional=True)
+    """Where to write the profile.
+    zerojax: **accepted, no effect**: no FLOPs profiler"""
 
 
 @dataclass(frozen=True)
 class CheckpointConfig:
     tag_validation: str = _f("WARN", "str", upper=True, choices=("WARN", "IGNORE", "FAIL"))
+    """Check that all ranks save the same tag (Warn / Ignore / Fail).
+    zerojax: **accepted, no effect**: one process writes the tag through orbax"""
     load_universal: bool = _f(False, "bool")
+    """Load a universal (reshardable) checkpoint.
+    zerojax: **accepted, no effect**: orbax checkpoints always reshard on load"""
     use_node_local_storage: bool = _f(False, "bool")
+    """Each node writes to local storage.
+    zerojax: **accepted, no effect**: —"""
     parallel_write: Mapping = _f(kind="mapping", factory=_empty)
+    """Parallel write options (`pipeline_stage`).
+    zerojax: **accepted, no effect**: orbax writes shards in parallel"""
     serialization: bool = _f(True, "bool")
+    """Use torch serialization.
+    zerojax: **accepted, no effect**: PyTorch-specific"""
     writer: Mapping | None = _f(None, "mapping", optional=True)
+    """Fast/decoupled checkpoint writer options.
+    zerojax: **accepted, no effect**: —"""
 
 
 @dataclass(frozen=True)
 class PipelineConfig:
     stages: Any = _f("auto", "int_or_auto")
+    """Number of pipeline stages ("auto" is DeepSpeed's default and is kept).
+    zerojax: **accepted, no effect**: pipeline parallelism comes later"""
     partition: str = _f("best", "str")
+    """Layer partition method.
+    zerojax: **accepted, no effect**: pipeline parallelism comes later"""
     seed_layers: bool = _f(False, "bool")
+    """Seed each layer differently.
+    zerojax: **accepted, no effect**: pipeline parallelism comes later"""
     activation_checkpoint_interval: int = _f(0, "int", ge=0)
+    """Checkpoint every N layers in the pipeline.
+    zerojax: **accepted, no effect**: pipeline parallelism comes later"""
     pipe_partitioned: bool = _f(True, "bool")
+    """Partition activations between stages.
+    zerojax: **accepted, no effect**: pipeline parallelism comes later"""
     grad_partitioned: bool = _f(True, "bool")
+    """Partition gradients between stages.
+    zerojax: **accepted, no effect**: pipeline parallelism comes later"""
 
 
 @dataclass(frozen=True)
 class TensorParallelConfig:
     # DeepSpeed's default is 0 ("disabled"); zerojax reads 0 as 1 (no tensor axis).
     autotp_size: int = _f(1, "int", ge=0)
+    """Tensor-parallel degree (0 = off).
+    DeepSpeed default: 0
+    zerojax: **acted on**, stored as 1 for 0 (no tensor axis): size of the mesh's `tensor` axis; divides the
+      default data-parallel size"""
     tp_overlap_comm: bool = _f(False, "bool")
+    """Overlap TP all-reduce with compute.
+    zerojax: **accepted, no effect**: XLA's latency-hiding scheduler"""
     tp: Mapping = _f(kind="mapping", factory=_empty)
+    """TP group settings (alias `tensor_parallel`).
+    zerojax: **accepted, no effect**: kept as a mapping"""
     dtype: str | None = _f(None, "dtype", optional=True)
+    """Model dtype for AutoTP.
+    zerojax: **accepted, no effect**: dtype comes from fp16 / bf16"""
     partition_config: Mapping | None = _f(None, "mapping", optional=True)
+    """Custom layer partition rules.
+    zerojax: **accepted, no effect**: logical axis rules on the model's parameters"""
     preset_model: str | None = _f(None, "str", optional=True)
+    """Built-in AutoTP preset.
+    zerojax: **accepted, no effect**: —"""
     keep_module_on_host: bool = _f(False, "bool")
+    """Keep checkpoint weights on host while loading.
+    zerojax: **accepted, no effect**: —"""
     replace_with_kernel_inject: bool = _f(False, "bool")
+    """Inject inference kernels (alias `kernel_inject`).
+    zerojax: **accepted, no effect**: PyTorch-specific"""
 
 
 _TP_ALIASES = {"tensor_parallel": "tp", "kernel_inject": "replace_with_kernel_inject"}
+
+
+# Sections DeepSpeed validates with pydantic models (DeepSpeedConfigModel: extra="forbid"), so a
+# misspelt key is an error there too. Transcribed from DeepSpeed 0.19.x `compile/config.py`,
+# `runtime/config.py` (HybridEngineConfig), `comm/config.py`, `utils/config.py`.
+
+@dataclass(frozen=True)
+class CompileConfig:
+    deepcompile: bool = _f(False, "bool")
+    """DeepCompile: compiler passes for ZeRO (gather / release / offload scheduling).
+    zerojax: **accepted, no effect**: the whole step is one XLA program already"""
+    free_activation: bool = _f(False, "bool")
+    """DeepCompile: free activations eagerly.
+    zerojax: **accepted, no effect**: XLA plans activation lifetimes"""
+    free_activation_threshold: int = _f(10 * 1024 * 1024, "int", ge=0)
+    """DeepCompile: activations at least this many bytes are freed eagerly.
+    zerojax: **accepted, no effect**: —"""
+    offload_activation: bool = _f(False, "bool")
+    """DeepCompile: move saved activations to pinned host memory.
+    zerojax: **accepted, no effect**: use `activation_checkpointing.cpu_checkpointing`"""
+    offload_activation_pin_memory: bool = _f(True, "bool")
+    """DeepCompile: pin the host buffers of activation offload.
+    zerojax: **accepted, no effect**: —"""
+    offload_opt_states: bool = _f(False, "bool")
+    """DeepCompile: offload optimizer states between steps.
+    zerojax: **accepted, no effect**: use `zero_optimization.offload_optimizer`"""
+    double_buffer: bool = _f(True, "bool")
+    """DeepCompile: double buffering.
+    zerojax: **accepted, no effect**: —"""
+    symmetric_memory: bool = _f(False, "bool")
+    """DeepCompile: symmetric memory.
+    zerojax: **accepted, no effect**: —"""
+    debug_log: bool = _f(False, "bool")
+    """DeepCompile: dump graphs.
+    zerojax: **accepted, no effect**: use `XLA_FLAGS=--xla_dump_to=...`"""
+    offload_parameters: bool = _f(False, "bool")
+    """DeepCompile: offload parameters.
+    zerojax: **accepted, no effect**: use `zero_optimization.offload_param`"""
+    sync_before_reduce: bool = _f(False, "bool")
+    """DeepCompile: synchronise before reduce.
+    zerojax: **accepted, no effect**: —"""
+    sync_after_reduce: bool = _f(False, "bool")
+    """DeepCompile: synchronise after reduce.
+    zerojax: **accepted, no effect**: —"""
+    sync_before_allgather: bool = _f(False, "bool")
+    """DeepCompile: synchronise before all-gather.
+    zerojax: **accepted, no effect**: —"""
+    sync_after_allgather: bool = _f(False, "bool")
+    """DeepCompile: synchronise after all-gather.
+    zerojax: **accepted, no effect**: —"""
+    keep_int_input_tensors: bool = _f(True, "bool")
+    """DeepCompile: keep real values of int inputs while profiling.
+    zerojax: **accepted, no effect**: —"""
+    keep_all_input_tensors: bool = _f(False, "bool")
+    """DeepCompile: keep real values of all inputs while profiling.
+    zerojax: **accepted, no effect**: —"""
+    passes: Any = _f(None, "any", optional=True)
+    """DeepCompile: list of passes ("z1", "z3", "autosp", "autotp").
+    zerojax: **accepted, no effect**: —"""
+
+
+@dataclass(frozen=True)
+class HybridEngineConfig:
+    enabled: bool = _f(False, "bool")
+    """Turn the RLHF hybrid train / inference engine on.
+    zerojax: **accepted, no effect**: no hybrid engine"""
+    max_out_tokens: int = _f(512, "int", gt=0)
+    """Longest generation.
+    zerojax: **accepted, no effect**: no hybrid engine"""
+    inference_tp_size: int = _f(1, "int")
+    """Tensor-parallel size for generation.
+    zerojax: **accepted, no effect**: no hybrid engine"""
+    release_inference_cache: bool = _f(False, "bool")
+    """Free the KV cache after generation.
+    zerojax: **accepted, no effect**: no hybrid engine"""
+    pin_parameters: bool = _f(True, "bool")
+    """Pin parameters for generation.
+    zerojax: **accepted, no effect**: no hybrid engine"""
+    tp_gather_partition_size: int = _f(8, "int")
+    """Gather partition size for generation.
+    zerojax: **accepted, no effect**: no hybrid engine"""
+    enable_cuda_graph: bool = _f(False, "bool")
+    """CUDA graphs for generation.
+    zerojax: **accepted, no effect**: no hybrid engine"""
+
+
+@dataclass(frozen=True)
+class CommsLoggerConfig:
+    enabled: bool = _f(False, "bool")
+    """Log collective calls.
+    zerojax: **accepted, no effect**: read the collectives in the compiled HLO or the JAX profiler"""
+    prof_all: bool = _f(True, "bool")
+    """Profile every collective.
+    zerojax: **accepted, no effect**: —"""
+    prof_ops: Any = _f(kind="any", factory=tuple)
+    """Collectives to profile when prof_all is false.
+    zerojax: **accepted, no effect**: —"""
+    verbose: bool = _f(False, "bool")
+    """Print every logged call.
+    zerojax: **accepted, no effect**: —"""
+    debug: bool = _f(False, "bool")
+    """Add the caller to each log line.
+    zerojax: **accepted, no effect**: —"""
+
+
+@dataclass(frozen=True)
+class ThroughputTimerConfig:
+    enabled: bool = _f(True, "bool")
+    """Throughput timer on.
+    zerojax: **accepted, no effect**: the engine reports its own step times"""
+    synchronized: bool = _f(True, "bool")
+    """Synchronise the device when timing.
+    zerojax: **accepted, no effect**: —"""
+
+
+@dataclass(frozen=True)
+class TimersConfig:
+    throughput: ThroughputTimerConfig = _f(kind="section", factory=ThroughputTimerConfig, cls=ThroughputTimerConfig)
+    """Section: the throughput timer.
+    zerojax: **accepted, no effect**: see its keys"""
 
 
 @dataclass(frozen=True)
@@ -294,67 +746,161 @@ class Config:
     """A resolved DeepSpeed config. Field names are DeepSpeed's keys."""
 
     train_batch_size: int = _f(None, "int", optional=True)
+    """Global batch per optimizer step (micro × accumulation × data-parallel size).
+    zerojax: **acted on**: resolved by DeepSpeed's batch rule; the engine's step consumes this many rows"""
     train_micro_batch_size_per_gpu: int = _f(None, "int", optional=True)
+    """Batch per device per forward/backward.
+    zerojax: **acted on**: size of each micro-batch in the accumulation scan"""
     gradient_accumulation_steps: int = _f(None, "int", optional=True)
+    """Micro-batches accumulated before one optimizer step.
+    zerojax: **acted on**: length of the `lax.scan` over micro-batches inside one jitted step"""
     world_size: int = 1  # not a DeepSpeed key: the data-parallel size the trio was resolved with
+    managed_gradient_accumulation: bool = _f(True, "bool")
+    """True: DeepSpeed counts micro-steps and steps the optimizer on the boundary; false: every `step()` applies an
+    update and the client owns the boundary.
+    zerojax: **accepted, no effect**: one engine step always runs the whole accumulation and one update"""
     steps_per_print: int | None = _f(None, "int", optional=True, ge=1)
+    """Print progress every N steps (DeepSpeed default: none).
+    zerojax: **acted on**: engine logging interval"""
     wall_clock_breakdown: bool = _f(False, "bool")
+    """Time forward/backward/step separately.
+    zerojax: **accepted, no effect**: one jitted step has no host-visible phases; use the JAX profiler"""
     memory_breakdown: bool = _f(False, "bool")
+    """Print memory usage at stages of the step.
+    zerojax: **accepted, no effect**: use `engine.memory_report()` (XLA memory analysis)"""
     dump_state: bool = _f(False, "bool")
-    gradient_clipping: float = _f(0.0, "float", ge=0.0)
+    """Print DeepSpeed state after initialisation.
+    zerojax: **accepted, no effect**: `print(cfg)` shows the resolved config"""
+    gradient_clipping: float = _f(1.0, "float", ge=0.0)
+    """Clip gradients by global norm (0 = off). DeepSpeed's GRADIENT_CLIPPING_DEFAULT is 1.0: a config without
+    the key clips at 1.0.
+    zerojax: **acted on**: optax global-norm clipping before the optimizer (optim.py)"""
     prescale_gradients: bool = _f(False, "bool")
+    """Divide gradients by world size before the all-reduce instead of after.
+    zerojax: **accepted, no effect**: XLA reduces in one collective; the mean is computed identically either way"""
     gradient_predivide_factor: float = _f(1.0, "float", gt=0.0)
+    """Divide gradients by this before the all-reduce and by world/this after.
+    zerojax: **accepted, no effect**: numerics guard for fp16 all-reduce in PyTorch; XLA's reduce keeps the
+      compute dtype"""
+    gradient_allreduce_op: str = _f("mean", "str", lower=True, choices=("mean", "sum"))
+    """How data-parallel gradients are combined: "mean" or "sum" ("sum" refused at ZeRO stage 3).
+    zerojax: **acted on**: "mean" is what zerojax does; "sum" is a ConfigError (not supported yet)"""
     communication_data_type: str | None = _f(None, "str", optional=True, lower=True,
                                              choices=("fp16", "bf16", "fp32"))
+    """Dtype of gradient collectives (fp16 / bf16 / fp32).
+    zerojax: **acted on**: picks the element width used by `xla_flags_for` and the gradient dtype for the reduce"""
     seq_parallel_comm_data_type: str = _f("fp32", "str", lower=True, choices=("fp16", "bf16", "fp32"))
+    """Dtype of sequence-parallel gradient collectives.
+    zerojax: **accepted, no effect**: no sequence parallelism yet"""
     sequence_parallel_size: int = _f(1, "int", ge=1)
+    """Ulysses sequence-parallel group size; DeepSpeed divides the world size by it.
+    zerojax: **acted on**: divides the default data-parallel size (`jax.device_count() // autotp_size //
+      sequence_parallel_size`)"""
     disable_allgather: bool = _f(False, "bool")
-    sparse_gradients: bool = _f(False, "bool")
-    graph_harvesting: bool = _f(False, "bool")
+    """Legacy: skip the parameter all-gather.
+    zerojax: **accepted, no effect**: XLA inserts the collectives the shardings need"""
+    log_level: str | None = _f(None, "str", optional=True)
+    """DeepSpeed's logger level.
+    zerojax: **accepted, no effect**: zerojax logs through Python's `logging` (configure the "zerojax" logger)"""
     dataloader_drop_last: bool = _f(False, "bool")
+    """Drop the last incomplete batch in DeepSpeed's data loader.
+    zerojax: **accepted, no effect**: zerojax has no data loader; you pass batches"""
     use_data_before_expert_parallelism: bool = _f(False, "bool")
+    """Rank ordering for expert + data parallelism.
+    zerojax: **accepted, no effect**: no expert parallelism"""
     vocabulary_size: int | None = _f(None, "int", optional=True, ge=1)
+    """Only used for a tensor-core alignment warning.
+    zerojax: **accepted, no effect**: —"""
     zero_allow_untested_optimizer: bool = _f(False, "bool")
+    """Allow ZeRO with an optimizer DeepSpeed has not tested.
+    zerojax: **accepted, no effect**: every supported optimizer runs under every stage"""
     zero_force_ds_cpu_optimizer: bool = _f(True, "bool")
+    """Require DeepSpeed's CPU optimizer when offloading.
+    zerojax: **accepted, no effect**: offloaded optimizer state is updated by the same optax code"""
     data_types: DataTypesConfig = _f(kind="section", factory=DataTypesConfig, cls=DataTypesConfig)
+    """Section: dtypes for accumulation / params / buffers.
+    zerojax: **acted on**: see its keys"""
     fp16: FP16Config = _f(kind="section", factory=FP16Config, cls=FP16Config)
+    """Section: fp16 mixed precision with loss scaling.
+    zerojax: **acted on**: see its keys"""
     bf16: BF16Config = _f(kind="section", factory=BF16Config, cls=BF16Config)
-    optimizer: OptimizerConfig | None = _f(None, "special")
-    scheduler: SchedulerConfig | None = _f(None, "special")
-    zero_optimization: ZeroConfig = _f(kind="special", factory=ZeroConfig)
+    """Section: bf16 mixed precision (old name `bfloat16` loads too).
+    zerojax: **acted on**: see its keys"""
+    optimizer: OptimizerConfig | None = _f(None, "special", cls=OptimizerConfig)
+    """Section: optimizer `type` and `params`.
+    zerojax: **acted on**: optax optimizer (optim.py); types Adam, AdamW, Lamb, Lion, SGD, Adagrad,
+      case-insensitive"""
+    scheduler: SchedulerConfig | None = _f(None, "special", cls=SchedulerConfig)
+    """Section: LR schedule `type` and `params`.
+    zerojax: **acted on**: optax schedule with DeepSpeed's formulas (optim.py)"""
+    zero_optimization: ZeroConfig = _f(kind="special", factory=ZeroConfig, cls=ZeroConfig)
+    """Section: ZeRO (or legacy `true`/`false` → stage 1/0).
+    zerojax: **acted on**: see its keys"""
     activation_checkpointing: ActivationCheckpointingConfig | None = _f(
         None, "section", optional=True, cls=ActivationCheckpointingConfig)
+    """Section: activation checkpointing (`None` when absent).
+    zerojax: **acted on**: see its keys"""
     tensorboard: TensorBoardConfig = _f(kind="section", factory=TensorBoardConfig, cls=TensorBoardConfig)
+    """Section: tensorboard logging.
+    zerojax: **acted on**: metrics writer (monitor.py)"""
     csv_monitor: CSVConfig = _f(kind="section", factory=CSVConfig, cls=CSVConfig)
+    """Section: csv_monitor logging.
+    zerojax: **acted on**: metrics writer (monitor.py)"""
     wandb: WandbConfig = _f(kind="section", factory=WandbConfig, cls=WandbConfig)
+    """Section: Weights & Biases logging.
+    zerojax: **acted on**: metrics writer (monitor.py)"""
     comet: CometConfig = _f(kind="section", factory=CometConfig, cls=CometConfig)
+    """Section: Comet logging.
+    zerojax: **accepted, no effect**: accepted; no Comet writer yet"""
     trackio: TrackioConfig = _f(kind="section", factory=TrackioConfig, cls=TrackioConfig)
+    """Section: Trackio logging.
+    zerojax: **accepted, no effect**: accepted; no Trackio writer yet"""
     flops_profiler: FlopsProfilerConfig = _f(kind="section", factory=FlopsProfilerConfig,
                                              cls=FlopsProfilerConfig)
+    """Section: DeepSpeed's FLOPs profiler.
+    zerojax: **accepted, no effect**: use XLA's cost analysis (`jax.jit(...).lower(...).cost_analysis()`)"""
     checkpoint: CheckpointConfig = _f(kind="section", factory=CheckpointConfig, cls=CheckpointConfig)
+    """Section: checkpoint options.
+    zerojax: **acted on**: see its keys"""
     pipeline: PipelineConfig = _f(kind="section", factory=PipelineConfig, cls=PipelineConfig)
-    tensor_parallel: TensorParallelConfig = _f(kind="special", factory=TensorParallelConfig)
-    # Accepted, carried as read-only mappings, not acted on (see README.md, "Supported DeepSpeed config keys").
-    amp: Mapping | None = _f(None, "special")
+    """Section: pipeline parallelism.
+    zerojax: **accepted, no effect**: accepted now; the `pipe` mesh axis comes later"""
+    tensor_parallel: TensorParallelConfig = _f(kind="special", factory=TensorParallelConfig, cls=TensorParallelConfig)
+    """Section: AutoTP tensor parallelism.
+    zerojax: **acted on**: see its keys"""
     torch_autocast: Mapping | None = _f(None, "special")
-    sparse_attention: Mapping | None = _f(None, "mapping", optional=True)
-    compression_training: Mapping | None = _f(None, "mapping", optional=True)
-    elasticity: Mapping | None = _f(None, "mapping", optional=True)
+    """torch.autocast mixed precision; `enabled: true` is a ConfigError (use bf16 or fp16).
+    zerojax: **accepted, no effect**: kept as a mapping when disabled"""
     aio: Mapping | None = _f(None, "mapping", optional=True)
+    """Async I/O settings for NVMe.
+    zerojax: **accepted, no effect**: kept as a read-only mapping; nothing in zerojax reads it"""
     autotuning: Mapping | None = _f(None, "mapping", optional=True)
-    comms_logger: Mapping | None = _f(None, "mapping", optional=True)
-    eigenvalue: Mapping | None = _f(None, "mapping", optional=True)
-    quantize_training: Mapping | None = _f(None, "mapping", optional=True)
-    progressive_layer_drop: Mapping | None = _f(None, "mapping", optional=True)
-    curriculum_learning: Mapping | None = _f(None, "mapping", optional=True)
+    """DeepSpeed autotuner.
+    zerojax: **accepted, no effect**: kept as a read-only mapping; nothing in zerojax reads it"""
     data_efficiency: Mapping | None = _f(None, "mapping", optional=True)
-    hybrid_engine: Mapping | None = _f(None, "mapping", optional=True)
-    nebula: Mapping | None = _f(None, "mapping", optional=True)
+    """Data sampling / routing.
+    zerojax: **accepted, no effect**: kept as a read-only mapping; nothing in zerojax reads it"""
+    hybrid_engine: HybridEngineConfig = _f(kind="section", factory=HybridEngineConfig, cls=HybridEngineConfig)
+    """Section: RLHF hybrid train / inference engine (validated strictly, as DeepSpeed does).
+    zerojax: **accepted, no effect**: see its keys"""
     datastates: Mapping | None = _f(None, "mapping", optional=True)
+    """DataStates async checkpointing.
+    zerojax: **accepted, no effect**: kept as a read-only mapping; nothing in zerojax reads it"""
     weight_quantization: Mapping | None = _f(None, "mapping", optional=True)
-    compile: Mapping | None = _f(None, "mapping", optional=True)
-    timers: Mapping | None = _f(None, "mapping", optional=True)
+    """Post-training weight quantisation.
+    zerojax: **accepted, no effect**: kept as a read-only mapping; nothing in zerojax reads it"""
+    compile: CompileConfig = _f(kind="section", factory=CompileConfig, cls=CompileConfig)
+    """Section: torch.compile / DeepCompile (validated strictly, as DeepSpeed does).
+    zerojax: **accepted, no effect**: see its keys"""
+    comms_logger: CommsLoggerConfig = _f(kind="section", factory=CommsLoggerConfig, cls=CommsLoggerConfig)
+    """Section: log collective calls (validated strictly, as DeepSpeed does).
+    zerojax: **accepted, no effect**: see its keys"""
+    timers: TimersConfig = _f(kind="section", factory=TimersConfig, cls=TimersConfig)
+    """Section: DeepSpeed timers (validated strictly, as DeepSpeed does).
+    zerojax: **accepted, no effect**: see its keys"""
     expert_parallel: Mapping | None = _f(None, "mapping", optional=True)
+    """MoE expert parallelism.
+    zerojax: **accepted, no effect**: kept as a read-only mapping; nothing in zerojax reads it"""
 
     def to_dict(self) -> dict:
         """The resolved config as DeepSpeed JSON; `load_config(d, world_size=cfg.world_size) == cfg`."""
@@ -366,24 +912,55 @@ class Config:
 
 SUPPORTED_OPTIMIZERS = ("Adam", "AdamW", "Lamb", "Lion", "SGD", "Adagrad")
 _NUM, _NONNEG, _BOOL, _BETAS, _POSINT, _INT = "num", "nonneg", "bool", "betas", "posint", "int"
-_ADAM_PARAMS = {"lr": _NONNEG, "betas": _BETAS, "eps": _NONNEG, "weight_decay": _NONNEG,
-                "adam_w_mode": _BOOL, "bias_correction": _BOOL, "amsgrad": _BOOL, "torch_adam": _BOOL,
-                "fused": _BOOL}
+_OPT_BOOL = "bool_or_null"  # torch.optim's foreach / fused: None means "let torch choose"
+
+
+class Param(NamedTuple):
+    """One constructor argument of a DeepSpeed optimizer / scheduler: the one table that both
+    `load_config` (validation) and `zerojax.optim` (the builders, which read `default`) use."""
+
+    check: str  # the value check: _NUM, _NONNEG, _BOOL, _OPT_BOOL, _BETAS, _POSINT, _INT or "warmup_type"
+    default: Any = None  # the default of the class DeepSpeed builds; None: computed by the builder or required
+    required: bool = False
+    inert: str = ""  # non-empty: accepted, but changes nothing in zerojax, and why
+
+
+_TORCH_SWITCH = Param(_OPT_BOOL, inert="a PyTorch kernel choice (foreach / fused / capturable / differentiable); "
+                                   "the update is the same")
+_SET_GRAD_NONE = Param(_BOOL, True, inert="frees PyTorch .grad tensors; JAX gradients are values")
+_FP32_STATES = Param(_BOOL, True, inert="optimizer states are always fp32 in zerojax")
+_MAXIMIZE = Param(_BOOL, False)  # torch.optim: only false is supported (the builder refuses true)
+_BETAS_DEFAULT = (0.9, 0.999)
+# deepspeed.ops.adam.FusedAdam / DeepSpeedCPUAdam and, with torch_adam, torch.optim.Adam(W)
+# (engine.py `_configure_basic_optimizer` pops torch_adam and adam_w_mode first).
+_ADAM_PARAMS = {"lr": Param(_NONNEG, 1e-3), "betas": Param(_BETAS, _BETAS_DEFAULT), "eps": Param(_NONNEG, 1e-8),
+                "weight_decay": Param(_NONNEG, 0.0), "adam_w_mode": Param(_BOOL, True),
+                "bias_correction": Param(_BOOL, True), "amsgrad": Param(_BOOL, False),
+                "torch_adam": Param(_BOOL, False), "set_grad_none": _SET_GRAD_NONE,
+                "fp32_optimizer_states": _FP32_STATES, "maximize": _MAXIMIZE, "foreach": _TORCH_SWITCH,
+                "fused": _TORCH_SWITCH, "capturable": _TORCH_SWITCH, "differentiable": _TORCH_SWITCH}
 OPTIMIZER_PARAMS = {
     "Adam": _ADAM_PARAMS,
     "AdamW": _ADAM_PARAMS,
     # deepspeed.ops.lamb.FusedLamb (max_grad_norm is refused by the engine for every optimizer)
-    "Lamb": {"lr": _NONNEG, "bias_correction": _BOOL, "betas": _BETAS, "eps": _NONNEG,
-             "eps_inside_sqrt": _BOOL, "weight_decay": _NONNEG, "max_coeff": _NONNEG,
-             "min_coeff": _NONNEG, "amsgrad": _BOOL},
-    "Lion": {"lr": _NONNEG, "betas": _BETAS, "weight_decay": _NONNEG},
-    "SGD": {"lr": _NONNEG, "momentum": _NONNEG, "dampening": _NONNEG, "weight_decay": _NONNEG,
-            "nesterov": _BOOL},
-    "Adagrad": {"lr": _NONNEG, "lr_decay": _NONNEG, "weight_decay": _NONNEG,
-                "initial_accumulator_value": _NONNEG, "eps": _NONNEG},
+    "Lamb": {"lr": Param(_NONNEG, 1e-3), "bias_correction": Param(_BOOL, True), "betas": Param(_BETAS, _BETAS_DEFAULT),
+             "eps": Param(_NONNEG, 1e-8), "eps_inside_sqrt": Param(_BOOL, False), "weight_decay": Param(_NONNEG, 0.0),
+             "max_coeff": Param(_NONNEG, 10.0), "min_coeff": Param(_NONNEG, 0.01), "amsgrad": Param(_BOOL, False)},
+    # deepspeed.ops.lion.FusedLion / DeepSpeedCPULion
+    "Lion": {"lr": Param(_NONNEG, 1e-3), "betas": Param(_BETAS, _BETAS_DEFAULT), "weight_decay": Param(_NONNEG, 0.0),
+             "set_grad_none": _SET_GRAD_NONE, "fp32_optimizer_states": _FP32_STATES},
+    # torch.optim.SGD (DeepSpeed passes names it does not know to torch.optim)
+    "SGD": {"lr": Param(_NONNEG, 1e-3), "momentum": Param(_NONNEG, 0.0), "dampening": Param(_NONNEG, 0.0),
+            "weight_decay": Param(_NONNEG, 0.0), "nesterov": Param(_BOOL, False), "maximize": _MAXIMIZE,
+            "foreach": _TORCH_SWITCH, "fused": _TORCH_SWITCH, "differentiable": _TORCH_SWITCH},
+    # torch.optim.Adagrad / DeepSpeedCPUAdagrad
+    "Adagrad": {"lr": Param(_NONNEG, 1e-2), "lr_decay": Param(_NONNEG, 0.0), "weight_decay": Param(_NONNEG, 0.0),
+                "initial_accumulator_value": Param(_NONNEG, 0.0), "eps": Param(_NONNEG, 1e-10),
+                "maximize": _MAXIMIZE, "foreach": _TORCH_SWITCH, "fused": _TORCH_SWITCH,
+                "differentiable": _TORCH_SWITCH},
 }
 # DeepSpeed optimizers zerojax does not run: (closest supported, why results would differ).
-_UNSUPPORTED_OPTIMIZERS = {
+UNSUPPORTED_OPTIMIZERS = {
     "onebitadam": ("Adam", "1-bit Adam compresses gradient communication with error feedback"),
     "zerooneadam": ("Adam", "0/1 Adam skips and compresses variance updates and communication"),
     "onebitlamb": ("Lamb", "1-bit LAMB compresses gradient communication with error feedback"),
@@ -392,30 +969,53 @@ _UNSUPPORTED_OPTIMIZERS = {
     "musgd": ("SGD", "MuSGD (muP) rescales per-layer learning rates by width"),
     "muon": ("AdamW", "Muon orthogonalises matrix updates (Newton-Schulz)"),
 }
-_MAX_GRAD_NORM_MSG = (
+MAX_GRAD_NORM_MSG = (
     "'max_grad_norm' is not supported as an optimizer parameter, please switch to using the deepspeed "
     "parameter 'gradient_clipping' see: https://www.deepspeed.ai/docs/config-json/#gradient-clipping "
     "for more details")
 
 SUPPORTED_SCHEDULERS = ("WarmupLR", "WarmupDecayLR", "WarmupCosineLR", "OneCycle", "LRRangeTest")
-_WARMUP = {"warmup_min_lr": _NUM, "warmup_max_lr": _NUM, "warmup_num_steps": _POSINT,
-           "warmup_type": "warmup_type", "last_batch_iteration": _INT}
+# deepspeed/runtime/lr_schedules.py constructor defaults.
+_LAST = Param(_INT, -1)
+_WARMUP = {"warmup_min_lr": Param(_NUM, 0.0),
+           # WarmupLR: the optimizer's lr when absent; WarmupDecayLR: 0.001 (computed by the builder)
+           "warmup_max_lr": Param(_NUM),
+           "warmup_num_steps": Param(_POSINT, 1000), "warmup_type": Param("warmup_type", "log"),
+           "last_batch_iteration": _LAST}
 SCHEDULER_PARAMS = {
     "WarmupLR": _WARMUP,
-    "WarmupDecayLR": {"total_num_steps": _POSINT, **_WARMUP},
-    "WarmupCosineLR": {"total_num_steps": _POSINT, "warmup_min_ratio": _NONNEG, "warmup_num_steps": _POSINT,
-                       "cos_min_ratio": _NONNEG, "warmup_type": "warmup_type", "last_batch_iteration": _INT},
-    "OneCycle": {"cycle_min_lr": _NUM, "cycle_max_lr": _NUM, "decay_lr_rate": _NUM,
-                 "cycle_first_step_size": _POSINT, "cycle_second_step_size": _POSINT,
-                 "cycle_first_stair_count": _INT, "cycle_second_stair_count": _INT,
-                 "decay_step_size": _INT, "cycle_momentum": _BOOL, "cycle_min_mom": _NUM,
-                 "cycle_max_mom": _NUM, "decay_mom_rate": _NUM, "last_batch_iteration": _INT},
-    "LRRangeTest": {"lr_range_test_min_lr": _NUM, "lr_range_test_step_size": _POSINT,
-                    "lr_range_test_step_rate": _NUM, "lr_range_test_staircase": _BOOL,
-                    "last_batch_iteration": _INT},
+    "WarmupDecayLR": {"total_num_steps": Param(_POSINT, required=True), **_WARMUP},
+    "WarmupCosineLR": {"total_num_steps": Param(_POSINT, required=True), "warmup_min_ratio": Param(_NONNEG, 0.0),
+                       "warmup_num_steps": Param(_POSINT, 1000), "cos_min_ratio": Param(_NONNEG, 0.0001),
+                       "warmup_type": Param("warmup_type", "log"), "last_batch_iteration": _LAST},
+    "OneCycle": {"cycle_min_lr": Param(_NUM, required=True), "cycle_max_lr": Param(_NUM, required=True),
+                 "decay_lr_rate": Param(_NUM, 0.0), "cycle_first_step_size": Param(_POSINT, 2000),
+                 "cycle_second_step_size": Param(_POSINT),  # None: cycle_first_step_size
+                 "cycle_first_stair_count": Param(_INT, 0),
+                 "cycle_second_stair_count": Param(_INT),  # None: cycle_first_stair_count
+                 "decay_step_size": Param(_INT, 0), "cycle_momentum": Param(_BOOL, True),
+                 "cycle_min_mom": Param(_NUM, 0.8), "cycle_max_mom": Param(_NUM, 0.9),
+                 "decay_mom_rate": Param(_NUM, 0.0), "last_batch_iteration": _LAST},
+    "LRRangeTest": {"lr_range_test_min_lr": Param(_NUM, 1e-3), "lr_range_test_step_size": Param(_POSINT, 2000),
+                    "lr_range_test_step_rate": Param(_NUM, 1.0), "lr_range_test_staircase": Param(_BOOL, False),
+                    "last_batch_iteration": _LAST},
 }
-_SCHEDULER_REQUIRED = {"WarmupDecayLR": ("total_num_steps",), "WarmupCosineLR": ("total_num_steps",),
-                       "OneCycle": ("cycle_min_lr", "cycle_max_lr")}
+
+
+def canonical_optimizer(name):
+    """DeepSpeed matches optimizer names case-insensitively; the table's spelling, or None."""
+    return next((c for c in SUPPORTED_OPTIMIZERS if c.lower() == str(name).lower()), None)
+
+
+def check_optimizer_params(type, params, problems, path="optimizer.params"):
+    """Validate `params` of optimizer `type` (a supported name) against OPTIMIZER_PARAMS."""
+    return _check_params(params, OPTIMIZER_PARAMS[canonical_optimizer(type)], path, problems)
+
+
+def check_scheduler_params(type, params, problems, path="scheduler.params"):
+    """Validate `params` of scheduler `type` (a name in SUPPORTED_SCHEDULERS) against SCHEDULER_PARAMS."""
+    return _check_params(params, SCHEDULER_PARAMS[type], path, problems)
+
 
 _BATCH_KEYS = ("train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps")
 _CONFIG_KEYS = tuple(f.name for f in fields(Config) if f.name != "world_size")
@@ -445,10 +1045,11 @@ def load_config(source, *, world_size: int | None = None, fill: Mapping[str, Any
         problems.append(f"world_size = {world_size!r}: expected a positive integer")
         world_size = None
 
-    kwargs = _build_top(raw, unresolved, problems)
+    notes: list[str] = []
+    kwargs = _build_top(raw, unresolved, problems, notes)
     zero = kwargs.get("zero_optimization", ZeroConfig())
     tp = kwargs.get("tensor_parallel", TensorParallelConfig())
-    notes = _cross_checks(kwargs, zero, problems)
+    notes += _cross_checks(kwargs, zero, problems)
 
     if world_size is None:
         import jax  # lazily: config.py itself must not need jax
@@ -593,8 +1194,8 @@ def _thaw(x):
     return x
 
 
-def _suggest(key, known):
-    match = difflib.get_close_matches(str(key), list(known), n=1, cutoff=0.6)
+def _suggest(key, known, cutoff=0.6):
+    match = difflib.get_close_matches(str(key), list(known), n=1, cutoff=cutoff)
     return f"; did you mean {match[0]!r}?" if match else ""
 
 
@@ -698,7 +1299,7 @@ def _build(cls, raw, path, problems, *, aliases=None):
 # ----------------------------------------------------------------------------------------------
 # Top level.
 
-def _build_top(raw, unresolved, problems):
+def _build_top(raw, unresolved, problems, notes):
     specs = {f.name: f for f in fields(Config)}
     unresolved_top = {p for p in unresolved if "." not in p}
     if "bf16" in raw and "bfloat16" in raw:
@@ -706,15 +1307,16 @@ def _build_top(raw, unresolved, problems):
     kwargs = {}
     for key, value in raw.items():
         name = _TOP_ALIASES.get(key, key)
+        if key in REMOVED_TOP_LEVEL_KEYS:
+            problems.append(_removed(key, REMOVED_TOP_LEVEL_KEYS[key]))
+            continue
         if name == "zero_optimization":
             kwargs[name] = _build_zero(raw, value, problems)
             continue
         if key == "allgather_size" and isinstance(raw.get("zero_optimization"), bool):
             continue  # legacy partner of `"zero_optimization": true`
         if name not in specs or name == "world_size":
-            _unknown("", key, _CONFIG_KEYS + tuple(_TOP_ALIASES), problems, list_known=False)
-            if not _suggest(key, _CONFIG_KEYS):
-                problems[-1] += " (README.md, 'Supported DeepSpeed config keys', lists the keys zerojax accepts)"
+            notes.append(_unknown_top_level(key))
             continue
         if key in unresolved_top:
             continue  # reported as unresolved auto, or resolved by the batch rule
@@ -726,8 +1328,8 @@ def _build_top(raw, unresolved, problems):
         elif name == "tensor_parallel":
             tp = _build(TensorParallelConfig, value, "tensor_parallel", problems, aliases=_TP_ALIASES)
             kwargs[name] = dataclasses.replace(tp, autotp_size=max(1, tp.autotp_size))
-        elif name in ("amp", "torch_autocast"):
-            kwargs[name] = _build_foreign_precision(name, value, problems)
+        elif name == "torch_autocast":
+            kwargs[name] = _build_torch_autocast(value, problems)
         elif meta["kind"] == "section":
             if value is None:
                 kwargs[name] = None if meta.get("optional") else meta["cls"]()
@@ -742,16 +1344,27 @@ def _build_top(raw, unresolved, problems):
     return kwargs
 
 
-def _build_foreign_precision(name, value, problems):
+def _removed(where, reason):
+    return f"{where}: {reason} See {_REMOVED_ISSUE}. (DeepSpeed {DEEPSPEED_VERSION} refuses it too; remove the key)"
+
+
+def _unknown_top_level(key):
+    """DeepSpeed reads the top level key by key and never looks at the others: an unknown key loads."""
+    # A stricter cutoff than for sections: free-form keys ("_comment", "comms_config") are common up here.
+    hint = _suggest(key, _CONFIG_KEYS, cutoff=0.8)
+    return (f"{key}: unknown top-level key, ignored (as DeepSpeed ignores it){hint} "
+            "(docs/config-keys.md lists the keys zerojax reads)")
+
+
+def _build_torch_autocast(value, problems):
     if value is None:
         return None
     if not isinstance(value, Mapping):
-        problems.append(f"{name} = {value!r}: expected an object {{...}}")
+        problems.append(f"torch_autocast = {value!r}: expected an object {{...}}")
         return None
     if value.get("enabled") is True:
-        what = "Apex AMP" if name == "amp" else "torch.autocast"
         problems.append(
-            f"{name}.enabled = true: {what} is a PyTorch mechanism with no JAX equivalent; "
+            "torch_autocast.enabled = true: torch.autocast is a PyTorch mechanism with no JAX equivalent; "
             "use \"bf16\": {\"enabled\": true} (or \"fp16\": {\"enabled\": true}) instead")
     return _freeze(value)
 
@@ -795,17 +1408,21 @@ def _build_zero(raw, value, problems):
             value.pop(old)
             warnings.warn(f"Config parameter {old} is deprecated use offload_param or offload_optimizer "
                           "instead (it has no effect)", DeprecationWarning, stacklevel=4)
+    for key in value:
+        if key in REMOVED_ZERO_KEYS:
+            problems.append(_removed(f"{path}.{key}", REMOVED_ZERO_KEYS[key]))
+    value = {k: v for k, v in value.items() if k not in REMOVED_ZERO_KEYS}
     zero = _build(ZeroConfig, value, path, problems, aliases=_ZERO_ALIASES)
     overlap = zero.overlap_comm if zero.overlap_comm is not None else zero.stage == 3
     return dataclasses.replace(zero, overlap_comm=overlap)
 
 
-def _check_params(params, schema, path, problems, *, required=()):
+def _check_params(params, schema, path, problems):
     out = {}
     for name, value in params.items():
         where = f"{path}.{name}"
         if name == "max_grad_norm":
-            problems.append(f"{where}: {_MAX_GRAD_NORM_MSG}")
+            problems.append(f"{where}: {MAX_GRAD_NORM_MSG}")
             continue
         if name not in schema:
             _unknown(path, name, schema, problems)
@@ -813,18 +1430,19 @@ def _check_params(params, schema, path, problems, *, required=()):
         if _is_auto(value):
             out[name] = value  # reported as unresolved
             continue
-        kind = schema[name]
-        ok, conv = _check_param(value, kind, where, problems)
+        ok, conv = _check_param(value, schema[name].check, where, problems)
         if ok:
             out[name] = conv
-    for name in required:
-        if name not in params:
+    for name, spec in schema.items():
+        if spec.required and name not in params:
             problems.append(f"{path}.{name}: required by this scheduler and missing")
     return _freeze(out)
 
 
 def _check_param(value, kind, where, problems):
-    if kind == _BOOL:
+    if kind == _OPT_BOOL and value is None:
+        return True, None
+    if kind in (_BOOL, _OPT_BOOL):
         return _convert(value, {"kind": "bool"}, where, problems)
     if kind in (_NUM, _NONNEG):
         if isinstance(value, (list, tuple)):  # DeepSpeed allows one value per param group
@@ -848,14 +1466,6 @@ def _check_param(value, kind, where, problems):
     return True, value
 
 
-def _canonical_optimizer(name):
-    lowered = name.lower()
-    for canon in SUPPORTED_OPTIMIZERS:
-        if canon.lower() == lowered:
-            return canon
-    return None
-
-
 def _build_optimizer(value, problems):
     if value is None:
         return None
@@ -875,11 +1485,11 @@ def _build_optimizer(value, problems):
     if not isinstance(params, Mapping):
         problems.append(f"optimizer.params = {params!r}: expected an object {{...}}")
         return None
-    canon = _canonical_optimizer(typ)
+    canon = canonical_optimizer(typ)
     if canon is None:
         lowered = typ.lower()
-        if lowered in _UNSUPPORTED_OPTIMIZERS:
-            closest, why = _UNSUPPORTED_OPTIMIZERS[lowered]
+        if lowered in UNSUPPORTED_OPTIMIZERS:
+            closest, why = UNSUPPORTED_OPTIMIZERS[lowered]
             problems.append(
                 f"optimizer.type = {typ!r} is not supported by zerojax: {why}, so substituting another "
                 f"optimizer would change results; the closest supported choice is {closest!r} "
@@ -889,9 +1499,9 @@ def _build_optimizer(value, problems):
             problems.append(f"optimizer.type = {typ!r}: unknown optimizer{hint} "
                             f"(supported, case-insensitive: {', '.join(SUPPORTED_OPTIMIZERS)})")
         if "max_grad_norm" in params:
-            problems.append(f"optimizer.params.max_grad_norm: {_MAX_GRAD_NORM_MSG}")
+            problems.append(f"optimizer.params.max_grad_norm: {MAX_GRAD_NORM_MSG}")
         return None
-    checked = _check_params(params, OPTIMIZER_PARAMS[canon], "optimizer.params", problems)
+    checked = check_optimizer_params(canon, params, problems)
     return OptimizerConfig(type=typ, params=checked, legacy_fusion=fusion if ok_fusion else False)
 
 
@@ -914,8 +1524,7 @@ def _build_scheduler(value, problems):
     if not isinstance(params, Mapping):
         problems.append(f"scheduler.params = {params!r}: expected an object {{...}}")
         return None
-    checked = _check_params(params, SCHEDULER_PARAMS[typ], "scheduler.params", problems,
-                            required=_SCHEDULER_REQUIRED.get(typ, ()))
+    checked = check_scheduler_params(typ, params, problems)
     return SchedulerConfig(type=typ, params=checked)
 
 
@@ -938,6 +1547,10 @@ def _cross_checks(kwargs, zero, problems):
     if bf16.bf16_optimizer_states and not (zero.stage > 0 and bf16.bf16_master_weights_and_grads):
         problems.append("bf16.bf16_optimizer_states = true: it is only supported with ZeRO Stage 1, 2, or 3 "
                         "and requires bf16.bf16_master_weights_and_grads to be enabled")
+    if kwargs.get("gradient_allreduce_op") == "sum":
+        problems.append("gradient_allreduce_op = \"sum\": zerojax averages data-parallel gradients (DeepSpeed's "
+                        "default \"mean\"); summing is not supported yet (DeepSpeed itself refuses it at ZeRO "
+                        "stage 3); remove the key or scale the loss by the data-parallel size")
     for name, off in (("offload_optimizer", zero.offload_optimizer), ("offload_param", zero.offload_param)):
         if off.device == "nvme":
             problems.append(f"zero_optimization.{name}.device = \"nvme\": NVMe offload is not supported yet by "
@@ -956,42 +1569,60 @@ def _cross_checks(kwargs, zero, problems):
 # ----------------------------------------------------------------------------------------------
 # The batch trio: DeepSpeed's _set_batch_related_parameters, then _batch_assertion.
 
+# DeepSpeed's _batch_assertion labels, kept in the messages so they read as DeepSpeed's own.
+_BATCH_LABELS = {"train_batch_size": "Train batch size", "train_micro_batch_size_per_gpu": "Micro batch size per gpu",
+                 "gradient_accumulation_steps": "Gradient accumulation steps"}
+
+
 def _resolve_batch(kwargs, raw, unresolved, world_size, problems):
+    """DeepSpeed's rule and checks; each message names the keys the user wrote (not DeepSpeed's derived ones)."""
     autos = [k for k in _BATCH_KEYS if k in unresolved]
-    vals = {k: kwargs.get(k) for k in _BATCH_KEYS}
     if any(k in raw and k not in autos and k not in kwargs for k in _BATCH_KEYS):
         return  # a trio value had a type error, already reported
-    tb, mb, ga = vals["train_batch_size"], vals["train_micro_batch_size_per_gpu"], vals["gradient_accumulation_steps"]
-    if tb is not None and mb is not None and ga is not None:
-        pass
-    elif tb is not None and mb is not None:
-        ga = tb // mb // world_size
-    elif tb is not None and ga is not None:
-        mb = tb // world_size // ga if ga else 0
-    elif mb is not None and ga is not None:
-        tb = mb * ga * world_size
-    elif tb is not None:
-        ga, mb = 1, tb // world_size
-    elif mb is not None:
-        tb, ga = mb * world_size, 1
-    else:
+    given = {k: kwargs[k] for k in _BATCH_KEYS if kwargs.get(k) is not None}
+    bad = [k for k, v in given.items() if v <= 0]
+    for k in bad:
+        problems.append(f"{k} = {given[k]}: {_BATCH_LABELS[k]}: {given[k]} has to be greater than 0; "
+                        "give a positive integer")
+    tb, mb, ga = (given.get(k) for k in _BATCH_KEYS)
+    if tb is None and mb is None:
         if not autos:
             problems.append("train_batch_size / train_micro_batch_size_per_gpu: Either train_batch_size or "
                             "train_micro_batch_size_per_gpu needs to be provided")
         return  # the autos are reported as unresolved
+    if bad:
+        return
+    derived = None  # (key, formula) of a value DeepSpeed computes by floor division
+    if tb is not None and mb is not None and ga is None:
+        ga = tb // mb // world_size
+        derived = ("gradient_accumulation_steps", f"train_batch_size // train_micro_batch_size_per_gpu // "
+                   f"world_size = {tb} // {mb} // {world_size}", mb * world_size)
+    elif tb is not None and mb is None:
+        ga = 1 if ga is None else ga
+        mb = tb // world_size // ga
+        derived = ("train_micro_batch_size_per_gpu", f"train_batch_size // world_size // gradient_accumulation_steps"
+                   f" = {tb} // {world_size} // {ga}", world_size * ga)
+    elif tb is None:
+        ga = 1 if ga is None else ga
+        tb = mb * ga * world_size
     for k in autos:
         unresolved.remove(k)
     kwargs.update(train_batch_size=tb, train_micro_batch_size_per_gpu=mb, gradient_accumulation_steps=ga)
-    if tb <= 0:
-        problems.append(f"train_batch_size: Train batch size: {tb} has to be greater than 0")
-    elif mb <= 0:
-        problems.append(f"train_micro_batch_size_per_gpu: Micro batch size per gpu: {mb} has to be greater than 0")
-    elif ga <= 0:
-        problems.append(f"gradient_accumulation_steps: Gradient accumulation steps: {ga} has to be greater than 0")
+    if derived and (mb <= 0 or ga <= 0):
+        key, formula, unit = derived
+        problems.append(f"{key}: not given, and DeepSpeed derives it as {formula} = 0 ({_BATCH_LABELS[key]}: 0 has "
+                        f"to be greater than 0); make train_batch_size a multiple of {unit}")
     elif tb != mb * ga * world_size:
+        wrote = " / ".join(given)
+        if derived:
+            key, formula, unit = derived
+            value = mb if key == "train_micro_batch_size_per_gpu" else ga
+            how = f" ({key} derived as {formula} = {value}); make train_batch_size a multiple of {unit}"
+        else:
+            how = f"; set train_batch_size to {mb * ga * world_size} or leave one of the three keys out"
         problems.append(
-            "train_batch_size: Check batch related parameters. train_batch_size is not equal to "
-            f"micro_batch_per_gpu * gradient_acc_step * world_size {tb} != {mb} * {ga} * {world_size}")
+            f"{wrote}: Check batch related parameters. train_batch_size is not equal to "
+            f"micro_batch_per_gpu * gradient_acc_step * world_size {tb} != {mb} * {ga} * {world_size}{how}")
 
 
 # ----------------------------------------------------------------------------------------------

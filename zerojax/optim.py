@@ -23,19 +23,11 @@ import jax
 import jax.numpy as jnp
 import optax
 
+from zerojax.config import (MAX_GRAD_NORM_MSG, OPTIMIZER_PARAMS, SCHEDULER_PARAMS, SUPPORTED_OPTIMIZERS,
+                            SUPPORTED_SCHEDULERS, UNSUPPORTED_OPTIMIZERS, ConfigError, canonical_optimizer,
+                            check_optimizer_params, check_scheduler_params)
+
 Schedule = Callable[[Any], Any]
-
-# Default learning rates of the classes DeepSpeed instantiates when `params.lr` is absent.
-DEFAULT_LR = {"adam": 1e-3, "adamw": 1e-3, "lamb": 1e-3, "lion": 1e-3, "sgd": 1e-3, "adagrad": 1e-2}
-SUPPORTED_OPTIMIZERS = ("Adam", "AdamW", "Lamb", "Lion", "SGD", "Adagrad")
-SUPPORTED_SCHEDULERS = ("WarmupLR", "WarmupDecayLR", "WarmupCosineLR", "OneCycle", "LRRangeTest")
-
-# Optimizers DeepSpeed knows that change the mathematics (communication compression, muP, Muon):
-# name -> the closest one zerojax runs.
-_UNSUPPORTED_OPTIMIZERS = {
-    "onebitadam": "Adam", "zerooneadam": "Adam", "onebitlamb": "Lamb",
-    "muadam": "Adam", "muadamw": "AdamW", "musgd": "SGD", "muon": "AdamW",
-}
 
 # DeepSpeed's OneCycle writes betas = (momentum, 0.99) into every param group when it cycles
 # momentum (`_initialize_momentum`), replacing the optimizer's beta2.
@@ -43,8 +35,6 @@ ONECYCLE_BETA2 = 0.99
 
 
 def _error(message: str) -> Exception:
-    from zerojax.config import ConfigError
-
     return ConfigError([message])
 
 
@@ -52,10 +42,40 @@ def _norm(name: str) -> str:
     return "".join(c for c in str(name).lower() if c.isalnum())
 
 
-def _check_keys(section: str, kind: str, params: Mapping[str, Any], accepted: set[str]) -> None:
-    unknown = sorted(set(params) - accepted)
-    if unknown:
-        raise _error(f"{section}.params: {kind} does not take {unknown}; accepted keys: {sorted(accepted)}")
+class _Args:
+    """A checked `params` section read through its table (zerojax.config's OPTIMIZER_PARAMS /
+    SCHEDULER_PARAMS): `args[name]` is the user's value or the table's default, and a name the
+    table does not list is a KeyError, so a builder cannot read a key that validation refuses."""
+
+    def __init__(self, params: Mapping[str, Any], table: Mapping[str, Any]):
+        self.params, self.table = params, table
+
+    def __getitem__(self, name: str):
+        default = self.table[name].default
+        return self.params.get(name, default)
+
+    def given(self, name: str) -> bool:
+        self.table[name]  # noqa: B018 -- same KeyError as __getitem__ for a name outside the table
+        return name in self.params
+
+
+def _checked(check, type, params, table) -> _Args:
+    problems: list[str] = []
+    checked = check(type, dict(params or {}), problems)
+    if problems:
+        raise ConfigError(problems)
+    return _Args(checked, table)
+
+
+def _scheduler_args(type: str, params: Mapping[str, Any] | None) -> tuple[str, _Args]:
+    """Case-insensitive here (a Python API); load_config keeps DeepSpeed's exact class names."""
+    name = next((n for n in SUPPORTED_SCHEDULERS if n.lower() == str(type).lower()), None)
+    if name is None:
+        raise _error(f"scheduler.type: {type!r} is not supported; use one of {list(SUPPORTED_SCHEDULERS)}")
+    args = _checked(check_scheduler_params, name, params, SCHEDULER_PARAMS[name])
+    if name != "OneCycle" and args["last_batch_iteration"] != -1:
+        raise _error("scheduler.params.last_batch_iteration: only -1 is supported; resume from a checkpoint")
+    return name, args
 
 
 def _float(count):
@@ -83,28 +103,16 @@ def _warmup_gamma(it, warmup_num_steps: int, warmup_type: str):
     return it / warmup_num_steps
 
 
-def _warmup_args(kind: str, p: Mapping[str, Any]) -> tuple[int, str]:
-    n = p.get("warmup_num_steps", 1000)
-    if isinstance(n, bool) or not isinstance(n, int) or n <= 0:
-        raise _error(f"scheduler.params.warmup_num_steps: {kind} needs a positive integer, got {n!r}")
-    warmup_type = p.get("warmup_type", "log")
-    if warmup_type not in ("log", "linear"):
-        warnings.warn(f"scheduler.params.warmup_type={warmup_type!r} is unknown; DeepSpeed falls back to 'log'")
-        warmup_type = "log"
-    return max(2, n), warmup_type
+def _warmup_args(p: _Args) -> tuple[int, str]:
+    # DeepSpeed: max(2, warmup_num_steps) so that log(warmup_num_steps) is not 0.
+    return max(2, p["warmup_num_steps"]), p["warmup_type"]
 
 
-def _total_steps(kind: str, p: Mapping[str, Any]) -> int:
-    if "total_num_steps" not in p:
-        raise _error(f"scheduler.params.total_num_steps is required by {kind} (the number of optimizer steps)")
-    return p["total_num_steps"]
-
-
-def _warmup_lr(p, optimizer_lr, decay_total=None, kind="WarmupLR"):
-    n, warmup_type = _warmup_args(kind, p)
-    min_lr = float(p.get("warmup_min_lr", 0.0))
+def _warmup_lr(p: _Args, optimizer_lr, decay_total=None):
+    n, warmup_type = _warmup_args(p)
+    min_lr = float(p["warmup_min_lr"])
     default_max = optimizer_lr if decay_total is None else 0.001  # WarmupDecayLR's own default
-    max_lr = float(p["warmup_max_lr"] if p.get("warmup_max_lr") is not None else default_max)
+    max_lr = float(p["warmup_max_lr"] if p["warmup_max_lr"] is not None else default_max)
     delta = max_lr - min_lr
 
     def schedule(count):
@@ -119,11 +127,11 @@ def _warmup_lr(p, optimizer_lr, decay_total=None, kind="WarmupLR"):
     return schedule
 
 
-def _warmup_cosine_lr(p, optimizer_lr):
-    total = _total_steps("WarmupCosineLR", p)
-    n, warmup_type = _warmup_args("WarmupCosineLR", p)
-    wmin = float(p.get("warmup_min_ratio", 0.0))
-    cmin = float(p.get("cos_min_ratio", 0.0001))
+def _warmup_cosine_lr(p: _Args, optimizer_lr):
+    total = p["total_num_steps"]
+    n, warmup_type = _warmup_args(p)
+    wmin = float(p["warmup_min_ratio"])
+    cmin = float(p["cos_min_ratio"])
     real_total = float(max(1, total - n))
 
     def schedule(count):
@@ -156,26 +164,23 @@ class _OneCycle(NamedTuple):
     decay_mom_rate: float
 
     @classmethod
-    def parse(cls, p):
-        for key in ("cycle_min_lr", "cycle_max_lr"):
-            if key not in p:
-                raise _error(f"scheduler.params.{key} is required by OneCycle")
-        if p.get("last_batch_iteration", -1) != -1:
+    def parse(cls, p: _Args):
+        if p["last_batch_iteration"] != -1:
             raise _error("scheduler.params.last_batch_iteration: only -1 is supported; resume from a checkpoint")
-        first = float(p.get("cycle_first_step_size", 2000))
-        second = p.get("cycle_second_step_size")
-        first_stairs = int(p.get("cycle_first_stair_count", 0))
-        second_stairs = p.get("cycle_second_stair_count")
+        first = float(p["cycle_first_step_size"])
+        second = p["cycle_second_step_size"]
+        first_stairs = int(p["cycle_first_stair_count"])
+        second_stairs = p["cycle_second_stair_count"]
         return cls(
             min_lr=float(p["cycle_min_lr"]), max_lr=float(p["cycle_max_lr"]),
-            decay_lr_rate=float(p.get("decay_lr_rate", 0.0)),
+            decay_lr_rate=float(p["decay_lr_rate"]),
             first=first, second=first if second is None else float(second),
             first_stairs=first_stairs,
             second_stairs=first_stairs if second_stairs is None else int(second_stairs),
-            decay_step_size=float(p.get("decay_step_size", 0)),
-            cycle_momentum=bool(p.get("cycle_momentum", True)),
-            min_mom=float(p.get("cycle_min_mom", 0.8)), max_mom=float(p.get("cycle_max_mom", 0.9)),
-            decay_mom_rate=float(p.get("decay_mom_rate", 0.0)),
+            decay_step_size=float(p["decay_step_size"]),
+            cycle_momentum=bool(p["cycle_momentum"]),
+            min_mom=float(p["cycle_min_mom"]), max_mom=float(p["cycle_max_mom"]),
+            decay_mom_rate=float(p["decay_mom_rate"]),
         )
 
     @property
@@ -224,11 +229,11 @@ class _OneCycle(NamedTuple):
         return jnp.where(k == 0, self.min_mom, mom)
 
 
-def _lr_range_test(p):
-    min_lr = float(p.get("lr_range_test_min_lr", 1e-3))
-    step_size = float(p.get("lr_range_test_step_size", 2000))
-    rate = float(p.get("lr_range_test_step_rate", 1.0))
-    staircase = bool(p.get("lr_range_test_staircase", False))
+def _lr_range_test(p: _Args):
+    min_lr = float(p["lr_range_test_min_lr"])
+    step_size = float(p["lr_range_test_step_size"])
+    rate = float(p["lr_range_test_step_rate"])
+    staircase = bool(p["lr_range_test_staircase"])
 
     def schedule(count):
         k = _float(count)  # interval uses last_batch_iteration + 1 = k
@@ -238,48 +243,22 @@ def _lr_range_test(p):
     return schedule
 
 
-_SCHEDULE_KEYS = {
-    "warmuplr": {"warmup_min_lr", "warmup_max_lr", "warmup_num_steps", "warmup_type", "last_batch_iteration"},
-    "warmupdecaylr": {"total_num_steps", "warmup_min_lr", "warmup_max_lr", "warmup_num_steps", "warmup_type",
-                      "last_batch_iteration"},
-    "warmupcosinelr": {"total_num_steps", "warmup_min_ratio", "warmup_num_steps", "cos_min_ratio", "warmup_type",
-                       "last_batch_iteration"},
-    "onecycle": {"cycle_min_lr", "cycle_max_lr", "decay_lr_rate", "cycle_first_step_size",
-                 "cycle_second_step_size", "cycle_first_stair_count", "cycle_second_stair_count",
-                 "decay_step_size", "cycle_momentum", "cycle_min_mom", "cycle_max_mom", "decay_mom_rate",
-                 "last_batch_iteration"},
-    "lrrangetest": {"lr_range_test_min_lr", "lr_range_test_step_size", "lr_range_test_step_rate",
-                    "lr_range_test_staircase", "last_batch_iteration"},
-}
-
-
-def _schedule_kind(type: str, params: Mapping[str, Any]) -> str:
-    kind = _norm(type)
-    if kind not in _SCHEDULE_KEYS:
-        raise _error(f"scheduler.type: {type!r} is not supported; use one of {list(SUPPORTED_SCHEDULERS)}")
-    _check_keys("scheduler", type, params, _SCHEDULE_KEYS[kind])
-    if kind != "onecycle" and params.get("last_batch_iteration", -1) != -1:
-        raise _error("scheduler.params.last_batch_iteration: only -1 is supported; resume from a checkpoint")
-    return kind
-
-
 def schedule_from(type: str, params: Mapping[str, Any] | None = None, *, optimizer_lr: float = 1e-3) -> Schedule:
     """The `scheduler` section as a jittable `lr(count)`.
 
     `optimizer_lr` is the optimizer's lr, which DeepSpeed's WarmupLR (warmup_max_lr default) and
     WarmupCosineLR (the lr its ratios multiply) read from the param groups.
     """
-    params = dict(params or {})
-    kind = _schedule_kind(type, params)
-    if kind == "warmuplr":
-        return _warmup_lr(params, float(optimizer_lr))
-    if kind == "warmupdecaylr":
-        return _warmup_lr(params, float(optimizer_lr), decay_total=_total_steps(type, params), kind=type)
-    if kind == "warmupcosinelr":
-        return _warmup_cosine_lr(params, float(optimizer_lr))
-    if kind == "onecycle":
-        return _OneCycle.parse(params).lr
-    return _lr_range_test(params)
+    kind, args = _scheduler_args(type, params)
+    if kind == "WarmupLR":
+        return _warmup_lr(args, float(optimizer_lr))
+    if kind == "WarmupDecayLR":
+        return _warmup_lr(args, float(optimizer_lr), decay_total=args["total_num_steps"])
+    if kind == "WarmupCosineLR":
+        return _warmup_cosine_lr(args, float(optimizer_lr))
+    if kind == "OneCycle":
+        return _OneCycle.parse(args).lr
+    return _lr_range_test(args)
 
 
 def momentum_schedule_from(type: str, params: Mapping[str, Any] | None = None) -> Schedule | None:
@@ -287,18 +266,19 @@ def momentum_schedule_from(type: str, params: Mapping[str, Any] | None = None) -
 
     When it is used, beta2 is ONECYCLE_BETA2 (DeepSpeed writes betas = (momentum, 0.99)).
     """
-    params = dict(params or {})
-    if _schedule_kind(type, params) != "onecycle":
+    kind, args = _scheduler_args(type, params)
+    if kind != "OneCycle":
         return None
-    cycle = _OneCycle.parse(params)
+    cycle = _OneCycle.parse(args)
     return cycle.momentum if cycle.cycle_momentum else None
 
 
 def _optimizer_lr(cfg) -> float:
+    """The optimizer's lr, or the default of the class DeepSpeed builds (1e-3 without an optimizer)."""
     opt = getattr(cfg, "optimizer", None)
     if opt is None:
         return 1e-3
-    return float(opt.params.get("lr", DEFAULT_LR.get(_norm(opt.type), 1e-3)))
+    return float(_Args(opt.params, OPTIMIZER_PARAMS[canonical_optimizer(opt.type)])["lr"])
 
 
 def build_schedule(cfg) -> Schedule:
@@ -521,26 +501,6 @@ def scale_by_torch_adagrad(lr: Schedule, *, lr_decay=0.0, weight_decay=0.0, init
     return optax.GradientTransformation(init, update)
 
 
-_TORCH_ONLY = {"foreach", "fused", "capturable", "differentiable"}  # performance switches, no math
-_OPTIMIZER_KEYS = {
-    "adam": {"lr", "betas", "eps", "weight_decay", "bias_correction", "adam_w_mode", "torch_adam", "amsgrad",
-             "set_grad_none", "maximize"} | _TORCH_ONLY,
-    "lamb": {"lr", "betas", "eps", "eps_inside_sqrt", "weight_decay", "bias_correction", "max_coeff", "min_coeff",
-             "amsgrad"},
-    "lion": {"lr", "betas", "weight_decay", "fp32_optimizer_states"},
-    "sgd": {"lr", "momentum", "dampening", "weight_decay", "nesterov", "maximize"} | _TORCH_ONLY,
-    "adagrad": {"lr", "lr_decay", "weight_decay", "initial_accumulator_value", "eps", "maximize"} | _TORCH_ONLY,
-}
-_OPTIMIZER_KEYS["adamw"] = _OPTIMIZER_KEYS["adam"]
-
-
-def _parse_betas(p):
-    betas = p.get("betas", (0.9, 0.999))
-    if len(betas) != 2 or not all(0.0 <= float(b) < 1.0 for b in betas):
-        raise _error(f"optimizer.params.betas: expected two values in [0, 1), got {betas!r}")
-    return float(betas[0]), float(betas[1])
-
-
 def optimizer_from(type: str, params: Mapping[str, Any] | None = None, *, gradient_clipping: float = 0.0,
                    schedule: Schedule | None = None,
                    momentum_schedule: Schedule | None = None) -> optax.GradientTransformation:
@@ -550,68 +510,60 @@ def optimizer_from(type: str, params: Mapping[str, Any] | None = None, *, gradie
     would build. `momentum_schedule` (OneCycle's beta1 cycling, see momentum_schedule_from) applies
     to optimizers with betas; DeepSpeed turns it off, with a warning, for the others.
     """
-    p = dict(params or {})
-    kind = _norm(type)
-    if kind in _UNSUPPORTED_OPTIMIZERS:
-        raise _error(f"optimizer.type: {type!r} changes the update (compressed communication / muP / Muon) and "
-                     f"is not supported by zerojax; the closest supported choice is "
-                     f"{_UNSUPPORTED_OPTIMIZERS[kind]!r}")
-    if kind not in _OPTIMIZER_KEYS:
+    closest = UNSUPPORTED_OPTIMIZERS.get(_norm(type))
+    if closest is not None:
+        raise _error(f"optimizer.type: {type!r} changes the update ({closest[1]}) and is not supported by zerojax; "
+                     f"the closest supported choice is {closest[0]!r}")
+    kind = canonical_optimizer(type)
+    if kind is None:
         raise _error(f"optimizer.type: {type!r} is not supported; use one of {list(SUPPORTED_OPTIMIZERS)}")
-    if "max_grad_norm" in p:
-        raise _error("optimizer.params.max_grad_norm is not supported as an optimizer parameter, please switch "
-                     "to using the deepspeed parameter 'gradient_clipping'")
-    _check_keys("optimizer", type, p, _OPTIMIZER_KEYS[kind])
-    if p.get("maximize", False):
+    if "max_grad_norm" in (params or {}):
+        raise _error(f"optimizer.params.max_grad_norm: {MAX_GRAD_NORM_MSG}")
+    p = _checked(check_optimizer_params, kind, params, OPTIMIZER_PARAMS[kind])
+    if "maximize" in p.table and p["maximize"]:  # torch.optim's flag
         raise _error("optimizer.params.maximize: only false is supported; negate the loss instead")
-    lr = float(p.get("lr", DEFAULT_LR[kind]))
-    if lr < 0:
-        raise _error(f"optimizer.params.lr: must be >= 0, got {lr}")
-    lr_fn = schedule if schedule is not None else constant_schedule(lr)
-    wd = float(p.get("weight_decay", 0.0))
+    lr_fn = schedule if schedule is not None else constant_schedule(float(p["lr"]))
+    wd = float(p["weight_decay"])
 
-    if momentum_schedule is not None and kind in ("sgd", "adagrad"):
+    if momentum_schedule is not None and kind in ("SGD", "Adagrad"):
         warnings.warn(f"cycle_momentum is disabled because optimizer {type} does not support momentum, "
                       f"no betas attribute in defaults")
         momentum_schedule = None
 
-    if kind in ("adam", "adamw"):
-        b1, b2 = _parse_betas(p)
-        torch_adam = bool(p.get("torch_adam", False))
-        amsgrad = bool(p.get("amsgrad", False))
+    if kind in ("Adam", "AdamW"):
+        b1, b2 = p["betas"]
+        torch_adam, amsgrad = bool(p["torch_adam"]), bool(p["amsgrad"])
         if amsgrad and not torch_adam:
             raise _error("optimizer.params.amsgrad: FusedAdam does not support the AMSGrad variant; "
                          "set torch_adam: true to use torch.optim.Adam")
-        if torch_adam and "bias_correction" in p:
+        if torch_adam and p.given("bias_correction"):
             raise _error("optimizer.params.bias_correction is a FusedAdam option; torch.optim.Adam does not take it")
         # The name "AdamW" forces decoupled weight decay; "Adam" follows adam_w_mode (default true).
-        adam_w_mode = kind == "adamw" or bool(p.get("adam_w_mode", True))
-        opt = scale_by_fused_adam(lr_fn, b1=b1, b2=b2, eps=float(p.get("eps", 1e-8)), weight_decay=wd,
-                                  adam_w_mode=adam_w_mode, bias_correction=bool(p.get("bias_correction", True)),
+        adam_w_mode = bool(p["adam_w_mode"]) or kind == "AdamW"
+        opt = scale_by_fused_adam(lr_fn, b1=b1, b2=b2, eps=float(p["eps"]), weight_decay=wd,
+                                  adam_w_mode=adam_w_mode, bias_correction=bool(p["bias_correction"]),
                                   amsgrad=amsgrad, momentum=momentum_schedule)
-    elif kind == "lamb":
-        if p.get("amsgrad", False):
+    elif kind == "Lamb":
+        if p["amsgrad"]:
             raise _error("optimizer.params.amsgrad: FusedLamb does not support the AMSGrad variant")
-        b1, b2 = _parse_betas(p)
-        opt = scale_by_fused_lamb(lr_fn, b1=b1, b2=b2, eps=float(p.get("eps", 1e-8)),
-                                  eps_inside_sqrt=bool(p.get("eps_inside_sqrt", False)), weight_decay=wd,
-                                  bias_correction=bool(p.get("bias_correction", True)),
-                                  max_coeff=float(p.get("max_coeff", 10.0)),
-                                  min_coeff=float(p.get("min_coeff", 0.01)), momentum=momentum_schedule)
-    elif kind == "lion":
-        b1, b2 = _parse_betas(p)
+        b1, b2 = p["betas"]
+        opt = scale_by_fused_lamb(lr_fn, b1=b1, b2=b2, eps=float(p["eps"]),
+                                  eps_inside_sqrt=bool(p["eps_inside_sqrt"]), weight_decay=wd,
+                                  bias_correction=bool(p["bias_correction"]),
+                                  max_coeff=float(p["max_coeff"]),
+                                  min_coeff=float(p["min_coeff"]), momentum=momentum_schedule)
+    elif kind == "Lion":
+        b1, b2 = p["betas"]
         opt = scale_by_lion(lr_fn, b1=b1, b2=b2, weight_decay=wd, momentum=momentum_schedule)
-    elif kind == "sgd":
-        momentum = float(p.get("momentum", 0.0))
-        dampening = float(p.get("dampening", 0.0))
-        nesterov = bool(p.get("nesterov", False))
+    elif kind == "SGD":
+        momentum, dampening, nesterov = float(p["momentum"]), float(p["dampening"]), bool(p["nesterov"])
         if nesterov and (momentum <= 0 or dampening != 0):
             raise _error("optimizer.params.nesterov: Nesterov momentum requires a momentum and zero dampening")
         opt = scale_by_torch_sgd(lr_fn, momentum=momentum, dampening=dampening, weight_decay=wd, nesterov=nesterov)
     else:
-        opt = scale_by_torch_adagrad(lr_fn, lr_decay=float(p.get("lr_decay", 0.0)), weight_decay=wd,
-                                     initial_accumulator_value=float(p.get("initial_accumulator_value", 0.0)),
-                                     eps=float(p.get("eps", 1e-10)))
+        opt = scale_by_torch_adagrad(lr_fn, lr_decay=float(p["lr_decay"]), weight_decay=wd,
+                                     initial_accumulator_value=float(p["initial_accumulator_value"]),
+                                     eps=float(p["eps"]))
     if gradient_clipping and gradient_clipping > 0:
         return optax.chain(clip_by_global_norm(gradient_clipping), opt)
     return opt
