@@ -32,6 +32,7 @@ import difflib
 import json
 import math
 import os
+import re
 import types
 import warnings
 from dataclasses import dataclass, field, fields
@@ -593,8 +594,8 @@ class TensorParallelConfig:
     autotp_size: int = _f(1, "int", ge=0)
     """Tensor-parallel degree (0 = off).
     DeepSpeed default: 0
-    zerojax: **acted on**, stored as 1 for 0 (no tensor axis): size of the mesh's `tensor` axis; divides the
-      default data-parallel size"""
+    zerojax: **acted on**, stored as 1 for 0 (no tensor axis): size of the mesh's `tensor` axis (data-parallel
+      size = devices / autotp_size); the batch rule's world size counts tensor ranks, as DeepSpeed's does"""
     tp_overlap_comm: bool = _f(False, "bool")
     """Overlap TP all-reduce with compute.
     zerojax: **accepted, no effect**: XLA's latency-hiding scheduler"""
@@ -605,8 +606,10 @@ class TensorParallelConfig:
     """Model dtype for AutoTP.
     zerojax: **accepted, no effect**: dtype comes from fp16 / bf16"""
     partition_config: Mapping | None = _f(None, "mapping", optional=True)
-    """Custom layer partition rules.
-    zerojax: **accepted, no effect**: logical axis rules on the model's parameters"""
+    """Custom layer partition rules: `layer_specs` [{patterns, partition_type: row | column | skip,
+    partition_dim, model_types}], `use_default_specs`.
+    zerojax: **acted on**: patterns match dotted parameter paths (`h.mlp.c_fc.kernel`) before the
+      logical-axis rules (heads / mlp over "tensor"); use_default_specs false keeps only the patterns"""
     preset_model: str | None = _f(None, "str", optional=True)
     """Built-in AutoTP preset.
     zerojax: **accepted, no effect**: —"""
@@ -619,6 +622,57 @@ class TensorParallelConfig:
 
 
 _TP_ALIASES = {"tensor_parallel": "tp", "kernel_inject": "replace_with_kernel_inject"}
+# tensor_parallel.partition_config, as DeepSpeed's AutoTPConfig.from_dict reads it
+# (deepspeed/module_inject/autotp_config.py): its keys, and each layer_specs entry's.
+_AUTOTP_KEYS = ("layer_specs", "use_default_specs", "tp_size", "embedding_partition_dim", "lm_head_patterns",
+                "strict_mode")
+_LAYER_SPEC_KEYS = ("patterns", "partition_type", "shape", "partition_dim", "model_types", "gather_output")
+
+
+def _check_partition_config(pc, problems):
+    """DeepSpeed's AutoTP `partition_config`: layer_specs [{patterns: [regex], partition_type:
+    row | column | skip, ...}], use_default_specs (default true). zerojax matches the patterns
+    against dotted parameter paths (`h.attn.c_attn.kernel`); `shape` (a sub-parameter view) is
+    refused rather than ignored."""
+    if pc is None:
+        return
+    where = "tensor_parallel.partition_config"
+    for key in pc:
+        if key not in _AUTOTP_KEYS:
+            problems.append(f"{where}.{key}: not a partition_config key; known: {', '.join(_AUTOTP_KEYS)}")
+    if not isinstance(pc.get("use_default_specs", True), bool):
+        problems.append(f"{where}.use_default_specs = {pc['use_default_specs']!r}: expected true or false")
+    specs = pc.get("layer_specs", [])
+    if not isinstance(specs, list):
+        problems.append(f"{where}.layer_specs: expected a list of {{patterns, partition_type}} entries")
+        return
+    for i, spec in enumerate(specs):
+        at = f"{where}.layer_specs[{i}]"
+        if not isinstance(spec, Mapping):
+            problems.append(f"{at}: expected an object with patterns and partition_type")
+            continue
+        for key in spec:
+            if key not in _LAYER_SPEC_KEYS:
+                problems.append(f"{at}.{key}: not a layer_specs key; known: {', '.join(_LAYER_SPEC_KEYS)}")
+        patterns = spec.get("patterns")
+        if not isinstance(patterns, list) or not patterns or not all(isinstance(p, str) for p in patterns):
+            problems.append(f"{at}.patterns: expected a non-empty list of regular expressions (strings)")
+        else:
+            for p in patterns:
+                try:
+                    re.compile(p)
+                except re.error as e:
+                    problems.append(f"{at}.patterns: {p!r} is not a regular expression ({e})")
+        kind = spec.get("partition_type", "column")
+        if not isinstance(kind, str) or kind.lower() not in ("row", "column", "skip"):
+            problems.append(f"{at}.partition_type = {kind!r}: choose row, column or skip")
+        dim = spec.get("partition_dim")
+        if dim is not None and (isinstance(dim, bool) or not isinstance(dim, int)):
+            problems.append(f"{at}.partition_dim = {dim!r}: expected an integer axis of the parameter")
+        if spec.get("shape") is not None:
+            problems.append(f"{at}.shape: sub-parameter views are not supported; zerojax splits a parameter's "
+                            "own axes, so give a fused axis (e.g. q/k/v) its own dimension in the model and "
+                            "name it with partition_dim")
 
 
 # Sections DeepSpeed validates with pydantic models (DeepSpeedConfigModel: extra="forbid"), so a
@@ -794,8 +848,7 @@ class Config:
     zerojax: **accepted, no effect**: no sequence parallelism yet"""
     sequence_parallel_size: int = _f(1, "int", ge=1)
     """Ulysses sequence-parallel group size; DeepSpeed divides the world size by it.
-    zerojax: **acted on**: divides the default data-parallel size (`jax.device_count() // autotp_size //
-      sequence_parallel_size`)"""
+    zerojax: **acted on**: divides the default batch world size (`jax.device_count() // sequence_parallel_size`)"""
     disable_allgather: bool = _f(False, "bool")
     """Legacy: skip the parameter all-gather.
     zerojax: **accepted, no effect**: XLA inserts the collectives the shardings need"""
@@ -1028,8 +1081,8 @@ _TOP_ALIASES = {"bfloat16": "bf16"}
 def load_config(source, *, world_size: int | None = None, fill: Mapping[str, Any] | None = None) -> Config:
     """Load a DeepSpeed config (path, JSON/hjson text, or dict) into a resolved, validated Config.
 
-    world_size: the data-parallel size for the batch trio; default `jax.device_count()` divided by
-    tensor_parallel.autotp_size and sequence_parallel_size.
+    world_size: the batch trio's world size; default `jax.device_count()` divided by
+    sequence_parallel_size. Tensor-parallel ranks count, as in DeepSpeed 0.19.8's check.
     fill: values for `"auto"` entries, by dotted key (`{"optimizer.params.lr": 3e-4}`).
     """
     raw = _read(source)
@@ -1054,7 +1107,8 @@ def load_config(source, *, world_size: int | None = None, fill: Mapping[str, Any
     if world_size is None:
         import jax  # lazily: config.py itself must not need jax
 
-        world_size = max(1, jax.device_count() // (tp.autotp_size * kwargs.get("sequence_parallel_size", 1)))
+        # DeepSpeed 0.19.8's batch rule counts every rank, tensor-parallel ranks included
+        world_size = max(1, jax.device_count() // kwargs.get("sequence_parallel_size", 1))
     kwargs["world_size"] = world_size
     _resolve_batch(kwargs, raw, unresolved, world_size, problems)
 
@@ -1327,6 +1381,7 @@ def _build_top(raw, unresolved, problems, notes):
             kwargs[name] = _build_scheduler(value, problems)
         elif name == "tensor_parallel":
             tp = _build(TensorParallelConfig, value, "tensor_parallel", problems, aliases=_TP_ALIASES)
+            _check_partition_config(tp.partition_config, problems)
             kwargs[name] = dataclasses.replace(tp, autotp_size=max(1, tp.autotp_size))
         elif name == "torch_autocast":
             kwargs[name] = _build_torch_autocast(value, problems)
