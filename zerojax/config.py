@@ -643,7 +643,7 @@ def _check_partition_config(pc, problems):
     if not isinstance(pc.get("use_default_specs", True), bool):
         problems.append(f"{where}.use_default_specs = {pc['use_default_specs']!r}: expected true or false")
     specs = pc.get("layer_specs", [])
-    if not isinstance(specs, list):
+    if not isinstance(specs, (list, tuple)):
         problems.append(f"{where}.layer_specs: expected a list of {{patterns, partition_type}} entries")
         return
     for i, spec in enumerate(specs):
@@ -655,7 +655,7 @@ def _check_partition_config(pc, problems):
             if key not in _LAYER_SPEC_KEYS:
                 problems.append(f"{at}.{key}: not a layer_specs key; known: {', '.join(_LAYER_SPEC_KEYS)}")
         patterns = spec.get("patterns")
-        if not isinstance(patterns, list) or not patterns or not all(isinstance(p, str) for p in patterns):
+        if not isinstance(patterns, (list, tuple)) or not patterns or not all(isinstance(p, str) for p in patterns):
             problems.append(f"{at}.patterns: expected a non-empty list of regular expressions (strings)")
         else:
             for p in patterns:

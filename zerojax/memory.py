@@ -582,12 +582,14 @@ def compile_engine_step(eng, batch, *, planning=False):
 
 
 def _data_size(mesh, cfg_dict):
+    """The batch rule's world size: every device of the data x tensor mesh (DeepSpeed 0.19.8 counts
+    tensor ranks too; zerojax.partition.batch_world_size)."""
     import jax
 
     if mesh is not None:
-        return int(dict(mesh.shape).get("data", 1))
-    tp = (cfg_dict.get("tensor_parallel") or {}).get("autotp_size", 1) or 1
-    return max(1, jax.device_count() // int(tp))
+        shape = dict(mesh.shape)
+        return int(shape.get("data", 1)) * int(shape.get("tensor", 1))
+    return jax.device_count()
 
 
 def fit_micro_batch(model_factory, cfg_dict, budget, seq_len, *, remat=None, loss_fn=None,
