@@ -636,11 +636,11 @@ def _schema_keys(cls, prefix):
 
 
 def test_config_keys_page_is_generated_from_the_schema():
-    from zerojax import config_docs
+    from zerojax.config import docs as config_docs
 
     committed = (ROOT / "docs" / "config-keys.md").read_text(encoding="utf-8")
     assert committed == config_docs.render(), (
-        "docs/config-keys.md is stale: run python -m zerojax.config_docs --write docs/config-keys.md")
+        "docs/config-keys.md is stale: run python -m zerojax.config.docs --write docs/config-keys.md")
     documented = set(re.findall(r"^\| `([A-Za-z0-9_.]+)` \|", committed, flags=re.M))
     missing = [k for k in _schema_keys(Config, "") if k not in documented]
     assert not missing, missing
@@ -648,7 +648,7 @@ def test_config_keys_page_is_generated_from_the_schema():
 
 
 def test_config_keys_page_check_command(tmp_path):
-    from zerojax import config_docs
+    from zerojax.config import docs as config_docs
 
     page = tmp_path / "keys.md"
     assert config_docs.main(["--write", str(page)]) == 0
