@@ -156,7 +156,7 @@ def test_loop_candidate_matches_device(par):
     # offload_param SGD as above (Adam would amplify the fetched layers' 1e-7 partitioning noise)
     optimizer = "adamw" if par == "none" else "sgd"
     eng, master = run(3, "fp32", "cpu", par, optimizer=optimizer,
-                      options=zerojax.EngineOptions(offload_candidate="loop", offload_chunks=2))
+                      options=zerojax.EngineOptions(offload_chunks=2))
     _, ref = run(3, "fp32", optimizer=optimizer)
     close(master, ref, 1e-6)
     check_placement(eng, params_host=par == "cpu")
@@ -232,8 +232,10 @@ def test_offload_checkpoint_resumes_under_any_layout(tmp_path):
     check_placement(same, params_host=True)
     for x, y in zip(jax.tree.leaves(same.master_params), jax.tree.leaves(a.master_params)):
         np.testing.assert_array_equal(np.asarray(x, np.float32), np.asarray(y, np.float32))
-    other, losses = resume(config(3, "bf16", "cpu", "cpu"), zerojax.EngineOptions(offload_candidate="chunked"))
-    assert len(other.offload_layout.layout.chunks) == 3  # rest + 2 layer groups, not loop's 2
+    # another layout: half the pieces offloaded (offload_optimizer.ratio 0.5), in groups of 2 layers
+    other, losses = resume(config(3, "bf16", "cpu", "cpu", ratio=0.5), zerojax.EngineOptions(offload_chunks=2))
+    assert [(c.host, c.lo, c.hi) for c in other.offload_layout.layout.chunks] == [
+        (True, 0, 0), (True, 0, 2), (False, 2, 4)]  # rest + layers 0-1 on the host, 2-3 on the device
     np.testing.assert_allclose(losses, want, rtol=1e-4)
     _, losses = resume(config(3, "bf16"))  # no offload
     np.testing.assert_allclose(losses, want, rtol=1e-4)
@@ -252,8 +254,8 @@ def test_chunked_checkpoint_of_earlier_zerojax_exports(tmp_path, monkeypatch):
     from zerojax.models import weights_writer
     from zerojax.models.hf import load_hf
 
-    eng = zerojax.shard(lambda: gpt2.GPT2(C, rngs=nnx.Rngs(0)), config(3, "fp32", "cpu"),
-                        loss_fn=gpt2.gpt2_loss, options=zerojax.EngineOptions(offload_candidate="chunked"))
+    eng = zerojax.shard(lambda: gpt2.GPT2(C, rngs=nnx.Rngs(0)), config(3, "fp32", "cpu", ratio=0.5),
+                        loss_fn=gpt2.gpt2_loss, options=zerojax.EngineOptions(offload_chunks=2))
     eng.train_step(batches(1)[0])
     with monkeypatch.context() as m:
         m.setattr(type(eng.layout), "to_stored", lambda layout, state: state)  # the old, chunked form
@@ -334,20 +336,17 @@ def test_offload_param_needs_a_model_hook():
 
 
 def test_offload_knobs_from_options():
-    opts = zerojax.EngineOptions.from_env({"ZEROJAX_OFFLOAD_CHUNKS": "4", "ZEROJAX_OFFLOAD_CANDIDATE": "scan",
-                                           "ZEROJAX_OFFLOAD_WINDOW": "none"})
-    assert opts == zerojax.EngineOptions(offload_chunks=4, offload_candidate="scan", offload_window=None)
+    opts = zerojax.EngineOptions.from_env({"ZEROJAX_OFFLOAD_CHUNKS": "2"})
+    assert opts == zerojax.EngineOptions(offload_chunks=2)
     eng = zerojax.shard(lambda: gpt2.GPT2(C, rngs=nnx.Rngs(0)), config(2, "fp32", "cpu"),
                         loss_fn=gpt2.gpt2_loss, options=opts)
-    assert eng.offload_settings["chunks"] == 4 and eng.offload_settings["candidate"] == "scan"
-    assert eng.offload_layout.window is None
-    assert [c.groups for c in eng.offload_layout.layout.chunks] == [0, 4]
-    eng2 = zerojax.shard(lambda: gpt2.GPT2(C, rngs=nnx.Rngs(0)), config(2, "fp32", "cpu"), loss_fn=gpt2.gpt2_loss,
-                         options=zerojax.EngineOptions(offload_chunks=2, offload_candidate="whole", offload_window=1))
-    assert eng2.offload_settings == dict(eng2.offload_settings, chunks=2, candidate="whole", window=1)
-    with pytest.raises(ValueError, match="layer count 4 divisible by k=3.*EngineOptions.offload_chunks"):
+    assert eng.offload_settings["chunks"] == 2
+    assert [c.loop for c in eng.offload_layout.layout.chunks] == [0, 2]
+    default = zerojax.shard(lambda: gpt2.GPT2(C, rngs=nnx.Rngs(0)), config(2, "fp32", "cpu"), loss_fn=gpt2.gpt2_loss)
+    assert default.offload_settings["chunks"] == C.n_layer  # one layer a group
+    with pytest.raises(ValueError, match="layer count 4 is not divisible by k=3.*EngineOptions.offload_chunks"):
         zerojax.shard(lambda: gpt2.GPT2(C, rngs=nnx.Rngs(0)), config(2, "fp32", "cpu"), loss_fn=gpt2.gpt2_loss,
-                      options=zerojax.EngineOptions(offload_chunks=3, offload_candidate="loop"))
+                      options=zerojax.EngineOptions(offload_chunks=3))
     with pytest.raises(TypeError, match=r"options=zerojax.EngineOptions\(offload_chunks=2\)"):
         zerojax.shard(lambda: gpt2.GPT2(C, rngs=nnx.Rngs(0)), config(2, "fp32", "cpu"),
                       loss_fn=gpt2.gpt2_loss, offload_chunks=2)
@@ -355,8 +354,8 @@ def test_offload_knobs_from_options():
 
 def test_engine_options_validate_and_read_the_environment_once():
     # every bad value is named with the values it takes; the environment's booleans mean what they say
-    with pytest.raises(ValueError, match=r"offload_candidate='fast'.*'loop'.*offload_chunks=0"):
-        zerojax.EngineOptions(offload_candidate="fast", offload_chunks=0)
+    with pytest.raises(ValueError, match=r"offload_chunks=0: an int >= 1 or None.*memory_guard='no'"):
+        zerojax.EngineOptions(offload_chunks=0, memory_guard="no")
     with pytest.raises(ValueError, match=r"stage3_gather='all'.*\('layer', 'auto'\)"):
         zerojax.EngineOptions(stage3_gather="all")
     assert zerojax.EngineOptions.from_env({"ZEROJAX_MEMORY_GUARD": "false"}).memory_guard is False

@@ -200,7 +200,7 @@ class Engine:
 
         def build(master):
             chunks = O.to_chunks(master, off.layout)
-            states = [O.init_chunk(tx, m, c) for m, c in zip(chunks, off.layout.chunks)]
+            states = [tx.init(m) for m in chunks]
             compute = jax.tree.map(lambda x: x.astype(cd), master)
             return chunks, states, compute
 
@@ -208,8 +208,7 @@ class Engine:
         groups = self._init_groups()
         if init_fn is not None and len(groups) > 1:
             chunks, params, rest = self._init_offloaded_by_leaves(init_fn, groups)
-            states = [jax.jit(lambda m, c=c: O.init_chunk(tx, m, c), out_shardings=s)(m)
-                      for m, c, s in zip(chunks, off.layout.chunks, off.state_shardings)]
+            states = [jax.jit(tx.init, out_shardings=s)(m) for m, s in zip(chunks, off.state_shardings)]
         elif init_fn is not None:
             def init():
                 p, r = _init_pure(init_fn)

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import math
 from typing import Any, Callable
 
 import jax
@@ -257,28 +256,20 @@ def _offload_layout(cfg, options, tx, abstract_master, shardings, mesh, fp16, of
                     offload_param):
     """(OffloadLayout, its settings, the opt-state shardings, the fp16 loss scaler or None).
 
-    Default: candidate "loop" with K = layers (the layers updated in place one at a time, the
-    non-layer leaves as one more chunk). It beat "chunked" (K = ceil(layers / 3), window 2) on an
-    H200 in speed and device memory, and is the only candidate under which a 6.2B GPT's parameter
-    + optimizer offload fits 24 GB (README, "Measured")."""
+    Default K = layers (the layers updated in place one at a time, the non-layer leaves as one
+    more chunk). It beat "chunked" (K = ceil(layers / 3), window 2) on an H200 in speed and device
+    memory, and is the only layout under which a 6.2B GPT's parameter + optimizer offload fits
+    24 GB (README, "Measured")."""
     zero = cfg.zero_optimization
     layers = O.chunk_layout(abstract_master, 1).num_layers
-    candidate = options.offload_candidate
-    if options.offload_chunks:
-        k = options.offload_chunks
-    elif not layers:
-        k = 1
-    else:
-        k = layers if candidate == "loop" else max(1, math.ceil(layers / 3))
+    k = options.offload_chunks or layers or 1
     if offload_optimizer:
         kind = O.host_memory_kind(bool(zero.offload_optimizer.pin_memory))
         ratio = float(zero.offload_optimizer.ratio)
     else:  # offload_param alone: the optimizer state stays on the device (one device chunk)
         kind, ratio = O.DEVICE, 0.0
-    off = O.offload_layout(tx, abstract_master, shardings.master, k, kind=kind, candidate=candidate,
-                           ratio=ratio, window=options.offload_window)
-    settings = dict(chunks=k, candidate=candidate, window=options.offload_window, ratio=ratio, kind=kind,
-                    unroll=options.offload_unroll if offload_param else None)
+    off = O.offload_layout(tx, abstract_master, shardings.master, k, kind=kind, ratio=ratio)
+    settings = dict(chunks=k, ratio=ratio, kind=kind, unroll=options.offload_unroll if offload_param else None)
     scaler = loss_scaler_from_config(cfg.fp16) if fp16 else None
     opt_shardings = off.shardings.opt_state
     if scaler is not None:

@@ -16,9 +16,6 @@ import dataclasses
 import os
 from typing import Any, Callable, Mapping
 
-# The offload update strategies: "loop" won on the GPU (README, "Measured"); "chunked", "scan" and
-# "whole" lost, and stay only for the probes in benchmarks/ that compare them.
-OFFLOAD_CANDIDATES = ("loop", "chunked", "scan", "whole")
 STAGE3_GATHER_MODES = ("layer", "auto")
 
 
@@ -26,12 +23,9 @@ STAGE3_GATHER_MODES = ("layer", "auto")
 class EngineOptions:
     """Engine knobs with no DeepSpeed key. Fields (defaults in brackets):
 
-    offload_candidate ["loop"]: how host-offloaded optimizer chunks are streamed through the device
-        (`zerojax.offload`): one of OFFLOAD_CANDIDATES.
-    offload_chunks [None]: layer groups K of the offloaded state; None = one per layer for "loop",
-        ceil(layers / 3) for the others. "loop" and "scan" need K to divide the layer count.
-    offload_window [2]: "chunked" only: at most window + 1 chunks on the device (optimization
-        barriers); None = no barriers.
+    offload_chunks [None]: the offloaded layers are updated K groups at a time (`zerojax.offload`);
+        None = one layer a group (measured fastest, and the least device memory). K must divide
+        the layer count.
     offload_unroll [1]: unroll of the model's layer scan under offload_param (2 hit an XLA layout
         error on GPU, jax 0.11.2).
     offload_prefetch [True]: under offload_param, fetch layer i+1 while layer i computes (the
@@ -46,9 +40,7 @@ class EngineOptions:
         fails, so the WillNotFitError lists plans that fit (`zerojax.shard` sets the planner's).
     """
 
-    offload_candidate: str = "loop"
     offload_chunks: int | None = None
-    offload_window: int | None = 2
     offload_unroll: int = 1
     offload_prefetch: bool = True
     stage3_gather: str = "layer"
@@ -58,11 +50,9 @@ class EngineOptions:
 
     def __post_init__(self):
         problems = []
-        if self.offload_candidate not in OFFLOAD_CANDIDATES:
-            problems.append(f"offload_candidate={self.offload_candidate!r}: choose one of {OFFLOAD_CANDIDATES}")
         if self.stage3_gather not in STAGE3_GATHER_MODES:
             problems.append(f"stage3_gather={self.stage3_gather!r}: choose one of {STAGE3_GATHER_MODES}")
-        for name, least, optional in (("offload_chunks", 1, True), ("offload_window", 1, True),
+        for name, least, optional in (("offload_chunks", 1, True),
                                       ("offload_unroll", 1, False), ("init_group_bytes", 1, True)):
             value = getattr(self, name)
             if value is None and optional:
@@ -84,8 +74,7 @@ class EngineOptions:
     def from_env(cls, environ: Mapping[str, str] | None = None, **overrides) -> "EngineOptions":
         """Options from the ZEROJAX_* environment variables (benchmark scripts), then `overrides`.
 
-        ZEROJAX_OFFLOAD_CANDIDATE, _OFFLOAD_CHUNKS, _OFFLOAD_WINDOW ("none": no barriers),
-        _OFFLOAD_UNROLL, _OFFLOAD_PREFETCH, _STAGE3_GATHER, _INIT_GROUP_BYTES, _MEMORY_GUARD.
+        ZEROJAX_OFFLOAD_CHUNKS, _OFFLOAD_UNROLL, _OFFLOAD_PREFETCH, _STAGE3_GATHER, _INIT_GROUP_BYTES, _MEMORY_GUARD.
         Booleans accept 1/0, true/false, yes/no, on/off; anything else is an error naming the
         variable and the values it takes.
         """
@@ -115,7 +104,7 @@ def _int_or_none(raw: str) -> int | None:
 
 
 def _positive_or_none(raw: str) -> int | None:
-    # the variables' old meaning: 0 or "none" = the default (chunks, init groups) / no barriers (window)
+    # the variables' old meaning: 0 or "none" = the default
     value = _int_or_none(raw)
     return value or None
 
@@ -148,9 +137,7 @@ def _choice(choices):
 
 # field -> (environment variable, parser)
 _ENV = {
-    "offload_candidate": ("ZEROJAX_OFFLOAD_CANDIDATE", _choice(OFFLOAD_CANDIDATES)),
     "offload_chunks": ("ZEROJAX_OFFLOAD_CHUNKS", _positive_or_none),
-    "offload_window": ("ZEROJAX_OFFLOAD_WINDOW", _positive_or_none),
     "offload_unroll": ("ZEROJAX_OFFLOAD_UNROLL", _int),
     "offload_prefetch": ("ZEROJAX_OFFLOAD_PREFETCH", _bool),
     "stage3_gather": ("ZEROJAX_STAGE3_GATHER", _choice(STAGE3_GATHER_MODES)),
@@ -158,4 +145,4 @@ _ENV = {
     "memory_guard": ("ZEROJAX_MEMORY_GUARD", _bool),
 }
 
-__all__ = ["EngineOptions", "OFFLOAD_CANDIDATES", "STAGE3_GATHER_MODES"]
+__all__ = ["EngineOptions", "STAGE3_GATHER_MODES"]

@@ -1,0 +1,156 @@
+"""The streamed optimizer update: each chunk of (master, optimizer state) brought from host
+memory to the device, updated, cast to the compute dtype, and written back, inside the step's jit."""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import optax
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+from zerojax.offload.chunks import (Chunk, OffloadLayout, OffloadState, from_chunks, is_none, to_chunks,
+                                    unsplit_layers)
+from zerojax.offload.memory_kinds import DEVICE, is_host, is_sharding, with_memory_kind
+
+
+
+def _to(tree, shardings, kind):
+    return jax.device_put(tree, with_memory_kind(shardings, kind))
+
+
+def _grads_in(g, m_sh):
+    # gradients already on device pass through; host-resident ones (offload_param) come in
+    move = lambda x, s: x if x is None or not is_host(x) else jax.device_put(x, s.with_memory_kind(DEVICE))  # noqa: E731
+    return jax.tree.map(move, g, m_sh, is_leaf=is_none)
+
+
+def _apply(tx, g, s, m, compute_dtype, skip, grad_scale=None):
+    if grad_scale is not None:  # unscale x clip, applied chunk by chunk on the device
+        g = jax.tree.map(lambda x: x.astype(jnp.float32) * grad_scale, g)
+    u, s_new = tx.update(g, s, m)
+    m_new = optax.apply_updates(m, u)
+    if skip is not None:
+        keep = lambda new, old: jnp.where(skip, old, new)  # noqa: E731
+        m_new, s_new = jax.tree.map(keep, m_new, m), jax.tree.map(keep, s_new, s)
+    return m_new, s_new, jax.tree.map(lambda x: x.astype(compute_dtype), m_new)
+
+
+def _slice_sharding(s, n: int):
+    """A chunk sharding for a slice of `n` layers: the layers axis unsplit where n does not divide."""
+    return NamedSharding(s.mesh, P(*unsplit_layers(list(tuple(s.spec)), s.mesh, n)),
+                         memory_kind=s.memory_kind)
+
+
+def _loop_update(tx, c: Chunk, g, m, s, cp, m_sh, s_sh, *, kind, compute_dtype, skip, grad_scale,
+                 compute_kind):
+    """A loop chunk: a fori_loop over `c.loop` groups of layers carrying the stored arrays
+    (master, state, compute copy) and writing each group back where it was read (in place).
+
+    State leaves with the chunk's leading layers dim are sliced per group; the others (counts)
+    are read from the step's input by every group, so each group sees the same count."""
+    n = c.hi - c.lo
+    per = n // c.loop
+    s_leaves, s_def = jax.tree.flatten(s)
+    stacked = [x.ndim >= 1 and x.shape[0] == n for x in s_leaves]
+    s_sh_leaves = s_def.flatten_up_to(s_sh)
+    m_dev = jax.tree.map(lambda x: _slice_sharding(x, per), m_sh, is_leaf=is_sharding)
+    s_dev = [_slice_sharding(x, per) if f else x for x, f in zip(s_sh_leaves, stacked)]
+    sl = lambda x, j: jax.lax.dynamic_slice_in_dim(x, j * per, per, axis=0)  # noqa: E731
+    put = lambda buf, x, j: jax.lax.dynamic_update_slice_in_dim(buf, x, j * per, axis=0)  # noqa: E731
+    tmap = lambda f, *t: jax.tree.map(f, *t, is_leaf=is_none)  # noqa: E731
+
+    def body(j, carry):
+        m, s_l, cp = carry
+        mm = _to(tmap(lambda x: None if x is None else sl(x, j), m), m_dev, DEVICE)
+        ss = [sl(x, j) if f else x0 for x, x0, f in zip(s_l, s_leaves, stacked)]
+        ss = jax.device_put(ss, [x.with_memory_kind(DEVICE) for x in s_dev])
+        gg = _grads_in(tmap(lambda x: None if x is None else sl(x, j), g), m_dev)
+        mm, ss, cc = _apply(tx, gg, s_def.unflatten(ss), mm, compute_dtype, skip, grad_scale)
+        mm = _to(mm, m_dev, kind)
+        ss = jax.device_put(jax.tree.leaves(ss), [x.with_memory_kind(kind) for x in s_dev])
+        if compute_kind is not None:
+            cc = _to(cc, m_dev, compute_kind)
+        m = tmap(lambda b, x: None if b is None else put(b, x, j), m, mm)
+        s_l = [put(b, x, j) if f else x for b, x, f in zip(s_l, ss, stacked)]
+        cp = tmap(lambda b, x: None if b is None else put(b, x.astype(b.dtype), j), cp, cc)
+        return m, s_l, cp
+
+    m, s_l, cp = jax.lax.fori_loop(0, c.loop, body, (m, s_leaves, cp))
+    return m, s_def.unflatten(s_l), cp
+
+
+def _empty_like(m, m_sh, compute_dtype, compute_kind):
+    """A compute-copy buffer for a loop chunk when no previous compute params are given."""
+    z = jax.tree.map(lambda x: None if x is None else jnp.zeros(x.shape, compute_dtype), m, is_leaf=is_none)
+    if compute_kind is not None:
+        return _to(z, m_sh, compute_kind)
+    return jax.tree.map(lambda x, s: None if x is None else jax.lax.with_sharding_constraint(
+        x, NamedSharding(s.mesh, s.spec)), z, m_sh, is_leaf=is_none)
+
+
+def streamed_update(tx, grads, state: OffloadState, off: OffloadLayout, *,
+                    compute_dtype=jnp.bfloat16, skip=None, grad_scale=None, compute_kind=None,
+                    compute_init=None):
+    """One optimizer step over offloaded chunks; call inside the step's jit.
+
+    tx: an elementwise optax transform (no global-norm clipping inside: clip `grads` before).
+    grads: fp32 gradients, params-shaped, on device (or host-resident, see `fetch`).
+    skip: optional bool scalar (e.g. fp16 overflow): when True master and state stay as they were.
+    grad_scale: optional fp32 scalar multiplied into each gradient chunk once it is on the device
+        (1 / loss scale x clip coefficient: host-resident gradients are never computed on in place).
+    compute_kind: None (compute params returned in device memory) or a host kind: each chunk's
+        compute copy is sent there as soon as it is made (stage 3 `offload_param`).
+    compute_init: the previous compute params (params-shaped, donated by the caller): a "loop"
+        chunk writes its new compute copy into them in place.
+    -> (compute params tree in `compute_dtype`, new OffloadState in place).
+    """
+    layout = off.layout
+    g_chunks = to_chunks(grads, layout)
+    init_chunks = to_chunks(compute_init, layout) if compute_init is not None else None
+    out_c, out_m, out_s = [], [], []
+    for i, (c, g, m, s) in enumerate(zip(layout.chunks, g_chunks, state.master, state.opt_state)):
+        m_sh, s_sh = off.master_shardings[i], off.state_shardings[i]
+        if c.loop:
+            cp0 = (init_chunks[i] if init_chunks is not None
+                   else _empty_like(m, m_sh, compute_dtype, compute_kind))
+            m, s, cp = _loop_update(tx, c, g, m, s, cp0, m_sh, s_sh, kind=off.kind,
+                                    compute_dtype=compute_dtype, skip=skip, grad_scale=grad_scale,
+                                    compute_kind=compute_kind)
+        else:  # the whole chunk at once (the rest leaves; the device chunk, with no transfer)
+            if c.host:
+                m, s = _to(m, m_sh, DEVICE), _to(s, s_sh, DEVICE)
+            m, s, cp = _apply(tx, _grads_in(g, m_sh), s, m, compute_dtype, skip, grad_scale)
+            if c.host:
+                m, s = _to(m, m_sh, off.kind), _to(s, s_sh, off.kind)
+            if compute_kind is not None:
+                cp = _to(cp, m_sh, compute_kind)
+        out_c.append(cp)
+        out_m.append(m)
+        out_s.append(s)
+    return from_chunks(out_c, layout), OffloadState(out_m, out_s)
+
+
+def grad_stats(grads, off: OffloadLayout):
+    """(sum of squares in fp32, all finite) of a params-shaped gradient tree, chunk by chunk.
+
+    Host-resident leaves (offload_param's gradients) are brought to the device one chunk of the
+    layout at a time, reduced there and dropped: nothing is computed in host memory.
+    """
+    def stats(g, m_sh, acc):
+        total, finite = acc
+        for x in jax.tree.leaves(_grads_in(g, m_sh)):
+            x = x.astype(jnp.float32)
+            total = total + jnp.sum(jnp.square(x))
+            finite = finite & jnp.all(jnp.isfinite(x))
+        return total, finite
+
+    acc = (jnp.float32(0.0), jnp.asarray(True))
+    for c, g, m_sh in zip(off.layout.chunks, to_chunks(grads, off.layout), off.master_shardings):
+        if c.loop:  # one group of layers on the device at a time, as the update does
+            per = (c.hi - c.lo) // c.loop
+            sl = lambda x, j: None if x is None else jax.lax.dynamic_slice_in_dim(x, j * per, per, 0)  # noqa: E731
+            dev = jax.tree.map(lambda x: _slice_sharding(x, per), m_sh, is_leaf=is_sharding)
+            acc = jax.lax.fori_loop(0, c.loop, lambda j, a, g=g, dev=dev, sl=sl: stats(
+                jax.tree.map(lambda x: sl(x, j), g, is_leaf=is_none), dev, a), acc)
+        else:
+            acc = stats(g, m_sh, acc)
+    return acc
