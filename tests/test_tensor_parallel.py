@@ -74,9 +74,13 @@ def spec(a):
 # whose gradient cancels over rows (kappa = sum|terms| / |sum| ~ 1e3), so after STEPS steps
 # |dw| <= STEPS x lr x 1e-4 = 3e-6. The loss (a mean of fp32 terms) moves by ~10 ulps: rtol 1e-5.
 FP32_ATOL = STEPS * LR * 1e-4
-# fp16 (fp32 master compared): the compute-dtype roundings themselves move with the split (eps 2^-11);
-# the same argument with r = eps x kappa, kappa = 4 as in tests/test_engine.py.
-FP16_ATOL = STEPS * LR * 2.0**-11 * 4
+# fp16 (fp32 master compared): the compute-dtype roundings themselves move with the split, so each
+# component of a weight's update (master - initial) moves by eps16 x kappa relative (eps16 = 2^-11).
+# Elementwise that is unbounded where a gradient nearly cancels (a rare token's embedding row moved
+# 2% in a trial run), so the update is compared as a whole per leaf, in the 2-norm, where the typical
+# component dominates: kappa <= 40 gives 2^-11 x 40 = 2%. A wrong split or a lost loss-scale factor
+# moves updates by O(1).
+FP16_UPDATE_RTOL = 2.0**-11 * 40
 
 
 @pytest.mark.parametrize("tp, stage", [(2, 0), (2, 1), (2, 2), (2, 3), (4, 0), (4, 3)])
@@ -108,7 +112,11 @@ def test_fp16_loss_scaling_and_accumulation_under_tensor_parallelism():
     eng, master, losses = run(2, 2, "fp16", 2)
     ref_eng, ref, ref_losses = run(1, 0, "fp16", 2)
     np.testing.assert_allclose(losses, ref_losses, rtol=2 * 2.0**-11)
-    assert_trees_close(master, ref, atol=FP16_ATOL)
+    init = as_numpy(nnx.to_pure_dict(nnx.state(GPT2(TINY, rngs=nnx.Rngs(0)), nnx.Param)))
+    for (path, x), y, x0 in zip(jax.tree_util.tree_leaves_with_path(master), jax.tree.leaves(ref),
+                                jax.tree.leaves(init)):
+        moved = np.linalg.norm(y - x0)
+        assert moved > 0 and np.linalg.norm(x - y) <= FP16_UPDATE_RTOL * moved, jax.tree_util.keystr(path)
     assert eng.skipped_steps == ref_eng.skipped_steps
     assert float(eng.state.opt_state.loss_scale) == float(ref_eng.state.opt_state.loss_scale)
 
@@ -177,7 +185,8 @@ def test_checkpoint_reshards_across_tensor_sizes_and_exports_whole_tensors(tmp_p
         assert other.global_steps == STEPS
         if tp == 4:
             assert spec(other.state.params["h"]["mlp"]["c_fc"]["kernel"])[2] == "tensor"
-    assert cli.main(["export", path, str(tmp_path / "hf")]) == 0
+    assert path.startswith(str(tmp_path / "ckpt"))
+    assert cli.main(["export", str(tmp_path / "ckpt"), str(tmp_path / "hf")]) == 0
     _, exported = load_hf(str(tmp_path / "hf"))
     assert_trees_close(as_numpy(exported), master, atol=0)
 

@@ -292,13 +292,13 @@ def _activation_modules(model) -> list:
 
 @contextlib.contextmanager
 def _attributes(modules, **values):
-    """Set attributes on `modules` for the duration (their graphdefs taken inside carry them);
-    the user's modules are left as they were."""
-    saved = [(m, {k: vars(m)[k] for k in values}) for m in modules]
+    """Set `values` on `modules` for the duration, each only where the module has that attribute
+    (graphdefs taken inside carry them); the user's modules are left as they were."""
+    saved = [(m, {k: vars(m)[k] for k in values if k in vars(m)}) for m in modules]
     try:
-        for m in modules:
-            for k, v in values.items():
-                setattr(m, k, v)
+        for m, old in saved:
+            for k in old:
+                setattr(m, k, values[k])
         yield
     finally:
         for m, old in saved:
@@ -361,19 +361,8 @@ def _install_layer_hook(module, abstract_master, targets, move, knobs: dict):
         raise _config_error(PARAM_HOOK_ERROR.format(
             what=f"{type(module).__name__} has no `layer_fetch` attribute, so its parameters would "
                  "stay on the device."))
-    saved = [(m, m.layer_fetch, {k: vars(m)[k] for k in knobs if k in vars(m)}) for m in hooked]
-    try:
-        for m, _, old in saved:
-            m.layer_fetch = layer_fetch
-            for k in old:
-                setattr(m, k, knobs[k])
-        with no_eager_sharding():
-            graphdef = nnx.split(module, nnx.Param, ...)[0]
-    finally:
-        for m, f, old in saved:
-            m.layer_fetch = f
-            for k, v in old.items():
-                setattr(m, k, v)
+    with _attributes(hooked, layer_fetch=layer_fetch, **knobs), no_eager_sharding():
+        graphdef = nnx.split(module, nnx.Param, ...)[0]
     return graphdef, fetch_rest
 
 
