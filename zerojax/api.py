@@ -6,6 +6,7 @@ abstract engines, so it imports the engine and the engine never imports it.
 """
 from __future__ import annotations
 
+import importlib.util
 from typing import Callable
 
 from jax.sharding import Mesh
@@ -13,9 +14,9 @@ from jax.sharding import Mesh
 from zerojax.engine import Engine
 from zerojax.options import EngineOptions
 
-try:  # the planner's home after zerojax.memory is split (planner.py imports the engine)
+if importlib.util.find_spec("zerojax.planner") is not None:  # planner.py imports the engine
     from zerojax.planner import engine_plans
-except ImportError:  # pragma: no cover - before that split
+else:  # pragma: no cover - before zerojax.memory's planner moved to zerojax/planner.py
     from zerojax.memory import engine_plans
 
 
