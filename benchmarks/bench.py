@@ -59,24 +59,28 @@ def build_matrix(args, n_devices: int) -> list[dict]:
                                 continue
                             for remat in remats:
                                 for pipe in args.pipe:
-                                    if pipe > 1 and (stage == "plain" or stage > 1 or off != "none"):
-                                        continue  # pipelining: ZeRO stage <= 1, no offload
-                                    out.append(dict(_base(args), size=size, dtype=dtype, accum=accum,
-                                                    micro=micro, stage=stage, offload=off,
-                                                    remat=remat == "on", pipe=pipe))
+                                    for tp in args.tp:
+                                        if pipe > 1 and (stage == "plain" or stage > 1 or off != "none"):
+                                            continue  # pipelining: ZeRO stage <= 1, no offload
+                                        if tp > 1 and stage == "plain":
+                                            continue  # the plain baseline has no tensor axis
+                                        out.append(dict(_base(args), size=size, dtype=dtype, accum=accum,
+                                                        micro=micro, stage=stage, offload=off,
+                                                        remat=remat == "on", pipe=pipe, tp=tp))
     return out
 
 
 def _base(args) -> dict:
     return dict(seq=args.seq, steps=args.steps, warmup=args.warmup, size=args.sizes[0],
                 dtype=args.dtypes[0], accum=args.accum[0], micro=args.micro[0], stage="plain",
-                offload="none", remat=False, attention=args.attention, pipe=1)
+                offload="none", remat=False, attention=args.attention, pipe=1, tp=args.tp[0])
 
 
 def name_of(s: dict) -> str:
     what = "plain" if s["stage"] == "plain" else f"zero{s['stage']}"
     extra = "" if s.get("offload", "none") == "none" else f"+off-{s['offload']}"
     extra += f" pipe{s['pipe']}" if s.get("pipe", 1) > 1 else ""
+    extra += f" tp{s['tp']}" if s.get("tp", 1) > 1 else ""
     return (f"{s['size']} {what}{extra} {s['dtype']} mb{s['micro']}x{s['accum']}"
             f"{' remat' if s['remat'] else ''}")
 
@@ -330,6 +334,9 @@ class ZeroRunner:
                                                       "eps": 1e-8, "weight_decay": 0.01}},
             "zero_optimization": zero,
             "steps_per_print": 10**9,
+            # DeepSpeed's batch rule counts tensor ranks: the global batch stays micro x accum x
+            # devices, so tokens/s per device compare across tensor sizes
+            "tensor_parallel": {"autotp_size": int(spec.get("tp", 1))},
         }
         if spec.get("pipe", 1) > 1:  # micro-batches through the stages = gradient_accumulation_steps
             ds["pipeline"] = {"stages": spec["pipe"]}
@@ -427,6 +434,8 @@ def parse_args(argv=None):
                    help="pipeline stages (pipeline.stages; ZeRO stage <= 1), e.g. 1,2 (default 1); the "
                         "data-parallel size is devices / pipe, the micro-batches are --accum")
     p.add_argument("--accum", type=csv(int), default=None, help="gradient accumulation (default 1)")
+    p.add_argument("--tp", type=csv(int), default=[1],
+                   help="tensor_parallel.autotp_size values, e.g. 1,2 (default 1; plain runs only at 1)")
     p.add_argument("--dtypes", type=csv(str), default=None, help="bf16,fp16,fp32 (default bf16)")
     p.add_argument("--attention", default=None, choices=(None, "xla", "cudnn"),
                    help="attention implementation (default: cuDNN on GPU where it applies)")

@@ -176,7 +176,8 @@ def test_default_world_size_is_device_count():
     assert cfg.world_size == jax.device_count()
     assert cfg.train_batch_size == 2 * jax.device_count()
     cfg = quiet_load({"train_micro_batch_size_per_gpu": 2, "tensor_parallel": {"autotp_size": 2}})
-    assert cfg.world_size == jax.device_count() // 2 and cfg.tensor_parallel.autotp_size == 2
+    # DeepSpeed 0.19.8 counts tensor ranks in the batch rule ("8 != 8 * 1 * 2" for autotp_size 2 on 2 GPUs)
+    assert cfg.world_size == jax.device_count() and cfg.tensor_parallel.autotp_size == 2
 
 
 # --- shipped configs ------------------------------------------------------------------------------

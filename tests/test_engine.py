@@ -240,7 +240,7 @@ def test_wrong_batch_size_is_a_clear_error():
     eng = run(0, "fp32", 4)[0]
     with pytest.raises(ValueError, match=r"leading dim 31.*train_batch_size=32.*"
                                          r"train_micro_batch_size_per_gpu=1 x gradient_accumulation_steps=4 "
-                                         r"x data-parallel world size=8"):
+                                         r"x world size=8"):
         eng.train_step({"x": np.zeros((31, 16), np.float32), "y": np.zeros((31, 16), np.float32)})
 
 

@@ -315,8 +315,8 @@ class Engine:
                 raise ValueError(
                     f"{what}: {name} has leading dim {local}, expected train_batch_size={rows} rows "
                     f"(train_micro_batch_size_per_gpu={cfg.train_micro_batch_size_per_gpu} x "
-                    f"gradient_accumulation_steps={cfg.gradient_accumulation_steps} x data-parallel "
-                    f"world size={n}){share}")
+                    f"gradient_accumulation_steps={cfg.gradient_accumulation_steps} x world size="
+                    f"{cfg.world_size}, tensor ranks counted as DeepSpeed does){share}")
             if isinstance(x, jax.Array) and not x.is_fully_addressable:
                 return x
             if local is None or local % mine:

@@ -131,22 +131,35 @@ class EngineLayout:
 
 
 def resolve_config(cfg, mesh: Mesh | None) -> tuple[Config, Mesh]:
-    """(Config, mesh): `cfg` loaded for the mesh's data-parallel size (default mesh: all devices)."""
+    """(Config, mesh): `cfg` loaded for the mesh's batch world size (default mesh: all devices,
+    "tensor" sized by tensor_parallel.autotp_size).
+
+    The batch rule's world size is every device of the data x tensor mesh, as DeepSpeed 0.19.8
+    counts every rank (`partition.batch_world_size`): the global batch of train_batch_size rows is
+    split over "data" only, each tensor group trains on its rows together, every row once.
+    """
     if mesh is None:
         if not isinstance(cfg, Config):
-            cfg = load_config(cfg)  # world size: devices / autotp_size, the mesh made below
+            cfg = load_config(cfg)  # world size: devices / (sequence_parallel_size x pipeline.stages)
         try:
             mesh = partition.make_mesh(tensor=cfg.tensor_parallel.autotp_size, pipe=pipeline_stages(cfg.pipeline))
         except ValueError as e:
+            if isinstance(e, ConfigError):
+                raise
             raise _config_error(f"pipeline.stages = {cfg.pipeline.stages}: {e}") from None
-    n = partition.data_size(mesh)
+    n = partition.batch_world_size(mesh)
     if not isinstance(cfg, Config):
         cfg = load_config(cfg, world_size=n)
     if cfg.world_size != n:
         raise ValueError(
-            f"the config was resolved for world_size={cfg.world_size} data-parallel devices but the "
-            f"mesh has data={n}; load it with load_config(..., world_size={n})"
+            f"the config was resolved for world_size={cfg.world_size} devices but the mesh has "
+            f"data={partition.data_size(mesh)} x tensor={partition.tensor_size(mesh)} = {n} (DeepSpeed's batch "
+            f"rule counts tensor ranks too); load it with load_config(..., world_size={n})"
         )
+    if cfg.tensor_parallel.autotp_size != partition.tensor_size(mesh):
+        raise ConfigError([f"tensor_parallel.autotp_size = {cfg.tensor_parallel.autotp_size} but the mesh's "
+                           f"\"tensor\" axis has {partition.tensor_size(mesh)} devices; make them equal (or "
+                           "pass mesh=None to size the axis from the config)"])
     return cfg, mesh
 
 
@@ -154,11 +167,20 @@ def build_layout(module: nnx.Module, cfg, *, loss_fn: Callable, mesh: Mesh | Non
                  options: EngineOptions | None = None) -> EngineLayout:
     """The layout of `module` (a built or an abstract nnx.Module) under `cfg` on `mesh`.
 
-    Pure: reads only the module's structure and shapes; installs the per-layer hook on a copy of
-    its graph (`StepSettings.graphdef`), never on `module` itself.
+    Pure: reads only the module's structure and shapes; installs the per-layer hook and (tensor
+    parallelism) the activation hook on a copy of its graph (`StepSettings.graphdef`), never on
+    `module` itself.
     """
-    options = options or EngineOptions()
     cfg, mesh = resolve_config(cfg, mesh)
+    constrain = None
+    if (cfg.tensor_parallel.partition_config or {}).get("use_default_specs", True):
+        constrain = partition.activation_constraint(mesh)
+    with _attributes(_activation_modules(module) if constrain else [], activation_sharding=constrain):
+        return _build_layout(module, cfg, loss_fn=loss_fn, mesh=mesh, options=options)
+
+
+def _build_layout(module, cfg: Config, *, loss_fn, mesh: Mesh, options) -> EngineLayout:
+    options = options or EngineOptions()
     dtype = jnp.dtype(compute_dtype_of(cfg))
     fp16 = bool(cfg.fp16.enabled)
     accum_dtype = jnp.dtype(_ACCUM_DTYPES.get(cfg.data_types.grad_accum_dtype or "fp32", jnp.float32))
@@ -183,7 +205,7 @@ def build_layout(module: nnx.Module, cfg, *, loss_fn: Callable, mesh: Mesh | Non
     abstract = lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype)  # noqa: E731
     param_template, rest_template = jax.tree.map(abstract, params), jax.tree.map(abstract, rest)
     abstract_master = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, jnp.float32), pure_dict(params))
-    base_specs = partition.tensor_specs(params, mesh)
+    base_specs = partition.tensor_specs(params, mesh, tp=cfg.tensor_parallel, model_type=_model_type(module))
     shardings = partition.stage_shardings(
         abstract_master, mesh, stage, base_specs=base_specs,
         persistence_threshold=int(zero.stage3_param_persistence_threshold or 0))
@@ -299,6 +321,33 @@ def _offload_layout(cfg, options, tx, abstract_master, shardings, mesh, fp16, of
     return off, settings, opt_shardings, scaler
 
 
+def _model_type(module) -> str:
+    """The model's type for `layer_specs[].model_types`: its checkpoint record's, else its class."""
+    record = getattr(module, "checkpoint_record", None)
+    return (record() if callable(record) else {}).get("type") or type(module).__name__.lower()
+
+
+def _activation_modules(model) -> list:
+    """The modules of `model` that expose the `activation_sharding` hook (docs/CONTRACTS.md)."""
+    return [m for _, m in nnx.iter_graph(model) if isinstance(m, nnx.Module) and "activation_sharding" in vars(m)]
+
+
+@contextlib.contextmanager
+def _attributes(modules, **values):
+    """Set `values` on `modules` for the duration, each only where the module has that attribute
+    (graphdefs taken inside carry them); the user's modules are left as they were."""
+    saved = [(m, {k: vars(m)[k] for k in values if k in vars(m)}) for m in modules]
+    try:
+        for m, old in saved:
+            for k in old:
+                setattr(m, k, values[k])
+        yield
+    finally:
+        for m, old in saved:
+            for k, v in old.items():
+                setattr(m, k, v)
+
+
 def _hook_modules(model) -> list:
     """The modules of `model` that expose the per-layer `layer_fetch` hook (docs/CONTRACTS.md)."""
     return [m for _, m in nnx.iter_graph(model) if isinstance(m, nnx.Module) and "layer_fetch" in vars(m)]
@@ -360,17 +409,8 @@ def _install_layer_hook(module, abstract_master, targets, move, knobs: dict):
 def _split_with(module, hooked, attrs: dict):
     """The graphdef of `module` with `attrs` set on the `hooked` modules where they have them,
     `module` itself left as it was."""
-    saved = [(m, {k: vars(m)[k] for k in attrs if k in vars(m)}) for m in hooked]
-    try:
-        for m, old in saved:
-            for k in old:
-                setattr(m, k, attrs[k])
-        with no_eager_sharding():
-            return nnx.split(module, nnx.Param, ...)[0]
-    finally:
-        for m, old in saved:
-            for k, v in old.items():
-                setattr(m, k, v)
+    with _attributes(hooked, **attrs), no_eager_sharding():
+        return nnx.split(module, nnx.Param, ...)[0]
 
 
 def no_eager_sharding():

@@ -16,11 +16,15 @@ Everything here is a pure function of shapes, metadata and a mesh; nothing touch
 from __future__ import annotations
 
 import math
+import re
+import warnings
 from typing import Any, Iterable, NamedTuple, Sequence
 
 import jax
 import numpy as np
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P
+
+from zerojax.config import ConfigError
 
 DATA = "data"
 TENSOR = "tensor"
@@ -28,13 +32,22 @@ PIPE = "pipe"
 AXES = (DATA, TENSOR)
 
 # Logical axis name -> mesh axis, first match wins (flax's logical_axis_rules). Used only when the
-# mesh's "tensor" axis is larger than 1; every other logical name stays unsharded.
+# mesh's "tensor" axis is larger than 1. Megatron's split: attention column-parallel on its heads
+# (q/k/v weights and biases), its output projection row-parallel (heads is its input axis); MLP up
+# column-parallel, down row-parallel (both on "mlp"). Each attention and each MLP then needs one
+# all-reduce forward (after the row-parallel matmul) and one backward (into the column-parallel
+# input). The fused q/k/v axis ("qkv", size 3) is never split.
 DEFAULT_RULES: tuple[tuple[str, str | None], ...] = (
-    ("mlp", TENSOR),
     ("heads", TENSOR),
-    ("qkv", TENSOR),
-    ("vocab", TENSOR),
+    ("mlp", TENSOR),
 )
+# Logical names that stay whole on purpose under tensor parallelism (no "unknown name" warning).
+# Embeddings ("vocab", "pos") are replicated: GPT-2's 50257-token vocabulary is odd, so no tensor
+# size divides it, and padding it would change the exported tensors and the softmax.
+REPLICATED_NAMES = frozenset({"embed", "layers", "vocab", "pos", "qkv", "head_dim", "batch", "seq",
+                              "norm", "kv"})
+# Activations: the batch over "data" (and nothing else: rows are whole within a tensor group).
+ACTIVATION_RULES = (("batch", DATA),) + DEFAULT_RULES
 
 
 def make_mesh(data: int | None = None, tensor: int = 1, devices: Sequence[Any] | None = None,
@@ -47,9 +60,9 @@ def make_mesh(data: int | None = None, tensor: int = 1, devices: Sequence[Any] |
     """
     devices = list(jax.devices() if devices is None else devices)
     if tensor < 1 or len(devices) % tensor:
-        raise ValueError(
-            f"tensor={tensor} (tensor_parallel.autotp_size) must divide the {len(devices)} devices"
-        )
+        fits = [t for t in range(1, len(devices) + 1) if len(devices) % t == 0]
+        raise ConfigError([f"tensor_parallel.autotp_size = {tensor}: the tensor axis must divide the "
+                           f"{len(devices)} devices of the mesh; sizes that would work: {fits}"])
     if pipe < 1 or len(devices) % (pipe * tensor):
         raise ValueError(f"pipe={pipe} (pipeline.stages) x tensor={tensor} must divide the {len(devices)} "
                          f"devices; stage counts that would: "
@@ -78,6 +91,21 @@ def data_size(mesh: Mesh) -> int:
     return int(mesh.shape.get(DATA, 1))
 
 
+def tensor_size(mesh: Mesh) -> int:
+    return int(mesh.shape.get(TENSOR, 1))
+
+
+def batch_world_size(mesh: Mesh) -> int:
+    """The world size of DeepSpeed's batch rule: every rank of the data x tensor mesh.
+
+    DeepSpeed 0.19.8 counts tensor ranks too (train_batch_size = micro x accumulation x all
+    ranks), so a config filled for it loads unchanged. The global batch is split over "data"
+    only: a tensor group of T devices works on micro x T rows together, which is micro rows'
+    worth of FLOPs per device, and every row is trained on once.
+    """
+    return data_size(mesh) * tensor_size(mesh)
+
+
 # ---------------------------------------------------------------------------------------------
 # Logical axes -> mesh axes
 
@@ -95,18 +123,100 @@ def _logical_axes(variable) -> tuple | None:
     return None
 
 
-def tensor_specs(state, mesh: Mesh, rules=None) -> Any:
+def tensor_specs(state, mesh: Mesh, rules=None, *, tp=None, model_type: str | None = None) -> Any:
     """PartitionSpecs (tensor axes only) for every Variable of an `nnx.State`, as a pure dict.
 
     The result has the structure of `state.to_pure_dict()`; leaves without logical axes get P().
+    `tp`: the config's `tensor_parallel` section; its `partition_config.layer_specs` (DeepSpeed's
+    AutoTP patterns, matched against the dotted parameter path) come first, then the logical-axis
+    rules unless `use_default_specs` is false. Checked: every split axis divides by the tensor
+    size (ConfigError naming the parameter, its sizes and the tensor sizes that would work);
+    logical names neither split nor known to stay whole are replicated with a warning.
     """
     from flax import nnx
 
-    specs = jax.tree.map(
-        lambda v: logical_to_mesh(_logical_axes(v), mesh, rules),
-        state, is_leaf=lambda x: isinstance(x, nnx.Variable),
-    )
+    layer_specs, use_defaults = _autotp_specs(tp)
+    n_tensor = tensor_size(mesh)
+    unknown: set[str] = set()
+    bad: list[tuple[str, int, Any]] = []
+
+    def spec_of(path, v):
+        names = _logical_axes(v)
+        shape = tuple(getattr(v, "shape", ()) or getattr(getattr(v, "value", None), "shape", ()))
+        dotted = ".".join(str(getattr(k, "key", getattr(k, "idx", k))) for k in path)
+        spec = None
+        if n_tensor > 1:
+            for entry in layer_specs:
+                if entry.matches(dotted, model_type):
+                    spec = entry.spec(shape, names)
+                    break
+        if spec is None:
+            spec = logical_to_mesh(names, mesh, rules) if use_defaults else P()
+            if n_tensor > 1 and use_defaults and names:
+                known = {n for n, _ in (rules or DEFAULT_RULES)} | REPLICATED_NAMES | set(mesh.axis_names)
+                unknown.update(str(n) for n in names if n is not None and n not in known)
+        for i, axis in enumerate(spec):
+            if axis == TENSOR and shape and shape[i] % n_tensor:
+                bad.append((dotted, i, shape[i], names[i] if names and i < len(names) else None))
+        return spec
+
+    specs = jax.tree_util.tree_map_with_path(spec_of, state, is_leaf=lambda x: isinstance(x, nnx.Variable))
+    if bad:
+        n_dev = mesh.devices.size
+        fits = [t for t in range(1, n_dev + 1)
+                if n_dev % t == 0 and all(size % t == 0 for _, _, size, _ in bad)]
+        raise ConfigError([
+            f"tensor_parallel.autotp_size = {n_tensor}: {name} splits its axis {i}"
+            + (f" ({logical!r})" if logical else "") + f" of size {size} over the tensor axis, and "
+            f"{size} is not divisible by {n_tensor}; tensor sizes that would work on {n_dev} devices: {fits}"
+            for name, i, size, logical in bad])
+    if unknown:
+        warnings.warn(f"tensor parallelism: logical axis names {sorted(unknown)} have no tensor rule; "
+                      "those axes stay replicated (add a tensor_parallel.partition_config.layer_specs "
+                      "entry to split them)", UserWarning, stacklevel=2)
     return _pure(specs)
+
+
+class _LayerSpec(NamedTuple):
+    """One `partition_config.layer_specs` entry (DeepSpeed's TPLayerSpec) applied to NNX params."""
+
+    patterns: tuple
+    partition_type: str
+    partition_dim: int | None
+    model_types: tuple | None
+
+    def matches(self, dotted: str, model_type) -> bool:
+        if self.model_types and str(model_type).lower() not in {str(t).lower() for t in self.model_types}:
+            return False
+        return any(re.match(p, dotted) for p in self.patterns)
+
+    def spec(self, shape, names) -> P:
+        """column: a kernel's output (last) axis, a bias's only axis; row: a kernel's input (first)
+        axis, a bias stays whole (added after the all-reduce); skip: whole. A leading "layers"
+        axis (stacked blocks) is never split. `partition_dim` indexes the per-layer shape."""
+        out = [None] * len(shape)
+        start = 1 if names and names[0] == "layers" else 0
+        own = len(shape) - start
+        if self.partition_type == "skip" or own < 1:
+            return P(*out)
+        if self.partition_dim is not None:
+            dim = self.partition_dim % own
+        elif self.partition_type == "column":
+            dim = own - 1
+        elif own >= 2:
+            dim = 0
+        else:
+            return P(*out)
+        out[start + dim] = TENSOR
+        return P(*out)
+
+
+def _autotp_specs(tp) -> tuple[list[_LayerSpec], bool]:
+    pc = getattr(tp, "partition_config", None) or {}
+    specs = [_LayerSpec(tuple(e["patterns"]), str(e.get("partition_type", "column")).lower(),
+                        e.get("partition_dim"), tuple(e["model_types"]) if e.get("model_types") else None)
+             for e in pc.get("layer_specs") or ()]
+    return specs, bool(pc.get("use_default_specs", True))
 
 
 def _pure(state):
@@ -145,6 +255,23 @@ def logical_to_mesh(names: Iterable | None, mesh: Mesh, rules=None) -> P:
         else:
             out.append(None)
     return P(*out)
+
+
+def activation_constraint(mesh: Mesh, rules=ACTIVATION_RULES):
+    """A model's activation hook, `constrain(x, logical_names) -> x`, or None without a tensor axis.
+
+    Pins each named activation to the mesh axes its names map to (batch over "data", heads / mlp
+    over "tensor", the rest whole), so GSPMD keeps Megatron's layout -- the residual stream whole
+    within a tensor group, one all-reduce after each row-parallel matmul -- instead of choosing
+    its own. Without a tensor axis nothing is pinned (GSPMD's own choices are kept as they were).
+    """
+    if tensor_size(mesh) <= 1:
+        return None
+
+    def constrain(x, names):
+        return jax.lax.with_sharding_constraint(x, NamedSharding(mesh, logical_to_mesh(names, mesh, rules)))
+
+    return constrain
 
 
 # ---------------------------------------------------------------------------------------------
@@ -305,7 +432,8 @@ def per_device_bytes(shapes_dtypes, shardings) -> int:
 
 
 __all__ = [
-    "DATA", "TENSOR", "PIPE", "DEFAULT_RULES", "make_mesh", "data_size", "pipe_size", "tensor_specs",
+    "DATA", "TENSOR", "PIPE", "DEFAULT_RULES", "ACTIVATION_RULES", "REPLICATED_NAMES", "make_mesh",
+    "data_size", "pipe_size", "tensor_size", "batch_world_size", "tensor_specs", "activation_constraint",
     "logical_to_mesh", "zero_spec", "StageShardings", "stage_specs", "stage_shardings",
     "opt_state_shardings", "replicated", "per_device_bytes",
 ]

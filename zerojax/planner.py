@@ -30,6 +30,7 @@ from flax import nnx
 from zerojax import engine as E
 from zerojax import estimate as est
 from zerojax import memory as mem
+from zerojax import partition
 from zerojax.config import load_config
 from zerojax.memory import CompiledMemory, WillNotFitError, fmt_bytes, parse_bytes
 
@@ -246,10 +247,13 @@ def step_memory(model_factory, cfg_dict, seq_len, micro_batch, *, remat=AS_BUILT
 
 
 def _data_size(mesh, cfg_dict):
+    """The batch rule's world size (`zerojax.partition.batch_world_size`): data x tensor ranks, as
+    DeepSpeed 0.19.8 counts tensor ranks; pipeline stages are not data-parallel ranks."""
     if mesh is not None:
-        return int(dict(mesh.shape).get("data", 1))
-    tp = (cfg_dict.get("tensor_parallel") or {}).get("autotp_size", 1) or 1
-    return max(1, jax.device_count() // int(tp))
+        return partition.batch_world_size(mesh)
+    stages = (cfg_dict.get("pipeline") or {}).get("stages", 1)
+    stages = stages if isinstance(stages, int) and stages > 0 else 1
+    return max(1, jax.device_count() // stages)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -9,6 +9,7 @@ from typing import Any, Mapping
 
 import hjson
 
+from zerojax.config._autotp import check_partition_config
 from zerojax.config._values import ConfigError, _convert, _freeze, _is_auto, _plain, _suggest, _unknown
 from zerojax.config._schema import (
     BF16Config, Config, DEEPSPEED_VERSION, FP16Config, OffloadOptimizerConfig, OffloadParamConfig,
@@ -27,8 +28,9 @@ _TOP_ALIASES = {"bfloat16": "bf16"}
 def load_config(source, *, world_size: int | None = None, fill: Mapping[str, Any] | None = None) -> Config:
     """Load a DeepSpeed config (path, JSON/hjson text, or dict) into a resolved, validated Config.
 
-    world_size: the data-parallel size for the batch trio; default `jax.device_count()` divided by
-    tensor_parallel.autotp_size, pipeline.stages and sequence_parallel_size.
+    world_size: the batch trio's world size; default `jax.device_count()` divided by
+    sequence_parallel_size and pipeline.stages. Tensor-parallel ranks count, as in DeepSpeed
+    0.19.8's check (pipeline stages do not: DeepSpeed's data-parallel world excludes them).
     fill: values for `"auto"` entries, by dotted key (`{"optimizer.params.lr": 3e-4}`).
     """
     raw = read_source(source)
@@ -47,13 +49,13 @@ def load_config(source, *, world_size: int | None = None, fill: Mapping[str, Any
     notes: list[str] = []
     kwargs = _build_top(raw, unresolved, problems, notes)
     zero = kwargs.get("zero_optimization", ZeroConfig())
-    tp = kwargs.get("tensor_parallel", TensorParallelConfig())
     notes += _cross_checks(kwargs, zero, problems)
 
     if world_size is None:
         import jax  # lazily: zerojax.config itself must not need jax
 
-        world_size = max(1, jax.device_count() // (tp.autotp_size * kwargs.get("sequence_parallel_size", 1)
+        # DeepSpeed 0.19.8's batch rule counts every rank, tensor-parallel ranks included
+        world_size = max(1, jax.device_count() // (kwargs.get("sequence_parallel_size", 1)
                                                    * pipeline_stages(kwargs.get("pipeline", PipelineConfig()))))
     kwargs["world_size"] = world_size
     _resolve_batch(kwargs, raw, unresolved, world_size, problems)
@@ -222,6 +224,7 @@ def _build_top(raw, unresolved, problems, notes):
             kwargs[name] = _build_scheduler(value, problems)
         elif name == "tensor_parallel":
             tp = _build(TensorParallelConfig, value, "tensor_parallel", problems, aliases=_TP_ALIASES)
+            check_partition_config(tp.partition_config, problems)
             kwargs[name] = dataclasses.replace(tp, autotp_size=max(1, tp.autotp_size))
         elif name == "torch_autocast":
             kwargs[name] = _build_torch_autocast(value, problems)

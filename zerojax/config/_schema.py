@@ -542,8 +542,8 @@ class TensorParallelConfig:
     autotp_size: int = _f(1, "int", ge=0)
     """Tensor-parallel degree (0 = off).
     DeepSpeed default: 0
-    zerojax: **acted on**, stored as 1 for 0 (no tensor axis): size of the mesh's `tensor` axis; divides the
-      default data-parallel size"""
+    zerojax: **acted on**, stored as 1 for 0 (no tensor axis): size of the mesh's `tensor` axis (data-parallel
+      size = devices / autotp_size); the batch rule's world size counts tensor ranks, as DeepSpeed's does"""
     tp_overlap_comm: bool = _f(False, "bool")
     """Overlap TP all-reduce with compute.
     zerojax: **accepted, no effect**: XLA's latency-hiding scheduler"""
@@ -555,8 +555,10 @@ class TensorParallelConfig:
     DeepSpeed default: "fp16" (torch.float16)
     zerojax: **accepted, no effect**: stored as given (none when absent); the dtype comes from fp16 / bf16"""
     partition_config: Mapping | None = _f(None, "mapping", optional=True)
-    """Custom layer partition rules.
-    zerojax: **accepted, no effect**: logical axis rules on the model's parameters"""
+    """Custom layer partition rules: `layer_specs` [{patterns, partition_type: row | column | skip,
+    partition_dim, model_types}], `use_default_specs`.
+    zerojax: **acted on**: patterns match dotted parameter paths (`h.mlp.c_fc.kernel`) before the
+      logical-axis rules (heads / mlp over "tensor"); use_default_specs false keeps only the patterns"""
     preset_model: str | None = _f(None, "str", optional=True)
     """Built-in AutoTP preset.
     zerojax: **accepted, no effect**: —"""
@@ -744,8 +746,7 @@ class Config:
     zerojax: **accepted, no effect**: no sequence parallelism yet"""
     sequence_parallel_size: int = _f(1, "int", ge=1)
     """Ulysses sequence-parallel group size; DeepSpeed divides the world size by it.
-    zerojax: **acted on**: divides the default data-parallel size (`jax.device_count() // autotp_size //
-      sequence_parallel_size`)"""
+    zerojax: **acted on**: divides the default batch world size (`jax.device_count() // sequence_parallel_size`)"""
     disable_allgather: bool = _f(False, "bool")
     """Legacy: skip the parameter all-gather.
     zerojax: **accepted, no effect**: XLA inserts the collectives the shardings need"""

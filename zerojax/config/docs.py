@@ -129,9 +129,9 @@ does:
   world_size`, completed and checked as DeepSpeed's `_set_batch_related_parameters` and
   `_batch_assertion` do, with DeepSpeed's wording; each error names the keys the config wrote
   (`{{"train_micro_batch_size_per_gpu": 0}}` is reported against that key, not against the
-  `train_batch_size` DeepSpeed derives from it) and says how to fix it. `world_size` is the
-  data-parallel size; by default `jax.device_count() // tensor_parallel.autotp_size //
-  sequence_parallel_size`.
+  `train_batch_size` DeepSpeed derives from it) and says how to fix it. `world_size` counts
+  every device (tensor-parallel ranks too, as DeepSpeed 0.19.8's check does); by default
+  `jax.device_count() // sequence_parallel_size`.
 - **Numbers**: integer keys accept integral floats (`5e8`); booleans are never numbers.
 - **Aliases**: `"zero_optimization": true/false` (stage 1/0, with top-level `allgather_size`),
   `cpu_offload` / `cpu_offload_param` (→ `offload_optimizer` / `offload_param` with device cpu),

@@ -40,6 +40,8 @@ REMAT_POLICIES = (None, "full", "dots", "offload")
 # for the backward pass, so a layer's full weights are not kept for every layer
 FETCHED_PARAMS = "fetched_layer_params"
 ATTENTION_IMPLS = (None, "xla", "cudnn")
+# logical names of the residual stream [B, T, d] (activations' names, for `activation_sharding`)
+RESIDUAL = ("batch", "seq", "embed")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -159,23 +161,33 @@ def _layer_norm(x, scale, bias, eps, dtype):
     return (y * scale.astype(jnp.float32) + bias.astype(jnp.float32)).astype(dtype)
 
 
-def _block(x, p, *, eps, dtype, attention_impl):
-    """One pre-LN block on [B, T, d] activations; p holds this layer's slice of `Blocks`."""
+def _unconstrained(x, names):
+    return x
+
+
+def _block(x, p, *, eps, dtype, attention_impl, constrain=_unconstrained):
+    """One pre-LN block on [B, T, d] activations; p holds this layer's slice of `Blocks`.
+
+    `constrain(x, logical names)` is the trainer's activation hook (tensor parallelism pins
+    heads / mlp to the tensor axis and the residual stream whole; identity by default)."""
     c = lambda a: a.astype(dtype)  # noqa: E731
-    x = checkpoint_name(x, "layer_input")
+    x = checkpoint_name(constrain(x, RESIDUAL), "layer_input")
 
     h = _layer_norm(x, p["ln_1"]["scale"], p["ln_1"]["bias"], eps, dtype)
     qkv = jnp.einsum("btd,dcnh->btcnh", h, c(p["attn"]["c_attn"]["kernel"])) + c(p["attn"]["c_attn"]["bias"])
+    qkv = constrain(qkv, ("batch", "seq", "qkv", "heads", "head_dim"))
     q, k, v = qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2]
     # softmax is fp32 inside both implementations (XLA: fp32 logits; cuDNN: fp32 accumulators)
     o = jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation=attention_impl)
-    x = x + jnp.einsum("btnh,nhd->btd", o, c(p["attn"]["c_proj"]["kernel"])) + c(p["attn"]["c_proj"]["bias"])
+    o = constrain(o, ("batch", "seq", "heads", "head_dim"))
+    x = x + constrain(jnp.einsum("btnh,nhd->btd", o, c(p["attn"]["c_proj"]["kernel"])), RESIDUAL)
+    x = x + c(p["attn"]["c_proj"]["bias"])
 
     h = _layer_norm(x, p["ln_2"]["scale"], p["ln_2"]["bias"], eps, dtype)
     h = jnp.einsum("btd,dm->btm", h, c(p["mlp"]["c_fc"]["kernel"])) + c(p["mlp"]["c_fc"]["bias"])
-    h = jax.nn.gelu(h, approximate=True)  # HF's gelu_new
-    x = x + jnp.einsum("btm,md->btd", h, c(p["mlp"]["c_proj"]["kernel"])) + c(p["mlp"]["c_proj"]["bias"])
-    return x
+    h = constrain(jax.nn.gelu(h, approximate=True), ("batch", "seq", "mlp"))  # HF's gelu_new
+    x = x + constrain(jnp.einsum("btm,md->btd", h, c(p["mlp"]["c_proj"]["kernel"])), RESIDUAL)
+    return x + c(p["mlp"]["c_proj"]["bias"])
 
 
 def remat_policy_fn(name):
@@ -231,6 +243,11 @@ class GPT2(nnx.Module):
     backward pass. Without `layer_fetch`, a `layer_scan` set by the engine runs the (remat-wrapped)
     blocks as `layer_scan(block, x, layers, None)`: pipeline.stages > 1 hands it
     `zerojax.pipeline.pipeline_scan`. The model itself imports nothing of zerojax's runtime.
+
+    Activation hook: `activation_sharding` (attribute, default None) is a function
+    `(x, logical names) -> x` applied to the named activations inside each block (`RESIDUAL`,
+    q/k/v ("batch", "seq", "qkv", "heads", "head_dim"), the attention output, the MLP hidden
+    ("batch", "seq", "mlp")); a tensor-parallel trainer sets it to a sharding constraint.
     """
 
     def __init__(self, config: GPT2Config, *, rngs: nnx.Rngs, dtype=jnp.float32,
@@ -252,6 +269,7 @@ class GPT2(nnx.Module):
         self.layer_fetch = None  # see the class docstring: set by a trainer for param offload
         self.scan_unroll = 1
         self.layer_scan = None  # with layer_fetch: a prefetching layer scan (see above)
+        self.activation_sharding = None  # see the class docstring: set by a trainer (tensor parallelism)
         d, std = config.n_embd, config.initializer_range
         self.wte = _param(std * jax.random.normal(rngs.params(), (config.vocab_size, d), param_dtype),
                           ("vocab", "embed"))
@@ -281,7 +299,8 @@ class GPT2(nnx.Module):
 
         body = functools.partial(
             _block, eps=cfg.layer_norm_epsilon, dtype=dtype,
-            attention_impl=_resolve_attention(self.attention_impl, dtype, cfg.head_dim))
+            attention_impl=_resolve_attention(self.attention_impl, dtype, cfg.head_dim),
+            constrain=getattr(self, "activation_sharding", None) or _unconstrained)
         policy = self.remat_policy
         fetch = getattr(self, "layer_fetch", None)
         layers = nnx.to_pure_dict(nnx.state(self.h, nnx.Param))
