@@ -1,4 +1,4 @@
-"""zerojax against a bare jax.jit step (and, through ANCHORS.md, DeepSpeed) on GPT-2.
+"""zerojax against a bare jax.jit step (and, through the anchor figures in RESULTS.md, DeepSpeed) on GPT-2.
 
     python benchmarks/bench.py --tiny                         # CPU, < 1 minute: does it run?
     python benchmarks/bench.py                                # default matrix on all local GPUs

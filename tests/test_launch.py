@@ -252,7 +252,19 @@ def _example_args(tmp_path, name, steps, *extra):
     path = tmp_path / f"{name}.json"
     path.write_text(json.dumps(cfg))
     return ["--config", str(path), "--model", "tiny", "--steps", str(steps), "--seq-len", "16",
-            "--micro-batch", "1", "--eval-batches", "0", *extra]
+            "--micro-batch", "1", "--eval-batches", "0", "--data", _text_file(tmp_path), *extra]
+
+
+def _text_file(tmp_path) -> str:
+    """The training text as a file: the example's embedded corpus is built from the docstrings of
+    the calling process's stdlib modules, which a long test process (other tests' imports) and a
+    fresh launched child need not see alike, so every run here reads the same bytes instead."""
+    path = tmp_path / "corpus.txt"
+    if not path.exists():
+        words = "the a model layer weight gradient step batch device shard data token loss".split()
+        rng = __import__("random").Random(0)
+        path.write_text(" ".join(rng.choice(words) for _ in range(40_000)))
+    return str(path)
 
 
 def _losses(tmp_path, name) -> dict:

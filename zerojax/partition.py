@@ -1,6 +1,6 @@
 """The device mesh, and each ZeRO stage as a choice of `NamedSharding`s.
 
-A ZeRO stage decides which of three trees is split over the "data" axis (DESIGN.md, stage table):
+A ZeRO stage decides which of three trees is split over the "data" axis (the ZeRO paper's stage table):
 
 | stage | compute params | gradients / accumulator | fp32 master + optimizer state |
 |-------|----------------|-------------------------|-------------------------------|

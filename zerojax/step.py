@@ -1,4 +1,4 @@
-"""The train state and the one jitted training step (DESIGN.md, "One training step, as data flows").
+"""The train state and the one jitted training step (docs/CONTRACTS.md).
 
 `train_step(settings, state, batch)` is pure: split the batch into micro-batches (accumulate.py) ->
 gradients in the gradient sharding -> unscale + finite check (fp16 loss-scale transform) -> clip ->

@@ -92,10 +92,10 @@ def num_params(config: GPT2Config) -> int:
 
 
 def flops_per_token(config: GPT2Config, seq_len: int) -> float:
-    """Training FLOPs per token, 6N + 12*L*d*T (PaLM's appendix B; ANCHORS.md).
+    """Training FLOPs per token, 6N + 12*L*d*T (PaLM's appendix B; benchmarks/RESULTS.md).
 
     N is *all* parameters (embeddings included, wte once): that is the definition that gives
-    ANCHORS' 5.21 GFLOP for GPT-2 Large at T=1024 (non-embedding N would give 4.82).
+    the anchors' 5.21 GFLOP for GPT-2 Large at T=1024 (non-embedding N would give 4.82).
     """
     return 6.0 * num_params(config) + 12.0 * config.n_layer * config.n_embd * seq_len
 
