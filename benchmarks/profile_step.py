@@ -1,0 +1,185 @@
+"""Where a training step's device time goes: one bench.py entry traced with the JAX profiler.
+
+    python benchmarks/profile_step.py '{"stage": 2, "remat": true}'            # GPT-2 Large, 1 GPU
+    python benchmarks/profile_step.py '{"stage": 2, "offload": "optimizer"}' --mem-fraction 0.17
+    python benchmarks/profile_step.py '{"size": "tiny", "seq": 32, "micro": 2}' --cpu   # smoke test
+
+The spec is bench.py's (size, stage, remat, offload, micro, accum, tp, pipe, ...). After warm-up,
+`--steps` steps run under `jax.profiler.trace`; the trace is read back in-process with
+`jax.profiler.ProfileData` and every device-kernel event is put in one bucket by its name:
+matmul (cuBLAS / cuBLASLt / nvjet / cutlass gemms), attention (cuDNN / flash / fmha),
+collective (NCCL), copy (memcpy host<->device and device<->device), other (XLA's fusions:
+element-wise, reductions, the optimizer's update, layer norms, softmax of the non-cuDNN path).
+Prints a table (ms per step and share of busy time per bucket, the wall time per step, the
+idle share) and the 15 longest kernels; `--json` writes the same numbers.
+"""
+from __future__ import annotations
+
+import argparse
+import collections
+import json
+import os
+import re
+import sys
+import tempfile
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+if HERE not in sys.path:
+    sys.path.insert(0, HERE)
+ROOT = os.path.dirname(HERE)
+if ROOT not in sys.path:
+    sys.path.insert(0, ROOT)
+
+BUCKETS = (  # first match wins; names of CUDA kernels as XLA / cuBLAS / cuDNN / NCCL emit them
+    ("collective", re.compile(r"nccl|all-reduce|all-gather|reduce-scatter|collective-permute|all-to-all", re.I)),
+    ("attention", re.compile(r"fmha|flash|cudnn.*(attn|sdpa)|sdpa|__cudnn|cudnn_fused|xmma_fmha", re.I)),
+    ("matmul", re.compile(r"gemm|nvjet|cutlass|cublas|xmma|sm\d+_.*(s16816|h16816|hmma)|dot", re.I)),
+    ("copy", re.compile(r"memcpy|memset|copy|dynamic.update.slice", re.I)),
+)
+
+
+def bucket_of(name: str) -> str:
+    for label, pat in BUCKETS:
+        if pat.search(name):
+            return label
+    return "other"
+
+
+def device_events(profile):
+    """(plane name, event name, start ns, duration ns) for every kernel on an accelerator plane;
+    on CPU (no device plane) the XLA op events of the host plane's XLA lines."""
+    planes = list(profile.planes)
+    gpu = [p for p in planes if p.name.startswith("/device:GPU")]
+    for plane in gpu or [p for p in planes if p.name.startswith("/host:CPU")]:
+        print(f"{plane.name}: lines {[line.name for line in plane.lines]}", file=sys.stderr)
+        for line in plane.lines:
+            # GPU: one line per CUDA stream; "XLA Ops" / "XLA Modules" lines summarise the same
+            # time again, so only the stream lines count
+            if gpu and not line.name.startswith("Stream"):
+                continue
+            if not gpu and not line.name.startswith("tf_XLA"):
+                continue
+            for ev in line.events:
+                if ev.name.startswith("ThreadpoolListener"):
+                    continue
+                yield plane.name, line.name, ev.name, ev.start_ns, ev.duration_ns
+
+
+def summarise(events, steps: int, wall_s: float) -> dict:
+    per_bucket = collections.Counter()
+    per_kernel = collections.Counter()
+    per_stream = collections.Counter()
+    intervals = collections.defaultdict(list)
+    for plane, line, name, start, dur in events:
+        per_bucket[bucket_of(name)] += dur
+        per_kernel[name[:90]] += dur
+        per_stream[f"{plane} {line}"] += dur
+        intervals[plane].append((start, start + dur))
+    # busy time per device = union of kernel intervals over its streams (overlap counted once)
+    busy = {}
+    for plane, iv in intervals.items():
+        iv.sort()
+        total, cur_s, cur_e = 0, None, None
+        for s, e in iv:
+            if cur_e is None or s > cur_e:
+                total += 0 if cur_e is None else cur_e - cur_s
+                cur_s, cur_e = s, e
+            else:
+                cur_e = max(cur_e, e)
+        total += 0 if cur_e is None else cur_e - cur_s
+        busy[plane] = total
+    n_dev = max(len(busy), 1)
+    kernel_ms = sum(per_bucket.values()) / 1e6 / steps / n_dev
+    return {
+        "wall_ms_per_step": wall_s * 1e3 / steps,
+        "busy_ms_per_step": sum(busy.values()) / 1e6 / steps / n_dev,
+        "kernel_ms_per_step": kernel_ms,
+        "buckets_ms_per_step": {k: v / 1e6 / steps / n_dev for k, v in per_bucket.most_common()},
+        "top_kernels_ms_per_step": [(k, v / 1e6 / steps / n_dev) for k, v in per_kernel.most_common(15)],
+        "streams_ms_per_step": {k: v / 1e6 / steps / n_dev for k, v in per_stream.most_common(8)},
+        "devices": n_dev,
+    }
+
+
+def fmt(summary: dict, title: str) -> str:
+    s = summary
+    wall, busy, kern = s["wall_ms_per_step"], s["busy_ms_per_step"], s["kernel_ms_per_step"]
+    out = [f"## {title}",
+           f"wall {wall:.1f} ms/step; device busy {busy:.1f} ms ({busy / wall:.0%} of wall); "
+           f"kernel time summed over streams {kern:.1f} ms",
+           "", "| bucket | ms/step | share of kernel time |", "|---|---:|---:|"]
+    for k, v in s["buckets_ms_per_step"].items():
+        out.append(f"| {k} | {v:.1f} | {v / kern:.1%} |")
+    out += ["", "| longest kernels | ms/step |", "|---|---:|"]
+    out += [f"| `{k}` | {v:.2f} |" for k, v in s["top_kernels_ms_per_step"]]
+    out += ["", "| stream | ms/step |", "|---|---:|"]
+    out += [f"| {k} | {v:.1f} |" for k, v in s["streams_ms_per_step"].items()]
+    return "\n".join(out)
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0], epilog=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("spec", help="bench.py entry as JSON (keys left out take bench.py's defaults)")
+    p.add_argument("--steps", type=int, default=3, help="traced steps")
+    p.add_argument("--warmup", type=int, default=3)
+    p.add_argument("--title", default=None)
+    p.add_argument("--json", default=None, help="write the summary here")
+    p.add_argument("--cpu", action="store_true", help="smoke test on 2 virtual CPU devices")
+    args = p.parse_args(argv)
+    if args.cpu:
+        os.environ["JAX_PLATFORMS"] = "cpu"
+        os.environ["XLA_FLAGS"] = os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=2"
+    import jax
+
+    import bench
+
+    spec = dict(seq=1024, steps=0, warmup=0, size="large", dtype="bf16", accum=1, micro=8,
+                stage=2, offload="none", remat=True, attention=None, pipe=1, tp=1)
+    spec.update(json.loads(args.spec))
+    runner_cls = bench.PlainRunner if spec["stage"] == "plain" else bench.ZeroRunner
+    import numpy as np
+
+    from zerojax.models import gpt2 as G
+
+    config = G.GPT2Config.named(spec["size"])
+    seq = min(spec["seq"], config.n_positions)
+    n_dev = jax.device_count()
+    pipe = int(spec.get("pipe", 1))
+    gb = spec["micro"] * spec["accum"] * (n_dev // pipe)
+    batch = {"input_ids": np.random.default_rng(0).integers(0, config.vocab_size, (gb, seq), dtype=np.int32)}
+    import jax.numpy as jnp
+
+    dtype = {"bf16": jnp.bfloat16, "fp16": jnp.float16, "fp32": jnp.float32}[spec["dtype"]]
+    runner = (runner_cls(config, spec, dtype, batch) if runner_cls is bench.PlainRunner
+              else runner_cls(config, spec, dtype, batch, n_dev // pipe))
+    for _ in range(args.warmup):
+        runner.step()
+    runner.block()
+    trace_dir = tempfile.mkdtemp(prefix="zerojax-profile-")
+    with jax.profiler.trace(trace_dir):
+        t0 = time.perf_counter()
+        for _ in range(args.steps):
+            runner.step()
+        runner.block()
+        wall = time.perf_counter() - t0
+    paths = [os.path.join(d, f) for d, _, fs in os.walk(trace_dir) for f in fs if f.endswith(".xplane.pb")]
+    if not paths:
+        print(f"no .xplane.pb under {trace_dir}", file=sys.stderr)
+        return 1
+    profile = jax.profiler.ProfileData.from_file(paths[0])
+    summary = summarise(device_events(profile), args.steps, wall)
+    summary["spec"] = spec
+    summary["tokens_per_s_per_device"] = gb * seq * args.steps / wall / n_dev
+    title = args.title or json.dumps(json.loads(args.spec))
+    print(fmt(summary, f"{title}: {summary['tokens_per_s_per_device']:,.0f} tokens/s per device"))
+    if args.json:
+        os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
+        with open(args.json, "w") as f:
+            json.dump(summary, f, indent=2)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
