@@ -419,7 +419,7 @@ def fmt_table(rows: list[dict], ceiling: dict) -> str:
     biggest = max([r["result"].get("predicted_peak_bytes") or 0 for r in rows] +
                   [r["result"].get("peak_bytes") or 0 for r in rows])
     unit, gib = ("GiB", 2**30) if biggest >= 2**30 else ("MiB", 2**20)
-    head = (f"{'entry':<44}{'tok/s/dev':>11}{'TFLOP/s':>9}{'MFU':>7}{'peak ' + unit:>10}"
+    head = (f"{'entry':<56}{'tok/s/dev':>11}{'TFLOP/s':>9}{'MFU':>7}{'peak ' + unit:>10}"
             f"{'pred ' + unit:>10}{'compile s':>11}  loss")
     lines = [f"ceiling: {fmt_tflops(ceiling.get('ceiling_tflops'))} TFLOP/s bf16 per device, all busy "
              f"({ceiling.get('matmul_n')}^3 matmul) on {ceiling.get('n_devices')} x "
@@ -428,13 +428,13 @@ def fmt_table(rows: list[dict], ceiling: dict) -> str:
     for r in rows:
         res = r["result"]
         if "error" in res:
-            lines.append(f"{r['name']:<44}  FAILED: {res['error']}")
+            lines.append(f"{r['name']:<56}  FAILED: {res['error']}")
             continue
         g = lambda b: "-" if b is None else f"{b / gib:.2f}"  # noqa: E731
         mfu = f"{res['mfu']:.1%}" if res.get("mfu") is not None else "-"  # only against a measured ceiling
         comp = "-" if res.get("compile_s") is None else f"{res['compile_s']:.1f}"
         loss = res["losses"][-1] if res.get("losses") else float("nan")
-        lines.append(f"{r['name']:<44}{res['tokens_per_s_per_device']:>11,.0f}"
+        lines.append(f"{r['name']:<56}{res['tokens_per_s_per_device']:>11,.0f}"
                      f"{fmt_tflops(res['tflops_per_device']):>9}{mfu:>7}{g(res['peak_bytes']):>10}"
                      f"{g(res['predicted_peak_bytes']):>10}{comp:>11}  {loss:.3f}")
     return "\n".join(lines)

@@ -17,21 +17,24 @@ import sys
 GIB = 2**30
 
 
-def _entries(paths):
-    rows = []
+def _reports(paths):
+    """Each file's entries; a file a crashed bench run never wrote is said on stderr and skipped."""
+    out = []
     for path in paths:
-        with open(path) as f:
-            report = json.load(f)
-        rows += [r for r in report["entries"] if "error" not in r["result"]]
-    return rows
+        try:
+            with open(path) as f:
+                out += json.load(f)["entries"]
+        except FileNotFoundError:
+            print(f"{path}: not written (its bench run failed?); skipped", file=sys.stderr)
+    return out
+
+
+def _entries(paths):
+    return [r for r in _reports(paths) if "error" not in r["result"]]
 
 
 def _failed(paths):
-    out = []
-    for path in paths:
-        with open(path) as f:
-            out += [r for r in json.load(f)["entries"] if "error" in r["result"]]
-    return out
+    return [r for r in _reports(paths) if "error" in r["result"]]
 
 
 def best(rows, max_gib):
