@@ -164,6 +164,31 @@ def test_loop_candidate_matches_device(par):
     assert [(c.rest, c.loop) for c in chunks] == [(True, 0), (False, 2)]  # 4 layers in 2 groups
 
 
+def test_write_in_place_and_streams_match_device():
+    # EngineOptions.offload_write_pieces (the non-layer chunk written into its donated host
+    # buffers, 3 pieces) and offload_streams (the 4 layers as 2 host chunks, one update loop over
+    # both): the same arithmetic as the device update, only placed differently; fp32 as in
+    # test_offload_optimizer_fp32_matches_device (norm summed per chunk: ~1e-7 relative), 1e-6
+    opts = zerojax.EngineOptions(offload_write_pieces=3, offload_streams=2)
+    eng, master = run(2, "fp32", "cpu", options=opts)
+    _, ref = run(2, "fp32")
+    close(master, ref, 1e-6)
+    check_placement(eng, params_host=False)
+    chunks = eng.offload_layout.layout.chunks
+    assert [(c.rest, c.lo, c.hi, c.loop) for c in chunks] == [(True, 0, 0, 0), (False, 0, 2, 2), (False, 2, 4, 2)]
+
+
+def test_offload_speed_options_are_checked():
+    with pytest.raises(ValueError, match="offload_write_pieces=1"):
+        zerojax.EngineOptions(offload_write_pieces=1)
+    with pytest.raises(ValueError, match="offload_streams=0"):
+        zerojax.EngineOptions(offload_streams=0)
+    from zerojax import offload
+    tree = {"h": jnp.zeros((4, 3)), "wte": jnp.zeros((5, 3))}
+    with pytest.raises(ValueError, match="offload_streams=3.*divisor of 4"):
+        offload.chunk_layout(tree, 4, stacked=4, streams=3)
+
+
 @pytest.mark.parametrize("par", ["none", "cpu"])
 def test_init_by_leaf_groups_equals_one_jit(par):
     # a model too large to initialise on the device at once is built a group of leaves at a time

@@ -226,7 +226,8 @@ def _build_layout(module, cfg: Config, *, loss_fn, mesh: Mesh, options) -> Engin
                 {"scan_unroll": options.offload_unroll,
                  "layer_scan": O.prefetch_scan if options.offload_prefetch else None})
         offload_step = OffloadStep(layout=off, tx=tx, scaler=scaler, clip=float(cfg.gradient_clipping or 0.0),
-                                   param_shardings=param_shardings if offload_param else None)
+                                   param_shardings=param_shardings if offload_param else None,
+                                   write_pieces=options.offload_write_pieces)
     else:
         opt_shardings = partition.opt_state_shardings(tx, abstract_master, shardings.master, mesh)
     if (stage == 3 and not offload_param and partition.data_size(mesh) > 1 and options.stage3_gather == "layer"
@@ -310,7 +311,8 @@ def _offload_layout(cfg, options, tx, abstract_master, shardings, mesh, fp16, of
         ratio = float(zero.offload_optimizer.ratio)
     else:  # offload_param alone: the optimizer state stays on the device (one device chunk)
         kind, ratio = O.DEVICE, 0.0
-    off = O.offload_layout(tx, abstract_master, shardings.master, k, kind=kind, ratio=ratio)
+    off = O.offload_layout(tx, abstract_master, shardings.master, k, kind=kind, ratio=ratio,
+                           streams=options.offload_streams if offload_optimizer else 1)
     settings = dict(chunks=k, ratio=ratio, kind=kind, unroll=options.offload_unroll if offload_param else None)
     scaler = loss_scaler_from_config(cfg.fp16) if fp16 else None
     opt_shardings = off.shardings.opt_state
