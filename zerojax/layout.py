@@ -311,6 +311,10 @@ def _offload_layout(cfg, options, tx, abstract_master, shardings, mesh, fp16, of
         ratio = float(zero.offload_optimizer.ratio)
     else:  # offload_param alone: the optimizer state stays on the device (one device chunk)
         kind, ratio = O.DEVICE, 0.0
+    if options.offload_streams > 1 and offload_param:
+        # the chunks' new compute copies would be joined in host memory (compute on host buffers)
+        raise ValueError(f"EngineOptions.offload_streams={options.offload_streams} works with "
+                         "offload_optimizer alone, not with offload_param; set offload_streams=1")
     off = O.offload_layout(tx, abstract_master, shardings.master, k, kind=kind, ratio=ratio,
                            streams=options.offload_streams if offload_optimizer else 1)
     settings = dict(chunks=k, ratio=ratio, kind=kind, unroll=options.offload_unroll if offload_param else None)
