@@ -178,11 +178,59 @@ def test_write_in_place_and_streams_match_device():
     assert [(c.rest, c.lo, c.hi, c.loop) for c in chunks] == [(True, 0, 0, 0), (False, 0, 2, 2), (False, 2, 4, 2)]
 
 
+def test_bf16_first_moment_offloaded_matches_device():
+    # EngineOptions.adam_mu_dtype="bfloat16": Adam's first moment stored in bf16 (host memory under
+    # offload). Offloaded and not, the arithmetic is the same (fp32 compute, the moment rounded
+    # where it is stored): 1e-6 as in test_offload_optimizer_fp32_matches_device. Against the
+    # fp32 moment the weights must move (the option took effect): the first step alone moves a
+    # weight by lr x (relative rounding of m, up to 2^-9), far above the fp32 test's 1e-6 noise.
+    opts = zerojax.EngineOptions(adam_mu_dtype="bfloat16")
+    eng, master = run(2, "fp32", "cpu", options=opts)
+    _, ref = run(2, "fp32", options=opts)
+    close(master, ref, 1e-6)
+    check_placement(eng, params_host=False)
+    mus = [st.mu for st in eng.state.opt_state]
+    assert {x.dtype for x in jax.tree.leaves(mus)} == {jnp.dtype(jnp.bfloat16)}
+    assert kinds(mus) <= set(HOST)
+    _, fp32_mu = run(2, "fp32")
+    assert max(float(np.max(np.abs(a - b))) for a, b in zip(jax.tree.leaves(master), jax.tree.leaves(fp32_mu))) > 1e-6
+
+
+def test_fused_adam_bf16_first_moment_against_float64():
+    # scale_by_fused_adam(mu_dtype=bf16) against Adam written out in float64 with the stored
+    # moment rounded to bf16 after each step (the update itself uses the unrounded moment).
+    # The stored moment: equal up to one bf16 ulp (2^-8 relative: fp32 vs float64, or an FMA the
+    # CPU contracts, can put the value on the other side of a bf16 rounding boundary). The weights:
+    # fp32 vs float64 is ~1e-7; one such flipped moment moves a later step by <= lr x 2^-8 x 3.2
+    # (Adam's step bound lr (1 - b1) / sqrt(1 - b2), Kingma & Ba 2.1) = 1.25e-4, at most 2 later
+    # steps: atol 2.5e-4, against ~1e-2 a step moves them
+    from zerojax.optim import scale_by_fused_adam
+    lr, b1, b2, eps = 1e-2, 0.9, 0.999, 1e-8
+    rng = np.random.default_rng(0)
+    grads = [rng.standard_normal(16).astype(np.float32) for _ in range(3)]
+    tx = scale_by_fused_adam(lambda c: lr, b1=b1, b2=b2, eps=eps, mu_dtype=jnp.bfloat16)
+    p = jnp.ones(16, jnp.float32)
+    st = tx.init(p)
+    assert st.mu.dtype == jnp.bfloat16
+    m, v, pr = np.zeros(16), np.zeros(16), np.ones(16)
+    for t, g in enumerate(grads, 1):
+        u, st = tx.update(jnp.asarray(g), st, p)
+        p = p + u
+        m_new = b1 * m + (1 - b1) * g.astype(np.float64)
+        v = b2 * v + (1 - b2) * g.astype(np.float64) ** 2
+        pr = pr - lr * (m_new / (1 - b1 ** t)) / (np.sqrt(v / (1 - b2 ** t)) + eps)
+        m = m_new.astype(jnp.bfloat16).astype(np.float64)
+        np.testing.assert_allclose(np.asarray(st.mu, np.float64), m, rtol=2.0 ** -8, atol=0)
+        np.testing.assert_allclose(np.asarray(p, np.float64), pr, rtol=0, atol=2.5e-4)
+
+
 def test_offload_speed_options_are_checked():
     with pytest.raises(ValueError, match="offload_write_pieces=1"):
         zerojax.EngineOptions(offload_write_pieces=1)
     with pytest.raises(ValueError, match="offload_streams=0"):
         zerojax.EngineOptions(offload_streams=0)
+    with pytest.raises(ValueError, match="adam_mu_dtype='float16'"):
+        zerojax.EngineOptions(adam_mu_dtype="float16")
     from zerojax import offload
     tree = {"h": jnp.zeros((4, 3)), "wte": jnp.zeros((5, 3))}
     with pytest.raises(ValueError, match="offload_streams=3.*divisor of 4"):

@@ -75,7 +75,8 @@ class EngineLayout:
         """(wrap, unwrap) between the offload's bare optimizer state and the state a run without
         offload keeps: there, gradient clipping is a transform chained before the optimizer, so
         its state is (clip state, optimizer state); offload clips the whole gradient itself."""
-        full = jax.eval_shape(build_optimizer(self.cfg).init, self.abstract_master)
+        full = jax.eval_shape(build_optimizer(self.cfg, mu_dtype=self.options.adam_mu_dtype).init,
+                              self.abstract_master)
         bare = jax.eval_shape(self.tx.init, self.abstract_master)
         if jax.tree.structure(full) == jax.tree.structure(bare):
             return (lambda st: st), (lambda st: st)
@@ -198,7 +199,7 @@ def _build_layout(module, cfg: Config, *, loss_fn, mesh: Mesh, options) -> Engin
                            "and the offloaded update runs on chunks of stacked layers; use Adam/AdamW, "
                            "Lion, SGD or Adagrad with offload, or turn offload off for Lamb"])
     # offload: the bare optimizer (clip, unscale and finite check run on the whole gradient first)
-    tx = build_optimizer(cfg, clip=not offloading)
+    tx = build_optimizer(cfg, clip=not offloading, mu_dtype=options.adam_mu_dtype)
     tx = loss_scale_from_config(tx, cfg.fp16) if (fp16 and not offloading) else tx
 
     graphdef, params, rest = nnx.split(module, nnx.Param, ...)
