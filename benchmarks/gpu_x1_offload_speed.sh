@@ -7,18 +7,21 @@
 #   pieces8      offload_write_pieces=8: the non-layer chunk (wte: 64M of the 774M parameters)
 #                written into its donated host buffers in 8 pieces, not into fresh pinned outputs
 #   streams2     offload_streams=2: the 36 layers as 2 host chunks of 18, one loop over both
-#   both         pieces8 + streams2
+#   mubf16       adam_mu_dtype=bfloat16: Adam's first moment stored in bf16 (10 bytes a parameter
+#                each way instead of 12; changes training slightly, default off)
+#   all          pieces8 + streams2 + mubf16
 # then benchmarks/profile_step.py of the fastest, with its optimised HLO (the copies XLA kept on
 # the compute stream are read there: copy-start / async dynamic-slice / dynamic-update-slice on
 # S(5) buffers). Prints a table (tokens/s, step, peak, host<->device GB/s each way = 12 bytes per
-# parameter moved each way / step time, against the link's measured 51-55 GB/s); JSON to $OUT.
-# About 6 minutes of GPU time (4 x ~65 s + the profile).
+# parameter (10 with mubf16) moved each way / step time, against the link's measured 51-55 GB/s);
+# JSON to $OUT.
+# About 6-7 minutes of GPU time (5 x ~60 s + the profile).
 #   OUT=/tmp/o bash benchmarks/gpu_x1_offload_speed.sh            # PROFILE=0 skips the profile
 set -u
 OUT=${OUT:-benchmarks/results}; mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1
 B="python3 benchmarks/bench.py --matrix custom --sizes large --remat on --micro 8 --stages 2 --offload optimizer --mem-fraction 0.17 --steps 5 --warmup 2 --timeout 150"
-VARIANTS="default: pieces8:ZEROJAX_OFFLOAD_WRITE_PIECES=8 streams2:ZEROJAX_OFFLOAD_STREAMS=2 both:ZEROJAX_OFFLOAD_WRITE_PIECES=8,ZEROJAX_OFFLOAD_STREAMS=2"
+VARIANTS="default: pieces8:ZEROJAX_OFFLOAD_WRITE_PIECES=8 streams2:ZEROJAX_OFFLOAD_STREAMS=2 mubf16:ZEROJAX_ADAM_MU_DTYPE=bfloat16 all:ZEROJAX_OFFLOAD_WRITE_PIECES=8,ZEROJAX_OFFLOAD_STREAMS=2,ZEROJAX_ADAM_MU_DTYPE=bfloat16"
 for v in $VARIANTS; do
   name=${v%%:*}; vars=${v#*:}
   echo "== $name ${vars:-(defaults)}"
@@ -37,8 +40,8 @@ for v in variants:
         res = {"error": f"no result ({e})"}
     row = {"name": name, "env": env, **{k: res.get(k) for k in ("tokens_per_s_per_device", "step_s", "peak_bytes", "params", "error")}}
     if res.get("step_s") and res.get("params"):
-        # fp32 master + Adam's two fp32 moments cross PCIe each way every step
-        row["bytes_each_way"] = 12 * res["params"]
+        # fp32 master + Adam's two moments (fp32, or the first in bf16) cross PCIe each way every step
+        row["bytes_each_way"] = (10 if "ADAM_MU_DTYPE=bfloat16" in env else 12) * res["params"]
         row["gbps_each_way"] = row["bytes_each_way"] / res["step_s"] / 1e9
     rows.append(row)
 print(f"\n| variant | tokens/s | step ms | peak GiB | host<->device GB/s each way (link 51-55) |\n|---|---:|---:|---:|---:|")
