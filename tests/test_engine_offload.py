@@ -231,6 +231,15 @@ def test_offload_speed_options_are_checked():
         zerojax.EngineOptions(offload_streams=0)
     with pytest.raises(ValueError, match="adam_mu_dtype='float16'"):
         zerojax.EngineOptions(adam_mu_dtype="float16")
+    env = {"ZEROJAX_OFFLOAD_WRITE_PIECES": "8", "ZEROJAX_OFFLOAD_STREAMS": "2", "ZEROJAX_ADAM_MU_DTYPE": "bfloat16"}
+    assert zerojax.EngineOptions.from_env(env) == zerojax.EngineOptions(
+        offload_write_pieces=8, offload_streams=2, adam_mu_dtype="bfloat16")
+    with pytest.raises(ValueError, match="offload_streams=2 works with offload_optimizer alone"):
+        zerojax.shard(lambda: gpt2.GPT2(C, rngs=nnx.Rngs(0)), config(3, "fp32", "cpu", "cpu"),
+                      loss_fn=gpt2.gpt2_loss, options=zerojax.EngineOptions(offload_streams=2))
+    with pytest.raises(ValueError, match="adam_mu_dtype='bfloat16'.*'SGD' has no such moment"):
+        zerojax.shard(lambda: gpt2.GPT2(C, rngs=nnx.Rngs(0)), config(2, "fp32", optimizer="sgd"),
+                      loss_fn=gpt2.gpt2_loss, options=zerojax.EngineOptions(adam_mu_dtype="bfloat16"))
     from zerojax import offload
     tree = {"h": jnp.zeros((4, 3)), "wte": jnp.zeros((5, 3))}
     with pytest.raises(ValueError, match="offload_streams=3.*divisor of 4"):
