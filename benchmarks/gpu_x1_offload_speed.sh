@@ -72,3 +72,12 @@ if [ "${PROFILE:-1}" = 1 ]; then
     echo "$(basename "$f"): copy-start $(grep -c 'copy-start(' "$f"), async dynamic-slice $(grep -cE 'dynamic-slice-start|async-start.*dynamic-slice' "$f"), dynamic-update-slice on S(5) $(grep -E 'dynamic-update-slice' "$f" | grep -c 'S(5)'), copies on S(5) $(grep -E '= .*S\(5\).* copy\(' "$f" | wc -l)"
   done
 fi
+
+# EXTRA=1 (about 3 more minutes): the update alone without the engine (benchmarks/offload_probe.py),
+# the in-place layer loop against one whole-array transfer per layer ("chunked/36": async
+# copy-start / copy-done, the kind pcie_probe.py measured overlapping both ways at 51 GB/s) and
+# everything at once ("whole"), to tell whether the loop's dynamic slices are what serialises
+if [ "${EXTRA:-0}" = 1 ]; then
+  python3 benchmarks/offload_probe.py --mem-fraction 0.17 --configs loop/36,chunked/36,whole --steps 3 --warmup 1 2>&1 | grep -E "^(loop|chunked|whole)|FAIL"
+  cp "$OUT/offload_probe.json" "$OUT/offspeed_probe.json" 2>/dev/null
+fi
