@@ -178,6 +178,44 @@ def test_write_in_place_and_streams_match_device():
     assert [(c.rest, c.lo, c.hi, c.loop) for c in chunks] == [(True, 0, 0, 0), (False, 0, 2, 2), (False, 2, 4, 2)]
 
 
+@pytest.mark.parametrize("streams,pieces", [(2, 0), (4, 3)])
+def test_streamed_update_layouts_agree(streams, pieces):
+    # offload.streamed_update alone (no engine: cheap), 8 stacked layers + a non-layer leaf, 2 AdamW
+    # steps: the layers as `streams` loop chunks and the non-layer chunk written back in `pieces`
+    # place the same elementwise arithmetic differently, so they equal the default layout bitwise;
+    # and the update on the whole tree on the device (no offload) to fp32 rounding: every value is
+    # O(1) and the same ops run in the same order per element, 1e-6
+    from zerojax import offload
+    from zerojax.optim import scale_by_fused_adam
+    mesh = jax.make_mesh((1,), ("data",), axis_types=(jax.sharding.AxisType.Auto,), devices=jax.devices()[:1])
+    rng = np.random.default_rng(0)
+    tree = {"h": {"w": rng.standard_normal((8, 16, 16)), "b": rng.standard_normal((8, 16))},
+            "wte": rng.standard_normal((40, 16))}
+    tree = jax.tree.map(lambda x: jnp.asarray(x, jnp.float32), tree)
+    grads = jax.tree.map(lambda x: jnp.asarray(rng.standard_normal(x.shape), jnp.float32), tree)
+    sh = jax.tree.map(lambda x: jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec()), tree)
+    tx = scale_by_fused_adam(lambda c: 1e-2, weight_decay=0.1)
+
+    def two_steps(streams, pieces):
+        state, off = offload.init_offloaded(tx, tree, 8, sh, kind="pinned_host", streams=streams)
+        params = jax.tree.map(lambda x: x.astype(jnp.bfloat16), tree)
+        f = jax.jit(lambda st, p: offload.streamed_update(tx, grads, st, off, compute_init=p, write_pieces=pieces),
+                    donate_argnums=(0, 1))
+        for _ in range(2):
+            params, state = f(state, params)
+        assert [c.loop for c in off.layout.chunks] == [0] + [8 // streams] * streams
+        return offload.offload_master(state, off), params
+
+    got, want = two_steps(streams, pieces), two_steps(1, 0)
+    for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+        np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32))
+    m, st = tree, tx.init(tree)
+    for _ in range(2):
+        u, st = tx.update(grads, st, m)
+        m = jax.tree.map(lambda p, d: p + d, m, u)
+    close(got[0], m, 1e-6)
+
+
 def test_bf16_first_moment_offloaded_matches_device():
     # EngineOptions.adam_mu_dtype="bfloat16": Adam's first moment stored in bf16 (host memory under
     # offload). Offloaded and not, the arithmetic is the same (fp32 compute, the moment rounded

@@ -121,6 +121,20 @@ def _empty_like(m, m_sh, compute_dtype, compute_kind):
         x, NamedSharding(s.mesh, s.spec)), z, m_sh, is_leaf=is_none)
 
 
+def _all_loops(tx, loops, layout, g_chunks, state, off, init_chunks, out_c, out_m, out_s, *, compute_dtype,
+               skip, grad_scale, compute_kind):
+    """The loop chunks (indices `loops`) updated by one `_loop_update`; results into out_*."""
+    cps = [init_chunks[i] if init_chunks is not None
+           else _empty_like(state.master[i], off.master_shardings[i], compute_dtype, compute_kind)
+           for i in loops]
+    pick = lambda xs: [xs[i] for i in loops]  # noqa: E731
+    done = _loop_update(tx, pick(layout.chunks), pick(g_chunks), pick(state.master), pick(state.opt_state),
+                        cps, pick(off.master_shardings), pick(off.state_shardings), kind=off.kind,
+                        compute_dtype=compute_dtype, skip=skip, grad_scale=grad_scale, compute_kind=compute_kind)
+    for i, (m, s, cp) in zip(loops, done):
+        out_m[i], out_s[i], out_c[i] = m, s, cp
+
+
 def streamed_update(tx, grads, state: OffloadState, off: OffloadLayout, *,
                     compute_dtype=jnp.bfloat16, skip=None, grad_scale=None, compute_kind=None,
                     compute_init=None, write_pieces: int = 0):
@@ -145,19 +159,12 @@ def streamed_update(tx, grads, state: OffloadState, off: OffloadLayout, *,
     n = len(layout.chunks)
     out_c, out_m, out_s = [None] * n, [None] * n, [None] * n
     loops = [i for i, c in enumerate(layout.chunks) if c.loop]
-    if loops:  # every loop chunk in one fori_loop
-        cps = [init_chunks[i] if init_chunks is not None
-               else _empty_like(state.master[i], off.master_shardings[i], compute_dtype, compute_kind)
-               for i in loops]
-        pick = lambda xs: [xs[i] for i in loops]  # noqa: E731
-        done = _loop_update(tx, pick(layout.chunks), pick(g_chunks), pick(state.master), pick(state.opt_state),
-                            cps, pick(off.master_shardings), pick(off.state_shardings), kind=off.kind,
-                            compute_dtype=compute_dtype, skip=skip, grad_scale=grad_scale,
-                            compute_kind=compute_kind)
-        for i, (m, s, cp) in zip(loops, done):
-            out_m[i], out_s[i], out_c[i] = m, s, cp
     for i, (c, g, m, s) in enumerate(zip(layout.chunks, g_chunks, state.master, state.opt_state)):
         if c.loop:
+            if i == loops[0]:  # every loop chunk in one fori_loop, traced where the first one is
+                _all_loops(tx, loops, layout, g_chunks, state, off, init_chunks, out_c, out_m, out_s,
+                           compute_dtype=compute_dtype, skip=skip, grad_scale=grad_scale,
+                           compute_kind=compute_kind)
             continue
         # the whole chunk at once (the rest leaves; the device chunk, with no transfer)
         m_sh, s_sh = off.master_shardings[i], off.state_shardings[i]
