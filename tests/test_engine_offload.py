@@ -275,7 +275,7 @@ def test_offload_speed_options_are_checked():
     with pytest.raises(ValueError, match="offload_streams=2 works with offload_optimizer alone"):
         zerojax.shard(lambda: gpt2.GPT2(C, rngs=nnx.Rngs(0)), config(3, "fp32", "cpu", "cpu"),
                       loss_fn=gpt2.gpt2_loss, options=zerojax.EngineOptions(offload_streams=2))
-    with pytest.raises(ValueError, match="adam_mu_dtype='bfloat16'.*'SGD' has no such moment"):
+    with pytest.raises(ValueError, match="adam_mu_dtype='bfloat16'.*Adam / AdamW only; optimizer.type is 'SGD'"):
         zerojax.shard(lambda: gpt2.GPT2(C, rngs=nnx.Rngs(0)), config(2, "fp32", optimizer="sgd"),
                       loss_fn=gpt2.gpt2_loss, options=zerojax.EngineOptions(adam_mu_dtype="bfloat16"))
     from zerojax import offload

@@ -534,7 +534,8 @@ def optimizer_from(type: str, params: Mapping[str, Any] | None = None, *, gradie
 
     if mu_dtype is not None and kind not in ("Adam", "AdamW"):
         raise _error(f"EngineOptions.adam_mu_dtype={jnp.dtype(mu_dtype).name!r} stores Adam's first moment in "
-                     f"a lower precision; optimizer.type {type!r} has no such moment: leave adam_mu_dtype None")
+                     f"a lower precision and applies to Adam / AdamW only; optimizer.type is {type!r}: "
+                     "leave adam_mu_dtype None")
     if momentum_schedule is not None and kind in ("SGD", "Adagrad"):
         warnings.warn(f"cycle_momentum is disabled because optimizer {type} does not support momentum, "
                       f"no betas attribute in defaults")
