@@ -105,7 +105,8 @@ def test_activations_move_by_collective_permute(stages, repeats):
     """The stage-to-stage shift is a collective-permute of one micro-batch's hidden states
     [1, micro rows, SEQ, n_embd] per stage; no collective carries the whole stacked layer axis
     (8 layers): each device keeps its own stage's layers. Without repeats nothing moves the
-    weights between stages at all (no all-to-all); with circular repeats the layers, stored
+    weights between stages at all (the all-to-alls there split the pipeline's output rows over
+    "pipe" for the head); with circular repeats the layers, stored
     contiguously per stage, are exchanged once per step into the circular order (stage s runs
     blocks r S + s) by all-to-alls of half a stage's layers each way -- the cost of the option."""
     eng = trained(*{c[:2]: c for c in CASES}[(stages, repeats)])[0]
