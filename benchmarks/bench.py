@@ -83,6 +83,7 @@ def name_of(s: dict) -> str:
     extra += f" tp{s['tp']}" if s.get("tp", 1) > 1 else ""
     extra += f" rep{s['repeats']}" if s.get("repeats", 1) > 1 else ""
     extra += f" ckpt{s['ckpt']}" if s.get("ckpt") else ""
+    extra += f" accum-{s['grad_accum']}" if s.get("grad_accum") else ""
     return (f"{s['size']} {what}{extra} {s['dtype']} mb{s['micro']}x{s['accum']}"
             f"{' remat' if s['remat'] else ''}")
 
@@ -346,6 +347,8 @@ class ZeroRunner:
         }
         if spec.get("pipe", 1) > 1:  # micro-batches through the stages = gradient_accumulation_steps
             ds["pipeline"] = {"stages": spec["pipe"], "activation_checkpoint_interval": int(spec.get("ckpt", 0))}
+        if spec.get("grad_accum"):  # data_types.grad_accum_dtype, e.g. "bf16" (default fp32)
+            ds["data_types"] = {"grad_accum_dtype": spec["grad_accum"]}
         if spec["dtype"] == "bf16":
             ds["bf16"] = {"enabled": True}
         elif spec["dtype"] == "fp16":

@@ -7,7 +7,9 @@
 #          pipe 2 at 8 micro-batches of 4, 16 of 2, 32 of 1, and 8 of 2 (16 rows: the bubble fit),
 #          no checkpoints (pipeline.activation_checkpoint_interval 0, DeepSpeed's default);
 #          pipe 2, 16 of 2 with interval 18 (one checkpoint per stage iteration: the previous
-#          session's per-iteration remat, +1 forward of the layers)
+#          session's per-iteration remat, +1 forward of the layers); pipe 2, 16 of 2 with
+#          data_types.grad_accum_dtype bf16 (the stages' weight gradients summed over the 16
+#          micro-batches in bf16, as the previous session did: the cost of the fp32 default)
 # xl:      zero1 micro 8 x 2, with and without per-layer remat; pipe 2 at 16 of 2 and 8 of 4 without
 #          checkpoints (the memory guard refuses an entry that would not fit: FAILED WillNotFit),
 #          and 16 of 2 with interval 1 (every layer checkpointed, the remat'd zero1's counterpart)
@@ -34,19 +36,21 @@ table() {
 python3 - "$1" <<'PY'
 import json, sys
 entries = json.load(open(sys.argv[1]))["entries"]
-key = lambda s: (s.get("size"), s.get("pipe", 1), s["micro"], s["accum"], s.get("ckpt", 0), bool(s.get("remat")))
+key = lambda s: (s.get("size"), s.get("pipe", 1), s["micro"], s["accum"], s.get("ckpt", 0), bool(s.get("remat")),
+                 s.get("grad_accum") or "")
 rows = {key(e["spec"]): e["result"] for e in entries}
 def base(size):
-    return rows.get((size, 1, 8, 2, 0, False), {})
+    return rows.get((size, 1, 8, 2, 0, False, ""), {})
 print(f"{'entry':<28}{'tok/s/GPU':>11}{'vs zero1':>10}{'peak GiB':>10}{'TFLOP/GPU':>11}{'vs zero1':>10}"
       f"{'bubble pred':>13}{'meas <=':>9}")
-for (size, pipe, micro, accum, ckpt, remat), r in rows.items():
-    name = f"{size} {'zero1' if pipe == 1 else 'pipe%d' % pipe} mb{micro}x{accum}" + (f" ckpt{ckpt}" if ckpt else "") + (" remat" if remat else "")
+for (size, pipe, micro, accum, ckpt, remat, gacc), r in rows.items():
+    name = (f"{size} {'zero1' if pipe == 1 else 'pipe%d' % pipe} mb{micro}x{accum}" + (f" ckpt{ckpt}" if ckpt else "")
+            + (" remat" if remat else "") + (f" acc-{gacc}" if gacc else ""))
     if "error" in r:
         print(f"{name:<28}FAILED {str(r['error'])[:150]}"); continue
     b = base(size)
     tok, flops = r["tokens_per_s_per_device"], r.get("matmul_flops_per_device_step")
-    fit = [rows.get((size, pipe, 2, m, ckpt, remat), {}).get("step_s") for m in (8, 16)]
+    fit = [rows.get((size, pipe, 2, m, ckpt, remat, gacc), {}).get("step_s") for m in (8, 16)]
     meas = "-"
     if pipe > 1 and micro == 2 and None not in fit:
         alpha = (fit[1] - fit[0]) / 8
@@ -67,7 +71,8 @@ if [[ "$PARTS" == *" large "* ]]; then
     {"size": "large", "stage": 1, "pipe": 2, "micro": 2, "accum": 16},
     {"size": "large", "stage": 1, "pipe": 2, "micro": 1, "accum": 32},
     {"size": "large", "stage": 1, "pipe": 2, "micro": 2, "accum": 8},
-    {"size": "large", "stage": 1, "pipe": 2, "micro": 2, "accum": 16, "ckpt": 18}]'
+    {"size": "large", "stage": 1, "pipe": 2, "micro": 2, "accum": 16, "ckpt": 18},
+    {"size": "large", "stage": 1, "pipe": 2, "micro": 2, "accum": 16, "grad_accum": "bf16"}]'
 fi
 if [[ "$PARTS" == *" xl "* ]]; then
   run xl '[

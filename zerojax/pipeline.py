@@ -26,10 +26,17 @@ well as "data", so the final norm, the head and the loss each run on 1 / S of th
 
 Activation checkpointing is DeepSpeed's `pipeline.activation_checkpoint_interval` N: 0 (its
 default) keeps every activation the layers save (the model's own remat_policy decides, as without
-pipelining; GPipe then holds M R + S - 1 micro-batches of a stage's activations); N > 0 runs each
+pipelining); N > 0 runs each
 stage's layers in groups of N, each group a `jax.checkpoint` saving only its input, recomputed in
 the backward pass (N >= the layers a stage runs per iteration: one checkpoint per iteration).
 With the model's remat_policy also set, a group is recomputed, then each layer again: use one.
+
+Memory: with no checkpoints each device keeps its layers' saved activations for all M R + S - 1
+iterations (GPipe's cost: about M R + S - 1 micro-batches of a stage's activations; the model's
+remat_policy or an interval shrinks it). With circular repeats the weights an iteration selects
+(per stage, repeat r = (t - s) // M) are saved too, one stage block per iteration: about
+(M R + S - 1) / (S R) times the stacked layers in the compute dtype (a name-based remat policy
+did not keep them out; per-iteration remat would, at a recomputed forward's cost).
 
 Each stage's weights receive one gradient per micro-batch inside the loop; they are summed in the
 engine's gradient accumulation dtype (data_types.grad_accum_dtype, fp32 by default), as the
