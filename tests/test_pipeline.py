@@ -59,9 +59,14 @@ def host(tree):
     return jax.tree.map(lambda a: np.asarray(jax.device_get(a)), tree)
 
 
-@functools.lru_cache(maxsize=None)
 def trained(stages, repeats=1, zero_stage=0, ckpt=0):
-    """(engine, per-step losses and grad norms, weights after step 1, weights after STEPS steps)."""
+    """(engine, per-step losses and grad norms, weights after step 1, weights after STEPS steps),
+    one training run per setting (the cache key spells out every argument)."""
+    return _trained(stages, repeats, zero_stage, ckpt)
+
+
+@functools.lru_cache(maxsize=None)
+def _trained(stages, repeats, zero_stage, ckpt):
     eng = engine(stages, repeats, zero_stage, ckpt)
     metrics, first = [], None
     for i, b in enumerate(batches()):
