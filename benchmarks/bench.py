@@ -86,6 +86,9 @@ def name_of(s: dict) -> str:
     extra = "" if s.get("offload", "none") == "none" else f"+off-{s['offload']}"
     extra += f" pipe{s['pipe']}" if s.get("pipe", 1) > 1 else ""
     extra += f" tp{s['tp']}" if s.get("tp", 1) > 1 else ""
+    extra += f" rep{s['repeats']}" if s.get("repeats", 1) > 1 else ""
+    extra += f" ckpt{s['ckpt']}" if s.get("ckpt") else ""
+    extra += f" accum-{s['grad_accum']}" if s.get("grad_accum") else ""
     policy = remat_policy_of(s)
     remat = "" if policy is None else " remat" if policy == "full" else f" remat-{policy}"
     remat += f" unroll{s['unroll']}" if s.get("unroll", 1) > 1 else ""
@@ -268,6 +271,9 @@ def run_entry(spec: dict) -> dict:
         "n_devices": n_dev, "global_batch": global_batch, "seq": seq,
         "params": G.num_params(config), "backend": jax.default_backend(),
         "pipe": pipe, "predicted_bubble": getattr(getattr(runner, "engine", None), "pipeline_bubble", None),
+        # per device and step, every loop iteration counted (hlo_flops.py): recomputation, a
+        # pipeline's bubble iterations and work replicated over devices all show here
+        "matmul_flops_per_device_step": runner.matmul_flops,
     }
 
 
@@ -326,6 +332,7 @@ class PlainRunner:
         self.compiled = jitted.lower(params, opt_state, self.batch).compile()
         self.compile_s = time.perf_counter() - t0
         self.predicted = CompiledMemory.of(self.compiled)
+        self.matmul_flops = _matmul_flops(self.compiled)
         self.state = (params, opt_state)
 
     def step(self):
@@ -371,7 +378,9 @@ class ZeroRunner:
             "tensor_parallel": {"autotp_size": int(spec.get("tp", 1))},
         }
         if spec.get("pipe", 1) > 1:  # micro-batches through the stages = gradient_accumulation_steps
-            ds["pipeline"] = {"stages": spec["pipe"]}
+            ds["pipeline"] = {"stages": spec["pipe"], "activation_checkpoint_interval": int(spec.get("ckpt", 0))}
+        if spec.get("grad_accum"):  # data_types.grad_accum_dtype, e.g. "bf16" (default fp32)
+            ds["data_types"] = {"grad_accum_dtype": spec["grad_accum"]}
         if spec["dtype"] == "bf16":
             ds["bf16"] = {"enabled": True}
         elif spec["dtype"] == "fp16":
@@ -383,13 +392,17 @@ class ZeroRunner:
                              remat_policy=remat_policy_of(spec), scan_unroll=int(spec.get("unroll", 1)),
                              attention_impl=spec.get("attention"))
         # knobs swept by benchmarks/*.sh arrive as ZEROJAX_* environment variables
-        self.engine = zerojax.shard(model, cfg, loss_fn=gpt2_loss, options=zerojax.EngineOptions.from_env())
+        # spec "repeats": the pipeline's circular repeats (EngineOptions.pipeline_repeats)
+        options = zerojax.EngineOptions.from_env(pipeline_repeats=int(spec.get("repeats", 1)))
+        self.engine = zerojax.shard(model, cfg, loss_fn=gpt2_loss, options=options)
         self.batch = batch
-        self.predicted, self.compile_s = None, None
+        self.predicted, self.compile_s, self.matmul_flops = None, None, None
         t0 = time.perf_counter()
         try:
-            self.predicted = M.CompiledMemory.of(M.compile_engine_step(self.engine, batch))
+            compiled = M.compile_engine_step(self.engine, batch)
             self.compile_s = time.perf_counter() - t0
+            self.predicted = M.CompiledMemory.of(compiled)
+            self.matmul_flops = _matmul_flops(compiled)
         except NotImplementedError as e:
             print(f"no prediction: {e}", file=sys.stderr)
         self._first = True
@@ -409,6 +422,15 @@ class ZeroRunner:
         import jax
 
         jax.block_until_ready(self.engine.state)
+
+
+def _matmul_flops(compiled):
+    """Per-device matmul FLOPs of a compiled step, loops counted in full (benchmarks/hlo_flops.py)."""
+    if HERE not in sys.path:
+        sys.path.insert(0, HERE)
+    from hlo_flops import matmul_flops
+
+    return matmul_flops(compiled.as_text())
 
 
 # ---------------------------------------------------------------------------------------------

@@ -2,7 +2,9 @@
 pipelined steps against the unpipelined model, the collectives XLA emits, checkpoints across stage
 counts, and the errors."""
 import functools
+import os
 import re
+import sys
 
 import jax
 import numpy as np
@@ -14,6 +16,9 @@ from zerojax.config import ConfigError
 from zerojax.models.gpt2 import GPT2, GPT2Config, gpt2_loss
 
 from tiny_mlp import MLP, loss_fn as mlp_loss  # noqa: E402 (tests/ is on sys.path under pytest)
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks"))
+from hlo_flops import matmul_flops  # noqa: E402
 
 MODEL = GPT2Config.named("tiny", vocab_size=64, n_positions=16, n_embd=32, n_head=2, n_layer=8)
 ROWS, SEQ, GA, STEPS, LR = 32, 16, 4, 3, 0.1
@@ -29,19 +34,19 @@ REL = ROWS * (SEQ - 1) * EPS32
 WEIGHT_ATOL = STEPS * LR * REL
 
 
-def config(stages, zero_stage=0, **extra):
+def config(stages, zero_stage=0, ckpt=0, **extra):
     return {"train_batch_size": ROWS, "gradient_accumulation_steps": GA,
             "optimizer": {"type": "SGD", "params": {"lr": LR, "momentum": 0.9}},
             "gradient_clipping": 1.0, "zero_optimization": {"stage": zero_stage},
-            "pipeline": {"stages": stages}, **extra}
+            "pipeline": {"stages": stages, "activation_checkpoint_interval": ckpt}, **extra}
 
 
 def model():
     return GPT2(MODEL, rngs=nnx.Rngs(0))
 
 
-def engine(stages, repeats=1, zero_stage=0):
-    return zerojax.shard(model, config(stages, zero_stage), loss_fn=gpt2_loss,
+def engine(stages, repeats=1, zero_stage=0, ckpt=0):
+    return zerojax.shard(model, config(stages, zero_stage, ckpt), loss_fn=gpt2_loss,
                          options=zerojax.EngineOptions(pipeline_repeats=repeats))
 
 
@@ -54,10 +59,15 @@ def host(tree):
     return jax.tree.map(lambda a: np.asarray(jax.device_get(a)), tree)
 
 
+def trained(stages, repeats=1, zero_stage=0, ckpt=0):
+    """(engine, per-step losses and grad norms, weights after step 1, weights after STEPS steps),
+    one training run per setting (the cache key spells out every argument)."""
+    return _trained(stages, repeats, zero_stage, ckpt)
+
+
 @functools.lru_cache(maxsize=None)
-def trained(stages, repeats=1, zero_stage=0):
-    """(engine, per-step losses and grad norms, weights after step 1, weights after STEPS steps)."""
-    eng = engine(stages, repeats, zero_stage)
+def _trained(stages, repeats, zero_stage, ckpt):
+    eng = engine(stages, repeats, zero_stage, ckpt)
     metrics, first = [], None
     for i, b in enumerate(batches()):
         m = eng.train_step(b)
@@ -67,12 +77,14 @@ def trained(stages, repeats=1, zero_stage=0):
     return eng, np.asarray(metrics), first, host(eng.master_params)
 
 
-CASES = [(2, 1, 0), (4, 1, 1), (2, 2, 1), (4, 2, 0)]  # (stages, circular repeats, ZeRO stage)
+# (stages, circular repeats, ZeRO stage, pipeline.activation_checkpoint_interval): with 8 layers,
+# interval 2 at 4 stages is one checkpoint per stage iteration, 1 at 4 stages x 2 repeats too
+CASES = [(2, 1, 0, 0), (4, 1, 1, 2), (2, 2, 1, 0), (4, 2, 0, 1)]
 
 
-@pytest.mark.parametrize("stages,repeats,zero_stage", CASES)
-def test_pipelined_steps_match_the_plain_model(stages, repeats, zero_stage):
-    eng, metrics, first, last = trained(stages, repeats, zero_stage)
+@pytest.mark.parametrize("stages,repeats,zero_stage,ckpt", CASES)
+def test_pipelined_steps_match_the_plain_model(stages, repeats, zero_stage, ckpt):
+    eng, metrics, first, last = trained(stages, repeats, zero_stage, ckpt)
     _, ref_metrics, ref_first, ref_last = trained(1, 1, zero_stage)
     assert eng.pipeline.stages == stages and eng.mesh.shape["pipe"] == stages
     assert eng.mesh.shape["data"] == 8 // stages
@@ -98,19 +110,54 @@ def test_activations_move_by_collective_permute(stages, repeats):
     """The stage-to-stage shift is a collective-permute of one micro-batch's hidden states
     [1, micro rows, SEQ, n_embd] per stage; no collective carries the whole stacked layer axis
     (8 layers): each device keeps its own stage's layers. Without repeats nothing moves the
-    weights between stages at all (no all-to-all); with circular repeats the layers, stored
+    weights between stages at all (the all-to-alls there split the pipeline's output rows over
+    "pipe" for the head); with circular repeats the layers, stored
     contiguously per stage, are exchanged once per step into the circular order (stage s runs
     blocks r S + s) by all-to-alls of half a stage's layers each way -- the cost of the option."""
-    zero_stage = {c[:2]: c[2] for c in CASES}[(stages, repeats)]
-    eng = trained(stages, repeats, zero_stage)[0]
-    shapes = {"input_ids": jax.ShapeDtypeStruct((ROWS, SEQ), np.int32)}
-    ops = _collectives(eng.compiled_step(shapes).as_text())
+    eng = trained(*{c[:2]: c for c in CASES}[(stages, repeats)])[0]
+    ops = _collectives(eng.compiled_step(SHAPES).as_text())
     rows = ROWS // GA // eng.mesh.shape["data"]
     hidden = f"[1,{rows},{SEQ},{MODEL.n_embd}]"
     assert any(op == "collective-permute" and hidden in shp for op, shp in ops), ops
     stack = f"[{MODEL.n_layer},"
     assert not [o for o in ops if o[0] in ("all-gather", "all-to-all") and stack in o[1]], ops
-    assert any(op == "all-to-all" for op, _ in ops) == (repeats > 1), ops
+    # the MLP's up-projection [.., n_embd, 4 n_embd] stands for the layers' weights
+    weights = f"{MODEL.n_embd},{4 * MODEL.n_embd}]"
+    assert any(op == "all-to-all" and weights in shp for op, shp in ops) == (repeats > 1), ops
+
+
+SHAPES = {"input_ids": jax.ShapeDtypeStruct((ROWS, SEQ), np.int32)}
+# Matmul FLOPs per token of the tiny model's forward pass (the independent reference): a layer's
+# four projections 2 x 12 d^2, attention's scores and weighted sum 2 x 2 T d (XLA's attention
+# computes the full T x T), the tied head 2 d V. The backward pass costs two forwards (the
+# gradients of each matmul's two inputs); a recomputed forward adds one.
+LAYER_FLOPS = 24 * MODEL.n_embd ** 2 + 4 * SEQ * MODEL.n_embd
+HEAD_FLOPS = 2 * MODEL.n_embd * MODEL.vocab_size
+
+
+@pytest.mark.parametrize("stages,repeats,zero_stage,ckpt", [(1, 1, 0, 0)] + CASES)
+def test_per_device_flops(stages, repeats, zero_stage, ckpt):
+    """Per device, the compiled step's matmul FLOPs (every loop iteration counted) are what the
+    schedule says and nothing more: each stage runs its L / (S R) layers on one micro-batch in each
+    of the M R + S - 1 iterations (idle stages compute on zeros), a recomputation only with an
+    activation_checkpoint_interval, and the head on 1 / (data x pipe) of the rows, not repeated on
+    every stage. Exact: these are counts of matmul shapes, not timings."""
+    eng = trained(stages, repeats, zero_stage, ckpt)[0]
+    data = eng.mesh.shape["data"]
+    tokens_per_iteration = ROWS // GA // data * SEQ
+    passes = 3 + (ckpt > 0)  # forward, two for the backward, a recomputed forward
+    if stages == 1:          # plain: the layer scan inside the accumulation scan
+        layers = GA * MODEL.n_layer * tokens_per_iteration * LAYER_FLOPS * passes
+    else:
+        per = MODEL.n_layer // (stages * repeats)
+        layers = eng.pipeline.iterations * per * tokens_per_iteration * LAYER_FLOPS * passes
+        if ckpt == 1:
+            # a checkpointed group of one layer (no loop left: XLA inlines a one-trip scan) is
+            # recomputed without its last matmul, the MLP's down-projection 2 x 4d x d: the
+            # backward pass needs that matmul's inputs, not its output
+            layers -= eng.pipeline.iterations * per * tokens_per_iteration * 8 * MODEL.n_embd ** 2
+    head = ROWS // 8 * SEQ * HEAD_FLOPS * 3
+    assert matmul_flops(eng.compiled_step(SHAPES).as_text()) == layers + head
 
 
 def test_checkpoint_resumes_across_stage_counts(tmp_path):
@@ -140,6 +187,9 @@ def test_errors():
     # circular repeats need at least as many micro-batches as stages
     msg = _refusal({**config(4), "gradient_accumulation_steps": 2, "train_batch_size": 8}, repeats=2)
     assert "gradient_accumulation_steps >= pipeline.stages" in msg
+    # a checkpoint interval that does not divide a stage's 4 layers
+    msg = _refusal(config(2, ckpt=3))
+    assert "pipeline.activation_checkpoint_interval=3" in msg and "[1, 2, 4]" in msg
     # stages that do not divide the devices
     msg = _refusal(config(3))
     assert "pipeline.stages" in msg and "must divide the 8 devices" in msg

@@ -248,7 +248,7 @@ def _build_layout(module, cfg: Config, *, loss_fn, mesh: Mesh, options) -> Engin
 
     schedule_ = None
     if partition.pipe_size(mesh) > 1 or pipeline_stages(cfg.pipeline) > 1:
-        schedule_, graphdef = _pipeline_layout(module, cfg, mesh, options, abstract_master)
+        schedule_, graphdef = _pipeline_layout(module, cfg, mesh, options, abstract_master, accum_dtype)
 
     step = StepSettings(
         graphdef=graphdef, param_template=param_template, rest_template=rest_template,
@@ -270,7 +270,7 @@ PIPELINE_HOOK_ERROR = ("pipeline.stages = {stages}: pipelining needs a model who
                        "with a `layer_scan` hook (docs/CONTRACTS.md; zerojax.models.gpt2.GPT2 has it). {what}")
 
 
-def _pipeline_layout(module, cfg, mesh, options, abstract_master):
+def _pipeline_layout(module, cfg, mesh, options, abstract_master, accum_dtype):
     """(PipelineSchedule, the graphdef whose layer scan runs it) for pipeline.stages > 1."""
     stages = pipeline_stages(cfg.pipeline)
     if partition.pipe_size(mesh) != stages:
@@ -285,8 +285,11 @@ def _pipeline_layout(module, cfg, mesh, options, abstract_master):
                 "`layer_scan` attribute" if not hooked else "stacked (scanned) layer parameters")
             + "; use pipeline.stages 1 (data parallelism with ZeRO) for it"))
     schedule = PipelineSchedule(stages=stages, microbatches=int(cfg.gradient_accumulation_steps),
-                                repeats=options.pipeline_repeats)
-    problems = schedule_problems(layers, stages, schedule.microbatches, schedule.repeats)
+                                repeats=options.pipeline_repeats,
+                                checkpoint_interval=int(cfg.pipeline.activation_checkpoint_interval),
+                                grad_accum_dtype=jnp.dtype(accum_dtype).name)
+    problems = schedule_problems(layers, stages, schedule.microbatches, schedule.repeats,
+                                 schedule.checkpoint_interval)
     if problems:
         raise ConfigError(problems)
     return schedule, _split_with(module, hooked, {"layer_scan": pipeline_scan(schedule, mesh)})

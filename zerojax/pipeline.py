@@ -4,7 +4,8 @@ the one jitted step (GPipe, after MaxText's `layers/pipeline.py`).
 A model whose layers run as one stacked scan (`zerojax.models.gpt2.GPT2`: `layer_scan` hook) is
 handed `pipeline_scan(...)` as that scan. It splits the step's batch of hidden states into the
 gradient_accumulation_steps micro-batches and runs the schedule below; the embeddings, the final
-norm, the head and the loss stay outside, computed once on the whole batch. So the loss_fn is
+norm, the head and the loss stay outside, computed once on the whole batch (below: split over
+the stages' devices). So the loss_fn is
 called once per step on all micro-batches: a loss that is a mean over tokens equals DeepSpeed's
 mean of micro-batch means whenever the micro-batches count the same tokens (no -100 labels).
 
@@ -14,11 +15,33 @@ R = 1 each device keeps exactly its storage shard of the stack. A buffer [S, mic
 sharded over "pipe" holds each stage's input; every iteration all stages run their block at once
 (one vmapped scan), then the buffer rolls by one stage (`jnp.roll` over the "pipe"-sharded axis,
 which XLA lowers to a collective-permute) and stage 0 takes the next micro-batch, or, with R > 1,
-the last stage's output of the previous repeat from a FIFO of M - S + 1 buffers. M R + S - 1
+the last stage's output of the previous repeat from a ring of M - S + 1 buffers. M R + S - 1
 iterations; each stage idles S - 1 of them: the bubble fraction (S - 1) / (M R + S - 1).
 
-Per-iteration remat: each iteration is a `jax.checkpoint` saving only its carry, so the backward
-pass keeps one stage input per iteration and recomputes the stage's layers.
+Work outside the stages is not repeated on every stage: the embedded micro-batches enter through
+a "pipe"-sharded buffer that only stage 0 reads (so the backward pass sums their gradients over
+"pipe" once, not once per iteration), and the pipeline's output rows are split over "pipe" as
+well as "data", so the final norm, the head and the loss each run on 1 / S of the rows per device
+(replicated, GPT-2 Large's head cost each of 2 stages 16% of its layers' FLOPs again).
+
+Activation checkpointing is DeepSpeed's `pipeline.activation_checkpoint_interval` N: 0 (its
+default) keeps every activation the layers save (the model's own remat_policy decides, as without
+pipelining); N > 0 runs each
+stage's layers in groups of N, each group a `jax.checkpoint` saving only its input, recomputed in
+the backward pass (N >= the layers a stage runs per iteration: one checkpoint per iteration).
+With the model's remat_policy also set, a group is recomputed, then each layer again: use one.
+
+Memory: with no checkpoints each device keeps its layers' saved activations for all M R + S - 1
+iterations (GPipe's cost: about M R + S - 1 micro-batches of a stage's activations; the model's
+remat_policy or an interval shrinks it). With circular repeats the weights an iteration selects
+(per stage, repeat r = (t - s) // M) are saved too, one stage block per iteration: about
+(M R + S - 1) / (S R) times the stacked layers in the compute dtype (a name-based remat policy
+did not keep them out; per-iteration remat would, at a recomputed forward's cost).
+
+Each stage's weights receive one gradient per micro-batch inside the loop; they are summed in the
+engine's gradient accumulation dtype (data_types.grad_accum_dtype, fp32 by default), as the
+unpipelined step sums its micro-batches, not in the compute dtype: the loop reads an fp32 copy of
+the stacked weights and casts each iteration's stage back to the compute dtype.
 """
 from __future__ import annotations
 
@@ -39,6 +62,8 @@ class PipelineSchedule:
     stages: int         # pipeline.stages: size of the mesh's "pipe" axis
     microbatches: int   # gradient_accumulation_steps
     repeats: int = 1    # circular repeats (EngineOptions.pipeline_repeats)
+    checkpoint_interval: int = 0  # pipeline.activation_checkpoint_interval (0: no checkpoints)
+    grad_accum_dtype: str | None = None  # the stages' weight gradients summed over micro-batches in it
 
     @property
     def iterations(self) -> int:
@@ -50,14 +75,22 @@ class PipelineSchedule:
         return (self.stages - 1) / self.iterations
 
 
-def schedule_problems(layers: int, stages: int, microbatches: int, repeats: int) -> list[str]:
-    """Why (layers, stages, micro-batches, repeats) cannot be pipelined; [] if they can."""
+def schedule_problems(layers: int, stages: int, microbatches: int, repeats: int,
+                      checkpoint_interval: int = 0) -> list[str]:
+    """Why (layers, stages, micro-batches, repeats, checkpoint interval) cannot be pipelined; []
+    if they can."""
     problems = []
     if layers % (stages * repeats):
         fits = [s for s in range(2, layers + 1) if layers % (s * repeats) == 0]
         problems.append(
             f"pipeline.stages={stages} x pipeline_repeats={repeats} does not divide the model's "
             f"{layers} stacked layers; stage counts that would work with {repeats} repeat(s): {fits or 'none'}")
+    elif 0 < checkpoint_interval < layers // (stages * repeats) and (layers // (stages * repeats)) % checkpoint_interval:
+        per = layers // (stages * repeats)
+        problems.append(
+            f"pipeline.activation_checkpoint_interval={checkpoint_interval} does not divide the {per} layers "
+            f"each stage runs per iteration ({layers} layers / (stages {stages} x repeats {repeats})); use "
+            f"one of {[n for n in range(1, per + 1) if per % n == 0]}, or 0 for no checkpoints")
     if repeats > 1 and microbatches < stages:
         problems.append(
             f"circular repeats (pipeline_repeats={repeats}) need gradient_accumulation_steps >= "
@@ -84,10 +117,29 @@ def _blocks_at(blocks, rep):
     return jax.tree.map(pick, blocks)
 
 
+def _stage_runner(body, per: int, interval: int):
+    """`run(h, weights [per, ...]) -> h`: one stage's `per` layers in turn; with interval N > 0
+    in checkpointed groups of min(N, per) layers (each group saves only its input)."""
+    def layers(h, weights):
+        return jax.lax.scan(lambda h, p: (body(h, p), None), h, weights)[0]
+
+    if not interval:
+        return layers
+    group = min(interval, per)
+    layers = jax.checkpoint(layers, policy=jax.checkpoint_policies.nothing_saveable, prevent_cse=False)
+
+    def grouped(h, weights):
+        weights = jax.tree.map(lambda a: a.reshape(per // group, group, *a.shape[1:]), weights)
+        return jax.lax.scan(lambda h, w: (layers(h, w), None), h, weights)[0]
+
+    return grouped
+
+
 def pipeline_scan(schedule: PipelineSchedule, mesh: Mesh):
     """The model's `layer_scan(body, x, layers, fetch, inputs_to_host=False)` for `schedule`:
     `body(h, layer_params) -> h` on [rows, ...] hidden states, `x` [batch, ...] sharded over
-    "data", `layers` the stacked [L, ...] parameters sharded over "pipe"."""
+    "data", `layers` the stacked [L, ...] parameters sharded over "pipe". Returns [batch, ...]
+    with the rows split over "data" and "pipe" (what follows the layers runs on 1 / S of them)."""
     S, M, R = schedule.stages, schedule.microbatches, schedule.repeats
     n = int(mesh.shape.get(DATA, 1))
 
@@ -107,47 +159,51 @@ def pipeline_scan(schedule: PipelineSchedule, mesh: Mesh):
                              "combine with pipeline stages (zero_optimization.offload_* is refused with "
                              "pipeline.stages > 1)")
         num = jax.tree.leaves(layers)[0].shape[0]
-        problems = schedule_problems(num, S, M, R)
+        problems = schedule_problems(num, S, M, R, schedule.checkpoint_interval)
         if problems:
             raise ValueError("; ".join(problems))
         per = num // (S * R)
+        compute = jax.tree.map(lambda a: a.dtype, layers)
+        if schedule.grad_accum_dtype is not None:
+            # the loop's weight-gradient accumulators take the dtype of the weights it reads
+            layers = jax.tree.map(lambda a: a.astype(jnp.promote_types(a.dtype, schedule.grad_accum_dtype)), layers)
         # [L, ...] -> [R, S, per, ...]: stage s holds blocks (r, s); R = 1 is the storage shard
         blocks = constrain_weights(jax.tree.map(lambda a: a.reshape(R, S, per, *a.shape[1:]), layers), None, PIPE)
-        xs = split_microbatches(x, M, mesh)                # [M, n * mb, ...], rows over "data"
         stage_ids = jnp.arange(S)
         first_stage = (stage_ids == 0).reshape(S, *([1] * (x.ndim)))
-
-        def run_stage(h, weights):                         # one stage: its `per` layers in turn
-            return jax.lax.scan(lambda h, p: (body(h, p), None), h, weights)[0]
-
-        run_stages = jax.vmap(run_stage)
+        # the micro-batches [M, n * mb, ...] as stage 0's slice of a "pipe"-sharded [S, M, ...]
+        # (zeros elsewhere): reading the next one is local to every stage, and the backward pass
+        # sums the embeddings' gradients over "pipe" once, after the loop -- a buffer replicated
+        # over "pipe" made XLA all-reduce each iteration's micro-batch gradient inside the loop
+        xs = split_microbatches(x, M, mesh)
+        xs = constrain(jnp.where(first_stage[:, None], xs[None], jnp.zeros((), x.dtype)), PIPE, None, DATA)
+        run_stages = jax.vmap(_stage_runner(body, per, schedule.checkpoint_interval))
+        ring = M - S + 1 if R > 1 else 0   # stage 0 takes the last stage's output this many iterations later
 
         def iteration(carry, t):
             buf, fifo = carry
             weights = _blocks_at(blocks, jnp.clip((t - stage_ids) // M, 0, R - 1))
+            weights = jax.tree.map(lambda a, dtype: a.astype(dtype), weights, compute)
             out = constrain(run_stages(buf, constrain_weights(weights, PIPE)), PIPE, DATA)
             # stage s + 1 takes stage s's output: a collective-permute over "pipe"
             rolled = constrain(jnp.roll(out, 1, axis=0), PIPE, DATA)
-            fresh = jax.lax.dynamic_index_in_dim(xs, jnp.minimum(t + 1, M - 1), keepdims=False)[None]
+            head = constrain(jax.lax.dynamic_index_in_dim(xs, jnp.minimum(t + 1, M - 1), axis=1,
+                                                          keepdims=False), PIPE, DATA)
             if R > 1:
-                # rolled[0] is the last stage's output; stage 0 needs it M - S + 1 iterations later
-                fifo = jnp.concatenate([fifo[1:], rolled[None]])
-                head = jnp.where(t + 1 < M, fresh, fifo[0])
-            else:
-                head = fresh
+                # a ring, not a shifted queue: one slot written per iteration instead of all moved
+                fifo = jax.lax.dynamic_update_index_in_dim(fifo, rolled, t % ring, axis=0)
+                head = jnp.where(t + 1 < M, head, jax.lax.dynamic_index_in_dim(
+                    fifo, (t + 1) % ring, axis=0, keepdims=False))
             buf = constrain(jnp.where(first_stage, head, rolled), PIPE, DATA)
             return (buf, fifo), rolled
 
-        iteration = jax.checkpoint(iteration, policy=jax.checkpoint_policies.nothing_saveable,
-                                   prevent_cse=False)
-        zeros = jnp.zeros((S, *xs.shape[1:]), x.dtype)
-        buf = constrain(jnp.where(first_stage, xs[0][None], zeros), PIPE, DATA)
-        fifo = constrain(jnp.zeros((M - S + 1 if R > 1 else 0, *zeros.shape), x.dtype), None, PIPE, DATA)
+        buf = xs[:, 0]
+        fifo = constrain(jnp.zeros((ring, *buf.shape), x.dtype), None, PIPE, DATA)
         _, outs = jax.lax.scan(iteration, (buf, fifo), jnp.arange(schedule.iterations))
         # the last repeat's outputs of micro-batches 0..M-1 left the last stage at iterations
         # (R - 1) M + S - 1 + m
         y = outs[(R - 1) * M + S - 1:, 0]
-        return constrain(_merge_microbatches(y, n), DATA)
+        return constrain(_merge_microbatches(y, n), (DATA, PIPE))
 
     return layer_scan
 

@@ -548,8 +548,9 @@ class PipelineConfig:
     zerojax: **accepted, no effect**: the model's own init seeds its layers"""
     activation_checkpoint_interval: int = _f(0, "int", ge=0)
     """Checkpoint every N layers in the pipeline.
-    zerojax: **accepted, no effect**: every pipeline iteration is rematerialised (its stage input saved);
-      the model's remat_policy applies inside"""
+    zerojax: **acted on**: 0 = no pipeline checkpoints (the model's remat_policy applies, as unpipelined);
+      N > 0 = each stage's layers run in `jax.checkpoint` groups of N (N >= a stage's layers: one per
+      pipeline iteration), recomputed in the backward pass; N must divide a stage's layer count"""
     pipe_partitioned: bool = _f(True, "bool")
     """Partition activations between stages.
     zerojax: **accepted, no effect**: activations move between stages as XLA collective-permutes"""
