@@ -89,7 +89,7 @@ def _empty_like(m, m_sh, compute_dtype, compute_kind):
 
 def streamed_update(tx, grads, state: OffloadState, off: OffloadLayout, *,
                     compute_dtype=jnp.bfloat16, skip=None, grad_scale=None, compute_kind=None,
-                    compute_init=None):
+                    compute_init=None, nvme=None):
     """One optimizer step over offloaded chunks; call inside the step's jit.
 
     tx: an elementwise optax transform (no global-norm clipping inside: clip `grads` before).
@@ -101,6 +101,8 @@ def streamed_update(tx, grads, state: OffloadState, off: OffloadLayout, *,
         compute copy is sent there as soon as it is made (stage 3 `offload_param`).
     compute_init: the previous compute params (params-shaped, donated by the caller): a "loop"
         chunk writes its new compute copy into them in place.
+    nvme: an `nvme_tier.NvmeTier`: its loop chunk's master and moments live in swap files
+        (`nvme_loop_update`); the state holds None there.
     -> (compute params tree in `compute_dtype`, new OffloadState in place).
     """
     layout = off.layout
@@ -109,7 +111,12 @@ def streamed_update(tx, grads, state: OffloadState, off: OffloadLayout, *,
     out_c, out_m, out_s = [], [], []
     for i, (c, g, m, s) in enumerate(zip(layout.chunks, g_chunks, state.master, state.opt_state)):
         m_sh, s_sh = off.master_shardings[i], off.state_shardings[i]
-        if c.loop:
+        if nvme is not None and i == nvme.chunk:
+            cp0 = (init_chunks[i] if init_chunks is not None
+                   else _empty_like(nvme.m_template, m_sh, compute_dtype, compute_kind))
+            s, cp = nvme.loop_update(tx, g, s, cp0, compute_dtype=compute_dtype, skip=skip,
+                                     grad_scale=grad_scale, compute_kind=compute_kind)
+        elif c.loop:
             cp0 = (init_chunks[i] if init_chunks is not None
                    else _empty_like(m, m_sh, compute_dtype, compute_kind))
             m, s, cp = _loop_update(tx, c, g, m, s, cp0, m_sh, s_sh, kind=off.kind,
