@@ -310,6 +310,12 @@ def test_tier_bytes_and_the_nvme_suggestion():
     assert "disk too" in nvme_suggestion(cpu["host"], 80 * 2**30, disk_bytes=nv["disk"], disk_free=60 * 2**30)
     with pytest.raises(ValueError, match="stage=3"):
         tier_bytes(psi, 2, 1, nvme=True)
+    # the planner's plan line offers NVMe when its host bytes exceed the host memory free now
+    from zerojax.estimate import host_free_bytes
+    from zerojax.planner import Plan
+    big = Plan(stage=3, micro_batch=1, offload_optimizer=True, host_bytes=4 * host_free_bytes())
+    assert '"device": "nvme"' in big.describe()
+    assert "nvme" not in Plan(stage=3, micro_batch=1, offload_optimizer=True, host_bytes=1 << 20).describe()
 
 
 def test_abstract_engine_makes_no_swap_files(tmp_path):

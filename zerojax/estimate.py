@@ -15,6 +15,7 @@ Nothing here imports jax, so `zerojax estimate --params ...` and the planner's p
 from __future__ import annotations
 
 import dataclasses
+import os
 import math
 import re
 
@@ -114,6 +115,18 @@ def tier_bytes(total_params, stage, n_devices, *, offload_optimizer=False, offlo
         disk = int(swapped)
         b["host"] = int(b["host"] - swapped + min(buffer_count, n_layers) * swapped / max(n_layers, 1))
     return {**b, "disk": disk}
+
+
+def host_free_bytes() -> int:
+    """Host memory available now (Linux: MemAvailable; else free physical pages)."""
+    try:
+        with open("/proc/meminfo", encoding="utf-8") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
 
 
 def nvme_suggestion(host_needed, host_free, *, disk_bytes, disk_free=None) -> str | None:
