@@ -20,13 +20,15 @@ for off in cpu nvme; do
 done
 
 # the largest d=4096 GPT whose layer state fits 85% of the free disk: 12 B x 12 d^2 per layer, at most
-# 24 layers (~4.8B: a step streams 2 x 12 B/param through the disk, minutes per step at ~2 GB/s)
+# MAX_L (default 24, ~4.8B: a step streams 2 x 12 B/param through the disk, about a minute per step
+# at ~2 GB/s). The initial state is built in pinned host memory before it is written to the files:
+# more than XLA's 64 GB default pinned pool, hence XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB (as gpu_x1_offload.sh)
 FREE=$(df -B1 --output=avail "$NVME" | tail -1)
-L=$(python3 -c "print(max(1, min(24, int($FREE * 0.85 // (12 * 12 * 4096**2)))))")
+L=$(python3 -c "print(max(1, min(${MAX_L:-24}, int($FREE * 0.85 // (12 * 12 * 4096**2)))))")
 left=$((DEADLINE - SECONDS))
 echo "== GPT d4096 L$L (largest for ${FREE} free bytes), param + optimizer offload, NVMe optimizer, micro 1 x accum 16 ($left s left)"
 if [ $left -gt 120 ]; then
-  timeout $left python3 benchmarks/nvme_gpt.py --n-embd 4096 --n-layer $L --n-head 32 --micro 1 --accum 16 \
+  XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB=${HOST_LIMIT_GB:-116} timeout $left python3 benchmarks/nvme_gpt.py --n-embd 4096 --n-layer $L --n-head 32 --micro 1 --accum 16 \
     --offload nvme --param --nvme-path "$NVME" --steps 1 --warmup 1 --json "$OUT/nvme_gpt.json" 2>&1 \
     | grep -E "^NVME|Error|error:" | tail -3
 else
