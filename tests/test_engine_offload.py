@@ -164,6 +164,126 @@ def test_loop_candidate_matches_device(par):
     assert [(c.rest, c.loop) for c in chunks] == [(True, 0), (False, 2)]  # 4 layers in 2 groups
 
 
+def test_write_in_place_and_streams_match_device():
+    # EngineOptions.offload_write_pieces (the non-layer chunk written into its donated host
+    # buffers, 3 pieces) and offload_streams (the 4 layers as 2 host chunks, one update loop over
+    # both): the same arithmetic as the device update, only placed differently; fp32 as in
+    # test_offload_optimizer_fp32_matches_device (norm summed per chunk: ~1e-7 relative), 1e-6
+    opts = zerojax.EngineOptions(offload_write_pieces=3, offload_streams=2)
+    eng, master = run(2, "fp32", "cpu", options=opts)
+    _, ref = run(2, "fp32")
+    close(master, ref, 1e-6)
+    check_placement(eng, params_host=False)
+    chunks = eng.offload_layout.layout.chunks
+    assert [(c.rest, c.lo, c.hi, c.loop) for c in chunks] == [(True, 0, 0, 0), (False, 0, 2, 2), (False, 2, 4, 2)]
+
+
+@pytest.mark.parametrize("streams,pieces", [(2, 0), (4, 3)])
+def test_streamed_update_layouts_agree(streams, pieces):
+    # offload.streamed_update alone (no engine: cheap), 8 stacked layers + a non-layer leaf, 2 AdamW
+    # steps: the layers as `streams` loop chunks and the non-layer chunk written back in `pieces`
+    # place the same elementwise arithmetic differently, so they equal the default layout bitwise;
+    # and the update on the whole tree on the device (no offload) to fp32 rounding: every value is
+    # O(1) and the same ops run in the same order per element, 1e-6
+    from zerojax import offload
+    from zerojax.optim import scale_by_fused_adam
+    mesh = jax.make_mesh((1,), ("data",), axis_types=(jax.sharding.AxisType.Auto,), devices=jax.devices()[:1])
+    rng = np.random.default_rng(0)
+    tree = {"h": {"w": rng.standard_normal((8, 16, 16)), "b": rng.standard_normal((8, 16))},
+            "wte": rng.standard_normal((40, 16))}
+    tree = jax.tree.map(lambda x: jnp.asarray(x, jnp.float32), tree)
+    grads = jax.tree.map(lambda x: jnp.asarray(rng.standard_normal(x.shape), jnp.float32), tree)
+    sh = jax.tree.map(lambda x: jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec()), tree)
+    tx = scale_by_fused_adam(lambda c: 1e-2, weight_decay=0.1)
+
+    def two_steps(streams, pieces):
+        state, off = offload.init_offloaded(tx, tree, 8, sh, kind="pinned_host", streams=streams)
+        params = jax.tree.map(lambda x: x.astype(jnp.bfloat16), tree)
+        f = jax.jit(lambda st, p: offload.streamed_update(tx, grads, st, off, compute_init=p, write_pieces=pieces),
+                    donate_argnums=(0, 1))
+        for _ in range(2):
+            params, state = f(state, params)
+        assert [c.loop for c in off.layout.chunks] == [0] + [8 // streams] * streams
+        return offload.offload_master(state, off), params
+
+    got, want = two_steps(streams, pieces), two_steps(1, 0)
+    for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+        np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32))
+    m, st = tree, tx.init(tree)
+    for _ in range(2):
+        u, st = tx.update(grads, st, m)
+        m = jax.tree.map(lambda p, d: p + d, m, u)
+    close(got[0], m, 1e-6)
+
+
+def test_bf16_first_moment_offloaded_matches_device():
+    # EngineOptions.adam_mu_dtype="bfloat16": Adam's first moment stored in bf16 (host memory under
+    # offload). Offloaded and not, the arithmetic is the same (fp32 compute, the moment rounded
+    # where it is stored): 1e-6 as in test_offload_optimizer_fp32_matches_device. Against the
+    # fp32 moment the weights must move (the option took effect): the first step alone moves a
+    # weight by lr x (relative rounding of m, up to 2^-9), far above the fp32 test's 1e-6 noise.
+    opts = zerojax.EngineOptions(adam_mu_dtype="bfloat16")
+    eng, master = run(2, "fp32", "cpu", options=opts)
+    _, ref = run(2, "fp32", options=opts)
+    close(master, ref, 1e-6)
+    check_placement(eng, params_host=False)
+    mus = [st.mu for st in eng.state.opt_state]
+    assert {x.dtype for x in jax.tree.leaves(mus)} == {jnp.dtype(jnp.bfloat16)}
+    assert kinds(mus) <= set(HOST)
+    _, fp32_mu = run(2, "fp32")
+    assert max(float(np.max(np.abs(a - b))) for a, b in zip(jax.tree.leaves(master), jax.tree.leaves(fp32_mu))) > 1e-6
+
+
+def test_fused_adam_bf16_first_moment_against_float64():
+    # scale_by_fused_adam(mu_dtype=bf16) against Adam written out in float64 with the stored
+    # moment rounded to bf16 after each step (the update itself uses the unrounded moment).
+    # The stored moment: equal up to one bf16 ulp (2^-8 relative: fp32 vs float64, or an FMA the
+    # CPU contracts, can put the value on the other side of a bf16 rounding boundary). The weights:
+    # fp32 vs float64 is ~1e-7; one such flipped moment moves a later step by <= lr x 2^-8 x 3.2
+    # (Adam's step bound lr (1 - b1) / sqrt(1 - b2), Kingma & Ba 2.1) = 1.25e-4, at most 2 later
+    # steps: atol 2.5e-4, against ~1e-2 a step moves them
+    from zerojax.optim import scale_by_fused_adam
+    lr, b1, b2, eps = 1e-2, 0.9, 0.999, 1e-8
+    rng = np.random.default_rng(0)
+    grads = [rng.standard_normal(16).astype(np.float32) for _ in range(3)]
+    tx = scale_by_fused_adam(lambda c: lr, b1=b1, b2=b2, eps=eps, mu_dtype=jnp.bfloat16)
+    p = jnp.ones(16, jnp.float32)
+    st = tx.init(p)
+    assert st.mu.dtype == jnp.bfloat16
+    m, v, pr = np.zeros(16), np.zeros(16), np.ones(16)
+    for t, g in enumerate(grads, 1):
+        u, st = tx.update(jnp.asarray(g), st, p)
+        p = p + u
+        m_new = b1 * m + (1 - b1) * g.astype(np.float64)
+        v = b2 * v + (1 - b2) * g.astype(np.float64) ** 2
+        pr = pr - lr * (m_new / (1 - b1 ** t)) / (np.sqrt(v / (1 - b2 ** t)) + eps)
+        m = m_new.astype(jnp.bfloat16).astype(np.float64)
+        np.testing.assert_allclose(np.asarray(st.mu, np.float64), m, rtol=2.0 ** -8, atol=0)
+        np.testing.assert_allclose(np.asarray(p, np.float64), pr, rtol=0, atol=2.5e-4)
+
+
+def test_offload_speed_options_are_checked():
+    with pytest.raises(ValueError, match="offload_write_pieces=1"):
+        zerojax.EngineOptions(offload_write_pieces=1)
+    with pytest.raises(ValueError, match="offload_streams=0"):
+        zerojax.EngineOptions(offload_streams=0)
+    with pytest.raises(ValueError, match="adam_mu_dtype='float16'"):
+        zerojax.EngineOptions(adam_mu_dtype="float16")
+    env = {"ZEROJAX_OFFLOAD_WRITE_PIECES": "8", "ZEROJAX_OFFLOAD_STREAMS": "2", "ZEROJAX_ADAM_MU_DTYPE": "bfloat16"}
+    assert zerojax.EngineOptions.from_env(env) == zerojax.EngineOptions(
+        offload_write_pieces=8, offload_streams=2, adam_mu_dtype="bfloat16")
+    with pytest.raises(ValueError, match="offload_streams=2 works with offload_optimizer alone"):
+        zerojax.shard(lambda: gpt2.GPT2(C, rngs=nnx.Rngs(0)), config(3, "fp32", "cpu", "cpu"),
+                      loss_fn=gpt2.gpt2_loss, options=zerojax.EngineOptions(offload_streams=2))
+    with pytest.raises(ValueError, match="adam_mu_dtype='bfloat16'.*Adam / AdamW only; optimizer.type is 'SGD'"):
+        zerojax.shard(lambda: gpt2.GPT2(C, rngs=nnx.Rngs(0)), config(2, "fp32", optimizer="sgd"),
+                      loss_fn=gpt2.gpt2_loss, options=zerojax.EngineOptions(adam_mu_dtype="bfloat16"))
+    from zerojax import offload
+    tree = {"h": jnp.zeros((4, 3)), "wte": jnp.zeros((5, 3))}
+    with pytest.raises(ValueError, match="offload_streams=3.*divisor of 4"):
+        offload.chunk_layout(tree, 4, stacked=4, streams=3)
+
+
 @pytest.mark.parametrize("par", ["none", "cpu"])
 def test_init_by_leaf_groups_equals_one_jit(par):
     # a model too large to initialise on the device at once is built a group of leaves at a time

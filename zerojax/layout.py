@@ -77,7 +77,8 @@ class EngineLayout:
         """(wrap, unwrap) between the offload's bare optimizer state and the state a run without
         offload keeps: there, gradient clipping is a transform chained before the optimizer, so
         its state is (clip state, optimizer state); offload clips the whole gradient itself."""
-        full = jax.eval_shape(build_optimizer(self.cfg).init, self.abstract_master)
+        full = jax.eval_shape(build_optimizer(self.cfg, mu_dtype=self.options.adam_mu_dtype).init,
+                              self.abstract_master)
         bare = jax.eval_shape(self.tx.init, self.abstract_master)
         if jax.tree.structure(full) == jax.tree.structure(bare):
             return (lambda st: st), (lambda st: st)
@@ -210,7 +211,7 @@ def _build_layout(module, cfg: Config, *, loss_fn, mesh: Mesh, options) -> Engin
                            "and the offloaded update runs on chunks of stacked layers; use Adam/AdamW, "
                            "Lion, SGD or Adagrad with offload, or turn offload off for Lamb"])
     # offload: the bare optimizer (clip, unscale and finite check run on the whole gradient first)
-    tx = build_optimizer(cfg, clip=not offloading)
+    tx = build_optimizer(cfg, clip=not offloading, mu_dtype=options.adam_mu_dtype)
     tx = loss_scale_from_config(tx, cfg.fp16) if (fp16 and not offloading) else tx
 
     graphdef, params, rest = nnx.split(module, nnx.Param, ...)
@@ -247,7 +248,8 @@ def _build_layout(module, cfg: Config, *, loss_fn, mesh: Mesh, options) -> Engin
                 {"scan_unroll": options.offload_unroll,
                  "layer_scan": O.prefetch_scan if options.offload_prefetch else None})
         offload_step = OffloadStep(layout=off, tx=tx, scaler=scaler, clip=float(cfg.gradient_clipping or 0.0),
-                                   param_shardings=param_shardings if offload_param else None, nvme=nvme)
+                                   param_shardings=param_shardings if offload_param else None,
+                                   write_pieces=options.offload_write_pieces, nvme=nvme)
     else:
         opt_shardings = partition.opt_state_shardings(tx, abstract_master, shardings.master, mesh)
     if (stage == 3 and not offload_param and partition.data_size(mesh) > 1 and options.stage3_gather == "layer"
@@ -296,10 +298,6 @@ def _pipeline_layout(module, cfg, mesh, options, abstract_master):
         raise _config_error(f"pipeline.stages = {cfg.pipeline.stages} but the mesh's \"pipe\" axis has size "
                             f"{partition.pipe_size(mesh)}; pass mesh=None or a mesh made with "
                             f"zerojax.make_mesh(pipe={stages})")
-    if cfg.tensor_parallel.autotp_size > 1:
-        raise _config_error(f"tensor_parallel.autotp_size = {cfg.tensor_parallel.autotp_size} with pipeline.stages "
-                            f"= {stages}: tensor and pipeline parallelism together are not supported yet; "
-                            "use one of them")
     hooked = [m for _, m in nnx.iter_graph(module) if isinstance(m, nnx.Module) and "layer_scan" in vars(m)]
     layers = O.chunk_layout(abstract_master, 1).num_layers
     if not hooked or not layers:
@@ -331,7 +329,12 @@ def _offload_layout(cfg, options, tx, abstract_master, shardings, mesh, fp16, of
         ratio = float(zero.offload_optimizer.ratio)
     else:  # offload_param alone: the optimizer state stays on the device (one device chunk)
         kind, ratio = O.DEVICE, 0.0
-    off = O.offload_layout(tx, abstract_master, shardings.master, k, kind=kind, ratio=ratio)
+    if options.offload_streams > 1 and offload_param:
+        # the chunks' new compute copies would be joined in host memory (compute on host buffers)
+        raise ValueError(f"EngineOptions.offload_streams={options.offload_streams} works with "
+                         "offload_optimizer alone, not with offload_param; set offload_streams=1")
+    off = O.offload_layout(tx, abstract_master, shardings.master, k, kind=kind, ratio=ratio,
+                           streams=options.offload_streams if offload_optimizer else 1)
     settings = dict(chunks=k, ratio=ratio, kind=kind, unroll=options.offload_unroll if offload_param else None)
     scaler = loss_scaler_from_config(cfg.fp16) if fp16 else None
     opt_shardings = off.shardings.opt_state

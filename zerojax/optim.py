@@ -355,12 +355,17 @@ def _betas(b1: float, b2: float, momentum: Schedule | None):
 
 
 def scale_by_fused_adam(lr: Schedule, *, b1=0.9, b2=0.999, eps=1e-8, weight_decay=0.0, adam_w_mode=True,
-                        bias_correction=True, amsgrad=False, momentum: Schedule | None = None):
-    """DeepSpeed FusedAdam (csrc multi_tensor_adam) / torch Adam, AdamW; returns -lr * step."""
+                        bias_correction=True, amsgrad=False, momentum: Schedule | None = None,
+                        mu_dtype=None):
+    """DeepSpeed FusedAdam (csrc multi_tensor_adam) / torch Adam, AdamW; returns -lr * step.
+
+    mu_dtype: None (the params' dtype) or e.g. jnp.bfloat16: the first moment is *stored* in it
+    (EngineOptions.adam_mu_dtype; optax's `mu_dtype`), updated and used in fp32 within a step."""
     beta1_fn, b2 = _betas(b1, b2, momentum)
 
     def init(params):
-        return AdamState(jnp.zeros([], jnp.int32), _zeros(params), _zeros(params),
+        mu = _zeros(params) if mu_dtype is None else jax.tree.map(lambda p: jnp.zeros_like(p, mu_dtype), params)
+        return AdamState(jnp.zeros([], jnp.int32), mu, _zeros(params),
                          _zeros(params) if amsgrad else None)
 
     def update(grads, state, params=None):
@@ -371,7 +376,7 @@ def scale_by_fused_adam(lr: Schedule, *, b1=0.9, b2=0.999, eps=1e-8, weight_deca
         beta1, lr_t = beta1_fn(count), lr(count)
         if weight_decay and not adam_w_mode:  # L2: added to the gradient (ADAM_MODE_0)
             grads = jax.tree.map(lambda g, p: g + weight_decay * p, grads, params)
-        mu = jax.tree.map(lambda m, g: beta1 * m + (1 - beta1) * g, state.mu, grads)
+        mu = jax.tree.map(lambda m, g: beta1 * m.astype(g.dtype) + (1 - beta1) * g, state.mu, grads)
         nu = jax.tree.map(lambda v, g: b2 * v + (1 - b2) * g * g, state.nu, grads)
         nu_max = jax.tree.map(jnp.maximum, state.nu_max, nu) if amsgrad else None
         if bias_correction:
@@ -388,6 +393,8 @@ def scale_by_fused_adam(lr: Schedule, *, b1=0.9, b2=0.999, eps=1e-8, weight_deca
         v_used = nu_max if amsgrad else nu
         p_tree = params if params is not None else mu
         updates = jax.tree.map(step, mu, v_used, p_tree)
+        if mu_dtype is not None:
+            mu = jax.tree.map(lambda m: m.astype(mu_dtype), mu)
         return updates, AdamState(t, mu, nu, nu_max)
 
     return optax.GradientTransformation(init, update)
@@ -503,7 +510,7 @@ def scale_by_torch_adagrad(lr: Schedule, *, lr_decay=0.0, weight_decay=0.0, init
 
 def optimizer_from(type: str, params: Mapping[str, Any] | None = None, *, gradient_clipping: float = 0.0,
                    schedule: Schedule | None = None,
-                   momentum_schedule: Schedule | None = None) -> optax.GradientTransformation:
+                   momentum_schedule: Schedule | None = None, mu_dtype=None) -> optax.GradientTransformation:
     """The `optimizer` section as an optax transform: clip (if > 0), then the optimizer at `schedule`.
 
     Without `schedule` the lr is constant: `params["lr"]`, or the default of the class DeepSpeed
@@ -525,6 +532,10 @@ def optimizer_from(type: str, params: Mapping[str, Any] | None = None, *, gradie
     lr_fn = schedule if schedule is not None else constant_schedule(float(p["lr"]))
     wd = float(p["weight_decay"])
 
+    if mu_dtype is not None and kind not in ("Adam", "AdamW"):
+        raise _error(f"EngineOptions.adam_mu_dtype={jnp.dtype(mu_dtype).name!r} stores Adam's first moment in "
+                     f"a lower precision and applies to Adam / AdamW only; optimizer.type is {type!r}: "
+                     "leave adam_mu_dtype None")
     if momentum_schedule is not None and kind in ("SGD", "Adagrad"):
         warnings.warn(f"cycle_momentum is disabled because optimizer {type} does not support momentum, "
                       f"no betas attribute in defaults")
@@ -542,7 +553,7 @@ def optimizer_from(type: str, params: Mapping[str, Any] | None = None, *, gradie
         adam_w_mode = bool(p["adam_w_mode"]) or kind == "AdamW"
         opt = scale_by_fused_adam(lr_fn, b1=b1, b2=b2, eps=float(p["eps"]), weight_decay=wd,
                                   adam_w_mode=adam_w_mode, bias_correction=bool(p["bias_correction"]),
-                                  amsgrad=amsgrad, momentum=momentum_schedule)
+                                  amsgrad=amsgrad, momentum=momentum_schedule, mu_dtype=mu_dtype)
     elif kind == "Lamb":
         if p["amsgrad"]:
             raise _error("optimizer.params.amsgrad: FusedLamb does not support the AMSGrad variant")
@@ -569,11 +580,12 @@ def optimizer_from(type: str, params: Mapping[str, Any] | None = None, *, gradie
     return opt
 
 
-def build_optimizer(cfg, *, clip: bool = True) -> optax.GradientTransformation:
+def build_optimizer(cfg, *, clip: bool = True, mu_dtype=None) -> optax.GradientTransformation:
     """`cfg.optimizer` + `cfg.scheduler` + `cfg.gradient_clipping` -> one optax transform (no loss scaling).
 
     clip=False leaves out the global-norm clipping (host offload clips the whole gradient itself,
-    then runs the optimizer chunk by chunk)."""
+    then runs the optimizer chunk by chunk). mu_dtype: Adam's stored first moment (see
+    `scale_by_fused_adam`)."""
     if cfg.optimizer is None:
         raise _error("optimizer: the config has no optimizer section; add one, e.g. "
                      '{"type": "AdamW", "params": {"lr": 1e-4}}')
@@ -582,4 +594,4 @@ def build_optimizer(cfg, *, clip: bool = True) -> optax.GradientTransformation:
         momentum = momentum_schedule_from(cfg.scheduler.type, cfg.scheduler.params)
     return optimizer_from(cfg.optimizer.type, cfg.optimizer.params,
                           gradient_clipping=float(cfg.gradient_clipping or 0.0) if clip else 0.0,
-                          schedule=build_schedule(cfg), momentum_schedule=momentum)
+                          schedule=build_schedule(cfg), momentum_schedule=momentum, mu_dtype=mu_dtype)

@@ -17,6 +17,7 @@ import os
 from typing import Any, Callable, Mapping
 
 STAGE3_GATHER_MODES = ("layer", "auto")
+ADAM_MU_DTYPES = (None, "bfloat16")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -30,6 +31,19 @@ class EngineOptions:
         error on GPU, jax 0.11.2).
     offload_prefetch [True]: under offload_param, fetch layer i+1 while layer i computes (the
         model's `layer_scan`).
+    offload_write_pieces [0]: optimizer offload: the non-layer chunk (embeddings, final norm),
+        updated whole, is written back as a new host array (0) or into its donated host buffer
+        by dynamic_update_slice in this many pieces (>= 2). Why: device->host into a fresh pinned
+        output measured 4.1 GB/s on an H200, into a donated buffer 55 GB/s (issue #18).
+    offload_streams [1]: optimizer offload: the offloaded layer groups are stored as this many
+        host chunks of consecutive groups, updated side by side by the one update loop (a group
+        of each per iteration), so one chunk's write-back need not wait for another's read. Must
+        divide the group count (offload_chunks, or the layer count).
+    adam_mu_dtype [None]: Adam/AdamW's first moment stored in this dtype ("bfloat16"), updated
+        and used in fp32 within the step: 2 bytes less per parameter in memory (and, under
+        optimizer offload, each way over PCIe: 10 bytes instead of 12). Changes training slightly
+        (the moment is rounded to 8 bits of mantissa each step); DeepSpeed has no such key. None:
+        the master's dtype (fp32), as DeepSpeed.
     stage3_gather ["layer"]: ZeRO-3's all-gather on use, one layer at a time inside the layer scan;
         "auto" leaves the placement to GSPMD.
     init_group_bytes [None]: offload init builds the fp32 weights in groups of at most this many
@@ -46,6 +60,9 @@ class EngineOptions:
     offload_chunks: int | None = None
     offload_unroll: int = 1
     offload_prefetch: bool = True
+    offload_write_pieces: int = 0
+    offload_streams: int = 1
+    adam_mu_dtype: str | None = None
     stage3_gather: str = "layer"
     init_group_bytes: int | None = None
     pipeline_repeats: int = 1
@@ -58,6 +75,7 @@ class EngineOptions:
             problems.append(f"stage3_gather={self.stage3_gather!r}: choose one of {STAGE3_GATHER_MODES}")
         for name, least, optional in (("offload_chunks", 1, True),
                                       ("offload_unroll", 1, False), ("init_group_bytes", 1, True),
+                                      ("offload_write_pieces", 0, False), ("offload_streams", 1, False),
                                       ("pipeline_repeats", 1, False)):
             value = getattr(self, name)
             if value is None and optional:
@@ -67,6 +85,11 @@ class EngineOptions:
         for name in ("offload_prefetch", "memory_guard"):
             if not isinstance(getattr(self, name), bool):
                 problems.append(f"{name}={getattr(self, name)!r}: True or False")
+        if self.adam_mu_dtype not in ADAM_MU_DTYPES:
+            problems.append(f"adam_mu_dtype={self.adam_mu_dtype!r}: one of {ADAM_MU_DTYPES}")
+        if self.offload_write_pieces == 1:
+            problems.append("offload_write_pieces=1: 0 (write back whole) or >= 2 (one full-size piece "
+                            "is what XLA turns back into a fresh output)")
         if self.plans_for is not None and not callable(self.plans_for):
             problems.append(f"plans_for={self.plans_for!r}: a callable (engine, batch_shapes, budget) -> plans, or None")
         if problems:
@@ -79,7 +102,8 @@ class EngineOptions:
     def from_env(cls, environ: Mapping[str, str] | None = None, **overrides) -> "EngineOptions":
         """Options from the ZEROJAX_* environment variables (benchmark scripts), then `overrides`.
 
-        ZEROJAX_OFFLOAD_CHUNKS, _OFFLOAD_UNROLL, _OFFLOAD_PREFETCH, _STAGE3_GATHER, _INIT_GROUP_BYTES, _MEMORY_GUARD.
+        ZEROJAX_OFFLOAD_CHUNKS, _OFFLOAD_UNROLL, _OFFLOAD_PREFETCH, _OFFLOAD_WRITE_PIECES,
+        _OFFLOAD_STREAMS, _ADAM_MU_DTYPE, _STAGE3_GATHER, _INIT_GROUP_BYTES, _MEMORY_GUARD.
         Booleans accept 1/0, true/false, yes/no, on/off; anything else is an error naming the
         variable and the values it takes.
         """
@@ -145,6 +169,9 @@ _ENV = {
     "offload_chunks": ("ZEROJAX_OFFLOAD_CHUNKS", _positive_or_none),
     "offload_unroll": ("ZEROJAX_OFFLOAD_UNROLL", _int),
     "offload_prefetch": ("ZEROJAX_OFFLOAD_PREFETCH", _bool),
+    "offload_write_pieces": ("ZEROJAX_OFFLOAD_WRITE_PIECES", _int),
+    "offload_streams": ("ZEROJAX_OFFLOAD_STREAMS", _int),
+    "adam_mu_dtype": ("ZEROJAX_ADAM_MU_DTYPE", _choice(("bfloat16",))),
     "stage3_gather": ("ZEROJAX_STAGE3_GATHER", _choice(STAGE3_GATHER_MODES)),
     "init_group_bytes": ("ZEROJAX_INIT_GROUP_BYTES", _positive_or_none),
     "memory_guard": ("ZEROJAX_MEMORY_GUARD", _bool),

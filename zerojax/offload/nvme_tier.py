@@ -47,6 +47,10 @@ class NvmeTier:
         loops = [i for i, c in enumerate(off.layout.chunks) if c.loop and c.host]
         if not loops:
             return None
+        if len(loops) > 1:  # EngineOptions.offload_streams > 1: several loop chunks, one tier
+            raise ValueError(f"zero_optimization.offload_optimizer.device = \"nvme\" with EngineOptions."
+                             f"offload_streams = {len(loops)}: the NVMe tier swaps one layer stack; use "
+                             "offload_streams=1 with NVMe")
         i = loops[0]
         c = off.layout.chunks[i]
         m_tmpl, s_tmpl = chunk_templates(tx, abstract_master, off.layout)

@@ -7,7 +7,7 @@ import jax.numpy as jnp
 import optax
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from zerojax.offload.chunks import (Chunk, OffloadLayout, OffloadState, from_chunks, is_none, to_chunks,
+from zerojax.offload.chunks import (OffloadLayout, OffloadState, from_chunks, is_none, to_chunks,
                                     unsplit_layers)
 from zerojax.offload.memory_kinds import DEVICE, is_host, is_sharding, with_memory_kind
 
@@ -40,42 +40,76 @@ def _slice_sharding(s, n: int):
                          memory_kind=s.memory_kind)
 
 
-def _loop_update(tx, c: Chunk, g, m, s, cp, m_sh, s_sh, *, kind, compute_dtype, skip, grad_scale,
+def _write_in_place(buf, x, s, kind: str, pieces: int):
+    """Device array `x` written into the donated host buffer `buf` (sharding `s`) by
+    dynamic_update_slice, in `pieces` slices along its longest unsharded axis.
+
+    Why: a device->host copy into a fresh pinned output ran at 4.1 GB/s on an H200, into a donated
+    buffer by dynamic_update_slice (or in pieces) at 55 GB/s (issue #18). One full-size
+    dynamic_update_slice would be simplified by XLA into the update itself (a fresh output), hence
+    at least two pieces. A leaf with no unsharded axis of `pieces` elements (biases, counts) is
+    small and is moved whole."""
+    spec = tuple(s.spec) + (None,) * (x.ndim - len(tuple(s.spec)))
+    axes = [a for a in range(x.ndim) if spec[a] is None and x.shape[a] >= pieces]
+    host = s.with_memory_kind(kind)
+    if pieces < 2 or not axes:
+        return jax.device_put(x, host)
+    ax = max(axes, key=lambda a: x.shape[a])
+    bounds = [x.shape[ax] * i // pieces for i in range(pieces + 1)]
+    for lo, hi in zip(bounds[:-1], bounds[1:]):
+        part = jax.device_put(jax.lax.slice_in_dim(x, lo, hi, axis=ax), host)
+        buf = jax.lax.dynamic_update_slice_in_dim(buf, part, lo, axis=ax)
+    return buf
+
+
+def _loop_update(tx, cs, gs, ms, ss, cps, m_shs, s_shs, *, kind, compute_dtype, skip, grad_scale,
                  compute_kind):
-    """A loop chunk: a fori_loop over `c.loop` groups of layers carrying the stored arrays
-    (master, state, compute copy) and writing each group back where it was read (in place).
+    """Loop chunks `cs` (lists, one entry per chunk, all with the same `loop`): one fori_loop over
+    the groups; iteration j takes group j of every chunk, carrying the stored arrays (master,
+    state, compute copy) and writing each group back where it was read (in place). The chunks'
+    chains are independent, so XLA may overlap one chunk's write-back with another's read.
 
     State leaves with the chunk's leading layers dim are sliced per group; the others (counts)
     are read from the step's input by every group, so each group sees the same count."""
-    n = c.hi - c.lo
-    per = n // c.loop
-    s_leaves, s_def = jax.tree.flatten(s)
-    stacked = [x.ndim >= 1 and x.shape[0] == n for x in s_leaves]
-    s_sh_leaves = s_def.flatten_up_to(s_sh)
-    m_dev = jax.tree.map(lambda x: _slice_sharding(x, per), m_sh, is_leaf=is_sharding)
-    s_dev = [_slice_sharding(x, per) if f else x for x, f in zip(s_sh_leaves, stacked)]
-    sl = lambda x, j: jax.lax.dynamic_slice_in_dim(x, j * per, per, axis=0)  # noqa: E731
-    put = lambda buf, x, j: jax.lax.dynamic_update_slice_in_dim(buf, x, j * per, axis=0)  # noqa: E731
+    loops = {c.loop for c in cs}
+    if len(loops) != 1:
+        raise ValueError(f"loop chunks updated together need the same group count; got {sorted(loops)}")
     tmap = lambda f, *t: jax.tree.map(f, *t, is_leaf=is_none)  # noqa: E731
+    plans = []
+    for c, s, m_sh, s_sh in zip(cs, ss, m_shs, s_shs):
+        n = c.hi - c.lo
+        per = n // c.loop
+        s_leaves, s_def = jax.tree.flatten(s)
+        stacked = [x.ndim >= 1 and x.shape[0] == n for x in s_leaves]
+        s_dev = [_slice_sharding(x, per) if f else x for x, f in zip(s_def.flatten_up_to(s_sh), stacked)]
+        m_dev = jax.tree.map(lambda x, per=per: _slice_sharding(x, per), m_sh, is_leaf=is_sharding)
+        plans.append((per, s_leaves, s_def, stacked, s_dev, m_dev))
 
-    def body(j, carry):
+    def one(j, plan, g, carry):
+        per, s_leaves, s_def, stacked, s_dev, m_dev = plan
+        sl = lambda x: jax.lax.dynamic_slice_in_dim(x, j * per, per, axis=0)  # noqa: E731
+        put = lambda buf, x: jax.lax.dynamic_update_slice_in_dim(buf, x, j * per, axis=0)  # noqa: E731
         m, s_l, cp = carry
-        mm = _to(tmap(lambda x: None if x is None else sl(x, j), m), m_dev, DEVICE)
-        ss = [sl(x, j) if f else x0 for x, x0, f in zip(s_l, s_leaves, stacked)]
-        ss = jax.device_put(ss, [x.with_memory_kind(DEVICE) for x in s_dev])
-        gg = _grads_in(tmap(lambda x: None if x is None else sl(x, j), g), m_dev)
-        mm, ss, cc = _apply(tx, gg, s_def.unflatten(ss), mm, compute_dtype, skip, grad_scale)
+        mm = _to(tmap(lambda x: None if x is None else sl(x), m), m_dev, DEVICE)
+        st = [sl(x) if f else x0 for x, x0, f in zip(s_l, s_leaves, stacked)]
+        st = jax.device_put(st, [x.with_memory_kind(DEVICE) for x in s_dev])
+        gg = _grads_in(tmap(lambda x: None if x is None else sl(x), g), m_dev)
+        mm, st, cc = _apply(tx, gg, s_def.unflatten(st), mm, compute_dtype, skip, grad_scale)
         mm = _to(mm, m_dev, kind)
-        ss = jax.device_put(jax.tree.leaves(ss), [x.with_memory_kind(kind) for x in s_dev])
+        st = jax.device_put(jax.tree.leaves(st), [x.with_memory_kind(kind) for x in s_dev])
         if compute_kind is not None:
             cc = _to(cc, m_dev, compute_kind)
-        m = tmap(lambda b, x: None if b is None else put(b, x, j), m, mm)
-        s_l = [put(b, x, j) if f else x for b, x, f in zip(s_l, ss, stacked)]
-        cp = tmap(lambda b, x: None if b is None else put(b, x.astype(b.dtype), j), cp, cc)
+        m = tmap(lambda b, x: None if b is None else put(b, x), m, mm)
+        s_l = [put(b, x) if f else x for b, x, f in zip(s_l, st, stacked)]
+        cp = tmap(lambda b, x: None if b is None else put(b, x.astype(b.dtype)), cp, cc)
         return m, s_l, cp
 
-    m, s_l, cp = jax.lax.fori_loop(0, c.loop, body, (m, s_leaves, cp))
-    return m, s_def.unflatten(s_l), cp
+    def body(j, carries):
+        return tuple(one(j, p, g, c) for p, g, c in zip(plans, gs, carries))
+
+    init = tuple((m, p[1], cp) for m, p, cp in zip(ms, plans, cps))
+    out = jax.lax.fori_loop(0, cs[0].loop, body, init)
+    return [(m, p[2].unflatten(s_l), cp) for (m, s_l, cp), p in zip(out, plans)]
 
 
 def _empty_like(m, m_sh, compute_dtype, compute_kind):
@@ -87,9 +121,23 @@ def _empty_like(m, m_sh, compute_dtype, compute_kind):
         x, NamedSharding(s.mesh, s.spec)), z, m_sh, is_leaf=is_none)
 
 
+def _all_loops(tx, loops, layout, g_chunks, state, off, init_chunks, out_c, out_m, out_s, *, compute_dtype,
+               skip, grad_scale, compute_kind):
+    """The loop chunks (indices `loops`) updated by one `_loop_update`; results into out_*."""
+    cps = [init_chunks[i] if init_chunks is not None
+           else _empty_like(state.master[i], off.master_shardings[i], compute_dtype, compute_kind)
+           for i in loops]
+    pick = lambda xs: [xs[i] for i in loops]  # noqa: E731
+    done = _loop_update(tx, pick(layout.chunks), pick(g_chunks), pick(state.master), pick(state.opt_state),
+                        cps, pick(off.master_shardings), pick(off.state_shardings), kind=off.kind,
+                        compute_dtype=compute_dtype, skip=skip, grad_scale=grad_scale, compute_kind=compute_kind)
+    for i, (m, s, cp) in zip(loops, done):
+        out_m[i], out_s[i], out_c[i] = m, s, cp
+
+
 def streamed_update(tx, grads, state: OffloadState, off: OffloadLayout, *,
                     compute_dtype=jnp.bfloat16, skip=None, grad_scale=None, compute_kind=None,
-                    compute_init=None, nvme=None):
+                    compute_init=None, write_pieces: int = 0, nvme=None):
     """One optimizer step over offloaded chunks; call inside the step's jit.
 
     tx: an elementwise optax transform (no global-norm clipping inside: clip `grads` before).
@@ -101,6 +149,8 @@ def streamed_update(tx, grads, state: OffloadState, off: OffloadLayout, *,
         compute copy is sent there as soon as it is made (stage 3 `offload_param`).
     compute_init: the previous compute params (params-shaped, donated by the caller): a "loop"
         chunk writes its new compute copy into them in place.
+    write_pieces: 0 = a host chunk updated whole (the non-layer leaves) is returned as a new host
+        array; >= 2 = written into its donated host buffer in that many pieces (`_write_in_place`).
     nvme: an `nvme_tier.NvmeTier`: its loop chunk's master and moments live in swap files
         (`nvme_loop_update`); the state holds None there.
     -> (compute params tree in `compute_dtype`, new OffloadState in place).
@@ -108,31 +158,38 @@ def streamed_update(tx, grads, state: OffloadState, off: OffloadLayout, *,
     layout = off.layout
     g_chunks = to_chunks(grads, layout)
     init_chunks = to_chunks(compute_init, layout) if compute_init is not None else None
-    out_c, out_m, out_s = [], [], []
+    n = len(layout.chunks)
+    out_c, out_m, out_s = [None] * n, [None] * n, [None] * n
+    loops = [i for i, c in enumerate(layout.chunks) if c.loop and (nvme is None or i != nvme.chunk)]
     for i, (c, g, m, s) in enumerate(zip(layout.chunks, g_chunks, state.master, state.opt_state)):
-        m_sh, s_sh = off.master_shardings[i], off.state_shardings[i]
-        if nvme is not None and i == nvme.chunk:
+        if nvme is not None and i == nvme.chunk:  # the NVMe tier's loop chunk: its own loop over the files
             cp0 = (init_chunks[i] if init_chunks is not None
-                   else _empty_like(nvme.m_template, m_sh, compute_dtype, compute_kind))
+                   else _empty_like(nvme.m_template, off.master_shardings[i], compute_dtype, compute_kind))
             s, cp = nvme.loop_update(tx, g, s, cp0, compute_dtype=compute_dtype, skip=skip,
                                      grad_scale=grad_scale, compute_kind=compute_kind)
-        elif c.loop:
-            cp0 = (init_chunks[i] if init_chunks is not None
-                   else _empty_like(m, m_sh, compute_dtype, compute_kind))
-            m, s, cp = _loop_update(tx, c, g, m, s, cp0, m_sh, s_sh, kind=off.kind,
-                                    compute_dtype=compute_dtype, skip=skip, grad_scale=grad_scale,
-                                    compute_kind=compute_kind)
-        else:  # the whole chunk at once (the rest leaves; the device chunk, with no transfer)
-            if c.host:
-                m, s = _to(m, m_sh, DEVICE), _to(s, s_sh, DEVICE)
-            m, s, cp = _apply(tx, _grads_in(g, m_sh), s, m, compute_dtype, skip, grad_scale)
-            if c.host:
-                m, s = _to(m, m_sh, off.kind), _to(s, s_sh, off.kind)
-            if compute_kind is not None:
-                cp = _to(cp, m_sh, compute_kind)
-        out_c.append(cp)
-        out_m.append(m)
-        out_s.append(s)
+            out_c[i], out_m[i], out_s[i] = cp, m, s
+            continue
+        if c.loop:
+            if i == loops[0]:  # every loop chunk in one fori_loop, traced where the first one is
+                _all_loops(tx, loops, layout, g_chunks, state, off, init_chunks, out_c, out_m, out_s,
+                           compute_dtype=compute_dtype, skip=skip, grad_scale=grad_scale,
+                           compute_kind=compute_kind)
+            continue
+        # the whole chunk at once (the rest leaves; the device chunk, with no transfer)
+        m_sh, s_sh = off.master_shardings[i], off.state_shardings[i]
+        m0, s0 = m, s
+        if c.host:
+            m, s = _to(m, m_sh, DEVICE), _to(s, s_sh, DEVICE)
+        m, s, cp = _apply(tx, _grads_in(g, m_sh), s, m, compute_dtype, skip, grad_scale)
+        if c.host and write_pieces >= 2:
+            back = lambda b, x, sh: None if b is None else _write_in_place(b, x, sh, off.kind, write_pieces)  # noqa: E731
+            m = jax.tree.map(back, m0, m, m_sh, is_leaf=is_none)
+            s = jax.tree.map(back, s0, s, s_sh, is_leaf=is_none)
+        elif c.host:
+            m, s = _to(m, m_sh, off.kind), _to(s, s_sh, off.kind)
+        if compute_kind is not None:
+            cp = _to(cp, m_sh, compute_kind)
+        out_c[i], out_m[i], out_s[i] = cp, m, s
     return from_chunks(out_c, layout), OffloadState(out_m, out_s)
 
 
