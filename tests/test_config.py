@@ -473,8 +473,7 @@ def test_duplicate_keys():
 def test_nvme_message():
     err = problems_of({"train_batch_size": 8, "zero_optimization": {"stage": 3, "offload_param": {"device": "nvme"}}},
                       world_size=1)
-    assert ('zero_optimization.offload_param.device = "nvme": NVMe offload is not supported yet by zerojax; '
-            'use "device": "cpu"') in str(err)
+    assert ('zero_optimization.offload_param.device = "nvme" needs zero_optimization.offload_param.nvme_path') in str(err)
 
 
 def test_max_grad_norm_message_is_deepspeeds():

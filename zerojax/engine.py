@@ -225,6 +225,8 @@ class Engine:
             rest = jax.tree.map(_place, values[1], lay.rest_shardings)
             chunks, states, params = jax.jit(build, out_shardings=outs, donate_argnums=0)(master)
             del master
+        if lay.nvme is not None:  # the layers' master and moments into the swap files (checks the path first)
+            chunks, states = lay.nvme.spill(list(chunks), list(states))
         opt_state = states
         if lay.fp16:
             ls = jax.jit(lambda: lay.step.offload.scaler.init(None),
@@ -378,6 +380,8 @@ class Engine:
         """Check the last step and write out the monitors' buffered events (csv / tensorboard / wandb)."""
         self.synchronize()
         self.monitor.close()
+        if self.layout.nvme is not None:  # swap files are scratch: removed with the engine
+            self.layout.nvme.close()
 
     def synchronize(self) -> None:
         """Wait for the last step and raise if it overflowed at the minimum scale / went non-finite."""
@@ -498,7 +502,10 @@ class Engine:
             if not hasattr(self, "_merge_master"):
                 self._merge_master = jax.jit(lambda m: O.offload_master(O.OffloadState(m, []), off),
                                              out_shardings=self.shardings.master)
-            return self._merge_master(self.state.master)
+            master = self.state.master
+            if self.layout.nvme is not None:  # read back from the swap files
+                master = self.layout.nvme.fill(master, None)[0]
+            return self._merge_master(master)
         return self.state.master if self.state.master is not None else self.state.params
 
     @property

@@ -15,6 +15,7 @@ Nothing here imports jax, so `zerojax estimate --params ...` and the planner's p
 from __future__ import annotations
 
 import dataclasses
+import os
 import math
 import re
 
@@ -95,6 +96,50 @@ def zero_paper_bytes(total_params, stage, n_devices, *, offload_optimizer=False,
     if offload_param:
         host, params = host + params, 0.0
     return {"device": int(params + grads + optim), "host": int(host)}
+
+
+def tier_bytes(total_params, stage, n_devices, *, offload_optimizer=False, offload_param=False,
+               nvme=False, layer_fraction=1.0, buffer_count=4, n_layers=1):
+    """Model-state bytes per device, per host and on disk for one plan: `zero_paper_bytes` plus the
+    NVMe tier (ZeRO-Infinity): with `nvme` the layers' share (`layer_fraction` of the parameters:
+    the stacked layers, not the embeddings) of the 12Ψ/N master + moments moves from host memory to
+    the swap files, and host memory keeps `buffer_count` layer groups of it in flight (one group =
+    one layer of `n_layers`). {"device", "host", "disk"}."""
+    b = zero_paper_bytes(total_params, stage, n_devices, offload_optimizer=offload_optimizer or nvme,
+                         offload_param=offload_param)
+    disk = 0
+    if nvme:
+        if stage != 3:
+            raise ValueError(f"NVMe offload needs zero_optimization.stage=3, got stage={stage}")
+        swapped = 12 * total_params / n_devices * layer_fraction
+        disk = int(swapped)
+        b["host"] = int(b["host"] - swapped + min(buffer_count, n_layers) * swapped / max(n_layers, 1))
+    return {**b, "disk": disk}
+
+
+def host_free_bytes() -> int:
+    """Host memory available now (Linux: MemAvailable; else free physical pages)."""
+    try:
+        with open("/proc/meminfo", encoding="utf-8") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+
+
+def nvme_suggestion(host_needed, host_free, *, disk_bytes, disk_free=None) -> str | None:
+    """A line offering NVMe offload when host memory is what a CPU-offload plan runs out of (None when
+    it fits, or when the disk would not hold the swap files either)."""
+    if host_needed <= host_free:
+        return None
+    if disk_free is not None and disk_bytes > disk_free:
+        return (f"host memory is the limit ({fmt_bytes(host_needed)} needed, {fmt_bytes(host_free)} free) and the "
+                f"disk too ({fmt_bytes(disk_bytes)} of swap files, {fmt_bytes(disk_free)} free)")
+    return (f"host memory is the limit ({fmt_bytes(host_needed)} needed, {fmt_bytes(host_free)} free): "
+            f"\"offload_optimizer\": {{\"device\": \"nvme\", \"nvme_path\": ...}} (ZeRO-3) moves the layers' "
+            f"master + moments to {fmt_bytes(disk_bytes)} of swap files")
 
 
 @dataclasses.dataclass(frozen=True)

@@ -24,6 +24,7 @@ from zerojax.pipeline import PipelineSchedule, pipeline_scan, schedule_problems
 from zerojax.optim import build_optimizer, build_schedule
 from zerojax.options import EngineOptions
 from zerojax.precision import compute_dtype as compute_dtype_of, loss_scale_from_config, loss_scaler_from_config
+from zerojax.offload.nvme_tier import check_params_in_cpu, nvme_tier
 from zerojax.step import OffloadStep, StepSettings, TrainState, pure_dict
 
 PARAM_HOOK_ERROR = ("zero_optimization.offload_param: offload_param needs a model whose layer scan accepts a "
@@ -59,6 +60,7 @@ class EngineLayout:
     stage3_gather: str | None          # "layer" when stage 3 gathers per layer in the model's scan
     step: StepSettings
     pipeline: PipelineSchedule | None = None   # pipeline.stages > 1: the schedule the model's scan runs
+    nvme: Any = None                   # offload_optimizer device "nvme": the layers' state in swap files (NvmeTier)
 
     @property
     def state_shardings(self) -> TrainState:
@@ -91,6 +93,11 @@ class EngineLayout:
         default "loop" layout): what a checkpoint stores."""
         if self.offload is None:
             return state
+        if self.nvme is not None:  # the files' leaves read back into the chunk
+            inner = state.opt_state.inner_state if self.fp16 else state.opt_state
+            master, inner = self.nvme.fill(state.master, inner)
+            state = state._replace(master=master, opt_state=state.opt_state._replace(inner_state=inner)
+                                   if self.fp16 else inner)
         wrap, _ = self.stored_opt_codec()
         merge = lambda chunks: O.merge_chunks(chunks, self.offload.layout)  # noqa: E731
         opt = state.opt_state
@@ -123,12 +130,17 @@ class EngineLayout:
         m_tmpl, s_tmpl = O.chunk_templates(self.tx, self.abstract_master, off.layout)
         master = O.split_chunks(master, off.layout, m_tmpl, off.master_shardings)
         if opt_state is None:
+            if self.nvme is not None:  # the master goes to the files, the moments there stay as they are
+                master = self.nvme.spill_master(master)
             return master, None
         _, unwrap = self.stored_opt_codec()
         split = lambda st: O.split_chunks(unwrap(st), off.layout, s_tmpl, off.state_shardings)  # noqa: E731
+        inner = split(opt_state.inner_state if self.fp16 else opt_state)
+        if self.nvme is not None:  # into the swap files; the state keeps None there
+            master, inner = self.nvme.spill(master, inner)
         if self.fp16:
-            return master, opt_state._replace(inner_state=split(opt_state.inner_state))
-        return master, split(opt_state)
+            return master, opt_state._replace(inner_state=inner)
+        return master, inner
 
 
 def resolve_config(cfg, mesh: Mesh | None) -> tuple[Config, Mesh]:
@@ -189,8 +201,8 @@ def _build_layout(module, cfg: Config, *, loss_fn, mesh: Mesh, options) -> Engin
     zero = cfg.zero_optimization
     stage = int(zero.stage)
     # host offload (DeepSpeed: offload_optimizer at stage >= 1, offload_param at stage 3)
-    offload_optimizer = zero.offload_optimizer.device == "cpu" and stage >= 1
-    offload_param = zero.offload_param.device == "cpu" and stage == 3
+    offload_optimizer = zero.offload_optimizer.device in ("cpu", "nvme") and stage >= 1
+    offload_param = zero.offload_param.device in ("cpu", "nvme") and stage == 3
     offloading = offload_optimizer or offload_param
     if offloading and cfg.optimizer is not None and "".join(
             c for c in cfg.optimizer.type.lower() if c.isalnum()) == "lamb":
@@ -212,13 +224,22 @@ def _build_layout(module, cfg: Config, *, loss_fn, mesh: Mesh, options) -> Engin
         persistence_threshold=int(zero.stage3_param_persistence_threshold or 0))
     rest_shardings = partition.replicated(mesh, pure_dict(rest))
 
-    off = offload_settings = offload_step = fetch_rest = None
+    off = offload_settings = offload_step = fetch_rest = nvme = None
     stage3_gather = None
     param_shardings, master_shardings = shardings.params, shardings.master
     if offloading:
         off, offload_settings, opt_shardings, scaler = _offload_layout(
             cfg, options, tx, abstract_master, shardings, mesh, fp16, offload_optimizer, offload_param)
         master_shardings = off.shardings.master
+        if offload_optimizer and zero.offload_optimizer.device == "nvme":
+            nvme = nvme_tier(cfg, tx, abstract_master, off)
+            master_shardings = nvme.live(master_shardings, "master")
+            opt_shardings = (opt_shardings._replace(inner_state=nvme.live(opt_shardings.inner_state, "state"))
+                             if fp16 else nvme.live(opt_shardings, "state"))
+            offload_settings = {**offload_settings, "nvme": nvme.settings["nvme_path"],
+                                "nvme_disk_bytes": nvme.disk_bytes()}
+        if offload_param and zero.offload_param.device == "nvme":
+            check_params_in_cpu(zero.offload_param, abstract_master)
         if offload_param:
             kind = O.host_memory_kind(bool(zero.offload_param.pin_memory))
             param_shardings = O.with_memory_kind(shardings.params, kind)
@@ -228,7 +249,7 @@ def _build_layout(module, cfg: Config, *, loss_fn, mesh: Mesh, options) -> Engin
                  "layer_scan": O.prefetch_scan if options.offload_prefetch else None})
         offload_step = OffloadStep(layout=off, tx=tx, scaler=scaler, clip=float(cfg.gradient_clipping or 0.0),
                                    param_shardings=param_shardings if offload_param else None,
-                                   write_pieces=options.offload_write_pieces)
+                                   write_pieces=options.offload_write_pieces, nvme=nvme)
     else:
         opt_shardings = partition.opt_state_shardings(tx, abstract_master, shardings.master, mesh)
     if (stage == 3 and not offload_param and partition.data_size(mesh) > 1 and options.stage3_gather == "layer"
@@ -263,7 +284,7 @@ def _build_layout(module, cfg: Config, *, loss_fn, mesh: Mesh, options) -> Engin
         tx=tx, schedule=schedule, abstract_master=abstract_master, shardings=shardings,
         param_shardings=param_shardings, master_shardings=master_shardings, opt_shardings=opt_shardings,
         rest_shardings=rest_shardings, offload=off, offload_settings=offload_settings,
-        stage3_gather=stage3_gather, step=step, pipeline=schedule_)
+        stage3_gather=stage3_gather, step=step, pipeline=schedule_, nvme=nvme)
 
 
 PIPELINE_HOOK_ERROR = ("pipeline.stages = {stages}: pipelining needs a model whose layers run as one stacked scan "

@@ -122,6 +122,11 @@ class Plan:
             text += f": peak {fmt_bytes(self.peak_bytes)}"
         if self.tokens_per_s is not None:
             text += f", predicted {self.tokens_per_s:,.0f} tokens/s"
+        if self.host_bytes and (self.offload_optimizer or self.offload_param):
+            # host memory is the next wall after device memory: offer the NVMe tier (at most the
+            # offloaded optimizer bytes go to disk, so host_bytes bounds the swap files)
+            tip = est.nvme_suggestion(self.host_bytes, est.host_free_bytes(), disk_bytes=self.host_bytes)
+            text += f" ({tip})" if tip else ""
         return text
 
     __str__ = describe

@@ -14,7 +14,7 @@ from zerojax.config._values import ConfigError, _convert, _freeze, _is_auto, _pl
 from zerojax.config._schema import (
     BF16Config, Config, DEEPSPEED_VERSION, FP16Config, OffloadOptimizerConfig, OffloadParamConfig,
     OptimizerConfig, PipelineConfig, REMOVED_TOP_LEVEL_KEYS, REMOVED_ZERO_KEYS, SchedulerConfig,
-    TensorParallelConfig, ZeroConfig, pipeline_stages, _REMOVED_ISSUE, _TP_ALIASES, _ZERO_ALIASES, _ZERO_DEPRECATED_NOOP)
+    TensorParallelConfig, ZeroConfig, pipeline_stages, AioConfig, _AIO_ALIASES, _REMOVED_ISSUE, _TP_ALIASES, _ZERO_ALIASES, _ZERO_DEPRECATED_NOOP)
 from zerojax.config._params import (
     MAX_GRAD_NORM_MSG, SUPPORTED_OPTIMIZERS, SUPPORTED_SCHEDULERS, UNSUPPORTED_OPTIMIZERS, canonical_optimizer,
     check_optimizer_params, check_scheduler_params)
@@ -228,6 +228,8 @@ def _build_top(raw, unresolved, problems, notes):
             kwargs[name] = dataclasses.replace(tp, autotp_size=max(1, tp.autotp_size))
         elif name == "torch_autocast":
             kwargs[name] = _build_torch_autocast(value, problems)
+        elif name == "aio":
+            kwargs[name] = _build_aio(value, problems, notes)
         elif meta["kind"] == "section":
             if value is None:
                 kwargs[name] = None if meta.get("optional") else meta["cls"]()
@@ -252,6 +254,21 @@ def _unknown_top_level(key):
     hint = _suggest(key, _CONFIG_KEYS, cutoff=0.8)
     return (f"{key}: unknown top-level key, ignored (as DeepSpeed ignores it){hint} "
             "(docs/config-keys.md lists the keys zerojax reads)")
+
+
+def _build_aio(value, problems, notes):
+    """DeepSpeed reads `aio` key by key (`get_scalar_param`) and ignores the rest: unknown keys are a note;
+    `thread_count` is the pre-0.15 name of `intra_op_parallelism`."""
+    if isinstance(value, Mapping):
+        unknown = [k for k in value if k not in {f.name for f in fields(AioConfig)} and k not in _AIO_ALIASES]
+        for key in unknown:
+            notes.append(f"aio.{key}: unknown key, ignored (as DeepSpeed ignores it){_suggest(key, [f.name for f in fields(AioConfig)])}")
+        value = {k: v for k, v in value.items() if k not in unknown}
+    aio = _build(AioConfig, value, "aio", problems, aliases=_AIO_ALIASES)
+    if aio.use_gds:
+        notes.append("aio.use_gds = true: GPUDirect Storage is not used by zerojax; NVMe transfers go through "
+                     "host buffers (the result is the same)")
+    return aio
 
 
 def _build_torch_autocast(value, problems):
@@ -415,9 +432,18 @@ def _cross_checks(kwargs, zero, problems):
                         "default \"mean\"); summing is not supported yet (DeepSpeed itself refuses it at ZeRO "
                         "stage 3); remove the key or scale the loss by the data-parallel size")
     for name, off in (("offload_optimizer", zero.offload_optimizer), ("offload_param", zero.offload_param)):
-        if off.device == "nvme":
-            problems.append(f"zero_optimization.{name}.device = \"nvme\": NVMe offload is not supported yet by "
-                            "zerojax; use \"device\": \"cpu\"")
+        if off.device != "nvme":
+            continue
+        if zero.stage != 3:  # DeepSpeed swaps to NVMe only in stage3.py; stage_1_and_2 offloads to CPU only
+            problems.append(f"zero_optimization.{name}.device = \"nvme\": NVMe offload needs ZeRO stage 3 "
+                            f"(zero_optimization.stage is {zero.stage}); DeepSpeed {DEEPSPEED_VERSION} swaps to NVMe "
+                            "only in stage 3. Set \"stage\": 3, or use \"device\": \"cpu\"")
+        if not off.nvme_path:
+            problems.append(f"zero_optimization.{name}.device = \"nvme\" needs zero_optimization.{name}.nvme_path: "
+                            "a directory on a local SSD for the swap files")
+    if zero.offload_optimizer.device == "nvme" and zero.offload_optimizer.buffer_count < 2:
+        problems.append(f"zero_optimization.offload_optimizer.buffer_count = {zero.offload_optimizer.buffer_count}: "
+                        "NVMe offload needs at least 2 buffers (one layer group read ahead, one written back)")
     if zero.offload_optimizer.ratio < 1.0 and zero.stage != 3:
         problems.append(f"zero_optimization.offload_optimizer.ratio = {zero.offload_optimizer.ratio}: Partial "
                         f"offloading only supported for ZeRO Stage 3 (zero_optimization.stage is {zero.stage})")

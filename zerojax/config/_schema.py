@@ -59,20 +59,21 @@ REMOVED_ZERO_KEYS = {
 class OffloadParamConfig:
     device: str = _f("none", "str", choices=_DEVICES, lower=True)
     """none / cpu / nvme.
-    zerojax: **acted on**: cpu → parameters in `pinned_host` memory, streamed per layer; nvme → ConfigError (not
-      supported yet)"""
+    zerojax: **acted on**: cpu → parameters in `pinned_host` memory, streamed per layer; nvme → the same host
+      tier while the model has at most `max_in_cpu` parameter elements (DeepSpeed keeps that many in CPU memory
+      with NVMe), a ConfigError above it (params streamed from files not supported yet); stage 3 only"""
     nvme_path: str | None = _f(None, "str", optional=True)
     """NVMe swap directory.
-    zerojax: **accepted, no effect**: NVMe not supported yet"""
+    zerojax: **acted on**: required with `device: "nvme"` (checked: exists, writable, not a RAM disk)"""
     buffer_count: int = _f(5, "int", ge=0)
     """NVMe swap buffers.
-    zerojax: **accepted, no effect**: NVMe not supported yet"""
+    zerojax: **accepted, no effect**: the parameters stay in host memory (see `device`)"""
     buffer_size: int = _f(100_000_000, "int", ge=0)
     """NVMe swap buffer size.
-    zerojax: **accepted, no effect**: NVMe not supported yet"""
+    zerojax: **accepted, no effect**: the parameters stay in host memory (see `device`)"""
     max_in_cpu: int = _f(1_000_000_000, "int", ge=0)
     """Parameter elements kept in CPU memory with NVMe.
-    zerojax: **accepted, no effect**: NVMe not supported yet"""
+    zerojax: **acted on**: with `device: "nvme"`, the model's parameter elements must not exceed it"""
     pin_memory: bool = _f(True, "bool")
     """Use page-locked host memory (DeepSpeed's default true since 0.19.5, PR #8207).
     zerojax: **accepted, no effect**: host offload always uses `pinned_host` memory"""
@@ -82,26 +83,28 @@ class OffloadParamConfig:
 class OffloadOptimizerConfig:
     device: str = _f("none", "str", choices=_DEVICES, lower=True)
     """none / cpu / nvme.
-    zerojax: **acted on**: cpu → fp32 master + moments in `pinned_host` memory; nvme → ConfigError (not
-      supported yet)"""
+    zerojax: **acted on**: cpu → fp32 master + moments in `pinned_host` memory; nvme → the layers' master +
+      moments in swap files under `nvme_path`, streamed a layer group at a time through the update (stage 3)"""
     nvme_path: str | None = _f(None, "str", optional=True)
     """NVMe swap directory.
-    zerojax: **accepted, no effect**: NVMe not supported yet"""
+    zerojax: **acted on**: required with `device: "nvme"`; swap files live in `<nvme_path>/zerojax-<run>/rank<p>/`,
+      removed at exit (checked before the first step: exists, writable, free bytes, not a RAM disk)"""
     buffer_count: int = _f(4, "int", ge=0)
     """NVMe swap buffers.
-    zerojax: **accepted, no effect**: NVMe not supported yet"""
+    zerojax: **acted on**: layer groups held in host memory at once by the swapper (at least 2: one read
+      ahead, one being written back)"""
     pin_memory: bool = _f(True, "bool")
     """Use page-locked host memory (DeepSpeed's default true since 0.19.5, PR #8207).
     zerojax: **accepted, no effect**: host offload always uses `pinned_host` memory"""
     pipeline_read: bool = _f(False, "bool")
     """Overlap NVMe reads with the optimizer step.
-    zerojax: **accepted, no effect**: NVMe not supported yet"""
+    zerojax: **acted on**: group g+1 is read while group g is updated (else each read waits)"""
     pipeline_write: bool = _f(False, "bool")
     """Overlap NVMe writes with the optimizer step.
-    zerojax: **accepted, no effect**: NVMe not supported yet"""
+    zerojax: **acted on**: group g-1 is written while group g is updated (else each write waits)"""
     fast_init: bool = _f(False, "bool")
     """Fast optimizer init with NVMe.
-    zerojax: **accepted, no effect**: NVMe not supported yet"""
+    zerojax: **accepted, no effect**: the initial state is always written a layer group at a time"""
     ratio: float = _f(1.0, "float", ge=0.0, le=1.0)
     """Fraction of optimizer state offloaded (< 1 only at stage 3).
     zerojax: **acted on**: the first ceil(ratio × pieces) pieces of the optimizer state (embeddings, then layer
@@ -722,6 +725,34 @@ class TimersConfig:
 
 
 @dataclass(frozen=True)
+class AioConfig:
+    """DeepSpeed's `aio` section (runtime/swap_tensor/aio_config.py, constants.py)."""
+
+    block_size: int = _f(1_048_576, "int", ge=1)
+    """Bytes per I/O request.
+    zerojax: **acted on**: the swap files' alignment and each read / write's request size"""
+    queue_depth: int = _f(8, "int", ge=1)
+    """Requests in flight.
+    zerojax: **acted on**: requests in flight per group read / write (thread pool size with
+      `intra_op_parallelism`)"""
+    intra_op_parallelism: int = _f(1, "int", ge=1)
+    """Threads per I/O operation (old name `thread_count`).
+    zerojax: **acted on**: I/O threads = queue_depth × intra_op_parallelism, capped at 64"""
+    single_submit: bool = _f(False, "bool")
+    """Submit requests one at a time.
+    zerojax: **accepted, no effect**: requests go through a thread pool of pread / pwrite"""
+    overlap_events: bool = _f(True, "bool")
+    """Overlap submission and completion.
+    zerojax: **accepted, no effect**: requests go through a thread pool of pread / pwrite"""
+    use_gds: bool = _f(False, "bool")
+    """GPUDirect Storage (CUDA only).
+    zerojax: **accepted, no effect**: transfers go through host buffers; true gives a note"""
+
+
+_AIO_ALIASES = {"thread_count": "intra_op_parallelism"}
+
+
+@dataclass(frozen=True)
 class Config:
     """A resolved DeepSpeed config. Field names are DeepSpeed's keys."""
 
@@ -850,9 +881,9 @@ class Config:
     torch_autocast: Mapping | None = _f(None, "special")
     """torch.autocast mixed precision; `enabled: true` is a ConfigError (use bf16 or fp16).
     zerojax: **accepted, no effect**: kept as a mapping when disabled"""
-    aio: Mapping | None = _f(None, "mapping", optional=True)
-    """Async I/O settings for NVMe.
-    zerojax: **accepted, no effect**: kept as a read-only mapping; nothing in zerojax reads it"""
+    aio: AioConfig = _f(kind="section", factory=AioConfig, cls=AioConfig)
+    """Section: async I/O settings for NVMe offload (DeepSpeed reads its keys one by one and ignores others).
+    zerojax: **acted on**: see its keys"""
     autotuning: Mapping | None = _f(None, "mapping", optional=True)
     """DeepSpeed autotuner.
     zerojax: **accepted, no effect**: kept as a read-only mapping; nothing in zerojax reads it"""

@@ -137,7 +137,7 @@ def _all_loops(tx, loops, layout, g_chunks, state, off, init_chunks, out_c, out_
 
 def streamed_update(tx, grads, state: OffloadState, off: OffloadLayout, *,
                     compute_dtype=jnp.bfloat16, skip=None, grad_scale=None, compute_kind=None,
-                    compute_init=None, write_pieces: int = 0):
+                    compute_init=None, write_pieces: int = 0, nvme=None):
     """One optimizer step over offloaded chunks; call inside the step's jit.
 
     tx: an elementwise optax transform (no global-norm clipping inside: clip `grads` before).
@@ -151,6 +151,8 @@ def streamed_update(tx, grads, state: OffloadState, off: OffloadLayout, *,
         chunk writes its new compute copy into them in place.
     write_pieces: 0 = a host chunk updated whole (the non-layer leaves) is returned as a new host
         array; >= 2 = written into its donated host buffer in that many pieces (`_write_in_place`).
+    nvme: an `nvme_tier.NvmeTier`: its loop chunk's master and moments live in swap files
+        (`nvme_loop_update`); the state holds None there.
     -> (compute params tree in `compute_dtype`, new OffloadState in place).
     """
     layout = off.layout
@@ -158,8 +160,15 @@ def streamed_update(tx, grads, state: OffloadState, off: OffloadLayout, *,
     init_chunks = to_chunks(compute_init, layout) if compute_init is not None else None
     n = len(layout.chunks)
     out_c, out_m, out_s = [None] * n, [None] * n, [None] * n
-    loops = [i for i, c in enumerate(layout.chunks) if c.loop]
+    loops = [i for i, c in enumerate(layout.chunks) if c.loop and (nvme is None or i != nvme.chunk)]
     for i, (c, g, m, s) in enumerate(zip(layout.chunks, g_chunks, state.master, state.opt_state)):
+        if nvme is not None and i == nvme.chunk:  # the NVMe tier's loop chunk: its own loop over the files
+            cp0 = (init_chunks[i] if init_chunks is not None
+                   else _empty_like(nvme.m_template, off.master_shardings[i], compute_dtype, compute_kind))
+            s, cp = nvme.loop_update(tx, g, s, cp0, compute_dtype=compute_dtype, skip=skip,
+                                     grad_scale=grad_scale, compute_kind=compute_kind)
+            out_c[i], out_m[i], out_s[i] = cp, m, s
+            continue
         if c.loop:
             if i == loops[0]:  # every loop chunk in one fori_loop, traced where the first one is
                 _all_loops(tx, loops, layout, g_chunks, state, off, init_chunks, out_c, out_m, out_s,

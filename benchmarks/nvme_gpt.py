@@ -1,0 +1,104 @@
+"""One GPT training run with the optimizer state offloaded to "cpu" or "nvme" (ZeRO-3, bf16, AdamW,
+full remat): tokens/s, the swap traffic per step and its achieved bandwidth, host memory (peak RSS),
+device peak. One JSON line on stdout ("NVME {...}") and appended to --json.
+
+    python benchmarks/nvme_gpt.py --size large --micro 8 --offload nvme --nvme-path /local_nvme
+    python benchmarks/nvme_gpt.py --n-embd 4096 --n-layer 36 --n-head 32 --micro 1 --accum 16 ...
+
+Run under a device cap with XLA_PYTHON_CLIENT_MEM_FRACTION (0.17 of an H200 = 24 GB).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import resource
+import sys
+import time
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--size", default="large")
+    ap.add_argument("--n-embd", type=int)
+    ap.add_argument("--n-layer", type=int)
+    ap.add_argument("--n-head", type=int)
+    ap.add_argument("--micro", type=int, default=8)
+    ap.add_argument("--accum", type=int, default=1)
+    ap.add_argument("--seq", type=int, default=1024)
+    ap.add_argument("--offload", default="nvme", choices=("cpu", "nvme", "nvme-param"),
+                    help="cpu: optimizer to host; nvme: optimizer to files; nvme-param: + params (host tier)")
+    ap.add_argument("--param", action="store_true", help="offload_param too (host memory)")
+    ap.add_argument("--nvme-path", default="/tmp")
+    ap.add_argument("--buffer-count", type=int, default=4)
+    ap.add_argument("--queue-depth", type=int, default=8)
+    ap.add_argument("--loss-chunk", type=int, default=128)
+    ap.add_argument("--steps", type=int, default=3)
+    ap.add_argument("--warmup", type=int, default=1)
+    ap.add_argument("--json", default=None)
+    args = ap.parse_args(argv)
+
+    import jax
+    import numpy as np
+    from flax import nnx
+
+    import zerojax
+    from zerojax.models import gpt2
+
+    over = {k: v for k, v in (("n_embd", args.n_embd), ("n_layer", args.n_layer), ("n_head", args.n_head)) if v}
+    cfg = gpt2.GPT2Config.named(args.size, **over)
+    dev = "nvme" if args.offload.startswith("nvme") else "cpu"
+    param = args.param or args.offload == "nvme-param"
+    nv = {"nvme_path": args.nvme_path, "buffer_count": args.buffer_count,
+          "pipeline_read": True, "pipeline_write": True} if dev == "nvme" else {}
+    ds = {"train_micro_batch_size_per_gpu": args.micro, "gradient_accumulation_steps": args.accum,
+          "gradient_clipping": 1.0, "steps_per_print": 10**9, "bf16": {"enabled": True},
+          "optimizer": {"type": "AdamW", "params": {"lr": 1e-4, "betas": [0.9, 0.95], "weight_decay": 0.1}},
+          "aio": {"queue_depth": args.queue_depth},
+          "zero_optimization": {"stage": 3, "offload_optimizer": {"device": dev, "pin_memory": True, **nv},
+                                "offload_param": {"device": "cpu" if param else "none", "pin_memory": True}}}
+    n = jax.device_count()
+    make = lambda: gpt2.GPT2(cfg, rngs=nnx.Rngs(0), dtype=jax.numpy.bfloat16, remat_policy="full")  # noqa: E731
+    loss_fn = gpt2.chunked_gpt2_loss(args.loss_chunk) if args.loss_chunk else gpt2.gpt2_loss
+    t0 = time.perf_counter()
+    eng = zerojax.shard(make, ds, loss_fn=loss_fn)
+    init_s = time.perf_counter() - t0
+    B, T = args.micro * args.accum * n, args.seq
+    batch = {"input_ids": np.random.default_rng(0).integers(0, cfg.vocab_size, (B, T)).astype(np.int32)}
+    for _ in range(args.warmup):
+        loss = eng.train_step(batch)["loss"]
+    jax.block_until_ready(loss)
+    sw = eng.layout.nvme.swapper if eng.layout.nvme is not None else None
+    io0 = (sw.bytes_read, sw.bytes_written, sw.stall_s) if sw else (0, 0, 0.0)
+    t0 = time.perf_counter()
+    for _ in range(args.steps):
+        loss = eng.train_step(batch)["loss"]
+    jax.block_until_ready((eng.state, loss))
+    dt = (time.perf_counter() - t0) / args.steps
+    io = ((sw.bytes_read - io0[0]) / args.steps, (sw.bytes_written - io0[1]) / args.steps,
+          (sw.stall_s - io0[2]) / args.steps) if sw else (0, 0, 0.0)
+    stats = jax.devices()[0].memory_stats() or {}
+    rep = eng.memory_report()
+    out = {
+        "offload": args.offload, "param": param, "model": f"L{cfg.n_layer}/d{cfg.n_embd}/h{cfg.n_head}",
+        "n_params": int(sum(x.size for x in jax.tree.leaves(eng.state.params))),
+        "micro": args.micro, "accum": args.accum, "seq": T, "step_s": dt, "tokens_per_s": B * T / dt / n,
+        "init_s": init_s, "loss": float(loss), "peak_gib": stats.get("peak_bytes_in_use", 0) / 2**30,
+        "host_state_gib": rep["host"] / 2**30,
+        "peak_rss_gib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20,
+        "disk_gib": (eng.offload_settings or {}).get("nvme_disk_bytes", 0) / 2**30,
+        "swap_read_gib_per_step": io[0] / 2**30, "swap_write_gib_per_step": io[1] / 2**30,
+        "swap_stall_s_per_step": io[2],
+        # the swap traffic over the whole step: a lower bound of the update's achieved disk bandwidth
+        "swap_GBps_over_step": (io[0] + io[1]) / dt / 1e9,
+        "backend": jax.default_backend(),
+    }
+    print("NVME " + json.dumps(out), flush=True)
+    if args.json:
+        with open(args.json, "a", encoding="utf-8") as f:
+            f.write(json.dumps(out) + "\n")
+    eng.close()
+    return out
+
+
+if __name__ == "__main__":
+    sys.exit(0 if main() else 1)
