@@ -256,9 +256,8 @@ def _example_args(tmp_path, name, steps, *extra):
 
 
 def _text_file(tmp_path) -> str:
-    """The training text as a file: the example's embedded corpus is built from the docstrings of
-    the calling process's stdlib modules, which a long test process (other tests' imports) and a
-    fresh launched child need not see alike, so every run here reads the same bytes instead."""
+    """The training text as a small file of this test's own: every run here, launched children
+    and in-process references alike, reads the same bytes."""
     path = tmp_path / "corpus.txt"
     if not path.exists():
         words = "the a model layer weight gradient step batch device shard data token loss".split()

@@ -14,6 +14,9 @@ from zerojax import memory as M
 from zerojax import planner as PL
 from zerojax.models.gpt2 import GPT2, GPT2Config
 
+from tiny_gpt2 import TINY
+from tiny_gpt2 import tiny_gpt2_as_built as tiny_factory
+
 GiB = 2**30
 
 
@@ -145,7 +148,6 @@ def test_parse_bytes_and_search():
 
 
 SEQ = 32
-TINY = GPT2Config.named("tiny")
 CFG = {
     "train_micro_batch_size_per_gpu": 1,
     "gradient_accumulation_steps": 1,
@@ -154,10 +156,6 @@ CFG = {
     "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}},
     "zero_optimization": {"stage": 2},
 }
-
-
-def tiny_factory():
-    return GPT2(TINY, rngs=nnx.Rngs(0), dtype=jnp.bfloat16, param_dtype=jnp.float32)
 
 
 @functools.cache
