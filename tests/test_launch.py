@@ -275,7 +275,9 @@ def _losses(tmp_path, name) -> dict:
 
 
 def _start_two(tmp_path, name, steps, *extra):
-    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=4", JAX_PLATFORMS="cpu",
+    # the parent's XLA_FLAGS (conftest's, with any user flags) and 4 devices: XLA keeps the last
+    env = dict(os.environ, XLA_FLAGS=os.environ["XLA_FLAGS"] + " --xla_force_host_platform_device_count=4",
+               JAX_PLATFORMS="cpu",
                PYTHONPATH=os.pathsep.join([ROOT, os.environ.get("PYTHONPATH", "")]))
     log = open(tmp_path / f"{name}.log", "w+")
     cmd = [sys.executable, "-m", "zerojax.launch", "--num_procs", "2", "--master_port", str(_free_port()),
