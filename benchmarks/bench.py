@@ -11,6 +11,11 @@ and the parent never touches the accelerator (a preallocating parent would starv
 The bf16 matmul ceiling for MFU is measured first, in its own child: one 8192^3 matmul per
 local device, all at once.
 
+A JSON spec (`--matrix '[{...}, ...]'`) takes the keys of `_base` plus: "remat" false / true /
+a policy name of zerojax.models.gpt2.REMAT_POLICIES ("dots", "save_qkv", ...); "unroll" (the
+model's scan_unroll); "env" (variables for that entry's child only; its XLA_FLAGS are appended to
+the run's, so one entry can A/B one XLA flag or JAX_OPTIMIZATION_LEVEL); "label" (shown in the name).
+
 Columns: tokens/s per device after warm-up, model TFLOP/s per device (FLOPs/token = 6N + 12*L*d*T),
 MFU against the measured ceiling, measured peak per device (max over local devices), the
 planner's predicted peak (XLA's compiled memory analysis of the same step), compile seconds.
@@ -81,8 +86,35 @@ def name_of(s: dict) -> str:
     extra = "" if s.get("offload", "none") == "none" else f"+off-{s['offload']}"
     extra += f" pipe{s['pipe']}" if s.get("pipe", 1) > 1 else ""
     extra += f" tp{s['tp']}" if s.get("tp", 1) > 1 else ""
-    return (f"{s['size']} {what}{extra} {s['dtype']} mb{s['micro']}x{s['accum']}"
-            f"{' remat' if s['remat'] else ''}")
+    policy = remat_policy_of(s)
+    remat = "" if policy is None else " remat" if policy == "full" else f" remat-{policy}"
+    remat += f" unroll{s['unroll']}" if s.get("unroll", 1) > 1 else ""
+    label = f" [{s['label']}]" if s.get("label") else ""  # e.g. the XLA flags of an A/B entry
+    return f"{s['size']} {what}{extra} {s['dtype']} mb{s['micro']}x{s['accum']}{remat}{label}"
+
+
+def remat_policy_of(spec: dict):
+    """The spec's "remat": false / true (per-layer "full") or a policy name of
+    zerojax.models.gpt2.REMAT_POLICIES ("dots", "save_qkv", ...; "none" = off)."""
+    r = spec.get("remat")
+    if r is True:
+        return "full"
+    if r in (False, None, "none", "off"):
+        return None
+    return "full" if r == "on" else r
+
+
+def entry_env(env: dict, spec: dict) -> dict:
+    """The child's environment for one entry: the spec's "env" on top (its XLA_FLAGS appended to
+    the run's, so an entry can A/B an XLA flag or set JAX_OPTIMIZATION_LEVEL alone)."""
+    from zerojax.xla_flags import merged_xla_flags
+
+    extra = dict(spec.get("env") or {})
+    out = dict(env)
+    if "XLA_FLAGS" in extra:
+        out["XLA_FLAGS"] = merged_xla_flags(env.get("XLA_FLAGS", ""), extra.pop("XLA_FLAGS").split())
+    out.update({k: str(v) for k, v in extra.items()})
+    return out
 
 
 # ---------------------------------------------------------------------------------------------
@@ -258,7 +290,7 @@ class PlainRunner:
                              axis_types=(jax.sharding.AxisType.Auto,))
         rep, data = NamedSharding(mesh, P()), NamedSharding(mesh, P("data"))
         model = GPT2(config, rngs=nnx.Rngs(0), dtype=dtype, param_dtype=jnp.float32,
-                     remat_policy="full" if spec["remat"] else None,
+                     remat_policy=remat_policy_of(spec), scan_unroll=int(spec.get("unroll", 1)),
                      attention_impl=spec.get("attention"))
         graphdef, params = nnx.split(model)
         params = jax.device_put(params, rep)
@@ -348,7 +380,7 @@ class ZeroRunner:
         # a callable, so the engine builds the weights already sharded (an eager model would put
         # a full fp32 copy on device 0 first, and into its lifetime peak)
         model = lambda: GPT2(config, rngs=nnx.Rngs(0), dtype=dtype, param_dtype=jnp.float32,  # noqa: E731
-                             remat_policy="full" if spec["remat"] else None,
+                             remat_policy=remat_policy_of(spec), scan_unroll=int(spec.get("unroll", 1)),
                              attention_impl=spec.get("attention"))
         # knobs swept by benchmarks/*.sh arrive as ZEROJAX_* environment variables
         self.engine = zerojax.shard(model, cfg, loss_fn=gpt2_loss, options=zerojax.EngineOptions.from_env())
@@ -387,7 +419,7 @@ def fmt_table(rows: list[dict], ceiling: dict) -> str:
     biggest = max([r["result"].get("predicted_peak_bytes") or 0 for r in rows] +
                   [r["result"].get("peak_bytes") or 0 for r in rows])
     unit, gib = ("GiB", 2**30) if biggest >= 2**30 else ("MiB", 2**20)
-    head = (f"{'entry':<44}{'tok/s/dev':>11}{'TFLOP/s':>9}{'MFU':>7}{'peak ' + unit:>10}"
+    head = (f"{'entry':<56}{'tok/s/dev':>11}{'TFLOP/s':>9}{'MFU':>7}{'peak ' + unit:>10}"
             f"{'pred ' + unit:>10}{'compile s':>11}  loss")
     lines = [f"ceiling: {fmt_tflops(ceiling.get('ceiling_tflops'))} TFLOP/s bf16 per device, all busy "
              f"({ceiling.get('matmul_n')}^3 matmul) on {ceiling.get('n_devices')} x "
@@ -396,13 +428,13 @@ def fmt_table(rows: list[dict], ceiling: dict) -> str:
     for r in rows:
         res = r["result"]
         if "error" in res:
-            lines.append(f"{r['name']:<44}  FAILED: {res['error']}")
+            lines.append(f"{r['name']:<56}  FAILED: {res['error']}")
             continue
         g = lambda b: "-" if b is None else f"{b / gib:.2f}"  # noqa: E731
         mfu = f"{res['mfu']:.1%}" if res.get("mfu") is not None else "-"  # only against a measured ceiling
         comp = "-" if res.get("compile_s") is None else f"{res['compile_s']:.1f}"
         loss = res["losses"][-1] if res.get("losses") else float("nan")
-        lines.append(f"{r['name']:<44}{res['tokens_per_s_per_device']:>11,.0f}"
+        lines.append(f"{r['name']:<56}{res['tokens_per_s_per_device']:>11,.0f}"
                      f"{fmt_tflops(res['tflops_per_device']):>9}{mfu:>7}{g(res['peak_bytes']):>10}"
                      f"{g(res['predicted_peak_bytes']):>10}{comp:>11}  {loss:.3f}")
     return "\n".join(lines)
@@ -482,7 +514,7 @@ def main(argv=None):
     for spec in specs:
         spec = dict(spec, kind="entry")
         name = name_of(spec)
-        res = run_child(spec, env, args.timeout)
+        res = run_child(spec, entry_env(env, spec), args.timeout)
         rows.append({"name": name, "spec": spec, "result": res})
         status = (f"FAILED {res['error']}" if "error" in res else
                   f"{res['tokens_per_s_per_device']:,.0f} tok/s/dev")

@@ -131,9 +131,12 @@ def main(argv=None) -> int:
     if args.cpu:
         os.environ["JAX_PLATFORMS"] = "cpu"
         os.environ["XLA_FLAGS"] = os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=2"
-    import jax
-
     import bench
+
+    # the spec's "env" (XLA flags, JAX_OPTIMIZATION_LEVEL) as bench.py gives it to its child:
+    # before jax starts its backend, which reads XLA_FLAGS once
+    os.environ.update(bench.entry_env(dict(os.environ), json.loads(args.spec)))
+    import jax
 
     spec = dict(seq=1024, steps=0, warmup=0, size="large", dtype="bf16", accum=1, micro=8,
                 stage=2, offload="none", remat=True, attention=None, pipe=1, tp=1)

@@ -67,6 +67,8 @@ def _join_negative_values(argv):
 
 
 def parse_args(argv=None):
+    from zerojax.config import REMAT_POLICY_NAMES  # no jax: zerojax.config imports none
+
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--config", default=os.path.join(os.path.dirname(__file__), "..", "configs", "zero2_bf16.json"),
                    help="a DeepSpeed JSON config (its \"auto\" values are filled from the flags below)")
@@ -97,9 +99,10 @@ def parse_args(argv=None):
         precision.add_argument(f"--{name}", dest="precision", action="store_const", const=name,
                                help=f"train in {name} where the config leaves precision to \"auto\" "
                                     f"(default: bf16 on a GPU that has it, fp32 on CPU)")
-    p.add_argument("--remat", choices=["none", "full", "dots", "offload"], default=None,
+    p.add_argument("--remat", choices=list(REMAT_POLICY_NAMES), default=None,
                    help="activation checkpointing per layer (default: from the config's "
-                        "activation_checkpointing section; cpu_checkpointing -> offload)")
+                        "activation_checkpointing section: its remat_policy, else cpu_checkpointing -> "
+                        "offload, else full)")
     p.add_argument("--save", help="checkpoint folder (orbax); saved at the end")
     p.add_argument("--resume", action="store_true", help="continue from the latest checkpoint in --save")
     p.add_argument("--keep", type=_number(int, 1), default=None,
@@ -324,7 +327,7 @@ def main(argv=None):
     remat_why = "--remat"
     if remat is None:
         ac = cfg.activation_checkpointing
-        remat = "none" if ac is None else ("offload" if ac.cpu_checkpointing else "full")
+        remat = zerojax.config.remat_policy_for(cfg) or "none"
         remat_why = ("the config has no activation_checkpointing section" if ac is None else
                      "the config's activation_checkpointing section")
     remat = None if remat == "none" else remat
@@ -334,7 +337,9 @@ def main(argv=None):
     if args.micro_batch == "auto" or (args.micro_batch is None and
                                       raw.get("train_micro_batch_size_per_gpu") == "auto"):
         planned_remat = remat
-        cfg, remat = _plan_micro_batch(cfg, gpt_cfg, dtype, remat, args.remat is None, seq_len, loss_fn)
+        # the planner varies remat unless --remat or the config's remat_policy names one
+        named = args.remat is not None or getattr(cfg.activation_checkpointing, "remat_policy", None) is not None
+        cfg, remat = _plan_micro_batch(cfg, gpt_cfg, dtype, remat, not named, seq_len, loss_fn)
         if remat != planned_remat:
             remat_why = "chosen by the planner (micro-batch auto)"
     _print_run(args, cfg, size, steps, schedule_steps, lr, lr_default, precision, precision_why,

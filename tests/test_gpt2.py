@@ -143,11 +143,13 @@ def _loss_and_grads(model, ids):
     return f(st)
 
 
-@pytest.mark.parametrize("policy", ["full", "dots", "offload"])
-def test_remat_matches_no_remat(policy):
+# the last case also unrolls the layer scan (scan_unroll): a loop layout, the same function
+@pytest.mark.parametrize("policy,unroll", [("full", 1), ("dots", 1), ("offload", 1), ("save_qkv", 1),
+                                           ("save_attention", 1), ("save_qkv_attention", 2)])
+def test_remat_matches_no_remat(policy, unroll):
     ids = jnp.asarray(_ids(CFG, seq=16))
     ref_loss, ref_g = _reference_loss_and_grads()
-    loss, g = _loss_and_grads(GPT2(CFG, rngs=nnx.Rngs(0), remat_policy=policy), ids)
+    loss, g = _loss_and_grads(GPT2(CFG, rngs=nnx.Rngs(0), remat_policy=policy, scan_unroll=unroll), ids)
     np.testing.assert_allclose(loss, ref_loss, rtol=1e-6)
     jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-7), g, ref_g)
 

@@ -29,6 +29,7 @@ _PUBLIC = {
     "fit_micro_batch": "planner",
     "plan": "planner",
     "init_distributed": "distributed",
+    "apply_xla_flags": "xla_flags",
 }
 
 __all__ = sorted(_PUBLIC) + ["__version__"]

@@ -275,10 +275,6 @@ def _pipeline_layout(module, cfg, mesh, options, abstract_master):
         raise _config_error(f"pipeline.stages = {cfg.pipeline.stages} but the mesh's \"pipe\" axis has size "
                             f"{partition.pipe_size(mesh)}; pass mesh=None or a mesh made with "
                             f"zerojax.make_mesh(pipe={stages})")
-    if cfg.tensor_parallel.autotp_size > 1:
-        raise _config_error(f"tensor_parallel.autotp_size = {cfg.tensor_parallel.autotp_size} with pipeline.stages "
-                            f"= {stages}: tensor and pipeline parallelism together are not supported yet; "
-                            "use one of them")
     hooked = [m for _, m in nnx.iter_graph(module) if isinstance(m, nnx.Module) and "layer_scan" in vars(m)]
     layers = O.chunk_layout(abstract_master, 1).num_layers
     if not hooked or not layers:

@@ -95,6 +95,12 @@ def pipeline_scan(schedule: PipelineSchedule, mesh: Mesh):
         return jax.tree.map(lambda a: jax.lax.with_sharding_constraint(
             a, NamedSharding(mesh, P(*spec[: a.ndim]))), tree)
 
+    def constrain_weights(tree, *spec):
+        # the dims after `spec` keep the sharding they have (the "tensor" axis of Megatron's splits,
+        # ZeRO-3's "data"): a None there would all-gather every stage's weights
+        return jax.tree.map(lambda a: jax.lax.with_sharding_constraint(
+            a, NamedSharding(mesh, P(*spec, *([P.UNCONSTRAINED] * (a.ndim - len(spec)))))), tree)
+
     def layer_scan(body, x, layers, fetch=None, inputs_to_host=False):
         if fetch is not None or inputs_to_host:
             raise ValueError("pipeline: a per-layer fetch or host-offloaded layer inputs do not "
@@ -106,7 +112,7 @@ def pipeline_scan(schedule: PipelineSchedule, mesh: Mesh):
             raise ValueError("; ".join(problems))
         per = num // (S * R)
         # [L, ...] -> [R, S, per, ...]: stage s holds blocks (r, s); R = 1 is the storage shard
-        blocks = constrain(jax.tree.map(lambda a: a.reshape(R, S, per, *a.shape[1:]), layers), None, PIPE)
+        blocks = constrain_weights(jax.tree.map(lambda a: a.reshape(R, S, per, *a.shape[1:]), layers), None, PIPE)
         xs = split_microbatches(x, M, mesh)                # [M, n * mb, ...], rows over "data"
         stage_ids = jnp.arange(S)
         first_stage = (stage_ids == 0).reshape(S, *([1] * (x.ndim)))
@@ -119,7 +125,7 @@ def pipeline_scan(schedule: PipelineSchedule, mesh: Mesh):
         def iteration(carry, t):
             buf, fifo = carry
             weights = _blocks_at(blocks, jnp.clip((t - stage_ids) // M, 0, R - 1))
-            out = constrain(run_stages(buf, constrain(weights, PIPE)), PIPE, DATA)
+            out = constrain(run_stages(buf, constrain_weights(weights, PIPE)), PIPE, DATA)
             # stage s + 1 takes stage s's output: a collective-permute over "pipe"
             rolled = constrain(jnp.roll(out, 1, axis=0), PIPE, DATA)
             fresh = jax.lax.dynamic_index_in_dim(xs, jnp.minimum(t + 1, M - 1), keepdims=False)[None]

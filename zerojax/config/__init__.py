@@ -37,8 +37,8 @@ from zerojax.config._schema import (  # noqa: F401 -- the public names
     CompileConfig, Config, DEEPSPEED_VERSION, DataTypesConfig, FP16Config, FlopsProfilerConfig,
     HybridEngineConfig, OffloadOptimizerConfig, OffloadParamConfig, OptimizerConfig, PipelineConfig,
     pipeline_stages,
-    REMOVED_TOP_LEVEL_KEYS, REMOVED_ZERO_KEYS, SchedulerConfig, TensorBoardConfig, TensorParallelConfig,
-    ThroughputTimerConfig, TimersConfig, TrackioConfig, WandbConfig, ZeroConfig)
+    REMAT_POLICY_NAMES, REMOVED_TOP_LEVEL_KEYS, REMOVED_ZERO_KEYS, SchedulerConfig, TensorBoardConfig, TensorParallelConfig,
+    ThroughputTimerConfig, TimersConfig, TrackioConfig, WandbConfig, ZeroConfig, remat_policy_for)
 from zerojax.config._params import (  # noqa: F401 -- the public names
     MAX_GRAD_NORM_MSG, OPTIMIZER_PARAMS, Param, SCHEDULER_PARAMS, SUPPORTED_OPTIMIZERS, SUPPORTED_SCHEDULERS,
     UNSUPPORTED_OPTIMIZERS, canonical_optimizer, check_optimizer_params, check_scheduler_params)

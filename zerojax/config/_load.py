@@ -405,6 +405,11 @@ def _cross_checks(kwargs, zero, problems):
     if bf16.bf16_optimizer_states and not (zero.stage > 0 and bf16.bf16_master_weights_and_grads):
         problems.append("bf16.bf16_optimizer_states = true: it is only supported with ZeRO Stage 1, 2, or 3 "
                         "and requires bf16.bf16_master_weights_and_grads to be enabled")
+    ac = kwargs.get("activation_checkpointing")
+    if ac is not None and ac.cpu_checkpointing and ac.remat_policy not in (None, "offload"):
+        problems.append(f"activation_checkpointing.remat_policy = {ac.remat_policy!r} with cpu_checkpointing = "
+                        "true: cpu_checkpointing keeps layer inputs in host memory (remat_policy \"offload\"); "
+                        "remove one of the two keys")
     if kwargs.get("gradient_allreduce_op") == "sum":
         problems.append("gradient_allreduce_op = \"sum\": zerojax averages data-parallel gradients (DeepSpeed's "
                         "default \"mean\"); summing is not supported yet (DeepSpeed itself refuses it at ZeRO "

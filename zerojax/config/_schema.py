@@ -10,6 +10,9 @@ from zerojax.config._values import _DEVICES, _empty, _f, _freeze, _is_auto, _to_
 
 
 DEEPSPEED_VERSION = "0.19.8"
+# activation_checkpointing.remat_policy's values: zerojax.models.gpt2.REMAT_POLICIES (None written "none");
+# the config imports nothing of the models, so tests/test_speed_options.py checks the two agree
+REMAT_POLICY_NAMES = ("none", "full", "dots", "save_qkv", "save_attention", "save_qkv_attention", "offload")
 
 
 # Features DeepSpeed removed (DeepSpeed issue #8489): any presence of the key, even null, {} or
@@ -374,6 +377,30 @@ class ActivationCheckpointingConfig:
     profile: bool = _f(False, "bool")
     """Time checkpointed forwards.
     zerojax: **accepted, no effect**: —"""
+    remat_policy: str | None = _f(None, "str", optional=True, lower=True, choices=REMAT_POLICY_NAMES,
+                                  extension=True)
+    """**Not a DeepSpeed key** (a zerojax extension; DeepSpeed 0.19.8 validates this section with a pydantic
+    model that forbids unknown keys, so remove it before giving the config to DeepSpeed). What each layer keeps
+    for the backward pass, the rest being recomputed: "full" (the layer input only), "dots" (every matmul
+    output without batch dimensions), "save_qkv" (the qkv projection), "save_attention" (the attention
+    output), "save_qkv_attention" (both), "offload" (the layer input, in host memory; the same as
+    `cpu_checkpointing: true`), "none" (no recompute, as if the section were absent). Unset: "offload" with
+    `cpu_checkpointing`, else "full".
+    zerojax: **acted on**: the model's remat policy, read by `zerojax.config.remat_policy_for(cfg)` (the GPT-2
+      example builds its model with it); a policy other than "offload" with `cpu_checkpointing: true` is an
+      error"""
+
+
+def remat_policy_for(cfg) -> str | None:
+    """The remat policy a model should be built with for `cfg`'s activation_checkpointing section:
+    None (no section, or remat_policy "none"), "offload" (cpu_checkpointing), else remat_policy or
+    "full" (DeepSpeed's activation checkpointing recomputes each checkpointed layer's forward)."""
+    ac = cfg.activation_checkpointing
+    if ac is None or ac.remat_policy == "none":
+        return None
+    if ac.remat_policy is not None:
+        return ac.remat_policy
+    return "offload" if ac.cpu_checkpointing else "full"
 
 
 @dataclass(frozen=True)

@@ -148,6 +148,8 @@ def _to_json(obj):
             out[f.name] = _to_json(v)
         elif v is None and f.metadata.get("kind") in ("section", "special", "mapping"):
             continue  # absent section
+        elif f.metadata.get("extension") and v == f.default:
+            continue  # a zerojax-only key left unset: the dict stays one DeepSpeed accepts
         else:
             out[f.name] = _thaw(v)
     return out

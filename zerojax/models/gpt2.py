@@ -35,7 +35,18 @@ from jax.ad_checkpoint import checkpoint_name
 # activation names tagged with `checkpoint_name` inside each block; the "offload" remat
 # policy moves these to host memory instead of keeping them on the device
 OFFLOADED_ACTIVATIONS = ("layer_input",)
-REMAT_POLICIES = (None, "full", "dots", "offload")
+# the other tags: the qkv projection [B, T, 3, H, Dh] and the attention output [B, T, H, Dh],
+# which the "save_*" policies keep so that the backward pass does not recompute them
+QKV_PROJ, ATTENTION_OUT = "qkv_proj", "attention_out"
+# what each policy keeps per block for the backward pass (everything else is recomputed):
+#   "full": the block input only; "dots": every matmul without batch dims (qkv, both output
+#   projections, the MLP's up projection: 9 x d per token, bf16); "save_qkv": the qkv projection
+#   (3 x d); "save_attention": the attention output (1 x d); "save_qkv_attention": both (4 x d);
+#   "offload": the block input, in pinned host memory. (GPT-2 Large at micro 8 x 1024: d values
+#   per token per layer = 0.70 GiB over its 36 layers in bf16.)
+REMAT_POLICIES = (None, "full", "dots", "save_qkv", "save_attention", "save_qkv_attention", "offload")
+_SAVED_NAMES = {"save_qkv": (QKV_PROJ,), "save_attention": (ATTENTION_OUT,),
+                "save_qkv_attention": (QKV_PROJ, ATTENTION_OUT)}
 # name of a layer's weights after `layer_fetch` (host->device, or ZeRO-3's gather): never saved
 # for the backward pass, so a layer's full weights are not kept for every layer
 FETCHED_PARAMS = "fetched_layer_params"
@@ -175,11 +186,11 @@ def _block(x, p, *, eps, dtype, attention_impl, constrain=_unconstrained):
 
     h = _layer_norm(x, p["ln_1"]["scale"], p["ln_1"]["bias"], eps, dtype)
     qkv = jnp.einsum("btd,dcnh->btcnh", h, c(p["attn"]["c_attn"]["kernel"])) + c(p["attn"]["c_attn"]["bias"])
-    qkv = constrain(qkv, ("batch", "seq", "qkv", "heads", "head_dim"))
+    qkv = checkpoint_name(constrain(qkv, ("batch", "seq", "qkv", "heads", "head_dim")), QKV_PROJ)
     q, k, v = qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2]
     # softmax is fp32 inside both implementations (XLA: fp32 logits; cuDNN: fp32 accumulators)
     o = jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation=attention_impl)
-    o = constrain(o, ("batch", "seq", "heads", "head_dim"))
+    o = checkpoint_name(constrain(o, ("batch", "seq", "heads", "head_dim")), ATTENTION_OUT)
     x = x + constrain(jnp.einsum("btnh,nhd->btd", o, c(p["attn"]["c_proj"]["kernel"])), RESIDUAL)
     x = x + c(p["attn"]["c_proj"]["bias"])
 
@@ -199,6 +210,8 @@ def remat_policy_fn(name):
         return cp.save_anything_except_these_names(FETCHED_PARAMS)
     if name == "dots":
         return cp.dots_with_no_batch_dims_saveable
+    if name in _SAVED_NAMES:
+        return cp.save_only_these_names(*_SAVED_NAMES[name])
     if name == "offload":
         return cp.save_and_offload_only_these_names(
             names_which_can_be_saved=[],
@@ -225,7 +238,12 @@ class GPT2(nnx.Module):
 
     dtype: compute dtype (params are cast to it per use; layernorms, softmax, logits in fp32).
     param_dtype: storage dtype of the parameters.
-    remat_policy: None | "full" | "dots" | "offload", applied per block inside the layer scan.
+    remat_policy: one of REMAT_POLICIES (None = no remat; what each keeps is listed there),
+        applied per block inside the layer scan.
+    scan_unroll: layers per iteration of the layer scan (`lax.scan`'s unroll; default 1). More
+        gives XLA's scheduler a window across layers and fewer loop-carried copies, at the cost
+        of compile time. An engine may override it (`EngineOptions.offload_unroll` under
+        offload_param; 1 under ZeRO-3's per-layer gather).
     offload_activations: True is remat_policy="offload" (block inputs saved to pinned host memory).
     attention_impl: None (cuDNN on GPU when it applies, else XLA) | "xla" | "cudnn".
 
@@ -252,7 +270,8 @@ class GPT2(nnx.Module):
 
     def __init__(self, config: GPT2Config, *, rngs: nnx.Rngs, dtype=jnp.float32,
                  param_dtype=jnp.float32, remat_policy: str | None = None,
-                 offload_activations: bool = False, attention_impl: str | None = None):
+                 offload_activations: bool = False, attention_impl: str | None = None,
+                 scan_unroll: int = 1):
         if offload_activations:
             if remat_policy not in (None, "offload"):
                 raise ValueError(f"offload_activations=True conflicts with {remat_policy=}")
@@ -261,13 +280,16 @@ class GPT2(nnx.Module):
             remat_policy_fn(remat_policy)  # validate early
         if attention_impl not in ATTENTION_IMPLS:
             raise ValueError(f"{attention_impl=}; choose one of {ATTENTION_IMPLS}")
+        if isinstance(scan_unroll, bool) or not isinstance(scan_unroll, int) or scan_unroll < 1:
+            raise ValueError(f"{scan_unroll=}: an int >= 1 (layers run per iteration of the layer scan; "
+                             f"a divisor of n_layer={config.n_layer} avoids a second, remainder loop)")
         self.config = config
         self.dtype = jnp.dtype(dtype)
         self.param_dtype = jnp.dtype(param_dtype)
         self.remat_policy = remat_policy
         self.attention_impl = attention_impl
         self.layer_fetch = None  # see the class docstring: set by a trainer for param offload
-        self.scan_unroll = 1
+        self.scan_unroll = scan_unroll
         self.layer_scan = None  # with layer_fetch: a prefetching layer scan (see above)
         self.activation_sharding = None  # see the class docstring: set by a trainer (tensor parallelism)
         d, std = config.n_embd, config.initializer_range

@@ -1,0 +1,53 @@
+#!/usr/bin/env bash
+# Issue #18 on 1 x H200: every speed candidate beside the plain jax.jit step and zerojax's current
+# default (ZeRO-2, per-layer "full" remat). GPT-2 Large, seq 1024, micro 8, bf16. About 6 minutes
+# (13 entries, each a fresh process: ~25 s of start-up and compile, 8 timed steps; a profile).
+#   1. remat policies (activation_checkpointing.remat_policy): full, dots, save_qkv_attention,
+#      save_attention, save_qkv; and "full" with the layer scan unrolled by 2 (GPT2 scan_unroll);
+#   2. on the best of 1 that peaks at <= 16 GiB (else the best): one XLA flag at a time --
+#      latency-hiding scheduler, cuDNN layer norm, dynamic-slice fusion, command buffers off -- and
+#      JAX_OPTIMIZATION_LEVEL=O1 (jax_optimization_level; the level GPU users report using, said
+#      to include the latency-hiding scheduler); and that best at micro-batch 16;
+#   3. a profile of the best (profile_step.py).
+# Then one table of everything (tokens/s, MFU, peak, ratio to plain and to the default); the JSON
+# of each phase, the table's JSON and the profile go to $OUT. A flag XLA does not know fails its
+# entry only ("Unknown flags in XLA_FLAGS"), the run goes on.
+# BENCH_ARGS=--tiny runs the same on CPU (tiny GPT-2, no profile): a smoke test of the script.
+set -u
+OUT=${OUT:-benchmarks/results}; mkdir -p "$OUT"
+export PYTHONUNBUFFERED=1
+PY=${PYTHON:-python3}
+B="$PY benchmarks/bench.py --steps 8 --warmup 2 --timeout 180 ${BENCH_ARGS:-}"
+show() { grep -E "^(large|tiny|entry|ceiling)|FAIL"; }
+
+$B --out "$OUT/speed_x1_remat.json" --matrix '[
+  {"stage": "plain", "remat": true},
+  {"stage": 2, "remat": true},
+  {"stage": 2, "remat": "dots"},
+  {"stage": 2, "remat": "save_qkv_attention"},
+  {"stage": 2, "remat": "save_attention"},
+  {"stage": 2, "remat": "save_qkv"},
+  {"stage": 2, "remat": true, "unroll": 2}]' 2>&1 | show
+
+BEST=$($PY benchmarks/speed_pick.py best --max-gib 16 "$OUT/speed_x1_remat.json") || BEST='{"stage": 2, "remat": true}'
+echo "best of the remat policies (<= 16 GiB): $BEST"
+
+flag() {  # one A/B entry: the best spec plus an environment for its process only
+  $PY -c "import json,sys; s=json.loads(sys.argv[1]); s.update(env=json.loads(sys.argv[2]), label=sys.argv[3]); print(json.dumps(s))" \
+    "$BEST" "$1" "$2"
+}
+$B --out "$OUT/speed_x1_flags.json" --matrix "[
+  $(flag '{"XLA_FLAGS": "--xla_gpu_enable_latency_hiding_scheduler=true"}' lhs),
+  $(flag '{"XLA_FLAGS": "--xla_gpu_enable_cudnn_layer_norm=true"}' cudnn-ln),
+  $(flag '{"XLA_FLAGS": "--xla_gpu_enable_dynamic_slice_fusion=true"}' ds-fusion),
+  $(flag '{"XLA_FLAGS": "--xla_gpu_enable_command_buffer="}' no-cmd-buf),
+  $(flag '{"JAX_OPTIMIZATION_LEVEL": "O1"}' O1),
+  $($PY -c "import json,sys; s=json.loads(sys.argv[1]); s['micro']=16; print(json.dumps(s))" "$BEST")]" 2>&1 | show
+
+case "${BENCH_ARGS:-}" in *--tiny*) ;; *)
+  $PY benchmarks/profile_step.py "$BEST" --json "$OUT/speed_x1_profile.json" 2>/dev/null | head -30 ;;
+esac
+
+echo
+$PY benchmarks/speed_pick.py table --max-gib 16 --json "$OUT/speed_x1_table.json" \
+  "$OUT/speed_x1_remat.json" "$OUT/speed_x1_flags.json"

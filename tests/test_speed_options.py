@@ -1,0 +1,114 @@
+"""Speed options (issue #18): the remat policies that keep named activations, partial unrolling of
+the layer scan, activation_checkpointing.remat_policy, and putting XLA flags into effect.
+
+That a policy or an unroll leaves the loss and gradients as without remat is checked with the
+other policies in test_gpt2.py (test_remat_matches_no_remat); here, *what* each policy keeps, from
+JAX's own list of saved residuals.
+"""
+import contextlib
+import io
+import os
+
+import jax
+import jax.numpy as jnp
+import pytest
+from flax import nnx
+
+import zerojax
+from zerojax.config import REMAT_POLICY_NAMES, remat_policy_for
+from zerojax.models.gpt2 import GPT2, GPT2Config, REMAT_POLICIES, gpt2_loss
+from zerojax.xla_flags import apply_xla_flags, merged_xla_flags
+
+CFG = GPT2Config.named("tiny")  # 2 layers, d 64, 4 heads of 16, vocab 256
+B, T = 2, 16
+
+
+def _saved_residual_shapes(policy):
+    """The shapes JAX saves for the backward pass, as it prints them (f32[2,2,16,3,4,16] ...)."""
+    model = GPT2(CFG, rngs=nnx.Rngs(0), remat_policy=policy)
+    graphdef, state = nnx.split(model)
+    ids = jnp.zeros((B, T), jnp.int32)
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        jax.ad_checkpoint.print_saved_residuals(
+            lambda s: gpt2_loss(nnx.merge(graphdef, s), {"input_ids": ids})[0], state)
+    return {line.split()[0].split("[", 1)[1].rstrip("]") for line in out.getvalue().splitlines() if "[" in line}
+
+
+def test_policies_keep_what_they_name():
+    L, H, Dh = CFG.n_layer, CFG.n_head, CFG.head_dim
+    # stacked over the layer scan: [layers, batch, seq, ...]
+    qkv, attn = f"{L},{B},{T},3,{H},{Dh}", f"{L},{B},{T},{H},{Dh}"
+    kept = {p: _saved_residual_shapes(p) for p in ("full", "save_qkv", "save_attention", "save_qkv_attention")}
+    assert qkv not in kept["full"] and attn not in kept["full"]
+    assert qkv in kept["save_qkv"] and attn not in kept["save_qkv"]
+    assert attn in kept["save_attention"] and qkv not in kept["save_attention"]
+    assert {qkv, attn} <= kept["save_qkv_attention"]
+
+
+def test_scan_unroll_is_checked():
+    with pytest.raises(ValueError, match="scan_unroll=0"):
+        GPT2(CFG, rngs=nnx.Rngs(0), scan_unroll=0)
+
+
+# ------------------------------------------------------------------ activation_checkpointing.remat_policy
+
+
+def test_config_names_are_the_models_policies():
+    assert [p or "none" for p in REMAT_POLICIES] == list(REMAT_POLICY_NAMES)
+
+
+def _load(section):
+    cfg = {"train_batch_size": 8}
+    if section is not None:
+        cfg["activation_checkpointing"] = section
+    return zerojax.load_config(cfg, world_size=1)
+
+
+@pytest.mark.parametrize("section,policy", [
+    (None, None), ({}, "full"), ({"cpu_checkpointing": True}, "offload"),
+    ({"remat_policy": "save_qkv"}, "save_qkv"), ({"remat_policy": "DOTS"}, "dots"),
+    ({"remat_policy": "none"}, None), ({"remat_policy": "offload", "cpu_checkpointing": True}, "offload")])
+def test_remat_policy_for(section, policy):
+    cfg = _load(section)
+    assert remat_policy_for(cfg) == policy
+    assert zerojax.load_config(cfg.to_dict(), world_size=1) == cfg
+
+
+def test_unset_extension_key_stays_out_of_to_dict():
+    # DeepSpeed 0.19.8's activation_checkpointing model forbids unknown keys: a dict written for it
+    # must not carry the zerojax-only key unless the user set it
+    assert "remat_policy" not in _load({}).to_dict()["activation_checkpointing"]
+    assert _load({"remat_policy": "dots"}).to_dict()["activation_checkpointing"]["remat_policy"] == "dots"
+
+
+@pytest.mark.parametrize("section,words", [
+    ({"remat_policy": "dot"}, ["activation_checkpointing.remat_policy", "save_qkv"]),
+    ({"remat_policy": "dots", "cpu_checkpointing": True}, ["remat_policy", "cpu_checkpointing", "remove one"])])
+def test_remat_policy_errors(section, words):
+    with pytest.raises(zerojax.ConfigError) as e:
+        _load(section)
+    for w in words:
+        assert w in str(e.value)
+
+
+# ------------------------------------------------------------------ XLA flags
+
+
+def test_merged_xla_flags_keeps_the_users_value():
+    assert (merged_xla_flags("--xla_a=1 --xla_force_host_platform_device_count=8", ["--xla_a=2", "--xla_b=true"])
+            == "--xla_a=1 --xla_force_host_platform_device_count=8 --xla_b=true")
+    env = {}
+    assert apply_xla_flags(["--xla_b=true"], environ=env) == "--xla_b=true" == env["XLA_FLAGS"]
+    with pytest.raises(ValueError, match="xla_b"):
+        merged_xla_flags("", ["xla_b=true"])
+
+
+def test_apply_xla_flags_after_the_backend_started_is_an_error():
+    jax.devices()  # started (conftest's 8 CPU devices)
+    before = os.environ.get("XLA_FLAGS")
+    with pytest.raises(RuntimeError, match="already started"):
+        apply_xla_flags(["--xla_gpu_enable_latency_hiding_scheduler=true"])
+    assert os.environ.get("XLA_FLAGS") == before
+    # flags already in effect: nothing to apply, no error
+    assert apply_xla_flags([]) == (before or "")
