@@ -145,7 +145,7 @@ def test_default_corpus_ignores_what_the_process_imported(monkeypatch):
 BUILD = Path(data.__file__).parent / "corpus" / "build.py"
 
 
-@pytest.mark.skipif(sys.version_info[:2] != BUILT_WITH, reason=f"docstrings differ between Python "
+@pytest.mark.skipif(sys.version_info[:3] != BUILT_WITH, reason=f"docstrings differ between Python "
                     f"versions; the snapshot was written by Python {BUILT_WITH}")
 def test_default_corpus_is_what_build_writes(tmp_path):
     """The shipped snapshot is what corpus/build.py writes in a clean interpreter (-I -S: no site

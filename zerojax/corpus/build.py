@@ -17,7 +17,7 @@ import os
 import sys
 import warnings
 
-BUILT_WITH = (3, 11)
+BUILT_WITH = (3, 11, 7)  # docstrings may change even in a patch release
 SNAPSHOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "stdlib_docstrings.txt.gz")
 
 # pure-Python modules mostly; one missing here (turtle without tkinter) is skipped
@@ -74,6 +74,9 @@ def build() -> str:
 
 
 def main(path=SNAPSHOT):
+    if sys.version_info[:3] != BUILT_WITH:  # the test that rebuilds the snapshot reads BUILT_WITH
+        sys.exit(f"build.py: BUILT_WITH = {BUILT_WITH} but this is Python {sys.version.split()[0]}; "
+                 "set BUILT_WITH to this version first, then rebuild")
     data = build().encode("utf-8")
     with open(path, "wb") as f:
         f.write(gzip.compress(data, compresslevel=9, mtime=0))  # mtime 0: the same bytes each time
