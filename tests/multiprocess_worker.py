@@ -55,7 +55,9 @@ def flat(tree, prefix=""):
 
 
 def main(out):
-    os.environ["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={LOCAL_DEVICES}"
+    # after the parent's flags (conftest's, with any user flags): XLA keeps the last device count
+    os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
+                               f" --xla_force_host_platform_device_count={LOCAL_DEVICES}").strip()
     os.environ["JAX_PLATFORMS"] = "cpu"
     import jax
     import numpy as np

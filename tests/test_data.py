@@ -1,10 +1,15 @@
 """Text -> token blocks -> batches: packing, order, process shares, tokenizers, default corpus."""
+import gzip
 import json
+import subprocess
+import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
 
 from zerojax import data
+from zerojax.corpus.build import BUILT_WITH
 from zerojax.data import Batches, ByteTokenizer, default_corpus, load_text_data, pack, tokenize
 
 
@@ -116,11 +121,39 @@ def test_default_corpus():
     text = default_corpus()
     assert len(text) > 100_000 and len(text) < 5_000_000
     assert "Module json" in text and " at 0x" not in text  # no object reprs with addresses
-    default_corpus.cache_clear()
-    assert default_corpus() == text  # rebuilt from scratch, identical
     d = load_text_data(None, seq_len=128, val_fraction=0.01)
     assert d.vocab_size == 256 and len(d.train) > 500 and len(d.val) >= 1
     assert d.train.max() < 256
+
+
+def test_default_corpus_ignores_what_the_process_imported(monkeypatch):
+    """The corpus is a snapshot: a documented method added to a corpus module's class (what
+    transformers does to logging.Logger) does not reach it, rebuilt from scratch."""
+    import logging
+
+    before = default_corpus()
+
+    def warning_once(self, msg):
+        """An added method whose docstring a live build would have picked up."""
+
+    monkeypatch.setattr(logging.Logger, "warning_once", warning_once, raising=False)
+    default_corpus.cache_clear()
+    assert default_corpus() == before
+    assert "warning_once" not in before
+
+
+BUILD = Path(data.__file__).parent / "corpus" / "build.py"
+
+
+@pytest.mark.skipif(sys.version_info[:3] != BUILT_WITH, reason=f"docstrings differ between Python "
+                    f"versions; the snapshot was written by Python {BUILT_WITH}")
+def test_default_corpus_is_what_build_writes(tmp_path):
+    """The shipped snapshot is what corpus/build.py writes in a clean interpreter (-I -S: no site
+    packages, no user path) from the Python version that wrote it: byte for byte, file included."""
+    out = tmp_path / "corpus.txt.gz"
+    subprocess.run([sys.executable, "-I", "-S", str(BUILD), str(out)], check=True, capture_output=True)
+    assert out.read_bytes() == (BUILD.parent / "stdlib_docstrings.txt.gz").read_bytes()
+    assert gzip.decompress(out.read_bytes()).decode("utf-8") == default_corpus()
 
 
 def _bad_files(tmp):

@@ -256,9 +256,8 @@ def _example_args(tmp_path, name, steps, *extra):
 
 
 def _text_file(tmp_path) -> str:
-    """The training text as a file: the example's embedded corpus is built from the docstrings of
-    the calling process's stdlib modules, which a long test process (other tests' imports) and a
-    fresh launched child need not see alike, so every run here reads the same bytes instead."""
+    """The training text as a small file of this test's own: every run here, launched children
+    and in-process references alike, reads the same bytes."""
     path = tmp_path / "corpus.txt"
     if not path.exists():
         words = "the a model layer weight gradient step batch device shard data token loss".split()
@@ -276,7 +275,9 @@ def _losses(tmp_path, name) -> dict:
 
 
 def _start_two(tmp_path, name, steps, *extra):
-    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=4", JAX_PLATFORMS="cpu",
+    # the parent's XLA_FLAGS (conftest's, with any user flags) and 4 devices: XLA keeps the last
+    env = dict(os.environ, XLA_FLAGS=os.environ["XLA_FLAGS"] + " --xla_force_host_platform_device_count=4",
+               JAX_PLATFORMS="cpu",
                PYTHONPATH=os.pathsep.join([ROOT, os.environ.get("PYTHONPATH", "")]))
     log = open(tmp_path / f"{name}.log", "w+")
     cmd = [sys.executable, "-m", "zerojax.launch", "--num_procs", "2", "--master_port", str(_free_port()),

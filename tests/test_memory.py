@@ -14,6 +14,9 @@ from zerojax import memory as M
 from zerojax import planner as PL
 from zerojax.models.gpt2 import GPT2, GPT2Config
 
+from tiny_gpt2 import TINY
+from tiny_gpt2 import tiny_gpt2_as_built as tiny_factory
+
 GiB = 2**30
 
 
@@ -145,7 +148,6 @@ def test_parse_bytes_and_search():
 
 
 SEQ = 32
-TINY = GPT2Config.named("tiny")
 CFG = {
     "train_micro_batch_size_per_gpu": 1,
     "gradient_accumulation_steps": 1,
@@ -154,10 +156,6 @@ CFG = {
     "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}},
     "zero_optimization": {"stage": 2},
 }
-
-
-def tiny_factory():
-    return GPT2(TINY, rngs=nnx.Rngs(0), dtype=jnp.bfloat16, param_dtype=jnp.float32)
 
 
 @functools.cache
@@ -227,13 +225,22 @@ def test_plan_offers_partial_optimizer_offload_at_stage_3():
         PL.plan(tiny_factory, CFG, 2**40, SEQ, stages=(3,), offloads=("param:0.5",), micro_batch=1)
 
 
-def test_engine_guard_raises_before_the_first_step():
-    """The guard the engine runs before its first step, on a real engine at micro-batch 2."""
+@pytest.fixture(scope="module")
+def engine_micro2():
+    """A real engine at micro-batch 2, shared by the two guard tests below (one compile of its
+    step between them: the engine caches it). Neither test depends on the other having run: the
+    first only compiles and plans (reads shapes, never values), the second snapshots the weights
+    itself and trains only after its refusal check."""
     import zerojax
     from zerojax.config import load_config
 
     cfg = load_config(dict(CFG, train_micro_batch_size_per_gpu=2), world_size=jax.device_count())
-    engine = zerojax.shard(tiny_factory, cfg, loss_fn=PL.default_loss_fn())
+    return cfg, zerojax.shard(tiny_factory, cfg, loss_fn=PL.default_loss_fn())
+
+
+def test_engine_guard_raises_before_the_first_step(engine_micro2):
+    """The guard the engine runs before its first step, on a real engine at micro-batch 2."""
+    cfg, engine = engine_micro2
     batch = {"input_ids": jax.ShapeDtypeStruct((cfg.train_batch_size, SEQ), jnp.int32)}
     real = M.CompiledMemory.of(M.compile_engine_step(engine, batch)).peak  # the engine's own compile
     # Planning compiles on CPU skip XLA's CPU fusion emitters (2.6x faster to compile); their
@@ -253,14 +260,10 @@ def test_engine_guard_raises_before_the_first_step():
     assert M.guard(engine, batch, None) is None or M.device_budget() is not None  # CPU: no limit
 
 
-def test_train_step_guard_runs_even_after_an_earlier_compile(monkeypatch):
+def test_train_step_guard_runs_even_after_an_earlier_compile(engine_micro2, monkeypatch):
     """train_step checks a batch shape before its first step even when that step was compiled
     before (memory_report / compiled_step); nothing is trained when it does not fit."""
-    import zerojax
-    from zerojax.config import load_config
-
-    cfg = load_config(dict(CFG, train_micro_batch_size_per_gpu=2), world_size=jax.device_count())
-    engine = zerojax.shard(tiny_factory, cfg, loss_fn=PL.default_loss_fn())
+    cfg, engine = engine_micro2
     rows = np.random.default_rng(0).integers(0, TINY.vocab_size, (cfg.train_batch_size, SEQ)).astype(np.int32)
     before = jax.tree.map(np.asarray, engine.master_params)
     engine.memory_report({"input_ids": jax.ShapeDtypeStruct(rows.shape, jnp.int32)})  # compiles

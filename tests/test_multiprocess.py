@@ -25,7 +25,6 @@ def _free_port() -> int:
 def _launch(tmp_path):
     out = tmp_path / "weights.npz"
     env = dict(os.environ)
-    env.pop("XLA_FLAGS", None)  # the worker sets its own device count (4)
     env["PYTHONPATH"] = os.pathsep.join([os.path.dirname(HERE), env.get("PYTHONPATH", "")])
     port = _free_port()
     procs, logs = [], []

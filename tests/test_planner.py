@@ -11,8 +11,9 @@ from zerojax.config import load_config
 from zerojax.models.gpt2 import GPT2, GPT2Config
 from zerojax.partition import make_mesh
 
+from tiny_gpt2 import tiny_gpt2 as factory
+
 SEQ = 32
-TINY = GPT2Config.named("tiny")
 CFG = {
     "train_micro_batch_size_per_gpu": 4,
     "gradient_accumulation_steps": 1,
@@ -21,10 +22,6 @@ CFG = {
     "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}},
     "zero_optimization": {"stage": 2},
 }
-
-
-def factory(remat_policy=None, dtype=jnp.bfloat16):
-    return GPT2(TINY, rngs=nnx.Rngs(0), dtype=dtype, param_dtype=jnp.float32, remat_policy=remat_policy)
 
 
 def test_only_remat_fits_at_the_full_micro_batch():

@@ -99,68 +99,23 @@ def _read_file(path: str) -> list[str]:
     return docs
 
 
-# stdlib modules whose docstrings make the default corpus (pure-Python ones mostly, so the text
-# is the same wherever this Python version runs); a missing one is skipped
-_CORPUS_MODULES = (
-    "abc", "argparse", "ast", "asyncio", "base64", "bisect", "calendar", "cmd", "codecs",
-    "collections", "concurrent.futures", "configparser", "contextlib", "copy", "csv",
-    "dataclasses", "datetime", "decimal", "difflib", "doctest", "email.message", "enum",
-    "filecmp", "fileinput", "fnmatch", "fractions", "ftplib", "functools", "getopt", "gettext",
-    "glob", "gzip", "hashlib", "heapq", "hmac", "html.parser", "http.client", "http.cookiejar",
-    "http.server", "imaplib", "importlib", "inspect", "io", "ipaddress", "itertools", "json",
-    "logging", "logging.handlers", "lzma", "mailbox", "math", "mimetypes", "multiprocessing.pool",
-    "netrc", "numbers", "operator", "optparse", "os", "pathlib", "pdb", "pickle", "pickletools",
-    "pkgutil", "platform", "plistlib", "poplib", "pprint", "profile", "pydoc", "queue",
-    "quopri", "random", "re", "reprlib", "sched", "secrets", "selectors", "shelve", "shlex",
-    "shutil", "signal", "smtplib", "socket", "socketserver", "statistics", "string",
-    "struct", "subprocess", "tarfile", "tempfile", "textwrap", "threading", "timeit", "tokenize",
-    "trace", "traceback", "types", "typing", "unittest", "unittest.mock", "urllib.parse",
-    "urllib.request", "uuid", "warnings", "wave", "weakref", "xml.dom.minidom",
-    "xml.etree.ElementTree", "zipfile", "zipimport",
-)
+# The embedded corpus is a snapshot file, not rebuilt at run time: built from live module objects
+# it followed whatever the process had imported (transformers adds documented methods to
+# logging.Logger, torch wraps inspect.getfile), so a test process and the children it launched
+# trained on different text. corpus/build.py writes the snapshot from a clean interpreter.
+_CORPUS_SNAPSHOT = "corpus/stdlib_docstrings.txt.gz"
 
 
 @functools.lru_cache(maxsize=1)
 def default_corpus() -> str:
-    """A few MB of English technical prose that needs no download: the docstrings of a fixed
-    list of Python standard-library modules, their classes, functions and methods, in sorted
-    order (names and docstrings only, so no memory addresses or file paths leak in).
-    Deterministic for a given Python version."""
-    import warnings
+    """About 0.8 MB of English technical prose that needs no download: the docstrings of a fixed
+    list of Python standard-library modules, their classes, functions and methods (see
+    zerojax/corpus/build.py). A fixed snapshot shipped with zerojax: the same text whatever
+    Python version runs and whatever the process has imported."""
+    import gzip
+    from importlib import resources
 
-    with warnings.catch_warnings():  # touching deprecated names (typing.io) warns
-        warnings.simplefilter("ignore")
-        return "\n\n\n".join(_docstrings(_CORPUS_MODULES))
-
-
-def _docstrings(module_names):
-    import importlib
-    import inspect
-
-    parts = []
-    for mod_name in module_names:
-        try:
-            module = importlib.import_module(mod_name)
-        except Exception:  # noqa: BLE001 - e.g. turtle without tkinter
-            continue
-        doc = inspect.getdoc(module)
-        if doc:
-            parts.append(f"Module {mod_name}\n\n{doc}")
-        for name, obj in sorted(vars(module).items()):
-            if name.startswith("_") or getattr(obj, "__module__", None) != module.__name__:
-                continue
-            if inspect.isclass(obj):
-                if obj.__doc__:
-                    parts.append(f"class {mod_name}.{name}\n\n{inspect.cleandoc(obj.__doc__)}")
-                for meth, fn in sorted(vars(obj).items()):
-                    fn = getattr(fn, "__func__", fn)  # classmethod / staticmethod
-                    if (meth.startswith("_") and meth != "__init__") or not inspect.isroutine(fn):
-                        continue
-                    if fn.__doc__:
-                        parts.append(f"{mod_name}.{name}.{meth}\n\n{inspect.cleandoc(fn.__doc__)}")
-            elif inspect.isroutine(obj) and obj.__doc__:
-                parts.append(f"{mod_name}.{name}\n\n{inspect.cleandoc(obj.__doc__)}")
-    return parts
+    return gzip.decompress(resources.files("zerojax").joinpath(_CORPUS_SNAPSHOT).read_bytes()).decode("utf-8")
 
 
 # --------------------------------------------------------------------------- tokenizers
