@@ -22,7 +22,7 @@ STEPS, LR, SEQ = 3, 1e-2, 16
 # would normalise that noise into a full lr-sized step of random sign. With eps 1e-4 it moves the
 # weight by <= lr x 1e-5 per step, below the tolerance below; real gradients (>~1e-3) stay normalised.
 EPS = 1e-4
-# every split axis divides by 4: heads 4, mlp 128; vocab 64 (embeddings stay whole anyway)
+# every split axis divides by 4: heads 4, mlp 128, vocab 64 padded to 128 rows (GPT-2's default)
 TINY = GPT2Config(vocab_size=64, n_positions=SEQ, n_embd=32, n_layer=2, n_head=4)
 
 
@@ -98,7 +98,7 @@ def test_tensor_parallel_trains_like_tp1_stage0(tp, stage):
     assert spec(attn["c_proj"]["kernel"])[1] == "tensor"                 # (L, heads, head_dim, d)
     assert spec(mlp["c_fc"]["kernel"])[2] == "tensor"                    # (L, d, mlp)
     assert spec(mlp["c_proj"]["kernel"])[1] == "tensor"                  # (L, mlp, d)
-    assert "tensor" not in spec(p["wte"]) and "tensor" not in spec(p["h"]["ln_1"]["scale"])
+    assert spec(p["wte"])[0] == "tensor" and "tensor" not in spec(p["h"]["ln_1"]["scale"])
     assert ("data" in spec(mlp["c_fc"]["kernel"])) == (stage == 3)
     opt_mu = [a for path, a in jax.tree_util.tree_leaves_with_path(eng.state.opt_state)
               if re.search(r"mu.*'c_fc'.*'kernel'", jax.tree_util.keystr(path))]
@@ -127,37 +127,67 @@ def _collectives_by_computation(hlo):
     for line in hlo.splitlines():
         if line and not line.startswith(" ") and line.rstrip().endswith("{"):
             comp = line.split()[0] if not line.startswith("ENTRY") else "ENTRY"
-        m = re.search(r"= (\S+) (all-reduce|all-gather|reduce-scatter|all-to-all)(?:-start)?\(", line)
+        m = re.search(r"= (\([^)]*\)|\S+) (all-reduce|all-gather|reduce-scatter|all-to-all)(?:-start)?\(", line)
         if m:
             groups = re.search(r"replica_groups=(\{[\d,{}]*\}|\[[^ ]*)", line)
-            out.setdefault(comp, []).append((m.group(2), m.group(1).split("{")[0], groups and groups.group(1)))
+            # a combined collective's tuple result counts once per operand
+            for shape in re.findall(r"[a-z]\w*\[[\d,]*\]", m.group(1)):
+                out.setdefault(comp, []).append((m.group(2), shape, groups and groups.group(1)))
     return out
 
 
-def test_compiled_step_has_megatrons_collectives():
-    """Per transformer layer (one iteration of the layer scan): forward, one all-reduce of the
-    residual stream [rows, T, d] after attention's and after the MLP's row-parallel matmul;
-    backward, one each into their column-parallel inputs -- within a tensor group, so the activations
-    are never gathered or reduced over "data"."""
+def test_compiled_step_has_megatrons_collectives_with_sequence_parallelism():
+    """Per transformer layer (one iteration of the layer scan), with the residual stream split on its
+    sequence between sublayers (Megatron-LM's sequence parallelism), on [rows, T, d] activations:
+    forward, an all-gather of the sequence before attention's and the MLP's column-parallel matmul
+    and a reduce-scatter after each row-parallel one; backward, the transposes (an all-gather of each
+    sublayer's output gradient, a reduce-scatter of its input gradient) plus an all-gather of each
+    layer-norm output again for the weight gradients (Megatron-SP re-gathers too, rather than keep
+    the gathered copy). All within a tensor group: activations never cross "data". XLA's CPU
+    backend writes a reduce-scatter as an all-reduce of the whole [rows, T, d] and a slice (its GPU
+    pipeline fuses the pair), so either form counts as one. The vocab-parallel loss never gathers
+    the logits [rows, T, vocab]."""
     eng = run(2, 0)[0]
+    tp = eng.mesh.shape["tensor"]
     rows = N // eng.mesh.shape["data"]  # a data shard's rows: micro 1 x tensor 2
     hlo = eng.compiled_step({"input_ids": jax.ShapeDtypeStruct((N, SEQ), jnp.int32)}).as_text()
-    residual = f"f32[{rows},{SEQ},{TINY.n_embd}]"
-    per_comp = {c: [x for x in ops if x[1] == residual] for c, ops in _collectives_by_computation(hlo).items()}
-    per_comp = {c: ops for c, ops in per_comp.items() if ops}
-    # two loop bodies (forward scan, backward scan), two all-reduces each, nothing else on activations
-    assert sorted(len(ops) for ops in per_comp.values()) == [2, 2], per_comp
-    assert all(op == "all-reduce" for ops in per_comp.values() for op, _, _ in ops)
+    whole, split = f"f32[{rows},{SEQ},{TINY.n_embd}]", f"f32[{rows},{SEQ // tp},{TINY.n_embd}]"
+
+    def kind(op, shape):
+        if op == "all-gather" and shape == whole:
+            return "gather"
+        if (op, shape) in (("all-reduce", whole), ("reduce-scatter", split)):
+            return "reduce"
+        return None
+
+    per_comp = {}
+    for comp, ops in _collectives_by_computation(hlo).items():
+        found = [(kind(op, shape), groups) for op, shape, groups in ops if kind(op, shape)]
+        if found and comp != "ENTRY":  # the layer scans' bodies (ENTRY: embedding and LM head)
+            per_comp[comp] = found
+    counts = sorted(tuple(sorted((k, [x for x, _ in ops].count(k)) for k in ("gather", "reduce")))
+                    for ops in per_comp.values())
+    # two loop bodies: forward (2 gathers, 2 reduces), backward (4 gathers, 2 reduces)
+    assert counts == [(("gather", 2), ("reduce", 2)), (("gather", 4), ("reduce", 2))], per_comp
     ids = np.vectorize(lambda d: d.id)(eng.mesh.devices)
-    tensor_groups = {frozenset(row) for row in ids.reshape(-1, eng.mesh.shape["tensor"]).tolist()}
+    tensor_groups = {frozenset(row) for row in ids.reshape(-1, tp).tolist()}
     for ops in per_comp.values():
-        for _, _, groups in ops:
+        for _, groups in ops:
             if groups and groups.startswith("{"):  # explicit groups: exactly the tensor groups
                 found = {frozenset(map(int, g.split(","))) for g in re.findall(r"\{([\d,]+)\}", groups)}
                 assert found == tensor_groups
+    logits = re.compile(rf"f32\[{rows},(?:{SEQ}|{SEQ - 1}),{TINY.padded_vocab_size}\]")
+    assert not [x for ops in _collectives_by_computation(hlo).values() for x in ops if logits.fullmatch(x[1])]
+    # the embedding and the LM head are split on the (padded) vocabulary, and the whole wte is never
+    # moved: each rank looks up its own rows (the partial sums added as activations) and its rows'
+    # gradient is reduced over "data" only
+    assert spec(eng.state.params["wte"])[0] == "tensor"
+    wte_whole = f"f32[{TINY.padded_vocab_size},{TINY.n_embd}]"
+    assert not [x for ops in _collectives_by_computation(hlo).values() for x in ops if x[1] == wte_whole]
     # without a tensor axis the layers need no collective on activations
     ref = run(1, 0)[0].compiled_step({"input_ids": jax.ShapeDtypeStruct((N, SEQ), jnp.int32)}).as_text()
-    assert not [x for ops in _collectives_by_computation(ref).values() for x in ops if x[1].startswith("f32[1,16,32]")]
+    assert not [x for ops in _collectives_by_computation(ref).values() for x in ops
+                if x[1].startswith(f"f32[1,{SEQ},")]
 
 
 # --- checkpoints ----------------------------------------------------------------------------------
