@@ -81,6 +81,7 @@ def name_of(s: dict) -> str:
     extra = "" if s.get("offload", "none") == "none" else f"+off-{s['offload']}"
     extra += f" pipe{s['pipe']}" if s.get("pipe", 1) > 1 else ""
     extra += f" tp{s['tp']}" if s.get("tp", 1) > 1 else ""
+    extra += f" vocab/{s['vocab_multiple']}" if s.get("vocab_multiple") else ""
     return (f"{s['size']} {what}{extra} {s['dtype']} mb{s['micro']}x{s['accum']}"
             f"{' remat' if s['remat'] else ''}")
 
@@ -182,6 +183,15 @@ def _peak_bytes():
     return peaks
 
 
+def model_config(spec: dict):
+    """The entry's GPT2Config: its size; "vocab_multiple" (optional) sets the vocabulary padding
+    (GPT2Config.make_vocab_size_divisible_by; 1 = GPT-2's exact 50257 rows)."""
+    from zerojax.models import gpt2 as G
+
+    extra = {"make_vocab_size_divisible_by": int(spec["vocab_multiple"])} if spec.get("vocab_multiple") else {}
+    return G.GPT2Config.named(spec["size"], **extra)
+
+
 def run_entry(spec: dict) -> dict:
     import jax
     import jax.numpy as jnp
@@ -189,7 +199,7 @@ def run_entry(spec: dict) -> dict:
 
     from zerojax.models import gpt2 as G
 
-    config = G.GPT2Config.named(spec["size"])
+    config = model_config(spec)
     seq = min(spec["seq"] or config.n_positions, config.n_positions)
     n_dev = jax.device_count()
     dtype = {"bf16": jnp.bfloat16, "fp16": jnp.float16, "fp32": jnp.float32}[spec["dtype"]]

@@ -11,6 +11,7 @@ import pytest
 from flax import nnx
 
 from zerojax import ConfigError, load_config, shard
+from zerojax import estimate as est
 from zerojax.layout import build_layout
 from zerojax.models.gpt2 import GPT2, GPT2Config, gpt2_loss
 from tiny_mlp import MLP, loss_fn as mlp_loss  # noqa: E402 (tests/ is on sys.path under pytest)
@@ -169,6 +170,13 @@ def test_compiled_step_has_megatrons_collectives_with_sequence_parallelism():
                     for ops in per_comp.values())
     # two loop bodies: forward (2 gathers, 2 reduces), backward (4 gathers, 2 reduces)
     assert counts == [(("gather", 2), ("reduce", 2)), (("gather", 4), ("reduce", 2))], per_comp
+    # the planner's byte count per layer (zerojax.estimate) is the compiled step's: each collective
+    # sends (t - 1) / t of the tensor group's [rows, T, d] residual stream
+    layers = lambda n: est.ModelShape(0, 0, n, TINY.n_embd, SEQ)  # noqa: E731
+    per_layer = (est.tensor_parallel_bytes(layers(1), micro_batch=1, n_tensor=tp, precision="fp32")
+                 - est.tensor_parallel_bytes(layers(0), micro_batch=1, n_tensor=tp, precision="fp32"))
+    compiled = sum(len(ops) for ops in per_comp.values()) * (tp - 1) / tp * rows * SEQ * TINY.n_embd * 4
+    assert per_layer == compiled
     ids = np.vectorize(lambda d: d.id)(eng.mesh.devices)
     tensor_groups = {frozenset(row) for row in ids.reshape(-1, tp).tolist()}
     for ops in per_comp.values():
@@ -216,6 +224,11 @@ def test_checkpoint_reshards_across_tensor_sizes_and_exports_whole_tensors(tmp_p
         if tp == 4:
             assert spec(other.state.params["h"]["mlp"]["c_fc"]["kernel"])[2] == "tensor"
     assert path.startswith(str(tmp_path / "ckpt"))
+    # a checkpoint says what it holds: its padded wte (128 rows) is refused by an unpadded model
+    exact = GPT2Config(**{**TINY.__dict__, "make_vocab_size_divisible_by": 1})
+    unpadded = shard(GPT2(exact, rngs=nnx.Rngs(1)), config(2, 1), loss_fn=gpt2_loss)
+    with pytest.raises(ValueError, match=r"wte.*\(128, 32\).*\(64, 32\)"):
+        unpadded.load_checkpoint(str(tmp_path / "ckpt"))
     assert cli.main(["export", str(tmp_path / "ckpt"), str(tmp_path / "hf")]) == 0
     _, exported = load_hf(str(tmp_path / "hf"))
     assert_trees_close(as_numpy(exported), master, atol=0)
@@ -276,7 +289,7 @@ def test_unknown_logical_names_are_replicated_with_a_warning():
 @pytest.mark.parametrize("overrides, tp_extra, name, size, fits", [
     (dict(n_embd=48, n_head=6), {}, r"h\.attn\.c_attn\.kernel.*'heads'", 6, [1, 2]),
     (dict(n_inner=66), {}, r"h\.mlp\.c_fc\.kernel.*'mlp'", 66, [1, 2]),
-    (dict(vocab_size=66), {"partition_config": {"layer_specs": [
+    (dict(vocab_size=66, make_vocab_size_divisible_by=1), {"partition_config": {"layer_specs": [
         {"patterns": [r"^wte$"], "partition_type": "column", "partition_dim": 0}]}}, r"wte.*'vocab'", 66, [1, 2]),
 ])
 def test_indivisible_split_is_a_config_error_naming_sizes_that_work(overrides, tp_extra, name, size, fits):
@@ -285,6 +298,16 @@ def test_indivisible_split_is_a_config_error_naming_sizes_that_work(overrides, t
                                           rf"not divisible by 4; tensor sizes that would work on 8 devices: "
                                           rf"{re.escape(str(fits))}"):
         build_layout(_abstract_gpt2(**overrides), cfg, loss_fn=gpt2_loss)
+
+
+def test_an_unpadded_vocabulary_the_tensor_size_does_not_divide_stays_whole_with_a_warning():
+    """GPT-2's own 50257 (here 66) with padding off: the embedding is replicated, not an error, and the
+    warning names the fix; the rest of the model is still split."""
+    cfg = {**LAYOUT_ONLY, "tensor_parallel": {"autotp_size": 4}}
+    with pytest.warns(UserWarning, match=r"wte's 'vocab' axis of size 66 .*GPT2Config.make_vocab_size_divisible_by"):
+        lay = build_layout(_abstract_gpt2(vocab_size=66, make_vocab_size_divisible_by=1), cfg, loss_fn=gpt2_loss)
+    assert "tensor" not in tuple(lay.shardings.params["wte"].spec)
+    assert "tensor" in tuple(lay.shardings.params["h"]["mlp"]["c_fc"]["kernel"].spec)
 
 
 def test_autotp_size_must_divide_the_devices():
@@ -322,3 +345,42 @@ def test_deepspeed_filled_autotp_config_loads_with_its_batch_rule():
         # counting only the 4 data-parallel ranks is what DeepSpeed refuses, and so does zerojax
         with pytest.raises(ConfigError, match=r"16 != 2 \* 2 \* 8"):
             load_config(path, fill={**fill, "train_batch_size": 16})
+
+
+# --- the planner's view -----------------------------------------------------------------------------
+
+
+def test_estimates_split_model_states_and_activations_over_the_tensor_axis():
+    """Model states: each device holds 1 / t of the parameters before ZeRO divides by the data ranks
+    (the ZeRO paper's accounting: 2 + 12 bytes a parameter without gradients, stage 0, Adam). Activations: Korthikanti et al. 2022,
+    table 2, s·b·h·(34 + 5·a·s/h) per layer without parallelism, 34/t with tensor + sequence
+    parallelism (flash attention: no score matrices); a tensor group trains micro x t rows, so under
+    DeepSpeed's batch rule a device saves what a data-parallel device does at the same micro-batch."""
+    psi = 774_030_080  # GPT-2 Large (HF's num_parameters)
+    assert est.model_state_floor(psi, stage=0, n_data=1, precision="bf16", n_tensor=2) == int(14 * psi / 2)
+    # with the gradients, kept in fp32 by zerojax (2 + 4 + 4 + 8 bytes; the paper's 16 has 2-byte ones)
+    assert est.model_state_bytes(psi, stage=0, n_data=1, precision="bf16", n_tensor=2) == int(18 * psi / 2)
+    s, b, h, a = 1024, 8, 1280, 20
+    paper = s * b * h * (34 + 5 * a * s / h)
+    assert est.activation_bytes_per_layer(seq_len=s, rows=b, d_model=h, n_head=a, flash_attention=False) == int(paper)
+    dp = est.activation_bytes_per_layer(seq_len=s, rows=b, d_model=h, n_head=a)
+    tp = est.activation_bytes_per_layer(seq_len=s, rows=2 * b, d_model=h, n_head=a, n_tensor=2)
+    no_sp = est.activation_bytes_per_layer(seq_len=s, rows=2 * b, d_model=h, n_head=a, n_tensor=2,
+                                           sequence_parallel=False)
+    assert dp == tp == s * b * h * 34 and no_sp == s * 2 * b * h * (24 / 2 + 10)
+
+
+def test_activation_rules_claim_the_tensor_axis_in_rule_order():
+    """heads / mlp / vocab come before the sequence: inside a sublayer the activation splits its heads
+    (Megatron), between sublayers the residual stream splits its sequence (sequence parallelism);
+    flax's name-order matching would have split q/k/v on the sequence."""
+    from jax.sharding import PartitionSpec as P
+
+    from zerojax import partition
+
+    mesh = partition.make_mesh(tensor=2)
+    rules = partition.ACTIVATION_RULES
+    assert partition.logical_to_mesh(("batch", "seq", "qkv", "heads", "head_dim"), mesh, rules) == \
+        P("data", None, None, "tensor", None)
+    assert partition.logical_to_mesh(("batch", "seq", "embed"), mesh, rules) == P("data", "tensor", None)
+    assert partition.logical_to_mesh(("batch", None, "vocab"), mesh, rules) == P("data", None, "tensor")
