@@ -7,16 +7,19 @@
 # ("vocab/1": the embedding stays replicated, the logits gemm unaligned). Then one profile of TP 2
 # (benchmarks/profile_step.py: kernels bucketed, collectives included).
 # Targets (issue #14): TP 2 within 15% of ZeRO-3's tokens/s per GPU, and a lower peak per GPU than
-# ZeRO-2 without remat. Usage: benchmarks/gpu_x2_tp.sh [large|xl|profile|all] (default all; each
-# part fits one 10-minute call: large ~7 entries, xl 4, profile 1). JSON and the table land in $OUT.
+# ZeRO-2 without remat. Usage: benchmarks/gpu_x2_tp.sh [large|xl|overlap|profile|all] (default
+# all; each part fits one 10-minute call: large 7 entries, xl 4, overlap 2, profile 1). "overlap":
+# TP 2 on Large again with XLA's collective matmul (windowed einsum: the sequence all-gather /
+# reduce-scatter split into steps overlapped with the matmul; flags as in NVIDIA's JAX-Toolbox
+# collective-matmul test), to see what the exposed collectives cost. JSON and the table land in $OUT.
 set -u
 OUT=${OUT:-benchmarks/results}; mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1
 PART=${1:-all}
 
-bench() {  # $1: size, $2: matrix, $3: seconds for the whole part
+bench() {  # $1: size, $2: matrix, $3: seconds for the whole part, $4: JSON name suffix
   timeout "$3" python3 benchmarks/bench.py --matrix "$2" --sizes "$1" --micro 8 --dtypes bf16 \
-      --steps 5 --warmup 2 --timeout 80 --out "$OUT/tp_2gpu_$1.json" 2>&1 | grep -E "^$1|FAILED|ceiling|entries"
+      --steps 5 --warmup 2 --timeout 80 --out "$OUT/tp_2gpu_$1${4:-}.json" 2>&1 | grep -E "^$1|FAILED|ceiling|entries"
 }
 
 if [[ $PART == large || $PART == all ]]; then
@@ -29,6 +32,10 @@ if [[ $PART == xl || $PART == all ]]; then
   bench xl '[{"stage": 2, "remat": true}, {"stage": 3, "remat": true},
              {"stage": 0, "tp": 2, "remat": true}, {"stage": 0, "tp": 2, "remat": false}]' 560
 fi
+if [[ $PART == overlap || $PART == all ]]; then
+  XLA_FLAGS="${XLA_FLAGS:-} --xla_gpu_threshold_for_windowed_einsum_mib=0 --xla_gpu_multi_streamed_windowed_einsum=true" \
+    bench large '[{"stage": 0, "tp": 2, "remat": false}, {"stage": 0, "tp": 2, "remat": true}]' 300 _overlap
+fi
 if [[ $PART == profile || $PART == all ]]; then
   timeout 300 python3 benchmarks/profile_step.py '{"stage": 0, "tp": 2, "remat": false}' \
       --json "$OUT/profile_tp2_large.json" 2>&1 | tail -30
@@ -38,22 +45,25 @@ fi
 python3 - "$OUT" <<'PY'
 import glob, json, os, sys
 GiB = 2**30
-for path in sorted(glob.glob(os.path.join(sys.argv[1], "tp_2gpu_*.json"))):
+paths = sorted(glob.glob(os.path.join(sys.argv[1], "tp_2gpu_*.json")))
+# the ZeRO references of a size, from the runs without extra XLA flags
+refs = [e for p in paths if "_overlap" not in p for e in json.load(open(p))["entries"] if "error" not in e["result"]]
+for path in paths:
     entries = json.load(open(path))["entries"]
-    ok = {e["name"]: e for e in entries if "error" not in e["result"]}
-    def find(stage, remat, tp=1, vocab=None):
-        for e in ok.values():
+    def find(size, stage, remat):
+        for e in refs:
             s = e["spec"]
-            if (s["stage"], bool(s["remat"]), s.get("tp", 1), s.get("vocab_multiple")) == (stage, remat, tp, vocab):
+            if (s["size"], s["stage"], bool(s["remat"]), s.get("tp", 1), s.get("vocab_multiple")) == \
+                    (size, stage, remat, 1, None):
                 return e["result"]
-    z2_peak = (find(2, False) or {}).get("peak_bytes")
-    print(f"\n{os.path.basename(path)}")
+    print(f"\n{os.path.basename(path)}" + (" (collective matmul XLA flags)" if "_overlap" in path else ""))
     print(f"{'entry':<40}{'tok/s/GPU':>11}{'vs zero3':>10}{'peak GiB':>10}{'MFU':>7}  targets")
     for e in entries:
         r, s = e["result"], e["spec"]
         if "error" in r:
             print(f"{e['name']:<40} FAILED {r['error'][:80]}"); continue
-        z3 = (find(3, bool(s["remat"])) or {}).get("tokens_per_s_per_device")
+        z3 = (find(s["size"], 3, bool(s["remat"])) or {}).get("tokens_per_s_per_device")
+        z2_peak = (find(s["size"], 2, False) or {}).get("peak_bytes")
         tok, peak = r["tokens_per_s_per_device"], r.get("peak_bytes")
         ratio = tok / z3 if z3 else None
         note = ""
