@@ -89,6 +89,7 @@ def name_of(s: dict) -> str:
     extra += f" rep{s['repeats']}" if s.get("repeats", 1) > 1 else ""
     extra += f" ckpt{s['ckpt']}" if s.get("ckpt") else ""
     extra += f" accum-{s['grad_accum']}" if s.get("grad_accum") else ""
+    extra += f" vocab/{s['vocab_multiple']}" if s.get("vocab_multiple") else ""
     policy = remat_policy_of(s)
     remat = "" if policy is None else " remat" if policy == "full" else f" remat-{policy}"
     remat += f" unroll{s['unroll']}" if s.get("unroll", 1) > 1 else ""
@@ -217,6 +218,15 @@ def _peak_bytes():
     return peaks
 
 
+def model_config(spec: dict):
+    """The entry's GPT2Config: its size; "vocab_multiple" (optional) sets the vocabulary padding
+    (GPT2Config.make_vocab_size_divisible_by; 1 = GPT-2's exact 50257 rows)."""
+    from zerojax.models import gpt2 as G
+
+    extra = {"make_vocab_size_divisible_by": int(spec["vocab_multiple"])} if spec.get("vocab_multiple") else {}
+    return G.GPT2Config.named(spec["size"], **extra)
+
+
 def run_entry(spec: dict) -> dict:
     import jax
     import jax.numpy as jnp
@@ -224,7 +234,7 @@ def run_entry(spec: dict) -> dict:
 
     from zerojax.models import gpt2 as G
 
-    config = G.GPT2Config.named(spec["size"])
+    config = model_config(spec)
     seq = min(spec["seq"] or config.n_positions, config.n_positions)
     n_dev = jax.device_count()
     dtype = {"bf16": jnp.bfloat16, "fp16": jnp.float16, "fp32": jnp.float32}[spec["dtype"]]

@@ -144,9 +144,7 @@ def main(argv=None) -> int:
     runner_cls = bench.PlainRunner if spec["stage"] == "plain" else bench.ZeroRunner
     import numpy as np
 
-    from zerojax.models import gpt2 as G
-
-    config = G.GPT2Config.named(spec["size"])
+    config = bench.model_config(spec)
     seq = min(spec["seq"], config.n_positions)
     n_dev = jax.device_count()
     pipe = int(spec.get("pipe", 1))

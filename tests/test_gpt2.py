@@ -1,4 +1,5 @@
 """GPT-2: parity with Hugging Face's GPT2LMHeadModel through safetensors, remat, dtypes, counts."""
+import dataclasses
 import functools
 
 import numpy as np
@@ -96,7 +97,9 @@ def test_param_count_matches_hf():
         model = GPT2(cfg, rngs=nnx.Rngs(0))
         ours = sum(x.size for x in jax.tree.leaves(nnx.state(model, nnx.Param)))
         hf = _hf_model(cfg).num_parameters()
-        assert ours == hf == num_params(cfg)
+        # wte holds padded_vocab_size rows; the padding rows are not HF's (nor counted in num_params)
+        padding = (cfg.padded_vocab_size - cfg.vocab_size) * cfg.n_embd
+        assert ours - padding == hf == num_params(cfg)
     # the released sizes, from HF's own model cards: gpt2 124,439,808
     assert num_params(GPT2Config.named("small")) == 124_439_808
 
@@ -253,3 +256,42 @@ def test_bf16_export_and_hub_layout(tmp_path):
     (tmp_path / "hub" / "config.json").write_text((tmp_path / "bf16" / "config.json").read_text())
     _, hub_params = load_hf(str(tmp_path / "hub"))
     jax.tree.map(np.testing.assert_array_equal, hub_params, params)
+
+
+def test_vocab_padding_gives_the_exact_vocabularys_loss_and_gradients():
+    """make_vocab_size_divisible_by: wte holds 128 rows for CFG's 97-token vocabulary; the extra
+    logits are masked out of the softmax, so loss and gradients are those of the unpadded model
+    (the reference, same seed: its wte is the padded one's first 97 rows) and the padding rows get
+    exactly zero gradient (they stay zero under AdamW: no gradient, and decay of 0 is 0)."""
+    exact = dataclasses.replace(CFG, make_vocab_size_divisible_by=1)
+    assert (CFG.padded_vocab_size, exact.padded_vocab_size, num_params(CFG)) == (128, 97, num_params(exact))
+    ids = jnp.asarray(_ids(CFG, batch=2, seq=12))
+    grads = {}
+    for cfg in (CFG, exact):
+        gd, st = nnx.split(GPT2(cfg, rngs=nnx.Rngs(0)))
+        grads[cfg] = jax.value_and_grad(lambda st: gpt2_loss(nnx.merge(gd, st), {"input_ids": ids})[0])(st)
+        assert nnx.merge(gd, st)(ids).shape == (2, 12, CFG.vocab_size)  # HF's logits, padding dropped
+    (loss_p, g_p), (loss_e, g_e) = grads[CFG], grads[exact]
+    g_p, g_e = nnx.to_pure_dict(g_p), nnx.to_pure_dict(g_e)
+    # fp32: the two softmaxes sum 128 vs 97 terms (the extra ones exactly 0), only the reduction's
+    # blocking may differ: a few ulps of the loss, and gradients within ~10 eps of their scale
+    np.testing.assert_allclose(float(loss_p), float(loss_e), rtol=1e-6)
+    wte_p = np.asarray(g_p.pop("wte"))
+    assert not wte_p[CFG.vocab_size:].any()
+    np.testing.assert_allclose(wte_p[:CFG.vocab_size], np.asarray(g_e.pop("wte")),
+                               rtol=1e-5, atol=1e-6 * np.abs(wte_p).max())
+    for a, b in zip(jax.tree.leaves(g_p), jax.tree.leaves(g_e)):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-6 * np.abs(b).max())
+
+
+def test_vocab_padding_round_trips_hugging_face_files(tmp_path):
+    """Export drops the padding rows (HF's [vocab, d]), import appends zero rows again."""
+    model = GPT2(CFG, rngs=nnx.Rngs(0))
+    save_hf(model, CFG, str(tmp_path))
+    config, params = load_hf(str(tmp_path))
+    assert params["wte"].shape == (CFG.padded_vocab_size, CFG.n_embd) and config == CFG
+    np.testing.assert_array_equal(params["wte"], np.asarray(model.wte[...]))
+    _, exact = load_hf(str(tmp_path), make_vocab_size_divisible_by=1)
+    assert exact["wte"].shape == (CFG.vocab_size, CFG.n_embd)
+    with pytest.raises(ValueError, match="make_vocab_size_divisible_by"):
+        GPT2Config(make_vocab_size_divisible_by=0)

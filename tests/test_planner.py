@@ -61,7 +61,7 @@ def test_ranking_follows_an_independent_flop_count():
     collectives, no offload) that is tokens x FLOPs per token / (ceiling x efficiency), with
     FLOPs per token = 6N + 12·L·d·T (PaLM), plus one more forward of the blocks (2·N_blocks +
     4·L·d·T) under full remat. A 1-byte budget prunes every candidate by formula: no compile."""
-    small = GPT2Config.named("small")
+    small = GPT2Config.named("small", make_vocab_size_divisible_by=1)  # HF's exact tensors (no padding rows)
     T = 1024
     N, block = hf_gpt2_params(small)
     assert (N, block) == (124_439_808, 7_087_872)  # HF's published counts for GPT-2 small

@@ -84,7 +84,7 @@ def test_stage3_gathers_the_non_layer_weights_whole(monkeypatch):
     ran at 60% of stage 2 (benchmarks/measured/). Checked in the lowered step (Shardy), before
     XLA's CPU partitioner, whose choices for a tiny model differ from the GPU's."""
     shapes = {"input_ids": jax.ShapeDtypeStruct((8, 8), jnp.int32)}
-    whole = {f"tensor<{C.vocab_size}x{C.n_embd}xf32>", f"tensor<{C.n_positions}x{C.n_embd}xf32>"}
+    whole = {f"tensor<{C.padded_vocab_size}x{C.n_embd}xf32>", f"tensor<{C.n_positions}x{C.n_embd}xf32>"}
 
     def replicated_constraints(mode):
         text = train(3, None, monkeypatch, mode=mode, steps=0).lower_step(shapes).as_text()

@@ -11,6 +11,7 @@ import pytest
 from flax import nnx
 
 from zerojax import ConfigError, load_config, shard
+from zerojax import estimate as est
 from zerojax.layout import build_layout
 from zerojax.models.gpt2 import GPT2, GPT2Config, gpt2_loss
 from tiny_mlp import MLP, loss_fn as mlp_loss  # noqa: E402 (tests/ is on sys.path under pytest)
@@ -22,7 +23,7 @@ STEPS, LR, SEQ = 3, 1e-2, 16
 # would normalise that noise into a full lr-sized step of random sign. With eps 1e-4 it moves the
 # weight by <= lr x 1e-5 per step, below the tolerance below; real gradients (>~1e-3) stay normalised.
 EPS = 1e-4
-# every split axis divides by 4: heads 4, mlp 128; vocab 64 (embeddings stay whole anyway)
+# every split axis divides by 4: heads 4, mlp 128, vocab 64 padded to 128 rows (GPT-2's default)
 TINY = GPT2Config(vocab_size=64, n_positions=SEQ, n_embd=32, n_layer=2, n_head=4)
 
 
@@ -98,7 +99,7 @@ def test_tensor_parallel_trains_like_tp1_stage0(tp, stage):
     assert spec(attn["c_proj"]["kernel"])[1] == "tensor"                 # (L, heads, head_dim, d)
     assert spec(mlp["c_fc"]["kernel"])[2] == "tensor"                    # (L, d, mlp)
     assert spec(mlp["c_proj"]["kernel"])[1] == "tensor"                  # (L, mlp, d)
-    assert "tensor" not in spec(p["wte"]) and "tensor" not in spec(p["h"]["ln_1"]["scale"])
+    assert spec(p["wte"])[0] == "tensor" and "tensor" not in spec(p["h"]["ln_1"]["scale"])
     assert ("data" in spec(mlp["c_fc"]["kernel"])) == (stage == 3)
     opt_mu = [a for path, a in jax.tree_util.tree_leaves_with_path(eng.state.opt_state)
               if re.search(r"mu.*'c_fc'.*'kernel'", jax.tree_util.keystr(path))]
@@ -127,37 +128,74 @@ def _collectives_by_computation(hlo):
     for line in hlo.splitlines():
         if line and not line.startswith(" ") and line.rstrip().endswith("{"):
             comp = line.split()[0] if not line.startswith("ENTRY") else "ENTRY"
-        m = re.search(r"= (\S+) (all-reduce|all-gather|reduce-scatter|all-to-all)(?:-start)?\(", line)
+        m = re.search(r"= (\([^)]*\)|\S+) (all-reduce|all-gather|reduce-scatter|all-to-all)(?:-start)?\(", line)
         if m:
             groups = re.search(r"replica_groups=(\{[\d,{}]*\}|\[[^ ]*)", line)
-            out.setdefault(comp, []).append((m.group(2), m.group(1).split("{")[0], groups and groups.group(1)))
+            # a combined collective's tuple result counts once per operand
+            for shape in re.findall(r"[a-z]\w*\[[\d,]*\]", m.group(1)):
+                out.setdefault(comp, []).append((m.group(2), shape, groups and groups.group(1)))
     return out
 
 
-def test_compiled_step_has_megatrons_collectives():
-    """Per transformer layer (one iteration of the layer scan): forward, one all-reduce of the
-    residual stream [rows, T, d] after attention's and after the MLP's row-parallel matmul;
-    backward, one each into their column-parallel inputs -- within a tensor group, so the activations
-    are never gathered or reduced over "data"."""
+def test_compiled_step_has_megatrons_collectives_with_sequence_parallelism():
+    """Per transformer layer (one iteration of the layer scan), with the residual stream split on its
+    sequence between sublayers (Megatron-LM's sequence parallelism), on [rows, T, d] activations:
+    forward, an all-gather of the sequence before attention's and the MLP's column-parallel matmul
+    and a reduce-scatter after each row-parallel one; backward, the transposes (an all-gather of each
+    sublayer's output gradient, a reduce-scatter of its input gradient) plus an all-gather of each
+    layer-norm output again for the weight gradients (Megatron-SP re-gathers too, rather than keep
+    the gathered copy). All within a tensor group: activations never cross "data". XLA's CPU
+    backend writes a reduce-scatter as an all-reduce of the whole [rows, T, d] and a slice (its GPU
+    pipeline fuses the pair), so either form counts as one. The vocab-parallel loss never gathers
+    the logits [rows, T, vocab]."""
     eng = run(2, 0)[0]
+    tp = eng.mesh.shape["tensor"]
     rows = N // eng.mesh.shape["data"]  # a data shard's rows: micro 1 x tensor 2
     hlo = eng.compiled_step({"input_ids": jax.ShapeDtypeStruct((N, SEQ), jnp.int32)}).as_text()
-    residual = f"f32[{rows},{SEQ},{TINY.n_embd}]"
-    per_comp = {c: [x for x in ops if x[1] == residual] for c, ops in _collectives_by_computation(hlo).items()}
-    per_comp = {c: ops for c, ops in per_comp.items() if ops}
-    # two loop bodies (forward scan, backward scan), two all-reduces each, nothing else on activations
-    assert sorted(len(ops) for ops in per_comp.values()) == [2, 2], per_comp
-    assert all(op == "all-reduce" for ops in per_comp.values() for op, _, _ in ops)
+    whole, split = f"f32[{rows},{SEQ},{TINY.n_embd}]", f"f32[{rows},{SEQ // tp},{TINY.n_embd}]"
+
+    def kind(op, shape):
+        if op == "all-gather" and shape == whole:
+            return "gather"
+        if (op, shape) in (("all-reduce", whole), ("reduce-scatter", split)):
+            return "reduce"
+        return None
+
+    per_comp = {}
+    for comp, ops in _collectives_by_computation(hlo).items():
+        found = [(kind(op, shape), groups) for op, shape, groups in ops if kind(op, shape)]
+        if found and comp != "ENTRY":  # the layer scans' bodies (ENTRY: embedding and LM head)
+            per_comp[comp] = found
+    counts = sorted(tuple(sorted((k, [x for x, _ in ops].count(k)) for k in ("gather", "reduce")))
+                    for ops in per_comp.values())
+    # two loop bodies: forward (2 gathers, 2 reduces), backward (4 gathers, 2 reduces)
+    assert counts == [(("gather", 2), ("reduce", 2)), (("gather", 4), ("reduce", 2))], per_comp
+    # the planner's byte count per layer (zerojax.estimate) is the compiled step's: each collective
+    # sends (t - 1) / t of the tensor group's [rows, T, d] residual stream
+    layers = lambda n: est.ModelShape(0, 0, n, TINY.n_embd, SEQ)  # noqa: E731
+    per_layer = (est.tensor_parallel_bytes(layers(1), micro_batch=1, n_tensor=tp, precision="fp32")
+                 - est.tensor_parallel_bytes(layers(0), micro_batch=1, n_tensor=tp, precision="fp32"))
+    compiled = sum(len(ops) for ops in per_comp.values()) * (tp - 1) / tp * rows * SEQ * TINY.n_embd * 4
+    assert per_layer == compiled
     ids = np.vectorize(lambda d: d.id)(eng.mesh.devices)
-    tensor_groups = {frozenset(row) for row in ids.reshape(-1, eng.mesh.shape["tensor"]).tolist()}
+    tensor_groups = {frozenset(row) for row in ids.reshape(-1, tp).tolist()}
     for ops in per_comp.values():
-        for _, _, groups in ops:
+        for _, groups in ops:
             if groups and groups.startswith("{"):  # explicit groups: exactly the tensor groups
                 found = {frozenset(map(int, g.split(","))) for g in re.findall(r"\{([\d,]+)\}", groups)}
                 assert found == tensor_groups
+    logits = re.compile(rf"f32\[{rows},(?:{SEQ}|{SEQ - 1}),{TINY.padded_vocab_size}\]")
+    assert not [x for ops in _collectives_by_computation(hlo).values() for x in ops if logits.fullmatch(x[1])]
+    # the embedding and the LM head are split on the (padded) vocabulary, and the whole wte is never
+    # moved: each rank looks up its own rows (the partial sums added as activations) and its rows'
+    # gradient is reduced over "data" only
+    assert spec(eng.state.params["wte"])[0] == "tensor"
+    wte_whole = f"f32[{TINY.padded_vocab_size},{TINY.n_embd}]"
+    assert not [x for ops in _collectives_by_computation(hlo).values() for x in ops if x[1] == wte_whole]
     # without a tensor axis the layers need no collective on activations
     ref = run(1, 0)[0].compiled_step({"input_ids": jax.ShapeDtypeStruct((N, SEQ), jnp.int32)}).as_text()
-    assert not [x for ops in _collectives_by_computation(ref).values() for x in ops if x[1].startswith("f32[1,16,32]")]
+    assert not [x for ops in _collectives_by_computation(ref).values() for x in ops
+                if x[1].startswith(f"f32[1,{SEQ},")]
 
 
 # --- checkpoints ----------------------------------------------------------------------------------
@@ -186,6 +224,11 @@ def test_checkpoint_reshards_across_tensor_sizes_and_exports_whole_tensors(tmp_p
         if tp == 4:
             assert spec(other.state.params["h"]["mlp"]["c_fc"]["kernel"])[2] == "tensor"
     assert path.startswith(str(tmp_path / "ckpt"))
+    # a checkpoint says what it holds: its padded wte (128 rows) is refused by an unpadded model
+    exact = GPT2Config(**{**TINY.__dict__, "make_vocab_size_divisible_by": 1})
+    unpadded = shard(GPT2(exact, rngs=nnx.Rngs(1)), config(2, 1), loss_fn=gpt2_loss)
+    with pytest.raises(ValueError, match=r"wte.*\(128, 32\).*\(64, 32\)"):
+        unpadded.load_checkpoint(str(tmp_path / "ckpt"))
     assert cli.main(["export", str(tmp_path / "ckpt"), str(tmp_path / "hf")]) == 0
     _, exported = load_hf(str(tmp_path / "hf"))
     assert_trees_close(as_numpy(exported), master, atol=0)
@@ -246,7 +289,7 @@ def test_unknown_logical_names_are_replicated_with_a_warning():
 @pytest.mark.parametrize("overrides, tp_extra, name, size, fits", [
     (dict(n_embd=48, n_head=6), {}, r"h\.attn\.c_attn\.kernel.*'heads'", 6, [1, 2]),
     (dict(n_inner=66), {}, r"h\.mlp\.c_fc\.kernel.*'mlp'", 66, [1, 2]),
-    (dict(vocab_size=66), {"partition_config": {"layer_specs": [
+    (dict(vocab_size=66, make_vocab_size_divisible_by=1), {"partition_config": {"layer_specs": [
         {"patterns": [r"^wte$"], "partition_type": "column", "partition_dim": 0}]}}, r"wte.*'vocab'", 66, [1, 2]),
 ])
 def test_indivisible_split_is_a_config_error_naming_sizes_that_work(overrides, tp_extra, name, size, fits):
@@ -255,6 +298,16 @@ def test_indivisible_split_is_a_config_error_naming_sizes_that_work(overrides, t
                                           rf"not divisible by 4; tensor sizes that would work on 8 devices: "
                                           rf"{re.escape(str(fits))}"):
         build_layout(_abstract_gpt2(**overrides), cfg, loss_fn=gpt2_loss)
+
+
+def test_an_unpadded_vocabulary_the_tensor_size_does_not_divide_stays_whole_with_a_warning():
+    """GPT-2's own 50257 (here 66) with padding off: the embedding is replicated, not an error, and the
+    warning names the fix; the rest of the model is still split."""
+    cfg = {**LAYOUT_ONLY, "tensor_parallel": {"autotp_size": 4}}
+    with pytest.warns(UserWarning, match=r"wte's 'vocab' axis of size 66 .*GPT2Config.make_vocab_size_divisible_by"):
+        lay = build_layout(_abstract_gpt2(vocab_size=66, make_vocab_size_divisible_by=1), cfg, loss_fn=gpt2_loss)
+    assert "tensor" not in tuple(lay.shardings.params["wte"].spec)
+    assert "tensor" in tuple(lay.shardings.params["h"]["mlp"]["c_fc"]["kernel"].spec)
 
 
 def test_autotp_size_must_divide_the_devices():
@@ -292,3 +345,42 @@ def test_deepspeed_filled_autotp_config_loads_with_its_batch_rule():
         # counting only the 4 data-parallel ranks is what DeepSpeed refuses, and so does zerojax
         with pytest.raises(ConfigError, match=r"16 != 2 \* 2 \* 8"):
             load_config(path, fill={**fill, "train_batch_size": 16})
+
+
+# --- the planner's view -----------------------------------------------------------------------------
+
+
+def test_estimates_split_model_states_and_activations_over_the_tensor_axis():
+    """Model states: each device holds 1 / t of the parameters before ZeRO divides by the data ranks
+    (the ZeRO paper's accounting: 2 + 12 bytes a parameter without gradients, stage 0, Adam). Activations: Korthikanti et al. 2022,
+    table 2, s·b·h·(34 + 5·a·s/h) per layer without parallelism, 34/t with tensor + sequence
+    parallelism (flash attention: no score matrices); a tensor group trains micro x t rows, so under
+    DeepSpeed's batch rule a device saves what a data-parallel device does at the same micro-batch."""
+    psi = 774_030_080  # GPT-2 Large (HF's num_parameters)
+    assert est.model_state_floor(psi, stage=0, n_data=1, precision="bf16", n_tensor=2) == int(14 * psi / 2)
+    # with the gradients, kept in fp32 by zerojax (2 + 4 + 4 + 8 bytes; the paper's 16 has 2-byte ones)
+    assert est.model_state_bytes(psi, stage=0, n_data=1, precision="bf16", n_tensor=2) == int(18 * psi / 2)
+    s, b, h, a = 1024, 8, 1280, 20
+    paper = s * b * h * (34 + 5 * a * s / h)
+    assert est.activation_bytes_per_layer(seq_len=s, rows=b, d_model=h, n_head=a, flash_attention=False) == int(paper)
+    dp = est.activation_bytes_per_layer(seq_len=s, rows=b, d_model=h, n_head=a)
+    tp = est.activation_bytes_per_layer(seq_len=s, rows=2 * b, d_model=h, n_head=a, n_tensor=2)
+    no_sp = est.activation_bytes_per_layer(seq_len=s, rows=2 * b, d_model=h, n_head=a, n_tensor=2,
+                                           sequence_parallel=False)
+    assert dp == tp == s * b * h * 34 and no_sp == s * 2 * b * h * (24 / 2 + 10)
+
+
+def test_activation_rules_claim_the_tensor_axis_in_rule_order():
+    """heads / mlp / vocab come before the sequence: inside a sublayer the activation splits its heads
+    (Megatron), between sublayers the residual stream splits its sequence (sequence parallelism);
+    flax's name-order matching would have split q/k/v on the sequence."""
+    from jax.sharding import PartitionSpec as P
+
+    from zerojax import partition
+
+    mesh = partition.make_mesh(tensor=2)
+    rules = partition.ACTIVATION_RULES
+    assert partition.logical_to_mesh(("batch", "seq", "qkv", "heads", "head_dim"), mesh, rules) == \
+        P("data", None, None, "tensor", None)
+    assert partition.logical_to_mesh(("batch", "seq", "embed"), mesh, rules) == P("data", "tensor", None)
+    assert partition.logical_to_mesh(("batch", None, "vocab"), mesh, rules) == P("data", None, "tensor")

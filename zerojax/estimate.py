@@ -314,11 +314,30 @@ class StepTime:
         return self.tokens / self.step_s if self.step_s > 0 else float("inf")
 
 
+def tensor_parallel_bytes(shape: ModelShape, *, micro_batch: int, n_tensor: int, precision: str = "bf16",
+                          remat: str | None = None) -> float:
+    """Bytes one device sends per micro-batch for tensor parallelism with sequence parallelism
+    (zerojax's Megatron layout, counted in tests/test_tensor_parallel.py's compiled step).
+
+    Every collective moves the tensor group's residual stream, B = (micro_batch x n_tensor rows,
+    DeepSpeed's batch rule) x T x d in the compute dtype, and a ring all-gather or reduce-scatter
+    sends (t - 1) / t of it. Per layer: forward 2 all-gathers + 2 reduce-scatters; backward 4
+    all-gathers (2 re-gathers for the weight gradients) + 2 reduce-scatters; a remat that reruns
+    the forward adds its 4 again. Around the layers: the embedding's all-reduce (2 units), the LM
+    head's gather and their transposes (3 units). The loss's reductions ([rows, T] numbers) are
+    left out."""
+    if n_tensor <= 1:
+        return 0.0
+    B = micro_batch * n_tensor * max(shape.seq_len, 1) * shape.d_model * PRECISION_BYTES[precision]
+    per_layer = 10 + (4 if remat in ("full", "offload", True) else 0)
+    return (n_tensor - 1) / n_tensor * B * (per_layer * shape.n_layer + 5)
+
+
 def predict_step_time(shape: ModelShape, *, micro_batch: int, grad_accum: int = 1,
                       n_data: int = 1, stage: int = 0, precision: str = "bf16",
                       remat: str | None = None, offload_optimizer: bool = False,
                       offload_ratio: float = 1.0, offload_param: bool = False,
-                      hardware: Hardware = H200) -> StepTime:
+                      hardware: Hardware = H200, n_tensor: int = 1) -> StepTime:
     """The step-time model (per device, one optimizer step of micro_batch x grad_accum rows).
 
     compute: tokens x train_flops_per_token / (ceiling x efficiency(micro-batch tokens)).
@@ -330,18 +349,23 @@ def predict_step_time(shape: ModelShape, *, micro_batch: int, grad_accum: int = 
       and back out each step, for the offloaded `offload_ratio` of this device's shard;
       offload_param fetches the 16-bit params twice per micro-batch and sends their gradients
       back; remat "offload" writes each block's input to host and reads it back.
+    n_tensor (tensor_parallel.autotp_size): each device holds 1 / n_tensor of the parameters (the
+      replicated norms, biases and position embeddings, <1% of GPT-2, are not counted apart), so
+      ZeRO's collectives and the offload move that share over the n_data data ranks; the
+      activations' collectives are `tensor_parallel_bytes` per micro-batch. Compute per device
+      is unchanged: a tensor group trains micro_batch x n_tensor rows on n_tensor devices.
     """
     if precision not in PRECISION_BYTES:
         raise ValueError(f"precision={precision!r}; choose one of {tuple(PRECISION_BYTES)}")
-    if micro_batch < 1 or grad_accum < 1 or n_data < 1:
-        raise ValueError(f"{micro_batch=}, {grad_accum=}, {n_data=}: each must be >= 1")
+    if micro_batch < 1 or grad_accum < 1 or n_data < 1 or n_tensor < 1:
+        raise ValueError(f"{micro_batch=}, {grad_accum=}, {n_data=}, {n_tensor=}: each must be >= 1")
     T = max(shape.seq_len, 1)
     micro_tokens = micro_batch * T
     tokens = micro_tokens * grad_accum
     eff = micro_tokens / (micro_tokens + hardware.half_efficiency_tokens)
     compute = tokens * train_flops_per_token(shape, remat) / (hardware.ceiling(precision) * eff)
 
-    P, pb, gb = shape.params, PRECISION_BYTES[precision], 4
+    P, pb, gb = shape.params / n_tensor, PRECISION_BYTES[precision], 4
     f = (n_data - 1) / n_data
     if stage in (0, 1):
         comm = 2 * f * P * gb + (f * P * pb if stage == 1 else 0)
@@ -351,6 +375,8 @@ def predict_step_time(shape: ModelShape, *, micro_batch: int, grad_accum: int = 
         comm = grad_accum * (2 * f * P * pb + f * P * gb)
     else:
         raise ValueError(f"zero_optimization.stage={stage!r}; accepted: 0, 1, 2, 3")
+    comm += grad_accum * tensor_parallel_bytes(shape, micro_batch=micro_batch, n_tensor=n_tensor,
+                                               precision=precision, remat=remat)
 
     host = 0.0
     shard = P / n_data
@@ -370,12 +396,16 @@ OPTIMIZER_STATE_BYTES = {"adam": 8, "adamw": 8, "lion": 4, "adagrad": 4, "lamb":
 
 def model_state_floor(params: int, *, stage: int, n_data: int, precision: str,
                       optimizer: str | None = "adamw", offload_optimizer: bool = False,
-                      offload_ratio: float = 1.0, offload_param: bool = False) -> int:
+                      offload_ratio: float = 1.0, offload_param: bool = False, n_tensor: int = 1) -> int:
     """Per-device bytes that the step's arguments hold at least: the compute params (fp32 runs
     keep none apart from the master unless it is offloaded), the fp32 master and the optimizer
     state, each divided by the data-parallel size where the stage partitions it and without what
     offload moves to the host. A lower bound of the compiled peak (gradients, activations and temporaries come on
-    top), so a choice whose floor exceeds the budget is pruned without compiling it."""
+    top), so a choice whose floor exceeds the budget is pruned without compiling it. Under tensor
+    parallelism each device holds params / n_tensor before ZeRO divides by n_data (the few
+    replicated leaves -- norms, biases, wpe -- are not counted apart: the floor stays a floor
+    only up to them, <1% of GPT-2)."""
+    params = params / n_tensor
     opt = OPTIMIZER_STATE_BYTES.get("".join(c for c in (optimizer or "").lower() if c.isalnum()), 0)
     master = (4 + opt) * params / (n_data if stage >= 1 else 1)
     if offload_optimizer or offload_param:
@@ -386,9 +416,29 @@ def model_state_floor(params: int, *, stage: int, n_data: int, precision: str,
     return int(master + compute)
 
 
-def model_state_bytes(params: int, *, stage: int, n_data: int, precision: str, **floor_kw) -> int:
+def model_state_bytes(params: int, *, stage: int, n_data: int, precision: str, n_tensor: int = 1,
+                      **floor_kw) -> int:
     """`model_state_floor` plus the fp32 gradient accumulator (partitioned from stage 2): the
     planner's estimate of how a choice's model states differ from a compiled neighbour's."""
-    grads = 4 * params / (n_data if stage >= 2 else 1)
+    grads = 4 * params / n_tensor / (n_data if stage >= 2 else 1)
     return model_state_floor(params, stage=stage, n_data=n_data, precision=precision,
-                             **floor_kw) + int(grads)
+                             n_tensor=n_tensor, **floor_kw) + int(grads)
+
+
+def activation_bytes_per_layer(*, seq_len: int, rows: int, d_model: int, n_head: int, n_tensor: int = 1,
+                               sequence_parallel: bool = True, flash_attention: bool = True,
+                               remat: str | None = None) -> int:
+    """Activation bytes one transformer layer saves for its backward pass, per device, 16-bit,
+    after Korthikanti et al. 2022 ("Reducing Activation Recomputation in Large Transformer
+    Models", table 2): s·b·h·(34 + 5·a·s/h) without parallelism; tensor parallelism divides the
+    24 of it inside the sublayers by t, sequence parallelism the other 10 too. `rows` is the
+    micro-batch a tensor group trains (DeepSpeed's batch rule: micro_batch x n_tensor). Flash
+    attention (cuDNN) keeps no a·s² score matrices, so the 5·a·s/h term is dropped; a full remat
+    keeps only the layer's input (2·s·b·h, split by t under sequence parallelism). Dropout's masks
+    are in the paper's 34; zerojax trains without dropout, so this errs high by 5·s·b·h."""
+    s, b, h, a, t = seq_len, rows, d_model, n_head, n_tensor
+    if remat in ("full", "offload", True):
+        return int(2 * s * b * h / (t if sequence_parallel else 1))
+    inside = 24 + (0 if flash_attention else 5 * a * s / h)
+    outside = 10
+    return int(s * b * h * (inside / t + outside / (t if sequence_parallel else 1)))

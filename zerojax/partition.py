@@ -31,23 +31,34 @@ TENSOR = "tensor"
 PIPE = "pipe"
 AXES = (DATA, TENSOR)
 
-# Logical axis name -> mesh axis, first match wins (flax's logical_axis_rules). Used only when the
-# mesh's "tensor" axis is larger than 1. Megatron's split: attention column-parallel on its heads
-# (q/k/v weights and biases), its output projection row-parallel (heads is its input axis); MLP up
-# column-parallel, down row-parallel (both on "mlp"). Each attention and each MLP then needs one
-# all-reduce forward (after the row-parallel matmul) and one backward (into the column-parallel
-# input). The fused q/k/v axis ("qkv", size 3) is never split.
+# Logical axis name -> mesh axis (flax's logical_axis_rules), used only when the mesh's "tensor"
+# axis is larger than 1; earlier rules win a mesh axis first (`logical_to_mesh`). Megatron's split:
+# attention column-parallel on its heads (q/k/v weights and biases), its output projection
+# row-parallel (heads is its input axis); MLP up column-parallel, down row-parallel (both on "mlp");
+# the token embedding / LM head vocab-parallel (Megatron's VocabParallelEmbedding: each rank holds
+# vocab / T rows, the loss's logsumexp a reduction over the split vocabulary). The fused q/k/v axis
+# ("qkv", size 3) is never split.
 DEFAULT_RULES: tuple[tuple[str, str | None], ...] = (
     ("heads", TENSOR),
     ("mlp", TENSOR),
+    ("vocab", TENSOR),
 )
+# Logical names that may stay whole when the tensor size does not divide them (a warning, not an
+# error): a vocabulary is whatever the tokenizer made it (GPT-2's 50257 is odd); padding it
+# (GPT2Config.make_vocab_size_divisible_by, 128 by default) is the fix the warning names.
+SPLIT_IF_DIVISIBLE = frozenset({"vocab"})
 # Logical names that stay whole on purpose under tensor parallelism (no "unknown name" warning).
-# Embeddings ("vocab", "pos") are replicated: GPT-2's 50257-token vocabulary is odd, so no tensor
-# size divides it, and padding it would change the exported tensors and the softmax.
-REPLICATED_NAMES = frozenset({"embed", "layers", "vocab", "pos", "qkv", "head_dim", "batch", "seq",
+# Position embeddings ("pos") are small and read by every token; norms and biases are per-feature.
+REPLICATED_NAMES = frozenset({"embed", "layers", "pos", "qkv", "head_dim", "batch", "seq",
                               "norm", "kv"})
-# Activations: the batch over "data" (and nothing else: rows are whole within a tensor group).
-ACTIVATION_RULES = (("batch", DATA),) + DEFAULT_RULES
+# Activations. Sequence parallelism (Megatron-LM's, Korthikanti et al. 2022): between the blocks
+# the residual stream ("batch", "seq", "embed") is split over "tensor" on its sequence axis, so
+# layer norms, residual adds and the saved block inputs cost 1/T per device; GSPMD then all-gathers
+# the sequence before each column-parallel matmul and reduce-scatters after each row-parallel one
+# (the all-reduce of plain TP, split in its two halves). Inside a sublayer heads / mlp / vocab win
+# the tensor axis (they come first), so "seq" is split only where nothing else is. Rows go over
+# "data" and nothing else: a tensor group works on the same rows.
+ACTIVATION_RULES = DEFAULT_RULES + (("seq", TENSOR), ("batch", DATA))
 
 
 def make_mesh(data: int | None = None, tensor: int = 1, devices: Sequence[Any] | None = None,
@@ -139,6 +150,7 @@ def tensor_specs(state, mesh: Mesh, rules=None, *, tp=None, model_type: str | No
     n_tensor = tensor_size(mesh)
     unknown: set[str] = set()
     bad: list[tuple[str, int, Any]] = []
+    kept_whole: list[tuple[str, str, int]] = []
 
     def spec_of(path, v):
         names = _logical_axes(v)
@@ -150,6 +162,7 @@ def tensor_specs(state, mesh: Mesh, rules=None, *, tp=None, model_type: str | No
                 if entry.matches(dotted, model_type):
                     spec = entry.spec(shape, names)
                     break
+        from_specs = spec is not None  # an explicit layer_specs split must divide (an error if not)
         if spec is None:
             spec = logical_to_mesh(names, mesh, rules) if use_defaults else P()
             if n_tensor > 1 and use_defaults and names:
@@ -157,7 +170,12 @@ def tensor_specs(state, mesh: Mesh, rules=None, *, tp=None, model_type: str | No
                 unknown.update(str(n) for n in names if n is not None and n not in known)
         for i, axis in enumerate(spec):
             if axis == TENSOR and shape and shape[i] % n_tensor:
-                bad.append((dotted, i, shape[i], names[i] if names and i < len(names) else None))
+                logical = names[i] if names and i < len(names) else None
+                if logical in SPLIT_IF_DIVISIBLE and not from_specs:
+                    kept_whole.append((dotted, logical, shape[i]))
+                    spec = P(*(None if j == i else a for j, a in enumerate(spec)))
+                else:
+                    bad.append((dotted, i, shape[i], logical))
         return spec
 
     specs = jax.tree_util.tree_map_with_path(spec_of, state, is_leaf=lambda x: isinstance(x, nnx.Variable))
@@ -170,6 +188,12 @@ def tensor_specs(state, mesh: Mesh, rules=None, *, tp=None, model_type: str | No
             + (f" ({logical!r})" if logical else "") + f" of size {size} over the tensor axis, and "
             f"{size} is not divisible by {n_tensor}; tensor sizes that would work on {n_dev} devices: {fits}"
             for name, i, size, logical in bad])
+    if kept_whole:
+        warnings.warn("tensor parallelism: " + "; ".join(
+            f"{name}'s {logical!r} axis of size {size} is not divisible by tensor_parallel.autotp_size = "
+            f"{n_tensor}, so it stays whole (replicated on every tensor rank)" for name, logical, size in kept_whole)
+            + "; pad it to a multiple of the tensor size to split it (GPT-2: GPT2Config.make_vocab_size_divisible_by)",
+            UserWarning, stacklevel=2)
     if unknown:
         warnings.warn(f"tensor parallelism: logical axis names {sorted(unknown)} have no tensor rule; "
                       "those axes stay replicated (add a tensor_parallel.partition_config.layer_specs "
@@ -231,45 +255,52 @@ def _pure(state):
 
 
 def logical_to_mesh(names: Iterable | None, mesh: Mesh, rules=None) -> P:
-    """Translate logical axis names with ordered rules; keep names that are mesh axes already."""
+    """Translate logical axis names with ordered rules; keep names that are mesh axes already.
+
+    Rules are applied in order, each mesh axis to the first rule that claims it (not to the first
+    name, as flax does): with ("heads", "tensor") before ("seq", "tensor") the q/k/v activation
+    ("batch", "seq", "qkv", "heads", "head_dim") splits its heads, the residual stream its sequence.
+    """
     if not names:
         return P()
+    names = tuple(names)
     if rules is None:
         rules = DEFAULT_RULES if mesh.shape.get(TENSOR, 1) > 1 else ()
         if pipe_size(mesh) > 1:  # the stacked layers split into pipeline stages
             rules = (*rules, ("layers", PIPE))
-    used: set[str] = set()
-    out = []
-    for name in names:
-        target = None
-        if name in mesh.axis_names:
-            target = name
-        else:
-            for logical, mesh_axis in rules:
-                if logical == name and mesh_axis is not None and mesh_axis not in used:
-                    target = mesh_axis
-                    break
-        if target is not None and mesh.shape[target] > 1 and target not in used:
-            used.add(target)
-            out.append(target)
-        else:
-            out.append(None)
+    out: list = [None] * len(names)
+    used = set()
+    for i, name in enumerate(names):
+        if name in mesh.axis_names and name not in used:
+            used.add(name)
+            out[i] = name if mesh.shape[name] > 1 else None
+    for logical, mesh_axis in rules:
+        if mesh_axis is None or mesh_axis in used or logical not in names:
+            continue
+        i = names.index(logical)
+        if out[i] is None:
+            used.add(mesh_axis)
+            out[i] = mesh_axis if mesh.shape[mesh_axis] > 1 else None
     return P(*out)
 
 
 def activation_constraint(mesh: Mesh, rules=ACTIVATION_RULES):
     """A model's activation hook, `constrain(x, logical_names) -> x`, or None without a tensor axis.
 
-    Pins each named activation to the mesh axes its names map to (batch over "data", heads / mlp
-    over "tensor", the rest whole), so GSPMD keeps Megatron's layout -- the residual stream whole
-    within a tensor group, one all-reduce after each row-parallel matmul -- instead of choosing
-    its own. Without a tensor axis nothing is pinned (GSPMD's own choices are kept as they were).
+    Pins each named activation to the mesh axes its names map to (`ACTIVATION_RULES`: batch over
+    "data", heads / mlp / vocab over "tensor", the residual stream's sequence over "tensor" where
+    nothing else is), so GSPMD keeps Megatron's layout -- an all-gather before each column-parallel
+    matmul, a reduce-scatter after each row-parallel one -- instead of choosing its own. An axis
+    whose size the mesh axis does not divide (an odd vocabulary, a short sequence) stays whole.
+    Without a tensor axis nothing is pinned (GSPMD's own choices are kept as they were).
     """
     if tensor_size(mesh) <= 1:
         return None
 
     def constrain(x, names):
-        return jax.lax.with_sharding_constraint(x, NamedSharding(mesh, logical_to_mesh(names, mesh, rules)))
+        spec = [a if a is None or x.shape[i] % mesh.shape[a] == 0 else None
+                for i, a in enumerate(logical_to_mesh(names, mesh, rules))]
+        return jax.lax.with_sharding_constraint(x, NamedSharding(mesh, P(*spec)))
 
     return constrain
 
@@ -432,7 +463,8 @@ def per_device_bytes(shapes_dtypes, shardings) -> int:
 
 
 __all__ = [
-    "DATA", "TENSOR", "PIPE", "DEFAULT_RULES", "ACTIVATION_RULES", "REPLICATED_NAMES", "make_mesh",
+    "DATA", "TENSOR", "PIPE", "DEFAULT_RULES", "ACTIVATION_RULES", "REPLICATED_NAMES", "SPLIT_IF_DIVISIBLE",
+    "make_mesh",
     "data_size", "pipe_size", "tensor_size", "batch_world_size", "tensor_specs", "activation_constraint",
     "logical_to_mesh", "zero_spec", "StageShardings", "stage_specs", "stage_shardings",
     "opt_state_shardings", "replicated", "per_device_bytes",

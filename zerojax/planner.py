@@ -261,6 +261,14 @@ def _data_size(mesh, cfg_dict):
     return max(1, jax.device_count() // stages)
 
 
+def _tensor_size(mesh, cfg_dict):
+    """The "tensor" axis: the mesh's, else the config's tensor_parallel.autotp_size (1 if unset)."""
+    if mesh is not None:
+        return partition.tensor_size(mesh)
+    size = (cfg_dict.get("tensor_parallel") or {}).get("autotp_size", 1)
+    return size if isinstance(size, int) and size > 0 else 1
+
+
 # ---------------------------------------------------------------------------------------------
 # The search
 
@@ -396,6 +404,10 @@ def search(model_factory, cfg_dict, budget, seq_len, *, stages=(0, 1, 2, 3),
     """The planning run behind `plan`; returns what fits and what was tried (see `Search`)."""
     budget = parse_bytes(budget)
     n_data = _data_size(mesh, cfg_dict)
+    # the batch rule counts tensor ranks (n_data above); ZeRO partitions over "data" only, and each
+    # device holds 1 / n_tensor of the parameters and their states
+    n_tensor = _tensor_size(mesh, cfg_dict)
+    n_zero = max(n_data // n_tensor, 1)
     remats = _remat_choices(model_factory, remat)
     precisions = ((precision,) if isinstance(precision, str) else tuple(precision)
                   if precision is not None else precision_choices(cfg_dict, model_factory))
@@ -413,7 +425,7 @@ def search(model_factory, cfg_dict, budget, seq_len, *, stages=(0, 1, 2, 3),
     for off in offloads:
         kind, ratio = _offload_choice(off)
         ok = [s for s in stages if _valid_stage(kind, ratio, s)]
-        if n_data == 1 and ok:  # one device: no stage partitions anything; keep the user's
+        if n_zero == 1 and ok:  # one data rank: no stage partitions anything; keep the user's
             ok = [user_stage if user_stage in ok else ok[0]]
         for stage in ok:
             for prec in precisions:
@@ -424,10 +436,11 @@ def search(model_factory, cfg_dict, budget, seq_len, *, stages=(0, 1, 2, 3),
 
     def predicted(c):
         return est.predict_step_time(
-            shape, micro_batch=c.micro_batch, grad_accum=c.grad_accum, n_data=n_data,
+            shape, micro_batch=c.micro_batch, grad_accum=c.grad_accum, n_data=n_zero,
             stage=c.stage, precision=c.precision or _configured(cfg_dict),
             remat=None if c.remat == AS_BUILT else c.remat, offload_optimizer=c.kind != "none",
-            offload_ratio=c.ratio, offload_param=c.kind == "param", hardware=hardware)
+            offload_ratio=c.ratio, offload_param=c.kind == "param", hardware=hardware,
+            n_tensor=n_tensor)
 
     timed = sorted(((predicted(c), c) for c in cands),
                    key=lambda tc: (tc[0].step_s, tc[1].stage, -_offload_rank(tc[1])))
@@ -435,10 +448,10 @@ def search(model_factory, cfg_dict, budget, seq_len, *, stages=(0, 1, 2, 3),
 
     def states(c, bound):
         f = est.model_state_floor if bound else est.model_state_bytes
-        return f(shape.params, stage=c.stage, n_data=n_data,
+        return f(shape.params, stage=c.stage, n_data=n_zero,
                  precision=c.precision or _configured(cfg_dict), optimizer=optimizer,
                  offload_optimizer=c.kind != "none", offload_ratio=c.ratio,
-                 offload_param=c.kind == "param")
+                 offload_param=c.kind == "param", n_tensor=n_tensor)
 
     def estimated_peak(c):
         """From a compiled neighbour (same precision and remat, micro-batch no smaller): its peak,

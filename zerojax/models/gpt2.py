@@ -8,7 +8,7 @@ with depth and a pipeline stage is later just a slice of that axis.
 Logical axis names (the `out_sharding` metadata of every `nnx.Param`, read with
 `nnx.get_partition_spec(nnx.state(model))`):
 
-  "vocab"     token-embedding rows (wte: vocab x embed), also the logits' last dim
+  "vocab"     token-embedding rows (wte: padded vocab x embed), also the logits' last dim
   "pos"       position-embedding rows (wpe: n_positions x embed)
   "embed"     the model width d
   "layers"    the stacked-block axis (leading axis of every per-block parameter)
@@ -28,7 +28,6 @@ import math
 
 import jax
 import jax.numpy as jnp
-import optax
 from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
@@ -53,6 +52,12 @@ FETCHED_PARAMS = "fetched_layer_params"
 ATTENTION_IMPLS = (None, "xla", "cudnn")
 # logical names of the residual stream [B, T, d] (activations' names, for `activation_sharding`)
 RESIDUAL = ("batch", "seq", "embed")
+# [B, T, d] with every position on every tensor rank: the LM head's input (sequence parallelism
+# gathers it there) and the embedding's output (a vocab-split lookup's partial sums are added
+# whole, Megatron's VocabParallelEmbedding; pinned split at once, GSPMD gathered the whole wte)
+SEQ_WHOLE = ("batch", None, "embed")
+# the logits, split on the vocabulary where the embedding is (vocab parallelism)
+LOGITS = ("batch", None, "vocab")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -65,10 +70,26 @@ class GPT2Config:
     n_inner: int | None = None  # MLP width; None = 4 * n_embd (every released GPT-2)
     layer_norm_epsilon: float = 1e-5
     initializer_range: float = 0.02
+    # Megatron-LM's name and default: the embedding / LM head hold padded_vocab_size rows, a
+    # multiple of this, so the logits gemm is aligned (vocab 50257 ran as an fp32 align-1 cuBLAS
+    # kernel, 8 ms of GPT-2 Large's step on an H200) and the vocabulary splits over a tensor axis.
+    # The extra rows start at zero, their logits are masked out of the softmax (they get no
+    # gradient and stay zero), and vocab_size stays the real vocabulary: Hugging Face import /
+    # export, num_params and FLOPs see 50257. 1 keeps the exact size.
+    make_vocab_size_divisible_by: int = 128
 
     def __post_init__(self):
         if self.n_embd % self.n_head:
             raise ValueError(f"{self.n_embd=} must be divisible by {self.n_head=}")
+        m = self.make_vocab_size_divisible_by
+        if isinstance(m, bool) or not isinstance(m, int) or m < 1:
+            raise ValueError(f"GPT2Config.make_vocab_size_divisible_by={m!r}: an int >= 1 (1 = no padding)")
+
+    @property
+    def padded_vocab_size(self) -> int:
+        """Rows of wte: vocab_size rounded up to a multiple of make_vocab_size_divisible_by."""
+        m = self.make_vocab_size_divisible_by
+        return -(-self.vocab_size // m) * m
 
     @property
     def head_dim(self) -> int:
@@ -96,7 +117,10 @@ class GPT2Config:
 
 
 def num_params(config: GPT2Config) -> int:
-    """All parameters, the tied wte counted once (HF's `num_parameters()`: 124,439,808 for small)."""
+    """All parameters, the tied wte counted once (HF's `num_parameters()`: 124,439,808 for small).
+
+    The real vocabulary's rows only: the padding rows (`padded_vocab_size`) are zeros that never
+    train, and counting them would move FLOPs / MFU with a layout choice."""
     d, m, L = config.n_embd, config.mlp_dim, config.n_layer
     per_block = 4 * d + (d * 3 * d + 3 * d) + (d * d + d) + (d * m + m) + (m * d + d)
     return config.vocab_size * d + config.n_positions * d + L * per_block + 2 * d
@@ -293,7 +317,9 @@ class GPT2(nnx.Module):
         self.layer_scan = None  # with layer_fetch: a prefetching layer scan (see above)
         self.activation_sharding = None  # see the class docstring: set by a trainer (tensor parallelism)
         d, std = config.n_embd, config.initializer_range
-        self.wte = _param(std * jax.random.normal(rngs.params(), (config.vocab_size, d), param_dtype),
+        wte = std * jax.random.normal(rngs.params(), (config.vocab_size, d), param_dtype)
+        # padding rows are zeros (the real rows draw the same numbers as an unpadded model)
+        self.wte = _param(jnp.pad(wte, ((0, config.padded_vocab_size - config.vocab_size), (0, 0))),
                           ("vocab", "embed"))
         self.wpe = _param(std * jax.random.normal(rngs.params(), (config.n_positions, d), param_dtype),
                           ("pos", "embed"))
@@ -306,9 +332,21 @@ class GPT2(nnx.Module):
         return {"type": "gpt2", "config": dataclasses.asdict(self.config)}
 
     def __call__(self, input_ids):
-        x = self.hidden_states(input_ids)
-        return jnp.einsum("btd,vd->btv", x, self.wte[...].astype(self.dtype),
-                          preferred_element_type=jnp.float32)
+        """Logits [B, T, vocab_size] (the real vocabulary; Hugging Face's logits)."""
+        return self.padded_logits(self.hidden_states(input_ids))[..., :self.config.vocab_size]
+
+    def padded_logits(self, x):
+        """The LM head on hidden states x [B, T, d] -> fp32 logits [B, T, padded_vocab_size], the
+        padding columns -inf (no probability, no gradient). Under tensor parallelism x is gathered
+        whole and the logits stay split on the vocabulary: the loss reduces over that split."""
+        constrain = getattr(self, "activation_sharding", None) or _unconstrained
+        logits = jnp.einsum("btd,vd->btv", constrain(x, SEQ_WHOLE), self.wte[...].astype(self.dtype),
+                            preferred_element_type=jnp.float32)
+        logits = constrain(logits, LOGITS)
+        cfg = self.config
+        if cfg.padded_vocab_size == cfg.vocab_size:
+            return logits
+        return jnp.where(jnp.arange(cfg.padded_vocab_size) < cfg.vocab_size, logits, -jnp.inf)
 
     def hidden_states(self, input_ids):
         """The final layer norm's output [B, T, n_embd] in the compute dtype (logits = it @ wte.T)."""
@@ -316,13 +354,17 @@ class GPT2(nnx.Module):
         T = input_ids.shape[-1]
         if T > cfg.n_positions:
             raise ValueError(f"sequence length {T} exceeds n_positions={cfg.n_positions}")
+        constrain = getattr(self, "activation_sharding", None) or _unconstrained
         wte = self.wte[...]
-        x = (wte[input_ids].astype(dtype) + self.wpe[...][:T].astype(dtype))
+        # a vocab-split wte: each tensor rank looks up its own rows, the partial sums are added
+        # (SEQ_WHOLE), then the residual stream takes its layout (split on the sequence under SP)
+        x = constrain(constrain(wte[input_ids].astype(dtype), SEQ_WHOLE) + self.wpe[...][:T].astype(dtype),
+                      RESIDUAL)
 
         body = functools.partial(
             _block, eps=cfg.layer_norm_epsilon, dtype=dtype,
             attention_impl=_resolve_attention(self.attention_impl, dtype, cfg.head_dim),
-            constrain=getattr(self, "activation_sharding", None) or _unconstrained)
+            constrain=constrain)
         policy = self.remat_policy
         fetch = getattr(self, "layer_fetch", None)
         layers = nnx.to_pure_dict(nnx.state(self.h, nnx.Param))
@@ -357,7 +399,8 @@ def gpt2_loss(model: GPT2, batch):
     """
     input_ids = batch["input_ids"]
     labels = _shifted_labels(batch)
-    return _mean_over_tokens(_nll_sum(model(input_ids)[:, :-1], labels), labels)
+    logits = model.padded_logits(model.hidden_states(input_ids))
+    return _mean_over_tokens(_nll_sum(logits[:, :-1], labels), labels)
 
 
 def _shifted_labels(batch):
@@ -366,10 +409,18 @@ def _shifted_labels(batch):
 
 
 def _nll_sum(logits, labels):
-    """Sum of the fp32 cross entropy over positions whose label is not -100."""
+    """Sum of the fp32 cross entropy over positions whose label is not -100.
+
+    logsumexp minus the label's logit, the label picked by a masked sum over the vocabulary
+    rather than a gather: with the logits split on the vocabulary (tensor parallelism) both are
+    reductions over that axis, i.e. an all-reduce of [B, T] numbers (Megatron's vocab-parallel
+    cross entropy), where a gather would make GSPMD collect the whole logits first. Padding
+    columns hold -inf: no probability."""
     valid = labels != -100
-    losses = optax.softmax_cross_entropy_with_integer_labels(
-        logits.astype(jnp.float32), jnp.where(valid, labels, 0))
+    logits = logits.astype(jnp.float32)
+    target = jnp.where(valid, labels, 0)[..., None]
+    picked = jnp.where(jnp.arange(logits.shape[-1]) == target, logits, 0.0).sum(-1)
+    losses = jax.nn.logsumexp(logits, axis=-1) - picked
     return jnp.where(valid, losses, 0.0).sum()
 
 
@@ -393,16 +444,16 @@ def chunked_gpt2_loss(chunk: int = 128):
 
     def loss_fn(model: GPT2, batch):
         labels = _shifted_labels(batch)
-        x = model.hidden_states(batch["input_ids"])[:, :-1]
+        constrain = getattr(model, "activation_sharding", None) or _unconstrained
+        x = constrain(model.hidden_states(batch["input_ids"]), SEQ_WHOLE)[:, :-1]
         B, T, d = x.shape
         pad = -T % chunk
         x = jnp.pad(x, ((0, 0), (0, pad), (0, 0))).reshape(B, -1, chunk, d).swapaxes(0, 1)
         lab = jnp.pad(labels, ((0, 0), (0, pad)), constant_values=-100).reshape(B, -1, chunk).swapaxes(0, 1)
-        wte = model.wte[...].astype(model.dtype)
 
         @functools.partial(jax.checkpoint, prevent_cse=False)
         def piece(xc, lc):
-            return _nll_sum(jnp.einsum("btd,vd->btv", xc, wte, preferred_element_type=jnp.float32), lc)
+            return _nll_sum(model.padded_logits(xc), lc)
 
         total, _ = jax.lax.scan(lambda acc, xl: (acc + piece(*xl), None), jnp.float32(0), (x, lab))
         return _mean_over_tokens(total, labels)

@@ -9,6 +9,10 @@ The params tree is the pure-dict form of `nnx.state(GPT2(...), nnx.Param)` (`nnx
 nested dicts with array leaves, e.g. params["h"]["attn"]["c_attn"]["kernel"] [layers, d, 3, H, Dh].
 Export takes that dict, an `nnx.State`, or the model itself, so a checkpoint exporter can call
 it without building a model. Only numpy and safetensors here; no torch.
+
+Vocabulary padding (`GPT2Config.make_vocab_size_divisible_by`): Hugging Face's files hold the real
+vocabulary (config.json's vocab_size rows of wte); our params hold `padded_vocab_size` rows, the
+extra ones zero. Import appends the zero rows, export drops them.
 """
 from __future__ import annotations
 
@@ -44,8 +48,9 @@ _TOP_KEYS = (
 _IGNORED_SUFFIXES = ("attn.bias", "attn.masked_bias", "lm_head.weight")
 
 
-def config_from_hf(hf: Mapping) -> GPT2Config:
-    """GPT2Config from a Hugging Face config.json dict; refuses variants this model does not run."""
+def config_from_hf(hf: Mapping, **overrides) -> GPT2Config:
+    """GPT2Config from a Hugging Face config.json dict; refuses variants this model does not run.
+    `overrides`: GPT2Config fields HF does not have (make_vocab_size_divisible_by)."""
     if hf.get("model_type", "gpt2") != "gpt2":
         raise ValueError(f"model_type={hf.get('model_type')!r}: only 'gpt2' is supported")
     unsupported = {
@@ -62,7 +67,26 @@ def config_from_hf(hf: Mapping) -> GPT2Config:
         vocab_size=hf["vocab_size"], n_positions=hf["n_positions"], n_embd=hf["n_embd"],
         n_layer=hf["n_layer"], n_head=hf["n_head"], n_inner=hf.get("n_inner"),
         layer_norm_epsilon=hf.get("layer_norm_epsilon", 1e-5),
-        initializer_range=hf.get("initializer_range", 0.02))
+        initializer_range=hf.get("initializer_range", 0.02), **overrides)
+
+
+def pad_vocab(wte: np.ndarray, config: GPT2Config) -> np.ndarray:
+    """wte with config.padded_vocab_size rows: the real rows, then zeros (HF's [vocab, d] -> ours)."""
+    rows = wte.shape[0]
+    if rows == config.padded_vocab_size:
+        return wte
+    if rows != config.vocab_size:
+        raise ValueError(f"wte has {rows} rows; GPT2Config has vocab_size={config.vocab_size} "
+                         f"(padded_vocab_size={config.padded_vocab_size})")
+    return np.concatenate([wte, np.zeros((config.padded_vocab_size - rows, *wte.shape[1:]), wte.dtype)])
+
+
+def unpad_vocab(wte: np.ndarray, config: GPT2Config) -> np.ndarray:
+    """wte's real vocabulary rows (ours -> HF's [vocab, d]); refuses a row count of neither size."""
+    if wte.shape[0] not in (config.vocab_size, config.padded_vocab_size):
+        raise ValueError(f"wte has {wte.shape[0]} rows; GPT2Config has vocab_size={config.vocab_size} "
+                         f"(padded_vocab_size={config.padded_vocab_size})")
+    return wte[:config.vocab_size]
 
 
 def config_to_hf(config: GPT2Config, dtype: str = "float32") -> dict:
@@ -118,16 +142,18 @@ def _get(tree, path):
     return tree
 
 
-def load_hf(path: str, dtype=None) -> tuple[GPT2Config, dict]:
+def load_hf(path: str, dtype=None, **config_overrides) -> tuple[GPT2Config, dict]:
     """Read a Hugging Face GPT-2 folder -> (GPT2Config, params pure dict of numpy arrays).
 
-    dtype: cast every tensor to it (default: keep the file's dtype).
+    dtype: cast every tensor to it (default: keep the file's dtype). The params are laid out as
+    the returned config's model holds them: wte padded to padded_vocab_size rows with zeros
+    (`config_overrides`, e.g. make_vocab_size_divisible_by=1 for HF's exact shapes).
     """
     cfg_file = os.path.join(path, "config.json")
     if not os.path.exists(cfg_file):
         raise FileNotFoundError(f"no config.json in {path!r}")
     with open(cfg_file) as f:
-        config = config_from_hf(json.load(f))
+        config = config_from_hf(json.load(f), **config_overrides)
     tensors = _read_tensors(path)
     # GPT2LMHeadModel saves "transformer.h.0..."; GPT2Model (and the hub's gpt2) saves "h.0..."
     tensors = {k.removeprefix("transformer."): v for k, v in tensors.items()}
@@ -143,7 +169,8 @@ def load_hf(path: str, dtype=None) -> tuple[GPT2Config, dict]:
         return tensors[name]
 
     for name, ours in _TOP_KEYS:
-        _set(params, ours, cast(take(name)))
+        tensor = take(name)
+        _set(params, ours, cast(pad_vocab(tensor, config) if ours == ("wte",) else tensor))
     for name, ours in _LAYER_KEYS:
         per_layer = [take(f"h.{i}.{name}") for i in range(config.n_layer)]
         if name in shapes:
@@ -179,7 +206,8 @@ def save_hf(params, config: GPT2Config, out_dir: str, dtype=None) -> None:
     shapes = _shapes(config)
     tensors = {}
     for name, ours in _TOP_KEYS:
-        tensors[f"transformer.{name}"] = cast(_get(params, ours))
+        tensor = _get(params, ours)
+        tensors[f"transformer.{name}"] = cast(unpad_vocab(tensor, config) if ours == ("wte",) else tensor)
     for name, ours in _LAYER_KEYS:
         stacked = _get(params, ("h", *ours))
         if stacked.shape[0] != config.n_layer:
@@ -213,9 +241,13 @@ def gpt2_from_hf(path: str, **model_kwargs) -> GPT2:
 
 
 def gpt2_from_params(config: GPT2Config, params: Mapping, **model_kwargs) -> GPT2:
-    """A GPT2 module holding `params` (pure dict as from load_hf), built via nnx.eval_shape."""
+    """A GPT2 module holding `params` (pure dict as from load_hf), built via nnx.eval_shape; a wte
+    of the real vocabulary's rows (Hugging Face's shape) is padded to the config's."""
     import jax
     import jax.numpy as jnp
+
+    if "wte" in params:
+        params = {**params, "wte": pad_vocab(np.asarray(params["wte"]), config)}
 
     param_dtype = model_kwargs.get("param_dtype", jnp.float32)
     abstract = nnx.eval_shape(lambda: GPT2(config, rngs=nnx.Rngs(0), **model_kwargs))
