@@ -295,3 +295,31 @@ def test_vocab_padding_round_trips_hugging_face_files(tmp_path):
     assert exact["wte"].shape == (CFG.vocab_size, CFG.n_embd)
     with pytest.raises(ValueError, match="make_vocab_size_divisible_by"):
         GPT2Config(make_vocab_size_divisible_by=0)
+
+
+def test_lm_head_backward_runs_in_the_compute_dtype():
+    """models.gpt2.lm_head: fp32 logits forward; in fp32 its gradients are the plain einsum's bit
+    for bit (the same three dots), in bf16 both backward dots take bf16 operands (JAX's own
+    transpose would upcast them to fp32: the slow TF32 gemm in the H200 profile) and the gradients
+    stay within bf16 rounding of the fp32 ones: the cotangent and operands are each rounded once
+    (2 x 2^-8 relative), the dot's fp32 sum adds nothing comparable, so 2^-6 of the largest entry."""
+    from zerojax.models.gpt2 import lm_head
+
+    rng = np.random.default_rng(0)
+    x = jnp.asarray(rng.normal(size=(2, 8, 16)), jnp.float32)
+    w = jnp.asarray(rng.normal(size=(40, 16)) * 0.1, jnp.float32)
+
+    def loss(head):
+        return lambda x, w: jax.nn.logsumexp(head(x, w), -1).sum()
+
+    plain = lambda x, w: jnp.einsum("btd,vd->btv", x, w, preferred_element_type=jnp.float32)  # noqa: E731
+    ref = jax.grad(loss(plain), (0, 1))(x, w)
+    for a, b in zip(jax.grad(loss(lm_head), (0, 1))(x, w), ref):
+        np.testing.assert_array_equal(a, b)
+    xb, wb = x.astype(jnp.bfloat16), w.astype(jnp.bfloat16)
+    hlo = jax.jit(jax.grad(loss(lm_head), (0, 1))).lower(xb, wb).as_text()
+    dots = [line for line in hlo.splitlines() if "dot_general" in line]
+    assert len(dots) == 3 and all("xf32>," not in d.split(":")[-1].split("->")[0] for d in dots), dots
+    for a, b in zip(jax.grad(loss(lm_head), (0, 1))(xb, wb), ref):
+        a = np.asarray(a, np.float32)
+        assert np.abs(a - b).max() <= 2.0**-6 * np.abs(b).max()

@@ -188,6 +188,34 @@ class Blocks(nnx.Module):
 # --------------------------------------------------------------------------- forward
 
 
+@jax.custom_vjp
+def lm_head(x, w):
+    """x [B, T, d] @ w [vocab, d].T -> fp32 logits (the operands' dtype in, fp32 accumulation out).
+
+    The backward pass runs in the operands' dtype too. JAX's own transpose of this dot multiplies
+    the fp32 cotangent by the bf16 operands, so XLA upcasts both: on an H200 the two backward
+    gemms of GPT-2 Large's head (8 x 1024 x 50257 x 1280 each) ran as an fp32/TF32 cuBLAS kernel
+    (8.0 ms) and a gemm fusion (7.1 ms) of a 134 ms step (benchmarks/measured/2026-12-01-s5/).
+    Here the cotangent is rounded to the operands' dtype first, as every other activation
+    gradient of a bf16 model already is; in fp32 nothing changes (the same three dots)."""
+    return jnp.einsum("btd,vd->btv", x, w, preferred_element_type=jnp.float32)
+
+
+def _lm_head_fwd(x, w):
+    return lm_head(x, w), (x, w)
+
+
+def _lm_head_bwd(res, ct):
+    x, w = res
+    ct = ct.astype(x.dtype)
+    dx = jnp.einsum("btv,vd->btd", ct, w, preferred_element_type=jnp.float32).astype(x.dtype)
+    dw = jnp.einsum("btv,btd->vd", ct, x, preferred_element_type=jnp.float32).astype(w.dtype)
+    return dx, dw
+
+
+lm_head.defvjp(_lm_head_fwd, _lm_head_bwd)
+
+
 def _layer_norm(x, scale, bias, eps, dtype):
     x = x.astype(jnp.float32)
     mean = x.mean(-1, keepdims=True)
@@ -340,8 +368,7 @@ class GPT2(nnx.Module):
         padding columns -inf (no probability, no gradient). Under tensor parallelism x is gathered
         whole and the logits stay split on the vocabulary: the loss reduces over that split."""
         constrain = getattr(self, "activation_sharding", None) or _unconstrained
-        logits = jnp.einsum("btd,vd->btv", constrain(x, SEQ_WHOLE), self.wte[...].astype(self.dtype),
-                            preferred_element_type=jnp.float32)
+        logits = lm_head(constrain(x, SEQ_WHOLE), self.wte[...].astype(self.dtype))
         logits = constrain(logits, LOGITS)
         cfg = self.config
         if cfg.padded_vocab_size == cfg.vocab_size:
