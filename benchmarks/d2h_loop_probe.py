@@ -14,6 +14,11 @@ times, over L layer slices of a stacked fp32 host buffer (read slice -> device, 
   list         L separate donated host arrays, each replaced by device_put(x, host) (no stack,
                no dynamic slices: the write-back aliases the donated input)
   read_only    the reads and the +1 alone (no write-back: the H2D floor)
+  pipelined    software-pipelined loop: iteration j reads slice j+1 (carried to the next iteration)
+               and writes slice j-1's result, so the read and the write of one iteration are
+               independent and XLA may run them at once (both directions of the link)
+  two_stacks   pipelined, reading from one stack and writing into a second (ping-pong between
+               steps: twice the host memory), so no write waits for a read of the same buffer
 
     PYTHONPATH=. python3 benchmarks/d2h_loop_probe.py [--layers 36] [--mib 256]
 Prints GB/s each way per form; JSON to $OUT/d2h_loop_probe.json when OUT is set.
@@ -43,7 +48,7 @@ def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--layers", type=int, default=36)
     ap.add_argument("--mib", type=float, default=128, help="bytes per layer slice")
-    ap.add_argument("--forms", default="read_only,dus_put,dus_direct,list")
+    ap.add_argument("--forms", default="read_only,dus_put,pipelined,two_stacks,list")
     args = ap.parse_args(argv)
     mesh = jax.make_mesh((1,), ("d",), axis_types=(jax.sharding.AxisType.Auto,), devices=jax.devices()[:1])
     kind = "pinned_host" if "pinned_host" in {m.kind for m in jax.devices()[0].addressable_memories()} \
@@ -76,6 +81,30 @@ def main(argv=None):
         return jax.lax.fori_loop(0, L, body, b)
     forms["dus_direct"] = jax.jit(dus_direct, donate_argnums=0, out_shardings=host)
 
+    def pipelined(b):
+        # carry: (buffer, slice j on the device, result of slice j-1 on the device)
+        def body(j, c):
+            b, cur, prev = c
+            nxt = read(b, jnp.minimum(j + 1, L - 1))                     # read j+1 ...
+            b = jax.lax.dynamic_update_index_in_dim(b, jax.device_put(prev, host), jnp.maximum(j - 1, 0), 0)
+            return b, nxt, cur + 1                                         # ... write j-1, compute j
+        first = read(b, 0)
+        b, _, last = jax.lax.fori_loop(0, L, body, (b, first, read(b, 0) + 1))
+        return jax.lax.dynamic_update_index_in_dim(b, jax.device_put(last, host), L - 1, 0)
+    forms["pipelined"] = jax.jit(pipelined, donate_argnums=0, out_shardings=host)
+
+    def two_stacks(bs):
+        src, dst = bs
+        def body(j, c):
+            dst, cur, prev = c
+            nxt = read(src, jnp.minimum(j + 1, L - 1))
+            dst = jax.lax.dynamic_update_index_in_dim(dst, jax.device_put(prev, host), jnp.maximum(j - 1, 0), 0)
+            return dst, nxt, cur + 1
+        dst, _, last = jax.lax.fori_loop(0, L, body, (dst, read(src, 0), read(src, 0) + 1))
+        return dst_last(dst, last), src                                     # swapped for the next call
+    dst_last = lambda dst, last: jax.lax.dynamic_update_index_in_dim(dst, jax.device_put(last, host), L - 1, 0)  # noqa: E731
+    forms["two_stacks"] = jax.jit(two_stacks, donate_argnums=0, out_shardings=(host, host))
+
     parts = [jax.jit(lambda: jnp.zeros((n,), jnp.float32), out_shardings=host)() for _ in range(L)]
     forms["list"] = jax.jit(lambda xs: [jax.device_put(jax.device_put(x, dev) + 1, host) for x in xs],
                             donate_argnums=0, out_shardings=[host] * L)
@@ -84,7 +113,17 @@ def main(argv=None):
         f = forms[name]
         try:
             arg = parts if name == "list" else stack
-            if name == "list":
+            if name == "two_stacks":
+                pair = (stack, jax.jit(lambda: jnp.zeros((L, n), jnp.float32), out_shardings=host)())
+                out = f(pair)
+                jax.block_until_ready(out)
+                t0 = time.perf_counter()
+                for _ in range(3):
+                    out = f(out)
+                jax.block_until_ready(out)
+                t = (time.perf_counter() - t0) / 3
+                stack = out[0]
+            elif name == "list":
                 out = f(arg)
                 jax.block_until_ready(out)
                 t0 = time.perf_counter()
