@@ -799,7 +799,8 @@ class Config:
     communication_data_type: str | None = _f(None, "str", optional=True, lower=True,
                                              choices=("fp16", "bf16", "fp32"))
     """Dtype of gradient collectives (fp16 / bf16 / fp32).
-    zerojax: **acted on**: picks the element width used by `xla_flags_for` and the gradient dtype for the reduce"""
+    zerojax: **XLA**: the element width `xla_flags_for` uses for its combine thresholds; the gradient reduce
+      itself runs in the gradients' own dtype (this key does not change it)"""
     seq_parallel_comm_data_type: str = _f("fp32", "str", lower=True, choices=("fp16", "bf16", "fp32"))
     """Dtype of sequence-parallel gradient collectives.
     zerojax: **accepted, no effect**: no sequence parallelism yet"""
