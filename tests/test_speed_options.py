@@ -112,3 +112,22 @@ def test_apply_xla_flags_after_the_backend_started_is_an_error():
     assert os.environ.get("XLA_FLAGS") == before
     # flags already in effect: nothing to apply, no error
     assert apply_xla_flags([]) == (before or "")
+
+
+def test_the_step_time_model_knows_every_remat_policy_of_the_model():
+    """zerojax.estimate's training FLOPs cover every policy models.gpt2 offers (the planner predicts
+    a step for the policy a config names), ordered by what each keeps: a policy that saves a
+    superset recomputes no more. Reference: PaLM's 6N + 12 L d T for no remat, plus one forward of
+    the blocks (2 x layer params + 4 L d T) for "full"."""
+    from zerojax import estimate as est
+    from zerojax.models.gpt2 import REMAT_POLICIES
+
+    shape = est.ModelShape(params=774_030_080, layer_params=36 * 12 * 1280**2, n_layer=36, d_model=1280,
+                           seq_len=1024)
+    flops = {p: est.train_flops_per_token(shape, p) for p in REMAT_POLICIES}
+    attn = 36 * 1280 * 1024
+    assert flops[None] == 6 * shape.params + 12 * attn
+    assert flops["full"] == flops[None] + 2 * shape.layer_params + 4 * attn
+    assert flops[None] < flops["save_qkv_attention"] < flops["save_qkv"] < flops["full"]
+    assert flops["save_qkv_attention"] < flops["save_attention"] < flops["full"]
+    assert set(est.REMAT_RECOMPUTE) >= set(REMAT_POLICIES)

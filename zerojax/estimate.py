@@ -260,7 +260,13 @@ H200 = Hardware()
 PRECISION_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
 # remat policies of zerojax's GPT-2 (`models.gpt2.REMAT_POLICIES`); None = no remat
 REMAT_RECOMPUTE = {None: "nothing", "dots": "attention scores", "full": "every block's forward",
-                   "offload": "every block's forward"}
+                   "offload": "every block's forward",
+                   "save_qkv": "every block's forward but the q/k/v projection",
+                   "save_attention": "every block's matmuls, not attention itself",
+                   "save_qkv_attention": "the attention output projection and the MLP"}
+# (d^2 weights per layer whose matmul output is saved, attention's output saved): the save_*
+# policies of models.gpt2 (checkpoint_name tags on the q/k/v projection and the attention output)
+_SAVED_BY_POLICY = {"save_qkv": (3, False), "save_attention": (0, True), "save_qkv_attention": (3, True)}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -291,6 +297,12 @@ def train_flops_per_token(shape: ModelShape, remat: str | None = None) -> float:
         return base + 2.0 * shape.layer_params + 4.0 * attn
     if remat == "dots":
         return base + 4.0 * attn
+    if remat in _SAVED_BY_POLICY:
+        # a full remat less what the policy keeps: the q/k/v projection's 2 x 3 d^2 per token and
+        # layer, and / or attention's own 4 T d (its inputs q, k, v are then recomputed or saved)
+        qkv, attention_saved = _SAVED_BY_POLICY[remat]
+        saved = 2.0 * qkv * shape.n_layer * shape.d_model ** 2
+        return base + 2.0 * shape.layer_params - saved + (0.0 if attention_saved else 4.0 * attn)
     raise ValueError(f"remat={remat!r}; choose one of {tuple(REMAT_RECOMPUTE)}")
 
 
