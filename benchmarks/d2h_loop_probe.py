@@ -35,13 +35,16 @@ import jax.numpy as jnp
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 
-def timed(f, x, reps=3):
-    jax.block_until_ready(f(x))
+def timed(f, x, reps=3, chained=False):
+    """(seconds per call, the last output). chained: each call takes the previous call's output
+    (the forms that donate their input and return the updated buffers)."""
+    out = f(x)
+    jax.block_until_ready(out)
     t0 = time.perf_counter()
     for _ in range(reps):
-        out = f(x)
+        out = f(out if chained else x)
     jax.block_until_ready(out)
-    return (time.perf_counter() - t0) / reps
+    return (time.perf_counter() - t0) / reps, out
 
 
 def main(argv=None):
@@ -112,37 +115,16 @@ def main(argv=None):
     for name in args.forms.split(","):
         f = forms[name]
         try:
-            arg = parts if name == "list" else stack
             if name == "two_stacks":
                 pair = (stack, jax.jit(lambda: jnp.zeros((L, n), jnp.float32), out_shardings=host)())
-                out = f(pair)
-                jax.block_until_ready(out)
-                t0 = time.perf_counter()
-                for _ in range(3):
-                    out = f(out)
-                jax.block_until_ready(out)
-                t = (time.perf_counter() - t0) / 3
+                t, out = timed(f, pair, chained=True)
                 stack = out[0]
             elif name == "list":
-                out = f(arg)
-                jax.block_until_ready(out)
-                t0 = time.perf_counter()
-                for _ in range(3):
-                    out = f(out)
-                jax.block_until_ready(out)
-                t = (time.perf_counter() - t0) / 3
-                parts = out
+                t, parts = timed(f, parts, chained=True)
             elif name == "read_only":
-                t = timed(f, stack)
+                t, _ = timed(f, stack)
             else:
-                out = f(stack)
-                jax.block_until_ready(out)
-                t0 = time.perf_counter()
-                for _ in range(3):
-                    out = f(out)
-                jax.block_until_ready(out)
-                t = (time.perf_counter() - t0) / 3
-                stack = out
+                t, stack = timed(f, stack, chained=True)
             res["forms"][name] = {"s": t, "gbps_each_way": gb / t}
             print(f"{name:<11} {t * 1e3:8.1f} ms  {gb / t:6.1f} GB/s each way ({gb:.1f} GB)", flush=True)
         except Exception as e:  # noqa: BLE001 -- a form XLA refuses is a result too
