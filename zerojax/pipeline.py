@@ -143,15 +143,12 @@ def pipeline_scan(schedule: PipelineSchedule, mesh: Mesh):
     S, M, R = schedule.stages, schedule.microbatches, schedule.repeats
     n = int(mesh.shape.get(DATA, 1))
 
-    def constrain(tree, *spec):
+    def constrain(tree, *spec, rest=None):
+        # the dims after `spec` are replicated (rest=None), or keep the sharding they have
+        # (rest=P.UNCONSTRAINED: the weights' "tensor" axis of Megatron's splits, ZeRO-3's "data";
+        # a None there would all-gather every stage's weights)
         return jax.tree.map(lambda a: jax.lax.with_sharding_constraint(
-            a, NamedSharding(mesh, P(*spec[: a.ndim]))), tree)
-
-    def constrain_weights(tree, *spec):
-        # the dims after `spec` keep the sharding they have (the "tensor" axis of Megatron's splits,
-        # ZeRO-3's "data"): a None there would all-gather every stage's weights
-        return jax.tree.map(lambda a: jax.lax.with_sharding_constraint(
-            a, NamedSharding(mesh, P(*spec, *([P.UNCONSTRAINED] * (a.ndim - len(spec)))))), tree)
+            a, NamedSharding(mesh, P(*spec[: a.ndim], *([rest] * (a.ndim - len(spec)))))), tree)
 
     def layer_scan(body, x, layers, fetch=None, inputs_to_host=False):
         if fetch is not None or inputs_to_host:
@@ -168,7 +165,8 @@ def pipeline_scan(schedule: PipelineSchedule, mesh: Mesh):
             # the loop's weight-gradient accumulators take the dtype of the weights it reads
             layers = jax.tree.map(lambda a: a.astype(jnp.promote_types(a.dtype, schedule.grad_accum_dtype)), layers)
         # [L, ...] -> [R, S, per, ...]: stage s holds blocks (r, s); R = 1 is the storage shard
-        blocks = constrain_weights(jax.tree.map(lambda a: a.reshape(R, S, per, *a.shape[1:]), layers), None, PIPE)
+        blocks = constrain(jax.tree.map(lambda a: a.reshape(R, S, per, *a.shape[1:]), layers), None, PIPE,
+                           rest=P.UNCONSTRAINED)
         stage_ids = jnp.arange(S)
         first_stage = (stage_ids == 0).reshape(S, *([1] * (x.ndim)))
         # the micro-batches [M, n * mb, ...] as stage 0's slice of a "pipe"-sharded [S, M, ...]
@@ -184,7 +182,7 @@ def pipeline_scan(schedule: PipelineSchedule, mesh: Mesh):
             buf, fifo = carry
             weights = _blocks_at(blocks, jnp.clip((t - stage_ids) // M, 0, R - 1))
             weights = jax.tree.map(lambda a, dtype: a.astype(dtype), weights, compute)
-            out = constrain(run_stages(buf, constrain_weights(weights, PIPE)), PIPE, DATA)
+            out = constrain(run_stages(buf, constrain(weights, PIPE, rest=P.UNCONSTRAINED)), PIPE, DATA)
             # stage s + 1 takes stage s's output: a collective-permute over "pipe"
             rolled = constrain(jnp.roll(out, 1, axis=0), PIPE, DATA)
             head = constrain(jax.lax.dynamic_index_in_dim(xs, jnp.minimum(t + 1, M - 1), axis=1,
