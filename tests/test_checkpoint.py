@@ -61,9 +61,10 @@ def config(stage, n, prec="bf16", **zero):
     }
 
 
-def engine(stage=1, n=8, prec="bf16", seed=0, hidden=32):
+def engine(stage=1, n=8, prec="bf16", seed=0, hidden=32, options=None):
     mesh = make_mesh(devices=jax.devices()[:n])
-    return shard(MLP(nnx.Rngs(seed), hidden), config(stage, n, prec), loss_fn=loss_fn, mesh=mesh)
+    return shard(MLP(nnx.Rngs(seed), hidden), config(stage, n, prec), loss_fn=loss_fn, mesh=mesh,
+                 options=options)
 
 
 def batches(n=10, seed=0):
@@ -195,6 +196,31 @@ def test_fp16_loss_scale_state_across_precisions(src, prec):
         assert_equal(live, opt.inner_state)
     assert np.isfinite(float(eng.train_step(batches(4)[3])["loss"]))
     eng.synchronize()
+
+
+def test_bf16_first_moment_across_resume(tmp_path):
+    # EngineOptions(adam_mu_dtype="bfloat16") stores Adam's first moment in bf16. The checkpoint is
+    # layout-free, so the moment loads into whatever the resuming engine stores: a bf16 moment into
+    # an fp32 engine is the same numbers upcast (exact); an fp32 one into a bf16 engine is rounded
+    # to nearest (as astype does). The second moment and the master are untouched either way.
+    from zerojax import EngineOptions
+    bf16_mu = EngineOptions(adam_mu_dtype="bfloat16")
+    d, master, opt, _ = source("bf16")                     # fp32 moments
+    eng = engine(1, 8, "bf16", seed=7, options=bf16_mu)
+    eng.load_checkpoint(d)
+    assert_equal(eng.master_params, master)
+    got = host(eng.state.opt_state)
+    rounded = jax.tree.map(lambda g, w: np.asarray(w).astype(g.dtype), got, opt)
+    assert_equal(got, rounded)
+    assert {a.dtype for a in jax.tree.leaves(got)} >= {np.dtype(jnp.bfloat16), np.dtype(np.float32)}
+    eng.train_step(batches(1)[0])
+    saved_mu = host(eng.state.opt_state)
+    eng.save_checkpoint(str(tmp_path))
+    back = engine(1, 8, "bf16", seed=3)                    # default: fp32 moments
+    back.load_checkpoint(str(tmp_path))
+    restored = host(back.state.opt_state)
+    assert {a.dtype for a in jax.tree.leaves(restored) if a.ndim} == {np.dtype(np.float32)}
+    assert_equal(restored, jax.tree.map(lambda w, g: np.asarray(g).astype(w.dtype), restored, saved_mu))
 
 
 def test_load_module_only_keeps_fresh_optimizer():
