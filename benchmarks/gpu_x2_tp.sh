@@ -7,8 +7,8 @@
 # ("vocab/1": the embedding stays replicated, the logits gemm unaligned). Then one profile of TP 2
 # (benchmarks/profile_step.py: kernels bucketed, collectives included).
 # Targets (issue #14): TP 2 within 15% of ZeRO-3's tokens/s per GPU, and a lower peak per GPU than
-# ZeRO-2 without remat. Usage: benchmarks/gpu_x2_tp.sh [large|xl|overlap|profile|all] (default
-# all; each part fits one 10-minute call: large 7 entries, xl 4, overlap 2, profile 1). "overlap":
+# ZeRO-2 without remat. Usage: benchmarks/gpu_x2_tp.sh [large|xl|overlap|profile|quick|all] (default
+# all; quick: the target rows with and without the collective-matmul flags, XL remat on, one call; each part fits one 10-minute call: large 7 entries, xl 4, overlap 2, profile 1). "overlap":
 # TP 2 on Large again with XLA's collective matmul (windowed einsum: the sequence all-gather /
 # reduce-scatter split into steps overlapped with the matmul; flags as in NVIDIA's JAX-Toolbox
 # collective-matmul test), to see what the exposed collectives cost. JSON and the table land in $OUT.
@@ -35,6 +35,15 @@ fi
 if [[ $PART == overlap || $PART == all ]]; then
   XLA_FLAGS="${XLA_FLAGS:-} --xla_gpu_threshold_for_windowed_einsum_mib=0 --xla_gpu_multi_streamed_windowed_einsum=true" \
     bench large '[{"stage": 0, "tp": 2, "remat": false}, {"stage": 0, "tp": 2, "remat": true}]' 300 _overlap
+fi
+if [[ $PART == quick ]]; then  # one call: the targets' rows, collective-matmul flags as labelled entries
+  W='"env": {"XLA_FLAGS": "--xla_gpu_threshold_for_windowed_einsum_mib=0 --xla_gpu_multi_streamed_windowed_einsum=true"}, "label": "wEinsum"'
+  bench large "[{\"stage\": 3, \"remat\": false}, {\"stage\": 0, \"tp\": 2, \"remat\": false},
+                {\"stage\": 0, \"tp\": 2, \"remat\": false, $W},
+                {\"stage\": 3, \"remat\": true}, {\"stage\": 0, \"tp\": 2, \"remat\": true},
+                {\"stage\": 0, \"tp\": 2, \"remat\": true, $W}]" 330
+  bench xl "[{\"stage\": 3, \"remat\": true}, {\"stage\": 0, \"tp\": 2, \"remat\": true},
+             {\"stage\": 0, \"tp\": 2, \"remat\": true, $W}]" 230
 fi
 if [[ $PART == profile || $PART == all ]]; then
   timeout 300 python3 benchmarks/profile_step.py '{"stage": 0, "tp": 2, "remat": false}' \
