@@ -37,7 +37,7 @@ if [[ $PART == overlap || $PART == all ]]; then
     bench large '[{"stage": 0, "tp": 2, "remat": false}, {"stage": 0, "tp": 2, "remat": true}]' 300 _overlap
 fi
 if [[ $PART == quick ]]; then  # one call: the targets' rows, collective-matmul flags as labelled entries
-  W='"env": {"XLA_FLAGS": "--xla_gpu_threshold_for_windowed_einsum_mib=0 --xla_gpu_multi_streamed_windowed_einsum=true"}, "label": "wEinsum"'
+  W='"env": {"XLA_FLAGS": "--xla_gpu_threshold_for_windowed_einsum_mib=0 --xla_gpu_multi_streamed_windowed_einsum=true --xla_gpu_enable_latency_hiding_scheduler=true"}, "label": "wEinsum+LHS"'
   bench large "[{\"stage\": 3, \"remat\": false}, {\"stage\": 0, \"tp\": 2, \"remat\": false},
                 {\"stage\": 0, \"tp\": 2, \"remat\": false, $W},
                 {\"stage\": 3, \"remat\": true}, {\"stage\": 0, \"tp\": 2, \"remat\": true},
