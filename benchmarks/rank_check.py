@@ -21,6 +21,7 @@ import sys
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
+from zerojax import estimate as est  # noqa: E402
 from zerojax import mesh_plan  # noqa: E402
 
 DEFAULT_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "measured", "2026-12-01-s5", "x2")
@@ -122,6 +123,9 @@ def main(argv=None) -> int:
         print(f"\n{group}: predicted vs measured ranking (rank 1 = fastest)")
         print(table(mine))
         print(f"Kendall's tau: {tau:.2f} over {len(mine)} entries (1 = the same order, -1 = reversed)")
+    print(f"\nformula GiB: estimate.mesh_peak_bytes, its ACTIVATION_FACTOR {est.ACTIVATION_FACTOR} calibrated on "
+          "the session-5 row 'large zero2 bf16 mb8x1' (2 x H200); compiled: the engine's compiled step on the "
+          "GPU; measured: the device's peak. Tokens/s: estimate.predict_mesh_step_time, nothing fitted.")
     if args.markdown:
         for group, (mine, tau) in found.items():
             print(f"\n<!-- paste into benchmarks/RESULTS.md: {group} -->\n" + markdown(mine, tau))

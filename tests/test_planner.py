@@ -1,9 +1,11 @@
 """zerojax.planner: the choice it makes under a budget (measured from compiled peaks, never
 hard-coded), its ranking against an independent FLOP count, and its config patch."""
 import json
+import math
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import pytest
 from flax import nnx
 
@@ -238,3 +240,39 @@ def test_plan_command_searches_mesh_shapes_only_when_asked(capsys):
     assert main(["plan", "--model", "xl", "--devices", "4", "--budget", "139GiB", "--search-mesh", "--top", "1"]) == 0
     out = capsys.readouterr().out
     assert "data 2 x tensor 2 x pipe 1: tensor 2 does not divide the 25 attention heads" in out
+
+
+def _shard_bytes(tree) -> int:
+    """Bytes of one device's shard of every leaf, from the leaves' own shardings."""
+    return sum(math.prod(x.sharding.shard_shape(x.shape)) * np.dtype(x.dtype).itemsize for x in jax.tree.leaves(tree))
+
+
+def test_mesh_state_formula_matches_the_engines_shards():
+    """The mesh formula's model states (estimate.mesh_peak_bytes "states") against the per-device
+    shards of the engine's own state on 4 of the 8 CPU devices (tiny GPT-2, bf16 compute over fp32
+    master, AdamW; persistence threshold 0 so ZeRO-3 splits even tiny tensors), for every kind of
+    split: ZeRO-3 over data 4, tensor 2 x data 2 (ZeRO-1 and ZeRO-3), pipe 2 x data 2, tensor 2 x
+    pipe 2. The formula splits every parameter 1 / tensor; the model keeps R of them whole on each
+    tensor rank (position embeddings, layer norms, the row-parallel projections' biases: counted here
+    from GPT-2's architecture), so the shards hold R x (bytes a parameter, per device) x (1 - 1/t)
+    more, plus optax's int32 step count: exact, nothing reordered."""
+    d, L = TINY.n_embd, TINY.n_layer
+    r_layers, r_rest = L * (2 * 2 * d + 2 * d), TINY.n_positions * d + 2 * d  # ln_1, ln_2; 2 row biases
+    model = MP.gpt2_mesh_model(TINY, SEQ)
+    cfg = dict(MESH_CFG, zero_optimization={"stage": 0, "stage3_param_persistence_threshold": 0})
+    for data, t, p, stage in [(4, 1, 1, 3), (2, 2, 1, 1), (2, 2, 1, 3), (2, 1, 2, 1), (1, 2, 2, 0)]:
+        plan = MP.MeshPlan(data, t, p, stage, 4, 32 // (4 * data * t))
+        mesh = make_mesh(data=data, tensor=t, pipe=p, devices=jax.devices()[:4])
+        eng = abstract_engine(factory, load_config(plan.apply(cfg), world_size=data * t),
+                              loss_fn=PL.default_loss_fn(), mesh=mesh)
+        st = eng.state
+        grads = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, eng.accum_dtype), st.params)
+        grads = jax.tree.map(lambda g, s: jax.ShapeDtypeStruct(g.shape, g.dtype, sharding=s), grads, eng.shardings.grads)
+        shards = _shard_bytes((st.params, grads, st.master, st.opt_state))
+        # the ZeRO paper's table with fp32 gradients: bf16 params, fp32 grads, fp32 master, Adam's 2 moments
+        per_param = (2 / (data if stage == 3 else 1) + 4 / (data if stage >= 2 else 1)
+                     + (4 + 8) / (data if stage >= 1 else 1))
+        replicated = r_layers / p + r_rest
+        formula = E.mesh_peak_bytes(model.shape, n_head=model.n_head, vocab=model.vocab, micro_batch=4,
+                                    n_data=data, n_tensor=t, n_pipe=p, stage=stage)["states"]
+        assert shards == formula + round(replicated * per_param * (1 - 1 / t)) + 4, (data, t, p, stage)

@@ -87,8 +87,8 @@ def _add_plan(sub):
                     "allows (tensor sizes dividing the heads and MLP width; pipe sizes dividing "
                     "the layers), each ZeRO stage (pipelines: 0 and 1) and micro-batch x accumulation of the "
                     "global batch, ranked by predicted tokens/s per device among those whose peak fits "
-                    "--budget. Peaks: the formula (estimate.mesh_peak_bytes, no XLA temporaries: mostly "
-                    "low) unless --aot compiles the real step. Prints the config keys to set.")
+                    "--budget. Peaks: the formula (estimate.mesh_peak_bytes, calibrated on one compiled "
+                    "GPU step) unless --aot compiles the real step. Prints the config keys to set.")
     p.add_argument("--model", default="large", help=f"GPT-2 size: {', '.join(SIZES)} (default large)")
     p.add_argument("--config", help="DeepSpeed JSON config to start from (default: bf16 AdamW)")
     p.add_argument("--seq", type=int, default=None, help="sequence length (default: model's)")
@@ -148,7 +148,7 @@ def cmd_plan(args) -> int:
         tensor_sizes=one, pipe_sizes=one, compile=args.aot, remat=remat, hardware=_hardware(args),
         max_compiles=args.max_compiles, model=mesh_plan.gpt2_mesh_model(model_cfg, seq))
     say(f"GPT-2 {args.model}, seq {seq}, {args.devices} devices, budget {fmt_bytes(budget)} per device; "
-        f"peaks {'compiled' if args.aot else 'by formula (no XLA temporaries: mostly low; --aot compiles)'}; fastest predicted first:")
+        f"peaks {'compiled' if args.aot else 'by formula (estimate.mesh_peak_bytes; --aot compiles)'}; fastest predicted first:")
     for i, p in enumerate(found.plans[:args.top], 1):
         say(f"  {i}. {p.describe()}\n     {json.dumps(p.config_patch())}")
     if not found.plans:

@@ -8,7 +8,8 @@ pipelines with and without per-iteration checkpoints. Each candidate gets
 
 - a per-device peak: the compiled step's (`planner.step_memory`, nothing allocated) when
   `compile=True`, else the formula `estimate.mesh_peak_bytes` (states + activations + logits,
-  no XLA temporaries: it mostly errs low, see COMPILE_MARGIN); `MeshPlan.peak_source` says which;
+  activations calibrated on one compiled GPU step, see COMPILE_MARGIN); `MeshPlan.peak_source`
+  says which;
 - a step time and tokens/s per device (`estimate.predict_mesh_step_time`: FLOPs at the matmul
   ceiling and micro-batch efficiency, ZeRO and tensor-parallel collectives, the pipeline's bubble
   (S - 1) / (M + S - 1) and per-iteration costs).
@@ -25,10 +26,10 @@ from typing import Callable
 from zerojax import estimate as est
 from zerojax.memory import fmt_bytes, parse_bytes
 
-# a candidate whose formula peak exceeds the budget by more than this is not compiled. The formula
-# leaves XLA's temporaries out and errs low (GPT-2 Large on 2 x H200: 22.2 vs 35.1 GiB compiled for
-# ZeRO-2, 38.6 vs 69.5 for pipe 2), except for pipelines with per-iteration checkpoints, where it
-# erred 16% high (14.8 vs 12.7 GiB): the margin covers that (benchmarks/rank_check.py prints both)
+# a candidate whose formula peak exceeds the budget by more than this is not compiled. On the
+# measured 2 x H200 rows the formula (estimate.mesh_peak_bytes, calibrated on one of them) erred low
+# by up to 16% (pipelines) and high by at most 0.4% (TP 2); the margin leaves room for what was not
+# measured (remat, other models).
 COMPILE_MARGIN = 0.2
 
 
