@@ -203,11 +203,12 @@ def test_mesh_step_time_adds_the_pipeline_bubble():
     assert piped.tokens == ref.tokens / 2 and piped.pipeline_s > 0
 
 
-@pytest.mark.parametrize("tensor, pipe, stage", [(2, 1, 1), (1, 2, 1)])
-def test_mesh_search_compiles_the_step_the_engine_runs(tensor, pipe, stage):
-    """compile=True: the peak the search reports for a 4-device shape is the compiled memory of the
-    engine built from the plan's own config keys on that mesh (independently: abstract engine,
-    load_config of plan.apply, make_mesh), on CPU for the tiny GPT-2."""
+def test_mesh_search_compiles_the_step_the_engine_runs():
+    """compile=True: the peak the search reports for tensor 2 x pipe 2 on 4 devices (one compile:
+    both axes' config keys at once) is the compiled memory of the engine built from the plan's own
+    config keys on that mesh (independently: abstract engine, load_config of plan.apply,
+    make_mesh), on CPU for the tiny GPT-2."""
+    tensor, pipe, stage = 2, 2, 0
     found = MP.search_mesh(factory, MESH_CFG, 2**40, SEQ, devices=4, tensor_sizes=[tensor], pipe_sizes=[pipe],
                            stages=(stage,), micro_batch=4, compile=True, max_compiles=1)
     plan = found.plans[0]
