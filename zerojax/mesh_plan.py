@@ -23,8 +23,13 @@ import dataclasses
 import math
 from typing import Callable
 
+import jax
+from flax import nnx
+
 from zerojax import estimate as est
+from zerojax import planner
 from zerojax.memory import fmt_bytes, parse_bytes
+from zerojax.partition import make_mesh
 
 # a candidate whose formula peak exceeds the budget by more than this is not compiled. On the
 # measured 2 x H200 rows the formula (estimate.mesh_peak_bytes, calibrated on one of them) erred low
@@ -69,12 +74,8 @@ def gpt2_mesh_model(config, seq_len: int) -> MeshModel:
 def mesh_model_of(model_factory, seq_len: int) -> MeshModel:
     """MeshModel of a factory's model (abstract: nothing allocated); it must say `.config` with
     n_head / n_layer / n_embd (GPT-2's names)."""
-    from zerojax import planner
-
     source = planner._model_source(model_factory, **planner._factory_kwargs(model_factory))
     shape = planner.model_shape(source, seq_len)
-    from flax import nnx
-
     model = source if isinstance(source, nnx.Module) else nnx.eval_shape(source)
     config = getattr(model, "config", None)
     if config is None or not all(hasattr(config, k) for k in ("n_head", "n_layer", "n_embd")):
@@ -141,9 +142,7 @@ class MeshPlan:
     def apply(self, cfg_dict: dict) -> dict:
         """`cfg_dict` with this plan's keys merged (other keys of each section kept; a stale
         train_batch_size dropped: DeepSpeed recomputes it from micro x accumulation x ranks)."""
-        from zerojax.planner import _merge
-
-        out = _merge(cfg_dict, self.config_patch())
+        out = planner._merge(cfg_dict, self.config_patch())
         out.pop("train_batch_size", None)
         return out
 
@@ -234,9 +233,9 @@ def search_mesh(model_factory, cfg_dict, budget, seq_len, *, devices: int, globa
     formula. remat: the model's remat_policy (as the factory builds it by default when None).
     precision: "bf16" | "fp16" | "fp32" for the step-time model (default: the config's).
     """
-    from zerojax import planner
-
     budget = parse_bytes(budget)
+    if compile:
+        _check_devices(devices)
     model = model or mesh_model_of(model_factory, seq_len)
     global_batch = global_batch or _global_batch(cfg_dict, devices)
     precision = precision or planner._configured(cfg_dict)
@@ -280,19 +279,18 @@ def search_mesh(model_factory, cfg_dict, budget, seq_len, *, devices: int, globa
 def compiled_peak(model_factory, cfg_dict, plan: MeshPlan, seq_len, *, remat=None, loss_fn=None, batch_fn=None):
     """The compiled step's memory (`planner.step_memory`) for `plan` on the first plan.devices
     devices, with the config's keys set as `plan.apply` writes them."""
-    import jax
-
-    from zerojax import planner
-    from zerojax.partition import make_mesh
-
-    if jax.device_count() < plan.devices:
-        raise ValueError(f"compiling a {plan.devices}-device mesh needs {plan.devices} jax devices, this "
-                         f"process sees {jax.device_count()} ({jax.default_backend()}); run on the GPUs, or on "
-                         f"CPU with XLA_FLAGS=--xla_force_host_platform_device_count={plan.devices}")
+    _check_devices(plan.devices)
     mesh = make_mesh(data=plan.data, tensor=plan.tensor, pipe=plan.pipe, devices=jax.devices()[:plan.devices])
     return planner.step_memory(model_factory, plan.apply(cfg_dict), seq_len, plan.micro_batch,
                                remat=planner.AS_BUILT if remat is None else remat, grad_accum=plan.grad_accum,
                                loss_fn=loss_fn, mesh=mesh, batch_fn=batch_fn)
+
+
+def _check_devices(n: int) -> None:
+    if jax.device_count() < n:
+        raise ValueError(f"compiling a {n}-device mesh needs {n} jax devices, this process sees "
+                         f"{jax.device_count()} ({jax.default_backend()}): run on the GPUs, or on CPU with "
+                         f"XLA_FLAGS=--xla_force_host_platform_device_count={n} (`zerojax plan --aot --cpu`)")
 
 
 def _global_batch(cfg_dict, devices) -> int:
