@@ -197,7 +197,10 @@ def candidates(model: MeshModel, devices: int, global_batch: int, *, stages=(0, 
         rows = global_batch // ranks
         micros = [m for m in _divisors(rows) if micro_batch in (None, "auto") or m == int(micro_batch)]
         ok_stages = [s for s in stages if p == 1 or s <= 1]  # ZeRO-2/3 refuse pipelines (DeepSpeed)
-        if data == 1 and ok_stages:  # one data rank: no stage partitions anything
+        if not ok_stages:
+            refused.append(((data, t, p), f"ZeRO stages {list(stages)} refuse pipeline.stages > 1 (use 0 or 1)"))
+            continue
+        if data == 1:  # one data rank: no stage partitions anything
             ok_stages = ok_stages[:1]
         per_stage_layers = model.shape.n_layer // p
         intervals = (0, per_stage_layers) if p > 1 else (0,)
