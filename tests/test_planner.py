@@ -277,3 +277,26 @@ def test_mesh_state_formula_matches_the_engines_shards():
         formula = E.mesh_peak_bytes(model.shape, n_head=model.n_head, vocab=model.vocab, micro_batch=4,
                                     n_data=data, n_tensor=t, n_pipe=p, stage=stage)["states"]
         assert shards == formula + round(replicated * per_param * (1 - 1 / t)) + 4, (data, t, p, stage)
+
+
+def test_rank_check_ranks_the_stored_two_gpu_rows(capsys):
+    """benchmarks/rank_check.py on session 5's 2 x H200 JSON: every measured entry but the variant
+    the model cannot tell apart (bf16 gradient sums) gets a prediction, and both columns are
+    rankings (1..n) -- the measured one the order of the files' own tokens/s. No claim on the
+    prediction's accuracy here: the script prints it."""
+    import importlib.util
+    import os
+
+    path = os.path.join(os.path.dirname(__file__), "..", "benchmarks", "rank_check.py")
+    spec = importlib.util.spec_from_file_location("rank_check", path)
+    rc = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(rc)
+    files = sorted(os.path.join(rc.DEFAULT_DIR, f) for f in os.listdir(rc.DEFAULT_DIR) if f.startswith("x2_"))
+    measured = [e for f in files for e in json.load(open(f))["entries"] if "error" not in e["result"]]
+    rows = rc.rows_of(files)
+    assert {r["name"] for r in rows} == {e["name"] for e in measured if "grad_accum" not in e["spec"]}
+    n = len(rows)
+    assert sorted(r["predicted_rank"] for r in rows) == sorted(r["measured_rank"] for r in rows) == list(range(1, n + 1))
+    by_speed = sorted(rows, key=lambda r: -r["measured_tokens_per_s"])
+    assert [r["measured_rank"] for r in by_speed] == list(range(1, n + 1))
+    assert rc.main([]) == 0 and "Kendall's tau" in capsys.readouterr().out
