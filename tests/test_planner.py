@@ -1,7 +1,11 @@
 """zerojax.planner: the choice it makes under a budget (measured from compiled peaks, never
 hard-coded), its ranking against an independent FLOP count, and its config patch."""
+import json
+import math
+
 import jax
 import jax.numpy as jnp
+import numpy as np
 import pytest
 from flax import nnx
 
@@ -129,3 +133,170 @@ def test_hardware_is_validated():
         E.Hardware(matmul_flops=0)
     with pytest.raises(ValueError, match="remat choice"):
         PL.plan(factory, CFG, 10**9, SEQ, remat=("dots",))
+
+
+# ---------------------------------------------------------------------------------------------
+# The mesh search (zerojax.mesh_plan): data x tensor x pipe shapes of a device count
+
+from zerojax import mesh_plan as MP  # noqa: E402
+from zerojax.pipeline import PipelineSchedule  # noqa: E402
+from zerojax.engine import abstract_engine  # noqa: E402
+from zerojax.memory import CompiledMemory, compile_engine_step  # noqa: E402
+from tiny_gpt2 import TINY  # noqa: E402
+
+MESH_CFG = {**CFG, "train_batch_size": 32}
+MESH_CFG.pop("train_micro_batch_size_per_gpu")
+
+
+def test_mesh_search_lists_the_divisible_shapes_and_keeps_only_fitting_ones():
+    """8 devices, tiny GPT-2 (4 heads, MLP 256, 2 layers), formula peaks: every data x tensor x pipe
+    split whose tensor size divides the heads and MLP width and whose pipe size divides the layers
+    (enumerated here from those rules) is tried, the others are refused with the reason; the plans
+    fit the budget, keep the 32-row global batch by DeepSpeed's rule (micro x accum x data x
+    tensor), pipelines use ZeRO 0/1 only, and they come fastest predicted first."""
+    model = MP.mesh_model_of(factory, SEQ)
+    # the counts read from the model's arrays agree with the ones written from GPT-2's config
+    assert model == MP.gpt2_mesh_model(TINY, SEQ)
+    assert (model.n_head, model.mlp, model.shape.n_layer) == (TINY.n_head, 4 * TINY.n_embd, TINY.n_layer)
+    allowed = {(8 // (t * p), t, p) for t in (1, 2, 4, 8) for p in (1, 2, 4, 8)
+               if 8 % (t * p) == 0 and TINY.n_head % t == 0 and 4 * TINY.n_embd % t == 0 and TINY.n_layer % p == 0}
+    every = MP.search_mesh(factory, MESH_CFG, 2**40, SEQ, devices=8)
+    assert {(p.data, p.tensor, p.pipe) for p, _ in every.tried} == allowed
+    refused = dict(every.refused)
+    assert "heads" in refused[(1, 8, 1)] and "layers" in refused[(2, 1, 4)]
+    assert not allowed & set(refused)
+    peaks = sorted(p.peak_bytes for p, _ in every.tried)
+    budget = peaks[len(peaks) // 2]  # half the candidates over it
+    found = MP.search_mesh(factory, MESH_CFG, budget, SEQ, devices=8)
+    assert found.plans and all(p.peak_bytes <= budget and p.peak_source == "estimated" for p in found.plans)
+    assert all(p.peak_bytes > budget for p, o in found.tried if o.startswith("does not fit"))
+    for p, _ in found.tried:
+        assert p.micro_batch * p.grad_accum * p.data * p.tensor == 32
+        assert p.pipe == 1 or p.stage <= 1
+    assert [p.step_s for p in found.plans] == sorted(p.step_s for p in found.plans)
+    # one plan per (shape, stage): the fastest fitting micro-batch of each
+    keys = [(p.data, p.tensor, p.pipe, p.stage) for p in found.plans]
+    assert len(keys) == len(set(keys))
+    # the config keys load, and size the mesh the plan names
+    best = found.plans[0]
+    cfg = load_config(best.apply(MESH_CFG), world_size=best.data * best.tensor)
+    assert (cfg.tensor_parallel.autotp_size, cfg.train_batch_size) == (best.tensor, 32)
+    assert (cfg.train_micro_batch_size_per_gpu, cfg.gradient_accumulation_steps) == (best.micro_batch, best.grad_accum)
+
+
+def test_mesh_step_time_adds_the_pipeline_bubble():
+    """Without a pipeline the mesh model is `predict_step_time`; with S stages and M micro-batches a
+    device runs 1/S of the FLOPs and idles the bubble, (S - 1) / (M + S - 1) of the step's
+    iterations as zerojax.pipeline counts them: compute + bubble = compute x (M + S - 1) / M."""
+    large = GPT2Config.named("large")
+    model = MP.gpt2_mesh_model(large, 1024)
+    _, block = hf_gpt2_params(large)
+    assert model.shape.layer_params == large.n_layer * block  # HF's block, written out independently
+    kw = dict(micro_batch=2, grad_accum=16, stage=1, precision="bf16")
+    flat = E.predict_mesh_step_time(model.shape, n_data=2, **kw)
+    ref = E.predict_step_time(model.shape, n_data=2, **kw)
+    assert (flat.step_s, flat.tokens) == (ref.step_s, ref.tokens)
+    piped = E.predict_mesh_step_time(model.shape, n_data=1, n_pipe=2, **kw)
+    bubble = PipelineSchedule(stages=2, microbatches=16).bubble_fraction
+    assert E.pipeline_bubble(2, 16) == pytest.approx(bubble, rel=1e-15)
+    assert piped.bubble_s / (piped.compute_s + piped.bubble_s) == pytest.approx(bubble, rel=1e-12)
+    assert piped.tokens == ref.tokens / 2 and piped.pipeline_s > 0
+
+
+def test_mesh_search_compiles_the_step_the_engine_runs():
+    """compile=True: the peak the search reports for tensor 2 x pipe 2 on 4 devices (one compile:
+    both axes' config keys at once) is the compiled memory of the engine built from the plan's own
+    config keys on that mesh (independently: abstract engine, load_config of plan.apply,
+    make_mesh), on CPU for the tiny GPT-2."""
+    tensor, pipe, stage = 2, 2, 0
+    found = MP.search_mesh(factory, MESH_CFG, 2**40, SEQ, devices=4, tensor_sizes=[tensor], pipe_sizes=[pipe],
+                           stages=(stage,), micro_batch=4, compile=True, max_compiles=1)
+    plan = found.plans[0]
+    assert plan.peak_source == "compiled" and (plan.tensor, plan.pipe, plan.stage) == (tensor, pipe, stage)
+    mesh = make_mesh(data=plan.data, tensor=tensor, pipe=pipe, devices=jax.devices()[:4])
+    cfg = load_config(plan.apply(MESH_CFG), world_size=plan.data * tensor)
+    eng = abstract_engine(factory, cfg, loss_fn=PL.default_loss_fn(), mesh=mesh)
+    batch = {"input_ids": jax.ShapeDtypeStruct((cfg.train_batch_size, SEQ), jnp.int32)}
+    assert plan.peak_bytes == CompiledMemory.of(compile_engine_step(eng, batch, planning=True)).peak
+
+
+def test_plan_command_searches_mesh_shapes_only_when_asked(capsys):
+    """`zerojax plan --devices 4 --search-mesh` (formula peaks, tiny GPT-2: 4 heads, 2 layers): JSON
+    with tensor and pipe sizes the model allows, each plan's config keys; without --search-mesh
+    every plan is data-parallel. GPT-2 XL's 25 heads refuse every tensor size (its TP layouts of
+    issue #19 cannot run), with the reason printed."""
+    from zerojax.cli import main
+
+    args = ["plan", "--model", "tiny", "--devices", "4", "--budget", "1GiB", "--global-batch", "16", "--json"]
+    assert main(args + ["--search-mesh"]) == 0
+    result = json.loads(capsys.readouterr().out)
+    shapes = {(p["data"], p["tensor"], p["pipe"]) for p in result["plans"]}
+    assert {(2, 2, 1), (2, 1, 2), (1, 2, 2), (1, 4, 1)} <= shapes and result["peak_source"] == "estimated"
+    for p in result["plans"]:
+        patch = p["config_patch"]
+        assert (patch["tensor_parallel"]["autotp_size"], patch["pipeline"]["stages"]) == (p["tensor"], p["pipe"])
+        assert patch["train_micro_batch_size_per_gpu"] * patch["gradient_accumulation_steps"] * p["data"] * p["tensor"] == 16
+    assert main(args) == 0
+    assert {(p["tensor"], p["pipe"]) for p in json.loads(capsys.readouterr().out)["plans"]} == {(1, 1)}
+    assert main(["plan", "--model", "xl", "--devices", "4", "--budget", "139GiB", "--search-mesh", "--top", "1"]) == 0
+    out = capsys.readouterr().out
+    assert "data 2 x tensor 2 x pipe 1: tensor 2 does not divide the 25 attention heads" in out
+
+
+def _shard_bytes(tree) -> int:
+    """Bytes of one device's shard of every leaf, from the leaves' own shardings."""
+    return sum(math.prod(x.sharding.shard_shape(x.shape)) * np.dtype(x.dtype).itemsize for x in jax.tree.leaves(tree))
+
+
+def test_mesh_state_formula_matches_the_engines_shards():
+    """The mesh formula's model states (estimate.mesh_peak_bytes "states") against the per-device
+    shards of the engine's own state on 4 of the 8 CPU devices (tiny GPT-2, bf16 compute over fp32
+    master, AdamW; persistence threshold 0 so ZeRO-3 splits even tiny tensors), for every kind of
+    split: ZeRO-3 over data 4, tensor 2 x data 2 (ZeRO-1 and ZeRO-3), pipe 2 x data 2, tensor 2 x
+    pipe 2. The formula splits every parameter 1 / tensor; the model keeps R of them whole on each
+    tensor rank (position embeddings, layer norms, the row-parallel projections' biases: counted here
+    from GPT-2's architecture), so the shards hold R x (bytes a parameter, per device) x (1 - 1/t)
+    more, plus optax's int32 step count: exact, nothing reordered."""
+    d, L = TINY.n_embd, TINY.n_layer
+    r_layers, r_rest = L * (2 * 2 * d + 2 * d), TINY.n_positions * d + 2 * d  # ln_1, ln_2; 2 row biases
+    model = MP.gpt2_mesh_model(TINY, SEQ)
+    cfg = dict(MESH_CFG, zero_optimization={"stage": 0, "stage3_param_persistence_threshold": 0})
+    for data, t, p, stage in [(4, 1, 1, 3), (2, 2, 1, 1), (2, 2, 1, 3), (2, 1, 2, 1), (1, 2, 2, 0)]:
+        plan = MP.MeshPlan(data, t, p, stage, 4, 32 // (4 * data * t))
+        mesh = make_mesh(data=data, tensor=t, pipe=p, devices=jax.devices()[:4])
+        eng = abstract_engine(factory, load_config(plan.apply(cfg), world_size=data * t),
+                              loss_fn=PL.default_loss_fn(), mesh=mesh)
+        st = eng.state
+        grads = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, eng.accum_dtype), st.params)
+        grads = jax.tree.map(lambda g, s: jax.ShapeDtypeStruct(g.shape, g.dtype, sharding=s), grads, eng.shardings.grads)
+        shards = _shard_bytes((st.params, grads, st.master, st.opt_state))
+        # the ZeRO paper's table with fp32 gradients: bf16 params, fp32 grads, fp32 master, Adam's 2 moments
+        per_param = (2 / (data if stage == 3 else 1) + 4 / (data if stage >= 2 else 1)
+                     + (4 + 8) / (data if stage >= 1 else 1))
+        replicated = r_layers / p + r_rest
+        formula = E.mesh_peak_bytes(model.shape, n_head=model.n_head, vocab=model.vocab, micro_batch=4,
+                                    n_data=data, n_tensor=t, n_pipe=p, stage=stage)["states"]
+        assert shards == formula + round(replicated * per_param * (1 - 1 / t)) + 4, (data, t, p, stage)
+
+
+def test_rank_check_ranks_the_stored_two_gpu_rows(capsys):
+    """benchmarks/rank_check.py on session 5's 2 x H200 JSON: every measured entry but the variant
+    the model cannot tell apart (bf16 gradient sums) gets a prediction, and both columns are
+    rankings (1..n) -- the measured one the order of the files' own tokens/s. No claim on the
+    prediction's accuracy here: the script prints it."""
+    import importlib.util
+    import os
+
+    path = os.path.join(os.path.dirname(__file__), "..", "benchmarks", "rank_check.py")
+    spec = importlib.util.spec_from_file_location("rank_check", path)
+    rc = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(rc)
+    files = sorted(os.path.join(rc.DEFAULT_DIR, f) for f in os.listdir(rc.DEFAULT_DIR) if f.startswith("x2_"))
+    measured = [e for f in files for e in json.load(open(f))["entries"] if "error" not in e["result"]]
+    rows = rc.rows_of(files)
+    assert {r["name"] for r in rows} == {e["name"] for e in measured if "grad_accum" not in e["spec"]}
+    n = len(rows)
+    assert sorted(r["predicted_rank"] for r in rows) == sorted(r["measured_rank"] for r in rows) == list(range(1, n + 1))
+    by_speed = sorted(rows, key=lambda r: -r["measured_tokens_per_s"])
+    assert [r["measured_rank"] for r in by_speed] == list(range(1, n + 1))
+    assert rc.main([]) == 0 and "Kendall's tau" in capsys.readouterr().out

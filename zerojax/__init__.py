@@ -28,6 +28,7 @@ _PUBLIC = {
     "check_fits": "memory",
     "fit_micro_batch": "planner",
     "plan": "planner",
+    "search_mesh": "mesh_plan",
     "init_distributed": "distributed",
     "apply_xla_flags": "xla_flags",
 }

@@ -4,6 +4,7 @@
     zerojax estimate --model large --gpus 1 --aot --budget 24GB   # + compiled peaks and plans
     zerojax estimate --model tiny --gpus 2 --aot --cpu --budget 12MB --micro-batch auto --json
     zerojax estimate --params 2851e6 --largest-layer 32e6 --gpus 8
+    zerojax plan --model xl --devices 4 --search-mesh --budget 139GiB --global-batch 64  # mesh shapes
     zerojax export runs/ckpt hf_out --dtype bf16                  # consolidated weights
     zerojax launch --num_procs 2 train.py --config ds.json        # several processes (zerojax.launch)
 
@@ -13,6 +14,7 @@ A new subcommand is a function `_add_<name>(subparsers)` that adds its parser an
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import sys
@@ -54,6 +56,15 @@ def _add_estimate(sub):
     p.add_argument("--cpu", action="store_true",
                    help="compile on --gpus x --nodes virtual CPU devices (shapes only; CPU and GPU "
                         "compilers differ, so peaks are indicative)")
+    _add_hardware_flags(p)
+    p.add_argument("--json", nargs="?", const="-", metavar="FILE",
+                   help="also write the results as JSON to FILE; without FILE, JSON on stdout "
+                        "(the tables then go to stderr)")
+    p.set_defaults(func=cmd_estimate)
+
+
+def _add_hardware_flags(p):
+    """The step-time model's throughputs (`estimate.Hardware`), shared by estimate and plan."""
     hw = estimate.Hardware()
     p.add_argument("--matmul-flops", type=float, default=hw.matmul_flops,
                    help=f"16-bit matmul ceiling per device for predicted speed (default "
@@ -62,10 +73,95 @@ def _add_estimate(sub):
                    help=f"host<->device bytes/s (default {hw.host_bytes_per_s:.3g}, measured PCIe)")
     p.add_argument("--interconnect-bandwidth", type=float, default=hw.interconnect_bytes_per_s,
                    help=f"collective bytes/s per device (default {hw.interconnect_bytes_per_s:.3g})")
+
+
+def _hardware(args) -> estimate.Hardware:
+    return estimate.Hardware(matmul_flops=args.matmul_flops, host_bytes_per_s=args.host_bandwidth,
+                             interconnect_bytes_per_s=args.interconnect_bandwidth)
+
+
+def _add_plan(sub):
+    p = sub.add_parser(
+        "plan", help="rank mesh shapes (data x tensor x pipe), ZeRO stages and micro-batches for N devices",
+        description="The planner's mesh search: for --devices N, every data x tensor x pipe split the model "
+                    "allows (tensor sizes dividing the heads and MLP width; pipe sizes dividing "
+                    "the layers), each ZeRO stage (pipelines: 0 and 1) and micro-batch x accumulation of the "
+                    "global batch, ranked by predicted tokens/s per device among those whose peak fits "
+                    "--budget. Peaks: the formula (estimate.mesh_peak_bytes, calibrated on one compiled "
+                    "GPU step) unless --aot compiles the real step. Prints the config keys to set.")
+    p.add_argument("--model", default="large", help=f"GPT-2 size: {', '.join(SIZES)} (default large)")
+    p.add_argument("--config", help="DeepSpeed JSON config to start from (default: bf16 AdamW)")
+    p.add_argument("--seq", type=int, default=None, help="sequence length (default: model's)")
+    p.add_argument("--devices", type=int, required=True, help="devices to split (e.g. 4 GPUs of a node)")
+    p.add_argument("--search-mesh", action="store_true",
+                   help="search tensor and pipe sizes too (default: data-parallel only, the mesh "
+                        "`zerojax.shard` builds for a config without tensor_parallel / pipeline)")
+    p.add_argument("--budget", help="device memory budget, e.g. 139GiB (default: the device's bytes_limit "
+                                    "with --aot; required otherwise)")
+    p.add_argument("--global-batch", type=int,
+                   help="rows per optimizer step (default: the config's train_batch_size, else micro x "
+                        "accumulation x devices)")
+    p.add_argument("--stage", type=int, choices=(0, 1, 2, 3), help="only this ZeRO stage")
+    p.add_argument("--micro-batch", default="auto", help="auto (default: every divisor) or an int")
+    p.add_argument("--remat", choices=("on", "off"), default="off",
+                   help="the model's per-layer activation checkpointing (default off)")
+    p.add_argument("--aot", action="store_true", help="compile each candidate's real step for its peak")
+    p.add_argument("--cpu", action="store_true", help="with --aot: compile on --devices virtual CPU devices")
+    p.add_argument("--max-compiles", type=int, default=12, help="with --aot: compiles to spend (default 12)")
+    p.add_argument("--top", type=int, default=10, help="plans to print (default 10)")
+    _add_hardware_flags(p)
     p.add_argument("--json", nargs="?", const="-", metavar="FILE",
-                   help="also write the results as JSON to FILE; without FILE, JSON on stdout "
-                        "(the tables then go to stderr)")
-    p.set_defaults(func=cmd_estimate)
+                   help="also write plans and what was tried as JSON to FILE (without FILE: stdout)")
+    p.set_defaults(func=cmd_plan)
+
+
+def cmd_plan(args) -> int:
+    if args.devices < 1:
+        print(f"--devices {args.devices}: need at least 1", file=sys.stderr)
+        return 2
+    if args.aot and (args.cpu or os.environ.get("JAX_PLATFORMS", "") == "cpu"):
+        _virtual_cpu_devices(args.devices)
+    if not args.budget and not args.aot:
+        print("zerojax plan: --budget is required without --aot (e.g. --budget 139GiB for an H200)",
+              file=sys.stderr)
+        return 2
+    out = sys.stderr if args.json == "-" else sys.stdout
+    say = lambda *a: print(*a, file=out)  # noqa: E731
+
+    from zerojax import mesh_plan
+    from zerojax.memory import device_budget, fmt_bytes, parse_bytes
+
+    cfg = _load_base_config(args)
+    model_cfg, factory = gpt2_factory(args.model, cfg)
+    seq = args.seq or model_cfg.n_positions
+    remat = "full" if args.remat == "on" else None
+    if remat:
+        factory = functools.partial(factory, remat_policy=remat)
+    budget = parse_bytes(args.budget) if args.budget else device_budget()
+    if budget is None:
+        print("zerojax plan: the device reports no memory limit (CPU); pass --budget", file=sys.stderr)
+        return 2
+    one = None if args.search_mesh else [1]
+    found = mesh_plan.search_mesh(
+        factory, cfg, budget, seq, devices=args.devices, global_batch=args.global_batch,
+        stages=(args.stage,) if args.stage is not None else (0, 1, 2, 3), micro_batch=args.micro_batch,
+        tensor_sizes=one, pipe_sizes=one, compile=args.aot, remat=remat, hardware=_hardware(args),
+        max_compiles=args.max_compiles, model=mesh_plan.gpt2_mesh_model(model_cfg, seq))
+    say(f"GPT-2 {args.model}, seq {seq}, {args.devices} devices, budget {fmt_bytes(budget)} per device; "
+        f"peaks {'compiled' if args.aot else 'by formula (estimate.mesh_peak_bytes; --aot compiles)'}; fastest predicted first:")
+    for i, p in enumerate(found.plans[:args.top], 1):
+        say(f"  {i}. {p.describe()}\n     {json.dumps(p.config_patch())}")
+    if not found.plans:
+        say("  nothing fits: more devices, a shorter sequence, a smaller global batch or --remat on")
+    for shape, why in found.refused:
+        say(f"  not a choice: data {shape[0]} x tensor {shape[1]} x pipe {shape[2]}: {why}")
+    result = {"model": args.model, "seq_len": seq, "devices": args.devices, "budget_bytes": budget,
+              "peak_source": "compiled" if args.aot else "estimated",
+              "plans": [p.to_dict() for p in found.plans],
+              "tried": [{"plan": p.to_dict(), "outcome": o} for p, o in found.tried],
+              "refused": [{"data": s[0], "tensor": s[1], "pipe": s[2], "why": w} for s, w in found.refused]}
+    _write_json(args.json, result)
+    return 0
 
 
 def _add_export(sub):
@@ -103,7 +199,7 @@ def _add_launch(sub):
                    help="start a multi-process / multi-node run (DeepSpeed's launcher flags)")
 
 
-COMMANDS = [_add_estimate, _add_export, _add_launch]
+COMMANDS = [_add_estimate, _add_plan, _add_export, _add_launch]
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -164,10 +260,7 @@ def gpt2_factory(size, cfg_dict, seq=None):
 def cmd_estimate(args) -> int:
     n_devices = args.gpus * args.nodes
     if args.aot and (args.cpu or os.environ.get("JAX_PLATFORMS", "") == "cpu"):
-        # before jax is imported: one virtual CPU device per GPU of the plan
-        os.environ["JAX_PLATFORMS"] = "cpu"
-        os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
-                                   f" --xla_force_host_platform_device_count={n_devices}").strip()
+        _virtual_cpu_devices(n_devices)
     # with JSON on stdout, the human-readable tables go to stderr
     out = sys.stderr if args.json == "-" else sys.stdout
     say = lambda *a: print(*a, file=out)  # noqa: E731
@@ -197,12 +290,23 @@ def cmd_estimate(args) -> int:
 
     if args.aot:
         result.update(_estimate_aot(args, say, factory, model_cfg, stages, n_devices))
-    if args.json == "-":
-        print(json.dumps(result, indent=2, default=str))
-    elif args.json:
-        with open(args.json, "w") as f:
-            json.dump(result, f, indent=2, default=str)
+    _write_json(args.json, result)
     return 0
+
+
+def _write_json(where, result) -> None:
+    """--json: "-" prints `result` to stdout, a path writes it there, None does nothing."""
+    if where == "-":
+        print(json.dumps(result, indent=2, default=str))
+    elif where:
+        with open(where, "w") as f:
+            json.dump(result, f, indent=2, default=str)
+
+
+def _virtual_cpu_devices(n: int) -> None:
+    """Before jax is imported: compile on n virtual CPU devices (one per GPU of the plan)."""
+    os.environ["JAX_PLATFORMS"] = "cpu"
+    os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + f" --xla_force_host_platform_device_count={n}").strip()
 
 
 def _load_base_config(args) -> dict:
@@ -233,9 +337,7 @@ def _estimate_aot(args, say, factory, model_cfg, stages, n_devices) -> dict:
     micro = args.micro_batch if args.micro_batch == "auto" else int(args.micro_batch)
     rows = planner.rows_per_device(cfg, n_devices) if micro == "auto" else micro
     precision = planner.precision_choices(cfg, factory)[0]
-    hardware = estimate.Hardware(matmul_flops=args.matmul_flops,
-                                 host_bytes_per_s=args.host_bandwidth,
-                                 interconnect_bytes_per_s=args.interconnect_bandwidth)
+    hardware = _hardware(args)
     out: dict = {"seq_len": seq, "budget_bytes": budget, "backend": jax.default_backend(),
                  "compiled": []}
 

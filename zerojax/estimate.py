@@ -454,3 +454,132 @@ def activation_bytes_per_layer(*, seq_len: int, rows: int, d_model: int, n_head:
     inside = 24 + (0 if flash_attention else 5 * a * s / h)
     outside = 10
     return int(s * b * h * (inside / t + outside / (t if sequence_parallel else 1)))
+
+
+# ---------------------------------------------------------------------------------------------
+# 3. Mesh shapes: data x tensor x pipe (the planner's mesh search, `zerojax.mesh_plan`)
+
+# H200's HBM3e bandwidth (datasheet, 4.8 TB/s): what the pipeline's per-iteration weight-gradient sums
+# stream. An assumption, not measured.
+HBM_BYTES_PER_S = 4.8e12
+
+
+def pipeline_bubble(stages: int, microbatches: int) -> float:
+    """Share of a pipelined step's iterations a stage idles: (S - 1) / (M + S - 1) (GPipe's bubble,
+    `zerojax.pipeline.PipelineSchedule.bubble_fraction` with one repeat)."""
+    return (stages - 1) / (microbatches + stages - 1) if stages > 1 else 0.0
+
+
+def _per_stage_params(shape: ModelShape, n_pipe: int) -> float:
+    """Parameters a pipeline stage holds: its 1 / n_pipe of the stacked layers and the rest whole
+    (embeddings, final norm: the head and loss run on every stage's devices, on its rows)."""
+    return shape.params - shape.layer_params + shape.layer_params / n_pipe
+
+
+@dataclasses.dataclass(frozen=True)
+class MeshStepTime(StepTime):
+    """`StepTime` for a data x tensor x pipe mesh: compute (useful FLOPs), collectives (ZeRO over
+    "data", tensor parallelism's per-layer gathers / scatters) and host copies, plus the pipeline's
+    bubble (stages idle (S - 1) of M + S - 1 iterations) and per-iteration costs (hidden states sent
+    stage to stage, weight-gradient sums). Added: no overlap."""
+
+    bubble_s: float = 0.0
+    pipeline_s: float = 0.0
+
+    @property
+    def step_s(self) -> float:
+        return super().step_s + self.bubble_s + self.pipeline_s
+
+
+def predict_mesh_step_time(shape: ModelShape, *, micro_batch: int, grad_accum: int = 1, n_data: int = 1,
+                           n_tensor: int = 1, n_pipe: int = 1, stage: int = 0, precision: str = "bf16",
+                           remat: str | None = None, checkpoint_interval: int = 0,
+                           hardware: Hardware = H200, hbm_bytes_per_s: float = HBM_BYTES_PER_S) -> MeshStepTime:
+    """Seconds per optimizer step on a data x tensor x pipe mesh, per device.
+
+    n_data: the "data" axis (ZeRO partitions over it); n_tensor: tensor_parallel.autotp_size;
+    n_pipe: pipeline.stages, whose micro-batches are the grad_accum ones (DeepSpeed's meaning of
+    gradient_accumulation_steps under a pipeline). Without a pipeline this is `predict_step_time`.
+    With one, each device runs 1 / n_pipe of the FLOPs (its stage's layers; the head and loss are
+    split over the stages' devices too) at the micro-batch's efficiency, idles the bubble
+    (S - 1) / (M + S - 1) of the M + S - 1 iterations, runs ZeRO's and tensor parallelism's
+    collectives for its stage's share, and pays per iteration: the hidden state sent forward and its
+    gradient sent back (micro_batch x T x d in the compute dtype, each way, over the interconnect)
+    and the stage's fp32 weight-gradient sum (read the sum, read the iteration's gradient, write the
+    sum: 12 bytes a parameter of its tensor shard, at HBM bandwidth). checkpoint_interval > 0
+    (pipeline.activation_checkpoint_interval) recomputes every layer's forward, as a full remat.
+    """
+    base_remat = "full" if n_pipe > 1 and checkpoint_interval > 0 else remat
+    base = predict_step_time(shape, micro_batch=micro_batch, grad_accum=grad_accum, n_data=n_data,
+                             stage=stage, precision=precision, remat=base_remat, hardware=hardware,
+                             n_tensor=n_tensor)
+    if n_pipe <= 1:
+        return MeshStepTime(base.compute_s, base.collective_s, base.host_s, base.tokens)
+    if shape.n_layer and shape.n_layer % n_pipe:
+        raise ValueError(f"pipeline.stages={n_pipe} does not divide the model's {shape.n_layer} layers")
+    compute = base.compute_s / n_pipe
+    iterations = grad_accum + n_pipe - 1
+    bubble = compute * (n_pipe - 1) / grad_accum
+    stage_share = _per_stage_params(shape, n_pipe) / shape.params if shape.params else 1.0
+    hidden = micro_batch * max(shape.seq_len, 1) * shape.d_model * PRECISION_BYTES[precision]
+    grad_sum = 12 * shape.layer_params / (n_pipe * n_tensor)
+    per_iteration = 2 * hidden / hardware.interconnect_bytes_per_s + grad_sum / hbm_bytes_per_s
+    return MeshStepTime(compute, base.collective_s * stage_share, base.host_s * stage_share, base.tokens / n_pipe,
+                        bubble_s=bubble, pipeline_s=iterations * per_iteration)
+
+
+# What zerojax's compiled GPT-2 step keeps per layer over Korthikanti et al.'s 34·s·b·h bytes (and
+# XLA's temporaries, which the formula does not count apart): 2.07, from one calibration point,
+# GPT-2 Large, bf16, no remat, micro-batch 8, ZeRO-2 over 2 x H200, compiled and measured 35.07 GiB
+# (states 7.21 + logits 3.07 + 11.95 x 2.07 of formula activations). Checked on the other rows of that
+# run (benchmarks/rank_check.py): ZeRO-3 5.5% low, ZeRO-1 8 x 2 and TP 2 within 1%, pipe 2 13-16% low
+# (with and without per-iteration checkpoints). Not checked: remat, other models, other devices.
+ACTIVATION_FACTOR = 2.07
+
+
+def mesh_peak_bytes(shape: ModelShape, *, n_head: int, vocab: int, micro_batch: int, grad_accum: int = 1,
+                    n_data: int = 1, n_tensor: int = 1, n_pipe: int = 1, stage: int = 0,
+                    precision: str = "bf16", remat: str | None = None, checkpoint_interval: int = 0,
+                    optimizer: str | None = "adamw", flash_attention: bool = True,
+                    activation_factor: float = ACTIVATION_FACTOR) -> dict:
+    """Per-device bytes of one step on a data x tensor x pipe mesh, by formula (what the planner's
+    mesh search uses where it does not compile): {"states", "activations", "logits", "total"}.
+
+    states: `model_state_bytes` for the stage's parameters (layers / n_pipe, the rest whole) split
+      1 / n_tensor, ZeRO over n_data.
+    activations: `activation_bytes_per_layer` (Korthikanti et al.; 16-bit, scaled to the compute
+      dtype) for the micro-batch a tensor group trains (micro_batch x n_tensor rows), times the
+      device's layers. Unpipelined, one micro-batch is live at a time (the accumulation scan); a full
+      remat keeps each layer's input and one layer's activations while it is recomputed. Pipelined,
+      every iteration's activations are kept until the backward pass (M + S - 1 iterations), or
+      with checkpoint_interval N only each group of N layers' input per iteration, plus one group's
+      activations. Times `activation_factor` (ACTIVATION_FACTOR: calibrated on one compiled step;
+      1.0 gives the paper's count).
+    logits: the fp32 logits and their gradient, vocab / n_tensor wide (vocab-parallel head), for one
+      micro-batch's rows.
+    The compiled step is the measure (`zerojax.planner.step_memory`); this is its estimate.
+    """
+    p_stage = _per_stage_params(shape, n_pipe)
+    states = model_state_bytes(int(p_stage), stage=stage, n_data=n_data, precision=precision,
+                               n_tensor=n_tensor, optimizer=optimizer)
+    T, d = max(shape.seq_len, 1), shape.d_model
+    scale = PRECISION_BYTES[precision] / 2
+    layers = shape.n_layer // n_pipe if shape.n_layer else 0
+
+    def layer(remat_):
+        return scale * activation_bytes_per_layer(seq_len=T, rows=micro_batch * n_tensor, d_model=d,
+                                                  n_head=n_head, n_tensor=n_tensor,
+                                                  flash_attention=flash_attention, remat=remat_)
+
+    full, kept = layer(None), layer(remat)
+    if n_pipe <= 1:
+        acts = layers * kept + (full if kept < full else 0)
+    elif checkpoint_interval > 0:
+        group = min(checkpoint_interval, layers)
+        acts = (grad_accum + n_pipe - 1) * (layers // group) * layer("full") + group * full
+    else:
+        acts = (grad_accum + n_pipe - 1) * layers * kept
+    acts *= activation_factor
+    logits = 2 * 4 * micro_batch * n_tensor * T * vocab / n_tensor
+    total = states + acts + logits
+    return {"states": int(states), "activations": int(acts), "logits": int(logits), "total": int(total)}
