@@ -14,6 +14,10 @@
 #          checkpoints (the memory guard refuses an entry that would not fit: FAILED WillNotFit),
 #          and 16 of 2 with interval 1 (every layer checkpointed, the remat'd zero1's counterpart)
 # profile: benchmarks/profile_step.py on Large pipe 2, 16 of 2: kernels bucketed per step
+# bytes:   benchmarks/hlo_bytes.py on Large (runs on ONE GPU too: compiled for two, not run): bytes
+#          the compiled steps write per device by kind of op, zero1 mb8x2 vs pipe 2 mb2x16 with the
+#          stage's layers scanned (EngineOptions.pipeline_stage_loop "scan", the old form) and
+#          unrolled (the default); compile seconds of each
 # Columns: tokens/s per GPU, vs the same size's ZeRO-1 (no remat), peak GiB per GPU, matmul TFLOP
 # per GPU per step from the compiled step (benchmarks/hlo_flops.py: every loop iteration counted,
 # so recomputation, bubble iterations and replicated work show; equal global batches, so ZeRO-1's
@@ -81,6 +85,11 @@ if [[ "$PARTS" == *" xl "* ]]; then
     {"size": "xl", "stage": 1, "pipe": 2, "micro": 2, "accum": 16},
     {"size": "xl", "stage": 1, "pipe": 2, "micro": 4, "accum": 8},
     {"size": "xl", "stage": 1, "pipe": 2, "micro": 2, "accum": 16, "ckpt": 1}]'
+fi
+if [[ "$PARTS" == *" bytes "* ]]; then
+  mock=0; [[ $(python3 -c "import jax; print(jax.device_count())") -lt 2 ]] && mock=2
+  timeout 400 python3 benchmarks/hlo_bytes.py --size large --mock-gpus $mock --top 15 \
+      --json "$OUT/hlo_bytes_large.json" --dump "$OUT/hlo" 2>&1 | grep -v "^WARNING\|^I0000\|^E0000"
 fi
 if [[ "$PARTS" == *" profile "* ]]; then
   timeout 300 python3 benchmarks/profile_step.py \
