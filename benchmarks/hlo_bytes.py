@@ -120,8 +120,9 @@ SMALL = dict(vocab_size=512, n_positions=128, n_embd=256, n_head=4, n_layer=4)  
 
 
 def engine_hlo(pipe: int, micro: int, accum: int, *, size: str = "small-cpu", seq: int = 128,
-               ckpt: int = 0, dtype: str = "bf16", stage_loop: str = "unrolled") -> tuple[str, float]:
-    """(optimized HLO text of one step, compile seconds) on all of jax's devices."""
+               ckpt: int = 0, dtype: str = "bf16", stage_loop: str = "unrolled") -> tuple[str, dict]:
+    """(optimized HLO text of one step, {compile_s, peak_gib: XLA's predicted peak per device})
+    on all of jax's devices."""
     import time
 
     import jax
@@ -131,6 +132,7 @@ def engine_hlo(pipe: int, micro: int, accum: int, *, size: str = "small-cpu", se
 
     import zerojax
     from zerojax.engine import abstract_engine
+    from zerojax.memory import CompiledMemory
     from zerojax.models.gpt2 import GPT2, GPT2Config, gpt2_loss
 
     config = GPT2Config.named("tiny", **SMALL) if size == "small-cpu" else GPT2Config.named(size)
@@ -146,8 +148,9 @@ def engine_hlo(pipe: int, micro: int, accum: int, *, size: str = "small-cpu", se
                                   zerojax.load_config(ds, world_size=n), loss_fn=gpt2_loss,
                                   options=zerojax.EngineOptions(pipeline_stage_loop=stage_loop, memory_guard=False))
     t0 = time.perf_counter()
-    hlo = eng.compiled_step({"input_ids": jax.ShapeDtypeStruct((micro * accum * n, seq), np.int32)}).as_text()
-    return hlo, time.perf_counter() - t0
+    compiled = eng.compiled_step({"input_ids": jax.ShapeDtypeStruct((micro * accum * n, seq), np.int32)})
+    seconds = time.perf_counter() - t0
+    return compiled.as_text(), {"compile_s": round(seconds, 1), "peak_gib": CompiledMemory.of(compiled).peak / 2**30}
 
 
 # name -> engine_hlo arguments: the baseline, the pipeline as it was (a scanned stage), as it is
@@ -209,7 +212,8 @@ def main(argv=None) -> None:
         for name, kw in STEPS.items():
             try:
                 named[name], seconds[name] = engine_hlo(size=args.size, seq=seq, dtype=dtype, **kw)
-                print(f"{name}: compiled in {seconds[name]:.1f} s", flush=True)
+                print(f"{name}: compiled in {seconds[name]['compile_s']} s, predicted peak "
+                      f"{seconds[name]['peak_gib']:.2f} GiB per device", flush=True)
             except Exception as e:  # noqa: BLE001 -- report, and compare the others
                 print(f"{name}: FAILED {type(e).__name__}: {str(e)[:400]}", flush=True)
         if args.dump:
@@ -220,7 +224,7 @@ def main(argv=None) -> None:
                     f.write(hlo)
     print(table(named, args.top))
     if args.json:
-        json.dump({"size": args.size, "compile_s": seconds, "bytes": {n: bytes_by_kind(h) for n, h in named.items()}},
+        json.dump({"size": args.size, "compile": seconds, "bytes": {n: bytes_by_kind(h) for n, h in named.items()}},
                   open(args.json, "w"), indent=1)
 
 
