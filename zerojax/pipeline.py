@@ -13,7 +13,7 @@ Schedule, S stages, M micro-batches, R circular repeats, L layers: the layer sta
 viewed as [R, S, L / (S R), ...], stage s holding the blocks (r, s) -- contiguous blocks, so with
 R = 1 each device keeps exactly its storage shard of the stack. A buffer [S, micro-batch, ...]
 sharded over "pipe" holds each stage's input; every iteration all stages run their block at once
-(one vmapped scan), then the buffer rolls by one stage (`jnp.roll` over the "pipe"-sharded axis,
+(vmapped; a stage's layers unrolled, see `_stage_runner`), then the buffer rolls by one stage (`jnp.roll` over the "pipe"-sharded axis,
 which XLA lowers to a collective-permute) and stage 0 takes the next micro-batch, or, with R > 1,
 the last stage's output of the previous repeat from a ring of M - S + 1 buffers. M R + S - 1
 iterations; each stage idles S - 1 of them: the bubble fraction (S - 1) / (M R + S - 1).
