@@ -7,7 +7,8 @@ instruction of a computation that runs as a program step (the entry, while bodie
 conditional computations) writes its result's bytes, `known_trip_count` times inside a scan's
 loop; a fusion is one kernel whose kind is its fused root op (a fusion rooted at a
 dynamic-update-slice writes in place: only the update's bytes count). Views that move no data
-(parameter, get-tuple-element, tuple, bitcast, constant) write nothing.
+(parameter, get-tuple-element, tuple, bitcast, constant) write nothing. A multi-output fusion
+counts all its outputs in full (an upper bound where one of them is updated in place).
 
     python benchmarks/hlo_bytes.py                # CPU: pipe 2 vs ZeRO-1 on a small GPT-2, 2 devices
     python benchmarks/hlo_bytes.py step.hlo ...   # any optimized HLO text (e.g. dumped on a GPU)
@@ -67,6 +68,9 @@ def writes(hlo: str) -> list[dict]:
             return "fusion:" + rop, nbytes(shape)
         if op == "dynamic-update-slice":
             return op, nbytes(shapes[comp].get(_operands(rest)[1], ""))
+        if op == "custom-call":  # cuBLAS gemms, cuDNN attention, ...: by target
+            m = re.search(r'custom_call_target="([^"]*)"', rest)
+            return f"custom-call:{m.group(1) if m else '?'}", nbytes(shape)
         if op.endswith("-start"):
             return op[: -len("-start")], nbytes(shape)
         return op, nbytes(shape)
