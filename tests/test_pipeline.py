@@ -233,6 +233,12 @@ def test_errors():
         assert "incompatible with pipeline parallelism" in _refusal({**config(2), "zero_optimization": zero})
     msg = _refusal({**config(2, 1), "zero_optimization": {"stage": 1, "offload_optimizer": {"device": "cpu"}}})
     assert "zero_optimization.offload_optimizer.device" in msg and "pipeline.stages" in msg
+    # the stage loop option: its two forms, by name
+    with pytest.raises(ValueError, match=r"pipeline_stage_loop='loop': one of \('unrolled', 'scan'\)"):
+        zerojax.EngineOptions(pipeline_stage_loop="loop")
+    with pytest.raises(ValueError, match="ZEROJAX_PIPELINE_STAGE_LOOP='while'"):
+        zerojax.EngineOptions.from_env({"ZEROJAX_PIPELINE_STAGE_LOOP": "while"})
+    assert zerojax.EngineOptions.from_env({"ZEROJAX_PIPELINE_STAGE_LOOP": "scan"}).pipeline_stage_loop == "scan"
 
 
 def test_batch_rule_counts_data_devices_only():
