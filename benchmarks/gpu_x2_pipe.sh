@@ -100,8 +100,8 @@ if [[ "$PARTS" == *" xl "* ]]; then
 fi
 if [[ "$PARTS" == *" bytes "* ]]; then
   mock=0; [[ $(python3 -c "import jax; print(jax.device_count())") -lt 2 ]] && mock=2
-  timeout 290 python3 benchmarks/hlo_bytes.py --size large --mock-gpus $mock --top 15 \
-      --json "$OUT/hlo_bytes_large.json" --dump "$OUT/hlo" 2>&1 | grep -v "^WARNING\|^I0000\|^E0000"
+  timeout 290 python3 benchmarks/hlo_bytes.py --size large --mock-gpus $mock --top 10 \
+      --json "$OUT/hlo_bytes_large.json" 2>&1 | grep -v "^WARNING\|^I0000\|^E0000"
 fi
 if [[ "$PARTS" == *" profile "* ]]; then
   timeout 300 python3 benchmarks/profile_step.py \

@@ -124,9 +124,11 @@ SMALL = dict(vocab_size=512, n_positions=128, n_embd=256, n_head=4, n_layer=4)  
 
 
 def engine_hlo(pipe: int, micro: int, accum: int, *, size: str = "small-cpu", seq: int = 128,
-               ckpt: int = 0, dtype: str = "bf16", stage_loop: str = "unrolled") -> tuple[str, dict]:
+               ckpt: int = 0, dtype: str = "bf16", stage_loop: str = "unrolled",
+               plain_mesh: bool = False) -> tuple[str, dict]:
     """(optimized HLO text of one step, {compile_s, peak_gib: XLA's predicted peak per device})
-    on all of jax's devices."""
+    on all of jax's devices. plain_mesh: the devices in jax's order, not jax.make_mesh's (which
+    refuses mock GPUs: it takes each mock process for a slice)."""
     import time
 
     import jax
@@ -147,9 +149,16 @@ def engine_hlo(pipe: int, micro: int, accum: int, *, size: str = "small-cpu", se
     if pipe > 1:
         ds["pipeline"] = {"stages": pipe, "activation_checkpoint_interval": ckpt}
     n = jax.device_count() // pipe
+    mesh = None
+    if plain_mesh:
+        from jax.sharding import AxisType, Mesh
+
+        from zerojax.partition import AXES, DATA, PIPE, TENSOR
+        shape, names = ((n, pipe, 1), (DATA, PIPE, TENSOR)) if pipe > 1 else ((n, 1), AXES)
+        mesh = Mesh(np.asarray(jax.devices()).reshape(shape), names, axis_types=(AxisType.Auto,) * len(shape))
     compute = {"bf16": jnp.bfloat16, "fp16": jnp.float16, "f32": jnp.float32}[dtype]
     eng = abstract_engine(lambda: GPT2(config, rngs=nnx.Rngs(0), dtype=compute),
-                                  zerojax.load_config(ds, world_size=n), loss_fn=gpt2_loss,
+                                  zerojax.load_config(ds, world_size=n), loss_fn=gpt2_loss, mesh=mesh,
                                   options=zerojax.EngineOptions(pipeline_stage_loop=stage_loop, memory_guard=False))
     t0 = time.perf_counter()
     compiled = eng.compiled_step({"input_ids": jax.ShapeDtypeStruct((micro * accum * n, seq), np.int32)})
@@ -215,7 +224,8 @@ def main(argv=None) -> None:
         named = {}
         for name, kw in STEPS.items():
             try:
-                named[name], seconds[name] = engine_hlo(size=args.size, seq=seq, dtype=dtype, **kw)
+                named[name], seconds[name] = engine_hlo(size=args.size, seq=seq, dtype=dtype,
+                                                        plain_mesh=bool(args.mock_gpus), **kw)
                 print(f"{name}: compiled in {seconds[name]['compile_s']} s, predicted peak "
                       f"{seconds[name]['peak_gib']:.2f} GiB per device", flush=True)
             except Exception as e:  # noqa: BLE001 -- report, and compare the others
