@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Two-GPU pipeline session (issue #15): pipe 2 against data-parallel ZeRO-1 on the same global
 # batch (32 rows of 1024 tokens a step), bf16, AdamW, GPT-2 Large and XL.
-#   benchmarks/gpu_x2_pipe.sh [ab] [large] [xl] [profile] [bytes]   (no argument: large xl profile,
+#   benchmarks/gpu_x2_pipe.sh [ab] [large] [xl] [profile] [one]   (no argument: large xl profile,
 #   ~8 minutes if entries take s4's 20-30 s; under a 10-minute limit run "large profile", then "xl")
 # ab:      the before/after of issue #15's stage loop in under 300 s: Large zero1 mb8x2 vs pipe 2 at 16
 #          micro-batches of 2 with a stage's layers scanned (EngineOptions.pipeline_stage_loop "scan",
@@ -17,10 +17,10 @@
 #          checkpoints (the memory guard refuses an entry that would not fit: FAILED WillNotFit),
 #          and 16 of 2 with interval 1 (every layer checkpointed, the remat'd zero1's counterpart)
 # profile: benchmarks/profile_step.py on Large pipe 2, 16 of 2: kernels bucketed per step
-# bytes:   benchmarks/hlo_bytes.py on Large (runs on ONE GPU too: compiled for two, not run): bytes
-#          the compiled steps write per device by kind of op, zero1 mb8x2 vs pipe 2 mb2x16 with the
-#          stage's layers scanned (EngineOptions.pipeline_stage_loop "scan", the old form) and
-#          unrolled (the default); compile seconds of each
+# one:     ONE GPU (under 300 s): benchmarks/pipe_stage_loop_1gpu.py on Large, 16 rows of 1024: the
+#          plain model at 2 micro-batches of 8 vs the pipeline's schedule (2 stages on the one device,
+#          8 micro-batches of 2) with a stage's layers scanned (the old form) and unrolled (the
+#          default): ms per step, peak, bytes the compiled steps write by kind of op
 # Columns: tokens/s per GPU, vs the same size's ZeRO-1 (no remat), peak GiB per GPU, matmul TFLOP
 # per GPU per step from the compiled step (benchmarks/hlo_flops.py: every loop iteration counted,
 # so recomputation, bubble iterations and replicated work show; equal global batches, so ZeRO-1's
@@ -73,6 +73,7 @@ PY
 
 SCAN='"env": {"ZEROJAX_PIPELINE_STAGE_LOOP": "scan"}'
 if [[ "$PARTS" == *" ab "* ]]; then
+  echo "== part ab: Large zero1 vs pipe 2, stage loop scanned vs unrolled"
   run ab '[
     {"size": "large", "stage": 1, "micro": 8, "accum": 2},
     {"size": "large", "stage": 1, "pipe": 2, "micro": 2, "accum": 16, '"$SCAN"'},
@@ -98,10 +99,11 @@ if [[ "$PARTS" == *" xl "* ]]; then
     {"size": "xl", "stage": 1, "pipe": 2, "micro": 4, "accum": 8},
     {"size": "xl", "stage": 1, "pipe": 2, "micro": 2, "accum": 16, "ckpt": 1}]'
 fi
-if [[ "$PARTS" == *" bytes "* ]]; then
-  mock=0; [[ $(python3 -c "import jax; print(jax.device_count())") -lt 2 ]] && mock=2
-  timeout 290 python3 benchmarks/hlo_bytes.py --size large --mock-gpus $mock --top 10 \
-      --json "$OUT/hlo_bytes_large.json" 2>&1 | grep -v "^WARNING\|^I0000\|^E0000"
+if [[ "$PARTS" == *" one "* ]]; then
+  echo "== part one: pipe_stage_loop_1gpu.py, Large"
+  timeout 290 python3 benchmarks/pipe_stage_loop_1gpu.py --size large --rows 16 --micro 2 --plain-micro 8 \
+      --json "$OUT/pipe_stage_loop_1gpu_large.json" 2>&1 | grep --line-buffered -v "^WARNING\|^I0000\|^E0000\|^W0000"
+  echo "== part one: done (rc ${PIPESTATUS[0]})"
 fi
 if [[ "$PARTS" == *" profile "* ]]; then
   timeout 300 python3 benchmarks/profile_step.py \

@@ -12,6 +12,7 @@ counts all its outputs in full (an upper bound where one of them is updated in p
 
     python benchmarks/hlo_bytes.py                # CPU: pipe 2 vs ZeRO-1 on a small GPT-2, 2 devices
     python benchmarks/hlo_bytes.py step.hlo ...   # any optimized HLO text (e.g. dumped on a GPU)
+    (one GPU: benchmarks/pipe_stage_loop_1gpu.py times the schedule and prints the same table)
     from hlo_bytes import bytes_by_kind; bytes_by_kind(compiled.as_text())
 """
 from __future__ import annotations
@@ -118,17 +119,15 @@ def top(hlo: str, n: int = 15) -> list[dict]:
 # ---------------------------------------------------------------------------------------------
 # Driver: the steps of benchmarks/gpu_x2_pipe.sh's target (pipe 2 at 16 micro-batches of 2 rows vs
 # ZeRO-1 data 2 at 2 of 8: the same 32-row global batch; bf16, AdamW, no remat), compiled only
-# (an abstract engine holds no memory), on CPU with a small GPT-2 or on one GPU posing as two.
+# (an abstract engine holds no memory), on CPU with a small GPT-2 or on two GPUs.
 
 SMALL = dict(vocab_size=512, n_positions=128, n_embd=256, n_head=4, n_layer=4)  # CPU: seconds
 
 
 def engine_hlo(pipe: int, micro: int, accum: int, *, size: str = "small-cpu", seq: int = 128,
-               ckpt: int = 0, dtype: str = "bf16", stage_loop: str = "unrolled",
-               plain_mesh: bool = False) -> tuple[str, dict]:
+               ckpt: int = 0, dtype: str = "bf16", stage_loop: str = "unrolled") -> tuple[str, dict]:
     """(optimized HLO text of one step, {compile_s, peak_gib: XLA's predicted peak per device})
-    on all of jax's devices. plain_mesh: the devices in jax's order, not jax.make_mesh's (which
-    refuses mock GPUs: it takes each mock process for a slice)."""
+    on all of jax's devices (two or more: a pipeline needs a "pipe" axis)."""
     import time
 
     import jax
@@ -149,17 +148,10 @@ def engine_hlo(pipe: int, micro: int, accum: int, *, size: str = "small-cpu", se
     if pipe > 1:
         ds["pipeline"] = {"stages": pipe, "activation_checkpoint_interval": ckpt}
     n = jax.device_count() // pipe
-    mesh = None
-    if plain_mesh:
-        from jax.sharding import AxisType, Mesh
-
-        from zerojax.partition import AXES, DATA, PIPE, TENSOR
-        shape, names = ((n, pipe, 1), (DATA, PIPE, TENSOR)) if pipe > 1 else ((n, 1), AXES)
-        mesh = Mesh(np.asarray(jax.devices()).reshape(shape), names, axis_types=(AxisType.Auto,) * len(shape))
     compute = {"bf16": jnp.bfloat16, "fp16": jnp.float16, "f32": jnp.float32}[dtype]
     eng = abstract_engine(lambda: GPT2(config, rngs=nnx.Rngs(0), dtype=compute),
-                                  zerojax.load_config(ds, world_size=n), loss_fn=gpt2_loss, mesh=mesh,
-                                  options=zerojax.EngineOptions(pipeline_stage_loop=stage_loop, memory_guard=False))
+                          zerojax.load_config(ds, world_size=n), loss_fn=gpt2_loss,
+                          options=zerojax.EngineOptions(pipeline_stage_loop=stage_loop, memory_guard=False))
     t0 = time.perf_counter()
     compiled = eng.compiled_step({"input_ids": jax.ShapeDtypeStruct((micro * accum * n, seq), np.int32)})
     seconds = time.perf_counter() - t0
@@ -172,15 +164,17 @@ STEPS = {"zero1 mb8x2": dict(pipe=1, micro=8, accum=2),
          "pipe2 mb2x16 unrolled": dict(pipe=2, micro=2, accum=16, stage_loop="unrolled")}
 
 
-def table(named: dict[str, str], n_top: int = 12) -> str:
-    """Per kind, MiB written per step per device in each HLO of `named`, then each one's top ops."""
+def table(named: dict[str, str], n_top: int = 12, min_share: float = 0.0) -> str:
+    """Per kind, MiB written per step per device in each HLO of `named`, then each one's top ops;
+    kinds under `min_share` of the largest total are left out."""
     kinds = {name: bytes_by_kind(hlo) for name, hlo in named.items()}
     order = sorted({k for t in kinds.values() for k in t}, key=lambda k: -max(t.get(k, 0) for t in kinds.values()))
     mib = lambda b: f"{b / 2**20:,.1f}"  # noqa: E731
     width = max([22] + [len(n) + 2 for n in named])
     lines = [f"{'MiB written / step / device':<32}" + "".join(f"{n:>{width}}" for n in named)]
     for k in order:
-        if max(kinds[n].get(k, 0) for n in named) >= 2**20 / 10:
+        floor = max(2**20 / 10, min_share * max(sum(t.values()) for t in kinds.values()))
+        if max(kinds[n].get(k, 0) for n in named) >= floor:
             lines.append(f"{k[:31]:<32}" + "".join(f"{mib(kinds[n].get(k, 0)):>{width}}" for n in named))
     lines.append(f"{'total':<32}" + "".join(f"{mib(sum(kinds[n].values())):>{width}}" for n in named))
     for name, hlo in named.items():
@@ -203,8 +197,6 @@ def main(argv=None) -> None:
     # XLA:CPU computes bf16 in f32: it wraps each in-place update of a bf16 buffer in converts of
     # the whole buffer (its artifact, absent on GPU), so the CPU default is f32
     ap.add_argument("--dtype", default=None, help="bf16, fp16 or f32 (default f32 small-cpu, else bf16)")
-    ap.add_argument("--mock-gpus", type=int, default=0,
-                    help="on a GPU machine, compile for this many GPUs (jax's mock_num_gpu_processes)")
     ap.add_argument("--top", type=int, default=12, help="top ops listed per step")
     ap.add_argument("--json", help="write {name: {kind: bytes}} (and compile seconds) here")
     ap.add_argument("--dump", help="a folder to write the compiled steps' HLO text to")
@@ -213,10 +205,7 @@ def main(argv=None) -> None:
     if args.hlo:
         named = {os.path.basename(p): open(p).read() for p in args.hlo}
     else:
-        if args.mock_gpus:
-            import jax
-            jax.config.update("mock_num_gpu_processes", args.mock_gpus)
-        elif args.size == "small-cpu":
+        if args.size == "small-cpu":
             os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=2").strip()
             os.environ.setdefault("JAX_PLATFORMS", "cpu")
         seq = args.seq or (128 if args.size == "small-cpu" else 1024)
@@ -224,8 +213,7 @@ def main(argv=None) -> None:
         named = {}
         for name, kw in STEPS.items():
             try:
-                named[name], seconds[name] = engine_hlo(size=args.size, seq=seq, dtype=dtype,
-                                                        plain_mesh=bool(args.mock_gpus), **kw)
+                named[name], seconds[name] = engine_hlo(size=args.size, seq=seq, dtype=dtype, **kw)
                 print(f"{name}: compiled in {seconds[name]['compile_s']} s, predicted peak "
                       f"{seconds[name]['peak_gib']:.2f} GiB per device", flush=True)
             except Exception as e:  # noqa: BLE001 -- report, and compare the others
