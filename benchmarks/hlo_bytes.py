@@ -39,6 +39,25 @@ def nbytes(shape: str) -> int:
                for t, dims in _ARRAYS.findall(shape))
 
 
+def _elements(shape: str) -> list[str]:
+    """The top-level elements of a tuple shape's text ("(a, (b, c), d)" -> [a, (b, c), d])."""
+    if not shape.startswith("("):
+        return [shape]
+    out, depth, start = [], 0, 1
+    for i, ch in enumerate(shape):
+        if ch in "([{":
+            depth += 1
+        elif ch in ")]}":
+            depth -= 1
+            if depth == 0:
+                out.append(shape[start:i].strip())
+                break
+        elif ch == "," and depth == 1:
+            out.append(shape[start:i].strip())
+            start = i + 1
+    return out
+
+
 def _called(rest: str, key: str) -> list[str]:
     m = re.search(key + r"=\{?([%\w.\-, ]+)\}?", rest)
     return [c.strip().lstrip("%") for c in m.group(1).split(",")] if m else []
@@ -53,6 +72,11 @@ def writes(hlo: str) -> list[dict]:
     out: list[dict] = []
 
     def kind_of(op: str, rest: str, comp: str, shape: str) -> tuple[str, int]:
+        if op.endswith("-start"):
+            # an async op's result is ((operands), outputs, context): only the outputs are written
+            # (GPU: fusion-start / all-reduce-start ...; its -done writes nothing more)
+            parts = _elements(shape)
+            return kind_of(op[: -len("-start")], rest, comp, parts[1] if len(parts) > 2 else shape)
         if op == "fusion":
             fused = _called(rest, "calls")
             root = roots.get(fused[0]) if fused else None
@@ -72,8 +96,6 @@ def writes(hlo: str) -> list[dict]:
         if op == "custom-call":  # cuBLAS gemms, cuDNN attention, ...: by target
             m = re.search(r'custom_call_target="([^"]*)"', rest)
             return f"custom-call:{m.group(1) if m else '?'}", nbytes(shape)
-        if op.endswith("-start"):
-            return op[: -len("-start")], nbytes(shape)
         return op, nbytes(shape)
 
     def walk(comp: str, trips: int, seen: tuple = ()):
@@ -92,7 +114,7 @@ def writes(hlo: str) -> list[dict]:
             if op in ("call", "async-start") or (op == "custom-call" and "called_computations" in rest):
                 for c in _called(rest, "calls") + _called(rest, "to_apply"):
                     walk(c, trips, seen + (comp,))
-            if op in _FREE:
+            if op in _FREE or op.endswith("-done"):
                 continue
             kind, b = kind_of(op, rest, comp, shape)
             out.append(dict(comp=comp, name=name, kind=kind, shape=re.sub(r"\{[\d,]*\}", "", shape)[:120],
