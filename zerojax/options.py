@@ -56,7 +56,9 @@ class EngineOptions:
         "unrolled" (one copy of the layer per layer in the compiled step: each layer's saved
         activations go straight into the step's stacked buffers) or "scan" (a loop over them,
         compiled once: its stacked activations are copied into the step's buffers and out again
-        every iteration, issue #15). Trades compile time for step time.
+        every iteration, issue #15). Trades compile time for step time: GPT-2 Large's schedule
+        (2 stages, 8 micro-batches of 2 x 1024 tokens, one H200) ran 425 ms a step unrolled vs
+        436 scanned, peak 71.3 vs 77.7 GiB, compiled in 16 vs 4 s.
     memory_guard [True]: before the first step of each batch shape, compare XLA's predicted peak
         with the device's memory and raise WillNotFitError instead of running out mid-step.
     plans_for [None]: `plans_for(engine, batch_shapes, budget) -> plans` called when the guard
