@@ -18,7 +18,7 @@ from zerojax.models.gpt2 import GPT2, GPT2Config, gpt2_loss
 from tiny_mlp import MLP, loss_fn as mlp_loss  # noqa: E402 (tests/ is on sys.path under pytest)
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks"))
-from hlo_flops import matmul_flops  # noqa: E402
+from hlo_flops import matmul_flops, parse  # noqa: E402
 
 MODEL = GPT2Config.named("tiny", vocab_size=64, n_positions=16, n_embd=32, n_head=2, n_layer=8)
 ROWS, SEQ, GA, STEPS, LR = 32, 16, 4, 3, 0.1
@@ -45,9 +45,9 @@ def model():
     return GPT2(MODEL, rngs=nnx.Rngs(0))
 
 
-def engine(stages, repeats=1, zero_stage=0, ckpt=0):
+def engine(stages, repeats=1, zero_stage=0, ckpt=0, stage_loop="unrolled"):
     return zerojax.shard(model, config(stages, zero_stage, ckpt), loss_fn=gpt2_loss,
-                         options=zerojax.EngineOptions(pipeline_repeats=repeats))
+                         options=zerojax.EngineOptions(pipeline_repeats=repeats, pipeline_stage_loop=stage_loop))
 
 
 def batches():
@@ -59,15 +59,15 @@ def host(tree):
     return jax.tree.map(lambda a: np.asarray(jax.device_get(a)), tree)
 
 
-def trained(stages, repeats=1, zero_stage=0, ckpt=0):
+def trained(stages, repeats=1, zero_stage=0, ckpt=0, stage_loop="unrolled"):
     """(engine, per-step losses and grad norms, weights after step 1, weights after STEPS steps),
     one training run per setting (the cache key spells out every argument)."""
-    return _trained(stages, repeats, zero_stage, ckpt)
+    return _trained(stages, repeats, zero_stage, ckpt, stage_loop)
 
 
 @functools.lru_cache(maxsize=None)
-def _trained(stages, repeats, zero_stage, ckpt):
-    eng = engine(stages, repeats, zero_stage, ckpt)
+def _trained(stages, repeats, zero_stage, ckpt, stage_loop):
+    eng = engine(stages, repeats, zero_stage, ckpt, stage_loop)
     metrics, first = [], None
     for i, b in enumerate(batches()):
         m = eng.train_step(b)
@@ -82,9 +82,10 @@ def _trained(stages, repeats, zero_stage, ckpt):
 CASES = [(2, 1, 0, 0), (4, 1, 1, 2), (2, 2, 1, 0), (4, 2, 0, 1)]
 
 
-@pytest.mark.parametrize("stages,repeats,zero_stage,ckpt", CASES)
-def test_pipelined_steps_match_the_plain_model(stages, repeats, zero_stage, ckpt):
-    eng, metrics, first, last = trained(stages, repeats, zero_stage, ckpt)
+@pytest.mark.parametrize("stages,repeats,zero_stage,ckpt,stage_loop",
+                         [(*c, "unrolled") for c in CASES] + [(2, 2, 1, 0, "scan")])
+def test_pipelined_steps_match_the_plain_model(stages, repeats, zero_stage, ckpt, stage_loop):
+    eng, metrics, first, last = trained(stages, repeats, zero_stage, ckpt, stage_loop)
     _, ref_metrics, ref_first, ref_last = trained(1, 1, zero_stage)
     assert eng.pipeline.stages == stages and eng.mesh.shape["pipe"] == stages
     assert eng.mesh.shape["data"] == 8 // stages
@@ -98,6 +99,36 @@ def test_pipelined_steps_match_the_plain_model(stages, repeats, zero_stage, ckpt
     # ZeRO-1: the fp32 master / momentum split over "data" too (the stacked layers: over "pipe")
     spec = eng.shardings.master["h"]["mlp"]["c_fc"]["kernel"].spec
     assert spec[0] == "pipe" and (("data" in spec) == (zero_stage == 1)), spec
+
+
+def _loops(hlo: str):
+    """{while body: (trip count, [trip counts of the while loops directly in that body])}."""
+    comps = parse(hlo)["computations"]
+    trips = lambda rest: int((re.search(r'"known_trip_count":\{"n":"(\d+)"\}', rest) or [0, 0])[1])  # noqa: E731
+    body = lambda rest: re.search(r"body=%?([\w.\-]+)", rest).group(1)  # noqa: E731
+    loops = {}
+    for ins in comps.values():
+        for _, _, op, rest in ins:
+            if op == "while":
+                inner = [trips(r) for _, _, o, r in comps[body(rest)] if o == "while"]
+                loops[body(rest)] = (trips(rest), inner)
+    return loops
+
+
+@pytest.mark.parametrize("stage_loop", ["unrolled", "scan"])
+def test_a_stage_runs_its_layers_unrolled(stage_loop):
+    """With no checkpoints a stage's layers run unrolled inside each pipeline iteration
+    (EngineOptions.pipeline_stage_loop's default): no loop over them nested in the iterations'
+    loops, forward or backward. Why: a nested loop keeps its saved activations in a stack of its
+    own, which the iterations' loop copies into its stack every iteration and back out in the
+    backward pass (issue #15: the copies were a third of a GPT-2 Large step on 2 H200s).
+    "scan" (the old form, kept as an option: it compiles one layer) nests them."""
+    eng = trained(2, 2, 1, 0, stage_loop)[0]
+    per = MODEL.n_layer // (2 * 2)
+    iterations = [inner for trips, inner in _loops(eng.compiled_step(SHAPES).as_text()).values()
+                  if trips == eng.pipeline.iterations]
+    assert len(iterations) >= 2, iterations  # the forward and the backward pass
+    assert all((per in inner) == (stage_loop == "scan") for inner in iterations), iterations
 
 
 def _collectives(hlo: str):
@@ -202,6 +233,12 @@ def test_errors():
         assert "incompatible with pipeline parallelism" in _refusal({**config(2), "zero_optimization": zero})
     msg = _refusal({**config(2, 1), "zero_optimization": {"stage": 1, "offload_optimizer": {"device": "cpu"}}})
     assert "zero_optimization.offload_optimizer.device" in msg and "pipeline.stages" in msg
+    # the stage loop option: its two forms, by name
+    with pytest.raises(ValueError, match=r"pipeline_stage_loop='loop': one of \('unrolled', 'scan'\)"):
+        zerojax.EngineOptions(pipeline_stage_loop="loop")
+    with pytest.raises(ValueError, match="ZEROJAX_PIPELINE_STAGE_LOOP='while'"):
+        zerojax.EngineOptions.from_env({"ZEROJAX_PIPELINE_STAGE_LOOP": "while"})
+    assert zerojax.EngineOptions.from_env({"ZEROJAX_PIPELINE_STAGE_LOOP": "scan"}).pipeline_stage_loop == "scan"
 
 
 def test_batch_rule_counts_data_devices_only():

@@ -306,7 +306,7 @@ def _pipeline_layout(module, cfg, mesh, options, abstract_master, accum_dtype):
                 "`layer_scan` attribute" if not hooked else "stacked (scanned) layer parameters")
             + "; use pipeline.stages 1 (data parallelism with ZeRO) for it"))
     schedule = PipelineSchedule(stages=stages, microbatches=int(cfg.gradient_accumulation_steps),
-                                repeats=options.pipeline_repeats,
+                                repeats=options.pipeline_repeats, stage_loop=options.pipeline_stage_loop,
                                 checkpoint_interval=int(cfg.pipeline.activation_checkpoint_interval),
                                 grad_accum_dtype=jnp.dtype(accum_dtype).name)
     problems = schedule_problems(layers, stages, schedule.microbatches, schedule.repeats,

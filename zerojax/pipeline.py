@@ -13,7 +13,7 @@ Schedule, S stages, M micro-batches, R circular repeats, L layers: the layer sta
 viewed as [R, S, L / (S R), ...], stage s holding the blocks (r, s) -- contiguous blocks, so with
 R = 1 each device keeps exactly its storage shard of the stack. A buffer [S, micro-batch, ...]
 sharded over "pipe" holds each stage's input; every iteration all stages run their block at once
-(one vmapped scan), then the buffer rolls by one stage (`jnp.roll` over the "pipe"-sharded axis,
+(vmapped; a stage's layers unrolled, see `_stage_runner`), then the buffer rolls by one stage (`jnp.roll` over the "pipe"-sharded axis,
 which XLA lowers to a collective-permute) and stage 0 takes the next micro-batch, or, with R > 1,
 the last stage's output of the previous repeat from a ring of M - S + 1 buffers. M R + S - 1
 iterations; each stage idles S - 1 of them: the bubble fraction (S - 1) / (M R + S - 1).
@@ -64,6 +64,7 @@ class PipelineSchedule:
     repeats: int = 1    # circular repeats (EngineOptions.pipeline_repeats)
     checkpoint_interval: int = 0  # pipeline.activation_checkpoint_interval (0: no checkpoints)
     grad_accum_dtype: str | None = None  # the stages' weight gradients summed over micro-batches in it
+    stage_loop: str = "unrolled"  # EngineOptions.pipeline_stage_loop: a stage's layers unrolled or scanned
 
     @property
     def iterations(self) -> int:
@@ -117,20 +118,29 @@ def _blocks_at(blocks, rep):
     return jax.tree.map(pick, blocks)
 
 
-def _stage_runner(body, per: int, interval: int):
+def _stage_runner(body, per: int, interval: int, unrolled: bool):
     """`run(h, weights [per, ...]) -> h`: one stage's `per` layers in turn; with interval N > 0
-    in checkpointed groups of min(N, per) layers (each group saves only its input)."""
-    def layers(h, weights):
-        return jax.lax.scan(lambda h, p: (body(h, p), None), h, weights)[0]
+    in checkpointed groups of min(N, per) layers (each group saves only its input).
+
+    unrolled: the stage's layers (or groups) as straight-line code rather than a loop. Why: the
+    pipeline's iterations are a scan too, and a scan nested in a scan saves its activations
+    twice over -- the inner loop stacks them in a buffer of its own, which the outer loop then
+    copies into its stack each iteration, and the backward pass copies each iteration's slice
+    back out before the inner backward loop reads it. Unrolled, each layer's activations go
+    straight into the outer stack (benchmarks/hlo_bytes.py counts the bytes; issue #15)."""
+    def layers(h, weights, unroll=1):
+        return jax.lax.scan(lambda h, p: (body(h, p), None), h, weights, unroll=unroll)[0]
 
     if not interval:
-        return layers
+        return lambda h, weights: layers(h, weights, unroll=per if unrolled else 1)
     group = min(interval, per)
-    layers = jax.checkpoint(layers, policy=jax.checkpoint_policies.nothing_saveable, prevent_cse=False)
+    # a group is recomputed in the backward pass, its activations transient: its loop stays a loop
+    group_layers = jax.checkpoint(layers, policy=jax.checkpoint_policies.nothing_saveable, prevent_cse=False)
 
     def grouped(h, weights):
         weights = jax.tree.map(lambda a: a.reshape(per // group, group, *a.shape[1:]), weights)
-        return jax.lax.scan(lambda h, w: (layers(h, w), None), h, weights)[0]
+        return jax.lax.scan(lambda h, w: (group_layers(h, w), None), h, weights,
+                            unroll=per // group if unrolled else 1)[0]
 
     return grouped
 
@@ -175,7 +185,8 @@ def pipeline_scan(schedule: PipelineSchedule, mesh: Mesh):
         # over "pipe" made XLA all-reduce each iteration's micro-batch gradient inside the loop
         xs = split_microbatches(x, M, mesh)
         xs = constrain(jnp.where(first_stage[:, None], xs[None], jnp.zeros((), x.dtype)), PIPE, None, DATA)
-        run_stages = jax.vmap(_stage_runner(body, per, schedule.checkpoint_interval))
+        run_stages = jax.vmap(_stage_runner(body, per, schedule.checkpoint_interval,
+                                            unrolled=schedule.stage_loop == "unrolled"))
         ring = M - S + 1 if R > 1 else 0   # stage 0 takes the last stage's output this many iterations later
 
         def iteration(carry, t):
