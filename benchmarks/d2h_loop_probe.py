@@ -25,6 +25,8 @@ benchmarks/pcie_probe.py). This probe times, over L layer slices of a stacked fp
                output is a fresh stack, the donated input freed after the loop
   scan_ys_u2   the same, unroll=2 (two layers a loop iteration: room to overlap one layer's
                write with the next one's read)
+  scan_ys3     scan_ys over three stacks of a third of the bytes each (master and two moments)
+  pingpong_u2  pingpong with the fori_loop unrolled by 2
 
 Flag sets (--sweep: one process each, since XLA reads XLA_FLAGS once): default, the latency-
 hiding scheduler (lhs), lhs + while-loop double buffering (dbuf), lhs + pipelined host offloading
@@ -44,12 +46,12 @@ import subprocess
 import sys
 import time
 
-DEFAULT_FORMS = "read_only,write_only,dus_put,list,pingpong,scan_ys,scan_ys_u2"
+DEFAULT_FORMS = "read_only,write_only,dus_put,list,pingpong,pingpong_u2,scan_ys,scan_ys_u2,scan_ys3"
 LHS = "--xla_gpu_enable_latency_hiding_scheduler=true"
 FLAG_SETS = {   # name -> (XLA flags, forms worth timing under them), in the order --sweep runs them
     "default": ("", DEFAULT_FORMS),
-    "pipe": (f"{LHS} --xla_gpu_enable_pipelined_host_offloading=true", "dus_put,pingpong,scan_ys,scan_ys_u2"),
-    "lhs": (LHS, "dus_put,list,pingpong,scan_ys,scan_ys_u2"),
+    "pipe": (f"{LHS} --xla_gpu_enable_pipelined_host_offloading=true", "dus_put,pingpong,scan_ys,scan_ys_u2,scan_ys3"),
+    "lhs": (LHS, "dus_put,list,pingpong,pingpong_u2,scan_ys,scan_ys_u2"),
     "dbuf": (f"{LHS} --xla_gpu_enable_while_loop_double_buffering=true", "dus_put,pingpong,scan_ys"),
     "hmo": ("--xla_gpu_enable_host_memory_offloading=true", "dus_put,scan_ys"),
 }
@@ -130,10 +132,12 @@ def build_forms(L, n, dev, host):
         return call
     forms["two_stacks"] = (swapped(jax.jit(two_stacks, donate_argnums=0, out_shardings=(host, host))), pair, True)
 
-    def pingpong(bs):
+    def pingpong(bs, unroll=1):
         src, dst = bs
-        return src, jax.lax.fori_loop(0, L, lambda j, dst: back(dst, read(src, j) + 1, j), dst)
+        return src, jax.lax.fori_loop(0, L, lambda j, dst: back(dst, read(src, j) + 1, j), dst, unroll=unroll)
     forms["pingpong"] = (swapped(jax.jit(pingpong, donate_argnums=0, out_shardings=(host, host))), pair, True)
+    forms["pingpong_u2"] = (swapped(jax.jit(lambda bs: pingpong(bs, 2), donate_argnums=0,
+                                            out_shardings=(host, host))), pair, True)
 
     def parts():
         return [jax.jit(lambda: jnp.zeros((n,), jnp.float32), out_shardings=host)() for _ in range(L)]
@@ -146,6 +150,15 @@ def build_forms(L, n, dev, host):
     forms["scan_ys"] = (jax.jit(scan_ys, donate_argnums=0, out_shardings=host), zeros_stack, True)
     forms["scan_ys_u2"] = (jax.jit(lambda b: scan_ys(b, 2), donate_argnums=0, out_shardings=host),
                            zeros_stack, True)
+
+    # the update's shape: three stacks (master, two moments), a third of the bytes each
+    def three():
+        return jax.jit(lambda: [jnp.zeros((L, n // 3), jnp.float32)] * 3, out_shardings=[host] * 3)()
+
+    def scan_ys3(bs):
+        body = lambda c, xs: (c, [jax.device_put(jax.device_put(x, dev) + 1, host) for x in xs])  # noqa: E731
+        return jax.lax.scan(body, None, bs)[1]
+    forms["scan_ys3"] = (jax.jit(scan_ys3, donate_argnums=0, out_shardings=[host] * 3), three, True)
     return forms
 
 
