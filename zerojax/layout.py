@@ -249,8 +249,7 @@ def _build_layout(module, cfg: Config, *, loss_fn, mesh: Mesh, options) -> Engin
                  "layer_scan": O.prefetch_scan if options.offload_prefetch else None})
         offload_step = OffloadStep(layout=off, tx=tx, scaler=scaler, clip=float(cfg.gradient_clipping or 0.0),
                                    param_shardings=param_shardings if offload_param else None,
-                                   write_pieces=options.offload_write_pieces, nvme=nvme,
-                                   loop=options.offload_loop)
+                                   write_pieces=options.offload_write_pieces, nvme=nvme)
     else:
         opt_shardings = partition.opt_state_shardings(tx, abstract_master, shardings.master, mesh)
     if (stage == 3 and not offload_param and partition.data_size(mesh) > 1 and options.stage3_gather == "layer"

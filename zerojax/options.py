@@ -18,7 +18,6 @@ from typing import Any, Callable, Mapping
 
 STAGE3_GATHER_MODES = ("layer", "auto")
 ADAM_MU_DTYPES = (None, "bfloat16")
-OFFLOAD_LOOPS = ("in_place", "scan")   # zerojax.offload.update.streamed_update's `loop`
 
 
 @dataclasses.dataclass(frozen=True)
@@ -40,13 +39,6 @@ class EngineOptions:
         host chunks of consecutive groups, updated side by side by the one update loop (a group
         of each per iteration), so one chunk's write-back need not wait for another's read. Must
         divide the group count (offload_chunks, or the layer count).
-    offload_loop ["in_place"]: optimizer offload: how the layers' state is streamed through the
-        device. "in_place": a fori_loop writing each layer back into its donated host buffers
-        by dynamic_update_slice; "scan": a lax.scan whose outputs are the new host stacks (XLA's
-        activation-offload shape, so the writes may run beside the next layer's read), with the
-        new stacks beside the old ones in host memory until the step ends (twice the offloaded
-        layers' state, briefly). "scan" needs one layer a group (offload_chunks None or the
-        layer count); elsewhere "in_place" runs.
     adam_mu_dtype [None]: Adam/AdamW's first moment stored in this dtype ("bfloat16"), updated
         and used in fp32 within the step: 2 bytes less per parameter in memory (and, under
         optimizer offload, each way over PCIe: 10 bytes instead of 12). Changes training slightly
@@ -70,7 +62,6 @@ class EngineOptions:
     offload_prefetch: bool = True
     offload_write_pieces: int = 0
     offload_streams: int = 1
-    offload_loop: str = "in_place"
     adam_mu_dtype: str | None = None
     stage3_gather: str = "layer"
     init_group_bytes: int | None = None
@@ -94,8 +85,6 @@ class EngineOptions:
         for name in ("offload_prefetch", "memory_guard"):
             if not isinstance(getattr(self, name), bool):
                 problems.append(f"{name}={getattr(self, name)!r}: True or False")
-        if self.offload_loop not in OFFLOAD_LOOPS:
-            problems.append(f"offload_loop={self.offload_loop!r}: one of {OFFLOAD_LOOPS}")
         if self.adam_mu_dtype not in ADAM_MU_DTYPES:
             problems.append(f"adam_mu_dtype={self.adam_mu_dtype!r}: one of {ADAM_MU_DTYPES}")
         if self.offload_write_pieces == 1:
@@ -114,7 +103,7 @@ class EngineOptions:
         """Options from the ZEROJAX_* environment variables (benchmark scripts), then `overrides`.
 
         ZEROJAX_OFFLOAD_CHUNKS, _OFFLOAD_UNROLL, _OFFLOAD_PREFETCH, _OFFLOAD_WRITE_PIECES,
-        _OFFLOAD_STREAMS, _OFFLOAD_LOOP, _ADAM_MU_DTYPE, _STAGE3_GATHER, _INIT_GROUP_BYTES, _MEMORY_GUARD.
+        _OFFLOAD_STREAMS, _ADAM_MU_DTYPE, _STAGE3_GATHER, _INIT_GROUP_BYTES, _MEMORY_GUARD.
         Booleans accept 1/0, true/false, yes/no, on/off; anything else is an error naming the
         variable and the values it takes.
         """
@@ -182,7 +171,6 @@ _ENV = {
     "offload_prefetch": ("ZEROJAX_OFFLOAD_PREFETCH", _bool),
     "offload_write_pieces": ("ZEROJAX_OFFLOAD_WRITE_PIECES", _int),
     "offload_streams": ("ZEROJAX_OFFLOAD_STREAMS", _int),
-    "offload_loop": ("ZEROJAX_OFFLOAD_LOOP", _choice(OFFLOAD_LOOPS)),
     "adam_mu_dtype": ("ZEROJAX_ADAM_MU_DTYPE", _choice(("bfloat16",))),
     "stage3_gather": ("ZEROJAX_STAGE3_GATHER", _choice(STAGE3_GATHER_MODES)),
     "init_group_bytes": ("ZEROJAX_INIT_GROUP_BYTES", _positive_or_none),

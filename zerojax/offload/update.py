@@ -9,8 +9,8 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 from zerojax.offload.chunks import (OffloadLayout, OffloadState, from_chunks, is_none, to_chunks,
                                     unsplit_layers)
-from zerojax.offload.memory_kinds import DEVICE, is_host, is_sharding, layer_shardings, with_memory_kind
-from zerojax.options import OFFLOAD_LOOPS
+from zerojax.offload.memory_kinds import DEVICE, is_host, is_sharding, with_memory_kind
+
 
 
 def _to(tree, shardings, kind):
@@ -112,61 +112,6 @@ def _loop_update(tx, cs, gs, ms, ss, cps, m_shs, s_shs, *, kind, compute_dtype, 
     return [(m, p[2].unflatten(s_l), cp) for (m, s_l, cp), p in zip(out, plans)]
 
 
-def _scan_applies(cs, m_shs) -> bool:
-    """Whether `_scan_update` can run these loop chunks: one layer a group (the scan's iteration
-    is a layer) and the layers axis unsplit in every master leaf (a stacked scan output is)."""
-    one_layer = all(c.loop == c.hi - c.lo for c in cs)
-    specs = [tuple(s.spec) for m_sh in m_shs for s in jax.tree.leaves(m_sh, is_leaf=is_sharding)]
-    return one_layer and all(not sp or sp[0] is None for sp in specs)
-
-
-def _scan_update(tx, cs, gs, ms, ss, m_shs, s_shs, *, kind, compute_dtype, skip, grad_scale, compute_kind):
-    """Loop chunks `cs` (one layer a group, see `_scan_applies`) updated by one `lax.scan` over the
-    layers: the stored stacks are the scan's inputs (each layer's slice brought to the device) and
-    each layer's new master / state / compute copy a scan *output*, put in host memory (`kind`) by
-    the body. XLA stacks those outputs into fresh host buffers: the shape of its activation
-    offloading, whose writes it may run on a copy stream while the next layer is read, where the
-    in-place loop's write j and read j+1 touch one buffer and wait for each other (issue #18).
-    Host memory: the new stacks exist beside the donated old ones until the step ends.
-
-    State leaves without the layers dim (counts) are read from the step's input by every layer
-    and carried out (each layer computes the same new value)."""
-    plans, xs, carry = [], [], []
-    for c, m, s, g, m_sh, s_sh in zip(cs, ms, ss, gs, m_shs, s_shs):
-        n = c.hi - c.lo
-        s_leaves, s_def = jax.tree.flatten(s)
-        stacked = [x.ndim >= 1 and x.shape[0] == n for x in s_leaves]
-        s_one = [layer_shardings(x) if f else x for x, f in zip(s_def.flatten_up_to(s_sh), stacked)]
-        plans.append((s_leaves, s_def, stacked, s_one, layer_shardings(m_sh)))
-        xs.append((m, [x for x, f in zip(s_leaves, stacked) if f], g))
-        carry.append([x for x, f in zip(s_leaves, stacked) if not f])
-
-    def one(plan, x):
-        s_leaves, s_def, stacked, s_one, m_one = plan
-        m, s_stacked, g = x
-        it = iter(s_stacked)
-        st = [next(it) if f else x0 for x0, f in zip(s_leaves, stacked)]
-        mm = _to(m, m_one, DEVICE)
-        st = jax.device_put(st, [x.with_memory_kind(DEVICE) for x in s_one])
-        mm, st, cc = _apply(tx, _grads_in(g, m_one), s_def.unflatten(st), mm, compute_dtype, skip, grad_scale)
-        st = jax.device_put(jax.tree.leaves(st), [x.with_memory_kind(kind) for x in s_one])
-        if compute_kind is not None:
-            cc = _to(cc, m_one, compute_kind)
-        return ([x for x, f in zip(st, stacked) if not f],
-                (_to(mm, m_one, kind), [x for x, f in zip(st, stacked) if f], cc))
-
-    def body(_, x):
-        outs = [one(p, xi) for p, xi in zip(plans, x)]
-        return [o[0] for o in outs], [o[1] for o in outs]
-
-    carry, ys = jax.lax.scan(body, carry, xs)
-    out = []
-    for (s_leaves, s_def, stacked, _, _), flat, (m, s_stacked, cp) in zip(plans, carry, ys):
-        it_s, it_f = iter(s_stacked), iter(flat)
-        out.append((m, s_def.unflatten([next(it_s) if f else next(it_f) for f in stacked]), cp))
-    return out
-
-
 def _empty_like(m, m_sh, compute_dtype, compute_kind):
     """A compute-copy buffer for a loop chunk when no previous compute params are given."""
     z = jax.tree.map(lambda x: None if x is None else jnp.zeros(x.shape, compute_dtype), m, is_leaf=is_none)
@@ -177,28 +122,22 @@ def _empty_like(m, m_sh, compute_dtype, compute_kind):
 
 
 def _all_loops(tx, loops, layout, g_chunks, state, off, init_chunks, out_c, out_m, out_s, *, compute_dtype,
-               skip, grad_scale, compute_kind, loop="in_place"):
-    """The loop chunks (indices `loops`) updated together, by `_scan_update` (loop "scan", where
-    it applies) or `_loop_update`; results into out_*."""
+               skip, grad_scale, compute_kind):
+    """The loop chunks (indices `loops`) updated by one `_loop_update`; results into out_*."""
+    cps = [init_chunks[i] if init_chunks is not None
+           else _empty_like(state.master[i], off.master_shardings[i], compute_dtype, compute_kind)
+           for i in loops]
     pick = lambda xs: [xs[i] for i in loops]  # noqa: E731
-    kw = dict(kind=off.kind, compute_dtype=compute_dtype, skip=skip, grad_scale=grad_scale,
-              compute_kind=compute_kind)
-    if loop == "scan" and _scan_applies(pick(layout.chunks), pick(off.master_shardings)):
-        done = _scan_update(tx, pick(layout.chunks), pick(g_chunks), pick(state.master), pick(state.opt_state),
-                            pick(off.master_shardings), pick(off.state_shardings), **kw)
-    else:
-        cps = [init_chunks[i] if init_chunks is not None
-               else _empty_like(state.master[i], off.master_shardings[i], compute_dtype, compute_kind)
-               for i in loops]
-        done = _loop_update(tx, pick(layout.chunks), pick(g_chunks), pick(state.master), pick(state.opt_state),
-                            cps, pick(off.master_shardings), pick(off.state_shardings), **kw)
+    done = _loop_update(tx, pick(layout.chunks), pick(g_chunks), pick(state.master), pick(state.opt_state),
+                        cps, pick(off.master_shardings), pick(off.state_shardings), kind=off.kind,
+                        compute_dtype=compute_dtype, skip=skip, grad_scale=grad_scale, compute_kind=compute_kind)
     for i, (m, s, cp) in zip(loops, done):
         out_m[i], out_s[i], out_c[i] = m, s, cp
 
 
 def streamed_update(tx, grads, state: OffloadState, off: OffloadLayout, *,
                     compute_dtype=jnp.bfloat16, skip=None, grad_scale=None, compute_kind=None,
-                    compute_init=None, write_pieces: int = 0, nvme=None, loop: str = "in_place"):
+                    compute_init=None, write_pieces: int = 0, nvme=None):
     """One optimizer step over offloaded chunks; call inside the step's jit.
 
     tx: an elementwise optax transform (no global-norm clipping inside: clip `grads` before).
@@ -214,13 +153,8 @@ def streamed_update(tx, grads, state: OffloadState, off: OffloadLayout, *,
         array; >= 2 = written into its donated host buffer in that many pieces (`_write_in_place`).
     nvme: an `nvme_tier.NvmeTier`: its loop chunk's master and moments live in swap files
         (`nvme_loop_update`); the state holds None there.
-    loop: how the layer chunks are updated: "in_place" (a fori_loop writing each group back into
-        its donated host buffers, `_loop_update`) or "scan" (a lax.scan whose outputs are the new
-        host stacks, `_scan_update`; one layer a group only, else "in_place" runs).
     -> (compute params tree in `compute_dtype`, new OffloadState in place).
     """
-    if loop not in OFFLOAD_LOOPS:
-        raise ValueError(f"streamed_update(loop={loop!r}): one of {OFFLOAD_LOOPS} (EngineOptions.offload_loop)")
     layout = off.layout
     g_chunks = to_chunks(grads, layout)
     init_chunks = to_chunks(compute_init, layout) if compute_init is not None else None
@@ -239,7 +173,7 @@ def streamed_update(tx, grads, state: OffloadState, off: OffloadLayout, *,
             if i == loops[0]:  # every loop chunk in one fori_loop, traced where the first one is
                 _all_loops(tx, loops, layout, g_chunks, state, off, init_chunks, out_c, out_m, out_s,
                            compute_dtype=compute_dtype, skip=skip, grad_scale=grad_scale,
-                           compute_kind=compute_kind, loop=loop)
+                           compute_kind=compute_kind)
             continue
         # the whole chunk at once (the rest leaves; the device chunk, with no transfer)
         m_sh, s_sh = off.master_shardings[i], off.state_shardings[i]
