@@ -27,6 +27,16 @@ benchmarks/pcie_probe.py). This probe times, over L layer slices of a stacked fp
                write with the next one's read)
   scan_ys3     scan_ys over three stacks of a third of the bytes each (master and two moments)
   pingpong_u2  pingpong with the fori_loop unrolled by 2
+  gated        L separate arrays, unrolled; array j+1's read gated on array j's result by an
+               optimization barrier, so it is issued beside array j's write-back (whole-array
+               copies, which benchmarks/pcie_probe.py saw overlap); gated2: the next update also
+               waits for both; gated_stack: the same on slices of two stacks (static indices)
+
+Measured on one H200 (JAX 0.11.2, 36 x 128 MiB, 4.8 GB each way; benchmarks/measured/2026-12-01-s6/):
+reads alone 89 ms (54.3 GB/s), writes alone 90 ms (54.0); dus_put, list, pingpong, pingpong_u2
+178 ms (27.2 GB/s each way = the two one after the other) under every flag set, also where the
+pipelined-host-offloading flag did rotate the write of j-1 beside the read of j+1 in the loop body
+(its optimised HLO); scan_ys / scan_ys3 727-829 ms (5.8-6.6 GB/s); scan_ys_u2 an XLA layout error.
 
 Flag sets (--sweep: one process each, since XLA reads XLA_FLAGS once): default, the latency-
 hiding scheduler (lhs), lhs + while-loop double buffering (dbuf), lhs + pipelined host offloading
@@ -54,6 +64,8 @@ FLAG_SETS = {   # name -> (XLA flags, forms worth timing under them), in the ord
     "lhs": (LHS, "dus_put,list,pingpong,pingpong_u2,scan_ys,scan_ys_u2"),
     "dbuf": (f"{LHS} --xla_gpu_enable_while_loop_double_buffering=true", "dus_put,pingpong,scan_ys"),
     "hmo": ("--xla_gpu_enable_host_memory_offloading=true", "dus_put,scan_ys"),
+    "gated": ("", "list,gated,gated2,gated_stack"),
+    "gated_lhs": (LHS, "gated,gated_stack"),
 }
 SLOW_S = 3.0  # a first call slower than this is timed once (the pathological forms take 40 s a call)
 
@@ -143,6 +155,43 @@ def build_forms(L, n, dev, host):
         return [jax.jit(lambda: jnp.zeros((n,), jnp.float32), out_shardings=host)() for _ in range(L)]
     forms["list"] = (jax.jit(lambda xs: [jax.device_put(jax.device_put(x, dev) + 1, host) for x in xs],
                              donate_argnums=0, out_shardings=[host] * L), parts, True)
+
+    def gated(xs, done_too=False):
+        """Unrolled over L separate arrays; array j+1's read is gated on array j's result by an
+        optimization barrier, so it is issued beside array j's write-back (a pair of whole-array
+        copies, which pcie_probe.py saw overlap at 51 GB/s each way); done_too: the next update
+        also waits for both copies of the pair."""
+        out, cur = [], jax.device_put(xs[0], dev) + 1
+        for j in range(L):
+            if j + 1 < L:
+                h, cur = jax.lax.optimization_barrier((xs[j + 1], cur))
+                nxt, back = jax.device_put(h, dev), jax.device_put(cur, host)
+                if done_too:
+                    nxt, back = jax.lax.optimization_barrier((nxt, back))
+                out.append(back)
+                cur = nxt + 1
+            else:
+                out.append(jax.device_put(cur, host))
+        return out
+    forms["gated"] = (jax.jit(gated, donate_argnums=0, out_shardings=[host] * L), parts, True)
+    forms["gated2"] = (jax.jit(lambda xs: gated(xs, True), donate_argnums=0, out_shardings=[host] * L),
+                       parts, True)
+
+    def gated_stack(bs):
+        """gated on slices: read slice j+1 of `src` beside writing slice j into `dst` (static
+        indices, unrolled), to tell whether slices of a stacked host buffer can overlap too."""
+        src, dst = bs
+        cur = jax.device_put(src[0], dev) + 1
+        for j in range(L):
+            if j + 1 < L:
+                h, cur = jax.lax.optimization_barrier((src[j + 1], cur))
+                nxt = jax.device_put(h, dev)
+            dst = dst.at[j].set(jax.device_put(cur, host))
+            if j + 1 < L:
+                cur = nxt + 1
+        return src, dst
+    forms["gated_stack"] = (swapped(jax.jit(gated_stack, donate_argnums=0, out_shardings=(host, host))),
+                            pair, True)
 
     def scan_ys(b, unroll=1):
         body = lambda c, x: (c, jax.device_put(jax.device_put(x, dev) + 1, host))  # noqa: E731
@@ -244,7 +293,7 @@ def main(argv=None):
     ap.add_argument("--mib", type=float, default=128, help="bytes per layer slice")
     ap.add_argument("--forms", default=DEFAULT_FORMS)
     ap.add_argument("--sweep", action="store_true", help="every flag set, one process each")
-    ap.add_argument("--sets", default=",".join(FLAG_SETS), help="flag sets for --sweep")
+    ap.add_argument("--sets", default="default,pipe,lhs,dbuf,hmo", help=f"flag sets for --sweep, of {list(FLAG_SETS)}")
     ap.add_argument("--budget", type=float, default=140, help="--sweep stops before this many seconds")
     ap.add_argument("--hlo-forms", default="", help="forms whose optimised HLO goes to $OUT/hlo_<tag>_<form>.txt.gz")
     ap.add_argument("--tag", default="run", help="name of this run in the HLO file names")

@@ -3,13 +3,13 @@
 # remat, ZeRO-2 + offload_optimizer cpu on 1 x H200 under a 24 GB cap
 # (XLA_PYTHON_CLIENT_MEM_FRACTION=0.17), one bench.py process per variant (its own peak).
 # A variant is "name|ZEROJAX_* settings (space-separated)|extra XLA flags (space-separated)":
-#   default      the in-place layer loop (EngineOptions.offload_loop="in_place")
-#   mubf16       adam_mu_dtype=bfloat16 (10 bytes a parameter each way instead of 12)
-#   scan         offload_loop="scan": the layers' new state as lax.scan outputs in pinned host
-#                memory (benchmarks/d2h_loop_probe.py, form scan_ys)
-#   scan_mubf16  both
+#   paired         EngineOptions.offload_loop="paired": one host chunk per layer, read whole, each
+#                  read issued beside the previous layer's write-back (d2h_loop_probe.py "gated")
+#   default        the in-place layer loop (offload_loop="in_place")
+#   paired_mubf16  paired + adam_mu_dtype=bfloat16 (10 bytes a parameter each way instead of 12)
+#   mubf16         adam_mu_dtype=bfloat16
 # VARIANTS (newline-separated) replaces the list, BENCH the bench.py command (a CPU smoke test); BUDGET (seconds, default 190) stops before a
-# variant that cannot finish (about 45 s each). Prints a table: tokens/s, step, peak, and the
+# variant that cannot finish (about 45 s each; 40 s are left to the last one). Prints a table: tokens/s, step, peak, and the
 # host<->device GB/s each way (12 or 10 bytes a parameter each way / step time) against the
 # link's measured 51-55 GB/s; JSON to $OUT.
 #   OUT=/tmp/o bash benchmarks/gpu_x1_offload_speed.sh
@@ -18,16 +18,16 @@ OUT=${OUT:-benchmarks/results}; mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1
 BUDGET=${BUDGET:-190}
 B=${BENCH:-"python3 benchmarks/bench.py --matrix custom --sizes large --remat on --micro 8 --stages 2 --offload optimizer --mem-fraction 0.17 --steps 4 --warmup 2"}
-VARIANTS=${VARIANTS:-"default||
-mubf16|ZEROJAX_ADAM_MU_DTYPE=bfloat16|
-scan|ZEROJAX_OFFLOAD_LOOP=scan|
-scan_mubf16|ZEROJAX_OFFLOAD_LOOP=scan ZEROJAX_ADAM_MU_DTYPE=bfloat16|"}
+VARIANTS=${VARIANTS:-"paired|ZEROJAX_OFFLOAD_LOOP=paired|
+default||
+paired_mubf16|ZEROJAX_OFFLOAD_LOOP=paired ZEROJAX_ADAM_MU_DTYPE=bfloat16|
+mubf16|ZEROJAX_ADAM_MU_DTYPE=bfloat16|"}
 start=$(date +%s)
 names=""
 while IFS='|' read -r name vars flags; do
   [ -n "$name" ] || continue
   left=$(( BUDGET - ($(date +%s) - start) ))
-  if [ "$left" -lt 45 ]; then echo "== $name: skipped (${left} s left)"; continue; fi
+  if [ "$left" -lt 40 ]; then echo "== $name: skipped (${left} s left)"; continue; fi
   names="$names $name"
   echo "== $name ${vars:-(defaults)} ${flags}"
   env $vars XLA_FLAGS="${XLA_FLAGS:-} $flags" timeout $(( left - 5 )) $B --timeout $(( left - 10 )) \
