@@ -37,6 +37,8 @@ reads alone 89 ms (54.3 GB/s), writes alone 90 ms (54.0); dus_put, list, pingpon
 178 ms (27.2 GB/s each way = the two one after the other) under every flag set, also where the
 pipelined-host-offloading flag did rotate the write of j-1 beside the read of j+1 in the loop body
 (its optimised HLO); scan_ys / scan_ys3 727-829 ms (5.8-6.6 GB/s); scan_ys_u2 an XLA layout error.
+Gated (batch 2): list 177 ms (27.3), gated 152 ms (31.7), gated2 100 ms (48.1 GB/s each way),
+gated_stack 189 ms (25.6): whole-array copies paired by both barriers run at once; slices do not.
 
 Flag sets (--sweep: one process each, since XLA reads XLA_FLAGS once): default, the latency-
 hiding scheduler (lhs), lhs + while-loop double buffering (dbuf), lhs + pipelined host offloading

@@ -30,8 +30,13 @@ while IFS='|' read -r name vars flags; do
   if [ "$left" -lt 40 ]; then echo "== $name: skipped (${left} s left)"; continue; fi
   names="$names $name"
   echo "== $name ${vars:-(defaults)} ${flags}"
-  env $vars XLA_FLAGS="${XLA_FLAGS:-} $flags" timeout $(( left - 5 )) $B --timeout $(( left - 10 )) \
-    --out "$OUT/offspeed_$name.json" 2>&1 | grep -E "^large|FAIL|Error" | head -5
+  xla=${XLA_FLAGS:-}; [ -n "$flags" ] && xla="$xla $flags"
+  # bench.py's own --timeout stops its children; its whole output goes to a log, the tail shown
+  # when it printed no result line
+  env $vars ${xla:+XLA_FLAGS="$xla"} $B --timeout $(( left - 10 )) --out "$OUT/offspeed_$name.json" \
+    > "$OUT/offspeed_$name.log" 2>&1
+  grep -E "^  large|FAILED" "$OUT/offspeed_$name.log" | head -3
+  [ -f "$OUT/offspeed_$name.json" ] || { echo "-- no result; log tail:"; tail -8 "$OUT/offspeed_$name.log"; }
   echo "$name|$vars|$flags" >> "$OUT/offspeed_variants.txt"
 done <<< "$VARIANTS"
 
