@@ -298,15 +298,6 @@ def test_offload_speed_options_are_checked():
     with pytest.raises(ValueError, match="offload_loop='paired' with offload_streams=2"):
         zerojax.EngineOptions(offload_loop="paired", offload_streams=2)
     assert zerojax.EngineOptions.from_env({"ZEROJAX_OFFLOAD_LOOP": "paired"}).offload_loop == "paired"
-    # "auto": paired where it applies (optimizer offload to cpu alone), in place elsewhere
-    from zerojax.layout import resolve_offload_loop
-    auto = zerojax.EngineOptions(offload_loop="auto")
-    for cfg, opt, par, want in ((config(2, "fp32", "cpu"), True, False, "paired"),
-                                (config(3, "fp32", "cpu", "cpu"), True, True, "in_place"),
-                                (config(3, "fp32", "none", "cpu"), False, True, "in_place")):
-        zero = zerojax.load_config(cfg, world_size=8).zero_optimization
-        assert resolve_offload_loop(auto, zero, opt, par) == want
-        assert resolve_offload_loop(auto.replace(offload_streams=2), zero, opt, par) == "in_place"
     with pytest.raises(ValueError, match="offload_loop='paired' works with offload_optimizer to cpu alone"):
         zerojax.shard(lambda: gpt2.GPT2(C, rngs=nnx.Rngs(0)), config(3, "fp32", "cpu", "cpu"),
                       loss_fn=gpt2.gpt2_loss, options=zerojax.EngineOptions(offload_loop="paired"))

@@ -318,17 +318,14 @@ def _pipeline_layout(module, cfg, mesh, options, abstract_master, accum_dtype):
 
 
 def resolve_offload_loop(options, zero, offload_optimizer: bool, offload_param: bool) -> str:
-    """EngineOptions.offload_loop resolved for this config: "paired" needs optimizer offload to
-    cpu alone (one host chunk per layer group, compute copies on the device); "auto" picks it
-    there and "in_place" elsewhere; "paired" asked for elsewhere is an error."""
-    fits = (offload_optimizer and zero.offload_optimizer.device == "cpu" and not offload_param
-            and options.offload_streams == 1)
-    if options.offload_loop == "auto":
-        return "paired" if fits else "in_place"
-    if options.offload_loop == "paired" and not fits:
+    """EngineOptions.offload_loop checked against this config: "paired" needs optimizer offload
+    to cpu alone (one host chunk per layer group, compute copies on the device; the NVMe tier and
+    offload_param's host compute copies stream a stacked layer buffer)."""
+    if options.offload_loop == "paired" and not (
+            offload_optimizer and zero.offload_optimizer.device == "cpu" and not offload_param):
         raise ValueError("EngineOptions.offload_loop='paired' works with offload_optimizer to cpu alone "
                          f"(offload_param: {zero.offload_param.device!r}, offload_optimizer: "
-                         f"{zero.offload_optimizer.device!r}); use offload_loop='in_place' or 'auto'")
+                         f"{zero.offload_optimizer.device!r}); use offload_loop='in_place'")
     return options.offload_loop
 
 
