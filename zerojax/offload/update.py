@@ -134,11 +134,11 @@ def _paired_update(tx, gs, ms, ss, m_shs, s_shs, *, kind, compute_dtype, skip, g
     def read(m, s_leaves, m_sh, s_sh):
         return _to(m, m_sh, DEVICE), jax.device_put(s_leaves, [x.with_memory_kind(DEVICE) for x in s_sh])
 
-    flat = [jax.tree.flatten(s) for s in ss]
-    s_shs = [s_def.flatten_up_to(sh) for (_, s_def), sh in zip(flat, s_shs)]
     def write(mm, st, m_sh, s_sh):
         return _to(mm, m_sh, kind), jax.device_put(jax.tree.leaves(st), [x.with_memory_kind(kind) for x in s_sh])
 
+    flat = [jax.tree.flatten(s) for s in ss]
+    s_shs = [s_def.flatten_up_to(sh) for (_, s_def), sh in zip(flat, s_shs)]
     out = []
     cur = read(ms[0], flat[0][0], m_shs[0], s_shs[0])
     for i, (g, m_sh, s_sh, (_, s_def)) in enumerate(zip(gs, m_shs, s_shs, flat)):
