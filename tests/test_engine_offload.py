@@ -178,11 +178,13 @@ def test_write_in_place_and_streams_match_device():
     assert [(c.rest, c.lo, c.hi, c.loop) for c in chunks] == [(True, 0, 0, 0), (False, 0, 2, 2), (False, 2, 4, 2)]
 
 
-@pytest.mark.parametrize("streams,pieces", [(2, 0), (4, 3)])
-def test_streamed_update_layouts_agree(streams, pieces):
+@pytest.mark.parametrize("streams,pieces,loop", [(2, 0, "in_place"), (4, 3, "in_place"), (0, 0, "paired")])
+def test_streamed_update_layouts_agree(streams, pieces, loop):
     # offload.streamed_update alone (no engine: cheap), 8 stacked layers + a non-layer leaf, 2 AdamW
-    # steps: the layers as `streams` loop chunks and the non-layer chunk written back in `pieces`
-    # place the same elementwise arithmetic differently, so they equal the default layout bitwise;
+    # steps: the layers as `streams` loop chunks (0: one a layer), the non-layer chunk written back
+    # in `pieces`, and the per-layer chunks updated one after another with each read paired with
+    # the previous write-back (loop "paired") place the same elementwise arithmetic differently,
+    # so they equal the default layout bitwise;
     # and the update on the whole tree on the device (no offload) to fp32 rounding: every value is
     # O(1) and the same ops run in the same order per element, 1e-6
     from zerojax import offload
@@ -196,17 +198,26 @@ def test_streamed_update_layouts_agree(streams, pieces):
     sh = jax.tree.map(lambda x: jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec()), tree)
     tx = scale_by_fused_adam(lambda c: 1e-2, weight_decay=0.1)
 
-    def two_steps(streams, pieces):
+    def two_steps(streams, pieces, loop):
         state, off = offload.init_offloaded(tx, tree, 8, sh, kind="pinned_host", streams=streams)
         params = jax.tree.map(lambda x: x.astype(jnp.bfloat16), tree)
-        f = jax.jit(lambda st, p: offload.streamed_update(tx, grads, st, off, compute_init=p, write_pieces=pieces),
-                    donate_argnums=(0, 1))
+        f = jax.jit(lambda st, p: offload.streamed_update(tx, grads, st, off, compute_init=p, write_pieces=pieces,
+                                                          loop=loop), donate_argnums=(0, 1))
         for _ in range(2):
             params, state = f(state, params)
-        assert [c.loop for c in off.layout.chunks] == [0] + [8 // streams] * streams
+        chunks = streams or 8
+        assert [c.loop for c in off.layout.chunks] == [0] + [8 // chunks] * chunks
+        assert {x.sharding.memory_kind for x in jax.tree.leaves(state)} <= set(HOST)  # still on the host
         return offload.offload_master(state, off), params
 
-    got, want = two_steps(streams, pieces), two_steps(1, 0)
+    got, want = two_steps(streams, pieces, loop), two_steps(1, 0, "in_place")
+    if loop == "paired":  # a skipped step (fp16 overflow) leaves master and moments as they were
+        state, off = offload.init_offloaded(tx, tree, 8, sh, kind="pinned_host", streams=streams)
+        before = jax.tree.map(np.asarray, (offload.offload_master(state, off), state.opt_state))
+        state = jax.jit(lambda st: offload.streamed_update(tx, grads, st, off, skip=jnp.asarray(True), loop=loop)[1],
+                        donate_argnums=0)(state)
+        after = jax.tree.map(np.asarray, (offload.offload_master(state, off), state.opt_state))
+        jax.tree.map(np.testing.assert_array_equal, after, before)
     for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
         np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32))
     m, st = tree, tx.init(tree)
@@ -214,6 +225,19 @@ def test_streamed_update_layouts_agree(streams, pieces):
         u, st = tx.update(grads, st, m)
         m = jax.tree.map(lambda p, d: p + d, m, u)
     close(got[0], m, 1e-6)
+
+
+def test_paired_loop_matches_device():
+    # EngineOptions.offload_loop="paired" through the engine (ZeRO-2 on 8 devices): the 4 layers
+    # as 4 host chunks, updated one after another; the same arithmetic as the device update, only
+    # where it is stored differs: 1e-6 as in test_offload_optimizer_fp32_matches_device
+    opts = zerojax.EngineOptions(offload_loop="paired")
+    eng, master = run(2, "fp32", "cpu", options=opts)
+    _, ref = run(2, "fp32")
+    close(master, ref, 1e-6)
+    check_placement(eng, params_host=False)
+    assert [(c.rest, c.lo, c.hi, c.loop) for c in eng.offload_layout.layout.chunks] == [
+        (True, 0, 0, 0)] + [(False, i, i + 1, 1) for i in range(4)]
 
 
 def test_bf16_first_moment_offloaded_matches_device():
@@ -269,6 +293,14 @@ def test_offload_speed_options_are_checked():
         zerojax.EngineOptions(offload_streams=0)
     with pytest.raises(ValueError, match="adam_mu_dtype='float16'"):
         zerojax.EngineOptions(adam_mu_dtype="float16")
+    with pytest.raises(ValueError, match="offload_loop='fori'.*'in_place', 'paired'"):
+        zerojax.EngineOptions(offload_loop="fori")
+    with pytest.raises(ValueError, match="offload_loop='paired' with offload_streams=2"):
+        zerojax.EngineOptions(offload_loop="paired", offload_streams=2)
+    assert zerojax.EngineOptions.from_env({"ZEROJAX_OFFLOAD_LOOP": "paired"}).offload_loop == "paired"
+    with pytest.raises(ValueError, match="offload_loop='paired' works with offload_optimizer to cpu alone"):
+        zerojax.shard(lambda: gpt2.GPT2(C, rngs=nnx.Rngs(0)), config(3, "fp32", "cpu", "cpu"),
+                      loss_fn=gpt2.gpt2_loss, options=zerojax.EngineOptions(offload_loop="paired"))
     env = {"ZEROJAX_OFFLOAD_WRITE_PIECES": "8", "ZEROJAX_OFFLOAD_STREAMS": "2", "ZEROJAX_ADAM_MU_DTYPE": "bfloat16"}
     assert zerojax.EngineOptions.from_env(env) == zerojax.EngineOptions(
         offload_write_pieces=8, offload_streams=2, adam_mu_dtype="bfloat16")
@@ -358,6 +390,10 @@ def test_offload_checkpoint_resumes_under_any_layout(tmp_path):
         (True, 0, 0), (True, 0, 2), (False, 2, 4)]  # rest + layers 0-1 on the host, 2-3 on the device
     np.testing.assert_allclose(losses, want, rtol=1e-4)
     _, losses = resume(config(3, "bf16"))  # no offload
+    np.testing.assert_allclose(losses, want, rtol=1e-4)
+    # one host chunk per layer (offload_loop "paired", optimizer offload alone)
+    paired, losses = resume(config(3, "bf16", "cpu"), zerojax.EngineOptions(offload_loop="paired"))
+    assert [(c.lo, c.hi) for c in paired.offload_layout.layout.chunks] == [(0, 0), (0, 1), (1, 2), (2, 3), (3, 4)]
     np.testing.assert_allclose(losses, want, rtol=1e-4)
 
     # export: the weights as saved

@@ -249,7 +249,8 @@ def _build_layout(module, cfg: Config, *, loss_fn, mesh: Mesh, options) -> Engin
                  "layer_scan": O.prefetch_scan if options.offload_prefetch else None})
         offload_step = OffloadStep(layout=off, tx=tx, scaler=scaler, clip=float(cfg.gradient_clipping or 0.0),
                                    param_shardings=param_shardings if offload_param else None,
-                                   write_pieces=options.offload_write_pieces, nvme=nvme)
+                                   write_pieces=options.offload_write_pieces, nvme=nvme,
+                                   loop=offload_settings["loop"])
     else:
         opt_shardings = partition.opt_state_shardings(tx, abstract_master, shardings.master, mesh)
     if (stage == 3 and not offload_param and partition.data_size(mesh) > 1 and options.stage3_gather == "layer"
@@ -316,6 +317,18 @@ def _pipeline_layout(module, cfg, mesh, options, abstract_master, accum_dtype):
     return schedule, _split_with(module, hooked, {"layer_scan": pipeline_scan(schedule, mesh)})
 
 
+def resolve_offload_loop(options, zero, offload_optimizer: bool, offload_param: bool) -> str:
+    """EngineOptions.offload_loop checked against this config: "paired" needs optimizer offload
+    to cpu alone (one host chunk per layer group, compute copies on the device; the NVMe tier and
+    offload_param's host compute copies stream a stacked layer buffer)."""
+    if options.offload_loop == "paired" and not (
+            offload_optimizer and zero.offload_optimizer.device == "cpu" and not offload_param):
+        raise ValueError("EngineOptions.offload_loop='paired' works with offload_optimizer to cpu alone "
+                         f"(offload_param: {zero.offload_param.device!r}, offload_optimizer: "
+                         f"{zero.offload_optimizer.device!r}); use offload_loop='in_place'")
+    return options.offload_loop
+
+
 def _offload_layout(cfg, options, tx, abstract_master, shardings, mesh, fp16, offload_optimizer,
                     offload_param):
     """(OffloadLayout, its settings, the opt-state shardings, the fp16 loss scaler or None).
@@ -336,9 +349,11 @@ def _offload_layout(cfg, options, tx, abstract_master, shardings, mesh, fp16, of
         # the chunks' new compute copies would be joined in host memory (compute on host buffers)
         raise ValueError(f"EngineOptions.offload_streams={options.offload_streams} works with "
                          "offload_optimizer alone, not with offload_param; set offload_streams=1")
-    off = O.offload_layout(tx, abstract_master, shardings.master, k, kind=kind, ratio=ratio,
-                           streams=options.offload_streams if offload_optimizer else 1)
-    settings = dict(chunks=k, ratio=ratio, kind=kind, unroll=options.offload_unroll if offload_param else None)
+    loop = resolve_offload_loop(options, zero, offload_optimizer, offload_param)
+    streams = (0 if loop == "paired" else options.offload_streams) if offload_optimizer else 1
+    off = O.offload_layout(tx, abstract_master, shardings.master, k, kind=kind, ratio=ratio, streams=streams)
+    settings = dict(chunks=k, ratio=ratio, kind=kind, unroll=options.offload_unroll if offload_param else None,
+                    loop=loop)
     scaler = loss_scaler_from_config(cfg.fp16) if fp16 else None
     opt_shardings = off.shardings.opt_state
     if scaler is not None:

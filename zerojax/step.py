@@ -87,6 +87,7 @@ class OffloadStep:
     clip: float                   # gradient_clipping; 0 = off
     param_shardings: Any = None   # offload_param: the compute params' host shardings
     write_pieces: int = 0         # EngineOptions.offload_write_pieces (streamed_update)
+    loop: str = "in_place"        # EngineOptions.offload_loop (streamed_update)
     nvme: Any = None              # offload.nvme_tier.NvmeTier: the layers' state in swap files
 
 
@@ -244,7 +245,7 @@ def _offloaded_tail(settings: StepSettings, state: TrainState, grads, loss, aux,
     params, new_off = offload_mod.streamed_update(
         off.tx, grads, offload_mod.OffloadState(state.master, inner), off.layout,
         compute_dtype=settings.compute_dtype, skip=skip, grad_scale=factor, compute_kind=pkind,
-        compute_init=state.params, write_pieces=off.write_pieces, nvme=off.nvme)
+        compute_init=state.params, write_pieces=off.write_pieces, nvme=off.nvme, loop=off.loop)
     if off.param_shardings is not None:
         params = jax.device_put(params, off.param_shardings)
     else:

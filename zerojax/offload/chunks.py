@@ -110,7 +110,8 @@ def chunk_layout(tree, k: int, *, ratio: float = 1.0, stacked=None, streams: int
 
     streams > 1: the update's one loop takes a group of every host layer chunk per iteration; the
     chunks are separate host buffers, so one chunk's write-back does not wait for another's read
-    (a buffer read and written in the same iteration orders its own transfers)."""
+    (a buffer read and written in the same iteration orders its own transfers). streams=0: one
+    chunk per host group (the update's "paired" loop reads and writes whole chunks)."""
     treedef, flags, L, host, dev = layer_pieces(tree, k, ratio=ratio, stacked=stacked)
     chunks: list[Chunk] = []
     if host and host[0][0]:
@@ -121,6 +122,7 @@ def chunk_layout(tree, k: int, *, ratio: float = 1.0, stacked=None, streams: int
         if L % k:  # the loop's groups must be equal
             raise ValueError(f"the layer count {L} is not divisible by k={k} layer groups "
                              "(EngineOptions.offload_chunks)")
+        streams = streams or len(groups)
         if streams < 1 or len(groups) % streams:
             raise ValueError(f"EngineOptions.offload_streams={streams}: the {len(groups)} offloaded layer "
                              f"groups do not split into {streams} equal chunks; choose a divisor of "

@@ -10,6 +10,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 from zerojax.offload.chunks import (OffloadLayout, OffloadState, from_chunks, is_none, to_chunks,
                                     unsplit_layers)
 from zerojax.offload.memory_kinds import DEVICE, is_host, is_sharding, with_memory_kind
+from zerojax.options import OFFLOAD_LOOPS
 
 
 
@@ -121,23 +122,62 @@ def _empty_like(m, m_sh, compute_dtype, compute_kind):
         x, NamedSharding(s.mesh, s.spec)), z, m_sh, is_leaf=is_none)
 
 
+def _paired_update(tx, gs, ms, ss, m_shs, s_shs, *, kind, compute_dtype, skip, grad_scale):
+    """Loop chunks of one group each, updated one after another in an unrolled loop, each chunk's
+    stored arrays read whole into the device and written whole back (into its donated buffers).
+    Chunk i+1's read is gated on chunk i's update by an optimization barrier, so XLA issues it
+    beside chunk i's write-back: a pair of whole-array copies, one each way, which can run at
+    once (pcie_probe.py: 51 GB/s each way), where a slice read of a stacked host buffer and a
+    slice write run one after the other on the compute stream (d2h_loop_probe.py: 27 GB/s each
+    way, issue #18). Device memory holds about two chunks' state. -> [(master, state, compute
+    copy)] per chunk; the compute copies are new device arrays (joined by `from_chunks`)."""
+    def read(m, s_leaves, m_sh, s_sh):
+        return _to(m, m_sh, DEVICE), jax.device_put(s_leaves, [x.with_memory_kind(DEVICE) for x in s_sh])
+
+    def write(mm, st, m_sh, s_sh):
+        return _to(mm, m_sh, kind), jax.device_put(jax.tree.leaves(st), [x.with_memory_kind(kind) for x in s_sh])
+
+    flat = [jax.tree.flatten(s) for s in ss]
+    s_shs = [s_def.flatten_up_to(sh) for (_, s_def), sh in zip(flat, s_shs)]
+    out = []
+    cur = read(ms[0], flat[0][0], m_shs[0], s_shs[0])
+    for i, (g, m_sh, s_sh, (_, s_def)) in enumerate(zip(gs, m_shs, s_shs, flat)):
+        mm, st, cc = _apply(tx, _grads_in(g, m_sh), s_def.unflatten(cur[1]), cur[0], compute_dtype, skip, grad_scale)
+        if i + 1 < len(ms):
+            # the next chunk's read waits for this update (so it is issued beside its write-back),
+            # and the next update waits for both copies of the pair: 48 GB/s each way in
+            # d2h_loop_probe.py ("gated2"), against 32 with the first barrier alone ("gated")
+            (m_next, s_next), (mm, st) = jax.lax.optimization_barrier(((ms[i + 1], flat[i + 1][0]), (mm, st)))
+            back, cur = jax.lax.optimization_barrier((write(mm, st, m_sh, s_sh),
+                                                      read(m_next, s_next, m_shs[i + 1], s_shs[i + 1])))
+        else:
+            back = write(mm, st, m_sh, s_sh)
+        out.append((back[0], s_def.unflatten(back[1]), cc))
+    return out
+
+
 def _all_loops(tx, loops, layout, g_chunks, state, off, init_chunks, out_c, out_m, out_s, *, compute_dtype,
-               skip, grad_scale, compute_kind):
-    """The loop chunks (indices `loops`) updated by one `_loop_update`; results into out_*."""
-    cps = [init_chunks[i] if init_chunks is not None
-           else _empty_like(state.master[i], off.master_shardings[i], compute_dtype, compute_kind)
-           for i in loops]
+               skip, grad_scale, compute_kind, loop="in_place"):
+    """The loop chunks (indices `loops`) updated together by `_loop_update`, or (loop "paired",
+    one group a chunk, compute copies on the device) by `_paired_update`; results into out_*."""
     pick = lambda xs: [xs[i] for i in loops]  # noqa: E731
-    done = _loop_update(tx, pick(layout.chunks), pick(g_chunks), pick(state.master), pick(state.opt_state),
-                        cps, pick(off.master_shardings), pick(off.state_shardings), kind=off.kind,
-                        compute_dtype=compute_dtype, skip=skip, grad_scale=grad_scale, compute_kind=compute_kind)
+    kw = dict(kind=off.kind, compute_dtype=compute_dtype, skip=skip, grad_scale=grad_scale)
+    if loop == "paired" and compute_kind is None and all(layout.chunks[i].loop == 1 for i in loops):
+        done = _paired_update(tx, pick(g_chunks), pick(state.master), pick(state.opt_state),
+                              pick(off.master_shardings), pick(off.state_shardings), **kw)
+    else:
+        cps = [init_chunks[i] if init_chunks is not None
+               else _empty_like(state.master[i], off.master_shardings[i], compute_dtype, compute_kind)
+               for i in loops]
+        done = _loop_update(tx, pick(layout.chunks), pick(g_chunks), pick(state.master), pick(state.opt_state),
+                            cps, pick(off.master_shardings), pick(off.state_shardings), compute_kind=compute_kind, **kw)
     for i, (m, s, cp) in zip(loops, done):
         out_m[i], out_s[i], out_c[i] = m, s, cp
 
 
 def streamed_update(tx, grads, state: OffloadState, off: OffloadLayout, *,
                     compute_dtype=jnp.bfloat16, skip=None, grad_scale=None, compute_kind=None,
-                    compute_init=None, write_pieces: int = 0, nvme=None):
+                    compute_init=None, write_pieces: int = 0, nvme=None, loop: str = "in_place"):
     """One optimizer step over offloaded chunks; call inside the step's jit.
 
     tx: an elementwise optax transform (no global-norm clipping inside: clip `grads` before).
@@ -153,8 +193,13 @@ def streamed_update(tx, grads, state: OffloadState, off: OffloadLayout, *,
         array; >= 2 = written into its donated host buffer in that many pieces (`_write_in_place`).
     nvme: an `nvme_tier.NvmeTier`: its loop chunk's master and moments live in swap files
         (`nvme_loop_update`); the state holds None there.
+    loop: how the loop chunks are updated (EngineOptions.offload_loop): "in_place" (`_loop_update`)
+        or "paired" (`_paired_update`: needs one group a loop chunk, `chunk_layout(streams=0)`,
+        and compute copies on the device; elsewhere "in_place" runs).
     -> (compute params tree in `compute_dtype`, new OffloadState in place).
     """
+    if loop not in OFFLOAD_LOOPS:
+        raise ValueError(f"streamed_update(loop={loop!r}): one of {OFFLOAD_LOOPS} (EngineOptions.offload_loop)")
     layout = off.layout
     g_chunks = to_chunks(grads, layout)
     init_chunks = to_chunks(compute_init, layout) if compute_init is not None else None
@@ -173,7 +218,7 @@ def streamed_update(tx, grads, state: OffloadState, off: OffloadLayout, *,
             if i == loops[0]:  # every loop chunk in one fori_loop, traced where the first one is
                 _all_loops(tx, loops, layout, g_chunks, state, off, init_chunks, out_c, out_m, out_s,
                            compute_dtype=compute_dtype, skip=skip, grad_scale=grad_scale,
-                           compute_kind=compute_kind)
+                           compute_kind=compute_kind, loop=loop)
             continue
         # the whole chunk at once (the rest leaves; the device chunk, with no transfer)
         m_sh, s_sh = off.master_shardings[i], off.state_shardings[i]
