@@ -13,12 +13,28 @@
 # of each phase, the table's JSON and the profile go to $OUT. A flag XLA does not know fails its
 # entry only ("Unknown flags in XLA_FLAGS"), the run goes on.
 # BENCH_ARGS=--tiny runs the same on CPU (tiny GPT-2, no profile): a smoke test of the script.
+#
+# `gpu_x1_speed.sh loss` (session 6, ~140 s): the fused cross entropy (bench "loss_chunk":
+# zerojax.models.chunked_gpt2_loss) beside the default, the partial remat policy "dots_24" on it,
+# and a profile of the fused loss with its HLO (the element-wise bucket's kernels named).
 set -u
 OUT=${OUT:-benchmarks/results}; mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1
 PY=${PYTHON:-python3}
 B="$PY benchmarks/bench.py --steps 8 --warmup 2 --timeout 180 ${BENCH_ARGS:-}"
 show() { grep -E "^(large|tiny|entry|ceiling)|FAIL"; }
+
+if [ "${1:-sweep}" = loss ]; then
+  $PY benchmarks/bench.py --steps 6 --warmup 2 --timeout 55 ${BENCH_ARGS:-} --out "$OUT/s6_loss.json" --matrix '[
+    {"stage": 2, "remat": true},
+    {"stage": 2, "remat": true, "loss_chunk": 256},
+    {"stage": 2, "remat": "dots_24", "loss_chunk": 256}]' 2>&1 | show
+  case "${BENCH_ARGS:-}" in *--tiny*) P="--cpu"; S='"size": "tiny", "seq": 32, "micro": 2, "loss_chunk": 8';;
+    *) P=""; S='"loss_chunk": 256';; esac
+  $PY benchmarks/profile_step.py "{\"stage\": 2, \"remat\": true, $S}" $P --steps 3 --warmup 2 \
+    --hlo "$OUT/s6_loss_profile_hlo.txt.gz" --json "$OUT/s6_loss_profile.json" 2>/dev/null | head -60
+  exit 0
+fi
 
 $B --out "$OUT/speed_x1_remat.json" --matrix '[
   {"stage": "plain", "remat": true},

@@ -11,6 +11,7 @@ import os
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import pytest
 from flax import nnx
 
@@ -44,6 +45,30 @@ def test_policies_keep_what_they_name():
     assert qkv in kept["save_qkv"] and attn not in kept["save_qkv"]
     assert attn in kept["save_attention"] and qkv not in kept["save_attention"]
     assert {qkv, attn} <= kept["save_qkv_attention"]
+
+
+def test_partial_dots_matches_no_remat_and_keeps_dots_on_its_layers_only():
+    """"dots_1" on a 2-layer model: loss and gradients as without remat (the fp32 reference; only
+    the recompute order differs, so fp32 rounding: rtol 1e-5 as test_gpt2's remat checks), and
+    JAX's saved residuals: the MLP's up projection [B, T, 4d] is kept for one layer (the dots
+    scan: stacked [1, ...]), not for both (plain "dots": [2, ...]) nor none ("full")."""
+    ids = jnp.zeros((B, T), jnp.int32).at[:, ::3].set(7)
+
+    def loss_and_grads(policy):
+        graphdef, state = nnx.split(GPT2(CFG, rngs=nnx.Rngs(0), remat_policy=policy))
+        f = lambda s: gpt2_loss(nnx.merge(graphdef, s), {"input_ids": ids})[0]  # noqa: E731
+        return jax.value_and_grad(f)(state)
+
+    (ref, ref_g), (got, got_g) = loss_and_grads(None), loss_and_grads("dots_1")
+    assert abs(float(got) - float(ref)) <= 1e-6 * abs(float(ref))
+    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-7), got_g, ref_g)
+    mlp_up = lambda layers: f"{layers},{B},{T},{CFG.mlp_dim}"  # noqa: E731
+    kept = {p: _saved_residual_shapes(p) for p in ("full", "dots", "dots_1")}
+    assert mlp_up(1) in kept["dots_1"] and mlp_up(2) not in kept["dots_1"]
+    assert mlp_up(2) in kept["dots"] and not {mlp_up(1), mlp_up(2)} & kept["full"]
+    for bad in ("dots_0", f"dots_{CFG.n_layer}"):
+        with pytest.raises(ValueError, match="k must be 1 .. 1"):
+            GPT2(CFG, rngs=nnx.Rngs(0), remat_policy=bad)
 
 
 def test_scan_unroll_is_checked():
