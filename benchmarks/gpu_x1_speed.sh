@@ -16,8 +16,9 @@
 #
 # `gpu_x1_speed.sh loss` (session 6, ~140 s): the fused cross entropy (bench "loss_chunk":
 # zerojax.models.chunked_gpt2_loss, 256 and 128 positions a chunk) beside the default and plain,
-# the partial remat policies "dots_12" / "dots_24" and micro 16 on it, and a profile of the fused
-# loss with its HLO (the element-wise bucket's kernels named).
+# the partial remat policies "dots_12" / "dots_24", micro 16 and cuBLASLt (its gemm epilogues can
+# take the bias and gelu) on it; first a profile of the fused loss with its HLO (the element-wise
+# bucket's kernels named).
 set -u
 OUT=${OUT:-benchmarks/results}; mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1
@@ -26,18 +27,21 @@ B="$PY benchmarks/bench.py --steps 8 --warmup 2 --timeout 180 ${BENCH_ARGS:-}"
 show() { grep -E "^(large|tiny|entry|ceiling)|FAIL"; }
 
 if [ "${1:-sweep}" = loss ]; then
-  $PY benchmarks/bench.py --steps 6 --warmup 2 --timeout 55 ${BENCH_ARGS:-} --out "$OUT/s6_loss.json" --matrix '[
-    {"stage": "plain", "remat": true},
-    {"stage": 2, "remat": true},
-    {"stage": 2, "remat": true, "loss_chunk": 256},
-    {"stage": 2, "remat": true, "loss_chunk": 128},
-    {"stage": 2, "remat": "dots_12", "loss_chunk": 256},
-    {"stage": 2, "remat": "dots_24", "loss_chunk": 256},
-    {"stage": 2, "remat": true, "loss_chunk": 256, "micro": 16}]' 2>&1 | show
+  # the profile first: it is what the element-wise analysis needs, and the matrix prints as it goes
   case "${BENCH_ARGS:-}" in *--tiny*) P="--cpu"; S='"size": "tiny", "seq": 32, "micro": 2, "loss_chunk": 8';;
     *) P=""; S='"loss_chunk": 256';; esac
   $PY benchmarks/profile_step.py "{\"stage\": 2, \"remat\": true, $S}" $P --steps 3 --warmup 2 \
     --hlo "$OUT/s6_loss_profile_hlo.txt.gz" --json "$OUT/s6_loss_profile.json" 2>/dev/null | head -60
+  $PY benchmarks/bench.py --steps 6 --warmup 2 --timeout 55 ${BENCH_ARGS:-} --out "$OUT/s6_loss.json" --matrix '[
+    {"stage": "plain", "remat": true},
+    {"stage": 2, "remat": true},
+    {"stage": 2, "remat": true, "loss_chunk": 256},
+    {"stage": 2, "remat": "dots_24", "loss_chunk": 256},
+    {"stage": 2, "remat": "dots_12", "loss_chunk": 256},
+    {"stage": 2, "remat": true, "loss_chunk": 256, "micro": 16},
+    {"stage": 2, "remat": true, "loss_chunk": 128},
+    {"stage": 2, "remat": true, "loss_chunk": 256, "label": "cublaslt",
+     "env": {"XLA_FLAGS": "--xla_gpu_enable_cublaslt=true"}}]' 2>&1 | grep -E "^ *(large|tiny|entry|ceiling)|FAIL"
   exit 0
 fi
 
