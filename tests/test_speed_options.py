@@ -24,9 +24,9 @@ CFG = GPT2Config.named("tiny")  # 2 layers, d 64, 4 heads of 16, vocab 256
 B, T = 2, 16
 
 
-def _saved_residual_shapes(policy):
+def _saved_residual_shapes(policy, config=CFG):
     """The shapes JAX saves for the backward pass, as it prints them (f32[2,2,16,3,4,16] ...)."""
-    model = GPT2(CFG, rngs=nnx.Rngs(0), remat_policy=policy)
+    model = GPT2(config, rngs=nnx.Rngs(0), remat_policy=policy)
     graphdef, state = nnx.split(model)
     ids = jnp.zeros((B, T), jnp.int32)
     out = io.StringIO()
@@ -48,27 +48,28 @@ def test_policies_keep_what_they_name():
 
 
 def test_partial_dots_matches_no_remat_and_keeps_dots_on_its_layers_only():
-    """"dots_1" on a 2-layer model: loss and gradients as without remat (the fp32 reference; only
+    """"dots_2" on a 4-layer model: loss and gradients as without remat (the fp32 reference; only
     the recompute order differs, so fp32 rounding: rtol 1e-5 as test_gpt2's remat checks), and
-    JAX's saved residuals: the MLP's up projection [B, T, 4d] is kept for one layer (the dots
-    scan: stacked [1, ...]), not for both (plain "dots": [2, ...]) nor none ("full")."""
+    JAX's saved residuals: the MLP's up projection [B, T, 4d] is kept for two layers (the dots
+    scan: stacked [2, ...]), not for all four (plain "dots": [4, ...]) nor none ("full")."""
+    cfg4 = GPT2Config.named("tiny", n_layer=4)
     ids = jnp.zeros((B, T), jnp.int32).at[:, ::3].set(7)
 
     def loss_and_grads(policy):
-        graphdef, state = nnx.split(GPT2(CFG, rngs=nnx.Rngs(0), remat_policy=policy))
+        graphdef, state = nnx.split(GPT2(cfg4, rngs=nnx.Rngs(0), remat_policy=policy))
         f = lambda s: gpt2_loss(nnx.merge(graphdef, s), {"input_ids": ids})[0]  # noqa: E731
         return jax.value_and_grad(f)(state)
 
-    (ref, ref_g), (got, got_g) = loss_and_grads(None), loss_and_grads("dots_1")
+    (ref, ref_g), (got, got_g) = loss_and_grads(None), loss_and_grads("dots_2")
     assert abs(float(got) - float(ref)) <= 1e-6 * abs(float(ref))
     jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-7), got_g, ref_g)
-    mlp_up = lambda layers: f"{layers},{B},{T},{CFG.mlp_dim}"  # noqa: E731
-    kept = {p: _saved_residual_shapes(p) for p in ("full", "dots", "dots_1")}
-    assert mlp_up(1) in kept["dots_1"] and mlp_up(2) not in kept["dots_1"]
-    assert mlp_up(2) in kept["dots"] and not {mlp_up(1), mlp_up(2)} & kept["full"]
-    for bad in ("dots_0", f"dots_{CFG.n_layer}"):
-        with pytest.raises(ValueError, match="k must be 1 .. 1"):
-            GPT2(CFG, rngs=nnx.Rngs(0), remat_policy=bad)
+    mlp_up = lambda layers: f"{layers},{B},{T},{cfg4.mlp_dim}"  # noqa: E731
+    kept = {p: _saved_residual_shapes(p, cfg4) for p in ("full", "dots", "dots_2")}
+    assert mlp_up(2) in kept["dots_2"] and mlp_up(4) not in kept["dots_2"]
+    assert mlp_up(4) in kept["dots"] and not {mlp_up(2), mlp_up(4)} & kept["full"]
+    for bad in ("dots_1", "dots_3"):  # each of the two scans needs two layers or more
+        with pytest.raises(ValueError, match="k must be 2 .. 2"):
+            GPT2(cfg4, rngs=nnx.Rngs(0), remat_policy=bad)
 
 
 def test_scan_unroll_is_checked():
@@ -159,7 +160,7 @@ def test_the_step_time_model_knows_every_remat_policy_of_the_model():
     assert flops["save_qkv_attention"] < flops["save_attention"] < flops["full"]
     assert set(est.REMAT_RECOMPUTE) >= set(REMAT_POLICIES)
     # "dots_<k>": k layers "dots", the rest "full": the two ends' difference, in steps of 1 / 36
-    for k in (1, 18, 35):
+    for k in (2, 18, 34):
         assert est.train_flops_per_token(shape, f"dots_{k}") == pytest.approx(
             flops["full"] + k / 36 * (flops["dots"] - flops["full"]), rel=1e-12)
 
@@ -218,3 +219,25 @@ def test_fused_cross_entropy_against_float64():
     fused_hlo = jax.jit(jax.grad(loss, (0, 1))).lower(x, w).compile().as_text()
     plain = lambda x, w: 3.0 * jax.nn.logsumexp(jnp.einsum("btd,vd->btv", x, w), -1).sum()  # noqa: E731
     assert whole not in fused_hlo and whole in jax.jit(jax.grad(plain, (0, 1))).lower(x, w).compile().as_text()
+
+
+def test_planner_fits_the_partial_dots_policy_to_a_budget():
+    """planner.fit_remat_policy on a 5-layer GPT-2: with a budget between the compiled peaks of
+    "full" and "dots" it returns the "dots_<k>" with the largest k whose compiled step fits (its
+    own answer checked against step_memory of k and k + 1: an independent compile each), "dots"
+    when everything fits, "full" when no dots layer does; a plan naming it writes the policy into
+    activation_checkpointing."""
+    from zerojax import planner
+
+    cfg3 = GPT2Config.named("tiny", n_layer=5)
+    factory = lambda remat_policy=None: GPT2(cfg3, rngs=nnx.Rngs(0), remat_policy=remat_policy)  # noqa: E731
+    ds = {"train_micro_batch_size_per_gpu": 8, "zero_optimization": {"stage": 0},
+          "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}}}
+    peak = {p: planner.step_memory(factory, ds, 128, 8, remat=p).peak for p in ("full", "dots_2", "dots_3", "dots")}
+    assert peak["full"] < peak["dots_2"] < peak["dots_3"] < peak["dots"], peak
+    fit = lambda budget: planner.fit_remat_policy(factory, ds, budget, 128, cfg3.n_layer)  # noqa: E731
+    assert fit(peak["dots_3"]) == "dots_3" and fit(peak["dots_3"] - 1) == "dots_2"
+    assert fit(peak["dots"]) == "dots" and fit(peak["dots_2"] - 1) == "full"
+    plan = planner.Plan(stage=0, micro_batch=8, remat="dots_2")
+    assert plan.config_patch()["activation_checkpointing"]["remat_policy"] == "dots_2"
+    assert remat_policy_for(zerojax.load_config(plan.apply({"train_batch_size": 8}), world_size=1)) == "dots_2"
