@@ -26,6 +26,29 @@ PY=${PYTHON:-python3}
 B="$PY benchmarks/bench.py --steps 8 --warmup 2 --timeout 180 ${BENCH_ARGS:-}"
 show() { grep -E "^(large|tiny|entry|ceiling)|FAIL"; }
 
+if [ "${1:-sweep}" = tune ]; then
+  # session 6, batch 2 (~170 s): the fused loss's chunk (512, 1024 = one piece), dots_<k> at the
+  # budget, micro 12 / 16 with it (plain at 16 beside); the profile with its HLO first. Everything
+  # under $OUT goes back as one tar.
+  case "${BENCH_ARGS:-}" in *--tiny*) P="--cpu"; S='"size": "tiny", "seq": 32, "micro": 2, "loss_chunk": 8';;
+    *) P=""; S='"loss_chunk": 256';; esac
+  $PY benchmarks/profile_step.py "{\"stage\": 2, \"remat\": true, $S}" $P --steps 3 --warmup 2 \
+    --hlo "$OUT/s6_tune_profile_hlo.txt.gz" --json "$OUT/s6_tune_profile.json" 2>/dev/null > "$OUT/s6_tune_profile.md"
+  head -45 "$OUT/s6_tune_profile.md"
+  $PY benchmarks/bench.py --steps 6 --warmup 2 --timeout 55 ${BENCH_ARGS:-} --out "$OUT/s6_tune.json" --matrix '[
+    {"stage": "plain", "remat": true},
+    {"stage": 2, "remat": true},
+    {"stage": 2, "remat": true, "loss_chunk": 512},
+    {"stage": 2, "remat": true, "loss_chunk": 1024},
+    {"stage": 2, "remat": "dots_20", "loss_chunk": 256},
+    {"stage": 2, "remat": true, "loss_chunk": 256, "micro": 16},
+    {"stage": 2, "remat": "dots_2", "loss_chunk": 256, "micro": 16},
+    {"stage": "plain", "remat": true, "micro": 16},
+    {"stage": 2, "remat": true, "loss_chunk": 256, "micro": 12}]' 2>&1 | grep -E "^ *(large|tiny|entry|ceiling)|FAIL"
+  (cd "$OUT" && tar -czf speed1_tune.tgz s6_tune* && rm -f s6_tune*)
+  exit 0
+fi
+
 if [ "${1:-sweep}" = loss ]; then
   # the profile first: it is what the element-wise analysis needs, and the matrix prints as it goes
   case "${BENCH_ARGS:-}" in *--tiny*) P="--cpu"; S='"size": "tiny", "seq": 32, "micro": 2, "loss_chunk": 8';;

@@ -546,6 +546,7 @@ def _ce_scan(x, w, targets, vocab_size, chunk, constrain, with_grad):
     """`_ce_piece` over the sequence, `chunk` positions at a time (a lax.scan; the last chunk
     padded with ignored positions) -> total, or (total, dx [B, T, d] fp32, dw [V, d] fp32)."""
     B, T, d = x.shape
+    chunk = min(chunk, T)  # a short sequence is one piece, not padded up to `chunk`
     pad = -T % chunk
     x = jnp.pad(x, ((0, 0), (0, pad), (0, 0))).reshape(B, -1, chunk, d).swapaxes(0, 1)
     targets = jnp.pad(targets, ((0, 0), (0, pad)), constant_values=-100).reshape(B, -1, chunk).swapaxes(0, 1)
