@@ -26,6 +26,27 @@ PY=${PYTHON:-python3}
 B="$PY benchmarks/bench.py --steps 8 --warmup 2 --timeout 180 ${BENCH_ARGS:-}"
 show() { grep -E "^(large|tiny|entry|ceiling)|FAIL"; }
 
+if [ "${1:-sweep}" = qkv ]; then
+  # session 6, batch 3 (~130 s): q, k, v as three gemms (models.gpt2._qkv_projection) against
+  # session 5's sliced product ("qkv": "sliced"), plain and zerojax side by side; the fused loss
+  # at micro 8 and 16; the profile with its HLO first. $OUT goes back as one tar.
+  case "${BENCH_ARGS:-}" in *--tiny*) P="--cpu"; S='"size": "tiny", "seq": 32, "micro": 2, "loss_chunk": 8';;
+    *) P=""; S='"loss_chunk": 256';; esac
+  $PY benchmarks/profile_step.py "{\"stage\": 2, \"remat\": true, $S}" $P --steps 3 --warmup 2 \
+    --hlo "$OUT/s6_qkv_profile_hlo.txt.gz" --json "$OUT/s6_qkv_profile.json" 2>/dev/null > "$OUT/s6_qkv_profile.md"
+  head -45 "$OUT/s6_qkv_profile.md"
+  $PY benchmarks/bench.py --steps 6 --warmup 2 --timeout 55 ${BENCH_ARGS:-} --out "$OUT/s6_qkv.json" --matrix '[
+    {"stage": "plain", "remat": true, "qkv": "sliced"},
+    {"stage": 2, "remat": true, "qkv": "sliced"},
+    {"stage": "plain", "remat": true},
+    {"stage": 2, "remat": true},
+    {"stage": 2, "remat": true, "loss_chunk": 256},
+    {"stage": 2, "remat": true, "loss_chunk": 256, "micro": 16},
+    {"stage": "plain", "remat": true, "micro": 16}]' 2>&1 | grep -E "^ *(large|tiny|entry|ceiling)|FAIL"
+  (cd "$OUT" && tar -czf speed1_qkv.tgz s6_qkv* && rm -f s6_qkv*)
+  exit 0
+fi
+
 if [ "${1:-sweep}" = tune ]; then
   # session 6, batch 2 (~170 s): the fused loss's chunk (512, 1024 = one piece), dots_<k> at the
   # budget, micro 12 / 16 with it (plain at 16 beside); the profile with its HLO first. Everything
