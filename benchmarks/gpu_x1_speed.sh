@@ -25,16 +25,20 @@ export PYTHONUNBUFFERED=1
 PY=${PYTHON:-python3}
 B="$PY benchmarks/bench.py --steps 8 --warmup 2 --timeout 180 ${BENCH_ARGS:-}"
 show() { grep -E "^(large|tiny|entry|ceiling)|FAIL"; }
+profile_fused_loss() {  # $1: file prefix. ZeRO-2, remat, the fused loss (chunk 256), its HLO named
+  local P S
+  case "${BENCH_ARGS:-}" in *--tiny*) P="--cpu"; S='"size": "tiny", "seq": 32, "micro": 2, "loss_chunk": 8';;
+    *) P=""; S='"loss_chunk": 256';; esac
+  $PY benchmarks/profile_step.py "{\"stage\": 2, \"remat\": true, $S}" $P --steps 3 --warmup 2 \
+    --hlo "$OUT/$1_profile_hlo.txt.gz" --json "$OUT/$1_profile.json" 2>/dev/null > "$OUT/$1_profile.md"
+  head -45 "$OUT/$1_profile.md"
+}
 
 if [ "${1:-sweep}" = qkv ]; then
   # session 6, batch 3 (~130 s): q, k, v as three gemms (models.gpt2._qkv_projection) against
   # session 5's sliced product ("qkv": "sliced"), plain and zerojax side by side; the fused loss
   # at micro 8 and 16; the profile with its HLO first. $OUT goes back as one tar.
-  case "${BENCH_ARGS:-}" in *--tiny*) P="--cpu"; S='"size": "tiny", "seq": 32, "micro": 2, "loss_chunk": 8';;
-    *) P=""; S='"loss_chunk": 256';; esac
-  $PY benchmarks/profile_step.py "{\"stage\": 2, \"remat\": true, $S}" $P --steps 3 --warmup 2 \
-    --hlo "$OUT/s6_qkv_profile_hlo.txt.gz" --json "$OUT/s6_qkv_profile.json" 2>/dev/null > "$OUT/s6_qkv_profile.md"
-  head -45 "$OUT/s6_qkv_profile.md"
+  profile_fused_loss s6_qkv
   $PY benchmarks/bench.py --steps 6 --warmup 2 --timeout 55 ${BENCH_ARGS:-} --out "$OUT/s6_qkv.json" --matrix '[
     {"stage": "plain", "remat": true, "qkv": "sliced"},
     {"stage": 2, "remat": true, "qkv": "sliced"},
@@ -51,11 +55,7 @@ if [ "${1:-sweep}" = tune ]; then
   # session 6, batch 2 (~170 s): the fused loss's chunk (512, 1024 = one piece), dots_<k> at the
   # budget, micro 12 / 16 with it (plain at 16 beside); the profile with its HLO first. Everything
   # under $OUT goes back as one tar.
-  case "${BENCH_ARGS:-}" in *--tiny*) P="--cpu"; S='"size": "tiny", "seq": 32, "micro": 2, "loss_chunk": 8';;
-    *) P=""; S='"loss_chunk": 256';; esac
-  $PY benchmarks/profile_step.py "{\"stage\": 2, \"remat\": true, $S}" $P --steps 3 --warmup 2 \
-    --hlo "$OUT/s6_tune_profile_hlo.txt.gz" --json "$OUT/s6_tune_profile.json" 2>/dev/null > "$OUT/s6_tune_profile.md"
-  head -45 "$OUT/s6_tune_profile.md"
+  profile_fused_loss s6_tune
   $PY benchmarks/bench.py --steps 6 --warmup 2 --timeout 55 ${BENCH_ARGS:-} --out "$OUT/s6_tune.json" --matrix '[
     {"stage": "plain", "remat": true},
     {"stage": 2, "remat": true},
@@ -72,10 +72,7 @@ fi
 
 if [ "${1:-sweep}" = loss ]; then
   # the profile first: it is what the element-wise analysis needs, and the matrix prints as it goes
-  case "${BENCH_ARGS:-}" in *--tiny*) P="--cpu"; S='"size": "tiny", "seq": 32, "micro": 2, "loss_chunk": 8';;
-    *) P=""; S='"loss_chunk": 256';; esac
-  $PY benchmarks/profile_step.py "{\"stage\": 2, \"remat\": true, $S}" $P --steps 3 --warmup 2 \
-    --hlo "$OUT/s6_loss_profile_hlo.txt.gz" --json "$OUT/s6_loss_profile.json" 2>/dev/null | head -60
+  profile_fused_loss s6_loss
   $PY benchmarks/bench.py --steps 6 --warmup 2 --timeout 55 ${BENCH_ARGS:-} --out "$OUT/s6_loss.json" --matrix '[
     {"stage": "plain", "remat": true},
     {"stage": 2, "remat": true},
