@@ -183,9 +183,10 @@ def train_step(settings: StepSettings, state: TrainState, batch):
         nonfinite = jnp.logical_not(jnp.isfinite(loss))
     else:
         # bf16 / fp32: never train on a non-finite loss or gradient; skip and let the engine raise.
-        # The compute-dtype copy is made inside the update's branch, where XLA can write it in the
-        # update's own pass over the master (a cast after the cond reads the whole master again);
-        # a skipped step keeps the params it had.
+        # The compute-dtype copy is made inside each branch: in the update's, XLA writes it in the
+        # update's own pass over the master (a cast after the cond read the whole master again);
+        # the skip branch casts the unchanged master rather than return the step's input params,
+        # which would keep those alive through the update (they are dead after the backward pass).
         nonfinite = jnp.logical_not(jnp.isfinite(loss) & jnp.isfinite(grad_norm))
         skipped = nonfinite
 
@@ -194,7 +195,7 @@ def train_step(settings: StepSettings, state: TrainState, batch):
             return new_master, new_opt, _compute_params(settings, new_master)
 
         new_master, new_opt, params = jax.lax.cond(
-            nonfinite, lambda: (master, state.opt_state, state.params), update)
+            nonfinite, lambda: (master, state.opt_state, _compute_params(settings, master)), update)
     new_state = TrainState(
         params=params,
         master=new_master if state.master is not None else None,
