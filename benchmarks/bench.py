@@ -16,8 +16,7 @@ a policy name of zerojax.models.gpt2.REMAT_POLICIES ("dots", "save_qkv", ...); "
 model's scan_unroll); "loss_chunk" (N: the cross entropy N positions at a time,
 zerojax.models.chunked_gpt2_loss, whose fused head never holds the whole logits); "env"
 (variables for that entry's child only; its XLA_FLAGS are appended to the run's, so one entry can
-A/B one XLA flag or JAX_OPTIMIZATION_LEVEL); "qkv": "sliced" (session 5's one q/k/v gemm, sliced:
-the reference for the three-gemm projection); "label" (shown in the name).
+A/B one XLA flag or JAX_OPTIMIZATION_LEVEL); "label" (shown in the name).
 
 Columns: tokens/s per device after warm-up, model TFLOP/s per device (FLOPs/token = 6N + 12*L*d*T),
 MFU against the measured ceiling, measured peak per device (max over local devices), the
@@ -94,7 +93,6 @@ def name_of(s: dict) -> str:
     extra += f" accum-{s['grad_accum']}" if s.get("grad_accum") else ""
     extra += f" vocab/{s['vocab_multiple']}" if s.get("vocab_multiple") else ""
     extra += f" ce/{s['loss_chunk']}" if s.get("loss_chunk") else ""
-    extra += f" qkv-{s['qkv']}" if s.get("qkv") else ""
     policy = remat_policy_of(s)
     remat = "" if policy is None else " remat" if policy == "full" else f" remat-{policy}"
     remat += f" unroll{s['unroll']}" if s.get("unroll", 1) > 1 else ""
@@ -239,28 +237,12 @@ def model_config(spec: dict):
     return G.GPT2Config.named(spec["size"], **extra)
 
 
-def _sliced_qkv_projection(h, kernel, bias, constrain):
-    """Session 5's q/k/v: one [B, T, 3, H, Dh] gemm, then sliced (spec "qkv": "sliced", the A/B
-    reference for models.gpt2._qkv_projection's three gemms)."""
-    import jax.numpy as jnp
-    from jax.ad_checkpoint import checkpoint_name
-
-    from zerojax.models import gpt2 as G
-
-    qkv = jnp.einsum("btd,dcnh->btcnh", h, kernel) + bias
-    qkv = checkpoint_name(constrain(qkv, ("batch", "seq", "qkv", "heads", "head_dim")), G.QKV_PROJ)
-    return qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2]
-
-
 def run_entry(spec: dict) -> dict:
     import jax
     import jax.numpy as jnp
     import numpy as np
 
     from zerojax.models import gpt2 as G
-
-    if spec.get("qkv") == "sliced":  # this entry's process only
-        G._qkv_projection = _sliced_qkv_projection
 
     config = model_config(spec)
     seq = min(spec["seq"] or config.n_positions, config.n_positions)

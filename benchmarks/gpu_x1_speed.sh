@@ -34,23 +34,6 @@ profile_fused_loss() {  # $1: file prefix. ZeRO-2, remat, the fused loss (chunk 
   head -45 "$OUT/$1_profile.md"
 }
 
-if [ "${1:-sweep}" = qkv ]; then
-  # session 6, batch 3 (~130 s): q, k, v as three gemms (models.gpt2._qkv_projection) against
-  # session 5's sliced product ("qkv": "sliced"), plain and zerojax side by side; the fused loss
-  # at micro 8 and 16 and with dots_20; the profile with its HLO first. $OUT goes back as one tar.
-  profile_fused_loss s6_qkv
-  $PY benchmarks/bench.py --steps 6 --warmup 2 --timeout 55 ${BENCH_ARGS:-} --out "$OUT/s6_qkv.json" --matrix '[
-    {"stage": "plain", "remat": true, "qkv": "sliced"},
-    {"stage": 2, "remat": true, "qkv": "sliced"},
-    {"stage": "plain", "remat": true},
-    {"stage": 2, "remat": true},
-    {"stage": 2, "remat": true, "loss_chunk": 256},
-    {"stage": 2, "remat": true, "loss_chunk": 256, "micro": 16},
-    {"stage": 2, "remat": "dots_20", "loss_chunk": 256}]' 2>&1 | grep -E "^ *(large|tiny|entry|ceiling)|FAIL"
-  (cd "$OUT" && tar -czf speed1_qkv.tgz s6_qkv* && rm -f s6_qkv*)
-  exit 0
-fi
-
 if [ "${1:-sweep}" = tune ]; then
   # session 6, batch 2 (~170 s): the fused loss's chunk (512, 1024 = one piece), dots_<k> at the
   # budget, micro 12 / 16 with it (plain at 16 beside); the profile with its HLO first. Everything

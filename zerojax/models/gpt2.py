@@ -34,7 +34,7 @@ from jax.ad_checkpoint import checkpoint_name
 # activation names tagged with `checkpoint_name` inside each block; the "offload" remat
 # policy moves these to host memory instead of keeping them on the device
 OFFLOADED_ACTIVATIONS = ("layer_input",)
-# the other tags: the q, k and v projections [B, T, H, Dh] each and the attention output [B, T, H, Dh],
+# the other tags: the qkv projection [B, T, 3, H, Dh] and the attention output [B, T, H, Dh],
 # which the "save_*" policies keep so that the backward pass does not recompute them
 QKV_PROJ, ATTENTION_OUT = "qkv_proj", "attention_out"
 # what each policy keeps per block for the backward pass (everything else is recomputed):
@@ -241,7 +241,9 @@ def _block(x, p, *, eps, dtype, attention_impl, constrain=_unconstrained):
     x = checkpoint_name(constrain(x, RESIDUAL), "layer_input")
 
     h = _layer_norm(x, p["ln_1"]["scale"], p["ln_1"]["bias"], eps, dtype)
-    q, k, v = _qkv_projection(h, c(p["attn"]["c_attn"]["kernel"]), c(p["attn"]["c_attn"]["bias"]), constrain)
+    qkv = jnp.einsum("btd,dcnh->btcnh", h, c(p["attn"]["c_attn"]["kernel"])) + c(p["attn"]["c_attn"]["bias"])
+    qkv = checkpoint_name(constrain(qkv, ("batch", "seq", "qkv", "heads", "head_dim")), QKV_PROJ)
+    q, k, v = qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2]
     # softmax is fp32 inside both implementations (XLA: fp32 logits; cuDNN: fp32 accumulators)
     o = jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation=attention_impl)
     o = checkpoint_name(constrain(o, ("batch", "seq", "heads", "head_dim")), ATTENTION_OUT)
@@ -277,38 +279,6 @@ def split_remat_policy(name, n_layer: int):
                          f"each part two layers or more); k must be 2 .. {n_layer - 2} (\"dots\" or \"full\": "
                          "all layers one way)")
     return [("dots", k), ("full", n_layer - k)]
-
-
-def _qkv_projection(h, kernel, bias, constrain):
-    """q, k, v [B, T, H, Dh] from h [B, T, d] and c_attn's kernel [d, 3, H, Dh] / bias [3, H, Dh].
-
-    The attention takes q, k, v as separate buffers, so slicing one [B, T, 3, H, Dh] product
-    copied all of it (72 slice kernels, 2.2 ms of GPT-2 Large's 121 ms step on an H200). Here the
-    forward pass runs three gemms on the kernel's thirds (slicing the kernel copies d x d weights
-    instead) and the backward pass (`_qkv_gemms`' VJP) the fused projection's own transposes on
-    the stacked dq, dk, dv: one gemm each for dh and the kernel's gradient, as before, so that
-    under tensor parallelism the partial sums of dh are reduced once, not once per third."""
-    names = ("batch", "seq", "heads", "head_dim")
-    return tuple(checkpoint_name(constrain(t, names), QKV_PROJ) for t in _qkv_gemms(h, kernel, bias, constrain))
-
-
-@functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
-def _qkv_gemms(h, kernel, bias, constrain):
-    return tuple(jnp.einsum("btd,dnh->btnh", h, kernel[:, i]) + bias[i] for i in range(3))
-
-
-def _qkv_gemms_fwd(h, kernel, bias, constrain):
-    return _qkv_gemms(h, kernel, bias, constrain), (h, kernel)
-
-
-def _qkv_gemms_bwd(constrain, res, cts):
-    h, kernel = res
-    dqkv = constrain(jnp.stack(cts, axis=2), ("batch", "seq", "qkv", "heads", "head_dim"))
-    dh = jnp.einsum("btcnh,dcnh->btd", dqkv, kernel)
-    return dh, jnp.einsum("btcnh,btd->dcnh", dqkv, h), dqkv.sum((0, 1))
-
-
-_qkv_gemms.defvjp(_qkv_gemms_fwd, _qkv_gemms_bwd)
 
 
 def remat_policy_fn(name):
@@ -376,7 +346,7 @@ class GPT2(nnx.Module):
 
     Activation hook: `activation_sharding` (attribute, default None) is a function
     `(x, logical names) -> x` applied to the named activations inside each block (`RESIDUAL`,
-    q, k, v each ("batch", "seq", "heads", "head_dim"), the attention output, the MLP hidden
+    q/k/v ("batch", "seq", "qkv", "heads", "head_dim"), the attention output, the MLP hidden
     ("batch", "seq", "mlp")); a tensor-parallel trainer sets it to a sharding constraint.
     """
 
