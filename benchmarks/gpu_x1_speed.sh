@@ -34,6 +34,21 @@ profile_fused_loss() {  # $1: file prefix. ZeRO-2, remat, the fused loss (chunk 
   head -45 "$OUT/$1_profile.md"
 }
 
+if [ "${1:-sweep}" = final ]; then
+  # session 6, the tree as merged (~100 s): the default beside plain, dots_<k> at micro 8 where
+  # 16 GiB allows it (0.1 GiB a dots layer over 13.1), the fused loss with it, micro 16
+  $PY benchmarks/bench.py --steps 6 --warmup 2 --timeout 55 ${BENCH_ARGS:-} --out "$OUT/s6_final.json" --matrix '[
+    {"stage": "plain", "remat": true},
+    {"stage": 2, "remat": true},
+    {"stage": 2, "remat": "dots_24"},
+    {"stage": 2, "remat": "dots_28"},
+    {"stage": 2, "remat": "dots_28", "loss_chunk": 256},
+    {"stage": 2, "remat": true, "loss_chunk": 256, "micro": 16},
+    {"stage": "plain", "remat": true, "micro": 16}]' 2>&1 | grep -E "^ *(large|tiny|entry|ceiling)|FAIL"
+  (cd "$OUT" && tar -czf speed1_final.tgz s6_final* && rm -f s6_final*)
+  exit 0
+fi
+
 if [ "${1:-sweep}" = tune ]; then
   # session 6, batch 2 (~170 s): the fused loss's chunk (512, 1024 = one piece), dots_<k> at the
   # budget, micro 12 / 16 with it (plain at 16 beside); the profile with its HLO first. Everything
