@@ -13,8 +13,10 @@ local device, all at once.
 
 A JSON spec (`--matrix '[{...}, ...]'`) takes the keys of `_base` plus: "remat" false / true /
 a policy name of zerojax.models.gpt2.REMAT_POLICIES ("dots", "save_qkv", ...); "unroll" (the
-model's scan_unroll); "env" (variables for that entry's child only; its XLA_FLAGS are appended to
-the run's, so one entry can A/B one XLA flag or JAX_OPTIMIZATION_LEVEL); "label" (shown in the name).
+model's scan_unroll); "loss_chunk" (N: the cross entropy N positions at a time,
+zerojax.models.chunked_gpt2_loss, whose fused head never holds the whole logits); "env"
+(variables for that entry's child only; its XLA_FLAGS are appended to the run's, so one entry can
+A/B one XLA flag or JAX_OPTIMIZATION_LEVEL); "label" (shown in the name).
 
 Columns: tokens/s per device after warm-up, model TFLOP/s per device (FLOPs/token = 6N + 12*L*d*T),
 MFU against the measured ceiling, measured peak per device (max over local devices), the
@@ -90,6 +92,7 @@ def name_of(s: dict) -> str:
     extra += f" ckpt{s['ckpt']}" if s.get("ckpt") else ""
     extra += f" accum-{s['grad_accum']}" if s.get("grad_accum") else ""
     extra += f" vocab/{s['vocab_multiple']}" if s.get("vocab_multiple") else ""
+    extra += f" ce/{s['loss_chunk']}" if s.get("loss_chunk") else ""
     policy = remat_policy_of(s)
     remat = "" if policy is None else " remat" if policy == "full" else f" remat-{policy}"
     remat += f" unroll{s['unroll']}" if s.get("unroll", 1) > 1 else ""
@@ -106,6 +109,13 @@ def remat_policy_of(spec: dict):
     if r in (False, None, "none", "off"):
         return None
     return "full" if r == "on" else r
+
+
+def loss_fn_of(spec: dict):
+    """The entry's loss: gpt2_loss, or chunked_gpt2_loss(spec["loss_chunk"]) where it is set."""
+    from zerojax.models.gpt2 import chunked_gpt2_loss, gpt2_loss
+
+    return chunked_gpt2_loss(int(spec["loss_chunk"])) if spec.get("loss_chunk") else gpt2_loss
 
 
 def entry_env(env: dict, spec: dict) -> dict:
@@ -300,8 +310,9 @@ class PlainRunner:
         from jax.sharding import NamedSharding, PartitionSpec as P
 
         from zerojax.memory import CompiledMemory
-        from zerojax.models.gpt2 import GPT2, gpt2_loss
+        from zerojax.models.gpt2 import GPT2
 
+        loss_fn = loss_fn_of(spec)
         mesh = jax.make_mesh((jax.device_count(),), ("data",),
                              axis_types=(jax.sharding.AxisType.Auto,))
         rep, data = NamedSharding(mesh, P()), NamedSharding(mesh, P("data"))
@@ -316,7 +327,7 @@ class PlainRunner:
         accum = spec["accum"]
 
         def loss_of(p16, mb):
-            return gpt2_loss(nnx.merge(graphdef, p16), mb)[0]
+            return loss_fn(nnx.merge(graphdef, p16), mb)[0]
 
         def step(params, opt_state, batch):
             p16 = jax.tree.map(lambda x: x.astype(dtype), params)
@@ -366,7 +377,7 @@ class ZeroRunner:
 
         import zerojax
         from zerojax import memory as M
-        from zerojax.models.gpt2 import GPT2, gpt2_loss
+        from zerojax.models.gpt2 import GPT2
 
         off, _, ratio = spec["offload"].partition(":")  # "optimizer:0.5": offload_optimizer.ratio
         zero = {"stage": int(spec["stage"]),
@@ -404,12 +415,12 @@ class ZeroRunner:
         # knobs swept by benchmarks/*.sh arrive as ZEROJAX_* environment variables
         # spec "repeats": the pipeline's circular repeats (EngineOptions.pipeline_repeats)
         options = zerojax.EngineOptions.from_env(pipeline_repeats=int(spec.get("repeats", 1)))
-        self.engine = zerojax.shard(model, cfg, loss_fn=gpt2_loss, options=options)
+        self.engine = zerojax.shard(model, cfg, loss_fn=loss_fn_of(spec), options=options)
         self.batch = batch
-        self.predicted, self.compile_s, self.matmul_flops = None, None, None
+        self.predicted, self.compile_s, self.matmul_flops, self.compiled = None, None, None, None
         t0 = time.perf_counter()
         try:
-            compiled = M.compile_engine_step(self.engine, batch)
+            compiled = self.compiled = M.compile_engine_step(self.engine, batch)  # profile_step reads its HLO
             self.compile_s = time.perf_counter() - t0
             self.predicted = M.CompiledMemory.of(compiled)
             self.matmul_flops = _matmul_flops(compiled)

@@ -13,12 +13,76 @@
 # of each phase, the table's JSON and the profile go to $OUT. A flag XLA does not know fails its
 # entry only ("Unknown flags in XLA_FLAGS"), the run goes on.
 # BENCH_ARGS=--tiny runs the same on CPU (tiny GPT-2, no profile): a smoke test of the script.
+#
+# `gpu_x1_speed.sh loss` (session 6, ~140 s): the fused cross entropy (bench "loss_chunk":
+# zerojax.models.chunked_gpt2_loss, 256 and 128 positions a chunk) beside the default and plain,
+# the partial remat policies "dots_12" / "dots_24", micro 16 and cuBLASLt (its gemm epilogues can
+# take the bias and gelu) on it; first a profile of the fused loss with its HLO (the element-wise
+# bucket's kernels named).
 set -u
 OUT=${OUT:-benchmarks/results}; mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1
 PY=${PYTHON:-python3}
 B="$PY benchmarks/bench.py --steps 8 --warmup 2 --timeout 180 ${BENCH_ARGS:-}"
 show() { grep -E "^(large|tiny|entry|ceiling)|FAIL"; }
+profile_fused_loss() {  # $1: file prefix. ZeRO-2, remat, the fused loss (chunk 256), its HLO named
+  local P S
+  case "${BENCH_ARGS:-}" in *--tiny*) P="--cpu"; S='"size": "tiny", "seq": 32, "micro": 2, "loss_chunk": 8';;
+    *) P=""; S='"loss_chunk": 256';; esac
+  $PY benchmarks/profile_step.py "{\"stage\": 2, \"remat\": true, $S}" $P --steps 3 --warmup 2 \
+    --hlo "$OUT/$1_profile_hlo.txt.gz" --json "$OUT/$1_profile.json" 2>/dev/null > "$OUT/$1_profile.md"
+  head -45 "$OUT/$1_profile.md"
+}
+
+if [ "${1:-sweep}" = final ]; then
+  # session 6, the tree as merged (~100 s): the default beside plain, dots_<k> at micro 8 where
+  # 16 GiB allows it (0.1 GiB a dots layer over 13.1), the fused loss with it, micro 16
+  $PY benchmarks/bench.py --steps 6 --warmup 2 --timeout 55 ${BENCH_ARGS:-} --out "$OUT/s6_final.json" --matrix '[
+    {"stage": "plain", "remat": true},
+    {"stage": 2, "remat": true},
+    {"stage": 2, "remat": "dots_24"},
+    {"stage": 2, "remat": "dots_28"},
+    {"stage": 2, "remat": "dots_28", "loss_chunk": 256},
+    {"stage": 2, "remat": true, "loss_chunk": 256, "micro": 16},
+    {"stage": "plain", "remat": true, "micro": 16}]' 2>&1 | grep -E "^ *(large|tiny|entry|ceiling)|FAIL"
+  (cd "$OUT" && tar -czf speed1_final.tgz s6_final* && rm -f s6_final*)
+  exit 0
+fi
+
+if [ "${1:-sweep}" = tune ]; then
+  # session 6, batch 2 (~170 s): the fused loss's chunk (512, 1024 = one piece), dots_<k> at the
+  # budget, micro 12 / 16 with it (plain at 16 beside); the profile with its HLO first. Everything
+  # under $OUT goes back as one tar.
+  profile_fused_loss s6_tune
+  $PY benchmarks/bench.py --steps 6 --warmup 2 --timeout 55 ${BENCH_ARGS:-} --out "$OUT/s6_tune.json" --matrix '[
+    {"stage": "plain", "remat": true},
+    {"stage": 2, "remat": true},
+    {"stage": 2, "remat": true, "loss_chunk": 512},
+    {"stage": 2, "remat": true, "loss_chunk": 1024},
+    {"stage": 2, "remat": "dots_20", "loss_chunk": 256},
+    {"stage": 2, "remat": true, "loss_chunk": 256, "micro": 16},
+    {"stage": 2, "remat": "dots_2", "loss_chunk": 256, "micro": 16},
+    {"stage": "plain", "remat": true, "micro": 16},
+    {"stage": 2, "remat": true, "loss_chunk": 256, "micro": 12}]' 2>&1 | grep -E "^ *(large|tiny|entry|ceiling)|FAIL"
+  (cd "$OUT" && tar -czf speed1_tune.tgz s6_tune* && rm -f s6_tune*)
+  exit 0
+fi
+
+if [ "${1:-sweep}" = loss ]; then
+  # the profile first: it is what the element-wise analysis needs, and the matrix prints as it goes
+  profile_fused_loss s6_loss
+  $PY benchmarks/bench.py --steps 6 --warmup 2 --timeout 55 ${BENCH_ARGS:-} --out "$OUT/s6_loss.json" --matrix '[
+    {"stage": "plain", "remat": true},
+    {"stage": 2, "remat": true},
+    {"stage": 2, "remat": true, "loss_chunk": 256},
+    {"stage": 2, "remat": "dots_24", "loss_chunk": 256},
+    {"stage": 2, "remat": "dots_12", "loss_chunk": 256},
+    {"stage": 2, "remat": true, "loss_chunk": 256, "micro": 16},
+    {"stage": 2, "remat": true, "loss_chunk": 128},
+    {"stage": 2, "remat": true, "loss_chunk": 256, "label": "cublaslt",
+     "env": {"XLA_FLAGS": "--xla_gpu_enable_cublaslt=true"}}]' 2>&1 | grep -E "^ *(large|tiny|entry|ceiling)|FAIL"
+  exit 0
+fi
 
 $B --out "$OUT/speed_x1_remat.json" --matrix '[
   {"stage": "plain", "remat": true},

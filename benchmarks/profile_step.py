@@ -69,11 +69,15 @@ def device_events(profile):
 def summarise(events, steps: int, wall_s: float) -> dict:
     per_bucket = collections.Counter()
     per_kernel = collections.Counter()
+    other_calls, other_time = collections.Counter(), collections.Counter()
     per_stream = collections.Counter()
     intervals = collections.defaultdict(list)
     for plane, line, name, start, dur in events:
         per_bucket[bucket_of(name)] += dur
         per_kernel[name[:90]] += dur
+        if bucket_of(name) == "other":
+            other_calls[name[:90]] += 1
+            other_time[name[:90]] += dur
         per_stream[f"{plane} {line}"] += dur
         intervals[plane].append((start, start + dur))
     # busy time per device = union of kernel intervals over its streams (overlap counted once)
@@ -98,6 +102,9 @@ def summarise(events, steps: int, wall_s: float) -> dict:
         "buckets_ms_per_step": {k: v / 1e6 / steps / n_dev for k, v in per_bucket.most_common()},
         "top_kernels_ms_per_step": [(k, v / 1e6 / steps / n_dev) for k, v in per_kernel.most_common(15)],
         "streams_ms_per_step": {k: v / 1e6 / steps / n_dev for k, v in per_stream.most_common(8)},
+        # the element-wise bucket's longest kernels: [name, ms per step, launches per step]
+        "top_other_ms_per_step": [(k, v / 1e6 / steps / n_dev, other_calls[k] / steps / n_dev)
+                                  for k, v in other_time.most_common(25)],
         "devices": n_dev,
     }
 
@@ -113,9 +120,41 @@ def fmt(summary: dict, title: str) -> str:
         out.append(f"| {k} | {v:.1f} | {v / kern:.1%} |")
     out += ["", "| longest kernels | ms/step |", "|---|---:|"]
     out += [f"| `{k}` | {v:.2f} |" for k, v in s["top_kernels_ms_per_step"]]
+    out += ["", "| longest other kernels | ms/step | launches/step | HLO |", "|---|---:|---:|---|"]
+    out += [f"| `{k}` | {v:.2f} | {n:g} | {s.get('hlo_of', {}).get(k, '')} |"
+            for k, v, n in s.get("top_other_ms_per_step", [])]
     out += ["", "| stream | ms/step |", "|---|---:|"]
     out += [f"| {k} | {v:.1f} |" for k, v in s["streams_ms_per_step"].items()]
     return "\n".join(out)
+
+
+def hlo_of_kernels(hlo_text: str, names) -> dict:
+    """{kernel name: its HLO instruction, shortened}: a fusion kernel carries the name of the
+    instruction it runs ("loop_multiply_fusion_3" for %loop_multiply_fusion.3), so the profile's
+    longest element-wise kernels can be read against the compiled program (shapes, dtypes, the
+    fused computation's ops)."""
+    comps, current = {}, None
+    for line in hlo_text.splitlines():  # fused computations: name -> their ops
+        m = re.match(r"\s*(?:ENTRY\s+)?%?([\w.\-]+)\s.*\{\s*$", line)
+        if m and not line.startswith(" "):
+            current = comps.setdefault(m.group(1), collections.Counter())
+        elif current is not None:
+            op = re.search(r"=\s*\S+\s+([a-z\-]+)\(", line)
+            if op and op.group(1) not in ("parameter", "constant", "bitcast", "broadcast", "get-tuple-element"):
+                current[op.group(1)] += 1
+    out = {}
+    for name in names:
+        for cand in {name, re.sub(r"_(\d+)$", r".\1", name)}:
+            m = re.search(r"^\s*(?:ROOT\s+)?%?" + re.escape(cand) + r" = (.*)$", hlo_text, re.M)
+            if m:
+                text = m.group(1)
+                calls = re.search(r"calls=%?([\w.\-]+)", text)
+                ops = comps.get(calls.group(1)) if calls else None
+                shape = text.split(" fusion(")[0].split(" custom-call(")[0]
+                out[name] = (shape[:160] + (" ops " + ",".join(f"{k}x{v}" for k, v in ops.most_common(8))
+                                             if ops else ""))
+                break
+    return out
 
 
 def main(argv=None) -> int:
@@ -127,6 +166,8 @@ def main(argv=None) -> int:
     p.add_argument("--title", default=None)
     p.add_argument("--json", default=None, help="write the summary here")
     p.add_argument("--cpu", action="store_true", help="smoke test on 2 virtual CPU devices")
+    p.add_argument("--hlo", default=None, help="write the compiled step's HLO here (gzip) and name the "
+                                               "longest element-wise kernels' HLO instructions")
     args = p.parse_args(argv)
     if args.cpu:
         os.environ["JAX_PLATFORMS"] = "cpu"
@@ -172,6 +213,14 @@ def main(argv=None) -> int:
     profile = jax.profiler.ProfileData.from_file(paths[0])
     summary = summarise(device_events(profile), args.steps, wall)
     summary["spec"] = spec
+    compiled = getattr(runner, "compiled", None)
+    if args.hlo and compiled is not None:
+        import gzip
+
+        text = compiled.as_text()
+        with gzip.open(args.hlo, "wt") as f:
+            f.write(text)
+        summary["hlo_of"] = hlo_of_kernels(text, [k for k, _, _ in summary["top_other_ms_per_step"]])
     summary["tokens_per_s_per_device"] = gb * seq * args.steps / wall / n_dev
     title = args.title or json.dumps(json.loads(args.spec))
     print(fmt(summary, f"{title}: {summary['tokens_per_s_per_device']:,.0f} tokens/s per device"))

@@ -132,7 +132,7 @@ def test_hardware_is_validated():
     with pytest.raises(ValueError, match="matmul_flops"):
         E.Hardware(matmul_flops=0)
     with pytest.raises(ValueError, match="remat choice"):
-        PL.plan(factory, CFG, 10**9, SEQ, remat=("dots",))
+        PL.plan(factory, CFG, 10**9, SEQ, remat=("dot",))
 
 
 # ---------------------------------------------------------------------------------------------

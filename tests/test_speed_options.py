@@ -11,6 +11,7 @@ import os
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import pytest
 from flax import nnx
 
@@ -23,9 +24,9 @@ CFG = GPT2Config.named("tiny")  # 2 layers, d 64, 4 heads of 16, vocab 256
 B, T = 2, 16
 
 
-def _saved_residual_shapes(policy):
+def _saved_residual_shapes(policy, config=CFG):
     """The shapes JAX saves for the backward pass, as it prints them (f32[2,2,16,3,4,16] ...)."""
-    model = GPT2(CFG, rngs=nnx.Rngs(0), remat_policy=policy)
+    model = GPT2(config, rngs=nnx.Rngs(0), remat_policy=policy)
     graphdef, state = nnx.split(model)
     ids = jnp.zeros((B, T), jnp.int32)
     out = io.StringIO()
@@ -44,6 +45,31 @@ def test_policies_keep_what_they_name():
     assert qkv in kept["save_qkv"] and attn not in kept["save_qkv"]
     assert attn in kept["save_attention"] and qkv not in kept["save_attention"]
     assert {qkv, attn} <= kept["save_qkv_attention"]
+
+
+def test_partial_dots_matches_no_remat_and_keeps_dots_on_its_layers_only():
+    """"dots_2" on a 4-layer model: loss and gradients as without remat (the fp32 reference; only
+    the recompute order differs, so fp32 rounding: rtol 1e-5 as test_gpt2's remat checks), and
+    JAX's saved residuals: the MLP's up projection [B, T, 4d] is kept for two layers (the dots
+    scan: stacked [2, ...]), not for all four (plain "dots": [4, ...]) nor none ("full")."""
+    cfg4 = GPT2Config.named("tiny", n_layer=4)
+    ids = jnp.zeros((B, T), jnp.int32).at[:, ::3].set(7)
+
+    def loss_and_grads(policy):
+        graphdef, state = nnx.split(GPT2(cfg4, rngs=nnx.Rngs(0), remat_policy=policy))
+        f = lambda s: gpt2_loss(nnx.merge(graphdef, s), {"input_ids": ids})[0]  # noqa: E731
+        return jax.value_and_grad(f)(state)
+
+    (ref, ref_g), (got, got_g) = loss_and_grads(None), loss_and_grads("dots_2")
+    assert abs(float(got) - float(ref)) <= 1e-6 * abs(float(ref))
+    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-7), got_g, ref_g)
+    mlp_up = lambda layers: f"{layers},{B},{T},{cfg4.mlp_dim}"  # noqa: E731
+    kept = {p: _saved_residual_shapes(p, cfg4) for p in ("full", "dots", "dots_2")}
+    assert mlp_up(2) in kept["dots_2"] and mlp_up(4) not in kept["dots_2"]
+    assert mlp_up(4) in kept["dots"] and not {mlp_up(2), mlp_up(4)} & kept["full"]
+    for bad in ("dots_1", "dots_3"):  # each of the two scans needs two layers or more
+        with pytest.raises(ValueError, match="k must be 2 .. 2"):
+            GPT2(cfg4, rngs=nnx.Rngs(0), remat_policy=bad)
 
 
 def test_scan_unroll_is_checked():
@@ -68,6 +94,7 @@ def _load(section):
 @pytest.mark.parametrize("section,policy", [
     (None, None), ({}, "full"), ({"cpu_checkpointing": True}, "offload"),
     ({"remat_policy": "save_qkv"}, "save_qkv"), ({"remat_policy": "DOTS"}, "dots"),
+    ({"remat_policy": "dots_24"}, "dots_24"),
     ({"remat_policy": "none"}, None), ({"remat_policy": "offload", "cpu_checkpointing": True}, "offload")])
 def test_remat_policy_for(section, policy):
     cfg = _load(section)
@@ -84,6 +111,7 @@ def test_unset_extension_key_stays_out_of_to_dict():
 
 @pytest.mark.parametrize("section,words", [
     ({"remat_policy": "dot"}, ["activation_checkpointing.remat_policy", "save_qkv"]),
+    ({"remat_policy": "dots_0"}, ["activation_checkpointing.remat_policy", "save_qkv"]),
     ({"remat_policy": "dots", "cpu_checkpointing": True}, ["remat_policy", "cpu_checkpointing", "remove one"])])
 def test_remat_policy_errors(section, words):
     with pytest.raises(zerojax.ConfigError) as e:
@@ -131,3 +159,85 @@ def test_the_step_time_model_knows_every_remat_policy_of_the_model():
     assert flops[None] < flops["save_qkv_attention"] < flops["save_qkv"] < flops["full"]
     assert flops["save_qkv_attention"] < flops["save_attention"] < flops["full"]
     assert set(est.REMAT_RECOMPUTE) >= set(REMAT_POLICIES)
+    # "dots_<k>": k layers "dots", the rest "full": the two ends' difference, in steps of 1 / 36
+    for k in (2, 18, 34):
+        assert est.train_flops_per_token(shape, f"dots_{k}") == pytest.approx(
+            flops["full"] + k / 36 * (flops["dots"] - flops["full"]), rel=1e-12)
+
+
+# ------------------------------------------------------------------ fused cross entropy
+
+
+def _ce_reference(x, w, targets, vocab_size):
+    """float64 NumPy: summed cross entropy of x @ w[:vocab_size].T and its gradients (softmax minus
+    one-hot, rows with target -100 left out; wte's padding rows get none)."""
+    x, w = np.asarray(x, np.float64), np.asarray(w, np.float64)
+    logits = x @ w[:vocab_size].T
+    lse = np.log(np.exp(logits - logits.max(-1, keepdims=True)).sum(-1)) + logits.max(-1)
+    valid = np.asarray(targets) != -100
+    t = np.where(valid, targets, 0)
+    onehot = np.eye(vocab_size)[t]
+    g = np.where(valid[..., None], np.exp(logits - lse[..., None]) - onehot, 0.0)
+    total = np.where(valid, lse - np.take_along_axis(logits, t[..., None], -1)[..., 0], 0.0).sum()
+    dw = np.zeros_like(w)
+    dw[:vocab_size] = np.einsum("btv,btd->vd", g, x)
+    return total, g @ w[:vocab_size], dw
+
+
+def test_fused_cross_entropy_against_float64():
+    """fused_cross_entropy (value, and gradients through its custom VJP with a cotangent of 3)
+    against float64 NumPy: padded vocabulary (40 rows, 37 real), ignored targets, 11 positions in
+    chunks of 4 (a padded last chunk). fp32: each logit and sum is within a few ulp (2^-23 relative)
+    of float64 over at most 37 + 11 terms, so 1e-5 of the largest entry. bf16 operands (the
+    reference taken on the same rounded operands): the logits' gradient is rounded to bf16 once
+    before each gemm and the results once after (2 x 2^-8 relative), so 2^-6 of the largest
+    entry, the bound test_gpt2's lm_head check derives. The jitted gradient never holds the
+    [B, T, V] fp32 logits (the point of fusing), which the plain head's gradient does."""
+    from zerojax.models.gpt2 import fused_cross_entropy
+
+    rng = np.random.default_rng(0)
+    V, vocab, Bx, Tx, d = 40, 37, 2, 11, 16
+    x = jnp.asarray(rng.normal(size=(Bx, Tx, d)), jnp.float32)
+    w = jnp.asarray(rng.normal(size=(V, d)) * 0.3, jnp.float32).at[vocab:].set(0.0)
+    targets = jnp.asarray(rng.integers(0, vocab, (Bx, Tx)), jnp.int32).at[0, 3:6].set(-100)
+
+    def loss(x, w):
+        return 3.0 * fused_cross_entropy(x, w, targets, vocab, 4)
+
+    ref_total, ref_dx, ref_dw = _ce_reference(x, w, targets, vocab)
+    total, (dx, dw) = jax.value_and_grad(loss, (0, 1))(x, w)
+    assert abs(float(total) - 3 * ref_total) <= 1e-5 * abs(3 * ref_total)
+    assert abs(float(fused_cross_entropy(x, w, targets, vocab, 4)) - ref_total) <= 1e-5 * abs(ref_total)
+    for got, ref in ((dx, 3 * ref_dx), (dw, 3 * ref_dw)):
+        assert np.abs(np.asarray(got) - ref).max() <= 1e-5 * np.abs(ref).max()
+    xb, wb = x.astype(jnp.bfloat16), w.astype(jnp.bfloat16)
+    _, ref_dx16, ref_dw16 = _ce_reference(xb.astype(jnp.float32), wb.astype(jnp.float32), targets, vocab)
+    for got, ref in zip(jax.grad(loss, (0, 1))(xb, wb), (3 * ref_dx16, 3 * ref_dw16)):
+        assert got.dtype == jnp.bfloat16
+        assert np.abs(np.asarray(got, np.float32) - ref).max() <= 2.0**-6 * np.abs(ref).max()
+    whole = f"f32[{Bx},{Tx},{V}]"
+    fused_hlo = jax.jit(jax.grad(loss, (0, 1))).lower(x, w).compile().as_text()
+    plain = lambda x, w: 3.0 * jax.nn.logsumexp(jnp.einsum("btd,vd->btv", x, w), -1).sum()  # noqa: E731
+    assert whole not in fused_hlo and whole in jax.jit(jax.grad(plain, (0, 1))).lower(x, w).compile().as_text()
+
+
+def test_planner_fits_the_partial_dots_policy_to_a_budget():
+    """planner.fit_remat_policy on a 5-layer GPT-2: with a budget between the compiled peaks of
+    "full" and "dots" it returns the "dots_<k>" with the largest k whose compiled step fits (its
+    own answer checked against step_memory of k and k + 1: an independent compile each), "dots"
+    when everything fits, "full" when no dots layer does; a plan naming it writes the policy into
+    activation_checkpointing."""
+    from zerojax import planner
+
+    cfg3 = GPT2Config.named("tiny", n_layer=5)
+    factory = lambda remat_policy=None: GPT2(cfg3, rngs=nnx.Rngs(0), remat_policy=remat_policy)  # noqa: E731
+    ds = {"train_micro_batch_size_per_gpu": 8, "zero_optimization": {"stage": 0},
+          "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}}}
+    peak = {p: planner.step_memory(factory, ds, 128, 8, remat=p).peak for p in ("full", "dots_2", "dots_3", "dots")}
+    assert peak["full"] < peak["dots_2"] < peak["dots_3"] < peak["dots"], peak
+    fit = lambda budget: planner.fit_remat_policy(factory, ds, budget, 128, cfg3.n_layer)  # noqa: E731
+    assert fit(peak["dots_3"]) == "dots_3" and fit(peak["dots_3"] - 1) == "dots_2"
+    assert fit(peak["dots"]) == "dots" and fit(peak["dots_2"] - 1) == "full"
+    plan = planner.Plan(stage=0, micro_batch=8, remat="dots_2")
+    assert plan.config_patch()["activation_checkpointing"]["remat_policy"] == "dots_2"
+    assert remat_policy_for(zerojax.load_config(plan.apply({"train_batch_size": 8}), world_size=1)) == "dots_2"

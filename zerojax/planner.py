@@ -31,7 +31,7 @@ from zerojax import engine as E
 from zerojax import estimate as est
 from zerojax import memory as mem
 from zerojax import partition
-from zerojax.config import load_config
+from zerojax.config import REMAT_POLICY_NAMES, load_config
 from zerojax.memory import CompiledMemory, WillNotFitError, fmt_bytes, parse_bytes
 
 AS_BUILT = "as built"  # remat of a model the planner cannot rebuild (a built engine's graph)
@@ -98,6 +98,8 @@ class Plan:
             patch["activation_checkpointing"] = (
                 None if self.remat is None else
                 {"partition_activations": False, "cpu_checkpointing": self.remat == "offload"})
+            if self.remat not in (None, "full", "offload"):  # zerojax's extension key: "dots", "dots_<k>", ...
+                patch["activation_checkpointing"]["remat_policy"] = self.remat
         return patch
 
     def apply(self, cfg_dict: dict) -> dict:
@@ -524,7 +526,7 @@ def _remat_choices(factory, remat):
     for r in (remat if isinstance(remat, (tuple, list)) else (remat,)):
         if r in (False, True, "none"):  # the older remat=bool, and the CLI's "none"
             r = "full" if r is True else None
-        if r not in REMAT_CHOICES and r != AS_BUILT:
+        if r not in REMAT_CHOICES and r != AS_BUILT and r not in REMAT_POLICY_NAMES:  # + zerojax's remat_policy
             raise ValueError(f"remat choice {r!r}: use one of {REMAT_CHOICES} (what DeepSpeed's "
                              "activation_checkpointing section can say)")
         if r not in out:
@@ -582,6 +584,23 @@ def fit_micro_batch(model_factory, cfg_dict, budget, seq_len, *, remat=AS_BUILT,
     return m
 
 
+def fit_remat_policy(model_factory, cfg_dict, budget, seq_len, n_layer: int, *, loss_fn=None,
+                     mesh=None, batch_fn=None) -> str:
+    """The remat policy that keeps the most for the backward pass within `budget` bytes per device,
+    all else as configured: "dots" if its compiled step fits, else "dots_<k>" ("dots" on the
+    first k of the n_layer layers, "full" on the rest) with the largest k that fits, else "full".
+    Peaks grow by the same bytes per "dots" layer, so `memory.largest_fitting`'s line finds k in
+    a few compiles. The factory must take `remat_policy=` (zerojax.models.GPT2 does)."""
+    budget = parse_bytes(budget)
+    micro = int(cfg_dict.get("train_micro_batch_size_per_gpu") or 1)
+    peak = lambda remat: step_memory(model_factory, cfg_dict, seq_len, micro, remat=remat,  # noqa: E731
+                                     loss_fn=loss_fn, mesh=mesh, batch_fn=batch_fn).peak
+    if peak("dots") <= budget:
+        return "dots"
+    k, _ = mem.largest_fitting(lambda k: peak(f"dots_{k}"), budget, start=2, limit=n_layer - 2)
+    return f"dots_{k}" if k else "full"
+
+
 # ---------------------------------------------------------------------------------------------
 # A built engine: plans for its guard
 
@@ -635,7 +654,7 @@ def guard(engine, batch_shapes, budget=None, **plan_kw) -> CompiledMemory | None
                      plans=lambda: engine_plans(engine, batch_shapes, budget, **plan_kw))
 
 
-__all__ = ["Plan", "rank_plans", "Search", "search", "plan", "fit_micro_batch", "step_memory",
+__all__ = ["Plan", "rank_plans", "Search", "search", "plan", "fit_micro_batch", "fit_remat_policy", "step_memory",
            "abstract_engine", "model_shape", "precision_choices", "rows_per_device",
            "engine_model_factory", "engine_plans", "guard", "AS_BUILT",
            "DEFAULT_OFFLOADS", "REMAT_CHOICES"]

@@ -142,6 +142,12 @@ def optimizer_update(settings: StepSettings, grads, master, opt_state):
     return master, opt_state
 
 
+def _compute_params(settings: StepSettings, master):
+    """The compute-dtype params the next step's forward pass reads, from the fp32 master."""
+    params = jax.tree.map(lambda m: m.astype(settings.compute_dtype), master)
+    return jax.lax.with_sharding_constraint(params, settings.shardings.params)
+
+
 def train_step(settings: StepSettings, state: TrainState, batch):
     scale = loss_scale_of(settings, state.opt_state)
     accum_dtype, grad_transform = settings.accum_dtype, None
@@ -173,20 +179,24 @@ def train_step(settings: StepSettings, state: TrainState, batch):
         # update, inner state untouched, scale lowered) by itself; a non-finite fp16 loss shows up
         # as non-finite gradients, so it is skipped there too (DeepSpeed's overflow path).
         new_master, new_opt = optimizer_update(settings, grads, master, state.opt_state)
+        params = _compute_params(settings, new_master)
         skipped = jnp.asarray(new_opt.skipped, jnp.bool_)
         nonfinite = jnp.logical_not(jnp.isfinite(loss))
     else:
         # bf16 / fp32: never train on a non-finite loss or gradient; skip and let the engine raise.
+        # The compute-dtype copy is made inside each branch: in the update's, XLA writes it in the
+        # update's own pass over the master (a cast after the cond read the whole master again);
+        # the skip branch casts the unchanged master rather than return the step's input params,
+        # which would keep those alive through the update (they are dead after the backward pass).
         nonfinite = jnp.logical_not(jnp.isfinite(loss) & jnp.isfinite(grad_norm))
         skipped = nonfinite
-        new_master, new_opt = jax.lax.cond(
-            nonfinite,
-            lambda: (master, state.opt_state),
-            lambda: optimizer_update(settings, grads, master, state.opt_state),
-        )
 
-    params = jax.tree.map(lambda m: m.astype(settings.compute_dtype), new_master)
-    params = jax.lax.with_sharding_constraint(params, settings.shardings.params)
+        def update():
+            new_master, new_opt = optimizer_update(settings, grads, master, state.opt_state)
+            return new_master, new_opt, _compute_params(settings, new_master)
+
+        new_master, new_opt, params = jax.lax.cond(
+            nonfinite, lambda: (master, state.opt_state, _compute_params(settings, master)), update)
     new_state = TrainState(
         params=params,
         master=new_master if state.master is not None else None,

@@ -12,7 +12,17 @@ from zerojax.config._values import _DEVICES, _empty, _f, _freeze, _is_auto, _to_
 DEEPSPEED_VERSION = "0.19.8"
 # activation_checkpointing.remat_policy's values: zerojax.models.gpt2.REMAT_POLICIES (None written "none");
 # the config imports nothing of the models, so tests/test_speed_options.py checks the two agree
-REMAT_POLICY_NAMES = ("none", "full", "dots", "save_qkv", "save_attention", "save_qkv_attention", "offload")
+class _RematPolicyNames(tuple):
+    """The fixed names, and also (membership only) "dots_<k>", k an int >= 1: "dots" on the first k
+    layers, "full" on the rest (the model checks k < its layer count)."""
+
+    def __contains__(self, value):
+        return tuple.__contains__(self, value) or (
+            isinstance(value, str) and value.startswith("dots_") and value[5:].isdigit() and int(value[5:]) >= 1)
+
+
+REMAT_POLICY_NAMES = _RematPolicyNames(
+    ("none", "full", "dots", "save_qkv", "save_attention", "save_qkv_attention", "offload"))
 
 
 # Features DeepSpeed removed (DeepSpeed issue #8489): any presence of the key, even null, {} or
@@ -386,7 +396,8 @@ class ActivationCheckpointingConfig:
     model that forbids unknown keys, so remove it before giving the config to DeepSpeed). What each layer keeps
     for the backward pass, the rest being recomputed: "full" (the layer input only), "dots" (every matmul
     output without batch dimensions), "save_qkv" (the qkv projection), "save_attention" (the attention
-    output), "save_qkv_attention" (both), "offload" (the layer input, in host memory; the same as
+    output), "save_qkv_attention" (both), "dots_<k>" (e.g. "dots_24": "dots" on the first k layers, "full" on
+    the rest: memory between the two), "offload" (the layer input, in host memory; the same as
     `cpu_checkpointing: true`), "none" (no recompute, as if the section were absent). Unset: "offload" with
     `cpu_checkpointing`, else "full".
     zerojax: **acted on**: the model's remat policy, read by `zerojax.config.remat_policy_for(cfg)` (the GPT-2

@@ -44,6 +44,10 @@ QKV_PROJ, ATTENTION_OUT = "qkv_proj", "attention_out"
 #   "offload": the block input, in pinned host memory. (GPT-2 Large at micro 8 x 1024: d values
 #   per token per layer = 0.70 GiB over its 36 layers in bf16.)
 REMAT_POLICIES = (None, "full", "dots", "save_qkv", "save_attention", "save_qkv_attention", "offload")
+# and "dots_<k>" (k an int, 2 <= k <= n_layer - 2): "dots" on the first k layers, "full" on the rest:
+# between the two in memory (k x dots' extra per layer), so that the planner can pick the k that
+# fits a budget. Two layer scans, one per policy (`split_remat_policy`).
+PARTIAL_DOTS = "dots_"
 _SAVED_NAMES = {"save_qkv": (QKV_PROJ,), "save_attention": (ATTENTION_OUT,),
                 "save_qkv_attention": (QKV_PROJ, ATTENTION_OUT)}
 # name of a layer's weights after `layer_fetch` (host->device, or ZeRO-3's gather): never saved
@@ -253,8 +257,33 @@ def _block(x, p, *, eps, dtype, attention_impl, constrain=_unconstrained):
     return x + c(p["mlp"]["c_proj"]["bias"])
 
 
+def dots_layers(name) -> int | None:
+    """k of a "dots_<k>" remat policy name, else None (any other name, or not a string)."""
+    if isinstance(name, str) and name.startswith(PARTIAL_DOTS) and name[len(PARTIAL_DOTS):].isdigit():
+        return int(name[len(PARTIAL_DOTS):])
+    return None
+
+
+def split_remat_policy(name, n_layer: int):
+    """[(policy, layers), ...] in layer order: "dots_<k>" -> [("dots", k), ("full", n_layer - k)];
+    any other policy -> [(name, n_layer)]. Raises ValueError for k outside 2 .. n_layer - 2.
+
+    Each scan needs two layers or more: XLA inlines a one-iteration loop, and the recompute of
+    a remat outside a loop is free to be scheduled early, i.e. not to save memory (on CPU, three
+    one-layer "full" scans held 43 MB where one scan held 15 MB and no remat 51 MB)."""
+    k = dots_layers(name)
+    if k is None:
+        return [(name, n_layer)]
+    if not 2 <= k <= n_layer - 2:
+        raise ValueError(f"remat_policy={name!r}: k={k} layers of {n_layer} with \"dots\" (the rest \"full\", "
+                         f"each part two layers or more); k must be 2 .. {n_layer - 2} (\"dots\" or \"full\": "
+                         "all layers one way)")
+    return [("dots", k), ("full", n_layer - k)]
+
+
 def remat_policy_fn(name):
-    """The `jax.checkpoint` policy for a remat option name (None = no remat)."""
+    """The `jax.checkpoint` policy for a remat option name (None = no remat; "dots_<k>" is two
+    policies, `split_remat_policy`)."""
     cp = jax.checkpoint_policies
     if name == "full":
         return cp.nothing_saveable
@@ -271,7 +300,8 @@ def remat_policy_fn(name):
             offload_src="device",
             offload_dst="pinned_host",
         )
-    raise ValueError(f"remat_policy={name!r}; choose one of {REMAT_POLICIES}")
+    raise ValueError(f"remat_policy={name!r}; choose one of {REMAT_POLICIES} or \"dots_<k>\" (k layers \"dots\", "
+                     "the rest \"full\")")
 
 
 def _resolve_attention(impl, dtype, head_dim):
@@ -328,8 +358,9 @@ class GPT2(nnx.Module):
             if remat_policy not in (None, "offload"):
                 raise ValueError(f"offload_activations=True conflicts with {remat_policy=}")
             remat_policy = "offload"
-        if remat_policy is not None:
-            remat_policy_fn(remat_policy)  # validate early
+        if remat_policy is not None:  # validate early
+            for name, _ in split_remat_policy(remat_policy, config.n_layer):
+                remat_policy_fn(name)
         if attention_impl not in ATTENTION_IMPLS:
             raise ValueError(f"{attention_impl=}; choose one of {ATTENTION_IMPLS}")
         if isinstance(scan_unroll, bool) or not isinstance(scan_unroll, int) or scan_unroll < 1:
@@ -405,14 +436,21 @@ class GPT2(nnx.Module):
             block, policy = body, policy or "except_fetched"
             body = lambda x, p: block(x, jax.tree.map(  # noqa: E731
                 lambda a: checkpoint_name(a, FETCHED_PARAMS), fetch(p)))
-        if policy is not None:
-            # scan already keeps iterations apart, so CSE prevention is not needed
-            body = jax.checkpoint(body, policy=remat_policy_fn(policy), prevent_cse=False)
-        if layer_scan is not None:  # no fetch: e.g. pipeline stages over the "pipe" mesh axis
-            x = layer_scan(body, x, layers, None)
-        else:
-            x, _ = jax.lax.scan(lambda x, p: (body(x, p), None), x, layers,
-                                unroll=getattr(self, "scan_unroll", 1) or 1)
+        pieces = split_remat_policy(policy, cfg.n_layer)
+        if layer_scan is not None and len(pieces) > 1:
+            raise ValueError(f"remat_policy={policy!r} runs two layer scans; the engine's own layer scan "
+                             "(pipeline stages) takes one policy: use \"dots\" or \"full\"")
+        start = 0
+        for name, n in pieces:  # one scan per policy, each over its layers
+            # a scan keeps iterations apart, so CSE prevention is not needed
+            step = body if name is None else jax.checkpoint(body, policy=remat_policy_fn(name), prevent_cse=False)
+            part = layers if n == cfg.n_layer else jax.tree.map(lambda a: a[start:start + n], layers)
+            if layer_scan is not None:  # no fetch: e.g. pipeline stages over the "pipe" mesh axis
+                x = layer_scan(step, x, part, None)
+            else:
+                x, _ = jax.lax.scan(lambda x, p, step=step: (step(x, p), None), x, part,
+                                    unroll=getattr(self, "scan_unroll", 1) or 1)
+            start += n
 
         return _layer_norm(x, self.ln_f.scale[...], self.ln_f.bias[...], cfg.layer_norm_epsilon, dtype)
 
@@ -460,29 +498,95 @@ def _mean_over_tokens(total, labels):
 def chunked_gpt2_loss(chunk: int = 128):
     """`gpt2_loss` computed `chunk` positions at a time -> a loss_fn(model, batch).
 
-    The full logits (B x T x vocab in fp32: 1.5 GiB for micro-batch 8 x 1024 tokens of GPT-2's
-    50257-token vocabulary, and XLA keeps several such buffers for the softmax and its gradient)
-    never exist: a scan over sequence chunks computes each chunk's logits, its cross entropy, and
-    (rematerialised) its gradient. Same value as `gpt2_loss` up to summation order; the batch
-    axis stays whole, so data-parallel sharding is untouched.
+    The full logits (B x T x padded vocab in fp32: 1.65 GB for GPT-2 at micro-batch 8 x 1024,
+    and their gradient beside them) never exist: `fused_cross_entropy` runs the LM head, the
+    cross entropy and the head's gradients chunk by chunk. Same value as `gpt2_loss` up to
+    summation order; the batch axis stays whole, so data-parallel sharding is untouched.
     """
-    if chunk < 1:
-        raise ValueError(f"chunk={chunk} must be >= 1")
+    if isinstance(chunk, bool) or not isinstance(chunk, int) or chunk < 1:
+        raise ValueError(f"chunk={chunk!r}: the positions per piece of the cross entropy, an int >= 1")
 
     def loss_fn(model: GPT2, batch):
         labels = _shifted_labels(batch)
         constrain = getattr(model, "activation_sharding", None) or _unconstrained
-        x = constrain(model.hidden_states(batch["input_ids"]), SEQ_WHOLE)[:, :-1]
-        B, T, d = x.shape
-        pad = -T % chunk
-        x = jnp.pad(x, ((0, 0), (0, pad), (0, 0))).reshape(B, -1, chunk, d).swapaxes(0, 1)
-        lab = jnp.pad(labels, ((0, 0), (0, pad)), constant_values=-100).reshape(B, -1, chunk).swapaxes(0, 1)
-
-        @functools.partial(jax.checkpoint, prevent_cse=False)
-        def piece(xc, lc):
-            return _nll_sum(model.padded_logits(xc), lc)
-
-        total, _ = jax.lax.scan(lambda acc, xl: (acc + piece(*xl), None), jnp.float32(0), (x, lab))
+        x = constrain(model.hidden_states(batch["input_ids"]), SEQ_WHOLE)
+        # every position's target, the last one none (-100): x needs no [:, :-1] slice (a copy)
+        targets = jnp.pad(labels, ((0, 0), (0, 1)), constant_values=-100)
+        w = model.wte[...].astype(model.dtype)
+        total = fused_cross_entropy(x, w, targets, model.config.vocab_size, chunk, constrain)
         return _mean_over_tokens(total, labels)
 
     return loss_fn
+
+
+def _ce_piece(x, w, targets, vocab_size, constrain, with_grad):
+    """One chunk: x [B, c, d], w [V, d], targets [B, c] (-100: none) -> the summed cross entropy,
+    and with_grad its gradients dx [B, c, d], dw [V, d] (fp32, for a loss cotangent of 1).
+
+    The logits' gradient (softmax - one-hot) is formed here in fp32 and rounded to the operands'
+    dtype for the two gemms, as `lm_head`'s backward rounds its cotangent."""
+    logits = constrain(jnp.einsum("btd,vd->btv", x, w, preferred_element_type=jnp.float32), LOGITS)
+    column = jnp.arange(w.shape[0])
+    if w.shape[0] != vocab_size:  # padding rows of wte: no probability, no gradient
+        logits = jnp.where(column < vocab_size, logits, -jnp.inf)
+    valid = targets != -100
+    onehot = column == jnp.where(valid, targets, 0)[..., None]
+    lse = jax.nn.logsumexp(logits, axis=-1)
+    picked = jnp.where(onehot, logits, 0.0).sum(-1)
+    total = jnp.where(valid, lse - picked, 0.0).sum()
+    if not with_grad:
+        return total
+    g = jnp.where(valid[..., None], jnp.exp(logits - lse[..., None]) - onehot, 0.0).astype(x.dtype)
+    dx = jnp.einsum("btv,vd->btd", g, w, preferred_element_type=jnp.float32)
+    dw = jnp.einsum("btv,btd->vd", g, x, preferred_element_type=jnp.float32)
+    return total, dx, dw
+
+
+def _ce_scan(x, w, targets, vocab_size, chunk, constrain, with_grad):
+    """`_ce_piece` over the sequence, `chunk` positions at a time (a lax.scan; the last chunk
+    padded with ignored positions) -> total, or (total, dx [B, T, d] fp32, dw [V, d] fp32)."""
+    B, T, d = x.shape
+    chunk = min(chunk, T)  # a short sequence is one piece, not padded up to `chunk`
+    pad = -T % chunk
+    x = jnp.pad(x, ((0, 0), (0, pad), (0, 0))).reshape(B, -1, chunk, d).swapaxes(0, 1)
+    targets = jnp.pad(targets, ((0, 0), (0, pad)), constant_values=-100).reshape(B, -1, chunk).swapaxes(0, 1)
+    piece = lambda xc, tc: _ce_piece(xc, w, tc, vocab_size, constrain, with_grad)  # noqa: E731
+    if not with_grad:
+        total, _ = jax.lax.scan(lambda acc, xt: (acc + piece(*xt), None), jnp.float32(0), (x, targets))
+        return total
+
+    def body(carry, xt):
+        total, dw = carry
+        t, dx, dw_piece = piece(*xt)
+        return (total + t, dw + dw_piece), dx
+
+    (total, dw), dx = jax.lax.scan(body, (jnp.float32(0), jnp.zeros(w.shape, jnp.float32)), (x, targets))
+    return total, dx.swapaxes(0, 1).reshape(B, T + pad, d)[:, :T], dw
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5))
+def fused_cross_entropy(x, w, targets, vocab_size, chunk, constrain=_unconstrained):
+    """Summed fp32 cross entropy of the logits x @ w.T against targets, `chunk` positions at a time.
+
+    x [B, T, d] (the final hidden states), w [V, d] (wte, V >= vocab_size: the rows past
+    vocab_size are padding, never predicted), targets [B, T] int (-100: not counted). The
+    forward pass also forms the gradients of x and w chunk by chunk (the loss is a scalar at the
+    end of the step, so its cotangent only scales them): neither the [B, T, V] fp32 logits nor
+    their gradient ever exists whole, and nothing is recomputed in the backward pass (three head
+    gemms, as unfused). The backward scales the kept fp32 gradients by the cotangent and rounds
+    them to the operands' dtypes. constrain(x, names): the trainer's activation hook."""
+    return _ce_scan(x, w, targets, vocab_size, chunk, constrain, with_grad=False)
+
+
+def _fused_ce_fwd(x, w, targets, vocab_size, chunk, constrain):
+    total, dx, dw = _ce_scan(x, w, targets, vocab_size, chunk, constrain, with_grad=True)
+    # residuals are arrays: the operands' dtypes travel as empty arrays of them
+    return total, (dx, dw, jnp.zeros((0,), x.dtype), jnp.zeros((0,), w.dtype))
+
+
+def _fused_ce_bwd(vocab_size, chunk, constrain, res, ct):
+    dx, dw, x_like, w_like = res
+    return (ct * dx).astype(x_like.dtype), (ct * dw).astype(w_like.dtype), None
+
+
+fused_cross_entropy.defvjp(_fused_ce_fwd, _fused_ce_bwd)
