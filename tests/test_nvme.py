@@ -9,6 +9,7 @@ bound: GPT-2's attention key bias has an analytically zero gradient, numerically
 normalises to ~lr, so any ulp in the forward moves it by ~lr (measured 3e-3 after 2 fp32 steps).
 Hence one step, compared to 2 ulp. The swapper itself is tested against numpy.
 """
+import contextlib
 import os
 import threading
 
@@ -68,6 +69,17 @@ def stored(eng):
     return [np.asarray(x, np.float32) for x in jax.tree.leaves((st.master, st.opt_state))]
 
 
+def read_swap_files(tier):
+    """Each swap file read with plain numpy: its groups (at block-padded strides) joined on the layers axis."""
+    tier.swapper.flush()
+    out = []
+    for i, (leaf, stride) in enumerate(zip(tier.swap_leaves(), tier.swapper.strides)):
+        raw = np.fromfile(os.path.join(tier.swapper.dir, f"leaf{i}.swap"), dtype=np.uint8)
+        out.append(np.concatenate([raw[g * stride:g * stride + leaf.group_bytes].view(leaf.dtype).reshape(
+            leaf.group_shape) for g in range(tier.swapper.groups)]))
+    return out
+
+
 @pytest.fixture(scope="module")
 def engines(tmp_path_factory):
     """fp32, after STEPS: (CPU offload of params + optimizer, NVMe offload of both; CPU offload of the
@@ -102,6 +114,42 @@ def test_nvme_trains_like_cpu_offload(engines, which):
         np.testing.assert_array_equal(x, y)
 
 
+HOST_LAYERS = 2   # of C.n_layer = 4: the split keeps layers 0-1's state in host memory, 2-3 in the files
+
+
+@pytest.fixture(scope="module")
+def split_engine(tmp_path_factory):
+    """NVMe offload of the optimizer with a host / disk split, after STEPS (compare: engines[2:4])."""
+    return engine(config("nvme", "none", path=tmp_path_factory.mktemp("split"), prec="fp32",
+                         pipeline_read=True, host_layers=HOST_LAYERS))
+
+
+def test_host_disk_split_trains_like_cpu_and_nvme_offload(engines, split_engine):
+    # the host layers run CPU offload's loop on CPU offload's values, the disk layers the NVMe loop
+    # on NVMe's: each part bitwise like the engine that updates all layers its way; and the files
+    # hold exactly the disk layers (the host layers are ordinary pinned host arrays)
+    cpu, nvme, split = engines[2], engines[3], split_engine
+    tier = split.layout.nvme
+    assert tier.host_layers == HOST_LAYERS and tier.swapper.groups == C.n_layer - HOST_LAYERS
+    h = HOST_LAYERS
+    mc, mn, ms = master(cpu), master(nvme), master(split)
+    for (path, x), c, n in zip(jax.tree_util.tree_leaves_with_path(ms["h"]), jax.tree.leaves(mc["h"]),
+                               jax.tree.leaves(mn["h"])):
+        np.testing.assert_array_equal(x[:h], c[:h], err_msg=jax.tree_util.keystr(path))
+        np.testing.assert_array_equal(x[h:], n[h:], err_msg=jax.tree_util.keystr(path))
+    for path in ("wte", "wpe", "ln_f"):  # the non-layer leaves: host memory in all three
+        for x, c in zip(jax.tree.leaves(ms[path]), jax.tree.leaves(mc[path])):
+            np.testing.assert_array_equal(x, c)
+    files = read_swap_files(tier)
+    for got, want in zip(files, jax.tree.leaves(ms["h"])):  # the master leaves come first
+        np.testing.assert_array_equal(got, want[h:])
+    assert [os.path.getsize(os.path.join(tier.swapper.dir, f"leaf{i}.swap")) for i in range(len(files))] == [
+        s * (C.n_layer - h) for s in tier.swapper.strides]
+    report = split.layout.offload_settings
+    assert report["nvme_host_layers"] == h
+    assert report["nvme_disk_bytes"] == report["nvme_host_bytes"] == nvme.layout.offload_settings["nvme_disk_bytes"] // 2
+
+
 def test_state_lives_in_the_files(engines):
     eng = engines[1]
     tier = eng.layout.nvme
@@ -114,16 +162,8 @@ def test_state_lives_in_the_files(engines):
     files = sorted(os.listdir(tier.swapper.dir))
     leaves = tier.swap_leaves()
     assert files == sorted(f"leaf{i}.swap" for i in range(len(leaves)))
-    eng.layout.nvme.swapper.flush()
-    master_tree = eng.master_params
-    layers = [np.asarray(x, np.float32) for x in jax.tree.leaves(master_tree["h"])]
-    stride = tier.swapper.strides
-    m_count = len(tier.m_files)
-    for i, (leaf, want) in enumerate(zip(leaves[:m_count], layers)):
-        raw = np.fromfile(os.path.join(tier.swapper.dir, f"leaf{i}.swap"), dtype=np.float32)
-        per = leaf.group_shape[0]
-        got = np.concatenate([raw[g * stride[i] // 4:][: int(np.prod(leaf.group_shape))].reshape(leaf.group_shape)
-                              for g in range(want.shape[0] // per)])
+    layers = [np.asarray(x, np.float32) for x in jax.tree.leaves(eng.master_params["h"])]
+    for got, want in zip(read_swap_files(tier)[:len(tier.m_files)], layers):
         np.testing.assert_array_equal(got, want)
     report = eng.layout.offload_settings
     assert report["nvme_disk_bytes"] == sum(x.group_bytes for x in leaves) * tier._c.loop
@@ -191,24 +231,14 @@ def test_swapper_round_trip(tmp_path, pipelined):
     assert os.listdir(tmp_path) == []
 
 
-def test_swapper_host_memory_is_bounded_by_its_buffers(tmp_path):
-    # 24 groups of 8 MiB (192 MiB on disk) streamed read -> update -> write with the pipeline on: the
-    # process's resident memory may grow by the groups in flight -- buffer_count (one read ahead, the
-    # rest being written) plus the caller's two (the group it updates and its result) -- and a slack
-    # of 3 groups + 16 MiB: glibc raises its mmap threshold (to 32 MiB) after the first free of a
-    # block, so later 8 MiB blocks come from per-thread arenas that keep freed memory a while
-    # (measured: 63.5 MiB growth against 40 MiB in flight); never by the 192 MiB of state
+@contextlib.contextmanager
+def rss_growth():
+    """Yields a list that, on exit, holds the process's peak resident memory growth over the block
+    (sampled every 2 ms on a thread; psutil)."""
     psutil = pytest.importorskip("psutil")
     proc = psutil.Process()
-    group = 8 << 20
-    spec = [SwapLeaf("x", (group // 4,), np.dtype(np.float32))]
-    n = 24
-    sw = NvmeSwapper(str(tmp_path), spec, n, buffer_count=3, threads=4)
-    for g in range(n):
-        sw.write(g, np.full(group // 4, g, np.float32))
-    sw.flush()
     peak, stop = [proc.memory_info().rss], threading.Event()
-    base = peak[0]
+    base, out = peak[0], []
 
     def sample():
         while not stop.is_set():
@@ -218,21 +248,93 @@ def test_swapper_host_memory_is_bounded_by_its_buffers(tmp_path):
     t = threading.Thread(target=sample)
     t.start()
     try:
+        yield out
+    finally:
+        stop.set()
+        t.join()
+        out.append(max(peak) - base)
+
+
+def test_swapper_host_memory_is_bounded_by_its_buffers(tmp_path):
+    # 24 groups of 8 MiB (192 MiB on disk) streamed read -> update -> write with the pipeline on: the
+    # process's resident memory may grow by the groups in flight -- buffer_count (one read ahead, the
+    # rest being written) plus the caller's two (the group it updates and its result) -- and a slack
+    # of one freed group per malloc arena (the 4 I/O threads' and the main thread's) + 16 MiB: glibc
+    # raises its mmap threshold (to 32 MiB) after the first free of a block, so later 8 MiB blocks
+    # come from per-thread arenas that keep freed memory a while (measured on the shared 2-core box:
+    # 63.5 to 88 MiB growth against 40 MiB in flight; the former slack of 3 groups failed 1 run in 3);
+    # never by the 192 MiB of state
+    group = 8 << 20
+    spec = [SwapLeaf("x", (group // 4,), np.dtype(np.float32))]
+    n = 24
+    sw = NvmeSwapper(str(tmp_path), spec, n, buffer_count=3, threads=4)
+    for g in range(n):
+        sw.write(g, np.full(group // 4, g, np.float32))
+    sw.flush()
+    with rss_growth() as growth:
         for _ in range(2):
             for g in range(n):
                 x = sw.read(g)[0]
                 sw.write(g, x + 1)
                 del x
         sw.flush()
-    finally:
-        stop.set()
-        t.join()
-    budget = (3 + 2 + 3) * group + (16 << 20)
+    budget = (3 + 2 + 4 + 1) * group + (16 << 20)
     assert budget < n * group
-    assert max(peak) - base <= budget, (max(peak) - base, budget)
+    assert growth[0] <= budget, (growth[0], budget)
     assert sw.bytes_read >= 2 * n * group and sw.bytes_written >= 3 * n * group
     np.testing.assert_array_equal(sw.read(7)[0][:4], np.full(4, 9, np.float32))
     sw.close()
+
+
+def test_init_writes_the_files_without_the_state_in_host_memory(tmp_path, monkeypatch):
+    # NVMe init never holds the swapped layers' state: at every write to the files, the arrays alive
+    # (jax.live_arrays: device and host, every memory kind) are the bf16 compute params, the non-layer
+    # leaves' master + moments (host memory, as CPU offload), and one call's outputs: the groups of one
+    # leaf and their moments, at most init_group_bytes; the numpy side (tracemalloc) holds the write
+    # buffers: buffer_count groups. Not the 12 B/param of the layers' master + moments (what the former
+    # init built in pinned host memory and copied out: 12 + 12 B/param). Exact byte accounting, not RSS:
+    # on CPU the "device" is host memory too, so RSS also counts XLA's random-bit temporaries, its
+    # compilations and the allocator's slack (measured: 170 to 460 MiB of growth for this model, in
+    # either init), which on a GPU live in device memory or not at all
+    import tracemalloc
+    big = gpt2.GPT2Config.named("tiny", n_embd=256, n_head=2, vocab_size=64, n_positions=32, n_layer=8)
+    make_big = lambda: gpt2.GPT2(big, rngs=nnx.Rngs(0), dtype=jax.numpy.bfloat16)  # noqa: E731
+    params = jax.eval_shape(lambda: nnx.state(make_big(), nnx.Param))
+    size = lambda t: sum(int(np.prod(x.shape)) for x in jax.tree.leaves(t))  # noqa: E731
+    total, layers = size(params), size(params["h"])
+    limit = 4 * layers // 8    # init_group_bytes: an eighth of the layers' fp32 weights
+    # one call's outputs twice: device_get's per-device views of the group it copies out are listed as
+    # arrays of their own (the same buffers); 1 MiB: the counters, rng keys
+    budget_jax = 2 * total + 12 * (total - layers) + 2 * limit + (1 << 20)
+    budget_np = 4 * (12 * layers // big.n_layer) + (1 << 20)           # buffer_count = 4 groups of one layer
+    import zerojax.offload.nvme as nvme_mod
+    seen, write = [], nvme_mod.NvmeSwapper.write_leaves
+
+    def watched(self, g, leaves, arrays):
+        write(self, g, leaves, arrays)
+        seen.append((sum(x.nbytes for x in jax.live_arrays()) - base, tracemalloc.get_traced_memory()[1]))
+
+    monkeypatch.setattr(nvme_mod.NvmeSwapper, "write_leaves", watched)
+    base = sum(x.nbytes for x in jax.live_arrays())
+    tracemalloc.start()
+    try:
+        eng = zerojax.shard(make_big, config("nvme", "none", path=tmp_path, prec="bf16"), loss_fn=gpt2.gpt2_loss,
+                            options=zerojax.EngineOptions(init_group_bytes=limit))
+    finally:
+        tracemalloc.stop()
+    tier = eng.layout.nvme
+    assert tier.disk_bytes() == 12 * layers > 3 * budget_jax
+    assert len(seen) >= big.n_layer * len(tier.m_files)   # every group of every leaf went through the writer
+    assert max(j for j, _ in seen) <= budget_jax, (max(j for j, _ in seen), budget_jax)
+    assert max(n for _, n in seen) <= budget_np, (max(n for _, n in seen), budget_np)
+    # the files hold the model's initial master (its initialiser run whole) and Adam's zero moments
+    from zerojax.engine import _init_pure
+    want = jax.tree.leaves(jax.jit(lambda: _init_pure(make_big)[0]["h"])())
+    got = read_swap_files(tier)
+    for x, y in zip(got, want):
+        np.testing.assert_array_equal(x, np.asarray(y))
+    assert len(got) == 3 * len(want) and all(not x.any() for x in got[len(want):])
+    eng.close()
 
 
 def test_swap_path_errors(tmp_path, monkeypatch):
@@ -276,10 +378,28 @@ def test_nvme_config_keys_and_refusals():
         ({"stage": 3, "offload_param": {"device": "nvme"}}, "needs zero_optimization.offload_param.nvme_path"),
         ({"stage": 3, "offload_optimizer": {"device": "nvme", "nvme_path": "/x", "buffer_count": 1}},
          "at least 2 buffers"),
+        ({"stage": 3, "offload_optimizer": {"device": "cpu", "host_layers": 2}},
+         "host_layers = 2 with device = \"cpu\""),
     ]
     for zero, needle in cases:
         with pytest.raises(ConfigError, match=needle):
             load_config({"train_batch_size": 8, "zero_optimization": zero}, world_size=1)
+
+
+def test_host_layers_split_and_its_refusals():
+    from zerojax.offload.chunks import Chunk, chunk_layout
+    from zerojax.offload.nvme_tier import split_host_layers
+    f32 = lambda *shape: jax.ShapeDtypeStruct(shape, np.float32)  # noqa: E731
+    tree = {"h": {"w": f32(6, 3, 3), "b": f32(6, 3)}, "wte": f32(5, 3)}
+    by_layer, by_pair = chunk_layout(tree, 6), chunk_layout(tree, 3)   # groups of 1 / 2 layers
+    # the host loop over groups 0-1, then the disk loop over groups 2-5 (each its own fori_loop)
+    assert split_host_layers(by_layer, 2).chunks == (Chunk(True, 0, 0), Chunk(False, 0, 2, loop=2),
+                                                     Chunk(False, 2, 6, loop=4))
+    assert split_host_layers(by_pair, 4).chunks[1:] == (Chunk(False, 0, 4, loop=2), Chunk(False, 4, 6, loop=1))
+    with pytest.raises(ValueError, match="host_layers = 6 keeps all 6 offloaded layers .* at most 5"):
+        split_host_layers(by_layer, 6)
+    with pytest.raises(ValueError, match="host_layers = 3 is not a multiple of the 2 layers .* use 2 or 4"):
+        split_host_layers(by_pair, 3)
 
 
 def test_engine_refuses_a_bad_nvme_path_before_the_first_step(tmp_path):
@@ -305,6 +425,12 @@ def test_tier_bytes_and_the_nvme_suggestion():
     assert cpu == {"device": 2 * psi, "host": 14 * psi, "disk": 0}
     assert nv["device"] == 2 * psi and nv["disk"] == int(12 * psi * f)
     assert abs(nv["host"] - (2 * psi + 12 * psi * (1 - f) + 4 * 12 * psi * f / L)) < 16
+    # the split: the first h of L layers' 12Ψf/L each stay in host memory, the rest on disk
+    h = 20
+    sp = tier_bytes(psi, 3, 1, offload_param=True, nvme=True, layer_fraction=f, n_layers=L, buffer_count=4,
+                    host_layers=h)
+    assert abs(sp["disk"] - 12 * psi * f * (L - h) / L) < 16
+    assert abs(sp["host"] - (2 * psi + 12 * psi * (1 - f) + (h + 4) * 12 * psi * f / L)) < 16
     assert '"device": "nvme"' in nvme_suggestion(cpu["host"], 80 * 2**30, disk_bytes=nv["disk"])
     assert nvme_suggestion(cpu["host"], 200 * 2**30, disk_bytes=nv["disk"]) is None
     assert "disk too" in nvme_suggestion(cpu["host"], 80 * 2**30, disk_bytes=nv["disk"], disk_free=60 * 2**30)

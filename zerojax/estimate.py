@@ -99,21 +99,25 @@ def zero_paper_bytes(total_params, stage, n_devices, *, offload_optimizer=False,
 
 
 def tier_bytes(total_params, stage, n_devices, *, offload_optimizer=False, offload_param=False,
-               nvme=False, layer_fraction=1.0, buffer_count=4, n_layers=1):
+               nvme=False, layer_fraction=1.0, buffer_count=4, n_layers=1, host_layers=0):
     """Model-state bytes per device, per host and on disk for one plan: `zero_paper_bytes` plus the
     NVMe tier (ZeRO-Infinity): with `nvme` the layers' share (`layer_fraction` of the parameters:
     the stacked layers, not the embeddings) of the 12Ψ/N master + moments moves from host memory to
-    the swap files, and host memory keeps `buffer_count` layer groups of it in flight (one group =
-    one layer of `n_layers`). {"device", "host", "disk"}."""
+    the swap files, but for the first `host_layers` of the `n_layers` layers
+    (offload_optimizer.host_layers, the host / disk split), and host memory keeps `buffer_count`
+    layer groups of the swapped part in flight (one group = one layer). {"device", "host", "disk"}."""
     b = zero_paper_bytes(total_params, stage, n_devices, offload_optimizer=offload_optimizer or nvme,
                          offload_param=offload_param)
     disk = 0
     if nvme:
         if stage != 3:
             raise ValueError(f"NVMe offload needs zero_optimization.stage=3, got stage={stage}")
-        swapped = 12 * total_params / n_devices * layer_fraction
-        disk = int(swapped)
-        b["host"] = int(b["host"] - swapped + min(buffer_count, n_layers) * swapped / max(n_layers, 1))
+        if not 0 <= host_layers < max(n_layers, 1):
+            raise ValueError(f"host_layers={host_layers} must be in [0, n_layers={n_layers})")
+        per_layer = 12 * total_params / n_devices * layer_fraction / max(n_layers, 1)
+        swapped_layers = max(n_layers, 1) - host_layers
+        disk = int(per_layer * swapped_layers)
+        b["host"] = int(b["host"] - per_layer * swapped_layers + min(buffer_count, swapped_layers) * per_layer)
     return {**b, "disk": disk}
 
 

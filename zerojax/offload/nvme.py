@@ -143,6 +143,10 @@ class NvmeSwapper:
         self._ahead: tuple[int, cf.Future] | None = None   # the group read ahead
         self.bytes_read = self.bytes_written = 0
         self.stall_s = 0.0   # wall time the update's callbacks waited on the disk (read / write)
+        # per pass over the groups (an update): seconds from the read of group 0 to the last group's
+        # write on disk, the window its bytes moved in (the achieved bandwidth's denominator)
+        self.pass_s: list[float] = []
+        self._pass_start = None
         self._closed = False
         _OPEN.add(self)
 
@@ -169,9 +173,10 @@ class NvmeSwapper:
         step = max(self.block_size, _round_up(-(-nbytes // self._pool._max_workers), self.block_size))
         return [(a, min(a + step, nbytes)) for a in range(0, nbytes, step)] or [(0, 0)]
 
-    def _io(self, write: bool, g: int, arrays: list[np.ndarray]) -> list[cf.Future]:
+    def _io(self, write: bool, g: int, arrays: list[np.ndarray], leaves=None) -> list[cf.Future]:
         futs = []
-        for fd, stride, a in zip(self._fds, self.strides, arrays):
+        for k, a in zip(range(len(arrays)) if leaves is None else leaves, arrays):
+            fd, stride = self._fds[k], self.strides[k]
             view = memoryview(a.reshape(-1).view(np.uint8))
             base = g * stride
             for lo, hi in self._pieces(a.nbytes):
@@ -200,6 +205,8 @@ class NvmeSwapper:
     def read(self, g) -> list[np.ndarray]:
         """Group g's leaves (fresh arrays: the caller may keep them), reading g + 1 ahead if pipelined."""
         g, t0 = int(g), time.perf_counter()
+        if g == 0:
+            self._pass_start = t0
         ahead, self._ahead = self._ahead, None
         out = ahead[1].result() if ahead is not None and ahead[0] == g else self._read_now(g)
         if self.pipeline_read and self.groups > 1:
@@ -210,9 +217,14 @@ class NvmeSwapper:
 
     def write(self, g, *arrays) -> None:
         """Write group g's new leaves; returns once they are copied (pipelined) or written."""
-        g, t0 = int(g), time.perf_counter()
         if len(arrays) != len(self.leaves):
-            raise ValueError(f"NVMe swap write of group {g}: {len(arrays)} arrays for {len(self.leaves)} leaves")
+            raise ValueError(f"NVMe swap write of group {int(g)}: {len(arrays)} arrays for {len(self.leaves)} leaves")
+        self.write_leaves(g, range(len(self.leaves)), arrays)
+
+    def write_leaves(self, g, leaves, arrays) -> None:
+        """Write group g of the swap leaves numbered `leaves` (all of them: `write`; some: the init,
+        a leaf at a time); returns once they are copied (pipelined) or written."""
+        g, t0, leaves = int(g), time.perf_counter(), list(leaves)
         # at most buffer_count - 1 groups being written (one more is the read ahead)
         while True:
             with self._lock:
@@ -221,9 +233,21 @@ class NvmeSwapper:
                 break
             self._wait_writes(pending[0])
         # the callback's arrays may alias buffers the runtime reuses once it returns: copy them
-        own = [np.array(a, dtype=leaf.dtype, copy=True).reshape(leaf.group_shape) for a, leaf in zip(arrays, self.leaves)]
-        futs = self._io(True, g, own)
+        own = [np.array(a, dtype=self.leaves[k].dtype, copy=True).reshape(self.leaves[k].group_shape)
+               for k, a in zip(leaves, arrays)]
+        futs = self._io(True, g, own, leaves)
         self.bytes_written += sum(a.nbytes for a in own)
+        if g == self.groups - 1 and self._pass_start is not None and futs:
+            start, self._pass_start = self._pass_start, None
+            left = [len(futs)]
+
+            def done(_, start=start, left=left):   # on the I/O threads, once the last piece is written
+                with self._lock:
+                    left[0] -= 1
+                    if left[0] == 0:
+                        self.pass_s.append(time.perf_counter() - start)
+            for f in futs:
+                f.add_done_callback(done)
         with self._lock:
             self._writes.setdefault(g, []).extend(futs)
         if not self.pipeline_write:

@@ -17,7 +17,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.experimental import io_callback
 
-from zerojax.offload.chunks import OffloadLayout, chunk_templates, is_none
+from zerojax.offload.chunks import ChunkLayout, OffloadLayout, chunk_templates, is_none
 from zerojax.offload.memory_kinds import DEVICE, is_sharding
 from zerojax.offload.nvme import NvmeSwapper, SwapLeaf, check_swap_path
 from zerojax.offload.update import _apply, _grads_in, _slice_sharding
@@ -39,19 +39,22 @@ class NvmeTier:
     m_files: tuple             # flat indices (None-aware) of master leaves in files
     s_files: tuple             # flat indices of optimizer-state leaves in files (the stacked ones)
     settings: dict             # NvmeSwapper keyword arguments (nvme_path, buffer_count, ...)
+    host_layers: int = 0       # layers before the tier's chunk whose state stays in host memory (the split)
     swapper: NvmeSwapper | None = None
     closed: bool = False
 
     @classmethod
-    def build(cls, tx, abstract_master, off: OffloadLayout, settings: dict) -> "NvmeTier | None":
+    def build(cls, tx, abstract_master, off: OffloadLayout, settings: dict, *,
+              host_layers: int = 0) -> "NvmeTier | None":
+        """The tier of the last host loop chunk (`split_host_layers` put the disk layers there)."""
         loops = [i for i, c in enumerate(off.layout.chunks) if c.loop and c.host]
         if not loops:
             return None
-        if len(loops) > 1:  # EngineOptions.offload_streams > 1: several loop chunks, one tier
+        if len(loops) > (2 if host_layers else 1):  # EngineOptions.offload_streams > 1: several loop chunks
             raise ValueError(f"zero_optimization.offload_optimizer.device = \"nvme\" with EngineOptions."
                              f"offload_streams = {len(loops)}: the NVMe tier swaps one layer stack; use "
                              "offload_streams=1 with NVMe")
-        i = loops[0]
+        i = loops[-1]
         c = off.layout.chunks[i]
         m_tmpl, s_tmpl = chunk_templates(tx, abstract_master, off.layout)
         n = c.hi - c.lo
@@ -59,7 +62,7 @@ class NvmeTier:
         s_leaves, _ = _flat(s_tmpl[i])
         m_files = tuple(j for j, x in enumerate(m_leaves) if x is not None)
         s_files = tuple(j for j, x in enumerate(s_leaves) if x is not None and x.ndim >= 1 and x.shape[0] == n)
-        return cls(off, i, m_tmpl[i], s_tmpl[i], m_files, s_files, dict(settings))
+        return cls(off, i, m_tmpl[i], s_tmpl[i], m_files, s_files, dict(settings), int(host_layers))
 
     # ------------------------------------------------------------------ shapes
 
@@ -81,6 +84,10 @@ class NvmeTier:
     def disk_bytes(self) -> int:
         """Bytes of the swap files (before block padding)."""
         return sum(leaf.group_bytes for leaf in self.swap_leaves()) * self._c.loop
+
+    def host_tier_bytes(self) -> int:
+        """Bytes of the same leaves kept in host memory for the split's `host_layers` layers."""
+        return self.disk_bytes() // (self._c.hi - self._c.lo) * self.host_layers
 
     # ------------------------------------------------------------------ the live (placeholder) form
 
@@ -124,6 +131,61 @@ class NvmeTier:
                      + [np.asarray(jax.device_get(s[j])) for j in self.s_files])
         return self.live(master, "master"), self.live(state, "state")
 
+    def leaf_state_files(self, tx) -> dict | None:
+        """{master flat index i: the flat indices of the state leaves `tx.init` makes for leaf i alone}, from
+        `tx.init` on a chunk holding leaf i only; None when such a state does not line up with the chunk's
+        (an optimizer whose state is not one tree per parameter tree): `init_files` needs it."""
+        m_tmpl, m_def = _flat(self.m_template)
+        s_def = _flat(self.s_template)[1]
+        out = {}
+        for i in self.m_files:
+            one = m_def.unflatten([m_tmpl[k] if k == i else None for k in range(len(m_tmpl))])
+            st, st_def = _flat(jax.eval_shape(tx.init, one))
+            if st_def != s_def:
+                return None
+            out[i] = [k for k in self.s_files if st[k] is not None]
+        return out
+
+    def init_files(self, tx, leaf_fn, limit_bytes: int = 0) -> None:
+        """Fill the files with the initial state a few layer groups at a time, never the whole swapped state
+        in host memory (what `spill` of a state built in host memory needs: it killed a 7.06B run). Per
+        file leaf i, a jitted function computes `leaf_fn(i)` (leaf i's fp32 initial value, whole, on the
+        device: a model's initialiser draws a stacked leaf at once), slices out as many layer groups as
+        fit `limit_bytes` (with their `tx.init` states; 0: every group in one call) and runs `tx.init`
+        on each; the slices and moments go to the files. A moment that is all zeros (Adam's) is not
+        written: the files were reserved with posix_fallocate, whose blocks read as zeros."""
+        sw = self.open()
+        c, per, nm = self._c, self.per, len(self.m_files)
+        owners = self.leaf_state_files(tx)
+        m_sh, _ = _flat(self.off.master_shardings[self.chunk])
+        m_tmpl, m_def = _flat(self.m_template)
+        for slot, i in enumerate(self.m_files):
+            dev = _slice_sharding(m_sh[i], per).with_memory_kind(DEVICE)
+            ks = owners[i]
+            made = sw.leaves[slot].group_bytes * (1 + len(ks))   # device bytes one group's outputs take
+            n = max((d for d in range(1, c.loop + 1) if c.loop % d == 0 and (not limit_bytes or d * made <= limit_bytes)),
+                    default=1)   # groups per call: a divisor of the group count, so one program serves
+
+            def build(g0, i=i, ks=ks, n=n):
+                whole, outs = leaf_fn(i), []
+                for g in range(n):
+                    x = jax.lax.dynamic_slice_in_dim(whole, c.lo + (g0 + g) * per, per, axis=0)
+                    st, _ = _flat(tx.init(m_def.unflatten([x if k == i else None for k in range(len(m_tmpl))])))
+                    ys = [st[k] for k in ks]
+                    outs.append((x, ys, [jnp.any(y != 0) for y in ys]))
+                return outs
+
+            fn = jax.jit(build, out_shardings=[(dev, [dev] * len(ks), None)] * n)
+            for g0 in range(0, c.loop, n):
+                outs = fn(g0)
+                for g in range(n):
+                    (x, ys, nonzero), outs[g] = outs[g], None   # each group's arrays freed once written
+                    keep = [(nm + self.s_files.index(k), y) for k, y, nz in zip(ks, ys, nonzero) if bool(nz)]
+                    sw.write_leaves(g0 + g, [slot] + [j for j, _ in keep],
+                                    [np.asarray(jax.device_get(x))] + [np.asarray(jax.device_get(y)) for _, y in keep])
+                    del x, ys, keep
+        sw.flush()
+
     def spill_master(self, master: list) -> list:
         """Only the master's file leaves into the files (a checkpoint restored without its optimizer state)."""
         sw = self.open()
@@ -154,6 +216,38 @@ class NvmeTier:
         return master, state
 
 
+HOST_LAYERS_KEY = "zero_optimization.offload_optimizer.host_layers"
+
+
+def split_host_layers(layout: ChunkLayout, host_layers: int) -> ChunkLayout:
+    """`layout` with its host loop chunk cut in two loop chunks: the first `host_layers` layers (kept in
+    pinned host memory, updated by the host loop as with `device: "cpu"`), then the rest (the NVMe tier's
+    chunk, swapped). Each is updated a group at a time by its own loop, so the group size stays
+    the layout's (`EngineOptions.offload_chunks`) and `host_layers` must be a multiple of it."""
+    loops = [i for i, c in enumerate(layout.chunks) if c.loop and c.host]
+    if not loops:
+        raise ValueError(f"{HOST_LAYERS_KEY} = {host_layers}: the model has no stacked (scanned) layers in host "
+                         "memory to split (or offload_optimizer.ratio leaves none there); remove the key")
+    if len(loops) > 1:
+        raise ValueError(f"{HOST_LAYERS_KEY} = {host_layers} needs the offloaded layers as one stack; got "
+                         f"{len(loops)} loop chunks (EngineOptions.offload_streams > 1): use offload_streams=1")
+    i = loops[0]
+    c = layout.chunks[i]
+    n, per = c.hi - c.lo, (c.hi - c.lo) // c.loop
+    if host_layers >= n:
+        raise ValueError(f"{HOST_LAYERS_KEY} = {host_layers} keeps all {n} offloaded layers in host memory and "
+                         "leaves nothing for the swap files; use \"device\": \"cpu\", or at most "
+                         f"{n - per} host layers")
+    if host_layers % per:
+        raise ValueError(f"{HOST_LAYERS_KEY} = {host_layers} is not a multiple of the {per} layers per offload "
+                         f"group (EngineOptions.offload_chunks); use {host_layers // per * per} or "
+                         f"{-(-host_layers // per) * per}")
+    cut = c.lo + host_layers
+    parts = (dataclasses.replace(c, hi=cut, loop=host_layers // per),
+             dataclasses.replace(c, lo=cut, loop=(n - host_layers) // per))
+    return dataclasses.replace(layout, chunks=layout.chunks[:i] + parts + layout.chunks[i + 1:])
+
+
 def nvme_tier(cfg, tx, abstract_master, off: OffloadLayout) -> NvmeTier:
     """The tier for `zero_optimization.offload_optimizer: {device: "nvme"}`, its swapper's settings from
     the offload section and the `aio` section (DeepSpeed 0.19.8's keys and defaults)."""
@@ -166,7 +260,7 @@ def nvme_tier(cfg, tx, abstract_master, off: OffloadLayout) -> NvmeTier:
                     threads=int(aio.queue_depth) * int(aio.intra_op_parallelism),
                     pipeline_read=bool(opt.pipeline_read), pipeline_write=bool(opt.pipeline_write),
                     rank=jax.process_index())
-    tier = NvmeTier.build(tx, abstract_master, off, settings)
+    tier = NvmeTier.build(tx, abstract_master, off, settings, host_layers=int(opt.host_layers))
     if tier is None:
         raise ValueError("zero_optimization.offload_optimizer.device = \"nvme\": the model has no stacked (scanned) "
                          "layer parameters to swap a layer group at a time (or offload_optimizer.ratio leaves "
@@ -239,4 +333,4 @@ def nvme_loop_update(tier: NvmeTier, tx, g, s_live, cp, *, compute_dtype, skip, 
     return s_def.unflatten(counters), cp
 
 
-__all__ = ["NvmeTier", "nvme_loop_update", "nvme_tier", "check_params_in_cpu"]
+__all__ = ["NvmeTier", "nvme_loop_update", "nvme_tier", "check_params_in_cpu", "split_host_layers"]
