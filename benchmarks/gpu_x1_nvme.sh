@@ -17,9 +17,9 @@ NVME=${NVME:-/tmp}
 df -B1 "$NVME" | tail -1; free -g | head -2
 
 if [ "$MODE" = smoke ]; then
-  # d 512, 8 layers, half of them on NVMe: the split, the streamed init and the update's I/O, end to end
-  timeout 55 python3 benchmarks/nvme_gpt.py --n-embd 512 --n-layer 8 --n-head 8 --micro 1 --accum 2 --seq 256 \
-    --offload nvme --param --host-layers 4 --nvme-path "$NVME" --steps 1 --warmup 1 --json "$OUT/nvme_gpt.json" 2>&1 \
+  # d 256, 4 layers, half of them on NVMe: the split, the streamed init and the update's I/O, end to end
+  timeout 55 python3 benchmarks/nvme_gpt.py --n-embd 256 --n-layer 4 --n-head 4 --micro 1 --accum 2 --seq 128 \
+    --offload nvme --param --host-layers 2 --nvme-path "$NVME" --steps 1 --warmup 1 --json "$OUT/nvme_gpt.json" 2>&1 \
     | grep -E "^NVME|Error|error:" | tail -3
 else
   echo "== disk bandwidth through the swapper's pread/pwrite pool (64 MiB blocks, 2 GiB)"
