@@ -2,8 +2,11 @@
 # NVMe offload (issue #16) on one H200 capped to 24 GB (XLA_PYTHON_CLIENT_MEM_FRACTION=0.17), 128 GiB RAM,
 # 64 GiB disk: a GPT larger than the 7.06B that CPU offload could not fit (its ~105 GiB of host state was
 # killed during init), trained with ZeRO-3 + offload_param cpu + the optimizer state split between host memory
-# (offload_optimizer.host_layers) and NVMe swap files, micro 1 x accumulation 16. Neither the disk (12 B/param
+# (offload_optimizer.host_layers) and NVMe swap files, micro 8 (MICRO, ACCUM). Neither the disk (12 B/param
 # of master + moments: 85 GB for 7.06B) nor host memory holds that state alone; both together do.
+# Why not micro 1 x accumulation 16: with offload_param and accumulation the engine adds each micro-batch's
+# gradients into an fp32 accumulator in device memory (zerojax/step.py), 4 B/param = 30 GB for 7.46B, over
+# the 24 GB cap; one micro-batch leaves the bf16 gradients in host memory (the 6.65B row used micro 8 too).
 #   bash benchmarks/gpu_x1_nvme.sh big     # d 4096, L ${L:-36} (~7.46B), 1 warm-up + 2 timed steps, <= 480 s
 #   bash benchmarks/gpu_x1_nvme.sh smoke   # a small GPT through the same path, <= 60 s
 # First the disk's bandwidth through the swapper's I/O path (benchmarks/nvme_io.py), then the run: tokens/s,
@@ -44,10 +47,11 @@ else:
     print(-1, "no split fits")
 PY
 )"
-  echo "== GPT d$D_MODEL L$L ($EST), ZeRO-3 + offload_param cpu + optimizer host_layers $HOST_LAYERS / NVMe, micro 1 x accum 16"
+  MICRO=${MICRO:-8}; ACCUM=${ACCUM:-1}
+  echo "== GPT d$D_MODEL L$L ($EST), ZeRO-3 + offload_param cpu + optimizer host_layers $HOST_LAYERS / NVMe, micro $MICRO x accum $ACCUM"
   if [ "$HOST_LAYERS" -ge 0 ]; then
     XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB=${HOST_LIMIT_GB:-116} timeout ${BIG_S:-420} python3 benchmarks/nvme_gpt.py \
-      --n-embd $D_MODEL --n-layer $L --n-head 32 --micro 1 --accum 16 --offload nvme --param \
+      --n-embd $D_MODEL --n-layer $L --n-head 32 --micro $MICRO --accum $ACCUM --offload nvme --param \
       --host-layers $HOST_LAYERS --nvme-path "$NVME" --steps 2 --warmup 1 --json "$OUT/nvme_gpt.json" 2>&1 \
       | grep -E "^NVME|Error|error:|Killed" | tail -3
     echo "exit ${PIPESTATUS[0]}"
