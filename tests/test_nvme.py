@@ -124,7 +124,7 @@ def split_engine(tmp_path_factory):
                          pipeline_read=True, host_layers=HOST_LAYERS))
 
 
-def test_host_disk_split_trains_like_cpu_and_nvme_offload(engines, split_engine):
+def test_host_disk_split_trains_like_cpu_and_nvme_offload(engines, split_engine, tmp_path):
     # the host layers run CPU offload's loop on CPU offload's values, the disk layers the NVMe loop
     # on NVMe's: each part bitwise like the engine that updates all layers its way; and the files
     # hold exactly the disk layers (the host layers are ordinary pinned host arrays)
@@ -145,6 +145,12 @@ def test_host_disk_split_trains_like_cpu_and_nvme_offload(engines, split_engine)
         np.testing.assert_array_equal(got, want[h:])
     assert [os.path.getsize(os.path.join(tier.swapper.dir, f"leaf{i}.swap")) for i in range(len(files))] == [
         s * (C.n_layer - h) for s in tier.swapper.strides]
+    # a checkpoint joins the host and disk layers into the layout-free form and splits them back
+    want = stored(split)
+    split.save_checkpoint(tmp_path / "split")
+    split.load_checkpoint(tmp_path / "split")
+    for x, y in zip(stored(split), want):
+        np.testing.assert_array_equal(x, y)
     report = split.layout.offload_settings
     assert report["nvme_host_layers"] == h
     assert report["nvme_disk_bytes"] == report["nvme_host_bytes"] == nvme.layout.offload_settings["nvme_disk_bytes"] // 2
@@ -434,6 +440,14 @@ def test_tier_bytes_and_the_nvme_suggestion():
     assert '"device": "nvme"' in nvme_suggestion(cpu["host"], 80 * 2**30, disk_bytes=nv["disk"])
     assert nvme_suggestion(cpu["host"], 200 * 2**30, disk_bytes=nv["disk"]) is None
     assert "disk too" in nvme_suggestion(cpu["host"], 80 * 2**30, disk_bytes=nv["disk"], disk_free=60 * 2**30)
+    # the 7.06B case on the 1-GPU machine: 98.8 GB of host state with CPU offload, 92 GiB free, a 60 GiB disk.
+    # By hand: a layer's state is 12Ψf/L = 2.57 GB; d layers on disk save (d - 4) layers of host memory
+    # (the swapper's 4 in flight), so d = 4 + ceil((98.84e9 - 92 x 2**30) / 2.57e9) = 4 + 1 = 5 disk layers
+    # (12.8 GB), host_layers 27
+    tip = nvme_suggestion(cpu["host"], 92 * 2**30, disk_bytes=nv["disk"], disk_free=60 * 2**30, n_layers=L)
+    assert '"host_layers": 27' in tip and "swaps 5" in tip
+    assert "disk too" in nvme_suggestion(cpu["host"], 20 * 2**30, disk_bytes=nv["disk"], disk_free=60 * 2**30,
+                                         n_layers=L)   # 79 GB over host memory: more than the disk holds
     with pytest.raises(ValueError, match="stage=3"):
         tier_bytes(psi, 2, 1, nvme=True)
     # the planner's plan line offers NVMe when its host bytes exceed the host memory free now

@@ -133,12 +133,27 @@ def host_free_bytes() -> int:
     return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
 
 
-def nvme_suggestion(host_needed, host_free, *, disk_bytes, disk_free=None) -> str | None:
+def nvme_suggestion(host_needed, host_free, *, disk_bytes, disk_free=None, n_layers=None,
+                    buffer_count=4) -> str | None:
     """A line offering NVMe offload when host memory is what a CPU-offload plan runs out of (None when
-    it fits, or when the disk would not hold the swap files either)."""
+    it fits). When the disk cannot hold every layer's swap files (`disk_bytes` of them for `n_layers`
+    layers, given) but host memory and disk together can, it offers the host / disk split: the fewest
+    layers on disk whose state (less the swapper's `buffer_count` layers in flight) brings host memory
+    under `host_free`, as `offload_optimizer.host_layers`."""
     if host_needed <= host_free:
         return None
     if disk_free is not None and disk_bytes > disk_free:
+        layer = disk_bytes / n_layers if n_layers else 0
+        for disk_layers in range(1, (n_layers or 0)):
+            host = host_needed - (disk_layers - min(buffer_count, disk_layers)) * layer
+            if disk_layers * layer > disk_free:
+                break
+            if host <= host_free:
+                return (f"host memory is the limit ({fmt_bytes(host_needed)} needed, {fmt_bytes(host_free)} free) and "
+                        f"the disk cannot hold every layer ({fmt_bytes(disk_bytes)} of swap files, "
+                        f"{fmt_bytes(disk_free)} free): \"offload_optimizer\": {{\"device\": \"nvme\", \"nvme_path\": "
+                        f"..., \"host_layers\": {n_layers - disk_layers}}} (ZeRO-3) keeps {n_layers - disk_layers} "
+                        f"layers' state in host memory and swaps {disk_layers} ({fmt_bytes(disk_layers * layer)})")
         return (f"host memory is the limit ({fmt_bytes(host_needed)} needed, {fmt_bytes(host_free)} free) and the "
                 f"disk too ({fmt_bytes(disk_bytes)} of swap files, {fmt_bytes(disk_free)} free)")
     return (f"host memory is the limit ({fmt_bytes(host_needed)} needed, {fmt_bytes(host_free)} free): "
