@@ -7,7 +7,7 @@
 # Why not micro 1 x accumulation 16: with offload_param and accumulation the engine adds each micro-batch's
 # gradients into an fp32 accumulator in device memory (zerojax/step.py), 4 B/param = 30 GB for 7.46B, over
 # the 24 GB cap; one micro-batch leaves the bf16 gradients in host memory (the 6.65B row used micro 8 too).
-#   bash benchmarks/gpu_x1_nvme.sh big     # d 4096, L ${L:-36} (~7.46B), 1 warm-up + 2 timed steps, <= 480 s
+#   bash benchmarks/gpu_x1_nvme.sh big     # d 4096, L ${L:-36} (~7.46B; 35 if the disk is short), 1 warm-up + 2 timed steps, <= 480 s
 #   bash benchmarks/gpu_x1_nvme.sh smoke   # a small GPT through the same path, <= 60 s
 # First the disk's bandwidth through the swapper's I/O path (benchmarks/nvme_io.py), then the run: tokens/s,
 # host RSS peak (and at the end of init), disk bytes, the update's achieved disk bandwidth.
@@ -27,24 +27,30 @@ if [ "$MODE" = smoke ]; then
 else
   echo "== disk bandwidth through the swapper's pread/pwrite pool (64 MiB blocks, 2 GiB)"
   timeout 40 python3 benchmarks/nvme_io.py --path "$NVME" --mib 64 --total-mib 2048 --json "$OUT/nvme_io.json" 2>&1 | tail -4
-  # the split: the fewest layers on disk that keep host memory under HOST_GIB (default 92 of the 128 GiB: the estimate is rough).
-  # Host state with CPU offload ~16 B/param (12 master + moments, 2 bf16 params, 2 gradients; 7.06B measured
-  # 105 GiB); each layer on disk takes its 144 d^2 bytes of state out of it, and buffer_count layers come back
-  # as the swapper's buffers; 6 GiB for the process itself. Disk: 85% of the free bytes at most.
-  L=${L:-36}; D_MODEL=4096
+  # the split: the fewest layers on disk that keep host memory under HOST_GIB (default 92 of the 128 GiB: the
+  # estimate is rough), else the most the disk holds if host memory stays under 104 GiB; L 36, else 35.
+  # Host state with CPU offload ~16 B/param (12 master + moments, 2 bf16 params, 2 bf16 gradients; 7.06B
+  # measured 105 GiB); each layer on disk takes its 144 d^2 bytes of state out of it, and buffer_count + 2
+  # layers come back as the swapper's buffers and the host callbacks' copies; 6 GiB for the process itself.
+  # Disk: 85% of the free bytes at most.
+  D_MODEL=4096
   FREE=$(df -B1 --output=avail "$NVME" | tail -1)
-  read -r HOST_LAYERS EST <<<"$(python3 - "$L" "$D_MODEL" "$FREE" "${HOST_GIB:-92}" <<'PY'
+  read -r L HOST_LAYERS EST <<<"$(python3 - "${L:-36}" "$D_MODEL" "$FREE" "${HOST_GIB:-92}" <<'PY'
 import sys
-L, d, free, host_gib = int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]), float(sys.argv[4])
-params = 12 * d * d * L + 50304 * d + 1024 * d
+L0, d, free, host_gib = int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]), float(sys.argv[4])
 layer = 144 * d * d
-for disk in range(1, L):
-    host = 16 * params - disk * layer + min(4, disk) * layer + 6 * 2**30
-    if host <= host_gib * 2**30 and disk * layer <= 0.85 * free:
-        print(L - disk, f"{params / 1e9:.2f}B:host~{host / 2**30:.0f}GiB:disk~{disk * layer / 2**30:.0f}GiB")
+for L in (L0, L0 - 1):
+    params = 12 * d * d * L + 50304 * d + 1024 * d
+    host = lambda disk: 16 * params - disk * layer + (min(4, disk) + 2) * layer + 6 * 2**30  # noqa: E731
+    fits = [disk for disk in range(1, L) if disk * layer <= 0.85 * free]
+    ok = [disk for disk in fits if host(disk) <= host_gib * 2**30] or [
+        disk for disk in fits[-1:] if host(disk) <= 104 * 2**30]
+    if ok:
+        disk = ok[0]
+        print(L, L - disk, f"{params / 1e9:.2f}B:host~{host(disk) / 2**30:.0f}GiB:disk~{disk * layer / 2**30:.0f}GiB")
         break
 else:
-    print(-1, "no split fits")
+    print(L0, -1, "no split fits")
 PY
 )"
   MICRO=${MICRO:-8}; ACCUM=${ACCUM:-1}
