@@ -59,7 +59,7 @@ PY
     XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB=${HOST_LIMIT_GB:-116} timeout ${BIG_S:-420} python3 benchmarks/nvme_gpt.py \
       --n-embd $D_MODEL --n-layer $L --n-head 32 --micro $MICRO --accum $ACCUM --offload nvme --param \
       --host-layers $HOST_LAYERS --nvme-path "$NVME" --steps 2 --warmup 1 --json "$OUT/nvme_gpt.json" 2>&1 \
-      | grep -E "^NVME|Error|error:|Killed" | tail -3
+      | grep -E "^NVME|Error|error:|Killed" | tail -8
     echo "exit ${PIPESTATUS[0]}"
   fi
 fi

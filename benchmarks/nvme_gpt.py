@@ -79,17 +79,25 @@ def main(argv=None):
     eng = zerojax.shard(make, ds, loss_fn=loss_fn)
     init_s = time.perf_counter() - t0
     init_hwm = _vm("VmHWM")
+    # progress lines, so a run stopped by its time limit still tells how far it got
+    print(f"NVME-progress init {init_s:.0f} s, host RSS peak {init_hwm / 2**30:.1f} GiB", flush=True)
     B, T = args.micro * args.accum * n, args.seq
     batch = {"input_ids": np.random.default_rng(0).integers(0, cfg.vocab_size, (B, T)).astype(np.int32)}
+    t1 = time.perf_counter()
     for _ in range(args.warmup):
         loss = eng.train_step(batch)["loss"]
     jax.block_until_ready(loss)
+    print(f"NVME-progress warm-up (compile + {args.warmup} steps) {time.perf_counter() - t1:.0f} s, host RSS peak "
+          f"{_vm('VmHWM') / 2**30:.1f} GiB, loss {float(loss):.3f}", flush=True)
     sw = eng.layout.nvme.swapper if eng.layout.nvme is not None else None
     io0 = (sw.bytes_read, sw.bytes_written, sw.stall_s) if sw else (0, 0, 0.0)
     passes0 = len(sw.pass_s) if sw else 0
     t0 = time.perf_counter()
-    for _ in range(args.steps):
+    for k in range(args.steps):
         loss = eng.train_step(batch)["loss"]
+        if args.steps > 1:
+            jax.block_until_ready(loss)
+            print(f"NVME-progress step {k + 1}: {time.perf_counter() - t0:.0f} s", flush=True)
     jax.block_until_ready((eng.state, loss))
     dt = (time.perf_counter() - t0) / args.steps
     io = ((sw.bytes_read - io0[0]) / args.steps, (sw.bytes_written - io0[1]) / args.steps,
