@@ -269,11 +269,18 @@ class NvmeSwapper:
         self.flush()
 
     def read_all(self) -> list[np.ndarray]:
-        """The whole [L, ...] leaves read back (checkpoints, tests): host memory holds the whole state."""
+        """The whole [L, ...] leaves read back (checkpoints, tests): host memory holds the whole state,
+        once (each group is read straight into its rows)."""
         self.flush()
         self._ahead = None
-        parts = [self._read_now(g) for g in range(self.groups)]
-        return [np.concatenate([p[i] for p in parts], axis=0) for i in range(len(self.leaves))]
+        out = [np.empty((self.groups * leaf.group_shape[0],) + tuple(leaf.group_shape[1:]), leaf.dtype)
+               for leaf in self.leaves]
+        for g in range(self.groups):
+            rows = [a[g * leaf.group_shape[0]:(g + 1) * leaf.group_shape[0]] for a, leaf in zip(out, self.leaves)]
+            for f in self._io(False, g, rows):
+                f.result()
+        self.bytes_read += sum(a.nbytes for a in out)
+        return out
 
     def close(self) -> None:
         """Wait for the I/O, close the files and remove the swap directory (scratch, never a checkpoint)."""
