@@ -97,7 +97,10 @@ def main(argv=None):
         loss = eng.train_step(batch)["loss"]
         if args.steps > 1:
             jax.block_until_ready(loss)
-            print(f"NVME-progress step {k + 1}: {time.perf_counter() - t0:.0f} s", flush=True)
+            io_now = (f", swap read {(sw.bytes_read - io0[0]) / 2**30:.1f} GiB written {(sw.bytes_written - io0[1]) / 2**30:.1f} "
+                      f"GiB, update I/O windows {[round(x, 1) for x in sw.pass_s[passes0:]]} s") if sw else ""
+            print(f"NVME-progress step {k + 1}: {time.perf_counter() - t0:.1f} s since the timed steps began, host RSS peak "
+                  f"{_vm('VmHWM') / 2**30:.1f} GiB{io_now}", flush=True)
     jax.block_until_ready((eng.state, loss))
     dt = (time.perf_counter() - t0) / args.steps
     io = ((sw.bytes_read - io0[0]) / args.steps, (sw.bytes_written - io0[1]) / args.steps,
