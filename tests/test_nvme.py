@@ -232,6 +232,7 @@ def test_swapper_round_trip(tmp_path, pipelined):
             for x in whole]
     for got, w in zip(sw.read_all(), want):
         np.testing.assert_array_equal(got, w)
+    assert len(sw.pass_s) == 2 and min(sw.pass_s) > 0   # one I/O window per pass over the groups
     assert sw.disk_bytes == 5 * sum(-(-s.group_bytes // 4096) * 4096 for s in specs)
     sw.close()
     assert os.listdir(tmp_path) == []
