@@ -70,13 +70,14 @@ def stored(eng):
 
 
 def read_swap_files(tier):
-    """Each swap file read with plain numpy: its groups (at block-padded strides) joined on the layers axis."""
+    """Each swap file read with plain numpy: its groups (at block-padded strides) joined on the layers axis
+    (the disk groups: the split's host groups come first and are not in the files)."""
     tier.swapper.flush()
     out = []
     for i, (leaf, stride) in enumerate(zip(tier.swap_leaves(), tier.swapper.strides)):
         raw = np.fromfile(os.path.join(tier.swapper.dir, f"leaf{i}.swap"), dtype=np.uint8)
         out.append(np.concatenate([raw[g * stride:g * stride + leaf.group_bytes].view(leaf.dtype).reshape(
-            leaf.group_shape) for g in range(tier.swapper.groups)]))
+            leaf.group_shape) for g in range(tier.swapper.disk_groups)]))
     return out
 
 
@@ -125,27 +126,25 @@ def split_engine(tmp_path_factory):
 
 
 def test_host_disk_split_trains_like_cpu_and_nvme_offload(engines, split_engine, tmp_path):
-    # the host layers run CPU offload's loop on CPU offload's values, the disk layers the NVMe loop
-    # on NVMe's: each part bitwise like the engine that updates all layers its way; and the files
-    # hold exactly the disk layers (the host layers are ordinary pinned host arrays)
+    # the split keeps the host groups in the swapper's memory and runs every group through the same
+    # loop and callbacks as all-NVMe: bitwise like it, like CPU offload to the ulps of the module's
+    # docstring; and the files hold exactly the disk layers
     cpu, nvme, split = engines[2], engines[3], split_engine
     tier = split.layout.nvme
-    assert tier.host_layers == HOST_LAYERS and tier.swapper.groups == C.n_layer - HOST_LAYERS
     h = HOST_LAYERS
-    mc, mn, ms = master(cpu), master(nvme), master(split)
-    for (path, x), c, n in zip(jax.tree_util.tree_leaves_with_path(ms["h"]), jax.tree.leaves(mc["h"]),
-                               jax.tree.leaves(mn["h"])):
-        np.testing.assert_array_equal(x[:h], c[:h], err_msg=jax.tree_util.keystr(path))
-        np.testing.assert_array_equal(x[h:], n[h:], err_msg=jax.tree_util.keystr(path))
-    for path in ("wte", "wpe", "ln_f"):  # the non-layer leaves: host memory in all three
-        for x, c in zip(jax.tree.leaves(ms[path]), jax.tree.leaves(mc[path])):
-            np.testing.assert_array_equal(x, c)
+    assert tier.host_layers == h and tier.swapper.disk_groups == C.n_layer - h
+    ms = master(split)
+    for x, y in zip(jax.tree.leaves(ms), jax.tree.leaves(master(nvme))):
+        np.testing.assert_array_equal(x, y)
+    assert_close(ms, master(cpu))
+    for x, y in zip(stored(split), stored(nvme)):   # master, moments, counters
+        np.testing.assert_array_equal(x, y)
     files = read_swap_files(tier)
     for got, want in zip(files, jax.tree.leaves(ms["h"])):  # the master leaves come first
         np.testing.assert_array_equal(got, want[h:])
     assert [os.path.getsize(os.path.join(tier.swapper.dir, f"leaf{i}.swap")) for i in range(len(files))] == [
         s * (C.n_layer - h) for s in tier.swapper.strides]
-    # a checkpoint joins the host and disk layers into the layout-free form and splits them back
+    # a checkpoint reads the host and disk groups into the layout-free form and puts them back
     want = stored(split)
     split.save_checkpoint(tmp_path / "split")
     split.load_checkpoint(tmp_path / "split")
@@ -217,12 +216,13 @@ def leaves_of(n_groups, per=2, width=1000):
     return specs, whole
 
 
-@pytest.mark.parametrize("pipelined", [False, True])
-def test_swapper_round_trip(tmp_path, pipelined):
-    # numpy is the reference: a step of "read g, add g, write g" over every group, twice
+@pytest.mark.parametrize("pipelined,host_groups", [(False, 0), (True, 2)])
+def test_swapper_round_trip(tmp_path, pipelined, host_groups):
+    # numpy is the reference: a step of "read g, add g, write g" over every group, twice (the split:
+    # the first host_groups groups in memory, the rest in the files)
     specs, whole = leaves_of(5)
     sw = NvmeSwapper(str(tmp_path), specs, 5, buffer_count=2, block_size=4096, threads=3,
-                     pipeline_read=pipelined, pipeline_write=pipelined)
+                     pipeline_read=pipelined, pipeline_write=pipelined, host_groups=host_groups)
     sw.write_all(whole)
     for _ in range(2):
         for g in range(5):
@@ -233,7 +233,9 @@ def test_swapper_round_trip(tmp_path, pipelined):
     for got, w in zip(sw.read_all(), want):
         np.testing.assert_array_equal(got, w)
     assert len(sw.pass_s) == 2 and min(sw.pass_s) > 0   # one I/O window per pass over the groups
-    assert sw.disk_bytes == 5 * sum(-(-s.group_bytes // 4096) * 4096 for s in specs)
+    assert sw.disk_bytes == (5 - host_groups) * sum(-(-s.group_bytes // 4096) * 4096 for s in specs)
+    assert [os.path.getsize(os.path.join(sw.dir, f"leaf{i}.swap")) for i in range(2)] == [
+        (5 - host_groups) * -(-s.group_bytes // 4096) * 4096 for s in specs]
     sw.close()
     assert os.listdir(tmp_path) == []
 
@@ -393,20 +395,15 @@ def test_nvme_config_keys_and_refusals():
             load_config({"train_batch_size": 8, "zero_optimization": zero}, world_size=1)
 
 
-def test_host_layers_split_and_its_refusals():
-    from zerojax.offload.chunks import Chunk, chunk_layout
-    from zerojax.offload.nvme_tier import split_host_layers
-    f32 = lambda *shape: jax.ShapeDtypeStruct(shape, np.float32)  # noqa: E731
-    tree = {"h": {"w": f32(6, 3, 3), "b": f32(6, 3)}, "wte": f32(5, 3)}
-    by_layer, by_pair = chunk_layout(tree, 6), chunk_layout(tree, 3)   # groups of 1 / 2 layers
-    # the host loop over groups 0-1, then the disk loop over groups 2-5 (each its own fori_loop)
-    assert split_host_layers(by_layer, 2).chunks == (Chunk(True, 0, 0), Chunk(False, 0, 2, loop=2),
-                                                     Chunk(False, 2, 6, loop=4))
-    assert split_host_layers(by_pair, 4).chunks[1:] == (Chunk(False, 0, 4, loop=2), Chunk(False, 4, 6, loop=1))
-    with pytest.raises(ValueError, match="host_layers = 6 keeps all 6 offloaded layers .* at most 5"):
-        split_host_layers(by_layer, 6)
-    with pytest.raises(ValueError, match="host_layers = 3 is not a multiple of the 2 layers .* use 2 or 4"):
-        split_host_layers(by_pair, 3)
+def test_host_layers_refusals(tmp_path):
+    def build(host_layers, chunks=None):
+        cfg = config("nvme", path=tmp_path, host_layers=host_layers)
+        return abstract_engine(make, cfg, loss_fn=gpt2.gpt2_loss, options=zerojax.EngineOptions(offload_chunks=chunks))
+    assert build(2).layout.nvme.host_groups == 2 and os.listdir(tmp_path) == []
+    with pytest.raises(ValueError, match="host_layers = 4 keeps all 4 offloaded layers .* at most 3"):
+        build(4)
+    with pytest.raises(ValueError, match="host_layers = 1 is not a multiple of the 2 layers .* use 0 or 2"):
+        build(1, chunks=2)
 
 
 def test_engine_refuses_a_bad_nvme_path_before_the_first_step(tmp_path):

@@ -24,7 +24,7 @@ from zerojax.pipeline import PipelineSchedule, pipeline_scan, schedule_problems
 from zerojax.optim import build_optimizer, build_schedule
 from zerojax.options import EngineOptions
 from zerojax.precision import compute_dtype as compute_dtype_of, loss_scale_from_config, loss_scaler_from_config
-from zerojax.offload.nvme_tier import check_params_in_cpu, nvme_tier, split_host_layers
+from zerojax.offload.nvme_tier import check_params_in_cpu, nvme_tier
 from zerojax.step import OffloadStep, StepSettings, TrainState, pure_dict
 
 PARAM_HOOK_ERROR = ("zero_optimization.offload_param: offload_param needs a model whose layer scan accepts a "
@@ -338,12 +338,8 @@ def _offload_layout(cfg, options, tx, abstract_master, shardings, mesh, fp16, of
         # the chunks' new compute copies would be joined in host memory (compute on host buffers)
         raise ValueError(f"EngineOptions.offload_streams={options.offload_streams} works with "
                          "offload_optimizer alone, not with offload_param; set offload_streams=1")
-    layout = O.chunk_layout(abstract_master, k, ratio=ratio,
-                            streams=options.offload_streams if offload_optimizer else 1)
-    host_layers = int(zero.offload_optimizer.host_layers) if offload_optimizer else 0
-    if host_layers:  # NVMe with a host / disk split: the first layers' state stays in host memory
-        layout = split_host_layers(layout, host_layers)
-    off = O.offload_layout(tx, abstract_master, shardings.master, layout, kind=kind)
+    off = O.offload_layout(tx, abstract_master, shardings.master, k, kind=kind, ratio=ratio,
+                           streams=options.offload_streams if offload_optimizer else 1)
     settings = dict(chunks=k, ratio=ratio, kind=kind, unroll=options.offload_unroll if offload_param else None)
     scaler = loss_scaler_from_config(cfg.fp16) if fp16 else None
     opt_shardings = off.shardings.opt_state

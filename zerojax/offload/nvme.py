@@ -115,11 +115,18 @@ class NvmeSwapper:
     def __init__(self, nvme_path: str, leaves: list[SwapLeaf], groups: int, *, buffer_count: int = 4,
                  block_size: int = 1 << 20, threads: int = 8, pipeline_read: bool = True,
                  pipeline_write: bool = True, rank: int = 0, run: str | None = None,
-                 key: str = "zero_optimization.offload_optimizer.nvme_path", allow_ram_disk: bool = False):
+                 key: str = "zero_optimization.offload_optimizer.nvme_path", allow_ram_disk: bool = False,
+                 host_groups: int = 0):
         if buffer_count < 2:
             raise ValueError(f"zero_optimization.offload_optimizer.buffer_count = {buffer_count}: NVMe offload "
                              "needs at least 2 buffers")
         self.leaves, self.groups = list(leaves), int(groups)
+        # the host / disk split (offload_optimizer.host_layers): groups [0, host_groups) stay in host memory
+        # (numpy arrays here, moved by the same callbacks), the rest live in the files
+        self.host_groups = int(host_groups)
+        if not 0 <= self.host_groups < self.groups:
+            raise ValueError(f"NVMe swapper: host_groups = {host_groups} must leave at least one of the {groups} "
+                             "groups on disk")
         self.block_size = int(block_size)
         self.strides = [_round_up(max(leaf.group_bytes, 1), self.block_size) for leaf in self.leaves]
         check_swap_path(nvme_path, self.disk_bytes, key=key, allow_ram_disk=allow_ram_disk)
@@ -133,11 +140,13 @@ class NvmeSwapper:
             fd = os.open(os.path.join(self.dir, f"leaf{i}.swap"), os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o600)
             self._fds.append(fd)
             try:  # reserve the space now: a full disk fails here, not in the middle of a step
-                os.posix_fallocate(fd, 0, stride * self.groups)
+                os.posix_fallocate(fd, 0, stride * self.disk_groups)
             except (AttributeError, OSError) as e:
                 self.close()
-                raise ValueError(f"{key}: could not reserve {stride * self.groups:,} bytes for {leaf.name} in "
+                raise ValueError(f"{key}: could not reserve {stride * self.disk_groups:,} bytes for {leaf.name} in "
                                  f"{self.dir}: {e}; free space or choose another nvme_path") from e
+        # zeros until written, as the reserved files read (np.zeros maps untouched pages: no memory yet)
+        self._ram = [[np.zeros(leaf.group_shape, leaf.dtype) for leaf in self.leaves] for _ in range(self.host_groups)]
         self._lock = threading.Lock()
         self._writes: dict[int, list] = {}    # group -> pending write futures
         self._ahead: tuple[int, cf.Future] | None = None   # the group read ahead
@@ -153,9 +162,13 @@ class NvmeSwapper:
     # ------------------------------------------------------------------ sizes
 
     @property
+    def disk_groups(self) -> int:
+        return self.groups - self.host_groups
+
+    @property
     def disk_bytes(self) -> int:
         """Bytes the swap files take (each group padded to block_size)."""
-        return sum(self.strides) * self.groups
+        return sum(self.strides) * self.disk_groups
 
     @property
     def group_bytes(self) -> int:
@@ -176,9 +189,15 @@ class NvmeSwapper:
     def _io(self, write: bool, g: int, arrays: list[np.ndarray], leaves=None) -> list[cf.Future]:
         futs = []
         for k, a in zip(range(len(arrays)) if leaves is None else leaves, arrays):
+            if g < self.host_groups:   # a host group: a copy in memory, no I/O
+                if write:
+                    self._ram[g][k][...] = a
+                else:
+                    a[...] = self._ram[g][k]
+                continue
             fd, stride = self._fds[k], self.strides[k]
             view = memoryview(a.reshape(-1).view(np.uint8))
-            base = g * stride
+            base = (g - self.host_groups) * stride
             for lo, hi in self._pieces(a.nbytes):
                 if hi <= lo:
                     continue
@@ -190,7 +209,8 @@ class NvmeSwapper:
         out = [np.empty(leaf.group_shape, leaf.dtype) for leaf in self.leaves]
         for f in self._io(False, g, out):
             f.result()
-        self.bytes_read += sum(a.nbytes for a in out)
+        if g >= self.host_groups:
+            self.bytes_read += sum(a.nbytes for a in out)
         return out
 
     def _wait_writes(self, g: int | None = None):
@@ -232,6 +252,11 @@ class NvmeSwapper:
             if len(pending) < self.buffer_count - 1:
                 break
             self._wait_writes(pending[0])
+        if g < self.host_groups:   # copied into the host group's arrays: nothing pending
+            self._io(True, g, [np.asarray(a).reshape(self.leaves[k].group_shape) for k, a in zip(leaves, arrays)],
+                     leaves)
+            self.stall_s += time.perf_counter() - t0
+            return
         # the callback's arrays may alias buffers the runtime reuses once it returns: copy them
         own = [np.array(a, dtype=self.leaves[k].dtype, copy=True).reshape(self.leaves[k].group_shape)
                for k, a in zip(leaves, arrays)]
@@ -279,7 +304,7 @@ class NvmeSwapper:
             rows = [a[g * leaf.group_shape[0]:(g + 1) * leaf.group_shape[0]] for a, leaf in zip(out, self.leaves)]
             for f in self._io(False, g, rows):
                 f.result()
-        self.bytes_read += sum(a.nbytes for a in out)
+        self.bytes_read += sum(a.nbytes for a in out) * self.disk_groups // self.groups
         return out
 
     def close(self) -> None:

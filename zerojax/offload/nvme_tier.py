@@ -17,7 +17,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.experimental import io_callback
 
-from zerojax.offload.chunks import ChunkLayout, OffloadLayout, chunk_templates, is_none
+from zerojax.offload.chunks import OffloadLayout, chunk_templates, is_none
 from zerojax.offload.memory_kinds import DEVICE, is_sharding
 from zerojax.offload.nvme import NvmeSwapper, SwapLeaf, check_swap_path
 from zerojax.offload.update import _apply, _grads_in, _slice_sharding
@@ -39,25 +39,37 @@ class NvmeTier:
     m_files: tuple             # flat indices (None-aware) of master leaves in files
     s_files: tuple             # flat indices of optimizer-state leaves in files (the stacked ones)
     settings: dict             # NvmeSwapper keyword arguments (nvme_path, buffer_count, ...)
-    host_layers: int = 0       # layers before the tier's chunk whose state stays in host memory (the split)
+    host_layers: int = 0       # the chunk's first layers, whose state the swapper keeps in host memory
     swapper: NvmeSwapper | None = None
     closed: bool = False
 
     @classmethod
     def build(cls, tx, abstract_master, off: OffloadLayout, settings: dict, *,
               host_layers: int = 0) -> "NvmeTier | None":
-        """The tier of the last host loop chunk (`split_host_layers` put the disk layers there)."""
+        """The tier of the host loop chunk; its first `host_layers` layers (the host / disk split) stay in
+        host memory inside the swapper, so the chunk -- and the gradients and compute copy it is cut
+        from -- stays one [L, ...] stack (two chunks would join their compute copies, and slice the
+        host-resident gradients, into whole new stacks: 27 GiB on the device for a 7.46B GPT)."""
         loops = [i for i, c in enumerate(off.layout.chunks) if c.loop and c.host]
         if not loops:
             return None
-        if len(loops) > (2 if host_layers else 1):  # EngineOptions.offload_streams > 1: several loop chunks
+        if len(loops) > 1:  # EngineOptions.offload_streams > 1: several loop chunks, one tier
             raise ValueError(f"zero_optimization.offload_optimizer.device = \"nvme\" with EngineOptions."
                              f"offload_streams = {len(loops)}: the NVMe tier swaps one layer stack; use "
                              "offload_streams=1 with NVMe")
-        i = loops[-1]
+        i = loops[0]
         c = off.layout.chunks[i]
         m_tmpl, s_tmpl = chunk_templates(tx, abstract_master, off.layout)
         n = c.hi - c.lo
+        per = n // c.loop
+        if host_layers >= n:
+            raise ValueError(f"{HOST_LAYERS_KEY} = {host_layers} keeps all {n} offloaded layers in host memory and "
+                             "leaves nothing for the swap files; use \"device\": \"cpu\", or at most "
+                             f"{n - per} host layers")
+        if host_layers % per:
+            raise ValueError(f"{HOST_LAYERS_KEY} = {host_layers} is not a multiple of the {per} layers per offload "
+                             f"group (EngineOptions.offload_chunks); use {host_layers // per * per} or "
+                             f"{-(-host_layers // per) * per}")
         m_leaves, _ = _flat(m_tmpl[i])
         s_leaves, _ = _flat(s_tmpl[i])
         m_files = tuple(j for j, x in enumerate(m_leaves) if x is not None)
@@ -83,11 +95,15 @@ class NvmeTier:
 
     def disk_bytes(self) -> int:
         """Bytes of the swap files (before block padding)."""
-        return sum(leaf.group_bytes for leaf in self.swap_leaves()) * self._c.loop
+        return sum(leaf.group_bytes for leaf in self.swap_leaves()) * (self._c.loop - self.host_groups)
+
+    @property
+    def host_groups(self) -> int:
+        return self.host_layers // self.per
 
     def host_tier_bytes(self) -> int:
         """Bytes of the same leaves kept in host memory for the split's `host_layers` layers."""
-        return self.disk_bytes() // (self._c.hi - self._c.lo) * self.host_layers
+        return sum(leaf.group_bytes for leaf in self.swap_leaves()) * self.host_groups
 
     # ------------------------------------------------------------------ the live (placeholder) form
 
@@ -110,7 +126,8 @@ class NvmeTier:
             raise RuntimeError("the NVMe swap files were removed by engine.close(); the engine's optimizer state "
                                "is gone with them (save a checkpoint before close)")
         if self.swapper is None:
-            self.swapper = NvmeSwapper(leaves=self.swap_leaves(), groups=self._c.loop, **self.settings)
+            self.swapper = NvmeSwapper(leaves=self.swap_leaves(), groups=self._c.loop, host_groups=self.host_groups,
+                                       **self.settings)
         return self.swapper
 
     def close(self) -> None:
@@ -219,35 +236,6 @@ class NvmeTier:
 HOST_LAYERS_KEY = "zero_optimization.offload_optimizer.host_layers"
 
 
-def split_host_layers(layout: ChunkLayout, host_layers: int) -> ChunkLayout:
-    """`layout` with its host loop chunk cut in two loop chunks: the first `host_layers` layers (kept in
-    pinned host memory, updated by the host loop as with `device: "cpu"`), then the rest (the NVMe tier's
-    chunk, swapped). Each is updated a group at a time by its own loop, so the group size stays
-    the layout's (`EngineOptions.offload_chunks`) and `host_layers` must be a multiple of it."""
-    loops = [i for i, c in enumerate(layout.chunks) if c.loop and c.host]
-    if not loops:
-        raise ValueError(f"{HOST_LAYERS_KEY} = {host_layers}: the model has no stacked (scanned) layers in host "
-                         "memory to split (or offload_optimizer.ratio leaves none there); remove the key")
-    if len(loops) > 1:
-        raise ValueError(f"{HOST_LAYERS_KEY} = {host_layers} needs the offloaded layers as one stack; got "
-                         f"{len(loops)} loop chunks (EngineOptions.offload_streams > 1): use offload_streams=1")
-    i = loops[0]
-    c = layout.chunks[i]
-    n, per = c.hi - c.lo, (c.hi - c.lo) // c.loop
-    if host_layers >= n:
-        raise ValueError(f"{HOST_LAYERS_KEY} = {host_layers} keeps all {n} offloaded layers in host memory and "
-                         "leaves nothing for the swap files; use \"device\": \"cpu\", or at most "
-                         f"{n - per} host layers")
-    if host_layers % per:
-        raise ValueError(f"{HOST_LAYERS_KEY} = {host_layers} is not a multiple of the {per} layers per offload "
-                         f"group (EngineOptions.offload_chunks); use {host_layers // per * per} or "
-                         f"{-(-host_layers // per) * per}")
-    cut = c.lo + host_layers
-    parts = (dataclasses.replace(c, hi=cut, loop=host_layers // per),
-             dataclasses.replace(c, lo=cut, loop=(n - host_layers) // per))
-    return dataclasses.replace(layout, chunks=layout.chunks[:i] + parts + layout.chunks[i + 1:])
-
-
 def nvme_tier(cfg, tx, abstract_master, off: OffloadLayout) -> NvmeTier:
     """The tier for `zero_optimization.offload_optimizer: {device: "nvme"}`, its swapper's settings from
     the offload section and the `aio` section (DeepSpeed 0.19.8's keys and defaults)."""
@@ -333,4 +321,4 @@ def nvme_loop_update(tier: NvmeTier, tx, g, s_live, cp, *, compute_dtype, skip, 
     return s_def.unflatten(counters), cp
 
 
-__all__ = ["NvmeTier", "nvme_loop_update", "nvme_tier", "check_params_in_cpu", "split_host_layers"]
+__all__ = ["NvmeTier", "nvme_loop_update", "nvme_tier", "check_params_in_cpu"]
