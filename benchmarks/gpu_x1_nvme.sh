@@ -25,8 +25,10 @@ if [ "$MODE" = smoke ]; then
     --offload nvme --param --host-layers 2 --nvme-path "$NVME" --steps 1 --warmup 1 --json "$OUT/nvme_gpt.json" 2>&1 \
     | grep -E "^NVME|Error|error:" | tail -3
 else
-  echo "== disk bandwidth through the swapper's pread/pwrite pool (64 MiB blocks, 2 GiB)"
-  timeout 40 python3 benchmarks/nvme_io.py --path "$NVME" --mib 64 --total-mib 2048 --json "$OUT/nvme_io.json" 2>&1 | tail -4
+  if [ -z "${SKIP_IO:-}" ]; then   # SKIP_IO=1: the disk measured already (a rerun with less time)
+    echo "== disk bandwidth through the swapper's pread/pwrite pool (64 MiB blocks, 2 GiB)"
+    timeout 40 python3 benchmarks/nvme_io.py --path "$NVME" --mib 64 --total-mib 2048 --json "$OUT/nvme_io.json" 2>&1 | tail -4
+  fi
   # the split: the fewest layers on disk that keep host memory under HOST_GIB (default 92 of the 128 GiB: the
   # estimate is rough), else the most the disk holds if host memory stays under 104 GiB; L 36, else 35.
   # Host state with CPU offload ~16 B/param (12 master + moments, 2 bf16 params, 2 bf16 gradients; 7.06B
