@@ -1,44 +1,78 @@
 #!/usr/bin/env bash
-# NVMe offload (issue #16) on one H200 capped to 24 GB (XLA_PYTHON_CLIENT_MEM_FRACTION=0.17): the disk's
-# bandwidth through the swapper's I/O path (pread/pwrite pool) and tensorstore; GPT-2 Large with the
-# optimizer state on NVMe vs in host memory (micro 8); the largest GPT (d 4096) whose layers' fp32
-# master + Adam moments (12 B/param) fit the disk's free space, with accumulation 16. <= 8 minutes.
+# NVMe offload (issue #16) on one H200 capped to 24 GB (XLA_PYTHON_CLIENT_MEM_FRACTION=0.17), 128 GiB RAM,
+# 64 GiB disk: a GPT larger than the 7.06B that CPU offload could not fit (its ~105 GiB of host state was
+# killed during init), trained with ZeRO-3 + offload_param cpu + the optimizer state split between host memory
+# (offload_optimizer.host_layers) and NVMe swap files, micro 8 (MICRO, ACCUM). Neither the disk (12 B/param
+# of master + moments: 85 GB for 7.06B) nor host memory holds that state alone; both together do.
+# Why not micro 1 x accumulation 16: with offload_param and accumulation the engine adds each micro-batch's
+# gradients into an fp32 accumulator in device memory (zerojax/step.py), 4 B/param = 30 GB for 7.46B, over
+# the 24 GB cap; one micro-batch leaves the bf16 gradients in host memory (the 6.65B row used micro 8 too).
+#   bash benchmarks/gpu_x1_nvme.sh big     # d 4096, L ${L:-36} (~7.46B; 35 if the disk is short), 1 warm-up + 2 timed steps, <= 480 s
+#   bash benchmarks/gpu_x1_nvme.sh smoke   # a small GPT through the same path, <= 60 s
+# First the disk's bandwidth through the swapper's I/O path (benchmarks/nvme_io.py), then the run: tokens/s,
+# host RSS peak (and at the end of init), disk bytes, the update's achieved disk bandwidth.
 # NVME: the swap directory (default /tmp, the machine's local disk). JSON lines in $OUT/nvme_gpt.json.
 set -u
+MODE=${1:-big}
 OUT=${OUT:-benchmarks/results}; mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 XLA_PYTHON_CLIENT_MEM_FRACTION=0.17
 NVME=${NVME:-/tmp}
-DEADLINE=${DEADLINE:-450}
 df -B1 "$NVME" | tail -1; free -g | head -2
-echo "== disk bandwidth (64 / 256 MiB blocks, 2 GiB each)"
-timeout 90 python3 benchmarks/nvme_io.py --path "$NVME" --mib 64 256 --total-mib 2048 --json "$OUT/nvme_io.json"
 
-echo "== GPT-2 Large, optimizer offload: host memory vs NVMe (micro 8, 3 steps)"
-for off in cpu nvme; do
-  timeout 150 python3 benchmarks/nvme_gpt.py --size large --micro 8 --offload $off --nvme-path "$NVME" \
-    --steps 3 --warmup 1 --json "$OUT/nvme_gpt.json" 2>&1 | grep -E "^NVME|Error|error:" | tail -3
-done
-
-# the largest d=4096 GPT whose layer state fits 85% of the free disk: 12 B x 12 d^2 per layer, at most
-# MAX_L (default 24, ~4.8B: a step streams 2 x 12 B/param through the disk, about a minute per step
-# at ~2 GB/s). The initial state is built in pinned host memory before it is written to the files:
-# more than XLA's 64 GB default pinned pool, hence XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB (as gpu_x1_offload.sh)
-FREE=$(df -B1 --output=avail "$NVME" | tail -1)
-L=$(python3 -c "print(max(1, min(${MAX_L:-24}, int($FREE * 0.85 // (12 * 12 * 4096**2)))))")
-left=$((DEADLINE - SECONDS))
-echo "== GPT d4096 L$L (largest for ${FREE} free bytes), param + optimizer offload, NVMe optimizer, micro 1 x accum 16 ($left s left)"
-if [ $left -gt 120 ]; then
-  XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB=${HOST_LIMIT_GB:-116} timeout $left python3 benchmarks/nvme_gpt.py --n-embd 4096 --n-layer $L --n-head 32 --micro 1 --accum 16 \
-    --offload nvme --param --nvme-path "$NVME" --steps 1 --warmup 1 --json "$OUT/nvme_gpt.json" 2>&1 \
+if [ "$MODE" = smoke ]; then
+  # d 256, 4 layers, half of them on NVMe: the split, the streamed init and the update's I/O, end to end
+  timeout 55 python3 benchmarks/nvme_gpt.py --n-embd 256 --n-layer 4 --n-head 4 --micro 1 --accum 2 --seq 128 \
+    --offload nvme --param --host-layers 2 --nvme-path "$NVME" --steps 1 --warmup 1 --json "$OUT/nvme_gpt.json" 2>&1 \
     | grep -E "^NVME|Error|error:" | tail -3
 else
-  echo "skipped (time)"
+  if [ -z "${SKIP_IO:-}" ]; then   # SKIP_IO=1: the disk measured already (a rerun with less time)
+    echo "== disk bandwidth through the swapper's pread/pwrite pool (64 MiB blocks, 2 GiB)"
+    timeout 40 python3 benchmarks/nvme_io.py --path "$NVME" --mib 64 --total-mib 2048 --json "$OUT/nvme_io.json" 2>&1 | tail -4
+  fi
+  # the split: the fewest layers on disk that keep host memory under HOST_GIB (default 92 of the 128 GiB: the
+  # estimate is rough), else the most the disk holds if host memory stays under 104 GiB; L 36, else 35.
+  # Host state with CPU offload ~16 B/param (12 master + moments, 2 bf16 params, 2 bf16 gradients; 7.06B
+  # measured 105 GiB); each layer on disk takes its 144 d^2 bytes of state out of it, and buffer_count + 2
+  # layers come back as the swapper's buffers and the host callbacks' copies; 6 GiB for the process itself.
+  # Disk: 85% of the free bytes at most.
+  D_MODEL=4096
+  FREE=$(df -B1 --output=avail "$NVME" | tail -1)
+  read -r L HOST_LAYERS EST <<<"$(python3 - "${L:-36}" "$D_MODEL" "$FREE" "${HOST_GIB:-92}" <<'PY'
+import sys
+L0, d, free, host_gib = int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]), float(sys.argv[4])
+layer = 144 * d * d
+for L in (L0, L0 - 1):
+    params = 12 * d * d * L + 50304 * d + 1024 * d
+    host = lambda disk: 16 * params - disk * layer + (min(4, disk) + 2) * layer + 6 * 2**30  # noqa: E731
+    fits = [disk for disk in range(1, L) if disk * layer <= 0.85 * free]
+    ok = [disk for disk in fits if host(disk) <= host_gib * 2**30] or [
+        disk for disk in fits[-1:] if host(disk) <= 104 * 2**30]
+    if ok:
+        disk = ok[0]
+        print(L, L - disk, f"{params / 1e9:.2f}B:host~{host(disk) / 2**30:.0f}GiB:disk~{disk * layer / 2**30:.0f}GiB")
+        break
+else:
+    print(L0, -1, "no split fits")
+PY
+)"
+  MICRO=${MICRO:-8}; ACCUM=${ACCUM:-1}
+  echo "== GPT d$D_MODEL L$L ($EST), ZeRO-3 + offload_param cpu + optimizer host_layers $HOST_LAYERS / NVMe, micro $MICRO x accum $ACCUM"
+  if [ "$HOST_LAYERS" -ge 0 ]; then
+    XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB=${HOST_LIMIT_GB:-116} timeout ${BIG_S:-420} python3 benchmarks/nvme_gpt.py \
+      --n-embd $D_MODEL --n-layer $L --n-head 32 --micro $MICRO --accum $ACCUM --offload nvme --param \
+      --host-layers $HOST_LAYERS --nvme-path "$NVME" --steps 2 --warmup 1 --json "$OUT/nvme_gpt.json" 2>&1 \
+      | grep -E "^NVME|Error|error:|Killed" | tail -8
+    echo "exit ${PIPESTATUS[0]}"
+  fi
 fi
+dmesg 2>/dev/null | grep -iE "out of memory|killed process" | tail -2
 python3 - "$OUT/nvme_gpt.json" <<'PY'
-import json, sys
-rows = [json.loads(l) for l in open(sys.argv[1])] if __import__("os").path.exists(sys.argv[1]) else []
-print(f"{'offload':<8} {'model':<16} {'params':>8} {'mb x acc':>8} {'tok/s':>8} {'swap GB/s':>9} {'stall s':>7} {'RSS GiB':>7} {'disk GiB':>8} {'peak GiB':>8}")
+import json, os, sys
+rows = [json.loads(l) for l in open(sys.argv[1])] if os.path.exists(sys.argv[1]) else []
+print(f"{'model':<16} {'params':>7} {'host L':>6} {'tok/s':>7} {'step s':>6} {'init s':>6} {'RSS peak':>8} {'init RSS':>8} "
+      f"{'disk GiB':>8} {'upd GB/s':>8} {'upd s':>6} {'dev GiB':>7}")
 for r in rows:
-    print(f"{r['offload']:<8} {r['model']:<16} {r['n_params']/1e9:>7.2f}B {r['micro']:>3} x {r['accum']:<3} {r['tokens_per_s']:>8.0f} "
-          f"{r['swap_GBps_over_step']:>9.2f} {r['swap_stall_s_per_step']:>7.1f} {r['peak_rss_gib']:>7.1f} {r['disk_gib']:>8.1f} {r['peak_gib']:>8.1f}")
+    print(f"{r['model']:<16} {r['n_params']/1e9:>6.2f}B {r.get('host_layers') or 0:>6} {r['tokens_per_s']:>7.0f} {r['step_s']:>6.1f} "
+          f"{r['init_s']:>6.0f} {r['peak_rss_gib']:>8.1f} {r.get('init_peak_rss_gib', 0):>8.1f} {r['disk_gib']:>8.1f} "
+          f"{r.get('swap_GBps_in_update', 0):>8.2f} {r.get('update_io_s', 0):>6.1f} {r['peak_gib']:>7.1f}")
 PY

@@ -16,6 +16,18 @@ import sys
 import time
 
 
+def _vm(key: str) -> int:
+    """/proc/self/status's `key` (VmRSS, VmHWM: the peak so far) in bytes (0 off Linux)."""
+    try:
+        with open("/proc/self/status", encoding="utf-8") as f:
+            for line in f:
+                if line.startswith(key + ":"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return 0
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--size", default="large")
@@ -29,6 +41,8 @@ def main(argv=None):
                     help="cpu: optimizer to host; nvme: optimizer to files; nvme-param: + params (host tier)")
     ap.add_argument("--param", action="store_true", help="offload_param too (host memory)")
     ap.add_argument("--nvme-path", default="/tmp")
+    ap.add_argument("--host-layers", type=int, default=0,
+                    help="offload_optimizer.host_layers: the first layers' state in host memory, the rest on NVMe")
     ap.add_argument("--buffer-count", type=int, default=4)
     ap.add_argument("--queue-depth", type=int, default=8)
     ap.add_argument("--loss-chunk", type=int, default=128)
@@ -50,6 +64,8 @@ def main(argv=None):
     param = args.param or args.offload == "nvme-param"
     nv = {"nvme_path": args.nvme_path, "buffer_count": args.buffer_count,
           "pipeline_read": True, "pipeline_write": True} if dev == "nvme" else {}
+    if dev == "nvme" and args.host_layers:
+        nv["host_layers"] = args.host_layers
     ds = {"train_micro_batch_size_per_gpu": args.micro, "gradient_accumulation_steps": args.accum,
           "gradient_clipping": 1.0, "steps_per_print": 10**9, "bf16": {"enabled": True},
           "optimizer": {"type": "AdamW", "params": {"lr": 1e-4, "betas": [0.9, 0.95], "weight_decay": 0.1}},
@@ -62,20 +78,36 @@ def main(argv=None):
     t0 = time.perf_counter()
     eng = zerojax.shard(make, ds, loss_fn=loss_fn)
     init_s = time.perf_counter() - t0
+    init_hwm = _vm("VmHWM")
+    # progress lines, so a run stopped by its time limit still tells how far it got
+    print(f"NVME-progress init {init_s:.0f} s, host RSS peak {init_hwm / 2**30:.1f} GiB", flush=True)
     B, T = args.micro * args.accum * n, args.seq
     batch = {"input_ids": np.random.default_rng(0).integers(0, cfg.vocab_size, (B, T)).astype(np.int32)}
+    t1 = time.perf_counter()
     for _ in range(args.warmup):
         loss = eng.train_step(batch)["loss"]
     jax.block_until_ready(loss)
+    print(f"NVME-progress warm-up (compile + {args.warmup} steps) {time.perf_counter() - t1:.0f} s, host RSS peak "
+          f"{_vm('VmHWM') / 2**30:.1f} GiB, loss {float(loss):.3f}", flush=True)
     sw = eng.layout.nvme.swapper if eng.layout.nvme is not None else None
     io0 = (sw.bytes_read, sw.bytes_written, sw.stall_s) if sw else (0, 0, 0.0)
+    passes0 = len(sw.pass_s) if sw else 0
     t0 = time.perf_counter()
-    for _ in range(args.steps):
+    for k in range(args.steps):
         loss = eng.train_step(batch)["loss"]
+        if args.steps > 1:
+            jax.block_until_ready(loss)
+            io_now = (f", swap read {(sw.bytes_read - io0[0]) / 2**30:.1f} GiB written {(sw.bytes_written - io0[1]) / 2**30:.1f} "
+                      f"GiB, update I/O windows {[round(x, 1) for x in sw.pass_s[passes0:]]} s") if sw else ""
+            print(f"NVME-progress step {k + 1}: {time.perf_counter() - t0:.1f} s since the timed steps began, host RSS peak "
+                  f"{_vm('VmHWM') / 2**30:.1f} GiB{io_now}", flush=True)
     jax.block_until_ready((eng.state, loss))
     dt = (time.perf_counter() - t0) / args.steps
     io = ((sw.bytes_read - io0[0]) / args.steps, (sw.bytes_written - io0[1]) / args.steps,
           (sw.stall_s - io0[2]) / args.steps) if sw else (0, 0, 0.0)
+    time.sleep(0.5 if sw else 0)   # the last group's write-back finishes behind the step
+    passes = sw.pass_s[passes0:] if sw else []
+    update_s = sum(passes) / len(passes) if passes else 0.0
     stats = jax.devices()[0].memory_stats() or {}
     rep = eng.memory_report()
     out = {
@@ -85,11 +117,16 @@ def main(argv=None):
         "init_s": init_s, "loss": float(loss), "peak_gib": stats.get("peak_bytes_in_use", 0) / 2**30,
         "host_state_gib": rep["host"] / 2**30,
         "peak_rss_gib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20,
+        "init_peak_rss_gib": init_hwm / 2**30,
+        "host_layers": args.host_layers if dev == "nvme" else None,
         "disk_gib": (eng.offload_settings or {}).get("nvme_disk_bytes", 0) / 2**30,
+        "nvme_host_gib": (eng.offload_settings or {}).get("nvme_host_bytes", 0) / 2**30,
         "swap_read_gib_per_step": io[0] / 2**30, "swap_write_gib_per_step": io[1] / 2**30,
         "swap_stall_s_per_step": io[2],
         # the swap traffic over the whole step: a lower bound of the update's achieved disk bandwidth
         "swap_GBps_over_step": (io[0] + io[1]) / dt / 1e9,
+        # over the update's window (read of group 0 to the last write on disk), read + write together
+        "update_io_s": update_s, "swap_GBps_in_update": (io[0] + io[1]) / update_s / 1e9 if update_s else 0.0,
         "backend": jax.default_backend(),
     }
     print("NVME " + json.dumps(out), flush=True)

@@ -202,6 +202,7 @@ class Engine:
         """Master chunks and optimizer states built straight into their memory kinds (one jit)."""
         lay = self.layout
         off, sh, cd, tx = lay.offload, lay.shardings, lay.compute_dtype, lay.tx
+        layout_leaves = off.layout.treedef.flatten_up_to
 
         def build(master):
             chunks = O.to_chunks(master, off.layout)
@@ -211,9 +212,17 @@ class Engine:
 
         outs = (list(off.master_shardings), list(off.state_shardings), lay.param_shardings)
         groups = self._init_groups()
-        if init_fn is not None and len(groups) > 1:
-            chunks, params, rest = self._init_offloaded_by_leaves(init_fn, groups)
-            states = [jax.jit(tx.init, out_shardings=s)(m) for m, s in zip(chunks, off.state_shardings)]
+        # NVMe: the swapped layers' state is written to the files a layer group at a time
+        # (`NvmeTier.init_files`), never built whole in host memory
+        to_files = init_fn is not None and lay.nvme is not None and lay.nvme.leaf_state_files(tx) is not None
+        if init_fn is not None and (len(groups) > 1 or to_files):
+            skip = lay.nvme.chunk if to_files else None
+            chunks, params, rest = self._init_offloaded_by_leaves(init_fn, groups, skip=skip)
+            state_sh = lay.nvme.live(list(off.state_shardings), "state") if to_files else off.state_shardings
+            states = [jax.jit(tx.init, out_shardings=s)(m) for m, s in zip(chunks, state_sh)]
+            if to_files and not any(isinstance(x, jax.core.Tracer) for x in jax.tree.leaves(states)):
+                # (traced: an abstract engine, no files)
+                lay.nvme.init_files(tx, lambda i: layout_leaves(_init_pure(init_fn)[0])[i], self._init_limit())
         elif init_fn is not None:
             def init():
                 p, r = _init_pure(init_fn)
@@ -225,7 +234,7 @@ class Engine:
             rest = jax.tree.map(_place, values[1], lay.rest_shardings)
             chunks, states, params = jax.jit(build, out_shardings=outs, donate_argnums=0)(master)
             del master
-        if lay.nvme is not None:  # the layers' master and moments into the swap files (checks the path first)
+        if lay.nvme is not None and not to_files:  # the layers' master and moments into the swap files
             chunks, states = lay.nvme.spill(list(chunks), list(states))
         opt_state = states
         if lay.fp16:
@@ -239,10 +248,7 @@ class Engine:
         `options.init_group_bytes` (default: a quarter of the device's memory limit; CPU: no
         limit, one group). One jit builds each group, so the device never holds every fp32 weight."""
         leaves = self.layout.offload.layout.treedef.flatten_up_to(self.layout.abstract_master)
-        limit = self.options.init_group_bytes
-        if not limit:
-            budget = memory.device_budget()
-            limit = budget // 4 if budget else 0
+        limit = self._init_limit()
         if not limit:
             return [list(range(len(leaves)))]
         groups, size = [[]], 0
@@ -255,11 +261,19 @@ class Engine:
             size += n
         return groups
 
-    def _init_offloaded_by_leaves(self, init_fn, groups):
+    def _init_limit(self) -> int:
+        """`options.init_group_bytes`, else a quarter of the device's memory limit (0: none known, CPU)."""
+        if self.options.init_group_bytes:
+            return self.options.init_group_bytes
+        budget = memory.device_budget()
+        return budget // 4 if budget else 0
+
+    def _init_offloaded_by_leaves(self, init_fn, groups, skip=None):
         """Offload init for models too large to initialise on the device at once: per group of
         leaves, one jit runs the model's initialiser, keeps only that group (XLA drops the other
         leaves' random draws as dead code) and writes its master pieces and compute copy to their
-        memory kinds. -> (master chunks, compute params, rest)."""
+        memory kinds; chunk `skip` (the NVMe tier's, filled by `NvmeTier.init_files`) is left None.
+        -> (master chunks, compute params, rest)."""
         lay = self.layout
         off, cd = lay.offload, lay.compute_dtype
         layout = off.layout
@@ -275,10 +289,11 @@ class Engine:
                 out = []
                 for i in group:
                     x = leaves[i]
-                    out.append(([O.piece(x, layout.stacked[i], c) for c in layout.chunks], x.astype(cd)))
+                    out.append(([None if j == skip else O.piece(x, layout.stacked[i], c)
+                                 for j, c in enumerate(layout.chunks)], x.astype(cd)))
                 return out
 
-            shardings = [([m_sh[j][i] for j in range(n_chunks)], p_sh[i]) for i in group]
+            shardings = [([None if j == skip else m_sh[j][i] for j in range(n_chunks)], p_sh[i]) for i in group]
             for i, (ps, c) in zip(group, jax.jit(build, out_shardings=shardings)()):
                 compute[i] = c
                 for j in range(n_chunks):

@@ -99,21 +99,25 @@ def zero_paper_bytes(total_params, stage, n_devices, *, offload_optimizer=False,
 
 
 def tier_bytes(total_params, stage, n_devices, *, offload_optimizer=False, offload_param=False,
-               nvme=False, layer_fraction=1.0, buffer_count=4, n_layers=1):
+               nvme=False, layer_fraction=1.0, buffer_count=4, n_layers=1, host_layers=0):
     """Model-state bytes per device, per host and on disk for one plan: `zero_paper_bytes` plus the
     NVMe tier (ZeRO-Infinity): with `nvme` the layers' share (`layer_fraction` of the parameters:
     the stacked layers, not the embeddings) of the 12Ψ/N master + moments moves from host memory to
-    the swap files, and host memory keeps `buffer_count` layer groups of it in flight (one group =
-    one layer of `n_layers`). {"device", "host", "disk"}."""
+    the swap files, but for the first `host_layers` of the `n_layers` layers
+    (offload_optimizer.host_layers, the host / disk split), and host memory keeps `buffer_count`
+    layer groups of the swapped part in flight (one group = one layer). {"device", "host", "disk"}."""
     b = zero_paper_bytes(total_params, stage, n_devices, offload_optimizer=offload_optimizer or nvme,
                          offload_param=offload_param)
     disk = 0
     if nvme:
         if stage != 3:
             raise ValueError(f"NVMe offload needs zero_optimization.stage=3, got stage={stage}")
-        swapped = 12 * total_params / n_devices * layer_fraction
-        disk = int(swapped)
-        b["host"] = int(b["host"] - swapped + min(buffer_count, n_layers) * swapped / max(n_layers, 1))
+        if not 0 <= host_layers < max(n_layers, 1):
+            raise ValueError(f"host_layers={host_layers} must be in [0, n_layers={n_layers})")
+        per_layer = 12 * total_params / n_devices * layer_fraction / max(n_layers, 1)
+        swapped_layers = max(n_layers, 1) - host_layers
+        disk = int(per_layer * swapped_layers)
+        b["host"] = int(b["host"] - per_layer * swapped_layers + min(buffer_count, swapped_layers) * per_layer)
     return {**b, "disk": disk}
 
 
@@ -129,12 +133,27 @@ def host_free_bytes() -> int:
     return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
 
 
-def nvme_suggestion(host_needed, host_free, *, disk_bytes, disk_free=None) -> str | None:
+def nvme_suggestion(host_needed, host_free, *, disk_bytes, disk_free=None, n_layers=None,
+                    buffer_count=4) -> str | None:
     """A line offering NVMe offload when host memory is what a CPU-offload plan runs out of (None when
-    it fits, or when the disk would not hold the swap files either)."""
+    it fits). When the disk cannot hold every layer's swap files (`disk_bytes` of them for `n_layers`
+    layers, given) but host memory and disk together can, it offers the host / disk split: the fewest
+    layers on disk whose state (less the swapper's `buffer_count` layers in flight) brings host memory
+    under `host_free`, as `offload_optimizer.host_layers`."""
     if host_needed <= host_free:
         return None
     if disk_free is not None and disk_bytes > disk_free:
+        layer = disk_bytes / n_layers if n_layers else 0
+        for disk_layers in range(1, (n_layers or 0)):
+            host = host_needed - (disk_layers - min(buffer_count, disk_layers)) * layer
+            if disk_layers * layer > disk_free:
+                break
+            if host <= host_free:
+                return (f"host memory is the limit ({fmt_bytes(host_needed)} needed, {fmt_bytes(host_free)} free) and "
+                        f"the disk cannot hold every layer ({fmt_bytes(disk_bytes)} of swap files, "
+                        f"{fmt_bytes(disk_free)} free): \"offload_optimizer\": {{\"device\": \"nvme\", \"nvme_path\": "
+                        f"..., \"host_layers\": {n_layers - disk_layers}}} (ZeRO-3) keeps {n_layers - disk_layers} "
+                        f"layers' state in host memory and swaps {disk_layers} ({fmt_bytes(disk_layers * layer)})")
         return (f"host memory is the limit ({fmt_bytes(host_needed)} needed, {fmt_bytes(host_free)} free) and the "
                 f"disk too ({fmt_bytes(disk_bytes)} of swap files, {fmt_bytes(disk_free)} free)")
     return (f"host memory is the limit ({fmt_bytes(host_needed)} needed, {fmt_bytes(host_free)} free): "

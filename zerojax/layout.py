@@ -237,7 +237,9 @@ def _build_layout(module, cfg: Config, *, loss_fn, mesh: Mesh, options) -> Engin
             opt_shardings = (opt_shardings._replace(inner_state=nvme.live(opt_shardings.inner_state, "state"))
                              if fp16 else nvme.live(opt_shardings, "state"))
             offload_settings = {**offload_settings, "nvme": nvme.settings["nvme_path"],
-                                "nvme_disk_bytes": nvme.disk_bytes()}
+                                "nvme_disk_bytes": nvme.disk_bytes(),
+                                "nvme_host_layers": int(zero.offload_optimizer.host_layers),
+                                "nvme_host_bytes": nvme.host_tier_bytes()}
         if offload_param and zero.offload_param.device == "nvme":
             check_params_in_cpu(zero.offload_param, abstract_master)
         if offload_param:

@@ -441,6 +441,10 @@ def _cross_checks(kwargs, zero, problems):
         if not off.nvme_path:
             problems.append(f"zero_optimization.{name}.device = \"nvme\" needs zero_optimization.{name}.nvme_path: "
                             "a directory on a local SSD for the swap files")
+    if zero.offload_optimizer.host_layers and zero.offload_optimizer.device != "nvme":
+        problems.append(f"zero_optimization.offload_optimizer.host_layers = {zero.offload_optimizer.host_layers} "
+                        f"with device = \"{zero.offload_optimizer.device}\": host_layers splits the layers' state "
+                        "between host memory and NVMe swap files; use \"device\": \"nvme\" or remove the key")
     if zero.offload_optimizer.device == "nvme" and zero.offload_optimizer.buffer_count < 2:
         problems.append(f"zero_optimization.offload_optimizer.buffer_count = {zero.offload_optimizer.buffer_count}: "
                         "NVMe offload needs at least 2 buffers (one layer group read ahead, one written back)")

@@ -115,6 +115,15 @@ class OffloadOptimizerConfig:
     fast_init: bool = _f(False, "bool")
     """Fast optimizer init with NVMe.
     zerojax: **accepted, no effect**: the initial state is always written a layer group at a time"""
+    host_layers: int = _f(0, "int", ge=0, extension=True)
+    """**Not a DeepSpeed key** (a zerojax extension; DeepSpeed 0.19.8 validates this section with a pydantic
+    model that forbids unknown keys, so remove it before giving the config to DeepSpeed). With `device: "nvme"`:
+    the optimizer state (fp32 master + moments) of the first `host_layers` offloaded layers stays in host memory
+    (the swapper's arrays, moved through the same callbacks as the disk layers), the remaining layers' state
+    lives in the swap files. 0 (unset): every offloaded layer on NVMe, DeepSpeed's meaning of `device: "nvme"`.
+    zerojax: **acted on**: a host / disk split for models whose state fits neither the disk nor host memory
+      alone; a multiple of the layers per offload group (`EngineOptions.offload_chunks`), fewer than the
+      offloaded layers; an error with another device"""
     ratio: float = _f(1.0, "float", ge=0.0, le=1.0)
     """Fraction of optimizer state offloaded (< 1 only at stage 3).
     zerojax: **acted on**: the first ceil(ratio × pieces) pieces of the optimizer state (embeddings, then layer

@@ -115,11 +115,18 @@ class NvmeSwapper:
     def __init__(self, nvme_path: str, leaves: list[SwapLeaf], groups: int, *, buffer_count: int = 4,
                  block_size: int = 1 << 20, threads: int = 8, pipeline_read: bool = True,
                  pipeline_write: bool = True, rank: int = 0, run: str | None = None,
-                 key: str = "zero_optimization.offload_optimizer.nvme_path", allow_ram_disk: bool = False):
+                 key: str = "zero_optimization.offload_optimizer.nvme_path", allow_ram_disk: bool = False,
+                 host_groups: int = 0):
         if buffer_count < 2:
             raise ValueError(f"zero_optimization.offload_optimizer.buffer_count = {buffer_count}: NVMe offload "
                              "needs at least 2 buffers")
         self.leaves, self.groups = list(leaves), int(groups)
+        # the host / disk split (offload_optimizer.host_layers): groups [0, host_groups) stay in host memory
+        # (numpy arrays here, moved by the same callbacks), the rest live in the files
+        self.host_groups = int(host_groups)
+        if not 0 <= self.host_groups < self.groups:
+            raise ValueError(f"NVMe swapper: host_groups = {host_groups} must leave at least one of the {groups} "
+                             "groups on disk")
         self.block_size = int(block_size)
         self.strides = [_round_up(max(leaf.group_bytes, 1), self.block_size) for leaf in self.leaves]
         check_swap_path(nvme_path, self.disk_bytes, key=key, allow_ram_disk=allow_ram_disk)
@@ -133,25 +140,35 @@ class NvmeSwapper:
             fd = os.open(os.path.join(self.dir, f"leaf{i}.swap"), os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o600)
             self._fds.append(fd)
             try:  # reserve the space now: a full disk fails here, not in the middle of a step
-                os.posix_fallocate(fd, 0, stride * self.groups)
+                os.posix_fallocate(fd, 0, stride * self.disk_groups)
             except (AttributeError, OSError) as e:
                 self.close()
-                raise ValueError(f"{key}: could not reserve {stride * self.groups:,} bytes for {leaf.name} in "
+                raise ValueError(f"{key}: could not reserve {stride * self.disk_groups:,} bytes for {leaf.name} in "
                                  f"{self.dir}: {e}; free space or choose another nvme_path") from e
+        # zeros until written, as the reserved files read (np.zeros maps untouched pages: no memory yet)
+        self._ram = [[np.zeros(leaf.group_shape, leaf.dtype) for leaf in self.leaves] for _ in range(self.host_groups)]
         self._lock = threading.Lock()
         self._writes: dict[int, list] = {}    # group -> pending write futures
         self._ahead: tuple[int, cf.Future] | None = None   # the group read ahead
         self.bytes_read = self.bytes_written = 0
         self.stall_s = 0.0   # wall time the update's callbacks waited on the disk (read / write)
+        # per pass over the groups (an update): seconds from the read of group 0 to the last group's
+        # write on disk, the window its bytes moved in (the achieved bandwidth's denominator)
+        self.pass_s: list[float] = []
+        self._pass_start = None
         self._closed = False
         _OPEN.add(self)
 
     # ------------------------------------------------------------------ sizes
 
     @property
+    def disk_groups(self) -> int:
+        return self.groups - self.host_groups
+
+    @property
     def disk_bytes(self) -> int:
         """Bytes the swap files take (each group padded to block_size)."""
-        return sum(self.strides) * self.groups
+        return sum(self.strides) * self.disk_groups
 
     @property
     def group_bytes(self) -> int:
@@ -169,11 +186,18 @@ class NvmeSwapper:
         step = max(self.block_size, _round_up(-(-nbytes // self._pool._max_workers), self.block_size))
         return [(a, min(a + step, nbytes)) for a in range(0, nbytes, step)] or [(0, 0)]
 
-    def _io(self, write: bool, g: int, arrays: list[np.ndarray]) -> list[cf.Future]:
+    def _io(self, write: bool, g: int, arrays: list[np.ndarray], leaves=None) -> list[cf.Future]:
         futs = []
-        for fd, stride, a in zip(self._fds, self.strides, arrays):
+        for k, a in zip(range(len(arrays)) if leaves is None else leaves, arrays):
+            if g < self.host_groups:   # a host group: a copy in memory, no I/O
+                if write:
+                    self._ram[g][k][...] = a
+                else:
+                    a[...] = self._ram[g][k]
+                continue
+            fd, stride = self._fds[k], self.strides[k]
             view = memoryview(a.reshape(-1).view(np.uint8))
-            base = g * stride
+            base = (g - self.host_groups) * stride
             for lo, hi in self._pieces(a.nbytes):
                 if hi <= lo:
                     continue
@@ -185,7 +209,8 @@ class NvmeSwapper:
         out = [np.empty(leaf.group_shape, leaf.dtype) for leaf in self.leaves]
         for f in self._io(False, g, out):
             f.result()
-        self.bytes_read += sum(a.nbytes for a in out)
+        if g >= self.host_groups:
+            self.bytes_read += sum(a.nbytes for a in out)
         return out
 
     def _wait_writes(self, g: int | None = None):
@@ -200,6 +225,8 @@ class NvmeSwapper:
     def read(self, g) -> list[np.ndarray]:
         """Group g's leaves (fresh arrays: the caller may keep them), reading g + 1 ahead if pipelined."""
         g, t0 = int(g), time.perf_counter()
+        if g == 0:
+            self._pass_start = t0
         ahead, self._ahead = self._ahead, None
         out = ahead[1].result() if ahead is not None and ahead[0] == g else self._read_now(g)
         if self.pipeline_read and self.groups > 1:
@@ -210,9 +237,14 @@ class NvmeSwapper:
 
     def write(self, g, *arrays) -> None:
         """Write group g's new leaves; returns once they are copied (pipelined) or written."""
-        g, t0 = int(g), time.perf_counter()
         if len(arrays) != len(self.leaves):
-            raise ValueError(f"NVMe swap write of group {g}: {len(arrays)} arrays for {len(self.leaves)} leaves")
+            raise ValueError(f"NVMe swap write of group {int(g)}: {len(arrays)} arrays for {len(self.leaves)} leaves")
+        self.write_leaves(g, range(len(self.leaves)), arrays)
+
+    def write_leaves(self, g, leaves, arrays) -> None:
+        """Write group g of the swap leaves numbered `leaves` (all of them: `write`; some: the init,
+        a leaf at a time); returns once they are copied (pipelined) or written."""
+        g, t0, leaves = int(g), time.perf_counter(), list(leaves)
         # at most buffer_count - 1 groups being written (one more is the read ahead)
         while True:
             with self._lock:
@@ -220,10 +252,27 @@ class NvmeSwapper:
             if len(pending) < self.buffer_count - 1:
                 break
             self._wait_writes(pending[0])
+        if g < self.host_groups:   # copied into the host group's arrays: nothing pending
+            self._io(True, g, [np.asarray(a).reshape(self.leaves[k].group_shape) for k, a in zip(leaves, arrays)],
+                     leaves)
+            self.stall_s += time.perf_counter() - t0
+            return
         # the callback's arrays may alias buffers the runtime reuses once it returns: copy them
-        own = [np.array(a, dtype=leaf.dtype, copy=True).reshape(leaf.group_shape) for a, leaf in zip(arrays, self.leaves)]
-        futs = self._io(True, g, own)
+        own = [np.array(a, dtype=self.leaves[k].dtype, copy=True).reshape(self.leaves[k].group_shape)
+               for k, a in zip(leaves, arrays)]
+        futs = self._io(True, g, own, leaves)
         self.bytes_written += sum(a.nbytes for a in own)
+        if g == self.groups - 1 and self._pass_start is not None and futs:
+            start, self._pass_start = self._pass_start, None
+            left = [len(futs)]
+
+            def done(_, start=start, left=left):   # on the I/O threads, once the last piece is written
+                with self._lock:
+                    left[0] -= 1
+                    if left[0] == 0:
+                        self.pass_s.append(time.perf_counter() - start)
+            for f in futs:
+                f.add_done_callback(done)
         with self._lock:
             self._writes.setdefault(g, []).extend(futs)
         if not self.pipeline_write:
@@ -245,11 +294,18 @@ class NvmeSwapper:
         self.flush()
 
     def read_all(self) -> list[np.ndarray]:
-        """The whole [L, ...] leaves read back (checkpoints, tests): host memory holds the whole state."""
+        """The whole [L, ...] leaves read back (checkpoints, tests): host memory holds the whole state,
+        once (each group is read straight into its rows)."""
         self.flush()
         self._ahead = None
-        parts = [self._read_now(g) for g in range(self.groups)]
-        return [np.concatenate([p[i] for p in parts], axis=0) for i in range(len(self.leaves))]
+        out = [np.empty((self.groups * leaf.group_shape[0],) + tuple(leaf.group_shape[1:]), leaf.dtype)
+               for leaf in self.leaves]
+        for g in range(self.groups):
+            rows = [a[g * leaf.group_shape[0]:(g + 1) * leaf.group_shape[0]] for a, leaf in zip(out, self.leaves)]
+            for f in self._io(False, g, rows):
+                f.result()
+        self.bytes_read += sum(a.nbytes for a in out) * self.disk_groups // self.groups
+        return out
 
     def close(self) -> None:
         """Wait for the I/O, close the files and remove the swap directory (scratch, never a checkpoint)."""

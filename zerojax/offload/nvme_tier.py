@@ -39,11 +39,17 @@ class NvmeTier:
     m_files: tuple             # flat indices (None-aware) of master leaves in files
     s_files: tuple             # flat indices of optimizer-state leaves in files (the stacked ones)
     settings: dict             # NvmeSwapper keyword arguments (nvme_path, buffer_count, ...)
+    host_layers: int = 0       # the chunk's first layers, whose state the swapper keeps in host memory
     swapper: NvmeSwapper | None = None
     closed: bool = False
 
     @classmethod
-    def build(cls, tx, abstract_master, off: OffloadLayout, settings: dict) -> "NvmeTier | None":
+    def build(cls, tx, abstract_master, off: OffloadLayout, settings: dict, *,
+              host_layers: int = 0) -> "NvmeTier | None":
+        """The tier of the host loop chunk; its first `host_layers` layers (the host / disk split) stay in
+        host memory inside the swapper, so the chunk -- and the gradients and compute copy it is cut
+        from -- stays one [L, ...] stack (two chunks would join their compute copies, and slice the
+        host-resident gradients, into whole new stacks: 27 GiB on the device for a 7.46B GPT)."""
         loops = [i for i, c in enumerate(off.layout.chunks) if c.loop and c.host]
         if not loops:
             return None
@@ -55,11 +61,20 @@ class NvmeTier:
         c = off.layout.chunks[i]
         m_tmpl, s_tmpl = chunk_templates(tx, abstract_master, off.layout)
         n = c.hi - c.lo
+        per = n // c.loop
+        if host_layers >= n:
+            raise ValueError(f"{HOST_LAYERS_KEY} = {host_layers} keeps all {n} offloaded layers in host memory and "
+                             "leaves nothing for the swap files; use \"device\": \"cpu\", or at most "
+                             f"{n - per} host layers")
+        if host_layers % per:
+            raise ValueError(f"{HOST_LAYERS_KEY} = {host_layers} is not a multiple of the {per} layers per offload "
+                             f"group (EngineOptions.offload_chunks); use {host_layers // per * per} or "
+                             f"{-(-host_layers // per) * per}")
         m_leaves, _ = _flat(m_tmpl[i])
         s_leaves, _ = _flat(s_tmpl[i])
         m_files = tuple(j for j, x in enumerate(m_leaves) if x is not None)
         s_files = tuple(j for j, x in enumerate(s_leaves) if x is not None and x.ndim >= 1 and x.shape[0] == n)
-        return cls(off, i, m_tmpl[i], s_tmpl[i], m_files, s_files, dict(settings))
+        return cls(off, i, m_tmpl[i], s_tmpl[i], m_files, s_files, dict(settings), int(host_layers))
 
     # ------------------------------------------------------------------ shapes
 
@@ -80,7 +95,15 @@ class NvmeTier:
 
     def disk_bytes(self) -> int:
         """Bytes of the swap files (before block padding)."""
-        return sum(leaf.group_bytes for leaf in self.swap_leaves()) * self._c.loop
+        return sum(leaf.group_bytes for leaf in self.swap_leaves()) * (self._c.loop - self.host_groups)
+
+    @property
+    def host_groups(self) -> int:
+        return self.host_layers // self.per
+
+    def host_tier_bytes(self) -> int:
+        """Bytes of the same leaves kept in host memory for the split's `host_layers` layers."""
+        return sum(leaf.group_bytes for leaf in self.swap_leaves()) * self.host_groups
 
     # ------------------------------------------------------------------ the live (placeholder) form
 
@@ -103,7 +126,8 @@ class NvmeTier:
             raise RuntimeError("the NVMe swap files were removed by engine.close(); the engine's optimizer state "
                                "is gone with them (save a checkpoint before close)")
         if self.swapper is None:
-            self.swapper = NvmeSwapper(leaves=self.swap_leaves(), groups=self._c.loop, **self.settings)
+            self.swapper = NvmeSwapper(leaves=self.swap_leaves(), groups=self._c.loop, host_groups=self.host_groups,
+                                       **self.settings)
         return self.swapper
 
     def close(self) -> None:
@@ -123,6 +147,61 @@ class NvmeTier:
         sw.write_all([np.asarray(jax.device_get(m[j])) for j in self.m_files]
                      + [np.asarray(jax.device_get(s[j])) for j in self.s_files])
         return self.live(master, "master"), self.live(state, "state")
+
+    def leaf_state_files(self, tx) -> dict | None:
+        """{master flat index i: the flat indices of the state leaves `tx.init` makes for leaf i alone}, from
+        `tx.init` on a chunk holding leaf i only; None when such a state does not line up with the chunk's
+        (an optimizer whose state is not one tree per parameter tree): `init_files` needs it."""
+        m_tmpl, m_def = _flat(self.m_template)
+        s_def = _flat(self.s_template)[1]
+        out = {}
+        for i in self.m_files:
+            one = m_def.unflatten([m_tmpl[k] if k == i else None for k in range(len(m_tmpl))])
+            st, st_def = _flat(jax.eval_shape(tx.init, one))
+            if st_def != s_def:
+                return None
+            out[i] = [k for k in self.s_files if st[k] is not None]
+        return out
+
+    def init_files(self, tx, leaf_fn, limit_bytes: int = 0) -> None:
+        """Fill the files with the initial state a few layer groups at a time, never the whole swapped state
+        in host memory (what `spill` of a state built in host memory needs: it killed a 7.06B run). Per
+        file leaf i, a jitted function computes `leaf_fn(i)` (leaf i's fp32 initial value, whole, on the
+        device: a model's initialiser draws a stacked leaf at once), slices out as many layer groups as
+        fit `limit_bytes` (with their `tx.init` states; 0: every group in one call) and runs `tx.init`
+        on each; the slices and moments go to the files. A moment that is all zeros (Adam's) is not
+        written: the files were reserved with posix_fallocate, whose blocks read as zeros."""
+        sw = self.open()
+        c, per, nm = self._c, self.per, len(self.m_files)
+        owners = self.leaf_state_files(tx)
+        m_sh, _ = _flat(self.off.master_shardings[self.chunk])
+        m_tmpl, m_def = _flat(self.m_template)
+        for slot, i in enumerate(self.m_files):
+            dev = _slice_sharding(m_sh[i], per).with_memory_kind(DEVICE)
+            ks = owners[i]
+            made = sw.leaves[slot].group_bytes * (1 + len(ks))   # device bytes one group's outputs take
+            n = max((d for d in range(1, c.loop + 1) if c.loop % d == 0 and (not limit_bytes or d * made <= limit_bytes)),
+                    default=1)   # groups per call: a divisor of the group count, so one program serves
+
+            def build(g0, i=i, ks=ks, n=n):
+                whole, outs = leaf_fn(i), []
+                for g in range(n):
+                    x = jax.lax.dynamic_slice_in_dim(whole, c.lo + (g0 + g) * per, per, axis=0)
+                    st, _ = _flat(tx.init(m_def.unflatten([x if k == i else None for k in range(len(m_tmpl))])))
+                    ys = [st[k] for k in ks]
+                    outs.append((x, ys, [jnp.any(y != 0) for y in ys]))
+                return outs
+
+            fn = jax.jit(build, out_shardings=[(dev, [dev] * len(ks), None)] * n)
+            for g0 in range(0, c.loop, n):
+                outs = fn(g0)
+                for g in range(n):
+                    (x, ys, nonzero), outs[g] = outs[g], None   # each group's arrays freed once written
+                    keep = [(nm + self.s_files.index(k), y) for k, y, nz in zip(ks, ys, nonzero) if bool(nz)]
+                    sw.write_leaves(g0 + g, [slot] + [j for j, _ in keep],
+                                    [np.asarray(jax.device_get(x))] + [np.asarray(jax.device_get(y)) for _, y in keep])
+                    del x, ys, keep
+        sw.flush()
 
     def spill_master(self, master: list) -> list:
         """Only the master's file leaves into the files (a checkpoint restored without its optimizer state)."""
@@ -154,6 +233,9 @@ class NvmeTier:
         return master, state
 
 
+HOST_LAYERS_KEY = "zero_optimization.offload_optimizer.host_layers"
+
+
 def nvme_tier(cfg, tx, abstract_master, off: OffloadLayout) -> NvmeTier:
     """The tier for `zero_optimization.offload_optimizer: {device: "nvme"}`, its swapper's settings from
     the offload section and the `aio` section (DeepSpeed 0.19.8's keys and defaults)."""
@@ -166,7 +248,7 @@ def nvme_tier(cfg, tx, abstract_master, off: OffloadLayout) -> NvmeTier:
                     threads=int(aio.queue_depth) * int(aio.intra_op_parallelism),
                     pipeline_read=bool(opt.pipeline_read), pipeline_write=bool(opt.pipeline_write),
                     rank=jax.process_index())
-    tier = NvmeTier.build(tx, abstract_master, off, settings)
+    tier = NvmeTier.build(tx, abstract_master, off, settings, host_layers=int(opt.host_layers))
     if tier is None:
         raise ValueError("zero_optimization.offload_optimizer.device = \"nvme\": the model has no stacked (scanned) "
                          "layer parameters to swap a layer group at a time (or offload_optimizer.ratio leaves "
