@@ -25,6 +25,10 @@ export PYTHONUNBUFFERED=1
 PY=${PYTHON:-python3}
 B="$PY benchmarks/bench.py --steps 8 --warmup 2 --timeout 180 ${BENCH_ARGS:-}"
 show() { grep -E "^(large|tiny|entry|ceiling)|FAIL"; }
+s6_matrix() {  # $1: the JSON's name under $OUT, $2: the matrix; 6 timed steps, progress lines shown
+  $PY benchmarks/bench.py --steps 6 --warmup 2 --timeout 55 ${BENCH_ARGS:-} --out "$OUT/$1.json" --matrix "$2" \
+    2>&1 | grep -E "^ *(large|tiny|entry|ceiling)|FAIL"
+}
 profile_fused_loss() {  # $1: file prefix. ZeRO-2, remat, the fused loss (chunk 256), its HLO named
   local P S
   case "${BENCH_ARGS:-}" in *--tiny*) P="--cpu"; S='"size": "tiny", "seq": 32, "micro": 2, "loss_chunk": 8';;
@@ -37,14 +41,14 @@ profile_fused_loss() {  # $1: file prefix. ZeRO-2, remat, the fused loss (chunk 
 if [ "${1:-sweep}" = final ]; then
   # session 6, the tree as merged (~100 s): the default beside plain, dots_<k> at micro 8 where
   # 16 GiB allows it (0.1 GiB a dots layer over 13.1), the fused loss with it, micro 16
-  $PY benchmarks/bench.py --steps 6 --warmup 2 --timeout 55 ${BENCH_ARGS:-} --out "$OUT/s6_final.json" --matrix '[
+  s6_matrix s6_final '[
     {"stage": "plain", "remat": true},
     {"stage": 2, "remat": true},
     {"stage": 2, "remat": "dots_24"},
     {"stage": 2, "remat": "dots_28"},
     {"stage": 2, "remat": "dots_28", "loss_chunk": 256},
     {"stage": 2, "remat": true, "loss_chunk": 256, "micro": 16},
-    {"stage": "plain", "remat": true, "micro": 16}]' 2>&1 | grep -E "^ *(large|tiny|entry|ceiling)|FAIL"
+    {"stage": "plain", "remat": true, "micro": 16}]'
   (cd "$OUT" && tar -czf speed1_final.tgz s6_final* && rm -f s6_final*)
   exit 0
 fi
@@ -54,7 +58,7 @@ if [ "${1:-sweep}" = tune ]; then
   # budget, micro 12 / 16 with it (plain at 16 beside); the profile with its HLO first. Everything
   # under $OUT goes back as one tar.
   profile_fused_loss s6_tune
-  $PY benchmarks/bench.py --steps 6 --warmup 2 --timeout 55 ${BENCH_ARGS:-} --out "$OUT/s6_tune.json" --matrix '[
+  s6_matrix s6_tune '[
     {"stage": "plain", "remat": true},
     {"stage": 2, "remat": true},
     {"stage": 2, "remat": true, "loss_chunk": 512},
@@ -63,7 +67,7 @@ if [ "${1:-sweep}" = tune ]; then
     {"stage": 2, "remat": true, "loss_chunk": 256, "micro": 16},
     {"stage": 2, "remat": "dots_2", "loss_chunk": 256, "micro": 16},
     {"stage": "plain", "remat": true, "micro": 16},
-    {"stage": 2, "remat": true, "loss_chunk": 256, "micro": 12}]' 2>&1 | grep -E "^ *(large|tiny|entry|ceiling)|FAIL"
+    {"stage": 2, "remat": true, "loss_chunk": 256, "micro": 12}]'
   (cd "$OUT" && tar -czf speed1_tune.tgz s6_tune* && rm -f s6_tune*)
   exit 0
 fi
@@ -71,7 +75,7 @@ fi
 if [ "${1:-sweep}" = loss ]; then
   # the profile first: it is what the element-wise analysis needs, and the matrix prints as it goes
   profile_fused_loss s6_loss
-  $PY benchmarks/bench.py --steps 6 --warmup 2 --timeout 55 ${BENCH_ARGS:-} --out "$OUT/s6_loss.json" --matrix '[
+  s6_matrix s6_loss '[
     {"stage": "plain", "remat": true},
     {"stage": 2, "remat": true},
     {"stage": 2, "remat": true, "loss_chunk": 256},
@@ -80,7 +84,7 @@ if [ "${1:-sweep}" = loss ]; then
     {"stage": 2, "remat": true, "loss_chunk": 256, "micro": 16},
     {"stage": 2, "remat": true, "loss_chunk": 128},
     {"stage": 2, "remat": true, "loss_chunk": 256, "label": "cublaslt",
-     "env": {"XLA_FLAGS": "--xla_gpu_enable_cublaslt=true"}}]' 2>&1 | grep -E "^ *(large|tiny|entry|ceiling)|FAIL"
+     "env": {"XLA_FLAGS": "--xla_gpu_enable_cublaslt=true"}}]'
   exit 0
 fi
 
