@@ -18,6 +18,18 @@ def test_estimate_help_names_the_flags_not_a_placeholder(capsys):
     assert "{gpus}" not in out and "--gpus x --nodes virtual CPU devices" in out
 
 
+@pytest.mark.parametrize("command", ["estimate", "plan"])
+@pytest.mark.parametrize("value", ["abc", "0", "-2", "8.5"])
+def test_a_bad_micro_batch_is_a_flag_error(command, value, capsys):
+    """--micro-batch is 'auto' or a whole number >= 1, checked when the flags are parsed: the error
+    names the flag and what it takes (it was an int() traceback from inside the command)."""
+    extra = ["--devices", "2", "--budget", "1GB"] if command == "plan" else []
+    with pytest.raises(SystemExit) as e:
+        main([command, "--micro-batch", value, *extra])
+    assert e.value.code == 2
+    assert f"argument --micro-batch: '{value}': 'auto' or a whole number >= 1" in capsys.readouterr().err
+
+
 def test_estimate_json_on_stdout_for_formulas(capsys):
     """--json without a file: JSON alone on stdout (the table goes to stderr), carrying
     DeepSpeed's estimator (zero-3, offload both, zero_init: 71.69GB per CPU, as its docs print)."""

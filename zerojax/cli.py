@@ -43,7 +43,7 @@ def _add_estimate(sub):
                    help="compile the real step (allocates nothing) for compiled peaks and a plan")
     p.add_argument("--config", help="DeepSpeed JSON config to start from (default: bf16 AdamW)")
     p.add_argument("--seq", type=int, default=None, help="sequence length (default: model's)")
-    p.add_argument("--micro-batch", default="8",
+    p.add_argument("--micro-batch", default="8", type=_micro_batch_arg,
                    help="micro-batch per device, or 'auto': every divisor of the rows per device "
                         "per step (the config's batch keys, else 8), accumulation raised to keep "
                         "them (default 8)")
@@ -61,6 +61,13 @@ def _add_estimate(sub):
                    help="also write the results as JSON to FILE; without FILE, JSON on stdout "
                         "(the tables then go to stderr)")
     p.set_defaults(func=cmd_estimate)
+
+
+def _micro_batch_arg(text: str) -> str:
+    """--micro-batch's value, checked when parsed: 'auto' or an int >= 1 (kept as text)."""
+    if text == "auto" or (text.isdigit() and int(text) >= 1):
+        return text
+    raise argparse.ArgumentTypeError(f"{text!r}: 'auto' or a whole number >= 1 (rows per device)")
 
 
 def _add_hardware_flags(p):
@@ -102,7 +109,8 @@ def _add_plan(sub):
                    help="rows per optimizer step (default: the config's train_batch_size, else micro x "
                         "accumulation x devices)")
     p.add_argument("--stage", type=int, choices=(0, 1, 2, 3), help="only this ZeRO stage")
-    p.add_argument("--micro-batch", default="auto", help="auto (default: every divisor) or an int")
+    p.add_argument("--micro-batch", default="auto", type=_micro_batch_arg,
+                   help="auto (default: every divisor) or an int")
     p.add_argument("--remat", choices=("on", "off"), default="off",
                    help="the model's per-layer activation checkpointing (default off)")
     p.add_argument("--aot", action="store_true", help="compile each candidate's real step for its peak")
