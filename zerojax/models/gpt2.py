@@ -275,9 +275,10 @@ def split_remat_policy(name, n_layer: int):
     if k is None:
         return [(name, n_layer)]
     if not 2 <= k <= n_layer - 2:
+        allowed = (f"k must be 2 .. {n_layer - 2}" if n_layer >= 4 else
+                   f"a model of {n_layer} layers has no such split (it needs 4 layers or more)")
         raise ValueError(f"remat_policy={name!r}: k={k} layers of {n_layer} with \"dots\" (the rest \"full\", "
-                         f"each part two layers or more); k must be 2 .. {n_layer - 2} (\"dots\" or \"full\": "
-                         "all layers one way)")
+                         f"each part two layers or more); {allowed} (\"dots\" or \"full\": all layers one way)")
     return [("dots", k), ("full", n_layer - k)]
 
 
