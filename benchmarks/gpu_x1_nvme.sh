@@ -4,9 +4,11 @@
 # killed during init), trained with ZeRO-3 + offload_param cpu + the optimizer state split between host memory
 # (offload_optimizer.host_layers) and NVMe swap files, micro 8 (MICRO, ACCUM). Neither the disk (12 B/param
 # of master + moments: 85 GB for 7.06B) nor host memory holds that state alone; both together do.
-# Why not micro 1 x accumulation 16: with offload_param and accumulation the engine adds each micro-batch's
-# gradients into an fp32 accumulator in device memory (zerojax/step.py), 4 B/param = 30 GB for 7.46B, over
-# the 24 GB cap; one micro-batch leaves the bf16 gradients in host memory (the 6.65B row used micro 8 too).
+# ACCUM > 1: the engine sums each micro-batch's gradients into an fp32 accumulator in pinned host memory
+# (TrainState.grad_accumulator, 4 B/param: 30 GB at 7.46B), so the split keeps more layers on disk.
+# XLA's pinned host pool (a BFC allocator that grows by doubling regions, never shrinking) is capped at what the
+# pinned arrays need (HOST_LIMIT_GB, default: bf16 params + bf16 gradients + the accumulator + the non-layer
+# state, +12%): left at a generous cap it grew to ~118 GiB RSS in one 7.46B step.
 #   bash benchmarks/gpu_x1_nvme.sh big     # d 4096, L ${L:-36} (~7.46B; 35 if the disk is short), 1 warm-up + 2 timed steps, <= 480 s
 #   bash benchmarks/gpu_x1_nvme.sh smoke   # a small GPT through the same path, <= 60 s
 # First the disk's bandwidth through the swapper's I/O path (benchmarks/nvme_io.py), then the run: tokens/s,
@@ -37,30 +39,38 @@ else
   # Disk: 85% of the free bytes at most.
   D_MODEL=4096
   FREE=$(df -B1 --output=avail "$NVME" | tail -1)
-  read -r L HOST_LAYERS EST <<<"$(python3 - "${L:-36}" "$D_MODEL" "$FREE" "${HOST_GIB:-92}" <<'PY'
-import sys
-L0, d, free, host_gib = int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]), float(sys.argv[4])
-layer = 144 * d * d
+  MICRO=${MICRO:-8}; ACCUM=${ACCUM:-1}
+  read -r L HOST_LAYERS PINNED_GIB EST <<<"$(python3 - "${L:-36}" "$D_MODEL" "$FREE" "${HOST_GIB:-92}" "$ACCUM" "${HOST_LAYERS:-}" "${BUFFERS:-4}" <<'PY'
+import math, sys
+L0, d, free, host_gib, accum = int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]), float(sys.argv[4]), int(sys.argv[5])
+forced = int(sys.argv[6]) if sys.argv[6] else None
+buffers = int(sys.argv[7])
+layer = 144 * d * d  # a layer's fp32 master + Adam moments: 12 B x 12 d^2
 for L in (L0, L0 - 1):
     params = 12 * d * d * L + 50304 * d + 1024 * d
-    host = lambda disk: 16 * params - disk * layer + (min(4, disk) + 2) * layer + 6 * 2**30  # noqa: E731
+    rest = (50304 + 1024) * d
+    pinned = (2 + 2 + (4 if accum > 1 else 0)) * params + 12 * rest  # params, gradients, accumulator, rest state
+    host = lambda disk: pinned + (L - disk) * layer + (min(buffers, disk) + 2) * layer + 6 * 2**30  # noqa: E731
     fits = [disk for disk in range(1, L) if disk * layer <= 0.85 * free]
-    ok = [disk for disk in fits if host(disk) <= host_gib * 2**30] or [
-        disk for disk in fits[-1:] if host(disk) <= 104 * 2**30]
+    if forced is not None:
+        ok = [L - forced] if L - forced in fits else []
+    else:
+        ok = [disk for disk in fits if host(disk) <= host_gib * 2**30] or [
+            disk for disk in fits[-1:] if host(disk) <= 104 * 2**30]
     if ok:
         disk = ok[0]
-        print(L, L - disk, f"{params / 1e9:.2f}B:host~{host(disk) / 2**30:.0f}GiB:disk~{disk * layer / 2**30:.0f}GiB")
+        print(L, L - disk, math.ceil(pinned * 1.12 / 2**30),
+              f"{params / 1e9:.2f}B:host~{host(disk) / 2**30:.0f}GiB:pinned~{pinned / 2**30:.0f}GiB:disk~{disk * layer / 2**30:.0f}GiB")
         break
 else:
-    print(L0, -1, "no split fits")
+    print(L0, -1, 0, "no split fits")
 PY
 )"
-  MICRO=${MICRO:-8}; ACCUM=${ACCUM:-1}
-  echo "== GPT d$D_MODEL L$L ($EST), ZeRO-3 + offload_param cpu + optimizer host_layers $HOST_LAYERS / NVMe, micro $MICRO x accum $ACCUM"
+  echo "== GPT d$D_MODEL L$L ($EST), ZeRO-3 + offload_param cpu + optimizer host_layers $HOST_LAYERS / NVMe, micro $MICRO x accum $ACCUM, pinned pool cap ${HOST_LIMIT_GB:-$PINNED_GIB} GiB"
   if [ "$HOST_LAYERS" -ge 0 ]; then
-    XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB=${HOST_LIMIT_GB:-116} timeout ${BIG_S:-420} python3 benchmarks/nvme_gpt.py \
-      --n-embd $D_MODEL --n-layer $L --n-head 32 --micro $MICRO --accum $ACCUM --offload nvme --param \
-      --host-layers $HOST_LAYERS --nvme-path "$NVME" --steps 2 --warmup 1 --json "$OUT/nvme_gpt.json" 2>&1 \
+    XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB=${HOST_LIMIT_GB:-$PINNED_GIB} timeout ${BIG_S:-420} python3 benchmarks/nvme_gpt.py \
+      --n-embd $D_MODEL --n-layer $L --n-head 32 --micro $MICRO --accum $ACCUM --offload nvme --param --buffer-count ${BUFFERS:-4} \
+      --host-layers $HOST_LAYERS --nvme-path "$NVME" --steps ${STEPS:-2} --warmup 1 --json "$OUT/nvme_gpt.json" 2>&1 \
       | grep -E "^NVME|Error|error:|Killed" | tail -8
     echo "exit ${PIPESTATUS[0]}"
   fi

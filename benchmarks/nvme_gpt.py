@@ -83,11 +83,21 @@ def main(argv=None):
     print(f"NVME-progress init {init_s:.0f} s, host RSS peak {init_hwm / 2**30:.1f} GiB", flush=True)
     B, T = args.micro * args.accum * n, args.seq
     batch = {"input_ids": np.random.default_rng(0).integers(0, cfg.vocab_size, (B, T)).astype(np.int32)}
+    # JAX reports each trace / lowering / backend compile's duration: their sum over the warm-up is
+    # subtracted from it, which leaves the first step's own time (a run too long for a second step)
+    compile_s = [0.0]
+    jax.monitoring.register_event_duration_secs_listener(
+        lambda event, secs, **_: compile_s.__setitem__(0, compile_s[0] + secs) if event.startswith("/jax/core/compile/") else None)
+    sw = eng.layout.nvme.swapper if eng.layout.nvme is not None else None
+    io_w = (sw.bytes_read, sw.bytes_written, sw.stall_s, len(sw.pass_s)) if sw else (0, 0, 0.0, 0)
     t1 = time.perf_counter()
     for _ in range(args.warmup):
         loss = eng.train_step(batch)["loss"]
     jax.block_until_ready(loss)
-    print(f"NVME-progress warm-up (compile + {args.warmup} steps) {time.perf_counter() - t1:.0f} s, host RSS peak "
+    warm_s = time.perf_counter() - t1
+    first_step_s = (warm_s - compile_s[0]) / max(args.warmup, 1)
+    print(f"NVME-progress warm-up (compile + {args.warmup} steps) {warm_s:.0f} s, of it compiling {compile_s[0]:.0f} s "
+          f"(a step without it: {first_step_s:.1f} s, {B * T / first_step_s / n:.0f} tokens/s), host RSS peak "
           f"{_vm('VmHWM') / 2**30:.1f} GiB, loss {float(loss):.3f}", flush=True)
     sw = eng.layout.nvme.swapper if eng.layout.nvme is not None else None
     io0 = (sw.bytes_read, sw.bytes_written, sw.stall_s) if sw else (0, 0, 0.0)
@@ -102,9 +112,12 @@ def main(argv=None):
             print(f"NVME-progress step {k + 1}: {time.perf_counter() - t0:.1f} s since the timed steps began, host RSS peak "
                   f"{_vm('VmHWM') / 2**30:.1f} GiB{io_now}", flush=True)
     jax.block_until_ready((eng.state, loss))
-    dt = (time.perf_counter() - t0) / args.steps
-    io = ((sw.bytes_read - io0[0]) / args.steps, (sw.bytes_written - io0[1]) / args.steps,
-          (sw.stall_s - io0[2]) / args.steps) if sw else (0, 0, 0.0)
+    # --steps 0: the warm-up's step net of compilation stands in for the timed steps
+    dt = (time.perf_counter() - t0) / args.steps if args.steps else first_step_s
+    if not args.steps:  # the warm-up's traffic (it ran one step per warm-up)
+        io0, passes0 = io_w[:3], io_w[3]
+    k = args.steps or max(args.warmup, 1)
+    io = ((sw.bytes_read - io0[0]) / k, (sw.bytes_written - io0[1]) / k, (sw.stall_s - io0[2]) / k) if sw else (0, 0, 0.0)
     time.sleep(0.5 if sw else 0)   # the last group's write-back finishes behind the step
     passes = sw.pass_s[passes0:] if sw else []
     update_s = sum(passes) / len(passes) if passes else 0.0
@@ -114,7 +127,7 @@ def main(argv=None):
         "offload": args.offload, "param": param, "model": f"L{cfg.n_layer}/d{cfg.n_embd}/h{cfg.n_head}",
         "n_params": int(sum(x.size for x in jax.tree.leaves(eng.state.params))),
         "micro": args.micro, "accum": args.accum, "seq": T, "step_s": dt, "tokens_per_s": B * T / dt / n,
-        "init_s": init_s, "loss": float(loss), "peak_gib": stats.get("peak_bytes_in_use", 0) / 2**30,
+        "init_s": init_s, "compile_s": compile_s[0], "timed_steps": args.steps, "loss": float(loss), "peak_gib": stats.get("peak_bytes_in_use", 0) / 2**30,
         "host_state_gib": rep["host"] / 2**30,
         "peak_rss_gib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20,
         "init_peak_rss_gib": init_hwm / 2**30,

@@ -70,6 +70,8 @@ def accumulate_gradients(
     loss_scale=1.0,
     carry=None,
     grad_transform: Callable | None = None,
+    add_into: Callable | None = None,
+    acc_init=None,
 ):
     """Sum of gradients of `loss / steps * loss_scale` over `steps` micro-batches of `batch`.
 
@@ -79,6 +81,12 @@ def accumulate_gradients(
     of params: brings host-resident gradients to the device). With steps == 1, accum_dtype=None
     keeps the gradients as they come (no cast, no sharding constraint: host-resident gradients
     stay where they are and are cast chunk by chunk later).
+    add_into: `add_into(acc, grads, first) -> acc` sums a micro-batch's gradients into an
+    accumulator the caller owns (`acc_init`, a donated buffer whose contents are ignored: `first`
+    is True on the first micro-batch, which overwrites it). Host offload of params: the fp32
+    accumulator lives in host memory and is added to layer group by layer group on the device, so
+    the device never holds a whole fp32 gradient (DeepSpeed accumulates offloaded gradients in
+    host memory too).
     """
     if steps < 1:
         raise ValueError(f"gradient_accumulation_steps={steps} must be >= 1")
@@ -112,12 +120,20 @@ def accumulate_gradients(
         acc = constrain(jax.tree.map(lambda a, g: a + g.astype(accum_dtype), acc, grads))
         return (acc, carry), (loss, aux)
 
+    micro_batches = split_microbatches(batch, steps, mesh)
+    if add_into is not None:
+        def body_into(c, xs):
+            (acc, carry), (mb, k) = c, xs
+            grads, loss, aux, carry = micro(mb, carry)
+            return (add_into(acc, grads, k == 0), carry), (loss, aux)
+
+        (acc, carry), (losses, aux) = jax.lax.scan(
+            body_into, (acc_init, carry), (micro_batches, jnp.arange(steps)))
+        return acc, losses.mean(), _reduce_aux(aux), carry
     if accum_dtype is None:
         raise ValueError("accum_dtype=None (keep gradients as they come) needs steps == 1")
     acc = constrain(jax.tree.map(lambda p: jnp.zeros(p.shape, accum_dtype), params))
-    (acc, carry), (losses, aux) = jax.lax.scan(
-        body, (acc, carry), split_microbatches(batch, steps, mesh)
-    )
+    (acc, carry), (losses, aux) = jax.lax.scan(body, (acc, carry), micro_batches)
     return acc, losses.mean(), _reduce_aux(aux), carry
 
 

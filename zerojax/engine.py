@@ -108,9 +108,10 @@ class Engine:
         if abstract:
             self.state = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
                                       jax.eval_shape(lambda: self._init_state(init_fn, module)),
-                                      self.state_shardings)
+                                      self.state_shardings._replace(grad_accumulator=None))
         else:
             self.state = self._init_state(init_fn, module)
+        self.state = self.state._replace(grad_accumulator=self._grad_accumulator(abstract))
         del model, module  # drop our references to the host copy
 
         # the new state comes out exactly where the state went in: left free, XLA may pick another
@@ -192,6 +193,22 @@ class Engine:
             master_view = master
         opt_state = jax.jit(lay.tx.init, out_shardings=lay.opt_shardings)(master_view)
         return self._fresh_state(params, master, opt_state, rest)
+
+    def _grad_accumulator(self, abstract: bool):
+        """offload_param with accumulation: the host-memory gradient accumulator the step adds each
+        micro-batch into (`TrainState.grad_accumulator`), allocated shard by shard straight in host
+        memory (a zero-filled array built on the device first would need the device memory it
+        exists to spare); else None. Its contents are scratch: each step's first micro-batch
+        overwrites them."""
+        if not step_mod.needs_grad_accumulator(self.layout.step):
+            return None
+        dtype = jnp.dtype(self.layout.step.accum_dtype)
+        sh = self.state_shardings.grad_accumulator
+        if abstract:
+            return jax.tree.map(lambda p, s: jax.ShapeDtypeStruct(p.shape, dtype, sharding=s), self.state.params, sh)
+        zeros = lambda p, s: jax.make_array_from_callback(  # noqa: E731
+            p.shape, s, lambda idx: np.zeros(s.shard_shape(p.shape), dtype))
+        return jax.tree.map(zeros, self.state.params, sh)
 
     def _fresh_state(self, params, master, opt_state, rest) -> TrainState:
         zero = lambda: jax.device_put(jnp.zeros((), jnp.int32), NamedSharding(self.mesh, P()))  # noqa: E731
@@ -532,8 +549,9 @@ class Engine:
     def memory_report(self, batch_shapes=None) -> MemoryReport:
         """Per-device bytes of the model states (read from the arrays) and of XLA's compiled step."""
         s = self.state
-        # offload_param with one micro-batch: the gradients stay in host memory (compute dtype)
-        host_grads = self.offload_param and self.cfg.gradient_accumulation_steps == 1
+        # offload_param: each micro-batch's gradients come to host memory (compute dtype); with
+        # accumulation they are summed into the host accumulator the state carries
+        host_grads = self.offload_param
         gdtype = self.compute_dtype if host_grads else self.accum_dtype
         grads = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, gdtype), s.params)
         grad_bytes = partition.per_device_bytes(grads, self.shardings.grads)
@@ -542,7 +560,8 @@ class Engine:
             gradients=0 if host_grads else grad_bytes,
             master=_nbytes(s.master, False),
             optimizer_state=_nbytes(s.opt_state, False),
-            host=_nbytes((s.params, s.master, s.opt_state), True) + (grad_bytes if host_grads else 0),
+            host=(_nbytes((s.params, s.master, s.opt_state, s.grad_accumulator), True)
+                  + (grad_bytes if host_grads else 0)),
         )
         report["model_states"] = sum(report[k] for k in ("params", "gradients", "master", "optimizer_state"))
         shapes = batch_shapes if batch_shapes is not None else self._last_batch_shapes

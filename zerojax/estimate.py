@@ -391,7 +391,8 @@ def predict_step_time(shape: ModelShape, *, micro_batch: int, grad_accum: int = 
     host: offload_optimizer streams the fp32 master + Adam moments (12 bytes a parameter) in
       and back out each step, for the offloaded `offload_ratio` of this device's shard;
       offload_param fetches the 16-bit params twice per micro-batch and sends their gradients
-      back; remat "offload" writes each block's input to host and reads it back.
+      back (with accumulation also reads them back and reads + writes the fp32 host accumulator,
+      8 bytes a parameter, every micro-batch); remat "offload" writes each block's input to host and reads it back.
     n_tensor (tensor_parallel.autotp_size): each device holds 1 / n_tensor of the parameters (the
       replicated norms, biases and position embeddings, <1% of GPT-2, are not counted apart), so
       ZeRO's collectives and the offload move that share over the n_data data ranks; the
@@ -427,6 +428,8 @@ def predict_step_time(shape: ModelShape, *, micro_batch: int, grad_accum: int = 
         host += 2 * 12 * shard * (offload_ratio if offload_optimizer else 1.0)
     if offload_param:
         host += grad_accum * 3 * pb * shard
+        if grad_accum > 1:  # each micro-batch's gradients read back and added into the host accumulator
+            host += grad_accum * (pb + 2 * 4) * shard
     if remat == "offload":
         host += 2 * grad_accum * shape.n_layer * micro_tokens * shape.d_model * pb
     return StepTime(compute, comm / hardware.interconnect_bytes_per_s,
@@ -461,9 +464,10 @@ def model_state_floor(params: int, *, stage: int, n_data: int, precision: str,
 
 def model_state_bytes(params: int, *, stage: int, n_data: int, precision: str, n_tensor: int = 1,
                       **floor_kw) -> int:
-    """`model_state_floor` plus the fp32 gradient accumulator (partitioned from stage 2): the
-    planner's estimate of how a choice's model states differ from a compiled neighbour's."""
-    grads = 4 * params / n_tensor / (n_data if stage >= 2 else 1)
+    """`model_state_floor` plus the fp32 gradient accumulator (partitioned from stage 2; in host
+    memory with offload_param): the planner's estimate of how a choice's model states differ from a
+    compiled neighbour's."""
+    grads = 0 if floor_kw.get("offload_param") else 4 * params / n_tensor / (n_data if stage >= 2 else 1)
     return model_state_floor(params, stage=stage, n_data=n_data, precision=precision,
                              n_tensor=n_tensor, **floor_kw) + int(grads)
 

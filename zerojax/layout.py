@@ -25,7 +25,7 @@ from zerojax.optim import build_optimizer, build_schedule
 from zerojax.options import EngineOptions
 from zerojax.precision import compute_dtype as compute_dtype_of, loss_scale_from_config, loss_scaler_from_config
 from zerojax.offload.nvme_tier import check_params_in_cpu, nvme_tier
-from zerojax.step import OffloadStep, StepSettings, TrainState, pure_dict
+from zerojax.step import OffloadStep, StepSettings, TrainState, needs_grad_accumulator, pure_dict
 
 PARAM_HOOK_ERROR = ("zero_optimization.offload_param: offload_param needs a model whose layer scan accepts a "
                     "fetch hook (a `layer_fetch` attribute applied to each layer's params inside the scan); "
@@ -68,8 +68,10 @@ class EngineLayout:
         rep = NamedSharding(self.mesh, P())
         fp32 = self.compute_dtype == jnp.float32
         master = self.master_shardings if (self.offload is not None or not fp32) else None
+        acc = self.step.offload.param_shardings if needs_grad_accumulator(self.step) else None
         return TrainState(params=self.param_shardings, master=master, opt_state=self.opt_shardings,
-                          rest=self.rest_shardings, step=rep, skipped_steps=rep, global_samples=rep)
+                          rest=self.rest_shardings, step=rep, skipped_steps=rep, global_samples=rep,
+                          grad_accumulator=acc)
 
     # -- the layout-free form: how a checkpoint stores the state, whatever the offload
 

@@ -35,6 +35,9 @@ class TrainState(NamedTuple):
     step:     int32, optimizer steps taken, applied + skipped (DeepSpeed's global_steps).
     skipped_steps: int32, steps skipped for fp16 overflow or a non-finite loss.
     global_samples: int32, training samples consumed.
+    grad_accumulator: offload_param with gradient accumulation: the fp32 (accum dtype) gradient
+              sum in host memory, params-shaped, overwritten by each step's first micro-batch
+              (`offload.accumulate_chunks`); scratch donated every step, never checkpointed. Else None.
     """
 
     params: Any
@@ -44,6 +47,7 @@ class TrainState(NamedTuple):
     step: jax.Array
     skipped_steps: jax.Array
     global_samples: jax.Array
+    grad_accumulator: Any = None
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -150,24 +154,28 @@ def _compute_params(settings: StepSettings, master):
 
 def train_step(settings: StepSettings, state: TrainState, batch):
     scale = loss_scale_of(settings, state.opt_state)
-    accum_dtype, grad_transform = settings.accum_dtype, None
+    accum_dtype, add_into = settings.accum_dtype, None
     if settings.offload is not None and settings.offload.param_shardings is not None:
         # Gradients of host-resident params come back host-resident (JAX's typing rule). One
         # micro-batch: leave them there; the update streams them in chunk by chunk. Several:
-        # bring each micro-batch's to the device to add them (device memory: the accumulator).
-        if settings.steps == 1:
+        # add each micro-batch's into the host-memory accumulator the state carries, a layer
+        # group at a time on the device (a whole fp32 accumulator on the device, 4 B/param,
+        # would be the step's largest buffer: 30 GB at 7.5B params).
+        if not needs_grad_accumulator(settings):
             accum_dtype = None
         else:
-            dev = offload_mod.with_memory_kind(settings.shardings.grads, offload_mod.DEVICE)
-            grad_transform = lambda g: jax.device_put(g, dev)  # noqa: E731
+            off = settings.offload
+            kind = _param_memory_kind(off)
+            add_into = lambda acc, g, first: offload_mod.accumulate_chunks(acc, g, off.layout, first, kind=kind)  # noqa: E731
     grads, loss, aux, rest = accumulate_gradients(
         lambda p, mb, r: _call_loss(settings, p, mb, r),
         state.params, batch, steps=settings.steps, mesh=settings.mesh,
         grad_shardings=settings.shardings.grads, accum_dtype=accum_dtype,
-        loss_scale=scale, carry=state.rest, grad_transform=grad_transform,
+        loss_scale=scale, carry=state.rest, add_into=add_into, acc_init=state.grad_accumulator,
     )
     if settings.offload is not None:
-        return _offloaded_tail(settings, state, grads, loss, aux, rest, scale)
+        new_state, metrics = _offloaded_tail(settings, state, grads, loss, aux, rest, scale)
+        return new_state._replace(grad_accumulator=grads if add_into is not None else None), metrics
     # DeepSpeed reports the norm of the unscaled gradients before clipping.
     grad_norm = _global_norm(grads) / scale
     lr = settings.schedule(state.step - state.skipped_steps)
@@ -250,8 +258,7 @@ def _offloaded_tail(settings: StepSettings, state: TrainState, grads, loss, aux,
     # offload_param: each chunk's new compute copy goes to host memory as soon as it is made (in
     # a "scan" chunk: inside the scan, so the stacked copy is built in host memory, never whole
     # on the device)
-    pkind = None if off.param_shardings is None else jax.tree.leaves(
-        off.param_shardings, is_leaf=lambda x: isinstance(x, jax.sharding.Sharding))[0].memory_kind
+    pkind = None if off.param_shardings is None else _param_memory_kind(off)
     params, new_off = offload_mod.streamed_update(
         off.tx, grads, offload_mod.OffloadState(state.master, inner), off.layout,
         compute_dtype=settings.compute_dtype, skip=skip, grad_scale=factor, compute_kind=pkind,
@@ -275,6 +282,16 @@ def _offloaded_tail(settings: StepSettings, state: TrainState, grads, loss, aux,
     return new_state, metrics
 
 
+def _param_memory_kind(off: OffloadStep) -> str:
+    """The host memory kind of offload_param's compute params."""
+    return jax.tree.leaves(off.param_shardings, is_leaf=lambda x: isinstance(x, jax.sharding.Sharding))[0].memory_kind
+
+
+def needs_grad_accumulator(settings: StepSettings) -> bool:
+    """Whether the state carries `grad_accumulator` (offload_param with accumulation steps > 1)."""
+    return settings.offload is not None and settings.offload.param_shardings is not None and settings.steps > 1
+
+
 def _global_norm(tree):
     norm = getattr(getattr(optax, "tree", None), "norm", None)  # optax >= 0.2.5
     return norm(tree) if norm is not None else optax.global_norm(tree)
@@ -285,4 +302,4 @@ def eval_step(settings: StepSettings, params, rest, batch):
     return loss
 
 
-__all__ = ["TrainState", "StepSettings", "pure_dict", "OffloadStep", "train_step", "eval_step", "optimizer_update", "merge", "master_of"]
+__all__ = ["TrainState", "StepSettings", "needs_grad_accumulator", "pure_dict", "OffloadStep", "train_step", "eval_step", "optimizer_update", "merge", "master_of"]

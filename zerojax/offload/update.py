@@ -263,3 +263,40 @@ def grad_stats(grads, off: OffloadLayout):
         else:
             acc = stats(g, m_sh, acc)
     return acc
+
+
+def accumulate_chunks(acc, grads, off: OffloadLayout, first, *, kind: str):
+    """`acc + grads` (or `grads` where `first`) into the host-resident accumulator `acc` in place,
+    chunk by chunk: each layer group of both is brought to the device, added there in `acc`'s
+    dtype, and written back into `acc`'s buffer (dynamic_update_slice, as the update writes the
+    master). Device memory holds one group; nothing is computed in host memory.
+
+    acc: params-shaped, in memory `kind` (the offloaded params' shardings); its contents are
+    ignored where `first` (a bool scalar) is True, so the caller's buffer needs no zeroing.
+    grads: params-shaped, host-resident or on the device (compute dtype). -> the new `acc`.
+    """
+    def add(a, g):
+        if a is None:
+            return None
+        return jnp.where(first, jnp.zeros((), a.dtype), a) + g.astype(a.dtype)
+
+    out = []
+    for c, a, g, m_sh in zip(off.layout.chunks, to_chunks(acc, off.layout), to_chunks(grads, off.layout),
+                             off.master_shardings):
+        if c.loop:  # a group of layers on the device at a time, written back in place
+            per = (c.hi - c.lo) // c.loop
+            dev = jax.tree.map(lambda x, per=per: _slice_sharding(x, per), m_sh, is_leaf=is_sharding)
+
+            def body(j, a, g=g, dev=dev, per=per):
+                sl = lambda x: None if x is None else jax.lax.dynamic_slice_in_dim(x, j * per, per, 0)  # noqa: E731
+                aa = _to(jax.tree.map(sl, a, is_leaf=is_none), dev, DEVICE)
+                gg = _grads_in(jax.tree.map(sl, g, is_leaf=is_none), dev)
+                new = _to(jax.tree.map(add, aa, gg, is_leaf=is_none), dev, kind)
+                return jax.tree.map(lambda b, x: None if b is None else jax.lax.dynamic_update_slice_in_dim(
+                    b, x, j * per, axis=0), a, new, is_leaf=is_none)
+
+            out.append(jax.lax.fori_loop(0, c.loop, body, a))
+        else:  # the non-layer leaves (or a device chunk): whole
+            home = jax.tree.map(lambda s: s.with_memory_kind(kind), m_sh, is_leaf=is_sharding)
+            out.append(_to(jax.tree.map(add, _to(a, m_sh, DEVICE), _grads_in(g, m_sh), is_leaf=is_none), home, kind))
+    return from_chunks(out, off.layout)
