@@ -28,8 +28,8 @@ if [ "$MODE" = smoke ]; then
     | grep -E "^NVME|Error|error:" | tail -3
 else
   if [ -z "${SKIP_IO:-}" ]; then   # SKIP_IO=1: the disk measured already (a rerun with less time)
-    echo "== disk bandwidth through the swapper's pread/pwrite pool (64 MiB blocks, 2 GiB)"
-    timeout 40 python3 benchmarks/nvme_io.py --path "$NVME" --mib 64 --total-mib 2048 --json "$OUT/nvme_io.json" 2>&1 | tail -4
+    echo "== disk bandwidth through the swapper (64 MiB blocks, 2 GiB; O_DIRECT and buffered; buffer_count 2 and 4)"
+    timeout 100 python3 benchmarks/nvme_io.py --path "$NVME" --mib 64 --total-mib 2048 --buffer-count 2 4 --no-tensorstore --json "$OUT/nvme_io.json" 2>&1 | tail -6
   fi
   # the split: the fewest layers on disk that keep host memory under HOST_GIB (default 92 of the 128 GiB: the
   # estimate is rough), else the most the disk holds if host memory stays under 104 GiB; L 36, else 35.

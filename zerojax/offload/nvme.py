@@ -19,6 +19,13 @@ pending write. `buffer_count` bounds the groups held: one read ahead, the rest w
 I/O path: `os.preadv` / `os.pwritev` on a thread pool of `aio.queue_depth × aio.intra_op_parallelism`
 threads (capped), each request at most `aio.block_size`-aligned pieces of a group's leaf. Both
 release the GIL. benchmarks/nvme_io.py measures it against tensorstore (README text in the report).
+The files are opened with O_DIRECT where the filesystem allows it (DeepSpeed's aio does the same):
+the state moves between the swapper's buffers and the disk without the page cache, which would
+otherwise compete with the training process for the host memory the tier exists to spare and
+throttle its writes once dirty pages pile up. O_DIRECT needs 4 KiB-aligned buffers, offsets and
+lengths: the swapper's own buffers are allocated aligned (`aligned_empty`); any other piece (a
+short tail, a caller's array) goes through an aligned bounce buffer. Where O_DIRECT is refused
+(tmpfs, some network filesystems) the files are opened buffered.
 
 Files: `<nvme_path>/zerojax-<run>/rank<p>/leaf<i>.swap`, one per stacked leaf (master, then each
 optimizer moment), group g at byte offset g × (the group's bytes rounded up to block_size). They are
@@ -30,6 +37,7 @@ from __future__ import annotations
 import atexit
 import concurrent.futures as cf
 import dataclasses
+import math
 import os
 import shutil
 import threading
@@ -44,6 +52,17 @@ import numpy as np
 RAM_FILESYSTEMS = ("tmpfs", "ramfs", "devtmpfs", "hugetlbfs")
 MAX_THREADS = 64
 SWAP_PREFIX = "zerojax-"
+DIRECT_ALIGN = 4096   # O_DIRECT: buffer address, file offset and length multiples of the logical block size
+
+
+def aligned_empty(shape, dtype, align: int = DIRECT_ALIGN) -> np.ndarray:
+    """An uninitialised array whose data starts on an `align`-byte boundary and whose buffer runs on to
+    the next boundary (so an O_DIRECT request may cover its last, partial block)."""
+    dtype = np.dtype(dtype)
+    nbytes = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
+    raw = np.empty(_round_up(max(nbytes, 1), align) + align, np.uint8)
+    start = -raw.ctypes.data % align
+    return raw[start:start + nbytes].view(dtype).reshape(shape)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -116,7 +135,7 @@ class NvmeSwapper:
                  block_size: int = 1 << 20, threads: int = 8, pipeline_read: bool = True,
                  pipeline_write: bool = True, rank: int = 0, run: str | None = None,
                  key: str = "zero_optimization.offload_optimizer.nvme_path", allow_ram_disk: bool = False,
-                 host_groups: int = 0):
+                 host_groups: int = 0, direct: bool = True):
         if buffer_count < 2:
             raise ValueError(f"zero_optimization.offload_optimizer.buffer_count = {buffer_count}: NVMe offload "
                              "needs at least 2 buffers")
@@ -128,7 +147,9 @@ class NvmeSwapper:
             raise ValueError(f"NVMe swapper: host_groups = {host_groups} must leave at least one of the {groups} "
                              "groups on disk")
         self.block_size = int(block_size)
-        self.strides = [_round_up(max(leaf.group_bytes, 1), self.block_size) for leaf in self.leaves]
+        # group strides stay whole blocks of both the request size and O_DIRECT's alignment
+        unit = self.block_size * DIRECT_ALIGN // math.gcd(self.block_size, DIRECT_ALIGN)
+        self.strides = [_round_up(max(leaf.group_bytes, 1), unit) for leaf in self.leaves]
         check_swap_path(nvme_path, self.disk_bytes, key=key, allow_ram_disk=allow_ram_disk)
         self.root = os.path.join(nvme_path, f"{SWAP_PREFIX}{run or uuid.uuid4().hex[:12]}")
         self.dir = os.path.join(self.root, f"rank{rank}")
@@ -136,8 +157,21 @@ class NvmeSwapper:
         self.buffer_count, self.pipeline_read, self.pipeline_write = buffer_count, pipeline_read, pipeline_write
         self._pool = cf.ThreadPoolExecutor(max(1, min(int(threads), MAX_THREADS)), thread_name_prefix="zerojax-nvme")
         self._fds = []
+        # O_DIRECT where the filesystem takes it (and the request pieces stay aligned): see the module doc
+        self.direct = bool(direct) and hasattr(os, "O_DIRECT") and self.block_size % DIRECT_ALIGN == 0
         for i, (leaf, stride) in enumerate(zip(self.leaves, self.strides)):
-            fd = os.open(os.path.join(self.dir, f"leaf{i}.swap"), os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o600)
+            name = os.path.join(self.dir, f"leaf{i}.swap")
+            fd = None
+            if self.direct:
+                try:
+                    fd = os.open(name, os.O_RDWR | os.O_CREAT | os.O_TRUNC | os.O_DIRECT, 0o600)
+                except OSError:   # EINVAL: this filesystem has no direct I/O
+                    self.direct = False
+                    for f in self._fds:   # reopen the earlier leaves buffered too: one mode for all
+                        os.close(f)
+                    self._fds = [os.open(os.path.join(self.dir, f"leaf{j}.swap"), os.O_RDWR) for j in range(i)]
+            if fd is None:
+                fd = os.open(name, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o600)
             self._fds.append(fd)
             try:  # reserve the space now: a full disk fails here, not in the middle of a step
                 os.posix_fallocate(fd, 0, stride * self.disk_groups)
@@ -201,12 +235,13 @@ class NvmeSwapper:
             for lo, hi in self._pieces(a.nbytes):
                 if hi <= lo:
                     continue
-                futs.append(self._pool.submit(_pwrite if write else _pread, fd, view[lo:hi], base + lo))
+                futs.append(self._pool.submit(_pwrite if write else _pread, fd, view[lo:hi], base + lo,
+                                              self.direct))
         return futs
 
     def _read_now(self, g: int) -> list[np.ndarray]:
         self._wait_writes(g)
-        out = [np.empty(leaf.group_shape, leaf.dtype) for leaf in self.leaves]
+        out = [aligned_empty(leaf.group_shape, leaf.dtype) for leaf in self.leaves]
         for f in self._io(False, g, out):
             f.result()
         if g >= self.host_groups:
@@ -258,8 +293,9 @@ class NvmeSwapper:
             self.stall_s += time.perf_counter() - t0
             return
         # the callback's arrays may alias buffers the runtime reuses once it returns: copy them
-        own = [np.array(a, dtype=self.leaves[k].dtype, copy=True).reshape(self.leaves[k].group_shape)
-               for k, a in zip(leaves, arrays)]
+        own = [aligned_empty(self.leaves[k].group_shape, self.leaves[k].dtype) for k in leaves]
+        for o, a in zip(own, arrays):
+            o[...] = np.asarray(a).reshape(o.shape)
         futs = self._io(True, g, own, leaves)
         self.bytes_written += sum(a.nbytes for a in own)
         if g == self.groups - 1 and self._pass_start is not None and futs:
@@ -331,7 +367,18 @@ class NvmeSwapper:
             warnings.warn("zerojax NVMe swapper: could not remove its swap files", RuntimeWarning)
 
 
-def _pread(fd, view, offset):
+def _direct_ready(view: memoryview) -> bool:
+    """Whether an O_DIRECT request can use `view` as it is: aligned start and whole blocks."""
+    addr = np.frombuffer(view, np.uint8).ctypes.data if len(view) else 0
+    return addr % DIRECT_ALIGN == 0 and len(view) % DIRECT_ALIGN == 0
+
+
+def _pread(fd, view, offset, direct: bool = False):
+    if direct and not _direct_ready(view):   # through an aligned bounce buffer, whole blocks
+        bounce = aligned_empty((_round_up(len(view), DIRECT_ALIGN),), np.uint8)
+        _pread(fd, memoryview(bounce), offset, True)
+        view[:] = bounce[:len(view)]
+        return
     n = 0
     while n < len(view):
         got = os.preadv(fd, [view[n:]], offset + n)
@@ -340,7 +387,12 @@ def _pread(fd, view, offset):
         n += got
 
 
-def _pwrite(fd, view, offset):
+def _pwrite(fd, view, offset, direct: bool = False):
+    if direct and not _direct_ready(view):   # the tail block's padding lands inside the group's stride
+        bounce = aligned_empty((_round_up(len(view), DIRECT_ALIGN),), np.uint8)
+        bounce[:len(view)] = np.frombuffer(view, np.uint8)
+        bounce[len(view):] = 0
+        view = memoryview(bounce)
     n = 0
     while n < len(view):
         n += os.pwritev(fd, [view[n:]], offset + n)
@@ -355,4 +407,4 @@ def _close_all():
         s.close()
 
 
-__all__ = ["NvmeSwapper", "SwapLeaf", "check_swap_path", "RAM_FILESYSTEMS"]
+__all__ = ["NvmeSwapper", "SwapLeaf", "check_swap_path", "aligned_empty", "RAM_FILESYSTEMS"]
