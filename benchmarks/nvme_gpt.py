@@ -118,7 +118,9 @@ def main(argv=None):
         io0, passes0 = io_w[:3], io_w[3]
     k = args.steps or max(args.warmup, 1)
     io = ((sw.bytes_read - io0[0]) / k, (sw.bytes_written - io0[1]) / k, (sw.stall_s - io0[2]) / k) if sw else (0, 0, 0.0)
-    time.sleep(0.5 if sw else 0)   # the last group's write-back finishes behind the step
+    if sw:   # the last group's write-back finishes behind the step (seconds with O_DIRECT): its window closes then
+        sw.flush()
+        time.sleep(0.1)   # a future's done-callbacks (which record the window) run just after its waiters wake
     passes = sw.pass_s[passes0:] if sw else []
     update_s = sum(passes) / len(passes) if passes else 0.0
     stats = jax.devices()[0].memory_stats() or {}
