@@ -110,7 +110,7 @@ def test_save_and_load_hold_a_few_groups_not_the_state(nvme_engine, tmp_path):
 
 
 @pytest.mark.parametrize("device", ["cpu", "none"])
-def test_streamed_checkpoint_resumes_without_nvme_and_back(nvme_engine, tmp_path, device):
+def test_streamed_checkpoint_resumes_without_nvme_and_back(nvme_engine, tmp_path, device, monkeypatch):
     # layout-free: the streamed leaves load into CPU offload's pinned host arrays and into a run without
     # offload (each process reads its slices), bitwise; and that run's checkpoint (orbax's arrays, no
     # streamed item) loads back into the NVMe run's files, bitwise
@@ -129,8 +129,27 @@ def test_streamed_checkpoint_resumes_without_nvme_and_back(nvme_engine, tmp_path
     other.save_checkpoint(tmp_path / "other")
     assert "streamed" not in os.listdir(tmp_path / "other" / "global_step0")
     random_files(eng.layout.nvme, seed=4)
-    eng.load_checkpoint(tmp_path / "other")
-    tier = eng.layout.nvme
+    tier, sw = eng.layout.nvme, eng.layout.nvme.open()
+    # orbax holds each leaf as one chunk, so the load reads swapped leaves whole into host memory: one at a
+    # time, not all of them. Counted: the numpy bytes each orbax read returns (tensorstore allocates them,
+    # which tracemalloc does not see); at most the largest swapped leaf, where all at once is 76 MB
+    from zerojax import checkpoint as ck
+    reads, real = [], ck._checkpointer
+
+    class Counting:
+        def __init__(self):
+            self.inner = real()
+
+        def restore(self, *a, **kw):
+            out = self.inner.restore(*a, **kw)
+            reads.append(sum(x.nbytes for x in jax.tree.leaves(dict(out)) if isinstance(x, np.ndarray)))
+            return out
+
+    largest = max(leaf.group_bytes for leaf in tier.swap_leaves()) * sw.groups
+    with monkeypatch.context() as m:
+        m.setattr(ck, "_checkpointer", Counting)
+        eng.load_checkpoint(tmp_path / "other")
+    assert max(reads) == largest < tier.disk_bytes() // 4, (max(reads), largest)
     for k, x in enumerate(want_files):
         got = np.concatenate([tier.open().read_leaf(g, k) for g in range(tier.open().groups)])
         same_bits(got, x)
@@ -150,3 +169,24 @@ def test_export_of_a_streamed_checkpoint(nvme_engine, tmp_path):
     assert sorted(flat) == sorted(master)
     for name, x in master.items():
         same_bits(flat[name], x)
+
+
+def test_fp32_checkpoint_into_a_bf16_nvme_run(nvme_engine, tmp_path):
+    # across precisions the compute params are the master cast to bf16; with the master going to the swap
+    # files they are read from the checkpoint's master with the cast on reading. Reference: the fp32 run's
+    # own master cast by XLA (round to nearest even both ways: bitwise)
+    eng = nvme_engine
+    cfg = config("none")
+    cfg["bf16"] = {"enabled": False}
+    fp32 = zerojax.shard(make, cfg, loss_fn=gpt2.gpt2_loss)
+    fp32.save_checkpoint(tmp_path / "fp32")
+    random_files(eng.layout.nvme, seed=6)
+    eng.load_checkpoint(tmp_path / "fp32")
+    want = jax.tree.map(lambda x: np.asarray(x.astype(jax.numpy.bfloat16)), fp32.state.params)
+    for a, b in zip(jax.tree.leaves(eng.state.params), jax.tree.leaves(want)):
+        same_bits(np.asarray(a), b)
+    tier = eng.layout.nvme
+    master = jax.tree.leaves(fp32.state.params)
+    for k, j in enumerate(tier.m_files):
+        got = np.concatenate([tier.open().read_leaf(g, k) for g in range(tier.open().groups)])
+        same_bits(got, np.asarray(master[j]))

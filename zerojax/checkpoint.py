@@ -312,26 +312,40 @@ def _restore_item(load_dir, tag, item, target, streamed: dict | None = None):
 
     Leaves saved streamed are read a block of layers at a time: into a sink group by group, or into an
     array, each process reading its slices. A sink whose leaf orbax holds (a checkpoint saved without
-    NVMe) gets it read whole into host memory first, one array at a time after orbax's read."""
+    NVMe: one chunk per shard) gets it read whole into host memory, one leaf at a time."""
     apart = (streamed or {}).get(item, {})
     paths = [jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_leaves_with_path(target)]
     leaves, treedef = jax.tree.flatten(target)
-    whole = {i for i, (p, x) in enumerate(zip(paths, leaves)) if stream.is_streamed(x) and p not in apart}
-    # orbax reads what it holds (first: a corrupt item fails before any swap file is overwritten)
-    ob = [None if p in apart or stream.is_streamed(x) else x for p, x in zip(paths, leaves)]
-    restore_args = [None if x is None else ocp.ArrayRestoreArgs(sharding=x.sharding, global_shape=x.shape,
-                                                                 dtype=x.dtype) for x in ob]
-    for i in whole:
-        ob[i] = jax.ShapeDtypeStruct(leaves[i].shape, leaves[i].dtype)
-        restore_args[i] = ocp.RestoreArgs(restore_type=np.ndarray, dtype=leaves[i].dtype)
-    got = [None] * len(leaves)
-    if any(x is not None for x in ob):
-        args = ocp.args.PyTreeRestore(item=treedef.unflatten(ob), restore_args=treedef.unflatten(restore_args))
+    whole = [i for i, (p, x) in enumerate(zip(paths, leaves)) if stream.is_streamed(x) and p not in apart]
+
+    def orbax_read(targets, restore_args):
+        if all(x is None for x in targets):
+            return [None] * len(leaves)
+        args = ocp.args.PyTreeRestore(item=treedef.unflatten(targets), restore_args=treedef.unflatten(restore_args))
         try:
-            got = treedef.flatten_up_to(_checkpointer().restore(
+            return treedef.flatten_up_to(_checkpointer().restore(
                 _tag_dir(load_dir, tag), args=ocp.args.Composite(**{item: args}))[item])
         except Exception as e:  # noqa: BLE001 - orbax raises deep, varied errors
             raise _corrupt(load_dir, tag, item, e) from e
+
+    # orbax reads the arrays it holds first: a corrupt item fails before any swap file is overwritten
+    ob = [None if p in apart or stream.is_streamed(x) else x for p, x in zip(paths, leaves)]
+    got = orbax_read(ob, [None if x is None else ocp.ArrayRestoreArgs(sharding=x.sharding, global_shape=x.shape,
+                                                                      dtype=x.dtype) for x in ob])
+    # a sink's leaf alone per orbax call (orbax's other leaves None: it reads that one only); the export's
+    # whole-host targets in one call
+    calls = [[i] for i in whole if leaves[i].alone] + [[i for i in whole if not leaves[i].alone]]
+    for call in calls:
+        one, args = [None] * len(leaves), [None] * len(leaves)
+        for i in call:
+            one[i] = jax.ShapeDtypeStruct(leaves[i].shape, leaves[i].dtype)
+            args[i] = ocp.RestoreArgs(restore_type=np.ndarray, dtype=leaves[i].dtype)
+        read = orbax_read(one, args)
+        for i in call:
+            rows, read[i] = read[i], None
+            leaves[i].fill(lambda lo, hi, rows=rows: rows[lo:hi] if rows.ndim else rows)
+            got[i] = leaves[i]
+            del rows
     folder = os.path.join(_tag_dir(load_dir, tag), stream.ITEM)
     for i, (p, x) in enumerate(zip(paths, leaves)):
         if p in apart:
@@ -344,10 +358,6 @@ def _restore_item(load_dir, tag, item, target, streamed: dict | None = None):
                 got[i] = x
             else:
                 got[i] = stream.read_array(store, x)
-        elif i in whole:
-            rows, got[i] = got[i], x
-            x.fill(lambda lo, hi, rows=rows: rows[lo:hi] if rows.ndim else rows)
-            del rows
     return treedef.unflatten(got)
 
 
@@ -521,6 +531,8 @@ def export(load_dir, out_dir, tag=None, dtype: str = "fp32", *,
 class _WholeHost(stream.StreamedLeaf):
     """A restore target that gathers a leaf whole into one numpy array (the export): `_restore_item` fills
     it from orbax's numpy read or from a streamed leaf's rows; `rows` is the array."""
+
+    alone = False   # every leaf of the export in one orbax read
 
     def __init__(self, shape, dtype):
         self.shape, self.dtype, self.rows = tuple(shape), np.dtype(dtype), None

@@ -37,6 +37,7 @@ class StreamedLeaf:
 
     shape: tuple
     dtype: np.dtype
+    alone = True   # a restore from orbax's arrays reads this leaf in an orbax call of its own (host memory)
 
     @property
     def ndim(self) -> int:
