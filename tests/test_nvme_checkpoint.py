@@ -4,6 +4,8 @@ round trips the streamed leaves take (into the swap files, into CPU offload, int
 offload). The round trips NVMe <-> CPU offload after a training step are in tests/test_nvme.py
 (test_resume_across_nvme_and_cpu, and the host / disk split's own save and load)."""
 import os
+import re
+import shutil
 import tracemalloc
 
 import jax
@@ -43,6 +45,12 @@ def random_files(tier, seed):
         whole.append(x)
     sw.write_all(whole)
     return whole
+
+
+def file_leaf(tier, k):
+    """Swap leaf k, whole, read back through the swapper a group at a time."""
+    sw = tier.open()
+    return np.concatenate([sw.read_leaf(g, k) for g in range(sw.groups)])
 
 
 def same_bits(a, b):
@@ -109,18 +117,17 @@ def test_save_and_load_hold_a_few_groups_not_the_state(nvme_engine, tmp_path):
     assert os.path.isdir(tmp_path / "ck" / "global_step0" / "streamed")
 
 
-@pytest.mark.parametrize("device", ["cpu", "none"])
-def test_streamed_checkpoint_resumes_without_nvme_and_back(nvme_engine, tmp_path, device, monkeypatch):
-    # layout-free: the streamed leaves load into CPU offload's pinned host arrays and into a run without
-    # offload (each process reads its slices), bitwise; and that run's checkpoint (orbax's arrays, no
-    # streamed item) loads back into the NVMe run's files, bitwise
+def test_streamed_checkpoint_resumes_without_offload_and_back(nvme_engine, tmp_path, monkeypatch):
+    # layout-free: the streamed leaves load into a run without offload (each process reads its slices),
+    # bitwise; and that run's checkpoint (orbax's arrays, no streamed item) loads back into the NVMe run's
+    # files, bitwise. (CPU offload <-> NVMe after a training step: tests/test_nvme.py)
     eng = nvme_engine
     want_files = random_files(eng.layout.nvme, seed=3)
     stored = lambda e: [np.asarray(x) for x in jax.tree.leaves(  # noqa: E731
         (lambda st: (st.params, st.master, st.opt_state))(e.layout.to_stored(e.state)))]
     want = stored(eng)
     eng.save_checkpoint(tmp_path / "nvme")
-    other = zerojax.shard(make, config(device), loss_fn=gpt2.gpt2_loss)
+    other = zerojax.shard(make, config("none"), loss_fn=gpt2.gpt2_loss)
     other.load_checkpoint(tmp_path / "nvme")
     got = stored(other)
     assert len(got) == len(want)
@@ -188,5 +195,16 @@ def test_fp32_checkpoint_into_a_bf16_nvme_run(nvme_engine, tmp_path):
     tier = eng.layout.nvme
     master = jax.tree.leaves(fp32.state.params)
     for k, j in enumerate(tier.m_files):
-        got = np.concatenate([tier.open().read_leaf(g, k) for g in range(tier.open().groups)])
-        same_bits(got, np.asarray(master[j]))
+        same_bits(file_leaf(tier, k), np.asarray(master[j]))
+
+
+def test_a_missing_streamed_leaf_names_it_and_another_tag(nvme_engine, tmp_path):
+    eng = nvme_engine
+    eng.save_checkpoint(tmp_path / "ck", tag="good")
+    eng.save_checkpoint(tmp_path / "ck", tag="bad")
+    meta = zerojax.checkpoint.read_meta(tmp_path / "ck", "bad")
+    path, folder = next(iter(meta["streamed"]["master"].items()))
+    shutil.rmtree(tmp_path / "ck" / "bad" / "streamed" / folder)
+    with pytest.raises(zerojax.checkpoint.CheckpointError,
+                       match=rf"item .master {re.escape(path)} \(streamed/{folder}\). .*corrupt or incomplete.*'good'"):
+        eng.load_checkpoint(tmp_path / "ck", tag="bad")
