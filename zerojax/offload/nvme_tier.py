@@ -1,5 +1,6 @@
 """The NVMe tier inside the engine's state and step: which leaves of the offloaded "loop" chunk live in
-swap files (`NvmeTier`), moving them between files and arrays (`spill` / `fill`: init, checkpoints),
+swap files (`NvmeTier`), moving them between files and arrays (`spill` / `fill`: init, `master_params`;
+`SwappedLeaf`: checkpoints, a layer group at a time),
 and the loop update that reads and writes them a layer group at a time through host callbacks
 (`nvme_loop_update`, the NVMe twin of `update._loop_update`).
 
