@@ -458,7 +458,7 @@ def test_chunked_checkpoint_of_earlier_zerojax_exports(tmp_path, monkeypatch):
                         loss_fn=gpt2.gpt2_loss, options=zerojax.EngineOptions(offload_chunks=2))
     eng.train_step(batches(1)[0])
     with monkeypatch.context() as m:
-        m.setattr(type(eng.layout), "to_stored", lambda layout, state: state)  # the old, chunked form
+        m.setattr(type(eng.layout), "to_stored", lambda layout, state, **_: state)  # the old, chunked form
         eng.save_checkpoint(tmp_path / "old")
     checkpoint.export(tmp_path / "old", tmp_path / "hf", writer_for=weights_writer)
     _, exported = load_hf(str(tmp_path / "hf"))

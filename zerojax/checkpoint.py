@@ -12,6 +12,9 @@ Layout (DeepSpeed's: one directory per tag, and a `latest` file naming the newes
         params/               compute-dtype weights (bf16 / fp16 runs only)
         opt_state/            optimizer state (fp16: the loss-scale state around it)
         rest/                 the model's non-Param state: nnx rng keys (as key data) and counts
+        streamed/             NVMe offload only: the swapped layer leaves, one zarr array each, written
+                              a layer group at a time (zerojax/checkpoint_stream.py); orbax's items
+                              hold None there and the metadata's "streamed" record names them
         model.safetensors     stage 3 + stage3_gather_16bit_weights_on_model_save: consolidated
         config.json           compute-dtype weights (GPT-2: Hugging Face layout with config.json;
                               DeepSpeed writes pytorch_model.bin, a torch pickle: we use safetensors)
@@ -40,6 +43,7 @@ import numpy as np
 import orbax.checkpoint as ocp
 from jax.experimental import multihost_utils
 
+from zerojax import checkpoint_stream as stream
 from zerojax.precision import DynamicLossScaleState
 from zerojax.step import TrainState
 from zerojax.version import __version__
@@ -90,6 +94,8 @@ def _saveable(tree):
 def _abstract(live_tree, shardings=None, dtype=None):
     """ShapeDtypeStructs with shardings: the restore target (prng keys as key data)."""
     def one(x, s=None):
+        if stream.is_streamed(x):  # a restore sink (NVMe swap files): filled a group at a time
+            return x
         if _is_key(x):
             x = jax.eval_shape(jax.random.key_data, x)
         s = s if s is not None else x.sharding
@@ -212,6 +218,8 @@ def save(save_dir, state: TrainState, *, steps: int, info: dict, tag=None, clien
     if not fp32:
         items["params"] = state.params
     items = {k: v for k, v in items.items() if jax.tree.leaves(v)}  # orbax refuses empty trees
+    streamed = {k: _streamed_leaves(k, v) for k, v in items.items()}
+    streamed = {k: v for k, v in streamed.items() if v}
     skipped = int(state.skipped_steps)
     meta = {
         "format": FORMAT,
@@ -225,6 +233,8 @@ def save(save_dir, state: TrainState, *, steps: int, info: dict, tag=None, clien
         **info,
         "process_count": jax.process_count(),
         "items": {k: _manifest(v) for k, v in items.items()},
+        # {item: {leaf path: folder in streamed/}}: the leaves written a layer group at a time
+        "streamed": {k: {p: name for p, (name, _) in v.items()} for k, v in streamed.items()},
         "client_state": client_state,
     }
     try:
@@ -232,7 +242,10 @@ def save(save_dir, state: TrainState, *, steps: int, info: dict, tag=None, clien
     except TypeError as e:
         raise TypeError(f"save_checkpoint: client_state must be JSON-serializable "
                         f"(dicts, lists, str, numbers, bool, None): {e}") from e
-    args = {k: ocp.args.PyTreeSave(v) for k, v in items.items()}
+    trees = {k: jax.tree.map(lambda x: None if stream.is_streamed(x) else x, v) for k, v in items.items()}
+    args = {k: ocp.args.PyTreeSave(v) for k, v in trees.items() if jax.tree.leaves(v)}
+    if streamed:  # an orbax item of its own: written inside orbax's tmp dir, so the atomic finalize covers it
+        args[stream.ITEM] = stream.StreamedSave({name: leaf for v in streamed.values() for name, leaf in v.values()})
     os.makedirs(save_dir, exist_ok=True)
     # Orbax writes into <tag>.orbax-checkpoint-tmp-*, then renames it to <tag> (atomic finalize).
     _checkpointer().save(path, args=ocp.args.Composite(meta=ocp.args.JsonSave(meta), **args),
@@ -258,6 +271,12 @@ def save(save_dir, state: TrainState, *, steps: int, info: dict, tag=None, clien
         os.replace(tmp, os.path.join(save_dir, LATEST))
     _barrier("zerojax_save_checkpoint")
     return path
+
+
+def _streamed_leaves(item: str, tree) -> dict[str, tuple[str, stream.StreamedLeaf]]:
+    """{leaf path: (folder name, leaf)} of the `StreamedLeaf`s in an item's tree."""
+    return {jax.tree_util.keystr(path): (stream.leaf_file(item, i), x)
+            for i, (path, x) in enumerate(jax.tree_util.tree_leaves_with_path(tree)) if stream.is_streamed(x)}
 
 
 def _barrier(name):
@@ -287,15 +306,62 @@ def _check_shapes(path, item, saved: list[dict], target) -> None:
                          + "; ".join(wrong[:8]) + more)
 
 
-def _restore_item(load_dir, tag, item, target):
-    args = ocp.args.PyTreeRestore(item=target, restore_args=_restore_args(target))
-    try:
-        return _checkpointer().restore(_tag_dir(load_dir, tag), args=ocp.args.Composite(**{item: args}))[item]
-    except Exception as e:  # noqa: BLE001 - orbax raises deep, varied errors
-        raise _corrupt(load_dir, tag, item, e) from e
+def _restore_item(load_dir, tag, item, target, streamed: dict | None = None):
+    """Item `item` into `target` (ShapeDtypeStructs with shardings; `StreamedLeaf` sinks: the NVMe swap
+    files). streamed: the metadata's "streamed" record ({item: {leaf path: folder}}).
+
+    Leaves saved streamed are read a block of layers at a time: into a sink group by group, or into an
+    array, each process reading its slices. A sink whose leaf orbax holds (a checkpoint saved without
+    NVMe: one chunk per shard) gets it read whole into host memory, one leaf at a time."""
+    apart = (streamed or {}).get(item, {})
+    paths = [jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_leaves_with_path(target)]
+    leaves, treedef = jax.tree.flatten(target)
+    whole = [i for i, (p, x) in enumerate(zip(paths, leaves)) if stream.is_streamed(x) and p not in apart]
+
+    def orbax_read(targets, restore_args):
+        if all(x is None for x in targets):
+            return [None] * len(leaves)
+        args = ocp.args.PyTreeRestore(item=treedef.unflatten(targets), restore_args=treedef.unflatten(restore_args))
+        try:
+            return treedef.flatten_up_to(_checkpointer().restore(
+                _tag_dir(load_dir, tag), args=ocp.args.Composite(**{item: args}))[item])
+        except Exception as e:  # noqa: BLE001 - orbax raises deep, varied errors
+            raise _corrupt(load_dir, tag, item, e) from e
+
+    # orbax reads the arrays it holds first: a corrupt item fails before any swap file is overwritten
+    ob = [None if p in apart or stream.is_streamed(x) else x for p, x in zip(paths, leaves)]
+    got = orbax_read(ob, [None if x is None else ocp.ArrayRestoreArgs(sharding=x.sharding, global_shape=x.shape,
+                                                                      dtype=x.dtype) for x in ob])
+    # a sink's leaf alone per orbax call (orbax's other leaves None: it reads that one only); the export's
+    # whole-host targets in one call
+    calls = [[i] for i in whole if leaves[i].alone] + [[i for i in whole if not leaves[i].alone]]
+    for call in calls:
+        one, args = [None] * len(leaves), [None] * len(leaves)
+        for i in call:
+            one[i] = jax.ShapeDtypeStruct(leaves[i].shape, leaves[i].dtype)
+            args[i] = ocp.RestoreArgs(restore_type=np.ndarray, dtype=leaves[i].dtype)
+        read = orbax_read(one, args)
+        for i in call:
+            rows, read[i] = read[i], None
+            leaves[i].fill(lambda lo, hi, rows=rows: rows[lo:hi] if rows.ndim else rows)
+            got[i] = leaves[i]
+            del rows
+    folder = os.path.join(_tag_dir(load_dir, tag), stream.ITEM)
+    for i, (p, x) in enumerate(zip(paths, leaves)):
+        if p in apart:
+            try:
+                store = stream.open_leaf(os.path.join(folder, apart[p]))
+            except Exception as e:  # noqa: BLE001 - tensorstore's errors
+                raise _corrupt(load_dir, tag, f"{item} {p} ({stream.ITEM}/{apart[p]})", e) from e
+            if stream.is_streamed(x):
+                x.fill(stream.rows_reader(store, x.dtype))
+                got[i] = x
+            else:
+                got[i] = stream.read_array(store, x)
+    return treedef.unflatten(got)
 
 
-def _restore_opt_state(load_dir, tag, path, saved, live, shardings, scalar):
+def _restore_opt_state(load_dir, tag, path, saved, live, shardings, scalar, streamed=None):
     """The optimizer state into the live optimizer sharding; fp16 <-> bf16 / fp32 keep the moments.
 
     fp16 wraps the optimizer's state in the loss-scale state (`.inner_state`): an fp16 checkpoint
@@ -312,7 +378,7 @@ def _restore_opt_state(load_dir, tag, path, saved, live, shardings, scalar):
             raise ValueError(
                 f"{e}. The optimizer state's structure differs (another optimizer type or "
                 f"settings); load the weights alone with load_optimizer_states=False") from None
-        return _restore_item(load_dir, tag, "opt_state", target)
+        return _restore_item(load_dir, tag, "opt_state", target, streamed)
 
     if saved_fp16 == live_fp16:
         return read(_abstract(live, shardings))
@@ -370,7 +436,8 @@ def restore(load_dir, current: TrainState, shardings: TrainState, *, compute_dty
     # master: fp32, into the optimizer sharding (fp32 runs: into the param sharding, it is the params)
     target = _abstract(master_live, master_sh, jnp.float32)
     _check_shapes(path, "master", saved["master"], target)
-    master = _restore_item(load_dir, tag, "master", target)
+    streamed = meta.get("streamed") or {}
+    master = _restore_item(load_dir, tag, "master", target, streamed)
 
     if fp32:
         params, master = master, None
@@ -380,7 +447,10 @@ def restore(load_dir, current: TrainState, shardings: TrainState, *, compute_dty
                                          for e in saved["params"])
         if same:
             _check_shapes(path, "params", saved["params"], ptarget)
-            params = _restore_item(load_dir, tag, "params", ptarget)
+            params = _restore_item(load_dir, tag, "params", ptarget, streamed)
+        elif any(stream.is_streamed(x) for x in jax.tree.leaves(master)):
+            # the master went to the swap files: the params read from the saved master, cast on reading
+            params = _restore_item(load_dir, tag, "master", ptarget, streamed)
         else:  # from an fp32 run (or another compute dtype): the step's own cast of the master
             cast = lambda t: jax.tree.map(lambda x: x.astype(compute_dtype), t)  # noqa: E731
             params = jax.jit(cast, out_shardings=param_sh)(master)
@@ -391,13 +461,13 @@ def restore(load_dir, current: TrainState, shardings: TrainState, *, compute_dty
             raise CheckpointError(f"checkpoint {path!r} has no optimizer state; "
                                   f"load it with load_optimizer_states=False")
         opt_state = _restore_opt_state(load_dir, tag, path, saved["opt_state"], current.opt_state,
-                                       shardings.opt_state, shardings.step)
+                                       shardings.opt_state, shardings.step, streamed)
 
     rest = None
     if jax.tree.leaves(current.rest) and not load_module_only and "rest" in saved:
         rtarget = _abstract(current.rest, shardings.rest)
         _check_shapes(path, "rest", saved["rest"], rtarget)
-        rest = _rewrap_keys(_restore_item(load_dir, tag, "rest", rtarget), current.rest)
+        rest = _rewrap_keys(_restore_item(load_dir, tag, "rest", rtarget, streamed), current.rest)
 
     counters = steps = None
     if not load_module_only:  # DeepSpeed's load_module_only: the weights only; the run's counters stay
@@ -436,12 +506,16 @@ def export(load_dir, out_dir, tag=None, dtype: str = "fp32", *,
                   for j in range(n_chunks)]
     else:
         target = _nested(entries)
-    restore_args = jax.tree.map(lambda t: ocp.RestoreArgs(restore_type=np.ndarray, dtype=t.dtype), target)
-    try:
-        master = _checkpointer().restore(_tag_dir(load_dir, tag), args=ocp.args.Composite(
-            master=ocp.args.PyTreeRestore(item=target, restore_args=restore_args)))["master"]
-    except Exception as e:  # noqa: BLE001
-        raise _corrupt(load_dir, tag, "master", e) from e
+    if n_chunks:
+        restore_args = jax.tree.map(lambda t: ocp.RestoreArgs(restore_type=np.ndarray, dtype=t.dtype), target)
+        try:
+            master = _checkpointer().restore(_tag_dir(load_dir, tag), args=ocp.args.Composite(
+                master=ocp.args.PyTreeRestore(item=target, restore_args=restore_args)))["master"]
+        except Exception as e:  # noqa: BLE001
+            raise _corrupt(load_dir, tag, "master", e) from e
+    else:  # an NVMe run's layer leaves (streamed) read whole too: the export is the whole master
+        whole = jax.tree.map(lambda t: _WholeHost(t.shape, t.dtype), target)
+        master = _restore_item(load_dir, tag, "master", whole, meta.get("streamed"))
     if n_chunks:  # each leaf's pieces joined on the layers axis
         flat = [jax.tree.flatten(c, is_leaf=lambda x: x is None) for c in master]
         leaves = []
@@ -449,9 +523,22 @@ def export(load_dir, out_dir, tag=None, dtype: str = "fp32", *,
             parts = [x for xs, _ in flat if (x := xs[i]) is not None]
             leaves.append(parts[0] if len(parts) == 1 else np.concatenate(parts, axis=0))
         master = flat[0][1].unflatten(leaves)
+    master = jax.tree.map(lambda x: x.rows if isinstance(x, _WholeHost) else x, master)
     writer = (writer_for(meta.get("model")) if writer_for is not None else None) or write_safetensors
     return writer(master, os.fspath(out_dir), dtype=np_dtype)
 
+
+class _WholeHost(stream.StreamedLeaf):
+    """A restore target that gathers a leaf whole into one numpy array (the export): `_restore_item` fills
+    it from orbax's numpy read or from a streamed leaf's rows; `rows` is the array."""
+
+    alone = False   # every leaf of the export in one orbax read
+
+    def __init__(self, shape, dtype):
+        self.shape, self.dtype, self.rows = tuple(shape), np.dtype(dtype), None
+
+    def fill(self, read):
+        self.rows = read(0, self.shape[0] if self.shape else 1)
 
 def _nested(entries, every=None) -> dict:
     """The tree of ShapeDtypeStructs that manifest `entries` describe; with `every` (all chunks'

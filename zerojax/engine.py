@@ -462,7 +462,8 @@ class Engine:
         info = {"compute_dtype": np.dtype(self.compute_dtype).name, "zero_stage": self.stage,
                 "mesh": {k: int(v) for k, v in self.mesh.shape.items()}, "config": self.cfg.to_dict(),
                 "model": self._model_record}
-        path = checkpoint.save(save_dir, self.layout.to_stored(self.state), steps=self._global_steps,
+        # NVMe offload: the swapped layers' leaves are streamed from the files a group at a time
+        path = checkpoint.save(save_dir, self.layout.to_stored(self.state, stream=True), steps=self._global_steps,
                                info=info, tag=tag, client_state=client_state, export_weights=export)
         if keep is not None:
             checkpoint_files.prune(save_dir, keep)
@@ -472,7 +473,8 @@ class Engine:
         """DeepSpeed's load_checkpoint: installs the restored state; returns (path, client_state)."""
         self.synchronize()
         live = self.state
-        current, shardings = self.layout.stored_targets(live)
+        # NVMe offload: the swapped layers' leaves are written into the files a group at a time
+        current, shardings = self.layout.stored_targets(live, stream=True)
         got = checkpoint.restore(load_dir, current, shardings, compute_dtype=self.compute_dtype, tag=tag,
                                  load_optimizer_states=load_optimizer_states,
                                  load_module_only=load_module_only)
@@ -528,7 +530,12 @@ class Engine:
 
     @property
     def master_params(self):
-        """fp32 master weights (pure dict) in the optimizer sharding (fp32 runs: the params)."""
+        """fp32 master weights (pure dict) in the optimizer sharding (fp32 runs: the params).
+
+        Whole by definition: with NVMe offload the swapped layers' master is read back from the files
+        into host memory and merged on the device (4 bytes per parameter of each, once). For a model
+        whose state exceeds host memory, export from a checkpoint instead (`zerojax export`, which
+        reads the master alone, never the moments) -- docs/nvme.md."""
         off = self.layout.offload
         if off is not None:  # the host chunks merged into one tree on the device
             if not hasattr(self, "_merge_master"):

@@ -18,7 +18,7 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from zerojax import offload as O, partition
+from zerojax import checkpoint_stream as stream_mod, offload as O, partition
 from zerojax.config import Config, ConfigError, load_config, pipeline_stages
 from zerojax.pipeline import PipelineSchedule, pipeline_scan, schedule_problems
 from zerojax.optim import build_optimizer, build_schedule
@@ -90,14 +90,21 @@ class EngineLayout:
         raise ValueError("host offload: the optimizer state of this config has a form that cannot "
                          "be mapped to a run without offload")
 
-    def to_stored(self, state: TrainState) -> TrainState:
+    def streams_nvme(self) -> bool:
+        """Whether checkpoints move the NVMe swap files' leaves a layer group at a time (`NvmeTier.streams`)."""
+        return self.nvme is not None and self.nvme.streams
+
+    def to_stored(self, state: TrainState, *, stream: bool = False) -> TrainState:
         """`state` in the unchunked layout a run without offload keeps (nothing copied for the
-        default "loop" layout): what a checkpoint stores."""
+        default "loop" layout): what a checkpoint stores. NVMe: the files' leaves read back whole,
+        or with `stream` (a checkpoint's save) `SwappedLeaf`s there, read a group at a time."""
         if self.offload is None:
             return state
-        if self.nvme is not None:  # the files' leaves read back into the chunk
+        if self.nvme is not None:  # the files' leaves into the chunk
+            jax.block_until_ready(state)   # the step's last group written (its callbacks ran) before reading
             inner = state.opt_state.inner_state if self.fp16 else state.opt_state
-            master, inner = self.nvme.fill(state.master, inner)
+            into = self.nvme.swapped if stream and self.nvme.streams else self.nvme.fill
+            master, inner = into(state.master, inner)
             state = state._replace(master=master, opt_state=state.opt_state._replace(inner_state=inner)
                                    if self.fp16 else inner)
         wrap, _ = self.stored_opt_codec()
@@ -106,22 +113,27 @@ class EngineLayout:
         opt = opt._replace(inner_state=wrap(merge(opt.inner_state))) if self.fp16 else wrap(merge(opt))
         return state._replace(master=merge(state.master), opt_state=opt)
 
-    def stored_targets(self, state: TrainState) -> tuple[TrainState, TrainState]:
+    def stored_targets(self, state: TrainState, *, stream: bool = False) -> tuple[TrainState, TrainState]:
         """(the stored form of `state`, its shardings) for a restore: abstract where the stored form
         differs from the live one (offload: the unchunked master and optimizer state, in the
-        offload's memory kind), the live arrays elsewhere."""
+        offload's memory kind), the live arrays elsewhere. NVMe with `stream`: `SwappedLeaf` sinks
+        at the files' leaves (the restore writes them a group at a time; `from_stored` skips them)."""
         shardings = self.state_shardings
         if self.offload is None:
             return state, shardings
         kind, sh = self.offload.kind, self.shardings
         wrap, _ = self.stored_opt_codec()
-        opt = wrap(jax.eval_shape(self.tx.init, self.abstract_master))
+        master, opt = self.abstract_master, jax.eval_shape(self.tx.init, self.abstract_master)
+        if stream and self.streams_nvme():
+            jax.block_until_ready(state)   # no step still reading or writing the files the restore writes
+            master, opt = self.nvme.sinks(master, opt)
+        opt = wrap(opt)
         opt_sh = wrap(partition.opt_state_shardings(self.tx, self.abstract_master, sh.master, self.mesh,
                                                     memory_kind=kind))
         if self.fp16:  # the loss-scale state around the chunked one: keep its own fields
             opt, opt_sh = (state.opt_state._replace(inner_state=opt),
                            self.opt_shardings._replace(inner_state=opt_sh))
-        target = state._replace(master=self.abstract_master, opt_state=opt)
+        target = state._replace(master=master, opt_state=opt)
         return target, shardings._replace(master=O.with_memory_kind(sh.master, kind), opt_state=opt_sh)
 
     def from_stored(self, master, opt_state):
@@ -129,16 +141,21 @@ class EngineLayout:
         if self.offload is None:
             return master, opt_state
         off = self.offload
+        # restored streamed (`stored_targets(stream=True)`): the files' leaves were written by the restore
+        # itself; the live form keeps None there
+        streamed = any(stream_mod.is_streamed(x) for x in jax.tree.leaves(master))
+        if streamed:
+            master, opt_state = jax.tree.map(lambda x: None if stream_mod.is_streamed(x) else x, (master, opt_state))
         m_tmpl, s_tmpl = O.chunk_templates(self.tx, self.abstract_master, off.layout)
         master = O.split_chunks(master, off.layout, m_tmpl, off.master_shardings)
         if opt_state is None:
-            if self.nvme is not None:  # the master goes to the files, the moments there stay as they are
+            if self.nvme is not None and not streamed:  # the master to the files, the moments there stay
                 master = self.nvme.spill_master(master)
             return master, None
         _, unwrap = self.stored_opt_codec()
         split = lambda st: O.split_chunks(unwrap(st), off.layout, s_tmpl, off.state_shardings)  # noqa: E731
         inner = split(opt_state.inner_state if self.fp16 else opt_state)
-        if self.nvme is not None:  # into the swap files; the state keeps None there
+        if self.nvme is not None and not streamed:  # into the swap files; the state keeps None there
             master, inner = self.nvme.spill(master, inner)
         if self.fp16:
             return master, opt_state._replace(inner_state=inner)

@@ -30,7 +30,8 @@ short tail, a caller's array) goes through an aligned bounce buffer. Where O_DIR
 Files: `<nvme_path>/zerojax-<run>/rank<p>/leaf<i>.swap`, one per stacked leaf (master, then each
 optimizer moment), group g at byte offset g × (the group's bytes rounded up to block_size). They are
 scratch: created at start, removed by `close()` (engine close / atexit), never a checkpoint (a
-checkpoint stores the layout-free state read back from them: `read_all`).
+checkpoint stores the layout-free state, streamed out of and back into them a group of one leaf at a
+time: `read_leaf` / `write_leaf_groups`, zerojax/checkpoint_stream.py).
 """
 from __future__ import annotations
 
@@ -342,6 +343,29 @@ class NvmeSwapper:
                 f.result()
         self.bytes_read += sum(a.nbytes for a in out) * self.disk_groups // self.groups
         return out
+
+    # ------------------------------------------------------------------ one leaf a group at a time (checkpoints)
+
+    def read_leaf(self, g, k: int) -> np.ndarray:
+        """Group g of swap leaf k, read now into a fresh array (a checkpoint's save: host memory holds the
+        groups the caller keeps, never the leaf)."""
+        g = int(g)
+        self._wait_writes(g)
+        out = np.empty(self.leaves[k].group_shape, self.leaves[k].dtype)
+        for f in self._io(False, g, [out], [k]):
+            f.result()
+        if g >= self.host_groups:
+            self.bytes_read += out.nbytes
+        return out
+
+    def write_leaf_groups(self, k: int, read_group) -> None:
+        """Every group g of swap leaf k from `read_group(g)` (a checkpoint's restore), written as the update
+        writes (at most buffer_count - 1 groups in flight); a step's read ahead is dropped (stale after)."""
+        self.flush()
+        self._ahead = None
+        for g in range(self.groups):
+            self.write_leaves(g, [k], [read_group(g)])
+        self.flush()
 
     def close(self) -> None:
         """Wait for the I/O, close the files and remove the swap directory (scratch, never a checkpoint)."""

@@ -1,5 +1,6 @@
 """The NVMe tier inside the engine's state and step: which leaves of the offloaded "loop" chunk live in
-swap files (`NvmeTier`), moving them between files and arrays (`spill` / `fill`: init, checkpoints),
+swap files (`NvmeTier`), moving them between files and arrays (`spill` / `fill`: init, `master_params`;
+`SwappedLeaf`: checkpoints, a layer group at a time),
 and the loop update that reads and writes them a layer group at a time through host callbacks
 (`nvme_loop_update`, the NVMe twin of `update._loop_update`).
 
@@ -17,6 +18,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.experimental import io_callback
 
+from zerojax.checkpoint_stream import StreamedLeaf
 from zerojax.offload.chunks import OffloadLayout, chunk_templates, is_none
 from zerojax.offload.memory_kinds import DEVICE, is_sharding
 from zerojax.offload.nvme import NvmeSwapper, SwapLeaf, check_swap_path
@@ -212,25 +214,80 @@ class NvmeTier:
         return self.live(master, "master")
 
     def fill(self, master: list, state: list | None) -> tuple[list, list | None]:
-        """The live form with the file leaves read back and placed as the offload keeps them
-        (host memory then holds the chunk whole: checkpoints, `master_params`, tests)."""
+        """The live form with the file leaves read back whole and placed as the offload keeps them (host
+        memory then holds the chunk whole: `master_params`, a checkpoint when `streams` is False, tests)."""
         whole = self.open().read_all()
         nm = len(self.m_files)
         m_sh, _ = _flat(self.off.master_shardings[self.chunk])
         s_sh, _ = _flat(self.off.state_shardings[self.chunk])
+        return self._with(master, state, [jax.device_put(v, m_sh[j]) for j, v in zip(self.m_files, whole[:nm])],
+                          [jax.device_put(v, s_sh[j]) for j, v in zip(self.s_files, whole[nm:])])
 
-        def put(tree, files, values, shardings):
-            leaves, treedef = _flat(tree)
-            for j, v in zip(files, values):
-                leaves[j] = jax.device_put(v, shardings[j])
-            return treedef.unflatten(leaves)
-
+    def _with(self, master: list, state: list | None, m_values, s_values):
+        """Per-chunk (master, state) with the tier chunk's file leaves set to `m_values` / `s_values`."""
         master = list(master)
-        master[self.chunk] = put(master[self.chunk], self.m_files, whole[:nm], m_sh)
+        master[self.chunk] = _put(master[self.chunk], self.m_files, m_values)
         if state is not None:
             state = list(state)
-            state[self.chunk] = put(state[self.chunk], self.s_files, whole[nm:], s_sh)
+            state[self.chunk] = _put(state[self.chunk], self.s_files, s_values)
         return master, state
+
+    # ------------------------------------------------------------------ checkpoints, a group at a time
+
+    @property
+    def streams(self) -> bool:
+        """Whether checkpoints stream the file leaves (`SwappedLeaf`): when the tier's chunk is the whole
+        layer stack, so a stored leaf is the file leaf (the default; offload_optimizer.ratio < 1 puts the
+        last layers in a device chunk and a stored leaf joins both: read whole, `fill`)."""
+        return self._c.lo == 0 and self._c.hi == self.off.layout.num_layers
+
+    def swapped_leaves(self) -> tuple[list, list]:
+        """(master, state) `SwappedLeaf`s, one per file leaf, in the order of `m_files` / `s_files`."""
+        m, _ = _flat(self.m_template)
+        s, _ = _flat(self.s_template)
+        nm = len(self.m_files)
+        return ([SwappedLeaf(self, k, tuple(m[j].shape), np.dtype(m[j].dtype)) for k, j in enumerate(self.m_files)],
+                [SwappedLeaf(self, nm + k, tuple(s[j].shape), np.dtype(s[j].dtype))
+                 for k, j in enumerate(self.s_files)])
+
+    def swapped(self, master: list, state: list | None) -> tuple[list, list | None]:
+        """The live form with a `SwappedLeaf` at each file leaf: a checkpoint's save reads them a group at a time."""
+        return self._with(master, state, *self.swapped_leaves())
+
+    def sinks(self, master, state):
+        """The stored (unchunked) master / optimizer state (abstract) with a `SwappedLeaf` at each file leaf:
+        a restore writes them into the files a group at a time. Needs `streams` (the chunk's leaves are the
+        stacked leaves whole, at the same flat positions)."""
+        m_vals, s_vals = self.swapped_leaves()
+        return _put(master, self.m_files, m_vals), _put(state, self.s_files, s_vals)
+
+
+def _put(tree, files, values):
+    """`tree` with its (None-aware) flat leaves `files` set to `values`."""
+    leaves, treedef = _flat(tree)
+    for j, v in zip(files, values):
+        leaves[j] = v
+    return treedef.unflatten(leaves)
+
+
+@dataclasses.dataclass(eq=False)
+class SwappedLeaf(StreamedLeaf):
+    """Swap leaf `slot` of `tier` (a stacked [L, ...] master or moment leaf in the files) as a checkpoint sees
+    it: saved and restored a layer group at a time through the swapper, never whole in host memory."""
+
+    tier: NvmeTier
+    slot: int
+    shape: tuple
+    dtype: np.dtype
+
+    def blocks(self):
+        sw, per = self.tier.open(), self.tier.per
+        for g in range(sw.groups):
+            yield g * per, (g + 1) * per, sw.read_leaf(g, self.slot)
+
+    def fill(self, read):
+        per = self.tier.per
+        self.tier.open().write_leaf_groups(self.slot, lambda g: read(g * per, (g + 1) * per))
 
 
 HOST_LAYERS_KEY = "zero_optimization.offload_optimizer.host_layers"
@@ -321,4 +378,4 @@ def nvme_loop_update(tier: NvmeTier, tx, g, s_live, cp, *, compute_dtype, skip, 
     return s_def.unflatten(counters), cp
 
 
-__all__ = ["NvmeTier", "nvme_loop_update", "nvme_tier", "check_params_in_cpu"]
+__all__ = ["NvmeTier", "SwappedLeaf", "nvme_loop_update", "nvme_tier", "check_params_in_cpu"]
