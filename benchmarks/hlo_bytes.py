@@ -193,12 +193,16 @@ def engine_hlo(pipe: int, micro: int, accum: int, *, size: str = "small-cpu", se
                                 **{f"{k}_mib": getattr(mem, k) / 2**20 for k in ("argument", "output", "temp", "alias")}}
 
 
-# name -> engine_hlo arguments: the baseline, the pipeline as it was (a scanned stage), as it is
+# name -> engine_hlo arguments: the baseline, the pipeline's stage loop in its three forms
+# (EngineOptions.pipeline_stage_loop: a scan, unrolled slicing each layer's weights out of the
+# stage's stack every iteration (session 6), unrolled with the weights cut once (the default)),
+# and with pipeline.activation_checkpoint_interval 1 (every layer a checkpointed group)
 STEPS = {"zero1 mb8x2": dict(pipe=1, micro=8, accum=2),
          "pipe2 mb2x16 scan": dict(pipe=2, micro=2, accum=16, stage_loop="scan"),
+         "pipe2 mb2x16 unrolled_sliced": dict(pipe=2, micro=2, accum=16, stage_loop="unrolled_sliced"),
          "pipe2 mb2x16 unrolled": dict(pipe=2, micro=2, accum=16, stage_loop="unrolled"),
-         # pipeline.activation_checkpoint_interval 1: every layer a checkpointed group
-         "pipe2 mb2x16 ckpt1": dict(pipe=2, micro=2, accum=16, ckpt=1)}
+         "pipe2 mb2x16 ckpt1 unrolled_sliced": dict(pipe=2, micro=2, accum=16, ckpt=1, stage_loop="unrolled_sliced"),
+         "pipe2 mb2x16 ckpt1 unrolled": dict(pipe=2, micro=2, accum=16, ckpt=1)}
 
 
 def table(named: dict[str, str], n_top: int = 12, min_share: float = 0.0) -> str:
