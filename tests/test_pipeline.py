@@ -150,8 +150,8 @@ def test_a_stage_cuts_its_layers_weights_once():
     before the pipeline's loop; session 6's form ("unrolled_sliced") sliced them out inside every
     iteration, and a slice is a copy in XLA (issue #15). So per step the forward loop writes at
     least the stage's MLP kernels (c_fc and c_proj, 2 x 4 d^2 floats a layer) once an iteration
-    fewer, and the step's peak grows by no more than those pieces. (Measured here: 11 d^2 floats a layer fewer, all
-    kernels but one the dots read in place; the old form's copy is what a revert brings back.)"""
+    fewer, and the step's peak grows by no more than those pieces. (Measured: 11 d^2 floats a
+    layer an iteration fewer; a revert to slicing saves 0.)"""
     eng = trained(2, 1, 0, 0)[0]
     sliced = engine(2, stage_loop="unrolled_sliced").compiled_step(SHAPES)
     ours = eng.compiled_step(SHAPES)
@@ -268,7 +268,7 @@ def test_errors():
         assert "incompatible with pipeline parallelism" in _refusal({**config(2), "zero_optimization": zero})
     msg = _refusal({**config(2, 1), "zero_optimization": {"stage": 1, "offload_optimizer": {"device": "cpu"}}})
     assert "zero_optimization.offload_optimizer.device" in msg and "pipeline.stages" in msg
-    # the stage loop option: its two forms, by name
+    # the stage loop option: its forms, by name
     with pytest.raises(ValueError, match=r"pipeline_stage_loop='loop': one of \('unrolled', 'unrolled_sliced', 'scan'\)"):
         zerojax.EngineOptions(pipeline_stage_loop="loop")
     with pytest.raises(ValueError, match="ZEROJAX_PIPELINE_STAGE_LOOP='while'"):

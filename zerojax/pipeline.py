@@ -41,7 +41,10 @@ did not keep them out; per-iteration remat would, at a recomputed forward's cost
 Each stage's weights receive one gradient per micro-batch inside the loop; they are summed in the
 engine's gradient accumulation dtype (data_types.grad_accum_dtype, fp32 by default), as the
 unpipelined step sums its micro-batches, not in the compute dtype: the loop reads an fp32 copy of
-the stacked weights and casts each iteration's stage back to the compute dtype.
+the stacked weights and casts each iteration's stage back to the compute dtype. (That costs
+nothing: XLA's algebraic simplifier folds the bf16 -> fp32 -> bf16 round trip, so the compiled loop
+reads the compute-dtype weights and adds each iteration's gradient into fp32 accumulators -- checked
+on the CPU-compiled step, docs/pipeline-overhead.md.)
 """
 from __future__ import annotations
 
@@ -141,10 +144,10 @@ def _stage_pieces(body, per: int, interval: int, loop: str):
 
     group = min(interval, per) if interval else 1
     # a group is recomputed in the backward pass, its activations transient: its loop stays a loop
-    checkpointed = interval and jax.checkpoint(layers, policy=jax.checkpoint_policies.nothing_saveable,
-                                               prevent_cse=False)
+    checkpointed = jax.checkpoint(layers, policy=jax.checkpoint_policies.nothing_saveable,
+                                  prevent_cse=False) if interval else None
     if loop == "unrolled":
-        step = checkpointed or body  # a piece: one checkpointed group, or one layer
+        step = checkpointed if interval else body  # a piece: one checkpointed group, or one layer
 
         def cut(block):
             if not interval:  # single layers: [R, S, ...]
