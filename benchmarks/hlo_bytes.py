@@ -158,7 +158,7 @@ SMALL = dict(vocab_size=512, n_positions=128, n_embd=256, n_head=4, n_layer=4)  
 
 
 def engine_hlo(pipe: int, micro: int, accum: int, *, size: str = "small-cpu", seq: int = 128,
-               ckpt: int = 0, dtype: str = "bf16", stage_loop: str = "unrolled") -> tuple[str, dict]:
+               ckpt: int = 0, dtype: str = "bf16", stage_loop: str = "unrolled", repeats: int = 1) -> tuple[str, dict]:
     """(optimized HLO text of one step, {compile_s, peak_gib: XLA's predicted peak per device})
     on all of jax's devices (two or more: a pipeline needs a "pipe" axis)."""
     import time
@@ -184,7 +184,8 @@ def engine_hlo(pipe: int, micro: int, accum: int, *, size: str = "small-cpu", se
     compute = {"bf16": jnp.bfloat16, "fp16": jnp.float16, "f32": jnp.float32}[dtype]
     eng = abstract_engine(lambda: GPT2(config, rngs=nnx.Rngs(0), dtype=compute),
                           zerojax.load_config(ds, world_size=n), loss_fn=gpt2_loss,
-                          options=zerojax.EngineOptions(pipeline_stage_loop=stage_loop, memory_guard=False))
+                          options=zerojax.EngineOptions(pipeline_stage_loop=stage_loop, pipeline_repeats=repeats,
+                                                        memory_guard=False))
     t0 = time.perf_counter()
     compiled = eng.compiled_step({"input_ids": jax.ShapeDtypeStruct((micro * accum * n, seq), np.int32)})
     seconds = time.perf_counter() - t0
@@ -202,7 +203,9 @@ STEPS = {"zero1 mb8x2": dict(pipe=1, micro=8, accum=2),
          "pipe2 mb2x16 unrolled_sliced": dict(pipe=2, micro=2, accum=16, stage_loop="unrolled_sliced"),
          "pipe2 mb2x16 unrolled": dict(pipe=2, micro=2, accum=16, stage_loop="unrolled"),
          "pipe2 mb2x16 ckpt1 unrolled_sliced": dict(pipe=2, micro=2, accum=16, ckpt=1, stage_loop="unrolled_sliced"),
-         "pipe2 mb2x16 ckpt1 unrolled": dict(pipe=2, micro=2, accum=16, ckpt=1)}
+         "pipe2 mb2x16 ckpt1 unrolled": dict(pipe=2, micro=2, accum=16, ckpt=1),
+         # EngineOptions.pipeline_repeats 2: circular repeats (each stage holds 2 blocks of 1 layer)
+         "pipe2 mb2x16 R2": dict(pipe=2, micro=2, accum=16, repeats=2)}
 
 
 def table(named: dict[str, str], n_top: int = 12, min_share: float = 0.0) -> str:
