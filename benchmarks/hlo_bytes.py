@@ -133,6 +133,17 @@ def bytes_by_kind(hlo: str) -> dict[str, int]:
     return dict(sorted(tally.items(), key=lambda kv: -kv[1]))
 
 
+def bytes_by_loop(hlo: str) -> dict[str, dict]:
+    """Per program step that runs (the entry, each loop body, ...): {trips, bytes (per step, loops
+    counted)}, largest first -- which loop the bytes are written in (a pipeline's forward and
+    backward iterations, the accumulation loop, the entry's setup and optimizer)."""
+    tally: dict[str, dict] = {}
+    for w in writes(hlo):
+        t = tally.setdefault(w["comp"], {"trips": w["trips"], "bytes": 0})
+        t["bytes"] += w["bytes"] * w["trips"]
+    return dict(sorted(tally.items(), key=lambda kv: -kv[1]["bytes"]))
+
+
 def top(hlo: str, n: int = 15) -> list[dict]:
     """The n instructions writing the most bytes per step."""
     return sorted(writes(hlo), key=lambda w: -w["bytes"] * w["trips"])[:n]
@@ -147,7 +158,7 @@ SMALL = dict(vocab_size=512, n_positions=128, n_embd=256, n_head=4, n_layer=4)  
 
 
 def engine_hlo(pipe: int, micro: int, accum: int, *, size: str = "small-cpu", seq: int = 128,
-               ckpt: int = 0, dtype: str = "bf16", stage_loop: str = "unrolled") -> tuple[str, dict]:
+               ckpt: int = 0, dtype: str = "bf16", stage_loop: str = "unrolled", repeats: int = 1) -> tuple[str, dict]:
     """(optimized HLO text of one step, {compile_s, peak_gib: XLA's predicted peak per device})
     on all of jax's devices (two or more: a pipeline needs a "pipe" axis)."""
     import time
@@ -173,17 +184,28 @@ def engine_hlo(pipe: int, micro: int, accum: int, *, size: str = "small-cpu", se
     compute = {"bf16": jnp.bfloat16, "fp16": jnp.float16, "f32": jnp.float32}[dtype]
     eng = abstract_engine(lambda: GPT2(config, rngs=nnx.Rngs(0), dtype=compute),
                           zerojax.load_config(ds, world_size=n), loss_fn=gpt2_loss,
-                          options=zerojax.EngineOptions(pipeline_stage_loop=stage_loop, memory_guard=False))
+                          options=zerojax.EngineOptions(pipeline_stage_loop=stage_loop, pipeline_repeats=repeats,
+                                                        memory_guard=False))
     t0 = time.perf_counter()
     compiled = eng.compiled_step({"input_ids": jax.ShapeDtypeStruct((micro * accum * n, seq), np.int32)})
     seconds = time.perf_counter() - t0
-    return compiled.as_text(), {"compile_s": round(seconds, 1), "peak_gib": CompiledMemory.of(compiled).peak / 2**30}
+    mem = CompiledMemory.of(compiled)
+    return compiled.as_text(), {"compile_s": round(seconds, 1), "peak_gib": mem.peak / 2**30,
+                                **{f"{k}_mib": getattr(mem, k) / 2**20 for k in ("argument", "output", "temp", "alias")}}
 
 
-# name -> engine_hlo arguments: the baseline, the pipeline as it was (a scanned stage), as it is
+# name -> engine_hlo arguments: the baseline, the pipeline's stage loop in its three forms
+# (EngineOptions.pipeline_stage_loop: a scan, unrolled slicing each layer's weights out of the
+# stage's stack every iteration (session 6), unrolled with the weights cut once (the default)),
+# and with pipeline.activation_checkpoint_interval 1 (every layer a checkpointed group)
 STEPS = {"zero1 mb8x2": dict(pipe=1, micro=8, accum=2),
          "pipe2 mb2x16 scan": dict(pipe=2, micro=2, accum=16, stage_loop="scan"),
-         "pipe2 mb2x16 unrolled": dict(pipe=2, micro=2, accum=16, stage_loop="unrolled")}
+         "pipe2 mb2x16 unrolled_sliced": dict(pipe=2, micro=2, accum=16, stage_loop="unrolled_sliced"),
+         "pipe2 mb2x16 unrolled": dict(pipe=2, micro=2, accum=16, stage_loop="unrolled"),
+         "pipe2 mb2x16 ckpt1 unrolled_sliced": dict(pipe=2, micro=2, accum=16, ckpt=1, stage_loop="unrolled_sliced"),
+         "pipe2 mb2x16 ckpt1 unrolled": dict(pipe=2, micro=2, accum=16, ckpt=1),
+         # EngineOptions.pipeline_repeats 2: circular repeats (each stage holds 2 blocks of 1 layer)
+         "pipe2 mb2x16 R2": dict(pipe=2, micro=2, accum=16, repeats=2)}
 
 
 def table(named: dict[str, str], n_top: int = 12, min_share: float = 0.0) -> str:
@@ -199,6 +221,10 @@ def table(named: dict[str, str], n_top: int = 12, min_share: float = 0.0) -> str
         if max(kinds[n].get(k, 0) for n in named) >= floor:
             lines.append(f"{k[:31]:<32}" + "".join(f"{mib(kinds[n].get(k, 0)):>{width}}" for n in named))
     lines.append(f"{'total':<32}" + "".join(f"{mib(sum(kinds[n].values())):>{width}}" for n in named))
+    for name, hlo in named.items():
+        lines.append(f"\n{name}: MiB written per loop (trips: runs per step)")
+        for comp, t in list(bytes_by_loop(hlo).items())[:6]:
+            lines.append(f"  {mib(t['bytes']):>10}  x {t['trips']:<4} {comp[:80]}")
     for name, hlo in named.items():
         if n_top:
             lines.append(f"\n{name}: top ops (MiB per step = MiB x trips)")
@@ -222,6 +248,7 @@ def main(argv=None) -> None:
     ap.add_argument("--top", type=int, default=12, help="top ops listed per step")
     ap.add_argument("--json", help="write {name: {kind: bytes}} (and compile seconds) here")
     ap.add_argument("--dump", help="a folder to write the compiled steps' HLO text to")
+    ap.add_argument("--only", help=f"comma-separated names of STEPS to compile (default all: {', '.join(STEPS)})")
     args = ap.parse_args(argv)
     seconds = {}
     if args.hlo:
@@ -233,11 +260,17 @@ def main(argv=None) -> None:
         seq = args.seq or (128 if args.size == "small-cpu" else 1024)
         dtype = args.dtype or ("f32" if args.size == "small-cpu" else "bf16")
         named = {}
-        for name, kw in STEPS.items():
+        only = args.only.split(",") if args.only else list(STEPS)
+        unknown = [o for o in only if o not in STEPS]
+        if unknown:
+            ap.error(f"--only {unknown}: not in STEPS, which has {list(STEPS)}")
+        for name in only:
             try:
-                named[name], seconds[name] = engine_hlo(size=args.size, seq=seq, dtype=dtype, **kw)
-                print(f"{name}: compiled in {seconds[name]['compile_s']} s, predicted peak "
-                      f"{seconds[name]['peak_gib']:.2f} GiB per device", flush=True)
+                named[name], seconds[name] = engine_hlo(size=args.size, seq=seq, dtype=dtype, **STEPS[name])
+                m = seconds[name]
+                print(f"{name}: compiled in {m['compile_s']} s, predicted peak {m['peak_gib']:.3f} GiB per "
+                      f"device (MiB: arguments {m['argument_mib']:.1f}, outputs {m['output_mib']:.1f}, "
+                      f"temporaries {m['temp_mib']:.1f}, aliased {m['alias_mib']:.1f})", flush=True)
             except Exception as e:  # noqa: BLE001 -- report, and compare the others
                 print(f"{name}: FAILED {type(e).__name__}: {str(e)[:400]}", flush=True)
         if args.dump:

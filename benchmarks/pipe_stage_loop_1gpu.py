@@ -10,7 +10,9 @@ idle iterations), against the plain model accumulating the same micro-batches, a
                        weight gradients summed in fp32 (the engine's grad_accum_dtype)
     pipeS mbmxM scan   zerojax.pipeline, a stage's layers a scan nested in the iterations' scan
                        (EngineOptions.pipeline_stage_loop "scan", the form measured at 61% of ZeRO-1)
-    pipeS ... unrolled the same, a stage's layers unrolled (the default now)
+    pipeS ... unrolled_sliced  a stage's layers unrolled, each iteration slicing their weights out
+                       of the stage's stack (session 6's "unrolled", measured at 425 ms)
+    pipeS ... unrolled the default: unrolled, each layer's weights cut out once, before the loop
 
 Forward + backward only (no optimizer: it is the same for all). Prints ms per step, tokens/s,
 each vs plain, XLA's predicted peak and the compiled steps' bytes written by kind of op
@@ -41,7 +43,8 @@ def main(argv=None) -> None:
     ap.add_argument("--steps", type=int, default=5)
     ap.add_argument("--warmup", type=int, default=2)
     # the new form first: should memory run short on a shared device, the comparison that matters comes first
-    ap.add_argument("--only", default="unrolled,scan,plain", help="variants to run, comma separated")
+    ap.add_argument("--only", default="unrolled,sliced,plain",
+                    help="variants to run, comma separated: unrolled, sliced, scan, plain")
     ap.add_argument("--top", type=int, default=6, help="top ops by bytes listed per variant")
     ap.add_argument("--json")
     args = ap.parse_args(argv)
@@ -96,6 +99,8 @@ def main(argv=None) -> None:
 
     variants = {"plain": (f"plain mb{args.plain_micro}x{args.rows // args.plain_micro}", plain_step),
                 "scan": (f"pipe{args.stages} mb{args.micro}x{args.rows // args.micro} scan", pipe_step("scan")),
+                "sliced": (f"pipe{args.stages} mb{args.micro}x{args.rows // args.micro} unrolled_sliced",
+                           pipe_step("unrolled_sliced")),
                 "unrolled": (f"pipe{args.stages} mb{args.micro}x{args.rows // args.micro} unrolled",
                              pipe_step("unrolled"))}
     results, texts = {}, {}

@@ -13,11 +13,13 @@ from flax import nnx
 
 import zerojax
 from zerojax.config import ConfigError
+from zerojax.memory import CompiledMemory
 from zerojax.models.gpt2 import GPT2, GPT2Config, gpt2_loss
 
 from tiny_mlp import MLP, loss_fn as mlp_loss  # noqa: E402 (tests/ is on sys.path under pytest)
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks"))
+from hlo_bytes import bytes_by_loop  # noqa: E402
 from hlo_flops import matmul_flops, parse  # noqa: E402
 
 MODEL = GPT2Config.named("tiny", vocab_size=64, n_positions=16, n_embd=32, n_head=2, n_layer=8)
@@ -131,6 +133,39 @@ def test_a_stage_runs_its_layers_unrolled(stage_loop):
     assert all((per in inner) == (stage_loop == "scan") for inner in iterations), iterations
 
 
+def _forward_loop_bytes(hlo: str, iterations: int) -> int:
+    """Bytes the pipeline's forward loop writes per step (benchmarks/hlo_bytes.py, every iteration
+    counted): the loop of `iterations` trips none of whose ops come from the backward pass (JAX
+    names those "transpose(jvp(...))")."""
+    comps = parse(hlo)["computations"]
+    per_loop = bytes_by_loop(hlo)
+    forward = [body for body, t in per_loop.items() if t["trips"] == iterations
+               and not any("transpose(" in rest for *_, rest in comps[body])]
+    assert len(forward) == 1, (forward, per_loop)
+    return per_loop[forward[0]]["bytes"]
+
+
+def test_a_stage_cuts_its_layers_weights_once():
+    """Unrolled (the default), each layer's weights are cut out of the stage's stacked block once,
+    before the pipeline's loop; session 6's form ("unrolled_sliced") sliced them out inside every
+    iteration, and a slice is a copy in XLA (issue #15). So per step the forward loop writes at
+    least the stage's MLP kernels (c_fc and c_proj, 2 x 4 d^2 floats a layer) once an iteration
+    fewer, and the step's peak grows by no more than those pieces. (Measured: 11 d^2 floats a
+    layer an iteration fewer; a revert to slicing saves 0.)"""
+    eng = trained(2, 1, 0, 0)[0]
+    sliced = engine(2, stage_loop="unrolled_sliced").compiled_step(SHAPES)
+    ours = eng.compiled_step(SHAPES)
+    per = MODEL.n_layer // 2
+    mlp_kernels = per * 2 * 4 * MODEL.n_embd ** 2 * 4  # bytes, fp32
+    saved = (_forward_loop_bytes(sliced.as_text(), eng.pipeline.iterations)
+             - _forward_loop_bytes(ours.as_text(), eng.pipeline.iterations))
+    assert saved >= eng.pipeline.iterations * mlp_kernels, (saved, eng.pipeline.iterations * mlp_kernels)
+    # the cut pieces are at most one more copy of the stage's weights, held through the step (here
+    # XLA's peak moved by ~2 KB: buffer packing; on the hlo_bytes.py model not at all)
+    stage_weights = sum(a.size * a.dtype.itemsize for a in jax.tree.leaves(eng.master_params["h"])) // 2
+    assert CompiledMemory.of(ours).peak <= CompiledMemory.of(sliced).peak + stage_weights
+
+
 def _collectives(hlo: str):
     pat = r"= (\(?[^=]*?\)?) (all-gather|collective-permute|all-to-all|all-reduce)(?:-start)?\("
     return [(m.group(2), m.group(1)) for m in re.finditer(pat, hlo)]
@@ -233,8 +268,8 @@ def test_errors():
         assert "incompatible with pipeline parallelism" in _refusal({**config(2), "zero_optimization": zero})
     msg = _refusal({**config(2, 1), "zero_optimization": {"stage": 1, "offload_optimizer": {"device": "cpu"}}})
     assert "zero_optimization.offload_optimizer.device" in msg and "pipeline.stages" in msg
-    # the stage loop option: its two forms, by name
-    with pytest.raises(ValueError, match=r"pipeline_stage_loop='loop': one of \('unrolled', 'scan'\)"):
+    # the stage loop option: its forms, by name
+    with pytest.raises(ValueError, match=r"pipeline_stage_loop='loop': one of \('unrolled', 'unrolled_sliced', 'scan'\)"):
         zerojax.EngineOptions(pipeline_stage_loop="loop")
     with pytest.raises(ValueError, match="ZEROJAX_PIPELINE_STAGE_LOOP='while'"):
         zerojax.EngineOptions.from_env({"ZEROJAX_PIPELINE_STAGE_LOOP": "while"})

@@ -18,7 +18,7 @@ from typing import Any, Callable, Mapping
 
 STAGE3_GATHER_MODES = ("layer", "auto")
 ADAM_MU_DTYPES = (None, "bfloat16")
-PIPELINE_STAGE_LOOPS = ("unrolled", "scan")
+PIPELINE_STAGE_LOOPS = ("unrolled", "unrolled_sliced", "scan")
 OFFLOAD_LOOPS = ("in_place", "paired")   # zerojax.offload.update.streamed_update's `loop`
 
 
@@ -69,7 +69,9 @@ class EngineOptions:
         compiled once: its stacked activations are copied into the step's buffers and out again
         every iteration, issue #15). Trades compile time for step time: GPT-2 Large's schedule
         (2 stages, 8 micro-batches of 2 x 1024 tokens, one H200) ran 425 ms a step unrolled vs
-        436 scanned, peak 71.3 vs 77.7 GiB, compiled in 16 vs 4 s.
+        436 scanned, peak 71.3 vs 77.7 GiB, compiled in 16 vs 4 s (session 6, when "unrolled"
+        still sliced each layer's weights out of the stage's stack in every iteration: that form
+        is kept as "unrolled_sliced" for A/B runs; "unrolled" cuts them once, before the loop).
     memory_guard [True]: before the first step of each batch shape, compare XLA's predicted peak
         with the device's memory and raise WillNotFitError instead of running out mid-step.
     plans_for [None]: `plans_for(engine, batch_shapes, budget) -> plans` called when the guard

@@ -13,7 +13,7 @@ Schedule, S stages, M micro-batches, R circular repeats, L layers: the layer sta
 viewed as [R, S, L / (S R), ...], stage s holding the blocks (r, s) -- contiguous blocks, so with
 R = 1 each device keeps exactly its storage shard of the stack. A buffer [S, micro-batch, ...]
 sharded over "pipe" holds each stage's input; every iteration all stages run their block at once
-(vmapped; a stage's layers unrolled, see `_stage_runner`), then the buffer rolls by one stage (`jnp.roll` over the "pipe"-sharded axis,
+(vmapped; a stage's layers unrolled, see `_stage_pieces`), then the buffer rolls by one stage (`jnp.roll` over the "pipe"-sharded axis,
 which XLA lowers to a collective-permute) and stage 0 takes the next micro-batch, or, with R > 1,
 the last stage's output of the previous repeat from a ring of M - S + 1 buffers. M R + S - 1
 iterations; each stage idles S - 1 of them: the bubble fraction (S - 1) / (M R + S - 1).
@@ -41,7 +41,10 @@ did not keep them out; per-iteration remat would, at a recomputed forward's cost
 Each stage's weights receive one gradient per micro-batch inside the loop; they are summed in the
 engine's gradient accumulation dtype (data_types.grad_accum_dtype, fp32 by default), as the
 unpipelined step sums its micro-batches, not in the compute dtype: the loop reads an fp32 copy of
-the stacked weights and casts each iteration's stage back to the compute dtype.
+the stacked weights and casts each iteration's stage back to the compute dtype. (That costs
+nothing: XLA's algebraic simplifier folds the bf16 -> fp32 -> bf16 round trip, so the compiled loop
+reads the compute-dtype weights and adds each iteration's gradient into fp32 accumulators -- checked
+on the CPU-compiled step, docs/pipeline-overhead.md.)
 """
 from __future__ import annotations
 
@@ -64,7 +67,7 @@ class PipelineSchedule:
     repeats: int = 1    # circular repeats (EngineOptions.pipeline_repeats)
     checkpoint_interval: int = 0  # pipeline.activation_checkpoint_interval (0: no checkpoints)
     grad_accum_dtype: str | None = None  # the stages' weight gradients summed over micro-batches in it
-    stage_loop: str = "unrolled"  # EngineOptions.pipeline_stage_loop: a stage's layers unrolled or scanned
+    stage_loop: str = "unrolled"  # EngineOptions.pipeline_stage_loop: "unrolled", "unrolled_sliced" or "scan"
 
     @property
     def iterations(self) -> int:
@@ -118,31 +121,56 @@ def _blocks_at(blocks, rep):
     return jax.tree.map(pick, blocks)
 
 
-def _stage_runner(body, per: int, interval: int, unrolled: bool):
-    """`run(h, weights [per, ...]) -> h`: one stage's `per` layers in turn; with interval N > 0
-    in checkpointed groups of min(N, per) layers (each group saves only its input).
+def _stage_pieces(body, per: int, interval: int, loop: str):
+    """(`cut(block) -> pieces`, `run(h, pieces) -> h`): one stage's `per` layers in turn, their
+    weights cut into the pieces each iteration reads. With interval N > 0 the layers run in
+    checkpointed groups of min(N, per) (each group saves only its input). A block's leaves are
+    [R, S, per, ...]; `_blocks_at` picks a piece's [S, ...] out of its [R, S, ...].
 
-    unrolled: the stage's layers (or groups) as straight-line code rather than a loop. Why: the
-    pipeline's iterations are a scan too, and a scan nested in a scan saves its activations
-    twice over -- the inner loop stacks them in a buffer of its own, which the outer loop then
-    copies into its stack each iteration, and the backward pass copies each iteration's slice
-    back out before the inner backward loop reads it. Unrolled, each layer's activations go
-    straight into the outer stack (benchmarks/hlo_bytes.py counts the bytes; issue #15)."""
+    loop (EngineOptions.pipeline_stage_loop):
+    "unrolled": the stage's layers (or groups) as straight-line code, each layer's (group's)
+        weights cut out of the stacked block once, before the pipeline's loop. Why: a slice is
+        a copy in XLA, so slicing them inside the loop wrote every stage's weights once an
+        iteration, forward and in the checkpointed recompute ("unrolled_sliced", session 6's
+        form; benchmarks/hlo_bytes.py, issue #15).
+    "unrolled_sliced": straight-line code too, but the block sliced inside each iteration.
+    "scan": a loop over the layers. The pipeline's iterations are a scan too, and a scan nested
+        in a scan saves its activations twice over -- the inner loop stacks them in a buffer of
+        its own, which the outer loop copies into its stack each iteration, and the backward
+        pass copies each iteration's slice back out before the inner backward loop reads it.
+        Unrolled, each layer's activations go straight into the outer stack."""
     def layers(h, weights, unroll=1):
         return jax.lax.scan(lambda h, p: (body(h, p), None), h, weights, unroll=unroll)[0]
 
-    if not interval:
-        return lambda h, weights: layers(h, weights, unroll=per if unrolled else 1)
-    group = min(interval, per)
+    group = min(interval, per) if interval else 1
     # a group is recomputed in the backward pass, its activations transient: its loop stays a loop
-    group_layers = jax.checkpoint(layers, policy=jax.checkpoint_policies.nothing_saveable, prevent_cse=False)
+    checkpointed = jax.checkpoint(layers, policy=jax.checkpoint_policies.nothing_saveable,
+                                  prevent_cse=False) if interval else None
+    if loop == "unrolled":
+        step = checkpointed if interval else body  # a piece: one checkpointed group, or one layer
 
-    def grouped(h, weights):
-        weights = jax.tree.map(lambda a: a.reshape(per // group, group, *a.shape[1:]), weights)
-        return jax.lax.scan(lambda h, w: (group_layers(h, w), None), h, weights,
-                            unroll=per // group if unrolled else 1)[0]
+        def cut(block):
+            if not interval:  # single layers: [R, S, ...]
+                return [jax.tree.map(lambda a: a[:, :, i], block) for i in range(per)]
+            return [jax.tree.map(lambda a: a[:, :, i:i + group], block) for i in range(0, per, group)]
+    else:
+        unroll = per // group if loop == "unrolled_sliced" else 1
 
-    return grouped
+        def step(h, weights):  # the one piece, the whole block
+            if not interval:
+                return layers(h, weights, unroll)
+            groups = jax.tree.map(lambda a: a.reshape(per // group, group, *a.shape[1:]), weights)
+            return jax.lax.scan(lambda h, w: (checkpointed(h, w), None), h, groups, unroll=unroll)[0]
+
+        def cut(block):
+            return [block]
+
+    def run(h, pieces):
+        for piece in pieces:
+            h = step(h, piece)
+        return h
+
+    return cut, run
 
 
 def pipeline_scan(schedule: PipelineSchedule, mesh: Mesh):
@@ -185,14 +213,16 @@ def pipeline_scan(schedule: PipelineSchedule, mesh: Mesh):
         # over "pipe" made XLA all-reduce each iteration's micro-batch gradient inside the loop
         xs = split_microbatches(x, M, mesh)
         xs = constrain(jnp.where(first_stage[:, None], xs[None], jnp.zeros((), x.dtype)), PIPE, None, DATA)
-        run_stages = jax.vmap(_stage_runner(body, per, schedule.checkpoint_interval,
-                                            unrolled=schedule.stage_loop == "unrolled"))
+        cut, run = _stage_pieces(body, per, schedule.checkpoint_interval, schedule.stage_loop)
+        pieces = cut(blocks)
+        run_stages = jax.vmap(run)
         ring = M - S + 1 if R > 1 else 0   # stage 0 takes the last stage's output this many iterations later
 
         def iteration(carry, t):
             buf, fifo = carry
-            weights = _blocks_at(blocks, jnp.clip((t - stage_ids) // M, 0, R - 1))
-            weights = jax.tree.map(lambda a, dtype: a.astype(dtype), weights, compute)
+            rep = jnp.clip((t - stage_ids) // M, 0, R - 1)
+            weights = [jax.tree.map(lambda a, dtype: a.astype(dtype), _blocks_at(piece, rep), compute)
+                       for piece in pieces]
             out = constrain(run_stages(buf, constrain(weights, PIPE, rest=P.UNCONSTRAINED)), PIPE, DATA)
             # stage s + 1 takes stage s's output: a collective-permute over "pipe"
             rolled = constrain(jnp.roll(out, 1, axis=0), PIPE, DATA)
