@@ -335,7 +335,7 @@ class NvmeSwapper:
         once (each group is read straight into its rows)."""
         self.flush()
         self._ahead = None
-        out = [np.empty((self.groups * leaf.group_shape[0],) + tuple(leaf.group_shape[1:]), leaf.dtype)
+        out = [aligned_empty((self.groups * leaf.group_shape[0],) + tuple(leaf.group_shape[1:]), leaf.dtype)
                for leaf in self.leaves]
         for g in range(self.groups):
             rows = [a[g * leaf.group_shape[0]:(g + 1) * leaf.group_shape[0]] for a, leaf in zip(out, self.leaves)]
@@ -351,7 +351,7 @@ class NvmeSwapper:
         groups the caller keeps, never the leaf)."""
         g = int(g)
         self._wait_writes(g)
-        out = np.empty(self.leaves[k].group_shape, self.leaves[k].dtype)
+        out = aligned_empty(self.leaves[k].group_shape, self.leaves[k].dtype)
         for f in self._io(False, g, [out], [k]):
             f.result()
         if g >= self.host_groups:
