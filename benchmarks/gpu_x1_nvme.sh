@@ -2,14 +2,16 @@
 # NVMe offload (issue #16) on one H200 capped to 24 GB (XLA_PYTHON_CLIENT_MEM_FRACTION=0.17), 128 GiB RAM,
 # 64 GiB disk: a GPT larger than the 7.06B that CPU offload could not fit (its ~105 GiB of host state was
 # killed during init), trained with ZeRO-3 + offload_param cpu + the optimizer state split between host memory
-# (offload_optimizer.host_layers) and NVMe swap files, micro 8 (MICRO, ACCUM). Neither the disk (12 B/param
-# of master + moments: 85 GB for 7.06B) nor host memory holds that state alone; both together do.
+# (offload_optimizer.host_layers) and NVMe swap files, micro 8 x accumulation 16 (MICRO, ACCUM). Neither the
+# disk (12 B/param of master + moments: 85 GB for 7.06B) nor host memory holds that state alone; both together do.
 # ACCUM > 1: the engine sums each micro-batch's gradients into an fp32 accumulator in pinned host memory
 # (TrainState.grad_accumulator, 4 B/param: 30 GB at 7.46B), so the split keeps more layers on disk.
 # XLA's pinned host pool (a BFC allocator that grows by doubling regions, never shrinking) is capped at what the
 # pinned arrays need (HOST_LIMIT_GB, default: bf16 params + bf16 gradients + the accumulator + the non-layer
 # state, +12%): left at a generous cap it grew to ~118 GiB RSS in one 7.46B step.
-#   bash benchmarks/gpu_x1_nvme.sh big     # d 4096, L ${L:-36} (~7.46B; 35 if the disk is short), 1 warm-up + 2 timed steps, <= 480 s
+#   bash benchmarks/gpu_x1_nvme.sh big     # d 4096, L ${L:-36} (~7.46B; 35 if the disk is short), ~420 s: the disk
+#       probe, init ~100 s, one step (~240 s) timed net of compilation (STEPS=0: a second step would pass the
+#       device tool's 600 s); session 7 ran it as is (HOST_LAYERS=12 BUFFERS=2 ACCUM=16 were set by hand then)
 #   bash benchmarks/gpu_x1_nvme.sh smoke   # a small GPT through the same path, <= 60 s
 # First the disk's bandwidth through the swapper's I/O path (benchmarks/nvme_io.py), then the run: tokens/s,
 # host RSS peak (and at the end of init), disk bytes, the update's achieved disk bandwidth.
@@ -39,7 +41,7 @@ else
   # Disk: 85% of the free bytes at most.
   D_MODEL=4096
   FREE=$(df -B1 --output=avail "$NVME" | tail -1)
-  MICRO=${MICRO:-8}; ACCUM=${ACCUM:-1}
+  MICRO=${MICRO:-8}; ACCUM=${ACCUM:-16}; BUFFERS=${BUFFERS:-2}
   read -r L HOST_LAYERS PINNED_GIB EST <<<"$(python3 - "${L:-36}" "$D_MODEL" "$FREE" "${HOST_GIB:-92}" "$ACCUM" "${HOST_LAYERS:-}" "${BUFFERS:-4}" <<'PY'
 import math, sys
 L0, d, free, host_gib, accum = int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]), float(sys.argv[4]), int(sys.argv[5])
@@ -70,7 +72,7 @@ PY
   if [ "$HOST_LAYERS" -ge 0 ]; then
     XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB=${HOST_LIMIT_GB:-$PINNED_GIB} timeout ${BIG_S:-420} python3 benchmarks/nvme_gpt.py \
       --n-embd $D_MODEL --n-layer $L --n-head 32 --micro $MICRO --accum $ACCUM --offload nvme --param --buffer-count ${BUFFERS:-4} \
-      --host-layers $HOST_LAYERS --nvme-path "$NVME" --steps ${STEPS:-2} --warmup 1 --json "$OUT/nvme_gpt.json" 2>&1 \
+      --host-layers $HOST_LAYERS --nvme-path "$NVME" --steps ${STEPS:-0} --warmup 1 --json "$OUT/nvme_gpt.json" 2>&1 \
       | grep -E "^NVME|Error|error:|Killed" | tail -8
     echo "exit ${PIPESTATUS[0]}"
   fi
