@@ -13,6 +13,8 @@ idle iterations), against the plain model accumulating the same micro-batches, a
     pipeS ... unrolled_sliced  a stage's layers unrolled, each iteration slicing their weights out
                        of the stage's stack (session 6's "unrolled", measured at 425 ms)
     pipeS ... unrolled the default: unrolled, each layer's weights cut out once, before the loop
+    pipeS ... unrolled_own_vjp  unrolled, the iterations a loop with a backward pass of its own that
+                       saves their residuals in uninitialised buffers (no zero-fill; R = 1 only)
 
 Forward + backward only (no optimizer: it is the same for all). Prints ms per step, tokens/s,
 each vs plain, XLA's predicted peak and the compiled steps' bytes written by kind of op
@@ -44,7 +46,7 @@ def main(argv=None) -> None:
     ap.add_argument("--warmup", type=int, default=2)
     # the new form first: should memory run short on a shared device, the comparison that matters comes first
     ap.add_argument("--only", default="unrolled,sliced,plain",
-                    help="variants to run, comma separated: unrolled, sliced, scan, plain")
+                    help="variants to run, comma separated: unrolled, own_vjp, sliced, scan, plain")
     ap.add_argument("--top", type=int, default=6, help="top ops by bytes listed per variant")
     ap.add_argument("--json")
     args = ap.parse_args(argv)
@@ -102,7 +104,9 @@ def main(argv=None) -> None:
                 "sliced": (f"pipe{args.stages} mb{args.micro}x{args.rows // args.micro} unrolled_sliced",
                            pipe_step("unrolled_sliced")),
                 "unrolled": (f"pipe{args.stages} mb{args.micro}x{args.rows // args.micro} unrolled",
-                             pipe_step("unrolled"))}
+                             pipe_step("unrolled")),
+                "own_vjp": (f"pipe{args.stages} mb{args.micro}x{args.rows // args.micro} unrolled_own_vjp",
+                            pipe_step("unrolled_own_vjp"))}
     results, texts = {}, {}
     for key in args.only.split(","):
         name, fn = variants[key]

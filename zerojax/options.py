@@ -18,7 +18,7 @@ from typing import Any, Callable, Mapping
 
 STAGE3_GATHER_MODES = ("layer", "auto")
 ADAM_MU_DTYPES = (None, "bfloat16")
-PIPELINE_STAGE_LOOPS = ("unrolled", "unrolled_sliced", "scan")
+PIPELINE_STAGE_LOOPS = ("unrolled", "unrolled_sliced", "scan", "unrolled_own_vjp")
 OFFLOAD_LOOPS = ("in_place", "paired")   # zerojax.offload.update.streamed_update's `loop`
 
 

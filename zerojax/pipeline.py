@@ -52,7 +52,10 @@ import dataclasses
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+from jax.extend.core import Literal
 
 from zerojax.accumulate import split_microbatches
 from zerojax.partition import DATA, PIPE
@@ -146,7 +149,7 @@ def _stage_pieces(body, per: int, interval: int, loop: str):
     # a group is recomputed in the backward pass, its activations transient: its loop stays a loop
     checkpointed = jax.checkpoint(layers, policy=jax.checkpoint_policies.nothing_saveable,
                                   prevent_cse=False) if interval else None
-    if loop == "unrolled":
+    if loop in ("unrolled", "unrolled_own_vjp"):
         step = checkpointed if interval else body  # a piece: one checkpointed group, or one layer
 
         def cut(block):
@@ -171,6 +174,104 @@ def _stage_pieces(body, per: int, interval: int, loop: str):
         return h
 
     return cut, run
+
+
+def _depends_on_first_input(fn, *args) -> list[bool]:
+    """For each output leaf of `fn(*args)`: whether it depends on the first argument (one array).
+    A dependency pass over the traced jaxpr, conservative (an equation's outputs depend on all of
+    its inputs)."""
+    closed = jax.make_jaxpr(fn)(*args)
+    jaxpr = closed.jaxpr
+    varying = {jaxpr.invars[0]}
+    for eqn in jaxpr.eqns:
+        if any(not isinstance(v, Literal) and v in varying for v in eqn.invars):
+            varying.update(eqn.outvars)
+    return [not isinstance(v, Literal) and v in varying for v in jaxpr.outvars]
+
+
+def _iterations_own_vjp(stage, xs, params, *, stages: int, microbatches: int, constrain):
+    """The pipeline's M + S - 1 iterations (R = 1) with a backward pass of their own:
+    `stage(buf, params) -> out` on the [S, rows, ...] buffer, `xs` the [S, M, rows, ...]
+    micro-batches (stage 0's slice read); returns the last stage's outputs of the M
+    micro-batches, [M, rows, ...].
+
+    Why (issue #15): differentiated, `lax.scan` saves each iteration's residuals as stacked
+    outputs, and JAX initialises those with zeros (a broadcast XLA writes in full before the loop:
+    ~42 GB a step on GPT-2 Large, pipe 2, 8 micro-batches of 2, one H200). Here the forward loop
+    writes each iteration's residuals (the leaves of its `jax.vjp`) into buffers made by
+    `jax.lax.empty` (XLA's uninitialised AllocateBuffer on GPU and TPU; on CPU a zero broadcast
+    still), and the residuals that depend only on the weights (their compute-dtype casts,
+    transposes) are computed once, outside the loop; the backward loop reads them slice by slice
+    in reverse and sums the weight gradients as the scan's transpose did."""
+    S, M = stages, microbatches
+    T = M + S - 1
+    first_stage = (np.arange(S) == 0).reshape(S, *([1] * (xs.ndim - 2)))
+    # values the stage closes over that may be differentiated become arguments (custom_vjp needs it)
+    stage, consts = jax.closure_convert(stage, xs[:, 0], params)
+    params = (params, consts)
+    # from the forward trace (static, the same every iteration): the vjp's tree (it holds a jaxpr),
+    # which of its leaves depend on the iteration's input
+    static = {}
+
+    def residuals(h, params):
+        out, vjp = jax.vjp(lambda h, p: stage(h, p[0], *p[1]), h, params)
+        leaves, tree = jax.tree.flatten(vjp)
+        static["tree"] = tree
+        return out, leaves
+
+    def forward(xs, params):
+        buf0 = constrain(xs[:, 0], PIPE, DATA)
+        _, leaves = residuals(buf0, params)
+        varies = static["varies"] = _depends_on_first_input(lambda h, p: residuals(h, p)[1], buf0, params)
+        invariant = [None if v else leaf for v, leaf in zip(varies, leaves)]
+        saved = [jax.lax.empty((T, *a.shape), a.dtype) for a, v in zip(leaves, varies) if v]
+        ys = jax.lax.empty((M, *buf0.shape[1:]), buf0.dtype)
+
+        def iteration(t, carry):
+            buf, saved, ys = carry
+            out, leaves = residuals(buf, params)
+            saved = [jax.lax.dynamic_update_index_in_dim(b, leaf, t, axis=0)
+                     for b, leaf in zip(saved, [leaf for v, leaf in zip(varies, leaves) if v])]
+            # stage s + 1 takes stage s's output: a collective-permute over "pipe"
+            rolled = constrain(jnp.roll(constrain(out, PIPE, DATA), 1, axis=0), PIPE, DATA)
+            # the last stage's output of micro-batch t - (S - 1) (slot 0 before: overwritten later)
+            ys = jax.lax.dynamic_update_index_in_dim(ys, rolled[0], jnp.maximum(t - (S - 1), 0), axis=0)
+            head = jax.lax.dynamic_index_in_dim(xs, jnp.minimum(t + 1, M - 1), axis=1, keepdims=False)
+            return constrain(jnp.where(first_stage, head, rolled), PIPE, DATA), saved, ys
+
+        _, saved, ys = jax.lax.fori_loop(0, T, iteration, (buf0, saved, ys))
+        return ys, (invariant, saved, params, jnp.zeros_like(xs))
+
+    def backward(res, ct_ys):
+        invariant, saved, params, xs_zeros = res
+        tree, varies = static["tree"], static["varies"]
+
+        def iteration(i, carry):
+            t = T - 1 - i
+            ct_next, ct_params, ct_xs = carry  # ct_next: the cotangent of iteration t + 1's buffer
+            zero = jnp.zeros((), ct_next.dtype)
+            k = jnp.minimum(t + 1, M - 1)  # the micro-batch stage 0 took after iteration t
+            ct_xs = jax.lax.dynamic_update_index_in_dim(
+                ct_xs, jax.lax.dynamic_index_in_dim(ct_xs, k, axis=1, keepdims=False)
+                + jnp.where(first_stage, ct_next, zero), k, axis=1)
+            ct_rolled = jnp.where(first_stage, zero, ct_next)
+            y = jax.lax.dynamic_index_in_dim(ct_ys, jnp.maximum(t - (S - 1), 0), axis=0, keepdims=False)
+            ct_rolled = ct_rolled.at[0].add(jnp.where(t >= S - 1, y, zero))
+            ct_out = constrain(jnp.roll(constrain(ct_rolled, PIPE, DATA), -1, axis=0), PIPE, DATA)
+            slots = iter([jax.lax.dynamic_index_in_dim(b, t, axis=0, keepdims=False) for b in saved])
+            vjp = jax.tree.unflatten(tree, [next(slots) if v else leaf for v, leaf in zip(varies, invariant)])
+            ct_buf, ct_p = vjp(ct_out)
+            return constrain(ct_buf, PIPE, DATA), jax.tree.map(jnp.add, ct_params, ct_p), ct_xs
+
+        start = (jnp.zeros(ct_ys.shape[1:], ct_ys.dtype)[None].repeat(S, 0),
+                 jax.tree.map(jnp.zeros_like, params), xs_zeros)
+        ct_buf, ct_params, ct_xs = jax.lax.fori_loop(0, T, iteration, start)
+        ct_xs = ct_xs.at[:, 0].add(ct_buf)  # iteration 0's buffer is xs[:, 0]
+        return constrain(ct_xs, PIPE, None, DATA), ct_params
+
+    run = jax.custom_vjp(lambda xs, params: forward(xs, params)[0])
+    run.defvjp(forward, backward)
+    return run(xs, params)
 
 
 def pipeline_scan(schedule: PipelineSchedule, mesh: Mesh):
@@ -235,6 +336,17 @@ def pipeline_scan(schedule: PipelineSchedule, mesh: Mesh):
                     fifo, (t + 1) % ring, axis=0, keepdims=False))
             buf = constrain(jnp.where(first_stage, head, rolled), PIPE, DATA)
             return (buf, fifo), rolled
+
+        if schedule.stage_loop == "unrolled_own_vjp":
+            if R > 1:
+                raise ValueError("pipeline_stage_loop='unrolled_own_vjp' runs one repeat; use 'unrolled' "
+                                 f"with pipeline_repeats={R}")
+
+            def stage(buf, pieces):
+                weights = [jax.tree.map(lambda a, dtype: a[0].astype(dtype), piece, compute) for piece in pieces]
+                return constrain(run_stages(buf, constrain(weights, PIPE, rest=P.UNCONSTRAINED)), PIPE, DATA)
+            y = _iterations_own_vjp(stage, xs, pieces, stages=S, microbatches=M, constrain=constrain)
+            return constrain(_merge_microbatches(y, n), (DATA, PIPE))
 
         buf = xs[:, 0]
         fifo = constrain(jnp.zeros((ring, *buf.shape), x.dtype), None, PIPE, DATA)
