@@ -157,6 +157,38 @@ def top(hlo: str, n: int = 15) -> list[dict]:
 SMALL = dict(vocab_size=512, n_positions=128, n_embd=256, n_head=4, n_layer=4)  # CPU: seconds
 
 
+_MLIR_TYPES = {"i1": 1, "i8": 1, "ui8": 1, "i16": 2, "f16": 2, "bf16": 2, "i32": 4, "ui32": 4, "f32": 4,
+               "i64": 8, "f64": 8}
+
+
+def _tensor_bytes(t: str) -> int:
+    """Bytes of a StableHLO tensor type's text, e.g. "5x2x16x32xf32"."""
+    *dims, dtype = t.split("x")
+    return _MLIR_TYPES.get(dtype, 0) * math.prod(int(d) for d in dims)
+
+
+def initial_fills(mlir: str) -> dict[str, int]:
+    """Bytes of the buffers a lowered (StableHLO) module fills with zeros (a zero scalar broadcast:
+    what `lax.scan` makes for its stacked outputs, `jax.lax.empty` on CPU) vs leaves uninitialised
+    (`AllocateBuffer` custom calls: `jax.lax.empty` lowered for GPU or TPU), each op counted once
+    as written in the text (issue #15: XLA writes a zero-filled stack in full before the loop
+    that overwrites it). Lower for GPU on any machine: `jitted.trace(...).lower(lowering_platforms=("cuda",))`."""
+    zeros, out = set(), {"zero_filled": 0, "uninitialised": 0}
+    for line in mlir.splitlines():
+        if "func.func" in line:
+            zeros = set()  # SSA names are per function
+        m = re.match(r"\s*(%[\w#]+) = stablehlo.constant dense<(?:0\.0+e\+00|0|false)> : tensor<\w+>", line)
+        if m:
+            zeros.add(m.group(1))
+        m = re.search(r"stablehlo.broadcast_in_dim (%[\w#]+), dims = \[\] : \(tensor<\w+>\) -> tensor<([\dx]+x\w+)>", line)
+        if m and m.group(1) in zeros:
+            out["zero_filled"] += _tensor_bytes(m.group(2))
+        m = re.search(r"custom_call @AllocateBuffer\(\).*-> tensor<([\dx]+x\w+)>", line)
+        if m:
+            out["uninitialised"] += _tensor_bytes(m.group(1))
+    return out
+
+
 def engine_hlo(pipe: int, micro: int, accum: int, *, size: str = "small-cpu", seq: int = 128,
                ckpt: int = 0, dtype: str = "bf16", stage_loop: str = "unrolled", repeats: int = 1) -> tuple[str, dict]:
     """(optimized HLO text of one step, {compile_s, peak_gib: XLA's predicted peak per device})
@@ -190,8 +222,13 @@ def engine_hlo(pipe: int, micro: int, accum: int, *, size: str = "small-cpu", se
     compiled = eng.compiled_step({"input_ids": jax.ShapeDtypeStruct((micro * accum * n, seq), np.int32)})
     seconds = time.perf_counter() - t0
     mem = CompiledMemory.of(compiled)
+    # the same step lowered for GPU (nothing compiled): which buffers start zero-filled there
+    abstract = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=a.sharding), eng.state)
+    gpu = eng._train.trace(abstract, eng._abstract_batch({"input_ids": jax.ShapeDtypeStruct(
+        (micro * accum * n, seq), np.int32)})).lower(lowering_platforms=("cuda",)).as_text()
     return compiled.as_text(), {"compile_s": round(seconds, 1), "peak_gib": mem.peak / 2**30,
-                                **{f"{k}_mib": getattr(mem, k) / 2**20 for k in ("argument", "output", "temp", "alias")}}
+                                **{f"{k}_mib": getattr(mem, k) / 2**20 for k in ("argument", "output", "temp", "alias")},
+                                **{f"gpu_{k}_mib": v / 2**20 for k, v in initial_fills(gpu).items()}}
 
 
 # name -> engine_hlo arguments: the baseline, the pipeline's stage loop in its three forms
@@ -204,6 +241,9 @@ STEPS = {"zero1 mb8x2": dict(pipe=1, micro=8, accum=2),
          "pipe2 mb2x16 unrolled": dict(pipe=2, micro=2, accum=16, stage_loop="unrolled"),
          "pipe2 mb2x16 ckpt1 unrolled_sliced": dict(pipe=2, micro=2, accum=16, ckpt=1, stage_loop="unrolled_sliced"),
          "pipe2 mb2x16 ckpt1 unrolled": dict(pipe=2, micro=2, accum=16, ckpt=1),
+         # the iterations' own backward pass, their residuals in jax.lax.empty buffers (no zero-fill on GPU)
+         "pipe2 mb2x16 unrolled_own_vjp": dict(pipe=2, micro=2, accum=16, stage_loop="unrolled_own_vjp"),
+         "pipe2 mb2x16 ckpt1 unrolled_own_vjp": dict(pipe=2, micro=2, accum=16, ckpt=1, stage_loop="unrolled_own_vjp"),
          # EngineOptions.pipeline_repeats 2: circular repeats (each stage holds 2 blocks of 1 layer)
          "pipe2 mb2x16 R2": dict(pipe=2, micro=2, accum=16, repeats=2)}
 
@@ -270,7 +310,9 @@ def main(argv=None) -> None:
                 m = seconds[name]
                 print(f"{name}: compiled in {m['compile_s']} s, predicted peak {m['peak_gib']:.3f} GiB per "
                       f"device (MiB: arguments {m['argument_mib']:.1f}, outputs {m['output_mib']:.1f}, "
-                      f"temporaries {m['temp_mib']:.1f}, aliased {m['alias_mib']:.1f})", flush=True)
+                      f"temporaries {m['temp_mib']:.1f}, aliased {m['alias_mib']:.1f}); lowered for GPU: "
+                      f"{m['gpu_zero_filled_mib']:.1f} MiB zero-filled, {m['gpu_uninitialised_mib']:.1f} MiB "
+                      "uninitialised buffers", flush=True)
             except Exception as e:  # noqa: BLE001 -- report, and compare the others
                 print(f"{name}: FAILED {type(e).__name__}: {str(e)[:400]}", flush=True)
         if args.dump:

@@ -85,7 +85,8 @@ CASES = [(2, 1, 0, 0), (4, 1, 1, 2), (2, 2, 1, 0), (4, 2, 0, 1)]
 
 
 @pytest.mark.parametrize("stages,repeats,zero_stage,ckpt,stage_loop",
-                         [(*c, "unrolled") for c in CASES] + [(2, 2, 1, 0, "scan")])
+                         [(*c, "unrolled") for c in CASES] + [(2, 2, 1, 0, "scan"), (4, 1, 1, 2, "unrolled_own_vjp"),
+                                                              (2, 1, 0, 0, "unrolled_own_vjp")])
 def test_pipelined_steps_match_the_plain_model(stages, repeats, zero_stage, ckpt, stage_loop):
     eng, metrics, first, last = trained(stages, repeats, zero_stage, ckpt, stage_loop)
     _, ref_metrics, ref_first, ref_last = trained(1, 1, zero_stage)
