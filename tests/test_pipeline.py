@@ -19,7 +19,7 @@ from zerojax.models.gpt2 import GPT2, GPT2Config, gpt2_loss
 from tiny_mlp import MLP, loss_fn as mlp_loss  # noqa: E402 (tests/ is on sys.path under pytest)
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks"))
-from hlo_bytes import bytes_by_loop  # noqa: E402
+from hlo_bytes import bytes_by_loop, initial_fills  # noqa: E402
 from hlo_flops import matmul_flops, parse  # noqa: E402
 
 MODEL = GPT2Config.named("tiny", vocab_size=64, n_positions=16, n_embd=32, n_head=2, n_layer=8)
@@ -146,6 +146,29 @@ def _forward_loop_bytes(hlo: str, iterations: int) -> int:
     return per_loop[forward[0]]["bytes"]
 
 
+def test_own_vjp_leaves_the_saved_activations_unfilled():
+    """pipeline_stage_loop "unrolled_own_vjp": the iterations' saved activations go into buffers
+    `jax.lax.empty` makes (uninitialised AllocateBuffer on GPU), not into `lax.scan`'s zero-filled
+    stacked outputs (issue #15: the fill wrote ~42 GB a GPT-2 Large step on one H200). Checked on
+    the step lowered for GPU (StableHLO, nothing compiled; benchmarks/hlo_bytes.py's
+    initial_fills): at least each layer's input of every iteration -- the least the backward
+    pass needs, T x S x micro-batch rows x SEQ x d fp32 values a layer, global shapes -- moves
+    from zero-filled to uninitialised. (Measured: every stacked residual moves, ~7x that bound.)"""
+    per = MODEL.n_layer // 2
+    T = GA + 2 - 1
+    inputs = per * T * 2 * (ROWS // GA) * SEQ * MODEL.n_embd * 4  # bytes
+
+    def fills(stage_loop):
+        eng = trained(2, 1, 0, 0, stage_loop)[0]
+        abstract = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=a.sharding), eng.state)
+        return initial_fills(eng._train.trace(abstract, eng._abstract_batch(SHAPES)).lower(
+            lowering_platforms=("cuda",)).as_text())
+
+    scan, own = fills("unrolled"), fills("unrolled_own_vjp")
+    assert scan["zero_filled"] - own["zero_filled"] >= inputs, (scan, own, inputs)
+    assert own["uninitialised"] >= inputs and scan["uninitialised"] == 0, (scan, own, inputs)
+
+
 def test_a_stage_cuts_its_layers_weights_once():
     """Unrolled (the default), each layer's weights are cut out of the stage's stacked block once,
     before the pipeline's loop; session 6's form ("unrolled_sliced") sliced them out inside every
@@ -270,8 +293,11 @@ def test_errors():
     msg = _refusal({**config(2, 1), "zero_optimization": {"stage": 1, "offload_optimizer": {"device": "cpu"}}})
     assert "zero_optimization.offload_optimizer.device" in msg and "pipeline.stages" in msg
     # the stage loop option: its forms, by name
-    with pytest.raises(ValueError, match=r"pipeline_stage_loop='loop': one of \('unrolled', 'unrolled_sliced', 'scan'\)"):
+    with pytest.raises(ValueError, match=r"pipeline_stage_loop='loop': one of \('unrolled', 'unrolled_sliced', 'scan', "
+                                         r"'unrolled_own_vjp'\)"):
         zerojax.EngineOptions(pipeline_stage_loop="loop")
+    with pytest.raises(ValueError, match="pipeline_stage_loop='unrolled_own_vjp' with pipeline_repeats=2"):
+        zerojax.EngineOptions(pipeline_stage_loop="unrolled_own_vjp", pipeline_repeats=2)
     with pytest.raises(ValueError, match="ZEROJAX_PIPELINE_STAGE_LOOP='while'"):
         zerojax.EngineOptions.from_env({"ZEROJAX_PIPELINE_STAGE_LOOP": "while"})
     assert zerojax.EngineOptions.from_env({"ZEROJAX_PIPELINE_STAGE_LOOP": "scan"}).pipeline_stage_loop == "scan"
