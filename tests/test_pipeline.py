@@ -147,26 +147,47 @@ def _forward_loop_bytes(hlo: str, iterations: int) -> int:
 
 
 def test_own_vjp_leaves_the_saved_activations_unfilled():
-    """pipeline_stage_loop "unrolled_own_vjp": the iterations' saved activations go into buffers
-    `jax.lax.empty` makes (uninitialised AllocateBuffer on GPU), not into `lax.scan`'s zero-filled
-    stacked outputs (issue #15: the fill wrote ~42 GB a GPT-2 Large step on one H200). Checked on
-    the step lowered for GPU (StableHLO, nothing compiled; benchmarks/hlo_bytes.py's
-    initial_fills): at least each layer's input of every iteration -- the least the backward
-    pass needs, T x S x micro-batch rows x SEQ x d fp32 values a layer, global shapes -- moves
-    from zero-filled to uninitialised. (Measured: every stacked residual moves, ~7x that bound.)"""
-    per = MODEL.n_layer // 2
-    T = GA + 2 - 1
+    """pipeline_stage_loop "unrolled_own_vjp" on a one-device mesh (both stages on the device): the
+    iterations' saved activations go into buffers `jax.lax.empty` makes (uninitialised
+    AllocateBuffer on GPU), not into `lax.scan`'s zero-filled stacked outputs (issue #15: the fill
+    wrote ~42 GB a GPT-2 Large step on one H200), with the same loss and gradients as "unrolled".
+    Checked on the step lowered for GPU (StableHLO, nothing compiled; benchmarks/hlo_bytes.py's
+    initial_fills): at least each layer's input of every iteration -- the least the backward pass
+    needs: T x S x micro-batch rows x SEQ x d fp32 values a layer -- moves from zero-filled to
+    uninitialised (measured: every stacked residual moves, several times that bound). On the
+    8-device mesh they start as zeros: XLA's SPMD partitioner would allocate an AllocateBuffer's
+    global shape on every device."""
+    from jax.sharding import AxisType, Mesh
+
+    from zerojax.partition import DATA, PIPE, TENSOR
+    from zerojax.pipeline import PipelineSchedule, pipeline_scan
+
+    mesh = Mesh(np.asarray(jax.devices()[:1]).reshape(1, 1, 1), (DATA, PIPE, TENSOR), axis_types=(AxisType.Auto,) * 3)
+    net = model()
+    _, master, rest = nnx.split(net, nnx.Param, ...)
+    ids = batches()[0]["input_ids"]
+    per, T = MODEL.n_layer // 2, GA + 2 - 1
     inputs = per * T * 2 * (ROWS // GA) * SEQ * MODEL.n_embd * 4  # bytes
 
-    def fills(stage_loop):
-        eng = trained(2, 1, 0, 0, stage_loop)[0]
-        abstract = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=a.sharding), eng.state)
-        return initial_fills(eng._train.trace(abstract, eng._abstract_batch(SHAPES)).lower(
-            lowering_platforms=("cuda",)).as_text())
+    def step(stage_loop):
+        net.layer_scan = pipeline_scan(PipelineSchedule(2, GA, stage_loop=stage_loop), mesh)
+        graph = nnx.split(net, nnx.Param, ...)[0]
+        f = jax.jit(jax.value_and_grad(lambda m, i: gpt2_loss(nnx.merge(graph, m, rest), {"input_ids": i})[0]))
+        return f(master, ids), initial_fills(f.trace(master, ids).lower(lowering_platforms=("cuda",)).as_text())
 
-    scan, own = fills("unrolled"), fills("unrolled_own_vjp")
+    (loss, grads), scan = step("unrolled")
+    (own_loss, own_grads), own = step("unrolled_own_vjp")
     assert scan["zero_filled"] - own["zero_filled"] >= inputs, (scan, own, inputs)
     assert own["uninitialised"] >= inputs and scan["uninitialised"] == 0, (scan, own, inputs)
+    # the same per-row functions; only the order of sums may differ (REL: see the top of the file)
+    np.testing.assert_allclose(own_loss, loss, rtol=REL)
+    scale = max(float(np.abs(g).max()) for g in jax.tree.leaves(grads))
+    for (path, a), b in zip(jax.tree_util.tree_leaves_with_path(own_grads), jax.tree.leaves(grads)):
+        np.testing.assert_allclose(a, b, rtol=0, atol=REL * scale, err_msg=jax.tree_util.keystr(path))
+    eng = trained(2, 1, 0, 0, "unrolled_own_vjp")[0]
+    abstract = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=a.sharding), eng.state)
+    assert initial_fills(eng._train.trace(abstract, eng._abstract_batch(SHAPES)).lower(
+        lowering_platforms=("cuda",)).as_text())["uninitialised"] == 0
 
 
 def test_a_stage_cuts_its_layers_weights_once():

@@ -189,7 +189,7 @@ def _depends_on_first_input(fn, *args) -> list[bool]:
     return [not isinstance(v, Literal) and v in varying for v in jaxpr.outvars]
 
 
-def _iterations_own_vjp(stage, xs, params, *, stages: int, microbatches: int, constrain):
+def _iterations_own_vjp(stage, xs, params, *, stages: int, microbatches: int, constrain, uninitialised: bool):
     """The pipeline's M + S - 1 iterations (R = 1) with a backward pass of their own:
     `stage(buf, params) -> out` on the [S, rows, ...] buffer, `xs` the [S, M, rows, ...]
     micro-batches (stage 0's slice read); returns the last stage's outputs of the M
@@ -200,9 +200,15 @@ def _iterations_own_vjp(stage, xs, params, *, stages: int, microbatches: int, co
     ~42 GB a step on GPT-2 Large, pipe 2, 8 micro-batches of 2, one H200). Here the forward loop
     writes each iteration's residuals (the leaves of its `jax.vjp`) into buffers made by
     `jax.lax.empty` (XLA's uninitialised AllocateBuffer on GPU and TPU; on CPU a zero broadcast
-    still), and the residuals that depend only on the weights (their compute-dtype casts,
+    still) when `uninitialised`, and the residuals that depend only on the weights (their compute-dtype casts,
     transposes) are computed once, outside the loop; the backward loop reads them slice by slice
-    in reverse and sums the weight gradients as the scan's transpose did."""
+    in reverse and sums the weight gradients as the scan's transpose did.
+
+    `uninitialised` only on a one-device mesh: XLA's SPMD partitioner does not split an
+    AllocateBuffer custom call -- it allocates the global shape on every device and slices its
+    shard out (a copy: the fill's bytes again, and the whole stack's memory for a moment; seen in
+    the partitioned HLO of the 8-device test step, docs/pipeline-overhead.md). With more devices
+    the buffers start as zeros, as scan's."""
     S, M = stages, microbatches
     T = M + S - 1
     first_stage = (np.arange(S) == 0).reshape(S, *([1] * (xs.ndim - 2)))
@@ -224,8 +230,9 @@ def _iterations_own_vjp(stage, xs, params, *, stages: int, microbatches: int, co
         _, leaves = residuals(buf0, params)
         varies = static["varies"] = _depends_on_first_input(lambda h, p: residuals(h, p)[1], buf0, params)
         invariant = [None if v else leaf for v, leaf in zip(varies, leaves)]
-        saved = [jax.lax.empty((T, *a.shape), a.dtype) for a, v in zip(leaves, varies) if v]
-        ys = jax.lax.empty((M, *buf0.shape[1:]), buf0.dtype)
+        empty = jax.lax.empty if uninitialised else jnp.zeros
+        saved = [empty((T, *a.shape), a.dtype) for a, v in zip(leaves, varies) if v]
+        ys = empty((M, *buf0.shape[1:]), buf0.dtype)
 
         def iteration(t, carry):
             buf, saved, ys = carry
@@ -345,7 +352,8 @@ def pipeline_scan(schedule: PipelineSchedule, mesh: Mesh):
             def stage(buf, pieces):
                 weights = [jax.tree.map(lambda a, dtype: a[0].astype(dtype), piece, compute) for piece in pieces]
                 return constrain(run_stages(buf, constrain(weights, PIPE, rest=P.UNCONSTRAINED)), PIPE, DATA)
-            y = _iterations_own_vjp(stage, xs, pieces, stages=S, microbatches=M, constrain=constrain)
+            y = _iterations_own_vjp(stage, xs, pieces, stages=S, microbatches=M, constrain=constrain,
+                                    uninitialised=mesh.size == 1)
             return constrain(_merge_microbatches(y, n), (DATA, PIPE))
 
         buf = xs[:, 0]
