@@ -155,8 +155,9 @@ def test_own_vjp_leaves_the_saved_activations_unfilled():
     initial_fills): at least each layer's input of every iteration -- the least the backward pass
     needs: T x S x micro-batch rows x SEQ x d fp32 values a layer -- moves from zero-filled to
     uninitialised (measured: every stacked residual moves, several times that bound). On the
-    8-device mesh they start as zeros: XLA's SPMD partitioner would allocate an AllocateBuffer's
-    global shape on every device."""
+    8-device mesh too, each device's buffers made at its own shape (inside a shard_map: XLA's SPMD
+    partitioner would allocate an AllocateBuffer's global shape on every device), so the
+    uninitialised bytes (per device) are at least that bound's share of each of the 8 devices."""
     from jax.sharding import AxisType, Mesh
 
     from zerojax.partition import DATA, PIPE, TENSOR
@@ -184,10 +185,16 @@ def test_own_vjp_leaves_the_saved_activations_unfilled():
     scale = max(float(np.abs(g).max()) for g in jax.tree.leaves(grads))
     for (path, a), b in zip(jax.tree_util.tree_leaves_with_path(own_grads), jax.tree.leaves(grads)):
         np.testing.assert_allclose(a, b, rtol=0, atol=REL * scale, err_msg=jax.tree_util.keystr(path))
-    eng = trained(2, 1, 0, 0, "unrolled_own_vjp")[0]
-    abstract = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=a.sharding), eng.state)
-    assert initial_fills(eng._train.trace(abstract, eng._abstract_batch(SHAPES)).lower(
-        lowering_platforms=("cuda",)).as_text())["uninitialised"] == 0
+
+    def fills(stage_loop):  # the 8-device engine's step (data 4 x pipe 2)
+        eng = trained(2, 1, 0, 0, stage_loop)[0]
+        abstract = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=a.sharding), eng.state)
+        return initial_fills(eng._train.trace(abstract, eng._abstract_batch(SHAPES)).lower(
+            lowering_platforms=("cuda",)).as_text())
+
+    scan, own = fills("unrolled"), fills("unrolled_own_vjp")
+    assert scan["zero_filled"] - own["zero_filled"] >= inputs, (scan, own, inputs)
+    assert own["uninitialised"] >= inputs // 8 and scan["uninitialised"] == 0, (scan, own, inputs)
 
 
 def test_a_stage_cuts_its_layers_weights_once():

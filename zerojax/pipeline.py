@@ -189,56 +189,93 @@ def _depends_on_first_input(fn, *args) -> list[bool]:
     return [not isinstance(v, Literal) and v in varying for v in jaxpr.outvars]
 
 
-def _iterations_own_vjp(stage, xs, params, *, stages: int, microbatches: int, constrain, uninitialised: bool):
-    """The pipeline's M + S - 1 iterations (R = 1) with a backward pass of their own:
-    `stage(buf, params) -> out` on the [S, rows, ...] buffer, `xs` the [S, M, rows, ...]
-    micro-batches (stage 0's slice read); returns the last stage's outputs of the M
-    micro-batches, [M, rows, ...].
+def _iterations_own_vjp(run, xs, weights, *, stages: int, microbatches: int, mesh: Mesh, constrain):
+    """The pipeline's M + S - 1 iterations (R = 1) with a backward pass of their own: `run(h, w)`
+    one stage's layers on its [rows, ...] input, `weights` the stages' [S, ...] weights (vmapped
+    over), `xs` the [S, M, rows, ...] micro-batches (stage 0's slice read); returns the last
+    stage's outputs of the M micro-batches, [M, rows, ...].
 
     Why (issue #15): differentiated, `lax.scan` saves each iteration's residuals as stacked
     outputs, and JAX initialises those with zeros (a broadcast XLA writes in full before the loop:
     ~42 GB a step on GPT-2 Large, pipe 2, 8 micro-batches of 2, one H200). Here the forward loop
-    writes each iteration's residuals (the leaves of its `jax.vjp`) into buffers made by
+    writes each iteration's residuals (the leaves of each stage's `jax.vjp`) into buffers made by
     `jax.lax.empty` (XLA's uninitialised AllocateBuffer on GPU and TPU; on CPU a zero broadcast
-    still) when `uninitialised`, and the residuals that depend only on the weights (their compute-dtype casts,
+    still), and the residuals that depend only on the weights (their compute-dtype casts,
     transposes) are computed once, outside the loop; the backward loop reads them slice by slice
     in reverse and sums the weight gradients as the scan's transpose did.
 
-    `uninitialised` only on a one-device mesh: XLA's SPMD partitioner does not split an
-    AllocateBuffer custom call -- it allocates the global shape on every device and slices its
-    shard out (a copy: the fill's bytes again, and the whole stack's memory for a moment; seen in
-    the partitioned HLO of the 8-device test step, docs/pipeline-overhead.md). With more devices
-    the buffers start as zeros, as scan's."""
+    Each buffer is made per device, inside a `shard_map` ([T, S, ...] split over "pipe" on S and
+    over "data" on the residual's rows axis, found by tracing it at two row counts): XLA's SPMD
+    partitioner does not split an AllocateBuffer custom call -- it allocates the global shape on
+    every device and slices its shard out (a copy: the fill's bytes again, and the whole stack's
+    memory for a moment; seen in the partitioned HLO of the 8-device test step). On meshes with a
+    "tensor" axis (residuals split over heads) the buffers start as zeros, as scan's."""
     S, M = stages, microbatches
     T = M + S - 1
     first_stage = (np.arange(S) == 0).reshape(S, *([1] * (xs.ndim - 2)))
+    one = lambda a: jax.ShapeDtypeStruct(a.shape[1:], a.dtype)  # noqa: E731 -- a stage's slice
     # values the stage closes over that may be differentiated become arguments (custom_vjp needs it)
-    stage, consts = jax.closure_convert(stage, xs[:, 0], params)
-    params = (params, consts)
-    # from the forward trace (static, the same every iteration): the vjp's tree (it holds a jaxpr),
-    # which of its leaves depend on the iteration's input
+    converted, consts = jax.closure_convert(run, one(xs[:, 0]), jax.tree.map(one, weights))
+    sizes = {name: int(mesh.shape.get(name, 1)) for name in mesh.axis_names}
+    # the rows axis of a residual is found by tracing `run` at two row counts, which the converted
+    # function (traced at one) cannot do: with closed-over values, zero-filled buffers
+    per_device = not consts and all(v == 1 for k, v in sizes.items() if k not in (DATA, PIPE))
+    run = converted if consts else run
+    # from the forward trace (static, the same every iteration): each stage's vjp tree (it holds
+    # a jaxpr), which of its leaves depend on the iteration's input, each leaf's rows axis
     static = {}
 
-    def residuals(h, params):
-        out, vjp = jax.vjp(lambda h, p: stage(h, p[0], *p[1]), h, params)
-        leaves, tree = jax.tree.flatten(vjp)
-        static["tree"] = tree
+    def stage_residuals(h, w, c):  # one stage
+        out, vjp = jax.vjp(lambda h, w, c: run(h, w, *c), h, w, c)
+        leaves, static["tree"] = jax.tree.flatten(vjp)
         return out, leaves
+
+    def residuals(buf, params):  # all stages
+        return jax.vmap(stage_residuals, in_axes=(0, 0, None))(buf, *params)
+
+    def layout(h, params):
+        """(varies, rows axis or None) of each residual leaf of a stage."""
+        w, c = jax.tree.map(one, params[0]), params[1]
+        leaves_of = lambda h, w, c: stage_residuals(h, w, c)[1]  # noqa: E731
+        varies = _depends_on_first_input(leaves_of, one(h), w, c)
+        if not per_device:
+            return varies, [None] * len(varies)
+        twice = jax.ShapeDtypeStruct((2 * h.shape[1], *h.shape[2:]), h.dtype)
+        rows = []
+        for a, b in zip(jax.eval_shape(leaves_of, one(h), w, c), jax.eval_shape(leaves_of, twice, w, c), strict=True):
+            grown = [i for i, (m, k) in enumerate(zip(a.shape, b.shape)) if m != k]
+            rows.append(grown[0] if len(grown) == 1 and b.shape[grown[0]] == 2 * a.shape[grown[0]] else None)
+        return varies, rows
+
+    def spec(rows_axis, ndim):  # a stage's leaf: [S, ...]
+        return P(PIPE, *[DATA if i == rows_axis else None for i in range(ndim - 1)])
+
+    def stack(leaf, rows_axis):  # [T, S, ...], uninitialised where XLA can keep it so
+        sharding = spec(rows_axis, leaf.ndim)
+        shape = (T, *leaf.shape)
+        if not per_device:
+            return jax.lax.with_sharding_constraint(jnp.zeros(shape, leaf.dtype),
+                                                    NamedSharding(mesh, P(None, *sharding)))
+        local = [d // (sizes.get(name, 1) if isinstance(name, str) else 1)
+                 for d, name in zip(shape, (None, *sharding, *([None] * leaf.ndim)))]
+        return jax.shard_map(lambda: jax.lax.empty(tuple(local), leaf.dtype), mesh=mesh, in_specs=(),
+                             out_specs=P(None, *sharding), check_vma=False)()
 
     def forward(xs, params):
         buf0 = constrain(xs[:, 0], PIPE, DATA)
+        varies, rows = static["varies"], static["rows"] = layout(buf0, params)
         _, leaves = residuals(buf0, params)
-        varies = static["varies"] = _depends_on_first_input(lambda h, p: residuals(h, p)[1], buf0, params)
         invariant = [None if v else leaf for v, leaf in zip(varies, leaves)]
-        empty = jax.lax.empty if uninitialised else jnp.zeros
-        saved = [empty((T, *a.shape), a.dtype) for a, v in zip(leaves, varies) if v]
-        ys = empty((M, *buf0.shape[1:]), buf0.dtype)
+        saved = [stack(leaf, r) for leaf, v, r in zip(leaves, varies, rows) if v]
+        ys = jax.lax.empty((M, *buf0.shape[1:]), buf0.dtype) if mesh.size == 1 else \
+            jnp.zeros((M, *buf0.shape[1:]), buf0.dtype)
 
         def iteration(t, carry):
             buf, saved, ys = carry
             out, leaves = residuals(buf, params)
-            saved = [jax.lax.dynamic_update_index_in_dim(b, leaf, t, axis=0)
-                     for b, leaf in zip(saved, [leaf for v, leaf in zip(varies, leaves) if v])]
+            new = [jax.lax.with_sharding_constraint(leaf, NamedSharding(mesh, spec(r, leaf.ndim)))
+                   for leaf, v, r in zip(leaves, varies, rows) if v]
+            saved = [jax.lax.dynamic_update_index_in_dim(b, leaf, t, axis=0) for b, leaf in zip(saved, new)]
             # stage s + 1 takes stage s's output: a collective-permute over "pipe"
             rolled = constrain(jnp.roll(constrain(out, PIPE, DATA), 1, axis=0), PIPE, DATA)
             # the last stage's output of micro-batch t - (S - 1) (slot 0 before: overwritten later)
@@ -253,6 +290,9 @@ def _iterations_own_vjp(stage, xs, params, *, stages: int, microbatches: int, co
         invariant, saved, params, xs_zeros = res
         tree, varies = static["tree"], static["varies"]
 
+        def stage_backward(leaves, ct):  # one stage
+            return jax.tree.unflatten(tree, leaves)(ct)
+
         def iteration(i, carry):
             t = T - 1 - i
             ct_next, ct_params, ct_xs = carry  # ct_next: the cotangent of iteration t + 1's buffer
@@ -266,8 +306,9 @@ def _iterations_own_vjp(stage, xs, params, *, stages: int, microbatches: int, co
             ct_rolled = ct_rolled.at[0].add(jnp.where(t >= S - 1, y, zero))
             ct_out = constrain(jnp.roll(constrain(ct_rolled, PIPE, DATA), -1, axis=0), PIPE, DATA)
             slots = iter([jax.lax.dynamic_index_in_dim(b, t, axis=0, keepdims=False) for b in saved])
-            vjp = jax.tree.unflatten(tree, [next(slots) if v else leaf for v, leaf in zip(varies, invariant)])
-            ct_buf, ct_p = vjp(ct_out)
+            leaves = [next(slots) if v else leaf for v, leaf in zip(varies, invariant)]
+            ct_buf, ct_w, ct_c = jax.vmap(stage_backward)(leaves, ct_out)
+            ct_p = (ct_w, jax.tree.map(lambda a: a.sum(0), ct_c))  # the closed-over values: every stage's
             return constrain(ct_buf, PIPE, DATA), jax.tree.map(jnp.add, ct_params, ct_p), ct_xs
 
         start = (jnp.zeros(ct_ys.shape[1:], ct_ys.dtype)[None].repeat(S, 0),
@@ -276,9 +317,9 @@ def _iterations_own_vjp(stage, xs, params, *, stages: int, microbatches: int, co
         ct_xs = ct_xs.at[:, 0].add(ct_buf)  # iteration 0's buffer is xs[:, 0]
         return constrain(ct_xs, PIPE, None, DATA), ct_params
 
-    run = jax.custom_vjp(lambda xs, params: forward(xs, params)[0])
-    run.defvjp(forward, backward)
-    return run(xs, params)
+    loop = jax.custom_vjp(lambda xs, params: forward(xs, params)[0])
+    loop.defvjp(forward, backward)
+    return loop(xs, (weights, consts))
 
 
 def pipeline_scan(schedule: PipelineSchedule, mesh: Mesh):
@@ -349,11 +390,10 @@ def pipeline_scan(schedule: PipelineSchedule, mesh: Mesh):
                 raise ValueError("pipeline_stage_loop='unrolled_own_vjp' runs one repeat; use 'unrolled' "
                                  f"with pipeline_repeats={R}")
 
-            def stage(buf, pieces):
-                weights = [jax.tree.map(lambda a, dtype: a[0].astype(dtype), piece, compute) for piece in pieces]
-                return constrain(run_stages(buf, constrain(weights, PIPE, rest=P.UNCONSTRAINED)), PIPE, DATA)
-            y = _iterations_own_vjp(stage, xs, pieces, stages=S, microbatches=M, constrain=constrain,
-                                    uninitialised=mesh.size == 1)
+            def stage(h, weights):  # one stage's layers, its weights cast to the compute dtype
+                return run(h, [jax.tree.map(lambda a, dtype: a.astype(dtype), w, compute) for w in weights])
+            weights = constrain([jax.tree.map(lambda a: a[0], piece) for piece in pieces], PIPE, rest=P.UNCONSTRAINED)
+            y = _iterations_own_vjp(stage, xs, weights, stages=S, microbatches=M, mesh=mesh, constrain=constrain)
             return constrain(_merge_microbatches(y, n), (DATA, PIPE))
 
         buf = xs[:, 0]
