@@ -172,7 +172,8 @@ def initial_fills(mlir: str) -> dict[str, int]:
     what `lax.scan` makes for its stacked outputs, `jax.lax.empty` on CPU) vs leaves uninitialised
     (`AllocateBuffer` custom calls: `jax.lax.empty` lowered for GPU or TPU), each op counted once
     as written in the text (issue #15: XLA writes a zero-filled stack in full before the loop
-    that overwrites it). Lower for GPU on any machine: `jitted.trace(...).lower(lowering_platforms=("cuda",))`."""
+    that overwrites it). Shapes as written: global outside a shard_map, per device inside one.
+    Lower for GPU on any machine: `jitted.trace(...).lower(lowering_platforms=("cuda",))`."""
     zeros, out = set(), {"zero_filled": 0, "uninitialised": 0}
     for line in mlir.splitlines():
         if "func.func" in line:
@@ -180,7 +181,8 @@ def initial_fills(mlir: str) -> dict[str, int]:
         m = re.match(r"\s*(%[\w#]+) = stablehlo.constant dense<(?:0\.0+e\+00|0|false)> : tensor<\w+>", line)
         if m:
             zeros.add(m.group(1))
-        m = re.search(r"stablehlo.broadcast_in_dim (%[\w#]+), dims = \[\] : \(tensor<\w+>\) -> tensor<([\dx]+x\w+)>", line)
+        m = re.search(r"stablehlo.broadcast_in_dim (%[\w#]+), dims = \[\] : "
+                      r"\(tensor<\w+>\) -> tensor<([\dx]+x\w+)>", line)
         if m and m.group(1) in zeros:
             out["zero_filled"] += _tensor_bytes(m.group(2))
         m = re.search(r"custom_call @AllocateBuffer\(\).*-> tensor<([\dx]+x\w+)>", line)

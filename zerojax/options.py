@@ -116,7 +116,8 @@ class EngineOptions:
             problems.append(f"pipeline_stage_loop={self.pipeline_stage_loop!r}: one of {PIPELINE_STAGE_LOOPS}")
         if self.pipeline_stage_loop == "unrolled_own_vjp" and self.pipeline_repeats != 1:
             problems.append(f"pipeline_stage_loop='unrolled_own_vjp' with pipeline_repeats={self.pipeline_repeats}: "
-                            "its backward pass runs one repeat; use pipeline_stage_loop='unrolled' for circular repeats")
+                            "its backward pass runs one repeat; use pipeline_stage_loop='unrolled' for circular "
+                            "repeats")
         if self.offload_loop not in OFFLOAD_LOOPS:
             problems.append(f"offload_loop={self.offload_loop!r}: one of {OFFLOAD_LOOPS}")
         if self.offload_loop == "paired" and self.offload_streams > 1:
