@@ -136,6 +136,8 @@ def _stage_pieces(body, per: int, interval: int, loop: str):
         a copy in XLA, so slicing them inside the loop wrote every stage's weights once an
         iteration, forward and in the checkpointed recompute ("unrolled_sliced", session 6's
         form; benchmarks/hlo_bytes.py, issue #15).
+    "unrolled_own_vjp": "unrolled", the pipeline's iterations run by `_iterations_own_vjp`
+        (their saved activations in uninitialised buffers, not scan's zero-filled stacks).
     "unrolled_sliced": straight-line code too, but the block sliced inside each iteration.
     "scan": a loop over the layers. The pipeline's iterations are a scan too, and a scan nested
         in a scan saves its activations twice over -- the inner loop stacks them in a buffer of
