@@ -244,8 +244,6 @@ STEPS = {"zero1 mb8x2": dict(pipe=1, micro=8, accum=2),
          "pipe2 mb2x16 ckpt1 unrolled_sliced": dict(pipe=2, micro=2, accum=16, ckpt=1, stage_loop="unrolled_sliced"),
          "pipe2 mb2x16 ckpt1 unrolled": dict(pipe=2, micro=2, accum=16, ckpt=1),
          # the iterations' own backward pass, their residuals in jax.lax.empty buffers (no zero-fill on GPU)
-         "pipe2 mb2x16 unrolled_own_vjp": dict(pipe=2, micro=2, accum=16, stage_loop="unrolled_own_vjp"),
-         "pipe2 mb2x16 ckpt1 unrolled_own_vjp": dict(pipe=2, micro=2, accum=16, ckpt=1, stage_loop="unrolled_own_vjp"),
          # EngineOptions.pipeline_repeats 2: circular repeats (each stage holds 2 blocks of 1 layer)
          "pipe2 mb2x16 R2": dict(pipe=2, micro=2, accum=16, repeats=2)}
 

@@ -19,7 +19,7 @@ from zerojax.models.gpt2 import GPT2, GPT2Config, gpt2_loss
 from tiny_mlp import MLP, loss_fn as mlp_loss  # noqa: E402 (tests/ is on sys.path under pytest)
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks"))
-from hlo_bytes import bytes_by_loop, initial_fills  # noqa: E402
+from hlo_bytes import bytes_by_loop  # noqa: E402
 from hlo_flops import matmul_flops, parse  # noqa: E402
 
 MODEL = GPT2Config.named("tiny", vocab_size=64, n_positions=16, n_embd=32, n_head=2, n_layer=8)
@@ -85,7 +85,7 @@ CASES = [(2, 1, 0, 0), (4, 1, 1, 2), (2, 2, 1, 0), (4, 2, 0, 1)]
 
 
 @pytest.mark.parametrize("stages,repeats,zero_stage,ckpt,stage_loop",
-                         [(*c, "unrolled") for c in CASES] + [(2, 2, 1, 0, "scan"), (4, 1, 1, 2, "unrolled_own_vjp")])
+                         [(*c, "unrolled") for c in CASES] + [(2, 2, 1, 0, "scan")])
 def test_pipelined_steps_match_the_plain_model(stages, repeats, zero_stage, ckpt, stage_loop):
     eng, metrics, first, last = trained(stages, repeats, zero_stage, ckpt, stage_loop)
     _, ref_metrics, ref_first, ref_last = trained(1, 1, zero_stage)
@@ -143,57 +143,6 @@ def _forward_loop_bytes(hlo: str, iterations: int) -> int:
                and not any("transpose(" in rest for *_, rest in comps[body])]
     assert len(forward) == 1, (forward, per_loop)
     return per_loop[forward[0]]["bytes"]
-
-
-def test_own_vjp_leaves_the_saved_activations_unfilled():
-    """pipeline_stage_loop "unrolled_own_vjp" on a one-device mesh (both stages on the device): the
-    iterations' saved activations go into buffers `jax.lax.empty` makes (uninitialised
-    AllocateBuffer on GPU), not into `lax.scan`'s zero-filled stacked outputs (issue #15: the fill
-    wrote ~42 GB a GPT-2 Large step on one H200), with the same loss and gradients as "unrolled".
-    Checked on the step lowered for GPU (StableHLO, nothing compiled; benchmarks/hlo_bytes.py's
-    initial_fills): at least each layer's input of every iteration -- the least the backward pass
-    needs: T x S x micro-batch rows x SEQ x d fp32 values a layer -- moves from zero-filled to
-    uninitialised (measured: every stacked residual moves, several times that bound). On the
-    8-device mesh too, each device's buffers made at its own shape (inside a shard_map: XLA's SPMD
-    partitioner would allocate an AllocateBuffer's global shape on every device), so the
-    uninitialised bytes (per device) are at least that bound's share of each of the 8 devices."""
-    from jax.sharding import AxisType, Mesh
-
-    from zerojax.partition import DATA, PIPE, TENSOR
-    from zerojax.pipeline import PipelineSchedule, pipeline_scan
-
-    mesh = Mesh(np.asarray(jax.devices()[:1]).reshape(1, 1, 1), (DATA, PIPE, TENSOR), axis_types=(AxisType.Auto,) * 3)
-    net = model()
-    _, master, rest = nnx.split(net, nnx.Param, ...)
-    ids = batches()[0]["input_ids"]
-    per, T = MODEL.n_layer // 2, GA + 2 - 1
-    inputs = per * T * 2 * (ROWS // GA) * SEQ * MODEL.n_embd * 4  # bytes
-
-    def step(stage_loop):
-        net.layer_scan = pipeline_scan(PipelineSchedule(2, GA, stage_loop=stage_loop), mesh)
-        graph = nnx.split(net, nnx.Param, ...)[0]
-        f = jax.jit(jax.value_and_grad(lambda m, i: gpt2_loss(nnx.merge(graph, m, rest), {"input_ids": i})[0]))
-        return f(master, ids), initial_fills(f.trace(master, ids).lower(lowering_platforms=("cuda",)).as_text())
-
-    (loss, grads), scan = step("unrolled")
-    (own_loss, own_grads), own = step("unrolled_own_vjp")
-    assert scan["zero_filled"] - own["zero_filled"] >= inputs, (scan, own, inputs)
-    assert own["uninitialised"] >= inputs and scan["uninitialised"] == 0, (scan, own, inputs)
-    # the same per-row functions; only the order of sums may differ (REL: see the top of the file)
-    np.testing.assert_allclose(own_loss, loss, rtol=REL)
-    scale = max(float(np.abs(g).max()) for g in jax.tree.leaves(grads))
-    for (path, a), b in zip(jax.tree_util.tree_leaves_with_path(own_grads), jax.tree.leaves(grads)):
-        np.testing.assert_allclose(a, b, rtol=0, atol=REL * scale, err_msg=jax.tree_util.keystr(path))
-
-    def fills(stage_loop):  # the 8-device engine's step (data 4 x pipe 2), lowered only
-        eng = engine(2, stage_loop=stage_loop)
-        abstract = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=a.sharding), eng.state)
-        return initial_fills(eng._train.trace(abstract, eng._abstract_batch(SHAPES)).lower(
-            lowering_platforms=("cuda",)).as_text())
-
-    scan, own = fills("unrolled"), fills("unrolled_own_vjp")
-    assert scan["zero_filled"] - own["zero_filled"] >= inputs, (scan, own, inputs)
-    assert own["uninitialised"] >= inputs // 8 and scan["uninitialised"] == 0, (scan, own, inputs)
 
 
 def test_a_stage_cuts_its_layers_weights_once():
@@ -320,11 +269,8 @@ def test_errors():
     msg = _refusal({**config(2, 1), "zero_optimization": {"stage": 1, "offload_optimizer": {"device": "cpu"}}})
     assert "zero_optimization.offload_optimizer.device" in msg and "pipeline.stages" in msg
     # the stage loop option: its forms, by name
-    with pytest.raises(ValueError, match=r"pipeline_stage_loop='loop': one of \('unrolled', 'unrolled_sliced', 'scan', "
-                                         r"'unrolled_own_vjp'\)"):
+    with pytest.raises(ValueError, match=r"pipeline_stage_loop='loop': one of \('unrolled', 'unrolled_sliced', 'scan'\)"):
         zerojax.EngineOptions(pipeline_stage_loop="loop")
-    with pytest.raises(ValueError, match="pipeline_stage_loop='unrolled_own_vjp' with pipeline_repeats=2"):
-        zerojax.EngineOptions(pipeline_stage_loop="unrolled_own_vjp", pipeline_repeats=2)
     with pytest.raises(ValueError, match="ZEROJAX_PIPELINE_STAGE_LOOP='while'"):
         zerojax.EngineOptions.from_env({"ZEROJAX_PIPELINE_STAGE_LOOP": "while"})
     assert zerojax.EngineOptions.from_env({"ZEROJAX_PIPELINE_STAGE_LOOP": "scan"}).pipeline_stage_loop == "scan"
@@ -339,3 +285,17 @@ def test_batch_rule_counts_data_devices_only():
                                    "pipeline": {"stages": stages}})
         assert (cfg.world_size, cfg.train_batch_size) == (data, 2 * 4 * data)
     assert zerojax.load_config({"train_batch_size": 32, "pipeline": {"stages": "auto"}}).world_size == 8
+
+
+def test_pipelined_steps_compile_with_the_zero_init_option_on_gpu():
+    # On GPU a pipelined step is compiled with XLA's dus_accumulator_zero_init_elimination (one H200:
+    # 329.5 -> 309.5 ms, benchmarks/RESULTS.md); nowhere else. The option must be one this XLA knows:
+    # DebugOptions fields are the same on every platform, so a CPU compile that names it fails if a
+    # jaxlib renames or drops it (the engine would then silently compile without it).
+    from zerojax.engine import PIPELINE_ZERO_INIT_OPTION, step_compiler_options
+    assert step_compiler_options(pipelined=True, platform="gpu") == {PIPELINE_ZERO_INIT_OPTION: True}
+    assert step_compiler_options(pipelined=False, platform="gpu") == {}
+    assert step_compiler_options(pipelined=True, platform="cpu") == {}
+    x = np.zeros(3, np.float32)
+    f = jax.jit(lambda x: x + 1).lower(x).compile(compiler_options={PIPELINE_ZERO_INIT_OPTION: True})
+    np.testing.assert_array_equal(f(x), np.ones(3))

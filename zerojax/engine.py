@@ -504,8 +504,24 @@ class Engine:
         """The compiled train step (`jax.stages.Compiled`) for these batch shapes, cached."""
         key = self._shape_key(batch_shapes)
         if key not in self._compiled:
-            self._compiled[key] = self.lower_step(batch_shapes).compile()
+            lowered, options = self.lower_step(batch_shapes), self.compiler_options
+            try:
+                self._compiled[key] = lowered.compile(compiler_options=options or None)
+            except Exception as e:  # noqa: BLE001 - an XLA without one of these options: compile without them
+                if not any(name in str(e) for name in options):
+                    raise
+                self._compiled[key] = lowered.compile()
         return self._compiled[key]
+
+    @property
+    def compiler_options(self) -> dict:
+        """XLA options the train step is compiled with. A pipelined step on GPU: XLA:GPU's
+        `xla_gpu_enable_dus_accumulator_zero_init_elimination` (off by default in XLA), which drops the
+        zero-fill of the loop buffers the pipeline's iterations save their activations into (each
+        element is written before it is read): GPT-2 Large, pipe 2 on one H200, 329.5 -> 309.5 ms a
+        step, same loss (benchmarks/RESULTS.md, session 7). Nothing elsewhere: not measured there."""
+        return step_compiler_options(pipelined=self.layout.pipeline is not None,
+                                     platform=self.mesh.devices.flat[0].platform)
 
     compile_train_step = compiled_step
 
@@ -579,6 +595,15 @@ class Engine:
                 report["compiled_peak"] = (m.temp_size_in_bytes + m.argument_size_in_bytes
                                            + m.output_size_in_bytes - m.alias_size_in_bytes)
         return report
+
+
+# XLA:GPU option (off by default in XLA) that a pipelined step is compiled with: Engine.compiler_options
+PIPELINE_ZERO_INIT_OPTION = "xla_gpu_enable_dus_accumulator_zero_init_elimination"
+
+
+def step_compiler_options(*, pipelined: bool, platform: str) -> dict:
+    """The XLA options a train step is compiled with (see `Engine.compiler_options`)."""
+    return {PIPELINE_ZERO_INIT_OPTION: True} if pipelined and platform == "gpu" else {}
 
 
 def _init_pure(init_fn):

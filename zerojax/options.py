@@ -18,7 +18,7 @@ from typing import Any, Callable, Mapping
 
 STAGE3_GATHER_MODES = ("layer", "auto")
 ADAM_MU_DTYPES = (None, "bfloat16")
-PIPELINE_STAGE_LOOPS = ("unrolled", "unrolled_sliced", "scan", "unrolled_own_vjp")
+PIPELINE_STAGE_LOOPS = ("unrolled", "unrolled_sliced", "scan")
 OFFLOAD_LOOPS = ("in_place", "paired")   # zerojax.offload.update.streamed_update's `loop`
 
 
@@ -72,10 +72,6 @@ class EngineOptions:
         436 scanned, peak 71.3 vs 77.7 GiB, compiled in 16 vs 4 s (session 6, when "unrolled"
         still sliced each layer's weights out of the stage's stack in every iteration: that form
         is kept as "unrolled_sliced" for A/B runs; "unrolled" cuts them once, before the loop).
-        "unrolled_own_vjp" (pipeline_repeats 1 only): "unrolled", the pipeline's iterations a loop
-        with a backward pass of its own that keeps their saved activations in uninitialised buffers
-        (`jax.lax.empty`) instead of the zero-filled stacks `lax.scan` makes (issue #15: the fill
-        wrote ~42 GB a GPT-2 Large step on one H200); equal results, not yet timed on a GPU.
     memory_guard [True]: before the first step of each batch shape, compare XLA's predicted peak
         with the device's memory and raise WillNotFitError instead of running out mid-step.
     plans_for [None]: `plans_for(engine, batch_shapes, budget) -> plans` called when the guard
@@ -114,10 +110,6 @@ class EngineOptions:
                 problems.append(f"{name}={getattr(self, name)!r}: True or False")
         if self.pipeline_stage_loop not in PIPELINE_STAGE_LOOPS:
             problems.append(f"pipeline_stage_loop={self.pipeline_stage_loop!r}: one of {PIPELINE_STAGE_LOOPS}")
-        if self.pipeline_stage_loop == "unrolled_own_vjp" and self.pipeline_repeats != 1:
-            problems.append(f"pipeline_stage_loop='unrolled_own_vjp' with pipeline_repeats={self.pipeline_repeats}: "
-                            "its backward pass runs one repeat; use pipeline_stage_loop='unrolled' for circular "
-                            "repeats")
         if self.offload_loop not in OFFLOAD_LOOPS:
             problems.append(f"offload_loop={self.offload_loop!r}: one of {OFFLOAD_LOOPS}")
         if self.offload_loop == "paired" and self.offload_streams > 1:

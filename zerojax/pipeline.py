@@ -52,10 +52,7 @@ import dataclasses
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
-
-from jax.extend.core import Literal
 
 from zerojax.accumulate import split_microbatches
 from zerojax.partition import DATA, PIPE
@@ -136,8 +133,6 @@ def _stage_pieces(body, per: int, interval: int, loop: str):
         a copy in XLA, so slicing them inside the loop wrote every stage's weights once an
         iteration, forward and in the checkpointed recompute ("unrolled_sliced", session 6's
         form; benchmarks/hlo_bytes.py, issue #15).
-    "unrolled_own_vjp": "unrolled", the pipeline's iterations run by `_iterations_own_vjp`
-        (their saved activations in uninitialised buffers, not scan's zero-filled stacks).
     "unrolled_sliced": straight-line code too, but the block sliced inside each iteration.
     "scan": a loop over the layers. The pipeline's iterations are a scan too, and a scan nested
         in a scan saves its activations twice over -- the inner loop stacks them in a buffer of
@@ -151,7 +146,7 @@ def _stage_pieces(body, per: int, interval: int, loop: str):
     # a group is recomputed in the backward pass, its activations transient: its loop stays a loop
     checkpointed = jax.checkpoint(layers, policy=jax.checkpoint_policies.nothing_saveable,
                                   prevent_cse=False) if interval else None
-    if loop in ("unrolled", "unrolled_own_vjp"):
+    if loop == "unrolled":
         step = checkpointed if interval else body  # a piece: one checkpointed group, or one layer
 
         def cut(block):
@@ -176,152 +171,6 @@ def _stage_pieces(body, per: int, interval: int, loop: str):
         return h
 
     return cut, run
-
-
-def _depends_on_first_input(fn, *args) -> list[bool]:
-    """For each output leaf of `fn(*args)`: whether it depends on the first argument (one array).
-    A dependency pass over the traced jaxpr, conservative (an equation's outputs depend on all of
-    its inputs)."""
-    closed = jax.make_jaxpr(fn)(*args)
-    jaxpr = closed.jaxpr
-    varying = {jaxpr.invars[0]}
-    for eqn in jaxpr.eqns:
-        if any(not isinstance(v, Literal) and v in varying for v in eqn.invars):
-            varying.update(eqn.outvars)
-    return [not isinstance(v, Literal) and v in varying for v in jaxpr.outvars]
-
-
-def _iterations_own_vjp(run, xs, weights, *, stages: int, microbatches: int, mesh: Mesh, constrain):
-    """The pipeline's M + S - 1 iterations (R = 1) with a backward pass of their own: `run(h, w)`
-    one stage's layers on its [rows, ...] input, `weights` the stages' [S, ...] weights (vmapped
-    over), `xs` the [S, M, rows, ...] micro-batches (stage 0's slice read); returns the last
-    stage's outputs of the M micro-batches, [M, rows, ...].
-
-    Why (issue #15): differentiated, `lax.scan` saves each iteration's residuals as stacked
-    outputs, and JAX initialises those with zeros (a broadcast XLA writes in full before the loop:
-    ~42 GB a step on GPT-2 Large, pipe 2, 8 micro-batches of 2, one H200). Here the forward loop
-    writes each iteration's residuals (the leaves of each stage's `jax.vjp`) into buffers made by
-    `jax.lax.empty` (XLA's uninitialised AllocateBuffer on GPU and TPU; on CPU a zero broadcast
-    still), and the residuals that depend only on the weights (their compute-dtype casts,
-    transposes) are computed once, outside the loop; the backward loop reads them slice by slice
-    in reverse and sums the weight gradients as the scan's transpose did.
-
-    Each buffer is made per device, inside a `shard_map` ([T, S, ...] split over "pipe" on S and
-    over "data" on the residual's rows axis, found by tracing it at two row counts): XLA's SPMD
-    partitioner does not split an AllocateBuffer custom call -- it allocates the global shape on
-    every device and slices its shard out (a copy: the fill's bytes again, and the whole stack's
-    memory for a moment; seen in the partitioned HLO of the 8-device test step). On meshes with a
-    "tensor" axis (residuals split over heads) the buffers start as zeros, as scan's."""
-    S, M = stages, microbatches
-    T = M + S - 1
-    first_stage = (np.arange(S) == 0).reshape(S, *([1] * (xs.ndim - 2)))
-    one = lambda a: jax.ShapeDtypeStruct(a.shape[1:], a.dtype)  # noqa: E731 -- a stage's slice
-    # values the stage closes over that may be differentiated become arguments (custom_vjp needs it)
-    converted, consts = jax.closure_convert(run, one(xs[:, 0]), jax.tree.map(one, weights))
-    sizes = {name: int(mesh.shape.get(name, 1)) for name in mesh.axis_names}
-    # the rows axis of a residual is found by tracing `run` at two row counts, which the converted
-    # function (traced at one) cannot do: with closed-over values, zero-filled buffers
-    per_device = not consts and all(v == 1 for k, v in sizes.items() if k not in (DATA, PIPE))
-    run = converted if consts else run
-    # from the forward trace (static, the same every iteration): each stage's vjp tree (it holds
-    # a jaxpr), which of its leaves depend on the iteration's input, each leaf's rows axis
-    static = {}
-
-    def stage_residuals(h, w, c):  # one stage
-        out, vjp = jax.vjp(lambda h, w, c: run(h, w, *c), h, w, c)
-        leaves, static["tree"] = jax.tree.flatten(vjp)
-        return out, leaves
-
-    def residuals(buf, params):  # all stages
-        return jax.vmap(stage_residuals, in_axes=(0, 0, None))(buf, *params)
-
-    def layout(h, params):
-        """(varies, rows axis or None) of each residual leaf of a stage."""
-        w, c = jax.tree.map(one, params[0]), params[1]
-        leaves_of = lambda h, w, c: stage_residuals(h, w, c)[1]  # noqa: E731
-        varies = _depends_on_first_input(leaves_of, one(h), w, c)
-        if not per_device:
-            return varies, [None] * len(varies)
-        twice = jax.ShapeDtypeStruct((2 * h.shape[1], *h.shape[2:]), h.dtype)
-        rows = []
-        for a, b in zip(jax.eval_shape(leaves_of, one(h), w, c), jax.eval_shape(leaves_of, twice, w, c), strict=True):
-            grown = [i for i, (m, k) in enumerate(zip(a.shape, b.shape)) if m != k]
-            rows.append(grown[0] if len(grown) == 1 and b.shape[grown[0]] == 2 * a.shape[grown[0]] else None)
-        return varies, rows
-
-    def spec(rows_axis, ndim):  # a stage's leaf: [S, ...]
-        return P(PIPE, *[DATA if i == rows_axis else None for i in range(ndim - 1)])
-
-    def stack(leaf, rows_axis):  # [T, S, ...], uninitialised where XLA can keep it so
-        sharding = spec(rows_axis, leaf.ndim)
-        shape = (T, *leaf.shape)
-        if not per_device:
-            return jax.lax.with_sharding_constraint(jnp.zeros(shape, leaf.dtype),
-                                                    NamedSharding(mesh, P(None, *sharding)))
-        local = [d // (sizes.get(name, 1) if isinstance(name, str) else 1)
-                 for d, name in zip(shape, (None, *sharding, *([None] * leaf.ndim)))]
-        return jax.shard_map(lambda: jax.lax.empty(tuple(local), leaf.dtype), mesh=mesh, in_specs=(),
-                             out_specs=P(None, *sharding), check_vma=False)()
-
-    def forward(xs, params):
-        buf0 = constrain(xs[:, 0], PIPE, DATA)
-        varies, rows = static["varies"], static["rows"] = layout(buf0, params)
-        _, leaves = residuals(buf0, params)
-        invariant = [None if v else leaf for v, leaf in zip(varies, leaves)]
-        saved = [stack(leaf, r) for leaf, v, r in zip(leaves, varies, rows) if v]
-        ys = jax.lax.empty((M, *buf0.shape[1:]), buf0.dtype) if mesh.size == 1 else \
-            jnp.zeros((M, *buf0.shape[1:]), buf0.dtype)
-
-        def iteration(t, carry):
-            buf, saved, ys = carry
-            out, leaves = residuals(buf, params)
-            new = [jax.lax.with_sharding_constraint(leaf, NamedSharding(mesh, spec(r, leaf.ndim)))
-                   for leaf, v, r in zip(leaves, varies, rows) if v]
-            saved = [jax.lax.dynamic_update_index_in_dim(b, leaf, t, axis=0) for b, leaf in zip(saved, new)]
-            # stage s + 1 takes stage s's output: a collective-permute over "pipe"
-            rolled = constrain(jnp.roll(constrain(out, PIPE, DATA), 1, axis=0), PIPE, DATA)
-            # the last stage's output of micro-batch t - (S - 1) (slot 0 before: overwritten later)
-            ys = jax.lax.dynamic_update_index_in_dim(ys, rolled[0], jnp.maximum(t - (S - 1), 0), axis=0)
-            head = jax.lax.dynamic_index_in_dim(xs, jnp.minimum(t + 1, M - 1), axis=1, keepdims=False)
-            return constrain(jnp.where(first_stage, head, rolled), PIPE, DATA), saved, ys
-
-        _, saved, ys = jax.lax.fori_loop(0, T, iteration, (buf0, saved, ys))
-        return ys, (invariant, saved, params, jnp.zeros_like(xs))
-
-    def backward(res, ct_ys):
-        invariant, saved, params, xs_zeros = res
-        tree, varies = static["tree"], static["varies"]
-
-        def stage_backward(leaves, ct):  # one stage
-            return jax.tree.unflatten(tree, leaves)(ct)
-
-        def iteration(i, carry):
-            t = T - 1 - i
-            ct_next, ct_params, ct_xs = carry  # ct_next: the cotangent of iteration t + 1's buffer
-            zero = jnp.zeros((), ct_next.dtype)
-            k = jnp.minimum(t + 1, M - 1)  # the micro-batch stage 0 took after iteration t
-            ct_xs = jax.lax.dynamic_update_index_in_dim(
-                ct_xs, jax.lax.dynamic_index_in_dim(ct_xs, k, axis=1, keepdims=False)
-                + jnp.where(first_stage, ct_next, zero), k, axis=1)
-            ct_rolled = jnp.where(first_stage, zero, ct_next)
-            y = jax.lax.dynamic_index_in_dim(ct_ys, jnp.maximum(t - (S - 1), 0), axis=0, keepdims=False)
-            ct_rolled = ct_rolled.at[0].add(jnp.where(t >= S - 1, y, zero))
-            ct_out = constrain(jnp.roll(constrain(ct_rolled, PIPE, DATA), -1, axis=0), PIPE, DATA)
-            slots = iter([jax.lax.dynamic_index_in_dim(b, t, axis=0, keepdims=False) for b in saved])
-            leaves = [next(slots) if v else leaf for v, leaf in zip(varies, invariant)]
-            ct_buf, ct_w, ct_c = jax.vmap(stage_backward)(leaves, ct_out)
-            ct_p = (ct_w, jax.tree.map(lambda a: a.sum(0), ct_c))  # the closed-over values: every stage's
-            return constrain(ct_buf, PIPE, DATA), jax.tree.map(jnp.add, ct_params, ct_p), ct_xs
-
-        start = (jnp.zeros(ct_ys.shape[1:], ct_ys.dtype)[None].repeat(S, 0),
-                 jax.tree.map(jnp.zeros_like, params), xs_zeros)
-        ct_buf, ct_params, ct_xs = jax.lax.fori_loop(0, T, iteration, start)
-        ct_xs = ct_xs.at[:, 0].add(ct_buf)  # iteration 0's buffer is xs[:, 0]
-        return constrain(ct_xs, PIPE, None, DATA), ct_params
-
-    loop = jax.custom_vjp(lambda xs, params: forward(xs, params)[0])
-    loop.defvjp(forward, backward)
-    return loop(xs, (weights, consts))
 
 
 def pipeline_scan(schedule: PipelineSchedule, mesh: Mesh):
@@ -386,17 +235,6 @@ def pipeline_scan(schedule: PipelineSchedule, mesh: Mesh):
                     fifo, (t + 1) % ring, axis=0, keepdims=False))
             buf = constrain(jnp.where(first_stage, head, rolled), PIPE, DATA)
             return (buf, fifo), rolled
-
-        if schedule.stage_loop == "unrolled_own_vjp":
-            if R > 1:
-                raise ValueError("pipeline_stage_loop='unrolled_own_vjp' runs one repeat; use 'unrolled' "
-                                 f"with pipeline_repeats={R}")
-
-            def stage(h, weights):  # one stage's layers, its weights cast to the compute dtype
-                return run(h, [jax.tree.map(lambda a, dtype: a.astype(dtype), w, compute) for w in weights])
-            weights = constrain([jax.tree.map(lambda a: a[0], piece) for piece in pieces], PIPE, rest=P.UNCONSTRAINED)
-            y = _iterations_own_vjp(stage, xs, weights, stages=S, microbatches=M, mesh=mesh, constrain=constrain)
-            return constrain(_merge_microbatches(y, n), (DATA, PIPE))
 
         buf = xs[:, 0]
         fifo = constrain(jnp.zeros((ring, *buf.shape), x.dtype), None, PIPE, DATA)
