@@ -225,9 +225,8 @@ def engine_hlo(pipe: int, micro: int, accum: int, *, size: str = "small-cpu", se
     seconds = time.perf_counter() - t0
     mem = CompiledMemory.of(compiled)
     # the same step lowered for GPU (nothing compiled): which buffers start zero-filled there
-    abstract = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=a.sharding), eng.state)
-    gpu = eng._train.trace(abstract, eng._abstract_batch({"input_ids": jax.ShapeDtypeStruct(
-        (micro * accum * n, seq), np.int32)})).lower(lowering_platforms=("cuda",)).as_text()
+    gpu = eng.lower_step({"input_ids": jax.ShapeDtypeStruct((micro * accum * n, seq), np.int32)},
+                         platforms=("cuda",)).as_text()
     return compiled.as_text(), {"compile_s": round(seconds, 1), "peak_gib": mem.peak / 2**30,
                                 **{f"{k}_mib": getattr(mem, k) / 2**20 for k in ("argument", "output", "temp", "alias")},
                                 **{f"gpu_{k}_mib": v / 2**20 for k, v in initial_fills(gpu).items()}}

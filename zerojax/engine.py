@@ -490,11 +490,16 @@ class Engine:
 
     # ------------------------------------------------------------------ ahead of time
 
-    def lower_step(self, batch_shapes) -> jax.stages.Lowered:
-        """Lower the train step for a global batch of ShapeDtypeStructs (nothing runs)."""
+    def lower_step(self, batch_shapes, *, platforms: tuple[str, ...] | None = None) -> jax.stages.Lowered:
+        """Lower the train step for a global batch of ShapeDtypeStructs (nothing runs). `platforms`
+        (e.g. ("cuda",)): lower for those instead of this machine's, to read another backend's
+        StableHLO (it cannot be compiled here)."""
         abstract_state = jax.tree.map(
             lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=a.sharding), self.state)
-        return self._train.lower(abstract_state, self._abstract_batch(batch_shapes))
+        batch = self._abstract_batch(batch_shapes)
+        if platforms:
+            return self._train.trace(abstract_state, batch).lower(lowering_platforms=tuple(platforms))
+        return self._train.lower(abstract_state, batch)
 
     @staticmethod
     def _shape_key(batch_shapes) -> str:
