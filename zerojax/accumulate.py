@@ -69,7 +69,6 @@ def accumulate_gradients(
     accum_dtype=jnp.float32,
     loss_scale=1.0,
     carry=None,
-    grad_transform: Callable | None = None,
     add_into: Callable | None = None,
     acc_init=None,
 ):
@@ -77,8 +76,7 @@ def accumulate_gradients(
 
     Returns `(grads, loss, aux, carry)`: grads in `accum_dtype` and `grad_shardings`, loss the fp32
     mean of the (unscaled) micro-batch losses, aux the reduced auxiliary metrics.
-    grad_transform: applied to each micro-batch's gradients before they are added (host offload
-    of params: brings host-resident gradients to the device). With steps == 1, accum_dtype=None
+    With steps == 1, accum_dtype=None
     keeps the gradients as they come (no cast, no sharding constraint: host-resident gradients
     stay where they are and are cast chunk by chunk later).
     add_into: `add_into(acc, grads, first) -> acc` sums a micro-batch's gradients into an
@@ -98,8 +96,6 @@ def accumulate_gradients(
             return loss / steps * loss_scale, (loss, aux, new_carry)
 
         grads, (loss, aux, new_carry) = jax.grad(objective, has_aux=True)(params)
-        if grad_transform is not None:
-            grads = grad_transform(grads)
         return grads, loss, aux, new_carry
 
     def constrain(tree):

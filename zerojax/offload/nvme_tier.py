@@ -22,7 +22,7 @@ from zerojax.checkpoint_stream import StreamedLeaf
 from zerojax.offload.chunks import OffloadLayout, chunk_templates, is_none
 from zerojax.offload.memory_kinds import DEVICE, is_sharding
 from zerojax.offload.nvme import NvmeSwapper, SwapLeaf, check_swap_path
-from zerojax.offload.update import _apply, _grads_in, _slice_sharding
+from zerojax.offload.update import _apply, _grads_in, _group, _put_group, _slice_sharding
 
 
 def _flat(tree):
@@ -345,9 +345,6 @@ def nvme_loop_update(tier: NvmeTier, tx, g, s_live, cp, *, compute_dtype, skip, 
                          is_leaf=lambda x: x is None or is_sharding(x))
     m_dev_leaves, _ = _flat(m_dev)
     s_dev = {j: _slice_sharding(s_sh_leaves[j], per).with_memory_kind(DEVICE) for j in tier.s_files}
-    sl = lambda x, j: jax.lax.dynamic_slice_in_dim(x, j * per, per, axis=0)  # noqa: E731
-    put = lambda buf, x, j: jax.lax.dynamic_update_slice_in_dim(buf, x, j * per, axis=0)  # noqa: E731
-    tmap = lambda f, *t: jax.tree.map(f, *t, is_leaf=is_none)  # noqa: E731
     read = lambda j: tier.swapper.read(j)  # noqa: E731 - looked up at run time: the swapper opens after tracing
     write = lambda j, *xs: tier.swapper.write(j, *xs)  # noqa: E731
 
@@ -361,7 +358,7 @@ def nvme_loop_update(tier: NvmeTier, tx, g, s_live, cp, *, compute_dtype, skip, 
               for k, x in enumerate(s_in)]   # every group reads the step's counters, as `_loop_update`
         for k, v in zip(tier.s_files, vals[nm:]):
             ss[k] = jax.device_put(v, s_dev[k])
-        gg = _grads_in(tmap(lambda x: None if x is None else sl(x, j), g), m_dev)
+        gg = _grads_in(_group(g, j, per), m_dev)
         mm, ss, cc = _apply(tx, gg, s_def.unflatten(ss), m_def.unflatten(mm), compute_dtype, skip, grad_scale)
         mm, _ = _flat(mm)
         ss, _ = _flat(ss)
@@ -369,7 +366,7 @@ def nvme_loop_update(tier: NvmeTier, tx, g, s_live, cp, *, compute_dtype, skip, 
         if compute_kind is not None:
             cc = jax.device_put(cc, jax.tree.map(lambda s: None if s is None else s.with_memory_kind(compute_kind),
                                                  m_dev, is_leaf=lambda x: x is None or is_sharding(x)))
-        cp = tmap(lambda b, x: None if b is None else put(b, x.astype(b.dtype), j), cp, cc)
+        cp = _put_group(cp, cc, j, per)
         # the counters (same in every group): this group's new ones, as `_loop_update` keeps them
         counters = [None if x is None else jax.device_put(ss[k], s_sh_leaves[k]) for k, x in enumerate(s_in)]
         return counters, cp

@@ -41,6 +41,24 @@ def _slice_sharding(s, n: int):
                          memory_kind=s.memory_kind)
 
 
+def _group_shardings(m_sh, per: int):
+    """A chunk's master shardings for one group of `per` layers (`_slice_sharding` of each)."""
+    return jax.tree.map(lambda x: _slice_sharding(x, per), m_sh, is_leaf=is_sharding)
+
+
+def _group(tree, j, per: int):
+    """Layer group j (`per` layers) of a chunk tree's stacked leaves, by dynamic slice (None stays None)."""
+    return jax.tree.map(lambda x: None if x is None else jax.lax.dynamic_slice_in_dim(x, j * per, per, axis=0),
+                        tree, is_leaf=is_none)
+
+
+def _put_group(buf, x, j, per: int):
+    """`buf` with layer group j replaced by `x` cast to its dtype (dynamic_update_slice: in place where
+    `buf` is donated or a loop carry). None leaves stay None."""
+    return jax.tree.map(lambda b, v: None if b is None else jax.lax.dynamic_update_slice_in_dim(
+        b, v.astype(b.dtype), j * per, axis=0), buf, x, is_leaf=is_none)
+
+
 def _write_in_place(buf, x, s, kind: str, pieces: int):
     """Device array `x` written into the donated host buffer `buf` (sharding `s`) by
     dynamic_update_slice, in `pieces` slices along its longest unsharded axis.
@@ -75,7 +93,6 @@ def _loop_update(tx, cs, gs, ms, ss, cps, m_shs, s_shs, *, kind, compute_dtype, 
     loops = {c.loop for c in cs}
     if len(loops) != 1:
         raise ValueError(f"loop chunks updated together need the same group count; got {sorted(loops)}")
-    tmap = lambda f, *t: jax.tree.map(f, *t, is_leaf=is_none)  # noqa: E731
     plans = []
     for c, s, m_sh, s_sh in zip(cs, ss, m_shs, s_shs):
         n = c.hi - c.lo
@@ -83,26 +100,25 @@ def _loop_update(tx, cs, gs, ms, ss, cps, m_shs, s_shs, *, kind, compute_dtype, 
         s_leaves, s_def = jax.tree.flatten(s)
         stacked = [x.ndim >= 1 and x.shape[0] == n for x in s_leaves]
         s_dev = [_slice_sharding(x, per) if f else x for x, f in zip(s_def.flatten_up_to(s_sh), stacked)]
-        m_dev = jax.tree.map(lambda x, per=per: _slice_sharding(x, per), m_sh, is_leaf=is_sharding)
-        plans.append((per, s_leaves, s_def, stacked, s_dev, m_dev))
+        plans.append((per, s_leaves, s_def, stacked, s_dev, _group_shardings(m_sh, per)))
 
     def one(j, plan, g, carry):
         per, s_leaves, s_def, stacked, s_dev, m_dev = plan
         sl = lambda x: jax.lax.dynamic_slice_in_dim(x, j * per, per, axis=0)  # noqa: E731
         put = lambda buf, x: jax.lax.dynamic_update_slice_in_dim(buf, x, j * per, axis=0)  # noqa: E731
         m, s_l, cp = carry
-        mm = _to(tmap(lambda x: None if x is None else sl(x), m), m_dev, DEVICE)
+        mm = _to(_group(m, j, per), m_dev, DEVICE)
         st = [sl(x) if f else x0 for x, x0, f in zip(s_l, s_leaves, stacked)]
         st = jax.device_put(st, [x.with_memory_kind(DEVICE) for x in s_dev])
-        gg = _grads_in(tmap(lambda x: None if x is None else sl(x), g), m_dev)
+        gg = _grads_in(_group(g, j, per), m_dev)
         mm, st, cc = _apply(tx, gg, s_def.unflatten(st), mm, compute_dtype, skip, grad_scale)
         mm = _to(mm, m_dev, kind)
         st = jax.device_put(jax.tree.leaves(st), [x.with_memory_kind(kind) for x in s_dev])
         if compute_kind is not None:
             cc = _to(cc, m_dev, compute_kind)
-        m = tmap(lambda b, x: None if b is None else put(b, x), m, mm)
+        m = _put_group(m, mm, j, per)
         s_l = [put(b, x) if f else x for b, x, f in zip(s_l, st, stacked)]
-        cp = tmap(lambda b, x: None if b is None else put(b, x.astype(b.dtype)), cp, cc)
+        cp = _put_group(cp, cc, j, per)
         return m, s_l, cp
 
     def body(j, carries):
@@ -256,10 +272,9 @@ def grad_stats(grads, off: OffloadLayout):
     for c, g, m_sh in zip(off.layout.chunks, to_chunks(grads, off.layout), off.master_shardings):
         if c.loop:  # one group of layers on the device at a time, as the update does
             per = (c.hi - c.lo) // c.loop
-            sl = lambda x, j: None if x is None else jax.lax.dynamic_slice_in_dim(x, j * per, per, 0)  # noqa: E731
-            dev = jax.tree.map(lambda x: _slice_sharding(x, per), m_sh, is_leaf=is_sharding)
-            acc = jax.lax.fori_loop(0, c.loop, lambda j, a, g=g, dev=dev, sl=sl: stats(
-                jax.tree.map(lambda x: sl(x, j), g, is_leaf=is_none), dev, a), acc)
+            dev = _group_shardings(m_sh, per)
+            acc = jax.lax.fori_loop(0, c.loop, lambda j, a, g=g, dev=dev, per=per: stats(
+                _group(g, j, per), dev, a), acc)
         else:
             acc = stats(g, m_sh, acc)
     return acc
@@ -285,18 +300,14 @@ def accumulate_chunks(acc, grads, off: OffloadLayout, first, *, kind: str):
                              off.master_shardings):
         if c.loop:  # a group of layers on the device at a time, written back in place
             per = (c.hi - c.lo) // c.loop
-            dev = jax.tree.map(lambda x, per=per: _slice_sharding(x, per), m_sh, is_leaf=is_sharding)
+            dev = _group_shardings(m_sh, per)
 
             def body(j, a, g=g, dev=dev, per=per):
-                sl = lambda x: None if x is None else jax.lax.dynamic_slice_in_dim(x, j * per, per, 0)  # noqa: E731
-                aa = _to(jax.tree.map(sl, a, is_leaf=is_none), dev, DEVICE)
-                gg = _grads_in(jax.tree.map(sl, g, is_leaf=is_none), dev)
-                new = _to(jax.tree.map(add, aa, gg, is_leaf=is_none), dev, kind)
-                return jax.tree.map(lambda b, x: None if b is None else jax.lax.dynamic_update_slice_in_dim(
-                    b, x, j * per, axis=0), a, new, is_leaf=is_none)
+                aa = _to(_group(a, j, per), dev, DEVICE)
+                new = _to(jax.tree.map(add, aa, _grads_in(_group(g, j, per), dev), is_leaf=is_none), dev, kind)
+                return _put_group(a, new, j, per)
 
             out.append(jax.lax.fori_loop(0, c.loop, body, a))
         else:  # the non-layer leaves (or a device chunk): whole
-            home = jax.tree.map(lambda s: s.with_memory_kind(kind), m_sh, is_leaf=is_sharding)
-            out.append(_to(jax.tree.map(add, _to(a, m_sh, DEVICE), _grads_in(g, m_sh), is_leaf=is_none), home, kind))
+            out.append(_to(jax.tree.map(add, _to(a, m_sh, DEVICE), _grads_in(g, m_sh), is_leaf=is_none), m_sh, kind))
     return from_chunks(out, off.layout)
