@@ -159,20 +159,11 @@ class NvmeSwapper:
         self._pool = cf.ThreadPoolExecutor(max(1, min(int(threads), MAX_THREADS)), thread_name_prefix="zerojax-nvme")
         self._fds = []
         # O_DIRECT where the filesystem takes it (and the request pieces stay aligned): see the module doc
-        self.direct = bool(direct) and hasattr(os, "O_DIRECT") and self.block_size % DIRECT_ALIGN == 0
+        self.direct = (bool(direct) and hasattr(os, "O_DIRECT") and self.block_size % DIRECT_ALIGN == 0
+                       and _accepts_direct(self.dir))
+        flags = os.O_RDWR | os.O_CREAT | os.O_TRUNC | (os.O_DIRECT if self.direct else 0)
         for i, (leaf, stride) in enumerate(zip(self.leaves, self.strides)):
-            name = os.path.join(self.dir, f"leaf{i}.swap")
-            fd = None
-            if self.direct:
-                try:
-                    fd = os.open(name, os.O_RDWR | os.O_CREAT | os.O_TRUNC | os.O_DIRECT, 0o600)
-                except OSError:   # EINVAL: this filesystem has no direct I/O
-                    self.direct = False
-                    for f in self._fds:   # reopen the earlier leaves buffered too: one mode for all
-                        os.close(f)
-                    self._fds = [os.open(os.path.join(self.dir, f"leaf{j}.swap"), os.O_RDWR) for j in range(i)]
-            if fd is None:
-                fd = os.open(name, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o600)
+            fd = os.open(os.path.join(self.dir, f"leaf{i}.swap"), flags, 0o600)
             self._fds.append(fd)
             try:  # reserve the space now: a full disk fails here, not in the middle of a step
                 os.posix_fallocate(fd, 0, stride * self.disk_groups)
@@ -389,6 +380,21 @@ class NvmeSwapper:
             self.close()
         except Exception:  # noqa: BLE001 - interpreter shutdown
             warnings.warn("zerojax NVMe swapper: could not remove its swap files", RuntimeWarning)
+
+
+def _accepts_direct(directory: str) -> bool:
+    """Whether a file in `directory` opens with O_DIRECT (tmpfs and some network filesystems refuse: EINVAL)."""
+    probe = os.path.join(directory, ".o_direct_probe")
+    try:
+        os.close(os.open(probe, os.O_RDWR | os.O_CREAT | os.O_DIRECT, 0o600))
+        return True
+    except OSError:
+        return False
+    finally:
+        try:
+            os.unlink(probe)
+        except OSError:
+            pass
 
 
 def _direct_ready(view: memoryview) -> bool:
