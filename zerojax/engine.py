@@ -26,6 +26,7 @@ import functools
 import logging
 import math
 import time
+import warnings
 from typing import Callable
 
 import jax
@@ -515,6 +516,9 @@ class Engine:
             except Exception as e:  # noqa: BLE001 - an XLA without one of these options: compile without them
                 if not any(name in str(e) for name in options):
                     raise
+                warnings.warn(f"this XLA refused the compile options {sorted(options)} ({e}); the train step is "
+                              "compiled without them (same results, slower: docs/pipeline-overhead.md)",
+                              RuntimeWarning, stacklevel=2)
                 self._compiled[key] = lowered.compile()
         return self._compiled[key]
 
