@@ -38,6 +38,34 @@ profile_fused_loss() {  # $1: file prefix. ZeRO-2, remat, the fused loss (chunk 
   head -45 "$OUT/$1_profile.md"
 }
 
+if [ "${1:-sweep}" = zi ]; then
+  # session 8 (~330 s): XLA's `xla_gpu_enable_dus_accumulator_zero_init_elimination` (the pipelined
+  # step's option since session 7: the saved-activation stacks are no longer zero-filled first) on
+  # plain and non-pipelined steps, where the remat policies that save more (dots_<k>, save_*) stack
+  # more; then profiles of dots_16 with and without it (where the dots layers' time goes)
+  ZI='"env": {"XLA_FLAGS": "--xla_gpu_enable_dus_accumulator_zero_init_elimination=true"}, "label": "zi"'
+  s6_matrix s8_zi "[
+    {\"stage\": \"plain\", \"remat\": true},
+    {\"stage\": 2, \"remat\": true},
+    {\"stage\": \"plain\", \"remat\": true, $ZI},
+    {\"stage\": 2, \"remat\": true, $ZI},
+    {\"stage\": 2, \"remat\": \"dots_16\"},
+    {\"stage\": 2, \"remat\": \"dots_16\", $ZI},
+    {\"stage\": 2, \"remat\": \"dots\", $ZI},
+    {\"stage\": 2, \"remat\": \"save_qkv_attention\", $ZI},
+    {\"stage\": 2, \"remat\": \"save_qkv\", $ZI},
+    {\"stage\": 2, \"remat\": true, \"loss_chunk\": 256, \"micro\": 16, $ZI}]"
+  case "${BENCH_ARGS:-}" in *--tiny*) ;; *)
+    for z in off on; do
+      if [ $z = on ]; then export XLA_FLAGS="${XLA_FLAGS:-} --xla_gpu_enable_dus_accumulator_zero_init_elimination=true"; fi
+      $PY benchmarks/profile_step.py '{"stage": 2, "remat": "dots_16"}' --steps 3 --warmup 2 \
+        --json "$OUT/s8_dots16_$z.json" 2>/dev/null > "$OUT/s8_dots16_$z.md"
+      head -22 "$OUT/s8_dots16_$z.md"
+    done ;;
+  esac
+  exit 0
+fi
+
 if [ "${1:-sweep}" = final ]; then
   # session 6, the tree as merged (~100 s): the default beside plain, dots_<k> at micro 8 where
   # 16 GiB allows it (0.1 GiB a dots layer over 13.1), the fused loss with it, micro 16
