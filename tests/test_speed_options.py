@@ -47,6 +47,53 @@ def test_policies_keep_what_they_name():
     assert {qkv, attn} <= kept["save_qkv_attention"]
 
 
+def test_jax_names_its_cudnn_attention_forward_as_the_policies_expect():
+    """The save_*attention policies find cuDNN's attention forward by its primitive's name."""
+    from jax._src.cudnn import fused_attention_stablehlo as cudnn_attention
+    from zerojax.models.gpt2 import CUDNN_ATTENTION_FORWARD
+
+    assert cudnn_attention._dot_product_attention_fwd_p_wrapper.name == CUDNN_ATTENTION_FORWARD
+
+
+@pytest.mark.parametrize("policy, forward_runs", [("full", 2), ("save_qkv", 2), ("save_attention", 1),
+                                                  ("save_qkv_attention", 1)])
+def test_attention_policies_keep_cudnn_attention_from_running_again(monkeypatch, policy, forward_runs):
+    """cuDNN's attention is a custom VJP whose backward needs the forward's output and softmax
+    statistics; cuDNN itself cannot run here, so a stand-in with the same shape (a custom VJP whose
+    forward is a primitive of cuDNN's name returning output and statistics) takes its place, and
+    JAX's own gradient program is read: under "full" and "save_qkv" the forward primitive appears
+    twice in the layer scans' bodies (forward, then again in the backward), under the policies that
+    save the attention once."""
+    from jax.extend.core import Primitive
+    from zerojax.models.gpt2 import CUDNN_ATTENTION_FORWARD
+
+    fwd_p = Primitive(CUDNN_ATTENTION_FORWARD)
+    fwd_p.multiple_results = True
+    fwd_p.def_abstract_eval(lambda q, k, v: (jax.core.ShapedArray(q.shape, q.dtype),
+                                             jax.core.ShapedArray((q.shape[0], q.shape[2], q.shape[1]), jnp.float32)))
+
+    @jax.custom_vjp
+    def attention(q, k, v):
+        return fwd_p.bind(q, k, v)[0]
+
+    def attention_fwd(q, k, v):
+        out, stats = fwd_p.bind(q, k, v)
+        return out, (q, k, v, out, stats)
+
+    def attention_bwd(res, g):  # shapes only: the program is traced, never run
+        q, k, v, out, stats = res
+        return g + stats.sum() * 0, k * 0, v * 0
+
+    attention.defvjp(attention_fwd, attention_bwd)
+    monkeypatch.setattr(jax.nn, "dot_product_attention", lambda q, k, v, **_: attention(q, k, v))
+    model = GPT2(CFG, rngs=nnx.Rngs(0), remat_policy=policy)
+    graphdef, state = nnx.split(model)
+    ids = jnp.zeros((B, T), jnp.int32)
+    grad_program = str(jax.make_jaxpr(jax.grad(
+        lambda s: gpt2_loss(nnx.merge(graphdef, s), {"input_ids": ids})[0]))(state))
+    assert grad_program.count(f"= {CUDNN_ATTENTION_FORWARD} ") == forward_runs, grad_program[:2000]
+
+
 def test_partial_dots_matches_no_remat_and_keeps_dots_on_its_layers_only():
     """"dots_2" on a 4-layer model: loss and gradients as without remat (the fp32 reference; only
     the recompute order differs, so fp32 rounding: rtol 1e-5 as test_gpt2's remat checks), and

@@ -40,7 +40,8 @@ QKV_PROJ, ATTENTION_OUT = "qkv_proj", "attention_out"
 # what each policy keeps per block for the backward pass (everything else is recomputed):
 #   "full": the block input only; "dots": every matmul without batch dims (qkv, both output
 #   projections, the MLP's up projection: 9 x d per token, bf16); "save_qkv": the qkv projection
-#   (3 x d); "save_attention": the attention output (1 x d); "save_qkv_attention": both (4 x d);
+#   (3 x d); "save_attention": the attention output (1 x d; with cuDNN's attention also its softmax
+#   statistics, so the attention is not run again); "save_qkv_attention": both (4 x d);
 #   "offload": the block input, in pinned host memory. (GPT-2 Large at micro 8 x 1024: d values
 #   per token per layer = 0.70 GiB over its 36 layers in bf16.)
 REMAT_POLICIES = (None, "full", "dots", "save_qkv", "save_attention", "save_qkv_attention", "offload")
@@ -282,6 +283,15 @@ def split_remat_policy(name, n_layer: int):
     return [("dots", k), ("full", n_layer - k)]
 
 
+# JAX's cuDNN attention forward primitive (jax._src.cudnn.fused_attention_stablehlo; the same name
+# in JAX 0.10 and 0.11): its outputs are the attention output and the softmax statistics
+CUDNN_ATTENTION_FORWARD = "dot_product_attention_fwd_wrapper"
+
+
+def _saves_cudnn_attention_forward(prim, *_, **__) -> bool:
+    return prim.name == CUDNN_ATTENTION_FORWARD
+
+
 def remat_policy_fn(name):
     """The `jax.checkpoint` policy for a remat option name (None = no remat; "dots_<k>" is two
     policies, `split_remat_policy`)."""
@@ -293,7 +303,15 @@ def remat_policy_fn(name):
     if name == "dots":
         return cp.dots_with_no_batch_dims_saveable
     if name in _SAVED_NAMES:
-        return cp.save_only_these_names(*_SAVED_NAMES[name])
+        names = cp.save_only_these_names(*_SAVED_NAMES[name])
+        if ATTENTION_OUT not in _SAVED_NAMES[name]:
+            return names
+        # cuDNN's flash attention is a custom VJP whose backward needs the forward's output AND its
+        # softmax statistics (fp32, [B, H, T]); a name on the output saves only the output, so the
+        # backward would run the whole attention forward again for the statistics. Saving the
+        # forward primitive's outputs keeps both (+4 bytes a head per token): measured on GPT-2 Large
+        # (docs/speed-options.md). The XLA path has no such primitive; its output is saved by name.
+        return cp.save_from_both_policies(names, _saves_cudnn_attention_forward)
     if name == "offload":
         return cp.save_and_offload_only_these_names(
             names_which_can_be_saved=[],
