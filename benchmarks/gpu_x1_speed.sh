@@ -38,6 +38,31 @@ profile_fused_loss() {  # $1: file prefix. ZeRO-2, remat, the fused loss (chunk 
   head -45 "$OUT/$1_profile.md"
 }
 
+if [ "${1:-sweep}" = attn ]; then
+  # session 8 (~330 s): save_attention / save_qkv_attention now keep cuDNN attention's softmax
+  # statistics (the attention forward is not run again in the backward); the engine compiles every
+  # GPU step with the zero-init option (plain gets it through XLA_FLAGS, for a like-for-like
+  # baseline). Micro 8 under 16 GiB, then the best micro-batch; a profile of save_attention.
+  ZI='"env": {"XLA_FLAGS": "--xla_gpu_enable_dus_accumulator_zero_init_elimination=true"}, "label": "zi"'
+  s6_matrix s8_attn "[
+    {\"stage\": \"plain\", \"remat\": true, $ZI},
+    {\"stage\": 2, \"remat\": true},
+    {\"stage\": 2, \"remat\": \"save_attention\"},
+    {\"stage\": 2, \"remat\": \"save_attention\", \"loss_chunk\": 256},
+    {\"stage\": 2, \"remat\": \"save_qkv_attention\"},
+    {\"stage\": 2, \"remat\": \"save_qkv_attention\", \"loss_chunk\": 256},
+    {\"stage\": 2, \"remat\": \"save_qkv\", \"loss_chunk\": 256},
+    {\"stage\": 2, \"remat\": \"save_attention\", \"loss_chunk\": 256, \"micro\": 12},
+    {\"stage\": 2, \"remat\": \"save_attention\", \"loss_chunk\": 256, \"micro\": 16},
+    {\"stage\": \"plain\", \"remat\": true, \"micro\": 16, $ZI}]"
+  case "${BENCH_ARGS:-}" in *--tiny*) ;; *)
+    $PY benchmarks/profile_step.py '{"stage": 2, "remat": "save_attention", "loss_chunk": 256}' --steps 3 \
+      --warmup 2 --json "$OUT/s8_attn_profile.json" 2>/dev/null > "$OUT/s8_attn_profile.md"
+    head -24 "$OUT/s8_attn_profile.md" ;;
+  esac
+  exit 0
+fi
+
 if [ "${1:-sweep}" = zi ]; then
   # session 8 (~330 s): XLA's `xla_gpu_enable_dus_accumulator_zero_init_elimination` (the pipelined
   # step's option since session 7: the saved-activation stacks are no longer zero-filled first) on
