@@ -55,15 +55,11 @@ def test_jax_names_its_cudnn_attention_forward_as_the_policies_expect():
     assert cudnn_attention._dot_product_attention_fwd_p_wrapper.name == CUDNN_ATTENTION_FORWARD
 
 
-@pytest.mark.parametrize("policy, forward_runs", [("full", 2), ("save_qkv", 2), ("save_attention", 1),
-                                                  ("save_qkv_attention", 1)])
-def test_attention_policies_keep_cudnn_attention_from_running_again(monkeypatch, policy, forward_runs):
-    """cuDNN's attention is a custom VJP whose backward needs the forward's output and softmax
-    statistics; cuDNN itself cannot run here, so a stand-in with the same shape (a custom VJP whose
-    forward is a primitive of cuDNN's name returning output and statistics) takes its place, and
-    JAX's own gradient program is read: under "full" and "save_qkv" the forward primitive appears
-    twice in the layer scans' bodies (forward, then again in the backward), under the policies that
-    save the attention once."""
+@pytest.fixture
+def cudnn_attention_stand_in(monkeypatch):
+    """cuDNN's attention cannot run here: a stand-in of the same shape takes its place -- a custom
+    VJP whose forward is a primitive of cuDNN's name returning the output and fp32 softmax
+    statistics [B, H, T], whose backward needs q, k, v, both. Only traced, never run."""
     from jax.extend.core import Primitive
     from zerojax.models.gpt2 import CUDNN_ATTENTION_FORWARD
 
@@ -80,18 +76,36 @@ def test_attention_policies_keep_cudnn_attention_from_running_again(monkeypatch,
         out, stats = fwd_p.bind(q, k, v)
         return out, (q, k, v, out, stats)
 
-    def attention_bwd(res, g):  # shapes only: the program is traced, never run
+    def attention_bwd(res, g):
         q, k, v, out, stats = res
-        return g + stats.sum() * 0, k * 0, v * 0
+        return g + out + stats.sum(), k, v
 
     attention.defvjp(attention_fwd, attention_bwd)
     monkeypatch.setattr(jax.nn, "dot_product_attention", lambda q, k, v, **_: attention(q, k, v))
-    model = GPT2(CFG, rngs=nnx.Rngs(0), remat_policy=policy)
+    return CUDNN_ATTENTION_FORWARD
+
+
+@pytest.mark.parametrize("policy, forward_runs, outputs_kept", [
+    ("full", 2, 0), ("save_qkv", 2, 0), ("save_attention", 1, 1), ("save_qkv_attention", 1, 1)])
+def test_attention_policies_keep_cudnn_attention_from_running_again(cudnn_attention_stand_in, policy,
+                                                                    forward_runs, outputs_kept):
+    """Read from JAX's own gradient program and saved-residual list: under "full" and "save_qkv"
+    the attention forward appears twice in the layer scans' bodies (forward, then again in the
+    backward), under the policies that save the attention once; and those keep the attention
+    output exactly once (not also under its name) plus the statistics [L, B, H, T]."""
+    model = GPT2(CFG, rngs=nnx.Rngs(0), remat_policy=policy, attention_impl="cudnn")
     graphdef, state = nnx.split(model)
     ids = jnp.zeros((B, T), jnp.int32)
-    grad_program = str(jax.make_jaxpr(jax.grad(
-        lambda s: gpt2_loss(nnx.merge(graphdef, s), {"input_ids": ids})[0]))(state))
-    assert grad_program.count(f"= {CUDNN_ATTENTION_FORWARD} ") == forward_runs, grad_program[:2000]
+    loss = lambda s: gpt2_loss(nnx.merge(graphdef, s), {"input_ids": ids})[0]  # noqa: E731
+    grad_program = str(jax.make_jaxpr(jax.grad(loss))(state))
+    assert grad_program.count(f"= {cudnn_attention_stand_in} ") == forward_runs, grad_program[:2000]
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        jax.ad_checkpoint.print_saved_residuals(loss, state)
+    shapes = [line.split()[0].split("[", 1)[1].rstrip("]") for line in out.getvalue().splitlines() if "[" in line]
+    L, H, Dh = CFG.n_layer, CFG.n_head, CFG.head_dim
+    assert shapes.count(f"{L},{B},{T},{H},{Dh}") == outputs_kept, shapes
+    assert shapes.count(f"{L},{B},{H},{T}") == outputs_kept, shapes
 
 
 def test_partial_dots_matches_no_remat_and_keeps_dots_on_its_layers_only():

@@ -247,7 +247,9 @@ def _block(x, p, *, eps, dtype, attention_impl, constrain=_unconstrained):
     q, k, v = qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2]
     # softmax is fp32 inside both implementations (XLA: fp32 logits; cuDNN: fp32 accumulators)
     o = jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation=attention_impl)
-    o = checkpoint_name(constrain(o, ("batch", "seq", "heads", "head_dim")), ATTENTION_OUT)
+    o = constrain(o, ("batch", "seq", "heads", "head_dim"))
+    if attention_impl != "cudnn":  # cuDNN's: the save_*attention policies keep its forward's outputs
+        o = checkpoint_name(o, ATTENTION_OUT)  # (a name here too would keep the output twice)
     x = x + constrain(jnp.einsum("btnh,nhd->btd", o, c(p["attn"]["c_proj"]["kernel"])), RESIDUAL)
     x = x + c(p["attn"]["c_proj"]["bias"])
 
