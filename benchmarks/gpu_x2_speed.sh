@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Issue #18 on 2 x H200: per-GPU tokens/s of ZeRO-1/2/3 against the plain jax.jit step, with the
 # current default (per-layer "full" remat) and with POLICY (the remat policy that won on one GPU,
-# gpu_x1_speed.sh; default "dots"), alone and with XLA's latency-hiding scheduler (which lets the
+# gpu_x1_speed.sh; default "save_qkv_attention" with the fused loss, chunk 256: session 8's best
+# micro-8 entry under 16 GiB on one GPU, 75,004 tokens/s at 15.68 GiB), alone and with XLA's latency-hiding scheduler (which lets the
 # gradient reduce-scatter / the stage-3 all-gather overlap the layers' compute). GPT-2 Large, seq
 # 1024, micro 8 per GPU, bf16. Then a profile of ZeRO-2 with POLICY (collective time per step).
 # Last, the same with XLA's pipelined collectives (a layer's reduce-scatter / all-gather issued in
@@ -12,7 +13,8 @@ set -u
 OUT=${OUT:-benchmarks/results}; mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1
 PY=${PYTHON:-python3}
-P=${POLICY:-dots}
+P=${POLICY:-save_qkv_attention}
+LC=${LOSS_CHUNK:-256}  # chunked_gpt2_loss(LC) on the POLICY entries; 0: the plain loss
 LHS='"env": {"XLA_FLAGS": "--xla_gpu_enable_latency_hiding_scheduler=true"}, "label": "lhs"'
 # the per-layer gradient reduction sits inside the backward layer loop (compiled HLO, 2 CPU devices):
 # XLA's loop pipelining moves a layer's collective into the next iteration so that it overlaps compute
@@ -23,14 +25,14 @@ $PY benchmarks/bench.py --steps 8 --warmup 2 --timeout 180 ${BENCH_ARGS:-} --out
   {\"stage\": 1, \"remat\": true},
   {\"stage\": 2, \"remat\": true},
   {\"stage\": 3, \"remat\": true},
-  {\"stage\": 2, \"remat\": \"$P\"},
-  {\"stage\": 3, \"remat\": \"$P\"},
-  {\"stage\": 2, \"remat\": \"$P\", $LHS},
-  {\"stage\": 2, \"remat\": \"$P\", $PIPE},
-  {\"stage\": 3, \"remat\": \"$P\", $PIPE}]" 2>&1 | grep -E "^(large|tiny|entry|ceiling)|FAIL"
+  {\"stage\": 2, \"remat\": \"$P\", \"loss_chunk\": $LC},
+  {\"stage\": 3, \"remat\": \"$P\", \"loss_chunk\": $LC},
+  {\"stage\": 2, \"remat\": \"$P\", \"loss_chunk\": $LC, $LHS},
+  {\"stage\": 2, \"remat\": \"$P\", \"loss_chunk\": $LC, $PIPE},
+  {\"stage\": 3, \"remat\": \"$P\", \"loss_chunk\": $LC, $PIPE}]" 2>&1 | grep -E "^(large|tiny|entry|ceiling)|FAIL"
 
 case "${BENCH_ARGS:-}" in *--tiny*) ;; *)
-  $PY benchmarks/profile_step.py "{\"stage\": 2, \"remat\": \"$P\"}" --json "$OUT/speed_x2_profile.json" \
+  $PY benchmarks/profile_step.py "{\"stage\": 2, \"remat\": \"$P\", \"loss_chunk\": $LC}" --json "$OUT/speed_x2_profile.json" \
     2>/dev/null | head -30 ;;
 esac
 
