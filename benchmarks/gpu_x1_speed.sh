@@ -38,6 +38,19 @@ profile_fused_loss() {  # $1: file prefix. ZeRO-2, remat, the fused loss (chunk 
   head -45 "$OUT/$1_profile.md"
 }
 
+if [ "${1:-sweep}" = dsf ]; then
+  # session 8 (~90 s): the winner's backward cuts each layer's saved activations out of their
+  # stacks (dynamic-slice: 4.2 GB of copies a step, hlo_bytes on its GPU HLO); XLA's dynamic-slice
+  # fusion lets cuBLAS read such a slice in place. A/B on the micro-8 and micro-16 winners.
+  DSF='"env": {"XLA_FLAGS": "--xla_gpu_enable_dynamic_slice_fusion=true"}, "label": "dsf"'
+  s6_matrix s8_dsf "[
+    {\"stage\": 2, \"remat\": \"save_qkv_attention\", \"loss_chunk\": 256},
+    {\"stage\": 2, \"remat\": \"save_qkv_attention\", \"loss_chunk\": 256, $DSF},
+    {\"stage\": 2, \"remat\": \"save_attention\", \"loss_chunk\": 256, \"micro\": 16},
+    {\"stage\": 2, \"remat\": \"save_attention\", \"loss_chunk\": 256, \"micro\": 16, $DSF}]"
+  exit 0
+fi
+
 if [ "${1:-sweep}" = attn2 ]; then
   # session 8 (~260 s): as `attn`, after the fix that kept cuDNN's attention output twice under the
   # save_*attention policies (+0.7 GiB at micro 8); micro 8 at <= 16 GiB and the best micro-batch
