@@ -282,23 +282,33 @@ def test_fused_cross_entropy_against_float64():
     assert whole not in fused_hlo and whole in jax.jit(jax.grad(plain, (0, 1))).lower(x, w).compile().as_text()
 
 
-def test_planner_fits_the_partial_dots_policy_to_a_budget():
-    """planner.fit_remat_policy on a 5-layer GPT-2: with a budget between the compiled peaks of
-    "full" and "dots" it returns the "dots_<k>" with the largest k whose compiled step fits (its
-    own answer checked against step_memory of k and k + 1: an independent compile each), "dots"
-    when everything fits, "full" when no dots layer does; a plan naming it writes the policy into
-    activation_checkpointing."""
+def test_planner_fits_the_fastest_remat_policy_to_a_budget():
+    """planner.fit_remat_policy on a 5-layer GPT-2: each budget gets the first policy of the
+    ladder (fastest first: dots, save_qkv_attention, save_attention, full) whose compiled step
+    fits, checked against step_memory of each policy (an independent compile each); with the
+    partial-dots family on the ladder, the "dots_<k>" of the largest k that fits (k and k + 1
+    compiled on their own); a plan naming it writes the policy into activation_checkpointing."""
     from zerojax import planner
 
     cfg3 = GPT2Config.named("tiny", n_layer=5)
     factory = lambda remat_policy=None: GPT2(cfg3, rngs=nnx.Rngs(0), remat_policy=remat_policy)  # noqa: E731
     ds = {"train_micro_batch_size_per_gpu": 8, "zero_optimization": {"stage": 0},
           "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}}}
-    peak = {p: planner.step_memory(factory, ds, 128, 8, remat=p).peak for p in ("full", "dots_2", "dots_3", "dots")}
+    names = ("full", "save_attention", "save_qkv_attention", "dots_2", "dots_3", "dots")
+    peak = {p: planner.step_memory(factory, ds, 128, 8, remat=p).peak for p in names}
+    assert max(peak["full"], peak["save_attention"]) < peak["save_qkv_attention"] < peak["dots"], peak
     assert peak["full"] < peak["dots_2"] < peak["dots_3"] < peak["dots"], peak
-    fit = lambda budget: planner.fit_remat_policy(factory, ds, budget, 128, cfg3.n_layer)  # noqa: E731
-    assert fit(peak["dots_3"]) == "dots_3" and fit(peak["dots_3"] - 1) == "dots_2"
-    assert fit(peak["dots"]) == "dots" and fit(peak["dots_2"] - 1) == "full"
+    fit = lambda budget, **kw: planner.fit_remat_policy(factory, ds, budget, 128, cfg3.n_layer, **kw)  # noqa: E731
+    ladder = ("dots", "save_qkv_attention", "save_attention", "full")
+    assert planner.REMAT_LADDER == ladder
+    # (on CPU "full" may peak above "save_attention": XLA's schedule, not what each keeps)
+    budgets = sorted({peak[p] - d for p in ladder for d in (0, 1)})
+    picked = [fit(b) for b in budgets]
+    assert picked == [next((p for p in ladder if peak[p] <= b), "full") for b in budgets], (budgets, picked)
+    assert {"dots", "save_qkv_attention", "save_attention"} <= set(picked)
+    dots_k = ("dots", "dots_*", "full")
+    assert fit(peak["dots_3"], ladder=dots_k) == "dots_3" and fit(peak["dots_3"] - 1, ladder=dots_k) == "dots_2"
+    assert fit(peak["dots_2"] - 1, ladder=dots_k) == "full"
     plan = planner.Plan(stage=0, micro_batch=8, remat="dots_2")
     assert plan.config_patch()["activation_checkpointing"]["remat_policy"] == "dots_2"
     assert remat_policy_for(zerojax.load_config(plan.apply({"train_batch_size": 8}), world_size=1)) == "dots_2"
