@@ -31,6 +31,9 @@ benchmarks/pcie_probe.py). This probe times, over L layer slices of a stacked fp
                optimization barrier, so it is issued beside array j's write-back (whole-array
                copies, which benchmarks/pcie_probe.py saw overlap); gated2: the next update also
                waits for both; gated_stack: the same on slices of two stacks (static indices)
+  host_loop    L separate arrays driven from Python, a layer at a time: device_put in, a jitted
+               +1, device_put out (the runtime's transfers, not one XLA program's schedule);
+               host_loop_jit: one small jitted program per layer doing the three
 
 Measured on one H200 (JAX 0.11.2, 36 x 128 MiB, 4.8 GB each way; benchmarks/measured/2026-12-01-s6/):
 reads alone 89 ms (54.3 GB/s), writes alone 90 ms (54.0); dus_put, list, pingpong, pingpong_u2
@@ -178,6 +181,18 @@ def build_forms(L, n, dev, host):
     forms["gated"] = (jax.jit(gated, donate_argnums=0, out_shardings=[host] * L), parts, True)
     forms["gated2"] = (jax.jit(lambda xs: gated(xs, True), donate_argnums=0, out_shardings=[host] * L),
                        parts, True)
+
+    add1 = jax.jit(lambda x: x + 1, donate_argnums=0)
+
+    def host_loop(xs):
+        """Driven from Python, one layer at a time: device_put to the device, a jitted +1,
+        device_put back to pinned host; nothing waits (JAX dispatches asynchronously), so the
+        runtime's own transfers decide whether reads, updates and writes overlap."""
+        return [jax.device_put(add1(jax.device_put(x, dev)), host) for x in xs]
+    forms["host_loop"] = (host_loop, parts, True)
+    one_layer = jax.jit(lambda x: jax.device_put(jax.device_put(x, dev) + 1, host), donate_argnums=0,
+                        out_shardings=host)
+    forms["host_loop_jit"] = (lambda xs: [one_layer(x) for x in xs], parts, True)
 
     def gated_stack(bs):
         """gated on slices: read slice j+1 of `src` beside writing slice j into `dst` (static

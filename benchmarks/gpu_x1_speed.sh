@@ -38,6 +38,25 @@ profile_fused_loss() {  # $1: file prefix. ZeRO-2, remat, the fused loss (chunk 
   head -45 "$OUT/$1_profile.md"
 }
 
+if [ "${1:-sweep}" = s9 ]; then
+  # session 9 (~260 s): the micro-8 and micro-16 winners beside plain jax.jit, each A/B with XLA's
+  # dynamic-slice fusion (the backward's slices of the saved stacks read in place by cuBLAS) and
+  # cuDNN's layer norm (crashed on JAX 0.4.x in session 5), and the saved stack unrolled by 2.
+  FL() { echo "\"env\": {\"XLA_FLAGS\": \"$1\"}, \"label\": \"$2\""; }
+  ZI=$(FL --xla_gpu_enable_dus_accumulator_zero_init_elimination=true zi)
+  DSF=$(FL --xla_gpu_enable_dynamic_slice_fusion=true dsf)
+  CLN=$(FL --xla_gpu_enable_cudnn_layer_norm=true cudnn_ln)
+  W8='"stage": 2, "remat": "save_qkv_attention", "loss_chunk": 256'
+  W16='"stage": 2, "remat": "save_attention", "loss_chunk": 256, "micro": 16'
+  s6_matrix s9_speed "[
+    {\"stage\": \"plain\", \"remat\": true, $ZI},
+    {\"stage\": 2, \"remat\": true},
+    {$W8}, {$W8, $DSF}, {$W8, $CLN}, {$W8, \"unroll\": 2},
+    {$W16}, {$W16, $DSF},
+    {\"stage\": \"plain\", \"remat\": true, \"micro\": 16, $ZI}]"
+  exit 0
+fi
+
 if [ "${1:-sweep}" = dsf ]; then
   # session 8 (~90 s): the winner's backward cuts each layer's saved activations out of their
   # stacks (dynamic-slice: 4.2 GB of copies a step, hlo_bytes on its GPU HLO); XLA's dynamic-slice

@@ -102,18 +102,32 @@ def test_offload_optimizer_fp32_matches_device(stage):
 
 # bf16: the whole step is one XLA program, and a different update lets XLA fuse and partition the
 # bf16 forward/backward differently; Adam turns rounding noise in near-zero gradients into moves
-# of up to lr per step. Measured: offloaded vs not moves every leaf by < 5e-3 (stage 2 vs stage 3
-# of the same run moves them by up to 4e-2), except the attention q/k/v bias, whose key part has
-# an analytically zero gradient (softmax is shift-invariant), so its Adam update is the sign of
-# rounding noise (lr per step) whatever the path: it is left out.
-BF16_TOL, NOISE = 5e-3, ("c_attn']['bias",)
+# of up to lr per step, whatever their size. So the comparison has two parts: nearly every element
+# (all but BF16_FRAC of each leaf, or one element) within BF16_TOL (measured on one CPU: offloaded vs not moves
+# the rest by < 5e-3, stage 2 vs stage 3 of the same run by up to 4e-2), and every element within
+# Adam's bound for a gradient whose sign is noise: 2 lr a step (lr each way) plus weight decay, which
+# no CPU's summation order can exceed. The attention q/k/v bias is left out: its key part has an
+# analytically zero gradient (softmax is shift-invariant), so all of it is sign noise.
+BF16_TOL, BF16_FRAC, NOISE = 5e-3, 1e-3, ("c_attn']['bias",)
+ADAM_NOISE_BOUND = 2 * LR * STEPS * 1.1  # the first step's bias-corrected update is exactly +-lr; 10% for later ones
+
+
+def close_bf16(a, b, skip=NOISE):
+    for (path, x), y in zip(jax.tree_util.tree_leaves_with_path(a), jax.tree.leaves(b)):
+        name = jax.tree_util.keystr(path)
+        if any(s in name for s in skip):
+            continue
+        diff = np.abs(np.asarray(x, np.float64) - np.asarray(y, np.float64))
+        outside = diff > BF16_TOL * (1 + np.abs(np.asarray(y, np.float64)))
+        assert outside.sum() <= max(1, BF16_FRAC * diff.size), (name, int(outside.sum()), diff.size, float(diff.max()))
+        assert diff.max() <= ADAM_NOISE_BOUND, (name, float(diff.max()))
 
 
 @pytest.mark.parametrize("ratio", [1.0, 0.5])
 def test_offload_optimizer_stage3_bf16(ratio):
     eng, master = run(3, "bf16", "cpu", ratio=ratio)
     _, ref = run(3, "bf16")
-    close(master, ref, BF16_TOL, skip=NOISE)
+    close_bf16(master, ref)
     check_placement(eng, params_host=False)
     hosts = [c.host for c in eng.offload_layout.layout.chunks]
     # pieces: the non-layer leaves + 4 layers; ratio 0.5 keeps ceil(2.5) = 3 of them on the host
@@ -139,7 +153,7 @@ def test_offload_param_and_optimizer_stage3(prec):
         # without the per-layer gather (stage3_gather="auto"), both with "full" remat.
         eng, master = run(3, prec, "cpu", "cpu", remat="full")
         _, ref = run(3, prec, remat="full", options=zerojax.EngineOptions(stage3_gather="auto"))
-        close(master, ref, BF16_TOL, skip=NOISE)
+        close_bf16(master, ref)
     check_placement(eng, params_host=True)
     # the model's scan fetched each layer: the compiled step's parameters are host buffers
     assert eng.step_settings.graphdef is not None and eng.step_settings.fetch_rest is not None
