@@ -12,6 +12,7 @@ probe times that update over L layers of GPT-2 shapes (d_model d), state in pinn
   gated2     the same with zerojax's paired barriers (offload.update._paired_update)
   host_loop  Python per layer: jax.device_put of the layer's state to the device, a jitted
              AdamW (state donated), jax.device_put of the new state back to pinned host
+  host_loop_tree  the same, each layer's state moved by one device_put of its whole tree
 
   --packed   each state of a layer as one flat array (3 copies each way a layer instead of 36)
 
@@ -25,7 +26,7 @@ import json
 import os
 import time
 
-FORMS = "in_jit,gated2,host_loop"
+FORMS = "in_jit,gated2,host_loop,host_loop_tree"
 
 
 def layer_shapes(d):
@@ -110,6 +111,17 @@ def run(args):
             cps.append(cp)
         return new, cps
     forms["host_loop"] = host_loop
+
+    def host_loop_tree(states, gs):
+        """host_loop with each layer's state moved by one device_put of the whole tree (JAX's
+        batched transfer) rather than one call a leaf."""
+        new, cps = [], []
+        for st, g in zip(states, gs):
+            st, cp = one(g, jax.device_put(st, dev))
+            new.append(jax.device_put(st, host))
+            cps.append(cp)
+        return new, cps
+    forms["host_loop_tree"] = host_loop_tree
 
     res = {"layers": L, "d": args.d, "packed": args.packed, "params": n_params, "gb_each_way": gb,
            "device": jax.devices()[0].device_kind, "forms": {}}

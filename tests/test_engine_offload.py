@@ -241,17 +241,23 @@ def test_streamed_update_layouts_agree(streams, pieces, loop):
     close(got[0], m, 1e-6)
 
 
-def test_paired_loop_matches_device():
-    # EngineOptions.offload_loop="paired" through the engine (ZeRO-2 on 8 devices): the 4 layers
-    # as 4 host chunks, updated one after another; the same arithmetic as the device update, only
-    # where it is stored differs: 1e-6 as in test_offload_optimizer_fp32_matches_device
-    opts = zerojax.EngineOptions(offload_loop="paired")
+@pytest.mark.parametrize("loop", ["paired", "host"])
+def test_paired_and_host_loops_match_device(loop):
+    # EngineOptions.offload_loop "paired" / "host" through the engine (ZeRO-2 on 8 devices): the 4
+    # layers as 4 host chunks, updated one after another inside the step's jit ("paired") or after
+    # it, from Python ("host"); the same arithmetic as the device update, only where it is stored
+    # and run differs: 1e-6 as in test_offload_optimizer_fp32_matches_device
+    opts = zerojax.EngineOptions(offload_loop=loop)
     eng, master = run(2, "fp32", "cpu", options=opts)
     _, ref = run(2, "fp32")
     close(master, ref, 1e-6)
     check_placement(eng, params_host=False)
     assert [(c.rest, c.lo, c.hi, c.loop) for c in eng.offload_layout.layout.chunks] == [
         (True, 0, 0, 0)] + [(False, i, i + 1, 1) for i in range(4)]
+    # one layer group's c_fc kernel (d 32, 4d 128) as master or moment among the step's inputs:
+    # 3 a group inside the jit ("paired"), none when the groups are left to Python ("host")
+    inputs = eng.compiled_step({"input_ids": jax.ShapeDtypeStruct((8, 8), jnp.int32)}).args_info
+    assert [tuple(a.shape) for a in jax.tree.leaves(inputs)].count((1, 32, 128)) == (12 if loop == "paired" else 0)
 
 
 def test_bf16_first_moment_offloaded_matches_device():
@@ -307,14 +313,15 @@ def test_offload_speed_options_are_checked():
         zerojax.EngineOptions(offload_streams=0)
     with pytest.raises(ValueError, match="adam_mu_dtype='float16'"):
         zerojax.EngineOptions(adam_mu_dtype="float16")
-    with pytest.raises(ValueError, match="offload_loop='fori'.*'in_place', 'paired'"):
+    with pytest.raises(ValueError, match="offload_loop='fori'.*'in_place', 'paired', 'host'"):
         zerojax.EngineOptions(offload_loop="fori")
-    with pytest.raises(ValueError, match="offload_loop='paired' with offload_streams=2"):
-        zerojax.EngineOptions(offload_loop="paired", offload_streams=2)
-    assert zerojax.EngineOptions.from_env({"ZEROJAX_OFFLOAD_LOOP": "paired"}).offload_loop == "paired"
-    with pytest.raises(ValueError, match="offload_loop='paired' works with offload_optimizer to cpu alone"):
-        zerojax.shard(lambda: gpt2.GPT2(C, rngs=nnx.Rngs(0)), config(3, "fp32", "cpu", "cpu"),
-                      loss_fn=gpt2.gpt2_loss, options=zerojax.EngineOptions(offload_loop="paired"))
+    for loop in ("paired", "host"):
+        with pytest.raises(ValueError, match=f"offload_loop='{loop}' with offload_streams=2"):
+            zerojax.EngineOptions(offload_loop=loop, offload_streams=2)
+        assert zerojax.EngineOptions.from_env({"ZEROJAX_OFFLOAD_LOOP": loop}).offload_loop == loop
+        with pytest.raises(ValueError, match=f"offload_loop='{loop}' works with offload_optimizer to cpu alone"):
+            zerojax.shard(lambda: gpt2.GPT2(C, rngs=nnx.Rngs(0)), config(3, "fp32", "cpu", "cpu"),
+                          loss_fn=gpt2.gpt2_loss, options=zerojax.EngineOptions(offload_loop=loop))
     env = {"ZEROJAX_OFFLOAD_WRITE_PIECES": "8", "ZEROJAX_OFFLOAD_STREAMS": "2", "ZEROJAX_ADAM_MU_DTYPE": "bfloat16"}
     assert zerojax.EngineOptions.from_env(env) == zerojax.EngineOptions(
         offload_write_pieces=8, offload_streams=2, adam_mu_dtype="bfloat16")
@@ -453,6 +460,10 @@ def test_offload_checkpoint_resumes_under_any_layout(tmp_path):
     paired, losses = resume(config(3, "bf16", "cpu"), zerojax.EngineOptions(offload_loop="paired"))
     assert [(c.lo, c.hi) for c in paired.offload_layout.layout.chunks] == [(0, 0), (0, 1), (1, 2), (2, 3), (3, 4)]
     np.testing.assert_allclose(losses, want, rtol=1e-4)
+    # the same layout with its layer groups updated from Python (offload_loop "host")
+    host, losses = resume(config(3, "bf16", "cpu"), zerojax.EngineOptions(offload_loop="host"))
+    np.testing.assert_allclose(losses, want, rtol=1e-4)
+    assert kinds(host.state.master) <= set(HOST) and kinds(host.state.params) == {"device"}
 
     # export: the weights as saved
     checkpoint.export(tmp_path / "ck", tmp_path / "hf", writer_for=weights_writer)
@@ -501,11 +512,13 @@ def test_memory_report_moves_bytes_to_host():
     assert abs(both["host"] - (moved + ref["params"] + ref["gradients"] // 2)) <= 16  # bf16 host grads
 
 
-def test_fp16_overflow_is_skipped_with_offload():
+@pytest.mark.parametrize("loop", ["in_place", "host"])
+def test_fp16_overflow_is_skipped_with_offload(loop):
     cfg = config(2, "fp16", "cpu", fp16={"enabled": True, "initial_scale_power": 8})
     # fp16 params (the engine's compute dtype) computed on in fp32: XLA:CPU has no fp16 x fp16 -> fp32 dot
     make = lambda: gpt2.GPT2(C, rngs=nnx.Rngs(0), dtype=jnp.float32)  # noqa: E731
-    eng = zerojax.shard(make, cfg, loss_fn=lambda m, b: gpt2.gpt2_loss(m, b)[0] * b["mult"][0])
+    eng = zerojax.shard(make, cfg, loss_fn=lambda m, b: gpt2.gpt2_loss(m, b)[0] * b["mult"][0],
+                        options=zerojax.EngineOptions(offload_loop=loop))
     b0, b1 = batches(2)
     ones = np.ones((8,), np.float32)
     eng.train_step({**b0, "mult": ones})

@@ -119,8 +119,22 @@ class Engine:
         # sharding for a small leaf (which the AOT-compiled step then refuses on the next call) or
         # place an output it may choose, e.g. unpinned_host, in device memory
         settings = self.layout.step
-        self._train = jax.jit(functools.partial(step_mod.train_step, settings), donate_argnums=0,
-                              out_shardings=(self.state_shardings, None))
+        self._host_loop = None
+        out_shardings = (self.state_shardings, None)
+        if settings.offload is not None and settings.offload.loop == "host":
+            # the offloaded layer groups are updated after the step's jit, from Python
+            self._host_loop = O.host_loop.HostLoop(settings.offload.layout, settings.offload.tx,
+                                                   compute_dtype=settings.compute_dtype,
+                                                   params_shardings=self.state_shardings.params)
+            out_shardings = (self._without_layer_groups(self.state_shardings)._replace(params=None), None, None)
+            # the params come in apart and are not donated: the step returns none (the host loop
+            # makes them), so JAX would alias their buffers to other outputs of the same shape,
+            # host-memory ones included
+            self._train = jax.jit(lambda state, params, batch: step_mod.train_step(
+                settings, state._replace(params=params), batch), donate_argnums=0, out_shardings=out_shardings)
+        else:
+            self._train = jax.jit(functools.partial(step_mod.train_step, settings), donate_argnums=0,
+                                  out_shardings=out_shardings)
         self._eval = jax.jit(functools.partial(step_mod.eval_step, settings))
         self._compiled: dict = {}
         self._global_steps = 0
@@ -377,7 +391,14 @@ class Engine:
             self._check_fits(shapes)
             self._guarded.add(key)
         # the AOT-compiled step: one compile shared with memory_report() and the planner
-        self.state, metrics = self.compiled_step(shapes)(self.state, placed)
+        if self._host_loop is None:
+            self.state, metrics = self.compiled_step(shapes)(self.state, placed)
+        else:  # EngineOptions.offload_loop="host": the layer groups' update, driven from here
+            hl, master, opt = self._host_loop, self.state.master, self._inner(self.state.opt_state)
+            state, metrics, work = self.compiled_step(shapes)(*self._step_args(self.state, placed))
+            params = hl(master, opt, work.compute, work.grads, work.skip, work.grad_scale)  # master, opt in place
+            self.state = state._replace(params=params, master=hl.merge(state.master, master), opt_state=self._with_inner(
+                state.opt_state, hl.merge(self._inner(state.opt_state), opt)))
         self._global_steps += 1
         previous, self._pending = self._pending, (self._global_steps, metrics)
         if previous is not None:
@@ -389,6 +410,28 @@ class Engine:
             self._log(metrics)
             self.monitor.flush()
         return metrics
+
+    def _inner(self, opt_state):
+        """The per-chunk optimizer states of an offloaded state (fp16: inside the loss scale's)."""
+        return opt_state.inner_state if self.fp16 else opt_state
+
+    def _with_inner(self, opt_state, inner):
+        return opt_state._replace(inner_state=inner) if self.fp16 else inner
+
+    def _step_args(self, state, batch) -> tuple:
+        """The train step's arguments (offload_loop="host": the state without the host-updated
+        layer groups and without its params, the params, the batch)."""
+        if self._host_loop is None:
+            return state, batch
+        return self._without_layer_groups(state)._replace(params=None), state.params, batch
+
+    def _without_layer_groups(self, state):
+        """`state` (or its shardings) with None for the host-updated layer groups' master and
+        optimizer state: the step's jit neither reads nor returns them (offload_loop="host")."""
+        loops = set(self._host_loop.loops)
+        drop = lambda xs: [None if i in loops else x for i, x in enumerate(xs)]  # noqa: E731
+        return state._replace(master=drop(state.master),
+                              opt_state=self._with_inner(state.opt_state, drop(self._inner(state.opt_state))))
 
     def eval_step(self, batch):
         """The loss on `batch` with the current compute params (no gradients)."""
@@ -497,10 +540,10 @@ class Engine:
         StableHLO (it cannot be compiled here)."""
         abstract_state = jax.tree.map(
             lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=a.sharding), self.state)
-        batch = self._abstract_batch(batch_shapes)
+        args = self._step_args(abstract_state, self._abstract_batch(batch_shapes))
         if platforms:
-            return self._train.trace(abstract_state, batch).lower(lowering_platforms=tuple(platforms))
-        return self._train.lower(abstract_state, batch)
+            return self._train.trace(*args).lower(lowering_platforms=tuple(platforms))
+        return self._train.lower(*args)
 
     @staticmethod
     def _shape_key(batch_shapes) -> str:

@@ -339,12 +339,12 @@ def _pipeline_layout(module, cfg, mesh, options, abstract_master, accum_dtype):
 
 
 def resolve_offload_loop(options, zero, offload_optimizer: bool, offload_param: bool) -> str:
-    """EngineOptions.offload_loop checked against this config: "paired" needs optimizer offload
+    """EngineOptions.offload_loop checked against this config: "paired" and "host" need optimizer offload
     to cpu alone (one host chunk per layer group, compute copies on the device; the NVMe tier and
     offload_param's host compute copies stream a stacked layer buffer)."""
-    if options.offload_loop == "paired" and not (
+    if options.offload_loop in ("paired", "host") and not (
             offload_optimizer and zero.offload_optimizer.device == "cpu" and not offload_param):
-        raise ValueError("EngineOptions.offload_loop='paired' works with offload_optimizer to cpu alone "
+        raise ValueError(f"EngineOptions.offload_loop={options.offload_loop!r} works with offload_optimizer to cpu alone "
                          f"(offload_param: {zero.offload_param.device!r}, offload_optimizer: "
                          f"{zero.offload_optimizer.device!r}); use offload_loop='in_place'")
     return options.offload_loop
@@ -371,7 +371,7 @@ def _offload_layout(cfg, options, tx, abstract_master, shardings, mesh, fp16, of
         raise ValueError(f"EngineOptions.offload_streams={options.offload_streams} works with "
                          "offload_optimizer alone, not with offload_param; set offload_streams=1")
     loop = resolve_offload_loop(options, zero, offload_optimizer, offload_param)
-    streams = (0 if loop == "paired" else options.offload_streams) if offload_optimizer else 1
+    streams = (0 if loop in ("paired", "host") else options.offload_streams) if offload_optimizer else 1
     off = O.offload_layout(tx, abstract_master, shardings.master, k, kind=kind, ratio=ratio, streams=streams)
     settings = dict(chunks=k, ratio=ratio, kind=kind, unroll=options.offload_unroll if offload_param else None,
                     loop=loop)

@@ -19,7 +19,7 @@ from typing import Any, Callable, Mapping
 STAGE3_GATHER_MODES = ("layer", "auto")
 ADAM_MU_DTYPES = (None, "bfloat16")
 PIPELINE_STAGE_LOOPS = ("unrolled", "unrolled_sliced", "scan")
-OFFLOAD_LOOPS = ("in_place", "paired")   # zerojax.offload.update.streamed_update's `loop`
+OFFLOAD_LOOPS = ("in_place", "paired", "host")   # zerojax.offload.update.streamed_update's `loop`
 
 
 @dataclasses.dataclass(frozen=True)
@@ -112,9 +112,9 @@ class EngineOptions:
             problems.append(f"pipeline_stage_loop={self.pipeline_stage_loop!r}: one of {PIPELINE_STAGE_LOOPS}")
         if self.offload_loop not in OFFLOAD_LOOPS:
             problems.append(f"offload_loop={self.offload_loop!r}: one of {OFFLOAD_LOOPS}")
-        if self.offload_loop == "paired" and self.offload_streams > 1:
-            problems.append(f"offload_loop='paired' with offload_streams={self.offload_streams}: 'paired' "
-                            "stores one chunk per layer group already; leave offload_streams at 1")
+        if self.offload_loop in ("paired", "host") and self.offload_streams > 1:
+            problems.append(f"offload_loop={self.offload_loop!r} with offload_streams={self.offload_streams}: "
+                            f"{self.offload_loop!r} stores one chunk per layer group already; leave offload_streams at 1")
         if self.adam_mu_dtype not in ADAM_MU_DTYPES:
             problems.append(f"adam_mu_dtype={self.adam_mu_dtype!r}: one of {ADAM_MU_DTYPES}")
         if self.offload_write_pieces == 1:

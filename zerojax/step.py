@@ -153,6 +153,9 @@ def _compute_params(settings: StepSettings, master):
 
 
 def train_step(settings: StepSettings, state: TrainState, batch):
+    """One optimizer step -> (new state, metrics). With EngineOptions.offload_loop="host" the
+    offloaded layer groups are left to `offload.host_loop.HostLoop`: -> (new state with params
+    None and those groups' master / optimizer state as they were, metrics, HostWork)."""
     scale = loss_scale_of(settings, state.opt_state)
     accum_dtype, add_into = settings.accum_dtype, None
     if settings.offload is not None and settings.offload.param_shardings is not None:
@@ -174,8 +177,9 @@ def train_step(settings: StepSettings, state: TrainState, batch):
         loss_scale=scale, carry=state.rest, add_into=add_into, acc_init=state.grad_accumulator,
     )
     if settings.offload is not None:
-        new_state, metrics = _offloaded_tail(settings, state, grads, loss, aux, rest, scale)
-        return new_state._replace(grad_accumulator=grads if add_into is not None else None), metrics
+        new_state, metrics, host_work = _offloaded_tail(settings, state, grads, loss, aux, rest, scale)
+        new_state = new_state._replace(grad_accumulator=grads if add_into is not None else None)
+        return (new_state, metrics) if host_work is None else (new_state, metrics, host_work)
     # DeepSpeed reports the norm of the unscaled gradients before clipping.
     grad_norm = _global_norm(grads) / scale
     lr = settings.schedule(state.step - state.skipped_steps)
@@ -259,11 +263,20 @@ def _offloaded_tail(settings: StepSettings, state: TrainState, grads, loss, aux,
     # a "scan" chunk: inside the scan, so the stacked copy is built in host memory, never whole
     # on the device)
     pkind = None if off.param_shardings is None else _param_memory_kind(off)
-    params, new_off = offload_mod.streamed_update(
-        off.tx, grads, offload_mod.OffloadState(state.master, inner), off.layout,
-        compute_dtype=settings.compute_dtype, skip=skip, grad_scale=factor, compute_kind=pkind,
-        compute_init=state.params, write_pieces=off.write_pieces, nvme=off.nvme, loop=off.loop)
-    if off.param_shardings is not None:
+    host_work = None
+    if off.loop == "host":  # the layer groups are updated after this jit, from Python (offload.host_loop)
+        compute, new_off, loop_grads = offload_mod.deferred_update(
+            off.tx, grads, offload_mod.OffloadState(state.master, inner), off.layout,
+            compute_dtype=settings.compute_dtype, skip=skip, grad_scale=factor, write_pieces=off.write_pieces)
+        params, host_work = None, HostWork(compute, loop_grads, skip, factor)
+    else:
+        params, new_off = offload_mod.streamed_update(
+            off.tx, grads, offload_mod.OffloadState(state.master, inner), off.layout,
+            compute_dtype=settings.compute_dtype, skip=skip, grad_scale=factor, compute_kind=pkind,
+            compute_init=state.params, write_pieces=off.write_pieces, nvme=off.nvme, loop=off.loop)
+    if params is None:
+        pass
+    elif off.param_shardings is not None:
         params = jax.device_put(params, off.param_shardings)
     else:
         params = jax.lax.with_sharding_constraint(params, settings.shardings.params)
@@ -279,7 +292,18 @@ def _offloaded_tail(settings: StepSettings, state: TrainState, grads, loss, aux,
                "loss_scale": scale, "skipped": skip, "nonfinite": nonfinite}
     if settings.fp16:
         metrics["overflow_at_min"] = jnp.asarray(new_ls.overflow_at_min, jnp.bool_)
-    return new_state, metrics
+    return new_state, metrics, host_work
+
+
+class HostWork(NamedTuple):
+    """What the step's jit leaves to `offload.host_loop.HostLoop` (EngineOptions.offload_loop="host"):
+    the compute copies of the chunks it updated (None at the loop chunks), the loop chunks'
+    gradients, the skip flag and the gradient factor (1 / loss scale x clip coefficient)."""
+
+    compute: list
+    grads: list
+    skip: Any
+    grad_scale: Any
 
 
 def _param_memory_kind(off: OffloadStep) -> str:

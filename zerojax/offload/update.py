@@ -211,11 +211,37 @@ def streamed_update(tx, grads, state: OffloadState, off: OffloadLayout, *,
         (`nvme_loop_update`); the state holds None there.
     loop: how the loop chunks are updated (EngineOptions.offload_loop): "in_place" (`_loop_update`)
         or "paired" (`_paired_update`: needs one group a loop chunk, `chunk_layout(streams=0)`,
-        and compute copies on the device; elsewhere "in_place" runs).
+        and compute copies on the device; elsewhere "in_place" runs). "host" runs outside the
+        jit: `deferred_update` here, then `offload.host_loop.HostLoop`.
     -> (compute params tree in `compute_dtype`, new OffloadState in place).
     """
-    if loop not in OFFLOAD_LOOPS:
-        raise ValueError(f"streamed_update(loop={loop!r}): one of {OFFLOAD_LOOPS} (EngineOptions.offload_loop)")
+    if loop not in OFFLOAD_LOOPS or loop == "host":
+        raise ValueError(f"streamed_update(loop={loop!r}): one of {[x for x in OFFLOAD_LOOPS if x != 'host']} "
+                         "(EngineOptions.offload_loop; \"host\" is deferred_update + offload.host_loop)")
+    out_c, out_m, out_s, _ = _update_chunks(
+        tx, grads, state, off, compute_dtype=compute_dtype, skip=skip, grad_scale=grad_scale,
+        compute_kind=compute_kind, compute_init=compute_init, write_pieces=write_pieces, nvme=nvme, loop=loop)
+    return from_chunks(out_c, off.layout), OffloadState(out_m, out_s)
+
+
+def deferred_update(tx, grads, state: OffloadState, off: OffloadLayout, *, compute_dtype=jnp.bfloat16,
+                    skip=None, grad_scale=None, write_pieces: int = 0):
+    """`streamed_update` without the loop chunks (EngineOptions.offload_loop="host"; call inside the
+    step's jit): the other chunks are updated, the loop chunks' master and state are not read
+    (the caller passes None there; they come out as given), and their gradients come out for `offload.host_loop.HostLoop`, which updates them
+    a layer group at a time from Python (the runtime's transfers run both ways at once; XLA's
+    inside one program ran them one after the other, docs/offload-transfers.md).
+    -> (compute chunks: a list with None at the loop chunks, OffloadState, the loop chunks' gradients)."""
+    out_c, out_m, out_s, g_chunks = _update_chunks(
+        tx, grads, state, off, compute_dtype=compute_dtype, skip=skip, grad_scale=grad_scale,
+        write_pieces=write_pieces, loop="host")
+    return out_c, OffloadState(out_m, out_s), [g for g, c in zip(g_chunks, off.layout.chunks) if c.loop]
+
+
+def _update_chunks(tx, grads, state: OffloadState, off: OffloadLayout, *, compute_dtype, skip, grad_scale,
+                   compute_kind=None, compute_init=None, write_pieces: int = 0, nvme=None, loop: str = "in_place"):
+    """The body of `streamed_update` / `deferred_update` (loop "host": the loop chunks passed
+    through) -> (compute chunks, master chunks, state chunks, gradient chunks)."""
     layout = off.layout
     g_chunks = to_chunks(grads, layout)
     init_chunks = to_chunks(compute_init, layout) if compute_init is not None else None
@@ -229,6 +255,9 @@ def streamed_update(tx, grads, state: OffloadState, off: OffloadLayout, *,
             s, cp = nvme.loop_update(tx, g, s, cp0, compute_dtype=compute_dtype, skip=skip,
                                      grad_scale=grad_scale, compute_kind=compute_kind)
             out_c[i], out_m[i], out_s[i] = cp, m, s
+            continue
+        if c.loop and loop == "host":
+            out_m[i], out_s[i] = m, s
             continue
         if c.loop:
             if i == loops[0]:  # every loop chunk in one fori_loop, traced where the first one is
@@ -251,7 +280,7 @@ def streamed_update(tx, grads, state: OffloadState, off: OffloadLayout, *,
         if compute_kind is not None:
             cp = _to(cp, m_sh, compute_kind)
         out_c[i], out_m[i], out_s[i] = cp, m, s
-    return from_chunks(out_c, layout), OffloadState(out_m, out_s)
+    return out_c, out_m, out_s, g_chunks
 
 
 def grad_stats(grads, off: OffloadLayout):
