@@ -122,10 +122,11 @@ class Engine:
         self._host_loop = None
         out_shardings = (self.state_shardings, None)
         if settings.offload is not None and settings.offload.loop == "host":
-            # the offloaded layer groups are updated after the step's jit, from Python
+            # the host chunks (non-layer leaves, each layer group) are updated after the step's jit, from Python
             self._host_loop = O.host_loop.HostLoop(settings.offload.layout, settings.offload.tx,
                                                    compute_dtype=settings.compute_dtype,
-                                                   params_shardings=self.state_shardings.params)
+                                                   params_shardings=self.state_shardings.params,
+                                                   window=self.options.offload_host_window)
             out_shardings = (self._without_layer_groups(self.state_shardings)._replace(params=None), None, None)
             # the params come in apart and are not donated: the step returns none (the host loop
             # makes them), so JAX would alias their buffers to other outputs of the same shape,
@@ -393,7 +394,7 @@ class Engine:
         # the AOT-compiled step: one compile shared with memory_report() and the planner
         if self._host_loop is None:
             self.state, metrics = self.compiled_step(shapes)(self.state, placed)
-        else:  # EngineOptions.offload_loop="host": the layer groups' update, driven from here
+        else:  # EngineOptions.offload_loop="host": the host chunks' update, driven from here
             hl, master, opt = self._host_loop, self.state.master, self._inner(self.state.opt_state)
             state, metrics, work = self.compiled_step(shapes)(*self._step_args(self.state, placed))
             params = hl(master, opt, work.compute, work.grads, work.skip, work.grad_scale)  # master, opt in place
@@ -420,13 +421,13 @@ class Engine:
 
     def _step_args(self, state, batch) -> tuple:
         """The train step's arguments (offload_loop="host": the state without the host-updated
-        layer groups and without its params, the params, the batch)."""
+        chunks and without its params, the params, the batch)."""
         if self._host_loop is None:
             return state, batch
         return self._without_layer_groups(state)._replace(params=None), state.params, batch
 
     def _without_layer_groups(self, state):
-        """`state` (or its shardings) with None for the host-updated layer groups' master and
+        """`state` (or its shardings) with None for the host-updated chunks' master and
         optimizer state: the step's jit neither reads nor returns them (offload_loop="host")."""
         loops = set(self._host_loop.loops)
         drop = lambda xs: [None if i in loops else x for i, x in enumerate(xs)]  # noqa: E731

@@ -51,6 +51,8 @@ class EngineOptions:
         Measured on one H200 (GPT-2 Large, ZeRO-2, 24 GB cap): "paired" 16,677 tokens/s (with
         the bf16 first moment 19,003) against "in_place" 18,398 (22,305) in session 5, although
         the same pairing moved 48 GB/s each way in isolation (docs/offload-transfers.md).
+    offload_host_window [4]: with offload_loop="host", the chunks whose state may be on the device
+        at once while the host loop runs (`offload.host_loop.HostLoop`); 0 = no limit.
     adam_mu_dtype [None]: Adam/AdamW's first moment stored in this dtype ("bfloat16"), updated
         and used in fp32 within the step: 2 bytes less per parameter in memory (and, under
         optimizer offload, each way over PCIe: 10 bytes instead of 12). Changes training slightly
@@ -84,6 +86,7 @@ class EngineOptions:
     offload_write_pieces: int = 0
     offload_streams: int = 1
     offload_loop: str = "in_place"
+    offload_host_window: int = 4
     adam_mu_dtype: str | None = None
     stage3_gather: str = "layer"
     init_group_bytes: int | None = None
@@ -99,6 +102,7 @@ class EngineOptions:
         for name, least, optional in (("offload_chunks", 1, True),
                                       ("offload_unroll", 1, False), ("init_group_bytes", 1, True),
                                       ("offload_write_pieces", 0, False), ("offload_streams", 1, False),
+                                      ("offload_host_window", 0, False),
                                       ("pipeline_repeats", 1, False)):
             value = getattr(self, name)
             if value is None and optional:
@@ -133,7 +137,7 @@ class EngineOptions:
         """Options from the ZEROJAX_* environment variables (benchmark scripts), then `overrides`.
 
         ZEROJAX_OFFLOAD_CHUNKS, _OFFLOAD_UNROLL, _OFFLOAD_PREFETCH, _OFFLOAD_WRITE_PIECES,
-        _OFFLOAD_STREAMS, _OFFLOAD_LOOP, _ADAM_MU_DTYPE, _STAGE3_GATHER, _INIT_GROUP_BYTES,
+        _OFFLOAD_STREAMS, _OFFLOAD_LOOP, _OFFLOAD_HOST_WINDOW, _ADAM_MU_DTYPE, _STAGE3_GATHER, _INIT_GROUP_BYTES,
         _PIPELINE_STAGE_LOOP, _MEMORY_GUARD.
         Booleans accept 1/0, true/false, yes/no, on/off; anything else is an error naming the
         variable and the values it takes.
@@ -203,6 +207,7 @@ _ENV = {
     "offload_write_pieces": ("ZEROJAX_OFFLOAD_WRITE_PIECES", _int),
     "offload_streams": ("ZEROJAX_OFFLOAD_STREAMS", _int),
     "offload_loop": ("ZEROJAX_OFFLOAD_LOOP", _choice(OFFLOAD_LOOPS)),
+    "offload_host_window": ("ZEROJAX_OFFLOAD_HOST_WINDOW", _int),
     "adam_mu_dtype": ("ZEROJAX_ADAM_MU_DTYPE", _choice(("bfloat16",))),
     "stage3_gather": ("ZEROJAX_STAGE3_GATHER", _choice(STAGE3_GATHER_MODES)),
     "init_group_bytes": ("ZEROJAX_INIT_GROUP_BYTES", _positive_or_none),

@@ -154,8 +154,8 @@ def _compute_params(settings: StepSettings, master):
 
 def train_step(settings: StepSettings, state: TrainState, batch):
     """One optimizer step -> (new state, metrics). With EngineOptions.offload_loop="host" the
-    offloaded layer groups are left to `offload.host_loop.HostLoop`: -> (new state with params
-    None and those groups' master / optimizer state as they were, metrics, HostWork)."""
+    host chunks of the offloaded state are left to `offload.host_loop.HostLoop`: -> (new state with
+    params None and those chunks' master / optimizer state as given, metrics, HostWork)."""
     scale = loss_scale_of(settings, state.opt_state)
     accum_dtype, add_into = settings.accum_dtype, None
     if settings.offload is not None and settings.offload.param_shardings is not None:
@@ -264,7 +264,7 @@ def _offloaded_tail(settings: StepSettings, state: TrainState, grads, loss, aux,
     # on the device)
     pkind = None if off.param_shardings is None else _param_memory_kind(off)
     host_work = None
-    if off.loop == "host":  # the layer groups are updated after this jit, from Python (offload.host_loop)
+    if off.loop == "host":  # the host chunks are updated after this jit, from Python (offload.host_loop)
         compute, new_off, loop_grads = offload_mod.deferred_update(
             off.tx, grads, offload_mod.OffloadState(state.master, inner), off.layout,
             compute_dtype=settings.compute_dtype, skip=skip, grad_scale=factor, write_pieces=off.write_pieces)
@@ -297,7 +297,7 @@ def _offloaded_tail(settings: StepSettings, state: TrainState, grads, loss, aux,
 
 class HostWork(NamedTuple):
     """What the step's jit leaves to `offload.host_loop.HostLoop` (EngineOptions.offload_loop="host"):
-    the compute copies of the chunks it updated (None at the loop chunks), the loop chunks'
+    the compute copies of the chunks it updated (None at the host chunks), the host chunks'
     gradients, the skip flag and the gradient factor (1 / loss scale x clip coefficient)."""
 
     compute: list

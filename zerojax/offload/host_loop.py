@@ -1,4 +1,4 @@
-"""The offloaded layers' optimizer update driven from Python (EngineOptions.offload_loop="host").
+"""The offloaded optimizer update driven from Python (EngineOptions.offload_loop="host").
 
 Why outside the step's jit: inside one XLA program the reads of the host state and the write-backs
 ran one after the other on an H200, at 25-27 GB/s each way, whatever the loop's form, while the
@@ -7,9 +7,9 @@ at once: GPT-2 Large's 36 layers of fp32 master + Adam moments (8.5 GB each way)
 one jitted program and 249 ms driven from Python, one batched `device_put` per layer group each way
 (benchmarks/host_update_probe.py, docs/offload-transfers.md).
 
-The step's jit (`offload.update.deferred_update`) updates the other chunks and hands over the
-loop chunks' gradients with the step's skip flag and gradient factor; `HostLoop` then, for each
-layer group: brings its master and optimizer state to the device, runs the same `_apply` as the
+The step's jit (`offload.update.deferred_update`) updates the device chunk, if any, and hands over
+the host chunks' gradients with the step's skip flag and gradient factor; `HostLoop` then, for the
+non-layer chunk and each layer group: brings its master and optimizer state to the device, runs the same `_apply` as the
 in-jit loops (one compiled program shared by every group), and sends the new state back to host
 memory; last, one small jit joins the compute copies into the params. JAX dispatches all of it
 asynchronously, so Python never waits for the device here.
@@ -26,34 +26,42 @@ from zerojax.offload.update import _apply
 
 
 class HostLoop:
-    """Updates the loop chunks of an offloaded state, one layer group (chunk) at a time.
+    """Updates the host chunks of an offloaded state (the non-layer chunk and each layer group),
+    one chunk at a time.
 
     off: the state's OffloadLayout (one chunk per layer group: `chunk_layout(streams=0)`).
     tx: the bare elementwise optimizer (`StepSettings.offload.tx`).
-    params_shardings: where the joined compute params go (the stage's param shardings)."""
+    params_shardings: where the joined compute params go (the stage's param shardings).
+    window: chunks in flight. Before chunk j is brought in, chunk j - window's new state must be
+        back in host memory (Python waits for it), so at most `window` chunks' state sits on the
+        device besides the step's gradients; without the wait the runtime brought in every chunk
+        it could as soon as the calls were issued (GPT-2 Large under a 24 GB cap: peak 5.54 ->
+        7.93 GiB). 0 = no wait."""
 
-    def __init__(self, off: OffloadLayout, tx, *, compute_dtype, params_shardings):
-        self.off = off
-        self.loops = [i for i, c in enumerate(off.layout.chunks) if c.loop]
-        if any(c.loop != 1 for c in off.layout.chunks if c.loop):
+    def __init__(self, off: OffloadLayout, tx, *, compute_dtype, params_shardings, window: int = 4):
+        self.off, self.window = off, int(window)
+        self.loops = [i for i, c in enumerate(off.layout.chunks) if c.host]
+        if any(c.loop > 1 for c in off.layout.chunks if c.host):
             raise ValueError("offload_loop='host' needs one layer group a chunk (chunk_layout(streams=0))")
         self._dev = {i: (with_memory_kind(off.master_shardings[i], DEVICE),
                          with_memory_kind(off.state_shardings[i], DEVICE)) for i in self.loops}
         self._host = {i: (with_memory_kind(off.master_shardings[i], off.kind),
                           with_memory_kind(off.state_shardings[i], off.kind)) for i in self.loops}
-        # one program for every group of the same shapes (jit caches by shape); the group's
+        # one program for every chunk of the same shapes (jit caches by shape); the chunk's
         # device copies and its gradient are donated: the new state takes their buffers
         self._update = jax.jit(functools.partial(_update_group, tx, compute_dtype), donate_argnums=(0, 1, 2))
         self._join = jax.jit(lambda cps: from_chunks(cps, off.layout), out_shardings=params_shardings)
 
     def __call__(self, master: list, opt_state: list, compute: list, grads: list, skip, grad_scale):
-        """Update the loop chunks of `master` / `opt_state` (the per-chunk host state) in place:
-        each group's entries are replaced as soon as its new state is on its way to host memory,
-        so the old host copy is freed group by group (host memory never holds the state twice).
-        compute: the compute copies with None at the loop chunks; grads: the loop chunks'
+        """Update the host chunks of `master` / `opt_state` (the per-chunk host state) in place:
+        each chunk's entries are replaced as soon as its new state is on its way to host memory,
+        so the old host copy is freed chunk by chunk (host memory never holds the state twice).
+        compute: the compute copies with None at the host chunks; grads: the host chunks'
         gradients (`deferred_update`). -> the joined compute params."""
         compute = list(compute)
-        for i, g in zip(self.loops, grads):
+        for n, (i, g) in enumerate(zip(self.loops, grads)):
+            if self.window and n >= self.window:
+                jax.block_until_ready(master[self.loops[n - self.window]])
             m_dev, s_dev = self._dev[i]
             m, s = jax.device_put(master[i], m_dev), jax.device_put(opt_state[i], s_dev)
             m, s, compute[i] = self._update(g, m, s, skip, grad_scale)

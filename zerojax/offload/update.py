@@ -226,21 +226,22 @@ def streamed_update(tx, grads, state: OffloadState, off: OffloadLayout, *,
 
 def deferred_update(tx, grads, state: OffloadState, off: OffloadLayout, *, compute_dtype=jnp.bfloat16,
                     skip=None, grad_scale=None, write_pieces: int = 0):
-    """`streamed_update` without the loop chunks (EngineOptions.offload_loop="host"; call inside the
-    step's jit): the other chunks are updated, the loop chunks' master and state are not read
-    (the caller passes None there; they come out as given), and their gradients come out for `offload.host_loop.HostLoop`, which updates them
+    """`streamed_update` without the host chunks (EngineOptions.offload_loop="host"; call inside the
+    step's jit): the device chunk (offload_optimizer.ratio < 1) is updated, the host chunks' master
+    and state are not read (the caller passes None there; they come out as given), and their
+    gradients come out for `offload.host_loop.HostLoop`, which updates them
     a layer group at a time from Python (the runtime's transfers run both ways at once; XLA's
     inside one program ran them one after the other, docs/offload-transfers.md).
-    -> (compute chunks: a list with None at the loop chunks, OffloadState, the loop chunks' gradients)."""
+    -> (compute chunks: a list with None at the host chunks, OffloadState, the host chunks' gradients)."""
     out_c, out_m, out_s, g_chunks = _update_chunks(
         tx, grads, state, off, compute_dtype=compute_dtype, skip=skip, grad_scale=grad_scale,
         write_pieces=write_pieces, loop="host")
-    return out_c, OffloadState(out_m, out_s), [g for g, c in zip(g_chunks, off.layout.chunks) if c.loop]
+    return out_c, OffloadState(out_m, out_s), [g for g, c in zip(g_chunks, off.layout.chunks) if c.host]
 
 
 def _update_chunks(tx, grads, state: OffloadState, off: OffloadLayout, *, compute_dtype, skip, grad_scale,
                    compute_kind=None, compute_init=None, write_pieces: int = 0, nvme=None, loop: str = "in_place"):
-    """The body of `streamed_update` / `deferred_update` (loop "host": the loop chunks passed
+    """The body of `streamed_update` / `deferred_update` (loop "host": the host chunks passed
     through) -> (compute chunks, master chunks, state chunks, gradient chunks)."""
     layout = off.layout
     g_chunks = to_chunks(grads, layout)
@@ -256,7 +257,7 @@ def _update_chunks(tx, grads, state: OffloadState, off: OffloadLayout, *, comput
                                      grad_scale=grad_scale, compute_kind=compute_kind)
             out_c[i], out_m[i], out_s[i] = cp, m, s
             continue
-        if c.loop and loop == "host":
+        if c.host and loop == "host":  # left to offload.host_loop (the non-layer chunk too)
             out_m[i], out_s[i] = m, s
             continue
         if c.loop:
