@@ -129,8 +129,8 @@ class Engine:
                                                    window=self.options.offload_host_window)
             out_shardings = (self._without_layer_groups(self.state_shardings)._replace(params=None), None, None)
             # the params come in apart and are not donated: the step returns none (the host loop
-            # makes them), so JAX would alias their buffers to other outputs of the same shape,
-            # host-memory ones included
+            # writes the new ones into them, in place), so JAX would alias their buffers to other
+            # outputs of the same shape, host-memory ones included
             self._train = jax.jit(lambda state, params, batch: step_mod.train_step(
                 settings, state._replace(params=params), batch), donate_argnums=0, out_shardings=out_shardings)
         else:
@@ -397,7 +397,8 @@ class Engine:
         else:  # EngineOptions.offload_loop="host": the host chunks' update, driven from here
             hl, master, opt = self._host_loop, self.state.master, self._inner(self.state.opt_state)
             state, metrics, work = self.compiled_step(shapes)(*self._step_args(self.state, placed))
-            params = hl(master, opt, work.compute, work.grads, work.skip, work.grad_scale)  # master, opt in place
+            params = hl(master, opt, work.compute, work.grads, work.skip, work.grad_scale,  # master, opt in place
+                        self.state.params)
             self.state = state._replace(params=params, master=hl.merge(state.master, master), opt_state=self._with_inner(
                 state.opt_state, hl.merge(self._inner(state.opt_state), opt)))
         self._global_steps += 1

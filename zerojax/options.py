@@ -51,7 +51,7 @@ class EngineOptions:
         Measured on one H200 (GPT-2 Large, ZeRO-2, 24 GB cap): "paired" 16,677 tokens/s (with
         the bf16 first moment 19,003) against "in_place" 18,398 (22,305) in session 5, although
         the same pairing moved 48 GB/s each way in isolation (docs/offload-transfers.md).
-    offload_host_window [4]: with offload_loop="host", the chunks whose state may be on the device
+    offload_host_window [2]: with offload_loop="host", the chunks whose state may be on the device
         at once while the host loop runs (`offload.host_loop.HostLoop`); 0 = no limit.
     adam_mu_dtype [None]: Adam/AdamW's first moment stored in this dtype ("bfloat16"), updated
         and used in fp32 within the step: 2 bytes less per parameter in memory (and, under
@@ -86,7 +86,7 @@ class EngineOptions:
     offload_write_pieces: int = 0
     offload_streams: int = 1
     offload_loop: str = "in_place"
-    offload_host_window: int = 4
+    offload_host_window: int = 2
     adam_mu_dtype: str | None = None
     stage3_gather: str = "layer"
     init_group_bytes: int | None = None

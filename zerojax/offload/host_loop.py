@@ -10,8 +10,8 @@ one jitted program and 249 ms driven from Python, one batched `device_put` per l
 The step's jit (`offload.update.deferred_update`) updates the device chunk, if any, and hands over
 the host chunks' gradients with the step's skip flag and gradient factor; `HostLoop` then, for the
 non-layer chunk and each layer group: brings its master and optimizer state to the device, runs the same `_apply` as the
-in-jit loops (one compiled program shared by every group), and sends the new state back to host
-memory; last, one small jit joins the compute copies into the params. JAX dispatches all of it
+in-jit loops (one compiled program shared by every group), writes the new compute copy into the
+step's input params in place, and sends the new state back to host memory. JAX dispatches all of it
 asynchronously, so Python never waits for the device here.
 """
 from __future__ import annotations
@@ -20,7 +20,7 @@ import functools
 
 import jax
 
-from zerojax.offload.chunks import OffloadLayout, from_chunks
+from zerojax.offload.chunks import OffloadLayout, is_none
 from zerojax.offload.memory_kinds import DEVICE, with_memory_kind
 from zerojax.offload.update import _apply
 
@@ -36,9 +36,11 @@ class HostLoop:
         back in host memory (Python waits for it), so at most `window` chunks' state sits on the
         device besides the step's gradients; without the wait the runtime brought in every chunk
         it could as soon as the calls were issued (GPT-2 Large under a 24 GB cap: peak 5.54 ->
-        7.93 GiB). 0 = no wait."""
+        7.93 GiB). 0 = no wait. Measured there: 2 ran fastest (21,185 tokens/s; 4: 20,472; 0: 20,908).
+        (Most of that peak was the compute copies: each chunk's new, then joined into new params;
+        they are now written into the step's input params in place.)"""
 
-    def __init__(self, off: OffloadLayout, tx, *, compute_dtype, params_shardings, window: int = 4):
+    def __init__(self, off: OffloadLayout, tx, *, compute_dtype, params_shardings, window: int = 2):
         self.off, self.window = off, int(window)
         self.loops = [i for i, c in enumerate(off.layout.chunks) if c.host]
         if any(c.loop > 1 for c in off.layout.chunks if c.host):
@@ -47,34 +49,54 @@ class HostLoop:
                          with_memory_kind(off.state_shardings[i], DEVICE)) for i in self.loops}
         self._host = {i: (with_memory_kind(off.master_shardings[i], off.kind),
                           with_memory_kind(off.state_shardings[i], off.kind)) for i in self.loops}
-        # one program for every chunk of the same shapes (jit caches by shape); the chunk's
-        # device copies and its gradient are donated: the new state takes their buffers
-        self._update = jax.jit(functools.partial(_update_group, tx, compute_dtype), donate_argnums=(0, 1, 2))
-        self._join = jax.jit(lambda cps: from_chunks(cps, off.layout), out_shardings=params_shardings)
+        stacked = off.layout.treedef.unflatten(off.layout.stacked)
+        # one program for every layer group (its first layer is an argument; jit caches by shape)
+        # and one for the non-layer chunk; the chunk's device copies, its gradient and the params
+        # are donated: the new state takes their buffers, the new compute copy is written into
+        # the params in place (dynamic_update_slice on their layer axis)
+        self._update = jax.jit(functools.partial(_update_into, tx, compute_dtype, stacked),
+                               donate_argnums=(0, 1, 2, 5), out_shardings=(None, None, params_shardings))
+        self._put = jax.jit(functools.partial(_put_compute, stacked), donate_argnums=0,
+                            out_shardings=params_shardings)
 
-    def __call__(self, master: list, opt_state: list, compute: list, grads: list, skip, grad_scale):
+    def __call__(self, master: list, opt_state: list, compute: list, grads: list, skip, grad_scale, params):
         """Update the host chunks of `master` / `opt_state` (the per-chunk host state) in place:
         each chunk's entries are replaced as soon as its new state is on its way to host memory,
         so the old host copy is freed chunk by chunk (host memory never holds the state twice).
-        compute: the compute copies with None at the host chunks; grads: the host chunks'
-        gradients (`deferred_update`). -> the joined compute params."""
-        compute = list(compute)
+        compute: the compute copies the step's jit made (the device chunk's; None at the host
+        chunks); grads: the host chunks' gradients (`deferred_update`); params: the step's input
+        compute params (dead after the step's jit; donated). -> the new compute params."""
+        for i, cp in enumerate(compute):
+            if cp is not None:
+                params = self._put(params, cp, self.off.layout.chunks[i].lo)
         for n, (i, g) in enumerate(zip(self.loops, grads)):
             if self.window and n >= self.window:
                 jax.block_until_ready(master[self.loops[n - self.window]])
             m_dev, s_dev = self._dev[i]
             m, s = jax.device_put(master[i], m_dev), jax.device_put(opt_state[i], s_dev)
-            m, s, compute[i] = self._update(g, m, s, skip, grad_scale)
+            m, s, params = self._update(g, m, s, skip, grad_scale, params, self.off.layout.chunks[i].lo)
             m_host, s_host = self._host[i]
             master[i], opt_state[i] = jax.device_put(m, m_host), jax.device_put(s, s_host)
-        return self._join(compute)
+        return params
 
     def merge(self, front: list, groups: list) -> list:
-        """The per-chunk list of the step's jit (`front`, None at the loop chunks) with the loop
+        """The per-chunk list of the step's jit (`front`, None at the host chunks) with the host
         chunks taken from `groups`."""
         loops = set(self.loops)
         return [groups[i] if i in loops else x for i, x in enumerate(front)]
 
 
-def _update_group(tx, compute_dtype, g, m, s, skip, grad_scale):
-    return _apply(tx, g, s, m, compute_dtype, skip, grad_scale)
+def _put_compute(stacked, params, cp, lo):
+    """`params` with a chunk's compute copy `cp` written in: its stacked leaves at layer `lo`, its
+    non-layer leaves whole (None leaves of the chunk keep the params')."""
+    def put(c, p, st):
+        if c is None:
+            return p
+        c = c.astype(p.dtype)
+        return jax.lax.dynamic_update_slice_in_dim(p, c, lo, axis=0) if st else c
+    return jax.tree.map(put, cp, params, stacked, is_leaf=is_none)
+
+
+def _update_into(tx, compute_dtype, stacked, g, m, s, skip, grad_scale, params, lo):
+    m, s, cp = _apply(tx, g, s, m, compute_dtype, skip, grad_scale)
+    return m, s, _put_compute(stacked, params, cp, lo)
