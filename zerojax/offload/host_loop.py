@@ -49,32 +49,43 @@ class HostLoop:
                          with_memory_kind(off.state_shardings[i], DEVICE)) for i in self.loops}
         self._host = {i: (with_memory_kind(off.master_shardings[i], off.kind),
                           with_memory_kind(off.state_shardings[i], off.kind)) for i in self.loops}
-        stacked = off.layout.treedef.unflatten(off.layout.stacked)
-        # one program for every layer group (its first layer is an argument; jit caches by shape)
-        # and one for the non-layer chunk; the chunk's device copies, its gradient and the params
-        # are donated: the new state takes their buffers, the new compute copy is written into
-        # the params in place (dynamic_update_slice on their layer axis)
-        self._update = jax.jit(functools.partial(_update_into, tx, compute_dtype, stacked),
-                               donate_argnums=(0, 1, 2, 5), out_shardings=(None, None, params_shardings))
-        self._put = jax.jit(functools.partial(_put_compute, stacked), donate_argnums=0,
+        self._stacked = off.layout.treedef.unflatten(off.layout.stacked)
+        self._params_shardings = params_shardings
+        self._programs: dict = {}
+        self._put = jax.jit(functools.partial(_put_compute, self._stacked), donate_argnums=0,
                             out_shardings=params_shardings)
+        self._tx, self._compute_dtype = tx, compute_dtype
 
-    def __call__(self, master: list, opt_state: list, compute: list, grads: list, skip, grad_scale, params):
+    def _program(self, chunk):
+        """The update of one chunk kind: the non-layer chunk, or a layer group of `hi - lo` layers
+        (its first layer an argument: one program for every group). Its device copies and the
+        params are donated: the new state takes their buffers, and the new compute copy is written
+        into the params in place (dynamic_update_slice on their layer axis). The gradients are
+        read, not donated: every chunk cuts its own piece out of them."""
+        key = (chunk.rest, chunk.hi - chunk.lo)
+        if key not in self._programs:
+            self._programs[key] = jax.jit(
+                functools.partial(_update_into, self._tx, self._compute_dtype, self._stacked, *key),
+                donate_argnums=(1, 2, 5), out_shardings=(None, None, self._params_shardings))
+        return self._programs[key]
+
+    def __call__(self, master: list, opt_state: list, compute: list, grads, skip, grad_scale, params):
         """Update the host chunks of `master` / `opt_state` (the per-chunk host state) in place:
         each chunk's entries are replaced as soon as its new state is on its way to host memory,
         so the old host copy is freed chunk by chunk (host memory never holds the state twice).
         compute: the compute copies the step's jit made (the device chunk's; None at the host
-        chunks); grads: the host chunks' gradients (`deferred_update`); params: the step's input
-        compute params (dead after the step's jit; donated). -> the new compute params."""
+        chunks); grads: the step's gradients, params-shaped; params: the step's input compute
+        params (dead after the step's jit; donated). -> the new compute params."""
+        chunks = self.off.layout.chunks
         for i, cp in enumerate(compute):
             if cp is not None:
-                params = self._put(params, cp, self.off.layout.chunks[i].lo)
-        for n, (i, g) in enumerate(zip(self.loops, grads)):
+                params = self._put(params, cp, chunks[i].lo)
+        for n, i in enumerate(self.loops):
             if self.window and n >= self.window:
                 jax.block_until_ready(master[self.loops[n - self.window]])
             m_dev, s_dev = self._dev[i]
             m, s = jax.device_put(master[i], m_dev), jax.device_put(opt_state[i], s_dev)
-            m, s, params = self._update(g, m, s, skip, grad_scale, params, self.off.layout.chunks[i].lo)
+            m, s, params = self._program(chunks[i])(grads, m, s, skip, grad_scale, params, chunks[i].lo)
             m_host, s_host = self._host[i]
             master[i], opt_state[i] = jax.device_put(m, m_host), jax.device_put(s, s_host)
         return params
@@ -97,6 +108,11 @@ def _put_compute(stacked, params, cp, lo):
     return jax.tree.map(put, cp, params, stacked, is_leaf=is_none)
 
 
-def _update_into(tx, compute_dtype, stacked, g, m, s, skip, grad_scale, params, lo):
+def _update_into(tx, compute_dtype, stacked, rest, per, grads, m, s, skip, grad_scale, params, lo):
+    def cut(x, st):  # the chunk's piece of a gradient leaf (None where the chunk has no piece)
+        if rest:
+            return None if st else x
+        return jax.lax.dynamic_slice_in_dim(x, lo, per, axis=0) if st else None
+    g = jax.tree.map(cut, grads, stacked)
     m, s, cp = _apply(tx, g, s, m, compute_dtype, skip, grad_scale)
     return m, s, _put_compute(stacked, params, cp, lo)

@@ -228,15 +228,15 @@ def deferred_update(tx, grads, state: OffloadState, off: OffloadLayout, *, compu
                     skip=None, grad_scale=None, write_pieces: int = 0):
     """`streamed_update` without the host chunks (EngineOptions.offload_loop="host"; call inside the
     step's jit): the device chunk (offload_optimizer.ratio < 1) is updated, the host chunks' master
-    and state are not read (the caller passes None there; they come out as given), and their
-    gradients come out for `offload.host_loop.HostLoop`, which updates them
+    and state are not read (the caller passes None there; they come out as given), and the
+    gradients come out whole (cutting them into chunks here would copy them all) for `offload.host_loop.HostLoop`, which updates them
     a layer group at a time from Python (the runtime's transfers run both ways at once; XLA's
     inside one program ran them one after the other, docs/offload-transfers.md).
-    -> (compute chunks: a list with None at the host chunks, OffloadState, the host chunks' gradients)."""
+    -> (compute chunks: a list with None at the host chunks, OffloadState, the gradients)."""
     out_c, out_m, out_s, g_chunks = _update_chunks(
         tx, grads, state, off, compute_dtype=compute_dtype, skip=skip, grad_scale=grad_scale,
         write_pieces=write_pieces, loop="host")
-    return out_c, OffloadState(out_m, out_s), [g for g, c in zip(g_chunks, off.layout.chunks) if c.host]
+    return out_c, OffloadState(out_m, out_s), grads
 
 
 def _update_chunks(tx, grads, state: OffloadState, off: OffloadLayout, *, compute_dtype, skip, grad_scale,
