@@ -51,6 +51,11 @@ class EngineOptions:
         Measured on one H200 (GPT-2 Large, ZeRO-2, 24 GB cap): "paired" 16,677 tokens/s (with
         the bf16 first moment 19,003) against "in_place" 18,398 (22,305) in session 5, although
         the same pairing moved 48 GB/s each way in isolation (docs/offload-transfers.md).
+        "host": the layout of "paired", its chunks updated after the step's jit, from Python
+        (`offload.host_loop.HostLoop`: one `device_put` of each chunk's state each way, the
+        runtime's transfers running both ways at once): 21,098 / 20,847 tokens/s against
+        "in_place" 18,034 side by side (+16%), peak 6.04-6.15 GiB against 5.54 (session 9).
+        The same restrictions as "paired".
     offload_host_window [2]: with offload_loop="host", the chunks whose state may be on the device
         at once while the host loop runs (`offload.host_loop.HostLoop`); 0 = no limit.
     adam_mu_dtype [None]: Adam/AdamW's first moment stored in this dtype ("bfloat16"), updated
