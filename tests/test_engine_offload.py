@@ -260,6 +260,33 @@ def test_paired_and_host_loops_match_device(loop):
     assert [tuple(a.shape) for a in jax.tree.leaves(inputs)].count((1, 32, 128)) == (12 if loop == "paired" else 0)
 
 
+def test_host_loop_chunks_count_in_the_memory_guard(monkeypatch):
+    # offload_loop="host": the loop's chunks in flight (window + 1 of them, the largest; all with
+    # window 0) are on the device after the step's jit; the guard's figure takes them as
+    # temporaries when they exceed the jit's own, and refuses a budget between the two
+    from zerojax import memory
+    shapes = {"input_ids": jax.ShapeDtypeStruct((8, 8), jnp.int32)}
+    per_chunk = []
+    for window in (1, 0):
+        eng = zerojax.shard(lambda: gpt2.GPT2(C, rngs=nnx.Rngs(0)), config(2, "fp32", "cpu"), loss_fn=gpt2.gpt2_loss,
+                            options=zerojax.EngineOptions(offload_loop="host", offload_host_window=window))
+        if not per_chunk:  # numpy's count of each host chunk's bytes on one of the 8 devices
+            for m, st in zip(eng.state.master, eng.state.opt_state):
+                per_chunk.append(sum(x.addressable_shards[0].data.nbytes for x in jax.tree.leaves((m, st))))
+        want = sum(sorted(per_chunk, reverse=True)[:2]) if window else sum(per_chunk)
+        assert eng._host_loop.device_bytes(eng.state.master, eng.state.opt_state) == want
+        jit_only = memory.CompiledMemory.of(eng.compiled_step(shapes))
+        assert eng.step_memory(shapes).temp == max(jit_only.temp, want)
+    # a jit whose temporaries are smaller than the loop's chunks: the guard sees the chunks
+    zero_temp = memory.CompiledMemory(jit_only.argument, jit_only.output, 0, jit_only.alias, jit_only.generated_code)
+    monkeypatch.setattr(eng, "compiled_step", lambda batch_shapes: zero_temp)
+    small = eng.step_memory(shapes)
+    assert small.temp == want and small.peak > jit_only.peak - jit_only.temp
+    monkeypatch.setattr(memory, "device_budget", lambda device=None: small.peak - 1)
+    with pytest.raises(memory.WillNotFitError):
+        eng.train_step(batches(1)[0])
+
+
 def test_bf16_first_moment_offloaded_matches_device():
     # EngineOptions.adam_mu_dtype="bfloat16": Adam's first moment stored in bf16 (host memory under
     # offload). Offloaded and not, the arithmetic is the same (fp32 compute, the moment rounded

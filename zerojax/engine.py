@@ -22,6 +22,7 @@ on an ordinary step: after dispatching step k the engine reads step k-1's `nonfi
 """
 from __future__ import annotations
 
+import dataclasses
 import functools
 import logging
 import math
@@ -451,8 +452,19 @@ class Engine:
         if budget is None:  # CPU: no limit known
             return
         plans_for = self.options.plans_for
-        memory.check_fits(self.compiled_step(shapes), budget,
+        memory.check_fits(self.step_memory(shapes), budget,
                           plans=(lambda: plans_for(self, shapes, budget)) if plans_for else ())
+
+    def step_memory(self, batch_shapes) -> memory.CompiledMemory:
+        """The train step's predicted per-device bytes (the guard's figure): the compiled step's;
+        with offload_loop="host" the host loop's chunks in flight count as temporaries too (the
+        loop runs after the jit, beside the params and gradients the jit leaves; not during the
+        jit's own temporaries, hence the larger of the two)."""
+        mem = memory.CompiledMemory.of(self.compiled_step(batch_shapes))
+        if self._host_loop is not None:
+            extra = self._host_loop.device_bytes(self.state.master, self._inner(self.state.opt_state))
+            mem = dataclasses.replace(mem, temp=max(mem.temp, extra))
+        return mem
 
     def close(self) -> None:
         """Check the last step and write out the monitors' buffered events (csv / tensorboard / wandb)."""

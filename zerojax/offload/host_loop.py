@@ -17,8 +17,10 @@ asynchronously, so Python never waits for the device here.
 from __future__ import annotations
 
 import functools
+import math
 
 import jax
+import jax.numpy as jnp
 
 from zerojax.offload.chunks import OffloadLayout, is_none
 from zerojax.offload.memory_kinds import DEVICE, with_memory_kind
@@ -90,11 +92,27 @@ class HostLoop:
             master[i], opt_state[i] = jax.device_put(m, m_host), jax.device_put(s, s_host)
         return params
 
+    def device_bytes(self, master: list, opt_state: list) -> int:
+        """Per-device bytes the loop's chunks in flight hold on the device besides the step's own
+        buffers: `window` + 1 chunks' master and optimizer state (the largest chunks; every chunk
+        with window 0). Arrays or ShapeDtypeStructs with shardings."""
+        sizes = sorted((_per_device(master[i]) + _per_device(opt_state[i]) for i in self.loops), reverse=True)
+        return sum(sizes if not self.window else sizes[:self.window + 1])
+
     def merge(self, front: list, groups: list) -> list:
         """The per-chunk list of the step's jit (`front`, None at the host chunks) with the host
         chunks taken from `groups`."""
         loops = set(self.loops)
         return [groups[i] if i in loops else x for i, x in enumerate(front)]
+
+
+def _per_device(tree) -> int:
+    """Bytes of one device's shards of a tree of arrays / ShapeDtypeStructs (with shardings)."""
+    total = 0
+    for x in jax.tree.leaves(tree):
+        shape = x.sharding.shard_shape(x.shape) if getattr(x, "sharding", None) is not None else x.shape
+        total += math.prod(shape) * jnp.dtype(x.dtype).itemsize
+    return total
 
 
 def _put_compute(stacked, params, cp, lo):
