@@ -241,23 +241,25 @@ def test_streamed_update_layouts_agree(streams, pieces, loop):
     close(got[0], m, 1e-6)
 
 
-@pytest.mark.parametrize("loop", ["paired", "host"])
-def test_paired_and_host_loops_match_device(loop):
+@pytest.mark.parametrize("loop,groups", [("paired", None), ("host", None), ("host", 2)])
+def test_paired_and_host_loops_match_device(loop, groups):
     # EngineOptions.offload_loop "paired" / "host" through the engine (ZeRO-2 on 8 devices): the 4
-    # layers as 4 host chunks, updated one after another inside the step's jit ("paired") or after
-    # it, from Python ("host"); the same arithmetic as the device update, only where it is stored
-    # and run differs: 1e-6 as in test_offload_optimizer_fp32_matches_device
-    opts = zerojax.EngineOptions(offload_loop=loop)
+    # layers as 4 host chunks (or 2 of 2 layers: offload_chunks=2), updated one after another
+    # inside the step's jit ("paired") or after it, from Python ("host"); the same arithmetic as
+    # the device update, only where it is stored and run differs: 1e-6 as in
+    # test_offload_optimizer_fp32_matches_device
+    opts = zerojax.EngineOptions(offload_loop=loop, offload_chunks=groups)
     eng, master = run(2, "fp32", "cpu", options=opts)
     _, ref = run(2, "fp32")
     close(master, ref, 1e-6)
     check_placement(eng, params_host=False)
+    per = 4 // (groups or 4)
     assert [(c.rest, c.lo, c.hi, c.loop) for c in eng.offload_layout.layout.chunks] == [
-        (True, 0, 0, 0)] + [(False, i, i + 1, 1) for i in range(4)]
+        (True, 0, 0, 0)] + [(False, i, i + per, 1) for i in range(0, 4, per)]
     # one layer group's c_fc kernel (d 32, 4d 128) as master or moment among the step's inputs:
     # 3 a group inside the jit ("paired"), none when the groups are left to Python ("host")
     inputs = eng.compiled_step({"input_ids": jax.ShapeDtypeStruct((8, 8), jnp.int32)}).args_info
-    assert [tuple(a.shape) for a in jax.tree.leaves(inputs)].count((1, 32, 128)) == (12 if loop == "paired" else 0)
+    assert [tuple(a.shape) for a in jax.tree.leaves(inputs)].count((per, 32, 128)) == (12 if loop == "paired" else 0)
 
 
 def test_host_loop_chunks_count_in_the_memory_guard(monkeypatch):
