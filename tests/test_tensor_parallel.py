@@ -106,6 +106,23 @@ def test_tensor_parallel_trains_like_tp1_stage0(tp, stage):
     assert opt_mu and set(spec(opt_mu[0])) >= ({"tensor", "data"} if stage >= 1 else {"tensor"})
 
 
+def test_fused_loss_under_tensor_parallelism_trains_like_tp1_stage0():
+    """zerojax.models.chunked_gpt2_loss (the LM head and cross entropy 4 positions at a time) with
+    the vocabulary split over "tensor" (TP 2, ZeRO-2): the same losses and weights as the whole-
+    logits loss at TP 1 / stage 0 (fp32; only the order of the sums differs), and no device holds
+    a whole chunk's logits over the padded vocabulary (128 rows: 64 a tensor rank)."""
+    from zerojax.models import chunked_gpt2_loss
+    eng = shard(GPT2(TINY, rngs=nnx.Rngs(0)), config(2, 2), loss_fn=chunked_gpt2_loss(4))
+    losses = [float(eng.train_step(b)["loss"]) for b in batches(N)]
+    _, ref, ref_losses = run(1, 0)
+    np.testing.assert_allclose(losses, ref_losses, rtol=1e-5)
+    assert_trees_close(as_numpy(eng.master_params), ref, atol=FP32_ATOL)
+    hlo = eng.compiled_step({"input_ids": jax.ShapeDtypeStruct((N, SEQ), jnp.int32)}).as_text()
+    rows = N // 4  # a data rank's rows (4 data ranks x 2 tensor ranks)
+    assert f"f32[{rows},4,64]" in hlo  # a chunk's logits: the rank's rows, 4 positions, half the vocabulary
+    assert f"f32[{rows},4,128]" not in hlo, "a whole chunk's logits over the padded vocabulary"
+
+
 def test_fp16_loss_scaling_and_accumulation_under_tensor_parallelism():
     """TP 2 x ZeRO-2, fp16 with dynamic loss scaling, 2 micro-batches of 8 rows each, against TP 1
     stage 0 with the same settings (micro-batches hold other rows -- DeepSpeed groups rows per data
