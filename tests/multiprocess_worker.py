@@ -7,21 +7,24 @@ Usage: RANK=.. WORLD_SIZE=.. LOCAL_RANK=.. MASTER_ADDR=.. MASTER_PORT=.. python 
 import os
 import sys
 
-CASES = [  # (stage, precision, gradient_accumulation_steps)
-    (3, "fp32", 2),
-    (2, "bf16", 1),
+CASES = [  # (stage, precision, gradient_accumulation_steps, optimizer offload loop or None)
+    (3, "fp32", 2, None),
+    (2, "bf16", 1, None),
+    (2, "fp32", 1, "host"),  # offload_optimizer cpu, its update driven from Python (EngineOptions)
 ]
 ROWS, STEPS, LOCAL_DEVICES = 32, 3, 4
 
 
-def train(stage, prec, ga, rows_of):
-    """Train the tiny MLP; `rows_of(global_batch)` picks this process's rows. Returns fp32 master."""
+def train(stage, prec, ga, rows_of, offload_loop=None):
+    """Train the tiny MLP; `rows_of(global_batch)` picks this process's rows; offload_loop: the
+    optimizer offloaded to cpu with that EngineOptions.offload_loop. Returns fp32 master."""
     import jax
     import numpy as np
     from flax import nnx
     from jax.experimental import multihost_utils
 
     from zerojax.api import shard
+    from zerojax.options import EngineOptions
 
     from tiny_mlp import MLP, loss_fn  # after XLA_FLAGS: it imports jax
 
@@ -30,10 +33,12 @@ def train(stage, prec, ga, rows_of):
         "train_micro_batch_size_per_gpu": ROWS // n // ga, "gradient_accumulation_steps": ga,
         "optimizer": {"type": "AdamW", "params": {"lr": 1e-2, "weight_decay": 0.01}},
         "gradient_clipping": 0.1,
-        "zero_optimization": {"stage": stage, "stage3_param_persistence_threshold": 0},
+        "zero_optimization": {"stage": stage, "stage3_param_persistence_threshold": 0,
+                              "offload_optimizer": {"device": "cpu" if offload_loop else "none"}},
         "bf16": {"enabled": prec == "bf16"},
     }
-    eng = shard(MLP(nnx.Rngs(0)), cfg, loss_fn=loss_fn)
+    eng = shard(MLP(nnx.Rngs(0)), cfg, loss_fn=loss_fn,
+                options=EngineOptions(offload_loop=offload_loop or "in_place"))
     rng = np.random.default_rng(0)
     for _ in range(STEPS):
         batch = {"x": rng.normal(size=(ROWS, 16)).astype(np.float32),
@@ -74,9 +79,9 @@ def main(out):
     share = ROWS // num_processes
     rows_of = lambda x: x[process_id * share:(process_id + 1) * share]  # noqa: E731
     results = {}
-    for stage, prec, ga in CASES:
-        for name, value in flat(train(stage, prec, ga, rows_of)).items():
-            results[f"{stage}-{prec}-{ga}/{name}"] = value
+    for stage, prec, ga, off in CASES:
+        for name, value in flat(train(stage, prec, ga, rows_of, off)).items():
+            results[f"{stage}-{prec}-{ga}-{off}/{name}"] = value
     if process_id == 0:
         np.savez(out, **results)
     jax.distributed.shutdown()

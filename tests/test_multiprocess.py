@@ -51,9 +51,9 @@ def test_two_processes_match_one(tmp_path):
     try:
         # the single-process reference runs here meanwhile (8 devices from conftest)
         reference = {}
-        for stage, prec, ga in worker.CASES:
-            for name, value in worker.flat(worker.train(stage, prec, ga, lambda x: x)).items():
-                reference[f"{stage}-{prec}-{ga}/{name}"] = value
+        for stage, prec, ga, off in worker.CASES:
+            for name, value in worker.flat(worker.train(stage, prec, ga, lambda x: x, off)).items():
+                reference[f"{stage}-{prec}-{ga}-{off}/{name}"] = value
         deadline = time.monotonic() + TIMEOUT_S
         for p in procs:
             p.wait(timeout=max(1, deadline - time.monotonic()))
