@@ -54,7 +54,9 @@ class EngineOptions:
         "host": the layout of "paired", its chunks updated after the step's jit, from Python
         (`offload.host_loop.HostLoop`: one `device_put` of each chunk's state each way, the
         runtime's transfers running both ways at once): 21,098 / 20,847 tokens/s against
-        "in_place" 18,034 side by side (+16%), peak 6.04-6.15 GiB against 5.54 (session 9).
+        "in_place" 18,034 side by side (+16%), peak 6.04-6.15 GiB against 5.54; with
+        offload_chunks=9 (4 layers a chunk: fewer transfers) and adam_mu_dtype="bfloat16"
+        24,659-25,101 at 6.5-6.8 GiB (session 9, docs/offload-transfers.md).
         The same restrictions as "paired".
     offload_host_window [2]: with offload_loop="host", the chunks whose state may be on the device
         at once while the host loop runs (`offload.host_loop.HostLoop`); 0 = no limit.
