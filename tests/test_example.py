@@ -169,6 +169,19 @@ def test_one_step_stage3_lr0_and_cpu_precision_default(tmp_path, capsys):
     assert out.count(warning) == 1, out
 
 
+def test_offload_loop_flag_trains_like_the_default_and_is_checked_against_the_config(capsys):
+    """--offload-loop host with configs/zero2_offload_optimizer.json: the same losses as the default
+    loop (the same arithmetic; fp32 on CPU); with a config that does not offload the optimizer it is
+    refused before the engine is built, naming the key and a config that fits."""
+    example = _example()
+    cfg = os.path.join(ROOT, "configs", "zero2_offload_optimizer.json")
+    runs = [example.main(["--config", cfg, *TINY, "--steps", "2", *flag]) for flag in ([], ["--offload-loop", "host"])]
+    assert runs[1]["last_loss"] == pytest.approx(runs[0]["last_loss"], rel=1e-5)
+    with pytest.raises(example.ConfigMismatch, match="offload_optimizer.device .cpu.*zero2_offload_optimizer"):
+        example.main(["--config", os.path.join(ROOT, "configs", "zero2_bf16.json"), *TINY, "--steps", "1",
+                      "--offload-loop", "host"])
+
+
 def test_steps_zero_evaluates_only():
     summary = _example().main([*TINY, "--steps", "0", "--eval-batches", "1"])
     assert summary["losses"] == [] and summary["last_loss"] is None and summary["val_loss"] > 0
