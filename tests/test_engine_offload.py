@@ -262,6 +262,18 @@ def test_paired_and_host_loops_match_device(loop, groups):
     assert [tuple(a.shape) for a in jax.tree.leaves(inputs)].count((per, 32, 128)) == (12 if loop == "paired" else 0)
 
 
+def test_host_loop_with_part_of_the_state_on_the_device():
+    # offload_loop="host" with offload_optimizer.ratio 0.5 (ZeRO-3): the step's jit updates the
+    # device chunk, the host loop the rest; its compute copy and the loop's go into the same
+    # params: the device update's arithmetic, 1e-6 (fp32)
+    eng, master = run(3, "fp32", "cpu", ratio=0.5, options=zerojax.EngineOptions(offload_loop="host"))
+    _, ref = run(3, "fp32")
+    close(master, ref, 1e-6)
+    assert [(c.lo, c.hi, c.host) for c in eng.offload_layout.layout.chunks] == [
+        (0, 0, True), (0, 1, True), (1, 2, True), (2, 4, False)]
+    assert eng._host_loop.loops == [0, 1, 2]
+
+
 def test_host_loop_chunks_count_in_the_memory_guard(monkeypatch):
     # offload_loop="host": the loop's chunks in flight (window + 1 of them, the largest; all with
     # window 0) are on the device after the step's jit; the guard's figure takes them as
