@@ -8,11 +8,11 @@ one jitted program and 249 ms driven from Python, one batched `device_put` per l
 (benchmarks/host_update_probe.py, docs/offload-transfers.md).
 
 The step's jit (`offload.update.deferred_update`) updates the device chunk, if any, and hands over
-the host chunks' gradients with the step's skip flag and gradient factor; `HostLoop` then, for the
-non-layer chunk and each layer group: brings its master and optimizer state to the device, runs the same `_apply` as the
-in-jit loops (one compiled program shared by every group), writes the new compute copy into the
-step's input params in place, and sends the new state back to host memory. JAX dispatches all of it
-asynchronously, so Python never waits for the device here.
+the gradients with the step's skip flag and gradient factor; `HostLoop` then, for the non-layer
+chunk and each layer group: brings its master and optimizer state to the device, runs the same
+`_apply` as the in-jit loops (one compiled program for every layer group), writes the new compute
+copy into the step's input params in place, and sends the new state back to host memory. JAX
+dispatches all of it asynchronously; Python waits only to keep `window` chunks in flight.
 """
 from __future__ import annotations
 
@@ -33,14 +33,13 @@ class HostLoop:
 
     off: the state's OffloadLayout (one chunk per layer group: `chunk_layout(streams=0)`).
     tx: the bare elementwise optimizer (`StepSettings.offload.tx`).
-    params_shardings: where the joined compute params go (the stage's param shardings).
+    params_shardings: the compute params' shardings (the stage's).
     window: chunks in flight. Before chunk j is brought in, chunk j - window's new state must be
-        back in host memory (Python waits for it), so at most `window` chunks' state sits on the
-        device besides the step's gradients; without the wait the runtime brought in every chunk
-        it could as soon as the calls were issued (GPT-2 Large under a 24 GB cap: peak 5.54 ->
-        7.93 GiB). 0 = no wait. Measured there: 2 ran fastest (21,185 tokens/s; 4: 20,472; 0: 20,908).
-        (Most of that peak was the compute copies: each chunk's new, then joined into new params;
-        they are now written into the step's input params in place.)"""
+        back in host memory (Python waits for it), so the loop holds at most window + 1 chunks'
+        state on the device besides the params and gradients (what the memory guard counts,
+        `device_bytes`); 0 = no wait. Measured on GPT-2 Large (one H200, 24 GB cap, one run each, a
+        version of the loop that still joined the compute copies): window 2 21,185 tokens/s, 4
+        20,472, 8 20,408, 0 20,908; the peak did not move with it (docs/offload-transfers.md)."""
 
     def __init__(self, off: OffloadLayout, tx, *, compute_dtype, params_shardings, window: int = 2):
         self.off, self.window = off, int(window)
