@@ -128,7 +128,7 @@ class Engine:
                                                    compute_dtype=settings.compute_dtype,
                                                    params_shardings=self.state_shardings.params,
                                                    window=self.options.offload_host_window)
-            out_shardings = (self._without_layer_groups(self.state_shardings)._replace(params=None), None, None)
+            out_shardings = (self._without_host_chunks(self.state_shardings)._replace(params=None), None, None)
             # the params come in apart and are not donated: the step returns none (the host loop
             # writes the new ones into them, in place), so JAX would alias their buffers to other
             # outputs of the same shape, host-memory ones included
@@ -398,10 +398,10 @@ class Engine:
         else:  # EngineOptions.offload_loop="host": the host chunks' update, driven from here
             hl, master, opt = self._host_loop, self.state.master, self._inner(self.state.opt_state)
             state, metrics, work = self.compiled_step(shapes)(*self._step_args(self.state, placed))
-            params = hl(master, opt, work.compute, work.grads, work.skip, work.grad_scale,  # master, opt in place
-                        self.state.params)
-            self.state = state._replace(params=params, master=hl.merge(state.master, master), opt_state=self._with_inner(
-                state.opt_state, hl.merge(self._inner(state.opt_state), opt)))
+            # master / opt (the state's own lists) are updated in place, chunk by chunk
+            params = hl(master, opt, work.compute, work.grads, work.skip, work.grad_scale, self.state.params)
+            new_opt = self._with_inner(state.opt_state, hl.merge(self._inner(state.opt_state), opt))
+            self.state = state._replace(params=params, master=hl.merge(state.master, master), opt_state=new_opt)
         self._global_steps += 1
         previous, self._pending = self._pending, (self._global_steps, metrics)
         if previous is not None:
@@ -426,9 +426,9 @@ class Engine:
         chunks and without its params, the params, the batch)."""
         if self._host_loop is None:
             return state, batch
-        return self._without_layer_groups(state)._replace(params=None), state.params, batch
+        return self._without_host_chunks(state)._replace(params=None), state.params, batch
 
-    def _without_layer_groups(self, state):
+    def _without_host_chunks(self, state):
         """`state` (or its shardings) with None for the host-updated chunks' master and
         optimizer state: the step's jit neither reads nor returns them (offload_loop="host")."""
         loops = set(self._host_loop.loops)

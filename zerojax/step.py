@@ -265,20 +265,18 @@ def _offloaded_tail(settings: StepSettings, state: TrainState, grads, loss, aux,
     pkind = None if off.param_shardings is None else _param_memory_kind(off)
     host_work = None
     if off.loop == "host":  # the host chunks are updated after this jit, from Python (offload.host_loop)
-        compute, new_off, loop_grads = offload_mod.deferred_update(
+        compute, new_off, grads = offload_mod.deferred_update(
             off.tx, grads, offload_mod.OffloadState(state.master, inner), off.layout,
             compute_dtype=settings.compute_dtype, skip=skip, grad_scale=factor, write_pieces=off.write_pieces)
-        params, host_work = None, HostWork(compute, loop_grads, skip, factor)
+        params, host_work = None, HostWork(compute, grads, skip, factor)
     else:
         params, new_off = offload_mod.streamed_update(
             off.tx, grads, offload_mod.OffloadState(state.master, inner), off.layout,
             compute_dtype=settings.compute_dtype, skip=skip, grad_scale=factor, compute_kind=pkind,
             compute_init=state.params, write_pieces=off.write_pieces, nvme=off.nvme, loop=off.loop)
-    if params is None:
-        pass
-    elif off.param_shardings is not None:
+    if params is not None and off.param_shardings is not None:
         params = jax.device_put(params, off.param_shardings)
-    else:
+    elif params is not None:
         params = jax.lax.with_sharding_constraint(params, settings.shardings.params)
     new_opt = new_ls._replace(inner_state=new_off.opt_state) if settings.fp16 else new_off.opt_state
     new_state = TrainState(
@@ -297,8 +295,8 @@ def _offloaded_tail(settings: StepSettings, state: TrainState, grads, loss, aux,
 
 class HostWork(NamedTuple):
     """What the step's jit leaves to `offload.host_loop.HostLoop` (EngineOptions.offload_loop="host"):
-    the compute copies of the chunks it updated (None at the host chunks), the host chunks'
-    gradients, the skip flag and the gradient factor (1 / loss scale x clip coefficient)."""
+    the compute copies of the chunks it updated (None at the host chunks), the gradients
+    (params-shaped), the skip flag and the gradient factor (1 / loss scale x clip coefficient)."""
 
     compute: list
     grads: list
