@@ -279,18 +279,20 @@ def test_host_loop_chunks_count_in_the_memory_guard(monkeypatch):
     # window 0) are on the device after the step's jit; the guard's figure takes them as
     # temporaries when they exceed the jit's own, and refuses a budget between the two
     from zerojax import memory
+    from zerojax.offload.host_loop import HostLoop
     shapes = {"input_ids": jax.ShapeDtypeStruct((8, 8), jnp.int32)}
-    per_chunk = []
-    for window in (1, 0):
-        eng = zerojax.shard(lambda: gpt2.GPT2(C, rngs=nnx.Rngs(0)), config(2, "fp32", "cpu"), loss_fn=gpt2.gpt2_loss,
-                            options=zerojax.EngineOptions(offload_loop="host", offload_host_window=window))
-        if not per_chunk:  # numpy's count of each host chunk's bytes on one of the 8 devices
-            for m, st in zip(eng.state.master, eng.state.opt_state):
-                per_chunk.append(sum(x.addressable_shards[0].data.nbytes for x in jax.tree.leaves((m, st))))
-        want = sum(sorted(per_chunk, reverse=True)[:2]) if window else sum(per_chunk)
-        assert eng._host_loop.device_bytes(eng.state.master, eng.state.opt_state) == want
-        jit_only = memory.CompiledMemory.of(eng.compiled_step(shapes))
-        assert eng.step_memory(shapes).temp == max(jit_only.temp, want)
+    eng = zerojax.shard(lambda: gpt2.GPT2(C, rngs=nnx.Rngs(0)), config(2, "fp32", "cpu"), loss_fn=gpt2.gpt2_loss,
+                        options=zerojax.EngineOptions(offload_loop="host", offload_host_window=1))
+    # numpy's count of each host chunk's bytes on one of the 8 devices
+    per_chunk = [sum(x.addressable_shards[0].data.nbytes for x in jax.tree.leaves((m, st)))
+                 for m, st in zip(eng.state.master, eng.state.opt_state)]
+    want = sum(sorted(per_chunk, reverse=True)[:2])
+    assert eng._host_loop.device_bytes(eng.state.master, eng.state.opt_state) == want
+    every = HostLoop(eng.offload_layout, eng.step_settings.offload.tx, compute_dtype=jnp.float32,
+                     params_shardings=eng.state_shardings.params, window=0)
+    assert every.device_bytes(eng.state.master, eng.state.opt_state) == sum(per_chunk) > want
+    jit_only = memory.CompiledMemory.of(eng.compiled_step(shapes))
+    assert eng.step_memory(shapes).temp == max(jit_only.temp, want)
     # a jit whose temporaries are smaller than the loop's chunks: the guard sees the chunks
     zero_temp = memory.CompiledMemory(jit_only.argument, jit_only.output, 0, jit_only.alias, jit_only.generated_code)
     monkeypatch.setattr(eng, "compiled_step", lambda batch_shapes: zero_temp)
@@ -497,12 +499,10 @@ def test_offload_checkpoint_resumes_under_any_layout(tmp_path):
     np.testing.assert_allclose(losses, want, rtol=1e-4)
     _, losses = resume(config(3, "bf16"))  # no offload
     np.testing.assert_allclose(losses, want, rtol=1e-4)
-    # one host chunk per layer (offload_loop "paired", optimizer offload alone)
-    paired, losses = resume(config(3, "bf16", "cpu"), zerojax.EngineOptions(offload_loop="paired"))
-    assert [(c.lo, c.hi) for c in paired.offload_layout.layout.chunks] == [(0, 0), (0, 1), (1, 2), (2, 3), (3, 4)]
-    np.testing.assert_allclose(losses, want, rtol=1e-4)
-    # the same layout with its layer groups updated from Python (offload_loop "host")
+    # one host chunk per layer (the layout of offload_loop "paired" and "host"), updated after the
+    # step's jit from Python ("host"; optimizer offload alone)
     host, losses = resume(config(3, "bf16", "cpu"), zerojax.EngineOptions(offload_loop="host"))
+    assert [(c.lo, c.hi) for c in host.offload_layout.layout.chunks] == [(0, 0), (0, 1), (1, 2), (2, 3), (3, 4)]
     np.testing.assert_allclose(losses, want, rtol=1e-4)
     assert kinds(host.state.master) <= set(HOST) and kinds(host.state.params) == {"device"}
 
