@@ -4,11 +4,13 @@
 # (XLA_PYTHON_CLIENT_MEM_FRACTION=0.17): one bench.py run (one ceiling measurement), one child
 # process per variant (its own peak). A variant is "name|ZEROJAX_* settings (space-separated)|
 # extra XLA flags (space-separated)":
-#   paired         EngineOptions.offload_loop="paired": one host chunk per layer, read whole, each
-#                  read issued beside the previous layer's write-back (d2h_loop_probe.py "gated2")
-#   paired_mubf16  paired + adam_mu_dtype=bfloat16 (10 bytes a parameter each way instead of 12)
 #   default        the in-place layer loop (offload_loop="in_place")
+#   host           EngineOptions.offload_loop="host": one host chunk per layer, updated after the
+#                  step's jit from Python (offload/host_loop.py; session 9: +16%)
+#   host_c9_mubf16 host with 4 layers a chunk (offload_chunks=9) and adam_mu_dtype=bfloat16 (10 bytes
+#                  a parameter each way instead of 12): the fastest measured (24.7-25.1k)
 #   mubf16         adam_mu_dtype=bfloat16
+# (sessions 5-6 also ran "paired": ZEROJAX_OFFLOAD_LOOP=paired, slower than the default)
 # VARIANTS (newline-separated) replaces the list, BENCH the bench.py command (a CPU smoke test);
 # BUDGET (seconds, default 190): the variants kept are those that fit at PER seconds each (default
 # 40) after 20 for the ceiling, and bench.py is stopped at BUDGET. Prints a table: tokens/s, step,
@@ -20,9 +22,9 @@ OUT=${OUT:-benchmarks/results}; mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1
 BUDGET=${BUDGET:-190}; PER=${PER:-40}
 B=${BENCH:-"python3 benchmarks/bench.py --sizes large --micro 8 --mem-fraction 0.17 --steps 4 --warmup 2"}
-VARIANTS=${VARIANTS:-"paired|ZEROJAX_OFFLOAD_LOOP=paired|
-paired_mubf16|ZEROJAX_OFFLOAD_LOOP=paired ZEROJAX_ADAM_MU_DTYPE=bfloat16|
-default||
+VARIANTS=${VARIANTS:-"default||
+host|ZEROJAX_OFFLOAD_LOOP=host|
+host_c9_mubf16|ZEROJAX_OFFLOAD_LOOP=host ZEROJAX_OFFLOAD_CHUNKS=9 ZEROJAX_ADAM_MU_DTYPE=bfloat16|
 mubf16|ZEROJAX_ADAM_MU_DTYPE=bfloat16|"}
 SPEC=$(python3 - "$BUDGET" "$PER" "$VARIANTS" <<'PYEOF'
 import json, sys
