@@ -51,6 +51,25 @@ def test_only_remat_fits_at_the_full_micro_batch():
     assert "remat full, micro-batch 4 x 1" in found.explain()
 
 
+def test_search_takes_zerojax_remat_policies_and_orders_them_by_what_they_keep():
+    """planner.search with remat choices beyond DeepSpeed's (dots, save_attention): a budget below
+    every micro-batch-4 peak used to end in a KeyError (the pruning knew only none / full /
+    offload). Now every plan it returns fits, and a candidate is skipped unseen only when it keeps
+    at least what a too-big one kept: the partial order of what each policy saves."""
+    keeps = PL.remat_keeps_at_least
+    assert keeps(None, "dots") and not keeps("dots", None) and keeps("full", "offload")
+    assert keeps("save_qkv_attention", "save_attention") and keeps("save_qkv_attention", "full")
+    assert keeps("dots", "save_qkv") and not keeps("dots", "save_attention") and not keeps("save_attention", "dots")
+    assert keeps("dots_3", "dots_2") and not keeps("dots_2", "dots_3") and keeps("dots", "dots_2")
+    assert keeps("dots_2", "full") and not keeps("dots_2", "save_attention") and not keeps("full", "dots_2")
+    remats = ("full", "save_attention", "dots")
+    peak4 = {r: PL.step_memory(factory, CFG, SEQ, 4, remat=r).peak for r in remats}
+    budget = min(peak4.values()) - 1
+    found = PL.search(factory, CFG, budget, SEQ, stages=(2,), offloads=("none",), remat=remats, max_plans=3)
+    assert found.plans and all(p.peak_bytes <= budget and p.micro_batch < 4 for p in found.plans)
+    assert {p.remat for p, outcome in found.tried if p.micro_batch == 4} == set(remats)
+
+
 def hf_gpt2_params(cfg):
     """Hugging Face's GPT2LMHeadModel.num_parameters() (tied wte once) and one block's count,
     written out from HF's modules: ln_1, c_attn (d x 3d + 3d), c_proj (d x d + d), ln_2, c_fc

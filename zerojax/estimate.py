@@ -322,7 +322,7 @@ def train_flops_per_token(shape: ModelShape, remat: str | None = None) -> float:
         qkv, attention_saved = _SAVED_BY_POLICY[remat]
         saved = 2.0 * qkv * shape.n_layer * shape.d_model ** 2
         return base + 2.0 * shape.layer_params - saved + (0.0 if attention_saved else 4.0 * attn)
-    k = _partial_dots_layers(remat)
+    k = partial_dots_layers(remat)
     if k is not None and 2 <= k <= shape.n_layer - 2:
         # "dots_<k>": "dots" on k layers, "full" on the rest (each layer recomputes 1 / n_layer of it)
         return train_flops_per_token(shape, "dots") + (1 - k / shape.n_layer) * 2.0 * shape.layer_params
@@ -330,7 +330,7 @@ def train_flops_per_token(shape: ModelShape, remat: str | None = None) -> float:
                      "(2 <= k <= layers - 2)")
 
 
-def _partial_dots_layers(remat) -> int | None:
+def partial_dots_layers(remat) -> int | None:
     """k of models.gpt2's "dots_<k>" remat policy ("dots" on the first k layers), else None."""
     if isinstance(remat, str) and remat.startswith("dots_") and remat[5:].isdigit():
         return int(remat[5:])

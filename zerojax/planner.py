@@ -363,11 +363,44 @@ class _Candidate:
         """True when this choice keeps at least as much on the device as `other` in every
         dimension (same precision; micro-batch, remat, offload and stage no leaner)."""
         return (self.precision == other.precision and self.micro_batch >= other.micro_batch
-                and _REMAT_RANK[self.remat] >= _REMAT_RANK[other.remat]
+                and remat_keeps_at_least(self.remat, other.remat)
                 and _offload_rank(self) >= _offload_rank(other) and self.stage <= other.stage)
 
 
-_REMAT_RANK = {"offload": 0, "full": 1, AS_BUILT: 2, None: 3}  # device bytes kept, least first
+# what each remat policy keeps for the backward pass includes what these keep (models/gpt2.py):
+# "offload" moves the block input to host memory; "full" keeps it; the save_* policies add the
+# attention output and / or the q/k/v projection; "dots" every matmul output without batch dims
+# (the q/k/v projection among them, not the attention output: a batched product)
+_REMAT_INCLUDES = {"full": {"offload"}, "save_attention": {"full"}, "save_qkv": {"full"},
+                   "save_qkv_attention": {"save_attention", "save_qkv"}, "dots": {"save_qkv"}}
+
+
+def remat_keeps_at_least(a, b) -> bool:
+    """Whether remat policy `a` keeps on the device everything policy `b` keeps (a partial order:
+    False where neither includes the other, e.g. "dots" and "save_attention"). None (no remat)
+    keeps everything; "dots_<k>" includes "full" and "dots_<j>" for j <= k, "dots" includes it.
+    The planner skips compiling a candidate that keeps at least as much as one already too big."""
+    if a == b or a is None:
+        return True
+    if b is None or AS_BUILT in (a, b):
+        return False
+    ka, kb = est.partial_dots_layers(a), est.partial_dots_layers(b)
+    if ka is not None or kb is not None:
+        if ka is not None and kb is not None:
+            return ka >= kb
+        if kb is not None:  # a is a named policy
+            return a == "dots"
+        return remat_keeps_at_least("full", b)  # dots_<k> keeps what "full" keeps
+    seen, todo = set(), [a]
+    while todo:
+        x = todo.pop()
+        if x == b:
+            return True
+        if x not in seen:
+            seen.add(x)
+            todo += _REMAT_INCLUDES.get(x, ())
+    return False
+
 
 
 def _offload_rank(c) -> float:
@@ -666,7 +699,8 @@ def guard(engine, batch_shapes, budget=None, **plan_kw) -> CompiledMemory | None
                      plans=lambda: engine_plans(engine, batch_shapes, budget, **plan_kw))
 
 
-__all__ = ["Plan", "rank_plans", "Search", "search", "plan", "fit_micro_batch", "fit_remat_policy", "REMAT_LADDER", "step_memory",
+__all__ = ["Plan", "rank_plans", "Search", "search", "plan", "fit_micro_batch", "fit_remat_policy", "REMAT_LADDER",
+           "remat_keeps_at_least", "step_memory",
            "abstract_engine", "model_shape", "precision_choices", "rows_per_device",
            "engine_model_factory", "engine_plans", "guard", "AS_BUILT",
            "DEFAULT_OFFLOADS", "REMAT_CHOICES"]
