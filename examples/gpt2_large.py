@@ -217,17 +217,19 @@ class ConfigMismatch(ValueError):
 def _engine_options(args, cfg):
     """--offload-loop, checked against the config before the engine is built -> zerojax.EngineOptions."""
     from zerojax import EngineOptions
+    from zerojax.layout import offloads, resolve_offload_loop
 
-    if args.offload_loop in (None, "in_place"):
-        return EngineOptions()
+    options = EngineOptions(offload_loop=args.offload_loop or "in_place")
     zero = cfg.zero_optimization
-    if zero.offload_optimizer.device != "cpu" or zero.offload_param.device != "none":
+    try:  # the engine's own rule, before anything is built
+        resolve_offload_loop(options, zero, *offloads(cfg))
+    except ValueError:
         raise ConfigMismatch(
             f"--offload-loop {args.offload_loop} needs zero_optimization.offload_optimizer.device \"cpu\" "
-            f"and no offload_param; {args.config} has offload_optimizer.device "
+            f"(stage >= 1) and no offload_param; {args.config} has stage {zero.stage}, offload_optimizer.device "
             f"{zero.offload_optimizer.device!r}, offload_param.device {zero.offload_param.device!r} "
-            "(configs/zero2_offload_optimizer.json is one that fits)")
-    return EngineOptions(offload_loop=args.offload_loop)
+            "(configs/zero2_offload_optimizer.json is one that fits)") from None
+    return options
 
 
 def _from_checkpoint(name, flag, value, saved, default, notes):

@@ -396,11 +396,12 @@ class Engine:
         if self._host_loop is None:
             self.state, metrics = self.compiled_step(shapes)(self.state, placed)
         else:  # EngineOptions.offload_loop="host": the host chunks' update, driven from here
-            hl, master, opt = self._host_loop, self.state.master, self._inner(self.state.opt_state)
+            hl, lay = self._host_loop, self.layout
+            master, opt = self.state.master, lay.chunk_states(self.state.opt_state)
             state, metrics, work = self.compiled_step(shapes)(*self._step_args(self.state, placed))
             # master / opt (the state's own lists) are updated in place, chunk by chunk
             params = hl(master, opt, work.compute, work.grads, work.skip, work.grad_scale, self.state.params)
-            new_opt = self._with_inner(state.opt_state, hl.merge(self._inner(state.opt_state), opt))
+            new_opt = lay.with_chunk_states(state.opt_state, hl.merge(lay.chunk_states(state.opt_state), opt))
             self.state = state._replace(params=params, master=hl.merge(state.master, master), opt_state=new_opt)
         self._global_steps += 1
         previous, self._pending = self._pending, (self._global_steps, metrics)
@@ -414,13 +415,6 @@ class Engine:
             self.monitor.flush()
         return metrics
 
-    def _inner(self, opt_state):
-        """The per-chunk optimizer states of an offloaded state (fp16: inside the loss scale's)."""
-        return opt_state.inner_state if self.fp16 else opt_state
-
-    def _with_inner(self, opt_state, inner):
-        return opt_state._replace(inner_state=inner) if self.fp16 else inner
-
     def _step_args(self, state, batch) -> tuple:
         """The train step's arguments (offload_loop="host": the state without the host-updated
         chunks and without its params, the params, the batch)."""
@@ -433,8 +427,9 @@ class Engine:
         optimizer state: the step's jit neither reads nor returns them (offload_loop="host")."""
         loops = set(self._host_loop.loops)
         drop = lambda xs: [None if i in loops else x for i, x in enumerate(xs)]  # noqa: E731
+        lay = self.layout
         return state._replace(master=drop(state.master),
-                              opt_state=self._with_inner(state.opt_state, drop(self._inner(state.opt_state))))
+                              opt_state=lay.with_chunk_states(state.opt_state, drop(lay.chunk_states(state.opt_state))))
 
     def eval_step(self, batch):
         """The loss on `batch` with the current compute params (no gradients)."""
@@ -462,7 +457,8 @@ class Engine:
         jit's own temporaries, hence the larger of the two)."""
         mem = memory.CompiledMemory.of(self.compiled_step(batch_shapes))
         if self._host_loop is not None:
-            extra = self._host_loop.device_bytes(self.state.master, self._inner(self.state.opt_state))
+            opt = self.layout.chunk_states(self.state.opt_state)
+            extra = self._host_loop.device_bytes(self.state.master, opt)
             mem = dataclasses.replace(mem, temp=max(mem.temp, extra))
         return mem
 

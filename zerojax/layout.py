@@ -94,6 +94,14 @@ class EngineLayout:
         """Whether checkpoints move the NVMe swap files' leaves a layer group at a time (`NvmeTier.streams`)."""
         return self.nvme is not None and self.nvme.streams
 
+    def chunk_states(self, opt_state):
+        """An offloaded state's per-chunk optimizer states (fp16: inside the loss scale's state)."""
+        return opt_state.inner_state if self.fp16 else opt_state
+
+    def with_chunk_states(self, opt_state, chunks):
+        """`opt_state` with its per-chunk optimizer states replaced by `chunks`."""
+        return opt_state._replace(inner_state=chunks) if self.fp16 else chunks
+
     def to_stored(self, state: TrainState, *, stream: bool = False) -> TrainState:
         """`state` in the unchunked layout a run without offload keeps (nothing copied for the
         default "loop" layout): what a checkpoint stores. NVMe: the files' leaves read back whole,
@@ -102,15 +110,12 @@ class EngineLayout:
             return state
         if self.nvme is not None:  # the files' leaves into the chunk
             jax.block_until_ready(state)   # the step's last group written (its callbacks ran) before reading
-            inner = state.opt_state.inner_state if self.fp16 else state.opt_state
             into = self.nvme.swapped if stream and self.nvme.streams else self.nvme.fill
-            master, inner = into(state.master, inner)
-            state = state._replace(master=master, opt_state=state.opt_state._replace(inner_state=inner)
-                                   if self.fp16 else inner)
+            master, inner = into(state.master, self.chunk_states(state.opt_state))
+            state = state._replace(master=master, opt_state=self.with_chunk_states(state.opt_state, inner))
         wrap, _ = self.stored_opt_codec()
         merge = lambda chunks: O.merge_chunks(chunks, self.offload.layout)  # noqa: E731
-        opt = state.opt_state
-        opt = opt._replace(inner_state=wrap(merge(opt.inner_state))) if self.fp16 else wrap(merge(opt))
+        opt = self.with_chunk_states(state.opt_state, wrap(merge(self.chunk_states(state.opt_state))))
         return state._replace(master=merge(state.master), opt_state=opt)
 
     def stored_targets(self, state: TrainState, *, stream: bool = False) -> tuple[TrainState, TrainState]:
@@ -219,9 +224,7 @@ def _build_layout(module, cfg: Config, *, loss_fn, mesh: Mesh, options) -> Engin
     schedule = build_schedule(cfg)
     zero = cfg.zero_optimization
     stage = int(zero.stage)
-    # host offload (DeepSpeed: offload_optimizer at stage >= 1, offload_param at stage 3)
-    offload_optimizer = zero.offload_optimizer.device in ("cpu", "nvme") and stage >= 1
-    offload_param = zero.offload_param.device in ("cpu", "nvme") and stage == 3
+    offload_optimizer, offload_param = offloads(cfg)
     offloading = offload_optimizer or offload_param
     if offloading and cfg.optimizer is not None and "".join(
             c for c in cfg.optimizer.type.lower() if c.isalnum()) == "lamb":
@@ -338,14 +341,23 @@ def _pipeline_layout(module, cfg, mesh, options, abstract_master, accum_dtype):
     return schedule, _split_with(module, hooked, {"layer_scan": pipeline_scan(schedule, mesh)})
 
 
+def offloads(cfg) -> tuple[bool, bool]:
+    """(offload_optimizer, offload_param) as DeepSpeed acts on them: the optimizer at stage >= 1,
+    the params at stage 3, each to cpu or nvme."""
+    zero = cfg.zero_optimization
+    stage = int(zero.stage)
+    return (zero.offload_optimizer.device in ("cpu", "nvme") and stage >= 1,
+            zero.offload_param.device in ("cpu", "nvme") and stage == 3)
+
+
 def resolve_offload_loop(options, zero, offload_optimizer: bool, offload_param: bool) -> str:
     """EngineOptions.offload_loop checked against this config: "paired" and "host" need optimizer offload
     to cpu alone (one host chunk per layer group, compute copies on the device; the NVMe tier and
     offload_param's host compute copies stream a stacked layer buffer)."""
     if options.offload_loop in ("paired", "host") and not (
             offload_optimizer and zero.offload_optimizer.device == "cpu" and not offload_param):
-        raise ValueError(f"EngineOptions.offload_loop={options.offload_loop!r} works with offload_optimizer to cpu alone "
-                         f"(offload_param: {zero.offload_param.device!r}, offload_optimizer: "
+        raise ValueError(f"EngineOptions.offload_loop={options.offload_loop!r} works with offload_optimizer "
+                         f"to cpu alone (offload_param: {zero.offload_param.device!r}, offload_optimizer: "
                          f"{zero.offload_optimizer.device!r}); use offload_loop='in_place'")
     return options.offload_loop
 

@@ -402,7 +402,6 @@ def remat_keeps_at_least(a, b) -> bool:
     return False
 
 
-
 def _offload_rank(c) -> float:
     return {"param": 0.0, "optimizer": 2.0 - c.ratio, "none": 3.0}[c.kind]
 

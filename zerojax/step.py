@@ -265,9 +265,9 @@ def _offloaded_tail(settings: StepSettings, state: TrainState, grads, loss, aux,
     pkind = None if off.param_shardings is None else _param_memory_kind(off)
     host_work = None
     if off.loop == "host":  # the host chunks are updated after this jit, from Python (offload.host_loop)
-        compute, new_off, grads = offload_mod.deferred_update(
+        compute, new_off = offload_mod.deferred_update(
             off.tx, grads, offload_mod.OffloadState(state.master, inner), off.layout,
-            compute_dtype=settings.compute_dtype, skip=skip, grad_scale=factor, write_pieces=off.write_pieces)
+            compute_dtype=settings.compute_dtype, skip=skip, grad_scale=factor)
         params, host_work = None, HostWork(compute, grads, skip, factor)
     else:
         params, new_off = offload_mod.streamed_update(
@@ -299,7 +299,7 @@ class HostWork(NamedTuple):
     (params-shaped), the skip flag and the gradient factor (1 / loss scale x clip coefficient)."""
 
     compute: list
-    grads: list
+    grads: Any
     skip: Any
     grad_scale: Any
 

@@ -218,31 +218,30 @@ def streamed_update(tx, grads, state: OffloadState, off: OffloadLayout, *,
     if loop not in OFFLOAD_LOOPS or loop == "host":
         raise ValueError(f"streamed_update(loop={loop!r}): one of {[x for x in OFFLOAD_LOOPS if x != 'host']} "
                          "(EngineOptions.offload_loop; \"host\" is deferred_update + offload.host_loop)")
-    out_c, out_m, out_s, _ = _update_chunks(
+    out_c, out_m, out_s = _update_chunks(
         tx, grads, state, off, compute_dtype=compute_dtype, skip=skip, grad_scale=grad_scale,
         compute_kind=compute_kind, compute_init=compute_init, write_pieces=write_pieces, nvme=nvme, loop=loop)
     return from_chunks(out_c, off.layout), OffloadState(out_m, out_s)
 
 
 def deferred_update(tx, grads, state: OffloadState, off: OffloadLayout, *, compute_dtype=jnp.bfloat16,
-                    skip=None, grad_scale=None, write_pieces: int = 0):
+                    skip=None, grad_scale=None):
     """`streamed_update` without the host chunks (EngineOptions.offload_loop="host"; call inside the
-    step's jit): the device chunk (offload_optimizer.ratio < 1) is updated, the host chunks' master
-    and state are not read (the caller passes None there; they come out as given), and the
-    gradients come out whole (cutting them into chunks here would copy them all) for `offload.host_loop.HostLoop`, which updates them
-    a layer group at a time from Python (the runtime's transfers run both ways at once; XLA's
-    inside one program ran them one after the other, docs/offload-transfers.md).
-    -> (compute chunks: a list with None at the host chunks, OffloadState, the gradients)."""
-    out_c, out_m, out_s, g_chunks = _update_chunks(
-        tx, grads, state, off, compute_dtype=compute_dtype, skip=skip, grad_scale=grad_scale,
-        write_pieces=write_pieces, loop="host")
-    return out_c, OffloadState(out_m, out_s), grads
+    step's jit): the device chunk (offload_optimizer.ratio < 1) is updated; the host chunks' master
+    and state are not read (the caller passes None there; they come out as given) and are left,
+    with the whole gradients (cut per chunk there: cutting them here would copy them all), to
+    `offload.host_loop.HostLoop`, which updates them a chunk at a time from Python (the runtime's
+    transfers run both ways at once; XLA's inside one program ran them one after the other,
+    docs/offload-transfers.md). -> (compute chunks: a list with None at the host chunks, OffloadState)."""
+    out_c, out_m, out_s = _update_chunks(tx, grads, state, off, compute_dtype=compute_dtype, skip=skip,
+                                         grad_scale=grad_scale, loop="host")
+    return out_c, OffloadState(out_m, out_s)
 
 
 def _update_chunks(tx, grads, state: OffloadState, off: OffloadLayout, *, compute_dtype, skip, grad_scale,
                    compute_kind=None, compute_init=None, write_pieces: int = 0, nvme=None, loop: str = "in_place"):
     """The body of `streamed_update` / `deferred_update` (loop "host": the host chunks passed
-    through) -> (compute chunks, master chunks, state chunks, gradient chunks)."""
+    through untouched) -> (compute chunks, master chunks, state chunks)."""
     layout = off.layout
     g_chunks = to_chunks(grads, layout)
     init_chunks = to_chunks(compute_init, layout) if compute_init is not None else None
@@ -281,7 +280,7 @@ def _update_chunks(tx, grads, state: OffloadState, off: OffloadLayout, *, comput
         if compute_kind is not None:
             cp = _to(cp, m_sh, compute_kind)
         out_c[i], out_m[i], out_s[i] = cp, m, s
-    return out_c, out_m, out_s, g_chunks
+    return out_c, out_m, out_s
 
 
 def grad_stats(grads, off: OffloadLayout):
