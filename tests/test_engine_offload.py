@@ -241,14 +241,16 @@ def test_streamed_update_layouts_agree(streams, pieces, loop):
     close(got[0], m, 1e-6)
 
 
-@pytest.mark.parametrize("loop,groups", [("paired", None), ("host", None), ("host", 2)])
-def test_paired_and_host_loops_match_device(loop, groups):
+@pytest.mark.parametrize("loop,groups,host", [("paired", None, {}), ("host", None, {}),
+                                              ("host", 2, {"offload_host_prefetch": 3, "offload_host_window": 1})])
+def test_paired_and_host_loops_match_device(loop, groups, host):
     # EngineOptions.offload_loop "paired" / "host" through the engine (ZeRO-2 on 8 devices): the 4
     # layers as 4 host chunks (or 2 of 2 layers: offload_chunks=2), updated one after another
-    # inside the step's jit ("paired") or after it, from Python ("host"); the same arithmetic as
+    # inside the step's jit ("paired") or after it, from Python ("host"; by default one chunk read
+    # in before the jit, window 2; or every chunk before it, window 1); the same arithmetic as
     # the device update, only where it is stored and run differs: 1e-6 as in
     # test_offload_optimizer_fp32_matches_device
-    opts = zerojax.EngineOptions(offload_loop=loop, offload_chunks=groups)
+    opts = zerojax.EngineOptions(offload_loop=loop, offload_chunks=groups, **host)
     eng, master = run(2, "fp32", "cpu", options=opts)
     _, ref = run(2, "fp32")
     close(master, ref, 1e-6)
@@ -275,28 +277,32 @@ def test_host_loop_with_part_of_the_state_on_the_device():
 
 
 def test_host_loop_chunks_count_in_the_memory_guard(monkeypatch):
-    # offload_loop="host": the loop's chunks in flight (window + 1 of them, the largest; all with
-    # window 0) are on the device after the step's jit; the guard's figure takes them as
-    # temporaries when they exceed the jit's own, and refuses a budget between the two
+    # offload_loop="host": during the step's jit the prefetched chunks and the previous step's last
+    # `window` write-backs sit beside the jit's temporaries; after it the loop's chunks in flight
+    # (window + 1 of them, the largest; all with window 0) beside the params and gradients. The
+    # guard's figure takes the larger, and refuses a budget between the jit's peak and the loop's
     from zerojax import memory
     from zerojax.offload.host_loop import HostLoop
     shapes = {"input_ids": jax.ShapeDtypeStruct((8, 8), jnp.int32)}
     eng = zerojax.shard(lambda: gpt2.GPT2(C, rngs=nnx.Rngs(0)), config(2, "fp32", "cpu"), loss_fn=gpt2.gpt2_loss,
-                        options=zerojax.EngineOptions(offload_loop="host", offload_host_window=1))
+                        options=zerojax.EngineOptions(offload_loop="host", offload_host_window=1,
+                                                      offload_host_prefetch=2))
     # numpy's count of each host chunk's bytes on one of the 8 devices
     per_chunk = [sum(x.addressable_shards[0].data.nbytes for x in jax.tree.leaves((m, st)))
                  for m, st in zip(eng.state.master, eng.state.opt_state)]
-    want = sum(sorted(per_chunk, reverse=True)[:2])
-    assert eng._host_loop.device_bytes(eng.state.master, eng.state.opt_state) == want
+    largest = sorted(per_chunk, reverse=True)
+    want = sum(largest[:2])  # the loop: window 1 + 1
+    assert eng._host_loop.device_bytes(eng.state.master, eng.state.opt_state) == (sum(largest[:3]), want)
     every = HostLoop(eng.offload_layout, eng.step_settings.offload.tx, compute_dtype=jnp.float32,
                      params_shardings=eng.state_shardings.params, window=0)
-    assert every.device_bytes(eng.state.master, eng.state.opt_state) == sum(per_chunk) > want
+    assert every.device_bytes(eng.state.master, eng.state.opt_state) == (sum(per_chunk),) * 2
     jit_only = memory.CompiledMemory.of(eng.compiled_step(shapes))
-    assert eng.step_memory(shapes).temp == max(jit_only.temp, want)
+    assert eng.step_memory(shapes).temp == max(jit_only.temp + sum(largest[:3]), want)
     # a jit whose temporaries are smaller than the loop's chunks: the guard sees the chunks
     zero_temp = memory.CompiledMemory(jit_only.argument, jit_only.output, 0, jit_only.alias, jit_only.generated_code)
     monkeypatch.setattr(eng, "compiled_step", lambda batch_shapes: zero_temp)
     small = eng.step_memory(shapes)
+    want = max(sum(largest[:3]), want)
     assert small.temp == want and small.peak > jit_only.peak - jit_only.temp
     monkeypatch.setattr(memory, "device_budget", lambda device=None: small.peak - 1)
     with pytest.raises(memory.WillNotFitError):

@@ -127,7 +127,8 @@ class Engine:
             self._host_loop = O.host_loop.HostLoop(settings.offload.layout, settings.offload.tx,
                                                    compute_dtype=settings.compute_dtype,
                                                    params_shardings=self.state_shardings.params,
-                                                   window=self.options.offload_host_window)
+                                                   window=self.options.offload_host_window,
+                                                   prefetch=self.options.offload_host_prefetch)
             out_shardings = (self._without_host_chunks(self.state_shardings)._replace(params=None), None, None)
             # the params come in apart and are not donated: the step returns none (the host loop
             # writes the new ones into them, in place), so JAX would alias their buffers to other
@@ -398,9 +399,12 @@ class Engine:
         else:  # EngineOptions.offload_loop="host": the host chunks' update, driven from here
             hl, lay = self._host_loop, self.layout
             master, opt = self.state.master, lay.chunk_states(self.state.opt_state)
-            state, metrics, work = self.compiled_step(shapes)(*self._step_args(self.state, placed))
+            step = self.compiled_step(shapes)
+            ready = hl.prefetch(master, opt)  # dispatched before the jit: these reads overlap it
+            state, metrics, work = step(*self._step_args(self.state, placed))
             # master / opt (the state's own lists) are updated in place, chunk by chunk
-            params = hl(master, opt, work.compute, work.grads, work.skip, work.grad_scale, self.state.params)
+            params = hl(master, opt, work.compute, work.grads, work.skip, work.grad_scale, self.state.params,
+                        ready=ready)
             new_opt = lay.with_chunk_states(state.opt_state, hl.merge(lay.chunk_states(state.opt_state), opt))
             self.state = state._replace(params=params, master=hl.merge(state.master, master), opt_state=new_opt)
         self._global_steps += 1
@@ -452,14 +456,15 @@ class Engine:
 
     def step_memory(self, batch_shapes) -> memory.CompiledMemory:
         """The train step's predicted per-device bytes (the guard's figure): the compiled step's;
-        with offload_loop="host" the host loop's chunks in flight count as temporaries too (the
-        loop runs after the jit, beside the params and gradients the jit leaves; not during the
-        jit's own temporaries, hence the larger of the two)."""
+        with offload_loop="host" the host chunks' state on the device counts as temporaries too:
+        during the jit the prefetched chunks and the previous step's last write-backs, beside its
+        own temporaries; during the loop (after the jit, beside the params and gradients it
+        leaves) its chunks in flight. The larger of the two."""
         mem = memory.CompiledMemory.of(self.compiled_step(batch_shapes))
         if self._host_loop is not None:
             opt = self.layout.chunk_states(self.state.opt_state)
-            extra = self._host_loop.device_bytes(self.state.master, opt)
-            mem = dataclasses.replace(mem, temp=max(mem.temp, extra))
+            during_jit, during_loop = self._host_loop.device_bytes(self.state.master, opt)
+            mem = dataclasses.replace(mem, temp=max(mem.temp + during_jit, during_loop))
         return mem
 
     def close(self) -> None:

@@ -60,6 +60,10 @@ class EngineOptions:
         The same restrictions as "paired".
     offload_host_window [2]: with offload_loop="host", the chunks whose state may be on the device
         at once while the host loop runs (`offload.host_loop.HostLoop`); 0 = no limit.
+    offload_host_prefetch [1]: with offload_loop="host", the chunks whose state is
+        brought to the device before the step's jit is dispatched, so that their reads overlap the
+        forward / backward (the runtime starts a transfer dispatched after a program only when the
+        program is done); each sits on the device beside the jit's buffers.
     adam_mu_dtype [None]: Adam/AdamW's first moment stored in this dtype ("bfloat16"), updated
         and used in fp32 within the step: 2 bytes less per parameter in memory (and, under
         optimizer offload, each way over PCIe: 10 bytes instead of 12). Changes training slightly
@@ -94,6 +98,7 @@ class EngineOptions:
     offload_streams: int = 1
     offload_loop: str = "in_place"
     offload_host_window: int = 2
+    offload_host_prefetch: int = 1
     adam_mu_dtype: str | None = None
     stage3_gather: str = "layer"
     init_group_bytes: int | None = None
@@ -109,7 +114,7 @@ class EngineOptions:
         for name, least, optional in (("offload_chunks", 1, True),
                                       ("offload_unroll", 1, False), ("init_group_bytes", 1, True),
                                       ("offload_write_pieces", 0, False), ("offload_streams", 1, False),
-                                      ("offload_host_window", 0, False),
+                                      ("offload_host_window", 0, False), ("offload_host_prefetch", 0, False),
                                       ("pipeline_repeats", 1, False)):
             value = getattr(self, name)
             if value is None and optional:
@@ -215,6 +220,7 @@ _ENV = {
     "offload_streams": ("ZEROJAX_OFFLOAD_STREAMS", _int),
     "offload_loop": ("ZEROJAX_OFFLOAD_LOOP", _choice(OFFLOAD_LOOPS)),
     "offload_host_window": ("ZEROJAX_OFFLOAD_HOST_WINDOW", _int),
+    "offload_host_prefetch": ("ZEROJAX_OFFLOAD_HOST_PREFETCH", _int),
     "adam_mu_dtype": ("ZEROJAX_ADAM_MU_DTYPE", _choice(("bfloat16",))),
     "stage3_gather": ("ZEROJAX_STAGE3_GATHER", _choice(STAGE3_GATHER_MODES)),
     "init_group_bytes": ("ZEROJAX_INIT_GROUP_BYTES", _positive_or_none),

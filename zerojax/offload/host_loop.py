@@ -13,6 +13,14 @@ chunk and each layer group: brings its master and optimizer state to the device,
 `_apply` as the in-jit loops (one compiled program for every layer group), writes the new compute
 copy into the step's input params in place, and sends the new state back to host memory. JAX
 dispatches all of it asynchronously; Python waits only to keep `window` chunks in flight.
+
+Where the transfers can overlap compute: the runtime starts a transfer dispatched after a jitted
+program only once that program is done (measured on an H200, `benchmarks/overlap_probe.py`: 2.15 GB
+each way dispatched after a 98 ms program took 148 ms in all, dispatched before it 100 ms). So the
+first `prefetch` chunks' state is brought in before the step's jit is dispatched
+(`HostLoop.prefetch`): those reads run during the forward / backward; the last chunks' write-backs
+likewise run during the next step's jit, which is dispatched after them. Inside the loop the next
+chunk's read is dispatched before this chunk's update, so the link need not wait for the update.
 """
 from __future__ import annotations
 
@@ -39,10 +47,15 @@ class HostLoop:
         state on the device besides the params and gradients (what the memory guard counts,
         `device_bytes`); 0 = no wait. Measured on GPT-2 Large (one H200, 24 GB cap, one run each, a
         version of the loop that still joined the compute copies): window 2 21,185 tokens/s, 4
-        20,472, 8 20,408, 0 20,908; the peak did not move with it (docs/offload-transfers.md)."""
+        20,472, 8 20,408, 0 20,908; the peak did not move with it (docs/offload-transfers.md): the
+        reads were all dispatched after the step's jit, so none could start before it ended.
+    prefetch: chunks whose state `prefetch()` brings to the device before the step's jit is
+        dispatched (their reads overlap the forward / backward; they sit on the device beside the
+        jit's own buffers)."""
 
-    def __init__(self, off: OffloadLayout, tx, *, compute_dtype, params_shardings, window: int = 2):
-        self.off, self.window = off, int(window)
+    def __init__(self, off: OffloadLayout, tx, *, compute_dtype, params_shardings, window: int = 2,
+                 prefetch: int = 0):
+        self.off, self.window, self.prefetch_chunks = off, int(window), int(prefetch)
         self.loops = [i for i, c in enumerate(off.layout.chunks) if c.host]
         if any(c.loop > 1 for c in off.layout.chunks if c.host):
             raise ValueError("offload_loop='host' needs one layer group a chunk (chunk_layout(streams=0))")
@@ -70,7 +83,22 @@ class HostLoop:
                 donate_argnums=(1, 2, 5), out_shardings=(None, None, self._params_shardings))
         return self._programs[key]
 
-    def __call__(self, master: list, opt_state: list, compute: list, grads, skip, grad_scale, params):
+    def _bring(self, n: int, master: list, opt_state: list):
+        """Dispatch the read of the n-th host chunk's state to the device (after waiting, with a
+        window, for chunk n - window's new state to be back in host memory)."""
+        if self.window and n >= self.window:
+            jax.block_until_ready(master[self.loops[n - self.window]])
+        i = self.loops[n]
+        m_dev, s_dev = self._dev[i]
+        return jax.device_put(master[i], m_dev), jax.device_put(opt_state[i], s_dev)
+
+    def prefetch(self, master: list, opt_state: list) -> dict:
+        """Start reading the first `prefetch` chunks' state to the device; call before dispatching
+        the step's jit, pass the result to the call after it. -> {n: (master, state) on the device}"""
+        return {n: self._bring(n, master, opt_state) for n in range(min(self.prefetch_chunks, len(self.loops)))}
+
+    def __call__(self, master: list, opt_state: list, compute: list, grads, skip, grad_scale, params,
+                 ready: dict | None = None):
         """Update the host chunks of `master` / `opt_state` (the per-chunk host state) in place:
         each chunk's entries are replaced as soon as its new state is on its way to host memory,
         so the old host copy is freed chunk by chunk (host memory never holds the state twice).
@@ -91,12 +119,15 @@ class HostLoop:
             master[i], opt_state[i] = jax.device_put(m, m_host), jax.device_put(s, s_host)
         return params
 
-    def device_bytes(self, master: list, opt_state: list) -> int:
-        """Per-device bytes the loop's chunks in flight hold on the device besides the step's own
-        buffers: `window` + 1 chunks' master and optimizer state (the largest chunks; every chunk
-        with window 0). Arrays or ShapeDtypeStructs with shardings."""
+    def device_bytes(self, master: list, opt_state: list) -> tuple[int, int]:
+        """Per-device bytes of host chunks' state on the device besides the step's own buffers
+        (the largest chunks; every chunk with window 0) -> (during the step's jit: the prefetched
+        chunks and the previous step's last `window` chunks still being written back; during the
+        loop: `window` + 1 chunks). Arrays or ShapeDtypeStructs with shardings."""
         sizes = sorted((_per_device(master[i]) + _per_device(opt_state[i]) for i in self.loops), reverse=True)
-        return sum(sizes if not self.window else sizes[:self.window + 1])
+        if not self.window:
+            return sum(sizes), sum(sizes)
+        return sum(sizes[:self.prefetch_chunks + self.window]), sum(sizes[:self.window + 1])
 
     def merge(self, front: list, groups: list) -> list:
         """The per-chunk list of the step's jit (`front`, None at the host chunks) with the host
