@@ -104,16 +104,18 @@ class HostLoop:
         so the old host copy is freed chunk by chunk (host memory never holds the state twice).
         compute: the compute copies the step's jit made (the device chunk's; None at the host
         chunks); grads: the step's gradients, params-shaped; params: the step's input compute
-        params (dead after the step's jit; donated). -> the new compute params."""
+        params (dead after the step's jit; donated); ready: what `prefetch` returned.
+        -> the new compute params."""
         chunks = self.off.layout.chunks
         for i, cp in enumerate(compute):
             if cp is not None:
                 params = self._put(params, cp, chunks[i].lo)
+        on_device = dict(ready or {})
         for n, i in enumerate(self.loops):
-            if self.window and n >= self.window:
-                jax.block_until_ready(master[self.loops[n - self.window]])
-            m_dev, s_dev = self._dev[i]
-            m, s = jax.device_put(master[i], m_dev), jax.device_put(opt_state[i], s_dev)
+            for k in (n, n + 1):  # this chunk's state, and the next one's read ahead of this update
+                if k < len(self.loops) and k not in on_device:
+                    on_device[k] = self._bring(k, master, opt_state)
+            m, s = on_device.pop(n)
             m, s, params = self._program(chunks[i])(grads, m, s, skip, grad_scale, params, chunks[i].lo)
             m_host, s_host = self._host[i]
             master[i], opt_state[i] = jax.device_put(m, m_host), jax.device_put(s, s_host)
