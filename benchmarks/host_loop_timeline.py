@@ -62,6 +62,8 @@ def main():
     ap.add_argument("--steps", type=int, default=3)
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--cpu", action="store_true")
+    ap.add_argument("--pipelined", action="store_true",
+                    help="no wait between the steps (as bench.py times them): one timeline over all")
     args = ap.parse_args()
     if args.cpu:
         os.environ["JAX_PLATFORMS"] = "cpu"
@@ -91,12 +93,12 @@ def main():
     poll = Poller()
     marks: list[tuple[str, float]] = []  # dispatch times
     orig_bring, orig_call, orig_put = hl._bring, HL.HostLoop.__call__, jax.device_put
-    state = {"chunk": None}
+    state = {"chunk": None, "tag": ""}  # tag: the step's prefix of every label (--pipelined)
 
     def bring(n, master, opt_state):
-        marks.append((f"read{n} dispatch", time.perf_counter()))
+        marks.append((f"{state['tag']}read{n} dispatch", time.perf_counter()))
         out = orig_bring(n, master, opt_state)
-        poll.add(f"read{n}", out)
+        poll.add(f"{state['tag']}read{n}", out)
         return out
 
     def program(chunk):
@@ -105,8 +107,8 @@ def main():
         def run(*a):
             n = hl.loops.index(hl.off.layout.chunks.index(chunk))
             out = fn(*a)
-            marks.append((f"update{n} dispatch", time.perf_counter()))
-            poll.add(f"update{n}", out[:2])
+            marks.append((f"{state['tag']}update{n} dispatch", time.perf_counter()))
+            poll.add(f"{state['tag']}update{n}", out[:2])
             state["chunk"] = n
             return out
         return run
@@ -115,14 +117,14 @@ def main():
         out = orig_put(x, s, **kw)
         kinds = {getattr(x, "memory_kind", None) for x in jax.tree.leaves(s)}
         if state["chunk"] is not None and kinds - {None, "device"}:
-            poll.add(f"write{state['chunk']} {len(marks)}", out)
+            poll.add(f"{state['tag']}write{state['chunk']} {len(marks)}", out)
         return out
 
     def call(self, master, opt_state, compute, grads, *rest, **kw):
-        poll.add("grads", grads)
-        marks.append(("loop start", time.perf_counter()))
+        poll.add(f"{state['tag']}grads", grads)
+        marks.append((f"{state['tag']}loop start", time.perf_counter()))
         out = orig_call(self, master, opt_state, compute, grads, *rest, **kw)
-        marks.append(("loop end", time.perf_counter()))
+        marks.append((f"{state['tag']}loop end", time.perf_counter()))
         state["chunk"] = None
         return out
 
@@ -130,7 +132,21 @@ def main():
     HL.HostLoop.__call__ = call
     jax.device_put = put
     steps = []
-    for _ in range(args.steps):
+    if args.pipelined:  # one timeline: each step's labels prefixed "s<k> "
+        t0 = time.perf_counter()
+        for k in range(args.steps):
+            state["tag"] = f"s{k} "
+            runner.step()
+        runner.block()
+        t1 = time.perf_counter()
+        time.sleep(0.01)
+        ev = {k: (v - t0) * 1e3 for k, v in poll.done.items()}
+        ev.update({k: (v - t0) * 1e3 for k, v in marks})
+        print(f"{args.steps} steps in {(t1 - t0) * 1e3:.1f} ms")
+        for k, v in sorted(ev.items(), key=lambda kv: kv[1]):
+            print(f"{v:9.1f}  {k}")
+        steps.append({"step_ms": (t1 - t0) * 1e3 / args.steps, "events": ev})
+    for _ in range(0 if args.pipelined else args.steps):
         marks.clear()
         poll.done.clear()
         t0 = time.perf_counter()
