@@ -95,9 +95,9 @@ def main():
     orig_bring, orig_call, orig_put = hl._bring, HL.HostLoop.__call__, jax.device_put
     state = {"chunk": None, "tag": ""}  # tag: the step's prefix of every label (--pipelined)
 
-    def bring(n, master, opt_state):
+    def bring(n, master, opt_state, **kw):
         marks.append((f"{state['tag']}read{n} dispatch", time.perf_counter()))
-        out = orig_bring(n, master, opt_state)
+        out = orig_bring(n, master, opt_state, **kw)
         poll.add(f"{state['tag']}read{n}", out)
         return out
 

@@ -97,8 +97,8 @@ class EngineOptions:
     offload_write_pieces: int = 0
     offload_streams: int = 1
     offload_loop: str = "in_place"
-    offload_host_window: int = 2
-    offload_host_prefetch: int = 1
+    offload_host_window: int = 3
+    offload_host_prefetch: int = 2
     adam_mu_dtype: str | None = None
     stage3_gather: str = "layer"
     init_group_bytes: int | None = None

@@ -17,8 +17,10 @@ dispatches all of it asynchronously; Python waits only to keep `window` chunks i
 Where the transfers can overlap compute: the runtime starts a transfer dispatched after a jitted
 program only once that program is done (measured on an H200, `benchmarks/overlap_probe.py`: 2.15 GB
 each way dispatched after a 98 ms program took 148 ms in all, dispatched before it 100 ms). So the
-first `prefetch` chunks' state is brought in before the step's jit is dispatched
-(`HostLoop.prefetch`): those reads run during the forward / backward; the last chunks' write-backs
+last `prefetch` chunks' state is brought in before the step's jit is dispatched
+(`HostLoop.prefetch`): those reads run during the forward / backward, and those chunks, updated
+last, need no read after it, so the next step's jit (which waits for the last update) is not held
+up by the last reads, which the window holds back; the last chunks' write-backs
 likewise run during the next step's jit, which is dispatched after them. Inside the loop the next
 chunk's read is dispatched before this chunk's update, so the link need not wait for the update.
 """
@@ -83,19 +85,23 @@ class HostLoop:
                 donate_argnums=(1, 2, 5), out_shardings=(None, None, self._params_shardings))
         return self._programs[key]
 
-    def _bring(self, n: int, master: list, opt_state: list):
+    def _bring(self, n: int, master: list, opt_state: list, wait: bool = True):
         """Dispatch the read of the n-th host chunk's state to the device (after waiting, with a
         window, for chunk n - window's new state to be back in host memory)."""
-        if self.window and n >= self.window:
+        if wait and self.window and n >= self.window:
             jax.block_until_ready(master[self.loops[n - self.window]])
         i = self.loops[n]
         m_dev, s_dev = self._dev[i]
         return jax.device_put(master[i], m_dev), jax.device_put(opt_state[i], s_dev)
 
     def prefetch(self, master: list, opt_state: list) -> dict:
-        """Start reading the first `prefetch` chunks' state to the device; call before dispatching
-        the step's jit, pass the result to the call after it. -> {n: (master, state) on the device}"""
-        return {n: self._bring(n, master, opt_state) for n in range(min(self.prefetch_chunks, len(self.loops)))}
+        """Start reading the last `prefetch` chunks' state to the device; call before dispatching
+        the step's jit, pass the result to the call after it. (No window wait: a read of a chunk
+        the previous step is still writing back starts when that write-back ends, in the runtime.)
+        -> {n: (master, state) on the device}"""
+        count = len(self.loops)
+        return {n: self._bring(n, master, opt_state, wait=False)
+                for n in range(count - min(self.prefetch_chunks, count), count)}
 
     def __call__(self, master: list, opt_state: list, compute: list, grads, skip, grad_scale, params,
                  ready: dict | None = None):
@@ -125,11 +131,13 @@ class HostLoop:
         """Per-device bytes of host chunks' state on the device besides the step's own buffers
         (the largest chunks; every chunk with window 0) -> (during the step's jit: the prefetched
         chunks and the previous step's last `window` chunks still being written back; during the
-        loop: `window` + 1 chunks). Arrays or ShapeDtypeStructs with shardings."""
+        loop: `window` + 1 chunks and the prefetched ones, updated last). Arrays or
+        ShapeDtypeStructs with shardings."""
         sizes = sorted((_per_device(master[i]) + _per_device(opt_state[i]) for i in self.loops), reverse=True)
         if not self.window:
             return sum(sizes), sum(sizes)
-        return sum(sizes[:self.prefetch_chunks + self.window]), sum(sizes[:self.window + 1])
+        return (sum(sizes[:self.prefetch_chunks + self.window]),
+                sum(sizes[:self.prefetch_chunks + self.window + 1]))
 
     def merge(self, front: list, groups: list) -> list:
         """The per-chunk list of the step's jit (`front`, None at the host chunks) with the host
