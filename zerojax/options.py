@@ -56,14 +56,20 @@ class EngineOptions:
         runtime's transfers running both ways at once): 21,098 / 20,847 tokens/s against
         "in_place" 18,034 side by side (+16%), peak 6.04-6.15 GiB against 5.54; with
         offload_chunks=9 (4 layers a chunk: fewer transfers) and adam_mu_dtype="bfloat16"
-        24,659-25,101 at 6.5-6.8 GiB (session 9, docs/offload-transfers.md).
+        24,659-25,101 at 6.5-6.8 GiB (session 9, docs/offload-transfers.md); since session 10
+        (reads prefetched during the jit, write-backs overlapping the next one) 31,655-32,379 at
+        9.45-9.61 GiB, one layer a chunk with the fp32 moment 23,914-24,199 at 6.55-7.00 GiB
+        (in_place beside it: 18,366 / 5.52).
         The same restrictions as "paired".
-    offload_host_window [2]: with offload_loop="host", the chunks whose state may be on the device
-        at once while the host loop runs (`offload.host_loop.HostLoop`); 0 = no limit.
-    offload_host_prefetch [1]: with offload_loop="host", the chunks whose state is
+    offload_host_window [3]: with offload_loop="host", the chunks whose state may be on the device
+        at once while the host loop runs (`offload.host_loop.HostLoop`); 0 = no limit. The last
+        `window` chunks' write-backs run during the next step's jit.
+    offload_host_prefetch [2]: with offload_loop="host", the chunks whose state is
         brought to the device before the step's jit is dispatched, so that their reads overlap the
         forward / backward (the runtime starts a transfer dispatched after a program only when the
-        program is done); each sits on the device beside the jit's buffers.
+        program is done); each sits on the device beside the jit's buffers. Measured on GPT-2
+        Large (offload_chunks=9, adam_mu_dtype="bfloat16", 24 GB cap): prefetch 0 / window 2
+        24,699 tokens/s at 6.88 GiB, prefetch 2 / window 3 31,655-32,379 at 9.45-9.61 GiB.
     adam_mu_dtype [None]: Adam/AdamW's first moment stored in this dtype ("bfloat16"), updated
         and used in fp32 within the step: 2 bytes less per parameter in memory (and, under
         optimizer offload, each way over PCIe: 10 bytes instead of 12). Changes training slightly

@@ -17,10 +17,8 @@ dispatches all of it asynchronously; Python waits only to keep `window` chunks i
 Where the transfers can overlap compute: the runtime starts a transfer dispatched after a jitted
 program only once that program is done (measured on an H200, `benchmarks/overlap_probe.py`: 2.15 GB
 each way dispatched after a 98 ms program took 148 ms in all, dispatched before it 100 ms). So the
-last `prefetch` chunks' state is brought in before the step's jit is dispatched
-(`HostLoop.prefetch`): those reads run during the forward / backward, and those chunks, updated
-last, need no read after it, so the next step's jit (which waits for the last update) is not held
-up by the last reads, which the window holds back; the last chunks' write-backs
+first `prefetch` chunks' state is brought in before the step's jit is dispatched
+(`HostLoop.prefetch`): those reads run during the forward / backward; the last chunks' write-backs
 likewise run during the next step's jit, which is dispatched after them. Inside the loop the next
 chunk's read is dispatched before this chunk's update, so the link need not wait for the update.
 """
@@ -51,9 +49,14 @@ class HostLoop:
         version of the loop that still joined the compute copies): window 2 21,185 tokens/s, 4
         20,472, 8 20,408, 0 20,908; the peak did not move with it (docs/offload-transfers.md): the
         reads were all dispatched after the step's jit, so none could start before it ended.
+        Since session 10 the window is also how many write-backs overlap the next step's jit.
     prefetch: chunks whose state `prefetch()` brings to the device before the step's jit is
         dispatched (their reads overlap the forward / backward; they sit on the device beside the
-        jit's own buffers)."""
+        jit's own buffers). Measured (GPT-2 Large, 4 layers a chunk, bf16 first moment, 24 GB cap,
+        one H200, session 10): prefetch 0 / 1 / 2 at window 2: 24,699 / 26,256 / 28,574 tokens/s,
+        peak 6.88 / 8.24 / 9.04 GiB; prefetch 2 at window 3: 32,379 and 31,655 (9.45-9.61 GiB).
+        Prefetching the last chunks instead (updated last, so the next jit would not wait for a
+        read the window holds back): 32,157 at 10.56 GiB, no faster, so the first ones."""
 
     def __init__(self, off: OffloadLayout, tx, *, compute_dtype, params_shardings, window: int = 2,
                  prefetch: int = 0):
@@ -85,23 +88,19 @@ class HostLoop:
                 donate_argnums=(1, 2, 5), out_shardings=(None, None, self._params_shardings))
         return self._programs[key]
 
-    def _bring(self, n: int, master: list, opt_state: list, wait: bool = True):
+    def _bring(self, n: int, master: list, opt_state: list):
         """Dispatch the read of the n-th host chunk's state to the device (after waiting, with a
         window, for chunk n - window's new state to be back in host memory)."""
-        if wait and self.window and n >= self.window:
+        if self.window and n >= self.window:
             jax.block_until_ready(master[self.loops[n - self.window]])
         i = self.loops[n]
         m_dev, s_dev = self._dev[i]
         return jax.device_put(master[i], m_dev), jax.device_put(opt_state[i], s_dev)
 
     def prefetch(self, master: list, opt_state: list) -> dict:
-        """Start reading the last `prefetch` chunks' state to the device; call before dispatching
-        the step's jit, pass the result to the call after it. (No window wait: a read of a chunk
-        the previous step is still writing back starts when that write-back ends, in the runtime.)
-        -> {n: (master, state) on the device}"""
-        count = len(self.loops)
-        return {n: self._bring(n, master, opt_state, wait=False)
-                for n in range(count - min(self.prefetch_chunks, count), count)}
+        """Start reading the first `prefetch` chunks' state to the device; call before dispatching
+        the step's jit, pass the result to the call after it. -> {n: (master, state) on the device}"""
+        return {n: self._bring(n, master, opt_state) for n in range(min(self.prefetch_chunks, len(self.loops)))}
 
     def __call__(self, master: list, opt_state: list, compute: list, grads, skip, grad_scale, params,
                  ready: dict | None = None):
@@ -131,13 +130,11 @@ class HostLoop:
         """Per-device bytes of host chunks' state on the device besides the step's own buffers
         (the largest chunks; every chunk with window 0) -> (during the step's jit: the prefetched
         chunks and the previous step's last `window` chunks still being written back; during the
-        loop: `window` + 1 chunks and the prefetched ones, updated last). Arrays or
-        ShapeDtypeStructs with shardings."""
+        loop: `window` + 1 chunks). Arrays or ShapeDtypeStructs with shardings."""
         sizes = sorted((_per_device(master[i]) + _per_device(opt_state[i]) for i in self.loops), reverse=True)
         if not self.window:
             return sum(sizes), sum(sizes)
-        return (sum(sizes[:self.prefetch_chunks + self.window]),
-                sum(sizes[:self.prefetch_chunks + self.window + 1]))
+        return sum(sizes[:self.prefetch_chunks + self.window]), sum(sizes[:self.window + 1])
 
     def merge(self, front: list, groups: list) -> list:
         """The per-chunk list of the step's jit (`front`, None at the host chunks) with the host
