@@ -356,6 +356,8 @@ def test_fused_adam_bf16_first_moment_against_float64():
 
 
 def test_offload_speed_options_are_checked():
+    with pytest.raises(ValueError, match="offload_write_pieces=3 with offload_loop='host'.*leave offload_write_pieces at 0"):
+        zerojax.EngineOptions(offload_loop="host", offload_write_pieces=3)
     with pytest.raises(ValueError, match="offload_write_pieces=1"):
         zerojax.EngineOptions(offload_write_pieces=1)
     with pytest.raises(ValueError, match="offload_streams=0"):

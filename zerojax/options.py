@@ -36,7 +36,8 @@ class EngineOptions:
     offload_write_pieces [0]: optimizer offload: the non-layer chunk (embeddings, final norm),
         updated whole, is written back as a new host array (0) or into its donated host buffer
         by dynamic_update_slice in this many pieces (>= 2). Why: device->host into a fresh pinned
-        output measured 4.1 GB/s on an H200, into a donated buffer 55 GB/s (issue #18).
+        output measured 4.1 GB/s on an H200, into a donated buffer 55 GB/s (issue #18). Inside
+        the step's jit only: with offload_loop="host" it is an error (the runtime writes whole).
     offload_streams [1]: optimizer offload: the offloaded layer groups are stored as this many
         host chunks of consecutive groups, updated side by side by the one update loop (a group
         of each per iteration), so one chunk's write-back need not wait for another's read. Must
@@ -139,6 +140,10 @@ class EngineOptions:
                             f"{self.offload_loop!r} stores one chunk per layer group already; leave offload_streams at 1")
         if self.adam_mu_dtype not in ADAM_MU_DTYPES:
             problems.append(f"adam_mu_dtype={self.adam_mu_dtype!r}: one of {ADAM_MU_DTYPES}")
+        if self.offload_loop == "host" and self.offload_write_pieces:
+            problems.append(f"offload_write_pieces={self.offload_write_pieces} with offload_loop='host': the "
+                            "host loop writes each chunk back whole with the runtime's own transfer (it "
+                            "would do nothing); leave offload_write_pieces at 0")
         if self.offload_write_pieces == 1:
             problems.append("offload_write_pieces=1: 0 (write back whole) or >= 2 (one full-size piece "
                             "is what XLA turns back into a fresh output)")
