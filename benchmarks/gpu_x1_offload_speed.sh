@@ -6,9 +6,11 @@
 # extra XLA flags (space-separated)":
 #   default        the in-place layer loop (offload_loop="in_place")
 #   host           EngineOptions.offload_loop="host": one host chunk per layer, updated after the
-#                  step's jit from Python (offload/host_loop.py; session 9: +16%)
+#                  step's jit from Python (offload/host_loop.py; session 9: +16%; session 10, with
+#                  the first 2 chunks read during the jit and 3 write-backs beside the next one
+#                  (offload_host_prefetch / offload_host_window, the defaults): 24.2k)
 #   host_c9_mubf16 host with 4 layers a chunk (offload_chunks=9) and adam_mu_dtype=bfloat16 (10 bytes
-#                  a parameter each way instead of 12): the fastest measured (24.7-25.1k)
+#                  a parameter each way instead of 12): the fastest measured (31.7-32.4k, session 10)
 #   mubf16         adam_mu_dtype=bfloat16
 # (sessions 5-6 also ran "paired": ZEROJAX_OFFLOAD_LOOP=paired, slower than the default)
 # VARIANTS (newline-separated) replaces the list, BENCH the bench.py command (a CPU smoke test);

@@ -38,6 +38,23 @@ profile_fused_loss() {  # $1: file prefix. ZeRO-2, remat, the fused loss (chunk 
   head -45 "$OUT/$1_profile.md"
 }
 
+if [ "${1:-sweep}" = s10 ]; then
+  # prepared in session 10, not yet run (~200 s): the micro-8 winner A/B with the XLA GPU flags
+  # JAX-Toolbox's GPT recipes set and no session has tried on it: Triton gemms off (cuBLAS for
+  # every dot) and while-loop double buffering (the layer scan's slices of the saved stacks
+  # prefetched one iteration ahead), each alone and together, beside plain jax.jit
+  FL() { echo "\"env\": {\"XLA_FLAGS\": \"$1\"}, \"label\": \"$2\""; }
+  ZI=$(FL --xla_gpu_enable_dus_accumulator_zero_init_elimination=true zi)
+  NT=$(FL --xla_gpu_enable_triton_gemm=false no_triton_gemm)
+  DB=$(FL --xla_gpu_enable_while_loop_double_buffering=true double_buffer)
+  BOTH=$(FL "--xla_gpu_enable_triton_gemm=false --xla_gpu_enable_while_loop_double_buffering=true" both)
+  W8='"stage": 2, "remat": "save_qkv_attention", "loss_chunk": 256'
+  s6_matrix s10_speed "[
+    {\"stage\": \"plain\", \"remat\": true, $ZI},
+    {$W8}, {$W8, $NT}, {$W8, $DB}, {$W8, $BOTH}]"
+  exit 0
+fi
+
 if [ "${1:-sweep}" = s9 ]; then
   # session 9 (~260 s): the micro-8 and micro-16 winners beside plain jax.jit, each A/B with XLA's
   # dynamic-slice fusion (the backward's slices of the saved stacks read in place by cuBLAS) and
