@@ -13,6 +13,9 @@
 #                  a parameter each way instead of 12): the fastest measured (31.7-32.4k, session 10)
 #   mubf16         adam_mu_dtype=bfloat16
 # (sessions 5-6 also ran "paired": ZEROJAX_OFFLOAD_LOOP=paired, slower than the default)
+# An optional fourth field is JSON merged into the bench.py entry, e.g. {"loss_chunk": 256} (the
+# fused cross entropy: ~1.4 GiB less at micro 8, room for more chunks in flight).
+# VARIANTS_S11 (prepared in session 10, not yet run): the fused loss with deeper prefetch / window.
 # VARIANTS (newline-separated) replaces the list, BENCH the bench.py command (a CPU smoke test);
 # BUDGET (seconds, default 190): the variants kept are those that fit at PER seconds each (default
 # 40) after 20 for the ceiling, and bench.py is stopped at BUDGET. Prints a table: tokens/s, step,
@@ -28,6 +31,12 @@ VARIANTS=${VARIANTS:-"default||
 host|ZEROJAX_OFFLOAD_LOOP=host|
 host_c9_mubf16|ZEROJAX_OFFLOAD_LOOP=host ZEROJAX_OFFLOAD_CHUNKS=9 ZEROJAX_ADAM_MU_DTYPE=bfloat16|
 mubf16|ZEROJAX_ADAM_MU_DTYPE=bfloat16|"}
+M4="ZEROJAX_OFFLOAD_LOOP=host ZEROJAX_OFFLOAD_CHUNKS=9 ZEROJAX_ADAM_MU_DTYPE=bfloat16"
+VARIANTS_S11="c9mu|$M4||
+c9mu_ce|$M4||{\"loss_chunk\": 256}
+c9mu_ce_p3w4|$M4 ZEROJAX_OFFLOAD_HOST_PREFETCH=3 ZEROJAX_OFFLOAD_HOST_WINDOW=4||{\"loss_chunk\": 256}
+c9mu_ce_p3w5|$M4 ZEROJAX_OFFLOAD_HOST_PREFETCH=3 ZEROJAX_OFFLOAD_HOST_WINDOW=5||{\"loss_chunk\": 256}"
+[ "${1:-}" = s11 ] && VARIANTS=$VARIANTS_S11
 SPEC=$(python3 - "$BUDGET" "$PER" "$VARIANTS" <<'PYEOF'
 import json, sys
 budget, per, variants = float(sys.argv[1]), float(sys.argv[2]), sys.argv[3]
@@ -35,11 +44,12 @@ specs = []
 for line in variants.splitlines():
     if not line.strip():
         continue
-    name, env, flags = (line.split("|") + ["", ""])[:3]
+    name, env, flags, extra = (line.split("|", 3) + ["", "", ""])[:4]
     env = dict(kv.split("=", 1) for kv in env.split())
     if flags.strip():
         env["XLA_FLAGS"] = flags.strip()
-    specs.append({"label": name, "env": env, "stage": 2, "offload": "optimizer", "remat": True})
+    specs.append({"label": name, "env": env, "stage": 2, "offload": "optimizer", "remat": True,
+                  **(json.loads(extra) if extra.strip() else {})})
 keep = max(1, int((budget - 20) // per))
 print(json.dumps(specs[:keep]))
 PYEOF
@@ -62,6 +72,7 @@ for e in entries:
     res, spec = e["result"], e["spec"]
     env = spec.get("env") or {}
     row = {"name": spec.get("label"), "env": env,
+           "extra": f", loss_chunk {spec['loss_chunk']}" if spec.get("loss_chunk") else "",
            **{k: res.get(k) for k in ("tokens_per_s_per_device", "step_s", "peak_bytes", "params", "error")}}
     if res.get("step_s") and res.get("params"):
         # fp32 master + Adam's two moments (fp32, or the first in bf16) cross PCIe each way every step
@@ -70,7 +81,7 @@ for e in entries:
     rows.append(row)
 print("\n| variant | tokens/s | step ms | peak GiB | host<->device GB/s each way (link 51-55) |\n|---|---:|---:|---:|---:|")
 for r in rows:
-    label = f"{r['name']} ({' '.join(f'{k}={v}' for k, v in r['env'].items()) or 'defaults'})"
+    label = f"{r['name']} ({' '.join(f'{k}={v}' for k, v in r['env'].items()) or 'defaults'}{r['extra']})"
     if r.get("tokens_per_s_per_device"):
         print(f"| {label} | {r['tokens_per_s_per_device']:,.0f} | {r['step_s'] * 1e3:.0f} "
               f"| {(r['peak_bytes'] or 0) / 2**30:.2f} | {r.get('gbps_each_way', 0):.1f} |")
