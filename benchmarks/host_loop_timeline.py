@@ -131,36 +131,36 @@ def main():
     hl._bring, hl._program = bring, program
     HL.HostLoop.__call__ = call
     jax.device_put = put
-    steps = []
-    if args.pipelined:  # one timeline: each step's labels prefixed "s<k> "
+    def run(tags):
+        """One step per tag (each label prefixed by its step's tag), then wait for all ->
+        (ms, {label: ms from the first step's start})."""
         t0 = time.perf_counter()
-        for k in range(args.steps):
-            state["tag"] = f"s{k} "
+        for tag in tags:
+            state["tag"] = tag
             runner.step()
         runner.block()
         t1 = time.perf_counter()
-        time.sleep(0.01)
+        time.sleep(0.01)  # the poller's last look
         ev = {k: (v - t0) * 1e3 for k, v in poll.done.items()}
         ev.update({k: (v - t0) * 1e3 for k, v in marks})
-        print(f"{args.steps} steps in {(t1 - t0) * 1e3:.1f} ms")
+        return (t1 - t0) * 1e3, ev
+
+    steps = []
+    if args.pipelined:  # one timeline: each step's labels prefixed "s<k> "
+        ms, ev = run([f"s{k} " for k in range(args.steps)])
+        print(f"{args.steps} steps in {ms:.1f} ms")
         for k, v in sorted(ev.items(), key=lambda kv: kv[1]):
             print(f"{v:9.1f}  {k}")
-        steps.append({"step_ms": (t1 - t0) * 1e3 / args.steps, "events": ev})
+        steps.append({"step_ms": ms / args.steps, "events": ev})
     for _ in range(0 if args.pipelined else args.steps):
         marks.clear()
         poll.done.clear()
-        t0 = time.perf_counter()
-        runner.step()
-        runner.block()
-        t1 = time.perf_counter()
-        time.sleep(0.01)
-        ev = {k: (v - t0) * 1e3 for k, v in poll.done.items()}
-        ev.update({k: (v - t0) * 1e3 for k, v in marks})
-        steps.append({"step_ms": (t1 - t0) * 1e3, "events": ev})
+        ms, ev = run([""])
+        steps.append({"step_ms": ms, "events": ev})
     poll.stop = True
     jax.device_put = orig_put
 
-    for s in steps:
+    for s in steps if not args.pipelined else []:
         ev = s["events"]
         print(f"step {s['step_ms']:.1f} ms: grads ready {ev.get('grads', float('nan')):.1f}, "
               f"loop dispatched {ev.get('loop start', 0):.1f}-{ev.get('loop end', 0):.1f}")
