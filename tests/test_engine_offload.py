@@ -6,6 +6,7 @@ kinds are one address space, so these tests check placement (memory kinds), nume
 logic and byte accounting; transfer schedules and device peaks are for the GPU benchmarks.
 """
 import functools
+import warnings
 
 import jax
 import jax.numpy as jnp
@@ -262,6 +263,19 @@ def test_paired_and_host_loops_match_device(loop, groups, host):
     # 3 a group inside the jit ("paired"), none when the groups are left to Python ("host")
     inputs = eng.compiled_step({"input_ids": jax.ShapeDtypeStruct((8, 8), jnp.int32)}).args_info
     assert [tuple(a.shape) for a in jax.tree.leaves(inputs)].count((per, 32, 128)) == (12 if loop == "paired" else 0)
+
+
+def test_offload_init_from_a_built_model_keeps_its_weights_quietly():
+    # a built (eager) model's fp32 weights are donated to the offload init, which XLA can take
+    # only where an output shares their dtype and sharding (fp32 ZeRO-3); elsewhere JAX warned
+    # "Some donated buffers were not usable", noise the user can do nothing about. The weights
+    # must come through as they were
+    model = gpt2.GPT2(C, rngs=nnx.Rngs(0))
+    want = jax.tree.map(np.asarray, nnx.to_pure_dict(nnx.state(model, nnx.Param)))
+    with warnings.catch_warnings():
+        warnings.filterwarnings("error", message="Some donated buffers were not usable")
+        eng = zerojax.shard(model, config(2, "fp32", "cpu"), loss_fn=gpt2.gpt2_loss)
+    close(jax.tree.map(np.asarray, eng.master_params), want, 0)
 
 
 def test_host_loop_with_part_of_the_state_on_the_device():

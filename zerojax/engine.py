@@ -267,7 +267,12 @@ class Engine:
         else:
             master = jax.tree.map(lambda x, s: _place(x, s, jnp.float32), values[0], sh.master)
             rest = jax.tree.map(_place, values[1], lay.rest_shardings)
-            chunks, states, params = jax.jit(build, out_shardings=outs, donate_argnums=0)(master)
+            with warnings.catch_warnings():
+                # the donation frees the fp32 copy where XLA can alias it (fp32 compute params
+                # sharded as the master: ZeRO-3); elsewhere no output can take it and JAX says
+                # so in a warning the user can do nothing about (`del master` frees it then)
+                warnings.filterwarnings("ignore", message="Some donated buffers were not usable")
+                chunks, states, params = jax.jit(build, out_shardings=outs, donate_argnums=0)(master)
             del master
         if lay.nvme is not None and not to_files:  # the layers' master and moments into the swap files
             chunks, states = lay.nvme.spill(list(chunks), list(states))
