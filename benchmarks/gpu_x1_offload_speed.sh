@@ -15,7 +15,8 @@
 # (sessions 5-6 also ran "paired": ZEROJAX_OFFLOAD_LOOP=paired, slower than the default)
 # An optional fourth field is JSON merged into the bench.py entry, e.g. {"loss_chunk": 256} (the
 # fused cross entropy: ~1.4 GiB less at micro 8, room for more chunks in flight).
-# VARIANTS_S11 (prepared in session 10, not yet run): the fused loss with deeper prefetch / window.
+# `gpu_x1_offload_speed.sh s11` (prepared in session 10, not yet run; BUDGET=230): the fused loss
+# with the last chunks prefetched too (offload_host_prefetch_last) or a deeper prefetch / window.
 # VARIANTS (newline-separated) replaces the list, BENCH the bench.py command (a CPU smoke test);
 # BUDGET (seconds, default 190): the variants kept are those that fit at PER seconds each (default
 # 40) after 20 for the ceiling, and bench.py is stopped at BUDGET. Prints a table: tokens/s, step,
@@ -34,8 +35,9 @@ mubf16|ZEROJAX_ADAM_MU_DTYPE=bfloat16|"}
 M4="ZEROJAX_OFFLOAD_LOOP=host ZEROJAX_OFFLOAD_CHUNKS=9 ZEROJAX_ADAM_MU_DTYPE=bfloat16"
 VARIANTS_S11="c9mu|$M4||
 c9mu_ce|$M4||{\"loss_chunk\": 256}
+c9mu_ce_last2|$M4 ZEROJAX_OFFLOAD_HOST_PREFETCH_LAST=2||{\"loss_chunk\": 256}
 c9mu_ce_p3w4|$M4 ZEROJAX_OFFLOAD_HOST_PREFETCH=3 ZEROJAX_OFFLOAD_HOST_WINDOW=4||{\"loss_chunk\": 256}
-c9mu_ce_p3w5|$M4 ZEROJAX_OFFLOAD_HOST_PREFETCH=3 ZEROJAX_OFFLOAD_HOST_WINDOW=5||{\"loss_chunk\": 256}"
+c9mu_ce_last1w4|$M4 ZEROJAX_OFFLOAD_HOST_PREFETCH_LAST=1 ZEROJAX_OFFLOAD_HOST_WINDOW=4||{\"loss_chunk\": 256}"
 [ "${1:-}" = s11 ] && VARIANTS=$VARIANTS_S11
 SPEC=$(python3 - "$BUDGET" "$PER" "$VARIANTS" <<'PYEOF'
 import json, sys

@@ -242,13 +242,16 @@ def test_streamed_update_layouts_agree(streams, pieces, loop):
     close(got[0], m, 1e-6)
 
 
-@pytest.mark.parametrize("loop,groups,host", [("paired", None, {}), ("host", None, {}),
-                                              ("host", 2, {"offload_host_prefetch": 3, "offload_host_window": 1})])
+@pytest.mark.parametrize("loop,groups,host", [
+    ("paired", None, {}), ("host", None, {}),
+    ("host", 2, {"offload_host_prefetch": 3, "offload_host_window": 1}),
+    ("host", None, {"offload_host_prefetch": 1, "offload_host_prefetch_last": 2, "offload_host_window": 1})])
 def test_paired_and_host_loops_match_device(loop, groups, host):
     # EngineOptions.offload_loop "paired" / "host" through the engine (ZeRO-2 on 8 devices): the 4
     # layers as 4 host chunks (or 2 of 2 layers: offload_chunks=2), updated one after another
-    # inside the step's jit ("paired") or after it, from Python ("host"; by default one chunk read
-    # in before the jit, window 2; or every chunk before it, window 1); the same arithmetic as
+    # inside the step's jit ("paired") or after it, from Python ("host"; by default two chunks read
+    # in before the jit, window 3; every chunk before it, window 1; the first and the last two
+    # before it, the two between in the loop, window 1); the same arithmetic as
     # the device update, only where it is stored and run differs: 1e-6 as in
     # test_offload_optimizer_fp32_matches_device
     opts = zerojax.EngineOptions(offload_loop=loop, offload_chunks=groups, **host)
@@ -291,32 +294,34 @@ def test_host_loop_with_part_of_the_state_on_the_device():
 
 
 def test_host_loop_chunks_count_in_the_memory_guard(monkeypatch):
-    # offload_loop="host": during the step's jit the prefetched chunks and the previous step's last
-    # `window` write-backs sit beside the jit's temporaries; after it the loop's chunks in flight
-    # (window + 1 of them, the largest; all with window 0) beside the params and gradients. The
-    # guard's figure takes the larger, and refuses a budget between the jit's peak and the loop's
+    # offload_loop="host": during the step's jit the prefetched chunks (first and last) and the
+    # previous step's last `window` write-backs sit beside the jit's temporaries; after it the
+    # loop's chunks in flight (window + 1 of them) and the last ones prefetched (updated last),
+    # beside the params and gradients: the largest chunks; all with window 0. The guard's figure
+    # takes the larger, and refuses a budget between the jit's peak and the loop's
     from zerojax import memory
     from zerojax.offload.host_loop import HostLoop
     shapes = {"input_ids": jax.ShapeDtypeStruct((8, 8), jnp.int32)}
     eng = zerojax.shard(lambda: gpt2.GPT2(C, rngs=nnx.Rngs(0)), config(2, "fp32", "cpu"), loss_fn=gpt2.gpt2_loss,
                         options=zerojax.EngineOptions(offload_loop="host", offload_host_window=1,
-                                                      offload_host_prefetch=2))
+                                                      offload_host_prefetch=2, offload_host_prefetch_last=1))
     # numpy's count of each host chunk's bytes on one of the 8 devices
     per_chunk = [sum(x.addressable_shards[0].data.nbytes for x in jax.tree.leaves((m, st)))
                  for m, st in zip(eng.state.master, eng.state.opt_state)]
     largest = sorted(per_chunk, reverse=True)
-    want = sum(largest[:2])  # the loop: window 1 + 1
-    assert eng._host_loop.device_bytes(eng.state.master, eng.state.opt_state) == (sum(largest[:3]), want)
+    during_jit = sum(largest[:4])  # 2 + 1 prefetched + window 1
+    want = sum(largest[:3])  # the loop: window 1 + 1, + the last one prefetched
+    assert eng._host_loop.device_bytes(eng.state.master, eng.state.opt_state) == (during_jit, want)
     every = HostLoop(eng.offload_layout, eng.step_settings.offload.tx, compute_dtype=jnp.float32,
                      params_shardings=eng.state_shardings.params, window=0)
     assert every.device_bytes(eng.state.master, eng.state.opt_state) == (sum(per_chunk),) * 2
     jit_only = memory.CompiledMemory.of(eng.compiled_step(shapes))
-    assert eng.step_memory(shapes).temp == max(jit_only.temp + sum(largest[:3]), want)
+    assert eng.step_memory(shapes).temp == max(jit_only.temp + during_jit, want)
     # a jit whose temporaries are smaller than the loop's chunks: the guard sees the chunks
     zero_temp = memory.CompiledMemory(jit_only.argument, jit_only.output, 0, jit_only.alias, jit_only.generated_code)
     monkeypatch.setattr(eng, "compiled_step", lambda batch_shapes: zero_temp)
     small = eng.step_memory(shapes)
-    want = max(sum(largest[:3]), want)
+    want = max(during_jit, want)
     assert small.temp == want and small.peak > jit_only.peak - jit_only.temp
     monkeypatch.setattr(memory, "device_budget", lambda device=None: small.peak - 1)
     with pytest.raises(memory.WillNotFitError):
@@ -653,7 +658,7 @@ def test_engine_options_validate_and_read_the_environment_once():
     assert zerojax.EngineOptions.from_env({"ZEROJAX_OFFLOAD_PREFETCH": "off"}).offload_prefetch is False
     assert zerojax.EngineOptions.from_env({}) == zerojax.EngineOptions()
     assert zerojax.EngineOptions.from_env({"ZEROJAX_OFFLOAD_HOST_PREFETCH": "0"}).offload_host_prefetch == 0
-    with pytest.raises(ValueError, match=r"offload_host_prefetch=-1: an int >= 0"):
-        zerojax.EngineOptions(offload_host_prefetch=-1)
+    with pytest.raises(ValueError, match=r"offload_host_prefetch=-1: an int >= 0.*offload_host_prefetch_last=-2: an int >= 0"):
+        zerojax.EngineOptions(offload_host_prefetch=-1, offload_host_prefetch_last=-2)
     with pytest.raises(ValueError, match="ZEROJAX_MEMORY_GUARD='maybe'.*'false'"):
         zerojax.EngineOptions.from_env({"ZEROJAX_MEMORY_GUARD": "maybe"})

@@ -128,7 +128,8 @@ class Engine:
                                                    compute_dtype=settings.compute_dtype,
                                                    params_shardings=self.state_shardings.params,
                                                    window=self.options.offload_host_window,
-                                                   prefetch=self.options.offload_host_prefetch)
+                                                   prefetch=self.options.offload_host_prefetch,
+                                                   prefetch_last=self.options.offload_host_prefetch_last)
             out_shardings = (self._without_host_chunks(self.state_shardings)._replace(params=None), None, None)
             # the params come in apart and are not donated: the step returns none (the host loop
             # writes the new ones into them, in place), so JAX would alias their buffers to other

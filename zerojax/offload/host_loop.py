@@ -56,11 +56,17 @@ class HostLoop:
         one H200, session 10): prefetch 0 / 1 / 2 at window 2: 24,699 / 26,256 / 28,574 tokens/s,
         peak 6.88 / 8.24 / 9.04 GiB; prefetch 2 at window 3: 32,379 and 31,655 (9.45-9.61 GiB).
         Prefetching the last chunks instead (updated last, so the next jit would not wait for a
-        read the window holds back): 32,157 at 10.56 GiB, no faster, so the first ones."""
+        read the window holds back): 32,157 at 10.56 GiB, no faster, so the first ones.
+    prefetch_last: chunks at the end of the loop read in before the jit as well (their reads
+        overlap it; they stay on the device through the loop and are updated last, so the next
+        step's jit, which waits for the last update, does not wait for reads the window holds
+        back). With `prefetch` the loop starts and ends without a read; not yet measured beside
+        it (prefetch_last alone instead of prefetch: no faster, above)."""
 
     def __init__(self, off: OffloadLayout, tx, *, compute_dtype, params_shardings, window: int = 2,
-                 prefetch: int = 0):
+                 prefetch: int = 0, prefetch_last: int = 0):
         self.off, self.window, self.prefetch_chunks = off, int(window), int(prefetch)
+        self.prefetch_last = int(prefetch_last)
         self.loops = [i for i, c in enumerate(off.layout.chunks) if c.host]
         if any(c.loop > 1 for c in off.layout.chunks if c.host):
             raise ValueError("offload_loop='host' needs one layer group a chunk (chunk_layout(streams=0))")
@@ -88,19 +94,26 @@ class HostLoop:
                 donate_argnums=(1, 2, 5), out_shardings=(None, None, self._params_shardings))
         return self._programs[key]
 
-    def _bring(self, n: int, master: list, opt_state: list):
+    def _bring(self, n: int, master: list, opt_state: list, wait: bool = True):
         """Dispatch the read of the n-th host chunk's state to the device (after waiting, with a
         window, for chunk n - window's new state to be back in host memory)."""
-        if self.window and n >= self.window:
+        if wait and self.window and n >= self.window:
             jax.block_until_ready(master[self.loops[n - self.window]])
         i = self.loops[n]
         m_dev, s_dev = self._dev[i]
         return jax.device_put(master[i], m_dev), jax.device_put(opt_state[i], s_dev)
 
     def prefetch(self, master: list, opt_state: list) -> dict:
-        """Start reading the first `prefetch` chunks' state to the device; call before dispatching
-        the step's jit, pass the result to the call after it. -> {n: (master, state) on the device}"""
-        return {n: self._bring(n, master, opt_state) for n in range(min(self.prefetch_chunks, len(self.loops)))}
+        """Start reading the first `prefetch` and the last `prefetch_last` chunks' state to the
+        device; call before dispatching the step's jit, pass the result to the call after it. (No
+        window wait for the last ones: a read of a chunk the previous step is still writing back
+        starts when that write-back ends, in the runtime.) -> {n: (master, state) on the device}"""
+        count = len(self.loops)
+        first = min(self.prefetch_chunks, count)
+        ready = {n: self._bring(n, master, opt_state) for n in range(first)}
+        for n in range(max(first, count - self.prefetch_last), count):
+            ready[n] = self._bring(n, master, opt_state, wait=False)
+        return ready
 
     def __call__(self, master: list, opt_state: list, compute: list, grads, skip, grad_scale, params,
                  ready: dict | None = None):
@@ -130,11 +143,13 @@ class HostLoop:
         """Per-device bytes of host chunks' state on the device besides the step's own buffers
         (the largest chunks; every chunk with window 0) -> (during the step's jit: the prefetched
         chunks and the previous step's last `window` chunks still being written back; during the
-        loop: `window` + 1 chunks). Arrays or ShapeDtypeStructs with shardings."""
+        loop: `window` + 1 chunks and the last ones prefetched, updated last). Arrays or
+        ShapeDtypeStructs with shardings."""
         sizes = sorted((_per_device(master[i]) + _per_device(opt_state[i]) for i in self.loops), reverse=True)
         if not self.window:
             return sum(sizes), sum(sizes)
-        return sum(sizes[:self.prefetch_chunks + self.window]), sum(sizes[:self.window + 1])
+        return (sum(sizes[:self.prefetch_chunks + self.prefetch_last + self.window]),
+                sum(sizes[:self.window + 1 + self.prefetch_last]))
 
     def merge(self, front: list, groups: list) -> list:
         """The per-chunk list of the step's jit (`front`, None at the host chunks) with the host
