@@ -11,13 +11,15 @@ CASES = [  # (stage, precision, gradient_accumulation_steps, optimizer offload l
     (3, "fp32", 2, None),
     (2, "bf16", 1, None),
     (2, "fp32", 1, "host"),  # offload_optimizer cpu, its update driven from Python (EngineOptions)
+    (2, "bf16", 1, "host_split"),  # the same, the host master as remainders (offload_master_split)
 ]
 ROWS, STEPS, LOCAL_DEVICES = 32, 3, 4
 
 
 def train(stage, prec, ga, rows_of, offload_loop=None):
     """Train the tiny MLP; `rows_of(global_batch)` picks this process's rows; offload_loop: the
-    optimizer offloaded to cpu with that EngineOptions.offload_loop. Returns fp32 master."""
+    optimizer offloaded to cpu with that EngineOptions.offload_loop ("host_split": "host" with
+    offload_master_split). Returns fp32 master."""
     import jax
     import numpy as np
     from flax import nnx
@@ -38,7 +40,8 @@ def train(stage, prec, ga, rows_of, offload_loop=None):
         "bf16": {"enabled": prec == "bf16"},
     }
     eng = shard(MLP(nnx.Rngs(0)), cfg, loss_fn=loss_fn,
-                options=EngineOptions(offload_loop=offload_loop or "in_place"))
+                options=EngineOptions(offload_loop=(offload_loop or "in_place").removesuffix("_split"),
+                                      offload_master_split=bool(offload_loop and offload_loop.endswith("_split"))))
     rng = np.random.default_rng(0)
     for _ in range(STEPS):
         batch = {"x": rng.normal(size=(ROWS, 16)).astype(np.float32),

@@ -129,7 +129,8 @@ class Engine:
                                                    params_shardings=self.state_shardings.params,
                                                    window=self.options.offload_host_window,
                                                    prefetch=self.options.offload_host_prefetch,
-                                                   prefetch_last=self.options.offload_host_prefetch_last)
+                                                   prefetch_last=self.options.offload_host_prefetch_last,
+                                                   split_master=settings.offload.split_master)
             out_shardings = (self._without_host_chunks(self.state_shardings)._replace(params=None), None, None)
             # the params come in apart and are not donated: the step returns none (the host loop
             # writes the new ones into them, in place), so JAX would alias their buffers to other
@@ -282,7 +283,8 @@ class Engine:
             ls = jax.jit(lambda: lay.step.offload.scaler.init(None),
                          out_shardings=NamedSharding(self.mesh, P()))()
             opt_state = ls._replace(inner_state=states)
-        return self._fresh_state(params, list(chunks), opt_state, rest)
+        chunks = lay.split_master(list(chunks), params, to_split=True)
+        return self._fresh_state(params, chunks, opt_state, rest)
 
     def _init_groups(self) -> list[list[int]]:
         """Param leaves (flat indices) grouped so that a group's fp32 values stay under
@@ -549,6 +551,7 @@ class Engine:
                                  load_optimizer_states=load_optimizer_states,
                                  load_module_only=load_module_only)
         master, opt_state = self.layout.from_stored(got.master, got.opt_state)
+        master = self.layout.split_master(master, got.params, to_split=True)
         self.state = live._replace(
             params=got.params, master=master,
             opt_state=live.opt_state if opt_state is None else opt_state,
@@ -636,7 +639,7 @@ class Engine:
             if not hasattr(self, "_merge_master"):
                 self._merge_master = jax.jit(lambda m: O.offload_master(O.OffloadState(m, []), off),
                                              out_shardings=self.shardings.master)
-            master = self.state.master
+            master = self.layout.split_master(self.state.master, self.state.params, to_split=False)
             if self.layout.nvme is not None:  # read back from the swap files
                 master = self.layout.nvme.fill(master, None)[0]
             return self._merge_master(master)

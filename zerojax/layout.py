@@ -116,7 +116,18 @@ class EngineLayout:
         wrap, _ = self.stored_opt_codec()
         merge = lambda chunks: O.merge_chunks(chunks, self.offload.layout)  # noqa: E731
         opt = self.with_chunk_states(state.opt_state, wrap(merge(self.chunk_states(state.opt_state))))
-        return state._replace(master=merge(state.master), opt_state=opt)
+        return state._replace(master=merge(self.split_master(state.master, state.params, to_split=False)),
+                              opt_state=opt)
+
+    def split_master(self, master: list, params, *, to_split: bool) -> list:
+        """EngineOptions.offload_master_split: the host chunks of the per-chunk `master` turned into
+        int16 remainders against the compute `params` (`to_split`) or back into fp32; `master`
+        unchanged without the option."""
+        so = self.step.offload
+        if so is None or not so.split_master or master is None:
+            return master
+        hosts = [i for i, c in enumerate(self.offload.layout.chunks) if c.host]
+        return O.split_master.convert(master, params, self.offload, hosts, to_split=to_split, cache=so.converters)
 
     def stored_targets(self, state: TrainState, *, stream: bool = False) -> tuple[TrainState, TrainState]:
         """(the stored form of `state`, its shardings) for a restore: abstract where the stored form
@@ -274,7 +285,8 @@ def _build_layout(module, cfg: Config, *, loss_fn, mesh: Mesh, options) -> Engin
         offload_step = OffloadStep(layout=off, tx=tx, scaler=scaler, clip=float(cfg.gradient_clipping or 0.0),
                                    param_shardings=param_shardings if offload_param else None,
                                    write_pieces=options.offload_write_pieces, nvme=nvme,
-                                   loop=offload_settings["loop"])
+                                   loop=offload_settings["loop"],
+                                   split_master=split_master_for(options, cfg, offload_settings["loop"]))
     else:
         opt_shardings = partition.opt_state_shardings(tx, abstract_master, shardings.master, mesh)
     if (stage == 3 and not offload_param and partition.data_size(mesh) > 1 and options.stage3_gather == "layer"
@@ -348,6 +360,21 @@ def offloads(cfg) -> tuple[bool, bool]:
     stage = int(zero.stage)
     return (zero.offload_optimizer.device in ("cpu", "nvme") and stage >= 1,
             zero.offload_param.device in ("cpu", "nvme") and stage == 3)
+
+
+def split_master_for(options, cfg, loop: str) -> bool:
+    """EngineOptions.offload_master_split checked against this config: the host chunks' master as
+    remainders against the bf16 compute copy needs that copy (bf16 compute) and the host loop."""
+    if not options.offload_master_split:
+        return False
+    precision = {jnp.dtype(jnp.bfloat16): "bf16", jnp.dtype(jnp.float16): "fp16"}.get(
+        jnp.dtype(compute_dtype_of(cfg)), "fp32")
+    if precision != "bf16" or loop != "host":
+        raise ValueError(f"EngineOptions.offload_master_split needs bf16 compute (the master's top half is "
+                         f"the bf16 compute copy) and offload_loop='host' (this config: {precision}, "
+                         f"offload_loop={loop!r}); enable \"bf16\" and offload_loop='host', or leave "
+                         f"offload_master_split off")
+    return True
 
 
 def resolve_offload_loop(options, zero, offload_optimizer: bool, offload_param: bool) -> str:

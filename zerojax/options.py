@@ -76,6 +76,12 @@ class EngineOptions:
         the next step's jit does not wait for their reads (held back by the window otherwise).
         Not yet measured beside offload_host_prefetch (alone instead of it, session 10: 32,157
         tokens/s at 10.56 GiB, no faster).
+    offload_master_split [False]: with offload_loop="host" and bf16 compute, the offloaded master
+        is kept as the bf16 compute copy (on the device anyway) plus a 16-bit remainder in host
+        memory (`offload.split_master`): 2 bytes a parameter less each way over PCIe every step
+        (8 instead of 10 with adam_mu_dtype="bfloat16") and in host memory. Exact but for exact
+        ties (one fp32 ulp, probability 2^-16 per weight and step); checkpoints store the fp32
+        master as without it. Not yet measured on a GPU (session 10).
     adam_mu_dtype [None]: Adam/AdamW's first moment stored in this dtype ("bfloat16"), updated
         and used in fp32 within the step: 2 bytes less per parameter in memory (and, under
         optimizer offload, each way over PCIe: 10 bytes instead of 12). Changes training slightly
@@ -112,6 +118,7 @@ class EngineOptions:
     offload_host_window: int = 3
     offload_host_prefetch: int = 2
     offload_host_prefetch_last: int = 0
+    offload_master_split: bool = False
     adam_mu_dtype: str | None = None
     stage3_gather: str = "layer"
     init_group_bytes: int | None = None
@@ -135,7 +142,7 @@ class EngineOptions:
                 continue
             if isinstance(value, bool) or not isinstance(value, int) or value < least:
                 problems.append(f"{name}={value!r}: an int >= {least}" + (" or None" if optional else ""))
-        for name in ("offload_prefetch", "memory_guard"):
+        for name in ("offload_prefetch", "memory_guard", "offload_master_split"):
             if not isinstance(getattr(self, name), bool):
                 problems.append(f"{name}={getattr(self, name)!r}: True or False")
         if self.pipeline_stage_loop not in PIPELINE_STAGE_LOOPS:
@@ -240,6 +247,7 @@ _ENV = {
     "offload_host_window": ("ZEROJAX_OFFLOAD_HOST_WINDOW", _int),
     "offload_host_prefetch": ("ZEROJAX_OFFLOAD_HOST_PREFETCH", _int),
     "offload_host_prefetch_last": ("ZEROJAX_OFFLOAD_HOST_PREFETCH_LAST", _int),
+    "offload_master_split": ("ZEROJAX_OFFLOAD_MASTER_SPLIT", _bool),
     "adam_mu_dtype": ("ZEROJAX_ADAM_MU_DTYPE", _choice(("bfloat16",))),
     "stage3_gather": ("ZEROJAX_STAGE3_GATHER", _choice(STAGE3_GATHER_MODES)),
     "init_group_bytes": ("ZEROJAX_INIT_GROUP_BYTES", _positive_or_none),

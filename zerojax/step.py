@@ -80,7 +80,8 @@ class OffloadStep:
     """Host offload of the optimizer (and, stage 3, of the params): built by `build_layout`.
 
     With it, `TrainState.master` is the list of per-chunk fp32 master pieces of `layout`
-    (`zerojax.offload`; host memory), `opt_state` the list of per-chunk states of `tx` (fp16: a
+    (`zerojax.offload`; host memory; with `split_master` the host chunks' pieces are int16
+    remainders against `params`, `offload.split_master`), `opt_state` the list of per-chunk states of `tx` (fp16: a
     LossScaleState whose `inner_state` is that list), and `params` the compute copy (fp32 compute
     too: a copy on the device apart from the host master).
     """
@@ -93,6 +94,9 @@ class OffloadStep:
     write_pieces: int = 0         # EngineOptions.offload_write_pieces (streamed_update)
     loop: str = "in_place"        # EngineOptions.offload_loop (streamed_update)
     nvme: Any = None              # offload.nvme_tier.NvmeTier: the layers' state in swap files
+    split_master: bool = False    # EngineOptions.offload_master_split: host chunks' master as remainders
+    # split_master's conversion programs (offload.split_master.convert), compiled once
+    converters: dict = dataclasses.field(default_factory=dict, repr=False)
 
 
 def pure_dict(state):

@@ -52,12 +52,12 @@ from zerojax.offload.memory_kinds import (DEVICE, PINNED_HOST, UNPINNED_HOST, fe
                                           layer_shardings, memory_kinds, prefetch_scan, scan_layers,
                                           with_memory_kind)
 from zerojax.offload.update import accumulate_chunks, deferred_update, grad_stats, streamed_update
-from zerojax.offload import host_loop  # noqa: E402 (after update, which it imports)
+from zerojax.offload import host_loop, split_master  # noqa: E402 (after update, which host_loop imports)
 
 __all__ = [
     "DEVICE", "PINNED_HOST", "UNPINNED_HOST", "memory_kinds", "host_memory_kind",
     "with_memory_kind", "is_host", "fetch", "layer_shardings", "scan_layers", "prefetch_scan", "Chunk", "ChunkLayout",
     "chunk_layout", "to_chunks", "from_chunks", "OffloadState", "OffloadLayout", "offload_layout",
     "init_offloaded", "offload_master", "layer_pieces", "device_chunk", "piece", "merge_chunks", "split_chunks", "chunk_templates",
-    "streamed_update", "deferred_update", "grad_stats", "accumulate_chunks", "host_loop",
+    "streamed_update", "deferred_update", "grad_stats", "accumulate_chunks", "host_loop", "split_master",
 ]

@@ -32,6 +32,7 @@ import jax.numpy as jnp
 
 from zerojax.offload.chunks import OffloadLayout, is_none
 from zerojax.offload.memory_kinds import DEVICE, with_memory_kind
+from zerojax.offload.split_master import masters, params_piece, remainders
 from zerojax.offload.update import _apply
 
 
@@ -61,12 +62,15 @@ class HostLoop:
         overlap it; they stay on the device through the loop and are updated last, so the next
         step's jit, which waits for the last update, does not wait for reads the window holds
         back). With `prefetch` the loop starts and ends without a read; not yet measured beside
-        it (prefetch_last alone instead of prefetch: no faster, above)."""
+        it (prefetch_last alone instead of prefetch: no faster, above).
+    split_master: the host chunks' master is stored as int16 remainders against the compute
+        params (`offload.split_master`): each chunk's update rebuilds the fp32 master from them and
+        the params it cuts its piece from, and stores the new remainders."""
 
     def __init__(self, off: OffloadLayout, tx, *, compute_dtype, params_shardings, window: int = 2,
-                 prefetch: int = 0, prefetch_last: int = 0):
+                 prefetch: int = 0, prefetch_last: int = 0, split_master: bool = False):
         self.off, self.window, self.prefetch_chunks = off, int(window), int(prefetch)
-        self.prefetch_last = int(prefetch_last)
+        self.prefetch_last, self.split_master = int(prefetch_last), bool(split_master)
         self.loops = [i for i, c in enumerate(off.layout.chunks) if c.host]
         if any(c.loop > 1 for c in off.layout.chunks if c.host):
             raise ValueError("offload_loop='host' needs one layer group a chunk (chunk_layout(streams=0))")
@@ -90,7 +94,8 @@ class HostLoop:
         key = (chunk.rest, chunk.hi - chunk.lo)
         if key not in self._programs:
             self._programs[key] = jax.jit(
-                functools.partial(_update_into, self._tx, self._compute_dtype, self._stacked, *key),
+                functools.partial(_update_into, self._tx, self._compute_dtype, self._stacked, self.split_master,
+                                  *key),
                 donate_argnums=(1, 2, 5), out_shardings=(None, None, self._params_shardings))
         return self._programs[key]
 
@@ -178,11 +183,11 @@ def _put_compute(stacked, params, cp, lo):
     return jax.tree.map(put, cp, params, stacked, is_leaf=is_none)
 
 
-def _update_into(tx, compute_dtype, stacked, rest, per, grads, m, s, skip, grad_scale, params, lo):
-    def cut(x, st):  # the chunk's piece of a gradient leaf (None where the chunk has no piece)
-        if rest:
-            return None if st else x
-        return jax.lax.dynamic_slice_in_dim(x, lo, per, axis=0) if st else None
-    g = jax.tree.map(cut, grads, stacked)
+def _update_into(tx, compute_dtype, stacked, split, rest, per, grads, m, s, skip, grad_scale, params, lo):
+    g = params_piece(grads, stacked, rest, per, lo)
+    if split:  # m holds remainders: the master is the compute copy (in params) and them
+        m = masters(params_piece(params, stacked, rest, per, lo), m)
     m, s, cp = _apply(tx, g, s, m, compute_dtype, skip, grad_scale)
+    if split:
+        m = remainders(m, cp)
     return m, s, _put_compute(stacked, params, cp, lo)

@@ -1,0 +1,102 @@
+"""EngineOptions(offload_master_split=True): the offloaded fp32 master kept as the bf16 compute copy
+plus an int16 remainder in host memory (`zerojax.offload.split_master`). References: the fp32 values
+themselves (the round trip is bit-exact but for exact ties), and the same training with the whole
+fp32 master in host memory (offload_loop="host" without the option)."""
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+import zerojax
+from zerojax.models import gpt2
+from zerojax.offload.split_master import master_of, remainder
+
+from test_engine_offload import C, batches, config
+
+ULP2 = 2.0 ** -22  # two fp32 ulps, relative: a weight moved by a tie (one ulp) and what follows from it
+
+
+def bits(x):
+    return np.asarray(x, np.float32).view(np.uint32)
+
+
+def test_remainder_round_trip_is_exact_but_for_ties_rounded_down():
+    rng = np.random.default_rng(0)
+    m = (rng.standard_normal(50_000) * 10.0 ** rng.integers(-30, 30, 50_000)).astype(np.float32)
+    m = np.concatenate([m, np.float32([0.0, -0.0, 1.0, -1.0, 3.0e38, -3.0e38, 2.0e-38])])
+    m = m[(bits(m) & 0xFFFF) != 0x8000]  # exact ties apart (below)
+    c = jnp.asarray(m).astype(jnp.bfloat16)
+    rem = remainder(m, c)
+    assert rem.dtype == jnp.int16
+    np.testing.assert_array_equal(bits(master_of(c, rem)), bits(m))
+    # exact ties: a bf16 value plus half its last place. Rounded up (odd last bit) the remainder is
+    # -32768 and exact; rounded down to the even copy it would be +32768, stored as 32767: the
+    # rebuilt weight is one ulp nearer the copy
+    base = np.float32([1.0, 1.0 + 2.0 ** -7, -1.0, -(1.0 + 2.0 ** -7), 3.0, 2.0 ** -100])
+    ties = (bits(base) | 0x8000).view(np.float32)
+    ct = jnp.asarray(ties).astype(jnp.bfloat16)
+    back = bits(master_of(ct, remainder(ties, ct)))
+    even = (bits(base) >> 16) % 2 == 0
+    assert even.tolist() == [True, False, True, False, True, True]
+    np.testing.assert_array_equal(back[~even], bits(ties)[~even])
+    np.testing.assert_array_equal(back[even], bits(ties)[even] - 1)
+
+
+def train(split, stage=2, steps=3):
+    opts = zerojax.EngineOptions(offload_loop="host", offload_master_split=split)
+    make = lambda: gpt2.GPT2(C, rngs=nnx.Rngs(0), dtype=jnp.bfloat16)  # noqa: E731
+    eng = zerojax.shard(make, config(stage, "bf16", "cpu"), loss_fn=gpt2.gpt2_loss, options=opts)
+    losses = [float(eng.train_step(b)["loss"]) for b in batches(steps)]
+    return eng, losses
+
+
+@pytest.mark.parametrize("stage", [2, 3])
+def test_split_master_trains_as_the_fp32_master(stage):
+    # the same steps with the whole fp32 master in host memory: the same losses and compute params
+    # (bitwise: a tie's one-ulp move never changes the bf16 copy), the master within two ulps
+    split, losses = train(True, stage)
+    whole, want = train(False, stage)
+    assert losses == want
+    for x, y in zip(jax.tree.leaves(split.state.params), jax.tree.leaves(whole.state.params)):
+        np.testing.assert_array_equal(np.asarray(x, np.float32), np.asarray(y, np.float32))
+    for x, y in zip(jax.tree.leaves(split.master_params), jax.tree.leaves(whole.master_params)):
+        np.testing.assert_allclose(np.asarray(x), np.asarray(y), rtol=ULP2, atol=0)
+    # the host chunks hold int16 remainders, half the fp32 master's bytes
+    hosts = [i for i, c in enumerate(split.offload_layout.layout.chunks) if c.host]
+    assert hosts and all(x.dtype == jnp.int16 for i in hosts for x in jax.tree.leaves(split.state.master[i]))
+    nbytes = lambda e: sum(x.nbytes for i in hosts for x in jax.tree.leaves(e.state.master[i]))  # noqa: E731
+    assert 2 * nbytes(split) == nbytes(whole)
+
+
+def test_split_master_checkpoints_store_the_fp32_master(tmp_path):
+    # a checkpoint saved with the option stores the fp32 master: that of the same run with the
+    # whole master in host memory (within two ulps); it resumes without the option (and back) and
+    # trains on as that run does
+    split, _ = train(True, steps=2)
+    whole, _ = train(False, steps=2)
+    split.save_checkpoint(tmp_path / "a")
+    ref = [np.asarray(x) for x in jax.tree.leaves(whole.master_params)]
+    want = [float(whole.train_step(b)["loss"]) for b in batches(4)[2:]]
+    for option, src in ((False, "a"), (True, "b")):
+        eng = zerojax.shard(lambda: gpt2.GPT2(C, rngs=nnx.Rngs(0), dtype=jnp.bfloat16), config(2, "bf16", "cpu"),
+                            loss_fn=gpt2.gpt2_loss,
+                            options=zerojax.EngineOptions(offload_loop="host", offload_master_split=option))
+        eng.load_checkpoint(tmp_path / src)
+        for x, y in zip(jax.tree.leaves(eng.master_params), ref):
+            np.testing.assert_allclose(np.asarray(x), y, rtol=ULP2, atol=0)
+        if src == "a":
+            eng.save_checkpoint(tmp_path / "b")  # saved without the option, resumed with it next
+        assert [float(eng.train_step(b)["loss"]) for b in batches(4)[2:]] == want
+
+
+def test_split_master_errors():
+    opts = zerojax.EngineOptions(offload_loop="host", offload_master_split=True)
+    make = lambda: gpt2.GPT2(C, rngs=nnx.Rngs(0))  # noqa: E731
+    with pytest.raises(ValueError, match=r"offload_master_split needs bf16 compute.*this config: fp32"):
+        zerojax.shard(make, config(2, "fp32", "cpu"), loss_fn=gpt2.gpt2_loss, options=opts)
+    with pytest.raises(ValueError, match=r"offload_master_split needs .*offload_loop='in_place'"):
+        zerojax.shard(make, config(2, "bf16", "cpu"), loss_fn=gpt2.gpt2_loss,
+                      options=opts.replace(offload_loop="in_place"))
+    with pytest.raises(ValueError, match=r"offload_master_split='yes': True or False"):
+        zerojax.EngineOptions(offload_master_split="yes")

@@ -1,0 +1,88 @@
+"""An offloaded fp32 master kept as the device's bf16 compute copy plus a 16-bit remainder in host
+memory (`EngineOptions(offload_master_split=True)`, with `offload_loop="host"` and bf16 compute).
+
+Why: full optimizer offload moves the master and Adam's moments through PCIe both ways every step
+and its step is bound by those transfers (session 10's timeline of GPT-2 Large: the device-to-host
+write-backs, one after the other at ~53 GB/s). The device holds the master rounded to bf16 anyway
+(the compute params); what the master has beyond that fits in 16 bits, so the host keeps those
+instead of all 32: 8 bytes a parameter cross each way instead of 10 with the bf16 first moment (10
+instead of 12 with the fp32 one), and the host holds 2 bytes less a parameter.
+
+Exact: the remainder is the difference of the bit patterns, bits(master) - bits(copy) << 16, an
+integer in [-32768, 32768] when the copy is the master rounded to nearest (both have the same sign
+and, but for the low 16 bits, the same bits). The one value int16 lacks, +32768, is an exact tie
+that rounded down to an even copy; it is stored as 32767, which moves that weight by one fp32 ulp
+(2^-24 of it): a tie has probability 2^-16 per weight and step. A master a backend flushes to a zero
+copy (an fp32 denormal) is clipped the same way.
+"""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from zerojax.offload.chunks import is_none
+from zerojax.offload.memory_kinds import DEVICE, with_memory_kind
+
+
+def _high_bits(compute):
+    """The bf16 copy's bit pattern as the top half of an int32."""
+    bits = jax.lax.bitcast_convert_type(compute.astype(jnp.bfloat16), jnp.uint16).astype(jnp.uint32)
+    return jax.lax.bitcast_convert_type(jax.lax.shift_left(bits, jnp.uint32(16)), jnp.int32)
+
+
+def remainder(master, compute):
+    """int16: what fp32 `master` holds beyond its bf16 copy `compute` (`master.astype(bfloat16)`)."""
+    diff = jax.lax.bitcast_convert_type(master.astype(jnp.float32), jnp.int32) - _high_bits(compute)
+    return jnp.clip(diff, -32768, 32767).astype(jnp.int16)
+
+
+def master_of(compute, rem):
+    """The fp32 master from its bf16 copy and `remainder` (the inverse of `remainder`)."""
+    return jax.lax.bitcast_convert_type(_high_bits(compute) + rem.astype(jnp.int32), jnp.float32)
+
+
+def remainders(master, compute):
+    """`remainder` leaf by leaf (None leaves stay None)."""
+    return jax.tree.map(lambda m, c: None if m is None else remainder(m, c), master, compute, is_leaf=is_none)
+
+
+def masters(compute, rems):
+    """`master_of` leaf by leaf (None leaves stay None)."""
+    return jax.tree.map(lambda c, r: None if r is None else master_of(c, r), compute, rems, is_leaf=is_none)
+
+
+def params_piece(params, stacked, rest: bool, per: int, lo):
+    """A chunk's piece of a params-shaped tree: the non-layer leaves for the non-layer chunk, else
+    the stacked leaves' layers lo .. lo + per (None where the chunk has no piece)."""
+    def cut(x, st):
+        if rest:
+            return None if st else x
+        return jax.lax.dynamic_slice_in_dim(x, lo, per, axis=0) if st else None
+    return jax.tree.map(cut, params, stacked)
+
+
+def convert(master: list, params, off, indices, *, to_split: bool, cache: dict | None = None) -> list:
+    """`master` (a per-chunk list) with the chunks at `indices` turned into remainders against the
+    compute `params` (`to_split`), or back into fp32 master chunks; each stays in its memory kind.
+    One jitted program per chunk shape (kept in `cache` across calls), so the device holds one
+    chunk's fp32 master at a time."""
+    cache = {} if cache is None else cache
+    stacked = off.layout.treedef.unflatten(off.layout.stacked)
+    out = list(master)
+    for i in indices:
+        c = off.layout.chunks[i]
+        key = (c.rest, c.hi - c.lo, to_split, i if c.rest else 0)
+        if key not in cache:
+            cache[key] = _converter(stacked, c.rest, c.hi - c.lo, to_split, off.master_shardings[i])
+        out[i] = cache[key](master[i], params, c.lo)
+    return out
+
+
+def _converter(stacked, rest, per, to_split, shardings):
+    dev = with_memory_kind(shardings, DEVICE)
+
+    def run(m, params, lo):
+        m = jax.device_put(m, dev)
+        piece = params_piece(params, stacked, rest, per, lo)
+        return remainders(m, piece) if to_split else masters(piece, m)
+    return jax.jit(run, out_shardings=shardings)
