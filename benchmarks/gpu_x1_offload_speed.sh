@@ -15,8 +15,9 @@
 # (sessions 5-6 also ran "paired": ZEROJAX_OFFLOAD_LOOP=paired, slower than the default)
 # An optional fourth field is JSON merged into the bench.py entry, e.g. {"loss_chunk": 256} (the
 # fused cross entropy: ~1.4 GiB less at micro 8, room for more chunks in flight).
-# `gpu_x1_offload_speed.sh s11` (prepared in session 10, not yet run; BUDGET=230): the fused loss
-# with the last chunks prefetched too (offload_host_prefetch_last) or a deeper prefetch / window.
+# `gpu_x1_offload_speed.sh s11` (prepared in session 10, not yet run; BUDGET=300): the fused loss
+# with the last chunks prefetched too (offload_host_prefetch_last) or a deeper prefetch / window,
+# and the master split (offload_master_split: 8 bytes a parameter each way instead of 10).
 # VARIANTS (newline-separated) replaces the list, BENCH the bench.py command (a CPU smoke test);
 # BUDGET (seconds, default 190): the variants kept are those that fit at PER seconds each (default
 # 40) after 20 for the ceiling, and bench.py is stopped at BUDGET. Prints a table: tokens/s, step,
@@ -37,7 +38,9 @@ VARIANTS_S11="c9mu|$M4||
 c9mu_ce|$M4||{\"loss_chunk\": 256}
 c9mu_ce_last2|$M4 ZEROJAX_OFFLOAD_HOST_PREFETCH_LAST=2||{\"loss_chunk\": 256}
 c9mu_ce_p3w4|$M4 ZEROJAX_OFFLOAD_HOST_PREFETCH=3 ZEROJAX_OFFLOAD_HOST_WINDOW=4||{\"loss_chunk\": 256}
-c9mu_ce_last1w4|$M4 ZEROJAX_OFFLOAD_HOST_PREFETCH_LAST=1 ZEROJAX_OFFLOAD_HOST_WINDOW=4||{\"loss_chunk\": 256}"
+c9mu_ce_last1w4|$M4 ZEROJAX_OFFLOAD_HOST_PREFETCH_LAST=1 ZEROJAX_OFFLOAD_HOST_WINDOW=4||{\"loss_chunk\": 256}
+c9mu_split|$M4 ZEROJAX_OFFLOAD_MASTER_SPLIT=1|
+c9mu_ce_split_last2|$M4 ZEROJAX_OFFLOAD_MASTER_SPLIT=1 ZEROJAX_OFFLOAD_HOST_PREFETCH_LAST=2||{\"loss_chunk\": 256}"
 [ "${1:-}" = s11 ] && VARIANTS=$VARIANTS_S11
 SPEC=$(python3 - "$BUDGET" "$PER" "$VARIANTS" <<'PYEOF'
 import json, sys
@@ -77,8 +80,9 @@ for e in entries:
            "extra": f", loss_chunk {spec['loss_chunk']}" if spec.get("loss_chunk") else "",
            **{k: res.get(k) for k in ("tokens_per_s_per_device", "step_s", "peak_bytes", "params", "error")}}
     if res.get("step_s") and res.get("params"):
-        # fp32 master + Adam's two moments (fp32, or the first in bf16) cross PCIe each way every step
-        row["bytes_each_way"] = (10 if env.get("ZEROJAX_ADAM_MU_DTYPE") == "bfloat16" else 12) * res["params"]
+        # fp32 master (or its 16-bit remainder) + Adam's two moments (fp32, or the first in bf16) cross PCIe each way
+        row["bytes_each_way"] = ((10 if env.get("ZEROJAX_ADAM_MU_DTYPE") == "bfloat16" else 12)
+                                 - (2 if env.get("ZEROJAX_OFFLOAD_MASTER_SPLIT") else 0)) * res["params"]
         row["gbps_each_way"] = row["bytes_each_way"] / res["step_s"] / 1e9
     rows.append(row)
 print("\n| variant | tokens/s | step ms | peak GiB | host<->device GB/s each way (link 51-55) |\n|---|---:|---:|---:|---:|")
