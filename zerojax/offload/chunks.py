@@ -142,6 +142,17 @@ def piece(x, stacked: bool, c: Chunk):
     return x[c.lo:c.hi]
 
 
+def dynamic_piece(tree, stacked, rest: bool, per: int, lo):
+    """`piece` of a whole params-shaped tree inside a jit, the first layer `lo` a traced value (one
+    program for every layer group of `per` layers): the non-layer leaves for the non-layer chunk
+    (`rest`), else the stacked leaves' layers lo .. lo + per; None where the chunk has no piece."""
+    def cut(x, st):
+        if rest:
+            return None if st else x
+        return jax.lax.dynamic_slice_in_dim(x, lo, per, axis=0) if st else None
+    return jax.tree.map(cut, tree, stacked)
+
+
 def to_chunks(tree, layout: ChunkLayout | int, **kw) -> list:
     """Split a params-shaped tree into chunks (`layout` or a group count k plus chunk_layout's kw)."""
     if isinstance(layout, int):

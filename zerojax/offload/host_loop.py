@@ -30,9 +30,9 @@ import math
 import jax
 import jax.numpy as jnp
 
-from zerojax.offload.chunks import OffloadLayout, is_none
+from zerojax.offload.chunks import OffloadLayout, dynamic_piece, is_none
 from zerojax.offload.memory_kinds import DEVICE, with_memory_kind
-from zerojax.offload.split_master import masters, params_piece, remainders
+from zerojax.offload.split_master import masters, remainders
 from zerojax.offload.update import _apply
 
 
@@ -184,9 +184,9 @@ def _put_compute(stacked, params, cp, lo):
 
 
 def _update_into(tx, compute_dtype, stacked, split, rest, per, grads, m, s, skip, grad_scale, params, lo):
-    g = params_piece(grads, stacked, rest, per, lo)
+    g = dynamic_piece(grads, stacked, rest, per, lo)
     if split:  # m holds remainders: the master is the compute copy (in params) and them
-        m = masters(params_piece(params, stacked, rest, per, lo), m)
+        m = masters(dynamic_piece(params, stacked, rest, per, lo), m)
     m, s, cp = _apply(tx, g, s, m, compute_dtype, skip, grad_scale)
     if split:
         m = remainders(m, cp)

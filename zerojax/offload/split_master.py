@@ -20,7 +20,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from zerojax.offload.chunks import is_none
+from zerojax.offload.chunks import dynamic_piece, is_none
 from zerojax.offload.memory_kinds import DEVICE, with_memory_kind
 
 
@@ -51,16 +51,6 @@ def masters(compute, rems):
     return jax.tree.map(lambda c, r: None if r is None else master_of(c, r), compute, rems, is_leaf=is_none)
 
 
-def params_piece(params, stacked, rest: bool, per: int, lo):
-    """A chunk's piece of a params-shaped tree: the non-layer leaves for the non-layer chunk, else
-    the stacked leaves' layers lo .. lo + per (None where the chunk has no piece)."""
-    def cut(x, st):
-        if rest:
-            return None if st else x
-        return jax.lax.dynamic_slice_in_dim(x, lo, per, axis=0) if st else None
-    return jax.tree.map(cut, params, stacked)
-
-
 def convert(master: list, params, off, indices, *, to_split: bool, cache: dict | None = None) -> list:
     """`master` (a per-chunk list) with the chunks at `indices` turned into remainders against the
     compute `params` (`to_split`), or back into fp32 master chunks; each stays in its memory kind.
@@ -71,7 +61,7 @@ def convert(master: list, params, off, indices, *, to_split: bool, cache: dict |
     out = list(master)
     for i in indices:
         c = off.layout.chunks[i]
-        key = (c.rest, c.hi - c.lo, to_split, i if c.rest else 0)
+        key = (c.rest, c.hi - c.lo, to_split)  # as HostLoop's programs: layer groups share one
         if key not in cache:
             cache[key] = _converter(stacked, c.rest, c.hi - c.lo, to_split, off.master_shardings[i])
         out[i] = cache[key](master[i], params, c.lo)
@@ -83,6 +73,6 @@ def _converter(stacked, rest, per, to_split, shardings):
 
     def run(m, params, lo):
         m = jax.device_put(m, dev)
-        piece = params_piece(params, stacked, rest, per, lo)
+        piece = dynamic_piece(params, stacked, rest, per, lo)
         return remainders(m, piece) if to_split else masters(piece, m)
     return jax.jit(run, out_shardings=shardings)
