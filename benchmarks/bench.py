@@ -290,6 +290,8 @@ def run_entry(spec: dict) -> dict:
         "losses": [float(x) for x in jax.device_get(losses)],
         "n_devices": n_dev, "global_batch": global_batch, "seq": seq,
         "params": G.num_params(config), "backend": jax.default_backend(),
+        # the offload's resolved knobs (layer groups, loop, split master), where the engine offloads
+        "offload_settings": getattr(getattr(runner, "engine", None), "offload_settings", None),
         "pipe": pipe, "predicted_bubble": getattr(getattr(runner, "engine", None), "pipeline_bubble", None),
         # per device and step, every loop iteration counted (hlo_flops.py): recomputation, a
         # pipeline's bubble iterations and work replicated over devices all show here

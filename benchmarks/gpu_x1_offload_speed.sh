@@ -41,7 +41,36 @@ c9mu_ce_p3w4|$M4 ZEROJAX_OFFLOAD_HOST_PREFETCH=3 ZEROJAX_OFFLOAD_HOST_WINDOW=4||
 c9mu_ce_last1w4|$M4 ZEROJAX_OFFLOAD_HOST_PREFETCH_LAST=1 ZEROJAX_OFFLOAD_HOST_WINDOW=4||{\"loss_chunk\": 256}
 c9mu_split|$M4 ZEROJAX_OFFLOAD_MASTER_SPLIT=1|
 c9mu_ce_split_last2|$M4 ZEROJAX_OFFLOAD_MASTER_SPLIT=1 ZEROJAX_OFFLOAD_HOST_PREFETCH_LAST=2||{\"loss_chunk\": 256}"
+# s11b (session 11, after s11 showed the split master at 36.1k / 8.71 GiB): the split master beside
+# the default in one run, with the last chunk(s) prefetched, the fused loss, 3- and 6-layer chunks,
+# and the fp32 first moment (10 bytes a parameter each way, Adam's moments exact)
+VARIANTS_S11B="default||
+c9mu_split|$M4 ZEROJAX_OFFLOAD_MASTER_SPLIT=1|
+c9mu_split_last1|$M4 ZEROJAX_OFFLOAD_MASTER_SPLIT=1 ZEROJAX_OFFLOAD_HOST_PREFETCH_LAST=1|
+c9mu_ce_split_last1|$M4 ZEROJAX_OFFLOAD_MASTER_SPLIT=1 ZEROJAX_OFFLOAD_HOST_PREFETCH_LAST=1||{\"loss_chunk\": 256}
+c9mu_ce_split|$M4 ZEROJAX_OFFLOAD_MASTER_SPLIT=1||{\"loss_chunk\": 256}
+c12mu_split|ZEROJAX_OFFLOAD_LOOP=host ZEROJAX_OFFLOAD_CHUNKS=12 ZEROJAX_ADAM_MU_DTYPE=bfloat16 ZEROJAX_OFFLOAD_MASTER_SPLIT=1|
+c6mu_split|ZEROJAX_OFFLOAD_LOOP=host ZEROJAX_OFFLOAD_CHUNKS=6 ZEROJAX_ADAM_MU_DTYPE=bfloat16 ZEROJAX_OFFLOAD_MASTER_SPLIT=1|
+c9_split|ZEROJAX_OFFLOAD_LOOP=host ZEROJAX_OFFLOAD_CHUNKS=9 ZEROJAX_OFFLOAD_MASTER_SPLIT=1|"
+# s11c: the fastest under 10 GiB in s11b again, and the same with the fp32 first moment (Adam's
+# moments exact; 10 bytes a parameter each way)
+VARIANTS_S11C="c9mu_split_last1|$M4 ZEROJAX_OFFLOAD_MASTER_SPLIT=1 ZEROJAX_OFFLOAD_HOST_PREFETCH_LAST=1|
+c9_split_last1|ZEROJAX_OFFLOAD_LOOP=host ZEROJAX_OFFLOAD_CHUNKS=9 ZEROJAX_OFFLOAD_MASTER_SPLIT=1 ZEROJAX_OFFLOAD_HOST_PREFETCH_LAST=1|
+c9_ce_split_last1|ZEROJAX_OFFLOAD_LOOP=host ZEROJAX_OFFLOAD_CHUNKS=9 ZEROJAX_OFFLOAD_MASTER_SPLIT=1 ZEROJAX_OFFLOAD_HOST_PREFETCH_LAST=1||{\"loss_chunk\": 256}"
+# s11d: the defaults since session 11 (offload_loop="host" alone: layer groups of >= 256 MiB of
+# master, the split master with bf16), with the bf16 first moment, beside in_place; and on GPT-2 XL
+# (48 layers of 123 MB: 3 a group)
+VARIANTS_S11D="default||
+host|ZEROJAX_OFFLOAD_LOOP=host|
+host_mubf16|ZEROJAX_OFFLOAD_LOOP=host ZEROJAX_ADAM_MU_DTYPE=bfloat16|
+host_mubf16_last1|ZEROJAX_OFFLOAD_LOOP=host ZEROJAX_ADAM_MU_DTYPE=bfloat16 ZEROJAX_OFFLOAD_HOST_PREFETCH_LAST=1|
+xl_default|||{\"size\": \"xl\"}
+xl_host|ZEROJAX_OFFLOAD_LOOP=host||{\"size\": \"xl\"}
+xl_host_mubf16|ZEROJAX_OFFLOAD_LOOP=host ZEROJAX_ADAM_MU_DTYPE=bfloat16||{\"size\": \"xl\"}"
 [ "${1:-}" = s11 ] && VARIANTS=$VARIANTS_S11
+[ "${1:-}" = s11d ] && VARIANTS=$VARIANTS_S11D
+[ "${1:-}" = s11c ] && VARIANTS=$VARIANTS_S11C
+[ "${1:-}" = s11b ] && VARIANTS=$VARIANTS_S11B
 SPEC=$(python3 - "$BUDGET" "$PER" "$VARIANTS" <<'PYEOF'
 import json, sys
 budget, per, variants = float(sys.argv[1]), float(sys.argv[2]), sys.argv[3]
@@ -81,17 +110,20 @@ for e in entries:
            **{k: res.get(k) for k in ("tokens_per_s_per_device", "step_s", "peak_bytes", "params", "error")}}
     if res.get("step_s") and res.get("params"):
         # fp32 master (or its 16-bit remainder) + Adam's two moments (fp32, or the first in bf16) cross PCIe each way
+        settings = res.get("offload_settings") or {}  # the engine's own (split master by default since s11)
+        split = settings.get("split_master", env.get("ZEROJAX_OFFLOAD_MASTER_SPLIT") in ("1", "true"))
+        row["chunks"] = settings.get("chunks")
         row["bytes_each_way"] = ((10 if env.get("ZEROJAX_ADAM_MU_DTYPE") == "bfloat16" else 12)
-                                 - (2 if env.get("ZEROJAX_OFFLOAD_MASTER_SPLIT") else 0)) * res["params"]
+                                 - (2 if split else 0)) * res["params"]
         row["gbps_each_way"] = row["bytes_each_way"] / res["step_s"] / 1e9
     rows.append(row)
-print("\n| variant | tokens/s | step ms | peak GiB | host<->device GB/s each way (link 51-55) |\n|---|---:|---:|---:|---:|")
+print("\n| variant | groups | tokens/s | step ms | peak GiB | host<->device GB/s each way (link 51-55) |\n|---|---:|---:|---:|---:|---:|")
 for r in rows:
     label = f"{r['name']} ({' '.join(f'{k}={v}' for k, v in r['env'].items()) or 'defaults'}{r['extra']})"
     if r.get("tokens_per_s_per_device"):
-        print(f"| {label} | {r['tokens_per_s_per_device']:,.0f} | {r['step_s'] * 1e3:.0f} "
+        print(f"| {label} | {r.get('chunks')} | {r['tokens_per_s_per_device']:,.0f} | {r['step_s'] * 1e3:.0f} "
               f"| {(r['peak_bytes'] or 0) / 2**30:.2f} | {r.get('gbps_each_way', 0):.1f} |")
     else:
-        print(f"| {label} | failed: {str(r.get('error'))[:80]} | | | |")
+        print(f"| {label} | | failed: {str(r.get('error'))[:80]} | | | |")
 json.dump({"rows": rows}, open(os.path.join(out, "offspeed_summary.json"), "w"), indent=1)
 PYEOF

@@ -39,7 +39,7 @@ profile_fused_loss() {  # $1: file prefix. ZeRO-2, remat, the fused loss (chunk 
 }
 
 if [ "${1:-sweep}" = s10 ]; then
-  # prepared in session 10, not yet run (~200 s): the micro-8 winner A/B with the XLA GPU flags
+  # prepared in session 10, run in session 11 (~200 s; all three lost): the micro-8 winner A/B with the XLA GPU flags
   # JAX-Toolbox's GPT recipes set and no session has tried on it: Triton gemms off (cuBLAS for
   # every dot) and while-loop double buffering (the layer scan's slices of the saved stacks
   # prefetched one iteration ahead), each alone and together, beside plain jax.jit

@@ -41,7 +41,8 @@ def train(stage, prec, ga, rows_of, offload_loop=None):
     }
     eng = shard(MLP(nnx.Rngs(0)), cfg, loss_fn=loss_fn,
                 options=EngineOptions(offload_loop=(offload_loop or "in_place").removesuffix("_split"),
-                                      offload_master_split=bool(offload_loop and offload_loop.endswith("_split"))))
+                                      offload_master_split=bool(offload_loop and offload_loop.endswith("_split")),
+                                      offload_host_chunk_bytes=1))  # "host": one layer a chunk
     rng = np.random.default_rng(0)
     for _ in range(STEPS):
         batch = {"x": rng.normal(size=(ROWS, 16)).astype(np.float32),

@@ -16,6 +16,7 @@ from flax import nnx
 
 import zerojax
 from zerojax.config import ConfigError
+from zerojax import offload
 from zerojax.models import gpt2
 
 STEPS = 3
@@ -159,7 +160,6 @@ def test_offload_param_and_optimizer_stage3(prec):
     # the model's scan fetched each layer: the compiled step's parameters are host buffers
     assert eng.step_settings.graphdef is not None and eng.step_settings.fetch_rest is not None
     # ... one layer ahead (offload.prefetch_scan), the path these numbers went through
-    from zerojax import offload
     from zerojax.step import merge
     assert merge(eng.step_settings, eng.state.params, eng.state.rest).layer_scan is offload.prefetch_scan
 
@@ -202,7 +202,6 @@ def test_streamed_update_layouts_agree(streams, pieces, loop):
     # so they equal the default layout bitwise;
     # and the update on the whole tree on the device (no offload) to fp32 rounding: every value is
     # O(1) and the same ops run in the same order per element, 1e-6
-    from zerojax import offload
     from zerojax.optim import scale_by_fused_adam
     mesh = jax.make_mesh((1,), ("data",), axis_types=(jax.sharding.AxisType.Auto,), devices=jax.devices()[:1])
     rng = np.random.default_rng(0)
@@ -243,12 +242,14 @@ def test_streamed_update_layouts_agree(streams, pieces, loop):
 
 
 @pytest.mark.parametrize("loop,groups,host", [
-    ("paired", None, {}), ("host", None, {}),
+    ("paired", None, {}), ("host", None, {"offload_host_chunk_bytes": 1}),
     ("host", 2, {"offload_host_prefetch": 3, "offload_host_window": 1}),
-    ("host", None, {"offload_host_prefetch": 1, "offload_host_prefetch_last": 2, "offload_host_window": 1})])
+    ("host", None, {"offload_host_prefetch": 1, "offload_host_prefetch_last": 2, "offload_host_window": 1,
+                    "offload_host_chunk_bytes": 1})])
 def test_paired_and_host_loops_match_device(loop, groups, host):
     # EngineOptions.offload_loop "paired" / "host" through the engine (ZeRO-2 on 8 devices): the 4
-    # layers as 4 host chunks (or 2 of 2 layers: offload_chunks=2), updated one after another
+    # layers as 4 host chunks (for "host", offload_host_chunk_bytes=1: one layer a chunk; or 2 of 2
+    # layers: offload_chunks=2), updated one after another
     # inside the step's jit ("paired") or after it, from Python ("host"; by default two chunks read
     # in before the jit, window 3; every chunk before it, window 1; the first and the last two
     # before it, the two between in the loop, window 1); the same arithmetic as
@@ -268,6 +269,37 @@ def test_paired_and_host_loops_match_device(loop, groups, host):
     assert [tuple(a.shape) for a in jax.tree.leaves(inputs)].count((per, 32, 128)) == (12 if loop == "paired" else 0)
 
 
+def test_host_loop_groups_layers_by_bytes():
+    # offload_loop="host", offload_chunks None: each chunk is the fewest layers (a divisor of the
+    # 4) whose fp32 master holds offload_host_chunk_bytes on one device (ZeRO-2 on 8 devices);
+    # the bytes counted by numpy on the one-layer-a-chunk engine's host chunks
+    one = zerojax.shard(lambda: gpt2.GPT2(C, rngs=nnx.Rngs(0)), config(2, "fp32", "cpu"), loss_fn=gpt2.gpt2_loss,
+                        options=zerojax.EngineOptions(offload_loop="host", offload_host_chunk_bytes=1))
+    chunks = one.offload_layout.layout.chunks
+    assert [(c.lo, c.hi) for c in chunks if not c.rest] == [(0, 1), (1, 2), (2, 3), (3, 4)]
+    layer = [sum(x.addressable_shards[0].data.nbytes for x in jax.tree.leaves(one.state.master[i]))
+             for i, c in enumerate(chunks) if not c.rest]
+    assert len(set(layer)) == 1 and layer[0] > 0
+    abstract = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), one.master_params)
+    shardings = jax.tree.map(lambda a: a.sharding, one.master_params)
+    for least, groups in ((1, 4), (layer[0], 4), (layer[0] + 1, 2), (2 * layer[0], 2), (2 * layer[0] + 1, 1),
+                          (10 * layer[0], 1)):
+        assert offload.groups_of_at_least(abstract, least, shardings) == groups, least
+    # through the engine: 1.5 layers' bytes -> 2 chunks of 2 layers, the device update's arithmetic
+    eng, master = run(2, "fp32", "cpu", options=zerojax.EngineOptions(
+        offload_loop="host", offload_host_chunk_bytes=layer[0] * 3 // 2))
+    assert [(c.lo, c.hi) for c in eng.offload_layout.layout.chunks if not c.rest] == [(0, 2), (2, 4)]
+    assert eng.offload_settings["chunks"] == 2
+    _, ref = run(2, "fp32")
+    close(master, ref, 1e-6)
+    # the default (256 MiB) takes the tiny model's 4 layers as one chunk
+    default = zerojax.shard(lambda: gpt2.GPT2(C, rngs=nnx.Rngs(0)), config(2, "fp32", "cpu"), loss_fn=gpt2.gpt2_loss,
+                            options=zerojax.EngineOptions(offload_loop="host"))
+    assert default.offload_settings["chunks"] == 1
+    with pytest.raises(ValueError, match=r"offload_host_chunk_bytes=0: an int >= 1"):
+        zerojax.EngineOptions(offload_host_chunk_bytes=0)
+
+
 def test_offload_init_from_a_built_model_keeps_its_weights_quietly():
     # a built (eager) model's fp32 weights are donated to the offload init, which XLA can take
     # only where an output shares their dtype and sharding (fp32 ZeRO-3); elsewhere JAX warned
@@ -285,7 +317,8 @@ def test_host_loop_with_part_of_the_state_on_the_device():
     # offload_loop="host" with offload_optimizer.ratio 0.5 (ZeRO-3): the step's jit updates the
     # device chunk, the host loop the rest; its compute copy and the loop's go into the same
     # params: the device update's arithmetic, 1e-6 (fp32)
-    eng, master = run(3, "fp32", "cpu", ratio=0.5, options=zerojax.EngineOptions(offload_loop="host"))
+    eng, master = run(3, "fp32", "cpu", ratio=0.5,
+                      options=zerojax.EngineOptions(offload_loop="host", offload_host_chunk_bytes=1))
     _, ref = run(3, "fp32")
     close(master, ref, 1e-6)
     assert [(c.lo, c.hi, c.host) for c in eng.offload_layout.layout.chunks] == [
@@ -304,7 +337,8 @@ def test_host_loop_chunks_count_in_the_memory_guard(monkeypatch):
     shapes = {"input_ids": jax.ShapeDtypeStruct((8, 8), jnp.int32)}
     eng = zerojax.shard(lambda: gpt2.GPT2(C, rngs=nnx.Rngs(0)), config(2, "fp32", "cpu"), loss_fn=gpt2.gpt2_loss,
                         options=zerojax.EngineOptions(offload_loop="host", offload_host_window=1,
-                                                      offload_host_prefetch=2, offload_host_prefetch_last=1))
+                                                      offload_host_prefetch=2, offload_host_prefetch_last=1,
+                                                      offload_host_chunk_bytes=1))
     # numpy's count of each host chunk's bytes on one of the 8 devices
     per_chunk = [sum(x.addressable_shards[0].data.nbytes for x in jax.tree.leaves((m, st)))
                  for m, st in zip(eng.state.master, eng.state.opt_state)]
@@ -401,7 +435,6 @@ def test_offload_speed_options_are_checked():
     with pytest.raises(ValueError, match="adam_mu_dtype='bfloat16'.*Adam / AdamW only; optimizer.type is 'SGD'"):
         zerojax.shard(lambda: gpt2.GPT2(C, rngs=nnx.Rngs(0)), config(2, "fp32", optimizer="sgd"),
                       loss_fn=gpt2.gpt2_loss, options=zerojax.EngineOptions(adam_mu_dtype="bfloat16"))
-    from zerojax import offload
     tree = {"h": jnp.zeros((4, 3)), "wte": jnp.zeros((5, 3))}
     with pytest.raises(ValueError, match="offload_streams=3.*divisor of 4"):
         offload.chunk_layout(tree, 4, stacked=4, streams=3)
@@ -527,8 +560,11 @@ def test_offload_checkpoint_resumes_under_any_layout(tmp_path):
     _, losses = resume(config(3, "bf16"))  # no offload
     np.testing.assert_allclose(losses, want, rtol=1e-4)
     # one host chunk per layer (the layout of offload_loop "paired" and "host"), updated after the
-    # step's jit from Python ("host"; optimizer offload alone)
-    host, losses = resume(config(3, "bf16", "cpu"), zerojax.EngineOptions(offload_loop="host"))
+    # step's jit from Python ("host"; optimizer offload alone); the whole fp32 master on the host
+    # (bitwise; the split master, the default with bf16, is test_split_master's: an exact tie
+    # moves by one ulp, and this model's ~50k weights are likely to hold one)
+    host, losses = resume(config(3, "bf16", "cpu"), zerojax.EngineOptions(
+        offload_loop="host", offload_host_chunk_bytes=1, offload_master_split=False))
     assert [(c.lo, c.hi) for c in host.offload_layout.layout.chunks] == [(0, 0), (0, 1), (1, 2), (2, 3), (3, 4)]
     np.testing.assert_allclose(losses, want, rtol=1e-4)
     assert kinds(host.state.master) <= set(HOST) and kinds(host.state.params) == {"device"}

@@ -177,6 +177,12 @@ def test_offload_loop_flag_trains_like_the_default_and_is_checked_against_the_co
     cfg = os.path.join(ROOT, "configs", "zero2_offload_optimizer.json")
     runs = [example.main(["--config", cfg, *TINY, "--steps", "2", *flag]) for flag in ([], ["--offload-loop", "host"])]
     assert runs[1]["last_loss"] == pytest.approx(runs[0]["last_loss"], rel=1e-5)
+    out = capsys.readouterr().out
+    assert "optimizer offload: in_place loop" in out and "optimizer offload: host loop, 1 layer group(s)" in out
+    # --adam-mu-dtype reaches the engine (its first moment stored in bf16); the config's bf16 with
+    # the host loop keeps the master split by default
+    example.main(["--config", cfg, *TINY, "--steps", "1", "--offload-loop", "host", "--adam-mu-dtype", "bfloat16"])
+    assert "master split (bf16 copy + 16-bit host remainder), first moment bfloat16" in capsys.readouterr().out
     with pytest.raises(example.ConfigMismatch, match="offload_optimizer.device .cpu.*zero2_offload_optimizer"):
         example.main(["--config", os.path.join(ROOT, "configs", "zero2_bf16.json"), *TINY, "--steps", "1",
                       "--offload-loop", "host"])

@@ -44,7 +44,8 @@ def test_remainder_round_trip_is_exact_but_for_ties_rounded_down():
 
 
 def train(split, stage=2, steps=3):
-    opts = zerojax.EngineOptions(offload_loop="host", offload_master_split=split)
+    # one layer a chunk (offload_host_chunk_bytes=1): the tiny model's layers as separate chunks
+    opts = zerojax.EngineOptions(offload_loop="host", offload_master_split=split, offload_host_chunk_bytes=1)
     make = lambda: gpt2.GPT2(C, rngs=nnx.Rngs(0), dtype=jnp.bfloat16)  # noqa: E731
     eng = zerojax.shard(make, config(stage, "bf16", "cpu"), loss_fn=gpt2.gpt2_loss, options=opts)
     losses = [float(eng.train_step(b)["loss"]) for b in batches(steps)]
@@ -81,7 +82,8 @@ def test_split_master_checkpoints_store_the_fp32_master(tmp_path):
     for option, src in ((False, "a"), (True, "b")):
         eng = zerojax.shard(lambda: gpt2.GPT2(C, rngs=nnx.Rngs(0), dtype=jnp.bfloat16), config(2, "bf16", "cpu"),
                             loss_fn=gpt2.gpt2_loss,
-                            options=zerojax.EngineOptions(offload_loop="host", offload_master_split=option))
+                            options=zerojax.EngineOptions(offload_loop="host", offload_master_split=option,
+                                                          offload_host_chunk_bytes=1))
         eng.load_checkpoint(tmp_path / src)
         for x, y in zip(jax.tree.leaves(eng.master_params), ref):
             np.testing.assert_allclose(np.asarray(x), y, rtol=ULP2, atol=0)
@@ -98,5 +100,19 @@ def test_split_master_errors():
     with pytest.raises(ValueError, match=r"offload_master_split needs .*offload_loop='in_place'"):
         zerojax.shard(make, config(2, "bf16", "cpu"), loss_fn=gpt2.gpt2_loss,
                       options=opts.replace(offload_loop="in_place"))
-    with pytest.raises(ValueError, match=r"offload_master_split='yes': True or False"):
+    with pytest.raises(ValueError, match=r"offload_master_split='yes': None \(where it applies\), True or False"):
         zerojax.EngineOptions(offload_master_split="yes")
+
+
+def test_split_master_is_the_default_where_it_applies():
+    # offload_master_split None (the default): on with bf16 and "host" (the host chunks int16),
+    # off with fp32 compute or the in-place loop (the fp32 master), neither an error
+    make = lambda dtype: lambda: gpt2.GPT2(C, rngs=nnx.Rngs(0), dtype=dtype)  # noqa: E731
+    for prec, dtype, loop, want in (("bf16", jnp.bfloat16, "host", True), ("fp32", jnp.float32, "host", False),
+                                    ("bf16", jnp.bfloat16, "in_place", False)):
+        eng = zerojax.shard(make(dtype), config(2, prec, "cpu"), loss_fn=gpt2.gpt2_loss,
+                            options=zerojax.EngineOptions(offload_loop=loop))
+        assert eng.offload_settings["split_master"] is want
+        hosts = [i for i, c in enumerate(eng.offload_layout.layout.chunks) if c.host]
+        dtypes = {x.dtype for i in hosts for x in jax.tree.leaves(eng.state.master[i])}
+        assert dtypes == ({jnp.dtype(jnp.int16)} if want else {jnp.dtype(jnp.float32)})

@@ -27,8 +27,16 @@ class EngineOptions:
     """Engine knobs with no DeepSpeed key. Fields (defaults in brackets):
 
     offload_chunks [None]: the offloaded layers are updated K groups at a time (`zerojax.offload`);
-        None = one layer a group (measured fastest, and the least device memory). K must divide
-        the layer count.
+        None = one layer a group (measured fastest for "in_place", and the least device memory),
+        under offload_loop="host" groups of offload_host_chunk_bytes. K must divide the layer count.
+    offload_host_chunk_bytes [256 MiB]: with offload_loop="host" and offload_chunks None, each
+        chunk is the fewest layers whose fp32 master holds at least this many bytes per device
+        (`offload.groups_of_at_least`; a divisor of the layer count): one transfer each way and
+        one jitted update per chunk, so fewer, larger chunks dispatch less. GPT-2 Large on one
+        GPU: 4 layers a chunk (315 MB), 29,131 tokens/s against one layer's 24,199 (session 10);
+        3 / 4 / 6 layers with the split master and bf16 first moment 35,905 / 36,216 / 36,946 at
+        8.02 / 8.81 / 10.08 GiB (session 11). Device memory grows with the chunk (each prefetched
+        or in-flight chunk holds its state): lower it if the memory guard says the step does not fit.
     offload_unroll [1]: unroll of the model's layer scan under offload_param (2 hit an XLA layout
         error on GPU, jax 0.11.2).
     offload_prefetch [True]: under offload_param, fetch layer i+1 while layer i computes (the
@@ -76,12 +84,16 @@ class EngineOptions:
         the next step's jit does not wait for their reads (held back by the window otherwise).
         Not yet measured beside offload_host_prefetch (alone instead of it, session 10: 32,157
         tokens/s at 10.56 GiB, no faster).
-    offload_master_split [False]: with offload_loop="host" and bf16 compute, the offloaded master
+    offload_master_split [None]: with offload_loop="host" and bf16 compute, the offloaded master
         is kept as the bf16 compute copy (on the device anyway) plus a 16-bit remainder in host
         memory (`offload.split_master`): 2 bytes a parameter less each way over PCIe every step
         (8 instead of 10 with adam_mu_dtype="bfloat16") and in host memory. Exact but for exact
         ties (one fp32 ulp, probability 2^-16 per weight and step); checkpoints store the fp32
-        master as without it. Not yet measured on a GPU (session 10).
+        master as without it. None: on wherever it applies (bf16 and "host"); True: required (an
+        error elsewhere); False: the whole fp32 master on the host. Measured (GPT-2 Large, 4
+        layers a chunk, bf16 first moment, 24 GB cap, session 11): 36,144 / 36,216 tokens/s at
+        8.71 / 8.81 GiB against 31,495 / 9.54 without; fp32 moment 31,262 / 9.44 (session 10
+        without: 29,131 / 10.54).
     adam_mu_dtype [None]: Adam/AdamW's first moment stored in this dtype ("bfloat16"), updated
         and used in fp32 within the step: 2 bytes less per parameter in memory (and, under
         optimizer offload, each way over PCIe: 10 bytes instead of 12). Changes training slightly
@@ -118,7 +130,8 @@ class EngineOptions:
     offload_host_window: int = 3
     offload_host_prefetch: int = 2
     offload_host_prefetch_last: int = 0
-    offload_master_split: bool = False
+    offload_master_split: bool | None = None
+    offload_host_chunk_bytes: int = 256 * 2**20
     adam_mu_dtype: str | None = None
     stage3_gather: str = "layer"
     init_group_bytes: int | None = None
@@ -136,15 +149,19 @@ class EngineOptions:
                                       ("offload_write_pieces", 0, False), ("offload_streams", 1, False),
                                       ("offload_host_window", 0, False), ("offload_host_prefetch", 0, False),
                                       ("offload_host_prefetch_last", 0, False),
+                                      ("offload_host_chunk_bytes", 1, False),
                                       ("pipeline_repeats", 1, False)):
             value = getattr(self, name)
             if value is None and optional:
                 continue
             if isinstance(value, bool) or not isinstance(value, int) or value < least:
                 problems.append(f"{name}={value!r}: an int >= {least}" + (" or None" if optional else ""))
-        for name in ("offload_prefetch", "memory_guard", "offload_master_split"):
+        for name in ("offload_prefetch", "memory_guard"):
             if not isinstance(getattr(self, name), bool):
                 problems.append(f"{name}={getattr(self, name)!r}: True or False")
+        if not isinstance(self.offload_master_split, (bool, type(None))):
+            problems.append(f"offload_master_split={self.offload_master_split!r}: None (where it applies), "
+                            "True or False")
         if self.pipeline_stage_loop not in PIPELINE_STAGE_LOOPS:
             problems.append(f"pipeline_stage_loop={self.pipeline_stage_loop!r}: one of {PIPELINE_STAGE_LOOPS}")
         if self.offload_loop not in OFFLOAD_LOOPS:
@@ -248,6 +265,7 @@ _ENV = {
     "offload_host_prefetch": ("ZEROJAX_OFFLOAD_HOST_PREFETCH", _int),
     "offload_host_prefetch_last": ("ZEROJAX_OFFLOAD_HOST_PREFETCH_LAST", _int),
     "offload_master_split": ("ZEROJAX_OFFLOAD_MASTER_SPLIT", _bool),
+    "offload_host_chunk_bytes": ("ZEROJAX_OFFLOAD_HOST_CHUNK_BYTES", _int),
     "adam_mu_dtype": ("ZEROJAX_ADAM_MU_DTYPE", _choice(("bfloat16",))),
     "stage3_gather": ("ZEROJAX_STAGE3_GATHER", _choice(STAGE3_GATHER_MODES)),
     "init_group_bytes": ("ZEROJAX_INIT_GROUP_BYTES", _positive_or_none),

@@ -93,6 +93,28 @@ def layer_pieces(tree, k: int, *, ratio: float = 1.0, stacked=None):
     return treedef, flags, L, pieces[:n_host], pieces[n_host:]
 
 
+def groups_of_at_least(tree, min_bytes: int, shardings=None, *, stacked=None) -> int:
+    """The layer-group count K (a divisor of the layer count L) whose groups are the fewest
+    layers holding at least `min_bytes` of `tree`'s stacked leaves per device (each leaf's shard
+    under `shardings`, a tree like `tree`, else the whole leaf); 1 when all L layers hold less,
+    L when one layer holds that much. Used for offload_loop="host" (EngineOptions.
+    offload_host_chunk_bytes): its chunks are moved by one runtime transfer and updated by one
+    jitted call each, so larger chunks mean fewer dispatches."""
+    leaves = jax.tree.leaves(tree)
+    L, flags = _stacked_flags(leaves, stacked)
+    if not L:
+        return 1
+    shards = (jax.tree.leaves(shardings) if shardings is not None else [None] * len(leaves))
+    if len(shards) != len(leaves):
+        raise ValueError(f"shardings: {len(shards)} leaves for a tree of {len(leaves)}")
+    per_layer = sum(math.prod(s.shard_shape(x.shape) if s is not None else x.shape) * jnp.dtype(x.dtype).itemsize
+                    for x, s, f in zip(leaves, shards, flags) if f) / L
+    for per_group in range(1, L + 1):
+        if L % per_group == 0 and per_group * per_layer >= min_bytes:
+            return L // per_group
+    return 1
+
+
 def device_chunk(dev) -> list[Chunk]:
     """The device pieces (ratio < 1) as one chunk updated in place, with no transfer."""
     if not dev:
