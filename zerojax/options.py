@@ -68,7 +68,9 @@ class EngineOptions:
         24,659-25,101 at 6.5-6.8 GiB (session 9, docs/offload-transfers.md); since session 10
         (reads prefetched during the jit, write-backs overlapping the next one) 31,655-32,379 at
         9.45-9.61 GiB, one layer a chunk with the fp32 moment 23,914-24,199 at 6.55-7.00 GiB
-        (in_place beside it: 18,366 / 5.52).
+        (in_place beside it: 18,366 / 5.52); since session 11 (offload_host_chunk_bytes groups,
+        the split master by default) 32,207 at 9.60 GiB with the fp32 moment, 36,261 at 8.47 with
+        adam_mu_dtype="bfloat16" (in_place 18,372 / 5.54; GPT-2 XL 15,238 / 18,111 against 9,940).
         The same restrictions as "paired".
     offload_host_window [3]: with offload_loop="host", the chunks whose state may be on the device
         at once while the host loop runs (`offload.host_loop.HostLoop`); 0 = no limit. The last
@@ -82,8 +84,9 @@ class EngineOptions:
     offload_host_prefetch_last [0]: with offload_loop="host", chunks at the end of the loop read in
         before the step's jit as well, kept on the device through the loop and updated last, so
         the next step's jit does not wait for their reads (held back by the window otherwise).
-        Not yet measured beside offload_host_prefetch (alone instead of it, session 10: 32,157
-        tokens/s at 10.56 GiB, no faster).
+        Alone instead of offload_host_prefetch (session 10): 32,157 tokens/s at 10.56 GiB, no
+        faster; 1 beside it (session 11, split master, bf16 moment): 36,555-37,595 against
+        36,144-36,261, for 0.4-1.1 GiB more; left at 0.
     offload_master_split [None]: with offload_loop="host" and bf16 compute, the offloaded master
         is kept as the bf16 compute copy (on the device anyway) plus a 16-bit remainder in host
         memory (`offload.split_master`): 2 bytes a parameter less each way over PCIe every step
