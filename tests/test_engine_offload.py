@@ -358,7 +358,11 @@ def test_host_loop_chunks_count_in_the_memory_guard(monkeypatch):
     want = max(during_jit, want)
     assert small.temp == want and small.peak > jit_only.peak - jit_only.temp
     monkeypatch.setattr(memory, "device_budget", lambda device=None: small.peak - 1)
-    with pytest.raises(memory.WillNotFitError):
+    # the error says what the chunks hold (numpy's count) and the options that hold less
+    held = memory.fmt_bytes(want)
+    with pytest.raises(memory.WillNotFitError, match=rf"offload_loop='host' keeps up to {held} of optimizer-state "
+                       r"chunks on the device \(4 layer groups; offload_host_prefetch=2, offload_host_prefetch_last=1, "
+                       r"offload_host_window=1\)\. EngineOptions\(offload_loop='in_place'\)"):
         eng.train_step(batches(1)[0])
 
 

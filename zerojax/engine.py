@@ -465,7 +465,24 @@ class Engine:
             return
         plans_for = self.options.plans_for
         memory.check_fits(self.step_memory(shapes), budget,
-                          plans=(lambda: plans_for(self, shapes, budget)) if plans_for else ())
+                          plans=(lambda: plans_for(self, shapes, budget)) if plans_for else (),
+                          notes=self._host_loop_notes())
+
+    def _host_loop_notes(self) -> tuple[str, ...]:
+        """For WillNotFitError under offload_loop="host": what its chunks hold on the device and
+        the options that hold less."""
+        if self._host_loop is None:
+            return ()
+        o, chunks = self.options, self.offload_settings["chunks"]
+        opt = self.layout.chunk_states(self.state.opt_state)
+        during_jit, during_loop = self._host_loop.device_bytes(self.state.master, opt)
+        return (f"Of that, offload_loop='host' keeps up to {memory.fmt_bytes(max(during_jit, during_loop))} of "
+                f"optimizer-state chunks on the device ({chunks} layer groups; offload_host_prefetch="
+                f"{o.offload_host_prefetch}, offload_host_prefetch_last={o.offload_host_prefetch_last}, "
+                f"offload_host_window={o.offload_host_window}). EngineOptions(offload_loop='in_place') holds "
+                f"one layer's state at a time (slower); or keep \"host\" with smaller chunks (more "
+                f"layer groups: offload_chunks, or where it is unset a lower offload_host_chunk_bytes, now "
+                f"{o.offload_host_chunk_bytes:,}) or a lower offload_host_prefetch / offload_host_window.",)
 
     def step_memory(self, batch_shapes) -> memory.CompiledMemory:
         """The train step's predicted per-device bytes (the guard's figure): the compiled step's;

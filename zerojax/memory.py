@@ -95,12 +95,13 @@ class WillNotFitError(MemoryError):
     (`zerojax.planner.Plan`s: anything with `describe()` and `config_patch()`)."""
 
     def __init__(self, predicted_bytes: int, budget_bytes: int, plans: Sequence = (),
-                 what: str = "the training step"):
+                 what: str = "the training step", notes: Sequence[str] = ()):
         self.predicted_bytes, self.budget_bytes = int(predicted_bytes), int(budget_bytes)
         self.plans = list(plans)
         lines = [f"{what} needs {fmt_bytes(predicted_bytes)} per device "
                  f"({predicted_bytes:,} bytes, from XLA's ahead-of-time memory analysis) but the "
                  f"budget is {fmt_bytes(budget_bytes)} ({budget_bytes:,} bytes)."]
+        lines += list(notes)  # what the caller knows of where the bytes go (e.g. the host loop's chunks)
         if self.plans:
             lines.append("These fit, fastest first (set them in the DeepSpeed config; with a smaller "
                          "micro-batch, raise gradient_accumulation_steps to keep train_batch_size):")
@@ -112,13 +113,15 @@ class WillNotFitError(MemoryError):
         super().__init__("\n".join(lines))
 
 
-def check_fits(compiled, budget_bytes=None, *, plans=(), what="the training step") -> CompiledMemory:
+def check_fits(compiled, budget_bytes=None, *, plans=(), what="the training step",
+               notes: Sequence[str] = ()) -> CompiledMemory:
     """Raise `WillNotFitError` if `compiled`'s predicted per-device peak exceeds the budget.
 
     compiled: a `jax.stages.Compiled` (or its memory_analysis(), or a CompiledMemory).
     budget_bytes: default `device_budget()`; with no budget known (CPU) nothing is checked.
     plans: plans that fit, or a zero-argument callable returning them (called only on failure,
     since planning compiles more programs).
+    notes: lines added to the error after the figures.
     Returns the CompiledMemory so the caller can log it.
     """
     mem = CompiledMemory.of(compiled)
@@ -130,7 +133,7 @@ def check_fits(compiled, budget_bytes=None, *, plans=(), what="the training step
         # plans arrive ranked (fastest first); keep that order, drop any that would not fit
         raise WillNotFitError(mem.peak, budget_bytes,
                               [p for p in plans if getattr(p, "peak_bytes", None) is None
-                               or p.peak_bytes <= budget_bytes], what)
+                               or p.peak_bytes <= budget_bytes], what, notes)
     return mem
 
 
