@@ -430,9 +430,11 @@ def test_offload_speed_options_are_checked():
         with pytest.raises(ValueError, match=f"offload_loop='{loop}' works with offload_optimizer to cpu alone"):
             zerojax.shard(lambda: gpt2.GPT2(C, rngs=nnx.Rngs(0)), config(3, "fp32", "cpu", "cpu"),
                           loss_fn=gpt2.gpt2_loss, options=zerojax.EngineOptions(offload_loop=loop))
-    env = {"ZEROJAX_OFFLOAD_WRITE_PIECES": "8", "ZEROJAX_OFFLOAD_STREAMS": "2", "ZEROJAX_ADAM_MU_DTYPE": "bfloat16"}
+    env = {"ZEROJAX_OFFLOAD_WRITE_PIECES": "8", "ZEROJAX_OFFLOAD_STREAMS": "2", "ZEROJAX_ADAM_MU_DTYPE": "bfloat16",
+           "ZEROJAX_OFFLOAD_HOST_CHUNK_BYTES": "1000", "ZEROJAX_OFFLOAD_MASTER_SPLIT": "0"}
     assert zerojax.EngineOptions.from_env(env) == zerojax.EngineOptions(
-        offload_write_pieces=8, offload_streams=2, adam_mu_dtype="bfloat16")
+        offload_write_pieces=8, offload_streams=2, adam_mu_dtype="bfloat16", offload_host_chunk_bytes=1000,
+        offload_master_split=False)
     with pytest.raises(ValueError, match="offload_streams=2 works with offload_optimizer alone"):
         zerojax.shard(lambda: gpt2.GPT2(C, rngs=nnx.Rngs(0)), config(3, "fp32", "cpu", "cpu"),
                       loss_fn=gpt2.gpt2_loss, options=zerojax.EngineOptions(offload_streams=2))
