@@ -5,17 +5,19 @@
 # process per variant (its own peak). A variant is "name|ZEROJAX_* settings (space-separated)|
 # extra XLA flags (space-separated)":
 #   default        the in-place layer loop (offload_loop="in_place")
-#   host           EngineOptions.offload_loop="host": one host chunk per layer, updated after the
+#   host           EngineOptions.offload_loop="host": host chunks of layers updated after the
 #                  step's jit from Python (offload/host_loop.py; session 9: +16%; session 10, with
 #                  the first 2 chunks read during the jit and 3 write-backs beside the next one
 #                  (offload_host_prefetch / offload_host_window, the defaults): 24.2k)
-#   host_c9_mubf16 host with 4 layers a chunk (offload_chunks=9) and adam_mu_dtype=bfloat16 (10 bytes
-#                  a parameter each way instead of 12): the fastest measured (31.7-32.4k, session 10)
+#                  (session 11, the defaults now: layer groups of offload_host_chunk_bytes, 4 layers
+#                  for GPT-2 Large, and the split master with bf16: 32.2k at 9.6 GiB)
+#   host_mubf16    host with adam_mu_dtype=bfloat16 (8 bytes a parameter each way with the split
+#                  master): 36.3k at 8.5 GiB (session 11)
 #   mubf16         adam_mu_dtype=bfloat16
 # (sessions 5-6 also ran "paired": ZEROJAX_OFFLOAD_LOOP=paired, slower than the default)
 # An optional fourth field is JSON merged into the bench.py entry, e.g. {"loss_chunk": 256} (the
 # fused cross entropy: ~1.4 GiB less at micro 8, room for more chunks in flight).
-# `gpu_x1_offload_speed.sh s11` (prepared in session 10, not yet run; BUDGET=300): the fused loss
+# `gpu_x1_offload_speed.sh s11` (prepared in session 10, run in session 11; BUDGET=300): the fused loss
 # with the last chunks prefetched too (offload_host_prefetch_last) or a deeper prefetch / window,
 # and the master split (offload_master_split: 8 bytes a parameter each way instead of 10).
 # VARIANTS (newline-separated) replaces the list, BENCH the bench.py command (a CPU smoke test);
@@ -31,7 +33,7 @@ BUDGET=${BUDGET:-190}; PER=${PER:-40}
 B=${BENCH:-"python3 benchmarks/bench.py --sizes large --micro 8 --mem-fraction 0.17 --steps 4 --warmup 2"}
 VARIANTS=${VARIANTS:-"default||
 host|ZEROJAX_OFFLOAD_LOOP=host|
-host_c9_mubf16|ZEROJAX_OFFLOAD_LOOP=host ZEROJAX_OFFLOAD_CHUNKS=9 ZEROJAX_ADAM_MU_DTYPE=bfloat16|
+host_mubf16|ZEROJAX_OFFLOAD_LOOP=host ZEROJAX_ADAM_MU_DTYPE=bfloat16|
 mubf16|ZEROJAX_ADAM_MU_DTYPE=bfloat16|"}
 M4="ZEROJAX_OFFLOAD_LOOP=host ZEROJAX_OFFLOAD_CHUNKS=9 ZEROJAX_ADAM_MU_DTYPE=bfloat16"
 VARIANTS_S11="c9mu|$M4||
