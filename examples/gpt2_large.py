@@ -117,7 +117,8 @@ def parse_args(argv=None):
                    help="with zero_optimization.offload_optimizer.device cpu: how the optimizer state "
                         "streams through the GPU (zerojax.EngineOptions.offload_loop; \"host\": its "
                         "update driven from Python, beside the forward / backward: GPT-2 Large on an "
-                        "H200 ~1.7x in_place, +4 GiB; default in_place)")
+                        "H200 ~1.7x in_place, +4 GiB; default: host where its step fits the device's "
+                        "memory (checked before anything is allocated), else in_place)")
     p.add_argument("--adam-mu-dtype", choices=["bfloat16"], default=None,
                    help="store Adam's first moment in bf16 (zerojax.EngineOptions.adam_mu_dtype): 2 bytes "
                         "a parameter less, and under optimizer offload less to move over PCIe; changes "
@@ -219,12 +220,40 @@ class ConfigMismatch(ValueError):
     """A flag that contradicts what the config sets explicitly."""
 
 
-def _engine_options(args, cfg):
-    """--offload-loop, checked against the config before the engine is built -> zerojax.EngineOptions."""
+def _offload_loop_auto(cfg, make_model, seq_len, loss_fn) -> tuple[str, str | None]:
+    """No --offload-loop: where the config offloads the optimizer to cpu alone and the device
+    reports its memory, "host" if its step fits (compiled first on an abstract engine, holding no
+    memory), else "in_place" (the library's default: 3-6 GiB less on GPT-2 Large / XL, ~1.75x
+    slower; benchmarks/RESULTS.md, session 11). -> (loop, why; None where no choice was made)."""
+    import jax
+    import jax.numpy as jnp
+
+    from zerojax import EngineOptions
+    from zerojax.engine import abstract_engine
+    from zerojax.layout import offloads
+    from zerojax.memory import device_budget, fmt_bytes
+
+    optimizer, params = offloads(cfg)
+    if not optimizer or params or cfg.zero_optimization.offload_optimizer.device != "cpu":
+        return "in_place", None
+    budget = device_budget()
+    if budget is None:
+        return "in_place", "default; this device reports no memory limit to check \"host\" against"
+    probe = abstract_engine(make_model, cfg, loss_fn=loss_fn, options=EngineOptions(offload_loop="host"))
+    peak = probe.step_memory({"input_ids": jax.ShapeDtypeStruct((cfg.train_batch_size, seq_len), jnp.int32)}).peak
+    if peak <= budget:
+        return "host", (f"auto: its step needs {fmt_bytes(peak)} of the device's {fmt_bytes(budget)}; "
+                        f"--offload-loop in_place holds less, slower")
+    return "in_place", f"auto: \"host\" would need {fmt_bytes(peak)} of the device's {fmt_bytes(budget)}"
+
+
+def _engine_options(args, cfg, loop=None):
+    """--offload-loop (else `loop`), checked against the config before the engine is built ->
+    zerojax.EngineOptions."""
     from zerojax import EngineOptions
     from zerojax.layout import offloads, resolve_offload_loop
 
-    options = EngineOptions(offload_loop=args.offload_loop or "in_place", adam_mu_dtype=args.adam_mu_dtype)
+    options = EngineOptions(offload_loop=args.offload_loop or loop or "in_place", adam_mu_dtype=args.adam_mu_dtype)
     zero = cfg.zero_optimization
     try:  # the engine's own rule, before anything is built
         resolve_offload_loop(options, zero, *offloads(cfg))
@@ -372,19 +401,22 @@ def main(argv=None):
             remat_why = "chosen by the planner (micro-batch auto)"
     _print_run(args, cfg, size, steps, schedule_steps, lr, lr_default, precision, precision_why,
                remat, remat_why, seq_len, data, saved, notes)
+    make_model = lambda: GPT2(gpt_cfg, rngs=nnx.Rngs(seed), dtype=dtype, remat_policy=remat)  # noqa: E731
+    loop, loop_why = (args.offload_loop, "--offload-loop") if args.offload_loop else _offload_loop_auto(
+        cfg, make_model, seq_len, loss_fn)
     if hf is not None:
         from zerojax.models.hf import gpt2_from_params
         model = gpt2_from_params(gpt_cfg, hf, dtype=dtype, remat_policy=remat)
     else:  # built shard by shard on the devices, never whole on one
-        model = lambda: GPT2(gpt_cfg, rngs=nnx.Rngs(seed), dtype=dtype, remat_policy=remat)  # noqa: E731
-    engine = zerojax.shard(model, cfg, loss_fn=loss_fn, options=_engine_options(args, cfg))
+        model = make_model
+    engine = zerojax.shard(model, cfg, loss_fn=loss_fn, options=_engine_options(args, cfg, loop))
     del model, hf
     _warn_replicated(engine, cfg)
     if engine.offload_settings and cfg.zero_optimization.offload_optimizer.device == "cpu":
         o = engine.offload_settings
         print(f"optimizer offload: {o['loop']} loop, {o['chunks']} layer group(s), "
               f"master {'split (bf16 copy + 16-bit host remainder)' if o.get('split_master') else 'fp32'}, "
-              f"first moment {engine.options.adam_mu_dtype or 'fp32'}")
+              f"first moment {engine.options.adam_mu_dtype or 'fp32'}" + (f" ({loop_why})" if loop_why else ""))
 
     start = 0
     if args.resume:

@@ -188,6 +188,41 @@ def test_offload_loop_flag_trains_like_the_default_and_is_checked_against_the_co
                       "--offload-loop", "host"])
 
 
+def test_offload_loop_auto_takes_host_where_its_step_fits(capsys, monkeypatch):
+    """No --offload-loop, a config offloading the optimizer to cpu, a device that reports its memory
+    (here a stand-in budget): "host" where its step (compiled on an abstract engine) fits, trained
+    as the in-place loop trains (1e-5, as above); "in_place" where it would not, naming the bytes;
+    no budget known (CPU as it is): "in_place"."""
+    from flax import nnx
+
+    import zerojax
+    from zerojax import memory
+    from zerojax.models.gpt2 import GPT2, GPT2Config, gpt2_loss
+
+    example = _example()
+    cfg = os.path.join(ROOT, "configs", "zero2_offload_optimizer.json")
+    args = ["--config", cfg, *TINY, "--steps", "2"]
+    plain = example.main(args)
+    assert "in_place loop, 2 layer group(s), master fp32, first moment fp32 (default; this device reports no " \
+           "memory limit" in capsys.readouterr().out
+    monkeypatch.setattr(memory, "device_budget", lambda device=None: 2**40)
+    auto = example.main(args)
+    assert "optimizer offload: host loop, 1 layer group(s), master split (bf16 copy + 16-bit host remainder), " \
+           "first moment fp32 (auto: its step needs" in capsys.readouterr().out
+    assert auto["last_loss"] == pytest.approx(plain["last_loss"], rel=1e-5)
+    # a budget below the host step's peak: in_place, and why
+    with open(cfg) as f:
+        raw = json.load(f)
+    loaded = zerojax.load_config(raw, fill={"train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": 1,
+                                            "optimizer.params.lr": 1e-3, "optimizer.params.weight_decay": 0.0,
+                                            "scheduler.params.warmup_max_lr": 1e-3,
+                                            "scheduler.params.warmup_num_steps": 1})
+    monkeypatch.setattr(memory, "device_budget", lambda device=None: 2**20)
+    make = lambda: GPT2(GPT2Config.named("tiny"), rngs=nnx.Rngs(0))  # noqa: E731
+    loop, why = example._offload_loop_auto(loaded, make, 32, gpt2_loss)
+    assert loop == "in_place" and why.startswith('auto: "host" would need ') and why.endswith("of the device's 1.00 MiB")
+
+
 def test_steps_zero_evaluates_only():
     summary = _example().main([*TINY, "--steps", "0", "--eval-batches", "1"])
     assert summary["losses"] == [] and summary["last_loss"] is None and summary["val_loss"] > 0
