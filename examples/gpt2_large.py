@@ -241,9 +241,17 @@ def _offload_loop_auto(cfg, make_model, seq_len, loss_fn) -> tuple[str, str | No
         return "in_place", "default; this device reports no memory limit to check \"host\" against"
     probe = abstract_engine(make_model, cfg, loss_fn=loss_fn, options=EngineOptions(offload_loop="host"))
     peak = probe.step_memory({"input_ids": jax.ShapeDtypeStruct((cfg.train_batch_size, seq_len), jnp.int32)}).peak
-    if peak <= budget:
+    fits = peak <= budget
+    if jax.process_count() > 1:  # every process must build the same layout: "host" only where it fits on all
+        import numpy as np
+        from jax.experimental import multihost_utils
+
+        fits = bool(np.all(multihost_utils.process_allgather(np.asarray([fits]))))
+    if fits:
         return "host", (f"auto: its step needs {fmt_bytes(peak)} of the device's {fmt_bytes(budget)}; "
                         f"--offload-loop in_place holds less, slower")
+    if peak <= budget:
+        return "in_place", "auto: \"host\" fits here but not on every process"
     return "in_place", f"auto: \"host\" would need {fmt_bytes(peak)} of the device's {fmt_bytes(budget)}"
 
 

@@ -10,6 +10,7 @@ import importlib.util
 import json
 import os
 
+import numpy as np
 import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -221,6 +222,16 @@ def test_offload_loop_auto_takes_host_where_its_step_fits(capsys, monkeypatch):
     make = lambda: GPT2(GPT2Config.named("tiny"), rngs=nnx.Rngs(0))  # noqa: E731
     loop, why = example._offload_loop_auto(loaded, make, 32, gpt2_loss)
     assert loop == "in_place" and why.startswith('auto: "host" would need ') and why.endswith("of the device's 1.00 MiB")
+    # several processes: "host" only where it fits on every one (their answers gathered)
+    import jax
+    from jax.experimental import multihost_utils
+    monkeypatch.setattr(memory, "device_budget", lambda device=None: 2**40)
+    monkeypatch.setattr(jax, "process_count", lambda: 2)
+    for answers, want, said in (([True, False], "in_place", 'auto: "host" fits here but not on every process'),
+                                ([True, True], "host", "auto: its step needs")):
+        monkeypatch.setattr(multihost_utils, "process_allgather", lambda x, a=answers: np.asarray(a)[:, None])
+        loop, why = example._offload_loop_auto(loaded, make, 32, gpt2_loss)
+        assert loop == want and why.startswith(said), why
 
 
 def test_steps_zero_evaluates_only():
