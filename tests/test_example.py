@@ -222,6 +222,10 @@ def test_offload_loop_auto_takes_host_where_its_step_fits(capsys, monkeypatch):
     make = lambda: GPT2(GPT2Config.named("tiny"), rngs=nnx.Rngs(0))  # noqa: E731
     loop, why = example._offload_loop_auto(loaded, make, 32, gpt2_loss)
     assert loop == "in_place" and why.startswith('auto: "host" would need ') and why.endswith("of the device's 1.00 MiB")
+    # fp16 (its loss-scale skips untested in the host loop: fp16 matmuls do not run on CPU): in_place
+    fp16 = zerojax.load_config({**loaded.to_dict(), "bf16": {"enabled": False}, "fp16": {"enabled": True}})
+    monkeypatch.setattr(memory, "device_budget", lambda device=None: 2**40)
+    assert example._offload_loop_auto(fp16, make, 32, gpt2_loss)[0] == "in_place"
     # several processes: "host" only where it fits on every one (their answers gathered)
     import jax
     from jax.experimental import multihost_utils
