@@ -230,11 +230,10 @@ def _offload_loop_auto(cfg, make_model, seq_len, loss_fn) -> tuple[str, str | No
 
     from zerojax import EngineOptions
     from zerojax.engine import abstract_engine
-    from zerojax.layout import offloads
+    from zerojax.layout import chunk_loops_apply, offloads
     from zerojax.memory import device_budget, fmt_bytes
 
-    optimizer, params = offloads(cfg)
-    if not optimizer or params or cfg.zero_optimization.offload_optimizer.device != "cpu":
+    if not chunk_loops_apply(cfg.zero_optimization, *offloads(cfg)):
         return "in_place", None
     if cfg.fp16.enabled:  # fp16 matmuls do not run on CPU, so the host loop's loss-scale skips are untested
         return "in_place", "default; the host loop is not yet tested with fp16 loss scaling (--offload-loop host to try)"

@@ -229,7 +229,6 @@ def test_offload_loop_auto_takes_host_where_its_step_fits(capsys, monkeypatch):
     # several processes: "host" only where it fits on every one (their answers gathered)
     import jax
     from jax.experimental import multihost_utils
-    monkeypatch.setattr(memory, "device_budget", lambda device=None: 2**40)
     monkeypatch.setattr(jax, "process_count", lambda: 2)
     for answers, want, said in (([True, False], "in_place", 'auto: "host" fits here but not on every process'),
                                 ([True, True], "host", "auto: its step needs")):

@@ -381,12 +381,16 @@ def split_master_for(options, cfg, loop: str) -> bool:
     return True
 
 
+def chunk_loops_apply(zero, offload_optimizer: bool, offload_param: bool) -> bool:
+    """Whether offload_loop "paired" / "host" can run: optimizer offload to cpu alone (one host
+    chunk per layer group, compute copies on the device; the NVMe tier and offload_param's host
+    compute copies stream a stacked layer buffer)."""
+    return offload_optimizer and zero.offload_optimizer.device == "cpu" and not offload_param
+
+
 def resolve_offload_loop(options, zero, offload_optimizer: bool, offload_param: bool) -> str:
-    """EngineOptions.offload_loop checked against this config: "paired" and "host" need optimizer offload
-    to cpu alone (one host chunk per layer group, compute copies on the device; the NVMe tier and
-    offload_param's host compute copies stream a stacked layer buffer)."""
-    if options.offload_loop in ("paired", "host") and not (
-            offload_optimizer and zero.offload_optimizer.device == "cpu" and not offload_param):
+    """EngineOptions.offload_loop checked against this config (`chunk_loops_apply`)."""
+    if options.offload_loop in ("paired", "host") and not chunk_loops_apply(zero, offload_optimizer, offload_param):
         raise ValueError(f"EngineOptions.offload_loop={options.offload_loop!r} works with offload_optimizer "
                          f"to cpu alone (offload_param: {zero.offload_param.device!r}, offload_optimizer: "
                          f"{zero.offload_optimizer.device!r}); use offload_loop='in_place'")
