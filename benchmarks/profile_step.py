@@ -63,18 +63,30 @@ def device_events(profile):
             for ev in line.events:
                 if ev.name.startswith("ThreadpoolListener"):
                     continue
-                yield plane.name, line.name, ev.name, ev.start_ns, ev.duration_ns
+                yield plane.name, line.name, ev.name, ev.start_ns, ev.duration_ns, _hlo_op(ev)
+
+
+def _hlo_op(ev) -> str:
+    """The HLO instruction a GPU kernel ran for (the trace's "hlo_op" stat), or ""."""
+    try:
+        return str(dict(ev.stats).get("hlo_op", ""))
+    except Exception:  # stats of another shape in some JAX version: no names, same buckets
+        return ""
 
 
 def summarise(events, steps: int, wall_s: float) -> dict:
     per_bucket = collections.Counter()
-    per_kernel = collections.Counter()
+    per_kernel, per_kernel_calls = collections.Counter(), collections.Counter()
     other_calls, other_time = collections.Counter(), collections.Counter()
     per_stream = collections.Counter()
     intervals = collections.defaultdict(list)
-    for plane, line, name, start, dur in events:
+    ops_of = collections.defaultdict(collections.Counter)  # kernel -> {HLO instruction: ns}
+    for plane, line, name, start, dur, hlo_op in events:
+        if hlo_op:
+            ops_of[name[:90]][hlo_op] += dur
         per_bucket[bucket_of(name)] += dur
         per_kernel[name[:90]] += dur
+        per_kernel_calls[name[:90]] += 1
         if bucket_of(name) == "other":
             other_calls[name[:90]] += 1
             other_time[name[:90]] += dur
@@ -100,7 +112,12 @@ def summarise(events, steps: int, wall_s: float) -> dict:
         "busy_ms_per_step": sum(busy.values()) / 1e6 / steps / n_dev,
         "kernel_ms_per_step": kernel_ms,
         "buckets_ms_per_step": {k: v / 1e6 / steps / n_dev for k, v in per_bucket.most_common()},
-        "top_kernels_ms_per_step": [(k, v / 1e6 / steps / n_dev) for k, v in per_kernel.most_common(15)],
+        # [name, ms per step, launches per step]
+        "top_kernels_ms_per_step": [(k, v / 1e6 / steps / n_dev, per_kernel_calls[k] / steps / n_dev)
+                                    for k, v in per_kernel.most_common(15)],
+        # the HLO instructions behind each of those kernels (most time first, up to 4)
+        "top_kernels_hlo_ops": {k: [op for op, _ in ops_of[k].most_common(4)]
+                                for k, _ in per_kernel.most_common(15) if ops_of.get(k)},
         "streams_ms_per_step": {k: v / 1e6 / steps / n_dev for k, v in per_stream.most_common(8)},
         # the element-wise bucket's longest kernels: [name, ms per step, launches per step]
         "top_other_ms_per_step": [(k, v / 1e6 / steps / n_dev, other_calls[k] / steps / n_dev)
@@ -118,8 +135,12 @@ def fmt(summary: dict, title: str) -> str:
            "", "| bucket | ms/step | share of kernel time |", "|---|---:|---:|"]
     for k, v in s["buckets_ms_per_step"].items():
         out.append(f"| {k} | {v:.1f} | {v / kern:.1%} |")
-    out += ["", "| longest kernels | ms/step |", "|---|---:|"]
-    out += [f"| `{k}` | {v:.2f} |" for k, v in s["top_kernels_ms_per_step"]]
+    out += ["", "| longest kernels | ms/step | launches/step |", "|---|---:|---:|"]
+    ops = s.get("top_kernels_hlo_ops", {})
+    out[-1] = "|---|---:|---:|---|"
+    out[-2] = "| longest kernels | ms/step | launches/step | HLO instructions |"
+    out += [f"| `{k}` | {v:.2f} | {f'{n[0]:g}' if n else ''} | {', '.join(ops.get(k, []))} |"
+            for k, v, *n in s["top_kernels_ms_per_step"]]
     out += ["", "| longest other kernels | ms/step | launches/step | HLO |", "|---|---:|---:|---|"]
     out += [f"| `{k}` | {v:.2f} | {n:g} | {s.get('hlo_of', {}).get(k, '')} |"
             for k, v, n in s.get("top_other_ms_per_step", [])]
