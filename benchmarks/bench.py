@@ -96,6 +96,7 @@ def name_of(s: dict) -> str:
     policy = remat_policy_of(s)
     remat = "" if policy is None else " remat" if policy == "full" else f" remat-{policy}"
     remat += f" unroll{s['unroll']}" if s.get("unroll", 1) > 1 else ""
+    remat += f" gelu-{s['gelu']}" if s.get("gelu") else ""
     label = f" [{s['label']}]" if s.get("label") else ""  # e.g. the XLA flags of an A/B entry
     return f"{s['size']} {what}{extra} {s['dtype']} mb{s['micro']}x{s['accum']}{remat}{label}"
 
@@ -244,6 +245,8 @@ def run_entry(spec: dict) -> dict:
 
     from zerojax.models import gpt2 as G
 
+    if spec.get("gelu") == "autodiff":  # A/B for session 12: JAX's derivative of jax.nn.gelu
+        G.gelu_new = G._gelu_new_value    # instead of the model's custom-VJP gelu_new
     config = model_config(spec)
     seq = min(spec["seq"] or config.n_positions, config.n_positions)
     n_dev = jax.device_count()

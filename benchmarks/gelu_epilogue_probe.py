@@ -55,7 +55,13 @@ def mlp_2d(x, w1, b1, w2, act, bias=True):
     return (act(h) @ w2).reshape(B, T, D)
 
 
+def gelu_model(h):
+    from zerojax.models.gpt2 import gelu_new  # the model's custom VJP (session 12)
+    return gelu_new(h)
+
+
 VARIANTS = {
+    "model_gelu_new": (mlp, gelu_model, True),
     "jax_gelu": (mlp, gelu_jax, True),
     "jax_gelu_nobias": (mlp, gelu_jax, False),
     "f32_gelu": (mlp, gelu_f32, True),

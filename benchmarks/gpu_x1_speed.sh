@@ -38,6 +38,25 @@ profile_fused_loss() {  # $1: file prefix. ZeRO-2, remat, the fused loss (chunk 
   head -45 "$OUT/$1_profile.md"
 }
 
+if [ "${1:-sweep}" = s12 ]; then
+  # session 12 (~4 min): the c_fc gemm's bias + gelu in cuBLASLt's epilogue. The model's gelu_new is
+  # now a custom VJP (its backward keeps only its input, so the recompute's gelu can fold into the
+  # gemm too); XLA folds it only where the dot is not taken by Triton's gemm rewriter first
+  # (gelu_epilogue_probe.py). The micro-8 winner with: JAX's own gelu derivative (as before), the
+  # custom VJP, and each with Triton gemms off / Triton only where it fuses (triton_gemm_any=false)
+  FL() { echo "\"env\": {\"XLA_FLAGS\": \"$1\"}, \"label\": \"$2\""; }
+  ZI=$(FL --xla_gpu_enable_dus_accumulator_zero_init_elimination=true zi)
+  NT=$(FL --xla_gpu_enable_triton_gemm=false no_triton_gemm)
+  NA=$(FL --xla_gpu_triton_gemm_any=false triton_gemm_any_off)
+  W8='"stage": 2, "remat": "save_qkv_attention", "loss_chunk": 256'
+  W16='"stage": 2, "remat": "save_attention", "loss_chunk": 256, "micro": 16'
+  s6_matrix s12_speed "[
+    {\"stage\": \"plain\", \"remat\": true, $ZI},
+    {$W8, \"gelu\": \"autodiff\"}, {$W8}, {$W8, $NT}, {$W8, $NA}, {$W8, \"gelu\": \"autodiff\", $NT},
+    {$W16}, {$W16, $NT}, {$W16, $NA}]"
+  exit 0
+fi
+
 if [ "${1:-sweep}" = s10 ]; then
   # prepared in session 10, run in session 11 (~200 s; all three lost): the micro-8 winner A/B with the XLA GPU flags
   # JAX-Toolbox's GPT recipes set and no session has tried on it: Triton gemms off (cuBLAS for

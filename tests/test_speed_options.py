@@ -47,6 +47,37 @@ def test_policies_keep_what_they_name():
     assert {qkv, attn} <= kept["save_qkv_attention"]
 
 
+def test_gelu_new_is_jaxs_gelu_with_a_backward_that_keeps_only_its_input():
+    """The model's gelu_new (a custom VJP, so that XLA can fold it into the c_fc gemm's epilogue):
+    the same values as jax.nn.gelu's tanh form, the same gradient in float64 (JAX's own autodiff
+    of jax.nn.gelu as the reference), and for the backward it keeps its input alone where
+    autodiff keeps intermediates of the tanh as well."""
+    from zerojax.models.gpt2 import gelu_new
+
+    with jax.enable_x64(True):
+        x = jnp.linspace(-9.0, 9.0, 4001, dtype=jnp.float64)
+        np.testing.assert_array_equal(gelu_new(x), jax.nn.gelu(x, approximate=True))
+        grad = jax.grad(lambda x: gelu_new(x).sum())(x)
+        want = jax.grad(lambda x: jax.nn.gelu(x, approximate=True).sum())(x)
+        np.testing.assert_allclose(grad, want, rtol=1e-12, atol=1e-13)
+    # bf16: the backward's fp32 slope is closer to float64's than autodiff's bf16 chain
+    xb = jnp.linspace(-6.0, 6.0, 2001, dtype=jnp.float32).astype(jnp.bfloat16)
+    with jax.enable_x64(True):
+        exact = np.asarray(jax.grad(lambda x: jax.nn.gelu(x, approximate=True).sum())(
+            xb.astype(jnp.float64)))
+    ours = np.asarray(jax.grad(lambda x: gelu_new(x).astype(jnp.float32).sum())(xb), np.float64)
+    assert np.abs(ours - exact).max() <= 2 ** -8 * np.abs(exact).max()
+
+    def saved(fn):
+        out = io.StringIO()
+        with contextlib.redirect_stdout(out):
+            jax.ad_checkpoint.print_saved_residuals(lambda x: fn(x).sum(), jnp.ones((3, 5)))
+        return [line for line in out.getvalue().splitlines() if "[" in line]
+
+    assert len(saved(gelu_new)) == 1 and "f32[3,5]" in saved(gelu_new)[0]
+    assert len(saved(lambda x: jax.nn.gelu(x, approximate=True))) > 1
+
+
 def test_jax_names_its_cudnn_attention_forward_as_the_policies_expect():
     """The save_*attention policies find cuDNN's attention forward by its primitive's name."""
     from jax._src.cudnn import fused_attention_stablehlo as cudnn_attention

@@ -229,6 +229,41 @@ def _layer_norm(x, scale, bias, eps, dtype):
     return (y * scale.astype(jnp.float32) + bias.astype(jnp.float32)).astype(dtype)
 
 
+def _gelu_new_value(x):
+    return jax.nn.gelu(x, approximate=True)  # 0.5 x (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3)))
+
+
+@jax.custom_vjp
+def gelu_new(x):
+    """Hugging Face's gelu_new (the tanh approximation) whose backward keeps only its input.
+
+    Why not plain `jax.nn.gelu`: XLA's cuBLASLt rewriter folds bias + exactly this tanh form into
+    the epilogue of the gemm that produces x (BIAS_GELU; BIAS_GELU_AUX when x is also kept),
+    which saves the separate element-wise passes over the [tokens, 4d] activation, but only
+    where nothing else reads the tanh. Autodiff's derivative reads it, so under remat the
+    recomputed forward never matched. Here the backward recomputes the tanh from x, spelled
+    differently (x (c + c a x^2) for c (x + a x^3)) so that XLA's CSE does not merge it back
+    into the forward's (in fp32 for 16-bit inputs)."""
+    return _gelu_new_value(x)
+
+
+def _gelu_new_fwd(x):
+    return _gelu_new_value(x), x
+
+
+def _gelu_new_bwd(x, g):
+    c, a = math.sqrt(2.0 / math.pi), 0.044715
+    wide = jnp.promote_types(x.dtype, jnp.float32)  # bf16 / fp16 computed in fp32, fp64 kept
+    xf = x.astype(wide)
+    x2 = xf * xf
+    t = jnp.tanh(xf * (c + (c * a) * x2))
+    slope = 0.5 * (1.0 + t) + 0.5 * xf * (1.0 - t * t) * (c + (3.0 * c * a) * x2)
+    return ((g.astype(wide) * slope).astype(g.dtype),)
+
+
+gelu_new.defvjp(_gelu_new_fwd, _gelu_new_bwd)
+
+
 def _unconstrained(x, names):
     return x
 
@@ -255,7 +290,7 @@ def _block(x, p, *, eps, dtype, attention_impl, constrain=_unconstrained):
 
     h = _layer_norm(x, p["ln_2"]["scale"], p["ln_2"]["bias"], eps, dtype)
     h = jnp.einsum("btd,dm->btm", h, c(p["mlp"]["c_fc"]["kernel"])) + c(p["mlp"]["c_fc"]["bias"])
-    h = constrain(jax.nn.gelu(h, approximate=True), ("batch", "seq", "mlp"))  # HF's gelu_new
+    h = constrain(gelu_new(h), ("batch", "seq", "mlp"))
     x = x + constrain(jnp.einsum("btm,md->btd", h, c(p["mlp"]["c_proj"]["kernel"])), RESIDUAL)
     return x + c(p["mlp"]["c_proj"]["bias"])
 
