@@ -38,6 +38,32 @@ profile_fused_loss() {  # $1: file prefix. ZeRO-2, remat, the fused loss (chunk 
   head -45 "$OUT/$1_profile.md"
 }
 
+if [ "${1:-sweep}" = s12c ]; then
+  # session 12 (~3 min): "save_attention_block" (save_qkv_attention + the residual after the
+  # attention half: only the MLP half recomputed, +d per token and layer) at micro 8, with and
+  # without the bf16 first moment, beside save_qkv_attention and "dots" with it
+  MU='"env": {"ZEROJAX_ADAM_MU_DTYPE": "bfloat16"}, "label": "mu_bf16"'
+  C='"stage": 2, "loss_chunk": 256'
+  s6_matrix s12c_speed "[
+    {$C, \"remat\": \"save_qkv_attention\", $MU}, {$C, \"remat\": \"save_attention_block\", $MU},
+    {$C, \"remat\": \"save_attention_block\"}, {$C, \"remat\": \"dots\", $MU},
+    {$C, \"remat\": \"save_attention_block\", \"micro\": 16, $MU}]"
+  exit 0
+fi
+
+if [ "${1:-sweep}" = s12b ]; then
+  # session 12 (~3 min): the custom-VJP gelu_new on the default ("full" remat) A/B, and the winners
+  # with the bf16 first moment (EngineOptions.adam_mu_dtype: 2 bytes a parameter less each way in
+  # the AdamW pass, 1.44 GiB less state)
+  MU='"env": {"ZEROJAX_ADAM_MU_DTYPE": "bfloat16"}, "label": "mu_bf16"'
+  W8='"stage": 2, "remat": "save_qkv_attention", "loss_chunk": 256'
+  W16='"stage": 2, "remat": "save_attention", "loss_chunk": 256, "micro": 16'
+  s6_matrix s12b_speed "[
+    {\"stage\": 2, \"remat\": true, \"gelu\": \"autodiff\"}, {\"stage\": 2, \"remat\": true},
+    {$W8}, {$W8, $MU}, {$W16}, {$W16, $MU}]"
+  exit 0
+fi
+
 if [ "${1:-sweep}" = s12 ]; then
   # session 12 (~4 min): the c_fc gemm's bias + gelu in cuBLASLt's epilogue. The model's gelu_new is
   # now a custom VJP (its backward keeps only its input, so the recompute's gelu can fold into the

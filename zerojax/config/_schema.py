@@ -22,7 +22,8 @@ class _RematPolicyNames(tuple):
 
 
 REMAT_POLICY_NAMES = _RematPolicyNames(
-    ("none", "full", "dots", "save_qkv", "save_attention", "save_qkv_attention", "offload"))
+    ("none", "full", "dots", "save_qkv", "save_attention", "save_qkv_attention", "save_attention_block",
+     "offload"))
 
 
 # Features DeepSpeed removed (DeepSpeed issue #8489): any presence of the key, even null, {} or
@@ -405,7 +406,8 @@ class ActivationCheckpointingConfig:
     model that forbids unknown keys, so remove it before giving the config to DeepSpeed). What each layer keeps
     for the backward pass, the rest being recomputed: "full" (the layer input only), "dots" (every matmul
     output without batch dimensions), "save_qkv" (the qkv projection), "save_attention" (the attention
-    output), "save_qkv_attention" (both), "dots_<k>" (e.g. "dots_24": "dots" on the first k layers, "full" on
+    output), "save_qkv_attention" (both), "save_attention_block" (both and the residual stream after the
+    attention half: only the MLP half is recomputed), "dots_<k>" (e.g. "dots_24": "dots" on the first k layers, "full" on
     the rest: memory between the two), "offload" (the layer input, in host memory; the same as
     `cpu_checkpointing: true`), "none" (no recompute, as if the section were absent). Unset: "offload" with
     `cpu_checkpointing`, else "full".

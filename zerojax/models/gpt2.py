@@ -37,20 +37,26 @@ OFFLOADED_ACTIVATIONS = ("layer_input",)
 # the other tags: the qkv projection [B, T, 3, H, Dh] and the attention output [B, T, H, Dh],
 # which the "save_*" policies keep so that the backward pass does not recompute them
 QKV_PROJ, ATTENTION_OUT = "qkv_proj", "attention_out"
+# and the residual stream after the attention half [B, T, d] (the MLP half's input, before ln_2)
+ATTENTION_RESIDUAL = "attention_residual"
 # what each policy keeps per block for the backward pass (everything else is recomputed):
 #   "full": the block input only; "dots": every matmul without batch dims (qkv, both output
 #   projections, the MLP's up projection: 9 x d per token, bf16); "save_qkv": the qkv projection
 #   (3 x d); "save_attention": the attention output (1 x d; with cuDNN's attention also its softmax
 #   statistics, so the attention is not run again); "save_qkv_attention": both (4 x d);
+#   "save_attention_block": both and the residual after the attention half, so that only the MLP
+#   half is recomputed (5 x d);
 #   "offload": the block input, in pinned host memory. (GPT-2 Large at micro 8 x 1024: d values
 #   per token per layer = 0.70 GiB over its 36 layers in bf16.)
-REMAT_POLICIES = (None, "full", "dots", "save_qkv", "save_attention", "save_qkv_attention", "offload")
+REMAT_POLICIES = (None, "full", "dots", "save_qkv", "save_attention", "save_qkv_attention",
+                  "save_attention_block", "offload")
 # and "dots_<k>" (k an int, 2 <= k <= n_layer - 2): "dots" on the first k layers, "full" on the rest:
 # between the two in memory (k x dots' extra per layer), so that the planner can pick the k that
 # fits a budget. Two layer scans, one per policy (`split_remat_policy`).
 PARTIAL_DOTS = "dots_"
 _SAVED_NAMES = {"save_qkv": (QKV_PROJ,), "save_attention": (ATTENTION_OUT,),
-                "save_qkv_attention": (QKV_PROJ, ATTENTION_OUT)}
+                "save_qkv_attention": (QKV_PROJ, ATTENTION_OUT),
+                "save_attention_block": (QKV_PROJ, ATTENTION_OUT, ATTENTION_RESIDUAL)}
 # name of a layer's weights after `layer_fetch` (host->device, or ZeRO-3's gather): never saved
 # for the backward pass, so a layer's full weights are not kept for every layer
 FETCHED_PARAMS = "fetched_layer_params"
@@ -286,7 +292,7 @@ def _block(x, p, *, eps, dtype, attention_impl, constrain=_unconstrained):
     if attention_impl != "cudnn":  # cuDNN's: the save_*attention policies keep its forward's outputs
         o = checkpoint_name(o, ATTENTION_OUT)  # (a name here too would keep the output twice)
     x = x + constrain(jnp.einsum("btnh,nhd->btd", o, c(p["attn"]["c_proj"]["kernel"])), RESIDUAL)
-    x = x + c(p["attn"]["c_proj"]["bias"])
+    x = checkpoint_name(x + c(p["attn"]["c_proj"]["bias"]), ATTENTION_RESIDUAL)
 
     h = _layer_norm(x, p["ln_2"]["scale"], p["ln_2"]["bias"], eps, dtype)
     h = jnp.einsum("btd,dm->btm", h, c(p["mlp"]["c_fc"]["kernel"])) + c(p["mlp"]["c_fc"]["bias"])
