@@ -148,7 +148,8 @@ def _loss_and_grads(model, ids):
 
 # the last case also unrolls the layer scan (scan_unroll): a loop layout, the same function
 @pytest.mark.parametrize("policy,unroll", [("full", 1), ("dots", 1), ("offload", 1), ("save_qkv", 1),
-                                           ("save_attention", 1), ("save_qkv_attention", 2)])
+                                           ("save_attention", 1), ("save_attention_block", 1),
+                                           ("save_qkv_attention", 2)])
 def test_remat_matches_no_remat(policy, unroll):
     ids = jnp.asarray(_ids(CFG, seq=16))
     ref_loss, ref_g = _reference_loss_and_grads()

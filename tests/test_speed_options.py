@@ -5,6 +5,7 @@ That a policy or an unroll leaves the loss and gradients as without remat is che
 other policies in test_gpt2.py (test_remat_matches_no_remat); here, *what* each policy keeps, from
 JAX's own list of saved residuals.
 """
+import collections
 import contextlib
 import io
 import os
@@ -24,8 +25,9 @@ CFG = GPT2Config.named("tiny")  # 2 layers, d 64, 4 heads of 16, vocab 256
 B, T = 2, 16
 
 
-def _saved_residual_shapes(policy, config=CFG):
-    """The shapes JAX saves for the backward pass, as it prints them (f32[2,2,16,3,4,16] ...)."""
+def _saved_residual_shapes(policy, config=CFG, counted=False):
+    """The shapes JAX saves for the backward pass, as it prints them (f32[2,2,16,3,4,16] ...):
+    a set, or with `counted` how many residuals have each shape."""
     model = GPT2(config, rngs=nnx.Rngs(0), remat_policy=policy)
     graphdef, state = nnx.split(model)
     ids = jnp.zeros((B, T), jnp.int32)
@@ -33,18 +35,26 @@ def _saved_residual_shapes(policy, config=CFG):
     with contextlib.redirect_stdout(out):
         jax.ad_checkpoint.print_saved_residuals(
             lambda s: gpt2_loss(nnx.merge(graphdef, s), {"input_ids": ids})[0], state)
-    return {line.split()[0].split("[", 1)[1].rstrip("]") for line in out.getvalue().splitlines() if "[" in line}
+    shapes = [line.split()[0].split("[", 1)[1].rstrip("]") for line in out.getvalue().splitlines() if "[" in line]
+    return collections.Counter(shapes) if counted else set(shapes)
 
 
 def test_policies_keep_what_they_name():
     L, H, Dh = CFG.n_layer, CFG.n_head, CFG.head_dim
     # stacked over the layer scan: [layers, batch, seq, ...]
     qkv, attn = f"{L},{B},{T},3,{H},{Dh}", f"{L},{B},{T},{H},{Dh}"
-    kept = {p: _saved_residual_shapes(p) for p in ("full", "save_qkv", "save_attention", "save_qkv_attention")}
+    kept = {p: _saved_residual_shapes(p) for p in ("full", "save_qkv", "save_attention", "save_qkv_attention",
+                                                   "save_attention_block")}
     assert qkv not in kept["full"] and attn not in kept["full"]
     assert qkv in kept["save_qkv"] and attn not in kept["save_qkv"]
     assert attn in kept["save_attention"] and qkv not in kept["save_attention"]
     assert {qkv, attn} <= kept["save_qkv_attention"]
+    # and the residual stream after the attention half, [layers, batch, seq, d] (as is the layer
+    # input every policy keeps: hence counted, not looked up)
+    resid = f"{L},{B},{T},{CFG.n_embd}"
+    count = {p: _saved_residual_shapes(p, counted=True)[resid] for p in ("save_qkv_attention", "save_attention_block")}
+    assert {qkv, attn} <= kept["save_attention_block"]
+    assert count["save_attention_block"] == count["save_qkv_attention"] + 1
 
 
 def test_gelu_new_is_jaxs_gelu_with_a_backward_that_keeps_only_its_input():
@@ -250,6 +260,8 @@ def test_the_step_time_model_knows_every_remat_policy_of_the_model():
     assert flops["full"] == flops[None] + 2 * shape.layer_params + 4 * attn
     assert flops[None] < flops["save_qkv_attention"] < flops["save_qkv"] < flops["full"]
     assert flops["save_qkv_attention"] < flops["save_attention"] < flops["full"]
+    # only the MLP half rerun: one d^2 matmul per layer (the attention output projection) less
+    assert flops["save_attention_block"] == flops["save_qkv_attention"] - 2 * 36 * 1280**2
     assert set(est.REMAT_RECOMPUTE) >= set(REMAT_POLICIES)
     # "dots_<k>": k layers "dots", the rest "full": the two ends' difference, in steps of 1 / 36
     for k in (2, 18, 34):
@@ -315,7 +327,7 @@ def test_fused_cross_entropy_against_float64():
 
 def test_planner_fits_the_fastest_remat_policy_to_a_budget():
     """planner.fit_remat_policy on a 5-layer GPT-2: each budget gets the first policy of the
-    ladder (fastest first: dots, save_qkv_attention, save_attention, full) whose compiled step
+    ladder (fastest first: dots, save_attention_block, save_qkv_attention, save_attention, full) whose compiled step
     fits, checked against step_memory of each policy (an independent compile each); with the
     partial-dots family on the ladder, the "dots_<k>" of the largest k that fits (k and k + 1
     compiled on their own); a plan naming it writes the policy into activation_checkpointing."""
@@ -325,18 +337,19 @@ def test_planner_fits_the_fastest_remat_policy_to_a_budget():
     factory = lambda remat_policy=None: GPT2(cfg3, rngs=nnx.Rngs(0), remat_policy=remat_policy)  # noqa: E731
     ds = {"train_micro_batch_size_per_gpu": 8, "zero_optimization": {"stage": 0},
           "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}}}
-    names = ("full", "save_attention", "save_qkv_attention", "dots_2", "dots_3", "dots")
+    names = ("full", "save_attention", "save_qkv_attention", "save_attention_block", "dots_2", "dots_3", "dots")
     peak = {p: planner.step_memory(factory, ds, 128, 8, remat=p).peak for p in names}
-    assert max(peak["full"], peak["save_attention"]) < peak["save_qkv_attention"] < peak["dots"], peak
+    assert (max(peak["full"], peak["save_attention"]) < peak["save_qkv_attention"] < peak["save_attention_block"]
+            < peak["dots"]), peak
     assert peak["full"] < peak["dots_2"] < peak["dots_3"] < peak["dots"], peak
     fit = lambda budget, **kw: planner.fit_remat_policy(factory, ds, budget, 128, cfg3.n_layer, **kw)  # noqa: E731
-    ladder = ("dots", "save_qkv_attention", "save_attention", "full")
+    ladder = ("dots", "save_attention_block", "save_qkv_attention", "save_attention", "full")
     assert planner.REMAT_LADDER == ladder
     # (on CPU "full" may peak above "save_attention": XLA's schedule, not what each keeps)
     budgets = sorted({peak[p] - d for p in ladder for d in (0, 1)})
     picked = [fit(b) for b in budgets]
     assert picked == [next((p for p in ladder if peak[p] <= b), "full") for b in budgets], (budgets, picked)
-    assert {"dots", "save_qkv_attention", "save_attention"} <= set(picked)
+    assert {"dots", "save_attention_block", "save_qkv_attention", "save_attention"} <= set(picked)
     dots_k = ("dots", "dots_*", "full")
     assert fit(peak["dots_3"], ladder=dots_k) == "dots_3" and fit(peak["dots_3"] - 1, ladder=dots_k) == "dots_2"
     assert fit(peak["dots_2"] - 1, ladder=dots_k) == "full"

@@ -282,10 +282,13 @@ REMAT_RECOMPUTE = {None: "nothing", "dots": "attention scores", "full": "every b
                    "offload": "every block's forward",
                    "save_qkv": "every block's forward but the q/k/v projection",
                    "save_attention": "every block's matmuls, not attention itself",
-                   "save_qkv_attention": "the attention output projection and the MLP"}
-# (d^2 weights per layer whose matmul output is saved, attention's output saved): the save_*
-# policies of models.gpt2 (checkpoint_name tags on the q/k/v projection and the attention output)
-_SAVED_BY_POLICY = {"save_qkv": (3, False), "save_attention": (0, True), "save_qkv_attention": (3, True)}
+                   "save_qkv_attention": "the attention output projection and the MLP",
+                   "save_attention_block": "the MLP"}
+# (d^2 weights per layer whose matmul output is saved or not recomputed, attention's output saved):
+# the save_* policies of models.gpt2 (checkpoint_name tags on the q/k/v projection, the attention
+# output and the residual after the attention half, which spares the output projection's rerun)
+_SAVED_BY_POLICY = {"save_qkv": (3, False), "save_attention": (0, True), "save_qkv_attention": (3, True),
+                    "save_attention_block": (4, True)}
 
 
 @dataclasses.dataclass(frozen=True)
