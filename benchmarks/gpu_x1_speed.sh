@@ -38,6 +38,28 @@ profile_fused_loss() {  # $1: file prefix. ZeRO-2, remat, the fused loss (chunk 
   head -45 "$OUT/$1_profile.md"
 }
 
+if [ "${1:-sweep}" = s12d ]; then
+  # session 12's closing table (~4 min): issue #18's 1-GPU rows side by side with plain jax.jit --
+  # the default, the micro-8 winners under 16 GiB, micro 12 / 16 candidates -- then a profile of the
+  # micro-8 winner (save_attention_block + ce/256 + bf16 first moment)
+  FL() { echo "\"env\": {\"XLA_FLAGS\": \"$1\"}, \"label\": \"$2\""; }
+  ZI=$(FL --xla_gpu_enable_dus_accumulator_zero_init_elimination=true zi)
+  MU='"env": {"ZEROJAX_ADAM_MU_DTYPE": "bfloat16"}, "label": "mu_bf16"'
+  C='"stage": 2, "loss_chunk": 256'
+  s6_matrix s12d_speed "[
+    {\"stage\": \"plain\", \"remat\": true, $ZI}, {\"stage\": 2, \"remat\": true},
+    {$C, \"remat\": \"save_attention_block\", $MU}, {$C, \"remat\": \"save_qkv_attention\"},
+    {$C, \"remat\": \"save_attention_block\", \"micro\": 12, $MU},
+    {$C, \"remat\": \"save_qkv_attention\", \"micro\": 16, $MU},
+    {$C, \"remat\": \"save_attention\", \"micro\": 16, $MU},
+    {\"stage\": \"plain\", \"remat\": true, \"micro\": 16, $ZI}]"
+  ZEROJAX_ADAM_MU_DTYPE=bfloat16 $PY benchmarks/profile_step.py \
+    '{"stage": 2, "remat": "save_attention_block", "loss_chunk": 256}' --steps 4 --warmup 2 \
+    --json "$OUT/s12d_profile.json" 2>/dev/null > "$OUT/s12d_profile.md"
+  head -32 "$OUT/s12d_profile.md"
+  exit 0
+fi
+
 if [ "${1:-sweep}" = s12c ]; then
   # session 12 (~3 min): "save_attention_block" (save_qkv_attention + the residual after the
   # attention half: only the MLP half recomputed, +d per token and layer) at micro 8, with and
