@@ -38,6 +38,18 @@ profile_fused_loss() {  # $1: file prefix. ZeRO-2, remat, the fused loss (chunk 
   head -45 "$OUT/$1_profile.md"
 }
 
+if [ "${1:-sweep}" = s12e ]; then
+  # session 12 (~2 min): EngineOptions.master_split (the device master as bf16 params + int16
+  # remainder: 1.44 GiB less on GPT-2 Large) on the micro-8 winner, "dots" and the default
+  MU='"env": {"ZEROJAX_ADAM_MU_DTYPE": "bfloat16"}, "label": "mu_bf16"'
+  MS='"env": {"ZEROJAX_ADAM_MU_DTYPE": "bfloat16", "ZEROJAX_MASTER_SPLIT": "1"}, "label": "mu_bf16 split"'
+  C='"stage": 2, "loss_chunk": 256'
+  s6_matrix s12e_speed "[
+    {$C, \"remat\": \"save_attention_block\", $MU}, {$C, \"remat\": \"save_attention_block\", $MS},
+    {$C, \"remat\": \"dots\", $MS}, {\"stage\": 2, \"remat\": true, \"env\": {\"ZEROJAX_MASTER_SPLIT\": \"1\"}, \"label\": \"split\"}]"
+  exit 0
+fi
+
 if [ "${1:-sweep}" = s12d ]; then
   # session 12's closing table (~4 min): issue #18's 1-GPU rows side by side with plain jax.jit --
   # the default, the micro-8 winners under 16 GiB, micro 12 / 16 candidates -- then a profile of the

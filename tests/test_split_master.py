@@ -116,3 +116,82 @@ def test_split_master_is_the_default_where_it_applies():
         hosts = [i for i, c in enumerate(eng.offload_layout.layout.chunks) if c.host]
         dtypes = {x.dtype for i in hosts for x in jax.tree.leaves(eng.state.master[i])}
         assert dtypes == ({jnp.dtype(jnp.int16)} if want else {jnp.dtype(jnp.float32)})
+
+
+# ------------------------------------------------------------------ EngineOptions.master_split
+# the device-resident master (no optimizer offload) kept the same way: against the same training
+# with the whole fp32 master on the device
+
+
+def scaled_loss(model, batch):
+    """GPT-2's loss times the batch's "scale" (NaN there: a non-finite loss, a skipped step)."""
+    loss, aux = gpt2.gpt2_loss(model, {"input_ids": batch["input_ids"]})
+    return loss * batch["scale"].mean(), aux
+
+
+def device_batches(n, accum=1, nan_at=()):
+    rng = np.random.default_rng(0)
+    return [{"input_ids": rng.integers(0, C.vocab_size, (8 * accum, 8)).astype(np.int32),
+             "scale": np.full((8 * accum,), np.nan if i in nan_at else 1.0, np.float32)} for i in range(n)]
+
+
+def train_on_device(split, stage=2, steps=3, accum=1, nan_at=()):
+    opts = zerojax.EngineOptions(master_split=split)
+    make = lambda: gpt2.GPT2(C, rngs=nnx.Rngs(0), dtype=jnp.bfloat16)  # noqa: E731
+    cfg = {**config(stage, "bf16"), "gradient_accumulation_steps": accum}
+    eng = zerojax.shard(make, cfg, loss_fn=scaled_loss, options=opts)
+    losses = []
+    for b in device_batches(steps, accum, nan_at):
+        losses.append(float(eng.train_step(b)["loss"]))
+        if np.isnan(losses[-1]):
+            with pytest.raises(FloatingPointError, match="not finite"):
+                eng.synchronize()
+    return eng, losses
+
+
+@pytest.mark.parametrize("stage,accum,nan_at", [(0, 1, ()), (1, 2, ()), (2, 1, (1,)), (3, 1, ())])
+def test_device_master_split_trains_as_the_fp32_master(stage, accum, nan_at):
+    # the same losses and compute params (bitwise), the master within two ulps; a non-finite step
+    # (stage 2's second) skipped by both, the remainders kept as the master is
+    split, losses = train_on_device(True, stage, accum=accum, nan_at=nan_at)
+    whole, want = train_on_device(False, stage, accum=accum, nan_at=nan_at)
+    np.testing.assert_array_equal(losses, want)
+    assert split.skipped_steps == whole.skipped_steps == len(nan_at)
+    for x, y in zip(jax.tree.leaves(split.state.params), jax.tree.leaves(whole.state.params)):
+        np.testing.assert_array_equal(np.asarray(x, np.float32), np.asarray(y, np.float32))
+    for x, y in zip(jax.tree.leaves(split.master_params), jax.tree.leaves(whole.master_params)):
+        assert x.dtype == jnp.float32 and x.sharding == y.sharding
+        np.testing.assert_allclose(np.asarray(x), np.asarray(y), rtol=ULP2, atol=0)
+    # the state holds int16 remainders in the master's sharding: half the fp32 master's bytes
+    assert {x.dtype for x in jax.tree.leaves(split.state.master)} == {jnp.dtype(jnp.int16)}
+    for x, y in zip(jax.tree.leaves(split.state.master), jax.tree.leaves(whole.state.master)):
+        assert x.sharding == y.sharding
+    assert 2 * split.memory_report()["master"] == whole.memory_report()["master"]
+
+
+def test_device_master_split_checkpoints_store_the_fp32_master(tmp_path):
+    split, _ = train_on_device(True, steps=2)
+    whole, _ = train_on_device(False, steps=2)
+    split.save_checkpoint(tmp_path / "a")
+    ref = [np.asarray(x) for x in jax.tree.leaves(whole.master_params)]
+    want = [float(whole.train_step(b)["loss"]) for b in device_batches(4)[2:]]
+    for option, src in ((False, "a"), (True, "b")):
+        eng = zerojax.shard(lambda: gpt2.GPT2(C, rngs=nnx.Rngs(0), dtype=jnp.bfloat16), config(2, "bf16"),
+                            loss_fn=scaled_loss, options=zerojax.EngineOptions(master_split=option))
+        eng.load_checkpoint(tmp_path / src)
+        for x, y in zip(jax.tree.leaves(eng.master_params), ref):
+            np.testing.assert_allclose(np.asarray(x), y, rtol=ULP2, atol=0)
+        if src == "a":
+            eng.save_checkpoint(tmp_path / "b")  # saved without the option, resumed with it next
+        assert [float(eng.train_step(b)["loss"]) for b in device_batches(4)[2:]] == want
+
+
+def test_device_master_split_errors():
+    opts = zerojax.EngineOptions(master_split=True)
+    make = lambda: gpt2.GPT2(C, rngs=nnx.Rngs(0))  # noqa: E731
+    with pytest.raises(ValueError, match=r"master_split needs bf16 compute.*this config: fp32"):
+        zerojax.shard(make, config(2, "fp32"), loss_fn=gpt2.gpt2_loss, options=opts)
+    with pytest.raises(ValueError, match=r"master_split needs .*this config: bf16, optimizer offload on"):
+        zerojax.shard(make, config(2, "bf16", "cpu"), loss_fn=gpt2.gpt2_loss, options=opts)
+    with pytest.raises(ValueError, match=r"master_split='yes': True or False"):
+        zerojax.EngineOptions(master_split="yes")

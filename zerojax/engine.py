@@ -212,6 +212,8 @@ class Engine:
             params = jax.jit(cast, out_shardings=sh.params)(master)
             master_view = master
         opt_state = jax.jit(lay.tx.init, out_shardings=lay.opt_shardings)(master_view)
+        # EngineOptions.master_split: the fp32 master kept as int16 remainders against `params`
+        master = lay.split_master(master, params, to_split=True)
         return self._fresh_state(params, master, opt_state, rest)
 
     def _grad_accumulator(self, abstract: bool):
@@ -660,7 +662,9 @@ class Engine:
             if self.layout.nvme is not None:  # read back from the swap files
                 master = self.layout.nvme.fill(master, None)[0]
             return self._merge_master(master)
-        return self.state.master if self.state.master is not None else self.state.params
+        if self.state.master is None:
+            return self.state.params
+        return self.layout.split_master(self.state.master, self.state.params, to_split=False)
 
     @property
     def model(self) -> nnx.Module:

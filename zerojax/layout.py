@@ -107,7 +107,7 @@ class EngineLayout:
         default "loop" layout): what a checkpoint stores. NVMe: the files' leaves read back whole,
         or with `stream` (a checkpoint's save) `SwappedLeaf`s there, read a group at a time."""
         if self.offload is None:
-            return state
+            return state._replace(master=self.split_master(state.master, state.params, to_split=False))
         if self.nvme is not None:  # the files' leaves into the chunk
             jax.block_until_ready(state)   # the step's last group written (its callbacks ran) before reading
             into = self.nvme.swapped if stream and self.nvme.streams else self.nvme.fill
@@ -121,13 +121,30 @@ class EngineLayout:
 
     def split_master(self, master: list, params, *, to_split: bool) -> list:
         """EngineOptions.offload_master_split: the host chunks of the per-chunk `master` turned into
-        int16 remainders against the compute `params` (`to_split`) or back into fp32; `master`
-        unchanged without the option."""
+        int16 remainders against the compute `params` (`to_split`) or back into fp32;
+        EngineOptions.master_split: the same for the whole device-resident master (against its own
+        bf16 rounding when splitting, which the compute `params` are); `master` unchanged without
+        either."""
+        if self.step.split_master and master is not None:
+            return self._device_split(to_split)(master, params)
         so = self.step.offload
         if so is None or not so.split_master or master is None:
             return master
         hosts = [i for i, c in enumerate(self.offload.layout.chunks) if c.host]
         return O.split_master.convert(master, params, self.offload, hosts, to_split=to_split, cache=so.converters)
+
+    def _device_split(self, to_split: bool):
+        """EngineOptions.master_split's conversion (fp32 master <-> int16 remainders), one jitted
+        program each way, in the master's sharding."""
+        cache = self.__dict__.setdefault("_device_split_programs", {})
+        if to_split not in cache:
+            sm, sh, dtype = O.split_master, self.shardings.master, self.compute_dtype
+            if to_split:
+                run = lambda m, p: sm.remainders(m, jax.tree.map(lambda x: x.astype(dtype), m))  # noqa: E731
+            else:
+                run = lambda r, p: sm.masters(jax.lax.with_sharding_constraint(p, sh), r)  # noqa: E731
+            cache[to_split] = jax.jit(run, out_shardings=sh)
+        return cache[to_split]
 
     def stored_targets(self, state: TrainState, *, stream: bool = False) -> tuple[TrainState, TrainState]:
         """(the stored form of `state`, its shardings) for a restore: abstract where the stored form
@@ -315,7 +332,8 @@ def _build_layout(module, cfg: Config, *, loss_fn, mesh: Mesh, options) -> Engin
         opt_shardings=opt_shardings, rest_shardings=rest_shardings, compute_dtype=dtype,
         # pipelined: the micro-batches flow through the stages inside one loss_fn call
         accum_dtype=accum_dtype, steps=1 if schedule_ else int(cfg.gradient_accumulation_steps),
-        train_batch_size=int(cfg.train_batch_size), fp16=fp16, offload=offload_step, fetch_rest=fetch_rest)
+        train_batch_size=int(cfg.train_batch_size), fp16=fp16, offload=offload_step, fetch_rest=fetch_rest,
+        split_master=device_master_split(options, cfg, offload_optimizer))
     return EngineLayout(
         cfg=cfg, mesh=mesh, options=options, stage=stage, fp16=fp16, compute_dtype=dtype,
         accum_dtype=accum_dtype, offload_optimizer=offload_optimizer, offload_param=offload_param,
@@ -378,6 +396,23 @@ def split_master_for(options, cfg, loop: str) -> bool:
                          f"the bf16 compute copy) and offload_loop='host' (this config: {precision}, "
                          f"offload_loop={loop!r}); enable \"bf16\" and offload_loop='host', or leave "
                          f"offload_master_split off")
+    return True
+
+
+def device_master_split(options, cfg, offload_optimizer: bool) -> bool:
+    """EngineOptions.master_split checked against this config: the device-resident master kept as
+    remainders against the bf16 compute params needs those params (bf16 compute) and a master on
+    the device (no optimizer offload: offload_master_split is the host memory's)."""
+    if not options.master_split:
+        return False
+    precision = {jnp.dtype(jnp.bfloat16): "bf16", jnp.dtype(jnp.float16): "fp16"}.get(
+        jnp.dtype(compute_dtype_of(cfg)), "fp32")
+    if precision != "bf16" or offload_optimizer:
+        raise ValueError(f"EngineOptions.master_split needs bf16 compute (the master's top half is the bf16 "
+                         f"compute copy) and the master on the device (this config: {precision}, optimizer "
+                         f"offload {'on' if offload_optimizer else 'off'}); enable \"bf16\" without "
+                         f"zero_optimization.offload_optimizer (offloaded: EngineOptions.offload_master_split), "
+                         f"or leave master_split off")
     return True
 
 

@@ -97,6 +97,15 @@ class EngineOptions:
         layers a chunk, bf16 first moment, 24 GB cap, session 11): 36,144 / 36,216 tokens/s at
         8.71 / 8.81 GiB against 31,495 / 9.54 without; fp32 moment 31,262 / 9.44 (session 10
         without: 29,131 / 10.54).
+    master_split [False]: without optimizer offload, with bf16 compute, the fp32 master kept on
+        the device as the bf16 compute params (which the device holds anyway) plus an int16
+        remainder (`offload.split_master`, as offload_master_split does for host memory): 2 bytes
+        a parameter less of the model states (the master's share of the devices holding it: all of
+        it on one GPU, 1 / data-parallel size with ZeRO 1-3), 1.44 GiB for GPT-2 Large on one GPU.
+        The update rebuilds the fp32 master, updates it and splits it again in the same pass. Exact
+        but for exact ties (one fp32 ulp, probability 2^-16 per weight and step); checkpoints and
+        `master_params` hold the fp32 master as without it. True with fp16 / fp32 compute or with
+        optimizer offload is an error.
     adam_mu_dtype [None]: Adam/AdamW's first moment stored in this dtype ("bfloat16"), updated
         and used in fp32 within the step: 2 bytes less per parameter in memory (and, under
         optimizer offload, each way over PCIe: 10 bytes instead of 12). Changes training slightly
@@ -134,6 +143,7 @@ class EngineOptions:
     offload_host_prefetch: int = 2
     offload_host_prefetch_last: int = 0
     offload_master_split: bool | None = None
+    master_split: bool = False
     offload_host_chunk_bytes: int = 256 * 2**20
     adam_mu_dtype: str | None = None
     stage3_gather: str = "layer"
@@ -162,6 +172,8 @@ class EngineOptions:
         for name in ("offload_prefetch", "memory_guard"):
             if not isinstance(getattr(self, name), bool):
                 problems.append(f"{name}={getattr(self, name)!r}: True or False")
+        if not isinstance(self.master_split, bool):
+            problems.append(f"master_split={self.master_split!r}: True or False")
         if not isinstance(self.offload_master_split, (bool, type(None))):
             problems.append(f"offload_master_split={self.offload_master_split!r}: None (where it applies), "
                             "True or False")
@@ -194,7 +206,7 @@ class EngineOptions:
         """Options from the ZEROJAX_* environment variables (benchmark scripts), then `overrides`.
 
         ZEROJAX_OFFLOAD_CHUNKS, _OFFLOAD_UNROLL, _OFFLOAD_PREFETCH, _OFFLOAD_WRITE_PIECES,
-        _OFFLOAD_STREAMS, _OFFLOAD_LOOP, _OFFLOAD_HOST_WINDOW, _ADAM_MU_DTYPE, _STAGE3_GATHER, _INIT_GROUP_BYTES,
+        _OFFLOAD_STREAMS, _OFFLOAD_LOOP, _OFFLOAD_HOST_WINDOW, _ADAM_MU_DTYPE, _MASTER_SPLIT, _STAGE3_GATHER, _INIT_GROUP_BYTES,
         _PIPELINE_STAGE_LOOP, _MEMORY_GUARD.
         Booleans accept 1/0, true/false, yes/no, on/off; anything else is an error naming the
         variable and the values it takes.
@@ -268,6 +280,7 @@ _ENV = {
     "offload_host_prefetch": ("ZEROJAX_OFFLOAD_HOST_PREFETCH", _int),
     "offload_host_prefetch_last": ("ZEROJAX_OFFLOAD_HOST_PREFETCH_LAST", _int),
     "offload_master_split": ("ZEROJAX_OFFLOAD_MASTER_SPLIT", _bool),
+    "master_split": ("ZEROJAX_MASTER_SPLIT", _bool),
     "offload_host_chunk_bytes": ("ZEROJAX_OFFLOAD_HOST_CHUNK_BYTES", _int),
     "adam_mu_dtype": ("ZEROJAX_ADAM_MU_DTYPE", _choice(("bfloat16",))),
     "stage3_gather": ("ZEROJAX_STAGE3_GATHER", _choice(STAGE3_GATHER_MODES)),

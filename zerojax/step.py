@@ -70,6 +70,9 @@ class StepSettings:
     train_batch_size: int
     fp16: bool
     offload: "OffloadStep | None" = None   # host offload (zero_optimization.offload_*)
+    # EngineOptions.master_split (no optimizer offload, bf16): `TrainState.master` holds int16
+    # remainders against `params` (`offload.split_master`), the fp32 master rebuilt in the update
+    split_master: bool = False
     # the non-layer params -> where the forward uses them (stage 3: gathered; offload_param:
     # brought to the device); the layers are moved one at a time by the model's layer_fetch hook
     fetch_rest: Callable | None = None
@@ -125,10 +128,23 @@ def _call_loss(settings: StepSettings, params, batch, rest):
 
 
 def master_of(settings: StepSettings, state: TrainState):
-    """The fp32 master in the optimizer sharding (a local slice of `params` when fp32)."""
+    """The fp32 master in the optimizer sharding (a local slice of `params` when fp32; with
+    `split_master`, rebuilt from the params' local slice and the remainders)."""
+    if settings.split_master:
+        compute = jax.lax.with_sharding_constraint(state.params, settings.shardings.master)
+        return offload_mod.split_master.masters(compute, state.master)
     if state.master is not None:
         return state.master
     return jax.lax.with_sharding_constraint(state.params, settings.shardings.master)
+
+
+def stored_master(settings: StepSettings, master):
+    """What `TrainState.master` keeps of an fp32 `master`: itself, or with `split_master` its
+    int16 remainders against its own bf16 rounding (the compute params' local slice)."""
+    if not settings.split_master:
+        return master
+    rems = offload_mod.split_master.remainders(master, jax.tree.map(lambda m: m.astype(settings.compute_dtype), master))
+    return jax.lax.with_sharding_constraint(rems, settings.shardings.master)
 
 
 def loss_scale_of(settings: StepSettings, opt_state):
@@ -209,10 +225,11 @@ def train_step(settings: StepSettings, state: TrainState, batch):
 
         def update():
             new_master, new_opt = optimizer_update(settings, grads, master, state.opt_state)
-            return new_master, new_opt, _compute_params(settings, new_master)
+            return stored_master(settings, new_master), new_opt, _compute_params(settings, new_master)
 
+        kept = state.master if settings.split_master else master
         new_master, new_opt, params = jax.lax.cond(
-            nonfinite, lambda: (master, state.opt_state, _compute_params(settings, master)), update)
+            nonfinite, lambda: (kept, state.opt_state, _compute_params(settings, master)), update)
     new_state = TrainState(
         params=params,
         master=new_master if state.master is not None else None,
