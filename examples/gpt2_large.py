@@ -123,6 +123,10 @@ def parse_args(argv=None):
                    help="store Adam's first moment in bf16 (zerojax.EngineOptions.adam_mu_dtype): 2 bytes "
                         "a parameter less, and under optimizer offload less to move over PCIe; changes "
                         "training slightly (DeepSpeed keeps it fp32); default: the master's dtype")
+    p.add_argument("--master-split", action="store_true",
+                   help="keep the fp32 master as the bf16 params + an int16 remainder on the device "
+                        "(zerojax.EngineOptions.master_split): 2 bytes a parameter less, the same training "
+                        "but for exact ties (one fp32 ulp); needs bf16 and no optimizer offload")
     p.add_argument("--eval-batches", type=_number(int, 0), default=8)
     p.add_argument("--seed", type=_number(int, 0), default=None,
                    help="init and data-order seed (default 0; on --resume the checkpoint's)")
@@ -257,13 +261,22 @@ def _offload_loop_auto(cfg, make_model, seq_len, loss_fn) -> tuple[str, str | No
 
 
 def _engine_options(args, cfg, loop=None):
-    """--offload-loop (else `loop`), checked against the config before the engine is built ->
+    """--offload-loop (else `loop`) and --master-split, checked against the config before the engine is built ->
     zerojax.EngineOptions."""
     from zerojax import EngineOptions
-    from zerojax.layout import offloads, resolve_offload_loop
+    from zerojax.layout import device_master_split, offloads, resolve_offload_loop
 
-    options = EngineOptions(offload_loop=args.offload_loop or loop or "in_place", adam_mu_dtype=args.adam_mu_dtype)
+    options = EngineOptions(offload_loop=args.offload_loop or loop or "in_place", adam_mu_dtype=args.adam_mu_dtype,
+                            master_split=args.master_split)
     zero = cfg.zero_optimization
+    try:
+        device_master_split(options, cfg, offloads(cfg)[0])
+    except ValueError:
+        raise ConfigMismatch(
+            f"--master-split needs bf16 and the optimizer state on the device; {args.config} has "
+            f"bf16.enabled {cfg.bf16.enabled}, offload_optimizer.device {zero.offload_optimizer.device!r} "
+            "(configs/zero2_bf16.json is one that fits; under optimizer offload the host loop splits "
+            "the master by itself)") from None
     try:  # the engine's own rule, before anything is built
         resolve_offload_loop(options, zero, *offloads(cfg))
     except ValueError:
@@ -479,7 +492,8 @@ def main(argv=None):
     summary = {"model": size, "config": os.path.basename(args.config), "devices": n_dev,
                "stage": cfg.zero_optimization.stage, "train_batch_size": cfg.train_batch_size,
                "seq_len": seq_len, "remat": remat, "precision": precision, "start_step": start,
-               "steps": steps, "schedule_steps": schedule_steps, "lr": lr}
+               "steps": steps, "schedule_steps": schedule_steps, "lr": lr,
+               "master_split": engine.layout.step.split_master}
     if t0 is not None and timed_tokens:
         tps = timed_tokens / (time.perf_counter() - t0) / n_dev
         summary["tokens_per_s_per_device"] = round(tps)

@@ -189,6 +189,21 @@ def test_offload_loop_flag_trains_like_the_default_and_is_checked_against_the_co
                       "--offload-loop", "host"])
 
 
+def test_master_split_flag_trains_as_without_it_and_is_refused_under_offload():
+    """--master-split (EngineOptions.master_split) reaches the engine and trains as the whole fp32
+    master does (the same losses); with a config that offloads the optimizer it is refused before
+    anything is built, naming the flag and a config that fits."""
+    example = _example()
+    cfg = os.path.join(ROOT, "configs", "zero2_bf16.json")
+    runs = [example.main(["--config", cfg, *TINY, "--steps", "3", *flag]) for flag in ([], ["--master-split"])]
+    assert [r["master_split"] for r in runs] == [False, True]
+    assert runs[1]["losses"] == runs[0]["losses"]
+    with pytest.raises(example.ConfigMismatch, match="--master-split needs bf16.*offload_optimizer.device .cpu.*"
+                                                     "zero2_bf16.json"):
+        example.main(["--config", os.path.join(ROOT, "configs", "zero2_offload_optimizer.json"), *TINY,
+                      "--steps", "1", "--master-split"])
+
+
 def test_offload_loop_auto_takes_host_where_its_step_fits(capsys, monkeypatch):
     """No --offload-loop, a config offloading the optimizer to cpu, a device that reports its memory
     (here a stand-in budget): "host" where its step (compiled on an abstract engine) fits, trained

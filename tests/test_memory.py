@@ -246,9 +246,10 @@ def test_engine_guard_raises_before_the_first_step(engine_micro2):
     batch = {"input_ids": jax.ShapeDtypeStruct((cfg.train_batch_size, SEQ), jnp.int32)}
     real = M.CompiledMemory.of(M.compile_engine_step(engine, batch)).peak  # the engine's own compile
     # Planning compiles on CPU skip XLA's CPU fusion emitters (2.6x faster to compile); their
-    # fusions keep slightly more temporaries (+1.2% on this step, measured), so the planning peak
-    # is at or above the real one, within 2%.
-    assert real <= peak(2) <= 1.02 * real
+    # fusions keep slightly more temporaries (+1.2% on this step, measured; +2.4% since GPT-2's
+    # gelu is a custom VJP, which took the real peak from 2.73 to 2.19 MB and the planning one from
+    # 2.77 to 2.25), so the planning peak is at or above the real one, within 3%.
+    assert real <= peak(2) <= 1.03 * real
     budget = (peak(1) + real) // 2
     with pytest.raises(M.WillNotFitError) as info:
         PL.guard(engine, batch, budget, stages=(2,), offloads=("none",))
