@@ -195,3 +195,27 @@ def test_device_master_split_errors():
         zerojax.shard(make, config(2, "bf16", "cpu"), loss_fn=gpt2.gpt2_loss, options=opts)
     with pytest.raises(ValueError, match=r"master_split='yes': True or False"):
         zerojax.EngineOptions(master_split="yes")
+
+
+@pytest.mark.parametrize("axis", [{"tensor_parallel": {"autotp_size": 2}, "zero_optimization": {"stage": 2}},
+                                  {"pipeline": {"stages": 2}, "gradient_accumulation_steps": 4,
+                                   "zero_optimization": {"stage": 1}}])
+def test_device_master_split_with_tensor_and_pipeline_axes(axis):
+    # the remainders live in the master's sharding on a tensor / pipe axis too: the same losses
+    # and, within two ulps, the same master as the whole fp32 master there
+    def run(split):
+        cfg = {"train_micro_batch_size_per_gpu": 1, "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}},
+               "bf16": {"enabled": True}, **axis}
+        eng = zerojax.shard(lambda: gpt2.GPT2(C, rngs=nnx.Rngs(0), dtype=jnp.bfloat16), cfg,
+                            loss_fn=gpt2.gpt2_loss, options=zerojax.EngineOptions(master_split=split))
+        rng = np.random.default_rng(0)
+        rows = eng.cfg.train_batch_size
+        losses = [float(eng.train_step({"input_ids": rng.integers(0, C.vocab_size, (rows, 8)).astype(np.int32)})["loss"])
+                  for _ in range(3)]
+        return eng, losses
+
+    (split, losses), (whole, want) = run(True), run(False)
+    assert losses == want
+    assert {x.dtype for x in jax.tree.leaves(split.state.master)} == {jnp.dtype(jnp.int16)}
+    for x, y in zip(jax.tree.leaves(split.master_params), jax.tree.leaves(whole.master_params)):
+        np.testing.assert_allclose(np.asarray(x), np.asarray(y), rtol=ULP2, atol=0)
