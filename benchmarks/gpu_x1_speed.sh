@@ -38,6 +38,13 @@ profile_fused_loss() {  # $1: file prefix. ZeRO-2, remat, the fused loss (chunk 
   head -45 "$OUT/$1_profile.md"
 }
 
+if [ "${1:-sweep}" = s12f ]; then
+  # session 12 (~1 min): the split master on the default ("full" remat, micro 8) A/B in one call
+  s6_matrix s12f_speed "[{\"stage\": 2, \"remat\": true},
+    {\"stage\": 2, \"remat\": true, \"env\": {\"ZEROJAX_MASTER_SPLIT\": \"1\"}, \"label\": \"split\"}]"
+  exit 0
+fi
+
 if [ "${1:-sweep}" = s12e ]; then
   # session 12 (~2 min): EngineOptions.master_split (the device master as bf16 params + int16
   # remainder: 1.44 GiB less on GPT-2 Large) on the micro-8 winner, "dots" and the default
