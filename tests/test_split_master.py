@@ -219,3 +219,22 @@ def test_device_master_split_with_tensor_and_pipeline_axes(axis):
     assert {x.dtype for x in jax.tree.leaves(split.state.master)} == {jnp.dtype(jnp.int16)}
     for x, y in zip(jax.tree.leaves(split.master_params), jax.tree.leaves(whole.master_params)):
         np.testing.assert_allclose(np.asarray(x), np.asarray(y), rtol=ULP2, atol=0)
+
+
+def test_too_little_memory_names_master_split_and_what_it_saves(monkeypatch):
+    # the memory guard's error (a stand-in budget below the step's peak), bf16 without offload:
+    # it names EngineOptions(master_split=True) and half the master's bytes on the device (what
+    # the option saves, as the memory report counts them); with the option on it is not offered
+    from zerojax import memory
+
+    monkeypatch.setattr(memory, "device_budget", lambda device=None: 1)
+    for split in (False, True):
+        eng = zerojax.shard(lambda: gpt2.GPT2(C, rngs=nnx.Rngs(0), dtype=jnp.bfloat16), config(2, "bf16"),
+                            loss_fn=scaled_loss, options=zerojax.EngineOptions(master_split=split))
+        master = eng.memory_report()["master"]
+        with pytest.raises(memory.WillNotFitError) as info:
+            eng.train_step(device_batches(1)[0])
+        offered = f"master_split=True) keeps the fp32 master ({memory.fmt_bytes(master)} on this device)"
+        assert (offered in str(info.value)) is not split
+        if not split:
+            assert f"{memory.fmt_bytes(master // 2)} less" in str(info.value)

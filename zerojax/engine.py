@@ -468,13 +468,25 @@ class Engine:
         plans_for = self.options.plans_for
         memory.check_fits(self.step_memory(shapes), budget,
                           plans=(lambda: plans_for(self, shapes, budget)) if plans_for else (),
-                          notes=self._host_loop_notes())
+                          notes=self._memory_notes())
+
+    def _memory_notes(self) -> tuple[str, ...]:
+        """For WillNotFitError: the engine options that would hold less for this layout, with the
+        bytes they save (the host loop's chunks; the device master split)."""
+        if self._host_loop is not None:
+            return self._host_loop_notes()
+        lay = self.layout
+        if (self.state.master is not None and lay.offload is None and not lay.step.split_master
+                and jnp.dtype(lay.compute_dtype) == jnp.dtype(jnp.bfloat16)):
+            master = _nbytes(self.state.master, False)
+            return (f"EngineOptions(master_split=True) keeps the fp32 master ({memory.fmt_bytes(master)} on this "
+                    f"device) as the bf16 params plus an int16 remainder: {memory.fmt_bytes(master // 2)} less, "
+                    f"the same training but for exact ties (one fp32 ulp); 0.3% slower on GPT-2 Large.",)
+        return ()
 
     def _host_loop_notes(self) -> tuple[str, ...]:
         """For WillNotFitError under offload_loop="host": what its chunks hold on the device and
         the options that hold less."""
-        if self._host_loop is None:
-            return ()
         o, chunks = self.options, self.offload_settings["chunks"]
         opt = self.layout.chunk_states(self.state.opt_state)
         during_jit, during_loop = self._host_loop.device_bytes(self.state.master, opt)
