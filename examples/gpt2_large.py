@@ -270,11 +270,12 @@ def _engine_options(args, cfg, loop=None):
                             master_split=args.master_split)
     zero = cfg.zero_optimization
     try:
-        device_master_split(options, cfg, offloads(cfg)[0])
+        device_master_split(options, cfg, any(offloads(cfg)))
     except ValueError:
         raise ConfigMismatch(
-            f"--master-split needs bf16 and the optimizer state on the device; {args.config} has "
-            f"bf16.enabled {cfg.bf16.enabled}, offload_optimizer.device {zero.offload_optimizer.device!r} "
+            f"--master-split needs bf16 and no offload; {args.config} has bf16.enabled {cfg.bf16.enabled}, "
+            f"offload_optimizer.device {zero.offload_optimizer.device!r}, offload_param.device "
+            f"{zero.offload_param.device!r} "
             "(configs/zero2_bf16.json is one that fits; under optimizer offload the host loop splits "
             "the master by itself)") from None
     try:  # the engine's own rule, before anything is built

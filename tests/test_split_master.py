@@ -191,8 +191,10 @@ def test_device_master_split_errors():
     make = lambda: gpt2.GPT2(C, rngs=nnx.Rngs(0))  # noqa: E731
     with pytest.raises(ValueError, match=r"master_split needs bf16 compute.*this config: fp32"):
         zerojax.shard(make, config(2, "fp32"), loss_fn=gpt2.gpt2_loss, options=opts)
-    with pytest.raises(ValueError, match=r"master_split needs .*this config: bf16, optimizer offload on"):
+    with pytest.raises(ValueError, match=r"master_split needs .*this config: bf16, offload on"):
         zerojax.shard(make, config(2, "bf16", "cpu"), loss_fn=gpt2.gpt2_loss, options=opts)
+    with pytest.raises(ValueError, match=r"master_split needs .*this config: bf16, offload on"):  # params alone
+        zerojax.shard(make, config(3, "bf16", par="cpu"), loss_fn=gpt2.gpt2_loss, options=opts)
     with pytest.raises(ValueError, match=r"master_split='yes': True or False"):
         zerojax.EngineOptions(master_split="yes")
 

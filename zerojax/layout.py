@@ -333,7 +333,7 @@ def _build_layout(module, cfg: Config, *, loss_fn, mesh: Mesh, options) -> Engin
         # pipelined: the micro-batches flow through the stages inside one loss_fn call
         accum_dtype=accum_dtype, steps=1 if schedule_ else int(cfg.gradient_accumulation_steps),
         train_batch_size=int(cfg.train_batch_size), fp16=fp16, offload=offload_step, fetch_rest=fetch_rest,
-        split_master=device_master_split(options, cfg, offload_optimizer))
+        split_master=device_master_split(options, cfg, offloading))
     return EngineLayout(
         cfg=cfg, mesh=mesh, options=options, stage=stage, fp16=fp16, compute_dtype=dtype,
         accum_dtype=accum_dtype, offload_optimizer=offload_optimizer, offload_param=offload_param,
@@ -399,20 +399,21 @@ def split_master_for(options, cfg, loop: str) -> bool:
     return True
 
 
-def device_master_split(options, cfg, offload_optimizer: bool) -> bool:
+def device_master_split(options, cfg, offloaded: bool) -> bool:
     """EngineOptions.master_split checked against this config: the device-resident master kept as
-    remainders against the bf16 compute params needs those params (bf16 compute) and a master on
-    the device (no optimizer offload: offload_master_split is the host memory's)."""
+    remainders against the bf16 compute params needs those params (bf16 compute) and the state
+    laid out whole on the device (`offloaded`: offload_optimizer or offload_param, whose chunked
+    state has its own master handling; offload_master_split is the host memory's)."""
     if not options.master_split:
         return False
     precision = {jnp.dtype(jnp.bfloat16): "bf16", jnp.dtype(jnp.float16): "fp16"}.get(
         jnp.dtype(compute_dtype_of(cfg)), "fp32")
-    if precision != "bf16" or offload_optimizer:
+    if precision != "bf16" or offloaded:
         raise ValueError(f"EngineOptions.master_split needs bf16 compute (the master's top half is the bf16 "
-                         f"compute copy) and the master on the device (this config: {precision}, optimizer "
-                         f"offload {'on' if offload_optimizer else 'off'}); enable \"bf16\" without "
-                         f"zero_optimization.offload_optimizer (offloaded: EngineOptions.offload_master_split), "
-                         f"or leave master_split off")
+                         f"compute copy) and no offload (this config: {precision}, offload "
+                         f"{'on' if offloaded else 'off'}); enable \"bf16\" without zero_optimization."
+                         f"offload_optimizer / offload_param (the optimizer offloaded: "
+                         f"EngineOptions.offload_master_split), or leave master_split off")
     return True
 
 

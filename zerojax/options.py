@@ -105,7 +105,7 @@ class EngineOptions:
         The update rebuilds the fp32 master, updates it and splits it again in the same pass. Exact
         but for exact ties (one fp32 ulp, probability 2^-16 per weight and step); checkpoints and
         `master_params` hold the fp32 master as without it. True with fp16 / fp32 compute or with
-        optimizer offload is an error.
+        offload (offload_optimizer or offload_param) is an error.
     adam_mu_dtype [None]: Adam/AdamW's first moment stored in this dtype ("bfloat16"), updated
         and used in fp32 within the step: 2 bytes less per parameter in memory (and, under
         optimizer offload, each way over PCIe: 10 bytes instead of 12). Changes training slightly
