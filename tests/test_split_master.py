@@ -167,6 +167,7 @@ def test_device_master_split_trains_as_the_fp32_master(stage, accum, nan_at):
     for x, y in zip(jax.tree.leaves(split.state.master), jax.tree.leaves(whole.state.master)):
         assert x.sharding == y.sharding
     assert 2 * split.memory_report()["master"] == whole.memory_report()["master"]
+    assert "master (int16 remainder)" in str(split.memory_report()) and "fp32 master" in str(whole.memory_report())
 
 
 def test_device_master_split_checkpoints_store_the_fp32_master(tmp_path):

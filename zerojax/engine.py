@@ -63,8 +63,9 @@ class MemoryReport(dict):
 
     def __str__(self):
         gib = lambda b: f"{b / 2**20:10.2f} MiB" if b is not None else "       n/a"  # noqa: E731
+        master = "master (int16 remainder)" if self.get("master_split") else "fp32 master"
         rows = [("params (compute dtype)", "params"), ("gradients (accumulator)", "gradients"),
-                ("fp32 master", "master"), ("optimizer state", "optimizer_state"),
+                (master, "master"), ("optimizer state", "optimizer_state"),
                 ("model states total", "model_states"), ("host memory", "host"),
                 ("XLA compiled peak", "compiled_peak")]
         return "\n".join(f"{label:26s}{gib(self.get(key))}" for label, key in rows)
@@ -702,6 +703,8 @@ class Engine:
                   + (grad_bytes if host_grads else 0)),
         )
         report["model_states"] = sum(report[k] for k in ("params", "gradients", "master", "optimizer_state"))
+        if self.layout.step.split_master:  # EngineOptions.master_split: the master's bytes are its remainders
+            report["master_split"] = True
         shapes = batch_shapes if batch_shapes is not None else self._last_batch_shapes
         report["compiled_peak"] = None
         if shapes is not None:
