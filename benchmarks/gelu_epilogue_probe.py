@@ -16,10 +16,11 @@ import argparse
 import collections
 import json
 import re
-import time
 
 import jax
 import jax.numpy as jnp
+
+from pcie_probe import timed  # benchmarks/ is the script's directory
 
 B, T, D, M = 8, 1024, 1280, 5120
 C = 0.7978845608028654  # sqrt(2 / pi)
@@ -79,16 +80,6 @@ def epilogues(hlo: str) -> dict:
             "triton_gemm": hlo.count("__triton_gemm")}
 
 
-def timed(fn, args, iters):
-    out = fn(*args)
-    jax.block_until_ready(out)
-    t0 = time.perf_counter()
-    for _ in range(iters):
-        out = fn(*args)
-    jax.block_until_ready(out)
-    return (time.perf_counter() - t0) / iters * 1e3
-
-
 def main():
     p = argparse.ArgumentParser()
     p.add_argument("--json")
@@ -117,7 +108,7 @@ def main():
             jf = jax.jit(fn)
             compiled = jf.lower(x, w1, b1, w2).compile()
             info = epilogues(compiled.as_text())
-            ms = timed(compiled, (x, w1, b1, w2), args.iters)
+            ms = timed(compiled, x, w1, b1, w2, reps=args.iters) * 1e3
             row = {"variant": name, "kind": kind, "ms": ms, **info}
             rows.append(row)
             print(f"{name:>16} {kind:>8} {ms:7.3f} ms  epilogues {info['epilogues']}  tanh ops {info['tanh_ops']}"

@@ -37,6 +37,15 @@ profile_fused_loss() {  # $1: file prefix. ZeRO-2, remat, the fused loss (chunk 
     --hlo "$OUT/$1_profile_hlo.txt.gz" --json "$OUT/$1_profile.json" 2>/dev/null > "$OUT/$1_profile.md"
   head -45 "$OUT/$1_profile.md"
 }
+# entry pieces the variant sets share: an XLA flag A/B entry's "env" and label; the zero-init
+# option plain jax.jit gets beside zerojax (Engine.compiler_options); the bf16 first moment; the
+# fused loss at ZeRO-2; the micro-8 and micro-16 winners of sessions 8-11
+FL() { echo "\"env\": {\"XLA_FLAGS\": \"$1\"}, \"label\": \"$2\""; }
+ZI=$(FL --xla_gpu_enable_dus_accumulator_zero_init_elimination=true zi)
+MU='"env": {"ZEROJAX_ADAM_MU_DTYPE": "bfloat16"}, "label": "mu_bf16"'
+C='"stage": 2, "loss_chunk": 256'
+W8='"stage": 2, "remat": "save_qkv_attention", "loss_chunk": 256'
+W16='"stage": 2, "remat": "save_attention", "loss_chunk": 256, "micro": 16'
 
 if [ "${1:-sweep}" = s12f ]; then
   # session 12 (~1 min): the split master on the default ("full" remat, micro 8) A/B in one call
@@ -48,9 +57,7 @@ fi
 if [ "${1:-sweep}" = s12e ]; then
   # session 12 (~2 min): EngineOptions.master_split (the device master as bf16 params + int16
   # remainder: 1.44 GiB less on GPT-2 Large) on the micro-8 winner, "dots" and the default
-  MU='"env": {"ZEROJAX_ADAM_MU_DTYPE": "bfloat16"}, "label": "mu_bf16"'
   MS='"env": {"ZEROJAX_ADAM_MU_DTYPE": "bfloat16", "ZEROJAX_MASTER_SPLIT": "1"}, "label": "mu_bf16 split"'
-  C='"stage": 2, "loss_chunk": 256'
   s6_matrix s12e_speed "[
     {$C, \"remat\": \"save_attention_block\", $MU}, {$C, \"remat\": \"save_attention_block\", $MS},
     {$C, \"remat\": \"dots\", $MS}, {\"stage\": 2, \"remat\": true, \"env\": {\"ZEROJAX_MASTER_SPLIT\": \"1\"}, \"label\": \"split\"}]"
@@ -61,10 +68,6 @@ if [ "${1:-sweep}" = s12d ]; then
   # session 12's closing table (~4 min): issue #18's 1-GPU rows side by side with plain jax.jit --
   # the default, the micro-8 winners under 16 GiB, micro 12 / 16 candidates -- then a profile of the
   # micro-8 winner (save_attention_block + ce/256 + bf16 first moment)
-  FL() { echo "\"env\": {\"XLA_FLAGS\": \"$1\"}, \"label\": \"$2\""; }
-  ZI=$(FL --xla_gpu_enable_dus_accumulator_zero_init_elimination=true zi)
-  MU='"env": {"ZEROJAX_ADAM_MU_DTYPE": "bfloat16"}, "label": "mu_bf16"'
-  C='"stage": 2, "loss_chunk": 256'
   s6_matrix s12d_speed "[
     {\"stage\": \"plain\", \"remat\": true, $ZI}, {\"stage\": 2, \"remat\": true},
     {$C, \"remat\": \"save_attention_block\", $MU}, {$C, \"remat\": \"save_qkv_attention\"},
@@ -83,8 +86,6 @@ if [ "${1:-sweep}" = s12c ]; then
   # session 12 (~3 min): "save_attention_block" (save_qkv_attention + the residual after the
   # attention half: only the MLP half recomputed, +d per token and layer) at micro 8, with and
   # without the bf16 first moment, beside save_qkv_attention and "dots" with it
-  MU='"env": {"ZEROJAX_ADAM_MU_DTYPE": "bfloat16"}, "label": "mu_bf16"'
-  C='"stage": 2, "loss_chunk": 256'
   s6_matrix s12c_speed "[
     {$C, \"remat\": \"save_qkv_attention\", $MU}, {$C, \"remat\": \"save_attention_block\", $MU},
     {$C, \"remat\": \"save_attention_block\"}, {$C, \"remat\": \"dots\", $MU},
@@ -96,9 +97,6 @@ if [ "${1:-sweep}" = s12b ]; then
   # session 12 (~3 min): the custom-VJP gelu_new on the default ("full" remat) A/B, and the winners
   # with the bf16 first moment (EngineOptions.adam_mu_dtype: 2 bytes a parameter less each way in
   # the AdamW pass, 1.44 GiB less state)
-  MU='"env": {"ZEROJAX_ADAM_MU_DTYPE": "bfloat16"}, "label": "mu_bf16"'
-  W8='"stage": 2, "remat": "save_qkv_attention", "loss_chunk": 256'
-  W16='"stage": 2, "remat": "save_attention", "loss_chunk": 256, "micro": 16'
   s6_matrix s12b_speed "[
     {\"stage\": 2, \"remat\": true, \"gelu\": \"autodiff\"}, {\"stage\": 2, \"remat\": true},
     {$W8}, {$W8, $MU}, {$W16}, {$W16, $MU}]"
@@ -111,12 +109,8 @@ if [ "${1:-sweep}" = s12 ]; then
   # gemm too); XLA folds it only where the dot is not taken by Triton's gemm rewriter first
   # (gelu_epilogue_probe.py). The micro-8 winner with: JAX's own gelu derivative (as before), the
   # custom VJP, and each with Triton gemms off / Triton only where it fuses (triton_gemm_any=false)
-  FL() { echo "\"env\": {\"XLA_FLAGS\": \"$1\"}, \"label\": \"$2\""; }
-  ZI=$(FL --xla_gpu_enable_dus_accumulator_zero_init_elimination=true zi)
   NT=$(FL --xla_gpu_enable_triton_gemm=false no_triton_gemm)
   NA=$(FL --xla_gpu_triton_gemm_any=false triton_gemm_any_off)
-  W8='"stage": 2, "remat": "save_qkv_attention", "loss_chunk": 256'
-  W16='"stage": 2, "remat": "save_attention", "loss_chunk": 256, "micro": 16'
   s6_matrix s12_speed "[
     {\"stage\": \"plain\", \"remat\": true, $ZI},
     {$W8, \"gelu\": \"autodiff\"}, {$W8}, {$W8, $NT}, {$W8, $NA}, {$W8, \"gelu\": \"autodiff\", $NT},
@@ -129,12 +123,9 @@ if [ "${1:-sweep}" = s10 ]; then
   # JAX-Toolbox's GPT recipes set and no session has tried on it: Triton gemms off (cuBLAS for
   # every dot) and while-loop double buffering (the layer scan's slices of the saved stacks
   # prefetched one iteration ahead), each alone and together, beside plain jax.jit
-  FL() { echo "\"env\": {\"XLA_FLAGS\": \"$1\"}, \"label\": \"$2\""; }
-  ZI=$(FL --xla_gpu_enable_dus_accumulator_zero_init_elimination=true zi)
   NT=$(FL --xla_gpu_enable_triton_gemm=false no_triton_gemm)
   DB=$(FL --xla_gpu_enable_while_loop_double_buffering=true double_buffer)
   BOTH=$(FL "--xla_gpu_enable_triton_gemm=false --xla_gpu_enable_while_loop_double_buffering=true" both)
-  W8='"stage": 2, "remat": "save_qkv_attention", "loss_chunk": 256'
   s6_matrix s10_speed "[
     {\"stage\": \"plain\", \"remat\": true, $ZI},
     {$W8}, {$W8, $NT}, {$W8, $DB}, {$W8, $BOTH}]"
@@ -145,12 +136,8 @@ if [ "${1:-sweep}" = s9 ]; then
   # session 9 (~260 s): the micro-8 and micro-16 winners beside plain jax.jit, each A/B with XLA's
   # dynamic-slice fusion (the backward's slices of the saved stacks read in place by cuBLAS) and
   # cuDNN's layer norm (crashed on JAX 0.4.x in session 5), and the saved stack unrolled by 2.
-  FL() { echo "\"env\": {\"XLA_FLAGS\": \"$1\"}, \"label\": \"$2\""; }
-  ZI=$(FL --xla_gpu_enable_dus_accumulator_zero_init_elimination=true zi)
   DSF=$(FL --xla_gpu_enable_dynamic_slice_fusion=true dsf)
   CLN=$(FL --xla_gpu_enable_cudnn_layer_norm=true cudnn_ln)
-  W8='"stage": 2, "remat": "save_qkv_attention", "loss_chunk": 256'
-  W16='"stage": 2, "remat": "save_attention", "loss_chunk": 256, "micro": 16'
   s6_matrix s9_speed "[
     {\"stage\": \"plain\", \"remat\": true, $ZI},
     {\"stage\": 2, \"remat\": true},
@@ -176,7 +163,6 @@ fi
 if [ "${1:-sweep}" = attn2 ]; then
   # session 8 (~260 s): as `attn`, after the fix that kept cuDNN's attention output twice under the
   # save_*attention policies (+0.7 GiB at micro 8); micro 8 at <= 16 GiB and the best micro-batch
-  ZI='"env": {"XLA_FLAGS": "--xla_gpu_enable_dus_accumulator_zero_init_elimination=true"}, "label": "zi"'
   s6_matrix s8_attn2 "[
     {\"stage\": \"plain\", \"remat\": true, $ZI},
     {\"stage\": 2, \"remat\": true},
@@ -200,7 +186,6 @@ if [ "${1:-sweep}" = attn ]; then
   # statistics (the attention forward is not run again in the backward); the engine compiles every
   # GPU step with the zero-init option (plain gets it through XLA_FLAGS, for a like-for-like
   # baseline). Micro 8 under 16 GiB, then the best micro-batch; a profile of save_attention.
-  ZI='"env": {"XLA_FLAGS": "--xla_gpu_enable_dus_accumulator_zero_init_elimination=true"}, "label": "zi"'
   s6_matrix s8_attn "[
     {\"stage\": \"plain\", \"remat\": true, $ZI},
     {\"stage\": 2, \"remat\": true},
@@ -225,7 +210,6 @@ if [ "${1:-sweep}" = zi ]; then
   # step's option since session 7: the saved-activation stacks are no longer zero-filled first) on
   # plain and non-pipelined steps, where the remat policies that save more (dots_<k>, save_*) stack
   # more; then profiles of dots_16 with and without it (where the dots layers' time goes)
-  ZI='"env": {"XLA_FLAGS": "--xla_gpu_enable_dus_accumulator_zero_init_elimination=true"}, "label": "zi"'
   s6_matrix s8_zi "[
     {\"stage\": \"plain\", \"remat\": true},
     {\"stage\": 2, \"remat\": true},

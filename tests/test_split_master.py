@@ -70,26 +70,34 @@ def test_split_master_trains_as_the_fp32_master(stage):
     assert 2 * nbytes(split) == nbytes(whole)
 
 
-def test_split_master_checkpoints_store_the_fp32_master(tmp_path):
-    # a checkpoint saved with the option stores the fp32 master: that of the same run with the
-    # whole master in host memory (within two ulps); it resumes without the option (and back) and
-    # trains on as that run does
-    split, _ = train(True, steps=2)
-    whole, _ = train(False, steps=2)
+def resumes_both_ways(tmp_path, split, whole, engine_with, later):
+    """`split` (the option on) saves; an engine without the option (`engine_with(False)`) loads it,
+    holds `whole`'s fp32 master (within two ulps) and saves; one with it loads that: each trains on
+    `later` (the batches after those trained) as `whole` does."""
     split.save_checkpoint(tmp_path / "a")
     ref = [np.asarray(x) for x in jax.tree.leaves(whole.master_params)]
-    want = [float(whole.train_step(b)["loss"]) for b in batches(4)[2:]]
+    want = [float(whole.train_step(b)["loss"]) for b in later]
     for option, src in ((False, "a"), (True, "b")):
-        eng = zerojax.shard(lambda: gpt2.GPT2(C, rngs=nnx.Rngs(0), dtype=jnp.bfloat16), config(2, "bf16", "cpu"),
-                            loss_fn=gpt2.gpt2_loss,
-                            options=zerojax.EngineOptions(offload_loop="host", offload_master_split=option,
-                                                          offload_host_chunk_bytes=1))
+        eng = engine_with(option)
         eng.load_checkpoint(tmp_path / src)
         for x, y in zip(jax.tree.leaves(eng.master_params), ref):
             np.testing.assert_allclose(np.asarray(x), y, rtol=ULP2, atol=0)
         if src == "a":
             eng.save_checkpoint(tmp_path / "b")  # saved without the option, resumed with it next
-        assert [float(eng.train_step(b)["loss"]) for b in batches(4)[2:]] == want
+        assert [float(eng.train_step(b)["loss"]) for b in later] == want
+
+
+def test_split_master_checkpoints_store_the_fp32_master(tmp_path):
+    # a checkpoint saved with the option stores the fp32 master: that of the same run with the
+    # whole master in host memory (within two ulps); it resumes without the option (and back) and
+    # trains on as that run does
+    def engine_with(option):
+        return zerojax.shard(lambda: gpt2.GPT2(C, rngs=nnx.Rngs(0), dtype=jnp.bfloat16), config(2, "bf16", "cpu"),
+                             loss_fn=gpt2.gpt2_loss,
+                             options=zerojax.EngineOptions(offload_loop="host", offload_master_split=option,
+                                                           offload_host_chunk_bytes=1))
+
+    resumes_both_ways(tmp_path, train(True, steps=2)[0], train(False, steps=2)[0], engine_with, batches(4)[2:])
 
 
 def test_split_master_errors():
@@ -171,20 +179,12 @@ def test_device_master_split_trains_as_the_fp32_master(stage, accum, nan_at):
 
 
 def test_device_master_split_checkpoints_store_the_fp32_master(tmp_path):
-    split, _ = train_on_device(True, steps=2)
-    whole, _ = train_on_device(False, steps=2)
-    split.save_checkpoint(tmp_path / "a")
-    ref = [np.asarray(x) for x in jax.tree.leaves(whole.master_params)]
-    want = [float(whole.train_step(b)["loss"]) for b in device_batches(4)[2:]]
-    for option, src in ((False, "a"), (True, "b")):
-        eng = zerojax.shard(lambda: gpt2.GPT2(C, rngs=nnx.Rngs(0), dtype=jnp.bfloat16), config(2, "bf16"),
-                            loss_fn=scaled_loss, options=zerojax.EngineOptions(master_split=option))
-        eng.load_checkpoint(tmp_path / src)
-        for x, y in zip(jax.tree.leaves(eng.master_params), ref):
-            np.testing.assert_allclose(np.asarray(x), y, rtol=ULP2, atol=0)
-        if src == "a":
-            eng.save_checkpoint(tmp_path / "b")  # saved without the option, resumed with it next
-        assert [float(eng.train_step(b)["loss"]) for b in device_batches(4)[2:]] == want
+    def engine_with(option):
+        return zerojax.shard(lambda: gpt2.GPT2(C, rngs=nnx.Rngs(0), dtype=jnp.bfloat16), config(2, "bf16"),
+                             loss_fn=scaled_loss, options=zerojax.EngineOptions(master_split=option))
+
+    resumes_both_ways(tmp_path, train_on_device(True, steps=2)[0], train_on_device(False, steps=2)[0],
+                      engine_with, device_batches(4)[2:])
 
 
 def test_device_master_split_errors():

@@ -25,7 +25,8 @@ from zerojax.optim import build_optimizer, build_schedule
 from zerojax.options import EngineOptions
 from zerojax.precision import compute_dtype as compute_dtype_of, loss_scale_from_config, loss_scaler_from_config
 from zerojax.offload.nvme_tier import check_params_in_cpu, nvme_tier
-from zerojax.step import OffloadStep, StepSettings, TrainState, needs_grad_accumulator, pure_dict
+from zerojax.step import (OffloadStep, StepSettings, TrainState, needs_grad_accumulator, pure_dict, rebuilt_master,
+                          stored_master)
 
 PARAM_HOOK_ERROR = ("zero_optimization.offload_param: offload_param needs a model whose layer scan accepts a "
                     "fetch hook (a `layer_fetch` attribute applied to each layer's params inside the scan); "
@@ -137,13 +138,11 @@ class EngineLayout:
         """EngineOptions.master_split's conversion (fp32 master <-> int16 remainders), one jitted
         program each way, in the master's sharding."""
         cache = self.__dict__.setdefault("_device_split_programs", {})
-        if to_split not in cache:
-            sm, sh, dtype = O.split_master, self.shardings.master, self.compute_dtype
-            if to_split:
-                run = lambda m, p: sm.remainders(m, jax.tree.map(lambda x: x.astype(dtype), m))  # noqa: E731
-            else:
-                run = lambda r, p: sm.masters(jax.lax.with_sharding_constraint(p, sh), r)  # noqa: E731
-            cache[to_split] = jax.jit(run, out_shardings=sh)
+        if to_split not in cache:  # the step's own conversions (`step.stored_master`, `step.rebuilt_master`)
+            settings = self.step
+            run = ((lambda m, p: stored_master(settings, m)) if to_split
+                   else (lambda r, p: rebuilt_master(settings, p, r)))
+            cache[to_split] = jax.jit(run, out_shardings=self.shardings.master)
         return cache[to_split]
 
     def stored_targets(self, state: TrainState, *, stream: bool = False) -> tuple[TrainState, TrainState]:
@@ -381,14 +380,19 @@ def offloads(cfg) -> tuple[bool, bool]:
             zero.offload_param.device in ("cpu", "nvme") and stage == 3)
 
 
+def _precision_name(cfg) -> str:
+    """"bf16", "fp16" or "fp32": the config's compute dtype as the split-master errors name it."""
+    return {jnp.dtype(jnp.bfloat16): "bf16", jnp.dtype(jnp.float16): "fp16"}.get(
+        jnp.dtype(compute_dtype_of(cfg)), "fp32")
+
+
 def split_master_for(options, cfg, loop: str) -> bool:
     """EngineOptions.offload_master_split checked against this config: the host chunks' master as
     remainders against the bf16 compute copy needs that copy (bf16 compute) and the host loop.
     None (the default) is True where both hold, else False; True elsewhere is an error."""
     if options.offload_master_split is False:
         return False
-    precision = {jnp.dtype(jnp.bfloat16): "bf16", jnp.dtype(jnp.float16): "fp16"}.get(
-        jnp.dtype(compute_dtype_of(cfg)), "fp32")
+    precision = _precision_name(cfg)
     if options.offload_master_split is None:  # the default: on wherever it applies
         return precision == "bf16" and loop == "host"
     if precision != "bf16" or loop != "host":
@@ -406,8 +410,7 @@ def device_master_split(options, cfg, offloaded: bool) -> bool:
     state has its own master handling; offload_master_split is the host memory's)."""
     if not options.master_split:
         return False
-    precision = {jnp.dtype(jnp.bfloat16): "bf16", jnp.dtype(jnp.float16): "fp16"}.get(
-        jnp.dtype(compute_dtype_of(cfg)), "fp32")
+    precision = _precision_name(cfg)
     if precision != "bf16" or offloaded:
         raise ValueError(f"EngineOptions.master_split needs bf16 compute (the master's top half is the bf16 "
                          f"compute copy) and no offload (this config: {precision}, offload "

@@ -131,11 +131,17 @@ def master_of(settings: StepSettings, state: TrainState):
     """The fp32 master in the optimizer sharding (a local slice of `params` when fp32; with
     `split_master`, rebuilt from the params' local slice and the remainders)."""
     if settings.split_master:
-        compute = jax.lax.with_sharding_constraint(state.params, settings.shardings.master)
-        return offload_mod.split_master.masters(compute, state.master)
+        return rebuilt_master(settings, state.params, state.master)
     if state.master is not None:
         return state.master
     return jax.lax.with_sharding_constraint(state.params, settings.shardings.master)
+
+
+def rebuilt_master(settings: StepSettings, params, rems):
+    """With `split_master`: the fp32 master from the compute `params`' local slice (in the master's
+    sharding) and its int16 remainders `rems`."""
+    compute = jax.lax.with_sharding_constraint(params, settings.shardings.master)
+    return offload_mod.split_master.masters(compute, rems)
 
 
 def stored_master(settings: StepSettings, master):
@@ -345,4 +351,5 @@ def eval_step(settings: StepSettings, params, rest, batch):
     return loss
 
 
-__all__ = ["TrainState", "StepSettings", "needs_grad_accumulator", "pure_dict", "OffloadStep", "train_step", "eval_step", "optimizer_update", "merge", "master_of"]
+__all__ = ["TrainState", "StepSettings", "needs_grad_accumulator", "pure_dict", "OffloadStep", "train_step", "eval_step", "optimizer_update", "merge", "master_of",
+           "rebuilt_master", "stored_master"]
