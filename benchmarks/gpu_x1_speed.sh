@@ -47,6 +47,21 @@ C='"stage": 2, "loss_chunk": 256'
 W8='"stage": 2, "remat": "save_qkv_attention", "loss_chunk": 256'
 W16='"stage": 2, "remat": "save_attention", "loss_chunk": 256, "micro": 16'
 
+if [ "${1:-sweep}" = s13 ]; then
+  # session 13's closing table (~3 min): issue #18's micro-8 rows side by side in one call -- plain
+  # jax.jit, the default ("full" remat) with and without the split master, the micro-8 winner
+  # ("dots" + ce + mu + split) -- and the best micro-batch candidates under 16 GiB with the split
+  # master (save_attention_block at micro 12: 17.31 GiB without it; save_attention at micro 16)
+  SP='"env": {"ZEROJAX_ADAM_MU_DTYPE": "bfloat16", "ZEROJAX_MASTER_SPLIT": "1"}, "label": "mu_bf16 split"'
+  s6_matrix s13_speed "[
+    {\"stage\": \"plain\", \"remat\": true, $ZI}, {\"stage\": 2, \"remat\": true},
+    {\"stage\": 2, \"remat\": true, \"env\": {\"ZEROJAX_MASTER_SPLIT\": \"1\"}, \"label\": \"split\"},
+    {$C, \"remat\": \"dots\", $SP},
+    {$C, \"remat\": \"save_attention_block\", \"micro\": 12, $SP},
+    {$C, \"remat\": \"save_attention\", \"micro\": 16, $SP}]"
+  exit 0
+fi
+
 if [ "${1:-sweep}" = s12f ]; then
   # session 12 (~1 min): the split master on the default ("full" remat, micro 8) A/B in one call
   s6_matrix s12f_speed "[{\"stage\": 2, \"remat\": true},
