@@ -146,10 +146,11 @@ def _loss_fn(loss_chunk: int):
     return chunked_gpt2_loss(loss_chunk) if loss_chunk else gpt2_loss
 
 
-def _plan_micro_batch(cfg, gpt_cfg, dtype, remat, explore_remat, seq_len, loss_fn):
+def _plan_micro_batch(cfg, gpt_cfg, dtype, remat, explore_remat, seq_len, loss_fn, options):
     """train_micro_batch_size_per_gpu "auto": the planner's fastest choice that fits the device
     (zerojax.planner: remat, micro-batch x accumulation keeping the global batch, stage, offload;
-    compiled before anything is allocated). -> (config, remat)."""
+    compiled before anything is allocated, with the run's EngineOptions: --master-split and
+    --adam-mu-dtype hold less). -> (config, remat)."""
     from flax import nnx
 
     import zerojax
@@ -168,7 +169,8 @@ def _plan_micro_batch(cfg, gpt_cfg, dtype, remat, explore_remat, seq_len, loss_f
     else:  # --remat given: kept
         def factory():
             return GPT2(gpt_cfg, rngs=nnx.Rngs(0), dtype=dtype, remat_policy=remat)
-    found = planner.search(factory, cfg.to_dict(), budget, seq_len, loss_fn=loss_fn, max_plans=1)
+    found = planner.search(factory, cfg.to_dict(), budget, seq_len, loss_fn=loss_fn, max_plans=1,
+                           options=options)
     if not found.plans:
         raise zerojax.WillNotFitError(min((p.peak_bytes for p, _ in found.tried if p.peak_bytes), default=0),
                                       budget, (), what="every plan tried")
@@ -260,15 +262,31 @@ def _offload_loop_auto(cfg, make_model, seq_len, loss_fn) -> tuple[str, str | No
     return "in_place", f"auto: \"host\" would need {fmt_bytes(peak)} of the device's {fmt_bytes(budget)}"
 
 
-def _engine_options(args, cfg, loop=None):
-    """--offload-loop (else `loop`) and --master-split, checked against the config before the engine is built ->
-    zerojax.EngineOptions."""
+def _requested_options(args, loop=None):
+    """The EngineOptions the flags ask for (--offload-loop, else `loop`; --adam-mu-dtype; --master-split)."""
     from zerojax import EngineOptions
-    from zerojax.layout import device_master_split, offloads, resolve_offload_loop
 
-    options = EngineOptions(offload_loop=args.offload_loop or loop or "in_place", adam_mu_dtype=args.adam_mu_dtype,
-                            master_split=args.master_split)
+    return EngineOptions(offload_loop=args.offload_loop or loop or "in_place", adam_mu_dtype=args.adam_mu_dtype,
+                         master_split=args.master_split)
+
+
+def _engine_options(args, cfg, loop=None, planned=False):
+    """--offload-loop (else `loop`) and --master-split, checked against the config before the engine is built ->
+    zerojax.EngineOptions. `planned`: the planner chose the config's offload (micro-batch auto), so
+    --master-split gives way where that plan offloads (the host loop splits the master itself)."""
+    from zerojax.layout import device_master_split, offloads, options_for_config, resolve_offload_loop
+
+    options = _requested_options(args, loop)
     zero = cfg.zero_optimization
+    if planned:  # what the planner's layout cannot take gives way (as it did when the plan was compiled)
+        adapted = options_for_config(options, cfg)
+        if adapted.master_split != options.master_split:
+            print("--master-split: the planner's choice offloads, and the device then holds no master to "
+                  "split (the host loop splits its host copy by itself)")
+        if adapted.offload_loop != options.offload_loop:
+            print(f"--offload-loop {options.offload_loop}: the planner's choice does not offload the optimizer "
+                  "to cpu alone; no offload loop runs")
+        options = adapted
     try:
         device_master_split(options, cfg, any(offloads(cfg)))
     except ValueError:
@@ -414,12 +432,15 @@ def main(argv=None):
     dtype = compute_dtype(cfg)
     loss_fn = _loss_fn(args.loss_chunk)
 
+    planned = False
     if args.micro_batch == "auto" or (args.micro_batch is None and
                                       raw.get("train_micro_batch_size_per_gpu") == "auto"):
         planned_remat = remat
         # the planner varies remat unless --remat or the config's remat_policy names one
         named = args.remat is not None or getattr(cfg.activation_checkpointing, "remat_policy", None) is not None
-        cfg, remat = _plan_micro_batch(cfg, gpt_cfg, dtype, remat, not named, seq_len, loss_fn)
+        cfg, remat = _plan_micro_batch(cfg, gpt_cfg, dtype, remat, not named, seq_len, loss_fn,
+                                       _requested_options(args))
+        planned = True
         if remat != planned_remat:
             remat_why = "chosen by the planner (micro-batch auto)"
     _print_run(args, cfg, size, steps, schedule_steps, lr, lr_default, precision, precision_why,
@@ -432,7 +453,7 @@ def main(argv=None):
         model = gpt2_from_params(gpt_cfg, hf, dtype=dtype, remat_policy=remat)
     else:  # built shard by shard on the devices, never whole on one
         model = make_model
-    engine = zerojax.shard(model, cfg, loss_fn=loss_fn, options=_engine_options(args, cfg, loop))
+    engine = zerojax.shard(model, cfg, loss_fn=loss_fn, options=_engine_options(args, cfg, loop, planned))
     del model, hf
     _warn_replicated(engine, cfg)
     if engine.offload_settings and cfg.zero_optimization.offload_optimizer.device == "cpu":

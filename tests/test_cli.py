@@ -70,3 +70,27 @@ def test_readme_planning_example_on_cpu():
     # a candidate that was compiled and did not fit is faster (predicted) than the chosen one
     misses = [t for t in result["tried"] if t["outcome"] == "does not fit"]
     assert all(t["plan"]["peak_bytes"] > 12 * 10**6 for t in misses)
+
+
+def test_estimate_aot_compiles_with_the_engine_options_asked(tmp_path, capsys):
+    """`zerojax estimate --aot --master-split --adam-mu-dtype bfloat16`: the compiled peaks are those
+    of the step run with EngineOptions(master_split=True, adam_mu_dtype="bfloat16"): its arguments
+    hold 4 bytes a parameter less / 8 devices (ZeRO-2) than the default's (2 for the int16 remainder
+    instead of the fp32 master, 2 for the bf16 first moment); without --aot the flags are refused."""
+    from flax import nnx
+
+    from zerojax import cli, planner
+    from zerojax.models.gpt2 import GPT2, GPT2Config
+
+    def compiled(*flags):
+        out = tmp_path / "e.json"
+        assert cli.main(["estimate", "--model", "tiny", "--gpus", "8", "--aot", "--no-plan", "--stage", "2",
+                         "--remat", "on", "--micro-batch", "2", "--seq", "32", "--json", str(out), *flags]) == 0
+        (row,) = json.loads(out.read_text())["compiled"]
+        return row
+
+    lean, plain = compiled("--master-split", "--adam-mu-dtype", "bfloat16"), compiled()
+    params = planner.model_shape(lambda: GPT2(GPT2Config.named("tiny"), rngs=nnx.Rngs(0)), 32).params
+    assert plain["argument"] - lean["argument"] == 4 * params // 8
+    assert cli.main(["estimate", "--model", "tiny", "--master-split"]) == 2
+    assert "add --aot" in capsys.readouterr().err

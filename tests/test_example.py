@@ -189,7 +189,7 @@ def test_offload_loop_flag_trains_like_the_default_and_is_checked_against_the_co
                       "--offload-loop", "host"])
 
 
-def test_master_split_flag_trains_as_without_it_and_is_refused_under_offload():
+def test_master_split_flag_trains_as_without_it_and_is_refused_under_offload(capsys, monkeypatch):
     """--master-split (EngineOptions.master_split) reaches the engine and trains as the whole fp32
     master does (the same losses); with a config that offloads the optimizer it is refused before
     anything is built, naming the flag and a config that fits."""
@@ -198,6 +198,21 @@ def test_master_split_flag_trains_as_without_it_and_is_refused_under_offload():
     runs = [example.main(["--config", cfg, *TINY, "--steps", "3", *flag]) for flag in ([], ["--master-split"])]
     assert [r["master_split"] for r in runs] == [False, True]
     assert runs[1]["losses"] == runs[0]["losses"]
+    # micro-batch auto: the planner compiles its candidates with the flag (the same run), and where
+    # its choice offloads, the flag gives way with a note (the user's config did not offload)
+    from zerojax import load_config, memory
+
+    monkeypatch.setattr(memory, "device_budget", lambda device=None: 2**40)
+    planned = example.main(["--config", cfg, *TINY, "--steps", "3", "--master-split", "--micro-batch", "auto"])
+    assert planned["master_split"] is True and planned["last_loss"] < planned["first_loss"]
+    assert "micro-batch auto: remat none, micro-batch 4 x 1 accumulation, stage 2, offload none" in capsys.readouterr().out
+    off = load_config(os.path.join(ROOT, "configs", "zero2_offload_optimizer.json"),
+                      fill={"train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": 1,
+                            "optimizer.params.lr": 1e-3, "optimizer.params.weight_decay": 0.0,
+                            "scheduler.params.warmup_max_lr": 1e-3, "scheduler.params.warmup_num_steps": 1})
+    options = example._engine_options(example.parse_args([*TINY, "--master-split"]), off, planned=True)
+    assert options.master_split is False
+    assert "--master-split: the planner's choice offloads" in capsys.readouterr().out
     with pytest.raises(example.ConfigMismatch, match="--master-split needs bf16 and no offload.*"
                                                      "offload_optimizer.device .cpu.*zero2_bf16.json"):
         example.main(["--config", os.path.join(ROOT, "configs", "zero2_offload_optimizer.json"), *TINY,

@@ -70,6 +70,60 @@ def test_search_takes_zerojax_remat_policies_and_orders_them_by_what_they_keep()
     assert {p.remat for p, outcome in found.tried if p.micro_batch == 4} == set(remats)
 
 
+def test_planning_compiles_with_the_runs_engine_options():
+    """The planner compiles each candidate with the EngineOptions the run will use. The split master
+    (an int16 remainder, not an fp32 master: 2 bytes a parameter) and the bf16 first moment (2 bytes)
+    shrink the step's arguments by exactly what the state formula says (ZeRO-2 over 8 devices: / 8),
+    the formula's floor stays under every compiled peak, and a budget that only the bf16 moment
+    meets is met only when the search is told of it. A candidate that offloads drops the device
+    split (layout.options_for_config) instead of failing."""
+    from zerojax import EngineOptions
+    from zerojax.layout import options_for_config
+
+    params = PL.model_shape(factory, SEQ).params
+    split_mu = EngineOptions(master_split=True, adam_mu_dtype="bfloat16")
+    mu = EngineOptions(adam_mu_dtype="bfloat16")
+    mems = {name: PL.step_memory(factory, CFG, SEQ, 4, remat="full", options=o)
+            for name, o in (("default", None), ("mu", mu), ("split_mu", split_mu))}
+
+    def floor(o):
+        return E.model_state_floor(params, stage=2, n_data=8, precision="bf16", master_split=o.master_split,
+                                   adam_mu_dtype=o.adam_mu_dtype)
+
+    default = EngineOptions()
+    assert floor(default) - floor(split_mu) == (2 + 2) * params // 8
+    for name, o in (("mu", mu), ("split_mu", split_mu)):
+        assert mems["default"].argument - mems[name].argument == floor(default) - floor(o)
+    for name, o in (("default", default), ("mu", mu), ("split_mu", split_mu)):
+        assert mems[name].peak >= floor(o)
+    # a budget between the two peaks: micro-batch 4 fits only with the bf16 moment
+    assert mems["mu"].peak < mems["default"].peak
+    budget = (mems["mu"].peak + mems["default"].peak) // 2
+    kw = dict(stages=(2,), offloads=("none",), remat=("full",), micro_batch=4, max_plans=1)
+    assert PL.plan(factory, CFG, budget, SEQ, **kw) == []
+    (best,) = PL.plan(factory, CFG, budget, SEQ, options=mu, **kw)
+    assert (best.micro_batch, best.peak_bytes) == (4, mems["mu"].peak)
+    # the same through a built engine's plans (the memory guard's list): the engine's own options
+    batch = {"input_ids": jax.ShapeDtypeStruct((4 * jax.device_count(), SEQ), jnp.int32)}
+    for options, expect in ((None, set()), (mu, {(4, 1, 2)})):
+        eng = PL.abstract_engine(lambda: factory(remat_policy="full"), load_config(CFG, world_size=8),
+                                 loss_fn=PL.default_loss_fn(), options=options)
+        plans = PL.engine_plans(eng, batch, budget, stages=(2,), offloads=("none",), max_plans=1)
+        assert {(p.micro_batch, p.grad_accum, p.stage) for p in plans if p.micro_batch == 4} == expect
+    # an offloading candidate keeps no device master: the split gives way to the offload loop's own
+    off = {**CFG, "zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu"}}}
+    adapted = options_for_config(split_mu.replace(offload_loop="host"), load_config(off, world_size=8))
+    assert (adapted.master_split, adapted.offload_loop, adapted.adam_mu_dtype) == (False, "host", "bfloat16")
+    assert options_for_config(EngineOptions(offload_loop="host"), load_config(CFG, world_size=8)).offload_loop == "in_place"
+    fp32 = {**CFG, "bf16": {"enabled": False}}
+    assert options_for_config(split_mu, load_config(fp32, world_size=8)).master_split is False
+    assert (PL.step_memory(factory, off, SEQ, 4, remat="full", options=split_mu).argument
+            == PL.step_memory(factory, off, SEQ, 4, remat="full", options=mu).argument)
+    found = PL.search(factory, CFG, 2**40, SEQ, stages=(2,), offloads=("optimizer",), remat=("full",),
+                      micro_batch=4, options=split_mu)
+    assert found.plans and all(outcome == "fits" for _, outcome in found.tried)
+
+
 def hf_gpt2_params(cfg):
     """Hugging Face's GPT2LMHeadModel.num_parameters() (tied wte once) and one block's count,
     written out from HF's modules: ln_1, c_attn (d x 3d + 3d), c_proj (d x d + d), ln_2, c_fc

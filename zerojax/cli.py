@@ -53,6 +53,13 @@ def _add_estimate(sub):
                         "host memory)")
     p.add_argument("--max-plans", type=int, default=3, help="plans to find (default 3)")
     p.add_argument("--no-plan", action="store_true", help="with --aot: compiled peaks only")
+    p.add_argument("--master-split", action="store_true",
+                   help="with --aot: compile as zerojax.EngineOptions(master_split=True) runs (bf16, no "
+                        "offload: the fp32 master kept as the bf16 params + an int16 remainder, 2 bytes a "
+                        "parameter less)")
+    p.add_argument("--adam-mu-dtype", choices=("bfloat16",), default=None,
+                   help="with --aot: compile as EngineOptions(adam_mu_dtype=...) runs (Adam's first moment "
+                        "stored in bf16: 2 bytes a parameter less)")
     p.add_argument("--cpu", action="store_true",
                    help="compile on --gpus x --nodes virtual CPU devices (shapes only; CPU and GPU "
                         "compilers differ, so peaks are indicative)")
@@ -267,6 +274,9 @@ def gpt2_factory(size, cfg_dict, seq=None):
 
 def cmd_estimate(args) -> int:
     n_devices = args.gpus * args.nodes
+    if (args.master_split or args.adam_mu_dtype) and not args.aot:
+        print("--master-split / --adam-mu-dtype change the compiled step: add --aot", file=sys.stderr)
+        return 2
     if args.aot and (args.cpu or os.environ.get("JAX_PLATFORMS", "") == "cpu"):
         _virtual_cpu_devices(n_devices)
     # with JSON on stdout, the human-readable tables go to stderr
@@ -336,8 +346,11 @@ def _estimate_aot(args, say, factory, model_cfg, stages, n_devices) -> dict:
     from zerojax.memory import device_budget, fmt_bytes, parse_bytes
     from zerojax.partition import make_mesh
 
+    from zerojax.options import EngineOptions
+
     mesh = make_mesh(data=n_devices, devices=jax.devices()[:n_devices])
     cfg = _load_base_config(args)
+    options = EngineOptions(master_split=args.master_split, adam_mu_dtype=args.adam_mu_dtype)
     seq = args.seq or model_cfg.n_positions
     budget = parse_bytes(args.budget) if args.budget else device_budget()
     remats = {"both": (None, "full"), "on": ("full",), "off": (None,),
@@ -359,7 +372,7 @@ def _estimate_aot(args, say, factory, model_cfg, stages, n_devices) -> dict:
                 try:
                     m = planner.step_memory(factory, planner._zero_choice(cfg, stage, "none", 1.0),
                                             seq, rows, remat=r, precision=precision, grad_accum=1,
-                                            mesh=mesh)
+                                            mesh=mesh, options=options)
                 except NotImplementedError as e:
                     say(f"  (unavailable: {e})")
                     return out
@@ -379,7 +392,7 @@ def _estimate_aot(args, say, factory, model_cfg, stages, n_devices) -> dict:
 
     found = planner.search(factory, cfg, budget, seq, stages=stages, remat=remats,
                            micro_batch=micro, batch_rows=rows, mesh=mesh, hardware=hardware,
-                           max_plans=args.max_plans, on_result=progress)
+                           max_plans=args.max_plans, on_result=progress, options=options)
     for i, p in enumerate(found.plans):
         say(f"  {i + 1}. {p.describe()}\n     {json.dumps(p.config_patch())}")
     if not found.plans:

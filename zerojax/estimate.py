@@ -445,7 +445,8 @@ OPTIMIZER_STATE_BYTES = {"adam": 8, "adamw": 8, "lion": 4, "adagrad": 4, "lamb":
 
 def model_state_floor(params: int, *, stage: int, n_data: int, precision: str,
                       optimizer: str | None = "adamw", offload_optimizer: bool = False,
-                      offload_ratio: float = 1.0, offload_param: bool = False, n_tensor: int = 1) -> int:
+                      offload_ratio: float = 1.0, offload_param: bool = False, n_tensor: int = 1,
+                      master_split: bool = False, adam_mu_dtype: str | None = None) -> int:
     """Per-device bytes that the step's arguments hold at least: the compute params (fp32 runs
     keep none apart from the master unless it is offloaded), the fp32 master and the optimizer
     state, each divided by the data-parallel size where the stage partitions it and without what
@@ -453,10 +454,15 @@ def model_state_floor(params: int, *, stage: int, n_data: int, precision: str,
     top), so a choice whose floor exceeds the budget is pruned without compiling it. Under tensor
     parallelism each device holds params / n_tensor before ZeRO divides by n_data (the few
     replicated leaves -- norms, biases, wpe -- are not counted apart: the floor stays a floor
-    only up to them, <1% of GPT-2)."""
+    only up to them, <1% of GPT-2). EngineOptions that shrink the state: master_split (the device
+    master as an int16 remainder beside the bf16 params: 2 bytes, not 4; only where it applies,
+    `layout.master_split_applies`) and adam_mu_dtype="bfloat16" (Adam's first moment in 2 bytes)."""
     params = params / n_tensor
-    opt = OPTIMIZER_STATE_BYTES.get("".join(c for c in (optimizer or "").lower() if c.isalnum()), 0)
-    master = (4 + opt) * params / (n_data if stage >= 1 else 1)
+    kind = "".join(c for c in (optimizer or "").lower() if c.isalnum())
+    opt = OPTIMIZER_STATE_BYTES.get(kind, 0)
+    if adam_mu_dtype == "bfloat16" and kind in ("adam", "adamw"):
+        opt -= 2
+    master = ((2 if master_split else 4) + opt) * params / (n_data if stage >= 1 else 1)
     if offload_optimizer or offload_param:
         master *= 1.0 - (offload_ratio if offload_optimizer else 1.0)
     compute = 0.0  # fp32 without offload: the master is the compute copy

@@ -411,13 +411,39 @@ def device_master_split(options, cfg, offloaded: bool) -> bool:
     if not options.master_split:
         return False
     precision = _precision_name(cfg)
-    if precision != "bf16" or offloaded:
+    if not master_split_applies(precision, offloaded):
         raise ValueError(f"EngineOptions.master_split needs bf16 compute (the master's top half is the bf16 "
                          f"compute copy) and no offload (this config: {precision}, offload "
                          f"{'on' if offloaded else 'off'}); enable \"bf16\" without zero_optimization."
                          f"offload_optimizer / offload_param (the optimizer offloaded: "
                          f"EngineOptions.offload_master_split), or leave master_split off")
     return True
+
+
+def master_split_applies(precision: str, offloaded: bool) -> bool:
+    """Where EngineOptions.master_split can act: bf16 compute ("bf16" | "fp16" | "fp32") and the
+    state whole on the device (no offload)."""
+    return precision == "bf16" and not offloaded
+
+
+def options_for_config(options, cfg):
+    """`options` with what this config cannot take set back to the default, for the planner's
+    candidates (a user's master_split or offload_loop="host" is a choice about one layout; a plan
+    that offloads, or does not, must not fail for it): master_split off where
+    `master_split_applies` says no (under optimizer offload the host loop splits the master by
+    itself: offload_master_split), offload_loop "in_place" where `chunk_loops_apply` says no, and
+    offload_master_split back to None (where it applies) where its loop or precision is not there."""
+    offload_optimizer, offload_param = offloads(cfg)
+    precision, changes = _precision_name(cfg), {}
+    if options.master_split and not master_split_applies(precision, offload_optimizer or offload_param):
+        changes["master_split"] = False
+    if options.offload_loop != "in_place" and not chunk_loops_apply(
+            cfg.zero_optimization, offload_optimizer, offload_param):
+        changes["offload_loop"] = "in_place"
+    if options.offload_master_split and (precision != "bf16" or
+                                         changes.get("offload_loop", options.offload_loop) != "host"):
+        changes["offload_master_split"] = None
+    return options.replace(**changes) if changes else options
 
 
 def chunk_loops_apply(zero, offload_optimizer: bool, offload_param: bool) -> bool:

@@ -29,10 +29,12 @@ from flax import nnx
 
 from zerojax import engine as E
 from zerojax import estimate as est
+from zerojax import layout
 from zerojax import memory as mem
 from zerojax import partition
 from zerojax.config import REMAT_POLICY_NAMES, load_config
 from zerojax.memory import CompiledMemory, WillNotFitError, fmt_bytes, parse_bytes
+from zerojax.options import EngineOptions
 
 AS_BUILT = "as built"  # remat of a model the planner cannot rebuild (a built engine's graph)
 REMAT_CHOICES = (None, "full", "offload")  # DeepSpeed's activation_checkpointing can say these
@@ -193,10 +195,13 @@ def default_loss_fn():
     return gpt2_loss
 
 
-def abstract_engine(model, cfg, *, loss_fn, mesh=None):
+def abstract_engine(model, cfg, *, loss_fn, mesh=None, options=None):
     """An Engine whose state is ShapeDtypeStructs (with shardings): it can lower and compile the
-    real train step, but holds no device memory (`zerojax.engine.abstract_engine`)."""
-    return E.abstract_engine(model, cfg, loss_fn=loss_fn, mesh=mesh)
+    real train step, but holds no device memory (`zerojax.engine.abstract_engine`). `options`
+    (EngineOptions) are adapted to `cfg` (`layout.options_for_config`: a master_split or host loop
+    the candidate's layout cannot take is dropped, not an error)."""
+    options = layout.options_for_config(options or EngineOptions(), cfg).replace(plans_for=None)
+    return E.abstract_engine(model, cfg, loss_fn=loss_fn, mesh=mesh, options=options)
 
 
 def _plain_batch_keys(cfg_dict, micro_batch, grad_accum=None):
@@ -215,14 +220,17 @@ _STEP_MEMORY: dict = {}
 
 
 def step_memory(model_factory, cfg_dict, seq_len, micro_batch, *, remat=AS_BUILT, precision=None,
-                grad_accum=None, loss_fn=None, mesh=None, batch_fn=None) -> CompiledMemory:
+                grad_accum=None, loss_fn=None, mesh=None, batch_fn=None,
+                options: EngineOptions | None = None) -> CompiledMemory:
     """Compile the engine's real training step for `cfg_dict` at `micro_batch` (x `grad_accum`);
     read its memory. Nothing is allocated: the engine is abstract and the model traced.
 
     model_factory: a callable returning an nnx.Module, taking `remat_policy=` / `dtype=` to build
     variants (or the older `remat=bool`), or a built Module. batch_fn(global_batch, seq_len) -> a
-    tree of ShapeDtypeStructs (default GPT-2's input_ids). Memoised per (factory, config, shapes,
-    choices, mesh) for the life of the process.
+    tree of ShapeDtypeStructs (default GPT-2's input_ids). options: the EngineOptions the engine
+    will run with (master_split, adam_mu_dtype, the offload loop ... change the peak), adapted to
+    this config (`abstract_engine`). Memoised per (factory, config, shapes, choices, options, mesh)
+    for the life of the process.
     """
     n_data = _data_size(mesh, cfg_dict)
     cfg_dict = _plain_batch_keys(cfg_dict, micro_batch, grad_accum)
@@ -233,7 +241,7 @@ def step_memory(model_factory, cfg_dict, seq_len, micro_batch, *, remat=AS_BUILT
     key = (model_factory, json.dumps(cfg_dict, sort_keys=True, default=str), seq_len,
            tuple(sorted((k, str(v)) for k, v in kw.items())), loss_fn, batch_fn,
            None if mesh is None else (tuple(mesh.shape.items()), tuple(d.id for d in mesh.devices.flat)),
-           n_data)
+           n_data, options)
     try:
         hit = _STEP_MEMORY.get(key)
     except TypeError:  # an unhashable factory: no memo
@@ -242,7 +250,7 @@ def step_memory(model_factory, cfg_dict, seq_len, micro_batch, *, remat=AS_BUILT
         return hit
     cfg = load_config(cfg_dict, world_size=n_data)
     eng = abstract_engine(_model_source(model_factory, **kw), cfg,
-                          loss_fn=loss_fn or default_loss_fn(), mesh=mesh)
+                          loss_fn=loss_fn or default_loss_fn(), mesh=mesh, options=options)
     if batch_fn is None:
         batch = {"input_ids": jax.ShapeDtypeStruct((cfg.train_batch_size, seq_len), jnp.int32)}
     else:
@@ -435,7 +443,8 @@ class Search:
 def search(model_factory, cfg_dict, budget, seq_len, *, stages=(0, 1, 2, 3),
            offloads=DEFAULT_OFFLOADS, remat=None, precision=None, micro_batch=None,
            batch_rows=None, loss_fn=None, mesh=None, batch_fn=None, hardware=est.H200,
-           max_plans=3, one_per_tier=True, on_result: Callable | None = None) -> Search:
+           max_plans=3, one_per_tier=True, on_result: Callable | None = None,
+           options: EngineOptions | None = None) -> Search:
     """The planning run behind `plan`; returns what fits and what was tried (see `Search`)."""
     budget = parse_bytes(budget)
     n_data = _data_size(mesh, cfg_dict)
@@ -481,12 +490,16 @@ def search(model_factory, cfg_dict, budget, seq_len, *, stages=(0, 1, 2, 3),
                    key=lambda tc: (tc[0].step_s, tc[1].stage, -_offload_rank(tc[1])))
     fitting, tried, too_big, compiled, tiers_done = [], [], [], {}, set()
 
+    opts = options or EngineOptions()
+
     def states(c, bound):
         f = est.model_state_floor if bound else est.model_state_bytes
-        return f(shape.params, stage=c.stage, n_data=n_zero,
-                 precision=c.precision or _configured(cfg_dict), optimizer=optimizer,
+        prec = c.precision or _configured(cfg_dict)
+        return f(shape.params, stage=c.stage, n_data=n_zero, precision=prec, optimizer=optimizer,
                  offload_optimizer=c.kind != "none", offload_ratio=c.ratio,
-                 offload_param=c.kind == "param", n_tensor=n_tensor)
+                 offload_param=c.kind == "param", n_tensor=n_tensor,
+                 master_split=opts.master_split and layout.master_split_applies(prec, c.kind != "none"),
+                 adam_mu_dtype=opts.adam_mu_dtype)
 
     def estimated_peak(c):
         """From a compiled neighbour (same precision and remat, micro-batch no smaller): its peak,
@@ -525,7 +538,7 @@ def search(model_factory, cfg_dict, budget, seq_len, *, stages=(0, 1, 2, 3),
                 m = step_memory(model_factory, _zero_choice(cfg_dict, c.stage, c.kind, c.ratio),
                                 seq_len, c.micro_batch, remat=c.remat, precision=c.precision,
                                 grad_accum=c.grad_accum, loss_fn=loss_fn, mesh=mesh,
-                                batch_fn=batch_fn)
+                                batch_fn=batch_fn, options=options)
             except NotImplementedError:
                 raise
             except Exception as e:  # noqa: BLE001 - a choice the engine rejects is not a plan
@@ -582,7 +595,7 @@ def _configured(cfg_dict):
 def plan(model_factory, cfg_dict, budget, seq_len, *, stages=(0, 1, 2, 3),
          offloads=DEFAULT_OFFLOADS, remat=None, precision=None, micro_batch=None,
          batch_rows=None, loss_fn=None, mesh=None, batch_fn=None, hardware=est.H200,
-         max_plans=3, one_per_tier=True, on_result=None) -> list[Plan]:
+         max_plans=3, one_per_tier=True, on_result=None, options=None) -> list[Plan]:
     """Up to `max_plans` choices whose compiled step fits `budget` bytes per device, fastest
     (predicted) first.
 
@@ -596,22 +609,24 @@ def plan(model_factory, cfg_dict, budget, seq_len, *, stages=(0, 1, 2, 3),
     one_per_tier: list one plan per (precision, remat, micro-batch), the fastest stage / offload
     that fits (False: every stage / offload that fits, up to max_plans).
     on_result(plan, outcome): called for every choice tried (progress output).
+    options: the EngineOptions the run will use (master_split, adam_mu_dtype, offload_loop ...:
+    each candidate compiles with them, adapted to its layout by `layout.options_for_config`).
     """
     return search(model_factory, cfg_dict, budget, seq_len, stages=stages, offloads=offloads,
                   remat=remat, precision=precision, micro_batch=micro_batch,
                   batch_rows=batch_rows, loss_fn=loss_fn, mesh=mesh, batch_fn=batch_fn,
                   hardware=hardware, max_plans=max_plans, one_per_tier=one_per_tier,
-                  on_result=on_result).plans
+                  on_result=on_result, options=options).plans
 
 
 def fit_micro_batch(model_factory, cfg_dict, budget, seq_len, *, remat=AS_BUILT, loss_fn=None,
-                    mesh=None, batch_fn=None, limit=1024) -> int:
+                    mesh=None, batch_fn=None, limit=1024, options=None) -> int:
     """The largest `train_micro_batch_size_per_gpu` whose compiled step fits `budget` bytes, all
     else as configured. Raises WillNotFitError if micro-batch 1 does not fit."""
     budget = parse_bytes(budget)
     m, peaks = mem.largest_fitting(
         lambda mb: step_memory(model_factory, cfg_dict, seq_len, mb, remat=remat, loss_fn=loss_fn,
-                               mesh=mesh, batch_fn=batch_fn).peak, budget, limit=limit)
+                               mesh=mesh, batch_fn=batch_fn, options=options).peak, budget, limit=limit)
     if m == 0:
         raise WillNotFitError(peaks[1], budget, (), what="micro-batch 1")
     return m
@@ -628,7 +643,7 @@ REMAT_LADDER = ("dots", "save_attention_block", "save_qkv_attention", "save_atte
 
 
 def fit_remat_policy(model_factory, cfg_dict, budget, seq_len, n_layer: int, *, loss_fn=None,
-                     mesh=None, batch_fn=None, ladder=REMAT_LADDER) -> str:
+                     mesh=None, batch_fn=None, ladder=REMAT_LADDER, options=None) -> str:
     """The fastest remat policy of `ladder` (fastest first) whose compiled step fits `budget`
     bytes per device, all else as configured; the ladder's last entry if none fits. The factory
     must take `remat_policy=` (zerojax.models.GPT2 does). A ladder entry "dots_*" stands for the
@@ -637,7 +652,7 @@ def fit_remat_policy(model_factory, cfg_dict, budget, seq_len, n_layer: int, *, 
     budget = parse_bytes(budget)
     micro = int(cfg_dict.get("train_micro_batch_size_per_gpu") or 1)
     peak = lambda remat: step_memory(model_factory, cfg_dict, seq_len, micro, remat=remat,  # noqa: E731
-                                     loss_fn=loss_fn, mesh=mesh, batch_fn=batch_fn).peak
+                                     loss_fn=loss_fn, mesh=mesh, batch_fn=batch_fn, options=options).peak
     for name in ladder[:-1]:
         if name == "dots_*":
             k, _ = mem.largest_fitting(lambda k: peak(f"dots_{k}"), budget, start=2, limit=n_layer - 2)
@@ -677,7 +692,8 @@ def _batch_fn_like(batch_shapes):
 def engine_plans(engine, batch_shapes, budget=None, *, stages=(0, 1, 2, 3),
                  offloads=DEFAULT_OFFLOADS, max_plans=3) -> list[Plan]:
     """Plans that fit `budget` for a built engine's model (remat and precision as built), loss,
-    mesh and batch: micro-batch / accumulation keeping its rows per step, stage, offload."""
+    mesh, batch and EngineOptions: micro-batch / accumulation keeping its rows per step, stage,
+    offload."""
     budget = device_budget_or(budget)
     shapes = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), batch_shapes)
     cfg = engine.cfg
@@ -687,7 +703,7 @@ def engine_plans(engine, batch_shapes, budget=None, *, stages=(0, 1, 2, 3),
                 offloads=offloads, remat=(AS_BUILT,), precision=(None,), micro_batch=None,
                 batch_rows=int(cfg.train_micro_batch_size_per_gpu) * int(cfg.gradient_accumulation_steps),
                 loss_fn=engine.loss_fn, mesh=engine.mesh, batch_fn=_batch_fn_like(shapes),
-                max_plans=max_plans)
+                max_plans=max_plans, options=engine.options)
 
 
 def device_budget_or(budget):
