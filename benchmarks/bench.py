@@ -185,30 +185,10 @@ def one(spec: dict) -> dict:
 
 
 def measure_ceiling(n: int) -> dict:
-    """Per-device bf16 matmul TFLOP/s with every local device busy at once, as in a training step:
-    one n^3 matmul per device, batched over a device axis (no collectives). On CPU the virtual
-    devices share the host's cores, so a one-device measurement would overstate each one's share."""
-    import jax
-    import jax.numpy as jnp
-    from jax.sharding import NamedSharding, PartitionSpec as P
+    """Per-device bf16 matmul TFLOP/s with every local device busy at once (zerojax.ceiling)."""
+    from zerojax.ceiling import measure_matmul_ceiling
 
-    devs = jax.local_devices()
-    mesh = jax.sharding.Mesh(devs, ("d",))
-    spread = NamedSharding(mesh, P("d"))
-    k1, k2 = jax.random.split(jax.random.key(0))
-    init = jax.jit(lambda k: jax.random.normal(k, (len(devs), n, n), jnp.bfloat16), out_shardings=spread)
-    a, b = init(k1), init(k2)
-    mm = jax.jit(lambda a, b: jnp.einsum("dij,djk->dik", a, b), out_shardings=spread)
-    mm(a, b).block_until_ready()
-    iters = 20 if jax.default_backend() != "cpu" else 3
-    t0 = time.perf_counter()
-    for _ in range(iters):
-        c = mm(a, b)
-    c.block_until_ready()
-    dt = (time.perf_counter() - t0) / iters
-    return {"ceiling_tflops": 2 * n**3 / dt / 1e12, "matmul_n": n, "backend": jax.default_backend(),
-            "device_kind": devs[0].device_kind, "n_devices": len(devs),
-            "jax_version": jax.__version__}
+    return measure_matmul_ceiling(n)
 
 
 def fmt_tflops(x) -> str:

@@ -19,8 +19,6 @@ import time
 # `python examples/gpt2_large.py` from a checkout works without installing.
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
-# datasheet dense bf16 peak per device, for MFU (override with --peak-tflops)
-PEAK_TFLOPS = {"H200": 989.0, "H100": 989.0, "A100": 312.0, "L4": 121.0, "A10": 125.0, "4090": 165.0}
 
 
 def _number(kind, lo=None, *, above=False, note=""):
@@ -131,7 +129,8 @@ def parse_args(argv=None):
     p.add_argument("--seed", type=_number(int, 0), default=None,
                    help="init and data-order seed (default 0; on --resume the checkpoint's)")
     p.add_argument("--peak-tflops", type=_number(float, 0.0, above=True), default=None,
-                   help="per-device peak for MFU")
+                   help="per-device TFLOP/s that MFU is reported against (default: the bf16 matmul "
+                        "ceiling measured at start, zerojax.ceiling; a datasheet peak is never reached)")
     args = p.parse_args(_join_negative_values(list(sys.argv[1:] if argv is None else argv)))
     if args.keep is not None and not args.save:
         p.error("--keep needs --save DIR (the checkpoint folder to prune)")
@@ -353,6 +352,7 @@ def main(argv=None):
         sys.stdout = open(os.devnull, "w")
     import zerojax
     from zerojax import checkpoint_files
+    from zerojax.ceiling import measure_matmul_ceiling
     from zerojax.config import read_source as read_config
     from zerojax.data import load_text_data
     from zerojax.models.gpt2 import GPT2, GPT2Config, flops_per_token
@@ -453,7 +453,10 @@ def main(argv=None):
         model = gpt2_from_params(gpt_cfg, hf, dtype=dtype, remat_policy=remat)
     else:  # built shard by shard on the devices, never whole on one
         model = make_model
-    engine = zerojax.shard(model, cfg, loss_fn=loss_fn, options=_engine_options(args, cfg, loop, planned))
+    options = _engine_options(args, cfg, loop, planned)
+    # MFU's denominator, measured before the engine holds any memory (its buffers are freed)
+    peak = args.peak_tflops or measure_matmul_ceiling()["ceiling_tflops"]
+    engine = zerojax.shard(model, cfg, loss_fn=loss_fn, options=options)
     del model, hf
     _warn_replicated(engine, cfg)
     if engine.offload_settings and cfg.zero_optimization.offload_optimizer.device == "cpu":
@@ -478,12 +481,12 @@ def main(argv=None):
 
     n_dev = jax.device_count()
     kind = jax.devices()[0].device_kind
-    peak = args.peak_tflops or next((v for k, v in PEAK_TFLOPS.items() if k in kind), None)
     fpt = flops_per_token(gpt_cfg, seq_len)
     print(f"GPT-2 {size} ({sum(x.size for x in jax.tree.leaves(engine.master_params)) / 1e6:.1f}M params), "
           f"{n_dev} x {kind}, ZeRO stage {cfg.zero_optimization.stage}, {dtype.name if hasattr(dtype, 'name') else dtype}, "
           f"batch {cfg.train_batch_size} = {cfg.train_micro_batch_size_per_gpu} x {cfg.gradient_accumulation_steps} "
-          f"x {cfg.world_size}, seq {seq_len}, remat {remat}")
+          f"x {cfg.world_size}, seq {seq_len}, remat {remat}; MFU against {peak:.3g} TFLOP/s per device "
+          f"({'--peak-tflops' if args.peak_tflops else 'the bf16 matmul ceiling measured here'})")
 
     tokens_per_step = cfg.train_batch_size * seq_len
     bar = tqdm(batches, total=max(0, steps - start), initial=0, desc="train", dynamic_ncols=True,
@@ -501,8 +504,7 @@ def main(argv=None):
         if i % 10 == 0 or i == steps - start - 1:
             tps = timed_tokens / (time.perf_counter() - t0)
             post = {"loss": f"{float(metrics['loss']):.3f}", "tok/s": f"{tps:,.0f}"}
-            if peak:
-                post["MFU"] = f"{100 * tps * fpt / (peak * 1e12 * n_dev):.1f}%"
+            post["MFU"] = f"{100 * tps * fpt / (peak * 1e12 * n_dev):.1f}%"
             stats = jax.local_devices()[0].memory_stats() or {}
             if "peak_bytes_in_use" in stats:
                 post["mem"] = f"{stats['peak_bytes_in_use'] / 2**30:.1f}GiB"
@@ -519,8 +521,8 @@ def main(argv=None):
     if t0 is not None and timed_tokens:
         tps = timed_tokens / (time.perf_counter() - t0) / n_dev
         summary["tokens_per_s_per_device"] = round(tps)
-        if peak:
-            summary["mfu"] = round(tps * fpt / (peak * 1e12), 4)
+        summary["mfu"] = round(tps * fpt / (peak * 1e12), 4)
+        summary["mfu_against_tflops"] = float(f"{peak:.3g}")
     stats = jax.local_devices()[0].memory_stats() or {}
     if "peak_bytes_in_use" in stats:
         summary["peak_gib_device0"] = round(stats["peak_bytes_in_use"] / 2**30, 2)

@@ -267,6 +267,22 @@ def test_offload_loop_auto_takes_host_where_its_step_fits(capsys, monkeypatch):
         assert loop == want and why.startswith(said), why
 
 
+def test_mfu_is_reported_against_the_measured_ceiling_or_the_flag(capsys):
+    """The example's MFU: tokens/s x the model's FLOPs a token (flops_per_token, checked against
+    the written-out count in test_gpt2) over the bf16 matmul ceiling it measured at start
+    (zerojax.ceiling), or over --peak-tflops where given; the header says which."""
+    from zerojax.models.gpt2 import GPT2Config, flops_per_token
+
+    example = _example()
+    fpt = flops_per_token(GPT2Config.named("tiny"), 32)
+    for flags, basis in ((["--peak-tflops", "2.5"], "--peak-tflops"), ([], "the bf16 matmul ceiling measured here")):
+        run = example.main([*TINY, "--steps", "3", *flags])
+        assert f"TFLOP/s per device ({basis})" in capsys.readouterr().out
+        against = run["mfu_against_tflops"]
+        assert against == 2.5 if flags else against > 0
+        assert run["mfu"] == pytest.approx(run["tokens_per_s_per_device"] * fpt / (against * 1e12), rel=2e-2, abs=1e-4)
+
+
 def test_steps_zero_evaluates_only():
     summary = _example().main([*TINY, "--steps", "0", "--eval-batches", "1"])
     assert summary["losses"] == [] and summary["last_loss"] is None and summary["val_loss"] > 0
