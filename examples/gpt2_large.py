@@ -149,7 +149,8 @@ def _plan_micro_batch(cfg, gpt_cfg, dtype, remat, explore_remat, seq_len, loss_f
     """train_micro_batch_size_per_gpu "auto": the planner's fastest choice that fits the device
     (zerojax.planner: remat, micro-batch x accumulation keeping the global batch, stage, offload;
     compiled before anything is allocated, with the run's EngineOptions: --master-split and
-    --adam-mu-dtype hold less). -> (config, remat)."""
+    --adam-mu-dtype hold less). Unless --remat or the config names a policy, the remat choices are
+    none and the planner's measured ladder (dots ... full). -> (config, remat)."""
     from flax import nnx
 
     import zerojax
@@ -169,7 +170,7 @@ def _plan_micro_batch(cfg, gpt_cfg, dtype, remat, explore_remat, seq_len, loss_f
         def factory():
             return GPT2(gpt_cfg, rngs=nnx.Rngs(0), dtype=dtype, remat_policy=remat)
     found = planner.search(factory, cfg.to_dict(), budget, seq_len, loss_fn=loss_fn, max_plans=1,
-                           options=options)
+                           remat=(None, *planner.REMAT_LADDER) if explore_remat else None, options=options)
     if not found.plans:
         raise zerojax.WillNotFitError(min((p.peak_bytes for p, _ in found.tried if p.peak_bytes), default=0),
                                       budget, (), what="every plan tried")
