@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
+from zerojax import EngineOptions
 from zerojax import estimate as E
 from zerojax import planner as PL
 from zerojax.config import load_config
@@ -77,7 +78,6 @@ def test_planning_compiles_with_the_runs_engine_options():
     the formula's floor stays under every compiled peak, and a budget that only the bf16 moment
     meets is met only when the search is told of it. A candidate that offloads drops the device
     split (layout.options_for_config) instead of failing."""
-    from zerojax import EngineOptions
     from zerojax.layout import options_for_config
 
     params = PL.model_shape(factory, SEQ).params
@@ -310,7 +310,16 @@ def test_plan_command_searches_mesh_shapes_only_when_asked(capsys):
         assert (patch["tensor_parallel"]["autotp_size"], patch["pipeline"]["stages"]) == (p["tensor"], p["pipe"])
         assert patch["train_micro_batch_size_per_gpu"] * patch["gradient_accumulation_steps"] * p["data"] * p["tensor"] == 16
     assert main(args) == 0
-    assert {(p["tensor"], p["pipe"]) for p in json.loads(capsys.readouterr().out)["plans"]} == {(1, 1)}
+    plain = json.loads(capsys.readouterr().out)["plans"]
+    assert {(p["tensor"], p["pipe"]) for p in plain} == {(1, 1)}
+    # --master-split --adam-mu-dtype bfloat16: the same plans, each 4 bytes a parameter (/ its ZeRO
+    # split of the master and moments) lighter by the formula
+    assert main(args + ["--master-split", "--adam-mu-dtype", "bfloat16"]) == 0
+    lean = {(p["data"], p["stage"], p["micro_batch"]): p["peak_bytes"] for p in json.loads(capsys.readouterr().out)["plans"]}
+    params = MP.gpt2_mesh_model(TINY, TINY.n_positions).shape.params
+    for p in plain:
+        shard = p["data"] if p["stage"] >= 1 else 1
+        assert p["peak_bytes"] - lean[(p["data"], p["stage"], p["micro_batch"])] == pytest.approx(4 * params / shard, abs=2)
     assert main(["plan", "--model", "xl", "--devices", "4", "--budget", "139GiB", "--search-mesh", "--top", "1"]) == 0
     out = capsys.readouterr().out
     assert "data 2 x tensor 2 x pipe 1: tensor 2 does not divide the 25 attention heads" in out
@@ -334,22 +343,33 @@ def test_mesh_state_formula_matches_the_engines_shards():
     r_layers, r_rest = L * (2 * 2 * d + 2 * d), TINY.n_positions * d + 2 * d  # ln_1, ln_2; 2 row biases
     model = MP.gpt2_mesh_model(TINY, SEQ)
     cfg = dict(MESH_CFG, zero_optimization={"stage": 0, "stage3_param_persistence_threshold": 0})
-    for data, t, p, stage in [(4, 1, 1, 3), (2, 2, 1, 1), (2, 2, 1, 3), (2, 1, 2, 1), (1, 2, 2, 0)]:
+    lean = EngineOptions(master_split=True, adam_mu_dtype="bfloat16")
+    splits = [(4, 1, 1, 3), (2, 2, 1, 1), (2, 2, 1, 3), (2, 1, 2, 1), (1, 2, 2, 0)]
+    for (data, t, p, stage), options in [(s, None) for s in splits] + [(s, lean) for s in splits[1:4]]:
         plan = MP.MeshPlan(data, t, p, stage, 4, 32 // (4 * data * t))
         mesh = make_mesh(data=data, tensor=t, pipe=p, devices=jax.devices()[:4])
         eng = abstract_engine(factory, load_config(plan.apply(cfg), world_size=data * t),
-                              loss_fn=PL.default_loss_fn(), mesh=mesh)
+                              loss_fn=PL.default_loss_fn(), mesh=mesh, options=options)
         st = eng.state
         grads = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, eng.accum_dtype), st.params)
         grads = jax.tree.map(lambda g, s: jax.ShapeDtypeStruct(g.shape, g.dtype, sharding=s), grads, eng.shardings.grads)
         shards = _shard_bytes((st.params, grads, st.master, st.opt_state))
         # the ZeRO paper's table with fp32 gradients: bf16 params, fp32 grads, fp32 master, Adam's 2 moments
+        # (with the split master and the bf16 first moment: a 2-byte remainder, moments 2 + 4)
+        master_opt = 2 + 6 if options else 4 + 8
         per_param = (2 / (data if stage == 3 else 1) + 4 / (data if stage >= 2 else 1)
-                     + (4 + 8) / (data if stage >= 1 else 1))
+                     + master_opt / (data if stage >= 1 else 1))
         replicated = r_layers / p + r_rest
         formula = E.mesh_peak_bytes(model.shape, n_head=model.n_head, vocab=model.vocab, micro_batch=4,
-                                    n_data=data, n_tensor=t, n_pipe=p, stage=stage)["states"]
-        assert shards == formula + round(replicated * per_param * (1 - 1 / t)) + 4, (data, t, p, stage)
+                                    n_data=data, n_tensor=t, n_pipe=p, stage=stage,
+                                    master_split=options is not None,
+                                    adam_mu_dtype=options and options.adam_mu_dtype)["states"]
+        assert shards == formula + round(replicated * per_param * (1 - 1 / t)) + 4, (data, t, p, stage, options)
+        if options:  # the mesh search's own formula peak counts them the same way
+            est_plan = MP.predict(model, plan, options=options)
+            assert est_plan.peak_bytes == E.mesh_peak_bytes(
+                model.shape, n_head=model.n_head, vocab=model.vocab, micro_batch=4, grad_accum=plan.grad_accum,
+                n_data=data, n_tensor=t, n_pipe=p, stage=stage, master_split=True, adam_mu_dtype="bfloat16")["total"]
 
 
 def test_rank_check_ranks_the_stored_two_gpu_rows(capsys):

@@ -53,13 +53,7 @@ def _add_estimate(sub):
                         "host memory)")
     p.add_argument("--max-plans", type=int, default=3, help="plans to find (default 3)")
     p.add_argument("--no-plan", action="store_true", help="with --aot: compiled peaks only")
-    p.add_argument("--master-split", action="store_true",
-                   help="with --aot: compile as zerojax.EngineOptions(master_split=True) runs (bf16, no "
-                        "offload: the fp32 master kept as the bf16 params + an int16 remainder, 2 bytes a "
-                        "parameter less)")
-    p.add_argument("--adam-mu-dtype", choices=("bfloat16",), default=None,
-                   help="with --aot: compile as EngineOptions(adam_mu_dtype=...) runs (Adam's first moment "
-                        "stored in bf16: 2 bytes a parameter less)")
+    _add_engine_option_flags(p, "with --aot: ")
     p.add_argument("--cpu", action="store_true",
                    help="compile on --gpus x --nodes virtual CPU devices (shapes only; CPU and GPU "
                         "compilers differ, so peaks are indicative)")
@@ -87,6 +81,22 @@ def _add_hardware_flags(p):
                    help=f"host<->device bytes/s (default {hw.host_bytes_per_s:.3g}, measured PCIe)")
     p.add_argument("--interconnect-bandwidth", type=float, default=hw.interconnect_bytes_per_s,
                    help=f"collective bytes/s per device (default {hw.interconnect_bytes_per_s:.3g})")
+
+
+def _add_engine_option_flags(p, when=""):
+    """The EngineOptions that change a step's memory, shared by estimate and plan."""
+    p.add_argument("--master-split", action="store_true",
+                   help=f"{when}plan as zerojax.EngineOptions(master_split=True) runs (bf16, no offload: the "
+                        "fp32 master kept as the bf16 params + an int16 remainder, 2 bytes a parameter less)")
+    p.add_argument("--adam-mu-dtype", choices=("bfloat16",), default=None,
+                   help=f"{when}plan as EngineOptions(adam_mu_dtype=...) runs (Adam's first moment stored in "
+                        "bf16: 2 bytes a parameter less)")
+
+
+def _engine_options_of(args):
+    from zerojax.options import EngineOptions
+
+    return EngineOptions(master_split=args.master_split, adam_mu_dtype=args.adam_mu_dtype)
 
 
 def _hardware(args) -> estimate.Hardware:
@@ -124,6 +134,7 @@ def _add_plan(sub):
     p.add_argument("--cpu", action="store_true", help="with --aot: compile on --devices virtual CPU devices")
     p.add_argument("--max-compiles", type=int, default=12, help="with --aot: compiles to spend (default 12)")
     p.add_argument("--top", type=int, default=10, help="plans to print (default 10)")
+    _add_engine_option_flags(p)
     _add_hardware_flags(p)
     p.add_argument("--json", nargs="?", const="-", metavar="FILE",
                    help="also write plans and what was tried as JSON to FILE (without FILE: stdout)")
@@ -161,7 +172,8 @@ def cmd_plan(args) -> int:
         factory, cfg, budget, seq, devices=args.devices, global_batch=args.global_batch,
         stages=(args.stage,) if args.stage is not None else (0, 1, 2, 3), micro_batch=args.micro_batch,
         tensor_sizes=one, pipe_sizes=one, compile=args.aot, remat=remat, hardware=_hardware(args),
-        max_compiles=args.max_compiles, model=mesh_plan.gpt2_mesh_model(model_cfg, seq))
+        max_compiles=args.max_compiles, model=mesh_plan.gpt2_mesh_model(model_cfg, seq),
+        options=_engine_options_of(args))
     say(f"GPT-2 {args.model}, seq {seq}, {args.devices} devices, budget {fmt_bytes(budget)} per device; "
         f"peaks {'compiled' if args.aot else 'by formula (estimate.mesh_peak_bytes; --aot compiles)'}; fastest predicted first:")
     for i, p in enumerate(found.plans[:args.top], 1):
@@ -346,11 +358,9 @@ def _estimate_aot(args, say, factory, model_cfg, stages, n_devices) -> dict:
     from zerojax.memory import device_budget, fmt_bytes, parse_bytes
     from zerojax.partition import make_mesh
 
-    from zerojax.options import EngineOptions
-
     mesh = make_mesh(data=n_devices, devices=jax.devices()[:n_devices])
     cfg = _load_base_config(args)
-    options = EngineOptions(master_split=args.master_split, adam_mu_dtype=args.adam_mu_dtype)
+    options = _engine_options_of(args)
     seq = args.seq or model_cfg.n_positions
     budget = parse_bytes(args.budget) if args.budget else device_budget()
     remats = {"both": (None, "full"), "on": ("full",), "off": (None,),

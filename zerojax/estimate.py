@@ -585,12 +585,13 @@ def mesh_peak_bytes(shape: ModelShape, *, n_head: int, vocab: int, micro_batch: 
                     n_data: int = 1, n_tensor: int = 1, n_pipe: int = 1, stage: int = 0,
                     precision: str = "bf16", remat: str | None = None, checkpoint_interval: int = 0,
                     optimizer: str | None = "adamw", flash_attention: bool = True,
-                    activation_factor: float = ACTIVATION_FACTOR) -> dict:
+                    activation_factor: float = ACTIVATION_FACTOR, master_split: bool = False,
+                    adam_mu_dtype: str | None = None) -> dict:
     """Per-device bytes of one step on a data x tensor x pipe mesh, by formula (what the planner's
     mesh search uses where it does not compile): {"states", "activations", "logits", "total"}.
 
     states: `model_state_bytes` for the stage's parameters (layers / n_pipe, the rest whole) split
-      1 / n_tensor, ZeRO over n_data.
+      1 / n_tensor, ZeRO over n_data (master_split / adam_mu_dtype: the EngineOptions that shrink them).
     activations: `activation_bytes_per_layer` (Korthikanti et al.; 16-bit, scaled to the compute
       dtype) for the micro-batch a tensor group trains (micro_batch x n_tensor rows), times the
       device's layers. Unpipelined, one micro-batch is live at a time (the accumulation scan); a full
@@ -605,7 +606,8 @@ def mesh_peak_bytes(shape: ModelShape, *, n_head: int, vocab: int, micro_batch: 
     """
     p_stage = _per_stage_params(shape, n_pipe)
     states = model_state_bytes(int(p_stage), stage=stage, n_data=n_data, precision=precision,
-                               n_tensor=n_tensor, optimizer=optimizer)
+                               n_tensor=n_tensor, optimizer=optimizer, master_split=master_split,
+                               adam_mu_dtype=adam_mu_dtype)
     T, d = max(shape.seq_len, 1), shape.d_model
     scale = PRECISION_BYTES[precision] / 2
     layers = shape.n_layer // n_pipe if shape.n_layer else 0

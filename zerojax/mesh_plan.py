@@ -27,8 +27,9 @@ import jax
 from flax import nnx
 
 from zerojax import estimate as est
-from zerojax import planner
+from zerojax import layout, planner
 from zerojax.memory import fmt_bytes, parse_bytes
+from zerojax.options import EngineOptions
 from zerojax.partition import make_mesh
 
 # a candidate whose formula peak exceeds the budget by more than this is not compiled. On the
@@ -169,8 +170,9 @@ class MeshPlan:
 
 
 def predict(model: MeshModel, plan: MeshPlan, *, precision: str = "bf16", remat: str | None = None,
-            optimizer: str | None = "adamw", hardware: est.Hardware = est.H200) -> MeshPlan:
-    """`plan` with the step-time model's prediction and (if it has none) the formula's peak."""
+            optimizer: str | None = "adamw", hardware: est.Hardware = est.H200, options=None) -> MeshPlan:
+    """`plan` with the step-time model's prediction and (if it has none) the formula's peak
+    (with the state EngineOptions `options` shrinks: master_split, adam_mu_dtype)."""
     kw = dict(micro_batch=plan.micro_batch, grad_accum=plan.grad_accum, n_data=plan.data,
               n_tensor=plan.tensor, n_pipe=plan.pipe, stage=plan.stage, precision=precision, remat=remat,
               checkpoint_interval=plan.checkpoint_interval)
@@ -178,7 +180,10 @@ def predict(model: MeshModel, plan: MeshPlan, *, precision: str = "bf16", remat:
     out = dataclasses.replace(plan, step_s=t.step_s, tokens_per_s=t.tokens_per_s,
                               bubble=est.pipeline_bubble(plan.pipe, plan.grad_accum))
     if plan.peak_bytes is None:
-        peak = est.mesh_peak_bytes(model.shape, n_head=model.n_head, vocab=model.vocab, optimizer=optimizer, **kw)
+        opts = options or EngineOptions()
+        peak = est.mesh_peak_bytes(model.shape, n_head=model.n_head, vocab=model.vocab, optimizer=optimizer,
+                                   master_split=opts.master_split and layout.master_split_applies(precision, False),
+                                   adam_mu_dtype=opts.adam_mu_dtype, **kw)
         out = dataclasses.replace(out, peak_bytes=peak["total"], peak_source="estimated")
     return out
 
@@ -226,7 +231,7 @@ def search_mesh(model_factory, cfg_dict, budget, seq_len, *, devices: int, globa
                 stages=(0, 1, 2, 3), micro_batch=None, tensor_sizes=None, pipe_sizes=None, compile: bool = False,
                 remat=None, precision: str | None = None, hardware: est.Hardware = est.H200, loss_fn=None,
                 batch_fn=None, max_compiles: int = 12, model: MeshModel | None = None,
-                on_result: Callable | None = None) -> MeshSearch:
+                on_result: Callable | None = None, options=None) -> MeshSearch:
     """Rank the data x tensor x pipe shapes of `devices` devices (see the module's docstring).
 
     global_batch: rows per optimizer step (default: the config's train_batch_size, else micro x
@@ -235,6 +240,8 @@ def search_mesh(model_factory, cfg_dict, budget, seq_len, *, devices: int, globa
     every (shape, stage) has one that fits or `max_compiles` compiles were spent; otherwise the
     formula. remat: the model's remat_policy (as the factory builds it by default when None).
     precision: "bf16" | "fp16" | "fp32" for the step-time model (default: the config's).
+    options: the EngineOptions the run will use (`planner.search`'s): in the formula's states and
+    in every compile.
     """
     budget = parse_bytes(budget)
     if compile:
@@ -245,7 +252,8 @@ def search_mesh(model_factory, cfg_dict, budget, seq_len, *, devices: int, globa
     optimizer = (cfg_dict.get("optimizer") or {}).get("type") or "adamw"
     cands, refused = candidates(model, devices, global_batch, stages=stages, micro_batch=micro_batch,
                                 tensor_sizes=tensor_sizes, pipe_sizes=pipe_sizes)
-    predicted = sorted((predict(model, c, precision=precision, remat=remat, optimizer=optimizer, hardware=hardware)
+    predicted = sorted((predict(model, c, precision=precision, remat=remat, optimizer=optimizer, hardware=hardware,
+                                options=options)
                         for c in cands), key=lambda p: (p.step_s, p.stage, -p.grad_accum))
     tried, fitting, done, compiles = [], [], set(), 0
     for p in predicted:
@@ -261,7 +269,7 @@ def search_mesh(model_factory, cfg_dict, budget, seq_len, *, devices: int, globa
                 compiles += 1
                 try:
                     m = compiled_peak(model_factory, cfg_dict, p, seq_len, remat=remat, loss_fn=loss_fn,
-                                      batch_fn=batch_fn)
+                                      batch_fn=batch_fn, options=options)
                 except Exception as e:  # noqa: BLE001 - a choice the engine rejects is not a plan
                     tried.append((p, f"failed: {type(e).__name__}: {e}"))
                     if on_result:
@@ -279,14 +287,15 @@ def search_mesh(model_factory, cfg_dict, budget, seq_len, *, devices: int, globa
     return MeshSearch(sorted(fitting, key=lambda p: p.step_s), tried, refused, budget)
 
 
-def compiled_peak(model_factory, cfg_dict, plan: MeshPlan, seq_len, *, remat=None, loss_fn=None, batch_fn=None):
+def compiled_peak(model_factory, cfg_dict, plan: MeshPlan, seq_len, *, remat=None, loss_fn=None, batch_fn=None,
+                  options=None):
     """The compiled step's memory (`planner.step_memory`) for `plan` on the first plan.devices
     devices, with the config's keys set as `plan.apply` writes them."""
     _check_devices(plan.devices)
     mesh = make_mesh(data=plan.data, tensor=plan.tensor, pipe=plan.pipe, devices=jax.devices()[:plan.devices])
     return planner.step_memory(model_factory, plan.apply(cfg_dict), seq_len, plan.micro_batch,
                                remat=planner.AS_BUILT if remat is None else remat, grad_accum=plan.grad_accum,
-                               loss_fn=loss_fn, mesh=mesh, batch_fn=batch_fn)
+                               loss_fn=loss_fn, mesh=mesh, batch_fn=batch_fn, options=options)
 
 
 def _check_devices(n: int) -> None:
