@@ -196,6 +196,8 @@ class Engine:
             values = pure_dict(params), pure_dict(rest)
         if lay.offload is not None:
             return self._init_offloaded(init_fn, values)
+        if lay.step.split_master:
+            return self._init_split_master(init_fn, values)
         sh = lay.shardings
         fp32 = lay.compute_dtype == jnp.float32
         # The master lives in the optimizer sharding; with fp32 compute the params are the master.
@@ -213,9 +215,41 @@ class Engine:
             params = jax.jit(cast, out_shardings=sh.params)(master)
             master_view = master
         opt_state = jax.jit(lay.tx.init, out_shardings=lay.opt_shardings)(master_view)
-        # EngineOptions.master_split: the fp32 master kept as int16 remainders against `params`
-        master = lay.split_master(master, params, to_split=True)
         return self._fresh_state(params, master, opt_state, rest)
+
+    def _init_split_master(self, init_fn, values) -> TrainState:
+        """EngineOptions.master_split's initial state (bf16 params + int16 remainders), allocated
+        longest-lived first and the fp32 master, needed only to derive both, last. Why: the GPU
+        allocator hands out contiguous ranges from the front of its pool; an fp32 master allocated
+        first and freed after the split leaves a hole of 4 bytes a parameter at the front, and the
+        step's temporary buffer (one contiguous range, 8.4 GiB for GPT-2 Large at micro 8) then did
+        not fit in the 16 GiB the compiled peak (15.65 GiB) promised (an H200 capped at 16 GiB,
+        session 13). Allocated last, the master's range is freed back into the free tail. The
+        optimizer state is initialised from zeros of the master's shapes: zerojax's optimizers
+        (`zerojax.optim`) keep no parameter values in their state."""
+        lay, sh = self.layout, self.layout.shardings
+        zeros = lambda tree, dtype=None: jax.tree.map(  # noqa: E731
+            lambda s: jnp.zeros(s.shape, dtype or s.dtype), tree)
+        if init_fn is not None:
+            rest = jax.jit(lambda: _init_pure(init_fn)[1], out_shardings=lay.rest_shardings)()
+            master_of = jax.jit(lambda: _init_pure(init_fn)[0], out_shardings=sh.master)
+        else:
+            rest = jax.tree.map(_place, values[1], lay.rest_shardings)
+            master_of = lambda: jax.tree.map(lambda x, s: _place(x, s, jnp.float32), values[0], sh.master)  # noqa: E731
+        opt_state = jax.jit(lambda: lay.tx.init(zeros(lay.abstract_master)), out_shardings=lay.opt_shardings)()
+        params = jax.jit(lambda: zeros(lay.abstract_master, lay.compute_dtype), out_shardings=sh.params)()
+        abstract_rems = jax.eval_shape(functools.partial(step_mod.stored_master, lay.step), lay.abstract_master)
+        rems = jax.jit(lambda: zeros(abstract_rems), out_shardings=sh.master)()
+        master = master_of()
+
+        def split(master, params, rems):  # params and rems: donated, their ranges reused in place
+            del params, rems
+            cast = jax.tree.map(lambda m: m.astype(lay.compute_dtype), master)
+            return cast, step_mod.stored_master(lay.step, master)
+
+        params, rems = jax.jit(split, donate_argnums=(1, 2), out_shardings=(sh.params, sh.master))(master, params, rems)
+        del master
+        return self._fresh_state(params, rems, opt_state, rest)
 
     def _grad_accumulator(self, abstract: bool):
         """offload_param with accumulation: the host-memory gradient accumulator the step adds each
