@@ -178,6 +178,31 @@ def test_device_master_split_trains_as_the_fp32_master(stage, accum, nan_at):
     assert "master (int16 remainder)" in str(split.memory_report()) and "fp32 master" in str(whole.memory_report())
 
 
+@pytest.mark.parametrize("built", [False, True])
+def test_device_master_split_initial_state_is_the_split_of_the_fp32_one(built):
+    """The split master's initial state (allocated longest-lived first, its fp32 master last:
+    Engine._init_split_master) is the default initial state split: the same compute params, rest
+    and optimizer state, and as remainders exactly `step.stored_master` of the fp32 master; from a
+    model callable and from a built model's values."""
+    from zerojax import step
+
+    def engine(split):
+        make = lambda: gpt2.GPT2(C, rngs=nnx.Rngs(0), dtype=jnp.bfloat16)  # noqa: E731
+        return zerojax.shard(make() if built else make, config(2, "bf16"), loss_fn=gpt2.gpt2_loss,
+                             options=zerojax.EngineOptions(master_split=split))
+
+    split, whole = engine(True), engine(False)
+    want = step.stored_master(split.layout.step, whole.state.master)
+    for got, ref in ((split.state.params, whole.state.params), (split.state.master, want),
+                     (split.state.opt_state, whole.state.opt_state), (split.state.rest, whole.state.rest)):
+        assert jax.tree.structure(got) == jax.tree.structure(ref)
+        for x, y in zip(jax.tree.leaves(got), jax.tree.leaves(ref)):
+            if jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key):
+                x, y = jax.random.key_data(x), jax.random.key_data(y)
+            assert x.dtype == y.dtype and x.sharding == y.sharding
+            np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+
+
 def test_device_master_split_checkpoints_store_the_fp32_master(tmp_path):
     def engine_with(option):
         return zerojax.shard(lambda: gpt2.GPT2(C, rngs=nnx.Rngs(0), dtype=jnp.bfloat16), config(2, "bf16"),
