@@ -241,13 +241,7 @@ class Engine:
         abstract_rems = jax.eval_shape(functools.partial(step_mod.stored_master, lay.step), lay.abstract_master)
         rems = jax.jit(lambda: zeros(abstract_rems), out_shardings=sh.master)()
         master = master_of()
-
-        def split(master, params, rems):  # params and rems: donated, their ranges reused in place
-            del params, rems
-            cast = jax.tree.map(lambda m: m.astype(lay.compute_dtype), master)
-            return cast, step_mod.stored_master(lay.step, master)
-
-        params, rems = jax.jit(split, donate_argnums=(1, 2), out_shardings=(sh.params, sh.master))(master, params, rems)
+        params, rems = _split_into_program(lay)(master, params, rems)
         del master
         return self._fresh_state(params, rems, opt_state, rest)
 
@@ -756,6 +750,20 @@ ZERO_INIT_OPTION = "xla_gpu_enable_dus_accumulator_zero_init_elimination"
 def step_compiler_options(*, platform: str) -> dict:
     """The XLA options a train step is compiled with (see `Engine.compiler_options`)."""
     return {ZERO_INIT_OPTION: True} if platform == "gpu" else {}
+
+
+def _split_into_program(lay):
+    """jit(master, params, rems) -> (params, rems): the fp32 master's compute copy and int16
+    remainders (EngineOptions.master_split) written into the donated `params` / `rems` buffers.
+    keep_unused: jit drops unused arguments by default, and a dropped donated buffer is freed, not
+    reused (measured on an H200: 2.9 GiB more at init and a fragmented pool)."""
+    def split(master, params, rems):
+        del params, rems  # only their buffers are used: the outputs alias them
+        cast = jax.tree.map(lambda m: m.astype(lay.compute_dtype), master)
+        return cast, step_mod.stored_master(lay.step, master)
+
+    return jax.jit(split, donate_argnums=(1, 2), keep_unused=True,
+                   out_shardings=(lay.shardings.params, lay.shardings.master))
 
 
 def _init_pure(init_fn):
