@@ -223,6 +223,43 @@ def test_bf16_first_moment_across_resume(tmp_path):
     assert_equal(restored, jax.tree.map(lambda w, g: np.asarray(g).astype(w.dtype), restored, saved_mu))
 
 
+def test_load_releases_the_live_state_first_where_the_device_lacks_room(monkeypatch, tmp_path):
+    """Where the device has too little memory free for the live and the restored state at once
+    (memory.device_free_bytes; here a stand-in 0), load_checkpoint releases the live params, master
+    and optimizer state once the checkpoint's checks have passed, before reading it: the same state
+    and next step as a plain load, the old arrays deleted. A checkpoint that fails its checks
+    (another model's shapes) leaves the live state untouched; one that fails while being read says
+    the engine holds no state now."""
+    from zerojax import memory
+
+    d, *_ = source("bf16")
+    plain = engine(1, 8, "bf16", seed=7)
+    plain.load_checkpoint(d)
+    monkeypatch.setattr(memory, "device_free_bytes", lambda device=None: 0)
+    eng = engine(1, 8, "bf16", seed=7)
+    old = [x for x in jax.tree.leaves((eng.state.params, eng.state.master, eng.state.opt_state)) if x.ndim]
+    eng.load_checkpoint(d)
+    assert old and all(x.is_deleted() for x in old)
+    for got, want in ((eng.state.params, plain.state.params), (eng.state.master, plain.state.master),
+                      (eng.state.opt_state, plain.state.opt_state)):
+        assert_equal(host(got), host(want))
+    batch = batches(1)[0]
+    assert float(eng.train_step(batch)["loss"]) == float(plain.train_step(batch)["loss"])
+    other = engine(1, 8, "bf16", hidden=64)
+    with pytest.raises(ValueError, match="was saved with shape"):
+        other.load_checkpoint(d)
+    assert not any(x.is_deleted() for x in jax.tree.leaves(other.state))
+    other.train_step(batch)
+    ckpt = tmp_path / "ckpt"
+    shutil.copytree(d, ckpt)
+    for f in glob.glob(str(ckpt / "global_step3" / "opt_state" / "**" / "*"), recursive=True):
+        if os.path.isfile(f):
+            with open(f, "wb") as fh:
+                fh.write(b"garbage")
+    with pytest.raises(checkpoint.CheckpointError, match="'opt_state'(.|\n)*released its parameters"):
+        engine(1, 8, "bf16").load_checkpoint(ckpt)
+
+
 def test_load_module_only_keeps_fresh_optimizer():
     d, master, _, _ = source("bf16")
     eng = engine(1, 8, "bf16", seed=7)

@@ -361,8 +361,9 @@ def _restore_item(load_dir, tag, item, target, streamed: dict | None = None):
     return treedef.unflatten(got)
 
 
-def _restore_opt_state(load_dir, tag, path, saved, live, shardings, scalar, streamed=None):
-    """The optimizer state into the live optimizer sharding; fp16 <-> bf16 / fp32 keep the moments.
+def _opt_state_target(path, saved, live, shardings, scalar):
+    """(target, finish) for the optimizer state into the live optimizer sharding, its shapes checked:
+    `finish(what was read)` is the optimizer state. fp16 <-> bf16 / fp32 keep the moments.
 
     fp16 wraps the optimizer's state in the loss-scale state (`.inner_state`): an fp16 checkpoint
     loaded without fp16 drops the loss-scale counters; a bf16 / fp32 one loaded with fp16 starts
@@ -371,20 +372,20 @@ def _restore_opt_state(load_dir, tag, path, saved, live, shardings, scalar, stre
     saved_fp16 = any(e["path"].startswith(".inner_state") for e in saved)
     live_fp16 = isinstance(live, DynamicLossScaleState)
 
-    def read(target):
+    def checked(target, finish):
         try:
             _check_shapes(path, "opt_state", saved, target)
         except ValueError as e:
             raise ValueError(
                 f"{e}. The optimizer state's structure differs (another optimizer type or "
                 f"settings); load the weights alone with load_optimizer_states=False") from None
-        return _restore_item(load_dir, tag, "opt_state", target, streamed)
+        return target, finish
 
     if saved_fp16 == live_fp16:
-        return read(_abstract(live, shardings))
-    if live_fp16:
-        inner = read(_abstract(live.inner_state, shardings.inner_state))
-        return live._replace(inner_state=inner)
+        return checked(_abstract(live, shardings), lambda read: read)
+    if live_fp16:  # the loss-scale fields stay the live ones (scalars: never released)
+        return checked(_abstract(live.inner_state, shardings.inner_state),
+                       lambda inner: live._replace(inner_state=inner))
     fields = {e["path"].lstrip("."): jax.ShapeDtypeStruct((), np.dtype(e["dtype"]), sharding=scalar)
               for e in saved if not e["path"].startswith(".inner_state")}
     try:
@@ -392,7 +393,7 @@ def _restore_opt_state(load_dir, tag, path, saved, live, shardings, scalar, stre
     except TypeError as e:
         raise ValueError(f"checkpoint {path!r} item 'opt_state': unknown loss-scale state fields "
                          f"{sorted(fields)}; load with load_optimizer_states=False") from e
-    return read(target).inner_state
+    return checked(target, lambda read: read.inner_state)
 
 
 class Restored(NamedTuple):
@@ -411,13 +412,18 @@ class Restored(NamedTuple):
 
 
 def restore(load_dir, current: TrainState, shardings: TrainState, *, compute_dtype, tag=None,
-            load_optimizer_states=True, load_module_only=False) -> Restored:
+            load_optimizer_states=True, load_module_only=False,
+            before_reads: Callable[[], None] | None = None) -> Restored:
     """Read a checkpoint into the shardings / precision of `current`.
 
     current: the state to restore into, layout-free (leaves may be ShapeDtypeStructs where the
         caller keeps nothing of them); its `master` is None for fp32 compute.
     shardings: a TrainState of shardings like `current` (the restore targets).
     compute_dtype: the params' dtype (from another dtype: the params are cast from the master).
+    before_reads: called once, after every check of the checkpoint against `current` has passed and
+        before the first read (the engine releases there the live arrays the restore replaces, where
+        the device has no room for both: `current` is then read for shapes only, but its rest and
+        scalar leaves must stay).
     """
     load_dir = os.fspath(load_dir)
     tag = _resolve_tag(load_dir, tag)
@@ -437,18 +443,33 @@ def restore(load_dir, current: TrainState, shardings: TrainState, *, compute_dty
     target = _abstract(master_live, master_sh, jnp.float32)
     _check_shapes(path, "master", saved["master"], target)
     streamed = meta.get("streamed") or {}
-    master = _restore_item(load_dir, tag, "master", target, streamed)
-
-    if fp32:
-        params, master = master, None
-    else:
+    if not fp32:
         ptarget = _abstract(current.params, param_sh)
         same = "params" in saved and all(e["dtype"] == np.dtype(compute_dtype).name
                                          for e in saved["params"])
         if same:
             _check_shapes(path, "params", saved["params"], ptarget)
+    opt_plan = None
+    if load_optimizer_states and not load_module_only and jax.tree.leaves(current.opt_state):
+        if "opt_state" not in saved:
+            raise CheckpointError(f"checkpoint {path!r} has no optimizer state; "
+                                  f"load it with load_optimizer_states=False")
+        opt_plan = _opt_state_target(path, saved["opt_state"], current.opt_state, shardings.opt_state,
+                                     shardings.step)
+    rtarget = None
+    if jax.tree.leaves(current.rest) and not load_module_only and "rest" in saved:
+        rtarget = _abstract(current.rest, shardings.rest)
+        _check_shapes(path, "rest", saved["rest"], rtarget)
+    if before_reads is not None:
+        before_reads()
+
+    master = _restore_item(load_dir, tag, "master", target, streamed)
+    if fp32:
+        params, master = master, None
+    else:
+        if same:
             params = _restore_item(load_dir, tag, "params", ptarget, streamed)
-        elif any(stream.is_streamed(x) for x in jax.tree.leaves(master)):
+        elif any(stream.is_streamed(x) for x in jax.tree.leaves(target)):
             # the master went to the swap files: the params read from the saved master, cast on reading
             params = _restore_item(load_dir, tag, "master", ptarget, streamed)
         else:  # from an fp32 run (or another compute dtype): the step's own cast of the master
@@ -456,17 +477,11 @@ def restore(load_dir, current: TrainState, shardings: TrainState, *, compute_dty
             params = jax.jit(cast, out_shardings=param_sh)(master)
 
     opt_state = None
-    if load_optimizer_states and not load_module_only and jax.tree.leaves(current.opt_state):
-        if "opt_state" not in saved:
-            raise CheckpointError(f"checkpoint {path!r} has no optimizer state; "
-                                  f"load it with load_optimizer_states=False")
-        opt_state = _restore_opt_state(load_dir, tag, path, saved["opt_state"], current.opt_state,
-                                       shardings.opt_state, shardings.step, streamed)
-
+    if opt_plan is not None:
+        opt_target, finish = opt_plan
+        opt_state = finish(_restore_item(load_dir, tag, "opt_state", opt_target, streamed))
     rest = None
-    if jax.tree.leaves(current.rest) and not load_module_only and "rest" in saved:
-        rtarget = _abstract(current.rest, shardings.rest)
-        _check_shapes(path, "rest", saved["rest"], rtarget)
+    if rtarget is not None:
         rest = _rewrap_keys(_restore_item(load_dir, tag, "rest", rtarget, streamed), current.rest)
 
     counters = steps = None

@@ -607,9 +607,27 @@ class Engine:
         live = self.state
         # NVMe offload: the swapped layers' leaves are written into the files a group at a time
         current, shardings = self.layout.stored_targets(live, stream=True)
-        got = checkpoint.restore(load_dir, current, shardings, compute_dtype=self.compute_dtype, tag=tag,
-                                 load_optimizer_states=load_optimizer_states,
-                                 load_module_only=load_module_only)
+        replaced = [live.params, live.master] + (
+            [live.opt_state] if load_optimizer_states and not load_module_only else [])
+        released = []
+
+        def make_room():  # after the checkpoint's checks passed, before its reads
+            if self.layout.offload is None and _needs_room(replaced, self.layout):
+                released.extend(x for x in jax.tree.leaves(replaced) if isinstance(x, jax.Array) and x.ndim)
+                for x in released:
+                    x.delete()
+
+        try:
+            got = checkpoint.restore(load_dir, current, shardings, compute_dtype=self.compute_dtype, tag=tag,
+                                     load_optimizer_states=load_optimizer_states,
+                                     load_module_only=load_module_only, before_reads=make_room)
+        except Exception as e:
+            if released:
+                raise checkpoint.CheckpointError(
+                    f"{e}\n(to make room for the restore this engine released its parameters and optimizer "
+                    "state first, the device having too little memory free for both, so it holds no "
+                    "trainable state now: build a new engine and load a readable checkpoint)") from e
+            raise
         master, opt_state = self.layout.from_stored(got.master, got.opt_state)
         master = self.layout.split_master(master, got.params, to_split=True)
         self.state = live._replace(
@@ -750,6 +768,26 @@ ZERO_INIT_OPTION = "xla_gpu_enable_dus_accumulator_zero_init_elimination"
 def step_compiler_options(*, platform: str) -> dict:
     """The XLA options a train step is compiled with (see `Engine.compiler_options`)."""
     return {ZERO_INIT_OPTION: True} if platform == "gpu" else {}
+
+
+def _needs_room(replaced, lay) -> bool:
+    """Whether restoring `replaced` (live params / master / optimizer state, read back with an fp32
+    master) beside them would pass the first device's free memory (`memory.device_free_bytes`;
+    never where it is unknown, e.g. CPU)."""
+    free = memory.device_free_bytes()
+    if free is None:
+        return False
+    device = jax.local_devices()[0]
+
+    def local_bytes(x, itemsize=None):
+        if not isinstance(x, jax.Array) or device not in x.sharding.device_set:
+            return 0
+        return math.prod(x.sharding.shard_shape(x.shape)) * (itemsize or x.dtype.itemsize)
+
+    params, master, *opt = replaced
+    need = sum(local_bytes(x) for x in jax.tree.leaves(params) + jax.tree.leaves(opt))
+    need += sum(local_bytes(x, 4) for x in jax.tree.leaves(master))  # the stored master is fp32
+    return need > free
 
 
 def _split_into_program(lay):

@@ -89,6 +89,20 @@ def device_budget(device=None) -> int | None:
     return int(stats["bytes_limit"]) if stats and "bytes_limit" in stats else None
 
 
+def device_free_bytes(device=None) -> int | None:
+    """The allocator's limit less what is in use on `device` (default: the first local device), or
+    None where it reports neither (CPU)."""
+    import jax
+
+    device = device or jax.local_devices()[0]
+    try:
+        stats = device.memory_stats()
+    except Exception:  # noqa: BLE001
+        return None
+    if not stats or "bytes_limit" not in stats or "bytes_in_use" not in stats:
+        return None
+    return int(stats["bytes_limit"]) - int(stats["bytes_in_use"])
+
 
 class WillNotFitError(MemoryError):
     """The compiled step needs more device memory than the budget; `plans` lists ones that fit
