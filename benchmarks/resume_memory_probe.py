@@ -1,0 +1,47 @@
+"""Session 13: save and resume GPT-2 Large (split master, bf16 first moment, "dots", fused loss,
+micro 8) under a cap: load_checkpoint releases the live state first where the device lacks room.
+  XLA_PYTHON_CLIENT_MEM_FRACTION=0.115 python benchmarks/resume_memory_probe.py /tmp/ckpt"""
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+import zerojax
+from zerojax.models.gpt2 import GPT2, GPT2Config, chunked_gpt2_loss
+
+GiB = 2**30
+cfg = {"train_micro_batch_size_per_gpu": 8, "gradient_accumulation_steps": 1, "bf16": {"enabled": True},
+       "optimizer": {"type": "AdamW", "params": {"lr": 1e-4}}, "zero_optimization": {"stage": 2},
+       "activation_checkpointing": {"partition_activations": False, "remat_policy": "dots"}}
+opts = zerojax.EngineOptions(adam_mu_dtype="bfloat16", master_split=True)
+make = lambda: GPT2(GPT2Config.named("large"), rngs=nnx.Rngs(0), dtype=jnp.bfloat16, remat_policy="dots")  # noqa: E731
+rows = np.random.default_rng(0).integers(0, 50257, (8, 1024)).astype(np.int32)
+
+
+def stats(what):
+    s = jax.local_devices()[0].memory_stats() or {}
+    print(f"{what:22} in use {s.get('bytes_in_use', 0) / GiB:6.2f}  peak {s.get('peak_bytes_in_use', 0) / GiB:6.2f}"
+          f"  limit {s.get('bytes_limit', 0) / GiB:6.2f}", flush=True)
+
+
+eng = zerojax.shard(make, cfg, loss_fn=chunked_gpt2_loss(256), options=opts)
+losses = [float(eng.train_step({"input_ids": rows})["loss"]) for _ in range(2)]
+stats("trained 2 steps")
+eng.save_checkpoint(sys.argv[1])
+after = float(eng.train_step({"input_ids": rows})["loss"])
+eng.close()
+del eng
+stats("first engine gone")
+eng = zerojax.shard(make, cfg, loss_fn=chunked_gpt2_loss(256), options=opts)
+stats("second engine built")
+try:
+    eng.load_checkpoint(sys.argv[1])
+    stats("loaded")
+    resumed = float(eng.train_step({"input_ids": rows})["loss"])
+    stats("step after resume")
+    print(f"losses {losses}, step 3 {after:.6f}, resumed step 3 {resumed:.6f}")
+except Exception as e:  # noqa: BLE001
+    print(f"{type(e).__name__}: {str(e)[:300]}")
+    stats("after failure")
