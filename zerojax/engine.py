@@ -612,7 +612,7 @@ class Engine:
         released = []
 
         def make_room():  # after the checkpoint's checks passed, before its reads
-            if self.layout.offload is None and _needs_room(replaced, self.layout):
+            if self.layout.offload is None and _needs_room(replaced):
                 released.extend(x for x in jax.tree.leaves(replaced) if isinstance(x, jax.Array) and x.ndim)
                 for x in released:
                     x.delete()
@@ -770,7 +770,7 @@ def step_compiler_options(*, platform: str) -> dict:
     return {ZERO_INIT_OPTION: True} if platform == "gpu" else {}
 
 
-def _needs_room(replaced, lay) -> bool:
+def _needs_room(replaced) -> bool:
     """Whether restoring `replaced` (live params / master / optimizer state, read back with an fp32
     master) beside them would pass the first device's free memory (`memory.device_free_bytes`;
     never where it is unknown, e.g. CPU)."""

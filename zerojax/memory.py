@@ -77,29 +77,29 @@ def compiled_memory(compiled) -> CompiledMemory:
     return CompiledMemory.of(compiled)
 
 
-def device_budget(device=None) -> int | None:
-    """The allocator's limit for `device` (default: the first local device), or None (CPU)."""
+def _allocator_stats(device=None) -> dict:
+    """`device.memory_stats()` of `device` (default: the first local device), {} where there are
+    none (CPU)."""
     import jax
 
     device = device or jax.local_devices()[0]
     try:
-        stats = device.memory_stats()
+        return device.memory_stats() or {}
     except Exception:  # noqa: BLE001 - some backends raise instead of returning None
-        return None
-    return int(stats["bytes_limit"]) if stats and "bytes_limit" in stats else None
+        return {}
+
+
+def device_budget(device=None) -> int | None:
+    """The allocator's limit for `device` (default: the first local device), or None (CPU)."""
+    stats = _allocator_stats(device)
+    return int(stats["bytes_limit"]) if "bytes_limit" in stats else None
 
 
 def device_free_bytes(device=None) -> int | None:
     """The allocator's limit less what is in use on `device` (default: the first local device), or
     None where it reports neither (CPU)."""
-    import jax
-
-    device = device or jax.local_devices()[0]
-    try:
-        stats = device.memory_stats()
-    except Exception:  # noqa: BLE001
-        return None
-    if not stats or "bytes_limit" not in stats or "bytes_in_use" not in stats:
+    stats = _allocator_stats(device)
+    if "bytes_limit" not in stats or "bytes_in_use" not in stats:
         return None
     return int(stats["bytes_limit"]) - int(stats["bytes_in_use"])
 
