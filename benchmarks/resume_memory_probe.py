@@ -1,7 +1,8 @@
-"""Session 13: save and resume GPT-2 Large (split master, bf16 first moment, "dots", fused loss,
+"""Sessions 13-14: save and resume GPT-2 Large (split master, bf16 first moment, "dots", fused loss,
 micro 8) under a cap: load_checkpoint releases the live state first where the device lacks room.
   XLA_PYTHON_CLIENT_MEM_FRACTION=0.115 python benchmarks/resume_memory_probe.py /tmp/ckpt"""
 import sys
+import time
 
 import jax
 import jax.numpy as jnp
@@ -23,7 +24,8 @@ rows = np.random.default_rng(0).integers(0, 50257, (8, 1024)).astype(np.int32)
 def stats(what):
     s = jax.local_devices()[0].memory_stats() or {}
     print(f"{what:22} in use {s.get('bytes_in_use', 0) / GiB:6.2f}  peak {s.get('peak_bytes_in_use', 0) / GiB:6.2f}"
-          f"  limit {s.get('bytes_limit', 0) / GiB:6.2f}", flush=True)
+          f"  limit {s.get('bytes_limit', 0) / GiB:6.2f}  largest free {s.get('largest_free_block_bytes', 0) / GiB:6.2f}",
+          flush=True)
 
 
 eng = zerojax.shard(make, cfg, loss_fn=chunked_gpt2_loss(256), options=opts)
@@ -37,8 +39,11 @@ stats("first engine gone")
 eng = zerojax.shard(make, cfg, loss_fn=chunked_gpt2_loss(256), options=opts)
 stats("second engine built")
 try:
+    t0 = time.perf_counter()
     eng.load_checkpoint(sys.argv[1])
-    stats("loaded")
+    jax.block_until_ready(eng.state)
+    stats(f"loaded ({time.perf_counter() - t0:.1f} s)")
+    print(f"state {sum(x.nbytes for x in jax.tree.leaves(eng.state)) / GiB:.2f} GiB", flush=True)
     resumed = float(eng.train_step({"input_ids": rows})["loss"])
     stats("step after resume")
     print(f"losses {losses}, step 3 {after:.6f}, resumed step 3 {resumed:.6f}")

@@ -235,16 +235,27 @@ def test_load_releases_the_live_state_first_where_the_device_lacks_room(monkeypa
     d, *_ = source("bf16")
     plain = engine(1, 8, "bf16", seed=7)
     plain.load_checkpoint(d)
+    loaded = [host(t) for t in (plain.state.params, plain.state.master, plain.state.opt_state)]
     monkeypatch.setattr(memory, "device_free_bytes", lambda device=None: 0)
     eng = engine(1, 8, "bf16", seed=7)
     old = [x for x in jax.tree.leaves((eng.state.params, eng.state.master, eng.state.opt_state)) if x.ndim]
     eng.load_checkpoint(d)
     assert old and all(x.is_deleted() for x in old)
-    for got, want in ((eng.state.params, plain.state.params), (eng.state.master, plain.state.master),
-                      (eng.state.opt_state, plain.state.opt_state)):
-        assert_equal(host(got), host(want))
+    for got, want in zip((eng.state.params, eng.state.master, eng.state.opt_state), loaded):
+        assert_equal(host(got), want)
+    for got, want in zip(jax.tree.leaves(eng.state), jax.tree.leaves(plain.state)):  # repacked: same placement
+        assert got.sharding == want.sharding
     batch = batches(1)[0]
     assert float(eng.train_step(batch)["loss"]) == float(plain.train_step(batch)["loss"])
+    # room for both (a stand-in of ample free memory): nothing released before the reads; the
+    # replaced live arrays are freed after them, the state repacked
+    monkeypatch.setattr(memory, "device_free_bytes", lambda device=None: 1 << 50)
+    roomy = engine(1, 8, "bf16", seed=7)
+    old = [x for x in jax.tree.leaves((roomy.state.params, roomy.state.master, roomy.state.opt_state)) if x.ndim]
+    roomy.load_checkpoint(d)
+    assert all(x.is_deleted() for x in old)
+    for got, want in zip((roomy.state.params, roomy.state.master, roomy.state.opt_state), loaded):
+        assert_equal(host(got), want)
     other = engine(1, 8, "bf16", hidden=64)
     with pytest.raises(ValueError, match="was saved with shape"):
         other.load_checkpoint(d)
@@ -256,8 +267,28 @@ def test_load_releases_the_live_state_first_where_the_device_lacks_room(monkeypa
         if os.path.isfile(f):
             with open(f, "wb") as fh:
                 fh.write(b"garbage")
+    monkeypatch.setattr(memory, "device_free_bytes", lambda device=None: 0)
     with pytest.raises(checkpoint.CheckpointError, match="'opt_state'(.|\n)*released its parameters"):
         engine(1, 8, "bf16").load_checkpoint(ckpt)
+
+
+def test_repacked_state_round_trips_through_host_memory():
+    """engine._repacked (after a restore that released the live state: the restored arrays allocated
+    anew, one after another): every device array moved to host memory and back, the same values in
+    the same shardings, the old buffers freed."""
+    from zerojax.engine import _repacked
+
+    for stage in (0, 3):
+        eng = engine(stage, 8, "bf16", seed=3)
+        eng.train_step(batches(1)[0])
+        before = jax.tree.leaves(eng.state)
+        raw = lambda x: np.asarray(jax.random.key_data(x) if jnp.issubdtype(x.dtype, jax.dtypes.prng_key) else x)  # noqa: E731
+        want = [(raw(x), x.dtype) for x in before]
+        after = jax.tree.leaves(_repacked(eng.state))
+        assert all(x.is_deleted() for x in before)
+        for x, got, (value, dtype) in zip(before, after, want):
+            assert got.sharding == x.sharding and got.dtype == dtype
+            np.testing.assert_array_equal(raw(got), value)
 
 
 def test_load_module_only_keeps_fresh_optimizer():

@@ -413,7 +413,7 @@ class Restored(NamedTuple):
 
 def restore(load_dir, current: TrainState, shardings: TrainState, *, compute_dtype, tag=None,
             load_optimizer_states=True, load_module_only=False,
-            before_reads: Callable[[], None] | None = None) -> Restored:
+            before_reads: Callable[[list], None] | None = None) -> Restored:
     """Read a checkpoint into the shardings / precision of `current`.
 
     current: the state to restore into, layout-free (leaves may be ShapeDtypeStructs where the
@@ -421,8 +421,9 @@ def restore(load_dir, current: TrainState, shardings: TrainState, *, compute_dty
     shardings: a TrainState of shardings like `current` (the restore targets).
     compute_dtype: the params' dtype (from another dtype: the params are cast from the master).
     before_reads: called once, after every check of the checkpoint against `current` has passed and
-        before the first read (the engine releases there the live arrays the restore replaces, where
-        the device has no room for both: `current` is then read for shapes only, but its rest and
+        before the first read, with the trees of abstract arrays (shape, dtype, sharding) it is
+        about to read (the engine releases there the live arrays the restore replaces, where the
+        device has no room for both: `current` is then read for shapes only, but its rest and
         scalar leaves must stay).
     """
     load_dir = os.fspath(load_dir)
@@ -461,7 +462,8 @@ def restore(load_dir, current: TrainState, shardings: TrainState, *, compute_dty
         rtarget = _abstract(current.rest, shardings.rest)
         _check_shapes(path, "rest", saved["rest"], rtarget)
     if before_reads is not None:
-        before_reads()
+        before_reads([target] + ([ptarget] if not fp32 and same else []) + ([opt_plan[0]] if opt_plan else [])
+                     + ([rtarget] if rtarget is not None else []))
 
     master = _restore_item(load_dir, tag, "master", target, streamed)
     if fp32:

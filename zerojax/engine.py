@@ -39,6 +39,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 from zerojax import checkpoint, checkpoint_files, memory, offload as O, partition, step as step_mod
 from zerojax.layout import EngineLayout, build_layout, no_eager_sharding
 from zerojax.models import weights_writer
+from zerojax.offload.memory_kinds import host_memory_kind, is_host
 from zerojax.monitor import Monitor
 from zerojax.options import EngineOptions
 from zerojax.precision import MIN_SCALE_ERROR
@@ -611,8 +612,8 @@ class Engine:
             [live.opt_state] if load_optimizer_states and not load_module_only else [])
         released = []
 
-        def make_room():  # after the checkpoint's checks passed, before its reads
-            if self.layout.offload is None and _needs_room(replaced):
+        def make_room(reads):  # after the checkpoint's checks passed, before its reads
+            if self.layout.offload is None and _needs_room(reads, replaced):
                 released.extend(x for x in jax.tree.leaves(replaced) if isinstance(x, jax.Array) and x.ndim)
                 for x in released:
                     x.delete()
@@ -634,6 +635,14 @@ class Engine:
             params=got.params, master=master,
             opt_state=live.opt_state if opt_state is None else opt_state,
             rest=live.rest if got.rest is None else got.rest, **(got.counters or {}))
+        if self.layout.offload is None and memory.device_free_bytes() is not None:
+            # a device that runs out of memory (not CPU): the live arrays the restore replaced are
+            # freed now (not when the caller lets go of them), and the state is repacked into the room
+            kept = {id(x) for x in jax.tree.leaves(self.state)}
+            for x in jax.tree.leaves(replaced):
+                if isinstance(x, jax.Array) and id(x) not in kept and not x.is_deleted():
+                    x.delete()
+            self.state = _repacked(self.state)
         if got.global_steps is not None:
             self._global_steps = int(got.global_steps)
         self._pending = None
@@ -770,24 +779,54 @@ def step_compiler_options(*, platform: str) -> dict:
     return {ZERO_INIT_OPTION: True} if platform == "gpu" else {}
 
 
-def _needs_room(replaced) -> bool:
-    """Whether restoring `replaced` (live params / master / optimizer state, read back with an fp32
-    master) beside them would pass the first device's free memory (`memory.device_free_bytes`;
-    never where it is unknown, e.g. CPU)."""
+def _needs_room(reads, replaced) -> bool:
+    """Whether a restore beside the live arrays it replaces could pass the first device's free
+    memory (`memory.device_free_bytes`; never where that is unknown, e.g. CPU). The restore's peak
+    is bounded by everything it reads (`reads`: abstract arrays in the stored dtypes, e.g. the fp32
+    master) plus everything it converts that into (the live forms of `replaced`: the params cast
+    from the master, the split master's remainders, ...). Measured on an H200 capped at 16 GiB
+    (session 14): counting only the reads (8.6 GiB of GPT-2 Large against 8.9 free) kept the live
+    state, and the split master's conversion then ran out of memory."""
     free = memory.device_free_bytes()
     if free is None:
         return False
     device = jax.local_devices()[0]
 
-    def local_bytes(x, itemsize=None):
-        if not isinstance(x, jax.Array) or device not in x.sharding.device_set:
+    def local_bytes(x):
+        if not hasattr(x, "sharding") or device not in x.sharding.device_set:
             return 0
-        return math.prod(x.sharding.shard_shape(x.shape)) * (itemsize or x.dtype.itemsize)
+        return math.prod(x.sharding.shard_shape(x.shape)) * x.dtype.itemsize
 
-    params, master, *opt = replaced
-    need = sum(local_bytes(x) for x in jax.tree.leaves(params) + jax.tree.leaves(opt))
-    need += sum(local_bytes(x, 4) for x in jax.tree.leaves(master))  # the stored master is fp32
+    need = sum(local_bytes(x) for x in jax.tree.leaves(reads) + jax.tree.leaves(replaced))
     return need > free
+
+
+def _repacked(state: TrainState) -> TrainState:
+    """The state's device arrays moved to host memory and back, so that they sit packed at the front
+    of the device's pool again. Why: a restore allocates in its reading order (the fp32 master
+    first, freed again by the split master's conversion; the stored moments before their cast;
+    the step counters after everything), which leaves holes between the arrays that stay; on an H200
+    capped at 16 GiB GPT-2 Large's restored 7.2 GiB left no free range for the step's one 8.4 GiB
+    temporary buffer (largest free block 5.8 GiB; after a fresh init 8.9), and the first step
+    after the resume ran out of memory (session 14). Allocated anew, one after another, into a pool
+    emptied of them, the arrays leave the free memory in one range. Costs one round trip over the
+    host link (about 0.3 s for 7 GiB at 50 GB/s), done after every restore on a device whose memory
+    the allocator reports (GPU; not CPU). Without a host memory kind the state stays as it is."""
+    try:
+        kind = host_memory_kind()
+    except ValueError:
+        return state
+    leaves, tree = jax.tree.flatten(state)
+    moved = [i for i, x in enumerate(leaves) if isinstance(x, jax.Array) and not is_host(x)]
+    placed = [leaves[i].sharding for i in moved]
+    hosted = jax.device_put([leaves[i] for i in moved], [s.with_memory_kind(kind) for s in placed])
+    jax.block_until_ready(hosted)
+    for i in moved:  # (jax cannot donate across memory kinds)
+        leaves[i].delete()
+    for i, h, sharding in zip(moved, hosted, placed):  # one at a time: each next to the one before
+        leaves[i] = jax.device_put(h, sharding)
+    jax.block_until_ready([leaves[i] for i in moved])
+    return jax.tree.unflatten(tree, leaves)
 
 
 def _split_into_program(lay):
