@@ -455,8 +455,9 @@ def main(argv=None):
     else:  # built shard by shard on the devices, never whole on one
         model = make_model
     options = _engine_options(args, cfg, loop, planned)
-    # MFU's denominator, measured before the engine holds any memory (its buffers are freed)
-    peak = args.peak_tflops or measure_matmul_ceiling()["ceiling_tflops"]
+    # MFU's denominator, measured before the engine holds any memory (its buffers are freed); not
+    # where no step is timed (the first one compiles)
+    peak = args.peak_tflops or (measure_matmul_ceiling()["ceiling_tflops"] if steps >= 2 else None)
     engine = zerojax.shard(model, cfg, loss_fn=loss_fn, options=options)
     del model, hf
     _warn_replicated(engine, cfg)
@@ -486,8 +487,10 @@ def main(argv=None):
     print(f"GPT-2 {size} ({sum(x.size for x in jax.tree.leaves(engine.master_params)) / 1e6:.1f}M params), "
           f"{n_dev} x {kind}, ZeRO stage {cfg.zero_optimization.stage}, {dtype.name if hasattr(dtype, 'name') else dtype}, "
           f"batch {cfg.train_batch_size} = {cfg.train_micro_batch_size_per_gpu} x {cfg.gradient_accumulation_steps} "
-          f"x {cfg.world_size}, seq {seq_len}, remat {remat}; MFU against {peak:.3g} TFLOP/s per device "
-          f"({'--peak-tflops' if args.peak_tflops else 'the bf16 matmul ceiling measured here'})")
+          f"x {cfg.world_size}, seq {seq_len}, remat {remat}; " + (
+              f"MFU against {peak:.3g} TFLOP/s per device "
+              f"({'--peak-tflops' if args.peak_tflops else 'the bf16 matmul ceiling measured here'})"
+              if peak else "no MFU (fewer than 2 steps: none is timed)"))
 
     tokens_per_step = cfg.train_batch_size * seq_len
     bar = tqdm(batches, total=max(0, steps - start), initial=0, desc="train", dynamic_ncols=True,

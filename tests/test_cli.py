@@ -94,3 +94,11 @@ def test_estimate_aot_compiles_with_the_engine_options_asked(tmp_path, capsys):
     assert plain["argument"] - lean["argument"] == 4 * params // 8
     assert cli.main(["estimate", "--model", "tiny", "--master-split"]) == 2
     assert "add --aot" in capsys.readouterr().err
+    # a config that fixes fp16 or fp32: the split cannot act; refused (estimate and plan), not planned without it
+    for precision in ({"fp16": {"enabled": True}}, {"bf16": {"enabled": False}}):
+        path = tmp_path / "c.json"
+        path.write_text(json.dumps({"train_micro_batch_size_per_gpu": 2, **precision}))
+        for argv in (["estimate", "--model", "tiny", "--gpus", "8", "--aot", "--no-plan"],
+                     ["plan", "--model", "tiny", "--devices", "8", "--budget", "1GiB"]):
+            with pytest.raises(SystemExit, match="--master-split needs bf16(.|\n)*fp16.enabled"):
+                cli.main([*argv, "--config", str(path), "--master-split"])

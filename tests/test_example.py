@@ -283,9 +283,14 @@ def test_mfu_is_reported_against_the_measured_ceiling_or_the_flag(capsys):
         assert run["mfu"] == pytest.approx(run["tokens_per_s_per_device"] * fpt / (against * 1e12), rel=2e-2, abs=1e-4)
 
 
-def test_steps_zero_evaluates_only():
+def test_steps_zero_evaluates_only(monkeypatch, capsys):
+    """--steps 0: evaluation only; no step is timed, so no MFU and no ceiling measured for it."""
+    from zerojax import ceiling
+
+    monkeypatch.setattr(ceiling, "measure_matmul_ceiling", lambda *a, **k: pytest.fail("measured for no step"))
     summary = _example().main([*TINY, "--steps", "0", "--eval-batches", "1"])
     assert summary["losses"] == [] and summary["last_loss"] is None and summary["val_loss"] > 0
+    assert "mfu" not in summary and "no MFU (fewer than 2 steps" in capsys.readouterr().out
 
 
 @pytest.mark.parametrize("sections, flag, device, expect", [

@@ -93,9 +93,22 @@ def _add_engine_option_flags(p, when=""):
                         "bf16: 2 bytes a parameter less)")
 
 
-def _engine_options_of(args):
+def _engine_options_of(args, cfg: dict):
+    """The EngineOptions the flags ask for, checked against the config: --master-split with a config
+    that fixes fp16 or fp32 compute is refused (SystemExit naming the keys), as the example and the
+    engine refuse it, instead of planning silently without the split. A config leaving the precision
+    to "auto" keeps it: the split then applies to the bf16 candidates."""
     from zerojax.options import EngineOptions
 
+    if args.master_split:
+        fp16, bf16 = (cfg.get(k) or {} for k in ("fp16", "bf16"))
+        bf16 = bf16 or cfg.get("bfloat16") or {}  # DeepSpeed's old name
+        enabled = fp16.get("enabled"), bf16.get("enabled")
+        if "auto" not in enabled and (enabled[0] is True or enabled[1] is not True):
+            raise SystemExit(
+                f"--master-split needs bf16 compute (the fp32 master kept as the bf16 params + an int16 "
+                f"remainder); {args.config or 'the config'} has fp16.enabled {enabled[0]}, bf16.enabled "
+                f"{enabled[1]}: set bf16.enabled true (or \"auto\") or drop --master-split")
     return EngineOptions(master_split=args.master_split, adam_mu_dtype=args.adam_mu_dtype)
 
 
@@ -173,7 +186,7 @@ def cmd_plan(args) -> int:
         stages=(args.stage,) if args.stage is not None else (0, 1, 2, 3), micro_batch=args.micro_batch,
         tensor_sizes=one, pipe_sizes=one, compile=args.aot, remat=remat, hardware=_hardware(args),
         max_compiles=args.max_compiles, model=mesh_plan.gpt2_mesh_model(model_cfg, seq),
-        options=_engine_options_of(args))
+        options=_engine_options_of(args, cfg))
     say(f"GPT-2 {args.model}, seq {seq}, {args.devices} devices, budget {fmt_bytes(budget)} per device; "
         f"peaks {'compiled' if args.aot else 'by formula (estimate.mesh_peak_bytes; --aot compiles)'}; fastest predicted first:")
     for i, p in enumerate(found.plans[:args.top], 1):
@@ -360,7 +373,7 @@ def _estimate_aot(args, say, factory, model_cfg, stages, n_devices) -> dict:
 
     mesh = make_mesh(data=n_devices, devices=jax.devices()[:n_devices])
     cfg = _load_base_config(args)
-    options = _engine_options_of(args)
+    options = _engine_options_of(args, cfg)
     seq = args.seq or model_cfg.n_positions
     budget = parse_bytes(args.budget) if args.budget else device_budget()
     remats = {"both": (None, "full"), "on": ("full",), "off": (None,),
