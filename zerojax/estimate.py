@@ -250,23 +250,37 @@ class Hardware:
     interconnect_bytes_per_s: per-device collective bandwidth (one direction); 450e9 is NVLink 4's
         datasheet figure. An assumption, not measured.
     host_bytes_per_s: host<->device copies; 53e9 was measured (pinned memory, one H200, PCIe 5).
-    half_efficiency_tokens: tokens per micro-batch at which the step reaches half the matmul
-        ceiling (efficiency = tokens / (tokens + this)). 7000 makes the model give the 62,000
-        tokens/s measured for GPT-2 Large, bf16, per-layer remat, micro-batch 8 x 1024 on one
-        H200 (issue #13): one calibration point, so small micro-batches are extrapolated.
+    peak_efficiency, half_efficiency_tokens: the share of the matmul ceiling a step's FLOPs reach,
+        peak_efficiency x tokens / (tokens + half_efficiency_tokens) for a micro-batch of `tokens`
+        (attention, element-wise work and the optimizer, which the FLOP count leaves out, lower it).
+    recompute_weight: what a FLOP that remat recomputes costs against one of the step proper.
+        Below 1: the recomputed forward is matmuls and fusions without the loss, the optimizer and
+        the backward's reductions, and XLA schedules it beside them.
+    The three were fitted (least squares on log tokens/s) to GPT-2 Large, bf16, ZeRO-2, seq 1024 on
+    one H200 (sessions 13-14, benchmarks/RESULTS.md): remat "full", "dots", "save_attention",
+    "save_qkv_attention" at micro-batch 8, "save_attention" at 16 and "save_attention_block" at
+    12; 72,499 / 76,909-78,121 / 72,815 / 73,864 / 76,990 / 77,753 tokens/s, each predicted within
+    1%. Before them (one point, issue #13, full remat at 62,000 tokens/s): efficiency tokens /
+    (tokens + 7000) with recompute at full cost, which predicted micro-batch 16 30% faster than 8
+    (measured: 6%) and "save_attention" 64,357 for a measured 72,815. Micro-batches below 8 x 1024
+    tokens are extrapolated.
     """
 
     matmul_flops: float = 791e12
     fp32_matmul_flops: float | None = None
     interconnect_bytes_per_s: float = 450e9
     host_bytes_per_s: float = 53e9
-    half_efficiency_tokens: float = 7000.0
+    peak_efficiency: float = 0.578
+    half_efficiency_tokens: float = 1000.0
+    recompute_weight: float = 0.26
 
     def __post_init__(self):
         for f in dataclasses.fields(self):
             v = getattr(self, f.name)
             if v is not None and not (isinstance(v, (int, float)) and v > 0 and math.isfinite(v)):
                 raise ValueError(f"Hardware.{f.name}={v!r}: must be a positive number")
+        if self.peak_efficiency > 1:
+            raise ValueError(f"Hardware.peak_efficiency={self.peak_efficiency!r}: a share of the ceiling, at most 1")
 
     def ceiling(self, precision: str) -> float:
         if precision == "fp32":
@@ -386,7 +400,8 @@ def predict_step_time(shape: ModelShape, *, micro_batch: int, grad_accum: int = 
                       hardware: Hardware = H200, n_tensor: int = 1) -> StepTime:
     """The step-time model (per device, one optimizer step of micro_batch x grad_accum rows).
 
-    compute: tokens x train_flops_per_token / (ceiling x efficiency(micro-batch tokens)).
+    compute: tokens x (FLOPs a token without remat + recompute_weight x remat's recompute)
+      / (ceiling x efficiency(micro-batch tokens)) (`Hardware`; FLOPs: train_flops_per_token).
     collectives (ring; each device sends (N-1)/N of the buffer): stage 0/1 all-reduce the fp32
       gradients once a step (stage 1 then all-gathers the new params); stage 2 reduce-scatters
       every micro-batch and all-gathers the new params; stage 3 gathers the params twice per
@@ -409,8 +424,10 @@ def predict_step_time(shape: ModelShape, *, micro_batch: int, grad_accum: int = 
     T = max(shape.seq_len, 1)
     micro_tokens = micro_batch * T
     tokens = micro_tokens * grad_accum
-    eff = micro_tokens / (micro_tokens + hardware.half_efficiency_tokens)
-    compute = tokens * train_flops_per_token(shape, remat) / (hardware.ceiling(precision) * eff)
+    eff = hardware.peak_efficiency * micro_tokens / (micro_tokens + hardware.half_efficiency_tokens)
+    plain = train_flops_per_token(shape, None)
+    flops = plain + hardware.recompute_weight * (train_flops_per_token(shape, remat) - plain)
+    compute = tokens * flops / (hardware.ceiling(precision) * eff)
 
     P, pb, gb = shape.params / n_tensor, PRECISION_BYTES[precision], 4
     f = (n_data - 1) / n_data
