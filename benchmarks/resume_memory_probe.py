@@ -44,6 +44,10 @@ try:
     jax.block_until_ready(eng.state)
     stats(f"loaded ({time.perf_counter() - t0:.1f} s)")
     print(f"state {sum(x.nbytes for x in jax.tree.leaves(eng.state)) / GiB:.2f} GiB", flush=True)
+    ids = {id(x) for x in jax.tree.leaves(eng.state)}
+    for x in jax.live_arrays():  # device arrays outside the state (what may split the free memory)
+        if id(x) not in ids and x.nbytes > 2**20:
+            print(f"  outside the state: {x.dtype}{list(x.shape)} {x.nbytes / GiB:.3f} GiB {x.sharding.memory_kind}")
     resumed = float(eng.train_step({"input_ids": rows})["loss"])
     stats("step after resume")
     print(f"losses {losses}, step 3 {after:.6f}, resumed step 3 {resumed:.6f}")

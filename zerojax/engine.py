@@ -636,10 +636,11 @@ class Engine:
             opt_state=live.opt_state if opt_state is None else opt_state,
             rest=live.rest if got.rest is None else got.rest, **(got.counters or {}))
         if self.layout.offload is None and memory.device_free_bytes() is not None:
-            # a device that runs out of memory (not CPU): the live arrays the restore replaced are
-            # freed now (not when the caller lets go of them), and the state is repacked into the room
+            # a device that runs out of memory (not CPU): the live arrays the restore replaced and
+            # what it read but converted (the split master's fp32 read) are freed now, not when
+            # the caller or this frame lets go of them, and the state is repacked into the room
             kept = {id(x) for x in jax.tree.leaves(self.state)}
-            for x in jax.tree.leaves(replaced):
+            for x in jax.tree.leaves((replaced, got.params, got.master, got.opt_state, got.rest)):
                 if isinstance(x, jax.Array) and id(x) not in kept and not x.is_deleted():
                     x.delete()
             self.state = _repacked(self.state)
