@@ -223,6 +223,39 @@ def test_device_master_split_checkpoints_store_the_fp32_master(tmp_path):
                       engine_with, device_batches(4)[2:])
 
 
+def test_device_master_split_restore_frees_its_fp32_read_before_repacking(tmp_path, monkeypatch):
+    """Where the allocator reports free memory (a GPU; here a stand-in), load_checkpoint repacks the
+    restored state (engine._repacked); the fp32 master it read and split must be freed before that,
+    or it stays where it was read while the state is packed around it (on an H200 capped at 16 GiB
+    it split the free memory and the next step ran out of it, session 14). At the repack no new
+    fp32 array lives beside the state; the state equals a plain load's."""
+    from zerojax import engine as engine_mod, memory
+
+    def engine_with(option):
+        return zerojax.shard(lambda: gpt2.GPT2(C, rngs=nnx.Rngs(0), dtype=jnp.bfloat16), config(2, "bf16"),
+                             loss_fn=scaled_loss, options=zerojax.EngineOptions(master_split=option))
+
+    train_on_device(True, steps=2)[0].save_checkpoint(tmp_path / "a")
+    plain = engine_with(True)
+    plain.load_checkpoint(tmp_path / "a")
+    monkeypatch.setattr(memory, "device_free_bytes", lambda device=None: 1 << 50)
+    eng = engine_with(True)
+    before, beside, real = {id(x) for x in jax.live_arrays()}, [], engine_mod._repacked
+
+    def repacked(state):
+        ids = {id(x) for x in jax.tree.leaves(state)}
+        beside.extend(x.shape for x in jax.live_arrays()
+                      if id(x) not in ids | before and x.dtype == jnp.float32 and x.ndim)
+        return real(state)
+
+    monkeypatch.setattr(engine_mod, "_repacked", repacked)
+    eng.load_checkpoint(tmp_path / "a")
+    assert beside == []
+    raw = lambda x: np.asarray(jax.random.key_data(x) if jnp.issubdtype(x.dtype, jax.dtypes.prng_key) else x)  # noqa: E731
+    for x, y in zip(jax.tree.leaves(eng.state), jax.tree.leaves(plain.state)):
+        np.testing.assert_array_equal(raw(x), raw(y))
+
+
 def test_device_master_split_errors():
     opts = zerojax.EngineOptions(master_split=True)
     make = lambda: gpt2.GPT2(C, rngs=nnx.Rngs(0))  # noqa: E731
