@@ -635,15 +635,10 @@ class Engine:
             params=got.params, master=master,
             opt_state=live.opt_state if opt_state is None else opt_state,
             rest=live.rest if got.rest is None else got.rest, **(got.counters or {}))
-        if self.layout.offload is None and memory.device_free_bytes() is not None:
-            # a device that runs out of memory (not CPU): the live arrays the restore replaced and
-            # what it read but converted (the split master's fp32 read) are freed now, not when
-            # the caller or this frame lets go of them, and the state is repacked into the room
-            kept = {id(x) for x in jax.tree.leaves(self.state)}
-            for x in jax.tree.leaves((replaced, got.params, got.master, got.opt_state, got.rest)):
-                if isinstance(x, jax.Array) and id(x) not in kept and not x.is_deleted():
-                    x.delete()
-            self.state = _repacked(self.state)
+        if self.layout.offload is None and memory.device_free_bytes() is not None:  # a GPU, not CPU
+            # superseded: the live arrays the restore replaced, what it read but converted (the
+            # split master's fp32 read)
+            self.state = _repacked(self.state, superseded=(replaced, got.params, got.master, got.opt_state, got.rest))
         if got.global_steps is not None:
             self._global_steps = int(got.global_steps)
         self._pending = None
@@ -802,9 +797,10 @@ def _needs_room(reads, replaced) -> bool:
     return need > free
 
 
-def _repacked(state: TrainState) -> TrainState:
+def _repacked(state: TrainState, superseded=()) -> TrainState:
     """The state's device arrays moved to host memory and back, so that they sit packed at the front
-    of the device's pool again. Why: a restore allocates in its reading order (the fp32 master
+    of the device's pool again; first the arrays of `superseded` that the state does not hold are
+    freed (now, not when the caller lets go of them: one left in place splits the free range). Why: a restore allocates in its reading order (the fp32 master
     first, freed again by the split master's conversion; the stored moments before their cast;
     the step counters after everything), which leaves holes between the arrays that stay; on an H200
     capped at 16 GiB GPT-2 Large's restored 7.2 GiB left no free range for the step's one 8.4 GiB
@@ -813,6 +809,10 @@ def _repacked(state: TrainState) -> TrainState:
     emptied of them, the arrays leave the free memory in one range. Costs one round trip over the
     host link (about 0.3 s for 7 GiB at 50 GB/s), done after every restore on a device whose memory
     the allocator reports (GPU; not CPU). Without a host memory kind the state stays as it is."""
+    kept = {id(x) for x in jax.tree.leaves(state)}
+    for x in jax.tree.leaves(superseded):
+        if isinstance(x, jax.Array) and id(x) not in kept and not x.is_deleted():
+            x.delete()
     try:
         kind = host_memory_kind()
     except ValueError:
