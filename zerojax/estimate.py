@@ -250,9 +250,10 @@ class Hardware:
     interconnect_bytes_per_s: per-device collective bandwidth (one direction); 450e9 is NVLink 4's
         datasheet figure. An assumption, not measured.
     host_bytes_per_s: host<->device copies; 53e9 was measured (pinned memory, one H200, PCIe 5).
-    peak_efficiency, half_efficiency_tokens: the share of the matmul ceiling a step's FLOPs reach,
-        peak_efficiency x tokens / (tokens + half_efficiency_tokens) for a micro-batch of `tokens`
-        (attention, element-wise work and the optimizer, which the FLOP count leaves out, lower it).
+    peak_efficiency, half_efficiency_work: the share of the matmul ceiling a step's FLOPs reach,
+        peak_efficiency x w / (w + half_efficiency_work) where w = micro-batch tokens x d_model
+        (attention, element-wise work and the optimizer, which the FLOP count leaves out, lower it;
+        their share of a micro-batch's time shrinks with both its tokens and the model's width).
     recompute_weight: what a FLOP that remat recomputes costs against one of the step proper; an
         empirical weight, well below 1 as measured (the recomputed forward is matmul-heavy, without
         the loss, the optimizer or the backward's reductions; not profiled apart).
@@ -264,6 +265,10 @@ class Hardware:
     other four before they ran within 2-10% (micro 4 high). The model before (one point, issue
     #13: efficiency tokens / (tokens + 7000), recompute at full cost) predicted micro-batch 16 30%
     faster than 8 (measured: 6%), micro 4 29% slow and "save_attention" 64,357 for 72,815.
+    Width (session 15): with the micro-batch's tokens alone (half efficiency at 1650 tokens) the
+    fit to Large predicted GPT-2 Medium 4-7% fast and XL 8% slow (six runs, full / dots, micro
+    4-16); scaled by d_model (1650 tokens x 1280, Large's width: Large's predictions unchanged)
+    it predicts all six within 4.5%, each run measured after the prediction was written.
     """
 
     matmul_flops: float = 791e12
@@ -271,7 +276,7 @@ class Hardware:
     interconnect_bytes_per_s: float = 450e9
     host_bytes_per_s: float = 53e9
     peak_efficiency: float = 0.613
-    half_efficiency_tokens: float = 1650.0
+    half_efficiency_work: float = 1650.0 * 1280
     recompute_weight: float = 0.31
 
     def __post_init__(self):
@@ -393,6 +398,16 @@ def tensor_parallel_bytes(shape: ModelShape, *, micro_batch: int, n_tensor: int,
     return (n_tensor - 1) / n_tensor * B * (per_layer * shape.n_layer + 5)
 
 
+def _width(shape: ModelShape) -> float:
+    """d_model for the efficiency term; where the model does not say it, read from a transformer
+    block's ~12 d^2 parameters, else GPT-2 Large's 1280 (the width the fit was made at)."""
+    if shape.d_model:
+        return shape.d_model
+    if shape.n_layer and shape.layer_params:
+        return math.sqrt(shape.layer_params / (12 * shape.n_layer))
+    return 1280.0
+
+
 def predict_step_time(shape: ModelShape, *, micro_batch: int, grad_accum: int = 1,
                       n_data: int = 1, stage: int = 0, precision: str = "bf16",
                       remat: str | None = None, offload_optimizer: bool = False,
@@ -401,7 +416,7 @@ def predict_step_time(shape: ModelShape, *, micro_batch: int, grad_accum: int = 
     """The step-time model (per device, one optimizer step of micro_batch x grad_accum rows).
 
     compute: tokens x (FLOPs a token without remat + recompute_weight x remat's recompute)
-      / (ceiling x efficiency(micro-batch tokens)) (`Hardware`; FLOPs: train_flops_per_token).
+      / (ceiling x efficiency(micro-batch tokens x d_model)) (`Hardware`; FLOPs: train_flops_per_token).
     collectives (ring; each device sends (N-1)/N of the buffer): stage 0/1 all-reduce the fp32
       gradients once a step (stage 1 then all-gathers the new params); stage 2 reduce-scatters
       every micro-batch and all-gathers the new params; stage 3 gathers the params twice per
@@ -424,7 +439,8 @@ def predict_step_time(shape: ModelShape, *, micro_batch: int, grad_accum: int = 
     T = max(shape.seq_len, 1)
     micro_tokens = micro_batch * T
     tokens = micro_tokens * grad_accum
-    eff = hardware.peak_efficiency * micro_tokens / (micro_tokens + hardware.half_efficiency_tokens)
+    work = micro_tokens * _width(shape)
+    eff = hardware.peak_efficiency * work / (work + hardware.half_efficiency_work)
     plain = train_flops_per_token(shape, None)
     flops = plain + hardware.recompute_weight * (train_flops_per_token(shape, remat) - plain)
     compute = tokens * flops / (hardware.ceiling(precision) * eff)
