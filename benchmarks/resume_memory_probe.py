@@ -1,5 +1,7 @@
 """Sessions 13-14: save and resume GPT-2 Large (split master, bf16 first moment, "dots", fused loss,
 micro 8) under a cap: load_checkpoint releases the live state first where the device lacks room.
+Session 15: each line also says the bytes of all live device arrays and what the allocator holds
+beyond them; after the load, again after gc + jax.clear_caches() (the 0.12-0.24 GiB of session 14).
   XLA_PYTHON_CLIENT_MEM_FRACTION=0.115 python benchmarks/resume_memory_probe.py /tmp/ckpt"""
 import sys
 import time
@@ -23,9 +25,10 @@ rows = np.random.default_rng(0).integers(0, 50257, (8, 1024)).astype(np.int32)
 
 def stats(what):
     s = jax.local_devices()[0].memory_stats() or {}
+    arrays = sum(x.nbytes for x in jax.live_arrays() if x.sharding.memory_kind in (None, "device"))
     print(f"{what:22} in use {s.get('bytes_in_use', 0) / GiB:6.2f}  peak {s.get('peak_bytes_in_use', 0) / GiB:6.2f}"
-          f"  limit {s.get('bytes_limit', 0) / GiB:6.2f}  largest free {s.get('largest_free_block_bytes', 0) / GiB:6.2f}",
-          flush=True)
+          f"  limit {s.get('bytes_limit', 0) / GiB:6.2f}  largest free {s.get('largest_free_block_bytes', 0) / GiB:6.2f}"
+          f"  arrays {arrays / GiB:6.3f}  beyond {(s.get('bytes_in_use', 0) - arrays) / GiB:6.3f}", flush=True)
 
 
 eng = zerojax.shard(make, cfg, loss_fn=chunked_gpt2_loss(256), options=opts)
@@ -48,6 +51,10 @@ try:
     for x in jax.live_arrays():  # device arrays outside the state (what may split the free memory)
         if id(x) not in ids and x.nbytes > 2**20:
             print(f"  outside the state: {x.dtype}{list(x.shape)} {x.nbytes / GiB:.3f} GiB {x.sharding.memory_kind}")
+    import gc
+    gc.collect()
+    jax.clear_caches()
+    stats("gc + clear_caches")
     resumed = float(eng.train_step({"input_ids": rows})["loss"])
     stats("step after resume")
     print(f"losses {losses}, step 3 {after:.6f}, resumed step 3 {resumed:.6f}")
