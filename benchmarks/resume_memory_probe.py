@@ -41,6 +41,25 @@ del eng
 stats("first engine gone")
 eng = zerojax.shard(make, cfg, loss_fn=chunked_gpt2_loss(256), options=opts)
 stats("second engine built")
+if "--trace" in sys.argv:  # stats around each part of load_checkpoint
+    import zerojax.checkpoint as C
+    import zerojax.engine as E
+    import zerojax.layout as L
+
+    def traced(owner, name):
+        inner = getattr(owner, name)
+
+        def run(*a, **k):
+            out = inner(*a, **k)
+            jax.block_until_ready(jax.tree.leaves(out))
+            host = sum(x.nbytes for x in jax.live_arrays() if x.sharding.memory_kind not in (None, "device"))
+            stats(f"  after {name}")
+            print(f"  {'':22} host arrays {host / GiB:6.3f}", flush=True)
+            return out
+        setattr(owner, name, run)
+    traced(C, "restore")
+    traced(L.EngineLayout, "split_master")
+    traced(E, "_repacked")
 try:
     t0 = time.perf_counter()
     eng.load_checkpoint(sys.argv[1])
