@@ -57,6 +57,19 @@ if "--trace" in sys.argv:  # stats around each part of load_checkpoint
             print(f"  {'':22} host arrays {host / GiB:6.3f}", flush=True)
             return out
         setattr(owner, name, run)
+    from jax._src import array as _array
+    _delete = _array.ArrayImpl.delete
+
+    def delete(self):  # which deletions do not give their bytes back to the allocator
+        dev = self.sharding.memory_kind in (None, "device") and not self.is_deleted()
+        jax.block_until_ready(self) if dev else None
+        before = jax.local_devices()[0].memory_stats()["bytes_in_use"]
+        _delete(self)
+        freed = before - jax.local_devices()[0].memory_stats()["bytes_in_use"]
+        if dev and freed != self.nbytes and self.nbytes > 2**20:
+            print(f"  delete {self.dtype}{list(self.shape)} {self.nbytes / GiB:.3f} GiB freed {freed / GiB:.3f}",
+                  flush=True)
+    _array.ArrayImpl.delete = delete
     traced(C, "restore")
     traced(L.EngineLayout, "split_master")
     traced(E, "_repacked")
