@@ -90,6 +90,20 @@ try:
     resumed = float(eng.train_step({"input_ids": rows})["loss"])
     stats("step after resume")
     print(f"losses {losses}, step 3 {after:.6f}, resumed step 3 {resumed:.6f}")
+    if "--trace" in sys.argv:  # a leak per repack, or a pool kept once?
+        eng.state = E._repacked(eng.state)
+        stats("repacked again")
+        from zerojax.offload.memory_kinds import host_memory_kind
+        x = jnp.ones((50304, 1280), jnp.float32)
+        h = jax.device_put(x, x.sharding.with_memory_kind(host_memory_kind()))
+        jax.block_until_ready(h)
+        x.delete()
+        x = jax.device_put(h, h.sharding.with_memory_kind("device"))
+        jax.block_until_ready(x)
+        del h
+        stats("fp32 wte-sized round trip")
+        x.delete()
+        stats("and deleted")
 except Exception as e:  # noqa: BLE001
     print(f"{type(e).__name__}: {str(e)[:300]}")
     stats("after failure")
