@@ -186,28 +186,31 @@ def _plan_micro_batch(cfg, gpt_cfg, dtype, remat, explore_remat, seq_len, loss_f
 
 def _offload_hint(plan, params: int, n_data: int, options, dtype) -> str | None:
     """Where the planner's choice offloads a bf16 run and --master-split / --adam-mu-dtype bfloat16
-    are not given: how much model state they would keep off each device (the estimate's floor), as
-    a line that says to try them. Not applied unasked: the bf16 first moment rounds Adam's state,
-    and the split master moves a weight by one fp32 ulp at exact ties. (GPT-2 XL on an H200 capped at
-    23.8 GiB: the planner offloads half the optimizer at ZeRO-3, 15.5k tokens/s; with both flags
-    it fits without offload, 38.9k; benchmarks/RESULTS.md, session 15.)"""
+    are not given: the model state each would keep off every device (the estimate's floor), as a
+    line that says to try them. Not applied unasked: the split master moves a weight by one fp32 ulp
+    at exact ties, the bf16 first moment rounds Adam's state. (GPT-2 XL on an H200 capped at 23.8
+    GiB: the planner offloads half the optimizer at ZeRO-3, 15.1-15.5k tokens/s; --master-split
+    alone fits it without offload, 39.3k; benchmarks/RESULTS.md, session 15.)"""
     import jax.numpy as jnp
 
     from zerojax import estimate
 
     if not (plan.offload_optimizer or plan.offload_param) or jnp.dtype(dtype) != jnp.bfloat16:
         return None
-    missing = [flag for flag, on in (("--master-split", options.master_split),
-                                     ("--adam-mu-dtype bfloat16", options.adam_mu_dtype == "bfloat16")) if not on]
-    if not missing:
-        return None
     floor = functools.partial(estimate.model_state_floor, params, stage=plan.stage, n_data=n_data, precision="bf16")
-    saved = (floor(master_split=options.master_split, adam_mu_dtype=options.adam_mu_dtype)
-             - floor(master_split=True, adam_mu_dtype="bfloat16"))
-    return (f"micro-batch auto: this plan offloads; {' and '.join(missing)} would keep {saved / 2**30:.2f} GiB "
-            f"less model state on each device without offload (the master as its bf16 copy and an int16 "
-            f"remainder: the same training but for exact ties; Adam's first moment rounded to bf16), which "
-            f"may let a plan without offload fit: try them")
+    now = floor(master_split=options.master_split, adam_mu_dtype=options.adam_mu_dtype)
+    said = []
+    if not options.master_split:
+        saved = now - floor(master_split=True, adam_mu_dtype=options.adam_mu_dtype)
+        said.append(f"--master-split {saved / 2**30:.2f} GiB (the fp32 master as its bf16 copy and an int16 "
+                    f"remainder: the same training but for exact ties)")
+    if options.adam_mu_dtype != "bfloat16":
+        saved = now - floor(master_split=options.master_split, adam_mu_dtype="bfloat16")
+        said.append(f"--adam-mu-dtype bfloat16 {saved / 2**30:.2f} GiB (Adam's first moment rounded to bf16)")
+    if not said:
+        return None
+    return ("micro-batch auto: this plan offloads; model state these flags keep off each device, which may "
+            "let a plan without offload fit: " + "; ".join(said))
 
 
 def default_precision(device) -> tuple[str, str]:

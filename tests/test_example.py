@@ -221,10 +221,10 @@ def test_master_split_flag_trains_as_without_it_and_is_refused_under_offload(cap
 
 def test_offload_hint_names_the_missing_flags_and_their_bytes():
     """micro-batch auto's note where the planner's choice offloads a bf16 run: the flags not given and
-    the model state they keep off each device, counted independently: --master-split 2 bytes a
+    the model state each keeps off every device, counted independently: --master-split 2 bytes a
     parameter (an int16 remainder for the fp32 master's 4), --adam-mu-dtype bfloat16 2 (Adam's first
-    moment), divided over the data ranks from stage 1; no note without offload, in fp32, or with
-    both flags."""
+    moment), divided over the data ranks from stage 1 (not at stage 0); a flag given is not named;
+    no note without offload, in fp32, or with both flags."""
     import jax.numpy as jnp
 
     from zerojax import EngineOptions
@@ -233,18 +233,23 @@ def test_offload_hint_names_the_missing_flags_and_their_bytes():
     example = _example()
     P, GiB = 1_557_611_200, 2**30  # GPT-2 XL's parameters
     offloading = Plan(3, 8, remat="full", offload_optimizer=True, offload_ratio=0.5)
-    for options, flags, per_param in ((EngineOptions(), "--master-split and --adam-mu-dtype bfloat16", 4),
-                                      (EngineOptions(master_split=True), "--adam-mu-dtype bfloat16", 2),
-                                      (EngineOptions(adam_mu_dtype="bfloat16"), "--master-split", 2)):
+    split, mu = "--master-split {:.2f} GiB (", "--adam-mu-dtype bfloat16 {:.2f} GiB ("
+    for options, named, absent in ((EngineOptions(), (split, mu), ()),
+                                   (EngineOptions(master_split=True), (mu,), (split,)),
+                                   (EngineOptions(adam_mu_dtype="bfloat16"), (split,), (mu,))):
         for n_data in (1, 4):
             hint = example._offload_hint(offloading, P, n_data, options, jnp.bfloat16)
-            assert f"this plan offloads; {flags} would keep {per_param * P / n_data / GiB:.2f} GiB" in hint
+            assert hint.startswith("micro-batch auto: this plan offloads;")
+            for flag in named:  # 2 bytes a parameter each, over the data ranks
+                assert flag.format(2 * P / n_data / GiB) in hint
+            for flag in absent:
+                assert flag.split(" {")[0] not in hint
     both = EngineOptions(master_split=True, adam_mu_dtype="bfloat16")
     assert example._offload_hint(offloading, P, 1, both, jnp.bfloat16) is None
     assert example._offload_hint(offloading, P, 1, EngineOptions(), jnp.float32) is None
     assert example._offload_hint(Plan(2, 8, remat="full"), P, 1, EngineOptions(), jnp.bfloat16) is None
     stage0 = Plan(0, 8, remat="full", offload_optimizer=True)
-    assert f"keep {4 * P / GiB:.2f} GiB" in example._offload_hint(stage0, P, 4, EngineOptions(), jnp.bfloat16)
+    assert split.format(2 * P / GiB) in example._offload_hint(stage0, P, 4, EngineOptions(), jnp.bfloat16)
 
 
 def test_offload_loop_auto_takes_host_where_its_step_fits(capsys, monkeypatch):
