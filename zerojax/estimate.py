@@ -238,6 +238,9 @@ def fmt_bytes(n) -> str:
 # ---------------------------------------------------------------------------------------------
 # 2. Predicted step time
 
+# the width (d_model) of the model Hardware's efficiency was fitted to: GPT-2 Large
+FIT_D_MODEL = 1280
+
 
 @dataclasses.dataclass(frozen=True)
 class Hardware:
@@ -276,7 +279,7 @@ class Hardware:
     interconnect_bytes_per_s: float = 450e9
     host_bytes_per_s: float = 53e9
     peak_efficiency: float = 0.613
-    half_efficiency_work: float = 1650.0 * 1280
+    half_efficiency_work: float = 1650.0 * FIT_D_MODEL
     recompute_weight: float = 0.31
 
     def __post_init__(self):
@@ -400,12 +403,12 @@ def tensor_parallel_bytes(shape: ModelShape, *, micro_batch: int, n_tensor: int,
 
 def _width(shape: ModelShape) -> float:
     """d_model for the efficiency term; where the model does not say it, read from a transformer
-    block's ~12 d^2 parameters, else GPT-2 Large's 1280 (the width the fit was made at)."""
+    block's ~12 d^2 parameters, else the width the fit was made at (FIT_D_MODEL)."""
     if shape.d_model:
         return shape.d_model
     if shape.n_layer and shape.layer_params:
         return math.sqrt(shape.layer_params / (12 * shape.n_layer))
-    return 1280.0
+    return float(FIT_D_MODEL)
 
 
 def predict_step_time(shape: ModelShape, *, micro_batch: int, grad_accum: int = 1,
