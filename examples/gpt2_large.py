@@ -131,7 +131,7 @@ def parse_args(argv=None):
                    help="init and data-order seed (default 0; on --resume the checkpoint's)")
     p.add_argument("--peak-tflops", type=_number(float, 0.0, above=True), default=None,
                    help="per-device TFLOP/s that MFU is reported against (default: the bf16 matmul "
-                        "ceiling measured at start, zerojax.ceiling; a datasheet peak is never reached)")
+                        "ceiling measured at start, zerojax.planning.ceiling; a datasheet peak is never reached)")
     args = p.parse_args(_join_negative_values(list(sys.argv[1:] if argv is None else argv)))
     if args.keep is not None and not args.save:
         p.error("--keep needs --save DIR (the checkpoint folder to prune)")
@@ -148,15 +148,15 @@ def _loss_fn(loss_chunk: int):
 
 def _plan_micro_batch(cfg, gpt_cfg, dtype, remat, explore_remat, seq_len, loss_fn, options):
     """train_micro_batch_size_per_gpu "auto": the planner's fastest choice that fits the device
-    (zerojax.planner: remat, micro-batch x accumulation keeping the global batch, stage, offload;
+    (zerojax.planning.planner: remat, micro-batch x accumulation keeping the global batch, stage, offload;
     compiled before anything is allocated, with the run's EngineOptions: --master-split and
     --adam-mu-dtype hold less). Unless --remat or the config names a policy, the remat choices are
     none and the planner's measured ladder (dots ... full). -> (config, remat)."""
     from flax import nnx
 
     import zerojax
-    from zerojax import planner
-    from zerojax.memory import device_budget
+    from zerojax.planning import planner
+    from zerojax.planning.memory import device_budget
     from zerojax.models.gpt2 import GPT2
 
     budget = device_budget()
@@ -193,7 +193,7 @@ def _offload_hint(plan, params: int, n_data: int, options, dtype) -> str | None:
     alone fits it without offload, 39.3k; benchmarks/RESULTS.md, session 15.)"""
     import jax.numpy as jnp
 
-    from zerojax import estimate
+    from zerojax.planning import estimate
 
     if not (plan.offload_optimizer or plan.offload_param) or jnp.dtype(dtype) != jnp.bfloat16:
         return None
@@ -268,9 +268,9 @@ def _offload_loop_auto(cfg, make_model, seq_len, loss_fn) -> tuple[str, str | No
     import jax.numpy as jnp
 
     from zerojax import EngineOptions
-    from zerojax.engine import abstract_engine
-    from zerojax.layout import chunk_loops_apply, offloads
-    from zerojax.memory import device_budget, fmt_bytes
+    from zerojax.train.engine import abstract_engine
+    from zerojax.train.layout import chunk_loops_apply, offloads
+    from zerojax.planning.memory import device_budget, fmt_bytes
 
     if not chunk_loops_apply(cfg.zero_optimization, *offloads(cfg)):
         return "in_place", None
@@ -307,7 +307,7 @@ def _engine_options(args, cfg, loop=None, planned=False):
     """--offload-loop (else `loop`) and --master-split, checked against the config before the engine is built ->
     zerojax.EngineOptions. `planned`: the planner chose the config's offload (micro-batch auto), so
     --master-split gives way where that plan offloads (the host loop splits the master itself)."""
-    from zerojax.layout import device_master_split, offloads, options_for_config, resolve_offload_loop
+    from zerojax.train.layout import device_master_split, offloads, options_for_config, resolve_offload_loop
 
     options = _requested_options(args, loop)
     zero = cfg.zero_optimization
@@ -371,7 +371,7 @@ def _warn_replicated(engine, cfg):
 
 def main(argv=None):
     args = parse_args(argv)
-    from zerojax.distributed import init_distributed
+    from zerojax.launch.distributed import init_distributed
 
     init_distributed()  # several processes (zerojax launch, srun, ...): before any device use
     import jax
@@ -385,10 +385,10 @@ def main(argv=None):
     if quiet:
         sys.stdout = open(os.devnull, "w")
     import zerojax
-    from zerojax import checkpoint_files
-    from zerojax.ceiling import measure_matmul_ceiling
+    from zerojax.checkpoint import files as checkpoint_files
+    from zerojax.planning.ceiling import measure_matmul_ceiling
     from zerojax.config import read_source as read_config
-    from zerojax.data import load_text_data
+    from zerojax.data.text import load_text_data
     from zerojax.models.gpt2 import GPT2, GPT2Config, flops_per_token
     from zerojax.precision import compute_dtype
 
@@ -403,7 +403,7 @@ def main(argv=None):
             print(f"removed {path}: left by an interrupted save (the checkpoint it was writing never "
                   f"finished; `latest` still names the one before)")
     if args.resume:
-        from zerojax.checkpoint import read_meta
+        from zerojax.checkpoint.state import read_meta
 
         meta = read_meta(args.save)
         saved = ((meta.get("client_state") or {}).get("gpt2_large_example") or {})
@@ -624,10 +624,10 @@ def _print_run(args, cfg, size, steps, schedule_steps, lr, lr_default, precision
 
 
 if __name__ == "__main__":
-    from zerojax.checkpoint import CheckpointError
+    from zerojax.checkpoint.state import CheckpointError
     from zerojax.config import ConfigError
-    from zerojax.data import DataError
-    from zerojax.memory import WillNotFitError
+    from zerojax.data.text import DataError
+    from zerojax.planning.memory import WillNotFitError
 
     try:
         main()

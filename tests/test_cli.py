@@ -43,7 +43,7 @@ def test_estimate_json_on_stdout_for_formulas(capsys):
 
 
 def test_estimate_module_imports_no_jax():
-    code = "import sys, zerojax.estimate, zerojax.cli; assert 'jax' not in sys.modules, sorted(sys.modules)"
+    code = "import sys, zerojax.planning.estimate, zerojax.cli; assert 'jax' not in sys.modules, sorted(sys.modules)"
     subprocess.run([sys.executable, "-c", code], check=True, cwd=REPO,
                    env={**os.environ, "PYTHONPATH": REPO})
 
@@ -79,7 +79,9 @@ def test_estimate_aot_compiles_with_the_engine_options_asked(tmp_path, capsys):
     instead of the fp32 master, 2 for the bf16 first moment); without --aot the flags are refused."""
     from flax import nnx
 
-    from zerojax import cli, planner
+    from zerojax import cli
+
+    from zerojax.planning import planner
     from zerojax.models.gpt2 import GPT2, GPT2Config
 
     def compiled(*flags):

@@ -200,7 +200,8 @@ def test_master_split_flag_trains_as_without_it_and_is_refused_under_offload(cap
     assert runs[1]["losses"] == runs[0]["losses"]
     # micro-batch auto: the planner compiles its candidates with the flag (the same run), and where
     # its choice offloads, the flag gives way with a note (the user's config did not offload)
-    from zerojax import load_config, memory
+    from zerojax import load_config
+    from zerojax.planning import memory
 
     monkeypatch.setattr(memory, "device_budget", lambda device=None: 2**40)
     planned = example.main(["--config", cfg, *TINY, "--steps", "3", "--master-split", "--micro-batch", "auto"])
@@ -228,7 +229,7 @@ def test_offload_hint_names_the_missing_flags_and_their_bytes():
     import jax.numpy as jnp
 
     from zerojax import EngineOptions
-    from zerojax.planner import Plan
+    from zerojax.planning.planner import Plan
 
     example = _example()
     P, GiB = 1_557_611_200, 2**30  # GPT-2 XL's parameters
@@ -260,7 +261,7 @@ def test_offload_loop_auto_takes_host_where_its_step_fits(capsys, monkeypatch):
     from flax import nnx
 
     import zerojax
-    from zerojax import memory
+    from zerojax.planning import memory
     from zerojax.models.gpt2 import GPT2, GPT2Config, gpt2_loss
 
     example = _example()
@@ -303,7 +304,7 @@ def test_offload_loop_auto_takes_host_where_its_step_fits(capsys, monkeypatch):
 def test_mfu_is_reported_against_the_measured_ceiling_or_the_flag(capsys):
     """The example's MFU: tokens/s x the model's FLOPs a token (flops_per_token, checked against
     the written-out count in test_gpt2) over the bf16 matmul ceiling it measured at start
-    (zerojax.ceiling), or over --peak-tflops where given; the header says which."""
+    (zerojax.planning.ceiling), or over --peak-tflops where given; the header says which."""
     from zerojax.models.gpt2 import GPT2Config, flops_per_token
 
     example = _example()
@@ -318,7 +319,7 @@ def test_mfu_is_reported_against_the_measured_ceiling_or_the_flag(capsys):
 
 def test_steps_zero_evaluates_only(monkeypatch, capsys):
     """--steps 0: evaluation only; no step is timed, so no MFU and no ceiling measured for it."""
-    from zerojax import ceiling
+    from zerojax.planning import ceiling
 
     monkeypatch.setattr(ceiling, "measure_matmul_ceiling", lambda *a, **k: pytest.fail("measured for no step"))
     summary = _example().main([*TINY, "--steps", "0", "--eval-batches", "1"])

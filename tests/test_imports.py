@@ -81,7 +81,7 @@ def find_cycle(graph, ignore=frozenset()):
 def test_the_graph_reader_sees_function_local_imports_and_cycles():
     # the reader itself, on a graph with a known cycle: a test that could never fail proves nothing
     g = import_graph()
-    assert "zerojax.layout" in g["zerojax.engine"] and "zerojax.engine" in g["zerojax.api"]
+    assert "zerojax.train.layout" in g["zerojax.train.engine"] and "zerojax.train.engine" in g["zerojax.api"]
     assert find_cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == ["a", "b", "c", "a"]
     assert find_cycle({"a": {"b"}, "b": set()}) is None
 
@@ -100,5 +100,5 @@ def test_models_import_nothing_of_the_runtime():
 
 
 def test_checkpoint_knows_pytrees_not_engines():
-    deps = import_graph()["zerojax.checkpoint"]
-    assert not {d for d in deps if d.startswith("zerojax.models")} and "zerojax.engine" not in deps
+    deps = import_graph()["zerojax.checkpoint.state"]
+    assert not {d for d in deps if d.startswith("zerojax.models")} and "zerojax.train.engine" not in deps

@@ -6,7 +6,7 @@
     zerojax estimate --params 2851e6 --largest-layer 32e6 --gpus 8
     zerojax plan --model xl --devices 4 --search-mesh --budget 139GiB --global-batch 64  # mesh shapes
     zerojax export runs/ckpt hf_out --dtype bf16                  # consolidated weights
-    zerojax launch --num_procs 2 train.py --config ds.json        # several processes (zerojax.launch)
+    zerojax launch --num_procs 2 train.py --config ds.json        # several processes (zerojax.launch.launcher)
 
 A new subcommand is a function `_add_<name>(subparsers)` that adds its parser and sets
 `func=<handler(args) -> exit code>`, appended to COMMANDS.
@@ -19,7 +19,7 @@ import json
 import os
 import sys
 
-from zerojax import estimate
+from zerojax.planning import estimate
 
 SIZES = ("tiny", "small", "medium", "large", "xl")
 
@@ -167,8 +167,8 @@ def cmd_plan(args) -> int:
     out = sys.stderr if args.json == "-" else sys.stdout
     say = lambda *a: print(*a, file=out)  # noqa: E731
 
-    from zerojax import mesh_plan
-    from zerojax.memory import device_budget, fmt_bytes, parse_bytes
+    from zerojax.planning import mesh_search as mesh_plan
+    from zerojax.planning.memory import device_budget, fmt_bytes, parse_bytes
 
     cfg = _load_base_config(args)
     model_cfg, factory = gpt2_factory(args.model, cfg)
@@ -220,7 +220,7 @@ def _add_export(sub):
 
 
 def cmd_export(args) -> int:
-    from zerojax.checkpoint import export
+    from zerojax.checkpoint.state import export
     from zerojax.models import weights_writer
 
     try:
@@ -233,7 +233,7 @@ def cmd_export(args) -> int:
 
 
 def _add_launch(sub):
-    # listed for --help only: main() hands `launch ...` to zerojax.launch before parsing, since its
+    # listed for --help only: main() hands `launch ...` to zerojax.launch.launcher before parsing, since its
     # arguments end with the user's script and that script's own flags
     sub.add_parser("launch", add_help=False,
                    help="start a multi-process / multi-node run (DeepSpeed's launcher flags)")
@@ -254,7 +254,7 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     if argv[:1] == ["launch"]:
-        from zerojax.launch import main as launch
+        from zerojax.launch.launcher import main as launch
 
         return launch(argv[1:])
     args = build_parser().parse_args(argv)
@@ -318,7 +318,7 @@ def cmd_estimate(args) -> int:
     else:
         from flax import nnx
 
-        from zerojax.memory import count_params
+        from zerojax.planning.memory import count_params
 
         cfg0 = _load_base_config(args)
         model_cfg, factory = gpt2_factory(args.model, cfg0)
@@ -367,9 +367,9 @@ def _estimate_aot(args, say, factory, model_cfg, stages, n_devices) -> dict:
     if jax.device_count() < n_devices:
         raise SystemExit(f"--aot for {n_devices} devices but jax sees {jax.device_count()} "
                          f"({jax.default_backend()}); run on the GPUs or add --cpu")
-    from zerojax import planner
-    from zerojax.memory import device_budget, fmt_bytes, parse_bytes
-    from zerojax.partition import make_mesh
+    from zerojax.planning import planner
+    from zerojax.planning.memory import device_budget, fmt_bytes, parse_bytes
+    from zerojax.sharding.partition import make_mesh
 
     mesh = make_mesh(data=n_devices, devices=jax.devices()[:n_devices])
     cfg = _load_base_config(args)

@@ -117,7 +117,7 @@ class EngineOptions:
         bytes; None = a quarter of the device's memory (no limit on CPU).
     pipeline_repeats [1]: with pipeline.stages > 1, circular repeats R: each stage holds R blocks of
         layers / (stages x R) layers and every micro-batch passes the stages R times, shrinking the
-        bubble from (S - 1) / (M + S - 1) to (S - 1) / (M R + S - 1) (`zerojax.pipeline`).
+        bubble from (S - 1) / (M + S - 1) to (S - 1) / (M R + S - 1) (`zerojax.sharding.pipeline`).
     pipeline_stage_loop ["unrolled"]: how a stage runs its layers inside each pipeline iteration:
         "unrolled" (one copy of the layer per layer in the compiled step: each layer's saved
         activations go straight into the step's stacked buffers) or "scan" (a loop over them,

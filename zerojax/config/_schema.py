@@ -897,7 +897,7 @@ class Config:
     zerojax: **acted on**: see its keys"""
     pipeline: PipelineConfig = _f(kind="section", factory=PipelineConfig, cls=PipelineConfig)
     """Section: pipeline parallelism.
-    zerojax: **acted on**: `stages` > 1 splits the stacked layers over the mesh's `pipe` axis (zerojax.pipeline)"""
+    zerojax: **acted on**: `stages` > 1 splits the stacked layers over the mesh's `pipe` axis (zerojax.sharding.pipeline)"""
     tensor_parallel: TensorParallelConfig = _f(kind="special", factory=TensorParallelConfig, cls=TensorParallelConfig)
     """Section: AutoTP tensor parallelism.
     zerojax: **acted on**: see its keys"""

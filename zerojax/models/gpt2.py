@@ -404,7 +404,7 @@ class GPT2(nnx.Module):
     is issued while this one computes, forward and backward, and every layer is recomputed in the
     backward pass. Without `layer_fetch`, a `layer_scan` set by the engine runs the (remat-wrapped)
     blocks as `layer_scan(block, x, layers, None)`: pipeline.stages > 1 hands it
-    `zerojax.pipeline.pipeline_scan`. The model itself imports nothing of zerojax's runtime.
+    `zerojax.sharding.pipeline.pipeline_scan`. The model itself imports nothing of zerojax's runtime.
 
     Activation hook: `activation_sharding` (attribute, default None) is a function
     `(x, logical names) -> x` applied to the named activations inside each block (`RESIDUAL`,

@@ -1,0 +1,314 @@
+"""EngineOptions(offload_master_split=True): the offloaded fp32 master kept as the bf16 compute copy
+plus an int16 remainder in host memory (`zerojax.offload.split_master`). References: the fp32 values
+themselves (the round trip is bit-exact but for exact ties), and the same training with the whole
+fp32 master in host memory (offload_loop="host" without the option)."""
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+import zerojax
+from zerojax.models import gpt2
+from zerojax.offload.split_master import master_of, remainder
+
+from test_engine_offload import C, batches, config
+
+ULP2 = 2.0 ** -22  # two fp32 ulps, relative: a weight moved by a tie (one ulp) and what follows from it
+
+
+def bits(x):
+    return np.asarray(x, np.float32).view(np.uint32)
+
+
+def test_remainder_round_trip_is_exact_but_for_ties_rounded_down():
+    rng = np.random.default_rng(0)
+    m = (rng.standard_normal(50_000) * 10.0 ** rng.integers(-30, 30, 50_000)).astype(np.float32)
+    m = np.concatenate([m, np.float32([0.0, -0.0, 1.0, -1.0, 3.0e38, -3.0e38, 2.0e-38])])
+    m = m[(bits(m) & 0xFFFF) != 0x8000]  # exact ties apart (below)
+    c = jnp.asarray(m).astype(jnp.bfloat16)
+    rem = remainder(m, c)
+    assert rem.dtype == jnp.int16
+    np.testing.assert_array_equal(bits(master_of(c, rem)), bits(m))
+    # exact ties: a bf16 value plus half its last place. Rounded up (odd last bit) the remainder is
+    # -32768 and exact; rounded down to the even copy it would be +32768, stored as 32767: the
+    # rebuilt weight is one ulp nearer the copy
+    base = np.float32([1.0, 1.0 + 2.0 ** -7, -1.0, -(1.0 + 2.0 ** -7), 3.0, 2.0 ** -100])
+    ties = (bits(base) | 0x8000).view(np.float32)
+    ct = jnp.asarray(ties).astype(jnp.bfloat16)
+    back = bits(master_of(ct, remainder(ties, ct)))
+    even = (bits(base) >> 16) % 2 == 0
+    assert even.tolist() == [True, False, True, False, True, True]
+    np.testing.assert_array_equal(back[~even], bits(ties)[~even])
+    np.testing.assert_array_equal(back[even], bits(ties)[even] - 1)
+
+
+def train(split, stage=2, steps=3):
+    # one layer a chunk (offload_host_chunk_bytes=1): the tiny model's layers as separate chunks
+    opts = zerojax.EngineOptions(offload_loop="host", offload_master_split=split, offload_host_chunk_bytes=1)
+    make = lambda: gpt2.GPT2(C, rngs=nnx.Rngs(0), dtype=jnp.bfloat16)  # noqa: E731
+    eng = zerojax.shard(make, config(stage, "bf16", "cpu"), loss_fn=gpt2.gpt2_loss, options=opts)
+    losses = [float(eng.train_step(b)["loss"]) for b in batches(steps)]
+    return eng, losses
+
+
+@pytest.mark.parametrize("stage", [2, 3])
+def test_split_master_trains_as_the_fp32_master(stage):
+    # the same steps with the whole fp32 master in host memory: the same losses and compute params
+    # (bitwise: a tie's one-ulp move never changes the bf16 copy), the master within two ulps
+    split, losses = train(True, stage)
+    whole, want = train(False, stage)
+    assert losses == want
+    for x, y in zip(jax.tree.leaves(split.state.params), jax.tree.leaves(whole.state.params)):
+        np.testing.assert_array_equal(np.asarray(x, np.float32), np.asarray(y, np.float32))
+    for x, y in zip(jax.tree.leaves(split.master_params), jax.tree.leaves(whole.master_params)):
+        np.testing.assert_allclose(np.asarray(x), np.asarray(y), rtol=ULP2, atol=0)
+    # the host chunks hold int16 remainders, half the fp32 master's bytes
+    hosts = [i for i, c in enumerate(split.offload_layout.layout.chunks) if c.host]
+    assert hosts and all(x.dtype == jnp.int16 for i in hosts for x in jax.tree.leaves(split.state.master[i]))
+    nbytes = lambda e: sum(x.nbytes for i in hosts for x in jax.tree.leaves(e.state.master[i]))  # noqa: E731
+    assert 2 * nbytes(split) == nbytes(whole)
+
+
+def resumes_both_ways(tmp_path, split, whole, engine_with, later):
+    """`split` (the option on) saves; an engine without the option (`engine_with(False)`) loads it,
+    holds `whole`'s fp32 master (within two ulps) and saves; one with it loads that: each trains on
+    `later` (the batches after those trained) as `whole` does."""
+    split.save_checkpoint(tmp_path / "a")
+    ref = [np.asarray(x) for x in jax.tree.leaves(whole.master_params)]
+    want = [float(whole.train_step(b)["loss"]) for b in later]
+    for option, src in ((False, "a"), (True, "b")):
+        eng = engine_with(option)
+        eng.load_checkpoint(tmp_path / src)
+        for x, y in zip(jax.tree.leaves(eng.master_params), ref):
+            np.testing.assert_allclose(np.asarray(x), y, rtol=ULP2, atol=0)
+        if src == "a":
+            eng.save_checkpoint(tmp_path / "b")  # saved without the option, resumed with it next
+        assert [float(eng.train_step(b)["loss"]) for b in later] == want
+
+
+def test_split_master_checkpoints_store_the_fp32_master(tmp_path):
+    # a checkpoint saved with the option stores the fp32 master: that of the same run with the
+    # whole master in host memory (within two ulps); it resumes without the option (and back) and
+    # trains on as that run does
+    def engine_with(option):
+        return zerojax.shard(lambda: gpt2.GPT2(C, rngs=nnx.Rngs(0), dtype=jnp.bfloat16), config(2, "bf16", "cpu"),
+                             loss_fn=gpt2.gpt2_loss,
+                             options=zerojax.EngineOptions(offload_loop="host", offload_master_split=option,
+                                                           offload_host_chunk_bytes=1))
+
+    resumes_both_ways(tmp_path, train(True, steps=2)[0], train(False, steps=2)[0], engine_with, batches(4)[2:])
+
+
+def test_split_master_errors():
+    opts = zerojax.EngineOptions(offload_loop="host", offload_master_split=True)
+    make = lambda: gpt2.GPT2(C, rngs=nnx.Rngs(0))  # noqa: E731
+    with pytest.raises(ValueError, match=r"offload_master_split needs bf16 compute.*this config: fp32"):
+        zerojax.shard(make, config(2, "fp32", "cpu"), loss_fn=gpt2.gpt2_loss, options=opts)
+    with pytest.raises(ValueError, match=r"offload_master_split needs .*offload_loop='in_place'"):
+        zerojax.shard(make, config(2, "bf16", "cpu"), loss_fn=gpt2.gpt2_loss,
+                      options=opts.replace(offload_loop="in_place"))
+    with pytest.raises(ValueError, match=r"offload_master_split='yes': None \(where it applies\), True or False"):
+        zerojax.EngineOptions(offload_master_split="yes")
+
+
+def test_split_master_is_the_default_where_it_applies():
+    # offload_master_split None (the default): on with bf16 and "host" (the host chunks int16),
+    # off with fp32 compute or the in-place loop (the fp32 master), neither an error
+    make = lambda dtype: lambda: gpt2.GPT2(C, rngs=nnx.Rngs(0), dtype=dtype)  # noqa: E731
+    for prec, dtype, loop, want in (("bf16", jnp.bfloat16, "host", True), ("fp32", jnp.float32, "host", False),
+                                    ("bf16", jnp.bfloat16, "in_place", False)):
+        eng = zerojax.shard(make(dtype), config(2, prec, "cpu"), loss_fn=gpt2.gpt2_loss,
+                            options=zerojax.EngineOptions(offload_loop=loop))
+        assert eng.offload_settings["split_master"] is want
+        hosts = [i for i, c in enumerate(eng.offload_layout.layout.chunks) if c.host]
+        dtypes = {x.dtype for i in hosts for x in jax.tree.leaves(eng.state.master[i])}
+        assert dtypes == ({jnp.dtype(jnp.int16)} if want else {jnp.dtype(jnp.float32)})
+
+
+# ------------------------------------------------------------------ EngineOptions.master_split
+# the device-resident master (no optimizer offload) kept the same way: against the same training
+# with the whole fp32 master on the device
+
+
+def scaled_loss(model, batch):
+    """GPT-2's loss times the batch's "scale" (NaN there: a non-finite loss, a skipped step)."""
+    loss, aux = gpt2.gpt2_loss(model, {"input_ids": batch["input_ids"]})
+    return loss * batch["scale"].mean(), aux
+
+
+def device_batches(n, accum=1, nan_at=()):
+    rng = np.random.default_rng(0)
+    return [{"input_ids": rng.integers(0, C.vocab_size, (8 * accum, 8)).astype(np.int32),
+             "scale": np.full((8 * accum,), np.nan if i in nan_at else 1.0, np.float32)} for i in range(n)]
+
+
+def train_on_device(split, stage=2, steps=3, accum=1, nan_at=()):
+    opts = zerojax.EngineOptions(master_split=split)
+    make = lambda: gpt2.GPT2(C, rngs=nnx.Rngs(0), dtype=jnp.bfloat16)  # noqa: E731
+    cfg = {**config(stage, "bf16"), "gradient_accumulation_steps": accum}
+    eng = zerojax.shard(make, cfg, loss_fn=scaled_loss, options=opts)
+    losses = []
+    for b in device_batches(steps, accum, nan_at):
+        losses.append(float(eng.train_step(b)["loss"]))
+        if np.isnan(losses[-1]):
+            with pytest.raises(FloatingPointError, match="not finite"):
+                eng.synchronize()
+    return eng, losses
+
+
+@pytest.mark.parametrize("stage,accum,nan_at", [(0, 1, ()), (1, 2, ()), (2, 1, (1,)), (3, 1, ())])
+def test_device_master_split_trains_as_the_fp32_master(stage, accum, nan_at):
+    # the same losses and compute params (bitwise), the master within two ulps; a non-finite step
+    # (stage 2's second) skipped by both, the remainders kept as the master is
+    split, losses = train_on_device(True, stage, accum=accum, nan_at=nan_at)
+    whole, want = train_on_device(False, stage, accum=accum, nan_at=nan_at)
+    np.testing.assert_array_equal(losses, want)
+    assert split.skipped_steps == whole.skipped_steps == len(nan_at)
+    for x, y in zip(jax.tree.leaves(split.state.params), jax.tree.leaves(whole.state.params)):
+        np.testing.assert_array_equal(np.asarray(x, np.float32), np.asarray(y, np.float32))
+    for x, y in zip(jax.tree.leaves(split.master_params), jax.tree.leaves(whole.master_params)):
+        assert x.dtype == jnp.float32 and x.sharding == y.sharding
+        np.testing.assert_allclose(np.asarray(x), np.asarray(y), rtol=ULP2, atol=0)
+    # the state holds int16 remainders in the master's sharding: half the fp32 master's bytes
+    assert {x.dtype for x in jax.tree.leaves(split.state.master)} == {jnp.dtype(jnp.int16)}
+    for x, y in zip(jax.tree.leaves(split.state.master), jax.tree.leaves(whole.state.master)):
+        assert x.sharding == y.sharding
+    assert 2 * split.memory_report()["master"] == whole.memory_report()["master"]
+    assert "master (int16 remainder)" in str(split.memory_report()) and "fp32 master" in str(whole.memory_report())
+
+
+@pytest.mark.parametrize("built", [False, True])
+def test_device_master_split_initial_state_is_the_split_of_the_fp32_one(built):
+    """The split master's initial state (allocated longest-lived first, its fp32 master last:
+    Engine._init_split_master) is the default initial state split: the same compute params, rest
+    and optimizer state, and as remainders exactly `step.stored_master` of the fp32 master; from a
+    model callable and from a built model's values."""
+    from zerojax.train import step
+
+    def engine(split):
+        make = lambda: gpt2.GPT2(C, rngs=nnx.Rngs(0), dtype=jnp.bfloat16)  # noqa: E731
+        return zerojax.shard(make() if built else make, config(2, "bf16"), loss_fn=gpt2.gpt2_loss,
+                             options=zerojax.EngineOptions(master_split=split))
+
+    split, whole = engine(True), engine(False)
+    # the split writes into the donated params / remainder buffers (no second copy of either at
+    # init: measured on an H200, jit's default of dropping unused arguments cost 2.9 GiB and a
+    # fragmented pool): every output aliases an input
+    from zerojax.train.engine import _split_into_program
+
+    args = (whole.state.master, split.state.params, split.state.master)
+    hlo = _split_into_program(split.layout).lower(*args).compile().as_text()
+    aliased = [line for line in hlo.splitlines() if "input_output_alias=" in line]
+    assert aliased and len(re.findall(r"(may|must)-alias", aliased[0])) == len(jax.tree.leaves(args[1:]))
+    want = step.stored_master(split.layout.step, whole.state.master)
+    for got, ref in ((split.state.params, whole.state.params), (split.state.master, want),
+                     (split.state.opt_state, whole.state.opt_state), (split.state.rest, whole.state.rest)):
+        assert jax.tree.structure(got) == jax.tree.structure(ref)
+        for x, y in zip(jax.tree.leaves(got), jax.tree.leaves(ref)):
+            if jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key):
+                x, y = jax.random.key_data(x), jax.random.key_data(y)
+            assert x.dtype == y.dtype and x.sharding == y.sharding
+            np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+
+
+def test_device_master_split_checkpoints_store_the_fp32_master(tmp_path):
+    def engine_with(option):
+        return zerojax.shard(lambda: gpt2.GPT2(C, rngs=nnx.Rngs(0), dtype=jnp.bfloat16), config(2, "bf16"),
+                             loss_fn=scaled_loss, options=zerojax.EngineOptions(master_split=option))
+
+    resumes_both_ways(tmp_path, train_on_device(True, steps=2)[0], train_on_device(False, steps=2)[0],
+                      engine_with, device_batches(4)[2:])
+
+
+def test_device_master_split_restore_frees_its_fp32_read_before_repacking(tmp_path, monkeypatch):
+    """Where the allocator reports free memory (a GPU; here a stand-in), load_checkpoint repacks the
+    restored state (engine._repacked); the fp32 master it read and split must be freed before that,
+    or it stays where it was read while the state is packed around it (on an H200 capped at 16 GiB
+    it split the free memory and the next step ran out of it, session 14). At the repack no new
+    fp32 array lives beside the state; the state equals a plain load's."""
+    from zerojax.train import engine as engine_mod
+    from zerojax.planning import memory
+
+    def engine_with(option):
+        return zerojax.shard(lambda: gpt2.GPT2(C, rngs=nnx.Rngs(0), dtype=jnp.bfloat16), config(2, "bf16"),
+                             loss_fn=scaled_loss, options=zerojax.EngineOptions(master_split=option))
+
+    train_on_device(True, steps=2)[0].save_checkpoint(tmp_path / "a")
+    plain = engine_with(True)
+    plain.load_checkpoint(tmp_path / "a")
+    monkeypatch.setattr(memory, "device_free_bytes", lambda device=None: 1 << 50)
+    eng = engine_with(True)
+    before, beside, real = {id(x) for x in jax.live_arrays()}, [], engine_mod._repacked
+
+    def repacked(state, superseded=()):
+        out = real(state, superseded)
+        ids = {id(x) for x in jax.tree.leaves(out)}
+        beside.extend(x.shape for x in jax.live_arrays()
+                      if id(x) not in ids | before and x.dtype == jnp.float32 and x.ndim)
+        return out
+
+    monkeypatch.setattr(engine_mod, "_repacked", repacked)
+    eng.load_checkpoint(tmp_path / "a")
+    assert beside == []
+    raw = lambda x: np.asarray(jax.random.key_data(x) if jnp.issubdtype(x.dtype, jax.dtypes.prng_key) else x)  # noqa: E731
+    for x, y in zip(jax.tree.leaves(eng.state), jax.tree.leaves(plain.state)):
+        np.testing.assert_array_equal(raw(x), raw(y))
+
+
+def test_device_master_split_errors():
+    opts = zerojax.EngineOptions(master_split=True)
+    make = lambda: gpt2.GPT2(C, rngs=nnx.Rngs(0))  # noqa: E731
+    with pytest.raises(ValueError, match=r"master_split needs bf16 compute.*this config: fp32"):
+        zerojax.shard(make, config(2, "fp32"), loss_fn=gpt2.gpt2_loss, options=opts)
+    with pytest.raises(ValueError, match=r"master_split needs .*this config: bf16, offload on"):
+        zerojax.shard(make, config(2, "bf16", "cpu"), loss_fn=gpt2.gpt2_loss, options=opts)
+    with pytest.raises(ValueError, match=r"master_split needs .*this config: bf16, offload on"):  # params alone
+        zerojax.shard(make, config(3, "bf16", par="cpu"), loss_fn=gpt2.gpt2_loss, options=opts)
+    with pytest.raises(ValueError, match=r"master_split='yes': True or False"):
+        zerojax.EngineOptions(master_split="yes")
+
+
+@pytest.mark.parametrize("axis", [{"tensor_parallel": {"autotp_size": 2}, "zero_optimization": {"stage": 2}},
+                                  {"pipeline": {"stages": 2}, "gradient_accumulation_steps": 4,
+                                   "zero_optimization": {"stage": 1}}])
+def test_device_master_split_with_tensor_and_pipeline_axes(axis):
+    # the remainders live in the master's sharding on a tensor / pipe axis too: the same losses
+    # and, within two ulps, the same master as the whole fp32 master there
+    def run(split):
+        cfg = {"train_micro_batch_size_per_gpu": 1, "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}},
+               "bf16": {"enabled": True}, **axis}
+        eng = zerojax.shard(lambda: gpt2.GPT2(C, rngs=nnx.Rngs(0), dtype=jnp.bfloat16), cfg,
+                            loss_fn=gpt2.gpt2_loss, options=zerojax.EngineOptions(master_split=split))
+        rng = np.random.default_rng(0)
+        rows = eng.cfg.train_batch_size
+        losses = [float(eng.train_step({"input_ids": rng.integers(0, C.vocab_size, (rows, 8)).astype(np.int32)})["loss"])
+                  for _ in range(3)]
+        return eng, losses
+
+    (split, losses), (whole, want) = run(True), run(False)
+    assert losses == want
+    assert {x.dtype for x in jax.tree.leaves(split.state.master)} == {jnp.dtype(jnp.int16)}
+    for x, y in zip(jax.tree.leaves(split.master_params), jax.tree.leaves(whole.master_params)):
+        np.testing.assert_allclose(np.asarray(x), np.asarray(y), rtol=ULP2, atol=0)
+
+
+def test_too_little_memory_names_master_split_and_what_it_saves(monkeypatch):
+    # the memory guard's error (a stand-in budget below the step's peak), bf16 without offload:
+    # it names EngineOptions(master_split=True) and half the master's bytes on the device (what
+    # the option saves, as the memory report counts them); with the option on it is not offered
+    from zerojax.planning import memory
+
+    monkeypatch.setattr(memory, "device_budget", lambda device=None: 1)
+    for split in (False, True):
+        eng = zerojax.shard(lambda: gpt2.GPT2(C, rngs=nnx.Rngs(0), dtype=jnp.bfloat16), config(2, "bf16"),
+                            loss_fn=scaled_loss, options=zerojax.EngineOptions(master_split=split))
+        master = eng.memory_report()["master"]
+        with pytest.raises(memory.WillNotFitError) as info:
+            eng.train_step(device_batches(1)[0])
+        offered = f"master_split=True) keeps the fp32 master ({memory.fmt_bytes(master)} on this device)"
+        assert (offered in str(info.value)) is not split
+        if not split:
+            assert f"{memory.fmt_bytes(master // 2)} less" in str(info.value)

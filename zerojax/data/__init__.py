@@ -1,0 +1,1 @@
+"""Training text: files or the embedded corpus (`corpus/`), tokenised, packed into batches."""

@@ -1,0 +1,724 @@
+"""The planner: under a device-memory budget, the fastest way to train, found in seconds.
+
+It explores what buys memory, cheapest loss of speed first: activation checkpointing (the remat
+policies the model offers), precision (when the config leaves it to "auto"), a smaller
+micro-batch with gradient_accumulation_steps raised to keep the global batch, then the ZeRO
+stage, then offload. Every candidate gets a predicted step time (`zerojax.planning.estimate`: FLOPs with
+recompute at the matmul ceiling, collectives, host<->device copies); candidates are tried in that
+order, pruned first by formula (model states alone over the budget) and by dominance (a choice
+that holds at least as much as one that did not fit in every dimension is not compiled), then
+compiled (the engine's real step, abstract: nothing allocated) until `max_plans` fit, at most one
+per speed tier (precision, remat, micro-batch): the first that fits is its tier's fastest, so
+slower stage / offload variants of it are not compiled. Compiles are memoised per process.
+
+This module imports the engine; the engine never imports it. `attach(engine)` (or `shard`
+here) hands an engine the callback through which its memory guard lists plans.
+"""
+from __future__ import annotations
+
+import copy
+import dataclasses
+import inspect
+import json
+import math
+from typing import Callable, Iterable
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from zerojax.train import engine as E
+from zerojax.planning import estimate as est
+from zerojax.train import layout
+from zerojax.planning import memory as mem
+from zerojax.sharding import partition
+from zerojax.config import REMAT_POLICY_NAMES, load_config
+from zerojax.planning.memory import CompiledMemory, WillNotFitError, fmt_bytes, parse_bytes
+from zerojax.options import EngineOptions
+
+AS_BUILT = "as built"  # remat of a model the planner cannot rebuild (a built engine's graph)
+REMAT_CHOICES = (None, "full", "offload")  # DeepSpeed's activation_checkpointing can say these
+DTYPES = {"fp32": jnp.float32, "bf16": jnp.bfloat16, "fp16": jnp.float16}
+# partial optimizer offload (DeepSpeed's offload_optimizer.ratio, stage 3) sits between none and full
+DEFAULT_OFFLOADS = ("none", "optimizer:0.5", "optimizer", "param")
+# a candidate whose estimated peak (from a compiled neighbour) exceeds the budget by more than
+# this is not compiled; estimates scaled down to a smaller micro-batch err low (see search)
+ESTIMATE_MARGIN = 0.05
+
+
+# ---------------------------------------------------------------------------------------------
+# Plans
+
+
+@dataclasses.dataclass(frozen=True)
+class Plan:
+    """One way to run, with its compiled peak and predicted speed.
+
+    remat: None (no activation checkpointing), "full", "offload" (block inputs kept in host
+    memory), or AS_BUILT. precision: "bf16" | "fp16" | "fp32", None = as the config says.
+    grad_accum: gradient_accumulation_steps (None = as the config says). step_s / tokens_per_s:
+    predicted seconds per optimizer step and tokens per second per device.
+    """
+
+    stage: int
+    micro_batch: int
+    offload_optimizer: bool = False
+    offload_param: bool = False
+    remat: str | None = AS_BUILT
+    peak_bytes: int | None = None
+    host_bytes: int | None = None
+    offload_ratio: float = 1.0  # offload_optimizer.ratio: the fraction offloaded (stage 3)
+    precision: str | None = None
+    grad_accum: int | None = None
+    step_s: float | None = None
+    tokens_per_s: float | None = None
+
+    def speed_key(self):
+        """Smaller is faster: the predicted step time; without one (a plan built by hand), a
+        fixed order: param offload, optimizer offload (by offloaded fraction), remat, then a
+        larger micro-batch first, lower stage first."""
+        order = (self.offload_param, self.offload_ratio if self.offload_optimizer else 0.0,
+                 self.remat not in (None, AS_BUILT), -self.micro_batch, self.stage)
+        return (math.inf if self.step_s is None else self.step_s, *order)
+
+    def config_patch(self) -> dict:
+        """The DeepSpeed config keys this plan sets (merge with `apply`; None removes a section)."""
+        opt = {"device": "cpu" if self.offload_optimizer else "none"}
+        if self.offload_optimizer and self.offload_ratio < 1.0:
+            opt["ratio"] = self.offload_ratio
+        zero = {"stage": self.stage, "offload_optimizer": opt}
+        if self.stage == 3:
+            zero["offload_param"] = {"device": "cpu" if self.offload_param else "none"}
+        patch = {"train_micro_batch_size_per_gpu": self.micro_batch}
+        if self.grad_accum is not None:
+            patch["gradient_accumulation_steps"] = self.grad_accum
+        patch["zero_optimization"] = zero
+        if self.precision is not None:
+            patch["bf16"] = {"enabled": self.precision == "bf16"}
+            patch["fp16"] = {"enabled": self.precision == "fp16"}
+        if self.remat != AS_BUILT:
+            patch["activation_checkpointing"] = (
+                None if self.remat is None else
+                {"partition_activations": False, "cpu_checkpointing": self.remat == "offload"})
+            if self.remat not in (None, "full", "offload"):  # zerojax's extension key: "dots", "dots_<k>", ...
+                patch["activation_checkpointing"]["remat_policy"] = self.remat
+        return patch
+
+    def apply(self, cfg_dict: dict) -> dict:
+        """`cfg_dict` with this plan's keys merged in (sections merged key by key, so a section's
+        other keys, e.g. fp16.loss_scale_window or offload pin_memory, are kept)."""
+        return _merge(cfg_dict, self.config_patch())
+
+    def describe(self) -> str:
+        off = ("param+optimizer" if self.offload_param else
+               "optimizer" if self.offload_optimizer else "none")
+        if self.offload_optimizer and self.offload_ratio < 1.0:
+            off += f" (ratio {self.offload_ratio:g})"
+        parts = [] if self.precision is None else [self.precision]
+        if self.remat != AS_BUILT:
+            parts.append(f"remat {self.remat or 'none'}")
+        mb = f"micro-batch {self.micro_batch}"
+        if self.grad_accum is not None:
+            mb += f" x {self.grad_accum} accumulation"
+        parts += [mb, f"stage {self.stage}", f"offload {off}"]
+        text = ", ".join(parts)
+        if self.peak_bytes is not None:
+            text += f": peak {fmt_bytes(self.peak_bytes)}"
+        if self.tokens_per_s is not None:
+            text += f", predicted {self.tokens_per_s:,.0f} tokens/s"
+        if self.host_bytes and (self.offload_optimizer or self.offload_param):
+            # host memory is the next wall after device memory: offer the NVMe tier (at most the
+            # offloaded optimizer bytes go to disk, so host_bytes bounds the swap files)
+            tip = est.nvme_suggestion(self.host_bytes, est.host_free_bytes(), disk_bytes=self.host_bytes)
+            text += f" ({tip})" if tip else ""
+        return text
+
+    __str__ = describe
+
+    def to_dict(self) -> dict:
+        return {**dataclasses.asdict(self), "config_patch": self.config_patch(),
+                "describe": self.describe()}
+
+
+def rank_plans(plans: Iterable[Plan]) -> list[Plan]:
+    return sorted(plans, key=Plan.speed_key)
+
+
+def _merge(base: dict, patch: dict) -> dict:
+    out = copy.deepcopy(dict(base))
+    for key, value in patch.items():
+        if value is None:
+            out.pop(key, None)
+        elif isinstance(value, dict) and isinstance(out.get(key), dict):
+            out[key] = _merge(out[key], value)
+        else:
+            out[key] = copy.deepcopy(value)
+    return out
+
+
+# ---------------------------------------------------------------------------------------------
+# Compiling a candidate (abstract engine: shapes only, nothing allocated)
+
+
+def _params_of(factory) -> set:
+    try:
+        return set(inspect.signature(factory).parameters)
+    except (TypeError, ValueError):
+        return set()
+
+
+def _factory_kwargs(factory, remat=AS_BUILT, precision=None) -> dict:
+    """Keyword arguments for `factory` that build the `remat` / `precision` variant; a factory
+    without `remat_policy` (or the older `remat=bool`) / `dtype` keywords is used as it is."""
+    names, kw = _params_of(factory), {}
+    if remat != AS_BUILT:
+        if "remat_policy" in names:
+            kw["remat_policy"] = remat
+        elif "remat" in names:
+            kw["remat"] = remat is not None
+    if precision is not None and "dtype" in names:
+        kw["dtype"] = DTYPES[precision]
+    return kw
+
+
+def _model_source(factory, **kw):
+    """What to hand the engine: a Module as is, else a zero-argument callable, which the engine
+    traces under nnx.eval_shape (so nothing is allocated here)."""
+    if isinstance(factory, nnx.Module) or not kw:
+        return factory
+    return lambda: factory(**kw)
+
+
+def default_loss_fn():
+    from zerojax.models.gpt2 import gpt2_loss
+
+    return gpt2_loss
+
+
+def abstract_engine(model, cfg, *, loss_fn, mesh=None, options=None):
+    """An Engine whose state is ShapeDtypeStructs (with shardings): it can lower and compile the
+    real train step, but holds no device memory (`zerojax.train.engine.abstract_engine`). `options`
+    (EngineOptions) are adapted to `cfg` (`layout.options_for_config`: a master_split or host loop
+    the candidate's layout cannot take is dropped, not an error)."""
+    options = layout.options_for_config(options or EngineOptions(), cfg).replace(plans_for=None)
+    return E.abstract_engine(model, cfg, loss_fn=loss_fn, mesh=mesh, options=options)
+
+
+def _plain_batch_keys(cfg_dict, micro_batch, grad_accum=None):
+    # the batch trio is recomputed from micro-batch x accumulation: drop a stale train_batch_size
+    out = copy.deepcopy(dict(cfg_dict))
+    out.pop("train_batch_size", None)
+    out["train_micro_batch_size_per_gpu"] = micro_batch
+    if grad_accum is not None:
+        out["gradient_accumulation_steps"] = grad_accum
+    elif not isinstance(out.get("gradient_accumulation_steps"), int):
+        out["gradient_accumulation_steps"] = 1
+    return out
+
+
+_STEP_MEMORY: dict = {}
+
+
+def step_memory(model_factory, cfg_dict, seq_len, micro_batch, *, remat=AS_BUILT, precision=None,
+                grad_accum=None, loss_fn=None, mesh=None, batch_fn=None,
+                options: EngineOptions | None = None) -> CompiledMemory:
+    """Compile the engine's real training step for `cfg_dict` at `micro_batch` (x `grad_accum`);
+    read its memory. Nothing is allocated: the engine is abstract and the model traced.
+
+    model_factory: a callable returning an nnx.Module, taking `remat_policy=` / `dtype=` to build
+    variants (or the older `remat=bool`), or a built Module. batch_fn(global_batch, seq_len) -> a
+    tree of ShapeDtypeStructs (default GPT-2's input_ids). options: the EngineOptions the engine
+    will run with (master_split, adam_mu_dtype, the offload loop ... change the peak), adapted to
+    this config (`abstract_engine`). Memoised per (factory, config, shapes, choices, options, mesh)
+    for the life of the process.
+    """
+    n_data = _data_size(mesh, cfg_dict)
+    cfg_dict = _plain_batch_keys(cfg_dict, micro_batch, grad_accum)
+    if precision is not None:
+        cfg_dict = _merge(cfg_dict, {"bf16": {"enabled": precision == "bf16"},
+                                     "fp16": {"enabled": precision == "fp16"}})
+    kw = _factory_kwargs(model_factory, remat, precision)
+    key = (model_factory, json.dumps(cfg_dict, sort_keys=True, default=str), seq_len,
+           tuple(sorted((k, str(v)) for k, v in kw.items())), loss_fn, batch_fn,
+           None if mesh is None else (tuple(mesh.shape.items()), tuple(d.id for d in mesh.devices.flat)),
+           n_data, options)
+    try:
+        hit = _STEP_MEMORY.get(key)
+    except TypeError:  # an unhashable factory: no memo
+        key, hit = None, None
+    if hit is not None:
+        return hit
+    cfg = load_config(cfg_dict, world_size=n_data)
+    eng = abstract_engine(_model_source(model_factory, **kw), cfg,
+                          loss_fn=loss_fn or default_loss_fn(), mesh=mesh, options=options)
+    if batch_fn is None:
+        batch = {"input_ids": jax.ShapeDtypeStruct((cfg.train_batch_size, seq_len), jnp.int32)}
+    else:
+        batch = batch_fn(cfg.train_batch_size, seq_len)
+    result = CompiledMemory.of(mem.compile_engine_step(eng, batch, planning=True))
+    if key is not None:
+        _STEP_MEMORY[key] = result
+    return result
+
+
+def _data_size(mesh, cfg_dict):
+    """The batch rule's world size (`zerojax.sharding.partition.batch_world_size`): data x tensor ranks, as
+    DeepSpeed 0.19.8 counts tensor ranks; pipeline stages are not data-parallel ranks."""
+    if mesh is not None:
+        return partition.batch_world_size(mesh)
+    stages = (cfg_dict.get("pipeline") or {}).get("stages", 1)
+    stages = stages if isinstance(stages, int) and stages > 0 else 1
+    return max(1, jax.device_count() // stages)
+
+
+def _tensor_size(mesh, cfg_dict):
+    """The "tensor" axis: the mesh's, else the config's tensor_parallel.autotp_size (1 if unset)."""
+    if mesh is not None:
+        return partition.tensor_size(mesh)
+    size = (cfg_dict.get("tensor_parallel") or {}).get("autotp_size", 1)
+    return size if isinstance(size, int) and size > 0 else 1
+
+
+# ---------------------------------------------------------------------------------------------
+# The search
+
+
+def model_shape(model_factory, seq_len) -> est.ModelShape:
+    """Parameters (all, and the stacked layers') and, where the model says (`.config.n_layer`,
+    `.n_embd`), depth and width, read from the abstract model (nothing allocated)."""
+    model = model_factory if isinstance(model_factory, nnx.Module) else nnx.eval_shape(model_factory)
+    total, layers = 0, 0
+    for path, var in nnx.to_flat_state(nnx.state(model, nnx.Param)):
+        n = math.prod(var.shape)
+        total += n
+        if mem._logical_names(var)[:1] == ("layers",):
+            layers += n
+    config = getattr(model, "config", None)
+    return est.ModelShape(total, layers, int(getattr(config, "n_layer", 0) or 0),
+                          int(getattr(config, "n_embd", 0) or 0), int(seq_len or 0))
+
+
+def precision_choices(cfg_dict, factory=None) -> tuple:
+    """The precisions to plan over. A config that enables one keeps it; one that leaves fp16 /
+    bf16 to "auto" gets Hugging Face's default: bf16 where the device computes it (GPU, TPU), and
+    fp32 as a fallback (alone on CPU). A factory without `dtype=` keeps the config's choice."""
+    fp16, bf16 = (cfg_dict.get(k) or {} for k in ("fp16", "bf16"))
+    if "auto" not in (fp16.get("enabled"), bf16.get("enabled")):
+        return (None,)  # as the config says
+    if factory is not None and "dtype" not in _params_of(factory):
+        return (None,)
+    return ("bf16", "fp32") if jax.default_backend() in ("gpu", "tpu") else ("fp32",)
+
+
+def rows_per_device(cfg_dict, n_data, default=8) -> int:
+    """Rows a device trains on per optimizer step (micro-batch x accumulation) that the planner
+    keeps: from train_batch_size, else micro-batch x accumulation, else `default`."""
+    tbs, mb, ga = (cfg_dict.get(k) for k in ("train_batch_size", "train_micro_batch_size_per_gpu",
+                                             "gradient_accumulation_steps"))
+    if isinstance(tbs, int) and tbs % n_data == 0:
+        return tbs // n_data
+    if isinstance(mb, int):
+        return mb * (ga if isinstance(ga, int) else 1)
+    return default
+
+
+def _offload_choice(offload: str) -> tuple[str, float]:
+    """"none" | "optimizer" | "optimizer:R" | "param" -> (kind, offload_optimizer.ratio)."""
+    kind, _, ratio = offload.partition(":")
+    if kind not in ("none", "optimizer", "param") or (ratio and kind != "optimizer"):
+        raise ValueError(f"offload choice {offload!r}: use none, optimizer, optimizer:RATIO or param")
+    return kind, float(ratio) if ratio else 1.0
+
+
+def _zero_choice(cfg_dict, stage, kind, ratio):
+    """cfg_dict with zero_optimization set to `stage` and the offload choice (other keys of the
+    offload sections, e.g. pin_memory, kept)."""
+    cfg = copy.deepcopy(dict(cfg_dict))
+    zero = cfg["zero_optimization"] = dict(cfg.get("zero_optimization") or {}, stage=stage)
+    for section, on in (("offload_optimizer", kind in ("optimizer", "param")),
+                        ("offload_param", kind == "param")):
+        if on:
+            zero[section] = dict(zero.get(section) or {}, device="cpu")
+        elif section in zero:
+            zero[section] = dict(zero[section] or {}, device="none")
+    if "offload_optimizer" in zero:
+        zero["offload_optimizer"]["ratio"] = ratio
+    return cfg
+
+
+def _valid_stage(kind, ratio, stage):
+    if kind == "param" or ratio < 1.0:
+        return stage == 3  # DeepSpeed: offload_param and offload_optimizer.ratio are ZeRO-3's
+    return kind == "none" or stage >= 1  # DeepSpeed offloads the optimizer only under ZeRO
+
+
+@dataclasses.dataclass(frozen=True)
+class _Candidate:
+    precision: str | None
+    remat: str | None
+    micro_batch: int
+    grad_accum: int
+    stage: int
+    kind: str
+    ratio: float
+
+    def plan(self, **kw) -> Plan:
+        return Plan(self.stage, self.micro_batch, self.kind != "none", self.kind == "param",
+                    self.remat, offload_ratio=self.ratio, precision=self.precision,
+                    grad_accum=self.grad_accum, **kw)
+
+    def holds_at_least(self, other: "_Candidate") -> bool:
+        """True when this choice keeps at least as much on the device as `other` in every
+        dimension (same precision; micro-batch, remat, offload and stage no leaner)."""
+        return (self.precision == other.precision and self.micro_batch >= other.micro_batch
+                and remat_keeps_at_least(self.remat, other.remat)
+                and _offload_rank(self) >= _offload_rank(other) and self.stage <= other.stage)
+
+
+# what each remat policy keeps for the backward pass includes what these keep (models/gpt2.py):
+# "offload" moves the block input to host memory; "full" keeps it; the save_* policies add the
+# attention output and / or the q/k/v projection; "dots" every matmul output without batch dims
+# (the q/k/v projection among them, not the attention output: a batched product)
+_REMAT_INCLUDES = {"full": {"offload"}, "save_attention": {"full"}, "save_qkv": {"full"},
+                   "save_qkv_attention": {"save_attention", "save_qkv"}, "dots": {"save_qkv"},
+                   "save_attention_block": {"save_qkv_attention"}}
+
+
+def remat_keeps_at_least(a, b) -> bool:
+    """Whether remat policy `a` keeps on the device everything policy `b` keeps (a partial order:
+    False where neither includes the other, e.g. "dots" and "save_attention"). None (no remat)
+    keeps everything; "dots_<k>" includes "full" and "dots_<j>" for j <= k, "dots" includes it.
+    The planner skips compiling a candidate that keeps at least as much as one already too big."""
+    if a == b or a is None:
+        return True
+    if b is None or AS_BUILT in (a, b):
+        return False
+    ka, kb = est.partial_dots_layers(a), est.partial_dots_layers(b)
+    if ka is not None or kb is not None:
+        if ka is not None and kb is not None:
+            return ka >= kb
+        if kb is not None:  # a is a named policy
+            return a == "dots"
+        return remat_keeps_at_least("full", b)  # dots_<k> keeps what "full" keeps
+    seen, todo = set(), [a]
+    while todo:
+        x = todo.pop()
+        if x == b:
+            return True
+        if x not in seen:
+            seen.add(x)
+            todo += _REMAT_INCLUDES.get(x, ())
+    return False
+
+
+def _offload_rank(c) -> float:
+    return {"param": 0.0, "optimizer": 2.0 - c.ratio, "none": 3.0}[c.kind]
+
+
+@dataclasses.dataclass
+class Search:
+    """What a planning run tried: `plans` (fitting, fastest first) and `tried`: (plan, outcome)
+    in the order tried, outcome "fits", "does not fit", "pruned: ..." or "failed: ..."."""
+
+    plans: list
+    tried: list
+    budget: int
+
+    def explain(self, chosen: Plan | None = None) -> str:
+        """One or two lines: what was chosen and why."""
+        chosen = chosen or (self.plans[0] if self.plans else None)
+        if chosen is None:
+            return f"nothing fits {fmt_bytes(self.budget)} per device"
+        text = (f"{chosen.describe()} -- the fastest predicted of the choices whose compiled step "
+                f"fits {fmt_bytes(self.budget)}")
+        faster = [p for p, outcome in self.tried if outcome != "fits" and p.step_s is not None
+                  and p.step_s < (chosen.step_s or math.inf)]
+        if faster:
+            p = faster[0]
+            why = "over the budget" if p.peak_bytes is None else f"peak {fmt_bytes(p.peak_bytes)}"
+            text += f"\n  (faster but too big: {p.describe().split(':')[0]}, {why})"
+        return text
+
+
+def search(model_factory, cfg_dict, budget, seq_len, *, stages=(0, 1, 2, 3),
+           offloads=DEFAULT_OFFLOADS, remat=None, precision=None, micro_batch=None,
+           batch_rows=None, loss_fn=None, mesh=None, batch_fn=None, hardware=est.H200,
+           max_plans=3, one_per_tier=True, on_result: Callable | None = None,
+           options: EngineOptions | None = None) -> Search:
+    """The planning run behind `plan`; returns what fits and what was tried (see `Search`)."""
+    budget = parse_bytes(budget)
+    n_data = _data_size(mesh, cfg_dict)
+    # the batch rule counts tensor ranks (n_data above); ZeRO partitions over "data" only, and each
+    # device holds 1 / n_tensor of the parameters and their states
+    n_tensor = _tensor_size(mesh, cfg_dict)
+    n_zero = max(n_data // n_tensor, 1)
+    remats = _remat_choices(model_factory, remat)
+    precisions = ((precision,) if isinstance(precision, str) else tuple(precision)
+                  if precision is not None else precision_choices(cfg_dict, model_factory))
+    rows = batch_rows or rows_per_device(cfg_dict, n_data)
+    if micro_batch in (None, "auto"):
+        micros = [m for m in range(rows, 0, -1) if rows % m == 0]
+    else:
+        micros = [int(micro_batch)]
+    user_stage = int((cfg_dict.get("zero_optimization") or {}).get("stage", 0) or 0)
+    shape = model_shape(_model_source(model_factory, **_factory_kwargs(model_factory)), seq_len)
+    optimizer = ((cfg_dict.get("optimizer") or {}).get("type") or "adamw")
+
+    auto_micro = micro_batch in (None, "auto")
+    cands = []
+    for off in offloads:
+        kind, ratio = _offload_choice(off)
+        ok = [s for s in stages if _valid_stage(kind, ratio, s)]
+        if n_zero == 1 and ok:  # one data rank: no stage partitions anything; keep the user's
+            ok = [user_stage if user_stage in ok else ok[0]]
+        for stage in ok:
+            for prec in precisions:
+                for r in remats:
+                    for m in micros:
+                        accum = max(rows // m, 1) if auto_micro else _accum(cfg_dict)
+                        cands.append(_Candidate(prec, r, m, accum, stage, kind, ratio))
+
+    def predicted(c):
+        return est.predict_step_time(
+            shape, micro_batch=c.micro_batch, grad_accum=c.grad_accum, n_data=n_zero,
+            stage=c.stage, precision=c.precision or _configured(cfg_dict),
+            remat=None if c.remat == AS_BUILT else c.remat, offload_optimizer=c.kind != "none",
+            offload_ratio=c.ratio, offload_param=c.kind == "param", hardware=hardware,
+            n_tensor=n_tensor)
+
+    timed = sorted(((predicted(c), c) for c in cands),
+                   key=lambda tc: (tc[0].step_s, tc[1].stage, -_offload_rank(tc[1])))
+    fitting, tried, too_big, compiled, tiers_done = [], [], [], {}, set()
+
+    opts = options or EngineOptions()
+
+    def states(c, bound):
+        f = est.model_state_floor if bound else est.model_state_bytes
+        prec = c.precision or _configured(cfg_dict)
+        return f(shape.params, stage=c.stage, n_data=n_zero, precision=prec, optimizer=optimizer,
+                 offload_optimizer=c.kind != "none", offload_ratio=c.ratio,
+                 offload_param=c.kind == "param", n_tensor=n_tensor,
+                 master_split=opts.master_split and layout.master_split_applies(prec, c.kind != "none"),
+                 adam_mu_dtype=opts.adam_mu_dtype)
+
+    def estimated_peak(c):
+        """From a compiled neighbour (same precision and remat, micro-batch no smaller): its peak,
+        plus the formula's difference in model states, with its activations scaled to this
+        micro-batch. Scaling down also scales the fixed temporaries, so this errs low."""
+        refs = [r for r in compiled if (r.precision, r.remat) == (c.precision, c.remat)
+                and r.micro_batch >= c.micro_batch]
+        if not refs:
+            return None, None
+        r = min(refs, key=lambda r: (r.micro_batch, abs(r.stage - c.stage), r.kind != c.kind))
+        peak = compiled[r].peak
+        act = max(peak - states(r, False), 0)
+        scaled = act * (c.micro_batch / r.micro_batch - 1)
+        return peak + states(c, False) - states(r, False) + scaled, r
+
+    for t, c in timed:
+        if len(fitting) >= max_plans:
+            break
+        speed = dict(step_s=t.step_s, tokens_per_s=t.tokens_per_s)
+        floor = states(c, True)
+        guess, ref = estimated_peak(c)
+        if one_per_tier and (c.precision, c.remat, c.micro_batch) in tiers_done:
+            # a faster stage / offload of this precision, remat and micro-batch already fits: the
+            # rest of the tier only repeats it slower, so the next plan listed is another tier
+            outcome = "skipped: a faster choice of its precision, remat and micro-batch fits"
+        elif floor > budget:
+            outcome = f"pruned: model states alone need {fmt_bytes(floor)}"
+        elif any(c.holds_at_least(f) for f in too_big):
+            outcome = "pruned: holds at least what a choice that does not fit holds"
+        elif guess is not None and guess > budget * (1 + ESTIMATE_MARGIN):
+            outcome = (f"pruned: estimated peak {fmt_bytes(guess)} (from the compiled "
+                       f"{ref.plan().describe()})")
+            too_big.append(c)
+        else:
+            try:
+                m = step_memory(model_factory, _zero_choice(cfg_dict, c.stage, c.kind, c.ratio),
+                                seq_len, c.micro_batch, remat=c.remat, precision=c.precision,
+                                grad_accum=c.grad_accum, loss_fn=loss_fn, mesh=mesh,
+                                batch_fn=batch_fn, options=options)
+            except NotImplementedError:
+                raise
+            except Exception as e:  # noqa: BLE001 - a choice the engine rejects is not a plan
+                tried.append((c.plan(**speed), f"failed: {type(e).__name__}: {e}"))
+                if on_result:
+                    on_result(*tried[-1])
+                continue
+            compiled[c] = m
+            p = c.plan(peak_bytes=m.peak, host_bytes=m.host_peak, **speed)
+            fits = m.peak <= budget
+            (fitting if fits else too_big).append(p if fits else c)
+            if fits:
+                tiers_done.add((c.precision, c.remat, c.micro_batch))
+            tried.append((p, "fits" if fits else "does not fit"))
+            if on_result:
+                on_result(*tried[-1])
+            continue
+        tried.append((c.plan(**speed), outcome))
+        if on_result:
+            on_result(*tried[-1])
+    return Search(rank_plans(fitting), tried, budget)
+
+
+def _remat_choices(factory, remat):
+    names = _params_of(factory)
+    if remat is None:
+        if "remat_policy" in names or "remat" in names:
+            return (None, "full")
+        return (AS_BUILT,)
+    out = []
+    for r in (remat if isinstance(remat, (tuple, list)) else (remat,)):
+        if r in (False, True, "none"):  # the older remat=bool, and the CLI's "none"
+            r = "full" if r is True else None
+        if r not in REMAT_CHOICES and r != AS_BUILT and r not in REMAT_POLICY_NAMES:  # + zerojax's remat_policy
+            raise ValueError(f"remat choice {r!r}: use one of {REMAT_CHOICES} (what DeepSpeed's "
+                             "activation_checkpointing section can say)")
+        if r not in out:
+            out.append(r)
+    if not (names & {"remat_policy", "remat"}):
+        return (AS_BUILT,)
+    return tuple(out)
+
+
+def _accum(cfg_dict):
+    ga = cfg_dict.get("gradient_accumulation_steps")
+    return ga if isinstance(ga, int) else 1
+
+
+def _configured(cfg_dict):
+    fp16, bf16 = (cfg_dict.get(k) or {} for k in ("fp16", "bf16"))
+    return "fp16" if fp16.get("enabled") is True else "bf16" if bf16.get("enabled") is True else "fp32"
+
+
+def plan(model_factory, cfg_dict, budget, seq_len, *, stages=(0, 1, 2, 3),
+         offloads=DEFAULT_OFFLOADS, remat=None, precision=None, micro_batch=None,
+         batch_rows=None, loss_fn=None, mesh=None, batch_fn=None, hardware=est.H200,
+         max_plans=3, one_per_tier=True, on_result=None, options=None) -> list[Plan]:
+    """Up to `max_plans` choices whose compiled step fits `budget` bytes per device, fastest
+    (predicted) first.
+
+    remat: policies to try (default: none and "full" when the factory takes `remat_policy=`;
+    "offload" on request). precision: "bf16" / "fp16" / "fp32" or several; default: the
+    config's, or bf16 (+ fp32) when it says "auto". micro_batch: an int tries that micro-batch
+    only; None / "auto" tries every divisor of the rows per device per step (`batch_rows`, default
+    from the config's batch keys, else 8), raising gradient_accumulation_steps to keep them.
+    offloads: "none", "optimizer", "optimizer:R" (ratio R < 1, stage 3), "param" (stage 3).
+    hardware: the throughputs the step-time model uses (`zerojax.planning.estimate.Hardware`).
+    one_per_tier: list one plan per (precision, remat, micro-batch), the fastest stage / offload
+    that fits (False: every stage / offload that fits, up to max_plans).
+    on_result(plan, outcome): called for every choice tried (progress output).
+    options: the EngineOptions the run will use (master_split, adam_mu_dtype, offload_loop ...:
+    each candidate compiles with them, adapted to its layout by `layout.options_for_config`).
+    """
+    return search(model_factory, cfg_dict, budget, seq_len, stages=stages, offloads=offloads,
+                  remat=remat, precision=precision, micro_batch=micro_batch,
+                  batch_rows=batch_rows, loss_fn=loss_fn, mesh=mesh, batch_fn=batch_fn,
+                  hardware=hardware, max_plans=max_plans, one_per_tier=one_per_tier,
+                  on_result=on_result, options=options).plans
+
+
+def fit_micro_batch(model_factory, cfg_dict, budget, seq_len, *, remat=AS_BUILT, loss_fn=None,
+                    mesh=None, batch_fn=None, limit=1024, options=None) -> int:
+    """The largest `train_micro_batch_size_per_gpu` whose compiled step fits `budget` bytes, all
+    else as configured. Raises WillNotFitError if micro-batch 1 does not fit."""
+    budget = parse_bytes(budget)
+    m, peaks = mem.largest_fitting(
+        lambda mb: step_memory(model_factory, cfg_dict, seq_len, mb, remat=remat, loss_fn=loss_fn,
+                               mesh=mesh, batch_fn=batch_fn, options=options).peak, budget, limit=limit)
+    if m == 0:
+        raise WillNotFitError(peaks[1], budget, (), what="micro-batch 1")
+    return m
+
+
+# The policies fit_remat_policy tries, fastest first. Measured on one H200 (GPT-2 Large, micro 8,
+# bf16, ZeRO-2; docs/speed-options.md, session 8): dots 77.7k tokens/s at 18.9 GiB,
+# save_qkv_attention 75.5k at 16.2, save_attention 73.8k at 13.9, full 72.4k at 13.1. "dots_<k>"
+# is not on the ladder: at every k measured it was slower than the save_* policy of the same or a
+# lower peak (dots_16 +1.8% over "full" for 3.2 GiB, save_attention +1.9% for 0.7 GiB).
+# Session 12 (ce/256, bf16 first moment, ceiling 791): dots 76.5k at 17.0 GiB, save_attention_block
+# 75.7k at 14.9, save_qkv_attention 74.9k at 14.2.
+REMAT_LADDER = ("dots", "save_attention_block", "save_qkv_attention", "save_attention", "full")
+
+
+def fit_remat_policy(model_factory, cfg_dict, budget, seq_len, n_layer: int, *, loss_fn=None,
+                     mesh=None, batch_fn=None, ladder=REMAT_LADDER, options=None) -> str:
+    """The fastest remat policy of `ladder` (fastest first) whose compiled step fits `budget`
+    bytes per device, all else as configured; the ladder's last entry if none fits. The factory
+    must take `remat_policy=` (zerojax.models.GPT2 does). A ladder entry "dots_*" stands for the
+    partial-dots family: the largest k whose "dots_<k>" fits (peaks grow by the same bytes per
+    "dots" layer, so `memory.largest_fitting`'s line finds k in a few compiles)."""
+    budget = parse_bytes(budget)
+    micro = int(cfg_dict.get("train_micro_batch_size_per_gpu") or 1)
+    peak = lambda remat: step_memory(model_factory, cfg_dict, seq_len, micro, remat=remat,  # noqa: E731
+                                     loss_fn=loss_fn, mesh=mesh, batch_fn=batch_fn, options=options).peak
+    for name in ladder[:-1]:
+        if name == "dots_*":
+            k, _ = mem.largest_fitting(lambda k: peak(f"dots_{k}"), budget, start=2, limit=n_layer - 2)
+            if k:
+                return f"dots_{k}"
+        elif peak(name) <= budget:
+            return name
+    return ladder[-1]
+
+
+# ---------------------------------------------------------------------------------------------
+# A built engine: plans for its guard
+
+
+def engine_model_factory(engine):
+    """A zero-argument factory rebuilding `engine`'s model from its graph and shapes (zeros when
+    traced): lets the planner compile variants of a built engine without its host copy."""
+    plan_ = engine.step_settings  # the step's static settings (graphdef, param / rest templates)
+
+    def fill(s):
+        if jnp.issubdtype(s.dtype, jax.dtypes.prng_key):
+            return jax.random.split(jax.random.key(0), s.shape) if s.shape else jax.random.key(0)
+        return jnp.zeros(s.shape, s.dtype)
+
+    def factory():
+        return nnx.merge(plan_.graphdef, jax.tree.map(fill, plan_.param_template),
+                         jax.tree.map(fill, plan_.rest_template))
+
+    return factory
+
+
+def _batch_fn_like(batch_shapes):
+    return lambda rows, seq_len: jax.tree.map(
+        lambda x: jax.ShapeDtypeStruct((rows, *x.shape[1:]), x.dtype), batch_shapes)
+
+
+def engine_plans(engine, batch_shapes, budget=None, *, stages=(0, 1, 2, 3),
+                 offloads=DEFAULT_OFFLOADS, max_plans=3) -> list[Plan]:
+    """Plans that fit `budget` for a built engine's model (remat and precision as built), loss,
+    mesh, batch and EngineOptions: micro-batch / accumulation keeping its rows per step, stage,
+    offload."""
+    budget = device_budget_or(budget)
+    shapes = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), batch_shapes)
+    cfg = engine.cfg
+    first = jax.tree.leaves(shapes)[0]
+    seq = first.shape[1] if first.ndim > 1 else 0  # tokens per row, for the step-time model
+    return plan(engine_model_factory(engine), cfg.to_dict(), budget, seq, stages=stages,
+                offloads=offloads, remat=(AS_BUILT,), precision=(None,), micro_batch=None,
+                batch_rows=int(cfg.train_micro_batch_size_per_gpu) * int(cfg.gradient_accumulation_steps),
+                loss_fn=engine.loss_fn, mesh=engine.mesh, batch_fn=_batch_fn_like(shapes),
+                max_plans=max_plans, options=engine.options)
+
+
+def device_budget_or(budget):
+    return mem.device_budget() if budget is None else parse_bytes(budget)
+
+
+def guard(engine, batch_shapes, budget=None, **plan_kw) -> CompiledMemory | None:
+    """The engine's memory guard with this planner's plans listed on failure."""
+    budget = device_budget_or(budget)
+    return mem.guard(engine, batch_shapes, budget,
+                     plans=lambda: engine_plans(engine, batch_shapes, budget, **plan_kw))
+
+
+__all__ = ["Plan", "rank_plans", "Search", "search", "plan", "fit_micro_batch", "fit_remat_policy", "REMAT_LADDER",
+           "remat_keeps_at_least", "step_memory",
+           "abstract_engine", "model_shape", "precision_choices", "rows_per_device",
+           "engine_model_factory", "engine_plans", "guard", "AS_BUILT",
+           "DEFAULT_OFFLOADS", "REMAT_CHOICES"]

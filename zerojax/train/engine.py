@@ -1,0 +1,885 @@
+"""`Engine`: runs one model under one config -- init, train / eval step, save, load.
+
+The engine executes an `EngineLayout` (`zerojax.train.layout.build_layout`: shardings, offload layout,
+per-layer hooks, the step's settings); it decides nothing about where state lives. The user's
+entry point is `zerojax.shard` (zerojax/api.py), which also hands the engine the planner.
+
+State placement. Two ways in, neither makes a full replicated copy on one device:
+- a zero-argument callable that builds the model (`lambda: GPT2(c, rngs=nnx.Rngs(0))`): traced
+  under `nnx.eval_shape`, then run once by `jax.jit(init, out_shardings=...)`, so every device
+  materialises only its shards (flax's recommended pattern; use it for models that do not fit one
+  device);
+- a model built eagerly (the usual case for small and medium models): each parameter is sent
+  straight to its target sharding with `jax.device_put`, leaf by leaf (several processes:
+  `jax.make_array_from_callback` from the host copy, each process placing its own shards).
+`abstract_engine(...)` builds the same engine with a state of ShapeDtypeStructs (nothing
+allocated): it lowers and compiles the real step, for the memory planner.
+The train state (`zerojax.train.step.TrainState`) is donated to every step.
+
+Errors from the step are checked lazily, one step behind, so the host never waits for the device
+on an ordinary step: after dispatching step k the engine reads step k-1's `nonfinite` /
+`overflow_at_min` flags (already computed, or nearly). `engine.synchronize()` checks the last step.
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+import logging
+import math
+import time
+import warnings
+from typing import Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+from zerojax import offload as O
+
+from zerojax.checkpoint import state as checkpoint
+
+from zerojax.checkpoint import files as checkpoint_files
+
+from zerojax.planning import memory
+
+from zerojax.sharding import partition
+
+from zerojax.train import step as step_mod
+from zerojax.train.layout import EngineLayout, build_layout, no_eager_sharding
+from zerojax.models import weights_writer
+from zerojax.offload.memory_kinds import host_memory_kind, is_host
+from zerojax.train.monitor import Monitor
+from zerojax.options import EngineOptions
+from zerojax.precision import MIN_SCALE_ERROR
+from zerojax.train.step import TrainState, pure_dict
+
+logger = logging.getLogger("zerojax")
+
+_HOST_KINDS = ("pinned_host", "unpinned_host")
+
+
+def _nbytes(tree, host: bool) -> int:
+    total = 0
+    for a in jax.tree.leaves(tree):
+        kind = getattr(a.sharding, "memory_kind", None)
+        if (kind in _HOST_KINDS) == host:
+            total += a.addressable_shards[0].data.nbytes
+    return total
+
+
+class MemoryReport(dict):
+    """Per-device bytes; `str()` is a small table."""
+
+    def __str__(self):
+        gib = lambda b: f"{b / 2**20:10.2f} MiB" if b is not None else "       n/a"  # noqa: E731
+        master = "master (int16 remainder)" if self.get("master_split") else "fp32 master"
+        rows = [("params (compute dtype)", "params"), ("gradients (accumulator)", "gradients"),
+                (master, "master"), ("optimizer state", "optimizer_state"),
+                ("model states total", "model_states"), ("host memory", "host"),
+                ("XLA compiled peak", "compiled_peak")]
+        return "\n".join(f"{label:26s}{gib(self.get(key))}" for label, key in rows)
+
+
+def abstract_engine(model, cfg, *, loss_fn: Callable, mesh: Mesh | None = None,
+                    options: EngineOptions | None = None) -> "Engine":
+    """An Engine whose state is ShapeDtypeStructs with the real shardings: it lowers and compiles
+    the real train step (memory analysis, planning) but holds no device memory."""
+    return Engine(model, cfg, loss_fn=loss_fn, mesh=mesh, options=options, abstract=True)
+
+
+class Engine:
+    """Trains one model under one config. See the module docstring and `zerojax.train.step`.
+
+    model: an nnx.Module, or a zero-argument callable returning one (traced, then built sharded).
+    cfg: a Config, or anything `load_config` accepts; mesh: default all devices.
+    options: `EngineOptions` (knobs beyond the DeepSpeed config).
+    abstract: build the layout and a state of ShapeDtypeStructs only (see `abstract_engine`).
+    """
+
+    def __init__(self, model, cfg, *, loss_fn: Callable, mesh: Mesh | None = None,
+                 options: EngineOptions | None = None, abstract: bool = False):
+        options = options if options is not None else EngineOptions()
+        if not isinstance(options, EngineOptions):
+            raise TypeError(f"options={options!r}: pass a zerojax.EngineOptions")
+        init_fn = None
+        if isinstance(model, nnx.Module):
+            module = model
+        elif callable(model):
+            init_fn = model
+            with no_eager_sharding():
+                module = nnx.eval_shape(init_fn)
+        else:
+            raise TypeError(
+                f"shard() takes a flax.nnx.Module or a zero-argument callable returning one, got "
+                f"{type(model).__name__}; for a Linen module wrap it with flax.nnx.bridge.ToNNX"
+            )
+        self.layout: EngineLayout = build_layout(module, cfg, loss_fn=loss_fn, mesh=mesh, options=options)
+        self.loss_fn = loss_fn
+        record = getattr(module, "checkpoint_record", None)
+        self._model_record = record() if callable(record) else None
+        if abstract:
+            self.state = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
+                                      jax.eval_shape(lambda: self._init_state(init_fn, module)),
+                                      self.state_shardings._replace(grad_accumulator=None))
+        else:
+            self.state = self._init_state(init_fn, module)
+        self.state = self.state._replace(grad_accumulator=self._grad_accumulator(abstract))
+        del model, module  # drop our references to the host copy
+
+        # the new state comes out exactly where the state went in: left free, XLA may pick another
+        # sharding for a small leaf (which the AOT-compiled step then refuses on the next call) or
+        # place an output it may choose, e.g. unpinned_host, in device memory
+        settings = self.layout.step
+        self._host_loop = None
+        out_shardings = (self.state_shardings, None)
+        if settings.offload is not None and settings.offload.loop == "host":
+            # the host chunks (non-layer leaves, each layer group) are updated after the step's jit, from Python
+            self._host_loop = O.host_loop.HostLoop(settings.offload.layout, settings.offload.tx,
+                                                   compute_dtype=settings.compute_dtype,
+                                                   params_shardings=self.state_shardings.params,
+                                                   window=self.options.offload_host_window,
+                                                   prefetch=self.options.offload_host_prefetch,
+                                                   prefetch_last=self.options.offload_host_prefetch_last,
+                                                   split_master=settings.offload.split_master)
+            out_shardings = (self._without_host_chunks(self.state_shardings)._replace(params=None), None, None)
+            # the params come in apart and are not donated: the step returns none (the host loop
+            # writes the new ones into them, in place), so JAX would alias their buffers to other
+            # outputs of the same shape, host-memory ones included
+            self._train = jax.jit(lambda state, params, batch: step_mod.train_step(
+                settings, state._replace(params=params), batch), donate_argnums=0, out_shardings=out_shardings)
+        else:
+            self._train = jax.jit(functools.partial(step_mod.train_step, settings), donate_argnums=0,
+                                  out_shardings=out_shardings)
+        self._eval = jax.jit(functools.partial(step_mod.eval_step, settings))
+        self._compiled: dict = {}
+        self._global_steps = 0
+        self._pending = None
+        self._last_batch_shapes = None
+        self._guarded: set = set()  # batch shapes whose step passed the memory guard
+        self._print_time, self._print_tokens = time.perf_counter(), 0
+        cfg = self.cfg
+        self.monitor = Monitor(cfg, is_writer=jax.process_index() == 0)
+        betas = (cfg.optimizer.params.get("betas") if cfg.optimizer is not None else None) or (0.9, 0.999)
+        self._mom = tuple(float(b) for b in betas)
+
+    # ------------------------------------------------------------------ the layout, read through
+
+    cfg = property(lambda self: self.layout.cfg)
+    mesh = property(lambda self: self.layout.mesh)
+    options = property(lambda self: self.layout.options)
+    stage = property(lambda self: self.layout.stage)
+    fp16 = property(lambda self: self.layout.fp16)
+    compute_dtype = property(lambda self: self.layout.compute_dtype)
+    accum_dtype = property(lambda self: self.layout.accum_dtype)
+    offload_param = property(lambda self: self.layout.offload_param)
+    tx = property(lambda self: self.layout.tx)
+    schedule = property(lambda self: self.layout.schedule)
+    shardings = property(lambda self: self.layout.shardings)
+    param_shardings = property(lambda self: self.layout.param_shardings)
+    master_shardings = property(lambda self: self.layout.master_shardings)
+    opt_shardings = property(lambda self: self.layout.opt_shardings)
+    rest_shardings = property(lambda self: self.layout.rest_shardings)
+    state_shardings = property(lambda self: self.layout.state_shardings,
+                               doc="Where every state leaf lives (a TrainState of shardings).")
+    offload_layout = property(lambda self: self.layout.offload, doc="The chunk layout of an offloaded state, or None.")
+    offload_settings = property(lambda self: self.layout.offload_settings)
+    stage3_gather = property(lambda self: self.layout.stage3_gather)
+    pipeline = property(lambda self: self.layout.pipeline,
+                        doc="The pipeline schedule (stages, micro-batches, repeats) or None.")
+
+    @property
+    def pipeline_bubble(self) -> float:
+        """The share of pipeline stage-iterations that idle, (S - 1) / (M R + S - 1); 0.0 unpipelined."""
+        return self.layout.pipeline.bubble_fraction if self.layout.pipeline is not None else 0.0
+    step_settings = property(lambda self: self.layout.step)
+
+    # ------------------------------------------------------------------ state placement
+
+    def _init_state(self, init_fn, module) -> TrainState:
+        """The initial state: built sharded from `init_fn` (a callable model) or placed leaf by
+        leaf from `module`'s values (a built model)."""
+        lay = self.layout
+        values = None
+        if init_fn is None:
+            _, params, rest = nnx.split(module, nnx.Param, ...)
+            values = pure_dict(params), pure_dict(rest)
+        if lay.offload is not None:
+            return self._init_offloaded(init_fn, values)
+        if lay.step.split_master:
+            return self._init_split_master(init_fn, values)
+        sh = lay.shardings
+        fp32 = lay.compute_dtype == jnp.float32
+        # The master lives in the optimizer sharding; with fp32 compute the params are the master.
+        target = sh.params if fp32 else sh.master
+        if init_fn is not None:
+            master, rest = jax.jit(lambda: _init_pure(init_fn), out_shardings=(target, lay.rest_shardings))()
+        else:
+            master = jax.tree.map(lambda x, s: _place(x, s, jnp.float32), values[0], target)
+            rest = jax.tree.map(_place, values[1], lay.rest_shardings)
+        if fp32:
+            params, master = master, None
+            master_view = params
+        else:
+            cast = lambda t: jax.tree.map(lambda x: x.astype(lay.compute_dtype), t)  # noqa: E731
+            params = jax.jit(cast, out_shardings=sh.params)(master)
+            master_view = master
+        opt_state = jax.jit(lay.tx.init, out_shardings=lay.opt_shardings)(master_view)
+        return self._fresh_state(params, master, opt_state, rest)
+
+    def _init_split_master(self, init_fn, values) -> TrainState:
+        """EngineOptions.master_split's initial state (bf16 params + int16 remainders), allocated
+        longest-lived first and the fp32 master, needed only to derive both, last. Why: the GPU
+        allocator hands out contiguous ranges from the front of its pool; an fp32 master allocated
+        first and freed after the split leaves a hole of 4 bytes a parameter at the front, and the
+        step's temporary buffer (one contiguous range, 8.4 GiB for GPT-2 Large at micro 8) then did
+        not fit in the 16 GiB the compiled peak (15.65 GiB) promised (an H200 capped at 16 GiB,
+        session 13). Allocated last, the master's range is freed back into the free tail. The
+        optimizer state is initialised from zeros of the master's shapes: zerojax's optimizers
+        (`zerojax.optim`) keep no parameter values in their state."""
+        lay, sh = self.layout, self.layout.shardings
+        zeros = lambda tree, dtype=None: jax.tree.map(  # noqa: E731
+            lambda s: jnp.zeros(s.shape, dtype or s.dtype), tree)
+        if init_fn is not None:
+            rest = jax.jit(lambda: _init_pure(init_fn)[1], out_shardings=lay.rest_shardings)()
+            master_of = jax.jit(lambda: _init_pure(init_fn)[0], out_shardings=sh.master)
+        else:
+            rest = jax.tree.map(_place, values[1], lay.rest_shardings)
+            master_of = lambda: jax.tree.map(lambda x, s: _place(x, s, jnp.float32), values[0], sh.master)  # noqa: E731
+        opt_state = jax.jit(lambda: lay.tx.init(zeros(lay.abstract_master)), out_shardings=lay.opt_shardings)()
+        params = jax.jit(lambda: zeros(lay.abstract_master, lay.compute_dtype), out_shardings=sh.params)()
+        abstract_rems = jax.eval_shape(functools.partial(step_mod.stored_master, lay.step), lay.abstract_master)
+        rems = jax.jit(lambda: zeros(abstract_rems), out_shardings=sh.master)()
+        master = master_of()
+        params, rems = _split_into_program(lay)(master, params, rems)
+        del master
+        return self._fresh_state(params, rems, opt_state, rest)
+
+    def _grad_accumulator(self, abstract: bool):
+        """offload_param with accumulation: the host-memory gradient accumulator the step adds each
+        micro-batch into (`TrainState.grad_accumulator`), allocated shard by shard straight in host
+        memory (a zero-filled array built on the device first would need the device memory it
+        exists to spare); else None. Its contents are scratch: each step's first micro-batch
+        overwrites them."""
+        if not step_mod.needs_grad_accumulator(self.layout.step):
+            return None
+        dtype = jnp.dtype(self.layout.step.accum_dtype)
+        sh = self.state_shardings.grad_accumulator
+        if abstract:
+            return jax.tree.map(lambda p, s: jax.ShapeDtypeStruct(p.shape, dtype, sharding=s), self.state.params, sh)
+        zeros = lambda p, s: jax.make_array_from_callback(  # noqa: E731
+            p.shape, s, lambda idx: np.zeros(s.shard_shape(p.shape), dtype))
+        return jax.tree.map(zeros, self.state.params, sh)
+
+    def _fresh_state(self, params, master, opt_state, rest) -> TrainState:
+        zero = lambda: jax.device_put(jnp.zeros((), jnp.int32), NamedSharding(self.mesh, P()))  # noqa: E731
+        return TrainState(params=params, master=master, opt_state=opt_state, rest=rest,
+                          step=zero(), skipped_steps=zero(), global_samples=zero())
+
+    def _init_offloaded(self, init_fn, values) -> TrainState:
+        """Master chunks and optimizer states built straight into their memory kinds (one jit)."""
+        lay = self.layout
+        off, sh, cd, tx = lay.offload, lay.shardings, lay.compute_dtype, lay.tx
+        layout_leaves = off.layout.treedef.flatten_up_to
+
+        def build(master):
+            chunks = O.to_chunks(master, off.layout)
+            states = [tx.init(m) for m in chunks]
+            compute = jax.tree.map(lambda x: x.astype(cd), master)
+            return chunks, states, compute
+
+        outs = (list(off.master_shardings), list(off.state_shardings), lay.param_shardings)
+        groups = self._init_groups()
+        # NVMe: the swapped layers' state is written to the files a layer group at a time
+        # (`NvmeTier.init_files`), never built whole in host memory
+        to_files = init_fn is not None and lay.nvme is not None and lay.nvme.leaf_state_files(tx) is not None
+        if init_fn is not None and (len(groups) > 1 or to_files):
+            skip = lay.nvme.chunk if to_files else None
+            chunks, params, rest = self._init_offloaded_by_leaves(init_fn, groups, skip=skip)
+            state_sh = lay.nvme.live(list(off.state_shardings), "state") if to_files else off.state_shardings
+            states = [jax.jit(tx.init, out_shardings=s)(m) for m, s in zip(chunks, state_sh)]
+            if to_files and not any(isinstance(x, jax.core.Tracer) for x in jax.tree.leaves(states)):
+                # (traced: an abstract engine, no files)
+                lay.nvme.init_files(tx, lambda i: layout_leaves(_init_pure(init_fn)[0])[i], self._init_limit())
+        elif init_fn is not None:
+            def init():
+                p, r = _init_pure(init_fn)
+                return build(p), r
+
+            (chunks, states, params), rest = jax.jit(init, out_shardings=(outs, lay.rest_shardings))()
+        else:
+            master = jax.tree.map(lambda x, s: _place(x, s, jnp.float32), values[0], sh.master)
+            rest = jax.tree.map(_place, values[1], lay.rest_shardings)
+            with warnings.catch_warnings():
+                # the donation frees the fp32 copy where XLA can alias it (fp32 compute params
+                # sharded as the master: ZeRO-3); elsewhere no output can take it and JAX says
+                # so in a warning the user can do nothing about (`del master` frees it then)
+                warnings.filterwarnings("ignore", message="Some donated buffers were not usable")
+                chunks, states, params = jax.jit(build, out_shardings=outs, donate_argnums=0)(master)
+            del master
+        if lay.nvme is not None and not to_files:  # the layers' master and moments into the swap files
+            chunks, states = lay.nvme.spill(list(chunks), list(states))
+        opt_state = states
+        if lay.fp16:
+            ls = jax.jit(lambda: lay.step.offload.scaler.init(None),
+                         out_shardings=NamedSharding(self.mesh, P()))()
+            opt_state = ls._replace(inner_state=states)
+        chunks = lay.split_master(list(chunks), params, to_split=True)
+        return self._fresh_state(params, chunks, opt_state, rest)
+
+    def _init_groups(self) -> list[list[int]]:
+        """Param leaves (flat indices) grouped so that a group's fp32 values stay under
+        `options.init_group_bytes` (default: a quarter of the device's memory limit; CPU: no
+        limit, one group). One jit builds each group, so the device never holds every fp32 weight."""
+        leaves = self.layout.offload.layout.treedef.flatten_up_to(self.layout.abstract_master)
+        limit = self._init_limit()
+        if not limit:
+            return [list(range(len(leaves)))]
+        groups, size = [[]], 0
+        for i, x in enumerate(leaves):
+            n = int(np.prod(x.shape)) * 4
+            if groups[-1] and size + n > limit:
+                groups.append([])
+                size = 0
+            groups[-1].append(i)
+            size += n
+        return groups
+
+    def _init_limit(self) -> int:
+        """`options.init_group_bytes`, else a quarter of the device's memory limit (0: none known, CPU)."""
+        if self.options.init_group_bytes:
+            return self.options.init_group_bytes
+        budget = memory.device_budget()
+        return budget // 4 if budget else 0
+
+    def _init_offloaded_by_leaves(self, init_fn, groups, skip=None):
+        """Offload init for models too large to initialise on the device at once: per group of
+        leaves, one jit runs the model's initialiser, keeps only that group (XLA drops the other
+        leaves' random draws as dead code) and writes its master pieces and compute copy to their
+        memory kinds; chunk `skip` (the NVMe tier's, filled by `NvmeTier.init_files`) is left None.
+        -> (master chunks, compute params, rest)."""
+        lay = self.layout
+        off, cd = lay.offload, lay.compute_dtype
+        layout = off.layout
+        n_chunks = len(layout.chunks)
+        m_sh = [layout.treedef.flatten_up_to(s) for s in off.master_shardings]
+        p_sh = layout.treedef.flatten_up_to(lay.param_shardings)
+        pieces = [[None] * len(layout.stacked) for _ in range(n_chunks)]
+        compute = [None] * len(layout.stacked)
+
+        for group in groups:
+            def build(group=group):
+                leaves = layout.treedef.flatten_up_to(_init_pure(init_fn)[0])
+                out = []
+                for i in group:
+                    x = leaves[i]
+                    out.append(([None if j == skip else O.piece(x, layout.stacked[i], c)
+                                 for j, c in enumerate(layout.chunks)], x.astype(cd)))
+                return out
+
+            shardings = [([None if j == skip else m_sh[j][i] for j in range(n_chunks)], p_sh[i]) for i in group]
+            for i, (ps, c) in zip(group, jax.jit(build, out_shardings=shardings)()):
+                compute[i] = c
+                for j in range(n_chunks):
+                    pieces[j][i] = ps[j]
+        rest = jax.jit(lambda: _init_pure(init_fn)[1], out_shardings=lay.rest_shardings)()
+        chunks = [layout.treedef.unflatten(p) for p in pieces]
+        return chunks, layout.treedef.unflatten(compute), rest
+
+    # ------------------------------------------------------------------ batches
+
+    @functools.cached_property
+    def _local_fraction(self) -> tuple[int, int]:
+        """(data indices this process feeds, data size)."""
+        devs = np.asarray(self.mesh.devices)
+        data_axis = self.mesh.axis_names.index(partition.DATA)
+        mine = {idx[data_axis] for idx in np.ndindex(devs.shape)
+                if devs[idx].process_index == jax.process_index()}
+        return len(mine), partition.data_size(self.mesh)
+
+    def _place_batch(self, batch, rows: int | None, what: str):
+        sharding = NamedSharding(self.mesh, P(partition.DATA))
+        mine, n = self._local_fraction
+        cfg = self.cfg
+
+        def place(path, x):
+            if isinstance(x, jax.Array) and not x.is_fully_addressable:
+                local, expect = x.shape[0], rows  # already global
+            else:
+                local = np.shape(x)[0] if np.ndim(x) else None
+                expect = None if rows is None else rows * mine // n
+            if expect is not None and local != expect:
+                name = jax.tree_util.keystr(path) or "batch"
+                share = "" if mine == n else (
+                    f"; with {jax.process_count()} processes this process feeds {expect} of them "
+                    f"(its {mine} of {n} data-parallel devices)")
+                raise ValueError(
+                    f"{what}: {name} has leading dim {local}, expected train_batch_size={rows} rows "
+                    f"(train_micro_batch_size_per_gpu={cfg.train_micro_batch_size_per_gpu} x "
+                    f"gradient_accumulation_steps={cfg.gradient_accumulation_steps} x world size="
+                    f"{cfg.world_size}, tensor ranks counted as DeepSpeed does){share}")
+            if isinstance(x, jax.Array) and not x.is_fully_addressable:
+                return x
+            if local is None or local % mine:
+                raise ValueError(f"{what}: {jax.tree_util.keystr(path)} has shape {np.shape(x)}; every "
+                                 f"leaf needs a leading batch dim divisible by {mine} local data devices")
+            return jax.make_array_from_process_local_data(sharding, np.asarray(x))
+
+        return jax.tree_util.tree_map_with_path(place, batch)
+
+    def _abstract_batch(self, batch_shapes):
+        sharding = NamedSharding(self.mesh, P(partition.DATA))
+        return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding), batch_shapes)
+
+    # ------------------------------------------------------------------ steps
+
+    def train_step(self, batch) -> dict:
+        """One optimizer step on the global batch (this process's rows); metrics as jax arrays."""
+        placed = self._place_batch(batch, self.cfg.train_batch_size, "train_step")
+        shapes = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), placed)
+        self._last_batch_shapes = shapes
+        key = self._shape_key(shapes)
+        if key not in self._guarded and self.options.memory_guard:
+            self._check_fits(shapes)
+            self._guarded.add(key)
+        # the AOT-compiled step: one compile shared with memory_report() and the planner
+        if self._host_loop is None:
+            self.state, metrics = self.compiled_step(shapes)(self.state, placed)
+        else:  # EngineOptions.offload_loop="host": the host chunks' update, driven from here
+            hl, lay = self._host_loop, self.layout
+            master, opt = self.state.master, lay.chunk_states(self.state.opt_state)
+            step = self.compiled_step(shapes)
+            ready = hl.prefetch(master, opt)  # dispatched before the jit: these reads overlap it
+            state, metrics, work = step(*self._step_args(self.state, placed))
+            # the metrics' trip to the host is queued now, ahead of the chunks' write-backs: the
+            # next step's check of them would otherwise wait behind those on the same copy queue,
+            # and so would the next step's dispatch (measured: ~30 ms a step on GPT-2 Large)
+            for x in jax.tree.leaves(metrics):
+                x.copy_to_host_async()
+            # master / opt (the state's own lists) are updated in place, chunk by chunk
+            params = hl(master, opt, work.compute, work.grads, work.skip, work.grad_scale, self.state.params,
+                        ready=ready)
+            new_opt = lay.with_chunk_states(state.opt_state, hl.merge(lay.chunk_states(state.opt_state), opt))
+            self.state = state._replace(params=params, master=hl.merge(state.master, master), opt_state=new_opt)
+        self._global_steps += 1
+        previous, self._pending = self._pending, (self._global_steps, metrics)
+        if previous is not None:
+            self._check(*previous)
+        self._print_tokens += _tokens(placed)
+        self.monitor.record(self._global_steps * self.cfg.train_batch_size, metrics)
+        spp = self.cfg.steps_per_print
+        if spp and self._global_steps % spp == 0:
+            self._log(metrics)
+            self.monitor.flush()
+        return metrics
+
+    def _step_args(self, state, batch) -> tuple:
+        """The train step's arguments (offload_loop="host": the state without the host-updated
+        chunks and without its params, the params, the batch)."""
+        if self._host_loop is None:
+            return state, batch
+        return self._without_host_chunks(state)._replace(params=None), state.params, batch
+
+    def _without_host_chunks(self, state):
+        """`state` (or its shardings) with None for the host-updated chunks' master and
+        optimizer state: the step's jit neither reads nor returns them (offload_loop="host")."""
+        loops = set(self._host_loop.loops)
+        drop = lambda xs: [None if i in loops else x for i, x in enumerate(xs)]  # noqa: E731
+        lay = self.layout
+        return state._replace(master=drop(state.master),
+                              opt_state=lay.with_chunk_states(state.opt_state, drop(lay.chunk_states(state.opt_state))))
+
+    def eval_step(self, batch):
+        """The loss on `batch` with the current compute params (no gradients)."""
+        mine, n = self._local_fraction
+        rows = jax.tree.leaves(batch)[0].shape[0]
+        placed = self._place_batch(batch, rows * n // mine if rows % mine == 0 else None, "eval_step")
+        return self._eval(self.state.params, self.state.rest, placed)
+
+    def _check_fits(self, shapes) -> None:
+        """Before the first step of a batch shape: XLA's predicted peak against the device's
+        memory; WillNotFitError (listing the plans `options.plans_for` finds) instead of an
+        out-of-memory mid-step. Kept apart from the compile cache: a step compiled earlier
+        (memory_report, the planner, compiled_step) is still checked before it first runs."""
+        budget = memory.device_budget()
+        if budget is None:  # CPU: no limit known
+            return
+        plans_for = self.options.plans_for
+        memory.check_fits(self.step_memory(shapes), budget,
+                          plans=(lambda: plans_for(self, shapes, budget)) if plans_for else (),
+                          notes=self._memory_notes())
+
+    def _memory_notes(self) -> tuple[str, ...]:
+        """For WillNotFitError: the engine options that would hold less for this layout, with the
+        bytes they save (the host loop's chunks; the device master split)."""
+        if self._host_loop is not None:
+            return self._host_loop_notes()
+        lay = self.layout
+        if (self.state.master is not None and lay.offload is None and not lay.step.split_master
+                and jnp.dtype(lay.compute_dtype) == jnp.dtype(jnp.bfloat16)):
+            master = _nbytes(self.state.master, False)
+            return (f"EngineOptions(master_split=True) keeps the fp32 master ({memory.fmt_bytes(master)} on this "
+                    f"device) as the bf16 params plus an int16 remainder: {memory.fmt_bytes(master // 2)} less, "
+                    f"the same training but for exact ties (one fp32 ulp); 0.3% slower on GPT-2 Large.",)
+        return ()
+
+    def _host_loop_notes(self) -> tuple[str, ...]:
+        """For WillNotFitError under offload_loop="host": what its chunks hold on the device and
+        the options that hold less."""
+        o, chunks = self.options, self.offload_settings["chunks"]
+        opt = self.layout.chunk_states(self.state.opt_state)
+        during_jit, during_loop = self._host_loop.device_bytes(self.state.master, opt)
+        return (f"Of that, offload_loop='host' keeps up to {memory.fmt_bytes(max(during_jit, during_loop))} of "
+                f"optimizer-state chunks on the device ({chunks} layer groups; offload_host_prefetch="
+                f"{o.offload_host_prefetch}, offload_host_prefetch_last={o.offload_host_prefetch_last}, "
+                f"offload_host_window={o.offload_host_window}). EngineOptions(offload_loop='in_place') holds "
+                f"one layer's state at a time (slower); or keep \"host\" with smaller chunks (more "
+                f"layer groups: offload_chunks, or where it is unset a lower offload_host_chunk_bytes, now "
+                f"{o.offload_host_chunk_bytes:,}) or a lower offload_host_prefetch / offload_host_window.",)
+
+    def step_memory(self, batch_shapes) -> memory.CompiledMemory:
+        """The train step's predicted per-device bytes (the guard's figure): the compiled step's;
+        with offload_loop="host" the host chunks' state on the device counts as temporaries too:
+        during the jit the prefetched chunks and the previous step's last write-backs, beside its
+        own temporaries; during the loop (after the jit, beside the params and gradients it
+        leaves) its chunks in flight. The larger of the two."""
+        mem = memory.CompiledMemory.of(self.compiled_step(batch_shapes))
+        if self._host_loop is not None:
+            opt = self.layout.chunk_states(self.state.opt_state)
+            during_jit, during_loop = self._host_loop.device_bytes(self.state.master, opt)
+            mem = dataclasses.replace(mem, temp=max(mem.temp + during_jit, during_loop))
+        return mem
+
+    def close(self) -> None:
+        """Check the last step and write out the monitors' buffered events (csv / tensorboard / wandb)."""
+        self.synchronize()
+        self.monitor.close()
+        if self.layout.nvme is not None:  # swap files are scratch: removed with the engine
+            self.layout.nvme.close()
+
+    def synchronize(self) -> None:
+        """Wait for the last step and raise if it overflowed at the minimum scale / went non-finite."""
+        if self._pending is not None:
+            pending, self._pending = self._pending, None
+            self._check(*pending)
+
+    def _check(self, step: int, metrics: dict) -> None:
+        if self.fp16:
+            if bool(metrics["overflow_at_min"]):
+                raise FloatingPointError(f"step {step}: {MIN_SCALE_ERROR}")
+            return
+        if bool(metrics["nonfinite"]):
+            dtype = "bf16" if self.compute_dtype == jnp.bfloat16 else "fp32"
+            raise FloatingPointError(
+                f"step {step}: the loss or gradients are not finite (loss={float(metrics['loss'])}, "
+                f"grad_norm={float(metrics['grad_norm'])}) under {dtype}; the update was skipped, so "
+                f"the weights are those after step {step - 1}. Usual causes: the learning rate is too "
+                f"high (lr={float(metrics['lr']):g}; add warmup or lower it), no gradient_clipping, "
+                f"inf/NaN in the batch, or values beyond the compute dtype's range (fp16 tops out at "
+                f"65504: prefer bf16)")
+
+    def _log(self, metrics) -> None:
+        now = time.perf_counter()
+        loss = float(metrics["loss"])  # waits for this step
+        tps = self._print_tokens / max(now - self._print_time, 1e-9)
+        self._print_time, self._print_tokens = time.perf_counter(), 0
+        line = (f"[Rank {jax.process_index()}] step={self._global_steps}, skipped={self.skipped_steps}, "
+                f"lr=[{float(metrics['lr']):g}], mom=[{self._mom}], loss={loss:.4f}, tokens/s={tps:.0f}")
+        if jax.process_index() == 0:
+            logger.info(line)
+            print(line, flush=True)
+
+    # ------------------------------------------------------------------ checkpoints
+
+    def save_checkpoint(self, save_dir, tag=None, client_state=None, *, keep: int | None = None) -> str:
+        """DeepSpeed's save_checkpoint (zerojax.checkpoint.state.save); returns the checkpoint path.
+        keep=N: then delete all but the N newest checkpoints, never `latest`'s
+        (Hugging Face's save_total_limit; zerojax.checkpoint.files.prune)."""
+        if keep is not None:
+            checkpoint_files.check_keep(keep)
+        self.synchronize()
+        export = None
+        if self.stage == 3 and self.cfg.zero_optimization.stage3_gather_16bit_weights_on_model_save:
+            export = weights_writer(self._model_record) or checkpoint.write_safetensors
+        info = {"compute_dtype": np.dtype(self.compute_dtype).name, "zero_stage": self.stage,
+                "mesh": {k: int(v) for k, v in self.mesh.shape.items()}, "config": self.cfg.to_dict(),
+                "model": self._model_record}
+        # NVMe offload: the swapped layers' leaves are streamed from the files a group at a time
+        path = checkpoint.save(save_dir, self.layout.to_stored(self.state, stream=True), steps=self._global_steps,
+                               info=info, tag=tag, client_state=client_state, export_weights=export)
+        if keep is not None:
+            checkpoint_files.prune(save_dir, keep)
+        return path
+
+    def load_checkpoint(self, load_dir, tag=None, *, load_optimizer_states=True, load_module_only=False):
+        """DeepSpeed's load_checkpoint: installs the restored state; returns (path, client_state)."""
+        self.synchronize()
+        live = self.state
+        # NVMe offload: the swapped layers' leaves are written into the files a group at a time
+        current, shardings = self.layout.stored_targets(live, stream=True)
+        replaced = [live.params, live.master] + (
+            [live.opt_state] if load_optimizer_states and not load_module_only else [])
+        released = []
+
+        def make_room(reads):  # after the checkpoint's checks passed, before its reads
+            if self.layout.offload is None and _needs_room(reads, replaced):
+                released.extend(x for x in jax.tree.leaves(replaced) if isinstance(x, jax.Array) and x.ndim)
+                for x in released:
+                    x.delete()
+
+        try:
+            got = checkpoint.restore(load_dir, current, shardings, compute_dtype=self.compute_dtype, tag=tag,
+                                     load_optimizer_states=load_optimizer_states,
+                                     load_module_only=load_module_only, before_reads=make_room)
+        except Exception as e:
+            if released:
+                raise checkpoint.CheckpointError(
+                    f"{e}\n(to make room for the restore this engine released its parameters and optimizer "
+                    "state first, the device having too little memory free for both, so it holds no "
+                    "trainable state now: build a new engine and load a readable checkpoint)") from e
+            raise
+        master, opt_state = self.layout.from_stored(got.master, got.opt_state)
+        master = self.layout.split_master(master, got.params, to_split=True)
+        self.state = live._replace(
+            params=got.params, master=master,
+            opt_state=live.opt_state if opt_state is None else opt_state,
+            rest=live.rest if got.rest is None else got.rest, **(got.counters or {}))
+        if self.layout.offload is None and memory.device_free_bytes() is not None:  # a GPU, not CPU
+            # superseded: the live arrays the restore replaced, what it read but converted (the
+            # split master's fp32 read)
+            self.state = _repacked(self.state, superseded=(replaced, got.params, got.master, got.opt_state, got.rest))
+        if got.global_steps is not None:
+            self._global_steps = int(got.global_steps)
+        self._pending = None
+        return got.path, got.client_state
+
+    # ------------------------------------------------------------------ ahead of time
+
+    def lower_step(self, batch_shapes, *, platforms: tuple[str, ...] | None = None) -> jax.stages.Lowered:
+        """Lower the train step for a global batch of ShapeDtypeStructs (nothing runs). `platforms`
+        (e.g. ("cuda",)): lower for those instead of this machine's, to read another backend's
+        StableHLO (it cannot be compiled here)."""
+        abstract_state = jax.tree.map(
+            lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=a.sharding), self.state)
+        args = self._step_args(abstract_state, self._abstract_batch(batch_shapes))
+        if platforms:
+            return self._train.trace(*args).lower(lowering_platforms=tuple(platforms))
+        return self._train.lower(*args)
+
+    @staticmethod
+    def _shape_key(batch_shapes) -> str:
+        return str(jax.tree.map(lambda x: (tuple(x.shape), str(x.dtype)), batch_shapes))
+
+    def compiled_step(self, batch_shapes) -> jax.stages.Compiled:
+        """The compiled train step (`jax.stages.Compiled`) for these batch shapes, cached."""
+        key = self._shape_key(batch_shapes)
+        if key not in self._compiled:
+            lowered, options = self.lower_step(batch_shapes), self.compiler_options
+            try:
+                self._compiled[key] = lowered.compile(compiler_options=options or None)
+            except Exception as e:  # noqa: BLE001 - an XLA without one of these options: compile without them
+                if not any(name in str(e) for name in options):
+                    raise
+                warnings.warn(f"this XLA refused the compile options {sorted(options)} ({e}); the train step is "
+                              "compiled without them (same results, slower: Engine.compiler_options)",
+                              RuntimeWarning, stacklevel=2)
+                self._compiled[key] = lowered.compile()
+        return self._compiled[key]
+
+    @property
+    def compiler_options(self) -> dict:
+        """XLA options the train step is compiled with. On GPU: XLA:GPU's
+        `xla_gpu_enable_dus_accumulator_zero_init_elimination` (off by default in XLA), which drops the
+        zero-fill of the loop buffers that a layer scan (or the pipeline's iterations) saves activations
+        into, where XLA proves each element is written before it is read. Measured on one H200
+        (benchmarks/RESULTS.md, sessions 7-8): GPT-2 Large pipe 2 329.5 -> 309.5 ms a step; ZeRO-2
+        micro 8 70,435 -> 71,101 tokens/s, "dots_16" 71,187 -> 72,458; peaks unchanged. Nothing on
+        other platforms (a GPU-only option)."""
+        return step_compiler_options(platform=self.mesh.devices.flat[0].platform)
+
+    compile_train_step = compiled_step
+
+    # ------------------------------------------------------------------ views
+
+    @property
+    def global_steps(self) -> int:
+        return self._global_steps
+
+    @property
+    def skipped_steps(self) -> int:
+        return int(self.state.skipped_steps)
+
+    @property
+    def global_samples(self) -> int:
+        return int(self.state.global_samples)
+
+    @property
+    def lr(self) -> float:
+        """The learning rate the next step will use."""
+        return float(self.schedule(self.state.step - self.state.skipped_steps))
+
+    @property
+    def master_params(self):
+        """fp32 master weights (pure dict) in the optimizer sharding (fp32 runs: the params).
+
+        Whole by definition: with NVMe offload the swapped layers' master is read back from the files
+        into host memory and merged on the device (4 bytes per parameter of each, once). For a model
+        whose state exceeds host memory, export from a checkpoint instead (`zerojax export`, which
+        reads the master alone, never the moments) -- docs/nvme.md."""
+        off = self.layout.offload
+        if off is not None:  # the host chunks merged into one tree on the device
+            if not hasattr(self, "_merge_master"):
+                self._merge_master = jax.jit(lambda m: O.offload_master(O.OffloadState(m, []), off),
+                                             out_shardings=self.shardings.master)
+            master = self.layout.split_master(self.state.master, self.state.params, to_split=False)
+            if self.layout.nvme is not None:  # read back from the swap files
+                master = self.layout.nvme.fill(master, None)[0]
+            return self._merge_master(master)
+        if self.state.master is None:
+            return self.state.params
+        return self.layout.split_master(self.state.master, self.state.params, to_split=False)
+
+    @property
+    def model(self) -> nnx.Module:
+        """An nnx module holding the current fp32 master weights."""
+        self.synchronize()
+        return step_mod.merge(self.step_settings, self.master_params, self.state.rest)
+
+    def memory_report(self, batch_shapes=None) -> MemoryReport:
+        """Per-device bytes of the model states (read from the arrays) and of XLA's compiled step."""
+        s = self.state
+        # offload_param: each micro-batch's gradients come to host memory (compute dtype); with
+        # accumulation they are summed into the host accumulator the state carries
+        host_grads = self.offload_param
+        gdtype = self.compute_dtype if host_grads else self.accum_dtype
+        grads = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, gdtype), s.params)
+        grad_bytes = partition.per_device_bytes(grads, self.shardings.grads)
+        report = MemoryReport(
+            params=_nbytes(s.params, False),
+            gradients=0 if host_grads else grad_bytes,
+            master=_nbytes(s.master, False),
+            optimizer_state=_nbytes(s.opt_state, False),
+            host=(_nbytes((s.params, s.master, s.opt_state, s.grad_accumulator), True)
+                  + (grad_bytes if host_grads else 0)),
+        )
+        report["model_states"] = sum(report[k] for k in ("params", "gradients", "master", "optimizer_state"))
+        if self.layout.step.split_master:  # EngineOptions.master_split: the master's bytes are its remainders
+            report["master_split"] = True
+        shapes = batch_shapes if batch_shapes is not None else self._last_batch_shapes
+        report["compiled_peak"] = None
+        if shapes is not None:
+            try:  # the guard's figure (offload_loop="host": the loop's chunks in flight included)
+                report["compiled_peak"] = self.step_memory(shapes).peak
+            except RuntimeError:  # a backend without memory analysis
+                pass
+        return report
+
+
+# XLA:GPU option (off by default in XLA) every GPU train step is compiled with: Engine.compiler_options
+ZERO_INIT_OPTION = "xla_gpu_enable_dus_accumulator_zero_init_elimination"
+
+
+def step_compiler_options(*, platform: str) -> dict:
+    """The XLA options a train step is compiled with (see `Engine.compiler_options`)."""
+    return {ZERO_INIT_OPTION: True} if platform == "gpu" else {}
+
+
+def _needs_room(reads, replaced) -> bool:
+    """Whether a restore beside the live arrays it replaces could pass the first device's free
+    memory (`memory.device_free_bytes`; never where that is unknown, e.g. CPU). The restore's peak
+    is bounded by everything it reads (`reads`: abstract arrays in the stored dtypes, e.g. the fp32
+    master) plus everything it converts that into (the live forms of `replaced`: the params cast
+    from the master, the split master's remainders, ...). Measured on an H200 capped at 16 GiB
+    (session 14): counting only the reads (8.6 GiB of GPT-2 Large against 8.9 free) kept the live
+    state, and the split master's conversion then ran out of memory."""
+    free = memory.device_free_bytes()
+    if free is None:
+        return False
+    device = jax.local_devices()[0]
+
+    def local_bytes(x):
+        if not hasattr(x, "sharding") or device not in x.sharding.device_set:
+            return 0
+        return math.prod(x.sharding.shard_shape(x.shape)) * x.dtype.itemsize
+
+    need = sum(local_bytes(x) for x in jax.tree.leaves(reads) + jax.tree.leaves(replaced))
+    return need > free
+
+
+def _repacked(state: TrainState, superseded=()) -> TrainState:
+    """The state's device arrays moved to host memory and back, so that they sit packed at the front
+    of the device's pool again; first the arrays of `superseded` that the state does not hold are
+    freed (now, not when the caller lets go of them: one left in place splits the free range). Why: a restore allocates in its reading order (the fp32 master
+    first, freed again by the split master's conversion; the stored moments before their cast;
+    the step counters after everything), which leaves holes between the arrays that stay; on an H200
+    capped at 16 GiB GPT-2 Large's restored 7.2 GiB left no free range for the step's one 8.4 GiB
+    temporary buffer (largest free block 5.8 GiB; after a fresh init 8.9), and the first step
+    after the resume ran out of memory (session 14). Allocated anew, one after another, into a pool
+    emptied of them, the arrays leave the free memory in one range. Costs one round trip over the
+    host link (about 0.3 s for 7 GiB at 50 GB/s), done after every restore on a device whose memory
+    the allocator reports (GPU; not CPU). Without a host memory kind the state stays as it is.
+    The allocator's bytes in use may then exceed the state's by up to 128 MiB an array (XLA's BFC
+    allocator keeps a free chunk whole when the excess is smaller: 0.245 GiB on GPT-2 Large, session
+    15); that padding is freed with its array and leaves the largest free block unchanged."""
+    kept = {id(x) for x in jax.tree.leaves(state)}
+    for x in jax.tree.leaves(superseded):
+        if isinstance(x, jax.Array) and id(x) not in kept and not x.is_deleted():
+            x.delete()
+    try:
+        kind = host_memory_kind()
+    except ValueError:
+        return state
+    leaves, tree = jax.tree.flatten(state)
+    moved = [i for i, x in enumerate(leaves) if isinstance(x, jax.Array) and not is_host(x)]
+    placed = [leaves[i].sharding for i in moved]
+    hosted = jax.device_put([leaves[i] for i in moved], [s.with_memory_kind(kind) for s in placed])
+    jax.block_until_ready(hosted)
+    for i in moved:  # (jax cannot donate across memory kinds)
+        leaves[i].delete()
+    for i, h, sharding in zip(moved, hosted, placed):  # one at a time: each next to the one before
+        leaves[i] = jax.device_put(h, sharding)
+    jax.block_until_ready([leaves[i] for i in moved])
+    return jax.tree.unflatten(tree, leaves)
+
+
+def _split_into_program(lay):
+    """jit(master, params, rems) -> (params, rems): the fp32 master's compute copy and int16
+    remainders (EngineOptions.master_split) written into the donated `params` / `rems` buffers.
+    keep_unused: jit drops unused arguments by default, and a dropped donated buffer is freed, not
+    reused (measured on an H200: 2.9 GiB more at init and a fragmented pool)."""
+    def split(master, params, rems):
+        del params, rems  # only their buffers are used: the outputs alias them
+        cast = jax.tree.map(lambda m: m.astype(lay.compute_dtype), master)
+        return cast, step_mod.stored_master(lay.step, master)
+
+    return jax.jit(split, donate_argnums=(1, 2), keep_unused=True,
+                   out_shardings=(lay.shardings.params, lay.shardings.master))
+
+
+def _init_pure(init_fn):
+    """(fp32 params, rest) of a fresh model from its init callable, as pure dicts; call under jit."""
+    with no_eager_sharding():
+        _, p, r = nnx.split(init_fn(), nnx.Param, ...)
+    return jax.tree.map(lambda x: x.astype(jnp.float32), pure_dict(p)), pure_dict(r)
+
+
+def _place(x, sharding, dtype=None):
+    if dtype is not None and jnp.issubdtype(x.dtype, jnp.floating) and x.dtype != dtype:
+        x = x.astype(dtype)
+    if jax.process_count() == 1:
+        return jax.device_put(x, sharding)
+    if jnp.issubdtype(x.dtype, jax.dtypes.prng_key):  # rng keys: place the raw key data
+        impl = jax.random.key_impl(x)
+        return jax.random.wrap_key_data(_place(jax.random.key_data(x), sharding), impl=impl)
+    host = np.asarray(jax.device_get(x))  # every process built the same model
+    return jax.make_array_from_callback(host.shape, sharding, lambda idx: host[idx])
+
+
+def _tokens(batch) -> int:
+    if isinstance(batch, dict) and "input_ids" in batch:
+        return math.prod(batch["input_ids"].shape)
+    return jax.tree.leaves(batch)[0].shape[0]
+
+
+__all__ = ["Engine", "abstract_engine", "MemoryReport"]

@@ -1,0 +1,608 @@
+"""The engine's setup, apart from running it: `build_layout(model, cfg, ...) -> EngineLayout`.
+
+A pure function of (the model's abstract state, the resolved config, the mesh, `EngineOptions`):
+where every state leaf lives (the ZeRO stage's sharding trees, the offload's chunk layout and
+memory kinds), the per-layer hook the model is handed (stage 3's gather on use, offload_param's
+fetch), and the step's static settings (`zerojax.train.step.StepSettings`). Nothing is allocated here;
+`zerojax.train.engine.Engine` executes the layout (init, step, save, load). A new parallelism axis or
+offload tier changes this build, not the engine.
+"""
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+from typing import Any, Callable
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+from zerojax import offload as O
+
+from zerojax.checkpoint import stream as stream_mod
+
+from zerojax.sharding import partition
+from zerojax.config import Config, ConfigError, load_config, pipeline_stages
+from zerojax.sharding.pipeline import PipelineSchedule, pipeline_scan, schedule_problems
+from zerojax.optim import build_optimizer, build_schedule
+from zerojax.options import EngineOptions
+from zerojax.precision import compute_dtype as compute_dtype_of, loss_scale_from_config, loss_scaler_from_config
+from zerojax.offload.nvme.tier import check_params_in_cpu, nvme_tier
+from zerojax.train.step import (OffloadStep, StepSettings, TrainState, needs_grad_accumulator, pure_dict, rebuilt_master,
+                          stored_master)
+
+PARAM_HOOK_ERROR = ("zero_optimization.offload_param: offload_param needs a model whose layer scan accepts a "
+                    "fetch hook (a `layer_fetch` attribute applied to each layer's params inside the scan); "
+                    "zerojax.models.gpt2.GPT2 does. {what}")
+
+_ACCUM_DTYPES = {"fp32": jnp.float32, "bf16": jnp.bfloat16, "fp16": jnp.float16}
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class EngineLayout:
+    """Everything static about one engine: built once by `build_layout`, read by the engine."""
+
+    cfg: Config
+    mesh: Mesh
+    options: EngineOptions
+    stage: int
+    fp16: bool
+    compute_dtype: Any
+    accum_dtype: Any
+    offload_optimizer: bool
+    offload_param: bool
+    tx: Any                        # the optimizer the step applies (fp16, no offload: inside loss scaling)
+    schedule: Callable
+    abstract_master: Any           # fp32 ShapeDtypeStructs of the params tree (pure dict)
+    shardings: partition.StageShardings   # params / grads / master of the ZeRO stage
+    param_shardings: Any           # where state.params lives (offload_param: host memory)
+    master_shardings: Any          # where state.master lives (offload: per-chunk trees)
+    opt_shardings: Any             # where state.opt_state lives
+    rest_shardings: Any
+    offload: O.OffloadLayout | None    # the chunk layout of an offloaded state, or None
+    offload_settings: dict | None      # the offload's resolved knobs (reported, e.g. by bench.py)
+    stage3_gather: str | None          # "layer" when stage 3 gathers per layer in the model's scan
+    step: StepSettings
+    pipeline: PipelineSchedule | None = None   # pipeline.stages > 1: the schedule the model's scan runs
+    nvme: Any = None                   # offload_optimizer device "nvme": the layers' state in swap files (NvmeTier)
+
+    @property
+    def state_shardings(self) -> TrainState:
+        """Where every state leaf lives (a TrainState of shardings; offload: host memory kinds)."""
+        rep = NamedSharding(self.mesh, P())
+        fp32 = self.compute_dtype == jnp.float32
+        master = self.master_shardings if (self.offload is not None or not fp32) else None
+        acc = self.step.offload.param_shardings if needs_grad_accumulator(self.step) else None
+        return TrainState(params=self.param_shardings, master=master, opt_state=self.opt_shardings,
+                          rest=self.rest_shardings, step=rep, skipped_steps=rep, global_samples=rep,
+                          grad_accumulator=acc)
+
+    # -- the layout-free form: how a checkpoint stores the state, whatever the offload
+
+    def stored_opt_codec(self):
+        """(wrap, unwrap) between the offload's bare optimizer state and the state a run without
+        offload keeps: there, gradient clipping is a transform chained before the optimizer, so
+        its state is (clip state, optimizer state); offload clips the whole gradient itself."""
+        full = jax.eval_shape(build_optimizer(self.cfg, mu_dtype=self.options.adam_mu_dtype).init,
+                              self.abstract_master)
+        bare = jax.eval_shape(self.tx.init, self.abstract_master)
+        if jax.tree.structure(full) == jax.tree.structure(bare):
+            return (lambda st: st), (lambda st: st)
+        if (isinstance(full, tuple) and len(full) == 2 and not jax.tree.leaves(full[0])
+                and jax.tree.structure(full[1]) == jax.tree.structure(bare)):
+            return (lambda st: (full[0], st)), (lambda st: st[1])
+        raise ValueError("host offload: the optimizer state of this config has a form that cannot "
+                         "be mapped to a run without offload")
+
+    def streams_nvme(self) -> bool:
+        """Whether checkpoints move the NVMe swap files' leaves a layer group at a time (`NvmeTier.streams`)."""
+        return self.nvme is not None and self.nvme.streams
+
+    def chunk_states(self, opt_state):
+        """An offloaded state's per-chunk optimizer states (fp16: inside the loss scale's state)."""
+        return opt_state.inner_state if self.fp16 else opt_state
+
+    def with_chunk_states(self, opt_state, chunks):
+        """`opt_state` with its per-chunk optimizer states replaced by `chunks`."""
+        return opt_state._replace(inner_state=chunks) if self.fp16 else chunks
+
+    def to_stored(self, state: TrainState, *, stream: bool = False) -> TrainState:
+        """`state` in the unchunked layout a run without offload keeps (nothing copied for the
+        default "loop" layout): what a checkpoint stores. NVMe: the files' leaves read back whole,
+        or with `stream` (a checkpoint's save) `SwappedLeaf`s there, read a group at a time."""
+        if self.offload is None:
+            return state._replace(master=self.split_master(state.master, state.params, to_split=False))
+        if self.nvme is not None:  # the files' leaves into the chunk
+            jax.block_until_ready(state)   # the step's last group written (its callbacks ran) before reading
+            into = self.nvme.swapped if stream and self.nvme.streams else self.nvme.fill
+            master, inner = into(state.master, self.chunk_states(state.opt_state))
+            state = state._replace(master=master, opt_state=self.with_chunk_states(state.opt_state, inner))
+        wrap, _ = self.stored_opt_codec()
+        merge = lambda chunks: O.merge_chunks(chunks, self.offload.layout)  # noqa: E731
+        opt = self.with_chunk_states(state.opt_state, wrap(merge(self.chunk_states(state.opt_state))))
+        return state._replace(master=merge(self.split_master(state.master, state.params, to_split=False)),
+                              opt_state=opt)
+
+    def split_master(self, master: list, params, *, to_split: bool) -> list:
+        """EngineOptions.offload_master_split: the host chunks of the per-chunk `master` turned into
+        int16 remainders against the compute `params` (`to_split`) or back into fp32;
+        EngineOptions.master_split: the same for the whole device-resident master (against its own
+        bf16 rounding when splitting, which the compute `params` are); `master` unchanged without
+        either."""
+        if self.step.split_master and master is not None:
+            return self._device_split(to_split)(master, params)
+        so = self.step.offload
+        if so is None or not so.split_master or master is None:
+            return master
+        hosts = [i for i, c in enumerate(self.offload.layout.chunks) if c.host]
+        return O.split_master.convert(master, params, self.offload, hosts, to_split=to_split, cache=so.converters)
+
+    def _device_split(self, to_split: bool):
+        """EngineOptions.master_split's conversion (fp32 master <-> int16 remainders), one jitted
+        program each way, in the master's sharding."""
+        cache = self.__dict__.setdefault("_device_split_programs", {})
+        if to_split not in cache:  # the step's own conversions (`step.stored_master`, `step.rebuilt_master`)
+            settings = self.step
+            run = ((lambda m, p: stored_master(settings, m)) if to_split
+                   else (lambda r, p: rebuilt_master(settings, p, r)))
+            cache[to_split] = jax.jit(run, out_shardings=self.shardings.master)
+        return cache[to_split]
+
+    def stored_targets(self, state: TrainState, *, stream: bool = False) -> tuple[TrainState, TrainState]:
+        """(the stored form of `state`, its shardings) for a restore: abstract where the stored form
+        differs from the live one (offload: the unchunked master and optimizer state, in the
+        offload's memory kind), the live arrays elsewhere. NVMe with `stream`: `SwappedLeaf` sinks
+        at the files' leaves (the restore writes them a group at a time; `from_stored` skips them)."""
+        shardings = self.state_shardings
+        if self.offload is None:
+            return state, shardings
+        kind, sh = self.offload.kind, self.shardings
+        wrap, _ = self.stored_opt_codec()
+        master, opt = self.abstract_master, jax.eval_shape(self.tx.init, self.abstract_master)
+        if stream and self.streams_nvme():
+            jax.block_until_ready(state)   # no step still reading or writing the files the restore writes
+            master, opt = self.nvme.sinks(master, opt)
+        opt = wrap(opt)
+        opt_sh = wrap(partition.opt_state_shardings(self.tx, self.abstract_master, sh.master, self.mesh,
+                                                    memory_kind=kind))
+        if self.fp16:  # the loss-scale state around the chunked one: keep its own fields
+            opt, opt_sh = (state.opt_state._replace(inner_state=opt),
+                           self.opt_shardings._replace(inner_state=opt_sh))
+        target = state._replace(master=master, opt_state=opt)
+        return target, shardings._replace(master=O.with_memory_kind(sh.master, kind), opt_state=opt_sh)
+
+    def from_stored(self, master, opt_state):
+        """The inverse of `to_stored` for (master, opt_state or None): chunked as the engine keeps them."""
+        if self.offload is None:
+            return master, opt_state
+        off = self.offload
+        # restored streamed (`stored_targets(stream=True)`): the files' leaves were written by the restore
+        # itself; the live form keeps None there
+        streamed = any(stream_mod.is_streamed(x) for x in jax.tree.leaves(master))
+        if streamed:
+            master, opt_state = jax.tree.map(lambda x: None if stream_mod.is_streamed(x) else x, (master, opt_state))
+        m_tmpl, s_tmpl = O.chunk_templates(self.tx, self.abstract_master, off.layout)
+        master = O.split_chunks(master, off.layout, m_tmpl, off.master_shardings)
+        if opt_state is None:
+            if self.nvme is not None and not streamed:  # the master to the files, the moments there stay
+                master = self.nvme.spill_master(master)
+            return master, None
+        _, unwrap = self.stored_opt_codec()
+        split = lambda st: O.split_chunks(unwrap(st), off.layout, s_tmpl, off.state_shardings)  # noqa: E731
+        inner = split(opt_state.inner_state if self.fp16 else opt_state)
+        if self.nvme is not None and not streamed:  # into the swap files; the state keeps None there
+            master, inner = self.nvme.spill(master, inner)
+        if self.fp16:
+            return master, opt_state._replace(inner_state=inner)
+        return master, inner
+
+
+def resolve_config(cfg, mesh: Mesh | None) -> tuple[Config, Mesh]:
+    """(Config, mesh): `cfg` loaded for the mesh's batch world size (default mesh: all devices,
+    "tensor" sized by tensor_parallel.autotp_size).
+
+    The batch rule's world size is every device of the data x tensor mesh, as DeepSpeed 0.19.8
+    counts every rank (`partition.batch_world_size`): the global batch of train_batch_size rows is
+    split over "data" only, each tensor group trains on its rows together, every row once.
+    """
+    if mesh is None:
+        if not isinstance(cfg, Config):
+            cfg = load_config(cfg)  # world size: devices / (sequence_parallel_size x pipeline.stages)
+        try:
+            mesh = partition.make_mesh(tensor=cfg.tensor_parallel.autotp_size, pipe=pipeline_stages(cfg.pipeline))
+        except ValueError as e:
+            if isinstance(e, ConfigError):
+                raise
+            raise _config_error(f"pipeline.stages = {cfg.pipeline.stages}: {e}") from None
+    n = partition.batch_world_size(mesh)
+    if not isinstance(cfg, Config):
+        cfg = load_config(cfg, world_size=n)
+    if cfg.world_size != n:
+        raise ValueError(
+            f"the config was resolved for world_size={cfg.world_size} devices but the mesh has "
+            f"data={partition.data_size(mesh)} x tensor={partition.tensor_size(mesh)} = {n} (DeepSpeed's batch "
+            f"rule counts tensor ranks too); load it with load_config(..., world_size={n})"
+        )
+    if cfg.tensor_parallel.autotp_size != partition.tensor_size(mesh):
+        raise ConfigError([f"tensor_parallel.autotp_size = {cfg.tensor_parallel.autotp_size} but the mesh's "
+                           f"\"tensor\" axis has {partition.tensor_size(mesh)} devices; make them equal (or "
+                           "pass mesh=None to size the axis from the config)"])
+    return cfg, mesh
+
+
+def build_layout(module: nnx.Module, cfg, *, loss_fn: Callable, mesh: Mesh | None = None,
+                 options: EngineOptions | None = None) -> EngineLayout:
+    """The layout of `module` (a built or an abstract nnx.Module) under `cfg` on `mesh`.
+
+    Pure: reads only the module's structure and shapes; installs the per-layer hook and (tensor
+    parallelism) the activation hook on a copy of its graph (`StepSettings.graphdef`), never on
+    `module` itself.
+    """
+    cfg, mesh = resolve_config(cfg, mesh)
+    constrain = None
+    if (cfg.tensor_parallel.partition_config or {}).get("use_default_specs", True):
+        constrain = partition.activation_constraint(mesh)
+    with _attributes(_activation_modules(module) if constrain else [], activation_sharding=constrain):
+        return _build_layout(module, cfg, loss_fn=loss_fn, mesh=mesh, options=options)
+
+
+def _build_layout(module, cfg: Config, *, loss_fn, mesh: Mesh, options) -> EngineLayout:
+    options = options or EngineOptions()
+    dtype = jnp.dtype(compute_dtype_of(cfg))
+    fp16 = bool(cfg.fp16.enabled)
+    accum_dtype = jnp.dtype(_ACCUM_DTYPES.get(cfg.data_types.grad_accum_dtype or "fp32", jnp.float32))
+    schedule = build_schedule(cfg)
+    zero = cfg.zero_optimization
+    stage = int(zero.stage)
+    offload_optimizer, offload_param = offloads(cfg)
+    offloading = offload_optimizer or offload_param
+    if offloading and cfg.optimizer is not None and "".join(
+            c for c in cfg.optimizer.type.lower() if c.isalnum()) == "lamb":
+        raise ConfigError(["zero_optimization.offload_optimizer / offload_param with optimizer.type "
+                           f"{cfg.optimizer.type!r}: Lamb's per-tensor trust ratio needs whole tensors, "
+                           "and the offloaded update runs on chunks of stacked layers; use Adam/AdamW, "
+                           "Lion, SGD or Adagrad with offload, or turn offload off for Lamb"])
+    # offload: the bare optimizer (clip, unscale and finite check run on the whole gradient first)
+    tx = build_optimizer(cfg, clip=not offloading, mu_dtype=options.adam_mu_dtype)
+    tx = loss_scale_from_config(tx, cfg.fp16) if (fp16 and not offloading) else tx
+
+    graphdef, params, rest = nnx.split(module, nnx.Param, ...)
+    abstract = lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype)  # noqa: E731
+    param_template, rest_template = jax.tree.map(abstract, params), jax.tree.map(abstract, rest)
+    abstract_master = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, jnp.float32), pure_dict(params))
+    base_specs = partition.tensor_specs(params, mesh, tp=cfg.tensor_parallel, model_type=_model_type(module))
+    shardings = partition.stage_shardings(
+        abstract_master, mesh, stage, base_specs=base_specs,
+        persistence_threshold=int(zero.stage3_param_persistence_threshold or 0))
+    rest_shardings = partition.replicated(mesh, pure_dict(rest))
+
+    off = offload_settings = offload_step = fetch_rest = nvme = None
+    stage3_gather = None
+    param_shardings, master_shardings = shardings.params, shardings.master
+    if offloading:
+        off, offload_settings, opt_shardings, scaler = _offload_layout(
+            cfg, options, tx, abstract_master, shardings, mesh, fp16, offload_optimizer, offload_param)
+        master_shardings = off.shardings.master
+        if offload_optimizer and zero.offload_optimizer.device == "nvme":
+            nvme = nvme_tier(cfg, tx, abstract_master, off)
+            master_shardings = nvme.live(master_shardings, "master")
+            opt_shardings = (opt_shardings._replace(inner_state=nvme.live(opt_shardings.inner_state, "state"))
+                             if fp16 else nvme.live(opt_shardings, "state"))
+            offload_settings = {**offload_settings, "nvme": nvme.settings["nvme_path"],
+                                "nvme_disk_bytes": nvme.disk_bytes(),
+                                "nvme_host_layers": int(zero.offload_optimizer.host_layers),
+                                "nvme_host_bytes": nvme.host_tier_bytes()}
+        if offload_param and zero.offload_param.device == "nvme":
+            check_params_in_cpu(zero.offload_param, abstract_master)
+        if offload_param:
+            kind = O.host_memory_kind(bool(zero.offload_param.pin_memory))
+            param_shardings = O.with_memory_kind(shardings.params, kind)
+            graphdef, fetch_rest = _install_layer_hook(
+                module, abstract_master, O.with_memory_kind(shardings.params, O.DEVICE), O.fetch,
+                {"scan_unroll": options.offload_unroll,
+                 "layer_scan": O.prefetch_scan if options.offload_prefetch else None})
+        split = split_master_for(options, cfg, offload_settings["loop"])
+        offload_settings = {**offload_settings, "split_master": split}
+        offload_step = OffloadStep(layout=off, tx=tx, scaler=scaler, clip=float(cfg.gradient_clipping or 0.0),
+                                   param_shardings=param_shardings if offload_param else None,
+                                   write_pieces=options.offload_write_pieces, nvme=nvme,
+                                   loop=offload_settings["loop"], split_master=split)
+    else:
+        opt_shardings = partition.opt_state_shardings(tx, abstract_master, shardings.master, mesh)
+    if (stage == 3 and not offload_param and partition.data_size(mesh) > 1 and options.stage3_gather == "layer"
+            and _hook_modules(module) and any(O.chunk_layout(abstract_master, 1).stacked)):
+        # ZeRO-3's "all-gather on use": each layer's weights constrained to their stage-0
+        # sharding inside the layer scan. Left to itself, GSPMD may keep a sharded weight
+        # sharded and move activations instead, or gather every layer at once; per layer, XLA
+        # can pipeline the gather with the previous layer's compute. The non-layer leaves are
+        # gathered too: left sharded, a hidden-sharded embedding made GSPMD gather the token
+        # ids and the full-batch fp32 logits (3.3 GB for GPT-2 Large at micro-batch 8 on 2
+        # GPUs) -- stage 3 ran at 60% of stage 2
+        gathered = partition.stage_shardings(abstract_master, mesh, 0, base_specs=base_specs).params
+        graphdef, fetch_rest = _install_layer_hook(
+            module, abstract_master, gathered, jax.lax.with_sharding_constraint,
+            {"scan_unroll": 1, "layer_scan": None})
+        stage3_gather = "layer"
+
+    schedule_ = None
+    if partition.pipe_size(mesh) > 1 or pipeline_stages(cfg.pipeline) > 1:
+        schedule_, graphdef = _pipeline_layout(module, cfg, mesh, options, abstract_master, accum_dtype)
+
+    step = StepSettings(
+        graphdef=graphdef, param_template=param_template, rest_template=rest_template,
+        loss_fn=loss_fn, tx=tx, schedule=schedule, mesh=mesh, shardings=shardings,
+        opt_shardings=opt_shardings, rest_shardings=rest_shardings, compute_dtype=dtype,
+        # pipelined: the micro-batches flow through the stages inside one loss_fn call
+        accum_dtype=accum_dtype, steps=1 if schedule_ else int(cfg.gradient_accumulation_steps),
+        train_batch_size=int(cfg.train_batch_size), fp16=fp16, offload=offload_step, fetch_rest=fetch_rest,
+        split_master=device_master_split(options, cfg, offloading))
+    return EngineLayout(
+        cfg=cfg, mesh=mesh, options=options, stage=stage, fp16=fp16, compute_dtype=dtype,
+        accum_dtype=accum_dtype, offload_optimizer=offload_optimizer, offload_param=offload_param,
+        tx=tx, schedule=schedule, abstract_master=abstract_master, shardings=shardings,
+        param_shardings=param_shardings, master_shardings=master_shardings, opt_shardings=opt_shardings,
+        rest_shardings=rest_shardings, offload=off, offload_settings=offload_settings,
+        stage3_gather=stage3_gather, step=step, pipeline=schedule_, nvme=nvme)
+
+
+PIPELINE_HOOK_ERROR = ("pipeline.stages = {stages}: pipelining needs a model whose layers run as one stacked scan "
+                       "with a `layer_scan` hook (docs/CONTRACTS.md; zerojax.models.gpt2.GPT2 has it). {what}")
+
+
+def _pipeline_layout(module, cfg, mesh, options, abstract_master, accum_dtype):
+    """(PipelineSchedule, the graphdef whose layer scan runs it) for pipeline.stages > 1."""
+    stages = pipeline_stages(cfg.pipeline)
+    if partition.pipe_size(mesh) != stages:
+        raise _config_error(f"pipeline.stages = {cfg.pipeline.stages} but the mesh's \"pipe\" axis has size "
+                            f"{partition.pipe_size(mesh)}; pass mesh=None or a mesh made with "
+                            f"zerojax.make_mesh(pipe={stages})")
+    hooked = [m for _, m in nnx.iter_graph(module) if isinstance(m, nnx.Module) and "layer_scan" in vars(m)]
+    layers = O.chunk_layout(abstract_master, 1).num_layers
+    if not hooked or not layers:
+        raise _config_error(PIPELINE_HOOK_ERROR.format(
+            stages=stages, what=f"{type(module).__name__} has no " + (
+                "`layer_scan` attribute" if not hooked else "stacked (scanned) layer parameters")
+            + "; use pipeline.stages 1 (data parallelism with ZeRO) for it"))
+    schedule = PipelineSchedule(stages=stages, microbatches=int(cfg.gradient_accumulation_steps),
+                                repeats=options.pipeline_repeats, stage_loop=options.pipeline_stage_loop,
+                                checkpoint_interval=int(cfg.pipeline.activation_checkpoint_interval),
+                                grad_accum_dtype=jnp.dtype(accum_dtype).name)
+    problems = schedule_problems(layers, stages, schedule.microbatches, schedule.repeats,
+                                 schedule.checkpoint_interval)
+    if problems:
+        raise ConfigError(problems)
+    return schedule, _split_with(module, hooked, {"layer_scan": pipeline_scan(schedule, mesh)})
+
+
+def offloads(cfg) -> tuple[bool, bool]:
+    """(offload_optimizer, offload_param) as DeepSpeed acts on them: the optimizer at stage >= 1,
+    the params at stage 3, each to cpu or nvme."""
+    zero = cfg.zero_optimization
+    stage = int(zero.stage)
+    return (zero.offload_optimizer.device in ("cpu", "nvme") and stage >= 1,
+            zero.offload_param.device in ("cpu", "nvme") and stage == 3)
+
+
+def _precision_name(cfg) -> str:
+    """"bf16", "fp16" or "fp32": the config's compute dtype as the split-master errors name it."""
+    return {jnp.dtype(jnp.bfloat16): "bf16", jnp.dtype(jnp.float16): "fp16"}.get(
+        jnp.dtype(compute_dtype_of(cfg)), "fp32")
+
+
+def split_master_for(options, cfg, loop: str) -> bool:
+    """EngineOptions.offload_master_split checked against this config: the host chunks' master as
+    remainders against the bf16 compute copy needs that copy (bf16 compute) and the host loop.
+    None (the default) is True where both hold, else False; True elsewhere is an error."""
+    if options.offload_master_split is False:
+        return False
+    precision = _precision_name(cfg)
+    if options.offload_master_split is None:  # the default: on wherever it applies
+        return precision == "bf16" and loop == "host"
+    if precision != "bf16" or loop != "host":
+        raise ValueError(f"EngineOptions.offload_master_split needs bf16 compute (the master's top half is "
+                         f"the bf16 compute copy) and offload_loop='host' (this config: {precision}, "
+                         f"offload_loop={loop!r}); enable \"bf16\" and offload_loop='host', or leave "
+                         f"offload_master_split off")
+    return True
+
+
+def device_master_split(options, cfg, offloaded: bool) -> bool:
+    """EngineOptions.master_split checked against this config: the device-resident master kept as
+    remainders against the bf16 compute params needs those params (bf16 compute) and the state
+    laid out whole on the device (`offloaded`: offload_optimizer or offload_param, whose chunked
+    state has its own master handling; offload_master_split is the host memory's)."""
+    if not options.master_split:
+        return False
+    precision = _precision_name(cfg)
+    if not master_split_applies(precision, offloaded):
+        raise ValueError(f"EngineOptions.master_split needs bf16 compute (the master's top half is the bf16 "
+                         f"compute copy) and no offload (this config: {precision}, offload "
+                         f"{'on' if offloaded else 'off'}); enable \"bf16\" without zero_optimization."
+                         f"offload_optimizer / offload_param (the optimizer offloaded: "
+                         f"EngineOptions.offload_master_split), or leave master_split off")
+    return True
+
+
+def master_split_applies(precision: str, offloaded: bool) -> bool:
+    """Where EngineOptions.master_split can act: bf16 compute ("bf16" | "fp16" | "fp32") and the
+    state whole on the device (no offload)."""
+    return precision == "bf16" and not offloaded
+
+
+def options_for_config(options, cfg):
+    """`options` with what this config cannot take set back to the default, for the planner's
+    candidates (a user's master_split or offload_loop="host" is a choice about one layout; a plan
+    that offloads, or does not, must not fail for it): master_split off where
+    `master_split_applies` says no (under optimizer offload the host loop splits the master by
+    itself: offload_master_split), offload_loop "in_place" where `chunk_loops_apply` says no, and
+    offload_master_split back to None (where it applies) where its loop or precision is not there."""
+    offload_optimizer, offload_param = offloads(cfg)
+    precision, changes = _precision_name(cfg), {}
+    if options.master_split and not master_split_applies(precision, offload_optimizer or offload_param):
+        changes["master_split"] = False
+    if options.offload_loop != "in_place" and not chunk_loops_apply(
+            cfg.zero_optimization, offload_optimizer, offload_param):
+        changes["offload_loop"] = "in_place"
+    if options.offload_master_split and (precision != "bf16" or
+                                         changes.get("offload_loop", options.offload_loop) != "host"):
+        changes["offload_master_split"] = None
+    return options.replace(**changes) if changes else options
+
+
+def chunk_loops_apply(zero, offload_optimizer: bool, offload_param: bool) -> bool:
+    """Whether offload_loop "paired" / "host" can run: optimizer offload to cpu alone (one host
+    chunk per layer group, compute copies on the device; the NVMe tier and offload_param's host
+    compute copies stream a stacked layer buffer)."""
+    return offload_optimizer and zero.offload_optimizer.device == "cpu" and not offload_param
+
+
+def resolve_offload_loop(options, zero, offload_optimizer: bool, offload_param: bool) -> str:
+    """EngineOptions.offload_loop checked against this config (`chunk_loops_apply`)."""
+    if options.offload_loop in ("paired", "host") and not chunk_loops_apply(zero, offload_optimizer, offload_param):
+        raise ValueError(f"EngineOptions.offload_loop={options.offload_loop!r} works with offload_optimizer "
+                         f"to cpu alone (offload_param: {zero.offload_param.device!r}, offload_optimizer: "
+                         f"{zero.offload_optimizer.device!r}); use offload_loop='in_place'")
+    return options.offload_loop
+
+
+def _offload_layout(cfg, options, tx, abstract_master, shardings, mesh, fp16, offload_optimizer,
+                    offload_param):
+    """(OffloadLayout, its settings, the opt-state shardings, the fp16 loss scaler or None).
+
+    Default K = layers (the layers updated in place one at a time, the non-layer leaves as one
+    more chunk). It beat "chunked" (K = ceil(layers / 3), window 2) on an H200 in speed and device
+    memory, and is the only layout under which a 6.2B GPT's parameter + optimizer offload fits
+    24 GB (README, "Measured"). Under offload_loop="host" the default groups are instead the
+    fewest layers with offload_host_chunk_bytes of master per device (GPT-2 Large on one GPU: 4
+    layers a group; measured 29,131 tokens/s against one layer's 24,199, session 10)."""
+    zero = cfg.zero_optimization
+    layers = O.chunk_layout(abstract_master, 1).num_layers
+    loop = resolve_offload_loop(options, zero, offload_optimizer, offload_param)
+    if options.offload_chunks:
+        k = options.offload_chunks
+    elif loop == "host":  # groups of at least offload_host_chunk_bytes of master per device
+        k = O.groups_of_at_least(abstract_master, options.offload_host_chunk_bytes, shardings.master)
+    else:
+        k = layers or 1
+    if offload_optimizer:
+        kind = O.host_memory_kind(bool(zero.offload_optimizer.pin_memory))
+        ratio = float(zero.offload_optimizer.ratio)
+    else:  # offload_param alone: the optimizer state stays on the device (one device chunk)
+        kind, ratio = O.DEVICE, 0.0
+    if options.offload_streams > 1 and offload_param:
+        # the chunks' new compute copies would be joined in host memory (compute on host buffers)
+        raise ValueError(f"EngineOptions.offload_streams={options.offload_streams} works with "
+                         "offload_optimizer alone, not with offload_param; set offload_streams=1")
+    streams = (0 if loop in ("paired", "host") else options.offload_streams) if offload_optimizer else 1
+    off = O.offload_layout(tx, abstract_master, shardings.master, k, kind=kind, ratio=ratio, streams=streams)
+    settings = dict(chunks=k, ratio=ratio, kind=kind, unroll=options.offload_unroll if offload_param else None,
+                    loop=loop)
+    scaler = loss_scaler_from_config(cfg.fp16) if fp16 else None
+    opt_shardings = off.shardings.opt_state
+    if scaler is not None:
+        rep = NamedSharding(mesh, P())
+        ls = jax.eval_shape(lambda: scaler.init(None))
+        opt_shardings = jax.tree.map(lambda _: rep, ls)._replace(inner_state=opt_shardings)
+    return off, settings, opt_shardings, scaler
+
+
+def _model_type(module) -> str:
+    """The model's type for `layer_specs[].model_types`: its checkpoint record's, else its class."""
+    record = getattr(module, "checkpoint_record", None)
+    return (record() if callable(record) else {}).get("type") or type(module).__name__.lower()
+
+
+def _activation_modules(model) -> list:
+    """The modules of `model` that expose the `activation_sharding` hook (docs/CONTRACTS.md)."""
+    return [m for _, m in nnx.iter_graph(model) if isinstance(m, nnx.Module) and "activation_sharding" in vars(m)]
+
+
+@contextlib.contextmanager
+def _attributes(modules, **values):
+    """Set `values` on `modules` for the duration, each only where the module has that attribute
+    (graphdefs taken inside carry them); the user's modules are left as they were."""
+    saved = [(m, {k: vars(m)[k] for k in values if k in vars(m)}) for m in modules]
+    try:
+        for m, old in saved:
+            for k in old:
+                setattr(m, k, values[k])
+        yield
+    finally:
+        for m, old in saved:
+            for k, v in old.items():
+                setattr(m, k, v)
+
+
+def _hook_modules(model) -> list:
+    """The modules of `model` that expose the per-layer `layer_fetch` hook (docs/CONTRACTS.md)."""
+    return [m for _, m in nnx.iter_graph(model) if isinstance(m, nnx.Module) and "layer_fetch" in vars(m)]
+
+
+def _config_error(message):
+    return ConfigError([message])
+
+
+def _install_layer_hook(module, abstract_master, targets, move, knobs: dict):
+    """The model's graph with its per-layer hook installed -> (graphdef, fetch_rest).
+
+    `layer_fetch` = `move(layer slice, that layer's `targets` shardings)`, applied by the model to
+    each layer's params inside its scan: offload_param brings the layer from host to device
+    memory (`offload.fetch`), stage 3 constrains it to its gathered sharding (ZeRO-3's all-gather
+    on use). `knobs` (e.g. scan_unroll, layer_scan) are set where the module has them. The user's
+    module is left as it was: the hook lives only in the returned graphdef."""
+    probe = O.chunk_layout(abstract_master, 1)
+    flags = probe.treedef.unflatten(list(probe.stacked))
+    if not any(probe.stacked):
+        raise _config_error(PARAM_HOOK_ERROR.format(
+            what="This model has no stacked (scanned) layer parameters to fetch layer by layer."))
+    # every maximal subtree whose leaves are all stacked: its layer slice's structure -> shardings
+    table: dict = {}
+
+    def walk(f, d):
+        if isinstance(f, dict):
+            if f and all(jax.tree.leaves(f)):
+                key = jax.tree.structure(f)
+                layer = O.layer_shardings(d)
+                if key in table and table[key] != layer:
+                    raise _config_error(PARAM_HOOK_ERROR.format(
+                        what="Two stacked parameter groups with one structure are sharded differently."))
+                table[key] = layer
+                return
+            for name in f:
+                walk(f[name], d[name])
+
+    walk(flags, targets)
+
+    def layer_fetch(p):
+        target = table.get(jax.tree.structure(p))
+        if target is None:
+            raise ValueError("offload_param: the model's layer_fetch got a tree that matches no stacked "
+                             f"parameter group: {jax.tree.structure(p)}")
+        return move(p, target)
+
+    def fetch_rest(tree):  # the non-layer leaves (embeddings, final norm): whole, where used
+        return jax.tree.map(lambda x, f, s: x if f else move(x, s), tree, flags, targets)
+
+    hooked = _hook_modules(module)
+    if not hooked:
+        raise _config_error(PARAM_HOOK_ERROR.format(
+            what=f"{type(module).__name__} has no `layer_fetch` attribute, so its parameters would "
+                 "stay on the device."))
+    return _split_with(module, hooked, {"layer_fetch": layer_fetch, **knobs}), fetch_rest
+
+
+def _split_with(module, hooked, attrs: dict):
+    """The graphdef of `module` with `attrs` set on the `hooked` modules where they have them,
+    `module` itself left as it was."""
+    with _attributes(hooked, **attrs), no_eager_sharding():
+        return nnx.split(module, nnx.Param, ...)[0]
+
+
+def no_eager_sharding():
+    # flax >= 0.12 shards annotated variables at creation, which needs a mesh; we shard later.
+    use = getattr(nnx, "use_eager_sharding", None)
+    return contextlib.nullcontext() if use is None else use(False)
+
+
+__all__ = ["EngineLayout", "build_layout", "resolve_config", "PARAM_HOOK_ERROR"]
