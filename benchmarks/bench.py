@@ -4,6 +4,8 @@
     python benchmarks/bench.py                                # default matrix on all local GPUs
     python benchmarks/bench.py --matrix custom --sizes xl --stages plain,3 --remat on \
         --offload none,optimizer --micro 4,8 --mem-fraction 0.17
+    python benchmarks/bench.py --matrix custom --stages 2 --offload optimizer --mem-fraction 0.17 \
+        --offload-loop host --adam-mu-dtype bfloat16      # engine options for every entry
 
 Each matrix entry runs in a fresh subprocess (`--one <json spec>`): a device's
 `peak_bytes_in_use` is a process-lifetime maximum, so entries sharing a process would mix peaks,
@@ -16,7 +18,9 @@ a policy name of zerojax.models.gpt2.REMAT_POLICIES ("dots", "save_qkv", ...); "
 model's scan_unroll); "loss_chunk" (N: the cross entropy N positions at a time,
 zerojax.models.chunked_gpt2_loss, whose fused head never holds the whole logits); "env"
 (variables for that entry's child only; its XLA_FLAGS are appended to the run's, so one entry can
-A/B one XLA flag or JAX_OPTIMIZATION_LEVEL); "label" (shown in the name).
+A/B one XLA flag or JAX_OPTIMIZATION_LEVEL); "options" (zerojax.EngineOptions fields for that
+entry, on top of the run's --offload-loop / --adam-mu-dtype / --split-master / ... flags);
+"label" (shown in the name).
 
 Columns: tokens/s per device after warm-up, model TFLOP/s per device (FLOPs/token = 6N + 12*L*d*T),
 MFU against the measured ceiling, measured peak per device (max over local devices), the
@@ -46,7 +50,9 @@ def build_matrix(args, n_devices: int) -> list[dict]:
     if args.matrix not in ("default", "quick", "custom"):
         text = open(args.matrix).read() if os.path.exists(args.matrix) else args.matrix
         specs = json.loads(text)
-        return [dict(_base(args), **s) for s in (specs if isinstance(specs, list) else [specs])]
+        base = _base(args)
+        return [{**base, **s, "options": {**base["options"], **(s.get("options") or {})}}
+                for s in (specs if isinstance(specs, list) else [specs])]
     multi = n_devices > 1
     stages = args.stages or (["plain", 1, 2, 3] if multi else ["plain", 0, 1, 2, 3])
     remats = args.remat or ["off", "on"]
@@ -80,7 +86,19 @@ def build_matrix(args, n_devices: int) -> list[dict]:
 def _base(args) -> dict:
     return dict(seq=args.seq, steps=args.steps, warmup=args.warmup, size=args.sizes[0],
                 dtype=args.dtypes[0], accum=args.accum[0], micro=args.micro[0], stage="plain",
-                offload="none", remat=False, attention=args.attention, pipe=1, tp=args.tp[0])
+                offload="none", remat=False, attention=args.attention, pipe=1, tp=args.tp[0],
+                options=engine_options_of(args))
+
+
+# the EngineOptions fields the command line sets (--offload-loop, ..., --no-memory-guard)
+OPTION_FLAGS = ("offload_loop", "offload_host_chunk_bytes", "offload_host_window",
+                "offload_host_prefetch", "adam_mu_dtype", "split_master", "pipeline_repeats",
+                "memory_guard", "init_group_bytes")
+
+
+def engine_options_of(args) -> dict:
+    """The EngineOptions fields given on the command line (the rest keep the library's defaults)."""
+    return {k: getattr(args, k) for k in OPTION_FLAGS if getattr(args, k, None) is not None}
 
 
 def name_of(s: dict) -> str:
@@ -88,7 +106,6 @@ def name_of(s: dict) -> str:
     extra = "" if s.get("offload", "none") == "none" else f"+off-{s['offload']}"
     extra += f" pipe{s['pipe']}" if s.get("pipe", 1) > 1 else ""
     extra += f" tp{s['tp']}" if s.get("tp", 1) > 1 else ""
-    extra += f" rep{s['repeats']}" if s.get("repeats", 1) > 1 else ""
     extra += f" ckpt{s['ckpt']}" if s.get("ckpt") else ""
     extra += f" accum-{s['grad_accum']}" if s.get("grad_accum") else ""
     extra += f" vocab/{s['vocab_multiple']}" if s.get("vocab_multiple") else ""
@@ -96,8 +113,8 @@ def name_of(s: dict) -> str:
     policy = remat_policy_of(s)
     remat = "" if policy is None else " remat" if policy == "full" else f" remat-{policy}"
     remat += f" unroll{s['unroll']}" if s.get("unroll", 1) > 1 else ""
-    remat += f" gelu-{s['gelu']}" if s.get("gelu") else ""
-    label = f" [{s['label']}]" if s.get("label") else ""  # e.g. the XLA flags of an A/B entry
+    opts = " ".join(f"{k}={v}" for k, v in sorted((s.get("options") or {}).items()))
+    label = f" [{s['label']}]" if s.get("label") else f" [{opts}]" if opts else ""
     return f"{s['size']} {what}{extra} {s['dtype']} mb{s['micro']}x{s['accum']}{remat}{label}"
 
 
@@ -186,7 +203,7 @@ def one(spec: dict) -> dict:
 
 def measure_ceiling(n: int) -> dict:
     """Per-device bf16 matmul TFLOP/s with every local device busy at once (zerojax.ceiling)."""
-    from zerojax.ceiling import measure_matmul_ceiling
+    from zerojax.planning.ceiling import measure_matmul_ceiling
 
     return measure_matmul_ceiling(n)
 
@@ -225,8 +242,6 @@ def run_entry(spec: dict) -> dict:
 
     from zerojax.models import gpt2 as G
 
-    if spec.get("gelu") == "autodiff":  # A/B for session 12: JAX's derivative of jax.nn.gelu
-        G.gelu_new = G._gelu_new_value    # instead of the model's custom-VJP gelu_new
     config = model_config(spec)
     seq = min(spec["seq"] or config.n_positions, config.n_positions)
     n_dev = jax.device_count()
@@ -276,9 +291,6 @@ def run_entry(spec: dict) -> dict:
         # the offload's resolved knobs (layer groups, loop, split master), where the engine offloads
         "offload_settings": getattr(getattr(runner, "engine", None), "offload_settings", None),
         "pipe": pipe, "predicted_bubble": getattr(getattr(runner, "engine", None), "pipeline_bubble", None),
-        # per device and step, every loop iteration counted (hlo_flops.py): recomputation, a
-        # pipeline's bubble iterations and work replicated over devices all show here
-        "matmul_flops_per_device_step": runner.matmul_flops,
     }
 
 
@@ -294,7 +306,7 @@ class PlainRunner:
         from flax import nnx
         from jax.sharding import NamedSharding, PartitionSpec as P
 
-        from zerojax.memory import CompiledMemory
+        from zerojax.planning.memory import CompiledMemory
         from zerojax.models.gpt2 import GPT2
 
         loss_fn = loss_fn_of(spec)
@@ -338,7 +350,6 @@ class PlainRunner:
         self.compiled = jitted.lower(params, opt_state, self.batch).compile()
         self.compile_s = time.perf_counter() - t0
         self.predicted = CompiledMemory.of(self.compiled)
-        self.matmul_flops = _matmul_flops(self.compiled)
         self.state = (params, opt_state)
 
     def step(self):
@@ -361,7 +372,7 @@ class ZeroRunner:
         from flax import nnx
 
         import zerojax
-        from zerojax import memory as M
+        from zerojax.planning import memory as M
         from zerojax.models.gpt2 import GPT2
 
         off, _, ratio = spec["offload"].partition(":")  # "optimizer:0.5": offload_optimizer.ratio
@@ -397,18 +408,16 @@ class ZeroRunner:
         model = lambda: GPT2(config, rngs=nnx.Rngs(0), dtype=dtype, param_dtype=jnp.float32,  # noqa: E731
                              remat_policy=remat_policy_of(spec), scan_unroll=int(spec.get("unroll", 1)),
                              attention_impl=spec.get("attention"))
-        # knobs swept by benchmarks/*.sh arrive as ZEROJAX_* environment variables
-        # spec "repeats": the pipeline's circular repeats (EngineOptions.pipeline_repeats)
-        options = zerojax.EngineOptions.from_env(pipeline_repeats=int(spec.get("repeats", 1)))
+        # the run's engine-option flags, with the entry's own "options" on top
+        options = zerojax.EngineOptions(**(spec.get("options") or {}))
         self.engine = zerojax.shard(model, cfg, loss_fn=loss_fn_of(spec), options=options)
         self.batch = batch
-        self.predicted, self.compile_s, self.matmul_flops, self.compiled = None, None, None, None
+        self.predicted, self.compile_s, self.compiled = None, None, None
         t0 = time.perf_counter()
         try:
-            compiled = self.compiled = M.compile_engine_step(self.engine, batch)  # profile_step reads its HLO
+            compiled = self.compiled = M.compile_engine_step(self.engine, batch)
             self.compile_s = time.perf_counter() - t0
             self.predicted = M.CompiledMemory.of(compiled)
-            self.matmul_flops = _matmul_flops(compiled)
         except NotImplementedError as e:
             print(f"no prediction: {e}", file=sys.stderr)
         self._first = True
@@ -428,15 +437,6 @@ class ZeroRunner:
         import jax
 
         jax.block_until_ready(self.engine.state)
-
-
-def _matmul_flops(compiled):
-    """Per-device matmul FLOPs of a compiled step, loops counted in full (benchmarks/hlo_flops.py)."""
-    if HERE not in sys.path:
-        sys.path.insert(0, HERE)
-    from hlo_flops import matmul_flops
-
-    return matmul_flops(compiled.as_text())
 
 
 # ---------------------------------------------------------------------------------------------
@@ -501,6 +501,26 @@ def parse_args(argv=None):
                    help="attention implementation (default: cuDNN on GPU where it applies)")
     p.add_argument("--mem-fraction", type=float, default=None,
                    help="XLA_PYTHON_CLIENT_MEM_FRACTION for the children (e.g. 0.17 ~ 24 GB of an H200)")
+    o = p.add_argument_group("engine options (zerojax.EngineOptions fields, for every entry; "
+                             "unset = the library's default)")
+    o.add_argument("--offload-loop", dest="offload_loop", choices=("auto", "in_place", "host"),
+                   help="offload_loop: how optimizer offload streams the state (default auto)")
+    o.add_argument("--offload-host-chunk-bytes", dest="offload_host_chunk_bytes", type=int,
+                   help="offload_host_chunk_bytes: fp32 master bytes per host-loop chunk (256 MiB)")
+    o.add_argument("--offload-host-window", dest="offload_host_window", type=int,
+                   help="offload_host_window: host-loop chunks on the device at once (3)")
+    o.add_argument("--offload-host-prefetch", dest="offload_host_prefetch", type=int,
+                   help="offload_host_prefetch: chunks read in before the step's jit (2)")
+    o.add_argument("--adam-mu-dtype", dest="adam_mu_dtype", choices=("bfloat16",),
+                   help="adam_mu_dtype: Adam's first moment in bf16 (default: fp32)")
+    o.add_argument("--split-master", dest="split_master", choices=("auto", "on", "off"),
+                   help="split_master: the fp32 master as bf16 params + 16-bit remainder (auto)")
+    o.add_argument("--pipeline-repeats", dest="pipeline_repeats", type=int,
+                   help="pipeline_repeats: circular pipeline repeats (1)")
+    o.add_argument("--no-memory-guard", dest="memory_guard", action="store_const", const=False,
+                   default=None, help="memory_guard=False: no fit check before the first step")
+    o.add_argument("--init-group-bytes", dest="init_group_bytes", type=int,
+                   help="init_group_bytes: offload init's weight groups (default: a quarter of the device)")
     p.add_argument("--timeout", type=float, default=600, help="seconds per entry")
     p.add_argument("--out", default=None, help="JSON path (default benchmarks/results/<timestamp>.json)")
     args = p.parse_args(argv)

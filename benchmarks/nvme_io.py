@@ -1,5 +1,5 @@
 """Disk bandwidth of the NVMe tier's I/O path: `os.pwritev` / `os.preadv` on a thread pool (what
-zerojax.offload.nvme uses) against tensorstore (what orbax uses), for 64-256 MiB blocks.
+zerojax.offload.nvme.swapper uses) against tensorstore (what orbax uses), for 64-256 MiB blocks.
 
     python benchmarks/nvme_io.py --path /local_nvme --mib 64 256 --total-mib 2048 --json out.json
 
@@ -19,7 +19,7 @@ import time
 
 import numpy as np
 
-from zerojax.offload.nvme import NvmeSwapper, SwapLeaf, _filesystem_type
+from zerojax.offload.nvme.swapper import NvmeSwapper, SwapLeaf, _filesystem_type
 
 
 def _drop_cache(path: str) -> None:
