@@ -23,6 +23,8 @@ from collections.abc import Iterator, Sequence
 
 import numpy as np
 
+from zerojax.models.tokenizer import HFTokenizer
+
 TEXT_SUFFIXES = (".txt", ".jsonl")
 
 
@@ -134,34 +136,8 @@ class ByteTokenizer:
         return bytes(np.asarray(ids, dtype=np.uint8).tolist()).decode("utf-8", errors="replace")
 
 
-class HFTokenizer:
-    """A Hugging Face `tokenizer.json`, through the `tokenizers` library."""
-
-    EOS_CANDIDATES = ("<|endoftext|>", "</s>", "<eos>", "[SEP]")
-
-    def __init__(self, path: str | os.PathLike):
-        from tokenizers import Tokenizer
-
-        path = os.fspath(path)
-        if os.path.isdir(path):
-            path = os.path.join(path, "tokenizer.json")
-        if not os.path.exists(path):
-            raise FileNotFoundError(f"tokenizer file not found: {path!r}")
-        self.path = path
-        self._tok = Tokenizer.from_file(path)
-        self.vocab_size = self._tok.get_vocab_size(with_added_tokens=True)
-        self.eos_id = next((i for t in self.EOS_CANDIDATES
-                            if (i := self._tok.token_to_id(t)) is not None), None)
-
-    def encode(self, text: str) -> np.ndarray:
-        return np.asarray(self._tok.encode(text, add_special_tokens=False).ids, dtype=np.int32)
-
-    def encode_batch(self, texts: Sequence[str]) -> list[np.ndarray]:
-        encs = self._tok.encode_batch(list(texts), add_special_tokens=False)
-        return [np.asarray(e.ids, dtype=np.int32) for e in encs]
-
-    def decode(self, ids) -> str:
-        return self._tok.decode([int(i) for i in ids], skip_special_tokens=False)
+# HFTokenizer lives beside the models that read its folders (zerojax.models.tokenizer); the
+# name stays importable from here
 
 
 def load_tokenizer(path: str | os.PathLike | None = None):

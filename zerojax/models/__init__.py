@@ -1,25 +1,45 @@
 """Plain Flax NNX models; nothing here imports the rest of zerojax."""
-import os
 
 from zerojax.models.gpt2 import GPT2, GPT2Config, chunked_gpt2_loss, flops_per_token, gpt2_loss, num_params
 from zerojax.models.hf import gpt2_from_hf, gpt2_from_params, load_hf, save_hf
+from zerojax.models.hub import from_hf, to_hf
+from zerojax.models.llama import Llama, LlamaConfig, chunked_llama_loss, llama_loss
+from zerojax.models.tokenizer import HFTokenizer
 
 
 def weights_writer(record: dict | None):
     """The writer of consolidated weights for a model's `checkpoint_record()`, or None (unknown
     model: the checkpoint's flat safetensors). A writer is `writer(params, out_dir, dtype=None)
-    -> path of the weights file`; GPT-2's writes a Hugging Face folder (config.json +
-    model.safetensors)."""
-    if not record or record.get("type") != "gpt2":
+    -> path of the weights file`; GPT-2's and the Llama family's write a Hugging Face folder
+    (config.json + model.safetensors, or shards with model.safetensors.index.json)."""
+    if not record:
         return None
-    config = GPT2Config(**record["config"])
+    if record.get("type") == "gpt2":
+        config = GPT2Config(**record["config"])
 
-    def write(params, out_dir, dtype=None):
-        save_hf(params, config, out_dir, dtype=dtype)
-        return os.path.join(out_dir, "model.safetensors")
+        def write(params, out_dir, dtype=None):
+            return save_hf(params, config, out_dir, dtype=dtype)
 
-    return write
+        return write
+    if record.get("family") == "llama":
+        from zerojax.models.hf_llama import config_from_record, save_llama_hf
+
+        llama_config = config_from_record(record)
+
+        def write_llama(params, out_dir, dtype=None):
+            return save_llama_hf(params, llama_config, out_dir, dtype=dtype)
+
+        return write_llama
+    return None
+
+
+def load_tokenizer(path):
+    """The tokenizer of a Hugging Face folder (its tokenizer.json, through the `tokenizers`
+    library; bos / eos / pad tokens and the chat template from tokenizer_config.json where the
+    folder has one), or of a tokenizer.json path: a `zerojax.models.tokenizer.HFTokenizer`."""
+    return HFTokenizer(path)
 
 
 __all__ = ["GPT2", "GPT2Config", "chunked_gpt2_loss", "flops_per_token", "gpt2_loss", "num_params",
-           "gpt2_from_hf", "gpt2_from_params", "load_hf", "save_hf", "weights_writer"]
+           "gpt2_from_hf", "gpt2_from_params", "load_hf", "save_hf", "weights_writer",
+           "Llama", "LlamaConfig", "llama_loss", "chunked_llama_loss", "from_hf", "to_hf", "load_tokenizer"]

@@ -107,20 +107,106 @@ def config_to_hf(config: GPT2Config, dtype: str = "float32") -> dict:
 
 
 def _read_tensors(path: str) -> dict[str, np.ndarray]:
-    from safetensors.numpy import load_file
+    """Every tensor of a folder's safetensors (single file or sharded), as numpy arrays."""
+    with TensorReader(path) as reader:
+        return {name: reader.get(name) for name in reader.names}
 
-    single = os.path.join(path, "model.safetensors")
-    index = single + ".index.json"
-    if os.path.exists(single):
-        return load_file(single)
-    if os.path.exists(index):  # sharded checkpoint
-        with open(index) as f:
-            files = sorted(set(json.load(f)["weight_map"].values()))
-        tensors = {}
+
+class TensorReader:
+    """The tensors of a Hugging Face folder (`model.safetensors`, or the shards a
+    `model.safetensors.index.json` lists), read one at a time (`get(name)`), so a model is never
+    held in host memory twice while it is converted. Use as a context manager (closes the files)."""
+
+    def __init__(self, path: str):
+        from safetensors import safe_open
+
+        self.path = os.fspath(path)
+        single = os.path.join(self.path, "model.safetensors")
+        index = single + ".index.json"
+        if os.path.exists(single):
+            files = {"model.safetensors": None}
+        elif os.path.exists(index):
+            with open(index) as f:
+                weight_map = json.load(f)["weight_map"]
+            files = {name: None for name in sorted(set(weight_map.values()))}
+        else:
+            raise FileNotFoundError(f"no model.safetensors (or model.safetensors.index.json) in {self.path!r}")
+        self._handles = {}
+        self._where = {}
         for name in files:
-            tensors.update(load_file(os.path.join(path, name)))
-        return tensors
-    raise FileNotFoundError(f"no model.safetensors (or .index.json) in {path!r}")
+            full = os.path.join(self.path, name)
+            if not os.path.exists(full):
+                raise FileNotFoundError(f"{index}: lists {name!r}, which is not in {self.path!r}")
+            handle = safe_open(full, framework="numpy")
+            self._handles[name] = handle
+            for key in handle.keys():
+                self._where[key] = name
+        self.names = list(self._where)
+
+    def __contains__(self, name):
+        return name in self._where
+
+    def get(self, name: str) -> np.ndarray:
+        if name not in self._where:
+            raise KeyError(f"{self.path!r}: tensor {name!r} missing from the safetensors files")
+        return self._handles[self._where[name]].get_tensor(name)
+
+    def close(self):
+        self._handles.clear()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+
+# Hugging Face's default `max_shard_size` for save_pretrained ("5GB", decimal)
+MAX_SHARD_BYTES = 5 * 10**9
+
+
+def write_tensors(entries, out_dir: str, max_shard_size: int = MAX_SHARD_BYTES) -> str:
+    """Write `entries` [(name, shape, dtype, make)] (make() -> the numpy array, called once, in
+    order) as Hugging Face's safetensors: one `model.safetensors`, or shards of at most
+    `max_shard_size` bytes (a tensor larger than that alone in its shard) with a
+    `model.safetensors.index.json`, as `save_pretrained` writes them. Only one shard's tensors
+    are held at a time. Returns the path of the weights file (or of the index)."""
+    from safetensors.numpy import save_file
+
+    os.makedirs(out_dir, exist_ok=True)
+    shards, size = [[]], 0
+    for entry in entries:
+        nbytes = int(np.prod(entry[1], dtype=np.int64)) * np.dtype(entry[2]).itemsize
+        if shards[-1] and size + nbytes > max_shard_size:
+            shards.append([])
+            size = 0
+        shards[-1].append(entry)
+        size += nbytes
+    for stale in ("model.safetensors", "model.safetensors.index.json"):
+        if os.path.exists(os.path.join(out_dir, stale)):
+            os.remove(os.path.join(out_dir, stale))
+    if len(shards) == 1:
+        names = ["model.safetensors"]
+    else:
+        names = [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))]
+    weight_map, total = {}, 0
+    for file, shard in zip(names, shards):
+        tensors = {}
+        for name, shape, dtype, make in shard:
+            a = np.ascontiguousarray(make(), dtype=dtype)
+            if a.shape != tuple(shape):
+                raise ValueError(f"{name}: shape {a.shape}, expected {tuple(shape)}")
+            tensors[name] = a
+            weight_map[name] = file
+            total += a.nbytes
+        save_file(tensors, os.path.join(out_dir, file), metadata={"format": "pt"})
+        del tensors
+    if len(shards) == 1:
+        return os.path.join(out_dir, names[0])
+    index = os.path.join(out_dir, "model.safetensors.index.json")
+    with open(index, "w") as f:
+        json.dump({"metadata": {"total_size": total}, "weight_map": weight_map}, f, indent=2, sort_keys=True)
+    return index
 
 
 def _shapes(config: GPT2Config) -> dict:
@@ -154,29 +240,31 @@ def load_hf(path: str, dtype=None, **config_overrides) -> tuple[GPT2Config, dict
         raise FileNotFoundError(f"no config.json in {path!r}")
     with open(cfg_file) as f:
         config = config_from_hf(json.load(f), **config_overrides)
-    tensors = _read_tensors(path)
-    # GPT2LMHeadModel saves "transformer.h.0..."; GPT2Model (and the hub's gpt2) saves "h.0..."
-    tensors = {k.removeprefix("transformer."): v for k, v in tensors.items()}
-    cast = (lambda a: np.asarray(a, dtype)) if dtype is not None else np.asarray
-    shapes = _shapes(config)
-    params: dict = {}
-    used = set()
+    with TensorReader(path) as reader:
+        # GPT2LMHeadModel saves "transformer.h.0..."; GPT2Model (and the hub's gpt2) saves "h.0..."
+        full = {k.removeprefix("transformer."): k for k in reader.names}
+        cast = (lambda a: np.asarray(a, dtype)) if dtype is not None else np.asarray
+        shapes = _shapes(config)
+        params: dict = {}
+        used = set()
 
-    def take(name):
-        if name not in tensors:
-            raise KeyError(f"{path!r}: tensor {name!r} missing from the safetensors file")
-        used.add(name)
-        return tensors[name]
+        def take(name):
+            if name not in full:
+                raise KeyError(f"{path!r}: tensor {name!r} missing from the safetensors file")
+            used.add(name)
+            return reader.get(full[name])
 
-    for name, ours in _TOP_KEYS:
-        tensor = take(name)
-        _set(params, ours, cast(pad_vocab(tensor, config) if ours == ("wte",) else tensor))
-    for name, ours in _LAYER_KEYS:
-        per_layer = [take(f"h.{i}.{name}") for i in range(config.n_layer)]
-        if name in shapes:
-            per_layer = [a.reshape(shapes[name]) for a in per_layer]
-        _set(params, ("h", *ours), cast(np.stack(per_layer)))
-    extra = [k for k in tensors if k not in used and not k.endswith(_IGNORED_SUFFIXES)]
+        for name, ours in _TOP_KEYS:
+            tensor = take(name)
+            _set(params, ours, cast(pad_vocab(tensor, config) if ours == ("wte",) else tensor))
+        for name, ours in _LAYER_KEYS:
+            first = take(f"h.0.{name}")
+            shape = shapes.get(name, first.shape)
+            stacked = np.empty((config.n_layer, *shape), dtype if dtype is not None else first.dtype)
+            for i in range(config.n_layer):
+                stacked[i] = (first if i == 0 else take(f"h.{i}.{name}")).reshape(shape)
+            _set(params, ("h", *ours), stacked)
+        extra = [k for k in full if k not in used and not k.endswith(_IGNORED_SUFFIXES)]
     if extra:
         raise ValueError(f"{path!r}: unexpected tensors for GPT-2: {sorted(extra)[:8]}")
     return config, params
@@ -193,35 +281,36 @@ def _plain(tree):
     return np.asarray(tree)  # a multi-host sharded array must be gathered by the caller first
 
 
-def save_hf(params, config: GPT2Config, out_dir: str, dtype=None) -> None:
-    """Write config.json + model.safetensors that `GPT2LMHeadModel.from_pretrained(out_dir)` loads.
+def save_hf(params, config: GPT2Config, out_dir: str, dtype=None, *,
+            max_shard_size: int = MAX_SHARD_BYTES) -> str:
+    """Write config.json + model.safetensors that `GPT2LMHeadModel.from_pretrained(out_dir)` loads
+    (sharded with an index above `max_shard_size` bytes) -> the weights file's (or index's) path.
 
     params: the model, `nnx.state(model)` or its pure dict (`nnx.to_pure_dict`).
     dtype: the saved dtype (e.g. np.float32, jnp.bfloat16; default: as given).
     """
-    from safetensors.numpy import save_file
-
     params = _plain(params)
-    cast = (lambda a: np.ascontiguousarray(a, dtype=dtype)) if dtype is not None else np.ascontiguousarray
     shapes = _shapes(config)
-    tensors = {}
+    entries = []
+
+    def entry(name, a, reshape=None):
+        out = np.dtype(dtype) if dtype is not None else a.dtype
+        shape = reshape or a.shape
+        entries.append((name, shape, out, lambda: a.reshape(shape)))
+
     for name, ours in _TOP_KEYS:
         tensor = _get(params, ours)
-        tensors[f"transformer.{name}"] = cast(unpad_vocab(tensor, config) if ours == ("wte",) else tensor)
-    for name, ours in _LAYER_KEYS:
-        stacked = _get(params, ("h", *ours))
-        if stacked.shape[0] != config.n_layer:
-            raise ValueError(f"h/{'/'.join(ours)} has {stacked.shape[0]} layers, config says {config.n_layer}")
-        for i in range(config.n_layer):
-            a = stacked[i]
-            if name in shapes:
-                a = a.reshape(_hf_shape(name, config))
-            tensors[f"transformer.h.{i}.{name}"] = cast(a)
+        entry(f"transformer.{name}", unpad_vocab(tensor, config) if ours == ("wte",) else tensor)
+    for i in range(config.n_layer):
+        for name, ours in _LAYER_KEYS:
+            stacked = _get(params, ("h", *ours))
+            if stacked.shape[0] != config.n_layer:
+                raise ValueError(f"h/{'/'.join(ours)} has {stacked.shape[0]} layers, config says {config.n_layer}")
+            entry(f"transformer.h.{i}.{name}", stacked[i], _hf_shape(name, config) if name in shapes else None)
     os.makedirs(out_dir, exist_ok=True)
-    dtype_name = np.dtype(next(iter(tensors.values())).dtype).name
     with open(os.path.join(out_dir, "config.json"), "w") as f:
-        json.dump(config_to_hf(config, dtype_name), f, indent=2, sort_keys=True)
-    save_file(tensors, os.path.join(out_dir, "model.safetensors"), metadata={"format": "pt"})
+        json.dump(config_to_hf(config, np.dtype(entries[0][2]).name), f, indent=2, sort_keys=True)
+    return write_tensors(entries, out_dir, max_shard_size)
 
 
 def _hf_shape(name, config):
@@ -254,3 +343,4 @@ def gpt2_from_params(config: GPT2Config, params: Mapping, **model_kwargs) -> GPT
     graphdef, state = nnx.split(abstract)
     nnx.replace_by_pure_dict(state, jax.tree.map(lambda a: jnp.asarray(a, param_dtype), params))
     return nnx.merge(graphdef, state)
+

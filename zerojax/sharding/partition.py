@@ -25,6 +25,7 @@ import numpy as np
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P
 
 from zerojax.config import ConfigError
+from zerojax.sharding import autotp
 
 DATA = "data"
 TENSOR = "tensor"
@@ -40,13 +41,17 @@ AXES = (DATA, TENSOR)
 # ("qkv", size 3) is never split.
 DEFAULT_RULES: tuple[tuple[str, str | None], ...] = (
     ("heads", TENSOR),
+    ("kv_heads", TENSOR),   # GQA's key / value heads: split where the tensor size divides them
     ("mlp", TENSOR),
     ("vocab", TENSOR),
 )
 # Logical names that may stay whole when the tensor size does not divide them (a warning, not an
 # error): a vocabulary is whatever the tokenizer made it (GPT-2's 50257 is odd); padding it
 # (GPT2Config.make_vocab_size_divisible_by, 128 by default) is the fix the warning names.
-SPLIT_IF_DIVISIBLE = frozenset({"vocab"})
+SPLIT_IF_DIVISIBLE = frozenset({"vocab", "kv_heads"})
+# ... of which these stay whole without a warning: fewer kv heads than tensor ranks is GQA's design
+# (each rank then holds every kv head; Megatron replicates them the same way)
+WHOLE_BY_DESIGN = frozenset({"kv_heads"})
 # Logical names that stay whole on purpose under tensor parallelism (no "unknown name" warning).
 # Position embeddings ("pos") are small and read by every token; norms and biases are per-feature.
 REPLICATED_NAMES = frozenset({"embed", "layers", "pos", "qkv", "head_dim", "batch", "seq",
@@ -134,7 +139,8 @@ def _logical_axes(variable) -> tuple | None:
     return None
 
 
-def tensor_specs(state, mesh: Mesh, rules=None, *, tp=None, model_type: str | None = None) -> Any:
+def tensor_specs(state, mesh: Mesh, rules=None, *, tp=None, model_type: str | None = None,
+                 stacked_prefixes: tuple[tuple[str, ...], ...] = ()) -> Any:
     """PartitionSpecs (tensor axes only) for every Variable of an `nnx.State`, as a pure dict.
 
     The result has the structure of `state.to_pure_dict()`; leaves without logical axes get P().
@@ -143,6 +149,10 @@ def tensor_specs(state, mesh: Mesh, rules=None, *, tp=None, model_type: str | No
     rules unless `use_default_specs` is false. Checked: every split axis divides by the tensor
     size (ConfigError naming the parameter, its sizes and the tensor sizes that would work);
     logical names neither split nor known to stay whole are replicated with a warning.
+    Parameters with no logical names get AutoTP's splits inferred from their names and shapes
+    (`zerojax.sharding.autotp`); `stacked_prefixes`: the key paths of stacked block groups (their
+    leaves lead with a layer axis, never split). With a tensor axis and nothing split at all, a
+    ConfigError lists the parameters (half the devices would repeat the same work).
     """
     from flax import nnx
 
@@ -155,7 +165,7 @@ def tensor_specs(state, mesh: Mesh, rules=None, *, tp=None, model_type: str | No
     def spec_of(path, v):
         names = _logical_axes(v)
         shape = tuple(getattr(v, "shape", ()) or getattr(getattr(v, "value", None), "shape", ()))
-        dotted = ".".join(str(getattr(k, "key", getattr(k, "idx", k))) for k in path)
+        dotted = ".".join(dotted_keys(path))
         spec = None
         if n_tensor > 1:
             for entry in layer_specs:
@@ -163,6 +173,8 @@ def tensor_specs(state, mesh: Mesh, rules=None, *, tp=None, model_type: str | No
                     spec = entry.spec(shape, names)
                     break
         from_specs = spec is not None  # an explicit layer_specs split must divide (an error if not)
+        if spec is None and n_tensor > 1 and use_defaults and not any(n not in (None, "layers") for n in names or ()):
+            spec = _inferred_spec(dotted_keys(path), shape, names, stacked_prefixes, n_tensor, kept_whole)
         if spec is None:
             spec = logical_to_mesh(names, mesh, rules) if use_defaults else P()
             if n_tensor > 1 and use_defaults and names:
@@ -179,6 +191,15 @@ def tensor_specs(state, mesh: Mesh, rules=None, *, tp=None, model_type: str | No
         return spec
 
     specs = jax.tree_util.tree_map_with_path(spec_of, state, is_leaf=lambda x: isinstance(x, nnx.Variable))
+    if n_tensor > 1 and not any(TENSOR in s for s in jax.tree.leaves(specs, is_leaf=lambda x: isinstance(x, P))):
+        names = [".".join(dotted_keys(p)) for p, _ in jax.tree_util.tree_flatten_with_path(
+            state, is_leaf=lambda x: isinstance(x, nnx.Variable))[0]]
+        raise ConfigError([
+            f"tensor_parallel.autotp_size = {n_tensor}: no parameter of this model is split over the tensor "
+            f"axis (no logical axis names, no layer_specs match, and no name AutoTP knows among "
+            f"{names[:12]}{' ...' if len(names) > 12 else ''}); name the projections as Hugging Face does "
+            "(q_proj / k_proj / v_proj / o_proj, gate_proj / up_proj / down_proj), add "
+            "tensor_parallel.partition_config.layer_specs, or set autotp_size 1"])
     if bad:
         n_dev = mesh.devices.size
         fits = [t for t in range(1, n_dev + 1)
@@ -188,6 +209,7 @@ def tensor_specs(state, mesh: Mesh, rules=None, *, tp=None, model_type: str | No
             + (f" ({logical!r})" if logical else "") + f" of size {size} over the tensor axis, and "
             f"{size} is not divisible by {n_tensor}; tensor sizes that would work on {n_dev} devices: {fits}"
             for name, i, size, logical in bad])
+    kept_whole = [k for k in kept_whole if k[1] not in WHOLE_BY_DESIGN]
     if kept_whole:
         warnings.warn("tensor parallelism: " + "; ".join(
             f"{name}'s {logical!r} axis of size {size} is not divisible by tensor_parallel.autotp_size = "
@@ -199,6 +221,27 @@ def tensor_specs(state, mesh: Mesh, rules=None, *, tp=None, model_type: str | No
                       "those axes stay replicated (add a tensor_parallel.partition_config.layer_specs "
                       "entry to split them)", UserWarning, stacklevel=2)
     return _pure(specs)
+
+
+def dotted_keys(path) -> tuple[str, ...]:
+    """A jax key path as plain string keys."""
+    return tuple(str(getattr(k, "key", getattr(k, "idx", k))) for k in path)
+
+
+def _inferred_spec(keys, shape, names, stacked_prefixes, n_tensor: int, kept_whole: list) -> P | None:
+    """AutoTP's split of one unnamed parameter (`autotp.infer`) as a PartitionSpec; an axis the
+    tensor size does not divide (a GQA kv-head count, an odd vocabulary) stays whole, noted in
+    `kept_whole`."""
+    stacked = bool(names and names[0] == "layers") or any(keys[:len(p)] == tuple(p) for p in stacked_prefixes)
+    found = autotp.infer(keys, shape, stacked=stacked)
+    if found is None or found.axis is None:
+        return P(*([None] * len(shape))) if found is not None else None
+    axis = found.axis + (1 if stacked else 0)
+    if shape[axis] % n_tensor:
+        if found.role == "vocab":
+            kept_whole.append((".".join(keys), "vocab", shape[axis]))
+        return P(*([None] * len(shape)))
+    return P(*(TENSOR if i == axis else None for i in range(len(shape))))
 
 
 class _LayerSpec(NamedTuple):

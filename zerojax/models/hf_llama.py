@@ -1,0 +1,242 @@
+"""Hugging Face Llama-family folders in and out: Llama, Mistral, Qwen2, Qwen3.
+
+Torch's `nn.Linear` stores [out, in]; ours are [in, out] with the heads axis spelled out, so a
+q_proj [H*Dh, d] is read as its transpose reshaped to [d, H, Dh], o_proj [d, H*Dh] as
+[H, Dh, d], gate / up / down as their transposes. Per-layer tensors are stacked on the "layers"
+axis one tensor at a time (`hf.TensorReader`). HF's checkpoints are already in the rotate-half
+layout our rotary embedding uses: no permutation. A tied model's `lm_head.weight` is not
+written (as `save_pretrained` does) and ignored when present.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+from collections.abc import Mapping
+
+import numpy as np
+
+from zerojax.models.hf import MAX_SHARD_BYTES, TensorReader, _get, _plain, _set, write_tensors
+from zerojax.models.llama import MODEL_TYPES, LlamaConfig
+
+ARCHITECTURES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
+                 "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
+# transformers' own defaults for keys a config.json may leave out (its config classes)
+_DEFAULTS = {
+    "llama": dict(max_position_embeddings=2048, rms_norm_eps=1e-6),
+    "mistral": dict(max_position_embeddings=4096 * 32, rms_norm_eps=1e-6, sliding_window=4096,
+                    num_key_value_heads=8),
+    "qwen2": dict(max_position_embeddings=32768, rms_norm_eps=1e-6, num_key_value_heads=32),
+    "qwen3": dict(max_position_embeddings=32768, rms_norm_eps=1e-6, num_key_value_heads=32, head_dim=128),
+}
+
+
+def config_from_hf(hf: Mapping, **overrides) -> LlamaConfig:
+    """LlamaConfig from a config.json dict; refuses what the model does not run, naming the key."""
+    kind = hf.get("model_type")
+    if kind not in MODEL_TYPES:
+        raise ValueError(f"config.json model_type={kind!r}: the Llama family reads {MODEL_TYPES}")
+    get = lambda key, default=None: hf.get(key, _DEFAULTS[kind].get(key, default))  # noqa: E731
+    problems = []
+    if get("hidden_act", "silu") != "silu":
+        problems.append(f"hidden_act={hf['hidden_act']!r} (only 'silu', SwiGLU)")
+    if hf.get("mlp_bias"):
+        problems.append("mlp_bias=true (MLP biases)")
+    rope = dict(hf.get("rope_parameters") or hf.get("rope_scaling") or {})
+    if isinstance(rope.get("full_attention"), Mapping):  # per-layer-type rope parameters
+        rope = dict(rope["full_attention"])
+    rope_type = rope.get("rope_type", rope.get("type", "default"))
+    if rope_type not in ("default", "linear", "llama3"):
+        problems.append(f"rope scaling type {rope_type!r} (supported: default, linear, llama3)")
+    if hf.get("use_sliding_window") and kind in ("qwen2", "qwen3"):
+        problems.append("use_sliding_window=true (per-layer sliding windows)")
+    if hf.get("partial_rotary_factor", rope.get("partial_rotary_factor", 1.0)) != 1.0:
+        problems.append("partial_rotary_factor != 1")
+    if problems:
+        raise ValueError(f"config.json ({kind}): not supported: " + "; ".join(problems))
+    bias = bool(hf.get("attention_bias", False))
+    qkv_bias, out_bias = {"llama": (bias, bias), "qwen3": (bias, bias), "qwen2": (True, False),
+                          "mistral": (False, False)}[kind]
+    eos = hf.get("eos_token_id")
+    fields = dict(
+        vocab_size=hf["vocab_size"], hidden_size=hf["hidden_size"], intermediate_size=hf["intermediate_size"],
+        num_hidden_layers=hf["num_hidden_layers"], num_attention_heads=hf["num_attention_heads"],
+        num_key_value_heads=get("num_key_value_heads") or hf["num_attention_heads"],
+        head_dim=get("head_dim"), max_position_embeddings=get("max_position_embeddings"),
+        rms_norm_eps=get("rms_norm_eps"), rope_theta=float(rope.get("rope_theta", hf.get("rope_theta", 10000.0))),
+        rope_type=rope_type, rope_factor=float(rope.get("factor", 1.0)),
+        rope_low_freq_factor=float(rope.get("low_freq_factor", 1.0)),
+        rope_high_freq_factor=float(rope.get("high_freq_factor", 4.0)),
+        rope_original_max_position_embeddings=rope.get("original_max_position_embeddings"),
+        attention_bias=qkv_bias, attention_out_bias=out_bias, qk_norm=kind == "qwen3",
+        sliding_window=get("sliding_window") if kind == "mistral" else None,
+        tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
+        initializer_range=hf.get("initializer_range", 0.02), model_type=kind,
+        bos_token_id=hf.get("bos_token_id"), eos_token_id=tuple(eos) if isinstance(eos, list) else eos)
+    return LlamaConfig(**{**fields, **overrides})
+
+
+def config_to_hf(config: LlamaConfig, dtype: str = "float32") -> dict:
+    """config.json for `config` (transformers 5's `rope_parameters`, and rope_theta / rope_scaling
+    as transformers 4 reads them)."""
+    kind = config.model_type
+    if kind == "qwen2" and (not config.attention_bias or config.attention_out_bias):
+        raise ValueError("qwen2 has q/k/v biases and no o_proj bias: attention_bias=True, attention_out_bias=False")
+    if kind in ("llama", "qwen3") and config.attention_bias != config.attention_out_bias:
+        raise ValueError(f"{kind}'s attention_bias sets the q/k/v and o_proj biases together; "
+                         f"got attention_bias={config.attention_bias}, attention_out_bias={config.attention_out_bias}")
+    if kind == "mistral" and (config.attention_bias or config.attention_out_bias):
+        raise ValueError("mistral has no attention biases")
+    if config.qk_norm != (kind == "qwen3"):
+        raise ValueError(f"qk_norm={config.qk_norm} with model_type={kind!r}: only qwen3 has q/k norms")
+    if config.sliding_window is not None and kind != "mistral":
+        raise ValueError(f"sliding_window with model_type={kind!r}: only mistral's is written")
+    rope = {"rope_type": config.rope_type, "rope_theta": config.rope_theta}
+    if config.rope_type != "default":
+        rope["factor"] = config.rope_factor
+    if config.rope_type == "llama3":
+        rope.update(low_freq_factor=config.rope_low_freq_factor, high_freq_factor=config.rope_high_freq_factor,
+                    original_max_position_embeddings=config.rope_original_max_position_embeddings
+                    or config.max_position_embeddings)
+    eos = config.eos_token_id
+    out = {
+        "architectures": [ARCHITECTURES[kind]], "model_type": kind,
+        "vocab_size": config.vocab_size, "hidden_size": config.hidden_size,
+        "intermediate_size": config.intermediate_size, "num_hidden_layers": config.num_hidden_layers,
+        "num_attention_heads": config.num_attention_heads, "num_key_value_heads": config.kv_heads,
+        "head_dim": config.dim_per_head, "max_position_embeddings": config.max_position_embeddings,
+        "rms_norm_eps": config.rms_norm_eps, "hidden_act": "silu", "initializer_range": config.initializer_range,
+        "tie_word_embeddings": config.tie_word_embeddings, "use_cache": True, "attention_dropout": 0.0,
+        "rope_parameters": rope, "rope_theta": config.rope_theta,
+        "rope_scaling": {k: v for k, v in rope.items() if k != "rope_theta"} if config.rope_type != "default" else None,
+        "bos_token_id": config.bos_token_id, "eos_token_id": list(eos) if isinstance(eos, tuple) else eos,
+        "dtype": dtype,
+    }
+    if kind in ("llama", "qwen3"):
+        out["attention_bias"] = config.attention_bias
+    if kind == "llama":
+        out["mlp_bias"] = False
+    if kind == "mistral":
+        out["sliding_window"] = config.sliding_window
+    if kind in ("qwen2", "qwen3"):
+        out.update(use_sliding_window=False, sliding_window=None, max_window_layers=config.num_hidden_layers)
+    return out
+
+
+def _layer_entries(config: LlamaConfig):
+    """[(HF name after "model.layers.{i}.", our path under "layers", our per-layer shape, to_ours,
+    to_hf)] for this config's tensors."""
+    d, m, H, K, Dh = (config.hidden_size, config.intermediate_size, config.num_attention_heads,
+                      config.kv_heads, config.dim_per_head)
+    out = [("input_layernorm.weight", ("input_layernorm", "scale"), (d,), None, None),
+           ("post_attention_layernorm.weight", ("post_attention_layernorm", "scale"), (d,), None, None)]
+    for name, heads in (("q_proj", H), ("k_proj", K), ("v_proj", K)):
+        out.append((f"self_attn.{name}.weight", ("self_attn", name, "kernel"), (d, heads, Dh),
+                    lambda a, s=(d, heads, Dh): a.T.reshape(s), lambda a, n=heads * Dh: a.reshape(d, n).T))
+        if config.attention_bias:
+            out.append((f"self_attn.{name}.bias", ("self_attn", name, "bias"), (heads, Dh),
+                        lambda a, s=(heads, Dh): a.reshape(s), lambda a: a.reshape(-1)))
+    out.append(("self_attn.o_proj.weight", ("self_attn", "o_proj", "kernel"), (H, Dh, d),
+                lambda a: a.T.reshape(H, Dh, d), lambda a: a.reshape(H * Dh, d).T))
+    if config.attention_out_bias:
+        out.append(("self_attn.o_proj.bias", ("self_attn", "o_proj", "bias"), (d,), None, None))
+    if config.qk_norm:
+        out += [("self_attn.q_norm.weight", ("self_attn", "q_norm", "scale"), (Dh,), None, None),
+                ("self_attn.k_norm.weight", ("self_attn", "k_norm", "scale"), (Dh,), None, None)]
+    for name, shape in (("gate_proj", (d, m)), ("up_proj", (d, m)), ("down_proj", (m, d))):
+        out.append((f"mlp.{name}.weight", ("mlp", name, "kernel"), shape, lambda a: a.T, lambda a: a.T))
+    return out
+
+
+def _pad_rows(a, config):
+    rows = config.padded_vocab_size
+    if a.shape[0] == rows:
+        return a
+    if a.shape[0] != config.vocab_size:
+        raise ValueError(f"embedding has {a.shape[0]} rows; the config has vocab_size={config.vocab_size}")
+    return np.concatenate([a, np.zeros((rows - a.shape[0], *a.shape[1:]), a.dtype)])
+
+
+def read_leaves(path: str, dtype=None, **config_overrides):
+    """(LlamaConfig, iterator of (our path, numpy array)) for a Hugging Face folder, one stacked
+    leaf at a time (each per-layer tensor read once from the files; the caller consumes a leaf
+    before the next is read). dtype: cast to it (default: the file's)."""
+    with open(os.path.join(path, "config.json")) as f:
+        config = config_from_hf(json.load(f), **config_overrides)
+
+    def leaves():
+        with TensorReader(path) as reader:
+            used = set()
+
+            def take(name):
+                used.add(name)
+                a = reader.get(name)
+                return a if dtype is None else a.astype(dtype)
+
+            yield ("embed_tokens",), _pad_rows(take("model.embed_tokens.weight"), config)
+            L = config.num_hidden_layers
+            for name, ours, shape, to_ours, _ in _layer_entries(config):
+                first = take(f"model.layers.0.{name}")
+                stacked = np.empty((L, *shape), first.dtype)
+                for i in range(L):
+                    a = first if i == 0 else take(f"model.layers.{i}.{name}")
+                    stacked[i] = to_ours(a) if to_ours else a
+                yield ("layers", *ours), stacked
+            yield ("norm", "scale"), take("model.norm.weight")
+            if not config.tie_word_embeddings:
+                yield ("lm_head",), _pad_rows(take("lm_head.weight"), config)
+            extra = [k for k in reader.names if k not in used and not (k == "lm_head.weight"
+                                                                         or k.endswith("rotary_emb.inv_freq"))]
+            if extra:
+                raise ValueError(f"{path!r}: tensors this {config.model_type} model does not have: {sorted(extra)[:8]}")
+
+    return config, leaves()
+
+
+def load_llama_hf(path: str, dtype=None, **config_overrides) -> tuple[LlamaConfig, dict]:
+    """(LlamaConfig, params pure dict of numpy arrays) of a Hugging Face folder (`load_hf`'s shape)."""
+    config, leaves = read_leaves(path, dtype, **config_overrides)
+    params: dict = {}
+    for ours, a in leaves:
+        _set(params, ours, a)
+    return config, params
+
+
+def save_llama_hf(params, config: LlamaConfig, out_dir: str, dtype=None, *,
+                  max_shard_size: int = MAX_SHARD_BYTES) -> str:
+    """Write config.json + safetensors (sharded above max_shard_size bytes, with an index) that
+    `transformers`' `<Family>ForCausalLM.from_pretrained(out_dir)` loads -> the weights path.
+    params: the model, its `nnx.state` or pure dict; dtype: the saved dtype (default: as given)."""
+    params = _plain(params)
+    L, V = config.num_hidden_layers, config.vocab_size
+    entries = []
+
+    def entry(name, a, convert=None, shape=None):
+        out = np.dtype(dtype) if dtype is not None else a.dtype
+        entries.append((name, shape or a.shape, out, lambda: convert(a) if convert else a))
+
+    emb = _get(params, ("embed_tokens",))
+    d = emb.shape[1]
+    entry("model.embed_tokens.weight", emb[:V])
+    for i in range(L):
+        for name, ours, shape, _, to_hf in _layer_entries(config):
+            stacked = _get(params, ("layers", *ours))
+            if stacked.shape != (L, *shape):
+                raise ValueError(f"layers/{'/'.join(ours)}: shape {stacked.shape}, expected {(L, *shape)}")
+            hf_shape = to_hf(np.empty(shape, np.int8)).shape if to_hf else shape
+            entry(f"model.layers.{i}.{name}", stacked[i], to_hf, hf_shape)
+    entry("model.norm.weight", _get(params, ("norm", "scale")))
+    if not config.tie_word_embeddings:
+        entry("lm_head.weight", _get(params, ("lm_head",))[:V])
+    assert d == config.hidden_size
+    os.makedirs(out_dir, exist_ok=True)
+    with open(os.path.join(out_dir, "config.json"), "w") as f:
+        json.dump(config_to_hf(config, np.dtype(entries[0][2]).name), f, indent=2, sort_keys=True)
+    return write_tensors(entries, out_dir, max_shard_size)
+
+
+def config_from_record(record: Mapping) -> LlamaConfig:
+    """The LlamaConfig of a checkpoint's `checkpoint_record()` (JSON lists back to tuples)."""
+    fields = {f.name for f in dataclasses.fields(LlamaConfig)}
+    cfg = {k: (tuple(v) if isinstance(v, list) else v) for k, v in record["config"].items() if k in fields}
+    return LlamaConfig(**cfg)
