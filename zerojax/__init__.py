@@ -36,7 +36,15 @@ _PUBLIC = {
 __all__ = sorted(_PUBLIC) + ["__version__"]
 
 
+# subpackages reachable as attributes (`zerojax.lora.apply`) without an import of their own
+_SUBMODULES = ("lora", "models", "model")
+
+
 def __getattr__(name):
+    if name in _SUBMODULES:
+        value = _import_module(f"zerojax.{name}")
+        globals()[name] = value
+        return value
     module = _PUBLIC.get(name)
     if module is None:
         raise AttributeError(f"module 'zerojax' has no attribute {name!r}")

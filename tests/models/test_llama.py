@@ -258,7 +258,7 @@ def test_logical_axis_names():
     attn = specs["layers"]["self_attn"]
     assert specs["embed_tokens"] == P("vocab", "embed")
     assert attn["q_proj"]["kernel"] == P("layers", "embed", "heads", "head_dim")
-    assert attn["k_proj"]["kernel"] == P("layers", "embed", "heads", "head_dim")
+    assert attn["k_proj"]["kernel"] == P("layers", "embed", "kv_heads", "head_dim")
     assert attn["o_proj"]["kernel"] == P("layers", "heads", "head_dim", "embed")
     assert specs["layers"]["mlp"]["down_proj"]["kernel"] == P("layers", "mlp", "embed")
 

@@ -308,8 +308,14 @@ def positions_from_segments(segment_ids):
     return t - start
 
 
+def _linear(eq, h, entry, dtype):
+    """A projection: `h` contracted with `entry["kernel"]` by the einsum `eq`, in `dtype`. An adapter
+    (`Llama.adapter`, e.g. `zerojax.lora`'s) replaces it to read a quantized kernel or add its terms."""
+    return jnp.einsum(eq, h, entry["kernel"].astype(dtype))
+
+
 def _block(x, p, *, config: LlamaConfig, dtype, attention_impl, segment_ids=None, positions=None,
-           constrain=_unconstrained):
+           constrain=_unconstrained, linear=_linear):
     """One pre-RMSNorm decoder layer on [B, T, d]; p holds this layer's slice of `Blocks`.
 
     Save points as GPT-2's: "layer_input", q / k / v projections (QKV_PROJ, before the norm and the
@@ -323,7 +329,7 @@ def _block(x, p, *, config: LlamaConfig, dtype, attention_impl, segment_ids=None
     h = _rms_norm(x, p["input_layernorm"]["scale"], eps, dtype)
 
     def project(name, heads_name):
-        y = jnp.einsum("btd,dnh->btnh", h, c(a[name]["kernel"]))
+        y = linear("btd,dnh->btnh", h, a[name], dtype)
         if "bias" in a[name]:
             y = y + c(a[name]["bias"])
         return checkpoint_name(constrain(y, ("batch", "seq", heads_name, "head_dim")), QKV_PROJ)
@@ -348,17 +354,17 @@ def _block(x, p, *, config: LlamaConfig, dtype, attention_impl, segment_ids=None
     o = constrain(o, ("batch", "seq", "heads", "head_dim"))
     if attention_impl != "cudnn":  # as GPT-2: cuDNN's forward outputs are saved by primitive
         o = checkpoint_name(o, ATTENTION_OUT)
-    out = jnp.einsum("btnh,nhd->btd", o, c(a["o_proj"]["kernel"]))
+    out = linear("btnh,nhd->btd", o, a["o_proj"], dtype)
     if "bias" in a["o_proj"]:
         out = out + c(a["o_proj"]["bias"])
     x = checkpoint_name(x + constrain(out, RESIDUAL), ATTENTION_RESIDUAL)
 
     m = p["mlp"]
     h = _rms_norm(x, p["post_attention_layernorm"]["scale"], eps, dtype)
-    gate = jnp.einsum("btd,dm->btm", h, c(m["gate_proj"]["kernel"]))
-    up = jnp.einsum("btd,dm->btm", h, c(m["up_proj"]["kernel"]))
+    gate = linear("btd,dm->btm", h, m["gate_proj"], dtype)
+    up = linear("btd,dm->btm", h, m["up_proj"], dtype)
     h = constrain(jax.nn.silu(gate) * up, ("batch", "seq", "mlp"))
-    return x + constrain(jnp.einsum("btm,md->btd", h, c(m["down_proj"]["kernel"])), RESIDUAL)
+    return x + constrain(linear("btm,md->btd", h, m["down_proj"], dtype), RESIDUAL)
 
 
 class Llama(nnx.Module):
@@ -368,6 +374,9 @@ class Llama(nnx.Module):
     `zerojax.models.gpt2.REMAT_POLICIES` and "dots_<k>"), offload_activations, attention_impl
     (None: cuDNN on GPU where it applies, else XLA), scan_unroll. The engine's hooks
     (`layer_fetch`, `layer_scan`, `activation_sharding`) are GPT-2's, with GPT-2's meaning.
+    `adapter` (set by `zerojax.lora.apply`, absent otherwise): `adapter.linear(eq, h, entry, dtype)`
+    computes each projection (a quantized kernel, LoRA terms) and `adapter.layer_inputs(model)`
+    gives the untrained per-layer inputs (the frozen base) scanned beside the trained parameters.
     """
 
     def __init__(self, config: LlamaConfig, *, rngs: nnx.Rngs, dtype=jnp.float32,
@@ -441,13 +450,36 @@ class Llama(nnx.Module):
             positions = positions_from_segments(segment_ids)
         x = constrain(constrain(self.embed_tokens[...][input_ids].astype(dtype), SEQ_WHOLE), RESIDUAL)
 
+        adapter = getattr(self, "adapter", None)  # e.g. zerojax.lora's: frozen base, LoRA terms
         body = functools.partial(
             _block, config=cfg, dtype=dtype, constrain=constrain, segment_ids=segment_ids, positions=positions,
-            attention_impl=_resolve_attention(self.attention_impl, dtype, cfg.dim_per_head))
+            attention_impl=_resolve_attention(self.attention_impl, dtype, cfg.dim_per_head),
+            linear=_linear if adapter is None else adapter.linear)
         policy = self.remat_policy
         fetch = getattr(self, "layer_fetch", None)
         layers = nnx.to_pure_dict(nnx.state(self.layers, nnx.Param))
         layer_scan = getattr(self, "layer_scan", None)
+        if adapter is not None:
+            # the layers' untrained per-layer inputs (a frozen base, dropout keys), stacked as the
+            # params and scanned with them; the engine's per-layer hook sees the params alone
+            if layer_scan is not None:
+                raise ValueError("an adapter's frozen base with pipeline.stages > 1 or offload_param: the "
+                                 "engine's layer scan carries the trained parameters only; use ZeRO 0-3 "
+                                 "(optimizer offload included) without pipelining or offload_param")
+            side, block0 = adapter.layer_inputs(self), body
+            layers = {"params": layers, "side": side}
+            body = lambda x, p: block0(x, adapter.merge(p["params"], p["side"]))  # noqa: E731
+            if fetch is not None:
+                fetch0 = fetch
+
+                def fetch(p):
+                    try:
+                        params = fetch0(p["params"])
+                    except ValueError:
+                        # every trained leaf is a layer's (adapters only): the engine's hook then
+                        # knows the whole tree, {"layers": ...}, as the one stacked group
+                        params = fetch0({"layers": p["params"]})["layers"]
+                    return {"params": params, "side": p["side"]}
         if layer_scan is not None and (segment_ids is not None or positions is not None):
             # an engine's layer scan (pipeline stages, offload_param's prefetch) carries the hidden
             # states only: per-row side inputs would be cut into micro-batches out of step with them

@@ -1,0 +1,631 @@
+"""LoRA and QLoRA for the Llama family, with PEFT's settings and PEFT's file format.
+
+    model = zerojax.models.from_hf(path)
+    model = zerojax.lora.apply(model, {"r": 16, "lora_alpha": 32, "target_modules": "all-linear"})
+    engine = zerojax.shard(lambda: model, ds_config, loss_fn=zerojax.models.llama_loss)
+    ...
+    zerojax.lora.save_peft(engine.model, "adapter/")     # peft.PeftModel.from_pretrained loads it
+    zerojax.models.to_hf(zerojax.lora.merge(engine.model), "merged/")
+
+The frozen base is stored as `FrozenWeight` variables (not `nnx.Param`), so the engine's
+`nnx.split(model, nnx.Param, ...)` trains only the adapters (`lora_A`, `lora_B` and the
+`modules_to_save` copies, `nnx.Param` in fp32): no gradient, fp32 master or optimizer state for the
+base, and no engine change. The base is kept in its dtype (or `base_dtype`), or quantized
+(`quantize`): "int8" (per output channel absmax), "nf4" / "int4" (QLoRA: 64-element blocks of each
+layer's weight, one absmax per block, two 4-bit codes per byte), dequantized on use inside the
+layer scan. Adapters are stacked on the base's leading "layers" axis (lora_A [L, *in, r],
+lora_B [L, r, *out]) and carry the kernel's logical axis names, so tensor parallelism splits them
+as it splits their kernel (a column-parallel kernel's lora_B, a row-parallel kernel's lora_A).
+
+Why not `qwix` (installable from PyPI): its LoRA / PTQ providers intercept the calls of per-layer
+`nnx.Linear` / `nnx.Einsum` modules by module path and create their own parameters at call time;
+our layers run as one `lax.scan` over stacked pure dicts (the engine's hooks need that), with no
+module calls to intercept, and its QArray is not a Variable type the engine's split would leave
+untrained. Its NF4 numerics are private (`qwix._src`). The dequantize-on-use code here is ~60 lines.
+"""
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import json
+import math
+import os
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from zerojax.config import ConfigError
+from zerojax.models.llama import Llama
+
+PEFT_PREFIX = "base_model.model."
+# The Llama family's linear layers: PEFT's module name (after model.layers.{i}.) -> (our path
+# under model.layers, how many leading axes of the per-layer kernel are its input)
+LLAMA_LINEARS = {
+    "self_attn.q_proj": (("self_attn", "q_proj"), 1), "self_attn.k_proj": (("self_attn", "k_proj"), 1),
+    "self_attn.v_proj": (("self_attn", "v_proj"), 1), "self_attn.o_proj": (("self_attn", "o_proj"), 2),
+    "mlp.gate_proj": (("mlp", "gate_proj"), 1), "mlp.up_proj": (("mlp", "up_proj"), 1),
+    "mlp.down_proj": (("mlp", "down_proj"), 1),
+}
+# modules_to_save: PEFT's name -> (our attribute, HF tensor name)
+LLAMA_SAVABLE = {"embed_tokens": ("embed_tokens", "model.embed_tokens.weight"),
+                 "lm_head": ("lm_head", "lm_head.weight")}
+# (PEFT matches modules_to_save by name suffix: "norm" would take every layer's norms too, which
+# the stacked layers cannot train apart from the rest of their layer: not offered)
+QUANTIZE = (None, "int8", "nf4", "int4")
+BLOCK = 64  # QLoRA's block size for nf4 / int4
+# NF4's 16 levels (QLoRA, Dettmers et al. 2023, appendix E; bitsandbytes' table)
+NF4 = np.array([-1.0, -0.6961928009986877, -0.5250730514526367, -0.39491748809814453,
+                -0.28444138169288635, -0.18477343022823334, -0.09105003625154495, 0.0,
+                0.07958029955625534, 0.16093020141124725, 0.24611230194568634, 0.33791524171829224,
+                0.44070982933044434, 0.5626170039176941, 0.7229568362236023, 1.0], np.float32)
+
+
+class FrozenWeight(nnx.Variable):
+    """A base weight that is not trained: the engine's split puts it in the replicated "rest"
+    (no gradient, no fp32 master, no optimizer state). Quantized kernels are FrozenWeights too."""
+
+
+# --------------------------------------------------------------------------- settings
+
+# PEFT's LoraConfig keys this module acts on, with their defaults
+DEFAULTS = dict(r=8, lora_alpha=8, target_modules=None, lora_dropout=0.0, bias="none", use_rslora=False,
+                modules_to_save=None, init_lora_weights=True, exclude_modules=None)
+# zerojax's additions: the base's storage
+EXTRAS = dict(quantize=None, base_dtype=None, seed=0)
+# PEFT keys accepted only at their default (a feature not implemented here: a clear error otherwise)
+FIXED = dict(fan_in_fan_out=False, layers_to_transform=None, layers_pattern=None, rank_pattern={},
+             alpha_pattern={}, use_dora=False, loftq_config={}, layer_replication=None, lora_bias=False,
+             target_parameters=None, trainable_token_indices=None, use_qalora=False, megatron_config=None,
+             eva_config=None, corda_config=None, lora_ga_config=None, alora_invocation_tokens=None,
+             arrow_config=None, velora_config=None, monteclora_config=None, kasa_config=None, use_bdlora=None)
+# PEFT keys that do not change training (bookkeeping): accepted, ignored
+IGNORED = ("task_type", "peft_type", "auto_mapping", "peft_version", "base_model_name_or_path", "revision",
+           "inference_mode", "megatron_core", "runtime_config", "qalora_group_size", "ensure_weight_tying")
+
+
+def _problem(key, message):
+    return ConfigError([f"lora.{key}: {message}"])
+
+
+def from_config_dict(d, model=None) -> dict:
+    """The `"lora"` section of a DeepSpeed JSON (PEFT's LoraConfig keys, plus `quantize`,
+    `base_dtype`, `seed`) checked -> the full settings dict. Errors are `zerojax.ConfigError`s
+    naming the key and the fix. With `model`, target_modules / modules_to_save are checked against
+    its module names."""
+    if not isinstance(d, dict):
+        raise ConfigError([f"lora: a dict of LoRA settings, got {type(d).__name__}"])
+    known = {**DEFAULTS, **EXTRAS, **FIXED}
+    for key in d:
+        if key not in known and key not in IGNORED:
+            near = difflib.get_close_matches(key, list(known) + list(IGNORED), n=1)
+            hint = f"; did you mean {near[0]!r}?" if near else f"; known keys: {sorted({**DEFAULTS, **EXTRAS})}"
+            raise _problem(key, f"unknown key{hint}")
+    for key, default in FIXED.items():
+        if key in d and d[key] not in (default, None) and not (default == {} and not d[key]):
+            raise _problem(key, f"{d[key]!r} is not supported by zerojax.lora; remove it (default {default!r})")
+    s = {**DEFAULTS, **EXTRAS, **{k: v for k, v in d.items() if k in DEFAULTS or k in EXTRAS}}
+    r = s["r"]
+    if isinstance(r, bool) or not isinstance(r, int) or r < 1:
+        raise _problem("r", f"{r!r}: the adapter rank, an int >= 1 (e.g. 8 or 16)")
+    alpha = s["lora_alpha"]
+    if isinstance(alpha, bool) or not isinstance(alpha, (int, float)) or not alpha > 0:
+        raise _problem("lora_alpha", f"{alpha!r}: the scale numerator, a number > 0 (PEFT's default: r)")
+    p = s["lora_dropout"]
+    if isinstance(p, bool) or not isinstance(p, (int, float)) or not 0 <= p < 1:
+        raise _problem("lora_dropout", f"{p!r}: a probability in [0, 1)")
+    if s["bias"] != "none":
+        raise _problem("bias", f"{s['bias']!r}: only \"none\" (biases stay frozen); \"all\" / \"lora_only\" "
+                               "are not implemented")
+    if not isinstance(s["use_rslora"], bool):
+        raise _problem("use_rslora", f"{s['use_rslora']!r}: true or false")
+    if s["init_lora_weights"] not in (True, False, "gaussian"):
+        raise _problem("init_lora_weights", f"{s['init_lora_weights']!r}: true (PEFT's: B = 0), \"gaussian\" "
+                                            "or false (random B, for tests); other schemes are not implemented")
+    t = s["target_modules"]
+    if t is None:
+        raise _problem("target_modules", "required: a list of module names such as [\"q_proj\", \"v_proj\"], "
+                                         "\"all-linear\", or a regular expression")
+    if isinstance(t, (list, tuple, set)):
+        if not t or not all(isinstance(x, str) for x in t):
+            raise _problem("target_modules", f"{t!r}: a non-empty list of module names")
+        s["target_modules"] = sorted(set(t))
+    elif not isinstance(t, str):
+        raise _problem("target_modules", f"{t!r}: a list of names, \"all-linear\", or a regular expression")
+    for key in ("modules_to_save", "exclude_modules"):
+        v = s[key]
+        if v is not None and not (isinstance(v, (list, tuple)) and all(isinstance(x, str) for x in v)):
+            raise _problem(key, f"{v!r}: a list of module names (or null)")
+        s[key] = None if not v else sorted(set(v))
+    if s["quantize"] not in QUANTIZE:
+        raise _problem("quantize", f"{s['quantize']!r}: one of null, \"int8\", \"nf4\", \"int4\"")
+    if s["base_dtype"] is not None:
+        try:
+            jnp.dtype(s["base_dtype"])
+        except TypeError:
+            raise _problem("base_dtype", f"{s['base_dtype']!r}: a dtype name (\"bfloat16\", \"float32\")") from None
+    if model is not None:
+        _targets(model, s)
+        _savable(model, s)
+    return s
+
+
+def _layer_names(model) -> list[str]:
+    return [f"model.layers.{i}.{name}" for i in range(model.config.num_hidden_layers) for name in LLAMA_LINEARS]
+
+
+def _matches(full: str, pattern) -> bool:
+    if isinstance(pattern, str):
+        return re.fullmatch(pattern, full) is not None
+    return any(full == p or full.endswith("." + p) for p in pattern)
+
+
+def _targets(model, s) -> tuple[str, ...]:
+    """The targeted linear modules (LLAMA_LINEARS keys), PEFT's matching rules."""
+    t, names = s["target_modules"], list(LLAMA_LINEARS)
+    L = model.config.num_hidden_layers
+    if t == "all-linear":  # PEFT: every linear layer but the output head
+        chosen = names
+    else:
+        chosen = []
+        for name in names:
+            hits = [_matches(f"model.layers.{i}.{name}", t) for i in range(L)]
+            if any(hits) and not all(hits):
+                raise _problem("target_modules", f"{t!r} matches {name} in some layers only; the layers are "
+                                                 "stacked: target a module in every layer (layers_to_transform "
+                                                 "is not supported)")
+            if all(hits):
+                chosen.append(name)
+        if not chosen:
+            short = sorted({n.split(".")[-1] for n in names})
+            raise _problem("target_modules", f"{t!r} matches no linear module of this model; its linear "
+                                             f"modules are {short} (full names like model.layers.0.{names[0]}), "
+                                             "or use \"all-linear\"")
+    ex = s.get("exclude_modules")
+    if ex:
+        chosen = [n for n in chosen if not _matches(f"model.layers.0.{n}", ex)]
+        if not chosen:
+            raise _problem("exclude_modules", f"{ex!r} excludes every targeted module")
+    return tuple(chosen)
+
+
+def _savable(model, s) -> tuple[str, ...]:
+    out = []
+    for name in s["modules_to_save"] or ():
+        key = name.split(".")[-1]
+        if key not in LLAMA_SAVABLE or (key == "lm_head" and model.config.tie_word_embeddings):
+            have = [k for k in LLAMA_SAVABLE if not (k == "lm_head" and model.config.tie_word_embeddings)]
+            raise _problem("modules_to_save", f"{name!r}: not a module this model can train whole; choose "
+                                              f"from {have}")
+        if key == "embed_tokens" and model.config.tie_word_embeddings:
+            raise _problem("modules_to_save", "embed_tokens of a model with tied embeddings (its LM head): "
+                                              "not supported (PEFT's ensure_weight_tying); leave it out")
+        out.append(key)
+    return tuple(out)
+
+
+# --------------------------------------------------------------------------- quantization
+
+
+def quantize_int8(w, n_in: int):
+    """Per output channel absmax int8 of a stacked kernel [L, *in, *out] -> (codes int8, scale fp32
+    [L, 1.., *out]); |w - codes * scale| <= scale / 2."""
+    w = jnp.asarray(w, jnp.float32)
+    absmax = jnp.max(jnp.abs(w), axis=tuple(range(1, 1 + n_in)), keepdims=True)
+    scale = jnp.where(absmax > 0, absmax / 127.0, 1.0)
+    return jnp.clip(jnp.round(w / scale), -127, 127).astype(jnp.int8), scale
+
+
+def quantize_4bit(w, kind: str):
+    """nf4 / int4 of a stacked kernel [L, *s]: each layer's weight in blocks of 64 (row-major), one
+    fp32 absmax per block -> (codes uint8 [L, *s[:-1], s[-1] / 2], two per byte, absmax [L, n / 64])."""
+    w = jnp.asarray(w, jnp.float32)
+    L, shape = w.shape[0], w.shape[1:]
+    n = math.prod(shape)
+    if n % BLOCK or shape[-1] % 2:
+        raise ValueError(f"{kind}: a layer's weight {shape} must have a multiple of {BLOCK} elements and an even "
+                         "last dimension; use quantize \"int8\" for this model")
+    blocks = w.reshape(L, n // BLOCK, BLOCK)
+    absmax = jnp.max(jnp.abs(blocks), axis=-1)
+    x = blocks / jnp.where(absmax > 0, absmax, 1.0)[..., None]
+    if kind == "nf4":
+        mids = jnp.asarray((NF4[1:] + NF4[:-1]) / 2)
+        codes = jnp.searchsorted(mids, x)  # the nearest level
+    else:  # int4: symmetric levels -7 .. 7 of absmax / 7, stored + 8
+        codes = jnp.clip(jnp.round(x * 7), -7, 7) + 8
+    codes = codes.astype(jnp.uint8).reshape(L, *shape[:-1], shape[-1] // 2, 2)
+    return codes[..., 0] | (codes[..., 1] << 4), absmax
+
+
+def _levels(kind):
+    return jnp.asarray(NF4) if kind == "nf4" else (jnp.arange(16, dtype=jnp.float32) - 8) / 7
+
+
+def dequantize_4bit(codes, absmax, kind: str, dtype=jnp.float32):
+    """One layer's (no leading L axis) packed codes and block absmax -> its weight [*s] in dtype."""
+    pair = jnp.stack([codes & 15, codes >> 4], axis=-1)
+    shape = (*codes.shape[:-1], codes.shape[-1] * 2)
+    x = _levels(kind)[pair.astype(jnp.int32)].reshape(-1, BLOCK) * absmax[:, None]
+    return x.reshape(shape).astype(dtype)
+
+
+def quantization_bound(kind: str, scale):
+    """The largest |w - dequantized w| for a block / channel of `scale` (int8: its scale; nf4 /
+    int4: its absmax): half the widest gap between neighbouring levels."""
+    if kind == "int8":
+        return scale / 2
+    gap = np.max(np.diff(np.asarray(_levels(kind))))
+    return scale * gap / 2
+
+
+def kernel_of(entry, dtype):
+    """A projection's (one layer's) weight from its dict: stored, int8 or nf4 / int4."""
+    if "kernel" in entry:
+        return entry["kernel"].astype(dtype)
+    if "kernel_int8" in entry:
+        return (entry["kernel_int8"].astype(jnp.float32) * entry["kernel_scale"]).astype(dtype)
+    for kind in ("nf4", "int4"):
+        if f"kernel_{kind}" in entry:
+            return dequantize_4bit(entry[f"kernel_{kind}"], entry["kernel_absmax"], kind, dtype)
+    raise KeyError(f"no kernel among {sorted(entry)}")
+
+
+# --------------------------------------------------------------------------- the adapter
+
+
+class LoraDropout(nnx.Module):
+    """lora_dropout's state: applied in training mode only (`model.train()`; `model.eval()` turns it
+    off, as PyTorch's module modes do), with keys drawn from `rngs` (the engine carries its counter)."""
+
+    def __init__(self, rate: float, seed: int):
+        self.rate = rate
+        self.deterministic = True  # Hugging Face's from_pretrained models start in eval mode
+        self.rngs = nnx.Rngs(dropout=seed)
+
+
+@dataclasses.dataclass(frozen=True)
+class LoraAdapter:
+    """The settings a LoRA model carries (`model.adapter`, a static attribute the Llama's layer
+    scan calls): PEFT's scale, the targets, the settings dict to export."""
+
+    scale: float
+    targets: tuple
+    savable: tuple
+    quantize: str | None
+    settings: tuple  # sorted (key, value) pairs of the settings dict (hashable)
+
+    @property
+    def config(self) -> dict:
+        return {k: (list(v) if isinstance(v, tuple) else v) for k, v in self.settings}
+
+    def linear(self, eq, h, entry, dtype):
+        """base(h) + scale * B(A(dropout(h))), the base dequantized on use."""
+        y = jnp.einsum(eq, h, kernel_of(entry, dtype))
+        if "lora_A" not in entry:
+            return y
+        a, b = entry["lora_A"].astype(dtype), entry["lora_B"].astype(dtype)
+        if "dropout_key" in entry:
+            rate = dict(self.settings)["lora_dropout"]
+            keep = jax.random.bernoulli(jax.random.wrap_key_data(entry["dropout_key"]), 1 - rate, h.shape)
+            h = jnp.where(keep, h / (1 - rate), 0).astype(dtype)
+        u = jnp.tensordot(h, a, axes=a.ndim - 1)
+        return y + self.scale * jnp.tensordot(u, b, axes=1)
+
+    def layer_inputs(self, model):
+        """The stacked untrained per-layer inputs: the frozen base and (training, dropout > 0)
+        one dropout key per layer and targeted module."""
+        side = nnx.to_pure_dict(nnx.state(model.layers, FrozenWeight))
+        drop = getattr(model, "lora_dropout", None)
+        if drop is not None and not drop.deterministic and drop.rate > 0:
+            key, L = drop.rngs.dropout(), model.config.num_hidden_layers
+            for i, name in enumerate(self.targets):
+                keys = jax.random.key_data(jax.random.split(jax.random.fold_in(key, i), L))
+                _at(side, LLAMA_LINEARS[name][0])["dropout_key"] = keys
+        return side
+
+    @staticmethod
+    def merge(params, side):
+        return _deep_merge(params, side)
+
+
+def _deep_merge(a, b):
+    out = dict(a)
+    for k, v in b.items():
+        out[k] = _deep_merge(out[k], v) if isinstance(v, dict) and isinstance(out.get(k), dict) else v
+    return out
+
+
+def _at(tree, path):
+    for k in path:
+        tree = tree.setdefault(k, {})
+    return tree
+
+
+def _module(model, path):
+    m = model.layers
+    for k in path:
+        m = getattr(m, k)
+    return m
+
+
+def _names(var):
+    names = var.get_metadata().get("out_sharding")
+    return tuple(names) if names else (None,) * var[...].ndim
+
+
+def _var(cls, value, names):
+    return cls(value, out_sharding=tuple(names), eager_sharding=False)
+
+
+def apply(model, config, *, rngs: nnx.Rngs | None = None):
+    """`model` (a `zerojax.models.Llama`) with LoRA adapters on `config["target_modules"]` and its
+    other weights frozen (`FrozenWeight`; `quantize`: int8 / nf4 / int4) -> the same model, changed
+    in place. `config`: PEFT's LoraConfig keys (r, lora_alpha, target_modules, lora_dropout, bias,
+    modules_to_save, use_rslora, init_lora_weights, exclude_modules) plus `quantize`, `base_dtype`,
+    `seed`. lora_A is drawn as PEFT's (Kaiming-uniform, bound 1/sqrt(fan in)), lora_B zero."""
+    if not isinstance(model, Llama):
+        raise TypeError(f"zerojax.lora.apply: {type(model).__name__}; LoRA runs on zerojax.models.Llama "
+                        "(the Llama family: Llama, Mistral, Qwen2, Qwen3)")
+    if getattr(model, "adapter", None) is not None:
+        raise ValueError("zerojax.lora.apply: this model already has LoRA adapters (merge() gives a plain model)")
+    s = from_config_dict(dict(config), model)
+    targets, savable = _targets(model, s), _savable(model, s)
+    rngs = rngs or nnx.Rngs(s["seed"])
+    L = model.config.num_hidden_layers
+    base_dtype = jnp.dtype(s["base_dtype"]) if s["base_dtype"] else None
+
+    # the base: every Param frozen (modules_to_save: trainable fp32 copies instead)
+    keep = {id(getattr(model, LLAMA_SAVABLE[k][0])) for k in savable}
+    for path, m in list(nnx.iter_graph(model)):
+        if not isinstance(m, nnx.Module) or id(m) in keep:
+            continue
+        for name, v in list(vars(m).items()):
+            if type(v) is nnx.Param:
+                if id(v) in keep:
+                    setattr(m, name, _var(nnx.Param, v[...].astype(jnp.float32), _names(v)))
+                    continue
+                value = v[...] if base_dtype is None else v[...].astype(base_dtype)
+                setattr(m, name, _var(FrozenWeight, value, _names(v)))
+    for k in savable:
+        m = getattr(model, LLAMA_SAVABLE[k][0])
+        if isinstance(m, nnx.Module):
+            for name, v in list(vars(m).items()):
+                if isinstance(v, nnx.Variable):
+                    setattr(m, name, _var(nnx.Param, v[...].astype(jnp.float32), _names(v)))
+
+    for name, (path, n_in) in LLAMA_LINEARS.items():
+        lin = _module(model, path)
+        k = lin.kernel
+        names, w = _names(k), k[...]
+        shape = w.shape
+        if s["quantize"] == "int8":
+            codes, scale = quantize_int8(w, n_in)
+            del lin.kernel
+            lin.kernel_int8 = _var(FrozenWeight, codes, names)
+            lin.kernel_scale = _var(FrozenWeight, scale, names)
+        elif s["quantize"] in ("nf4", "int4"):
+            codes, absmax = quantize_4bit(w, s["quantize"])
+            del lin.kernel
+            setattr(lin, f"kernel_{s['quantize']}", _var(FrozenWeight, codes, names))
+            lin.kernel_absmax = _var(FrozenWeight, absmax, ("layers", None))
+        if name not in targets:
+            continue
+        ins, outs = shape[1:1 + n_in], shape[1 + n_in:]
+        fan_in, r = math.prod(ins), s["r"]
+        bound = 1.0 / math.sqrt(fan_in)  # PEFT: kaiming_uniform_(a=sqrt(5)) on [r, in]
+        if s["init_lora_weights"] == "gaussian":
+            a = jax.random.normal(rngs.params(), (L, *ins, r), jnp.float32) / r
+        else:
+            a = jax.random.uniform(rngs.params(), (L, *ins, r), jnp.float32, -bound, bound)
+        b = (jax.random.uniform(rngs.params(), (L, r, *outs), jnp.float32, -bound, bound)
+             if s["init_lora_weights"] is False else jnp.zeros((L, r, *outs), jnp.float32))
+        lin.lora_A = _var(nnx.Param, a, ("layers", *names[1:1 + n_in], None))
+        lin.lora_B = _var(nnx.Param, b, ("layers", None, *names[1 + n_in:]))
+
+    if s["lora_dropout"] > 0:
+        model.lora_dropout = LoraDropout(float(s["lora_dropout"]), int(s["seed"]))
+    scale = s["lora_alpha"] / (math.sqrt(s["r"]) if s["use_rslora"] else s["r"])
+    settings = tuple(sorted((k, tuple(v) if isinstance(v, list) else v) for k, v in s.items()))
+    model.adapter = LoraAdapter(scale=float(scale), targets=targets, savable=savable, quantize=s["quantize"],
+                                settings=settings)
+    return model
+
+
+def adapter_of(model) -> LoraAdapter:
+    adapter = getattr(model, "adapter", None)
+    if not isinstance(adapter, LoraAdapter):
+        raise ValueError("this model has no LoRA adapters; zerojax.lora.apply(model, config) adds them")
+    return adapter
+
+
+# --------------------------------------------------------------------------- PEFT's files
+
+
+def _pure(model):
+    return nnx.to_pure_dict(nnx.state(model))
+
+
+def peft_tensors(model) -> dict[str, np.ndarray]:
+    """PEFT's adapter_model tensors (name -> fp32 numpy) of a LoRA model."""
+    ad = adapter_of(model)
+    tree, cfg = _pure(model), model.config
+    out = {}
+    for name in ad.targets:
+        path, n_in = LLAMA_LINEARS[name]
+        e = tree["layers"]
+        for k in path:
+            e = e[k]
+        a, b = np.asarray(e["lora_A"], np.float32), np.asarray(e["lora_B"], np.float32)
+        r = a.shape[-1]
+        for i in range(cfg.num_hidden_layers):
+            pre = f"{PEFT_PREFIX}model.layers.{i}.{name}"
+            out[f"{pre}.lora_A.weight"] = np.ascontiguousarray(a[i].reshape(-1, r).T)
+            out[f"{pre}.lora_B.weight"] = np.ascontiguousarray(b[i].reshape(r, -1).T)
+    for k in ad.savable:
+        attr, hf = LLAMA_SAVABLE[k]
+        out[PEFT_PREFIX + hf] = np.asarray(tree[attr], np.float32)[:cfg.vocab_size]
+    return out
+
+
+def save_peft(model, out_dir) -> str:
+    """Write PEFT's adapter folder (adapter_config.json, adapter_model.safetensors) that
+    `peft.PeftModel.from_pretrained(hf_base, out_dir)` loads -> the safetensors path."""
+    from safetensors.numpy import save_file
+
+    ad = adapter_of(model)
+    s = ad.config
+    out_dir = os.fspath(out_dir)
+    os.makedirs(out_dir, exist_ok=True)
+    config = {"peft_type": "LORA", "task_type": "CAUSAL_LM", "base_model_name_or_path": None, "revision": None,
+              "inference_mode": True, "r": s["r"], "lora_alpha": s["lora_alpha"],
+              "target_modules": [n.split(".")[-1] for n in ad.targets], "exclude_modules": None,
+              "lora_dropout": s["lora_dropout"], "bias": "none", "use_rslora": s["use_rslora"],
+              "modules_to_save": list(ad.savable) or None, "init_lora_weights": True, "fan_in_fan_out": False,
+              "layers_to_transform": None, "layers_pattern": None, "rank_pattern": {}, "alpha_pattern": {},
+              "use_dora": False, "lora_bias": False, "megatron_config": None, "megatron_core": "megatron.core",
+              "loftq_config": {}, "layer_replication": None, "target_parameters": None,
+              "trainable_token_indices": None}
+    with open(os.path.join(out_dir, "adapter_config.json"), "w") as f:
+        json.dump(config, f, indent=2, sort_keys=True)
+    path = os.path.join(out_dir, "adapter_model.safetensors")
+    save_file(peft_tensors(model), path, metadata={"format": "pt"})
+    return path
+
+
+def load_peft(model, adapter_dir, **extras):
+    """`model` with the adapters of PEFT's folder `adapter_dir` (adapter_config.json +
+    adapter_model.safetensors, or adapter_model.bin): a plain model gets `apply`'d with the
+    folder's settings first (`extras`: quantize / base_dtype for its base) -> the model."""
+    from safetensors.numpy import load_file
+
+    adapter_dir = os.fspath(adapter_dir)
+    with open(os.path.join(adapter_dir, "adapter_config.json")) as f:
+        saved = json.load(f)
+    if saved.get("peft_type", "LORA") != "LORA":
+        raise ValueError(f"{adapter_dir}: peft_type {saved.get('peft_type')!r}; zerojax.lora reads LORA adapters")
+    known = {**DEFAULTS, **FIXED}
+    config = {k: v for k, v in saved.items() if k in known}  # newer PEFT keys at their defaults: ignored
+    if getattr(model, "adapter", None) is None:
+        model = apply(model, {**config, **extras, "init_lora_weights": True})
+    ad = adapter_of(model)
+    st = os.path.join(adapter_dir, "adapter_model.safetensors")
+    if os.path.exists(st):
+        tensors = load_file(st)
+    else:
+        import torch
+        tensors = {k: v.float().numpy() for k, v in torch.load(os.path.join(adapter_dir, "adapter_model.bin"),
+                                                               map_location="cpu").items()}
+    tensors = {re.sub(r"\.(lora_[AB])\.default\.", r".\1.", k): v for k, v in tensors.items()}
+    L = model.config.num_hidden_layers
+    used = set()
+    for name in ad.targets:
+        path, _ = LLAMA_LINEARS[name]
+        lin = _module(model, path)
+        for which in ("lora_A", "lora_B"):
+            var = getattr(lin, which)
+            have = var[...]
+            rows = []
+            for i in range(L):
+                key = f"{PEFT_PREFIX}model.layers.{i}.{name}.{which}.weight"
+                if key not in tensors:
+                    raise ValueError(f"{adapter_dir}: no {key} (the adapter's target_modules and this model differ)")
+                used.add(key)
+                t = np.asarray(tensors[key], np.float32).T  # A: [in, r], B: [r, out]
+                if t.size != math.prod(have.shape[1:]):
+                    raise ValueError(f"{key}: shape {tensors[key].shape} does not fit {have.shape[1:]}")
+                rows.append(t.reshape(have.shape[1:]))
+            var[...] = jnp.asarray(np.stack(rows), have.dtype)
+    for k in ad.savable:
+        attr, hf = LLAMA_SAVABLE[k]
+        key = PEFT_PREFIX + hf
+        if key not in tensors:
+            raise ValueError(f"{adapter_dir}: no {key} for modules_to_save {k!r}")
+        used.add(key)
+        var = getattr(model, attr)
+        have, t = var[...], np.asarray(tensors[key], np.float32)
+        if t.shape[0] < have.shape[0]:
+            t = np.concatenate([t, np.zeros((have.shape[0] - t.shape[0], *t.shape[1:]), t.dtype)])
+        var[...] = jnp.asarray(t, have.dtype)
+    extra = sorted(set(tensors) - used)
+    if extra:
+        raise ValueError(f"{adapter_dir}: tensors this model's adapters do not have: {extra[:6]}")
+    return model
+
+
+# --------------------------------------------------------------------------- merged export
+
+
+def merge(model, dtype=None):
+    """A plain `Llama` (no adapters) with scale * B A folded into each targeted kernel and the base
+    dequantized: what `zerojax.models.to_hf` writes. dtype: its parameters' (default: the model's
+    param_dtype)."""
+    ad = adapter_of(model)
+    dtype = jnp.dtype(dtype or model.param_dtype)
+    cfg = model.config
+    tree = _pure(model)
+    make = lambda: Llama(cfg, rngs=nnx.Rngs(0), dtype=model.dtype, param_dtype=dtype,  # noqa: E731
+                         remat_policy=model.remat_policy, attention_impl=model.attention_impl,
+                         scan_unroll=model.scan_unroll)
+    with nnx.use_eager_sharding(False) if hasattr(nnx, "use_eager_sharding") else _null():
+        graphdef, state = nnx.split(nnx.eval_shape(make))
+    plain = jax.tree.map(lambda x: None, nnx.to_pure_dict(state))
+
+    def fill(p, t):
+        for k in p:
+            if isinstance(p[k], dict):
+                fill(p[k], t[k])
+            else:
+                p[k] = jnp.asarray(t[k], jnp.float32)
+
+    shaped = dict(plain)
+    layers = shaped.pop("layers")
+    fill(shaped, tree)
+    for k, v in layers.items():  # norms, biases as stored
+        if k not in ("self_attn", "mlp"):
+            fill(v, tree["layers"][k])
+    for group in ("self_attn", "mlp"):
+        for k, v in layers[group].items():
+            entry = tree["layers"][group][k]
+            name = f"{group}.{k}"
+            if name not in LLAMA_LINEARS:  # q_norm / k_norm
+                fill(v, entry)
+                continue
+            w = jax.vmap(lambda e: kernel_of(e, jnp.float32))(
+                {key: val for key, val in entry.items() if key.startswith("kernel")})
+            if "lora_A" in entry:
+                w = w + ad.scale * _ab(entry["lora_A"], entry["lora_B"])
+            v["kernel"] = w
+            if "bias" in entry:
+                v["bias"] = jnp.asarray(entry["bias"], jnp.float32)
+    shaped["layers"] = layers
+    shaped = jax.tree.map(lambda x: x.astype(dtype), shaped)
+    nnx.replace_by_pure_dict(state, shaped)
+    return nnx.merge(graphdef, state)
+
+
+def _ab(a, b):
+    """sum_r A[l, *in, r] B[l, r, *out] -> [l, *in, *out] in fp32."""
+    L, r = a.shape[0], a.shape[-1]
+    out = jnp.einsum("lir,lro->lio", a.reshape(L, -1, r).astype(jnp.float32),
+                     b.reshape(L, r, -1).astype(jnp.float32), precision="highest")
+    return out.reshape(*a.shape[:-1], *b.shape[2:])
+
+
+class _null:
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *a):
+        return False
+
+
+def trainable_count(model) -> int:
+    """The trained parameters' count (the adapters and modules_to_save copies)."""
+    return sum(int(np.prod(x.shape)) for x in jax.tree.leaves(nnx.state(model, nnx.Param)))
+
+
+__all__ = ["apply", "save_peft", "load_peft", "merge", "from_config_dict", "FrozenWeight", "LoraAdapter",
+           "quantize_int8", "quantize_4bit", "dequantize_4bit", "quantization_bound", "kernel_of",
+           "peft_tensors", "trainable_count", "LLAMA_LINEARS"]
