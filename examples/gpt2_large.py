@@ -15,7 +15,6 @@ import json
 import math
 import os
 import sys
-import time
 
 # `python examples/gpt2_large.py` from a checkout works without installing.
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
@@ -124,14 +123,18 @@ def parse_args(argv=None):
                         "training slightly (DeepSpeed keeps it fp32); default: the master's dtype")
     p.add_argument("--master-split", action="store_true",
                    help="keep the fp32 master as the bf16 params + an int16 remainder on the device "
-                        "(zerojax.EngineOptions.master_split): 2 bytes a parameter less, the same training "
-                        "but for exact ties (one fp32 ulp); needs bf16 and no optimizer offload")
-    p.add_argument("--eval-batches", type=_number(int, 0), default=8)
+                        "(zerojax.EngineOptions(split_master=\"on\")): 2 bytes a parameter less, the same "
+                        "training but for exact ties (one fp32 ulp); needs bf16 (under optimizer offload the "
+                        "host loop splits its host copy by default)")
+    p.add_argument("--eval-batches", type=_number(int, 0), default=8,
+                   help="validation batches (of train_batch_size rows, from the held-out part of the "
+                        "data) evaluated after training; 0 = no validation")
     p.add_argument("--seed", type=_number(int, 0), default=None,
                    help="init and data-order seed (default 0; on --resume the checkpoint's)")
     p.add_argument("--peak-tflops", type=_number(float, 0.0, above=True), default=None,
-                   help="per-device TFLOP/s that MFU is reported against (default: the bf16 matmul "
-                        "ceiling measured at start, zerojax.planning.ceiling; a datasheet peak is never reached)")
+                   help="per-device TFLOP/s that MFU is reported against (default on a GPU / TPU: the "
+                        "matmul ceiling in the run's precision, measured at start, zerojax.planning.ceiling; "
+                        "a datasheet peak is never reached; on CPU no MFU is reported without this flag)")
     args = p.parse_args(_join_negative_values(list(sys.argv[1:] if argv is None else argv)))
     if args.keep is not None and not args.save:
         p.error("--keep needs --save DIR (the checkpoint folder to prune)")
@@ -190,7 +193,7 @@ def _offload_hint(plan, params: int, n_data: int, options, dtype) -> str | None:
     line that says to try them. Not applied unasked: the split master moves a weight by one fp32 ulp
     at exact ties, the bf16 first moment rounds Adam's state. (GPT-2 XL on an H200 capped at 23.8
     GiB: the planner offloads half the optimizer at ZeRO-3, 15.1-15.5k tokens/s; --master-split
-    alone fits it without offload, 39.3k; benchmarks/RESULTS.md, session 15.)"""
+    alone fits it without offload, 39.3k; benchmarks/RESULTS.md.)"""
     import jax.numpy as jnp
 
     from zerojax.planning import estimate
@@ -198,14 +201,15 @@ def _offload_hint(plan, params: int, n_data: int, options, dtype) -> str | None:
     if not (plan.offload_optimizer or plan.offload_param) or jnp.dtype(dtype) != jnp.bfloat16:
         return None
     floor = functools.partial(estimate.model_state_floor, params, stage=plan.stage, n_data=n_data, precision="bf16")
-    now = floor(master_split=options.master_split, adam_mu_dtype=options.adam_mu_dtype)
+    split = options.split_master == "on"
+    now = floor(master_split=split, adam_mu_dtype=options.adam_mu_dtype)
     said = []
-    if not options.master_split:
+    if not split:
         saved = now - floor(master_split=True, adam_mu_dtype=options.adam_mu_dtype)
         said.append(f"--master-split {saved / 2**30:.2f} GiB (the fp32 master as its bf16 copy and an int16 "
                     f"remainder: the same training but for exact ties)")
     if options.adam_mu_dtype != "bfloat16":
-        saved = now - floor(master_split=options.master_split, adam_mu_dtype="bfloat16")
+        saved = now - floor(master_split=split, adam_mu_dtype="bfloat16")
         said.append(f"--adam-mu-dtype bfloat16 {saved / 2**30:.2f} GiB (Adam's first moment rounded to bf16)")
     if not said:
         return None
@@ -263,7 +267,7 @@ def _offload_loop_auto(cfg, make_model, seq_len, loss_fn) -> tuple[str, str | No
     """No --offload-loop: where the config offloads the optimizer to cpu alone and the device
     reports its memory, "host" if its step fits (compiled first on an abstract engine, holding no
     memory), else "in_place" (the library's default: 3-6 GiB less on GPT-2 Large / XL, ~1.75x
-    slower; benchmarks/RESULTS.md, session 11). -> (loop, why; None where no choice was made)."""
+    slower; benchmarks/RESULTS.md). -> (loop, why; None where no choice was made)."""
     import jax
     import jax.numpy as jnp
 
@@ -299,32 +303,38 @@ def _requested_options(args, loop=None):
     """The EngineOptions the flags ask for (--offload-loop, else `loop`; --adam-mu-dtype; --master-split)."""
     from zerojax import EngineOptions
 
-    return EngineOptions(offload_loop=args.offload_loop or loop or "in_place", adam_mu_dtype=args.adam_mu_dtype,
-                         master_split=args.master_split)
+    return EngineOptions(offload_loop=args.offload_loop or loop or "auto", adam_mu_dtype=args.adam_mu_dtype,
+                         split_master="on" if args.master_split else "auto")
 
 
 def _engine_options(args, cfg, loop=None, planned=False):
     """--offload-loop (else `loop`) and --master-split, checked against the config before the engine is built ->
     zerojax.EngineOptions. `planned`: the planner chose the config's offload (micro-batch auto), so
     --master-split gives way where that plan offloads (the host loop splits the master itself)."""
-    from zerojax.train.layout import device_master_split, offloads, options_for_config, resolve_offload_loop
+    from zerojax.train.layout import offloads, options_for_config, resolve_offload_loop, resolve_split_master
 
     options = _requested_options(args, loop)
     zero = cfg.zero_optimization
     if planned:  # what the planner's layout cannot take gives way (as it did when the plan was compiled)
         adapted = options_for_config(options, cfg)
-        if adapted.master_split != options.master_split:
+        if adapted.split_master != options.split_master:
             print("--master-split: the planner's choice offloads, and the device then holds no master to "
                   "split (the host loop splits its host copy by itself)")
         if adapted.offload_loop != options.offload_loop:
             print(f"--offload-loop {options.offload_loop}: the planner's choice does not offload the optimizer "
                   "to cpu alone; no offload loop runs")
         options = adapted
+    offloaded = any(offloads(cfg))
     try:
-        device_master_split(options, cfg, any(offloads(cfg)))
+        loop_ = resolve_offload_loop(options, zero, *offloads(cfg)) if offloaded else None
+    except ValueError:  # refused below
+        loop_ = None
+    try:
+        resolve_split_master(options, cfg, loop_, offloaded)
     except ValueError:
         raise ConfigMismatch(
-            f"--master-split needs bf16 and no offload; {args.config} has bf16.enabled {cfg.bf16.enabled}, "
+            f"--master-split needs bf16 and no offload (or the host offload loop); {args.config} has "
+            f"bf16.enabled {cfg.bf16.enabled}, "
             f"offload_optimizer.device {zero.offload_optimizer.device!r}, offload_param.device "
             f"{zero.offload_param.device!r} "
             "(configs/zero2_bf16.json is one that fits; under optimizer offload the host loop splits "
@@ -338,6 +348,82 @@ def _engine_options(args, cfg, loop=None, planned=False):
             f"{zero.offload_optimizer.device!r}, offload_param.device {zero.offload_param.device!r} "
             "(configs/zero2_offload_optimizer.json is one that fits)") from None
     return options
+
+
+_GPT2_SIZES = ("tiny", "small", "medium", "large", "xl")
+# the GPT2Config fields that decide the parameters' shapes
+_SHAPE_KEYS = ("vocab_size", "n_positions", "n_embd", "n_layer", "n_head", "n_inner", "make_vocab_size_divisible_by")
+
+
+def _checkpoint_model(meta, args, size, gpt_cfg):
+    """--resume: the model the checkpoint holds (its `checkpoint_record`, in the metadata) against
+    the one this run asks for, before anything is built; --model auto takes the checkpoint's size.
+    -> (size, GPT2Config). A checkpoint without a record is left to the load's own shape check."""
+    import dataclasses
+
+    from zerojax.checkpoint.state import CheckpointError
+    from zerojax.models.gpt2 import GPT2Config
+
+    record = meta.get("model") or {}
+    if record and record.get("type") != "gpt2":
+        raise CheckpointError(f"{args.save}: this checkpoint is a {record.get('type')!r} model, not GPT-2; "
+                              f"resume it with the script that trained it")
+    saved = record.get("config")
+    if not isinstance(saved, dict):
+        return size, gpt_cfg
+
+    def shape(c):
+        return {k: c.get(k) for k in _SHAPE_KEYS if k in saved}
+
+    if shape(dataclasses.asdict(gpt_cfg)) == shape(saved):
+        return size, gpt_cfg
+    named = next((s for s in _GPT2_SIZES if shape(dataclasses.asdict(GPT2Config.named(s))) == shape(saved)), None)
+    if named and args.model == "auto" and not args.hf_checkpoint:
+        return named, GPT2Config.named(named)
+    what = f"GPT-2 {named}" if named else "a GPT-2 of " + ", ".join(
+        f"{k} {saved[k]}" for k in ("n_layer", "n_embd", "n_head", "vocab_size", "n_positions") if k in saved)
+    fix = (f"use --model {named}" + (" without --hf-checkpoint" if args.hf_checkpoint else "") if named
+           else "resume with the --hf-checkpoint it was trained from")
+    asked = f"the model in {args.hf_checkpoint}" if args.hf_checkpoint else f"GPT-2 {size}"
+    raise CheckpointError(f"{args.save}: this checkpoint is {what}; {fix} (this run asks for {asked}; "
+                          f"another --save folder starts it afresh)")
+
+
+def _filled_autos(raw, fill, cfg) -> list[str]:
+    """Every "auto" of the config and the value it took ("key=value"), in file order: from the
+    flags / model (fill, hidden size), DeepSpeed's batch rule, or DeepSpeed's default."""
+    from zerojax.config import auto_keys, hidden_size_fill
+
+    by_width = hidden_size_fill(1, cfg.zero_optimization.stage == 3)  # which keys the width fills
+    resolved, out = cfg.to_dict(), []
+    for key in auto_keys(raw):
+        node = resolved
+        for part in key.split("."):
+            node = node.get(part) if isinstance(node, dict) else None
+        how = ("" if key in fill else " (model width)" if key in by_width else
+               " (batch rule)" if "." not in key else " (DeepSpeed's default)")
+        out.append(f"{key}={json.dumps(node)}{how}")
+    return out
+
+
+def _batch_note(meta, cfg):
+    """--resume with another global batch (fewer devices or processes, another micro-batch or
+    accumulation) than the checkpoint trained with: a line that says so, or None."""
+    old = (meta.get("config") or {})
+    tb = old.get("train_batch_size")
+    if not isinstance(tb, int) or tb == cfg.train_batch_size:
+        return None
+    mb, ga = old.get("train_micro_batch_size_per_gpu"), old.get("gradient_accumulation_steps")
+    world = tb // (mb * ga) if isinstance(mb, int) and isinstance(ga, int) and mb * ga else None
+    was = f"{tb}" + (f" = {mb} x {ga} x {world} data-parallel" if world else "")
+    now = (f"{cfg.train_batch_size} = {cfg.train_micro_batch_size_per_gpu} x {cfg.gradient_accumulation_steps} "
+           f"x {cfg.world_size} data-parallel")
+    unit = cfg.train_micro_batch_size_per_gpu * cfg.world_size
+    keep = (f"; --grad-accum {tb // unit} keeps {tb} (where the config leaves gradient_accumulation_steps "
+            f"to \"auto\")" if tb % unit == 0 else "")
+    return (f"the global batch changes from the checkpoint's {was} to {now}: each step now takes "
+            f"{cfg.train_batch_size} rows, and the data continues at step {meta.get('global_steps', '?')} "
+            f"in batches of the new size{keep}")
 
 
 def _from_checkpoint(name, flag, value, saved, default, notes):
@@ -386,9 +472,11 @@ def main(argv=None):
         sys.stdout = open(os.devnull, "w")
     import zerojax
     from zerojax.checkpoint import files as checkpoint_files
-    from zerojax.planning.ceiling import measure_matmul_ceiling
+    from zerojax.planning.ceiling import ceiling_is_stable, measure_matmul_ceiling
+    from zerojax.train.monitor import SpeedMeter
     from zerojax.config import read_source as read_config
-    from zerojax.data.text import load_text_data
+    from zerojax.data.text import DataError, load_text_data
+    from zerojax.train.monitor import check_monitors
     from zerojax.models.gpt2 import GPT2, GPT2Config, flops_per_token
     from zerojax.precision import compute_dtype
 
@@ -422,6 +510,8 @@ def main(argv=None):
         args.tokenizer = args.tokenizer or (tok_file if os.path.exists(tok_file) else None)
     else:
         gpt_cfg = GPT2Config.named(size)
+    if meta is not None:  # the checkpoint's model, before anything is built
+        size, gpt_cfg = _checkpoint_model(meta, args, size, gpt_cfg)
     seq_len = args.seq_len if args.seq_len is not None else min(1024, gpt_cfg.n_positions)
     lr_default = 1e-4 if hf is not None else 1e-3 if size == "tiny" else 3e-4
     lr = _from_checkpoint("lr", "--lr", args.lr, saved, lr_default, notes)
@@ -438,7 +528,8 @@ def main(argv=None):
         "gradient_clipping": 1.0,
     }
     raw, precision, precision_why = resolve_precision(read_config(args.config), args.precision, jax.devices()[0])
-    cfg = zerojax.load_config(raw, fill=fill)
+    # hidden_size: the ZeRO bucket / persistence "auto"s as the Hugging Face Trainer fills them
+    cfg = zerojax.load_config(raw, fill=fill, hidden_size=gpt_cfg.n_embd, name=args.config)
     if cfg.optimizer is None:
         # DeepSpeed then expects a client optimizer (deepspeed.initialize(optimizer=...)), as the
         # Hugging Face Trainer supplies; ours is AdamW with the flags' lr.
@@ -447,14 +538,18 @@ def main(argv=None):
                                   world_size=cfg.world_size)
 
     if cfg.fp16.enabled and not gpu:
-        sys.exit(f"{args.config} enables fp16, whose matrix products XLA does not run on CPU "
-                 f"('F16_F16_F32' is not supported by dot_general); use a GPU or a bf16 config "
-                 f"such as configs/zero2_bf16.json")
+        if args.precision == "fp16":
+            raise ConfigMismatch("--fp16: XLA does not run fp16 matrix products on CPU ('F16_F16_F32' is not "
+                                 "supported by dot_general); use --bf16 or --fp32 here, or --fp16 on a GPU")
+        raise ConfigMismatch(f"{args.config} enables fp16 (fp16.enabled: true), whose matrix products XLA does "
+                             f"not run on CPU ('F16_F16_F32' is not supported by dot_general); use a GPU, or "
+                             f"a bf16 config such as configs/zero2_bf16.json")
+    check_monitors(cfg)  # a monitor that cannot start (e.g. wandb not installed): now, not after the build
     # read (and refuse) the data before anything is compiled
     data = load_text_data(args.data, seq_len=seq_len, tokenizer=args.tokenizer,
                           min_train_rows=cfg.train_batch_size)
     if data.vocab_size > gpt_cfg.vocab_size:
-        sys.exit(f"the tokenizer has {data.vocab_size} tokens but the model's vocab is {gpt_cfg.vocab_size}")
+        raise DataError(f"the tokenizer has {data.vocab_size} tokens but the model's vocab is {gpt_cfg.vocab_size}")
     remat = args.remat
     remat_why = "--remat"
     if remat is None:
@@ -477,8 +572,10 @@ def main(argv=None):
         planned = True
         if remat != planned_remat:
             remat_why = "chosen by the planner (micro-batch auto)"
+    if meta is not None and _batch_note(meta, cfg):
+        notes.append(_batch_note(meta, cfg))
     _print_run(args, cfg, size, steps, schedule_steps, lr, lr_default, precision, precision_why,
-               remat, remat_why, seq_len, data, saved, notes)
+               remat, remat_why, seq_len, data, saved, notes, filled=_filled_autos(raw, fill, cfg))
     make_model = lambda: GPT2(gpt_cfg, rngs=nnx.Rngs(seed), dtype=dtype, remat_policy=remat)  # noqa: E731
     loop, loop_why = (args.offload_loop, "--offload-loop") if args.offload_loop else _offload_loop_auto(
         cfg, make_model, seq_len, loss_fn)
@@ -488,9 +585,19 @@ def main(argv=None):
     else:  # built shard by shard on the devices, never whole on one
         model = make_model
     options = _engine_options(args, cfg, loop, planned)
-    # MFU's denominator, measured before the engine holds any memory (its buffers are freed); not
-    # where no step is timed (the first one compiles)
-    peak = args.peak_tflops or (measure_matmul_ceiling()["ceiling_tflops"] if steps >= 2 else None)
+    # MFU's denominator: --peak-tflops, else the matmul ceiling in the run's precision, measured
+    # before the engine holds any memory (its buffers are freed); none where no step is timed (the
+    # first one compiles), nor on CPU, where the measured rate is not stable (zerojax.planning.ceiling)
+    peak, peak_why = args.peak_tflops, "--peak-tflops"
+    if peak is None:
+        if steps < 2:
+            peak_why = "no MFU (fewer than 2 steps: none is timed)"
+        elif not ceiling_is_stable():
+            peak_why = ("no MFU on CPU: its matmul rate varies from run to run, so there is no ceiling to "
+                        "measure against (--peak-tflops gives one)")
+        else:
+            peak = measure_matmul_ceiling(dtype=dtype)["ceiling_tflops"]
+            peak_why = f"the {np.dtype(dtype).name} matmul ceiling measured here"
     engine = zerojax.shard(model, cfg, loss_fn=loss_fn, options=options)
     del model, hf
     _warn_replicated(engine, cfg)
@@ -521,31 +628,39 @@ def main(argv=None):
           f"{n_dev} x {kind}, ZeRO stage {cfg.zero_optimization.stage}, {dtype.name if hasattr(dtype, 'name') else dtype}, "
           f"batch {cfg.train_batch_size} = {cfg.train_micro_batch_size_per_gpu} x {cfg.gradient_accumulation_steps} "
           f"x {cfg.world_size}, seq {seq_len}, remat {remat}; " + (
-              f"MFU against {peak:.3g} TFLOP/s per device "
-              f"({'--peak-tflops' if args.peak_tflops else 'the bf16 matmul ceiling measured here'})"
-              if peak else "no MFU (fewer than 2 steps: none is timed)"))
+              f"MFU against {peak:.3g} TFLOP/s per device ({peak_why})" if peak else peak_why)
+          + "; tokens/s are per device, steps that compile excluded")
 
-    tokens_per_step = cfg.train_batch_size * seq_len
+    # one definition of speed (zerojax.train.monitor.SpeedMeter): tokens/s per device over the steps
+    # that compiled nothing, in the progress bar, the log lines and the SUMMARY alike
+    meter = SpeedMeter(cfg.train_batch_size * seq_len, n_dev, fpt, peak)
+    # a progress bar on a terminal; elsewhere (a log file, a pipe) one line every 10 steps
+    interactive = not quiet and sys.stderr.isatty()
     bar = tqdm(batches, total=max(0, steps - start), initial=0, desc="train", dynamic_ncols=True,
-               disable=quiet)
+               disable=not interactive)
     losses = []  # device scalars, read once at the end (no host sync per step)
-    t0, timed_tokens = None, 0
     for i, rows in enumerate(bar):
+        meter.before_step()
         metrics = engine.train_step({"input_ids": rows})
         losses.append(metrics["loss"])
-        if i == 0:
-            float(metrics["loss"])  # waits for the compile + first step
-            t0 = time.perf_counter()
-            continue
-        timed_tokens += tokens_per_step
-        if i % 10 == 0 or i == steps - start - 1:
-            tps = timed_tokens / (time.perf_counter() - t0)
-            post = {"loss": f"{float(metrics['loss']):.3f}", "tok/s": f"{tps:,.0f}"}
-            post["MFU"] = f"{100 * tps * fpt / (peak * 1e12 * n_dev):.1f}%"
+        meter.after_step(metrics["loss"])
+        if (i + 1) % 10 == 0 or i == steps - start - 1:
+            meter.sync(metrics["loss"])
+            post = {"loss": f"{float(metrics['loss']):.3f}"}
+            if meter.tokens_per_s_per_device is not None:
+                post["tok/s/device"] = f"{meter.tokens_per_s_per_device:,.0f}"
+            if meter.mfu is not None:
+                post["MFU"] = f"{100 * meter.mfu:.1f}%"
             stats = jax.local_devices()[0].memory_stats() or {}
             if "peak_bytes_in_use" in stats:
                 post["mem"] = f"{stats['peak_bytes_in_use'] / 2**30:.1f}GiB"
-            bar.set_postfix(post)
+            if interactive:
+                bar.set_postfix(post)
+            elif not quiet:
+                print(f"step {start + i + 1}/{steps}: loss {post['loss']}"
+                      + (f", {post['tok/s/device']} tokens/s per device" if "tok/s/device" in post else "")
+                      + (f", MFU {post['MFU']}" if "MFU" in post else "")
+                      + (f", peak memory {post['mem']}" if "mem" in post else ""), flush=True)
     engine.synchronize()
     jax.block_until_ready(engine.state)
     bar.close()
@@ -555,10 +670,10 @@ def main(argv=None):
                "seq_len": seq_len, "remat": remat, "precision": precision, "start_step": start,
                "steps": steps, "schedule_steps": schedule_steps, "lr": lr,
                "master_split": engine.layout.step.split_master}
-    if t0 is not None and timed_tokens:
-        tps = timed_tokens / (time.perf_counter() - t0) / n_dev
-        summary["tokens_per_s_per_device"] = round(tps)
-        summary["mfu"] = round(tps * fpt / (peak * 1e12), 4)
+    if meter.tokens_per_s_per_device is not None:
+        summary["tokens_per_s_per_device"] = round(meter.tokens_per_s_per_device)
+    if meter.mfu is not None:
+        summary["mfu"] = round(meter.mfu, 4)
         summary["mfu_against_tflops"] = float(f"{peak:.3g}")
     stats = jax.local_devices()[0].memory_stats() or {}
     if "peak_bytes_in_use" in stats:
@@ -593,7 +708,7 @@ def main(argv=None):
 
 
 def _print_run(args, cfg, size, steps, schedule_steps, lr, lr_default, precision, precision_why,
-               remat, remat_why, seq_len, data, saved, notes):
+               remat, remat_why, seq_len, data, saved, notes, filled=()):
     """The run as resolved from flags, config and checkpoint, printed once before any compile."""
     sched = cfg.to_dict().get("scheduler")
     sched_text = "none (constant lr)" if not sched else (
@@ -615,10 +730,18 @@ def _print_run(args, cfg, size, steps, schedule_steps, lr, lr_default, precision
           f"{cfg.train_micro_batch_size_per_gpu} x accumulation {cfg.gradient_accumulation_steps} x "
           f"{cfg.world_size} data-parallel; seq {seq_len}: {cfg.train_batch_size * seq_len:,} tokens/step")
     print(f"  data:      {data_name}: {len(data.train):,} training rows, {len(data.val):,} validation")
+    if filled:
+        print(f"  auto:      {', '.join(filled)}")
     total = (((sched or {}).get("params") or {}).get("total_num_steps"))
     if isinstance(total, int) and steps > total:
-        notes.append(f"--steps {steps} runs past the schedule's {total} steps: the lr stays at its "
-                     f"end value after step {total} (--schedule-steps {steps} stretches the schedule)")
+        import zerojax
+
+        end = float(zerojax.build_schedule(cfg)(steps - 1))  # the lr of this run's last update
+        notes.append(f"--steps {steps} runs past the schedule's {total} steps ({sched_why}): past its end the "
+                     f"lr stays at {end:g}{' (the weights stop changing)' if end == 0 else ''}; to extend the "
+                     f"schedule, add "
+                     f"--schedule-steps {steps} (with --resume too: the lr then follows a {steps}-step "
+                     f"schedule from the checkpoint's step on)")
     for note in notes:
         print(f"  note:      {note}")
 
@@ -628,10 +751,11 @@ if __name__ == "__main__":
     from zerojax.config import ConfigError
     from zerojax.data.text import DataError
     from zerojax.planning.memory import WillNotFitError
+    from zerojax.train.monitor import MonitorError
 
     try:
         main()
     except (ConfigError, ConfigMismatch, DataError, CheckpointError, WillNotFitError, FileNotFoundError,
-            FloatingPointError) as e:
+            FloatingPointError, MonitorError) as e:
         # the message names the key / file / step and the fix: no traceback needed
         sys.exit(f"error: {e}")

@@ -6,8 +6,8 @@ import os
 # level 3 -> 0: test_engine 118 -> 89, test_gpt2 206 -> 92, test_checkpoint 165 -> 77). It
 # changes no program: the optimised HLO (fusion, collectives, buffer assignment, so every
 # HLO-text and compiled-memory assertion) is the same text with and without it; only the
-# machine code differs, i.e. at most the order of a vectorised sum, which no test may depend on
-# (issue #21). Subprocess tests pass these flags on to their children.
+# machine code differs, i.e. at most the order of a vectorised sum, which no test may depend on.
+# Subprocess tests pass these flags on to their children.
 # A user's XLA_FLAGS (e.g. another CPU code path, --xla_cpu_max_isa=AVX) come after it, so they
 # reach the tests and win on a repeated flag (XLA keeps the last); the suite must pass under any.
 _user_flags = os.environ.get("XLA_FLAGS", "").strip()

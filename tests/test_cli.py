@@ -74,7 +74,7 @@ def test_readme_planning_example_on_cpu():
 
 def test_estimate_aot_compiles_with_the_engine_options_asked(tmp_path, capsys):
     """`zerojax estimate --aot --master-split --adam-mu-dtype bfloat16`: the compiled peaks are those
-    of the step run with EngineOptions(master_split=True, adam_mu_dtype="bfloat16"): its arguments
+    of the step run with EngineOptions(split_master="on", adam_mu_dtype="bfloat16"): its arguments
     hold 4 bytes a parameter less / 8 devices (ZeRO-2) than the default's (2 for the int16 remainder
     instead of the fp32 master, 2 for the bf16 first moment); without --aot the flags are refused."""
     from flax import nnx

@@ -3,7 +3,9 @@
 References: the loss must fall clearly from its value at the first step (the job works), and
 the config's csv_monitor writes DeepSpeed's files (deepspeed/monitor/csv_monitor.py: one
 `Train_Samples_<name>.csv` per event, header `step,<name>`, one row per optimizer step indexed by
-global samples), with the losses the engine reported.
+global samples), with the losses the engine reported; its tensorboard section writes the same
+events as TensorBoard's event file (TFRecord frames of `tensorflow.Event` protobufs), with no
+package beyond zerojax's own dependencies.
 """
 import csv
 import importlib.util
@@ -23,17 +25,19 @@ def _example():
     return module
 
 
-def test_main_job_trains_and_writes_deepspeed_csv_logs(tmp_path):
+def test_main_job_trains_and_writes_deepspeed_csv_logs(tmp_path, capsys):
     with open(os.path.join(ROOT, "configs", "zero2_bf16.json")) as f:
         cfg = json.load(f)
     cfg["csv_monitor"] = {"enabled": True, "output_path": str(tmp_path / "logs"), "job_name": "tiny"}
+    cfg["tensorboard"] = {"enabled": True, "output_path": str(tmp_path / "tb"), "job_name": "tiny"}
     cfg["steps_per_print"] = 10
     path = tmp_path / "ds_config.json"
     path.write_text(json.dumps(cfg))
     steps = 30
     summary = _example().main(["--config", str(path), "--model", "tiny", "--steps", str(steps),
-                               "--seq-len", "64", "--micro-batch", "1", "--eval-batches", "2"])
+                               "--seq-len", "64", "--micro-batch", "1", "--eval-batches", "2", "--peak-tflops", "1"])
     assert summary["last_loss"] < summary["first_loss"] - 0.5, summary
+    _check_log_lines(capsys.readouterr(), steps, summary)
     assert summary["val_loss"] < summary["first_loss"], summary
 
     batch = summary["train_batch_size"]  # 1 x 1 x 8 devices
@@ -48,8 +52,75 @@ def test_main_job_trains_and_writes_deepspeed_csv_logs(tmp_path):
     # no fp16: DeepSpeed logs no loss scale
     assert not os.path.exists(tmp_path / "logs" / "tiny" / "Train_Samples_loss_scale.csv")
 
+    # tensorboard: one event file, the same events (the float32 TensorBoard stores)
+    from zerojax.train.monitor import read_events
 
-# --------------------------------------------------------------------------- issue #20: every flag,
+    (events,) = (tmp_path / "tb" / "tiny").glob("events.out.tfevents.*")
+    got = read_events(str(events))
+    loss = [(step, value) for step, tag, value in got if tag == "Train/Samples/train_loss"]
+    assert [s for s, _ in loss] == [batch * k for k in range(1, steps + 1)]
+    assert [v for _, v in loss] == pytest.approx(summary["losses"], rel=1e-6)
+    assert sorted({tag for _, tag, _ in got}) == ["Train/Samples/lr", "Train/Samples/train_loss"]
+    _check_with_protobuf(events.read_bytes(), loss)
+
+
+def _check_log_lines(captured, steps, summary):
+    """Output to a file or pipe (not a terminal, as under pytest): no progress bar redrawn with
+    carriage returns but one line every 10 steps and at the end, whose tokens/s (per device, steps
+    that compile excluded) and MFU are the SUMMARY's: one definition everywhere."""
+    out = captured.out
+    assert "\r" not in out + captured.err
+    lines = [line for line in out.splitlines() if line.startswith("step ")]
+    assert [line.split(":")[0] for line in lines] == [f"step {k}/{steps}" for k in range(10, steps + 1, 10)], out
+    tps = float(lines[-1].split(", ")[1].split(" tokens/s per device")[0].replace(",", ""))
+    mfu = float(lines[-1].split("MFU ")[1].split("%")[0])
+    assert tps == pytest.approx(summary["tokens_per_s_per_device"], abs=1)
+    assert mfu == pytest.approx(100 * summary["mfu"], abs=0.06)
+    assert "MFU against 1 TFLOP/s per device (--peak-tflops); tokens/s are per device, steps that compile excluded" in out
+
+
+def _check_with_protobuf(data, loss):
+    """The event file read by protobuf itself (tensorflow/core/util/event.proto and summary.proto,
+    the fields TensorBoard reads, declared here), not by zerojax's own reader."""
+    import struct
+
+    descriptor_pb2 = pytest.importorskip("google.protobuf.descriptor_pb2")
+    from google.protobuf import descriptor_pool, message_factory
+
+    f = descriptor_pb2.FileDescriptorProto(name="zerojax_test_event.proto", package="tensorflow")
+    T = descriptor_pb2.FieldDescriptorProto
+    value = f.message_type.add(name="Value")
+    value.field.add(name="tag", number=1, type=T.TYPE_STRING, label=T.LABEL_OPTIONAL)
+    value.field.add(name="simple_value", number=2, type=T.TYPE_FLOAT, label=T.LABEL_OPTIONAL)
+    summary = f.message_type.add(name="Summary")
+    summary.field.add(name="value", number=1, type=T.TYPE_MESSAGE, type_name=".tensorflow.Value",
+                      label=T.LABEL_REPEATED)
+    event = f.message_type.add(name="Event")
+    event.field.add(name="wall_time", number=1, type=T.TYPE_DOUBLE, label=T.LABEL_OPTIONAL)
+    event.field.add(name="step", number=2, type=T.TYPE_INT64, label=T.LABEL_OPTIONAL)
+    event.field.add(name="file_version", number=3, type=T.TYPE_STRING, label=T.LABEL_OPTIONAL)
+    event.field.add(name="summary", number=5, type=T.TYPE_MESSAGE, type_name=".tensorflow.Summary",
+                    label=T.LABEL_OPTIONAL)
+    pool = descriptor_pool.DescriptorPool()
+    pool.Add(f)
+    Event = message_factory.GetMessageClass(pool.FindMessageTypeByName("tensorflow.Event"))
+    events, i = [], 0
+    while i < len(data):  # TFRecord: u64 length, u32 crc, data, u32 crc
+        (n,) = struct.unpack("<Q", data[i:i + 8])
+        events.append(Event.FromString(data[i + 12:i + 12 + n]))
+        i += 16 + n
+    assert events[0].file_version == "brain.Event:2"
+    scalars = [(e.step, v.simple_value) for e in events[1:] for v in e.summary.value if v.tag == "Train/Samples/train_loss"]
+    assert scalars == loss
+
+
+def test_tfrecord_crc_is_crc32c():
+    from zerojax.train.monitor import crc32c
+
+    assert crc32c(b"123456789") == 0xE3069283  # the CRC-32C check value (RFC 3720, iSCSI)
+
+
+# --------------------------------------------------------------------------- every flag,
 # file and resume does what the user asked, through the example's entry point
 
 import subprocess  # noqa: E402
@@ -59,11 +130,57 @@ EXAMPLE = os.path.join(ROOT, "examples", "gpt2_large.py")
 TINY = ["--model", "tiny", "--seq-len", "32", "--micro-batch", "1", "--eval-batches", "0"]
 
 
-def _cli(*argv, timeout=300):
-    """The example as a user runs it: exit status and everything it printed."""
+def _cli(*argv, timeout=300, env=None):
+    """The example as a user runs it (output to pipes, not a terminal): exit status and everything it printed."""
     p = subprocess.run([sys.executable, EXAMPLE, *argv], capture_output=True, text=True, timeout=timeout,
-                       env={**os.environ, "JAX_PLATFORMS": "cpu"})
+                       env={**os.environ, "JAX_PLATFORMS": "cpu", **(env or {})})
     return p.returncode, p.stdout + p.stderr
+
+
+def _config_file(tmp_path, name="ds.json", base="zero2_bf16.json", **sections):
+    with open(os.path.join(ROOT, "configs", base)) as f:
+        cfg = json.load(f)
+    for key, value in sections.items():
+        cfg[key] = {**cfg.get(key, {}), **value} if isinstance(value, dict) else value
+    path = tmp_path / name
+    path.write_text(json.dumps(cfg))
+    return path
+
+
+@pytest.mark.parametrize("case", ["wandb", "fp16 flag", "typo"])
+def test_setup_errors_are_one_line_before_anything_is_built(case, tmp_path):
+    """Refused at once, as `error: ...` naming the flag / file / section and the fix, exit status 1,
+    before the run block and the model (and so before any folder a monitor would write)."""
+    env = None
+    if case == "wandb":  # wandb not importable, whatever this environment has installed
+        (tmp_path / "shadow").mkdir()
+        (tmp_path / "shadow" / "wandb.py").write_text("raise ImportError('No module named wandb')\n")
+        env = {"PYTHONPATH": os.pathsep.join([str(tmp_path / "shadow"), ROOT])}
+        path = _config_file(tmp_path, wandb={"enabled": True},
+                            csv_monitor={"enabled": True, "output_path": str(tmp_path / "csv"), "job_name": "j"})
+        want = ("error: wandb.enabled is true but the wandb package cannot be imported (No module named wandb): "
+                "`pip install zerojax[wandb]` (or `pip install wandb`), or set wandb.enabled to false")
+    elif case == "fp16 flag":  # the config leaves precision to the flag: the flag is named, not the config
+        path = _config_file(tmp_path, bf16={"enabled": "auto"})
+        want = ("error: --fp16: XLA does not run fp16 matrix products on CPU ('F16_F16_F32' is not supported by "
+                "dot_general); use --bf16 or --fp32 here, or --fp16 on a GPU")
+    else:
+        path = _config_file(tmp_path, zero_optimization={"stage": 2, "overlap_com": True})
+        want = (f"error: 1 problem(s) in the DeepSpeed config {path}:\n"
+                "  - zero_optimization.overlap_com: unknown key; did you mean 'overlap_comm'?")
+    code, out = _cli("--config", str(path), *TINY, "--steps", "2", *(["--fp16"] if case == "fp16 flag" else []),
+                     env=env)
+    assert code == 1 and out.strip() == want, out
+    assert not (tmp_path / "csv").exists()
+
+
+def test_help_describes_every_flag(capsys):
+    with pytest.raises(SystemExit) as info:
+        _example().parse_args(["--help"])
+    out = capsys.readouterr().out
+    assert info.value.code == 0 and "--eval-batches EVAL_BATCHES\n                        validation batches" in out, out
+
+
 
 
 @pytest.mark.parametrize("argv, message", [
@@ -147,12 +264,29 @@ def test_resume_matches_the_uninterrupted_run_step_for_step(tmp_path, capsys):
     assert (ckpt / "latest").read_text() == "global_step4"
     assert "--keep 1: removed the older checkpoint(s) global_step2" in out
 
+    # another model size over this checkpoint: refused in one line from its metadata, before the model
+    # is built (no "run:" block, no traceback listing leaf shapes)
+    code, said = _cli(*TINY, "--model", "small", "--steps", "5", "--save", str(ckpt), "--resume")
+    assert code == 1 and said.strip() == (f"error: {ckpt}: this checkpoint is GPT-2 tiny; use --model tiny (this "
+                                          "run asks for GPT-2 small; another --save folder starts it afresh)"), said
+    # past the saved schedule's end, with another global batch (as fewer devices or processes give):
+    # both said before the run, with how to keep the schedule going
+    capsys.readouterr()
+    example.main([*TINY, "--micro-batch", "2", "--steps", "42", "--save", str(ckpt), "--resume"])
+    out = capsys.readouterr().out
+    assert ("note:      the global batch changes from the checkpoint's 8 = 1 x 1 x 8 data-parallel to "
+            "16 = 2 x 1 x 8 data-parallel") in out, out
+    assert ("note:      --steps 42 runs past the schedule's 40 steps (saved with the checkpoint): past its end "
+            "the lr stays at 0 (the weights stop changing); to extend the schedule, add --schedule-steps 42") in out, out
+
 
 def test_one_step_stage3_lr0_and_cpu_precision_default(tmp_path, capsys):
     """--lr 0 is honoured (the engine reports lr 0 for the step, DeepSpeed's csv_monitor file),
-    one step gives a last loss, and a stage-3 run whose tensors all sit under the persistence
-    threshold (tiny GPT-2: the largest leaf is 64*256 elements < DeepSpeed's 1e5 default)
-    warns once naming the key."""
+    one step gives a last loss, and the config's ZeRO "auto"s are filled as the Hugging Face
+    Trainer fills them from the model's width (tiny GPT-2: hidden 64 -> reduce_bucket_size 64^2,
+    stage3_prefetch_bucket_size int(0.9 * 64^2), stage3_param_persistence_threshold 10 * 64), so
+    stage 3 partitions the model (DeepSpeed's default threshold, 1e5 elements, is above its
+    largest leaf, 64*256: nothing would be partitioned); every filled value is printed once."""
     with open(os.path.join(ROOT, "configs", "zero3_bf16.json")) as f:
         cfg = json.load(f)
     cfg["bf16"]["enabled"] = "auto"  # precision left to the flags: fp32 on CPU by default
@@ -166,8 +300,38 @@ def test_one_step_stage3_lr0_and_cpu_precision_default(tmp_path, capsys):
     assert "lr:        0 (--lr)" in out
     with open(tmp_path / "logs" / "lr0" / "Train_Samples_lr.csv") as f:
         assert [float(r[1]) for r in list(csv.reader(f))[1:]] == [0.0]
-    warning = "replicated on every device: tensors under zero_optimization.stage3_param_persistence_threshold"
-    assert out.count(warning) == 1, out
+    auto = [line for line in out.splitlines() if line.startswith("  auto:      ")]
+    assert len(auto) == 1, out
+    for filled in ("train_batch_size=8 (batch rule)", "train_micro_batch_size_per_gpu=1", "optimizer.params.lr=0.0",
+                   "optimizer.params.weight_decay=0.0", "scheduler.params.total_num_steps=1",
+                   "zero_optimization.reduce_bucket_size=4096 (model width)",
+                   "zero_optimization.stage3_prefetch_bucket_size=3686 (model width)",
+                   "zero_optimization.stage3_param_persistence_threshold=640 (model width)"):
+        assert filled in auto[0], auto
+    assert "replicated on every device" not in out, out
+
+
+def test_replicated_warning_names_the_threshold(capsys):
+    """Where stage 3 leaves most parameters whole on every device (their tensors under
+    stage3_param_persistence_threshold), the example says so once, naming the key."""
+    from types import SimpleNamespace
+
+    import jax.numpy as jnp
+
+    import zerojax
+
+    example = _example()
+    cfg = zerojax.load_config({"train_batch_size": 8, "zero_optimization": {
+        "stage": 3, "stage3_param_persistence_threshold": 100_000}}, world_size=8)
+    params = {"w": jnp.zeros((64, 256)), "b": jnp.zeros((64,))}  # replicated: a single device's arrays
+    engine = SimpleNamespace(mesh=SimpleNamespace(shape={"data": 8}), state=SimpleNamespace(params=params))
+    example._warn_replicated(engine, cfg)
+    out = capsys.readouterr().out
+    assert out.count("replicated on every device: tensors under "
+                     "zero_optimization.stage3_param_persistence_threshold = 100,000 elements") == 1, out
+    example._warn_replicated(engine, zerojax.load_config({**cfg.to_dict(), "zero_optimization": {
+        "stage": 3, "stage3_param_persistence_threshold": 640}}, world_size=8))
+    assert capsys.readouterr().out == ""
 
 
 def test_offload_loop_flag_trains_like_the_default_and_is_checked_against_the_config(capsys):
@@ -189,17 +353,17 @@ def test_offload_loop_flag_trains_like_the_default_and_is_checked_against_the_co
                       "--offload-loop", "host"])
 
 
-def test_master_split_flag_trains_as_without_it_and_is_refused_under_offload(capsys, monkeypatch):
-    """--master-split (EngineOptions.master_split) reaches the engine and trains as the whole fp32
-    master does (the same losses); with a config that offloads the optimizer it is refused before
-    anything is built, naming the flag and a config that fits."""
+def test_master_split_flag_trains_as_without_it_and_is_refused_without_bf16(capsys, monkeypatch, tmp_path):
+    """--master-split (EngineOptions(split_master="on")) reaches the engine and trains as the whole
+    fp32 master does (the same losses); under optimizer offload to cpu it is the host loop's split
+    (kept); with a config that does not compute in bf16 it is refused before anything is built,
+    naming the flag and a config that fits."""
     example = _example()
     cfg = os.path.join(ROOT, "configs", "zero2_bf16.json")
     runs = [example.main(["--config", cfg, *TINY, "--steps", "3", *flag]) for flag in ([], ["--master-split"])]
     assert [r["master_split"] for r in runs] == [False, True]
     assert runs[1]["losses"] == runs[0]["losses"]
-    # micro-batch auto: the planner compiles its candidates with the flag (the same run), and where
-    # its choice offloads, the flag gives way with a note (the user's config did not offload)
+    # micro-batch auto: the planner compiles its candidates with the flag (the same run)
     from zerojax import load_config
     from zerojax.planning import memory
 
@@ -212,12 +376,13 @@ def test_master_split_flag_trains_as_without_it_and_is_refused_under_offload(cap
                             "optimizer.params.lr": 1e-3, "optimizer.params.weight_decay": 0.0,
                             "scheduler.params.warmup_max_lr": 1e-3, "scheduler.params.warmup_num_steps": 1})
     options = example._engine_options(example.parse_args([*TINY, "--master-split"]), off, planned=True)
-    assert options.master_split is False
-    assert "--master-split: the planner's choice offloads" in capsys.readouterr().out
-    with pytest.raises(example.ConfigMismatch, match="--master-split needs bf16 and no offload.*"
-                                                     "offload_optimizer.device .cpu.*zero2_bf16.json"):
-        example.main(["--config", os.path.join(ROOT, "configs", "zero2_offload_optimizer.json"), *TINY,
-                      "--steps", "1", "--master-split"])
+    assert options.split_master == "on" and options.offload_loop == "auto"
+    import hjson
+
+    fp32 = tmp_path / "zero2_fp32.json"
+    fp32.write_text(json.dumps({**hjson.load(open(cfg)), "bf16": {"enabled": False}}))
+    with pytest.raises(example.ConfigMismatch, match="--master-split needs bf16.*zero2_fp32.json.*zero2_bf16.json"):
+        example.main(["--config", str(fp32), *TINY, "--steps", "1", "--master-split"])
 
 
 def test_offload_hint_names_the_missing_flags_and_their_bytes():
@@ -236,7 +401,7 @@ def test_offload_hint_names_the_missing_flags_and_their_bytes():
     offloading = Plan(3, 8, remat="full", offload_optimizer=True, offload_ratio=0.5)
     split, mu = "--master-split {:.2f} GiB (", "--adam-mu-dtype bfloat16 {:.2f} GiB ("
     for options, named, absent in ((EngineOptions(), (split, mu), ()),
-                                   (EngineOptions(master_split=True), (mu,), (split,)),
+                                   (EngineOptions(split_master="on"), (mu,), (split,)),
                                    (EngineOptions(adam_mu_dtype="bfloat16"), (split,), (mu,))):
         for n_data in (1, 4):
             hint = example._offload_hint(offloading, P, n_data, options, jnp.bfloat16)
@@ -245,7 +410,7 @@ def test_offload_hint_names_the_missing_flags_and_their_bytes():
                 assert flag.format(2 * P / n_data / GiB) in hint
             for flag in absent:
                 assert flag.split(" {")[0] not in hint
-    both = EngineOptions(master_split=True, adam_mu_dtype="bfloat16")
+    both = EngineOptions(split_master="on", adam_mu_dtype="bfloat16")
     assert example._offload_hint(offloading, P, 1, both, jnp.bfloat16) is None
     assert example._offload_hint(offloading, P, 1, EngineOptions(), jnp.float32) is None
     assert example._offload_hint(Plan(2, 8, remat="full"), P, 1, EngineOptions(), jnp.bfloat16) is None
@@ -301,20 +466,65 @@ def test_offload_loop_auto_takes_host_where_its_step_fits(capsys, monkeypatch):
         assert loop == want and why.startswith(said), why
 
 
-def test_mfu_is_reported_against_the_measured_ceiling_or_the_flag(capsys):
-    """The example's MFU: tokens/s x the model's FLOPs a token (flops_per_token, checked against
-    the written-out count in test_gpt2) over the bf16 matmul ceiling it measured at start
-    (zerojax.planning.ceiling), or over --peak-tflops where given; the header says which."""
+def test_mfu_is_reported_against_the_measured_ceiling_or_the_flag(capsys, monkeypatch, tmp_path):
+    """The example's MFU: tokens/s per device x the model's FLOPs a token (flops_per_token, checked
+    against the written-out count in test_gpt2) over --peak-tflops, or over the matmul ceiling it
+    measured at start in the run's own precision (zerojax.planning.ceiling: an fp32 run against
+    fp32); the header says which. On CPU, whose measured rate varied 8x from run to run, no
+    ceiling is measured and no MFU reported unless --peak-tflops gives one."""
     from zerojax.models.gpt2 import GPT2Config, flops_per_token
+    from zerojax.planning import ceiling
 
     example = _example()
+    monkeypatch.setattr(ceiling, "measure_matmul_ceiling", lambda *a, **k: pytest.fail("measured on CPU"))
+    auto = ["--config", str(_config_file(tmp_path, bf16={"enabled": "auto"}))]  # precision from the flag
+    run = example.main([*auto, *TINY, "--steps", "3", "--fp32"])
+    assert "no MFU on CPU: its matmul rate varies from run to run" in capsys.readouterr().out
+    assert "mfu" not in run and run["tokens_per_s_per_device"] > 0
+    # where the ceiling is stable (a GPU / TPU): measured in the run's precision
+    asked = []
+    monkeypatch.setattr(ceiling, "ceiling_is_stable", lambda backend=None: True)
+    monkeypatch.setattr(ceiling, "measure_matmul_ceiling",
+                        lambda n=None, iters=None, dtype="bfloat16": asked.append(dtype) or {"ceiling_tflops": 0.5})
+    run = example.main([*auto, *TINY, "--steps", "2", "--fp32"])
+    assert "MFU against 0.5 TFLOP/s per device (the float32 matmul ceiling measured here)" in capsys.readouterr().out
+    assert [np.dtype(d).name for d in asked] == ["float32"] and run["mfu_against_tflops"] == 0.5
     fpt = flops_per_token(GPT2Config.named("tiny"), 32)
-    for flags, basis in ((["--peak-tflops", "2.5"], "--peak-tflops"), ([], "the bf16 matmul ceiling measured here")):
-        run = example.main([*TINY, "--steps", "3", *flags])
-        assert f"TFLOP/s per device ({basis})" in capsys.readouterr().out
-        against = run["mfu_against_tflops"]
-        assert against == 2.5 if flags else against > 0
-        assert run["mfu"] == pytest.approx(run["tokens_per_s_per_device"] * fpt / (against * 1e12), rel=2e-2, abs=1e-4)
+    assert run["mfu"] == pytest.approx(run["tokens_per_s_per_device"] * fpt / 0.5e12, rel=2e-2, abs=1e-4)
+
+
+def test_speed_excludes_every_step_that_compiles():
+    """SpeedMeter (the example's one definition of tokens/s): per device, over the windows between
+    syncs in which nothing compiled; a step that compiles (the first, or a later one) is waited for
+    and its window dropped."""
+    import jax
+    import jax.numpy as jnp
+
+    from zerojax.train.monitor import SpeedMeter
+
+    now = [0.0]
+    meter = SpeedMeter(tokens_per_step=100, n_devices=4, flops_per_token=10.0, peak_tflops=1e-9,
+                       clock=lambda: now[0])
+    f = jax.jit(lambda x: x + 1)
+
+    def step(x, seconds, new_shape=False):
+        meter.before_step()
+        y = f(jnp.zeros(7 if new_shape else 3) + x)  # a new shape compiles
+        now[0] += seconds
+        meter.after_step(y[0])
+        return y
+
+    step(0, 30.0)                  # compiles: 30 s never counted
+    step(1, 1.0)
+    step(2, 1.0)
+    meter.sync(0.0)                # 200 tokens in 2 s
+    step(3, 1.0)
+    step(4, 50.0, new_shape=True)  # compiles: its window (steps 3-4) dropped
+    step(5, 2.0)
+    meter.sync(0.0)                # + 100 tokens in 2 s
+    assert meter.compiled_steps == 2
+    assert meter.tokens_per_s_per_device == pytest.approx(300 / 4 / 4)
+    assert meter.mfu == pytest.approx(300 / 4 / 4 * 10.0 / 1e3)
 
 
 def test_steps_zero_evaluates_only(monkeypatch, capsys):

@@ -23,18 +23,15 @@ def shard(model, cfg, *, loss_fn: Callable, mesh: Mesh | None = None,
     cfg: a Config, or anything `load_config` accepts (path, JSON text, dict).
     loss_fn(model, batch) -> loss, or (loss, metrics dict of scalars).
     mesh: a ("data", "tensor") mesh; default all devices, "tensor" = tensor_parallel.autotp_size.
-    options: `zerojax.EngineOptions`, the knobs beyond the DeepSpeed config (offload layout,
-        stage-3 gather, memory guard, ...). Unless `options.plans_for` is set, a step that will not
-        fit raises WillNotFitError listing the planner's plans for this model.
+    options: `zerojax.EngineOptions`, the knobs beyond the DeepSpeed config (offload loop, split
+        master, memory guard, ...). A step that will not fit raises WillNotFitError listing the
+        planner's plans for this model.
     """
     if unknown:
         fields = ", ".join(f"{k}={v!r}" for k, v in unknown.items())
         raise TypeError(f"shard() got unexpected keyword arguments {sorted(unknown)}; engine knobs are "
                         f"fields of EngineOptions: shard(..., options=zerojax.EngineOptions({fields}))")
-    options = options if options is not None else EngineOptions()
-    if isinstance(options, EngineOptions) and options.plans_for is None:
-        options = options.replace(plans_for=engine_plans)
-    return Engine(model, cfg, loss_fn=loss_fn, mesh=mesh, options=options)
+    return Engine(model, cfg, loss_fn=loss_fn, mesh=mesh, options=options, plans_for=engine_plans)
 
 
 __all__ = ["shard"]

@@ -86,7 +86,7 @@ def _add_hardware_flags(p):
 def _add_engine_option_flags(p, when=""):
     """The EngineOptions that change a step's memory, shared by estimate and plan."""
     p.add_argument("--master-split", action="store_true",
-                   help=f"{when}plan as zerojax.EngineOptions(master_split=True) runs (bf16, no offload: the "
+                   help=f"{when}plan as zerojax.EngineOptions(split_master='on') runs (bf16, no offload: the "
                         "fp32 master kept as the bf16 params + an int16 remainder, 2 bytes a parameter less)")
     p.add_argument("--adam-mu-dtype", choices=("bfloat16",), default=None,
                    help=f"{when}plan as EngineOptions(adam_mu_dtype=...) runs (Adam's first moment stored in "
@@ -109,7 +109,7 @@ def _engine_options_of(args, cfg: dict):
                 f"--master-split needs bf16 compute (the fp32 master kept as the bf16 params + an int16 "
                 f"remainder); {args.config or 'the config'} has fp16.enabled {enabled[0]}, bf16.enabled "
                 f"{enabled[1]}: set bf16.enabled true (or \"auto\") or drop --master-split")
-    return EngineOptions(master_split=args.master_split, adam_mu_dtype=args.adam_mu_dtype)
+    return EngineOptions(split_master="on" if args.master_split else "auto", adam_mu_dtype=args.adam_mu_dtype)
 
 
 def _hardware(args) -> estimate.Hardware:
@@ -393,7 +393,7 @@ def _estimate_aot(args, say, factory, model_cfg, stages, n_devices) -> dict:
         for stage in stages:
             for r in remats:
                 try:
-                    m = planner.step_memory(factory, planner._zero_choice(cfg, stage, "none", 1.0),
+                    m = planner.step_memory(factory, planner.zero_choice(cfg, stage, "none", 1.0),
                                             seq, rows, remat=r, precision=precision, grad_accum=1,
                                             mesh=mesh, options=options)
                 except NotImplementedError as e:

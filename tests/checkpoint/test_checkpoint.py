@@ -155,7 +155,7 @@ def source(prec):
 
 
 @pytest.mark.parametrize("src,stage,n,prec", [
-    ("bf16", 3, 4, "bf16"),   # the issue's two cases
+    ("bf16", 3, 4, "bf16"),   # the two cases that failed before
     ("bf16", 0, 1, "bf16"),
     ("fp32", 2, 2, "fp32"),
     ("bf16", 3, 8, "fp32"),   # bf16 master -> fp32 params
@@ -275,10 +275,10 @@ def test_load_releases_the_live_state_first_where_the_device_lacks_room(monkeypa
 
 
 def test_repacked_state_round_trips_through_host_memory():
-    """engine._repacked (after a restore that released the live state: the restored arrays allocated
+    """engine_io._repacked (after a restore that released the live state: the restored arrays allocated
     anew, one after another): every device array moved to host memory and back, the same values in
     the same shardings, the old buffers freed."""
-    from zerojax.train.engine import _repacked
+    from zerojax.checkpoint.engine_io import _repacked
 
     for stage in (0, 3):
         eng = engine(stage, 8, "bf16", seed=3)

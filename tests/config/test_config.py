@@ -396,8 +396,8 @@ def test_gradient_clipping_default_is_deepspeeds():
 
 
 def test_defaults_changed_in_deepspeed_0_19_5():
-    # DeepSpeed PR #8207 (v0.19.5): offload buffers pinned by default (runtime/zero/offload_config.py
-    # pin_memory: bool = True); PR #8035 (v0.19.5): bf16 check_grad_overflow defaults to True
+    # DeepSpeed pull 8207 (v0.19.5): offload buffers pinned by default (runtime/zero/offload_config.py
+    # pin_memory: bool = True); pull 8035 (v0.19.5): bf16 check_grad_overflow defaults to True
     # (runtime/precision_config.py).
     cfg = quiet_load({"train_batch_size": 8}, world_size=1)
     assert cfg.zero_optimization.offload_param.pin_memory is True
@@ -457,6 +457,80 @@ def test_fill_replaces_autos_and_ignores_non_auto_keys():
     assert dict(cfg.optimizer.params) == {"lr": 3e-4, "eps": 1e-6}  # eps was not "auto": fill not used
     assert cfg.optimizer.type == "adamw"  # as written; DeepSpeed matches names case-insensitively
     assert cfg.train_batch_size == 8
+
+
+def test_hidden_size_fills_zero_autos_as_the_hugging_face_trainer():
+    """transformers' trainer_config_finalize: reduce_bucket_size hidden^2; at stage 3 also
+    stage3_prefetch_bucket_size int(0.9 hidden^2) and stage3_param_persistence_threshold 10 hidden.
+    Without the hidden size: DeepSpeed's defaults; a fill entry for the same key wins."""
+    from zerojax.config import auto_keys, hidden_size_fill
+
+    zero = {"reduce_bucket_size": "auto", "stage3_prefetch_bucket_size": "auto",
+            "stage3_param_persistence_threshold": "auto"}
+    for stage, want in ((3, (64 * 64, int(0.9 * 64 * 64), 640)), (2, (64 * 64, 50_000_000, 100_000))):
+        z = quiet_load({"train_batch_size": 8, "zero_optimization": {"stage": stage, **zero}}, world_size=1,
+                       hidden_size=64).zero_optimization
+        assert (z.reduce_bucket_size, z.stage3_prefetch_bucket_size, z.stage3_param_persistence_threshold) == want
+    z = quiet_load(GUIDE_TEXT.replace('"stage": 2', '"stage": 3'), world_size=1, hidden_size=1280,
+                   fill={"train_micro_batch_size_per_gpu": 1, "zero_optimization.reduce_bucket_size": 7}).zero_optimization
+    assert (z.reduce_bucket_size, z.stage3_prefetch_bucket_size, z.stage3_param_persistence_threshold) == (
+        7, 1_474_560, 12_800)
+    default = quiet_load({"train_batch_size": 8, "zero_optimization": {"stage": 3, **zero}}, world_size=1).zero_optimization
+    assert (default.reduce_bucket_size, default.stage3_param_persistence_threshold) == (500_000_000, 100_000)
+    assert hidden_size_fill(64, stage3=False) == {"zero_optimization.reduce_bucket_size": 4096}
+    assert auto_keys(GUIDE_TEXT) == [
+        "train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps", "fp16.enabled",
+        "zero_optimization.reduce_bucket_size", "zero_optimization.stage3_prefetch_bucket_size",
+        "zero_optimization.stage3_param_persistence_threshold"]
+
+
+def test_errors_name_the_config_file(tmp_path):
+    path = tmp_path / "ds_config.json"
+    path.write_text('{"train_batch_size": 8, "zero_optimization": {"stage": 2, "overlap_com": true}}')
+    err = problems_of(str(path), world_size=1)
+    assert str(err).startswith(f"1 problem(s) in the DeepSpeed config {path}:\n  - zero_optimization.overlap_com: "
+                               "unknown key; did you mean 'overlap_comm'?"), str(err)
+    # a dict read from the file (as a caller that edits it first): name= says where it came from
+    err = problems_of({"train_batch_size": 8, "zero_optimization": {"stage": 2, "overlap_com": True}},
+                      world_size=1, name="my.json")
+    assert err.source == "my.json" and "problem(s) in the DeepSpeed config my.json:" in str(err)
+
+
+def test_monitors_are_checked_before_any_folder_is_made(tmp_path, monkeypatch):
+    """An enabled monitor that cannot start (here wandb, not importable) stops the Monitor before
+    any backend starts: the csv_monitor folder is not left behind. csv_monitor / tensorboard need
+    no package beyond zerojax's dependencies; their folders appear at the first write."""
+    import builtins
+
+    from zerojax.train.monitor import Monitor, MonitorError, monitor_problems
+
+    real_import = builtins.__import__
+
+    def no_wandb(name, *args, **kwargs):
+        if name == "wandb":
+            raise ImportError("No module named 'wandb'")
+        return real_import(name, *args, **kwargs)
+
+    monkeypatch.setattr(builtins, "__import__", no_wandb)
+    files = {"csv_monitor": {"enabled": True, "output_path": str(tmp_path / "csv"), "job_name": "j"},
+             "tensorboard": {"enabled": True, "output_path": str(tmp_path / "tb"), "job_name": "j"}}
+    cfg = quiet_load({"train_batch_size": 8, **files, "wandb": {"enabled": True}}, world_size=1)
+    with pytest.raises(MonitorError, match=r"wandb.enabled is true but the wandb package cannot be imported .*"
+                                           r"pip install zerojax\[wandb\]"):
+        Monitor(cfg)
+    assert not (tmp_path / "csv").exists() and not (tmp_path / "tb").exists()
+    monitor = Monitor(quiet_load({"train_batch_size": 8, **files}, world_size=1))
+    assert len(monitor.backends) == 2 and not (tmp_path / "csv").exists()
+    monitor.record(8, {"loss": 2.5, "lr": 1e-3})
+    monitor.close()
+    assert (tmp_path / "csv" / "j" / "Train_Samples_train_loss.csv").exists()
+    assert len(list((tmp_path / "tb" / "j").glob("events.out.tfevents.*"))) == 1
+    (tmp_path / "file").write_text("")
+    bad = quiet_load({"train_batch_size": 8, "csv_monitor": {"enabled": True, "output_path": str(tmp_path / "file")}},
+                     world_size=1)
+    assert monitor_problems(bad) == [f"csv_monitor.output_path / job_name: {str(tmp_path / 'file' / 'DeepSpeedJobName')!r} "
+                                     f"cannot be a folder ({str(tmp_path / 'file')!r} is a file); set "
+                                     "csv_monitor.output_path to a folder"]
 
 
 def test_fill_value_is_validated():

@@ -363,7 +363,7 @@ def test_every_accepted_optimizer_key_reaches_the_builder(kind, monkeypatch):
 @pytest.mark.parametrize("kind,extra", [("Lion", {"fp32_optimizer_states": True}), ("SGD", {"maximize": False}),
                                         ("Adam", {"set_grad_none": True, "foreach": False})])
 def test_load_config_accepts_what_the_builders_take(kind, extra):
-    # Issue #12: load_config refused Lion fp32_optimizer_states and SGD maximize, which optim implements.
+    # load_config once refused Lion fp32_optimizer_states and SGD maximize, which optim implements.
     import zerojax
     from zerojax.config import OPTIMIZER_PARAMS
 

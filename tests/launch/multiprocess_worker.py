@@ -11,7 +11,7 @@ CASES = [  # (stage, precision, gradient_accumulation_steps, optimizer offload l
     (3, "fp32", 2, None),
     (2, "bf16", 1, None),
     (2, "fp32", 1, "host"),  # offload_optimizer cpu, its update driven from Python (EngineOptions)
-    (2, "bf16", 1, "host_split"),  # the same, the host master as remainders (offload_master_split)
+    (2, "bf16", 1, "host_split"),  # the same, the host master as remainders (split_master)
 ]
 ROWS, STEPS, LOCAL_DEVICES = 32, 3, 4
 
@@ -19,7 +19,7 @@ ROWS, STEPS, LOCAL_DEVICES = 32, 3, 4
 def train(stage, prec, ga, rows_of, offload_loop=None):
     """Train the tiny MLP; `rows_of(global_batch)` picks this process's rows; offload_loop: the
     optimizer offloaded to cpu with that EngineOptions.offload_loop ("host_split": "host" with
-    offload_master_split). Returns fp32 master."""
+    split_master="on"). Returns fp32 master."""
     import jax
     import numpy as np
     from flax import nnx
@@ -41,7 +41,7 @@ def train(stage, prec, ga, rows_of, offload_loop=None):
     }
     eng = shard(MLP(nnx.Rngs(0)), cfg, loss_fn=loss_fn,
                 options=EngineOptions(offload_loop=(offload_loop or "in_place").removesuffix("_split"),
-                                      offload_master_split=bool(offload_loop and offload_loop.endswith("_split")),
+                                      split_master="on" if offload_loop and offload_loop.endswith("_split") else "off",
                                       offload_host_chunk_bytes=1))  # "host": one layer a chunk
     rng = np.random.default_rng(0)
     for _ in range(STEPS):

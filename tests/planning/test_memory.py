@@ -252,12 +252,15 @@ def test_engine_guard_raises_before_the_first_step(engine_micro2):
     assert real <= peak(2) <= 1.03 * real
     budget = (peak(1) + real) // 2
     with pytest.raises(M.WillNotFitError) as info:
-        PL.guard(engine, batch, budget, stages=(2,), offloads=("none",))
+        M.guard(engine, batch, budget,
+                plans=lambda: PL.engine_plans(engine, batch, budget, stages=(2,), offloads=("none",)))
     assert info.value.predicted_bytes == real  # the guard reads the engine's own compiled step
-    # the plan keeps the engine's 2 rows per step: micro-batch 1 with 2 accumulation steps, its
-    # peak that of the same step compiled from the model factory
-    best = info.value.plans[0]
-    assert (best.stage, best.micro_batch, best.grad_accum) == (2, 1, 2)
+    # the plans keep the engine's 2 rows per step: without remat, micro-batch 1 with 2 accumulation
+    # steps, its peak that of the same step compiled from the model factory (the planner also
+    # tries activation checkpointing on the built model: "full" at micro-batch 2)
+    by = {(p.remat, p.micro_batch, p.grad_accum): p for p in info.value.plans}
+    best = by[(None, 1, 2)]
+    assert best.stage == 2 and ("full", 2, 1) in by
     assert best.peak_bytes == PL.step_memory(tiny_factory, CFG, SEQ, 1, grad_accum=2).peak <= budget
     assert M.guard(engine, batch, real).peak == real
     assert M.guard(engine, batch, None) is None or M.device_budget() is not None  # CPU: no limit
@@ -294,3 +297,36 @@ def test_plan_ranking_without_a_prediction_is_the_fixed_order():
     # a predicted step time, where there is one, decides first
     timed = [P(0, 8, step_s=2.0), P(3, 1, True, True, step_s=1.0)]
     assert [p.stage for p in PL.rank_plans(timed)] == [3, 0]
+
+
+@pytest.mark.slow
+def test_will_not_fit_lists_a_remat_plan_and_only_plans_the_guard_passes(monkeypatch):
+    """A built engine whose step does not fit (a stand-in budget between the compiled peaks with
+    and without activation checkpointing, at micro-batch 1: no smaller micro-batch to fall back
+    to): the WillNotFitError from its first step lists a remat plan, ranked among the planner's,
+    and every listed plan, built as an engine, passes the same guard at that budget."""
+    import zerojax
+    from zerojax.config import load_config
+    from zerojax.train.engine import abstract_engine
+    from tiny_gpt2 import tiny_gpt2
+
+    full = PL.step_memory(tiny_gpt2, CFG, SEQ, 1, remat="full").peak
+    none = PL.step_memory(tiny_gpt2, CFG, SEQ, 1, remat=None).peak
+    assert full < none
+    budget = (full + none) // 2
+    monkeypatch.setattr(M, "device_budget", lambda device=None: budget)
+    cfg = load_config(CFG, world_size=jax.device_count())
+    eng = zerojax.shard(lambda: tiny_gpt2(remat_policy=None), cfg, loss_fn=PL.default_loss_fn())
+    rows = cfg.train_batch_size
+    with pytest.raises(M.WillNotFitError) as info:
+        eng.train_step({"input_ids": np.zeros((rows, SEQ), np.int32)})
+    plans = info.value.plans
+    assert any(p.remat == "full" for p in plans), [p.describe() for p in plans]
+    assert "remat full" in str(info.value)
+    batch = {"input_ids": jax.ShapeDtypeStruct((rows, SEQ), jnp.int32)}
+    for p in plans:
+        assert p.peak_bytes <= budget
+        remat = None if p.remat == PL.AS_BUILT else p.remat
+        built = abstract_engine(lambda: tiny_gpt2(remat_policy=remat), load_config(p.apply(CFG), world_size=8),
+                                loss_fn=PL.default_loss_fn())
+        assert M.guard(built, batch, budget).peak <= budget, p.describe()

@@ -82,13 +82,13 @@ def test_planning_compiles_with_the_runs_engine_options():
     from zerojax.train.layout import options_for_config
 
     params = PL.model_shape(factory, SEQ).params
-    split_mu = EngineOptions(master_split=True, adam_mu_dtype="bfloat16")
+    split_mu = EngineOptions(split_master="on", adam_mu_dtype="bfloat16")
     mu = EngineOptions(adam_mu_dtype="bfloat16")
     mems = {name: PL.step_memory(factory, CFG, SEQ, 4, remat="full", options=o)
             for name, o in (("default", None), ("mu", mu), ("split_mu", split_mu))}
 
     def floor(o):
-        return E.model_state_floor(params, stage=2, n_data=8, precision="bf16", master_split=o.master_split,
+        return E.model_state_floor(params, stage=2, n_data=8, precision="bf16", master_split=o.split_master == "on",
                                    adam_mu_dtype=o.adam_mu_dtype)
 
     default = EngineOptions()
@@ -107,17 +107,18 @@ def test_planning_compiles_with_the_runs_engine_options():
     # the same through a built engine's plans (the memory guard's list): the engine's own options
     batch = {"input_ids": jax.ShapeDtypeStruct((4 * jax.device_count(), SEQ), jnp.int32)}
     for options, expect in ((None, set()), (mu, {(4, 1, 2)})):
-        eng = PL.abstract_engine(lambda: factory(remat_policy="full"), load_config(CFG, world_size=8),
-                                 loss_fn=PL.default_loss_fn(), options=options)
+        eng = abstract_engine(lambda: factory(remat_policy="full"), load_config(CFG, world_size=8),
+                              loss_fn=PL.default_loss_fn(), options=options)
         plans = PL.engine_plans(eng, batch, budget, stages=(2,), offloads=("none",), max_plans=1)
         assert {(p.micro_batch, p.grad_accum, p.stage) for p in plans if p.micro_batch == 4} == expect
-    # an offloading candidate keeps no device master: the split gives way to the offload loop's own
+    # an offloading candidate keeps no device master: "on" splits the host loop's master there (the
+    # default "auto" does too); a choice a candidate cannot take gives way to "auto"
     off = {**CFG, "zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu"}}}
     adapted = options_for_config(split_mu.replace(offload_loop="host"), load_config(off, world_size=8))
-    assert (adapted.master_split, adapted.offload_loop, adapted.adam_mu_dtype) == (False, "host", "bfloat16")
-    assert options_for_config(EngineOptions(offload_loop="host"), load_config(CFG, world_size=8)).offload_loop == "in_place"
+    assert (adapted.split_master, adapted.offload_loop, adapted.adam_mu_dtype) == ("on", "host", "bfloat16")
+    assert options_for_config(EngineOptions(offload_loop="host"), load_config(CFG, world_size=8)).offload_loop == "auto"
     fp32 = {**CFG, "bf16": {"enabled": False}}
-    assert options_for_config(split_mu, load_config(fp32, world_size=8)).master_split is False
+    assert options_for_config(split_mu, load_config(fp32, world_size=8)).split_master == "auto"
     assert (PL.step_memory(factory, off, SEQ, 4, remat="full", options=split_mu).argument
             == PL.step_memory(factory, off, SEQ, 4, remat="full", options=mu).argument)
     found = PL.search(factory, CFG, 2**40, SEQ, stages=(2,), offloads=("optimizer",), remat=("full",),
@@ -191,13 +192,13 @@ def test_precision_auto_is_explored_and_written_back():
 
 def test_step_time_model_matches_the_measurements():
     """The step-time model against GPT-2 measured on one H200 (bf16, ZeRO-2, seq 1024;
-    benchmarks/RESULTS.md, sessions 13-15): the eleven runs of Large its compute term was fitted to
+    benchmarks/RESULTS.md): the eleven runs of Large its compute term was fitted to
     (remat policy, micro-batch, tokens/s), each within 5% (the fit's worst is 3.8%; runs of one
     setting vary by 1.5%: dots 76,909 and 78,121); Medium and XL, not fitted (predicted before they
     ran), within 5% (worst 4.5%; the model without the width term missed them by up to 8%); and,
     not fitted, with the optimizer offloaded in place (host bytes at the measured 53e9 B/s, no
-    overlap): ZeRO-3, "save_attention_block", ratio 0.5 28,975 tokens/s (session 13) and ZeRO-2,
-    full remat, ratio 1 18,164 (session 12), within 8%."""
+    overlap): ZeRO-3, "save_attention_block", ratio 0.5 28,975 tokens/s and ZeRO-2,
+    full remat, ratio 1 18,164, within 8%."""
     def shape_of(name):
         cfg = GPT2Config.named(name)
         N, block = hf_gpt2_params(cfg)
@@ -318,8 +319,8 @@ def test_mesh_search_compiles_the_step_the_engine_runs():
 def test_plan_command_searches_mesh_shapes_only_when_asked(capsys):
     """`zerojax plan --devices 4 --search-mesh` (formula peaks, tiny GPT-2: 4 heads, 2 layers): JSON
     with tensor and pipe sizes the model allows, each plan's config keys; without --search-mesh
-    every plan is data-parallel. GPT-2 XL's 25 heads refuse every tensor size (its TP layouts of
-    issue #19 cannot run), with the reason printed."""
+    every plan is data-parallel. GPT-2 XL's 25 heads refuse every tensor size (its TP layouts
+    cannot run), with the reason printed."""
     from zerojax.cli import main
 
     args = ["plan", "--model", "tiny", "--devices", "4", "--budget", "1GiB", "--global-batch", "16", "--json"]
@@ -365,7 +366,7 @@ def test_mesh_state_formula_matches_the_engines_shards():
     r_layers, r_rest = L * (2 * 2 * d + 2 * d), TINY.n_positions * d + 2 * d  # ln_1, ln_2; 2 row biases
     model = MP.gpt2_mesh_model(TINY, SEQ)
     cfg = dict(MESH_CFG, zero_optimization={"stage": 0, "stage3_param_persistence_threshold": 0})
-    lean = EngineOptions(master_split=True, adam_mu_dtype="bfloat16")
+    lean = EngineOptions(split_master="on", adam_mu_dtype="bfloat16")
     splits = [(4, 1, 1, 3), (2, 2, 1, 1), (2, 2, 1, 3), (2, 1, 2, 1), (1, 2, 2, 0)]
     for (data, t, p, stage), options in [(s, None) for s in splits] + [(s, lean) for s in splits[1:4]]:
         plan = MP.MeshPlan(data, t, p, stage, 4, 32 // (4 * data * t))

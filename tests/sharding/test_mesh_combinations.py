@@ -1,4 +1,4 @@
-"""Issue #19's combinations on virtual CPU devices, against the plain model (stage 0, no tensor or
+"""Data x pipe x tensor combinations on virtual CPU devices, against the plain model (stage 0, no tensor or
 pipe axis, all 8 devices: one shared reference run) on the same rows. Where each is tested:
 
 - tensor 2 x pipe 2 x data 2, ZeRO-1 (all three axes): here, 8 devices;
@@ -86,7 +86,7 @@ def test_tensor_pipe_and_data_together_train_like_the_plain_model():
 
 
 def test_tensor_and_pipe_with_one_data_rank_on_four_devices_train_like_the_plain_model():
-    """Issue #19's TP 2 x pipe 2 on a 4-GPU node: the data axis has one rank (nothing for ZeRO to
+    """TP 2 x pipe 2 as on a 4-GPU node: the data axis has one rank (nothing for ZeRO to
     split), the mesh a subset of the devices. Same losses, gradient norms and weights as the plain
     8-device run (REL / WEIGHT_ATOL above: the same sums, grouped differently)."""
     assert dict(trained(2, 2, 1, 4)[0].mesh.shape) == {"data": 1, "pipe": 2, "tensor": 2}

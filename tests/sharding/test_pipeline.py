@@ -1,4 +1,4 @@
-"""Pipeline parallelism (zerojax.sharding.pipeline, issue #15) on 8 virtual CPU devices with a tiny GPT-2:
+"""Pipeline parallelism (zerojax.sharding.pipeline) on 8 virtual CPU devices with a tiny GPT-2:
 pipelined steps against the unpipelined model, the collectives XLA emits, checkpoints across stage
 counts, and the errors."""
 import functools
@@ -42,9 +42,9 @@ def model():
     return GPT2(MODEL, rngs=nnx.Rngs(0))
 
 
-def engine(stages, repeats=1, zero_stage=0, ckpt=0, stage_loop="unrolled"):
+def engine(stages, repeats=1, zero_stage=0, ckpt=0):
     return zerojax.shard(model, config(stages, zero_stage, ckpt), loss_fn=gpt2_loss,
-                         options=zerojax.EngineOptions(pipeline_repeats=repeats, pipeline_stage_loop=stage_loop))
+                         options=zerojax.EngineOptions(pipeline_repeats=repeats))
 
 
 def batches():
@@ -56,15 +56,15 @@ def host(tree):
     return jax.tree.map(lambda a: np.asarray(jax.device_get(a)), tree)
 
 
-def trained(stages, repeats=1, zero_stage=0, ckpt=0, stage_loop="unrolled"):
+def trained(stages, repeats=1, zero_stage=0, ckpt=0):
     """(engine, per-step losses and grad norms, weights after step 1, weights after STEPS steps),
     one training run per setting (the cache key spells out every argument)."""
-    return _trained(stages, repeats, zero_stage, ckpt, stage_loop)
+    return _trained(stages, repeats, zero_stage, ckpt)
 
 
 @functools.lru_cache(maxsize=None)
-def _trained(stages, repeats, zero_stage, ckpt, stage_loop):
-    eng = engine(stages, repeats, zero_stage, ckpt, stage_loop)
+def _trained(stages, repeats, zero_stage, ckpt):
+    eng = engine(stages, repeats, zero_stage, ckpt)
     metrics, first = [], None
     for i, b in enumerate(batches()):
         m = eng.train_step(b)
@@ -79,10 +79,9 @@ def _trained(stages, repeats, zero_stage, ckpt, stage_loop):
 CASES = [(2, 1, 0, 0), (4, 1, 1, 2), (2, 2, 1, 0), (4, 2, 0, 1)]
 
 
-@pytest.mark.parametrize("stages,repeats,zero_stage,ckpt,stage_loop",
-                         [(*c, "unrolled") for c in CASES] + [(2, 2, 1, 0, "scan")])
-def test_pipelined_steps_match_the_plain_model(stages, repeats, zero_stage, ckpt, stage_loop):
-    eng, metrics, first, last = trained(stages, repeats, zero_stage, ckpt, stage_loop)
+@pytest.mark.parametrize("stages,repeats,zero_stage,ckpt", CASES)
+def test_pipelined_steps_match_the_plain_model(stages, repeats, zero_stage, ckpt):
+    eng, metrics, first, last = trained(stages, repeats, zero_stage, ckpt)
     _, ref_metrics, ref_first, ref_last = trained(1, 1, zero_stage)
     assert eng.pipeline.stages == stages and eng.mesh.shape["pipe"] == stages
     assert eng.mesh.shape["data"] == 8 // stages
@@ -112,20 +111,18 @@ def _loops(hlo: str):
     return loops
 
 
-@pytest.mark.parametrize("stage_loop", ["unrolled", "scan"])
-def test_a_stage_runs_its_layers_unrolled(stage_loop):
-    """With no checkpoints a stage's layers run unrolled inside each pipeline iteration
-    (EngineOptions.pipeline_stage_loop's default): no loop over them nested in the iterations'
-    loops, forward or backward. Why: a nested loop keeps its saved activations in a stack of its
-    own, which the iterations' loop copies into its stack every iteration and back out in the
-    backward pass (issue #15: the copies were a third of a GPT-2 Large step on 2 H200s).
-    "scan" (the old form, kept as an option: it compiles one layer) nests them."""
-    eng = trained(2, 2, 1, 0, stage_loop)[0]
+def test_a_stage_runs_its_layers_unrolled():
+    """With no checkpoints a stage's layers run unrolled inside each pipeline iteration: no loop
+    over them nested in the iterations' loops, forward or backward. Why: a nested loop keeps its
+    saved activations in a stack of its own, which the iterations' loop copies into its stack
+    every iteration and back out in the backward pass (the copies were a third of a GPT-2 Large
+    step on 2 H200s)."""
+    eng = trained(2, 2, 1, 0)[0]
     per = MODEL.n_layer // (2 * 2)
     iterations = [inner for trips, inner in _loops(eng.compiled_step(SHAPES).as_text()).values()
                   if trips == eng.pipeline.iterations]
     assert len(iterations) >= 2, iterations  # the forward and the backward pass
-    assert all((per in inner) == (stage_loop == "scan") for inner in iterations), iterations
+    assert all(per not in inner for inner in iterations), iterations
 
 
 def _collectives(hlo: str):
@@ -230,12 +227,8 @@ def test_errors():
         assert "incompatible with pipeline parallelism" in _refusal({**config(2), "zero_optimization": zero})
     msg = _refusal({**config(2, 1), "zero_optimization": {"stage": 1, "offload_optimizer": {"device": "cpu"}}})
     assert "zero_optimization.offload_optimizer.device" in msg and "pipeline.stages" in msg
-    # the stage loop option: its forms, by name
-    with pytest.raises(ValueError, match=r"pipeline_stage_loop='loop': one of \('unrolled', 'unrolled_sliced', 'scan'\)"):
-        zerojax.EngineOptions(pipeline_stage_loop="loop")
-    with pytest.raises(ValueError, match="ZEROJAX_PIPELINE_STAGE_LOOP='while'"):
-        zerojax.EngineOptions.from_env({"ZEROJAX_PIPELINE_STAGE_LOOP": "while"})
-    assert zerojax.EngineOptions.from_env({"ZEROJAX_PIPELINE_STAGE_LOOP": "scan"}).pipeline_stage_loop == "scan"
+    with pytest.raises(ValueError, match=r"pipeline_repeats=0: use an int >= 1"):
+        zerojax.EngineOptions(pipeline_repeats=0)
 
 
 def test_batch_rule_counts_data_devices_only():

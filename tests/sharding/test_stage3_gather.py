@@ -24,9 +24,14 @@ def cfg(stage):
             "zero_optimization": {"stage": stage, "stage3_param_persistence_threshold": 0}}
 
 
-def train(stage, remat, monkeypatch, mode="layer", steps=3):
-    make = lambda: gpt2.GPT2(C, rngs=nnx.Rngs(0), remat_policy=remat)  # noqa: E731
-    eng = zerojax.shard(make, cfg(stage), loss_fn=gpt2.gpt2_loss, options=zerojax.EngineOptions(stage3_gather=mode))
+def train(stage, remat, monkeypatch, gather=True, steps=3):
+    def make():
+        m = gpt2.GPT2(C, rngs=nnx.Rngs(0), remat_policy=remat)
+        if not gather:  # no per-layer hook: the placement left to GSPMD
+            del m.layer_fetch
+        return m
+
+    eng = zerojax.shard(make, cfg(stage), loss_fn=gpt2.gpt2_loss)
     rng = np.random.default_rng(0)
     for _ in range(steps):
         eng.train_step({"input_ids": rng.integers(0, C.vocab_size, (8, 8)).astype(np.int32)})
@@ -72,7 +77,7 @@ def test_stage3_gathers_each_layer_inside_the_layer_loop(monkeypatch):
     shapes = {"input_ids": jax.ShapeDtypeStruct((8, 8), jnp.int32)}
     n_leaves = len(jax.tree.leaves(gpt2.GPT2(C, rngs=nnx.Rngs(0)).h))
     layer = _loop_body_collectives(train(3, None, monkeypatch, steps=1).compiled_step(shapes).as_text())
-    auto = _loop_body_collectives(train(3, None, monkeypatch, mode="auto", steps=1).compiled_step(shapes).as_text())
+    auto = _loop_body_collectives(train(3, None, monkeypatch, gather=False, steps=1).compiled_step(shapes).as_text())
     assert max(layer) >= n_leaves, layer
     assert max(auto) < n_leaves, auto
 
@@ -86,12 +91,12 @@ def test_stage3_gathers_the_non_layer_weights_whole(monkeypatch):
     shapes = {"input_ids": jax.ShapeDtypeStruct((8, 8), jnp.int32)}
     whole = {f"tensor<{C.padded_vocab_size}x{C.n_embd}xf32>", f"tensor<{C.n_positions}x{C.n_embd}xf32>"}
 
-    def replicated_constraints(mode):
-        text = train(3, None, monkeypatch, mode=mode, steps=0).lower_step(shapes).as_text()
+    def replicated_constraints(gather):
+        text = train(3, None, monkeypatch, gather=gather, steps=0).lower_step(shapes).as_text()
         found = re.findall(r"sdy\.sharding_constraint \S+ <@mesh, \[\{\}, \{\}\]> : (tensor<[^>]+>)", text)
         if not found:  # GSPMD lowering (no Shardy): a Sharding custom call marked {replicated}
             found = re.findall(r'@Sharding.*mhlo\.sharding = "\{replicated\}".*-> (tensor<[^>]+>)', text)
         return set(found)
 
-    assert whole <= replicated_constraints("layer")
-    assert not whole & replicated_constraints("auto")
+    assert whole <= replicated_constraints(True)
+    assert not whole & replicated_constraints(False)

@@ -75,7 +75,7 @@ def assert_trees_close(a, b, rtol, atol):
 # its largest element decides: measured max |dw| / (STEPS x lr x eps) = 4.0 (fp16, GA 4 vs 1)
 # and 3.1 (fp16, stage 3 vs 0), 1.1 for bf16, the same under XLA_FLAGS
 # --xla_backend_optimization_level=0 and --xla_cpu_max_isa=AVX --xla_cpu_prefer_vector_width=128
-# (the summation order is machine-dependent: kappa = 4 failed on a 2-core AMD EPYC, issue #21).
+# (the summation order is machine-dependent: kappa = 4 failed on a 2-core AMD EPYC).
 # We allow kappa = 16: 0.8% / 6% of the total movement STEPS x lr for fp16 / bf16, while a
 # dropped micro-batch or a wrong shard moves weights by a sizeable part of it.
 KAPPA = 16
@@ -85,7 +85,7 @@ TOL = {"fp32": 1e-6, "bf16": STEPS * LR * 2.0**-8 * KAPPA, "fp16": STEPS * LR * 
 # kappa above), plus what the weights moved in earlier steps. fp32: the partial sums over 8
 # devices are added in another order, at most 8 roundings of 2^-24. Measured relative errors:
 # fp32 5.7e-7 (stage 2 vs 0 at -O0), bf16 7.6e-4 (GA 4 vs 1), fp16 1.2e-4 (stage 3 vs 0, GA 4;
-# failed the weights' tolerance 9.8e-5 on the EPYC, issue #21). kappa_norm = 4 leaves >= 3x
+# failed the weights' tolerance 9.8e-5 on the EPYC). kappa_norm = 4 leaves >= 3x
 # margin, and stays far below what the features guard: the loss scale (2^16 in fp16), the
 # 1 / GA scaling (4x), a dropped micro-batch (measured: 25% of the norm, 4% of the loss in bf16).
 KAPPA_NORM = 4

@@ -1,4 +1,4 @@
-"""Speed options (issue #18): the remat policies that keep named activations, partial unrolling of
+"""Speed options: the remat policies that keep named activations, partial unrolling of
 the layer scan, activation_checkpointing.remat_policy, and putting XLA flags into effect.
 
 That a policy or an unroll leaves the loss and gradients as without remat is checked with the

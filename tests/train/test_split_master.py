@@ -1,8 +1,11 @@
-"""EngineOptions(offload_master_split=True): the offloaded fp32 master kept as the bf16 compute copy
-plus an int16 remainder in host memory (`zerojax.offload.split_master`). References: the fp32 values
-themselves (the round trip is bit-exact but for exact ties), and the same training with the whole
-fp32 master in host memory (offload_loop="host" without the option)."""
+"""EngineOptions.split_master: the fp32 master kept as the bf16 compute copy plus an int16 remainder,
+in host memory under offload_loop="host" (the default there) or on the device without offload
+("on") (`zerojax.offload.split_master`). References: the fp32 values themselves (the round trip is
+bit-exact but for exact ties), and the same training with the whole fp32 master
+(split_master="off")."""
+import os
 import re
+import sys
 
 import jax
 import jax.numpy as jnp
@@ -14,8 +17,11 @@ import zerojax
 from zerojax.models import gpt2
 from zerojax.offload.split_master import master_of, remainder
 
-from test_engine_offload import C, batches, config
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), os.pardir, "offload"))  # run alone, too
+from test_engine_offload import C, batches, config  # noqa: E402
 
+HOST = {True: "on", False: "off", None: "auto"}  # split_master for the host split (offload_loop="host")
+DEVICE = {True: "on", False: "auto"}  # ... and for the device split (no offload)
 ULP2 = 2.0 ** -22  # two fp32 ulps, relative: a weight moved by a tie (one ulp) and what follows from it
 
 
@@ -47,7 +53,7 @@ def test_remainder_round_trip_is_exact_but_for_ties_rounded_down():
 
 def train(split, stage=2, steps=3):
     # one layer a chunk (offload_host_chunk_bytes=1): the tiny model's layers as separate chunks
-    opts = zerojax.EngineOptions(offload_loop="host", offload_master_split=split, offload_host_chunk_bytes=1)
+    opts = zerojax.EngineOptions(offload_loop="host", split_master=HOST[split], offload_host_chunk_bytes=1)
     make = lambda: gpt2.GPT2(C, rngs=nnx.Rngs(0), dtype=jnp.bfloat16)  # noqa: E731
     eng = zerojax.shard(make, config(stage, "bf16", "cpu"), loss_fn=gpt2.gpt2_loss, options=opts)
     losses = [float(eng.train_step(b)["loss"]) for b in batches(steps)]
@@ -96,26 +102,14 @@ def test_split_master_checkpoints_store_the_fp32_master(tmp_path):
     def engine_with(option):
         return zerojax.shard(lambda: gpt2.GPT2(C, rngs=nnx.Rngs(0), dtype=jnp.bfloat16), config(2, "bf16", "cpu"),
                              loss_fn=gpt2.gpt2_loss,
-                             options=zerojax.EngineOptions(offload_loop="host", offload_master_split=option,
+                             options=zerojax.EngineOptions(offload_loop="host", split_master=HOST[option],
                                                            offload_host_chunk_bytes=1))
 
     resumes_both_ways(tmp_path, train(True, steps=2)[0], train(False, steps=2)[0], engine_with, batches(4)[2:])
 
 
-def test_split_master_errors():
-    opts = zerojax.EngineOptions(offload_loop="host", offload_master_split=True)
-    make = lambda: gpt2.GPT2(C, rngs=nnx.Rngs(0))  # noqa: E731
-    with pytest.raises(ValueError, match=r"offload_master_split needs bf16 compute.*this config: fp32"):
-        zerojax.shard(make, config(2, "fp32", "cpu"), loss_fn=gpt2.gpt2_loss, options=opts)
-    with pytest.raises(ValueError, match=r"offload_master_split needs .*offload_loop='in_place'"):
-        zerojax.shard(make, config(2, "bf16", "cpu"), loss_fn=gpt2.gpt2_loss,
-                      options=opts.replace(offload_loop="in_place"))
-    with pytest.raises(ValueError, match=r"offload_master_split='yes': None \(where it applies\), True or False"):
-        zerojax.EngineOptions(offload_master_split="yes")
-
-
 def test_split_master_is_the_default_where_it_applies():
-    # offload_master_split None (the default): on with bf16 and "host" (the host chunks int16),
+    # split_master="auto" (the default): the host split with bf16 and "host" (the host chunks int16),
     # off with fp32 compute or the in-place loop (the fp32 master), neither an error
     make = lambda dtype: lambda: gpt2.GPT2(C, rngs=nnx.Rngs(0), dtype=dtype)  # noqa: E731
     for prec, dtype, loop, want in (("bf16", jnp.bfloat16, "host", True), ("fp32", jnp.float32, "host", False),
@@ -128,7 +122,7 @@ def test_split_master_is_the_default_where_it_applies():
         assert dtypes == ({jnp.dtype(jnp.int16)} if want else {jnp.dtype(jnp.float32)})
 
 
-# ------------------------------------------------------------------ EngineOptions.master_split
+# ------------------------------------------------------------------ split_master="on" without offload
 # the device-resident master (no optimizer offload) kept the same way: against the same training
 # with the whole fp32 master on the device
 
@@ -146,7 +140,7 @@ def device_batches(n, accum=1, nan_at=()):
 
 
 def train_on_device(split, stage=2, steps=3, accum=1, nan_at=()):
-    opts = zerojax.EngineOptions(master_split=split)
+    opts = zerojax.EngineOptions(split_master=DEVICE[split])
     make = lambda: gpt2.GPT2(C, rngs=nnx.Rngs(0), dtype=jnp.bfloat16)  # noqa: E731
     cfg = {**config(stage, "bf16"), "gradient_accumulation_steps": accum}
     eng = zerojax.shard(make, cfg, loss_fn=scaled_loss, options=opts)
@@ -191,7 +185,7 @@ def test_device_master_split_initial_state_is_the_split_of_the_fp32_one(built):
     def engine(split):
         make = lambda: gpt2.GPT2(C, rngs=nnx.Rngs(0), dtype=jnp.bfloat16)  # noqa: E731
         return zerojax.shard(make() if built else make, config(2, "bf16"), loss_fn=gpt2.gpt2_loss,
-                             options=zerojax.EngineOptions(master_split=split))
+                             options=zerojax.EngineOptions(split_master=DEVICE[split]))
 
     split, whole = engine(True), engine(False)
     # the split writes into the donated params / remainder buffers (no second copy of either at
@@ -217,7 +211,7 @@ def test_device_master_split_initial_state_is_the_split_of_the_fp32_one(built):
 def test_device_master_split_checkpoints_store_the_fp32_master(tmp_path):
     def engine_with(option):
         return zerojax.shard(lambda: gpt2.GPT2(C, rngs=nnx.Rngs(0), dtype=jnp.bfloat16), config(2, "bf16"),
-                             loss_fn=scaled_loss, options=zerojax.EngineOptions(master_split=option))
+                             loss_fn=scaled_loss, options=zerojax.EngineOptions(split_master=DEVICE[option]))
 
     resumes_both_ways(tmp_path, train_on_device(True, steps=2)[0], train_on_device(False, steps=2)[0],
                       engine_with, device_batches(4)[2:])
@@ -225,16 +219,16 @@ def test_device_master_split_checkpoints_store_the_fp32_master(tmp_path):
 
 def test_device_master_split_restore_frees_its_fp32_read_before_repacking(tmp_path, monkeypatch):
     """Where the allocator reports free memory (a GPU; here a stand-in), load_checkpoint repacks the
-    restored state (engine._repacked); the fp32 master it read and split must be freed before that,
+    restored state (checkpoint.engine_io._repacked); the fp32 master it read and split must be freed before that,
     or it stays where it was read while the state is packed around it (on an H200 capped at 16 GiB
-    it split the free memory and the next step ran out of it, session 14). At the repack no new
+    it split the free memory and the next step ran out of it). At the repack no new
     fp32 array lives beside the state; the state equals a plain load's."""
-    from zerojax.train import engine as engine_mod
+    from zerojax.checkpoint import engine_io as engine_mod
     from zerojax.planning import memory
 
     def engine_with(option):
         return zerojax.shard(lambda: gpt2.GPT2(C, rngs=nnx.Rngs(0), dtype=jnp.bfloat16), config(2, "bf16"),
-                             loss_fn=scaled_loss, options=zerojax.EngineOptions(master_split=option))
+                             loss_fn=scaled_loss, options=zerojax.EngineOptions(split_master=DEVICE[option]))
 
     train_on_device(True, steps=2)[0].save_checkpoint(tmp_path / "a")
     plain = engine_with(True)
@@ -258,17 +252,23 @@ def test_device_master_split_restore_frees_its_fp32_read_before_repacking(tmp_pa
         np.testing.assert_array_equal(raw(x), raw(y))
 
 
-def test_device_master_split_errors():
-    opts = zerojax.EngineOptions(master_split=True)
+def test_split_master_on_is_an_error_where_it_cannot_apply():
+    # "on" splits wherever it applies (bf16: on the device without offload, in host memory under
+    # offload_loop="host"); where neither does, one message names the field, the config and the fix
+    opts = zerojax.EngineOptions(split_master="on")
     make = lambda: gpt2.GPT2(C, rngs=nnx.Rngs(0))  # noqa: E731
-    with pytest.raises(ValueError, match=r"master_split needs bf16 compute.*this config: fp32"):
+    needs = r"split_master='on' needs bf16 compute with no offload or with offload_loop='host' \(this config: "
+    with pytest.raises(ValueError, match=needs + r"fp32, offload none\).*split_master='auto'"):
         zerojax.shard(make, config(2, "fp32"), loss_fn=gpt2.gpt2_loss, options=opts)
-    with pytest.raises(ValueError, match=r"master_split needs .*this config: bf16, offload on"):
-        zerojax.shard(make, config(2, "bf16", "cpu"), loss_fn=gpt2.gpt2_loss, options=opts)
-    with pytest.raises(ValueError, match=r"master_split needs .*this config: bf16, offload on"):  # params alone
+    with pytest.raises(ValueError, match=needs + r"fp32, offload host\)"):
+        zerojax.shard(make, config(2, "fp32", "cpu"), loss_fn=gpt2.gpt2_loss, options=opts)
+    with pytest.raises(ValueError, match=needs + r"bf16, offload in_place\)"):
+        zerojax.shard(make, config(2, "bf16", "cpu"), loss_fn=gpt2.gpt2_loss,
+                      options=opts.replace(offload_loop="in_place"))
+    with pytest.raises(ValueError, match=needs + r"bf16, offload in_place\)"):  # params alone
         zerojax.shard(make, config(3, "bf16", par="cpu"), loss_fn=gpt2.gpt2_loss, options=opts)
-    with pytest.raises(ValueError, match=r"master_split='yes': True or False"):
-        zerojax.EngineOptions(master_split="yes")
+    with pytest.raises(ValueError, match=r"split_master='yes': use one of \('auto', 'on', 'off'\)"):
+        zerojax.EngineOptions(split_master="yes")
 
 
 @pytest.mark.parametrize("axis", [{"tensor_parallel": {"autotp_size": 2}, "zero_optimization": {"stage": 2}},
@@ -281,7 +281,7 @@ def test_device_master_split_with_tensor_and_pipeline_axes(axis):
         cfg = {"train_micro_batch_size_per_gpu": 1, "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}},
                "bf16": {"enabled": True}, **axis}
         eng = zerojax.shard(lambda: gpt2.GPT2(C, rngs=nnx.Rngs(0), dtype=jnp.bfloat16), cfg,
-                            loss_fn=gpt2.gpt2_loss, options=zerojax.EngineOptions(master_split=split))
+                            loss_fn=gpt2.gpt2_loss, options=zerojax.EngineOptions(split_master=DEVICE[split]))
         rng = np.random.default_rng(0)
         rows = eng.cfg.train_batch_size
         losses = [float(eng.train_step({"input_ids": rng.integers(0, C.vocab_size, (rows, 8)).astype(np.int32)})["loss"])
@@ -297,18 +297,18 @@ def test_device_master_split_with_tensor_and_pipeline_axes(axis):
 
 def test_too_little_memory_names_master_split_and_what_it_saves(monkeypatch):
     # the memory guard's error (a stand-in budget below the step's peak), bf16 without offload:
-    # it names EngineOptions(master_split=True) and half the master's bytes on the device (what
+    # it names EngineOptions(split_master='on') and half the master's bytes on the device (what
     # the option saves, as the memory report counts them); with the option on it is not offered
     from zerojax.planning import memory
 
     monkeypatch.setattr(memory, "device_budget", lambda device=None: 1)
     for split in (False, True):
         eng = zerojax.shard(lambda: gpt2.GPT2(C, rngs=nnx.Rngs(0), dtype=jnp.bfloat16), config(2, "bf16"),
-                            loss_fn=scaled_loss, options=zerojax.EngineOptions(master_split=split))
+                            loss_fn=scaled_loss, options=zerojax.EngineOptions(split_master=DEVICE[split]))
         master = eng.memory_report()["master"]
         with pytest.raises(memory.WillNotFitError) as info:
             eng.train_step(device_batches(1)[0])
-        offered = f"master_split=True) keeps the fp32 master ({memory.fmt_bytes(master)} on this device)"
+        offered = f"split_master='on') keeps the fp32 master ({memory.fmt_bytes(master)} on this device)"
         assert (offered in str(info.value)) is not split
         if not split:
             assert f"{memory.fmt_bytes(master // 2)} less" in str(info.value)

@@ -106,11 +106,6 @@ def _abstract(live_tree, shardings=None, dtype=None):
     return jax.tree.map(one, live_tree, shardings)
 
 
-def _restore_args(target):
-    return jax.tree.map(
-        lambda t: ocp.ArrayRestoreArgs(sharding=t.sharding, global_shape=t.shape, dtype=t.dtype), target)
-
-
 def _rewrap_keys(restored, live):
     return jax.tree.map(
         lambda r, x: jax.random.wrap_key_data(r, impl=jax.random.key_impl(x)) if _is_key(x) else r,

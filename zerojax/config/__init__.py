@@ -42,4 +42,5 @@ from zerojax.config._schema import (  # noqa: F401 -- the public names
 from zerojax.config._params import (  # noqa: F401 -- the public names
     MAX_GRAD_NORM_MSG, OPTIMIZER_PARAMS, Param, SCHEDULER_PARAMS, SUPPORTED_OPTIMIZERS, SUPPORTED_SCHEDULERS,
     UNSUPPORTED_OPTIMIZERS, canonical_optimizer, check_optimizer_params, check_scheduler_params)
-from zerojax.config._load import load_config, read_source, xla_flags_for  # noqa: F401 -- the public names
+from zerojax.config._load import (  # noqa: F401 -- the public names
+    auto_keys, hidden_size_fill, load_config, read_source, xla_flags_for)

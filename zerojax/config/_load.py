@@ -25,17 +25,59 @@ _CONFIG_KEYS = tuple(f.name for f in fields(Config) if f.name != "world_size")
 _TOP_ALIASES = {"bfloat16": "bf16"}
 
 
-def load_config(source, *, world_size: int | None = None, fill: Mapping[str, Any] | None = None) -> Config:
+def load_config(source, *, world_size: int | None = None, fill: Mapping[str, Any] | None = None,
+                hidden_size: int | None = None, name: str | None = None) -> Config:
     """Load a DeepSpeed config (path, JSON/hjson text, or dict) into a resolved, validated Config.
 
     world_size: the batch trio's world size; default `jax.device_count()` divided by
     sequence_parallel_size and pipeline.stages. Tensor-parallel ranks count, as in DeepSpeed
     0.19.8's check (pipeline stages do not: DeepSpeed's data-parallel world excludes them).
     fill: values for `"auto"` entries, by dotted key (`{"optimizer.params.lr": 3e-4}`).
+    hidden_size: the model's width; fills the ZeRO bucket / threshold "auto"s as the Hugging Face
+        Trainer does (`hidden_size_fill`); a `fill` entry for the same key wins. Without it those
+        "auto"s take DeepSpeed's defaults.
+    name: how errors name the config (default: its path, where `source` is one), e.g. the file a
+        dict was read from.
     """
+    if name is None and isinstance(source, (str, os.PathLike)) and not (isinstance(source, str) and "{" in source):
+        name = str(source)
+    try:
+        return _load(source, world_size, fill, hidden_size)
+    except ConfigError as e:
+        if name and e.source is None:
+            raise ConfigError(e.problems, source=name) from None
+        raise
+
+
+def hidden_size_fill(hidden_size: int, stage3: bool = True) -> dict[str, int]:
+    """The ZeRO "auto"s the Hugging Face Trainer fills from the model's hidden size
+    (transformers' `HfTrainerDeepSpeedConfig.trainer_config_finalize`): reduce_bucket_size
+    hidden^2, and at stage 3 stage3_prefetch_bucket_size int(0.9 hidden^2) and
+    stage3_param_persistence_threshold 10 hidden (so a small model's tensors are partitioned, where
+    DeepSpeed's default threshold of 100,000 elements would keep them whole on every device)."""
+    h = int(hidden_size)
+    out = {"zero_optimization.reduce_bucket_size": h * h}
+    if stage3:
+        out["zero_optimization.stage3_prefetch_bucket_size"] = int(0.9 * h * h)
+        out["zero_optimization.stage3_param_persistence_threshold"] = 10 * h
+    return out
+
+
+def auto_keys(source) -> list[str]:
+    """The dotted keys of a config (path, text or dict) whose value is "auto", in file order."""
+    left = []
+    _apply_fill(_plain(read_source(source)), {}, left)
+    return left
+
+
+def _load(source, world_size, fill, hidden_size) -> Config:
     raw = read_source(source)
     problems: list[str] = []
     fill = dict(fill or {})
+    if hidden_size is not None:
+        zero = raw.get("zero_optimization")
+        stage3 = isinstance(zero, Mapping) and zero.get("stage") == 3
+        fill = {**hidden_size_fill(hidden_size, stage3), **fill}
     for key in fill:
         if not isinstance(key, str):
             problems.append(f"fill: keys are dotted config keys (str), got {key!r}")
@@ -137,9 +179,9 @@ def read_source(source) -> Mapping:
     return data
 
 
-def _apply_fill(raw, fill):
+def _apply_fill(raw, fill, left=None):
     """Replace "auto" values named in fill; return the dotted paths of the autos left."""
-    left = []
+    left = [] if left is None else left
 
     def walk(node, prefix):
         for k, v in list(node.items()):

@@ -26,7 +26,7 @@ REMAT_POLICY_NAMES = _RematPolicyNames(
      "offload"))
 
 
-# Features DeepSpeed removed (DeepSpeed issue #8489): any presence of the key, even null, {} or
+# Features DeepSpeed removed (github.com/deepspeedai/DeepSpeed/issues/8489): any presence of the key, even null, {} or
 # false, is a DeepSpeedConfigError. Reasons transcribed from DeepSpeed 0.19.8
 # `deepspeed/runtime/config.py` (`_REMOVED_TOP_LEVEL_CONFIG_KEYS`, `_REMOVED_ZERO_CONFIG_KEYS`,
 # checked by `_reject_removed_config_keys` before anything else is read).
@@ -86,7 +86,7 @@ class OffloadParamConfig:
     """Parameter elements kept in CPU memory with NVMe.
     zerojax: **acted on**: with `device: "nvme"`, the model's parameter elements must not exceed it"""
     pin_memory: bool = _f(True, "bool")
-    """Use page-locked host memory (DeepSpeed's default true since 0.19.5, PR #8207).
+    """Use page-locked host memory (DeepSpeed's default true since 0.19.5, github.com/deepspeedai/DeepSpeed/pull/8207).
     zerojax: **accepted, no effect**: host offload always uses `pinned_host` memory"""
 
 
@@ -105,7 +105,7 @@ class OffloadOptimizerConfig:
     zerojax: **acted on**: layer groups held in host memory at once by the swapper (at least 2: one read
       ahead, one being written back)"""
     pin_memory: bool = _f(True, "bool")
-    """Use page-locked host memory (DeepSpeed's default true since 0.19.5, PR #8207).
+    """Use page-locked host memory (DeepSpeed's default true since 0.19.5, github.com/deepspeedai/DeepSpeed/pull/8207).
     zerojax: **accepted, no effect**: host offload always uses `pinned_host` memory"""
     pipeline_read: bool = _f(False, "bool")
     """Overlap NVMe reads with the optimizer step.
@@ -123,7 +123,7 @@ class OffloadOptimizerConfig:
     (the swapper's arrays, moved through the same callbacks as the disk layers), the remaining layers' state
     lives in the swap files. 0 (unset): every offloaded layer on NVMe, DeepSpeed's meaning of `device: "nvme"`.
     zerojax: **acted on**: a host / disk split for models whose state fits neither the disk nor host memory
-      alone; a multiple of the layers per offload group (`EngineOptions.offload_chunks`), fewer than the
+      alone (one layer a group: any count), fewer than the
       offloaded layers; an error with another device"""
     ratio: float = _f(1.0, "float", ge=0.0, le=1.0)
     """Fraction of optimizer state offloaded (< 1 only at stage 3).
@@ -328,8 +328,8 @@ class BF16Config:
     zerojax: **accepted, no effect**: gradients accumulate in the scan accumulator
       (`data_types.grad_accum_dtype`)"""
     check_grad_overflow: bool = _f(True, "bool")
-    """Check bf16 gradients for inf/nan and skip the step when found (default true since DeepSpeed 0.19.5, PR
-    #8035).
+    """Check bf16 gradients for inf/nan and skip the step when found (default true since DeepSpeed 0.19.5,
+    github.com/deepspeedai/DeepSpeed/pull/8035).
     zerojax: **differs from DeepSpeed**: the check is always on and cannot be turned off: a bf16 / fp32 step with
       a non-finite loss or gradient is skipped, and the engine then raises FloatingPointError naming the likely
       causes, where DeepSpeed skips and continues"""

@@ -16,10 +16,12 @@ AUTO = "auto"
 class ConfigError(ValueError):
     """Every problem found in a config; `.problems` holds one line per problem."""
 
-    def __init__(self, problems):
+    def __init__(self, problems, source=None):
         self.problems = list(problems)
+        self.source = source  # the file the config came from, where known: named in the message
         lines = "\n".join(f"  - {p}" for p in self.problems)
-        super().__init__(f"{len(self.problems)} problem(s) in the DeepSpeed config:\n{lines}")
+        where = f" {source}" if source else ""
+        super().__init__(f"{len(self.problems)} problem(s) in the DeepSpeed config{where}:\n{lines}")
 
 
 # Field specs: a dataclass field carries its JSON kind and range in metadata ("cls" for a section).

@@ -124,7 +124,11 @@ does:
   A `fill` value replaces an `"auto"` at any dotted key (so `fill={{"fp16.enabled": True}}` turns on
   an `"enabled": "auto"`; without it that `"auto"` is DeepSpeed's default, false). A `fill` entry
   whose key does not hold `"auto"` in the config is not used. All unresolved autos are listed in
-  one `ConfigError`.
+  one `ConfigError`. `load_config(..., hidden_size=H)` fills the ZeRO `"auto"`s the Hugging Face
+  Trainer fills from the model's width: `reduce_bucket_size` H², and at stage 3
+  `stage3_prefetch_bucket_size` 0.9 H² and `stage3_param_persistence_threshold` 10 H (DeepSpeed's
+  default of 100,000 elements would leave a small model's tensors whole on every device);
+  `auto_keys(config)` lists the keys that hold `"auto"`.
 - **Batch trio**: `train_batch_size = train_micro_batch_size_per_gpu × gradient_accumulation_steps ×
   world_size`, completed and checked as DeepSpeed's `_set_batch_related_parameters` and
   `_batch_assertion` do, with DeepSpeed's wording; each error names the keys the config wrote
@@ -150,7 +154,7 @@ def render() -> str:
     for key, default, meaning, zerojax in rows():
         out.append(f"| `{key}` | {_cell(default)} | {_cell(meaning)} | {_cell(zerojax)} |")
     out += ["", "## Refused keys\n",
-            f"DeepSpeed {schema.DEEPSPEED_VERSION} removed these features (DeepSpeed issue #8489) and refuses a "
+            f"DeepSpeed {schema.DEEPSPEED_VERSION} removed these features (github.com/deepspeedai/DeepSpeed/issues/8489) and refuses a "
             "config that holds the key, whatever its value; zerojax refuses it with DeepSpeed's reason.\n",
             "| Key | DeepSpeed's reason |", "|---|---|"]
     for prefix, table in (("", schema.REMOVED_TOP_LEVEL_KEYS), ("zero_optimization.", schema.REMOVED_ZERO_KEYS)):

@@ -386,8 +386,7 @@ class GPT2(nnx.Module):
         applied per block inside the layer scan.
     scan_unroll: layers per iteration of the layer scan (`lax.scan`'s unroll; default 1). More
         gives XLA's scheduler a window across layers and fewer loop-carried copies, at the cost
-        of compile time. An engine may override it (`EngineOptions.offload_unroll` under
-        offload_param; 1 under ZeRO-3's per-layer gather).
+        of compile time. The engine sets 1 under offload_param and ZeRO-3's per-layer gather.
     offload_activations: True is remat_policy="offload" (block inputs saved to pinned host memory).
     attention_impl: None (cuDNN on GPU when it applies, else XLA) | "xla" | "cudnn".
 

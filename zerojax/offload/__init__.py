@@ -1,8 +1,9 @@
 """Host offload through memory kinds: optimizer state streamed in chunks, params per layer.
 
-Three modules, one idea each: `memory_kinds` (where an array lives, the per-layer fetch and the
-prefetching layer scan), `chunks` (the chunk layout, its shardings, and the codec to the
-layout-free form a checkpoint stores), `update` (the streamed optimizer update).
+One module an idea: `memory_kinds` (where an array lives, the per-layer fetch and the prefetching
+layer scan), `chunks` (the chunk layout, its shardings, and the codec to the layout-free form a
+checkpoint stores), `update` (the one update family and its chunk API), `host_loop` (its "host"
+driver), `split_master` (the master as compute copy + remainder), `nvme/` (the swap-file tier).
 
 DeepSpeed's `offload_optimizer: {device: cpu}` keeps the fp32 master weights and optimizer moments
 in host memory and runs the update on the CPU. Here they stay in host memory too (a sharding whose
@@ -22,11 +23,8 @@ each iteration slices its group out of host memory, updates it on the device and
 into the same host buffer (dynamic_update_slice), and writes the new compute copy into the
 previous step's compute params (`compute_init`). Everything is updated in place: no
 concatenation of the layers' new weights on the device and no second host copy of the state.
-Device memory holds one group's state. This "loop" layout beat the others measured on an H200
-(README, "Measured"): all host pieces moved at once ("whole", MaxText's way), one chunk per
-group in an unrolled loop ("chunked"), and a `lax.scan` over stacked groups ("scan"). The first
-two are rebuilt from `Chunk`s in benchmarks/offload_probe.py; "scan" and the "chunked" window
-barriers were removed (zerojax before the EngineOptions change has them).
+Device memory holds one group's state (EngineOptions.offload_loop="in_place", K = L). The "host"
+loop keeps one host chunk per layer group instead (`chunk_layout(per_group=True)`), moved whole.
 
 A chunk is a tree of the original structure with `None` in place of the leaves it lacks (so optax
 masks written as functions of the params tree keep working); its stacked leaves are slices
@@ -51,7 +49,8 @@ from zerojax.offload.chunks import (Chunk, ChunkLayout, OffloadLayout, OffloadSt
 from zerojax.offload.memory_kinds import (DEVICE, PINNED_HOST, UNPINNED_HOST, fetch, host_memory_kind, is_host,
                                           layer_shardings, memory_kinds, prefetch_scan, scan_layers,
                                           with_memory_kind)
-from zerojax.offload.update import accumulate_chunks, deferred_update, grad_stats, streamed_update
+from zerojax.offload.update import (accumulate_chunks, apply_chunk, deferred_update, grad_stats, grads_in, group,
+                                    group_shardings, put_group, slice_sharding, streamed_update, to_kind)
 from zerojax.offload import host_loop, split_master  # noqa: E402 (after update, which host_loop imports)
 
 __all__ = [
@@ -61,4 +60,5 @@ __all__ = [
     "offload_layout",
     "init_offloaded", "offload_master", "layer_pieces", "device_chunk", "piece", "merge_chunks", "split_chunks", "chunk_templates",
     "streamed_update", "deferred_update", "grad_stats", "accumulate_chunks", "host_loop", "split_master",
+    "apply_chunk", "grads_in", "group", "group_shardings", "put_group", "slice_sharding", "to_kind",
 ]

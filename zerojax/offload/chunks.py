@@ -124,16 +124,11 @@ def device_chunk(dev) -> list[Chunk]:
     return [Chunk(rest=r, lo=lo, hi=dev[-1][2], host=False)]
 
 
-def chunk_layout(tree, k: int, *, ratio: float = 1.0, stacked=None, streams: int = 1) -> ChunkLayout:
+def chunk_layout(tree, k: int, *, ratio: float = 1.0, stacked=None, per_group: bool = False) -> ChunkLayout:
     """The layout of `tree` (arrays or ShapeDtypeStructs) with its host layers in `k` groups: the
-    rest piece, then the host layer groups as `streams` chunks of consecutive groups, each updated
-    in place a group at a time (needs k | L and streams | host groups), then the device chunk (see
-    `layer_pieces` for ratio and stacked).
-
-    streams > 1: the update's one loop takes a group of every host layer chunk per iteration; the
-    chunks are separate host buffers, so one chunk's write-back does not wait for another's read
-    (a buffer read and written in the same iteration orders its own transfers). streams=0: one
-    chunk per host group (the update's "paired" loop reads and writes whole chunks)."""
+    rest piece, then the host layer groups as one chunk updated in place a group at a time (needs
+    k | L), or with `per_group` one chunk per group (offload_loop="host": each moved whole), then
+    the device chunk (see `layer_pieces` for ratio and stacked)."""
     treedef, flags, L, host, dev = layer_pieces(tree, k, ratio=ratio, stacked=stacked)
     chunks: list[Chunk] = []
     if host and host[0][0]:
@@ -142,17 +137,11 @@ def chunk_layout(tree, k: int, *, ratio: float = 1.0, stacked=None, streams: int
     if groups:
         k = len([p for p in host + dev if not p[0]])
         if L % k:  # the loop's groups must be equal
-            raise ValueError(f"the layer count {L} is not divisible by k={k} layer groups "
-                             "(EngineOptions.offload_chunks)")
-        streams = streams or len(groups)
-        if streams < 1 or len(groups) % streams:
-            raise ValueError(f"EngineOptions.offload_streams={streams}: the {len(groups)} offloaded layer "
-                             f"groups do not split into {streams} equal chunks; choose a divisor of "
-                             f"{len(groups)} (or change offload_chunks)")
-        per = len(groups) // streams
-        for i in range(streams):
-            part = groups[i * per:(i + 1) * per]
-            chunks.append(Chunk(rest=False, lo=part[0][1], hi=part[-1][2], loop=per))
+            raise ValueError(f"the layer count {L} is not divisible by k={k} layer groups")
+        if per_group:
+            chunks += [Chunk(rest=False, lo=lo, hi=hi, loop=1) for _, lo, hi in groups]
+        else:
+            chunks.append(Chunk(rest=False, lo=groups[0][1], hi=groups[-1][2], loop=len(groups)))
     return ChunkLayout(treedef, flags, L, tuple(chunks + device_chunk(dev)))
 
 
@@ -237,7 +226,7 @@ class OffloadLayout:
 
 
 def offload_layout(tx, abstract_master, shardings, k: int | ChunkLayout, *, kind: str = PINNED_HOST,
-                   ratio: float = 1.0, stacked=None, streams: int = 1) -> OffloadLayout:
+                   ratio: float = 1.0, stacked=None, per_group: bool = False) -> OffloadLayout:
     """Chunk layout (`chunk_layout` with k groups, or a ChunkLayout given) and shardings for master
     weights `abstract_master` sharded by `shardings`.
 
@@ -245,7 +234,7 @@ def offload_layout(tx, abstract_master, shardings, k: int | ChunkLayout, *, kind
     mirror a param take its chunk sharding (`optax.tree_map_params`); others (counts) replicated.
     """
     layout = k if isinstance(k, ChunkLayout) else chunk_layout(abstract_master, k, ratio=ratio, stacked=stacked,
-                                                               streams=streams)
+                                                               per_group=per_group)
     abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), abstract_master)
     leaves = layout.treedef.flatten_up_to(abstract)
     sh = layout.treedef.flatten_up_to(shardings)

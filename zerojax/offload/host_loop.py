@@ -4,18 +4,17 @@ Why outside the step's jit: inside one XLA program the reads of the host state a
 ran one after the other on an H200, at 25-27 GB/s each way, whatever the loop's form, while the
 runtime's own transfers (`jax.device_put` between memory kinds, issued from Python) ran both ways
 at once: GPT-2 Large's 36 layers of fp32 master + Adam moments (8.5 GB each way) took 334 ms in
-one jitted program and 249 ms driven from Python, one batched `device_put` per layer group each way
-(benchmarks/host_update_probe.py, docs/offload-transfers.md).
+one jitted program and 249 ms driven from Python, one batched `device_put` per layer group each way.
 
 The step's jit (`offload.update.deferred_update`) updates the device chunk, if any, and hands over
 the gradients with the step's skip flag and gradient factor; `HostLoop` then, for the non-layer
 chunk and each layer group: brings its master and optimizer state to the device, runs the same
-`_apply` as the in-jit loops (one compiled program for every layer group), writes the new compute
+`apply_chunk` as the in-jit loop (one compiled program for every layer group), writes the new compute
 copy into the step's input params in place, and sends the new state back to host memory. JAX
 dispatches all of it asynchronously; Python waits only to keep `window` chunks in flight.
 
 Where the transfers can overlap compute: the runtime starts a transfer dispatched after a jitted
-program only once that program is done (measured on an H200, `benchmarks/overlap_probe.py`: 2.15 GB
+program only once that program is done (measured on an H200: 2.15 GB
 each way dispatched after a 98 ms program took 148 ms in all, dispatched before it 100 ms). So the
 first `prefetch` chunks' state is brought in before the step's jit is dispatched
 (`HostLoop.prefetch`): those reads run during the forward / backward; the last chunks' write-backs
@@ -33,48 +32,35 @@ import jax.numpy as jnp
 from zerojax.offload.chunks import OffloadLayout, dynamic_piece, is_none
 from zerojax.offload.memory_kinds import DEVICE, with_memory_kind
 from zerojax.offload.split_master import masters, remainders
-from zerojax.offload.update import _apply
+from zerojax.offload.update import apply_chunk
 
 
 class HostLoop:
     """Updates the host chunks of an offloaded state (the non-layer chunk and each layer group),
     one chunk at a time.
 
-    off: the state's OffloadLayout (one chunk per layer group: `chunk_layout(streams=0)`).
+    off: the state's OffloadLayout (one chunk per layer group: `chunk_layout(per_group=True)`).
     tx: the bare elementwise optimizer (`StepSettings.offload.tx`).
     params_shardings: the compute params' shardings (the stage's).
     window: chunks in flight. Before chunk j is brought in, chunk j - window's new state must be
         back in host memory (Python waits for it), so the loop holds at most window + 1 chunks'
-        state on the device besides the params and gradients (what the memory guard counts,
-        `device_bytes`); 0 = no wait. Measured on GPT-2 Large (one H200, 24 GB cap, one run each, a
-        version of the loop that still joined the compute copies): window 2 21,185 tokens/s, 4
-        20,472, 8 20,408, 0 20,908; the peak did not move with it (docs/offload-transfers.md): the
-        reads were all dispatched after the step's jit, so none could start before it ended.
-        Since session 10 the window is also how many write-backs overlap the next step's jit.
+        state on the device besides the params and gradients (`device_bytes`); 0 = no wait. The
+        last `window` chunks' write-backs overlap the next step's jit.
     prefetch: chunks whose state `prefetch()` brings to the device before the step's jit is
         dispatched (their reads overlap the forward / backward; they sit on the device beside the
-        jit's own buffers). Measured (GPT-2 Large, 4 layers a chunk, bf16 first moment, 24 GB cap,
-        one H200, session 10): prefetch 0 / 1 / 2 at window 2: 24,699 / 26,256 / 28,574 tokens/s,
-        peak 6.88 / 8.24 / 9.04 GiB; prefetch 2 at window 3: 32,379 and 31,655 (9.45-9.61 GiB).
-        Prefetching the last chunks instead (updated last, so the next jit would not wait for a
-        read the window holds back): 32,157 at 10.56 GiB, no faster, so the first ones.
-    prefetch_last: chunks at the end of the loop read in before the jit as well (their reads
-        overlap it; they stay on the device through the loop and are updated last, so the next
-        step's jit, which waits for the last update, does not wait for reads the window holds
-        back). With `prefetch` the loop starts and ends without a read. 1 beside prefetch 2
-        (session 11, split master, bf16 moment): 36,555-37,595 tokens/s against 36,144-36,261,
-        for 0.4-1.1 GiB more (EngineOptions leaves it at 0).
+        jit's own buffers). The first chunks, not the last: prefetching the last measured no faster
+        for more memory.
     split_master: the host chunks' master is stored as int16 remainders against the compute
         params (`offload.split_master`): each chunk's update rebuilds the fp32 master from them and
         the params it cuts its piece from, and stores the new remainders."""
 
     def __init__(self, off: OffloadLayout, tx, *, compute_dtype, params_shardings, window: int = 2,
-                 prefetch: int = 0, prefetch_last: int = 0, split_master: bool = False):
+                 prefetch: int = 0, split_master: bool = False):
         self.off, self.window, self.prefetch_chunks = off, int(window), int(prefetch)
-        self.prefetch_last, self.split_master = int(prefetch_last), bool(split_master)
+        self.split_master = bool(split_master)
         self.loops = [i for i, c in enumerate(off.layout.chunks) if c.host]
         if any(c.loop > 1 for c in off.layout.chunks if c.host):
-            raise ValueError("offload_loop='host' needs one layer group a chunk (chunk_layout(streams=0))")
+            raise ValueError("offload_loop='host' needs one layer group a chunk (chunk_layout(per_group=True))")
         self._dev = {i: (with_memory_kind(off.master_shardings[i], DEVICE),
                          with_memory_kind(off.state_shardings[i], DEVICE)) for i in self.loops}
         self._host = {i: (with_memory_kind(off.master_shardings[i], off.kind),
@@ -100,26 +86,19 @@ class HostLoop:
                 donate_argnums=(1, 2, 5), out_shardings=(None, None, self._params_shardings))
         return self._programs[key]
 
-    def _bring(self, n: int, master: list, opt_state: list, wait: bool = True):
+    def _bring(self, n: int, master: list, opt_state: list):
         """Dispatch the read of the n-th host chunk's state to the device (after waiting, with a
         window, for chunk n - window's new state to be back in host memory)."""
-        if wait and self.window and n >= self.window:
+        if self.window and n >= self.window:
             jax.block_until_ready(master[self.loops[n - self.window]])
         i = self.loops[n]
         m_dev, s_dev = self._dev[i]
         return jax.device_put(master[i], m_dev), jax.device_put(opt_state[i], s_dev)
 
     def prefetch(self, master: list, opt_state: list) -> dict:
-        """Start reading the first `prefetch` and the last `prefetch_last` chunks' state to the
-        device; call before dispatching the step's jit, pass the result to the call after it. (No
-        window wait for the last ones: a read of a chunk the previous step is still writing back
-        starts when that write-back ends, in the runtime.) -> {n: (master, state) on the device}"""
-        count = len(self.loops)
-        first = min(self.prefetch_chunks, count)
-        ready = {n: self._bring(n, master, opt_state) for n in range(first)}
-        for n in range(max(first, count - self.prefetch_last), count):
-            ready[n] = self._bring(n, master, opt_state, wait=False)
-        return ready
+        """Start reading the first `prefetch` chunks' state to the device; call before dispatching
+        the step's jit, pass the result to the call after it. -> {n: (master, state) on the device}"""
+        return {n: self._bring(n, master, opt_state) for n in range(min(self.prefetch_chunks, len(self.loops)))}
 
     def __call__(self, master: list, opt_state: list, compute: list, grads, skip, grad_scale, params,
                  ready: dict | None = None):
@@ -149,13 +128,11 @@ class HostLoop:
         """Per-device bytes of host chunks' state on the device besides the step's own buffers
         (the largest chunks; every chunk with window 0) -> (during the step's jit: the prefetched
         chunks and the previous step's last `window` chunks still being written back; during the
-        loop: `window` + 1 chunks and the last ones prefetched, updated last). Arrays or
-        ShapeDtypeStructs with shardings."""
+        loop: `window` + 1 chunks). Arrays or ShapeDtypeStructs with shardings."""
         sizes = sorted((_per_device(master[i]) + _per_device(opt_state[i]) for i in self.loops), reverse=True)
         if not self.window:
             return sum(sizes), sum(sizes)
-        return (sum(sizes[:self.prefetch_chunks + self.prefetch_last + self.window]),
-                sum(sizes[:self.window + 1 + self.prefetch_last]))
+        return sum(sizes[:self.prefetch_chunks + self.window]), sum(sizes[:self.window + 1])
 
     def merge(self, front: list, groups: list) -> list:
         """The per-chunk list of the step's jit (`front`, None at the host chunks) with the host
@@ -188,7 +165,7 @@ def _update_into(tx, compute_dtype, stacked, split, rest, per, grads, m, s, skip
     g = dynamic_piece(grads, stacked, rest, per, lo)
     if split:  # m holds remainders: the master is the compute copy (in params) and them
         m = masters(dynamic_piece(params, stacked, rest, per, lo), m)
-    m, s, cp = _apply(tx, g, s, m, compute_dtype, skip, grad_scale)
+    m, s, cp = apply_chunk(tx, g, s, m, compute_dtype, skip, grad_scale)
     if split:
         m = remainders(m, cp)
     return m, s, _put_compute(stacked, params, cp, lo)

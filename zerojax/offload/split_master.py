@@ -1,9 +1,10 @@
 """An offloaded fp32 master kept as the device's bf16 compute copy plus a 16-bit remainder in host
-memory (`EngineOptions.offload_master_split`: on by default with `offload_loop="host"` and bf16
-compute; GPT-2 Large on one H200, session 11: 36.2k tokens/s at 8.8 GiB against 31.5k at 9.5).
+memory (`EngineOptions.split_master`: on by default with `offload_loop="host"` and bf16 compute;
+GPT-2 Large on one H200: 36.2k tokens/s at 8.8 GiB against 31.5k at 9.5), or on the device
+without offload (`split_master="on"`).
 
 Why: full optimizer offload moves the master and Adam's moments through PCIe both ways every step
-and its step is bound by those transfers (session 10's timeline of GPT-2 Large: the device-to-host
+and its step is bound by those transfers (a timeline of GPT-2 Large: the device-to-host
 write-backs, one after the other at ~53 GB/s). The device holds the master rounded to bf16 anyway
 (the compute params); what the master has beyond that fits in 16 bits, so the host keeps those
 instead of all 32: 8 bytes a parameter cross each way instead of 10 with the bf16 first moment (10

@@ -261,14 +261,14 @@ class Hardware:
         empirical weight, well below 1 as measured (the recomputed forward is matmul-heavy, without
         the loss, the optimizer or the backward's reductions; not profiled apart).
     The three were fitted (least squares on log tokens/s) to eleven runs of GPT-2 Large, bf16,
-    ZeRO-2, seq 1024 on one H200 (sessions 13-14, benchmarks/RESULTS.md), remat policy x
+    ZeRO-2, seq 1024 on one H200 (benchmarks/RESULTS.md), remat policy x
     micro-batch: "full" x 4 / 8 / 16, "dots" x 4 / 8 (twice), "save_attention" x 8 / 16,
     "save_qkv" x 8, "save_qkv_attention" x 8, "save_attention_block" x 12; 60,364 to 78,121
     tokens/s, each predicted within 4%. A first fit to seven of them (micro 8-16) predicted the
-    other four before they ran within 2-10% (micro 4 high). The model before (one point, issue
-    #13: efficiency tokens / (tokens + 7000), recompute at full cost) predicted micro-batch 16 30%
+    other four before they ran within 2-10% (micro 4 high). The model before (one point:
+    efficiency tokens / (tokens + 7000), recompute at full cost) predicted micro-batch 16 30%
     faster than 8 (measured: 6%), micro 4 29% slow and "save_attention" 64,357 for 72,815.
-    Width (session 15): with the micro-batch's tokens alone (half efficiency at 1650 tokens) the
+    Width: with the micro-batch's tokens alone (half efficiency at 1650 tokens) the
     fit to Large predicted GPT-2 Medium 4-7% fast and XL 8% slow (six runs, full / dots, micro
     4-16); scaled by d_model (1650 tokens x 1280, Large's width: Large's predictions unchanged)
     it predicts all six within 4.5%, each run measured after the prediction was written.
@@ -490,9 +490,9 @@ def model_state_floor(params: int, *, stage: int, n_data: int, precision: str,
     top), so a choice whose floor exceeds the budget is pruned without compiling it. Under tensor
     parallelism each device holds params / n_tensor before ZeRO divides by n_data (the few
     replicated leaves -- norms, biases, wpe -- are not counted apart: the floor stays a floor
-    only up to them, <1% of GPT-2). EngineOptions that shrink the state: master_split (the device
-    master as an int16 remainder beside the bf16 params: 2 bytes, not 4; only where it applies,
-    `layout.master_split_applies`) and adam_mu_dtype="bfloat16" (Adam's first moment in 2 bytes)."""
+    only up to them, <1% of GPT-2). EngineOptions that shrink the state: split_master="on" (the
+    device master as an int16 remainder beside the bf16 params: 2 bytes, not 4; only where it
+    applies, `planner.device_split`) and adam_mu_dtype="bfloat16" (Adam's first moment in 2 bytes)."""
     params = params / n_tensor
     kind = "".join(c for c in (optimizer or "").lower() if c.isalnum())
     opt = OPTIMIZER_STATE_BYTES.get(kind, 0)

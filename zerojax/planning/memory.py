@@ -5,9 +5,11 @@
 allocates nothing, so this runs before the first step (and on a CPU for a GPU-sized model's
 shapes, when the mesh has the GPU's device count).
 
-`check_fits` is that guard: `WillNotFitError` (a MemoryError) with the predicted peak, the budget
-and the plans that fit, instead of an out-of-memory crash. Plans come from a callback (the
-planner, `zerojax.planning.planner`, builds them); this module imports neither the engine nor the planner.
+`guard` is that check, the one the engine runs (`Engine.step_memory` is the one figure it, the
+planner and the memory report read): `WillNotFitError` (a MemoryError) with the predicted peak,
+the budget and the plans that fit, instead of an out-of-memory crash. Plans come from a callback
+(the planner, `zerojax.planning.planner`, builds them); this module imports neither the engine nor
+the planner.
 DeepSpeed's formulas are in `zerojax.planning.estimate` (no jax).
 """
 from __future__ import annotations
@@ -71,10 +73,6 @@ class CompiledMemory:
 
     def to_dict(self):
         return {**dataclasses.asdict(self), "peak": self.peak, "host_peak": self.host_peak}
-
-
-def compiled_memory(compiled) -> CompiledMemory:
-    return CompiledMemory.of(compiled)
 
 
 def _allocator_stats(device=None) -> dict:
@@ -204,7 +202,7 @@ def largest_fitting(peak_of: Callable[[int], int], budget_bytes: int, *, start=1
 _FAST_CPU_OPTIONS = {"xla_backend_optimization_level": 0, "xla_cpu_use_fusion_emitters": False}
 # On GPU, XLA's rematerialization and scheduler aim under (device memory x slop / 100); a planning
 # compile of a program that does not fit would spend minutes trying (125 s for GPT-2 Large fp32 on
-# a 24 GB cap, issue #13) and then report a peak over the budget anyway. At 10000% the pass never
+# a 24 GB cap) and then report a peak over the budget anyway. At 10000% the pass never
 # triggers: planning reads the program's own peak, never one XLA squeezed, so a plan that fits
 # here fits without XLA's remat when the engine compiles it for real.
 _PLANNING_GPU_OPTIONS = {"xla_gpu_memory_limit_slop_factor": 10000}
@@ -223,10 +221,9 @@ def compile_engine_step(eng, batch, *, planning=False):
         options = {"cpu": _FAST_CPU_OPTIONS, "gpu": _PLANNING_GPU_OPTIONS}.get(backend)
         with quiet_xla():
             return lower(shapes).compile(compiler_options=options)
-    for name in ("compiled_step", "compile_train_step"):
-        fn = getattr(eng, name, None)
-        if fn is not None:
-            return fn(shapes)
+    fn = getattr(eng, "compiled_step", None)
+    if fn is not None:
+        return fn(shapes)
     if lower is not None:
         return lower(shapes).compile()
     raise NotImplementedError(
@@ -234,14 +231,13 @@ def compile_engine_step(eng, batch, *, planning=False):
         f"{type(eng).__name__} has none")
 
 
-def guard(engine, batch_shapes, budget=None, *, plans=None) -> CompiledMemory | None:
-    """The check an engine runs before its first step of a batch shape: compile its step (the
-    engine's cached AOT compile) and raise WillNotFitError if the predicted peak exceeds `budget`
-    (default: the device's bytes_limit; none on CPU: nothing is checked).
+def guard(engine, batch_shapes, budget=None, *, plans=(), notes: Sequence[str] = ()) -> CompiledMemory | None:
+    """The memory guard: `engine.step_memory(batch_shapes)` (the engine's cached AOT compile, the
+    host loop's chunks included) against `budget` (default: the device's bytes_limit; none on CPU:
+    nothing is checked); WillNotFitError if it exceeds it.
 
-    plans: a zero-argument callable returning the plans that fit, called only on failure. By
-    default the engine's `options.plans_for(engine, batch_shapes, budget)` when it has one
-    (`zerojax.shard` sets the planner's), else none are listed.
+    plans: the plans that fit, or a zero-argument callable returning them (called only on failure;
+    `zerojax.planning.planner.engine_plans` builds them for an engine). notes: lines for the error.
     """
     import jax
 
@@ -249,10 +245,7 @@ def guard(engine, batch_shapes, budget=None, *, plans=None) -> CompiledMemory | 
     if budget is None:
         return None
     shapes = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), batch_shapes)
-    if plans is None:
-        plans_for = engine.options.plans_for
-        plans = (lambda: plans_for(engine, shapes, budget)) if plans_for is not None else ()
-    return check_fits(compile_engine_step(engine, shapes), budget, plans=plans)
+    return check_fits(engine.step_memory(shapes), budget, plans=plans, notes=notes)
 
 
 # XLA's rematerialization pass prints a warning per attempt when a program exceeds the device's
@@ -319,6 +312,6 @@ def _logical_names(var):
     return ()
 
 
-__all__ = ["CompiledMemory", "compiled_memory", "device_budget", "WillNotFitError", "check_fits",
+__all__ = ["CompiledMemory", "device_budget", "WillNotFitError", "check_fits",
            "largest_fitting", "compile_engine_step", "guard", "quiet_xla", "count_params",
            "parse_bytes", "fmt_bytes", "GiB", "GB"]

@@ -27,7 +27,6 @@ import jax
 from flax import nnx
 
 from zerojax.planning import estimate as est
-from zerojax.train import layout
 from zerojax.planning import planner
 from zerojax.planning.memory import fmt_bytes, parse_bytes
 from zerojax.options import EngineOptions
@@ -76,7 +75,7 @@ def gpt2_mesh_model(config, seq_len: int) -> MeshModel:
 def mesh_model_of(model_factory, seq_len: int) -> MeshModel:
     """MeshModel of a factory's model (abstract: nothing allocated); it must say `.config` with
     n_head / n_layer / n_embd (GPT-2's names)."""
-    source = planner._model_source(model_factory, **planner._factory_kwargs(model_factory))
+    source = planner.model_source(model_factory, **planner.factory_kwargs(model_factory))
     shape = planner.model_shape(source, seq_len)
     model = source if isinstance(source, nnx.Module) else nnx.eval_shape(source)
     config = getattr(model, "config", None)
@@ -144,7 +143,7 @@ class MeshPlan:
     def apply(self, cfg_dict: dict) -> dict:
         """`cfg_dict` with this plan's keys merged (other keys of each section kept; a stale
         train_batch_size dropped: DeepSpeed recomputes it from micro x accumulation x ranks)."""
-        out = planner._merge(cfg_dict, self.config_patch())
+        out = planner.merge_config(cfg_dict, self.config_patch())
         out.pop("train_batch_size", None)
         return out
 
@@ -183,7 +182,7 @@ def predict(model: MeshModel, plan: MeshPlan, *, precision: str = "bf16", remat:
     if plan.peak_bytes is None:
         opts = options or EngineOptions()
         peak = est.mesh_peak_bytes(model.shape, n_head=model.n_head, vocab=model.vocab, optimizer=optimizer,
-                                   master_split=opts.master_split and layout.master_split_applies(precision, False),
+                                   master_split=planner.device_split(opts, precision, False),
                                    adam_mu_dtype=opts.adam_mu_dtype, **kw)
         out = dataclasses.replace(out, peak_bytes=peak["total"], peak_source="estimated")
     return out
@@ -249,7 +248,7 @@ def search_mesh(model_factory, cfg_dict, budget, seq_len, *, devices: int, globa
         _check_devices(devices)
     model = model or mesh_model_of(model_factory, seq_len)
     global_batch = global_batch or _global_batch(cfg_dict, devices)
-    precision = precision or planner._configured(cfg_dict)
+    precision = precision or planner.configured_precision(cfg_dict)
     optimizer = (cfg_dict.get("optimizer") or {}).get("type") or "adamw"
     cands, refused = candidates(model, devices, global_batch, stages=stages, micro_batch=micro_batch,
                                 tensor_sizes=tensor_sizes, pipe_sizes=pipe_sizes)

@@ -11,8 +11,8 @@ compiled (the engine's real step, abstract: nothing allocated) until `max_plans`
 per speed tier (precision, remat, micro-batch): the first that fits is its tier's fastest, so
 slower stage / offload variants of it are not compiled. Compiles are memoised per process.
 
-This module imports the engine; the engine never imports it. `attach(engine)` (or `shard`
-here) hands an engine the callback through which its memory guard lists plans.
+This module imports the engine; the engine never imports it. `zerojax.shard` hands an engine
+`engine_plans`, through which its memory guard lists plans.
 """
 from __future__ import annotations
 
@@ -107,7 +107,7 @@ class Plan:
     def apply(self, cfg_dict: dict) -> dict:
         """`cfg_dict` with this plan's keys merged in (sections merged key by key, so a section's
         other keys, e.g. fp16.loss_scale_window or offload pin_memory, are kept)."""
-        return _merge(cfg_dict, self.config_patch())
+        return merge_config(cfg_dict, self.config_patch())
 
     def describe(self) -> str:
         off = ("param+optimizer" if self.offload_param else
@@ -144,13 +144,13 @@ def rank_plans(plans: Iterable[Plan]) -> list[Plan]:
     return sorted(plans, key=Plan.speed_key)
 
 
-def _merge(base: dict, patch: dict) -> dict:
+def merge_config(base: dict, patch: dict) -> dict:
     out = copy.deepcopy(dict(base))
     for key, value in patch.items():
         if value is None:
             out.pop(key, None)
         elif isinstance(value, dict) and isinstance(out.get(key), dict):
-            out[key] = _merge(out[key], value)
+            out[key] = merge_config(out[key], value)
         else:
             out[key] = copy.deepcopy(value)
     return out
@@ -167,7 +167,7 @@ def _params_of(factory) -> set:
         return set()
 
 
-def _factory_kwargs(factory, remat=AS_BUILT, precision=None) -> dict:
+def factory_kwargs(factory, remat=AS_BUILT, precision=None) -> dict:
     """Keyword arguments for `factory` that build the `remat` / `precision` variant; a factory
     without `remat_policy` (or the older `remat=bool`) / `dtype` keywords is used as it is."""
     names, kw = _params_of(factory), {}
@@ -181,7 +181,7 @@ def _factory_kwargs(factory, remat=AS_BUILT, precision=None) -> dict:
     return kw
 
 
-def _model_source(factory, **kw):
+def model_source(factory, **kw):
     """What to hand the engine: a Module as is, else a zero-argument callable, which the engine
     traces under nnx.eval_shape (so nothing is allocated here)."""
     if isinstance(factory, nnx.Module) or not kw:
@@ -193,15 +193,6 @@ def default_loss_fn():
     from zerojax.models.gpt2 import gpt2_loss
 
     return gpt2_loss
-
-
-def abstract_engine(model, cfg, *, loss_fn, mesh=None, options=None):
-    """An Engine whose state is ShapeDtypeStructs (with shardings): it can lower and compile the
-    real train step, but holds no device memory (`zerojax.train.engine.abstract_engine`). `options`
-    (EngineOptions) are adapted to `cfg` (`layout.options_for_config`: a master_split or host loop
-    the candidate's layout cannot take is dropped, not an error)."""
-    options = layout.options_for_config(options or EngineOptions(), cfg).replace(plans_for=None)
-    return E.abstract_engine(model, cfg, loss_fn=loss_fn, mesh=mesh, options=options)
 
 
 def _plain_batch_keys(cfg_dict, micro_batch, grad_accum=None):
@@ -228,16 +219,16 @@ def step_memory(model_factory, cfg_dict, seq_len, micro_batch, *, remat=AS_BUILT
     model_factory: a callable returning an nnx.Module, taking `remat_policy=` / `dtype=` to build
     variants (or the older `remat=bool`), or a built Module. batch_fn(global_batch, seq_len) -> a
     tree of ShapeDtypeStructs (default GPT-2's input_ids). options: the EngineOptions the engine
-    will run with (master_split, adam_mu_dtype, the offload loop ... change the peak), adapted to
-    this config (`abstract_engine`). Memoised per (factory, config, shapes, choices, options, mesh)
+    will run with (split_master, adam_mu_dtype, the offload loop ... change the peak), adapted to
+    this config (`layout.options_for_config`). Memoised per (factory, config, shapes, choices, options, mesh)
     for the life of the process.
     """
     n_data = _data_size(mesh, cfg_dict)
     cfg_dict = _plain_batch_keys(cfg_dict, micro_batch, grad_accum)
     if precision is not None:
-        cfg_dict = _merge(cfg_dict, {"bf16": {"enabled": precision == "bf16"},
+        cfg_dict = merge_config(cfg_dict, {"bf16": {"enabled": precision == "bf16"},
                                      "fp16": {"enabled": precision == "fp16"}})
-    kw = _factory_kwargs(model_factory, remat, precision)
+    kw = factory_kwargs(model_factory, remat, precision)
     key = (model_factory, json.dumps(cfg_dict, sort_keys=True, default=str), seq_len,
            tuple(sorted((k, str(v)) for k, v in kw.items())), loss_fn, batch_fn,
            None if mesh is None else (tuple(mesh.shape.items()), tuple(d.id for d in mesh.devices.flat)),
@@ -249,13 +240,16 @@ def step_memory(model_factory, cfg_dict, seq_len, micro_batch, *, remat=AS_BUILT
     if hit is not None:
         return hit
     cfg = load_config(cfg_dict, world_size=n_data)
-    eng = abstract_engine(_model_source(model_factory, **kw), cfg,
-                          loss_fn=loss_fn or default_loss_fn(), mesh=mesh, options=options)
+    # the options adapted to this candidate (`layout.options_for_config`: a split_master="on" or
+    # offload_loop="host" its layout cannot take falls back to "auto", not an error)
+    eng = E.abstract_engine(model_source(model_factory, **kw), cfg, loss_fn=loss_fn or default_loss_fn(),
+                            mesh=mesh, options=layout.options_for_config(options or EngineOptions(), cfg))
     if batch_fn is None:
         batch = {"input_ids": jax.ShapeDtypeStruct((cfg.train_batch_size, seq_len), jnp.int32)}
     else:
         batch = batch_fn(cfg.train_batch_size, seq_len)
-    result = CompiledMemory.of(mem.compile_engine_step(eng, batch, planning=True))
+    # the guard's own figure (the host loop's chunks included), from a planning compile
+    result = eng.step_memory(jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), batch), planning=True)
     if key is not None:
         _STEP_MEMORY[key] = result
     return result
@@ -330,7 +324,7 @@ def _offload_choice(offload: str) -> tuple[str, float]:
     return kind, float(ratio) if ratio else 1.0
 
 
-def _zero_choice(cfg_dict, stage, kind, ratio):
+def zero_choice(cfg_dict, stage, kind, ratio):
     """cfg_dict with zero_optimization set to `stage` and the offload choice (other keys of the
     offload sections, e.g. pin_memory, kept)."""
     cfg = copy.deepcopy(dict(cfg_dict))
@@ -461,7 +455,7 @@ def search(model_factory, cfg_dict, budget, seq_len, *, stages=(0, 1, 2, 3),
     else:
         micros = [int(micro_batch)]
     user_stage = int((cfg_dict.get("zero_optimization") or {}).get("stage", 0) or 0)
-    shape = model_shape(_model_source(model_factory, **_factory_kwargs(model_factory)), seq_len)
+    shape = model_shape(model_source(model_factory, **factory_kwargs(model_factory)), seq_len)
     optimizer = ((cfg_dict.get("optimizer") or {}).get("type") or "adamw")
 
     auto_micro = micro_batch in (None, "auto")
@@ -481,7 +475,7 @@ def search(model_factory, cfg_dict, budget, seq_len, *, stages=(0, 1, 2, 3),
     def predicted(c):
         return est.predict_step_time(
             shape, micro_batch=c.micro_batch, grad_accum=c.grad_accum, n_data=n_zero,
-            stage=c.stage, precision=c.precision or _configured(cfg_dict),
+            stage=c.stage, precision=c.precision or configured_precision(cfg_dict),
             remat=None if c.remat == AS_BUILT else c.remat, offload_optimizer=c.kind != "none",
             offload_ratio=c.ratio, offload_param=c.kind == "param", hardware=hardware,
             n_tensor=n_tensor)
@@ -494,11 +488,11 @@ def search(model_factory, cfg_dict, budget, seq_len, *, stages=(0, 1, 2, 3),
 
     def states(c, bound):
         f = est.model_state_floor if bound else est.model_state_bytes
-        prec = c.precision or _configured(cfg_dict)
+        prec = c.precision or configured_precision(cfg_dict)
         return f(shape.params, stage=c.stage, n_data=n_zero, precision=prec, optimizer=optimizer,
                  offload_optimizer=c.kind != "none", offload_ratio=c.ratio,
                  offload_param=c.kind == "param", n_tensor=n_tensor,
-                 master_split=opts.master_split and layout.master_split_applies(prec, c.kind != "none"),
+                 master_split=device_split(opts, prec, c.kind != "none"),
                  adam_mu_dtype=opts.adam_mu_dtype)
 
     def estimated_peak(c):
@@ -535,7 +529,7 @@ def search(model_factory, cfg_dict, budget, seq_len, *, stages=(0, 1, 2, 3),
             too_big.append(c)
         else:
             try:
-                m = step_memory(model_factory, _zero_choice(cfg_dict, c.stage, c.kind, c.ratio),
+                m = step_memory(model_factory, zero_choice(cfg_dict, c.stage, c.kind, c.ratio),
                                 seq_len, c.micro_batch, remat=c.remat, precision=c.precision,
                                 grad_accum=c.grad_accum, loss_fn=loss_fn, mesh=mesh,
                                 batch_fn=batch_fn, options=options)
@@ -560,6 +554,12 @@ def search(model_factory, cfg_dict, budget, seq_len, *, stages=(0, 1, 2, 3),
         if on_result:
             on_result(*tried[-1])
     return Search(rank_plans(fitting), tried, budget)
+
+
+def device_split(options, precision: str, offloaded: bool) -> bool:
+    """Whether `options` split the device-resident master for a candidate of this precision and
+    offload (`layout.split_master_applies`): only split_master="on" does."""
+    return options.split_master == "on" and layout.split_master_applies(precision, None, offloaded)[1]
 
 
 def _remat_choices(factory, remat):
@@ -587,7 +587,7 @@ def _accum(cfg_dict):
     return ga if isinstance(ga, int) else 1
 
 
-def _configured(cfg_dict):
+def configured_precision(cfg_dict):
     fp16, bf16 = (cfg_dict.get(k) or {} for k in ("fp16", "bf16"))
     return "fp16" if fp16.get("enabled") is True else "bf16" if bf16.get("enabled") is True else "fp32"
 
@@ -609,7 +609,7 @@ def plan(model_factory, cfg_dict, budget, seq_len, *, stages=(0, 1, 2, 3),
     one_per_tier: list one plan per (precision, remat, micro-batch), the fastest stage / offload
     that fits (False: every stage / offload that fits, up to max_plans).
     on_result(plan, outcome): called for every choice tried (progress output).
-    options: the EngineOptions the run will use (master_split, adam_mu_dtype, offload_loop ...:
+    options: the EngineOptions the run will use (split_master, adam_mu_dtype, offload_loop ...:
     each candidate compiles with them, adapted to its layout by `layout.options_for_config`).
     """
     return search(model_factory, cfg_dict, budget, seq_len, stages=stages, offloads=offloads,
@@ -633,11 +633,11 @@ def fit_micro_batch(model_factory, cfg_dict, budget, seq_len, *, remat=AS_BUILT,
 
 
 # The policies fit_remat_policy tries, fastest first. Measured on one H200 (GPT-2 Large, micro 8,
-# bf16, ZeRO-2; docs/speed-options.md, session 8): dots 77.7k tokens/s at 18.9 GiB,
+# bf16, ZeRO-2): dots 77.7k tokens/s at 18.9 GiB,
 # save_qkv_attention 75.5k at 16.2, save_attention 73.8k at 13.9, full 72.4k at 13.1. "dots_<k>"
 # is not on the ladder: at every k measured it was slower than the save_* policy of the same or a
 # lower peak (dots_16 +1.8% over "full" for 3.2 GiB, save_attention +1.9% for 0.7 GiB).
-# Session 12 (ce/256, bf16 first moment, ceiling 791): dots 76.5k at 17.0 GiB, save_attention_block
+# With the chunked loss and the bf16 first moment: dots 76.5k at 17.0 GiB, save_attention_block
 # 75.7k at 14.9, save_qkv_attention 74.9k at 14.2.
 REMAT_LADDER = ("dots", "save_attention_block", "save_qkv_attention", "save_attention", "full")
 
@@ -668,8 +668,10 @@ def fit_remat_policy(model_factory, cfg_dict, budget, seq_len, n_layer: int, *, 
 
 
 def engine_model_factory(engine):
-    """A zero-argument factory rebuilding `engine`'s model from its graph and shapes (zeros when
-    traced): lets the planner compile variants of a built engine without its host copy."""
+    """A factory rebuilding `engine`'s model from its graph and shapes (zeros when traced): lets the
+    planner compile variants of a built engine without its host copy. Where the model has a
+    `remat_policy` / `dtype` attribute (zerojax.models.GPT2 does), the factory takes it as a
+    keyword, so the planner can try other activation checkpointing and precision."""
     plan_ = engine.step_settings  # the step's static settings (graphdef, param / rest templates)
 
     def fill(s):
@@ -677,11 +679,28 @@ def engine_model_factory(engine):
             return jax.random.split(jax.random.key(0), s.shape) if s.shape else jax.random.key(0)
         return jnp.zeros(s.shape, s.dtype)
 
-    def factory():
-        return nnx.merge(plan_.graphdef, jax.tree.map(fill, plan_.param_template),
-                         jax.tree.map(fill, plan_.rest_template))
+    def build(**attrs):
+        model = nnx.merge(plan_.graphdef, jax.tree.map(fill, plan_.param_template),
+                          jax.tree.map(fill, plan_.rest_template))
+        for _, m in nnx.iter_graph(model):
+            if isinstance(m, nnx.Module):
+                for name, value in attrs.items():
+                    if name in vars(m):
+                        setattr(m, name, value)
+        return model
 
-    return factory
+    root = nnx.merge(plan_.graphdef, plan_.param_template, plan_.rest_template)
+    has = {name for name in ("remat_policy", "dtype")
+           if any(isinstance(m, nnx.Module) and name in vars(m) for _, m in nnx.iter_graph(root))}
+    if has == {"remat_policy", "dtype"}:
+        return lambda remat_policy=AS_BUILT, dtype=None: build(**_given(remat_policy=remat_policy, dtype=dtype))
+    if has == {"remat_policy"}:
+        return lambda remat_policy=AS_BUILT: build(**_given(remat_policy=remat_policy))
+    return lambda: build()
+
+
+def _given(**attrs):
+    return {k: v for k, v in attrs.items() if v is not AS_BUILT and not (k == "dtype" and v is None)}
 
 
 def _batch_fn_like(batch_shapes):
@@ -691,16 +710,25 @@ def _batch_fn_like(batch_shapes):
 
 def engine_plans(engine, batch_shapes, budget=None, *, stages=(0, 1, 2, 3),
                  offloads=DEFAULT_OFFLOADS, max_plans=3) -> list[Plan]:
-    """Plans that fit `budget` for a built engine's model (remat and precision as built), loss,
-    mesh, batch and EngineOptions: micro-batch / accumulation keeping its rows per step, stage,
-    offload."""
+    """Plans that fit `budget` for a built engine's model, loss, mesh, batch and EngineOptions:
+    activation checkpointing (where the model takes `remat_policy`), precision (bf16 on GPU / TPU
+    for an fp32 config, where the model takes `dtype`), micro-batch / accumulation keeping its
+    rows per step, stage, offload. Ranked fastest first; each was compiled and its peak (the
+    guard's figure, `Engine.step_memory`) fits."""
     budget = device_budget_or(budget)
     shapes = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), batch_shapes)
     cfg = engine.cfg
     first = jax.tree.leaves(shapes)[0]
     seq = first.shape[1] if first.ndim > 1 else 0  # tokens per row, for the step-time model
-    return plan(engine_model_factory(engine), cfg.to_dict(), budget, seq, stages=stages,
-                offloads=offloads, remat=(AS_BUILT,), precision=(None,), micro_batch=None,
+    factory = engine_model_factory(engine)
+    names = _params_of(factory)
+    remat = None if "remat_policy" in names else (AS_BUILT,)
+    precision = (None,)
+    if ("dtype" in names and configured_precision(cfg.to_dict()) == "fp32"
+            and jax.default_backend() in ("gpu", "tpu")):
+        precision = (None, "bf16")
+    return plan(factory, cfg.to_dict(), budget, seq, stages=stages, offloads=offloads, remat=remat,
+                precision=precision, micro_batch=None,
                 batch_rows=int(cfg.train_micro_batch_size_per_gpu) * int(cfg.gradient_accumulation_steps),
                 loss_fn=engine.loss_fn, mesh=engine.mesh, batch_fn=_batch_fn_like(shapes),
                 max_plans=max_plans, options=engine.options)
@@ -710,15 +738,7 @@ def device_budget_or(budget):
     return mem.device_budget() if budget is None else parse_bytes(budget)
 
 
-def guard(engine, batch_shapes, budget=None, **plan_kw) -> CompiledMemory | None:
-    """The engine's memory guard with this planner's plans listed on failure."""
-    budget = device_budget_or(budget)
-    return mem.guard(engine, batch_shapes, budget,
-                     plans=lambda: engine_plans(engine, batch_shapes, budget, **plan_kw))
-
-
 __all__ = ["Plan", "rank_plans", "Search", "search", "plan", "fit_micro_batch", "fit_remat_policy", "REMAT_LADDER",
-           "remat_keeps_at_least", "step_memory",
-           "abstract_engine", "model_shape", "precision_choices", "rows_per_device",
-           "engine_model_factory", "engine_plans", "guard", "AS_BUILT",
-           "DEFAULT_OFFLOADS", "REMAT_CHOICES"]
+           "remat_keeps_at_least", "step_memory", "model_shape", "precision_choices", "rows_per_device",
+           "engine_model_factory", "engine_plans", "device_split", "AS_BUILT", "DEFAULT_OFFLOADS", "REMAT_CHOICES",
+           "zero_choice", "model_source", "factory_kwargs", "merge_config", "configured_precision"]

@@ -44,7 +44,7 @@ unpipelined step sums its micro-batches, not in the compute dtype: the loop read
 the stacked weights and casts each iteration's stage back to the compute dtype. (That costs
 nothing: XLA's algebraic simplifier folds the bf16 -> fp32 -> bf16 round trip, so the compiled loop
 reads the compute-dtype weights and adds each iteration's gradient into fp32 accumulators -- checked
-on the CPU-compiled step, docs/pipeline-overhead.md.)
+on the CPU-compiled step.)
 """
 from __future__ import annotations
 
@@ -67,7 +67,6 @@ class PipelineSchedule:
     repeats: int = 1    # circular repeats (EngineOptions.pipeline_repeats)
     checkpoint_interval: int = 0  # pipeline.activation_checkpoint_interval (0: no checkpoints)
     grad_accum_dtype: str | None = None  # the stages' weight gradients summed over micro-batches in it
-    stage_loop: str = "unrolled"  # EngineOptions.pipeline_stage_loop: "unrolled", "unrolled_sliced" or "scan"
 
     @property
     def iterations(self) -> int:
@@ -121,49 +120,31 @@ def _blocks_at(blocks, rep):
     return jax.tree.map(pick, blocks)
 
 
-def _stage_pieces(body, per: int, interval: int, loop: str):
+def _stage_pieces(body, per: int, interval: int):
     """(`cut(block) -> pieces`, `run(h, pieces) -> h`): one stage's `per` layers in turn, their
     weights cut into the pieces each iteration reads. With interval N > 0 the layers run in
     checkpointed groups of min(N, per) (each group saves only its input). A block's leaves are
     [R, S, per, ...]; `_blocks_at` picks a piece's [S, ...] out of its [R, S, ...].
 
-    loop (EngineOptions.pipeline_stage_loop):
-    "unrolled": the stage's layers (or groups) as straight-line code, each layer's (group's)
-        weights cut out of the stacked block once, before the pipeline's loop. Why: a slice is
-        a copy in XLA, so slicing them inside the loop wrote every stage's weights once an
-        iteration, forward and in the checkpointed recompute ("unrolled_sliced", session 6's
-        form; benchmarks/hlo_bytes.py, issue #15).
-    "unrolled_sliced": straight-line code too, but the block sliced inside each iteration.
-    "scan": a loop over the layers. The pipeline's iterations are a scan too, and a scan nested
-        in a scan saves its activations twice over -- the inner loop stacks them in a buffer of
-        its own, which the outer loop copies into its stack each iteration, and the backward
-        pass copies each iteration's slice back out before the inner backward loop reads it.
-        Unrolled, each layer's activations go straight into the outer stack."""
-    def layers(h, weights, unroll=1):
-        return jax.lax.scan(lambda h, p: (body(h, p), None), h, weights, unroll=unroll)[0]
+    The stage's layers (or groups) run as straight-line code, each layer's (group's) weights cut
+    out of the stacked block once, before the pipeline's loop. Why unrolled: the pipeline's
+    iterations are a scan, and a scan nested in a scan saves its activations twice over (the inner
+    loop stacks them in a buffer of its own, which the outer loop copies into its stack each
+    iteration, and back out in the backward pass); unrolled, each layer's activations go straight
+    into the outer stack. Why cut before the loop: a slice is a copy in XLA, so slicing inside the
+    loop wrote every stage's weights once an iteration, forward and in the checkpointed recompute."""
+    def layers(h, weights):
+        return jax.lax.scan(lambda h, p: (body(h, p), None), h, weights)[0]
 
     group = min(interval, per) if interval else 1
     # a group is recomputed in the backward pass, its activations transient: its loop stays a loop
-    checkpointed = jax.checkpoint(layers, policy=jax.checkpoint_policies.nothing_saveable,
-                                  prevent_cse=False) if interval else None
-    if loop == "unrolled":
-        step = checkpointed if interval else body  # a piece: one checkpointed group, or one layer
+    step = jax.checkpoint(layers, policy=jax.checkpoint_policies.nothing_saveable,
+                          prevent_cse=False) if interval else body  # a piece: one checkpointed group, or one layer
 
-        def cut(block):
-            if not interval:  # single layers: [R, S, ...]
-                return [jax.tree.map(lambda a: a[:, :, i], block) for i in range(per)]
-            return [jax.tree.map(lambda a: a[:, :, i:i + group], block) for i in range(0, per, group)]
-    else:
-        unroll = per // group if loop == "unrolled_sliced" else 1
-
-        def step(h, weights):  # the one piece, the whole block
-            if not interval:
-                return layers(h, weights, unroll)
-            groups = jax.tree.map(lambda a: a.reshape(per // group, group, *a.shape[1:]), weights)
-            return jax.lax.scan(lambda h, w: (checkpointed(h, w), None), h, groups, unroll=unroll)[0]
-
-        def cut(block):
-            return [block]
+    def cut(block):
+        if not interval:  # single layers: [R, S, ...]
+            return [jax.tree.map(lambda a: a[:, :, i], block) for i in range(per)]
+        return [jax.tree.map(lambda a: a[:, :, i:i + group], block) for i in range(0, per, group)]
 
     def run(h, pieces):
         for piece in pieces:
@@ -213,7 +194,7 @@ def pipeline_scan(schedule: PipelineSchedule, mesh: Mesh):
         # over "pipe" made XLA all-reduce each iteration's micro-batch gradient inside the loop
         xs = split_microbatches(x, M, mesh)
         xs = constrain(jnp.where(first_stage[:, None], xs[None], jnp.zeros((), x.dtype)), PIPE, None, DATA)
-        cut, run = _stage_pieces(body, per, schedule.checkpoint_interval, schedule.stage_loop)
+        cut, run = _stage_pieces(body, per, schedule.checkpoint_interval)
         pieces = cut(blocks)
         run_stages = jax.vmap(run)
         ring = M - S + 1 if R > 1 else 0   # stage 0 takes the last stage's output this many iterations later

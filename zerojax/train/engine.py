@@ -38,18 +38,11 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from zerojax import offload as O
 
-from zerojax.checkpoint import state as checkpoint
-
-from zerojax.checkpoint import files as checkpoint_files
-
+from zerojax.checkpoint import engine_io
 from zerojax.planning import memory
-
 from zerojax.sharding import partition
-
 from zerojax.train import step as step_mod
 from zerojax.train.layout import EngineLayout, build_layout, no_eager_sharding
-from zerojax.models import weights_writer
-from zerojax.offload.memory_kinds import host_memory_kind, is_host
 from zerojax.train.monitor import Monitor
 from zerojax.options import EngineOptions
 from zerojax.precision import MIN_SCALE_ERROR
@@ -85,7 +78,8 @@ class MemoryReport(dict):
 def abstract_engine(model, cfg, *, loss_fn: Callable, mesh: Mesh | None = None,
                     options: EngineOptions | None = None) -> "Engine":
     """An Engine whose state is ShapeDtypeStructs with the real shardings: it lowers and compiles
-    the real train step (memory analysis, planning) but holds no device memory."""
+    the real train step (memory analysis, planning) but holds no device memory. The one abstract
+    engine: the planner compiles its candidates through it."""
     return Engine(model, cfg, loss_fn=loss_fn, mesh=mesh, options=options, abstract=True)
 
 
@@ -96,10 +90,13 @@ class Engine:
     cfg: a Config, or anything `load_config` accepts; mesh: default all devices.
     options: `EngineOptions` (knobs beyond the DeepSpeed config).
     abstract: build the layout and a state of ShapeDtypeStructs only (see `abstract_engine`).
+    plans_for: `plans_for(engine, batch_shapes, budget) -> plans`, called when the memory guard
+        fails, so the WillNotFitError lists plans that fit (`zerojax.shard` passes the planner's).
     """
 
     def __init__(self, model, cfg, *, loss_fn: Callable, mesh: Mesh | None = None,
-                 options: EngineOptions | None = None, abstract: bool = False):
+                 options: EngineOptions | None = None, abstract: bool = False,
+                 plans_for: Callable | None = None):
         options = options if options is not None else EngineOptions()
         if not isinstance(options, EngineOptions):
             raise TypeError(f"options={options!r}: pass a zerojax.EngineOptions")
@@ -117,6 +114,7 @@ class Engine:
             )
         self.layout: EngineLayout = build_layout(module, cfg, loss_fn=loss_fn, mesh=mesh, options=options)
         self.loss_fn = loss_fn
+        self._plans_for = plans_for
         record = getattr(module, "checkpoint_record", None)
         self._model_record = record() if callable(record) else None
         if abstract:
@@ -141,9 +139,8 @@ class Engine:
                                                    params_shardings=self.state_shardings.params,
                                                    window=self.options.offload_host_window,
                                                    prefetch=self.options.offload_host_prefetch,
-                                                   prefetch_last=self.options.offload_host_prefetch_last,
                                                    split_master=settings.offload.split_master)
-            out_shardings = (self._without_host_chunks(self.state_shardings)._replace(params=None), None, None)
+            out_shardings = (self._without_host_chunks(self.state_shardings)._replace(params=None), None)
             # the params come in apart and are not donated: the step returns none (the host loop
             # writes the new ones into them, in place), so JAX would alias their buffers to other
             # outputs of the same shape, host-memory ones included
@@ -229,13 +226,13 @@ class Engine:
         return self._fresh_state(params, master, opt_state, rest)
 
     def _init_split_master(self, init_fn, values) -> TrainState:
-        """EngineOptions.master_split's initial state (bf16 params + int16 remainders), allocated
+        """The device split master's initial state (bf16 params + int16 remainders), allocated
         longest-lived first and the fp32 master, needed only to derive both, last. Why: the GPU
         allocator hands out contiguous ranges from the front of its pool; an fp32 master allocated
         first and freed after the split leaves a hole of 4 bytes a parameter at the front, and the
         step's temporary buffer (one contiguous range, 8.4 GiB for GPT-2 Large at micro 8) then did
-        not fit in the 16 GiB the compiled peak (15.65 GiB) promised (an H200 capped at 16 GiB,
-        session 13). Allocated last, the master's range is freed back into the free tail. The
+        not fit in the 16 GiB the compiled peak (15.65 GiB) promised (an H200 capped at 16 GiB).
+        Allocated last, the master's range is freed back into the free tail. The
         optimizer state is initialised from zeros of the master's shapes: zerojax's optimizers
         (`zerojax.optim`) keep no parameter values in their state."""
         lay, sh = self.layout, self.layout.shardings
@@ -451,7 +448,8 @@ class Engine:
             master, opt = self.state.master, lay.chunk_states(self.state.opt_state)
             step = self.compiled_step(shapes)
             ready = hl.prefetch(master, opt)  # dispatched before the jit: these reads overlap it
-            state, metrics, work = step(*self._step_args(self.state, placed))
+            state, metrics = step(*self._step_args(self.state, placed))
+            work = metrics.pop("host_work")
             # the metrics' trip to the host is queued now, ahead of the chunks' write-backs: the
             # next step's check of them would otherwise wait behind those on the same copy queue,
             # and so would the next step's dispatch (measured: ~30 ms a step on GPT-2 Large)
@@ -499,16 +497,15 @@ class Engine:
 
     def _check_fits(self, shapes) -> None:
         """Before the first step of a batch shape: XLA's predicted peak against the device's
-        memory; WillNotFitError (listing the plans `options.plans_for` finds) instead of an
+        memory; WillNotFitError (listing the plans `plans_for` finds) instead of an
         out-of-memory mid-step. Kept apart from the compile cache: a step compiled earlier
         (memory_report, the planner, compiled_step) is still checked before it first runs."""
         budget = memory.device_budget()
         if budget is None:  # CPU: no limit known
             return
-        plans_for = self.options.plans_for
-        memory.check_fits(self.step_memory(shapes), budget,
-                          plans=(lambda: plans_for(self, shapes, budget)) if plans_for else (),
-                          notes=self._memory_notes())
+        plans_for = self._plans_for
+        memory.guard(self, shapes, budget, plans=(lambda: plans_for(self, shapes, budget)) if plans_for else (),
+                     notes=self._memory_notes())
 
     def _memory_notes(self) -> tuple[str, ...]:
         """For WillNotFitError: the engine options that would hold less for this layout, with the
@@ -519,7 +516,7 @@ class Engine:
         if (self.state.master is not None and lay.offload is None and not lay.step.split_master
                 and jnp.dtype(lay.compute_dtype) == jnp.dtype(jnp.bfloat16)):
             master = _nbytes(self.state.master, False)
-            return (f"EngineOptions(master_split=True) keeps the fp32 master ({memory.fmt_bytes(master)} on this "
+            return (f"EngineOptions(split_master='on') keeps the fp32 master ({memory.fmt_bytes(master)} on this "
                     f"device) as the bf16 params plus an int16 remainder: {memory.fmt_bytes(master // 2)} less, "
                     f"the same training but for exact ties (one fp32 ulp); 0.3% slower on GPT-2 Large.",)
         return ()
@@ -532,19 +529,19 @@ class Engine:
         during_jit, during_loop = self._host_loop.device_bytes(self.state.master, opt)
         return (f"Of that, offload_loop='host' keeps up to {memory.fmt_bytes(max(during_jit, during_loop))} of "
                 f"optimizer-state chunks on the device ({chunks} layer groups; offload_host_prefetch="
-                f"{o.offload_host_prefetch}, offload_host_prefetch_last={o.offload_host_prefetch_last}, "
-                f"offload_host_window={o.offload_host_window}). EngineOptions(offload_loop='in_place') holds "
-                f"one layer's state at a time (slower); or keep \"host\" with smaller chunks (more "
-                f"layer groups: offload_chunks, or where it is unset a lower offload_host_chunk_bytes, now "
+                f"{o.offload_host_prefetch}, offload_host_window={o.offload_host_window}). "
+                f"EngineOptions(offload_loop='in_place') holds one layer's state at a time (slower); or keep "
+                f"\"host\" with smaller chunks (a lower offload_host_chunk_bytes, now "
                 f"{o.offload_host_chunk_bytes:,}) or a lower offload_host_prefetch / offload_host_window.",)
 
-    def step_memory(self, batch_shapes) -> memory.CompiledMemory:
-        """The train step's predicted per-device bytes (the guard's figure): the compiled step's;
-        with offload_loop="host" the host chunks' state on the device counts as temporaries too:
-        during the jit the prefetched chunks and the previous step's last write-backs, beside its
-        own temporaries; during the loop (after the jit, beside the params and gradients it
-        leaves) its chunks in flight. The larger of the two."""
-        mem = memory.CompiledMemory.of(self.compiled_step(batch_shapes))
+    def step_memory(self, batch_shapes, *, planning: bool = False) -> memory.CompiledMemory:
+        """The train step's predicted per-device bytes: the one figure the guard, the planner and
+        `memory_report` use. The compiled step's (`planning`: a throwaway compile with planning's
+        compiler options, `memory.compile_engine_step`); with offload_loop="host" the host chunks'
+        state on the device counts as temporaries too: during the jit the prefetched chunks and the
+        previous step's last write-backs, beside its own temporaries; during the loop (after the
+        jit, beside the params and gradients it leaves) its chunks in flight. The larger of the two."""
+        mem = memory.CompiledMemory.of(memory.compile_engine_step(self, batch_shapes, planning=planning))
         if self._host_loop is not None:
             opt = self.layout.chunk_states(self.state.opt_state)
             during_jit, during_loop = self._host_loop.device_bytes(self.state.master, opt)
@@ -593,62 +590,20 @@ class Engine:
     # ------------------------------------------------------------------ checkpoints
 
     def save_checkpoint(self, save_dir, tag=None, client_state=None, *, keep: int | None = None) -> str:
-        """DeepSpeed's save_checkpoint (zerojax.checkpoint.state.save); returns the checkpoint path.
-        keep=N: then delete all but the N newest checkpoints, never `latest`'s
-        (Hugging Face's save_total_limit; zerojax.checkpoint.files.prune)."""
-        if keep is not None:
-            checkpoint_files.check_keep(keep)
+        """DeepSpeed's save_checkpoint (zerojax.checkpoint.engine_io); returns the checkpoint path.
+        keep=N: then delete all but the N newest checkpoints, never `latest`'s (Hugging Face's
+        save_total_limit; zerojax.checkpoint.files.prune)."""
         self.synchronize()
-        export = None
-        if self.stage == 3 and self.cfg.zero_optimization.stage3_gather_16bit_weights_on_model_save:
-            export = weights_writer(self._model_record) or checkpoint.write_safetensors
-        info = {"compute_dtype": np.dtype(self.compute_dtype).name, "zero_stage": self.stage,
-                "mesh": {k: int(v) for k, v in self.mesh.shape.items()}, "config": self.cfg.to_dict(),
-                "model": self._model_record}
-        # NVMe offload: the swapped layers' leaves are streamed from the files a group at a time
-        path = checkpoint.save(save_dir, self.layout.to_stored(self.state, stream=True), steps=self._global_steps,
-                               info=info, tag=tag, client_state=client_state, export_weights=export)
-        if keep is not None:
-            checkpoint_files.prune(save_dir, keep)
-        return path
+        return engine_io.save_engine_state(self.layout, self.state, save_dir, steps=self._global_steps,
+                                           model_record=self._model_record, tag=tag, client_state=client_state,
+                                           keep=keep)
 
     def load_checkpoint(self, load_dir, tag=None, *, load_optimizer_states=True, load_module_only=False):
         """DeepSpeed's load_checkpoint: installs the restored state; returns (path, client_state)."""
         self.synchronize()
-        live = self.state
-        # NVMe offload: the swapped layers' leaves are written into the files a group at a time
-        current, shardings = self.layout.stored_targets(live, stream=True)
-        replaced = [live.params, live.master] + (
-            [live.opt_state] if load_optimizer_states and not load_module_only else [])
-        released = []
-
-        def make_room(reads):  # after the checkpoint's checks passed, before its reads
-            if self.layout.offload is None and _needs_room(reads, replaced):
-                released.extend(x for x in jax.tree.leaves(replaced) if isinstance(x, jax.Array) and x.ndim)
-                for x in released:
-                    x.delete()
-
-        try:
-            got = checkpoint.restore(load_dir, current, shardings, compute_dtype=self.compute_dtype, tag=tag,
-                                     load_optimizer_states=load_optimizer_states,
-                                     load_module_only=load_module_only, before_reads=make_room)
-        except Exception as e:
-            if released:
-                raise checkpoint.CheckpointError(
-                    f"{e}\n(to make room for the restore this engine released its parameters and optimizer "
-                    "state first, the device having too little memory free for both, so it holds no "
-                    "trainable state now: build a new engine and load a readable checkpoint)") from e
-            raise
-        master, opt_state = self.layout.from_stored(got.master, got.opt_state)
-        master = self.layout.split_master(master, got.params, to_split=True)
-        self.state = live._replace(
-            params=got.params, master=master,
-            opt_state=live.opt_state if opt_state is None else opt_state,
-            rest=live.rest if got.rest is None else got.rest, **(got.counters or {}))
-        if self.layout.offload is None and memory.device_free_bytes() is not None:  # a GPU, not CPU
-            # superseded: the live arrays the restore replaced, what it read but converted (the
-            # split master's fp32 read)
-            self.state = _repacked(self.state, superseded=(replaced, got.params, got.master, got.opt_state, got.rest))
+        self.state, got = engine_io.load_engine_state(
+            self.layout, self.state, load_dir, free_bytes=memory.device_free_bytes, tag=tag,
+            load_optimizer_states=load_optimizer_states, load_module_only=load_module_only)
         if got.global_steps is not None:
             self._global_steps = int(got.global_steps)
         self._pending = None
@@ -693,12 +648,10 @@ class Engine:
         `xla_gpu_enable_dus_accumulator_zero_init_elimination` (off by default in XLA), which drops the
         zero-fill of the loop buffers that a layer scan (or the pipeline's iterations) saves activations
         into, where XLA proves each element is written before it is read. Measured on one H200
-        (benchmarks/RESULTS.md, sessions 7-8): GPT-2 Large pipe 2 329.5 -> 309.5 ms a step; ZeRO-2
+        (benchmarks/RESULTS.md): GPT-2 Large pipe 2 329.5 -> 309.5 ms a step; ZeRO-2
         micro 8 70,435 -> 71,101 tokens/s, "dots_16" 71,187 -> 72,458; peaks unchanged. Nothing on
         other platforms (a GPU-only option)."""
         return step_compiler_options(platform=self.mesh.devices.flat[0].platform)
-
-    compile_train_step = compiled_step
 
     # ------------------------------------------------------------------ views
 
@@ -764,7 +717,7 @@ class Engine:
                   + (grad_bytes if host_grads else 0)),
         )
         report["model_states"] = sum(report[k] for k in ("params", "gradients", "master", "optimizer_state"))
-        if self.layout.step.split_master:  # EngineOptions.master_split: the master's bytes are its remainders
+        if self.layout.step.split_master:  # EngineOptions.split_master (device): the master's bytes are its remainders
             report["master_split"] = True
         shapes = batch_shapes if batch_shapes is not None else self._last_batch_shapes
         report["compiled_peak"] = None
@@ -785,67 +738,9 @@ def step_compiler_options(*, platform: str) -> dict:
     return {ZERO_INIT_OPTION: True} if platform == "gpu" else {}
 
 
-def _needs_room(reads, replaced) -> bool:
-    """Whether a restore beside the live arrays it replaces could pass the first device's free
-    memory (`memory.device_free_bytes`; never where that is unknown, e.g. CPU). The restore's peak
-    is bounded by everything it reads (`reads`: abstract arrays in the stored dtypes, e.g. the fp32
-    master) plus everything it converts that into (the live forms of `replaced`: the params cast
-    from the master, the split master's remainders, ...). Measured on an H200 capped at 16 GiB
-    (session 14): counting only the reads (8.6 GiB of GPT-2 Large against 8.9 free) kept the live
-    state, and the split master's conversion then ran out of memory."""
-    free = memory.device_free_bytes()
-    if free is None:
-        return False
-    device = jax.local_devices()[0]
-
-    def local_bytes(x):
-        if not hasattr(x, "sharding") or device not in x.sharding.device_set:
-            return 0
-        return math.prod(x.sharding.shard_shape(x.shape)) * x.dtype.itemsize
-
-    need = sum(local_bytes(x) for x in jax.tree.leaves(reads) + jax.tree.leaves(replaced))
-    return need > free
-
-
-def _repacked(state: TrainState, superseded=()) -> TrainState:
-    """The state's device arrays moved to host memory and back, so that they sit packed at the front
-    of the device's pool again; first the arrays of `superseded` that the state does not hold are
-    freed (now, not when the caller lets go of them: one left in place splits the free range). Why: a restore allocates in its reading order (the fp32 master
-    first, freed again by the split master's conversion; the stored moments before their cast;
-    the step counters after everything), which leaves holes between the arrays that stay; on an H200
-    capped at 16 GiB GPT-2 Large's restored 7.2 GiB left no free range for the step's one 8.4 GiB
-    temporary buffer (largest free block 5.8 GiB; after a fresh init 8.9), and the first step
-    after the resume ran out of memory (session 14). Allocated anew, one after another, into a pool
-    emptied of them, the arrays leave the free memory in one range. Costs one round trip over the
-    host link (about 0.3 s for 7 GiB at 50 GB/s), done after every restore on a device whose memory
-    the allocator reports (GPU; not CPU). Without a host memory kind the state stays as it is.
-    The allocator's bytes in use may then exceed the state's by up to 128 MiB an array (XLA's BFC
-    allocator keeps a free chunk whole when the excess is smaller: 0.245 GiB on GPT-2 Large, session
-    15); that padding is freed with its array and leaves the largest free block unchanged."""
-    kept = {id(x) for x in jax.tree.leaves(state)}
-    for x in jax.tree.leaves(superseded):
-        if isinstance(x, jax.Array) and id(x) not in kept and not x.is_deleted():
-            x.delete()
-    try:
-        kind = host_memory_kind()
-    except ValueError:
-        return state
-    leaves, tree = jax.tree.flatten(state)
-    moved = [i for i, x in enumerate(leaves) if isinstance(x, jax.Array) and not is_host(x)]
-    placed = [leaves[i].sharding for i in moved]
-    hosted = jax.device_put([leaves[i] for i in moved], [s.with_memory_kind(kind) for s in placed])
-    jax.block_until_ready(hosted)
-    for i in moved:  # (jax cannot donate across memory kinds)
-        leaves[i].delete()
-    for i, h, sharding in zip(moved, hosted, placed):  # one at a time: each next to the one before
-        leaves[i] = jax.device_put(h, sharding)
-    jax.block_until_ready([leaves[i] for i in moved])
-    return jax.tree.unflatten(tree, leaves)
-
-
 def _split_into_program(lay):
     """jit(master, params, rems) -> (params, rems): the fp32 master's compute copy and int16
-    remainders (EngineOptions.master_split) written into the donated `params` / `rems` buffers.
+    remainders (EngineOptions.split_master, device) written into the donated `params` / `rems` buffers.
     keep_unused: jit drops unused arguments by default, and a dropped donated buffer is freed, not
     reused (measured on an H200: 2.9 GiB more at init and a fragmented pool)."""
     def split(master, params, rems):

@@ -125,11 +125,10 @@ class EngineLayout:
                               opt_state=opt)
 
     def split_master(self, master: list, params, *, to_split: bool) -> list:
-        """EngineOptions.offload_master_split: the host chunks of the per-chunk `master` turned into
-        int16 remainders against the compute `params` (`to_split`) or back into fp32;
-        EngineOptions.master_split: the same for the whole device-resident master (against its own
-        bf16 rounding when splitting, which the compute `params` are); `master` unchanged without
-        either."""
+        """EngineOptions.split_master, host split: the host chunks of the per-chunk `master` turned
+        into int16 remainders against the compute `params` (`to_split`) or back into fp32; device
+        split: the same for the whole device-resident master (against its own bf16 rounding when
+        splitting, which the compute `params` are); `master` unchanged without either."""
         if self.step.split_master and master is not None:
             return self._device_split(to_split)(master, params)
         so = self.step.offload
@@ -139,7 +138,7 @@ class EngineLayout:
         return O.split_master.convert(master, params, self.offload, hosts, to_split=to_split, cache=so.converters)
 
     def _device_split(self, to_split: bool):
-        """EngineOptions.master_split's conversion (fp32 master <-> int16 remainders), one jitted
+        """The device split master's conversion (fp32 master <-> int16 remainders), one jitted
         program each way, in the master's sharding."""
         cache = self.__dict__.setdefault("_device_split_programs", {})
         if to_split not in cache:  # the step's own conversions (`step.stored_master`, `step.rebuilt_master`)
@@ -298,19 +297,20 @@ def _build_layout(module, cfg: Config, *, loss_fn, mesh: Mesh, options) -> Engin
         if offload_param:
             kind = O.host_memory_kind(bool(zero.offload_param.pin_memory))
             param_shardings = O.with_memory_kind(shardings.params, kind)
+            # fetch layer i+1 while layer i computes (the model's layer scan, one layer per iteration)
             graphdef, fetch_rest = _install_layer_hook(
                 module, abstract_master, O.with_memory_kind(shardings.params, O.DEVICE), O.fetch,
-                {"scan_unroll": options.offload_unroll,
-                 "layer_scan": O.prefetch_scan if options.offload_prefetch else None})
-        split = split_master_for(options, cfg, offload_settings["loop"])
-        offload_settings = {**offload_settings, "split_master": split}
+                {"scan_unroll": 1, "layer_scan": O.prefetch_scan})
+    host_split, device_split = resolve_split_master(options, cfg, offload_settings and offload_settings["loop"],
+                                                    offloading)
+    if offloading:
+        offload_settings = {**offload_settings, "split_master": host_split}
         offload_step = OffloadStep(layout=off, tx=tx, scaler=scaler, clip=float(cfg.gradient_clipping or 0.0),
-                                   param_shardings=param_shardings if offload_param else None,
-                                   write_pieces=options.offload_write_pieces, nvme=nvme,
-                                   loop=offload_settings["loop"], split_master=split)
+                                   param_shardings=param_shardings if offload_param else None, nvme=nvme,
+                                   loop=offload_settings["loop"], split_master=host_split)
     else:
         opt_shardings = partition.opt_state_shardings(tx, abstract_master, shardings.master, mesh)
-    if (stage == 3 and not offload_param and partition.data_size(mesh) > 1 and options.stage3_gather == "layer"
+    if (stage == 3 and not offload_param and partition.data_size(mesh) > 1
             and _hook_modules(module) and any(O.chunk_layout(abstract_master, 1).stacked)):
         # ZeRO-3's "all-gather on use": each layer's weights constrained to their stage-0
         # sharding inside the layer scan. Left to itself, GSPMD may keep a sharded weight
@@ -336,7 +336,7 @@ def _build_layout(module, cfg: Config, *, loss_fn, mesh: Mesh, options) -> Engin
         # pipelined: the micro-batches flow through the stages inside one loss_fn call
         accum_dtype=accum_dtype, steps=1 if schedule_ else int(cfg.gradient_accumulation_steps),
         train_batch_size=int(cfg.train_batch_size), fp16=fp16, offload=offload_step, fetch_rest=fetch_rest,
-        split_master=device_master_split(options, cfg, offloading))
+        split_master=device_split)
     return EngineLayout(
         cfg=cfg, mesh=mesh, options=options, stage=stage, fp16=fp16, compute_dtype=dtype,
         accum_dtype=accum_dtype, offload_optimizer=offload_optimizer, offload_param=offload_param,
@@ -365,7 +365,7 @@ def _pipeline_layout(module, cfg, mesh, options, abstract_master, accum_dtype):
                 "`layer_scan` attribute" if not hooked else "stacked (scanned) layer parameters")
             + "; use pipeline.stages 1 (data parallelism with ZeRO) for it"))
     schedule = PipelineSchedule(stages=stages, microbatches=int(cfg.gradient_accumulation_steps),
-                                repeats=options.pipeline_repeats, stage_loop=options.pipeline_stage_loop,
+                                repeats=options.pipeline_repeats,
                                 checkpoint_interval=int(cfg.pipeline.activation_checkpoint_interval),
                                 grad_accum_dtype=jnp.dtype(accum_dtype).name)
     problems = schedule_problems(layers, stages, schedule.microbatches, schedule.repeats,
@@ -390,79 +390,65 @@ def _precision_name(cfg) -> str:
         jnp.dtype(compute_dtype_of(cfg)), "fp32")
 
 
-def split_master_for(options, cfg, loop: str) -> bool:
-    """EngineOptions.offload_master_split checked against this config: the host chunks' master as
-    remainders against the bf16 compute copy needs that copy (bf16 compute) and the host loop.
-    None (the default) is True where both hold, else False; True elsewhere is an error."""
-    if options.offload_master_split is False:
-        return False
+def split_master_applies(precision: str, loop: str | None, offloaded: bool) -> tuple[bool, bool]:
+    """(host split, device split): where EngineOptions.split_master can act. The master's top half
+    is the bf16 compute copy, so both need bf16 compute; the host split needs the "host" offload
+    loop (`loop`), the device split the state whole on the device (not `offloaded`)."""
+    bf16 = precision == "bf16"
+    return bf16 and loop == "host", bf16 and not offloaded
+
+
+def resolve_split_master(options, cfg, loop: str | None, offloaded: bool) -> tuple[bool, bool]:
+    """EngineOptions.split_master checked against this config -> (host split, device split).
+    "auto": the host split where it applies; "on": both where they apply, an error where neither
+    does; "off": neither."""
+    if options.split_master == "off":
+        return False, False
     precision = _precision_name(cfg)
-    if options.offload_master_split is None:  # the default: on wherever it applies
-        return precision == "bf16" and loop == "host"
-    if precision != "bf16" or loop != "host":
-        raise ValueError(f"EngineOptions.offload_master_split needs bf16 compute (the master's top half is "
-                         f"the bf16 compute copy) and offload_loop='host' (this config: {precision}, "
-                         f"offload_loop={loop!r}); enable \"bf16\" and offload_loop='host', or leave "
-                         f"offload_master_split off")
-    return True
-
-
-def device_master_split(options, cfg, offloaded: bool) -> bool:
-    """EngineOptions.master_split checked against this config: the device-resident master kept as
-    remainders against the bf16 compute params needs those params (bf16 compute) and the state
-    laid out whole on the device (`offloaded`: offload_optimizer or offload_param, whose chunked
-    state has its own master handling; offload_master_split is the host memory's)."""
-    if not options.master_split:
-        return False
-    precision = _precision_name(cfg)
-    if not master_split_applies(precision, offloaded):
-        raise ValueError(f"EngineOptions.master_split needs bf16 compute (the master's top half is the bf16 "
-                         f"compute copy) and no offload (this config: {precision}, offload "
-                         f"{'on' if offloaded else 'off'}); enable \"bf16\" without zero_optimization."
-                         f"offload_optimizer / offload_param (the optimizer offloaded: "
-                         f"EngineOptions.offload_master_split), or leave master_split off")
-    return True
-
-
-def master_split_applies(precision: str, offloaded: bool) -> bool:
-    """Where EngineOptions.master_split can act: bf16 compute ("bf16" | "fp16" | "fp32") and the
-    state whole on the device (no offload)."""
-    return precision == "bf16" and not offloaded
+    host, device = split_master_applies(precision, loop, offloaded)
+    if options.split_master == "auto":
+        return host, False
+    if not (host or device):
+        raise ValueError(f"EngineOptions.split_master='on' needs bf16 compute with no offload or with "
+                         f"offload_loop='host' (this config: {precision}, offload {loop or 'none'}); enable "
+                         f"\"bf16\" (with optimizer offload to cpu alone, or none), or use split_master='auto'")
+    return host, device
 
 
 def options_for_config(options, cfg):
-    """`options` with what this config cannot take set back to the default, for the planner's
-    candidates (a user's master_split or offload_loop="host" is a choice about one layout; a plan
-    that offloads, or does not, must not fail for it): master_split off where
-    `master_split_applies` says no (under optimizer offload the host loop splits the master by
-    itself: offload_master_split), offload_loop "in_place" where `chunk_loops_apply` says no, and
-    offload_master_split back to None (where it applies) where its loop or precision is not there."""
+    """`options` with what this config cannot take set back to "auto", for the planner's candidates
+    (a user's split_master="on" or offload_loop="host" is a choice about one layout; a plan that
+    offloads, or does not, must not fail for it)."""
     offload_optimizer, offload_param = offloads(cfg)
-    precision, changes = _precision_name(cfg), {}
-    if options.master_split and not master_split_applies(precision, offload_optimizer or offload_param):
-        changes["master_split"] = False
-    if options.offload_loop != "in_place" and not chunk_loops_apply(
-            cfg.zero_optimization, offload_optimizer, offload_param):
-        changes["offload_loop"] = "in_place"
-    if options.offload_master_split and (precision != "bf16" or
-                                         changes.get("offload_loop", options.offload_loop) != "host"):
-        changes["offload_master_split"] = None
+    changes = {}
+    if options.offload_loop == "host" and not chunk_loops_apply(cfg.zero_optimization, offload_optimizer,
+                                                                offload_param):
+        changes["offload_loop"] = "auto"
+    if options.split_master == "on":
+        loop = resolve_offload_loop(options.replace(**changes), cfg.zero_optimization, offload_optimizer,
+                                    offload_param) if offload_optimizer or offload_param else None
+        if not any(split_master_applies(_precision_name(cfg), loop, offload_optimizer or offload_param)):
+            changes["split_master"] = "auto"
     return options.replace(**changes) if changes else options
 
 
 def chunk_loops_apply(zero, offload_optimizer: bool, offload_param: bool) -> bool:
-    """Whether offload_loop "paired" / "host" can run: optimizer offload to cpu alone (one host
-    chunk per layer group, compute copies on the device; the NVMe tier and offload_param's host
-    compute copies stream a stacked layer buffer)."""
+    """Whether offload_loop "host" can run: optimizer offload to cpu alone (one host chunk per
+    layer group, compute copies on the device; the NVMe tier and offload_param's host compute
+    copies stream a stacked layer buffer)."""
     return offload_optimizer and zero.offload_optimizer.device == "cpu" and not offload_param
 
 
 def resolve_offload_loop(options, zero, offload_optimizer: bool, offload_param: bool) -> str:
-    """EngineOptions.offload_loop checked against this config (`chunk_loops_apply`)."""
-    if options.offload_loop in ("paired", "host") and not chunk_loops_apply(zero, offload_optimizer, offload_param):
-        raise ValueError(f"EngineOptions.offload_loop={options.offload_loop!r} works with offload_optimizer "
-                         f"to cpu alone (offload_param: {zero.offload_param.device!r}, offload_optimizer: "
-                         f"{zero.offload_optimizer.device!r}); use offload_loop='in_place'")
+    """EngineOptions.offload_loop checked against this config (`chunk_loops_apply`): "auto" is
+    "host" where it applies, else "in_place"."""
+    applies = chunk_loops_apply(zero, offload_optimizer, offload_param)
+    if options.offload_loop == "auto":
+        return "host" if applies else "in_place"
+    if options.offload_loop == "host" and not applies:
+        raise ValueError(f"EngineOptions.offload_loop='host' works with offload_optimizer to cpu alone "
+                         f"(offload_param: {zero.offload_param.device!r}, offload_optimizer: "
+                         f"{zero.offload_optimizer.device!r}); use offload_loop='auto' or 'in_place'")
     return options.offload_loop
 
 
@@ -470,34 +456,23 @@ def _offload_layout(cfg, options, tx, abstract_master, shardings, mesh, fp16, of
                     offload_param):
     """(OffloadLayout, its settings, the opt-state shardings, the fp16 loss scaler or None).
 
-    Default K = layers (the layers updated in place one at a time, the non-layer leaves as one
-    more chunk). It beat "chunked" (K = ceil(layers / 3), window 2) on an H200 in speed and device
-    memory, and is the only layout under which a 6.2B GPT's parameter + optimizer offload fits
-    24 GB (README, "Measured"). Under offload_loop="host" the default groups are instead the
-    fewest layers with offload_host_chunk_bytes of master per device (GPT-2 Large on one GPU: 4
-    layers a group; measured 29,131 tokens/s against one layer's 24,199, session 10)."""
+    "in_place": one layer a group (the least device memory; faster than fewer, larger groups),
+    the non-layer leaves one more chunk. "host": one chunk per group of the fewest layers holding
+    offload_host_chunk_bytes of master per device (fewer transfers and dispatches)."""
     zero = cfg.zero_optimization
-    layers = O.chunk_layout(abstract_master, 1).num_layers
     loop = resolve_offload_loop(options, zero, offload_optimizer, offload_param)
-    if options.offload_chunks:
-        k = options.offload_chunks
-    elif loop == "host":  # groups of at least offload_host_chunk_bytes of master per device
+    if loop == "host":
         k = O.groups_of_at_least(abstract_master, options.offload_host_chunk_bytes, shardings.master)
     else:
-        k = layers or 1
+        k = O.chunk_layout(abstract_master, 1).num_layers or 1
     if offload_optimizer:
         kind = O.host_memory_kind(bool(zero.offload_optimizer.pin_memory))
         ratio = float(zero.offload_optimizer.ratio)
     else:  # offload_param alone: the optimizer state stays on the device (one device chunk)
         kind, ratio = O.DEVICE, 0.0
-    if options.offload_streams > 1 and offload_param:
-        # the chunks' new compute copies would be joined in host memory (compute on host buffers)
-        raise ValueError(f"EngineOptions.offload_streams={options.offload_streams} works with "
-                         "offload_optimizer alone, not with offload_param; set offload_streams=1")
-    streams = (0 if loop in ("paired", "host") else options.offload_streams) if offload_optimizer else 1
-    off = O.offload_layout(tx, abstract_master, shardings.master, k, kind=kind, ratio=ratio, streams=streams)
-    settings = dict(chunks=k, ratio=ratio, kind=kind, unroll=options.offload_unroll if offload_param else None,
-                    loop=loop)
+    off = O.offload_layout(tx, abstract_master, shardings.master, k, kind=kind, ratio=ratio,
+                           per_group=loop == "host")
+    settings = dict(chunks=k, ratio=ratio, kind=kind, loop=loop)
     scaler = loss_scaler_from_config(cfg.fp16) if fp16 else None
     opt_shardings = off.shardings.opt_state
     if scaler is not None:

@@ -70,7 +70,7 @@ class StepSettings:
     train_batch_size: int
     fp16: bool
     offload: "OffloadStep | None" = None   # host offload (zero_optimization.offload_*)
-    # EngineOptions.master_split (no optimizer offload, bf16): `TrainState.master` holds int16
+    # EngineOptions.split_master (device split; no offload, bf16): `TrainState.master` holds int16
     # remainders against `params` (`offload.split_master`), the fp32 master rebuilt in the update
     split_master: bool = False
     # the non-layer params -> where the forward uses them (stage 3: gathered; offload_param:
@@ -94,10 +94,9 @@ class OffloadStep:
     scaler: Any                   # precision.LossScaler (fp16) or None
     clip: float                   # gradient_clipping; 0 = off
     param_shardings: Any = None   # offload_param: the compute params' host shardings
-    write_pieces: int = 0         # EngineOptions.offload_write_pieces (streamed_update)
-    loop: str = "in_place"        # EngineOptions.offload_loop (streamed_update)
+    loop: str = "in_place"        # EngineOptions.offload_loop, resolved: "in_place" | "host"
     nvme: Any = None              # offload.nvme_tier.NvmeTier: the layers' state in swap files
-    split_master: bool = False    # EngineOptions.offload_master_split: host chunks' master as remainders
+    split_master: bool = False    # EngineOptions.split_master (host split): host chunks' master as remainders
     # split_master's conversion programs (offload.split_master.convert), compiled once
     converters: dict = dataclasses.field(default_factory=dict, repr=False)
 
@@ -180,8 +179,9 @@ def _compute_params(settings: StepSettings, master):
 
 def train_step(settings: StepSettings, state: TrainState, batch):
     """One optimizer step -> (new state, metrics). With EngineOptions.offload_loop="host" the
-    host chunks of the offloaded state are left to `offload.host_loop.HostLoop`: -> (new state with
-    params None and those chunks' master / optimizer state as given, metrics, HostWork)."""
+    host chunks of the offloaded state are left to `offload.host_loop.HostLoop`: the new state has
+    params None and those chunks' master / optimizer state as given, and metrics["host_work"] is
+    the `HostWork` the loop takes (the engine pops it)."""
     scale = loss_scale_of(settings, state.opt_state)
     accum_dtype, add_into = settings.accum_dtype, None
     if settings.offload is not None and settings.offload.param_shardings is not None:
@@ -203,9 +203,8 @@ def train_step(settings: StepSettings, state: TrainState, batch):
         loss_scale=scale, carry=state.rest, add_into=add_into, acc_init=state.grad_accumulator,
     )
     if settings.offload is not None:
-        new_state, metrics, host_work = _offloaded_tail(settings, state, grads, loss, aux, rest, scale)
-        new_state = new_state._replace(grad_accumulator=grads if add_into is not None else None)
-        return (new_state, metrics) if host_work is None else (new_state, metrics, host_work)
+        new_state, metrics = _offloaded_tail(settings, state, grads, loss, aux, rest, scale)
+        return new_state._replace(grad_accumulator=grads if add_into is not None else None), metrics
     # DeepSpeed reports the norm of the unscaled gradients before clipping.
     grad_norm = _global_norm(grads) / scale
     lr = settings.schedule(state.step - state.skipped_steps)
@@ -290,17 +289,17 @@ def _offloaded_tail(settings: StepSettings, state: TrainState, grads, loss, aux,
     # a "scan" chunk: inside the scan, so the stacked copy is built in host memory, never whole
     # on the device)
     pkind = None if off.param_shardings is None else _param_memory_kind(off)
-    host_work = None
+    host_work = {}
     if off.loop == "host":  # the host chunks are updated after this jit, from Python (offload.host_loop)
         compute, new_off = offload_mod.deferred_update(
             off.tx, grads, offload_mod.OffloadState(state.master, inner), off.layout,
             compute_dtype=settings.compute_dtype, skip=skip, grad_scale=factor)
-        params, host_work = None, HostWork(compute, grads, skip, factor)
+        params, host_work = None, {"host_work": HostWork(compute, grads, skip, factor)}
     else:
         params, new_off = offload_mod.streamed_update(
             off.tx, grads, offload_mod.OffloadState(state.master, inner), off.layout,
             compute_dtype=settings.compute_dtype, skip=skip, grad_scale=factor, compute_kind=pkind,
-            compute_init=state.params, write_pieces=off.write_pieces, nvme=off.nvme, loop=off.loop)
+            compute_init=state.params, nvme=off.nvme)
     if params is not None and off.param_shardings is not None:
         params = jax.device_put(params, off.param_shardings)
     elif params is not None:
@@ -314,10 +313,10 @@ def _offloaded_tail(settings: StepSettings, state: TrainState, grads, loss, aux,
         global_samples=state.global_samples + settings.train_batch_size,
     )
     metrics = {**aux, "loss": loss, "grad_norm": grad_norm, "lr": jnp.asarray(lr, jnp.float32),
-               "loss_scale": scale, "skipped": skip, "nonfinite": nonfinite}
+               "loss_scale": scale, "skipped": skip, "nonfinite": nonfinite, **host_work}
     if settings.fp16:
         metrics["overflow_at_min"] = jnp.asarray(new_ls.overflow_at_min, jnp.bool_)
-    return new_state, metrics, host_work
+    return new_state, metrics
 
 
 class HostWork(NamedTuple):

@@ -2,7 +2,7 @@
 moments in swap files, streamed a layer group at a time through the update.
 
 Where it sits. With host offload the layers' state is one [L, ...] chunk in pinned host memory,
-updated in place by a `fori_loop` over K layer groups (`update._loop_update`). With NVMe that chunk's
+updated in place by a `fori_loop` over K layer groups (`offload.update.streamed_update`). With NVMe that chunk's
 stacked leaves live in files instead (the engine's state keeps `None` there, and the chunk's scalar
 counters); each loop iteration calls `io_callback(read, g)` for group g's leaves, updates them on the
 device and calls `io_callback(write, g, ...)`. The step stays one jitted program: file I/O cannot

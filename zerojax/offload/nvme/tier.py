@@ -2,7 +2,7 @@
 swap files (`NvmeTier`), moving them between files and arrays (`spill` / `fill`: init, `master_params`;
 `SwappedLeaf`: checkpoints, a layer group at a time),
 and the loop update that reads and writes them a layer group at a time through host callbacks
-(`nvme_loop_update`, the NVMe twin of `update._loop_update`).
+(`nvme_loop_update`, the NVMe twin of `update._loop_update, through the same chunk API`).
 
 In the engine's state the loop chunk keeps `None` where a leaf lives in the files and its scalar
 optimizer counters as arrays; everything else of the offload (the rest chunk, the compute copy) is
@@ -22,7 +22,7 @@ from zerojax.checkpoint.stream import StreamedLeaf
 from zerojax.offload.chunks import OffloadLayout, chunk_templates, is_none
 from zerojax.offload.memory_kinds import DEVICE, is_sharding
 from zerojax.offload.nvme.swapper import NvmeSwapper, SwapLeaf, check_swap_path
-from zerojax.offload.update import _apply, _grads_in, _group, _put_group, _slice_sharding
+from zerojax.offload.update import apply_chunk, grads_in, group, put_group, slice_sharding
 
 
 def _flat(tree):
@@ -55,10 +55,6 @@ class NvmeTier:
         loops = [i for i, c in enumerate(off.layout.chunks) if c.loop and c.host]
         if not loops:
             return None
-        if len(loops) > 1:  # EngineOptions.offload_streams > 1: several loop chunks, one tier
-            raise ValueError(f"zero_optimization.offload_optimizer.device = \"nvme\" with EngineOptions."
-                             f"offload_streams = {len(loops)}: the NVMe tier swaps one layer stack; use "
-                             "offload_streams=1 with NVMe")
         i = loops[0]
         c = off.layout.chunks[i]
         m_tmpl, s_tmpl = chunk_templates(tx, abstract_master, off.layout)
@@ -68,10 +64,6 @@ class NvmeTier:
             raise ValueError(f"{HOST_LAYERS_KEY} = {host_layers} keeps all {n} offloaded layers in host memory and "
                              "leaves nothing for the swap files; use \"device\": \"cpu\", or at most "
                              f"{n - per} host layers")
-        if host_layers % per:
-            raise ValueError(f"{HOST_LAYERS_KEY} = {host_layers} is not a multiple of the {per} layers per offload "
-                             f"group (EngineOptions.offload_chunks); use {host_layers // per * per} or "
-                             f"{-(-host_layers // per) * per}")
         m_leaves, _ = _flat(m_tmpl[i])
         s_leaves, _ = _flat(s_tmpl[i])
         m_files = tuple(j for j, x in enumerate(m_leaves) if x is not None)
@@ -179,7 +171,7 @@ class NvmeTier:
         m_sh, _ = _flat(self.off.master_shardings[self.chunk])
         m_tmpl, m_def = _flat(self.m_template)
         for slot, i in enumerate(self.m_files):
-            dev = _slice_sharding(m_sh[i], per).with_memory_kind(DEVICE)
+            dev = slice_sharding(m_sh[i], per).with_memory_kind(DEVICE)
             ks = owners[i]
             made = sw.leaves[slot].group_bytes * (1 + len(ks))   # device bytes one group's outputs take
             n = max((d for d in range(1, c.loop + 1) if c.loop % d == 0 and (not limit_bytes or d * made <= limit_bytes)),
@@ -341,10 +333,10 @@ def nvme_loop_update(tier: NvmeTier, tx, g, s_live, cp, *, compute_dtype, skip, 
     s_in = [None if k in tier.s_files else x for k, x in enumerate(s_in)]
     shapes = [jax.ShapeDtypeStruct(leaf.group_shape, leaf.dtype) for leaf in tier.swap_leaves()]
     nm = len(tier.m_files)
-    m_dev = jax.tree.map(lambda x: None if x is None else _slice_sharding(x, per).with_memory_kind(DEVICE), m_sh,
+    m_dev = jax.tree.map(lambda x: None if x is None else slice_sharding(x, per).with_memory_kind(DEVICE), m_sh,
                          is_leaf=lambda x: x is None or is_sharding(x))
     m_dev_leaves, _ = _flat(m_dev)
-    s_dev = {j: _slice_sharding(s_sh_leaves[j], per).with_memory_kind(DEVICE) for j in tier.s_files}
+    s_dev = {j: slice_sharding(s_sh_leaves[j], per).with_memory_kind(DEVICE) for j in tier.s_files}
     read = lambda j: tier.swapper.read(j)  # noqa: E731 - looked up at run time: the swapper opens after tracing
     write = lambda j, *xs: tier.swapper.write(j, *xs)  # noqa: E731
 
@@ -355,19 +347,19 @@ def nvme_loop_update(tier: NvmeTier, tx, g, s_live, cp, *, compute_dtype, skip, 
         for k, v in zip(tier.m_files, vals[:nm]):
             mm[k] = jax.device_put(v, m_dev_leaves[k])
         ss = [None if x is None else jax.device_put(x, s_sh_leaves[k].with_memory_kind(DEVICE))
-              for k, x in enumerate(s_in)]   # every group reads the step's counters, as `_loop_update`
+              for k, x in enumerate(s_in)]   # every group reads the step's counters, as the in-jit loop
         for k, v in zip(tier.s_files, vals[nm:]):
             ss[k] = jax.device_put(v, s_dev[k])
-        gg = _grads_in(_group(g, j, per), m_dev)
-        mm, ss, cc = _apply(tx, gg, s_def.unflatten(ss), m_def.unflatten(mm), compute_dtype, skip, grad_scale)
+        gg = grads_in(group(g, j, per), m_dev)
+        mm, ss, cc = apply_chunk(tx, gg, s_def.unflatten(ss), m_def.unflatten(mm), compute_dtype, skip, grad_scale)
         mm, _ = _flat(mm)
         ss, _ = _flat(ss)
         io_callback(write, None, j, *[mm[k] for k in tier.m_files], *[ss[k] for k in tier.s_files])
         if compute_kind is not None:
             cc = jax.device_put(cc, jax.tree.map(lambda s: None if s is None else s.with_memory_kind(compute_kind),
                                                  m_dev, is_leaf=lambda x: x is None or is_sharding(x)))
-        cp = _put_group(cp, cc, j, per)
-        # the counters (same in every group): this group's new ones, as `_loop_update` keeps them
+        cp = put_group(cp, cc, j, per)
+        # the counters (same in every group): this group's new ones, as the in-jit loop keeps them
         counters = [None if x is None else jax.device_put(ss[k], s_sh_leaves[k]) for k, x in enumerate(s_in)]
         return counters, cp
 

@@ -1,0 +1,462 @@
+"""The model contract: what the engine may ask of a model, and what it finds out for itself.
+
+The engine knows no model by name. A model may tell it (docs/CONTRACTS.md, "The model contract"):
+- `model_dims() -> ModelDims`: layers, width, heads, kv heads, head width, vocabulary, parameter
+  counts, FLOPs per token (attention included), for the planner, the estimate and MFU;
+- the block stack's hooks (`layer_scan`, `layer_fetch`, `remat_policy` attributes on the module
+  that scans its stacked layers: zerojax.models' GPT-2 and Llama have them);
+- logical axis names on its parameters (tensor rules); else AutoTP infers splits from names
+  (`zerojax.sharding.autotp`);
+- `count_tokens(batch)`: else the tokens of a batch are its `input_ids` (or first leaf) elements.
+
+A model with none of it still gets what can be had, never a silent no-op (`find_blocks`):
+- a Python list / `nnx.List` of blocks with one structure is stacked by the engine into a
+  `StackedBlocks` (its leaves lead with a "layers" axis) that runs the blocks as one scan with
+  the same hooks, so pipeline stages, parameter offload, stage-3 per-layer gathering and remat
+  hang on it as on GPT-2's;
+- an `nnx.vmap`-stacked block module run by the model's own `nnx.scan` gets remat (the block's
+  call wrapped) and its layer axis for the offload layout; what needs the hooks (pipeline,
+  offload_param) is an error naming them;
+- dims come from the parameter tree (`infer_dims`).
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+from typing import Any
+
+from jax.ad_checkpoint import checkpoint_name
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+LAYERS = "layers"   # the logical name of a stacked layer axis
+HOOKS = ("layer_scan", "layer_fetch")
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelDims:
+    """What the planner and MFU need of a decoder-only language model (0 where unknown)."""
+
+    layers: int
+    d_model: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    vocab: int
+    params: int          # every parameter
+    layer_params: int    # one block's
+
+    def flops_per_token(self, seq_len: int) -> float:
+        """Training FLOPs per token: 6N (forward 2N, backward 4N) plus causal-agnostic attention
+        scores and values, 12 x layers x (heads x head_dim) x seq_len (Kaplan / PaLM's count)."""
+        width = self.heads * self.head_dim or self.d_model
+        return 6.0 * self.params + 12.0 * self.layers * width * seq_len
+
+
+@dataclasses.dataclass(frozen=True)
+class BlockStack:
+    """Where a model's repeated blocks are. kind: "hooked" (the model scans its own stacked layers
+    and has the hooks), "list" (same-structure modules in a list: the engine stacks them),
+    "stacked" (an `nnx.vmap`-built module whose leaves lead with the layer axis, no hooks)."""
+
+    path: tuple[str, ...]
+    kind: str
+    layers: int
+
+
+# ------------------------------------------------------------------------------ finding the blocks
+
+
+def _param_shapes(module) -> list[tuple[tuple, tuple]]:
+    state = nnx.to_pure_dict(nnx.state(module, nnx.Param))
+    return [(tuple(str(getattr(k, "key", k)) for k in path), tuple(v.shape))
+            for path, v in jax.tree_util.tree_flatten_with_path(state)[0]]
+
+
+def _names(v) -> tuple | None:
+    meta = v.get_metadata() if hasattr(v, "get_metadata") else {}
+    names = meta.get("out_sharding") or meta.get("sharding_names") or meta.get("sharding")
+    return tuple(names) if names else None
+
+
+def _modules(module):
+    """(key path, submodule) of every module in `module`'s graph, the root first."""
+    for path, node in nnx.iter_graph(module):
+        if isinstance(node, nnx.Module):
+            yield tuple(str(k) for k in path), node
+
+
+def _is_block_list(value) -> bool:
+    if not isinstance(value, (list, tuple, nnx.List)) or len(value) < 2:
+        return False
+    if not all(isinstance(b, nnx.Module) for b in value):
+        return False
+    first = _param_shapes(value[0])
+    return bool(first) and all(type(b) is type(value[0]) and _param_shapes(b) == first for b in value[1:])
+
+
+# flax layers whose unstacked parameter shapes are known from their attributes
+def _expected_shapes(m) -> dict[str, tuple] | None:
+    if isinstance(m, nnx.Linear):
+        return {"kernel": (m.in_features, m.out_features)}
+    if isinstance(m, (nnx.LayerNorm, nnx.RMSNorm)):
+        return {"scale": (m.num_features,)}
+    if isinstance(m, nnx.Embed):
+        return {"embedding": (m.num_embeddings, m.features)}
+    return None
+
+
+def _vmapped_layers(module) -> int:
+    """L if every parameter of `module` leads with an extra axis of size L beyond what its flax
+    layers (Linear, LayerNorm, RMSNorm, Embed) would create, else 0: an `nnx.vmap`-built stack."""
+    found = 0
+    for _, m in _modules(module):
+        expected = _expected_shapes(m)
+        if not expected:
+            continue
+        for name, shape in expected.items():
+            v = getattr(m, name, None)
+            if v is None:
+                continue
+            actual = tuple(v.shape)
+            if len(actual) != len(shape) + 1 or actual[1:] != shape:
+                return 0
+            if found and actual[0] != found:
+                return 0
+            found = actual[0]
+    if not found:
+        return 0
+    return found if all(s[:1] == (found,) for _, s in _param_shapes(module)) else 0
+
+
+def find_blocks(module) -> BlockStack | None:
+    """The model's block stack, or None (see the module docstring for the kinds)."""
+    for path, m in _modules(module):
+        if any(h in vars(m) for h in HOOKS):
+            layers = [v.shape[0] for v in jax.tree.leaves(nnx.state(m, nnx.Param))
+                      if (_names_of_leaf(v) or (None,))[0] == LAYERS]
+            if layers:
+                return BlockStack(path, "hooked", int(layers[0]))
+        if isinstance(m, StackedBlocks):
+            return BlockStack(path, "hooked", m.layers)
+    for path, m in _modules(module):
+        for name, value in vars(m).items():
+            if _is_block_list(value):
+                return BlockStack(path + (name,), "list", len(value))
+    stacked = [(len(path), path, n) for path, m in _modules(module) if path and (n := _vmapped_layers(m)) >= 2]
+    if stacked:  # the outermost such module
+        _, path, n = min(stacked)
+        return BlockStack(path, "stacked", n)
+    return None
+
+
+def _names_of_leaf(v):
+    return _names(v) if isinstance(v, nnx.Variable) else None
+
+
+def stacked_prefixes(module) -> tuple[tuple[str, ...], ...]:
+    """Key paths of the parameter groups that lead with a layer axis (for the offload layout and
+    AutoTP): every Param named with a leading "layers" axis, else the found stack."""
+    named = []
+    state = nnx.state(module, nnx.Param)
+    for path, v in jax.tree_util.tree_flatten_with_path(state, is_leaf=lambda x: isinstance(x, nnx.Variable))[0]:
+        if (_names_of_leaf(v) or (None,))[0] == LAYERS:
+            named.append(tuple(str(getattr(k, "key", k)) for k in path))
+    if named:
+        return tuple(named)
+    stack = find_blocks(module)
+    return (stack.path,) if stack is not None and stack.kind == "stacked" else ()
+
+
+def stacked_flags(abstract_params: dict, prefixes) -> Any:
+    """A tree of bools like the pure-dict `abstract_params`: True where a leaf's path starts with
+    one of `prefixes`."""
+    def flag(path, _):
+        keys = tuple(str(getattr(k, "key", k)) for k in path)
+        return any(keys[:len(p)] == tuple(p) for p in prefixes)
+    return jax.tree_util.tree_map_with_path(flag, abstract_params)
+
+
+# ------------------------------------------------------------------------------ stacking a list
+
+
+# names a block's activations and fetched weights are tagged with inside the stack (remat policies)
+LAYER_INPUT = "layer_input"
+FETCHED_PARAMS = "fetched_layer_params"
+# the remat policies any block stack takes ("activation_checkpointing.remat_policy"); a model with
+# its own tags (GPT-2's "save_*") names more through its own `remat_policy` attribute
+GENERIC_REMAT_POLICIES = (None, "full", "dots", "offload")
+
+
+def remat_policy_fn(name):
+    """The `jax.checkpoint` policy of a generic remat policy name (see GENERIC_REMAT_POLICIES);
+    "except_fetched": no activation remat, only fetched / gathered weights re-fetched."""
+    cp = jax.checkpoint_policies
+    if name == "full":
+        return cp.nothing_saveable
+    if name == "dots":
+        return cp.dots_with_no_batch_dims_saveable
+    if name == "except_fetched":
+        return cp.save_anything_except_these_names(FETCHED_PARAMS)
+    if name == "offload":
+        return cp.save_and_offload_only_these_names(
+            names_which_can_be_saved=[], names_which_can_be_offloaded=[LAYER_INPUT],
+            offload_src="device", offload_dst="pinned_host")
+    raise ValueError(f"remat_policy={name!r}: a block stack found by zerojax takes one of "
+                     f"{GENERIC_REMAT_POLICIES[1:]} (the \"save_*\" policies need the model's own tags)")
+
+
+# a forward pass in progress through a StackedBlocks (by id): (next index, result, args, kwargs);
+# outside the module's graph, since it holds traced values
+_PENDING: dict[int, tuple] = {}
+
+
+class StackedBlocks(nnx.Module):
+    """Same-structure blocks as one module whose variables lead with a "layers" axis, run as one
+    `jax.lax.scan`. It stands in for the model's list: the model's own loop
+    `for layer in self.layers: x = layer(x, *args)` calls the first item, which runs every layer
+    (through `layer_scan` / `layer_fetch` / `remat_policy` as the engine set them, as GPT-2 does),
+    and the other items hand that result on. Each checks that it was called with the result of
+    the one before and the same other arguments, so a model that works between its blocks gets an
+    error, never a wrong result. State a block changes while running (an RNG counter) is not
+    written back."""
+
+    def __init__(self, blocks):
+        graphdef, *_ = nnx.split(blocks[0])
+        states = [nnx.split(b)[1] for b in blocks]
+
+        def stack(*vs):
+            names = _names(vs[0]) or (None,) * jnp.ndim(vs[0].get_value())
+            return vs[0].replace(jnp.stack([v.get_value() for v in vs]), out_sharding=(LAYERS,) + tuple(names),
+                                 eager_sharding=False)
+
+        self.block = nnx.merge(graphdef, jax.tree.map(stack, *states, is_leaf=lambda x: isinstance(x, nnx.Variable)))
+        self.layers = len(blocks)
+        self.layer_fetch = None    # set by the engine: each layer's params moved where they are used
+        self.layer_scan = None     # set by the engine: pipeline stages / offload's prefetching scan
+        self.remat_policy = None   # set by the engine from activation_checkpointing
+
+    def __len__(self):
+        return self.layers
+
+    def __iter__(self):
+        return (self[i] for i in range(self.layers))
+
+    def __getitem__(self, i):
+        if isinstance(i, slice):
+            raise TypeError("the engine runs this model's blocks as one scan (zerojax.model.StackedBlocks); "
+                            "a slice of them cannot run alone: loop over all of them")
+        return functools.partial(self._call, range(self.layers)[i])
+
+    def _call(self, i, x, *args, **kwargs):
+        if i == 0:
+            out = self._run(x, args, kwargs)
+            _PENDING[id(self)] = (1, out, args, kwargs)
+            return out
+        pending = _PENDING.pop(id(self), None)
+        carried = None if pending is None else (pending[1][0] if isinstance(pending[1], tuple) else pending[1])
+        if pending is None or pending[0] != i or x is not carried or not (
+                _same(args, pending[2]) and _same(kwargs, pending[3])):
+            raise ValueError(
+                f"{type(self.block).__name__} block {i} was not called with block {i - 1}'s output and the "
+                "same other arguments: zerojax runs a list of blocks as one scan (x = layer(x, *args) for "
+                "each in turn, nothing in between). Give the model the layer_scan hook instead "
+                "(docs/CONTRACTS.md, \"The model contract\")")
+        if i + 1 < self.layers:
+            _PENDING[id(self)] = (i + 1,) + pending[1:]
+        return pending[1]
+
+    def _run(self, x, args, kwargs):
+        graphdef, params, rest = nnx.split(self.block, nnx.Param, ...)
+        params, rest = nnx.to_pure_dict(params), nnx.to_pure_dict(rest)
+        first = lambda tree: jax.tree.map(lambda a: a[0], tree)  # noqa: E731
+        shape = jax.eval_shape(lambda: nnx.merge(graphdef, first(params), first(rest))(x, *args, **kwargs))
+        tupled = isinstance(shape, tuple)
+
+        def block(h, p, r):
+            out = nnx.merge(graphdef, p, r)(h, *args, **kwargs)
+            return out[0] if tupled else out
+
+        fetch, layer_scan, policy = self.layer_fetch, self.layer_scan, self.remat_policy
+        if fetch is not None and layer_scan is not None:   # offload_param's prefetching scan
+            h = layer_scan(lambda h, p: block(h, p, first(rest)), x, params, fetch,
+                           inputs_to_host=policy == "offload")
+        else:
+            def body(h, p, r):
+                if fetch is not None:  # inside the remat and named, so that no policy saves it
+                    p = jax.tree.map(lambda a: checkpoint_name(a, FETCHED_PARAMS), fetch(p))
+                return block(checkpoint_name(h, LAYER_INPUT), p, r)
+
+            if fetch is not None and policy is None:
+                policy = "except_fetched"
+            step = body if policy is None else jax.checkpoint(body, policy=remat_policy_fn(policy),
+                                                              prevent_cse=False)
+            if layer_scan is not None:  # pipeline stages over the "pipe" axis
+                h = layer_scan(lambda h, p: step(h, p, first(rest)), x, params, None)
+            else:
+                h, _ = jax.lax.scan(lambda h, pr: (step(h, *pr), None), x, (params, rest))
+        return (h,) + (None,) * (len(shape) - 1) if tupled else h
+
+
+def _same(a, b) -> bool:
+    """Whether two call arguments are the same: arrays by identity, Python values by equality."""
+    if a is b:
+        return True
+    if isinstance(a, (tuple, list)) and isinstance(b, (tuple, list)):
+        return type(a) is type(b) and len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b))
+    if isinstance(a, dict) and isinstance(b, dict):
+        return a.keys() == b.keys() and all(_same(a[k], b[k]) for k in a)
+    if isinstance(a, (jax.Array, jax.core.Tracer)) or isinstance(b, (jax.Array, jax.core.Tracer)):
+        return False
+    try:
+        return bool(a == b)
+    except Exception:  # an object whose equality is not a bool
+        return False
+
+
+def stack_blocks(module) -> nnx.Module:
+    """`module` with a found list of blocks replaced by a `StackedBlocks` (a new module object
+    sharing the other variables; `module` itself is left as it was). Unchanged without a list."""
+    stack = find_blocks(module)
+    if stack is None or stack.kind != "list":
+        return module
+    graphdef, state = nnx.split(module)
+    module = nnx.merge(graphdef, state)
+    parent = module
+    for key in stack.path[:-1]:
+        parent = parent[int(key)] if isinstance(parent, (list, nnx.List)) else getattr(parent, key)
+    blocks = getattr(parent, stack.path[-1])
+    setattr(parent, stack.path[-1], StackedBlocks(list(blocks)))
+    return module
+
+
+@functools.lru_cache(maxsize=None)
+def _remat_class(cls, policy):
+    """A subclass of the block class `cls` whose call is rematerialised with `policy`."""
+    call = cls.__call__
+
+    def __call__(self, *args, **kwargs):
+        return nnx.remat(lambda m, *a, **k: call(m, *a, **k), policy=remat_policy_fn(policy),
+                         prevent_cse=False)(self, *args, **kwargs)
+
+    return type(cls.__name__, (cls,), {"__call__": __call__, "__module__": cls.__module__,
+                                       "__qualname__": cls.__qualname__})
+
+
+def remat_modules(module, policy) -> list[tuple[Any, str, Any]]:
+    """(module, attribute, value) settings that apply the remat `policy` to `module`'s block stack
+    (the engine sets them on its own copy of the graph): a `remat_policy` attribute where a module
+    has one (GPT-2, Llama, `StackedBlocks`), else the stacked block's class swapped for one whose
+    call is rematerialised (an `nnx.vmap`-built stack). Raises where there is no stack."""
+    owners = [m for _, m in _modules(module) if "remat_policy" in vars(m)]
+    if owners:
+        return [(m, "remat_policy", policy) for m in owners]
+    stack = find_blocks(module)
+    if stack is None:
+        raise ValueError(
+            f"activation_checkpointing: remat_policy {policy!r} needs the model's repeated blocks, and "
+            f"{type(module).__name__} shows none (no list of same-structure blocks, no nnx.vmap-stacked "
+            "layer, no `remat_policy` attribute); add a `remat_policy` attribute its block scan reads "
+            "(docs/CONTRACTS.md) or remove the activation_checkpointing section")
+    remat_policy_fn(policy)  # a generic name, or the error naming them
+    target = _at(module, stack.path)
+    return [(target, "__class__", _remat_class(type(target), policy))]
+
+
+def _at(module, path):
+    node = module
+    for key in path:
+        node = node[int(key)] if isinstance(node, (list, nnx.List)) else getattr(node, key)
+    return node
+
+
+# ------------------------------------------------------------------------------ dims
+
+
+def model_dims(module) -> ModelDims:
+    """The model's `model_dims()` if it has one, else `infer_dims`."""
+    own = getattr(module, "model_dims", None)
+    return own() if callable(own) else infer_dims(module)
+
+
+def _axis_sizes(module) -> dict[str, int]:
+    """Logical axis name -> size, from every named Param."""
+    sizes: dict[str, int] = {}
+    for v in jax.tree.leaves(nnx.state(module, nnx.Param), is_leaf=lambda x: isinstance(x, nnx.Variable)):
+        for name, size in zip(_names_of_leaf(v) or (), v.shape):
+            if name is not None:
+                sizes.setdefault(str(name), int(size))
+    return sizes
+
+
+_HEAD_ATTRS = ("num_heads", "n_head", "num_attention_heads", "heads", "n_heads")
+_KV_ATTRS = ("num_key_value_heads", "n_kv_heads", "num_kv_heads", "kv_heads", "n_kv_head")
+
+
+def infer_dims(module) -> ModelDims:
+    """Dims read off the parameter tree: layers from the block stack, width and vocabulary from
+    the token embedding, heads from logical names ("heads", "head_dim", "kv_heads"), from
+    [d, heads, head_dim] q / k kernels, or from a heads attribute; 0 where nothing says."""
+    from zerojax.sharding import autotp
+
+    shapes = _param_shapes(module)
+    params = sum(math.prod(s) for _, s in shapes)
+    stack = find_blocks(module)
+    layers = stack.layers if stack else 0
+    in_stack = [s for p, s in shapes if stack and p[:len(stack.path)] == stack.path]
+    if stack and stack.kind == "list":
+        in_stack = [s for p, s in shapes if p[:len(stack.path)] == stack.path]
+        layer_params = sum(math.prod(s) for s in in_stack) // max(layers, 1)
+    elif stack and stack.kind == "hooked":
+        named = [v for v in jax.tree.leaves(nnx.state(module, nnx.Param), is_leaf=lambda x: isinstance(x, nnx.Variable))
+                 if (_names_of_leaf(v) or (None,))[0] == LAYERS]
+        layer_params = sum(math.prod(v.shape) for v in named) // max(layers, 1)
+    else:
+        layer_params = sum(math.prod(s) for s in in_stack) // max(layers, 1)
+    sizes = _axis_sizes(module)
+    vocab, d = sizes.get("vocab", 0), sizes.get("embed", 0)
+    if not vocab:
+        emb = [s for p, s in shapes if len(s) == 2 and p and (p[-1] in ("embedding", "wte", "embed_tokens") or (
+            len(p) > 1 and p[-2] in autotp.EMBEDDING_NAMES))]
+        if emb:
+            vocab, d = max(emb)
+    heads, head_dim = sizes.get("heads", 0), sizes.get("head_dim", 0)
+    kv = sizes.get("kv_heads", 0) or sizes.get("kv", 0)
+    for path, s in shapes:
+        own = s[1:] if stack and stack.kind != "list" and path[:len(stack.path)] == stack.path else s
+        if len(path) > 1 and len(own) == 3 and path[-1] == "kernel":
+            if path[-2] in ("q_proj", "q", "query", "wq") and not heads:
+                heads, head_dim = own[1], own[2]
+            if path[-2] in ("k_proj", "k", "key", "wk") and not kv:
+                kv = own[1]
+    if not heads:
+        for _, m in _modules(module):
+            found = next((getattr(m, a) for a in _HEAD_ATTRS if isinstance(getattr(m, a, None), int)), 0)
+            if found:
+                heads = found
+                kv = kv or next((getattr(m, a) for a in _KV_ATTRS if isinstance(getattr(m, a, None), int)), 0)
+                break
+    if heads and not head_dim and d:
+        head_dim = d // heads
+    return ModelDims(layers=layers, d_model=d, heads=heads, kv_heads=kv or heads, head_dim=head_dim,
+                     vocab=vocab, params=params, layer_params=layer_params)
+
+
+def count_tokens(module, batch) -> int:
+    """Tokens in `batch`: the model's `count_tokens(batch)` if it has one, else the elements of
+    `input_ids` (or of the batch's first leaf)."""
+    own = getattr(module, "count_tokens", None) if module is not None else None
+    if callable(own):
+        return int(own(batch))
+    if isinstance(batch, dict) and "input_ids" in batch:
+        return math.prod(batch["input_ids"].shape)
+    leaf = jax.tree.leaves(batch)[0]
+    return math.prod(leaf.shape[:2]) if leaf.ndim >= 2 else leaf.shape[0]
+
+
+__all__ = ["ModelDims", "BlockStack", "StackedBlocks", "find_blocks", "stack_blocks", "stacked_prefixes",
+           "stacked_flags", "remat_modules", "remat_policy_fn", "model_dims", "infer_dims", "count_tokens",
+           "GENERIC_REMAT_POLICIES"]
