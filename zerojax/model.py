@@ -48,6 +48,7 @@ class ModelDims:
     vocab: int
     params: int          # every parameter
     layer_params: int    # one block's
+    mlp: int = 0         # the MLP's hidden width
 
     def flops_per_token(self, seq_len: int) -> float:
         """Training FLOPs per token: 6N (forward 2N, backward 4N) plus causal-agnostic attention
@@ -271,33 +272,50 @@ class StackedBlocks(nnx.Module):
 
     def _run(self, x, args, kwargs):
         graphdef, params, rest = nnx.split(self.block, nnx.Param, ...)
-        params, rest = nnx.to_pure_dict(params), nnx.to_pure_dict(rest)
+        # the layers as the engine's hooks see this module's stacked subtree: {"block": params}
+        layers, rest = {"block": nnx.to_pure_dict(params)}, nnx.to_pure_dict(rest)
         first = lambda tree: jax.tree.map(lambda a: a[0], tree)  # noqa: E731
-        shape = jax.eval_shape(lambda: nnx.merge(graphdef, first(params), first(rest))(x, *args, **kwargs))
+        # the block's output structure, from one layer's shapes (no memory kind: host-resident
+        # layers are fetched only inside the scan)
+        one = lambda tree: jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape[1:], a.dtype), tree)  # noqa: E731
+        shape = jax.eval_shape(lambda p, r: nnx.merge(graphdef, p["block"], r)(x, *args, **kwargs),
+                               one(layers), one(rest))
         tupled = isinstance(shape, tuple)
 
-        def block(h, p, r):
-            out = nnx.merge(graphdef, p, r)(h, *args, **kwargs)
+        def block(h, p, r, call=(args, kwargs)):
+            out = nnx.merge(graphdef, p["block"], r)(h, *call[0], **call[1])
             return out[0] if tupled else out
 
         fetch, layer_scan, policy = self.layer_fetch, self.layer_scan, self.remat_policy
         if fetch is not None and layer_scan is not None:   # offload_param's prefetching scan
-            h = layer_scan(lambda h, p: block(h, p, first(rest)), x, params, fetch,
+            h = layer_scan(lambda h, p: block(h, p, first(rest)), x, layers, fetch,
                            inputs_to_host=policy == "offload")
         else:
-            def body(h, p, r):
+            def body(h, p, r, call=(args, kwargs)):
                 if fetch is not None:  # inside the remat and named, so that no policy saves it
                     p = jax.tree.map(lambda a: checkpoint_name(a, FETCHED_PARAMS), fetch(p))
-                return block(checkpoint_name(h, LAYER_INPUT), p, r)
+                return block(checkpoint_name(h, LAYER_INPUT), p, r, call)
 
             if fetch is not None and policy is None:
                 policy = "except_fetched"
             step = body if policy is None else jax.checkpoint(body, policy=remat_policy_fn(policy),
                                                               prevent_cse=False)
             if layer_scan is not None:  # pipeline stages over the "pipe" axis
-                h = layer_scan(lambda h, p: step(h, p, first(rest)), x, params, None)
+                # per-row arguments (positions, segment ids: [rows, ...]) travel with their
+                # micro-batch through the stages; the others are the same for every row
+                leaves, treedef = jax.tree.flatten((args, kwargs))
+                rows = [isinstance(a, jax.Array) and a.ndim >= 1 and a.shape[0] == x.shape[0] for a in leaves]
+
+                def staged(hs, p):
+                    it = iter(hs[1])
+                    call = treedef.unflatten([next(it) if r else a for a, r in zip(leaves, rows)])
+                    return step(hs[0], p, first(rest), call)
+
+                side = tuple(a for a, r in zip(leaves, rows) if r)
+                h = layer_scan(staged, (x, side), layers, None) if side else layer_scan(
+                    lambda h, p: step(h, p, first(rest)), x, layers, None)
             else:
-                h, _ = jax.lax.scan(lambda h, pr: (step(h, *pr), None), x, (params, rest))
+                h, _ = jax.lax.scan(lambda h, pr: (step(h, *pr), None), x, (layers, rest))
         return (h,) + (None,) * (len(shape) - 1) if tupled else h
 
 
@@ -333,17 +351,32 @@ def stack_blocks(module) -> nnx.Module:
     return module
 
 
-@functools.lru_cache(maxsize=None)
-def _remat_class(cls, policy):
-    """A subclass of the block class `cls` whose call is rematerialised with `policy`."""
-    call = cls.__call__
+def hooked_block_class(cls, *, policy=None, fetch=None):
+    """A subclass of the block class `cls` of an `nnx.vmap`-built stack (run by the model's own
+    `nnx.scan`, one layer's slice per call) whose call applies the engine's hooks to that slice:
+    `fetch` to its params (offload_param's host -> device copy, ZeRO-3's gather), inside a remat
+    with `policy` (with a fetch and no policy: only the fetched weights re-fetched in backward).
+    One class per engine: the graph the engine traces carries it, the user's module never does."""
+    base = getattr(cls, "_zerojax_block", cls)
+    call = base.__call__
 
     def __call__(self, *args, **kwargs):
-        return nnx.remat(lambda m, *a, **k: call(m, *a, **k), policy=remat_policy_fn(policy),
-                         prevent_cse=False)(self, *args, **kwargs)
+        graphdef, params, rest = nnx.split(self, nnx.Param, ...)
+        params, rest = nnx.to_pure_dict(params), nnx.to_pure_dict(rest)
 
-    return type(cls.__name__, (cls,), {"__call__": __call__, "__module__": cls.__module__,
-                                       "__qualname__": cls.__qualname__})
+        def run(p, *a):
+            if fetch is not None:
+                p = jax.tree.map(lambda x: checkpoint_name(x, FETCHED_PARAMS), fetch(p))
+            return call(nnx.merge(graphdef, p, rest), *a, **kwargs)
+
+        name = policy or ("except_fetched" if fetch is not None else None)
+        if name is not None:
+            run = jax.checkpoint(run, policy=remat_policy_fn(name), prevent_cse=False)
+        return run(params, *args)
+
+    return type(base.__name__, (base,), {"__call__": __call__, "__module__": base.__module__,
+                                         "__qualname__": base.__qualname__, "_zerojax_block": base,
+                                         "_zerojax_policy": policy})
 
 
 def remat_modules(module, policy) -> list[tuple[Any, str, Any]]:
@@ -362,11 +395,12 @@ def remat_modules(module, policy) -> list[tuple[Any, str, Any]]:
             "layer, no `remat_policy` attribute); add a `remat_policy` attribute its block scan reads "
             "(docs/CONTRACTS.md) or remove the activation_checkpointing section")
     remat_policy_fn(policy)  # a generic name, or the error naming them
-    target = _at(module, stack.path)
-    return [(target, "__class__", _remat_class(type(target), policy))]
+    target = at(module, stack.path)
+    return [(target, "__class__", hooked_block_class(type(target), policy=policy))]
 
 
-def _at(module, path):
+def at(module, path):
+    """The submodule of `module` at the key `path`."""
     node = module
     for key in path:
         node = node[int(key)] if isinstance(node, (list, nnx.List)) else getattr(node, key)
@@ -392,6 +426,7 @@ def _axis_sizes(module) -> dict[str, int]:
     return sizes
 
 
+_MLP_UP = ("gate_proj", "up_proj", "w1", "w3", "c_fc", "fc1", "fc_in", "gate", "up")
 _HEAD_ATTRS = ("num_heads", "n_head", "num_attention_heads", "heads", "n_heads")
 _KV_ATTRS = ("num_key_value_heads", "n_kv_heads", "num_kv_heads", "kv_heads", "n_kv_head")
 
@@ -441,8 +476,14 @@ def infer_dims(module) -> ModelDims:
                 break
     if heads and not head_dim and d:
         head_dim = d // heads
+    mlp = sizes.get("mlp", 0)
+    for path, s in shapes if not mlp else ():
+        own = s[1:] if stack and stack.kind != "list" and path[:len(stack.path)] == stack.path else s
+        if len(path) > 1 and path[-1] == "kernel" and len(own) == 2 and path[-2] in _MLP_UP:
+            mlp = own[1]
+            break
     return ModelDims(layers=layers, d_model=d, heads=heads, kv_heads=kv or heads, head_dim=head_dim,
-                     vocab=vocab, params=params, layer_params=layer_params)
+                     vocab=vocab, params=params, layer_params=layer_params, mlp=mlp)
 
 
 def count_tokens(module, batch) -> int:
@@ -458,5 +499,5 @@ def count_tokens(module, batch) -> int:
 
 
 __all__ = ["ModelDims", "BlockStack", "StackedBlocks", "find_blocks", "stack_blocks", "stacked_prefixes",
-           "stacked_flags", "remat_modules", "remat_policy_fn", "model_dims", "infer_dims", "count_tokens",
+           "stacked_flags", "remat_modules", "hooked_block_class", "at", "remat_policy_fn", "model_dims", "infer_dims", "count_tokens",
            "GENERIC_REMAT_POLICIES"]

@@ -100,7 +100,9 @@ def groups_of_at_least(tree, min_bytes: int, shardings=None, *, stacked=None) ->
     L when one layer holds that much. Used for offload_loop="host" (EngineOptions.
     offload_host_chunk_bytes): its chunks are moved by one runtime transfer and updated by one
     jitted call each, so larger chunks mean fewer dispatches."""
-    leaves = jax.tree.leaves(tree)
+    leaves, treedef = jax.tree.flatten(tree)
+    if stacked is not None and not isinstance(stacked, int):
+        stacked = treedef.flatten_up_to(stacked)
     L, flags = _stacked_flags(leaves, stacked)
     if not L:
         return 1

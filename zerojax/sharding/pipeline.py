@@ -158,7 +158,10 @@ def pipeline_scan(schedule: PipelineSchedule, mesh: Mesh):
     """The model's `layer_scan(body, x, layers, fetch, inputs_to_host=False)` for `schedule`:
     `body(h, layer_params) -> h` on [rows, ...] hidden states, `x` [batch, ...] sharded over
     "data", `layers` the stacked [L, ...] parameters sharded over "pipe". Returns [batch, ...]
-    with the rows split over "data" and "pipe" (what follows the layers runs on 1 / S of them)."""
+    with the rows split over "data" and "pipe" (what follows the layers runs on 1 / S of them).
+    `x` may be a pair (hidden states, per-row side inputs such as positions or segment ids, a
+    pytree of [batch, ...] arrays): the side inputs travel with their micro-batch through the
+    stages, `body((h, side), layer_params) -> h`, and the hidden states alone are returned."""
     S, M, R = schedule.stages, schedule.microbatches, schedule.repeats
     n = int(mesh.shape.get(DATA, 1))
 
@@ -174,6 +177,10 @@ def pipeline_scan(schedule: PipelineSchedule, mesh: Mesh):
             raise ValueError("pipeline: a per-layer fetch or host-offloaded layer inputs do not "
                              "combine with pipeline stages (zero_optimization.offload_* is refused with "
                              "pipeline.stages > 1)")
+        side = isinstance(x, tuple)
+        if side:  # the side inputs ride along, unchanged by every layer
+            inner = body
+            body = lambda hs, p: (inner(hs, p), hs[1])  # noqa: E731
         num = jax.tree.leaves(layers)[0].shape[0]
         problems = schedule_problems(num, S, M, R, schedule.checkpoint_interval)
         if problems:
@@ -187,13 +194,14 @@ def pipeline_scan(schedule: PipelineSchedule, mesh: Mesh):
         blocks = constrain(jax.tree.map(lambda a: a.reshape(R, S, per, *a.shape[1:]), layers), None, PIPE,
                            rest=P.UNCONSTRAINED)
         stage_ids = jnp.arange(S)
-        first_stage = (stage_ids == 0).reshape(S, *([1] * (x.ndim)))
+        first_stage = lambda a: (stage_ids == 0).reshape(S, *([1] * a.ndim))  # noqa: E731
         # the micro-batches [M, n * mb, ...] as stage 0's slice of a "pipe"-sharded [S, M, ...]
         # (zeros elsewhere): reading the next one is local to every stage, and the backward pass
         # sums the embeddings' gradients over "pipe" once, after the loop -- a buffer replicated
         # over "pipe" made XLA all-reduce each iteration's micro-batch gradient inside the loop
         xs = split_microbatches(x, M, mesh)
-        xs = constrain(jnp.where(first_stage[:, None], xs[None], jnp.zeros((), x.dtype)), PIPE, None, DATA)
+        xs = constrain(jax.tree.map(lambda a: jnp.where(first_stage(a[0])[:, None], a[None], jnp.zeros((), a.dtype)), xs),
+                       PIPE, None, DATA)
         cut, run = _stage_pieces(body, per, schedule.checkpoint_interval)
         pieces = cut(blocks)
         run_stages = jax.vmap(run)
@@ -206,19 +214,20 @@ def pipeline_scan(schedule: PipelineSchedule, mesh: Mesh):
                        for piece in pieces]
             out = constrain(run_stages(buf, constrain(weights, PIPE, rest=P.UNCONSTRAINED)), PIPE, DATA)
             # stage s + 1 takes stage s's output: a collective-permute over "pipe"
-            rolled = constrain(jnp.roll(out, 1, axis=0), PIPE, DATA)
-            head = constrain(jax.lax.dynamic_index_in_dim(xs, jnp.minimum(t + 1, M - 1), axis=1,
-                                                          keepdims=False), PIPE, DATA)
+            rolled = constrain(jax.tree.map(lambda a: jnp.roll(a, 1, axis=0), out), PIPE, DATA)
+            head = constrain(jax.tree.map(lambda a: jax.lax.dynamic_index_in_dim(
+                a, jnp.minimum(t + 1, M - 1), axis=1, keepdims=False), xs), PIPE, DATA)
             if R > 1:
                 # a ring, not a shifted queue: one slot written per iteration instead of all moved
-                fifo = jax.lax.dynamic_update_index_in_dim(fifo, rolled, t % ring, axis=0)
-                head = jnp.where(t + 1 < M, head, jax.lax.dynamic_index_in_dim(
-                    fifo, (t + 1) % ring, axis=0, keepdims=False))
-            buf = constrain(jnp.where(first_stage, head, rolled), PIPE, DATA)
-            return (buf, fifo), rolled
+                fifo = jax.tree.map(lambda f, r: jax.lax.dynamic_update_index_in_dim(f, r, t % ring, axis=0),
+                                    fifo, rolled)
+                head = jax.tree.map(lambda h, f: jnp.where(t + 1 < M, h, jax.lax.dynamic_index_in_dim(
+                    f, (t + 1) % ring, axis=0, keepdims=False)), head, fifo)
+            buf = constrain(jax.tree.map(lambda h, r: jnp.where(first_stage(h[0]), h, r), head, rolled), PIPE, DATA)
+            return (buf, fifo), (rolled[0] if side else rolled)
 
-        buf = xs[:, 0]
-        fifo = constrain(jnp.zeros((ring, *buf.shape), x.dtype), None, PIPE, DATA)
+        buf = jax.tree.map(lambda a: a[:, 0], xs)
+        fifo = constrain(jax.tree.map(lambda b: jnp.zeros((ring, *b.shape), b.dtype), buf), None, PIPE, DATA)
         _, outs = jax.lax.scan(iteration, (buf, fifo), jnp.arange(schedule.iterations))
         # the last repeat's outputs of micro-batches 0..M-1 left the last stage at iterations
         # (R - 1) M + S - 1 + m

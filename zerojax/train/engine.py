@@ -25,7 +25,6 @@ from __future__ import annotations
 import dataclasses
 import functools
 import logging
-import math
 import time
 import warnings
 from typing import Callable
@@ -36,7 +35,7 @@ import numpy as np
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from zerojax import offload as O
+from zerojax import model as contract, offload as O
 
 from zerojax.checkpoint import engine_io
 from zerojax.planning import memory
@@ -102,11 +101,17 @@ class Engine:
             raise TypeError(f"options={options!r}: pass a zerojax.EngineOptions")
         init_fn = None
         if isinstance(model, nnx.Module):
-            module = model
+            module = contract.stack_blocks(model)
         elif callable(model):
-            init_fn = model
+            init_fn = functools.partial(_stacked, model)
             with no_eager_sharding():
                 module = nnx.eval_shape(init_fn)
+            if not abstract and any(isinstance(m, contract.StackedBlocks) for _, m in nnx.iter_graph(module)):
+                # a list of blocks, each initialised by its own code: as one XLA program they compile
+                # in minutes at real depths (28 blocks: over 100 s), run eagerly on the host in
+                # seconds; each device then receives only its own shards (`_init_state`'s values)
+                with jax.default_device(jax.devices("cpu")[0]), no_eager_sharding():
+                    module, init_fn = init_fn(), None
         else:
             raise TypeError(
                 f"shard() takes a flax.nnx.Module or a zero-argument callable returning one, got "
@@ -115,6 +120,7 @@ class Engine:
         self.layout: EngineLayout = build_layout(module, cfg, loss_fn=loss_fn, mesh=mesh, options=options)
         self.loss_fn = loss_fn
         self._plans_for = plans_for
+        self._counter = module if callable(getattr(module, "count_tokens", None)) else None
         record = getattr(module, "checkpoint_record", None)
         self._model_record = record() if callable(record) else None
         if abstract:
@@ -464,7 +470,7 @@ class Engine:
         previous, self._pending = self._pending, (self._global_steps, metrics)
         if previous is not None:
             self._check(*previous)
-        self._print_tokens += _tokens(placed)
+        self._print_tokens += contract.count_tokens(self._counter, placed)
         self.monitor.record(self._global_steps * self.cfg.train_batch_size, metrics)
         spp = self.cfg.steps_per_print
         if spp and self._global_steps % spp == 0:
@@ -752,6 +758,11 @@ def _split_into_program(lay):
                    out_shardings=(lay.shardings.params, lay.shardings.master))
 
 
+def _stacked(factory):
+    """The model `factory` builds, its list of blocks (if any) stacked (`zerojax.model.stack_blocks`)."""
+    return contract.stack_blocks(factory())
+
+
 def _init_pure(init_fn):
     """(fp32 params, rest) of a fresh model from its init callable, as pure dicts; call under jit."""
     with no_eager_sharding():
@@ -769,12 +780,6 @@ def _place(x, sharding, dtype=None):
         return jax.random.wrap_key_data(_place(jax.random.key_data(x), sharding), impl=impl)
     host = np.asarray(jax.device_get(x))  # every process built the same model
     return jax.make_array_from_callback(host.shape, sharding, lambda idx: host[idx])
-
-
-def _tokens(batch) -> int:
-    if isinstance(batch, dict) and "input_ids" in batch:
-        return math.prod(batch["input_ids"].shape)
-    return jax.tree.leaves(batch)[0].shape[0]
 
 
 __all__ = ["Engine", "abstract_engine", "MemoryReport"]

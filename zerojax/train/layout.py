@@ -23,7 +23,8 @@ from zerojax import offload as O
 from zerojax.checkpoint import stream as stream_mod
 
 from zerojax.sharding import partition
-from zerojax.config import Config, ConfigError, load_config, pipeline_stages
+from zerojax import model as contract
+from zerojax.config import Config, ConfigError, load_config, pipeline_stages, remat_policy_for
 from zerojax.sharding.pipeline import PipelineSchedule, pipeline_scan, schedule_problems
 from zerojax.optim import build_optimizer, build_schedule
 from zerojax.options import EngineOptions
@@ -242,8 +243,38 @@ def build_layout(module: nnx.Module, cfg, *, loss_fn: Callable, mesh: Mesh | Non
     constrain = None
     if (cfg.tensor_parallel.partition_config or {}).get("use_default_specs", True):
         constrain = partition.activation_constraint(mesh)
-    with _attributes(_activation_modules(module) if constrain else [], activation_sharding=constrain):
+    with _attributes(_activation_modules(module) if constrain else [], activation_sharding=constrain), \
+            _settings(_remat_settings(module, cfg)):
         return _build_layout(module, cfg, loss_fn=loss_fn, mesh=mesh, options=options)
+
+
+def _remat_settings(module, cfg) -> list:
+    """The activation_checkpointing section acted on for any model (`zerojax.model.remat_modules`):
+    nothing without the section (the model's own remat stays), the policy it names on the block
+    stack otherwise, and an error naming the hook where the model shows no blocks."""
+    if cfg.activation_checkpointing is None:
+        return []
+    policy = remat_policy_for(cfg)
+    if policy is None:
+        return []
+    try:
+        return contract.remat_modules(module, policy)
+    except ValueError as e:
+        raise ConfigError([str(e)]) from None
+
+
+@contextlib.contextmanager
+def _settings(settings):
+    """(module, attribute, value) settings applied for the duration (a block class swapped
+    through `object.__setattr__`), each put back after."""
+    saved = [(m, name, m.__class__ if name == "__class__" else getattr(m, name)) for m, name, _ in settings]
+    try:
+        for m, name, value in settings:
+            object.__setattr__(m, name, value) if name == "__class__" else setattr(m, name, value)
+        yield
+    finally:
+        for m, name, value in reversed(saved):
+            object.__setattr__(m, name, value) if name == "__class__" else setattr(m, name, value)
 
 
 def _build_layout(module, cfg: Config, *, loss_fn, mesh: Mesh, options) -> EngineLayout:
@@ -270,7 +301,11 @@ def _build_layout(module, cfg: Config, *, loss_fn, mesh: Mesh, options) -> Engin
     abstract = lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype)  # noqa: E731
     param_template, rest_template = jax.tree.map(abstract, params), jax.tree.map(abstract, rest)
     abstract_master = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, jnp.float32), pure_dict(params))
-    base_specs = partition.tensor_specs(params, mesh, tp=cfg.tensor_parallel, model_type=_model_type(module))
+    # the layer axis from the model contract (a "layers"-named axis, or the found block stack)
+    prefixes = contract.stacked_prefixes(module)
+    stacked = contract.stacked_flags(abstract_master, prefixes) if prefixes else None
+    base_specs = partition.tensor_specs(params, mesh, tp=cfg.tensor_parallel, model_type=_model_type(module),
+                                        stacked_prefixes=prefixes)
     shardings = partition.stage_shardings(
         abstract_master, mesh, stage, base_specs=base_specs,
         persistence_threshold=int(zero.stage3_param_persistence_threshold or 0))
@@ -281,7 +316,7 @@ def _build_layout(module, cfg: Config, *, loss_fn, mesh: Mesh, options) -> Engin
     param_shardings, master_shardings = shardings.params, shardings.master
     if offloading:
         off, offload_settings, opt_shardings, scaler = _offload_layout(
-            cfg, options, tx, abstract_master, shardings, mesh, fp16, offload_optimizer, offload_param)
+            cfg, options, tx, abstract_master, shardings, mesh, fp16, offload_optimizer, offload_param, stacked)
         master_shardings = off.shardings.master
         if offload_optimizer and zero.offload_optimizer.device == "nvme":
             nvme = nvme_tier(cfg, tx, abstract_master, off)
@@ -300,7 +335,7 @@ def _build_layout(module, cfg: Config, *, loss_fn, mesh: Mesh, options) -> Engin
             # fetch layer i+1 while layer i computes (the model's layer scan, one layer per iteration)
             graphdef, fetch_rest = _install_layer_hook(
                 module, abstract_master, O.with_memory_kind(shardings.params, O.DEVICE), O.fetch,
-                {"scan_unroll": 1, "layer_scan": O.prefetch_scan})
+                {"scan_unroll": 1, "layer_scan": O.prefetch_scan}, stacked)
     host_split, device_split = resolve_split_master(options, cfg, offload_settings and offload_settings["loop"],
                                                     offloading)
     if offloading:
@@ -311,7 +346,8 @@ def _build_layout(module, cfg: Config, *, loss_fn, mesh: Mesh, options) -> Engin
     else:
         opt_shardings = partition.opt_state_shardings(tx, abstract_master, shardings.master, mesh)
     if (stage == 3 and not offload_param and partition.data_size(mesh) > 1
-            and _hook_modules(module) and any(O.chunk_layout(abstract_master, 1).stacked)):
+            and (_hook_modules(module) or _vmapped_stack(module))
+            and any(O.chunk_layout(abstract_master, 1, stacked=stacked).stacked)):
         # ZeRO-3's "all-gather on use": each layer's weights constrained to their stage-0
         # sharding inside the layer scan. Left to itself, GSPMD may keep a sharded weight
         # sharded and move activations instead, or gather every layer at once; per layer, XLA
@@ -322,12 +358,12 @@ def _build_layout(module, cfg: Config, *, loss_fn, mesh: Mesh, options) -> Engin
         gathered = partition.stage_shardings(abstract_master, mesh, 0, base_specs=base_specs).params
         graphdef, fetch_rest = _install_layer_hook(
             module, abstract_master, gathered, jax.lax.with_sharding_constraint,
-            {"scan_unroll": 1, "layer_scan": None})
+            {"scan_unroll": 1, "layer_scan": None}, stacked)
         stage3_gather = "layer"
 
     schedule_ = None
     if partition.pipe_size(mesh) > 1 or pipeline_stages(cfg.pipeline) > 1:
-        schedule_, graphdef = _pipeline_layout(module, cfg, mesh, options, abstract_master, accum_dtype)
+        schedule_, graphdef = _pipeline_layout(module, cfg, mesh, options, abstract_master, accum_dtype, stacked)
 
     step = StepSettings(
         graphdef=graphdef, param_template=param_template, rest_template=rest_template,
@@ -350,7 +386,7 @@ PIPELINE_HOOK_ERROR = ("pipeline.stages = {stages}: pipelining needs a model who
                        "with a `layer_scan` hook (docs/CONTRACTS.md; zerojax.models.gpt2.GPT2 has it). {what}")
 
 
-def _pipeline_layout(module, cfg, mesh, options, abstract_master, accum_dtype):
+def _pipeline_layout(module, cfg, mesh, options, abstract_master, accum_dtype, stacked=None):
     """(PipelineSchedule, the graphdef whose layer scan runs it) for pipeline.stages > 1."""
     stages = pipeline_stages(cfg.pipeline)
     if partition.pipe_size(mesh) != stages:
@@ -358,7 +394,7 @@ def _pipeline_layout(module, cfg, mesh, options, abstract_master, accum_dtype):
                             f"{partition.pipe_size(mesh)}; pass mesh=None or a mesh made with "
                             f"zerojax.make_mesh(pipe={stages})")
     hooked = [m for _, m in nnx.iter_graph(module) if isinstance(m, nnx.Module) and "layer_scan" in vars(m)]
-    layers = O.chunk_layout(abstract_master, 1).num_layers
+    layers = O.chunk_layout(abstract_master, 1, stacked=stacked).num_layers
     if not hooked or not layers:
         raise _config_error(PIPELINE_HOOK_ERROR.format(
             stages=stages, what=f"{type(module).__name__} has no " + (
@@ -453,7 +489,7 @@ def resolve_offload_loop(options, zero, offload_optimizer: bool, offload_param: 
 
 
 def _offload_layout(cfg, options, tx, abstract_master, shardings, mesh, fp16, offload_optimizer,
-                    offload_param):
+                    offload_param, stacked=None):
     """(OffloadLayout, its settings, the opt-state shardings, the fp16 loss scaler or None).
 
     "in_place": one layer a group (the least device memory; faster than fewer, larger groups),
@@ -462,16 +498,17 @@ def _offload_layout(cfg, options, tx, abstract_master, shardings, mesh, fp16, of
     zero = cfg.zero_optimization
     loop = resolve_offload_loop(options, zero, offload_optimizer, offload_param)
     if loop == "host":
-        k = O.groups_of_at_least(abstract_master, options.offload_host_chunk_bytes, shardings.master)
+        k = O.groups_of_at_least(abstract_master, options.offload_host_chunk_bytes, shardings.master,
+                                 stacked=stacked)
     else:
-        k = O.chunk_layout(abstract_master, 1).num_layers or 1
+        k = O.chunk_layout(abstract_master, 1, stacked=stacked).num_layers or 1
     if offload_optimizer:
         kind = O.host_memory_kind(bool(zero.offload_optimizer.pin_memory))
         ratio = float(zero.offload_optimizer.ratio)
     else:  # offload_param alone: the optimizer state stays on the device (one device chunk)
         kind, ratio = O.DEVICE, 0.0
     off = O.offload_layout(tx, abstract_master, shardings.master, k, kind=kind, ratio=ratio,
-                           per_group=loop == "host")
+                           per_group=loop == "host", stacked=stacked)
     settings = dict(chunks=k, ratio=ratio, kind=kind, loop=loop)
     scaler = loss_scaler_from_config(cfg.fp16) if fp16 else None
     opt_shardings = off.shardings.opt_state
@@ -509,6 +546,12 @@ def _attributes(modules, **values):
                 setattr(m, k, v)
 
 
+def _vmapped_stack(model):
+    """The block module of an `nnx.vmap`-built stack the model scans itself, else None."""
+    stack = contract.find_blocks(model)
+    return contract.at(model, stack.path) if stack is not None and stack.kind == "stacked" else None
+
+
 def _hook_modules(model) -> list:
     """The modules of `model` that expose the per-layer `layer_fetch` hook (docs/CONTRACTS.md)."""
     return [m for _, m in nnx.iter_graph(model) if isinstance(m, nnx.Module) and "layer_fetch" in vars(m)]
@@ -518,15 +561,17 @@ def _config_error(message):
     return ConfigError([message])
 
 
-def _install_layer_hook(module, abstract_master, targets, move, knobs: dict):
+def _install_layer_hook(module, abstract_master, targets, move, knobs: dict, stacked=None):
     """The model's graph with its per-layer hook installed -> (graphdef, fetch_rest).
 
     `layer_fetch` = `move(layer slice, that layer's `targets` shardings)`, applied by the model to
     each layer's params inside its scan: offload_param brings the layer from host to device
     memory (`offload.fetch`), stage 3 constrains it to its gathered sharding (ZeRO-3's all-gather
     on use). `knobs` (e.g. scan_unroll, layer_scan) are set where the module has them. The user's
-    module is left as it was: the hook lives only in the returned graphdef."""
-    probe = O.chunk_layout(abstract_master, 1)
+    module is left as it was: the hook lives only in the returned graphdef. A model whose blocks
+    are an `nnx.vmap`-built stack run by its own scan gets the hook through its block class
+    (`zerojax.model.hooked_block_class`)."""
+    probe = O.chunk_layout(abstract_master, 1, stacked=stacked)
     flags = probe.treedef.unflatten(list(probe.stacked))
     if not any(probe.stacked):
         raise _config_error(PARAM_HOOK_ERROR.format(
@@ -534,9 +579,10 @@ def _install_layer_hook(module, abstract_master, targets, move, knobs: dict):
     # every maximal subtree whose leaves are all stacked: its layer slice's structure -> shardings
     table: dict = {}
 
-    def walk(f, d):
+    def walk(f, d, root=False):
         if isinstance(f, dict):
-            if f and all(jax.tree.leaves(f)):
+            # the root is never one layer group: the model's scan takes its stacked subtrees
+            if f and all(jax.tree.leaves(f)) and not root:
                 key = jax.tree.structure(f)
                 layer = O.layer_shardings(d)
                 if key in table and table[key] != layer:
@@ -547,7 +593,7 @@ def _install_layer_hook(module, abstract_master, targets, move, knobs: dict):
             for name in f:
                 walk(f[name], d[name])
 
-    walk(flags, targets)
+    walk(flags, targets, root=True)
 
     def layer_fetch(p):
         target = table.get(jax.tree.structure(p))
@@ -560,6 +606,12 @@ def _install_layer_hook(module, abstract_master, targets, move, knobs: dict):
         return jax.tree.map(lambda x, f, s: x if f else move(x, s), tree, flags, targets)
 
     hooked = _hook_modules(module)
+    block = _vmapped_stack(module)
+    if not hooked and block is not None:
+        cls = type(block)
+        swapped = contract.hooked_block_class(cls, policy=getattr(cls, "_zerojax_policy", None), fetch=layer_fetch)
+        with _settings([(block, "__class__", swapped)]), no_eager_sharding():
+            return nnx.split(module, nnx.Param, ...)[0], fetch_rest
     if not hooked:
         raise _config_error(PARAM_HOOK_ERROR.format(
             what=f"{type(module).__name__} has no `layer_fetch` attribute, so its parameters would "

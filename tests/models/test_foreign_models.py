@@ -1,0 +1,213 @@
+"""Every engine feature for models written without zerojax in mind (tests/foreign_models.py): a
+Qwen3-style model holding a Python list of blocks, and one whose layers are `nnx.vmap`-built and
+run by its own `nnx.scan`. Each run is compared with the same model trained plainly (stage 0,
+one device's worth of math on 8 devices): weights after SGD steps, fp32.
+
+Tolerance: the runs differ only in the order XLA sums partial gradients (per device, per
+micro-batch, across devices) and, for the list model, in running the blocks as one scan instead of
+unrolled: ~1e-6 relative on a gradient component, which SGD at lr 0.1 passes on as ~1e-7 per step
+on weights of size ~0.1-1; 3 steps. 2e-5 absolute leaves a factor of ~50 over that and is far
+below a step's own movement (lr x |g| ~ 1e-2), which a dropped micro-batch or a wrong shard
+changes by a sizeable part.
+"""
+import functools
+
+import jax
+import numpy as np
+import pytest
+from flax import nnx
+
+import zerojax
+from zerojax import model as contract
+from zerojax.config import ConfigError
+
+from foreign_models import ListQwen, QwenShape, ScanLM, ScanShape, lm_loss  # noqa: E402 (tests/ on sys.path)
+
+ROWS, SEQ, STEPS, LR = 16, 9, 3, 0.1
+ATOL = 2e-5
+MODELS = {"list": lambda: ListQwen(QwenShape(), rngs=nnx.Rngs(0)),
+          "scan": lambda: ScanLM(ScanShape(), rngs=nnx.Rngs(0))}
+
+
+def batches(n=STEPS, vocab=64):
+    rng = np.random.default_rng(0)
+    return [{"input_ids": rng.integers(0, vocab, (ROWS, SEQ)).astype(np.int32)} for _ in range(n)]
+
+
+def config(stage=0, **extra):
+    return {"train_batch_size": ROWS, "optimizer": {"type": "SGD", "params": {"lr": LR}},
+            "gradient_clipping": 0.0,
+            "zero_optimization": {"stage": stage, "stage3_param_persistence_threshold": 0,
+                                  **extra.pop("zero", {})}, **extra}
+
+
+def trained(kind, cfg, steps=STEPS):
+    eng = zerojax.shard(MODELS[kind], cfg, loss_fn=lm_loss, options=zerojax.EngineOptions(memory_guard=False))
+    losses = [float(eng.train_step(b)["loss"]) for b in batches(steps)]
+    return eng, losses
+
+
+@functools.lru_cache(maxsize=None)
+def reference(kind):
+    """Weights after STEPS plain SGD steps of the unwrapped model (optax, one jit, no engine)."""
+    import optax
+
+    model = MODELS[kind]()
+    graphdef, params, rest = nnx.split(model, nnx.Param, ...)
+    tx = optax.sgd(LR)
+    opt = tx.init(params)
+
+    @jax.jit
+    def step(params, opt, batch):
+        loss, g = jax.value_and_grad(lambda p: lm_loss(nnx.merge(graphdef, p, rest), batch))(params)
+        updates, opt = tx.update(g, opt, params)
+        return optax.apply_updates(params, updates), opt, loss
+
+    losses = []
+    for b in batches():
+        params, opt, loss = step(params, opt, b)
+        losses.append(float(loss))
+    return nnx.to_pure_dict(params), losses
+
+
+def weights(eng, kind):
+    """The engine's fp32 weights in the model's own tree (a stacked list unstacked again)."""
+    got = jax.tree.map(lambda a: np.asarray(a, np.float32), eng.master_params)
+    if kind == "list" and "layers" in got and "block" in got["layers"]:
+        block = got["layers"]["block"]
+        got["layers"] = {i: jax.tree.map(lambda a, i=i: a[i], block) for i in range(QwenShape().layers)}
+    return got
+
+
+def assert_matches_reference(eng, kind, losses):
+    want, want_losses = reference(kind)
+    np.testing.assert_allclose(losses, want_losses, rtol=1e-5)
+    got = weights(eng, kind)
+    for (path, a), b in zip(jax.tree_util.tree_leaves_with_path(got), jax.tree.leaves(want)):
+        np.testing.assert_allclose(a, b, atol=ATOL, err_msg=f"{kind}: {jax.tree_util.keystr(path)}")
+
+
+# ---------------------------------------------------------------------------- the contract itself
+
+
+def test_blocks_are_found_in_a_list_and_in_a_vmapped_stack():
+    assert contract.find_blocks(MODELS["list"]()) == contract.BlockStack(("layers",), "list", 4)
+    assert contract.find_blocks(MODELS["scan"]()) == contract.BlockStack(("blocks",), "stacked", 4)
+
+
+@pytest.mark.parametrize("kind", ["list", "scan"])
+def test_dims_and_flops_per_token_against_the_formula(kind):
+    model = MODELS[kind]()
+    s = QwenShape() if kind == "list" else ScanShape()
+    dims = contract.model_dims(model)
+    n = sum(x.size for x in jax.tree.leaves(nnx.state(model, nnx.Param)))
+    if kind == "list":  # per block: 2 norms, q/k norms, q (d x H x Dh), k, v (d x KV x Dh), o, 3 MLP kernels
+        block = 2 * s.d + 2 * s.head_dim + s.d * s.head_dim * (2 * s.heads + 2 * s.kv_heads) + 3 * s.d * s.mlp
+        assert (dims.heads, dims.kv_heads, dims.head_dim) == (s.heads, s.kv_heads, s.head_dim)
+    else:  # 2 layer norms (scale + bias), 4 d x d projections with bias, 3 MLP kernels with bias
+        block = 4 * s.d + 4 * (s.d * s.d + s.d) + 2 * (s.d * s.mlp + s.mlp) + s.mlp * s.d + s.d
+        assert (dims.heads, dims.kv_heads, dims.head_dim) == (s.heads, s.heads, s.d // s.heads)
+    assert (dims.layers, dims.d_model, dims.vocab, dims.params, dims.layer_params) == (s.layers, s.d, s.vocab, n, block)
+    width = dims.heads * dims.head_dim
+    assert dims.flops_per_token(128) == 6 * n + 12 * s.layers * width * 128
+
+
+# ---------------------------------------------------------------------------- every feature, exact
+
+
+CASES = {
+    "zero1": config(1),
+    "zero2": config(2),
+    "zero3": config(3),
+    "accumulation": {**config(2), "gradient_accumulation_steps": 2},
+    "autotp": {**config(1), "tensor_parallel": {"autotp_size": 2}},
+    "offload_optimizer": config(2, zero={"offload_optimizer": {"device": "cpu"}}),
+    "offload_param": config(3, zero={"offload_param": {"device": "cpu"}, "offload_optimizer": {"device": "cpu"}}),
+    "remat": {**config(0), "activation_checkpointing": {"remat_policy": "full"}},
+}
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+@pytest.mark.parametrize("kind", ["list", "scan"])
+def test_each_feature_trains_like_the_plain_model(kind, case):
+    eng, losses = trained(kind, CASES[case])
+    assert_matches_reference(eng, kind, losses)
+    if case == "zero3":  # every sizeable leaf split over the 8 data devices
+        leaf = jax.tree.leaves(eng.state.params)[1]
+        assert leaf.addressable_shards[0].data.size * 8 == leaf.size
+    if case == "autotp":  # the q projection split on its heads (list) / output features (scan)
+        q = (eng.state.params["layers"]["block"]["self_attn"]["q_proj"]["kernel"] if kind == "list"
+             else eng.state.params["blocks"]["wq"]["kernel"])
+        assert "tensor" in tuple(q.sharding.spec), q.sharding.spec
+
+
+def test_pipeline_runs_a_list_of_blocks_in_stages():
+    eng, losses = trained("list", {**config(0), "pipeline": {"stages": 2}, "gradient_accumulation_steps": 2})
+    assert_matches_reference(eng, "list", losses)
+    assert eng.pipeline_bubble > 0
+
+
+def test_pipeline_on_a_model_that_scans_itself_names_the_hook():
+    with pytest.raises(ConfigError, match="layer_scan"):
+        trained("scan", {**config(0), "pipeline": {"stages": 2}, "gradient_accumulation_steps": 2}, steps=0)
+
+
+@pytest.mark.parametrize("kind", ["list", "scan"])
+def test_remat_lowers_the_compiled_temporaries(kind):
+    shapes = {"input_ids": jax.ShapeDtypeStruct((ROWS, SEQ), np.int32)}
+
+    def temp(policy):
+        extra = {} if policy is None else {"activation_checkpointing": {"remat_policy": policy}}
+        eng = zerojax.shard(MODELS[kind], config(0, **extra), loss_fn=lm_loss,
+                            options=zerojax.EngineOptions(memory_guard=False))
+        return eng.compiled_step(shapes).memory_analysis().temp_size_in_bytes
+
+    none, full = temp(None), temp("full")
+    assert full < none, (none, full)
+
+
+def test_remat_on_a_model_without_blocks_is_an_error():
+    class Flat(nnx.Module):
+        def __init__(self):
+            self.embed = nnx.Embed(64, 8, rngs=nnx.Rngs(0))
+
+        def __call__(self, ids):
+            return self.embed.attend(self.embed(ids))
+
+    with pytest.raises(ValueError, match="remat_policy 'full' needs the model's repeated blocks"):
+        zerojax.shard(Flat, config(0, activation_checkpointing={"remat_policy": "full"}), loss_fn=lm_loss)
+
+
+def test_autotp_with_nothing_to_split_lists_the_parameters():
+    class Anonymous(nnx.Module):
+        def __init__(self):
+            self.table = nnx.Param(np.zeros((64, 8), np.float32))
+
+        def __call__(self, ids):
+            return self.table[...][ids] @ self.table[...].T
+
+    with pytest.raises(ConfigError, match="no parameter of this model is split over the tensor axis.*table"):
+        zerojax.shard(Anonymous, {**config(0), "tensor_parallel": {"autotp_size": 2}}, loss_fn=lm_loss)
+
+
+def test_checkpoint_reshards_across_stages(tmp_path):
+    eng, _ = trained("list", config(3), steps=2)
+    eng.save_checkpoint(str(tmp_path))
+    other, _ = trained("list", config(1), steps=0)
+    other.load_checkpoint(str(tmp_path))
+    losses = [float(other.train_step(batches()[2])["loss"])]
+    assert_matches_reference(other, "list", reference("list")[1][:2] + losses)
+
+
+def test_nvme_offload_trains_like_the_plain_model(tmp_path):
+    eng, losses = trained("list", config(3, zero={"offload_optimizer": {"device": "nvme", "nvme_path": str(tmp_path)}}))
+    assert_matches_reference(eng, "list", losses)
+
+
+def test_bf16_stages_agree():
+    """bf16 compute, fp32 master: ZeRO-3 against stage 0 of the same bf16 run (the stages change
+    only where the fp32 gradient is reduced and how weights are gathered, not the bf16 math)."""
+    runs = [trained("scan", {**config(stage), "bf16": {"enabled": True}})[0] for stage in (0, 3)]
+    a, b = (jax.tree.map(lambda x: np.asarray(x, np.float32), e.master_params) for e in runs)
+    for (path, x), y in zip(jax.tree_util.tree_leaves_with_path(a), jax.tree.leaves(b)):
+        np.testing.assert_allclose(x, y, atol=1e-3, err_msg=jax.tree_util.keystr(path))
