@@ -104,3 +104,84 @@ def test_estimate_aot_compiles_with_the_engine_options_asked(tmp_path, capsys):
                      ["plan", "--model", "tiny", "--devices", "8", "--budget", "1GiB"]):
             with pytest.raises(SystemExit, match="--master-split needs bf16(.|\n)*fp16.enabled"):
                 cli.main([*argv, "--config", str(path), "--master-split"])
+
+
+def _qwen3_06b_params():
+    """Qwen3-0.6B's parameters, written out from Hugging Face's config (d 1024, 28 layers, 16 heads
+    x 128, 8 kv heads, MLP 3072, vocabulary 151936, tied embedding, q / k norms of 128)."""
+    d, L, H, K, Dh, m, V = 1024, 28, 16, 8, 128, 3072, 151936
+    block = 2 * d + d * H * Dh + 2 * d * K * Dh + H * Dh * d + 2 * Dh + 3 * d * m
+    return V * d + L * block + d, V * d
+
+
+def test_estimate_takes_a_llama_family_shape(capsys):
+    """`zerojax estimate --model qwen3-0.6b`: the formulas for its parameter count (596,049,920, as
+    written out from its config), the embedding as the largest layer, the model's 40,960 positions
+    as the default sequence, and FLOPs with the attention width 16 x 128 (not d = 1024)."""
+    assert main(["estimate", "--model", "qwen3-0.6b", "--gpus", "8", "--json"]) == 0
+    captured = capsys.readouterr()
+    result = json.loads(captured.out)
+    total, embedding = _qwen3_06b_params()
+    assert total == 596_049_920
+    assert (result["total_params"], result["largest_layer_params"]) == (total, embedding)
+    assert (result["layers"], result["d_model"], result["heads"], result["head_dim"]) == (28, 1024, 16, 128)
+    assert result["seq_len"] == 40960
+    assert result["flops_per_token"] == 6 * total + 12 * 28 * 16 * 128 * 40960
+    assert "Model states for 596.05M params" in captured.err and "zero-paper" in captured.err
+    assert main(["estimate", "--model", "qwen3-0.6b", "--seq", "2048", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["flops_per_token"] == 6 * total + 12 * 28 * 16 * 128 * 2048
+
+
+def test_estimate_and_plan_take_a_module_factory(capsys):
+    """`--model tests.planning.model_factories:qwen_like` (tests/foreign_models.py's Qwen3-style list
+    of blocks: no zerojax names, no maximum positions): a table for its parameter count as written
+    out here, the default sequence 1024; `zerojax plan` ranks its mesh shapes from its dims (4 heads
+    refuse tensor 8, 4 layers pipe 8). The nnx.vmap-stacked one too, in a subprocess (the command
+    as a user types it, from the repository root)."""
+    d, H, K, Dh, m, L, V = 64, 4, 2, 32, 96, 4, 128
+    block = 2 * d + d * H * Dh + 2 * d * K * Dh + H * Dh * d + 2 * Dh + 3 * d * m
+    total = V * d + L * block + d
+    assert main(["estimate", "--model", "tests.planning.model_factories:qwen_like", "--gpus", "2", "--json"]) == 0
+    captured = capsys.readouterr()
+    result = json.loads(captured.out)
+    assert result["total_params"] == total and result["seq_len"] == 1024 and result["layers"] == L
+    assert result["flops_per_token"] == 6 * total + 12 * L * H * Dh * 1024
+    assert f"Model states for {total / 1e6:.2f}M params" in captured.err
+    assert main(["plan", "--model", "tests.planning.model_factories:qwen_like", "--devices", "8", "--search-mesh",
+                 "--budget", "1GiB", "--global-batch", "16", "--json"]) == 0
+    plan = json.loads(capsys.readouterr().out)
+    assert plan["plans"] and plan["seq_len"] == 1024
+    why = {(r["data"], r["tensor"], r["pipe"]): r["why"] for r in plan["refused"]}
+    assert why[(1, 8, 1)] == "tensor 8 does not divide the 4 attention heads"
+    assert why[(1, 1, 8)] == "pipe 8 does not divide the 4 layers"
+    # a factory without remat_policy= cannot plan --remat on: one line saying so
+    assert main(["plan", "--model", "tests.planning.model_factories:qwen_like", "--devices", "2",
+                 "--budget", "1GiB", "--remat", "on"]) == 2
+    assert "--remat on needs a model factory taking remat_policy=" in capsys.readouterr().err
+    # the nnx.vmap stack: DeepSpeed's largest layer is a module's own parameters, one layer's slice of
+    # the stacked w1 (d x mlp + mlp = 6,240), so the embedding (V x d = 8,192) and not 4 x 6,240
+    d, m = 64, 96
+    scan_block = 2 * 2 * d + 4 * (d * d + d) + 2 * (d * m + m) + (m * d + d)
+    run = subprocess.run([sys.executable, "-m", "zerojax.cli", "estimate", "--model",
+                          "tests.planning.model_factories:scan_lm", "--stage", "3", "--json"],
+                         capture_output=True, text=True, cwd=REPO, timeout=300,
+                         env={**os.environ, "PYTHONPATH": REPO})
+    assert run.returncode == 0, run.stderr[-3000:]
+    result = json.loads(run.stdout)
+    assert (result["total_params"], result["largest_layer_params"]) == (V * d + L * scan_block + 2 * d + d * V, V * d)
+    assert "ScanLM" in run.stderr and "4 layers, width 64, 4 heads x 16" in run.stderr
+
+
+@pytest.mark.parametrize("command", ["estimate", "plan"])
+@pytest.mark.parametrize("model, says", [
+    ("gpt-5", "not a model zerojax knows; --model takes a GPT-2 size (tiny, small, medium, large, xl), "
+              "a Llama-family shape (llama-3.2-1b"),
+    ("no_such_module_here:build", "cannot import no_such_module_here"),
+    ("tests.planning.model_factories:missing", "tests.planning.model_factories has no missing"),
+    ("tests.planning.model_factories:QWEN", "QWEN is a QwenShape, not a callable"),
+])
+def test_a_bad_model_is_one_line_naming_the_flag(command, model, says, capsys):
+    extra = ["--devices", "2", "--budget", "1GB"] if command == "plan" else []
+    assert main([command, "--model", model, *extra]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "\n" not in err and err.startswith(f"zerojax {command}: --model {model!r}: ") and says in err

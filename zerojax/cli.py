@@ -1,6 +1,8 @@
 """The `zerojax` command. One subcommand per `_add_<name>(subparsers)` function in `COMMANDS`.
 
     zerojax estimate --model large --gpus 2                       # DeepSpeed + ZeRO-paper formulas
+    zerojax estimate --model qwen3-0.6b --gpus 8                  # a Llama-family shape
+    zerojax estimate --model mypkg.models:build --gpus 8          # any model: a factory of an nnx.Module
     zerojax estimate --model large --gpus 1 --aot --budget 24GB   # + compiled peaks and plans
     zerojax estimate --model tiny --gpus 2 --aot --cpu --budget 12MB --micro-batch auto --json
     zerojax estimate --params 2851e6 --largest-layer 32e6 --gpus 8
@@ -14,14 +16,24 @@ A new subcommand is a function `_add_<name>(subparsers)` that adds its parser an
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import functools
 import json
 import os
 import sys
+from typing import Callable
 
 from zerojax.planning import estimate
 
-SIZES = ("tiny", "small", "medium", "large", "xl")
+GPT2_SIZES = ("tiny", "small", "medium", "large", "xl")  # `GPT2Config.named`'s sizes
+# `LlamaConfig.named`'s published shapes (named here: this module imports no jax until a command runs)
+LLAMA_SHAPES = ("llama-3.2-1b", "llama-3.2-3b", "llama-3.1-8b", "qwen2.5-0.5b", "qwen3-0.6b", "mistral-7b",
+                "mistral-7b-v0.3")
+MODEL_ACCEPTS = (f"a GPT-2 size ({', '.join(GPT2_SIZES)}), a Llama-family shape ({', '.join(LLAMA_SHAPES)}) "
+                 "or module:factory (a callable returning an nnx.Module, with no arguments or taking "
+                 "remat_policy= / dtype=; the current directory is importable)")
+MODEL_HELP = f"the model: {MODEL_ACCEPTS}; default large (GPT-2)"
+DEFAULT_SEQ = 1024  # a model that names no maximum positions
 
 
 def _add_estimate(sub):
@@ -30,7 +42,7 @@ def _add_estimate(sub):
         description="Model-state memory by DeepSpeed's estimators and the ZeRO paper's table; with "
                     "--aot the exact per-device peak of the compiled training step for each stage "
                     "and a plan of the (stage, offload, micro-batch, remat) choices that fit a budget.")
-    p.add_argument("--model", default="large", help=f"GPT-2 size: {', '.join(SIZES)} (default large)")
+    p.add_argument("--model", default="large", help=MODEL_HELP)
     p.add_argument("--params", type=float, help="total parameters instead of --model (formulas only)")
     p.add_argument("--largest-layer", type=float,
                    help="largest layer's parameters (ZeRO-3 formula; with --params)")
@@ -42,7 +54,8 @@ def _add_estimate(sub):
     p.add_argument("--aot", action="store_true",
                    help="compile the real step (allocates nothing) for compiled peaks and a plan")
     p.add_argument("--config", help="DeepSpeed JSON config to start from (default: bf16 AdamW)")
-    p.add_argument("--seq", type=int, default=None, help="sequence length (default: model's)")
+    p.add_argument("--seq", type=int, default=None,
+                   help=f"sequence length (default: the model's maximum positions, else {DEFAULT_SEQ})")
     p.add_argument("--micro-batch", default="8", type=_micro_batch_arg,
                    help="micro-batch per device, or 'auto': every divisor of the rows per device "
                         "per step (the config's batch keys, else 8), accumulation raised to keep "
@@ -126,9 +139,10 @@ def _add_plan(sub):
                     "global batch, ranked by predicted tokens/s per device among those whose peak fits "
                     "--budget. Peaks: the formula (estimate.mesh_peak_bytes, calibrated on one compiled "
                     "GPU step) unless --aot compiles the real step. Prints the config keys to set.")
-    p.add_argument("--model", default="large", help=f"GPT-2 size: {', '.join(SIZES)} (default large)")
+    p.add_argument("--model", default="large", help=MODEL_HELP)
     p.add_argument("--config", help="DeepSpeed JSON config to start from (default: bf16 AdamW)")
-    p.add_argument("--seq", type=int, default=None, help="sequence length (default: model's)")
+    p.add_argument("--seq", type=int, default=None,
+                   help=f"sequence length (default: the model's maximum positions, else {DEFAULT_SEQ})")
     p.add_argument("--devices", type=int, required=True, help="devices to split (e.g. 4 GPUs of a node)")
     p.add_argument("--search-mesh", action="store_true",
                    help="search tensor and pipe sizes too (default: data-parallel only, the mesh "
@@ -171,23 +185,35 @@ def cmd_plan(args) -> int:
     from zerojax.planning.memory import device_budget, fmt_bytes, parse_bytes
 
     cfg = _load_base_config(args)
-    model_cfg, factory = gpt2_factory(args.model, cfg)
-    seq = args.seq or model_cfg.n_positions
+    choice = _model_or_exit(args, cfg)
+    if choice is None:
+        return 2
+    factory, seq = choice.factory, choice.seq_len(args.seq)
     remat = "full" if args.remat == "on" else None
     if remat:
+        from zerojax.planning.planner import factory_kwargs
+
+        if "remat_policy" not in factory_kwargs(factory, remat=remat):
+            print(f"zerojax plan: --remat on needs a model factory taking remat_policy=; {choice.name} takes none "
+                  "(use --remat off)", file=sys.stderr)
+            return 2
         factory = functools.partial(factory, remat_policy=remat)
     budget = parse_bytes(args.budget) if args.budget else device_budget()
     if budget is None:
         print("zerojax plan: the device reports no memory limit (CPU); pass --budget", file=sys.stderr)
         return 2
     one = None if args.search_mesh else [1]
+    try:
+        model = mesh_plan.mesh_model_of(factory, seq)
+    except ValueError as e:
+        print(f"zerojax plan: --model {args.model}: {e}", file=sys.stderr)
+        return 2
     found = mesh_plan.search_mesh(
         factory, cfg, budget, seq, devices=args.devices, global_batch=args.global_batch,
         stages=(args.stage,) if args.stage is not None else (0, 1, 2, 3), micro_batch=args.micro_batch,
         tensor_sizes=one, pipe_sizes=one, compile=args.aot, remat=remat, hardware=_hardware(args),
-        max_compiles=args.max_compiles, model=mesh_plan.gpt2_mesh_model(model_cfg, seq),
-        options=_engine_options_of(args, cfg))
-    say(f"GPT-2 {args.model}, seq {seq}, {args.devices} devices, budget {fmt_bytes(budget)} per device; "
+        max_compiles=args.max_compiles, model=model, options=_engine_options_of(args, cfg))
+    say(f"{choice.label}, seq {seq}, {args.devices} devices, budget {fmt_bytes(budget)} per device; "
         f"peaks {'compiled' if args.aot else 'by formula (estimate.mesh_peak_bytes; --aot compiles)'}; fastest predicted first:")
     for i, p in enumerate(found.plans[:args.top], 1):
         say(f"  {i}. {p.describe()}\n     {json.dumps(p.config_patch())}")
@@ -195,7 +221,7 @@ def cmd_plan(args) -> int:
         say("  nothing fits: more devices, a shorter sequence, a smaller global batch or --remat on")
     for shape, why in found.refused:
         say(f"  not a choice: data {shape[0]} x tensor {shape[1]} x pipe {shape[2]}: {why}")
-    result = {"model": args.model, "seq_len": seq, "devices": args.devices, "budget_bytes": budget,
+    result = {"model": choice.name, "seq_len": seq, "devices": args.devices, "budget_bytes": budget,
               "peak_source": "compiled" if args.aot else "estimated",
               "plans": [p.to_dict() for p in found.plans],
               "tried": [{"plan": p.to_dict(), "outcome": o} for p, o in found.tried],
@@ -277,24 +303,167 @@ def default_config(micro_batch=8) -> dict:
     }
 
 
+class ModelArgError(ValueError):
+    """A --model value the CLI cannot build: the message is the one line printed."""
+
+
+@dataclasses.dataclass
+class ModelChoice:
+    """What --model named: `factory` (remat_policy= / dtype= where the model takes them, for the
+    planner's variants), a label for the output, the model's maximum positions (0: it names none)."""
+
+    name: str
+    label: str
+    factory: Callable
+    max_positions: int = 0
+
+    def seq_len(self, seq: int | None) -> int:
+        """--seq, else the model's maximum positions, else DEFAULT_SEQ."""
+        return seq or self.max_positions or DEFAULT_SEQ
+
+
+def _configured_dtype(cfg_dict):
+    import jax.numpy as jnp
+
+    return (jnp.bfloat16 if (cfg_dict.get("bf16") or {}).get("enabled") is True
+            else jnp.float16 if (cfg_dict.get("fp16") or {}).get("enabled") is True
+            else jnp.float32)
+
+
 def gpt2_factory(size, cfg_dict, seq=None):
-    """model_factory(remat_policy=None, dtype=the config's) for a GPT-2 size: the planner varies
-    activation checkpointing and (when the config says "auto") the compute dtype."""
+    """(GPT2Config, model_factory(remat_policy=None, dtype=the config's)) for a GPT-2 size: the
+    planner varies activation checkpointing and (when the config says "auto") the compute dtype."""
     import jax.numpy as jnp
     from flax import nnx
 
     from zerojax.models.gpt2 import GPT2, GPT2Config
 
     config = GPT2Config.named(size)
-    configured = (jnp.bfloat16 if (cfg_dict.get("bf16") or {}).get("enabled") is True
-                  else jnp.float16 if (cfg_dict.get("fp16") or {}).get("enabled") is True
-                  else jnp.float32)
+    configured = _configured_dtype(cfg_dict)
 
     def factory(remat_policy=None, dtype=configured):
         return GPT2(config, rngs=nnx.Rngs(0), dtype=dtype, param_dtype=jnp.float32,
                     remat_policy=remat_policy)
 
     return config, factory
+
+
+def llama_factory(name, cfg_dict):
+    """(LlamaConfig, model_factory(remat_policy=None, dtype=the config's)) for a Llama-family shape
+    (`LlamaConfig.named`)."""
+    import jax.numpy as jnp
+    from flax import nnx
+
+    from zerojax.models.llama import Llama, LlamaConfig
+
+    config = LlamaConfig.named(name)
+    configured = _configured_dtype(cfg_dict)
+
+    def factory(remat_policy=None, dtype=configured):
+        return Llama(config, rngs=nnx.Rngs(0), dtype=dtype, param_dtype=jnp.float32, remat_policy=remat_policy)
+
+    return config, factory
+
+
+# where a model (or its .config) may say its maximum positions, by the names projects give it
+_MAX_POSITION_NAMES = ("max_position_embeddings", "n_positions", "max_seq_len", "max_seq_length",
+                       "max_len", "block_size", "context_length", "n_ctx")
+
+
+def max_positions(model) -> int:
+    """The model's maximum positions where it (or its `.config` / `.shape`) says them, else 0."""
+    for owner in (model, getattr(model, "config", None), getattr(model, "shape", None)):
+        for name in _MAX_POSITION_NAMES:
+            value = getattr(owner, name, None) if owner is not None else None
+            if isinstance(value, int) and not isinstance(value, bool) and value > 0:
+                return value
+    return 0
+
+
+def resolve_model(spec: str, cfg_dict) -> ModelChoice:
+    """--model's value -> ModelChoice: a GPT-2 size, a Llama-family shape, or module:factory.
+    Raises ModelArgError (one line naming the flag and what it accepts)."""
+    spec = str(spec).strip()
+    if spec.lower() in GPT2_SIZES:
+        config, factory = gpt2_factory(spec.lower(), cfg_dict)
+        return ModelChoice(spec.lower(), f"GPT-2 {spec.lower()}", factory, config.n_positions)
+    if ":" in spec:
+        return _imported_model(spec, cfg_dict)
+    from zerojax.models.llama import LlamaConfig
+
+    try:
+        LlamaConfig.named(spec)
+    except ValueError:
+        raise ModelArgError(f"--model {spec!r}: not a model zerojax knows; --model takes {MODEL_ACCEPTS}") from None
+    config, factory = llama_factory(spec, cfg_dict)
+    return ModelChoice(spec.lower(), spec.lower(), factory, config.max_position_embeddings)
+
+
+def _imported_model(spec: str, cfg_dict) -> ModelChoice:
+    import importlib
+    import inspect
+
+    from flax import nnx
+
+    module_name, _, attr = spec.partition(":")
+    what = f"--model {spec!r}"
+    if not module_name or not attr:
+        raise ModelArgError(f"{what}: write module:factory, e.g. mypkg.models:build ({MODEL_ACCEPTS})")
+    if os.getcwd() not in sys.path and "" not in sys.path:
+        sys.path.insert(0, os.getcwd())
+    try:
+        obj = importlib.import_module(module_name)
+    except ImportError as e:
+        raise ModelArgError(f"{what}: cannot import {module_name} ({type(e).__name__}: {e}); "
+                            "--model module:factory imports the module with the current directory on sys.path") from None
+    for part in attr.split("."):
+        if not hasattr(obj, part):
+            raise ModelArgError(f"{what}: {module_name} has no {attr}; --model module:factory names a callable in it")
+        obj = getattr(obj, part)
+    if not callable(obj):
+        raise ModelArgError(f"{what}: {attr} is a {type(obj).__name__}, not a callable; --model module:factory "
+                            "names a function (or class) returning an nnx.Module")
+    try:
+        params = inspect.signature(obj).parameters.values()
+    except (TypeError, ValueError):
+        params = ()
+    kinds = (inspect.Parameter.VAR_POSITIONAL, inspect.Parameter.VAR_KEYWORD)
+    required = [p.name for p in params if p.default is p.empty and p.kind not in kinds]
+    others = [n for n in required if n not in ("remat_policy", "dtype")]
+    if others:
+        raise ModelArgError(f"{what}: {attr} needs {', '.join(others)}; --model module:factory takes a callable "
+                            "with no arguments, or with only remat_policy= / dtype= keywords")
+    defaults = {"remat_policy": None, "dtype": _configured_dtype(cfg_dict)}
+    factory = functools.partial(obj, **{n: defaults[n] for n in required}) if required else obj
+    try:
+        model = nnx.eval_shape(factory)
+    except Exception as e:  # noqa: BLE001 - the user's code: its error, on one line
+        raise ModelArgError(f"{what}: calling {attr}() failed: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}") from None
+    if not isinstance(model, nnx.Module):
+        raise ModelArgError(f"{what}: {attr}() returned a {type(model).__name__}; --model module:factory must "
+                            "return an nnx.Module")
+    return ModelChoice(spec, f"{spec} ({type(model).__name__})", factory, max_positions(model))
+
+
+def _model_or_exit(args, cfg_dict) -> ModelChoice | None:
+    """resolve_model for the command, its error printed (None then: exit status 2)."""
+    try:
+        return resolve_model(args.model, cfg_dict)
+    except ModelArgError as e:
+        print(f"zerojax {args.command}: {e}", file=sys.stderr)
+        return None
+
+
+def _describe_dims(dims, shape=None) -> str:
+    layers = (shape.layers if shape is not None else 0) or dims.layers
+    parts = [f"{layers} layers" if layers else "layers unknown", f"width {dims.d_model}"]
+    if dims.heads:
+        kv = f", {dims.kv_heads} kv" if dims.kv_heads and dims.kv_heads != dims.heads else ""
+        parts.append(f"{dims.heads} heads x {dims.head_dim}{kv}")
+    if dims.mlp:
+        parts.append(f"MLP {dims.mlp}")
+    parts.append(f"vocabulary {dims.vocab}")
+    return ", ".join(parts)
 
 
 def cmd_estimate(args) -> int:
@@ -318,13 +487,25 @@ def cmd_estimate(args) -> int:
     else:
         from flax import nnx
 
+        from zerojax.model import model_dims
         from zerojax.planning.memory import count_params
+        from zerojax.planning.planner import model_shape
 
         cfg0 = _load_base_config(args)
-        model_cfg, factory = gpt2_factory(args.model, cfg0)
-        total, largest = count_params(nnx.eval_shape(factory))
+        choice = _model_or_exit(args, cfg0)
+        if choice is None:
+            return 2
+        model = nnx.eval_shape(choice.factory)
+        total, largest = count_params(model)
         if args.largest_layer:
             largest = int(args.largest_layer)
+        dims, seq = model_dims(model), choice.seq_len(args.seq)
+        shape = model_shape(model, seq)
+        say(f"{choice.label}: {_describe_dims(dims, shape)}; "
+            f"{estimate.train_flops_per_token(shape) / 1e9:.3g} GFLOPs per training token at seq {seq}")
+        result.update(model=choice.name, seq_len=seq, layers=shape.layers, d_model=dims.d_model, heads=dims.heads,
+                      kv_heads=dims.kv_heads, head_dim=dims.head_dim, vocab=dims.vocab, mlp=dims.mlp,
+                      flops_per_token=estimate.train_flops_per_token(shape))
     stages = (args.stage,) if args.stage is not None else (0, 1, 2, 3)
     rows = estimate.formula_rows(total, largest, args.gpus, args.nodes, stages=stages)
     say(estimate.format_formula_table(rows, total, largest, args.gpus, args.nodes))
@@ -332,7 +513,7 @@ def cmd_estimate(args) -> int:
                   formulas=[r.__dict__ for r in rows])
 
     if args.aot:
-        result.update(_estimate_aot(args, say, factory, model_cfg, stages, n_devices))
+        result.update(_estimate_aot(args, say, choice, stages, n_devices))
     _write_json(args.json, result)
     return 0
 
@@ -361,7 +542,7 @@ def _load_base_config(args) -> dict:
         return json.loads(json.dumps(hjson.load(f)))
 
 
-def _estimate_aot(args, say, factory, model_cfg, stages, n_devices) -> dict:
+def _estimate_aot(args, say, choice, stages, n_devices) -> dict:
     import jax
 
     if jax.device_count() < n_devices:
@@ -374,7 +555,7 @@ def _estimate_aot(args, say, factory, model_cfg, stages, n_devices) -> dict:
     mesh = make_mesh(data=n_devices, devices=jax.devices()[:n_devices])
     cfg = _load_base_config(args)
     options = _engine_options_of(args, cfg)
-    seq = args.seq or model_cfg.n_positions
+    factory, seq = choice.factory, choice.seq_len(args.seq)
     budget = parse_bytes(args.budget) if args.budget else device_budget()
     remats = {"both": (None, "full"), "on": ("full",), "off": (None,),
               "offload": (None, "full", "offload")}[args.remat]

@@ -137,7 +137,8 @@ def find_blocks(module) -> BlockStack | None:
     """The model's block stack, or None (see the module docstring for the kinds)."""
     for path, m in _modules(module):
         if any(h in vars(m) for h in HOOKS):
-            layers = [v.shape[0] for v in jax.tree.leaves(nnx.state(m, nnx.Param))
+            layers = [v.shape[0] for v in jax.tree.leaves(nnx.state(m, nnx.Param),
+                                                          is_leaf=lambda x: isinstance(x, nnx.Variable))
                       if (_names_of_leaf(v) or (None,))[0] == LAYERS]
             if layers:
                 return BlockStack(path, "hooked", int(layers[0]))

@@ -253,7 +253,7 @@ def test_mesh_search_lists_the_divisible_shapes_and_keeps_only_fitting_ones():
     model = MP.mesh_model_of(factory, SEQ)
     # the counts read from the model's arrays agree with the ones written from GPT-2's config
     assert model == MP.gpt2_mesh_model(TINY, SEQ)
-    assert (model.n_head, model.mlp, model.shape.n_layer) == (TINY.n_head, 4 * TINY.n_embd, TINY.n_layer)
+    assert (model.heads, model.mlp, model.shape.layers) == (TINY.n_head, 4 * TINY.n_embd, TINY.n_layer)
     allowed = {(8 // (t * p), t, p) for t in (1, 2, 4, 8) for p in (1, 2, 4, 8)
                if 8 % (t * p) == 0 and TINY.n_head % t == 0 and 4 * TINY.n_embd % t == 0 and TINY.n_layer % p == 0}
     every = MP.search_mesh(factory, MESH_CFG, 2**40, SEQ, devices=8)
@@ -383,7 +383,7 @@ def test_mesh_state_formula_matches_the_engines_shards():
         per_param = (2 / (data if stage == 3 else 1) + 4 / (data if stage >= 2 else 1)
                      + master_opt / (data if stage >= 1 else 1))
         replicated = r_layers / p + r_rest
-        formula = E.mesh_peak_bytes(model.shape, n_head=model.n_head, vocab=model.vocab, micro_batch=4,
+        formula = E.mesh_peak_bytes(model.shape, heads=model.heads, vocab=model.vocab, micro_batch=4,
                                     n_data=data, n_tensor=t, n_pipe=p, stage=stage,
                                     master_split=options is not None,
                                     adam_mu_dtype=options and options.adam_mu_dtype)["states"]
@@ -391,5 +391,83 @@ def test_mesh_state_formula_matches_the_engines_shards():
         if options:  # the mesh search's own formula peak counts them the same way
             est_plan = MP.predict(model, plan, options=options)
             assert est_plan.peak_bytes == E.mesh_peak_bytes(
-                model.shape, n_head=model.n_head, vocab=model.vocab, micro_batch=4, grad_accum=plan.grad_accum,
+                model.shape, heads=model.heads, vocab=model.vocab, micro_batch=4, grad_accum=plan.grad_accum,
                 n_data=data, n_tensor=t, n_pipe=p, stage=stage, master_split=True, adam_mu_dtype="bfloat16")["total"]
+
+
+# ---------------------------------------------------------------------------------------------
+# Models written without zerojax in mind (tests/foreign_models.py): dims from the parameter tree
+
+from foreign_models import ListQwen, QwenShape, ScanLM, ScanShape  # noqa: E402
+
+QWEN = QwenShape(vocab=128, d=64, heads=4, kv_heads=2, head_dim=32, mlp=96, layers=4)  # H x Dh = 128 != d
+SCAN = ScanShape(vocab=128, d=64, heads=4, mlp=96, layers=4)
+
+
+def qwen_params(s):
+    """(all parameters, one block's) of ListQwen, written out from its modules: two RMSNorms, q (d x H x
+    Dh), k and v (d x KV x Dh), o (H x Dh x d), q / k norms (Dh each), SwiGLU (3 x d x mlp); tied
+    embedding (V x d) and the final norm."""
+    d, H, K, Dh, m = s.d, s.heads, s.kv_heads, s.head_dim, s.mlp
+    block = 2 * d + d * H * Dh + 2 * d * K * Dh + H * Dh * d + 2 * Dh + 3 * d * m
+    return s.vocab * d + s.layers * block + d, block
+
+
+def scan_params(s):
+    """(all, one block's) of ScanLM: two LayerNorms (scale + bias), wq / wk / wv / wo (d x d + d),
+    w1 / w3 (d x mlp + mlp), w2 (mlp x d + d); embedding, final LayerNorm and untied output (d x V)."""
+    d, m = s.d, s.mlp
+    block = 2 * 2 * d + 4 * (d * d + d) + 2 * (d * m + m) + (m * d + d)
+    return s.vocab * d + s.layers * block + 2 * d + d * s.vocab, block
+
+
+@pytest.mark.parametrize("kind", ["list", "scan"])
+def test_planner_reads_the_dims_and_flops_of_a_model_without_zerojax_names(kind):
+    """planner.model_shape of a Qwen3-style list of blocks and of an nnx.vmap stack (no `.config`, no
+    logical axis names): parameters, the blocks' parameters, layers, width and attention width
+    (heads x head_dim: 128 on d = 64 for the Qwen3-style one) as counted in the test; training FLOPs
+    6N + 12·L·(H·Dh)·T, plus 2·N_blocks + 4·L·(H·Dh)·T for a full remat; and the planner's predicted
+    step time (a 1-byte budget prunes every candidate: nothing compiled) is that count at the
+    hardware's efficiency for the micro-batch's tokens x d."""
+    if kind == "list":
+        s, (N, block) = QWEN, qwen_params(QWEN)
+        width, make = QWEN.heads * QWEN.head_dim, lambda: ListQwen(QWEN, rngs=nnx.Rngs(0))
+    else:
+        s, (N, block) = SCAN, scan_params(SCAN)
+        width, make = SCAN.d, lambda: ScanLM(SCAN, rngs=nnx.Rngs(0))
+    T, L, d = 64, s.layers, s.d
+    shape = PL.model_shape(make, T)
+    assert (shape.params, shape.layer_params, shape.layers, shape.d_model, shape.attention_width, shape.seq_len) == (
+        N, L * block, L, d, width, T)
+    assert E.train_flops_per_token(shape) == 6 * N + 12 * L * width * T
+    assert E.train_flops_per_token(shape, "full") == 6 * N + 12 * L * width * T + 2 * L * block + 4 * L * width * T
+    hw = E.Hardware()
+    found = PL.search(make, CFG, 1, T, offloads=("none",), mesh=make_mesh(data=1, devices=jax.devices()[:1]),
+                      max_plans=1)
+    assert not found.plans and [p.micro_batch for p, _ in found.tried] == [4, 2, 1]
+    for p, outcome in found.tried:
+        assert outcome.startswith("pruned: model states alone") and p.remat == PL.AS_BUILT
+        tokens = p.micro_batch * T
+        eff = hw.peak_efficiency * tokens * d / (tokens * d + hw.half_efficiency_work)
+        seconds = p.grad_accum * tokens * (6 * N + 12 * L * width * T) / (hw.matmul_flops * eff)
+        assert p.step_s == pytest.approx(seconds, rel=1e-12)
+
+
+def test_mesh_search_of_a_model_without_zerojax_names():
+    """mesh_model_of reads heads, vocabulary and MLP width from the model's dims (no `.config`): the
+    Qwen3-style list (4 heads, MLP 96, 4 layers) and the nnx.vmap stack; tensor 8 is refused for its
+    4 heads, pipe 8 for its 4 layers, and the formula search ranks the rest. A model without
+    repeated blocks is an error naming what is missing."""
+    for make, s in ((lambda: ListQwen(QWEN, rngs=nnx.Rngs(0)), QWEN), (lambda: ScanLM(SCAN, rngs=nnx.Rngs(0)), SCAN)):
+        model = MP.mesh_model_of(make, SEQ)
+        assert (model.heads, model.vocab, model.mlp) == (s.heads, s.vocab, s.mlp)
+        assert model.shape == PL.model_shape(make, SEQ)
+        ok, refused = MP.mesh_shapes(8, model)
+        refused = dict(refused)
+        assert refused[(1, 8, 1)] == "tensor 8 does not divide the 4 attention heads"
+        assert refused[(1, 1, 8)] == "pipe 8 does not divide the 4 layers"
+        assert {(2, 2, 2), (1, 4, 2), (4, 1, 2)} <= set(ok)
+    found = MP.search_mesh(make, MESH_CFG, 2**40, SEQ, devices=8)
+    assert found.plans and {(p.tensor, p.pipe) for p in found.plans} >= {(1, 1), (2, 2), (4, 1)}
+    with pytest.raises(ValueError, match="needs the layers of Linear"):
+        MP.mesh_model_of(lambda: nnx.Linear(4, 4, rngs=nnx.Rngs(0)), SEQ)

@@ -315,25 +315,46 @@ _SAVED_BY_POLICY = {"save_qkv": (3, False), "save_attention": (0, True), "save_q
 
 @dataclasses.dataclass(frozen=True)
 class ModelShape:
-    """What the step-time model needs to know of a model.
+    """What the step-time model needs to know of a model (`planner.model_shape` reads it from
+    `zerojax.model.model_dims`).
 
     params: all parameters (tied embeddings once); layer_params: those of the repeated blocks
-    (all layers together: what a per-layer remat recomputes); n_layer, d_model, seq_len: for
-    attention's FLOPs (0 when unknown: attention is then not counted).
+    (all layers together: what a per-layer remat recomputes); layers, d_model (the residual
+    stream's width), seq_len: for attention's FLOPs, the activations and the per-layer
+    collectives (0 when unknown: attention is then not counted); attn_width: the attention's
+    width, heads x head_dim, where attention's FLOPs are counted (0: d_model, as for GPT-2; Qwen3
+    0.6B has 16 x 128 = 2048 on d_model 1024). `n_layer=` is accepted for `layers` (its older,
+    GPT-2 name).
     """
 
     params: int
     layer_params: int
-    n_layer: int = 0
+    layers: int = 0
     d_model: int = 0
     seq_len: int = 0
+    attn_width: int = 0
+    n_layer: dataclasses.InitVar[int | None] = None
+
+    def __post_init__(self, n_layer):
+        if n_layer is not None:
+            object.__setattr__(self, "layers", int(n_layer))
+
+    @property
+    def attention_width(self) -> int:
+        """heads x head_dim (d_model where the model did not say it)."""
+        return self.attn_width or self.d_model
+
+
+ModelShape.n_layer = property(lambda self: self.layers, doc="`layers`, by its older (GPT-2) name")
 
 
 def train_flops_per_token(shape: ModelShape, remat: str | None = None) -> float:
-    """Training FLOPs per token: 6N + 12·L·d·T (PaLM, appendix B), plus the recompute of `remat`:
-    "full" / "offload" run every block's forward again (2·N_layers + 4·L·d·T), "dots" keeps the
-    matmuls without batch dimensions and recomputes attention's two batched products (4·L·d·T)."""
-    attn = shape.n_layer * shape.d_model * shape.seq_len
+    """Training FLOPs per token: 6N + 12·L·w·T (PaLM, appendix B; w the attention width, heads x
+    head_dim, d for GPT-2), plus the recompute of `remat`: "full" / "offload" run every block's
+    forward again (2·N_layers + 4·L·w·T), "dots" keeps the matmuls without batch dimensions and
+    recomputes attention's two batched products (4·L·w·T); the save_* policies are models.gpt2's
+    (and Llama's, which takes GPT-2's names), their saved q/k/v projection counted as GPT-2's 3·d²."""
+    attn = shape.layers * shape.attention_width * shape.seq_len
     base = 6.0 * shape.params + 12.0 * attn
     if remat in (None, "none"):
         return base
@@ -343,14 +364,14 @@ def train_flops_per_token(shape: ModelShape, remat: str | None = None) -> float:
         return base + 4.0 * attn
     if remat in _SAVED_BY_POLICY:
         # a full remat less what the policy keeps: the q/k/v projection's 2 x 3 d^2 per token and
-        # layer, and / or attention's own 4 T d (its inputs q, k, v are then recomputed or saved)
+        # layer (GPT-2's), and / or attention's own 4 T w (its inputs q, k, v are then recomputed or saved)
         qkv, attention_saved = _SAVED_BY_POLICY[remat]
-        saved = 2.0 * qkv * shape.n_layer * shape.d_model ** 2
+        saved = 2.0 * qkv * shape.layers * shape.d_model ** 2
         return base + 2.0 * shape.layer_params - saved + (0.0 if attention_saved else 4.0 * attn)
     k = partial_dots_layers(remat)
-    if k is not None and 2 <= k <= shape.n_layer - 2:
-        # "dots_<k>": "dots" on k layers, "full" on the rest (each layer recomputes 1 / n_layer of it)
-        return train_flops_per_token(shape, "dots") + (1 - k / shape.n_layer) * 2.0 * shape.layer_params
+    if k is not None and 2 <= k <= shape.layers - 2:
+        # "dots_<k>": "dots" on k layers, "full" on the rest (each layer recomputes 1 / layers of it)
+        return train_flops_per_token(shape, "dots") + (1 - k / shape.layers) * 2.0 * shape.layer_params
     raise ValueError(f"remat={remat!r}; choose one of {tuple(REMAT_RECOMPUTE)} or \"dots_<k>\" "
                      "(2 <= k <= layers - 2)")
 
@@ -398,7 +419,7 @@ def tensor_parallel_bytes(shape: ModelShape, *, micro_batch: int, n_tensor: int,
         return 0.0
     B = micro_batch * n_tensor * max(shape.seq_len, 1) * shape.d_model * PRECISION_BYTES[precision]
     per_layer = 10 + (4 if remat in ("full", "offload", True) else 0)
-    return (n_tensor - 1) / n_tensor * B * (per_layer * shape.n_layer + 5)
+    return (n_tensor - 1) / n_tensor * B * (per_layer * shape.layers + 5)
 
 
 def _width(shape: ModelShape) -> float:
@@ -406,8 +427,8 @@ def _width(shape: ModelShape) -> float:
     block's ~12 d^2 parameters, else the width the fit was made at (FIT_D_MODEL)."""
     if shape.d_model:
         return shape.d_model
-    if shape.n_layer and shape.layer_params:
-        return math.sqrt(shape.layer_params / (12 * shape.n_layer))
+    if shape.layers and shape.layer_params:
+        return math.sqrt(shape.layer_params / (12 * shape.layers))
     return float(FIT_D_MODEL)
 
 
@@ -470,7 +491,7 @@ def predict_step_time(shape: ModelShape, *, micro_batch: int, grad_accum: int = 
         if grad_accum > 1:  # each micro-batch's gradients read back and added into the host accumulator
             host += grad_accum * (pb + 2 * 4) * shard
     if remat == "offload":
-        host += 2 * grad_accum * shape.n_layer * micro_tokens * shape.d_model * pb
+        host += 2 * grad_accum * shape.layers * micro_tokens * shape.d_model * pb
     return StepTime(compute, comm / hardware.interconnect_bytes_per_s,
                     host / hardware.host_bytes_per_s, tokens)
 
@@ -517,9 +538,9 @@ def model_state_bytes(params: int, *, stage: int, n_data: int, precision: str, n
                              n_tensor=n_tensor, **floor_kw) + int(grads)
 
 
-def activation_bytes_per_layer(*, seq_len: int, rows: int, d_model: int, n_head: int, n_tensor: int = 1,
+def activation_bytes_per_layer(*, seq_len: int, rows: int, d_model: int, heads: int | None = None, n_tensor: int = 1,
                                sequence_parallel: bool = True, flash_attention: bool = True,
-                               remat: str | None = None) -> int:
+                               remat: str | None = None, n_head: int | None = None) -> int:
     """Activation bytes one transformer layer saves for its backward pass, per device, 16-bit,
     after Korthikanti et al. 2022 ("Reducing Activation Recomputation in Large Transformer
     Models", table 2): s·b·h·(34 + 5·a·s/h) without parallelism; tensor parallelism divides the
@@ -527,8 +548,12 @@ def activation_bytes_per_layer(*, seq_len: int, rows: int, d_model: int, n_head:
     micro-batch a tensor group trains (DeepSpeed's batch rule: micro_batch x n_tensor). Flash
     attention (cuDNN) keeps no a·s² score matrices, so the 5·a·s/h term is dropped; a full remat
     keeps only the layer's input (2·s·b·h, split by t under sequence parallelism). Dropout's masks
-    are in the paper's 34; zerojax trains without dropout, so this errs high by 5·s·b·h."""
-    s, b, h, a, t = seq_len, rows, d_model, n_head, n_tensor
+    are in the paper's 34; zerojax trains without dropout, so this errs high by 5·s·b·h. `heads`
+    (the paper's a; `n_head=` is its older, GPT-2 name) is needed without flash attention only."""
+    heads = heads if heads is not None else n_head
+    if not flash_attention and not heads:
+        raise ValueError("activation_bytes_per_layer: without flash attention the score matrices need heads=")
+    s, b, h, a, t = seq_len, rows, d_model, heads, n_tensor
     if remat in ("full", "offload", True):
         return int(2 * s * b * h / (t if sequence_parallel else 1))
     inside = 24 + (0 if flash_attention else 5 * a * s / h)
@@ -595,8 +620,8 @@ def predict_mesh_step_time(shape: ModelShape, *, micro_batch: int, grad_accum: i
                              n_tensor=n_tensor)
     if n_pipe <= 1:
         return MeshStepTime(base.compute_s, base.collective_s, base.host_s, base.tokens)
-    if shape.n_layer and shape.n_layer % n_pipe:
-        raise ValueError(f"pipeline.stages={n_pipe} does not divide the model's {shape.n_layer} layers")
+    if shape.layers and shape.layers % n_pipe:
+        raise ValueError(f"pipeline.stages={n_pipe} does not divide the model's {shape.layers} layers")
     compute = base.compute_s / n_pipe
     iterations = grad_accum + n_pipe - 1
     bubble = compute * (n_pipe - 1) / grad_accum
@@ -617,7 +642,7 @@ def predict_mesh_step_time(shape: ModelShape, *, micro_batch: int, grad_accum: i
 ACTIVATION_FACTOR = 2.07
 
 
-def mesh_peak_bytes(shape: ModelShape, *, n_head: int, vocab: int, micro_batch: int, grad_accum: int = 1,
+def mesh_peak_bytes(shape: ModelShape, *, heads: int, vocab: int, micro_batch: int, grad_accum: int = 1,
                     n_data: int = 1, n_tensor: int = 1, n_pipe: int = 1, stage: int = 0,
                     precision: str = "bf16", remat: str | None = None, checkpoint_interval: int = 0,
                     optimizer: str | None = "adamw", flash_attention: bool = True,
@@ -646,11 +671,11 @@ def mesh_peak_bytes(shape: ModelShape, *, n_head: int, vocab: int, micro_batch: 
                                adam_mu_dtype=adam_mu_dtype)
     T, d = max(shape.seq_len, 1), shape.d_model
     scale = PRECISION_BYTES[precision] / 2
-    layers = shape.n_layer // n_pipe if shape.n_layer else 0
+    layers = shape.layers // n_pipe if shape.layers else 0
 
     def layer(remat_):
         return scale * activation_bytes_per_layer(seq_len=T, rows=micro_batch * n_tensor, d_model=d,
-                                                  n_head=n_head, n_tensor=n_tensor,
+                                                  heads=heads, n_tensor=n_tensor,
                                                   flash_attention=flash_attention, remat=remat_)
 
     full, kept = layer(None), layer(remat)

@@ -283,12 +283,18 @@ def count_params(state) -> tuple[int, int]:
     """(total parameters, largest "layer") of an `nnx.State` / Module, as DeepSpeed counts them.
 
     DeepSpeed's layer is a torch module's own parameters. Here a layer is the parameters sharing
-    a parent path; a leaf whose logical axes start with "layers" (a scanned stack) counts one slice.
+    a parent path; a leaf whose logical axes start with "layers" (a scanned stack), or, given a
+    Module, a leaf of an `nnx.vmap`-stacked block (`zerojax.model.find_blocks`), counts one slice.
     Leaves directly on the root count one by one (GPT-2's wte is its own nn.Embedding in torch).
     """
     from flax import nnx
 
+    stacked = ()
     if isinstance(state, nnx.Module):
+        from zerojax.model import find_blocks
+
+        stack = find_blocks(state)
+        stacked = (stack.path,) if stack is not None and stack.kind == "stacked" else ()
         state = nnx.state(state, nnx.Param)
     total, groups = 0, {}
     for path, var in nnx.to_flat_state(state) if hasattr(nnx, "to_flat_state") else state.flat_state():
@@ -296,7 +302,8 @@ def count_params(state) -> tuple[int, int]:
         n = math.prod(shape)
         total += n
         names = _logical_names(var)
-        if names and names[0] == "layers" and shape:
+        keys = tuple(str(getattr(k, "key", k)) for k in path)
+        if shape and ((names and names[0] == "layers") or any(keys[:len(p)] == p for p in stacked)):
             n //= shape[0]
         key = path[:-1] if len(path) > 1 else path
         groups[key] = groups.get(key, 0) + n

@@ -28,6 +28,7 @@ from flax import nnx
 
 from zerojax.planning import estimate as est
 from zerojax.planning import planner
+from zerojax.model import model_dims
 from zerojax.planning.memory import fmt_bytes, parse_bytes
 from zerojax.options import EngineOptions
 from zerojax.sharding.partition import make_mesh
@@ -42,48 +43,52 @@ COMPILE_MARGIN = 0.2
 @dataclasses.dataclass(frozen=True)
 class MeshModel:
     """What the mesh search needs to know of a model: its shape for the step-time model and the
-    sizes the tensor / pipe axes must divide."""
+    sizes the tensor / pipe axes must divide (`mesh_model_of` reads them from the model's dims)."""
 
     shape: est.ModelShape
-    n_head: int
+    heads: int     # attention (query) heads
     vocab: int     # rows of the embedding / LM head (padded)
     mlp: int       # the MLP's hidden width
 
     def tensor_problem(self, t: int) -> str | None:
         # heads and MLP width must split (`partition.tensor_specs` refuses otherwise); a vocabulary
-        # the size does not divide stays whole with a warning (partition.SPLIT_IF_DIVISIBLE)
-        for name, n in (("attention heads", self.n_head), ("MLP width", self.mlp)):
-            if n % t:
+        # the size does not divide stays whole with a warning, GQA's kv heads stay whole by design
+        # (partition.SPLIT_IF_DIVISIBLE); a size the model does not say (0) is not checked
+        for name, n in (("attention heads", self.heads), ("MLP width", self.mlp)):
+            if n and n % t:
                 return f"tensor {t} does not divide the {n} {name}"
         return None
 
     def pipe_problem(self, p: int) -> str | None:
-        if self.shape.n_layer % p:
-            return f"pipe {p} does not divide the {self.shape.n_layer} layers"
+        if self.shape.layers % p:
+            return f"pipe {p} does not divide the {self.shape.layers} layers"
         return None
 
 
 def gpt2_mesh_model(config, seq_len: int) -> MeshModel:
-    """MeshModel of a zerojax GPT-2 (`models.gpt2.GPT2Config`): counts from its config, with
-    padded vocabulary rows and tied embeddings, as `planner.model_shape` reads them."""
+    """MeshModel of a zerojax GPT-2 from its config alone (`models.gpt2.GPT2Config`: GPT-2's closed
+    form, with padded vocabulary rows and tied embeddings); `mesh_model_of` reads the same numbers
+    off any model."""
     d, L, V = config.n_embd, config.n_layer, config.padded_vocab_size
     block = 2 * d + (3 * d * d + 3 * d) + (d * d + d) + 2 * d + (4 * d * d + 4 * d) + (4 * d * d + d)
     total = V * d + config.n_positions * d + L * block + 2 * d
-    return MeshModel(est.ModelShape(total, L * block, L, d, seq_len), config.n_head, V, 4 * d)
+    return MeshModel(est.ModelShape(total, L * block, L, d, seq_len, attn_width=d), config.n_head, V, 4 * d)
 
 
 def mesh_model_of(model_factory, seq_len: int) -> MeshModel:
-    """MeshModel of a factory's model (abstract: nothing allocated); it must say `.config` with
-    n_head / n_layer / n_embd (GPT-2's names)."""
+    """MeshModel of a factory's (or a Module's) model, abstract (nothing allocated): its shape
+    (`planner.model_shape`) and heads, vocabulary and MLP width from its dims
+    (`zerojax.model.model_dims`). A model whose layers cannot be found is an error: the pipe
+    sizes must divide them."""
     source = planner.model_source(model_factory, **planner.factory_kwargs(model_factory))
-    shape = planner.model_shape(source, seq_len)
     model = source if isinstance(source, nnx.Module) else nnx.eval_shape(source)
-    config = getattr(model, "config", None)
-    if config is None or not all(hasattr(config, k) for k in ("n_head", "n_layer", "n_embd")):
-        raise ValueError("the mesh search needs the model's .config with n_head, n_layer and n_embd "
-                         "(GPT-2's names) to know which tensor / pipe sizes divide it")
-    vocab = int(getattr(config, "padded_vocab_size", getattr(config, "vocab_size", 1)))
-    return MeshModel(shape, int(config.n_head), vocab, 4 * int(config.n_embd))
+    shape = planner.model_shape(model, seq_len)
+    if not shape.layers:
+        raise ValueError(f"the mesh search needs the layers of {type(model).__name__}, and it shows none (no "
+                         "list of same-structure blocks, no stacked layer axis): give it a `model_dims()` "
+                         "(zerojax.model.ModelDims) or pass model=MeshModel(...)")
+    dims = model_dims(model)
+    return MeshModel(shape, dims.heads, dims.vocab, dims.mlp)
 
 
 def mesh_shapes(devices: int, model: MeshModel, *, tensor_sizes=None, pipe_sizes=None) -> tuple[list, list]:
@@ -181,7 +186,7 @@ def predict(model: MeshModel, plan: MeshPlan, *, precision: str = "bf16", remat:
                               bubble=est.pipeline_bubble(plan.pipe, plan.grad_accum))
     if plan.peak_bytes is None:
         opts = options or EngineOptions()
-        peak = est.mesh_peak_bytes(model.shape, n_head=model.n_head, vocab=model.vocab, optimizer=optimizer,
+        peak = est.mesh_peak_bytes(model.shape, heads=model.heads, vocab=model.vocab, optimizer=optimizer,
                                    master_split=planner.device_split(opts, precision, False),
                                    adam_mu_dtype=opts.adam_mu_dtype, **kw)
         out = dataclasses.replace(out, peak_bytes=peak["total"], peak_source="estimated")
@@ -207,7 +212,7 @@ def candidates(model: MeshModel, devices: int, global_batch: int, *, stages=(0, 
             continue
         if data == 1:  # one data rank: no stage partitions anything
             ok_stages = ok_stages[:1]
-        per_stage_layers = model.shape.n_layer // p
+        per_stage_layers = model.shape.layers // p
         intervals = (0, per_stage_layers) if p > 1 else (0,)
         for s in ok_stages:
             for m in micros:

@@ -33,6 +33,7 @@ from zerojax.train import layout
 from zerojax.planning import memory as mem
 from zerojax.sharding import partition
 from zerojax.config import REMAT_POLICY_NAMES, load_config
+from zerojax.model import LAYERS, model_dims
 from zerojax.planning.memory import CompiledMemory, WillNotFitError, fmt_bytes, parse_bytes
 from zerojax.options import EngineOptions
 
@@ -190,9 +191,24 @@ def model_source(factory, **kw):
 
 
 def default_loss_fn():
-    from zerojax.models.gpt2 import gpt2_loss
+    """The loss the planner compiles where it is given none: `lm_loss`."""
+    return lm_loss
 
-    return gpt2_loss
+
+def lm_loss(model, batch):
+    """Next-token cross entropy, fp32, of a language model on batch["input_ids"] [B, T]: the
+    family's own loss for zerojax's GPT-2 and Llama (`gpt2_loss`, `llama_loss`), else the mean
+    over `model(input_ids)`'s logits [B, T, vocab] against the next tokens."""
+    from zerojax.models.gpt2 import GPT2, gpt2_loss
+    from zerojax.models.llama import Llama, llama_loss
+
+    if isinstance(model, GPT2):
+        return gpt2_loss(model, batch)
+    if isinstance(model, Llama):
+        return llama_loss(model, batch)
+    ids = batch["input_ids"]
+    logp = jax.nn.log_softmax(jnp.asarray(model(ids[:, :-1]), jnp.float32), axis=-1)
+    return -jnp.take_along_axis(logp, ids[:, 1:, None], axis=-1).mean()
 
 
 def _plain_batch_keys(cfg_dict, micro_batch, grad_accum=None):
@@ -278,18 +294,19 @@ def _tensor_size(mesh, cfg_dict):
 
 
 def model_shape(model_factory, seq_len) -> est.ModelShape:
-    """Parameters (all, and the stacked layers') and, where the model says (`.config.n_layer`,
-    `.n_embd`), depth and width, read from the abstract model (nothing allocated)."""
+    """Parameters (all, and the repeated blocks'), depth, width and attention width (heads x
+    head_dim) of the model, from its dims (`zerojax.model.model_dims`: its own `model_dims()`, else
+    read off the parameter tree), on the abstract model (nothing allocated)."""
     model = model_factory if isinstance(model_factory, nnx.Module) else nnx.eval_shape(model_factory)
-    total, layers = 0, 0
-    for path, var in nnx.to_flat_state(nnx.state(model, nnx.Param)):
-        n = math.prod(var.shape)
-        total += n
-        if mem._logical_names(var)[:1] == ("layers",):
-            layers += n
-    config = getattr(model, "config", None)
-    return est.ModelShape(total, layers, int(getattr(config, "n_layer", 0) or 0),
-                          int(getattr(config, "n_embd", 0) or 0), int(seq_len or 0))
+    dims = model_dims(model)
+    layers, layer_params = dims.layers, dims.layers * dims.layer_params
+    if not layers:  # a stack the dims did not find: the leaves named with a leading "layers" axis
+        stacked = [var for _, var in nnx.to_flat_state(nnx.state(model, nnx.Param))
+                   if mem._logical_names(var)[:1] == (LAYERS,) and var.shape]
+        layers = int(stacked[0].shape[0]) if stacked else 0
+        layer_params = sum(math.prod(var.shape) for var in stacked)
+    return est.ModelShape(dims.params, layer_params, layers, dims.d_model, int(seq_len or 0),
+                          attn_width=dims.heads * dims.head_dim)
 
 
 def precision_choices(cfg_dict, factory=None) -> tuple:
@@ -642,11 +659,11 @@ def fit_micro_batch(model_factory, cfg_dict, budget, seq_len, *, remat=AS_BUILT,
 REMAT_LADDER = ("dots", "save_attention_block", "save_qkv_attention", "save_attention", "full")
 
 
-def fit_remat_policy(model_factory, cfg_dict, budget, seq_len, n_layer: int, *, loss_fn=None,
+def fit_remat_policy(model_factory, cfg_dict, budget, seq_len, layers: int, *, loss_fn=None,
                      mesh=None, batch_fn=None, ladder=REMAT_LADDER, options=None) -> str:
     """The fastest remat policy of `ladder` (fastest first) whose compiled step fits `budget`
     bytes per device, all else as configured; the ladder's last entry if none fits. The factory
-    must take `remat_policy=` (zerojax.models.GPT2 does). A ladder entry "dots_*" stands for the
+    must take `remat_policy=` (zerojax.models.GPT2 and Llama do). A ladder entry "dots_*" stands for the
     partial-dots family: the largest k whose "dots_<k>" fits (peaks grow by the same bytes per
     "dots" layer, so `memory.largest_fitting`'s line finds k in a few compiles)."""
     budget = parse_bytes(budget)
@@ -655,7 +672,7 @@ def fit_remat_policy(model_factory, cfg_dict, budget, seq_len, n_layer: int, *, 
                                      loss_fn=loss_fn, mesh=mesh, batch_fn=batch_fn, options=options).peak
     for name in ladder[:-1]:
         if name == "dots_*":
-            k, _ = mem.largest_fitting(lambda k: peak(f"dots_{k}"), budget, start=2, limit=n_layer - 2)
+            k, _ = mem.largest_fitting(lambda k: peak(f"dots_{k}"), budget, start=2, limit=layers - 2)
             if k:
                 return f"dots_{k}"
         elif peak(name) <= budget:
@@ -670,7 +687,7 @@ def fit_remat_policy(model_factory, cfg_dict, budget, seq_len, n_layer: int, *, 
 def engine_model_factory(engine):
     """A factory rebuilding `engine`'s model from its graph and shapes (zeros when traced): lets the
     planner compile variants of a built engine without its host copy. Where the model has a
-    `remat_policy` / `dtype` attribute (zerojax.models.GPT2 does), the factory takes it as a
+    `remat_policy` / `dtype` attribute (zerojax.models.GPT2 and Llama do), the factory takes it as a
     keyword, so the planner can try other activation checkpointing and precision."""
     plan_ = engine.step_settings  # the step's static settings (graphdef, param / rest templates)
 
@@ -741,4 +758,4 @@ def device_budget_or(budget):
 __all__ = ["Plan", "rank_plans", "Search", "search", "plan", "fit_micro_batch", "fit_remat_policy", "REMAT_LADDER",
            "remat_keeps_at_least", "step_memory", "model_shape", "precision_choices", "rows_per_device",
            "engine_model_factory", "engine_plans", "device_split", "AS_BUILT", "DEFAULT_OFFLOADS", "REMAT_CHOICES",
-           "zero_choice", "model_source", "factory_kwargs", "merge_config", "configured_precision"]
+           "zero_choice", "model_source", "factory_kwargs", "merge_config", "configured_precision", "lm_loss"]
