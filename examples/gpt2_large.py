@@ -1,15 +1,24 @@
-"""Fine-tune GPT-2 (Large by default on a GPU) with any DeepSpeed config.
+"""Fine-tune GPT-2 or a Llama-family model (Llama 3, Qwen2 / Qwen3, Mistral) with any DeepSpeed config.
 
     python examples/gpt2_large.py --config configs/zero2_bf16.json            # GPU: GPT-2 Large
     python examples/gpt2_large.py --model tiny --steps 200                     # CPU: a tiny GPT-2
     python examples/gpt2_large.py --hf-checkpoint ./gpt2-large --data corpus.jsonl --save runs/ft
+    python examples/gpt2_large.py --hf-checkpoint ./Llama-3.2-1B-Instruct --data chat.jsonl \
+        --seq-len 2048 --lora 16 --lora-alpha 32 --export-hf runs/adapter    # LoRA on chat data
 
-Without --data it trains on an embedded corpus (Python's own documentation), so it runs on a
-fresh machine with no download. Without --hf-checkpoint the model starts from GPT-2's random init.
+--model names a GPT-2 size or a Llama-family shape (random init); --hf-checkpoint reads a local
+Hugging Face folder of either family (config.json's model_type) with its tokenizer. Without --data
+it trains on an embedded corpus (Python's own documentation), so it runs on a fresh machine with no
+download. --data takes .txt, or .jsonl fine-tuning records: {"text"} (streamed and cut into blocks,
+as .txt), {"prompt", "completion"} and {"messages"} (the checkpoint's chat template): the loss on the
+completion / assistant turns only, examples packed into rows (segment ids) or one a row (--pad).
+--lora R (or the config's "lora" section, PEFT's LoraConfig keys) freezes the base and trains
+adapters; --export-hf then writes PEFT's adapter folder (and with --merge the merged model).
 """
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import functools
 import json
 import math
@@ -44,7 +53,17 @@ def _micro_batch(text):
 # misses exponents), so "--lr -1e-3" is rewritten "--lr=-1e-3" and the type checks then say why
 # a negative value is refused, instead of "expected one argument".
 _VALUE_FLAGS = ("--steps", "--schedule-steps", "--seq-len", "--grad-accum", "--lr", "--loss-chunk",
-                "--eval-batches", "--seed", "--peak-tflops", "--keep", "--micro-batch")
+                "--eval-batches", "--seed", "--peak-tflops", "--keep", "--micro-batch", "--lora", "--lora-alpha")
+
+GPT2_SIZES = ("tiny", "small", "medium", "large", "xl")
+# --model's Llama-family names -> zerojax.models.LlamaConfig.named's shapes (its test shapes renamed
+# so that "tiny" stays GPT-2's); tests/test_example.py checks that every shape it offers is here
+LLAMA_SHAPES = {"llama-3.2-1b": "llama-3.2-1b", "llama-3.2-3b": "llama-3.2-3b", "llama-3.1-8b": "llama-3.1-8b",
+                "qwen2.5-0.5b": "qwen2.5-0.5b", "qwen3-0.6b": "qwen3-0.6b", "mistral-7b": "mistral-7b",
+                "mistral-7b-v0.3": "mistral-7b-v0.3", "tiny-llama": "tiny", "tiny-qwen2": "tiny-qwen2",
+                "tiny-qwen3": "tiny-qwen3"}
+MODEL_CHOICES = ("auto", *GPT2_SIZES, *LLAMA_SHAPES)
+QUANTIZE = ("int8", "nf4", "int4")
 
 
 def _join_negative_values(argv):
@@ -71,11 +90,22 @@ def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--config", default=os.path.join(os.path.dirname(__file__), "..", "configs", "zero2_bf16.json"),
                    help="a DeepSpeed JSON config (its \"auto\" values are filled from the flags below)")
-    p.add_argument("--model", default="auto", choices=["auto", "tiny", "small", "medium", "large", "xl"],
-                   help="GPT-2 size; auto = large on a GPU, tiny on CPU")
-    p.add_argument("--hf-checkpoint", help="local Hugging Face GPT-2 folder (config.json, model.safetensors)")
-    p.add_argument("--data", help=".txt / .jsonl file or folder; default: the embedded corpus")
-    p.add_argument("--tokenizer", help="tokenizer.json (default: the checkpoint's, else byte-level)")
+    p.add_argument("--model", default="auto", choices=MODEL_CHOICES, metavar="NAME",
+                   help="the model, randomly initialised: a GPT-2 size (" + ", ".join(GPT2_SIZES) + ") or a "
+                        "Llama-family shape (" + ", ".join(LLAMA_SHAPES) + "; tiny-*: test shapes with a byte "
+                        "vocabulary); auto = GPT-2 large on a GPU, tiny on CPU (on --resume the checkpoint's)")
+    p.add_argument("--hf-checkpoint", metavar="DIR",
+                   help="local Hugging Face folder (config.json, model.safetensors or its shards) of GPT-2, "
+                        "Llama, Mistral, Qwen2 or Qwen3 (config.json's model_type); its tokenizer is used")
+    p.add_argument("--data", help=".txt / .jsonl file or folder; .jsonl fine-tuning records {\"prompt\", "
+                                  "\"completion\"} or {\"messages\"} train on the completion / assistant "
+                                  "turns only; {\"text\"} records are cut into --seq-len blocks as .txt is; "
+                                  "default: the embedded corpus")
+    p.add_argument("--pad", action="store_true",
+                   help="fine-tuning .jsonl: one example a row, padded (default: examples packed into rows, "
+                        "kept apart by segment ids; GPT-2, which has none, is always padded)")
+    p.add_argument("--tokenizer", help="a tokenizer folder (tokenizer.json, tokenizer_config.json with the chat "
+                                       "template) or tokenizer.json (default: the checkpoint's, else byte-level)")
     p.add_argument("--steps", type=_number(int, 0, note=" (0 = no training, evaluation only)"), default=None,
                    help="train until this global optimizer step (default 300 on CPU, 100 on GPU); with "
                         "--resume the run continues from the checkpoint's step up to it")
@@ -107,9 +137,29 @@ def parse_args(argv=None):
     p.add_argument("--keep", type=_number(int, 1), default=None,
                    help="after saving, delete all but the newest N checkpoints in --save, never the "
                         "one `latest` names (Hugging Face's save_total_limit); default: keep all")
-    p.add_argument("--export-hf", help="write the trained weights as a Hugging Face GPT-2 folder")
+    p.add_argument("--export-hf", metavar="DIR",
+                   help="write the trained model as a Hugging Face folder (transformers' from_pretrained "
+                        "loads it; the checkpoint's tokenizer files copied in); with LoRA: PEFT's adapter "
+                        "folder (peft.PeftModel.from_pretrained), see --merge")
+    p.add_argument("--lora", type=_number(int, 1), default=None, metavar="R",
+                   help="train LoRA adapters of rank R on a frozen base (Llama family; zerojax.lora, PEFT's "
+                        "settings); overrides the config's \"lora\" section's r")
+    p.add_argument("--lora-alpha", type=_number(float, 0.0, above=True), default=None,
+                   help="LoRA scale numerator (scale = alpha / r); default: the \"lora\" section's, else "
+                        "PEFT's 8")
+    p.add_argument("--lora-targets", default=None,
+                   help="modules that get adapters: \"all-linear\" (every projection but the LM head) or "
+                        "comma-separated names such as q_proj,v_proj; default: the \"lora\" section's "
+                        "target_modules, else all-linear")
+    p.add_argument("--quantize", choices=QUANTIZE, default=None,
+                   help="with LoRA: store the frozen base quantized (int8 per channel; nf4 / int4 in "
+                        "64-element blocks: QLoRA), dequantized layer by layer on use")
+    p.add_argument("--merge", action="store_true",
+                   help="with LoRA and --export-hf DIR: DIR gets the merged model (base + scale x B A, a "
+                        "plain Hugging Face folder) and DIR/adapter the PEFT adapter")
     p.add_argument("--loss-chunk", type=_number(int, 0), default=0,
-                   help="cross entropy N positions at a time (zerojax.models.chunked_gpt2_loss): the "
+                   help="cross entropy N positions at a time (zerojax.models.chunked_gpt2_loss / "
+                        "chunked_llama_loss): the "
                         "full batch x seq x vocab fp32 logits are never held; 0 = full logits")
     p.add_argument("--offload-loop", choices=list(OFFLOAD_LOOPS), default=None,
                    help="with zero_optimization.offload_optimizer.device cpu: how the optimizer state "
@@ -140,27 +190,29 @@ def parse_args(argv=None):
         p.error("--keep needs --save DIR (the checkpoint folder to prune)")
     if args.resume and not args.save:
         p.error("--resume needs --save DIR (the checkpoint folder to continue from)")
+    if args.merge and not args.export_hf:
+        p.error("--merge needs --export-hf DIR (where the merged model is written)")
     return args
 
 
-def _loss_fn(loss_chunk: int):
-    from zerojax.models.gpt2 import chunked_gpt2_loss, gpt2_loss
+def _loss_fn(loss_chunk: int, family: str = "gpt2"):
+    from zerojax.models import chunked_gpt2_loss, chunked_llama_loss, gpt2_loss, llama_loss
 
+    if family == "llama":
+        return chunked_llama_loss(loss_chunk) if loss_chunk else llama_loss
     return chunked_gpt2_loss(loss_chunk) if loss_chunk else gpt2_loss
 
 
-def _plan_micro_batch(cfg, gpt_cfg, dtype, remat, explore_remat, seq_len, loss_fn, options):
+def _plan_micro_batch(cfg, build, dtype, remat, explore_remat, seq_len, loss_fn, options):
     """train_micro_batch_size_per_gpu "auto": the planner's fastest choice that fits the device
     (zerojax.planning.planner: remat, micro-batch x accumulation keeping the global batch, stage, offload;
     compiled before anything is allocated, with the run's EngineOptions: --master-split and
     --adam-mu-dtype hold less). Unless --remat or the config names a policy, the remat choices are
-    none and the planner's measured ladder (dots ... full). -> (config, remat)."""
-    from flax import nnx
-
+    none and the planner's measured ladder (dots ... full). `build(remat_policy)` -> the model
+    (GPT-2 or Llama; with LoRA its adapters applied). -> (config, remat)."""
     import zerojax
     from zerojax.planning import planner
     from zerojax.planning.memory import device_budget
-    from zerojax.models.gpt2 import GPT2
 
     budget = device_budget()
     if budget is None:
@@ -169,10 +221,10 @@ def _plan_micro_batch(cfg, gpt_cfg, dtype, remat, explore_remat, seq_len, loss_f
         return cfg, remat
     if explore_remat:  # the planner varies activation checkpointing
         def factory(remat_policy=None):
-            return GPT2(gpt_cfg, rngs=nnx.Rngs(0), dtype=dtype, remat_policy=remat_policy)
+            return build(remat_policy)
     else:  # --remat given: kept
         def factory():
-            return GPT2(gpt_cfg, rngs=nnx.Rngs(0), dtype=dtype, remat_policy=remat)
+            return build(remat)
     found = planner.search(factory, cfg.to_dict(), budget, seq_len, loss_fn=loss_fn, max_plans=1,
                            remat=(None, *planner.REMAT_LADDER) if explore_remat else None, options=options)
     if not found.plans:
@@ -350,43 +402,336 @@ def _engine_options(args, cfg, loop=None, planned=False):
     return options
 
 
-_GPT2_SIZES = ("tiny", "small", "medium", "large", "xl")
 # the GPT2Config fields that decide the parameters' shapes
 _SHAPE_KEYS = ("vocab_size", "n_positions", "n_embd", "n_layer", "n_head", "n_inner", "make_vocab_size_divisible_by")
+# LlamaConfig fields that do not change the model a checkpoint holds
+_LLAMA_RECORD_SKIP = ("initializer_range", "bos_token_id", "eos_token_id")
 
 
-def _checkpoint_model(meta, args, size, gpt_cfg):
+class ModelChoice:
+    """The model a run trains: `family` "gpt2" (zerojax.models.GPT2) or "llama" (zerojax.models.Llama:
+    Llama, Mistral, Qwen2, Qwen3), its config, --model's name (`size`; "hf" for a checkpoint's) and
+    the words the run prints for it."""
+
+    def __init__(self, family: str, config, size: str, label: str):
+        self.family, self.config, self.size, self.label = family, config, size, label
+
+    @property
+    def max_positions(self) -> int:
+        return self.config.n_positions if self.family == "gpt2" else self.config.max_position_embeddings
+
+    def build(self, seed: int, dtype, remat):
+        """A randomly initialised model of this config (compute dtype, remat policy)."""
+        from flax import nnx
+
+        from zerojax.models import GPT2, Llama
+
+        cls = GPT2 if self.family == "gpt2" else Llama
+        return cls(self.config, rngs=nnx.Rngs(seed), dtype=dtype, remat_policy=remat)
+
+
+def named_model(size: str) -> ModelChoice:
+    """--model's name -> its ModelChoice (GPT-2 size or Llama-family shape)."""
+    from zerojax.models import GPT2Config, LlamaConfig
+
+    if size in GPT2_SIZES:
+        return ModelChoice("gpt2", GPT2Config.named(size), size, f"GPT-2 {size}")
+    config = LlamaConfig.named(LLAMA_SHAPES[size])
+    return ModelChoice("llama", config, size, f"{size} ({config.model_type})")
+
+
+def hf_model_type(path: str) -> str:
+    """config.json's model_type of a Hugging Face folder (GPT-2's when absent, as from_hf reads it)."""
+    from zerojax.models.llama import MODEL_TYPES
+
+    cfg_file = os.path.join(path, "config.json")
+    if not os.path.exists(cfg_file):
+        raise FileNotFoundError(f"--hf-checkpoint {path}: no config.json (a Hugging Face model folder has "
+                                f"config.json and model.safetensors)")
+    with open(cfg_file) as f:
+        kind = json.load(f).get("model_type", "gpt2")
+    if kind != "gpt2" and kind not in MODEL_TYPES:
+        from zerojax.checkpoint.state import CheckpointError
+
+        raise CheckpointError(f"--hf-checkpoint {path}: model_type {kind!r}; this example trains gpt2 and "
+                              f"the Llama family ({', '.join(MODEL_TYPES)})")
+    return kind
+
+
+def _record_shape(family, config: dict, saved: dict) -> dict:
+    """The parts of a model config (as a dict) that decide the model a checkpoint holds."""
+    keys = _SHAPE_KEYS if family == "gpt2" else [k for k in saved if k not in _LLAMA_RECORD_SKIP]
+    return json.loads(json.dumps({k: config.get(k) for k in keys if k in saved}))
+
+
+def _checkpoint_model(meta, args, choice: ModelChoice) -> ModelChoice:
     """--resume: the model the checkpoint holds (its `checkpoint_record`, in the metadata) against
-    the one this run asks for, before anything is built; --model auto takes the checkpoint's size.
-    -> (size, GPT2Config). A checkpoint without a record is left to the load's own shape check."""
-    import dataclasses
-
+    the one this run asks for, before anything is built; --model auto takes the checkpoint's model
+    where it is a named one. A checkpoint without a record is left to the load's own shape check."""
     from zerojax.checkpoint.state import CheckpointError
-    from zerojax.models.gpt2 import GPT2Config
 
     record = meta.get("model") or {}
-    if record and record.get("type") != "gpt2":
-        raise CheckpointError(f"{args.save}: this checkpoint is a {record.get('type')!r} model, not GPT-2; "
-                              f"resume it with the script that trained it")
     saved = record.get("config")
+    family = "gpt2" if record.get("type") == "gpt2" else record.get("family")
+    if record and family not in ("gpt2", "llama"):
+        raise CheckpointError(f"{args.save}: this checkpoint is a {record.get('type')!r} model, which this "
+                              f"example does not train; resume it with the script that trained it")
     if not isinstance(saved, dict):
-        return size, gpt_cfg
+        return choice
 
     def shape(c):
-        return {k: c.get(k) for k in _SHAPE_KEYS if k in saved}
+        return _record_shape(family, c, saved)
 
-    if shape(dataclasses.asdict(gpt_cfg)) == shape(saved):
-        return size, gpt_cfg
-    named = next((s for s in _GPT2_SIZES if shape(dataclasses.asdict(GPT2Config.named(s))) == shape(saved)), None)
+    if choice.family == family and shape(dataclasses.asdict(choice.config)) == shape(saved):
+        return choice
+    names = GPT2_SIZES if family == "gpt2" else tuple(LLAMA_SHAPES)
+    named = next((n for n in names if shape(dataclasses.asdict(named_model(n).config)) == shape(saved)), None)
     if named and args.model == "auto" and not args.hf_checkpoint:
-        return named, GPT2Config.named(named)
-    what = f"GPT-2 {named}" if named else "a GPT-2 of " + ", ".join(
-        f"{k} {saved[k]}" for k in ("n_layer", "n_embd", "n_head", "vocab_size", "n_positions") if k in saved)
+        return named_model(named)
+    if named:
+        what = named_model(named).label
+    elif family == "gpt2":
+        what = "a GPT-2 of " + ", ".join(
+            f"{k} {saved[k]}" for k in ("n_layer", "n_embd", "n_head", "vocab_size", "n_positions") if k in saved)
+    else:
+        what = f"a {record.get('type')} model of " + ", ".join(
+            f"{k} {saved[k]}" for k in ("num_hidden_layers", "hidden_size", "num_attention_heads", "vocab_size")
+            if k in saved)
     fix = (f"use --model {named}" + (" without --hf-checkpoint" if args.hf_checkpoint else "") if named
            else "resume with the --hf-checkpoint it was trained from")
-    asked = f"the model in {args.hf_checkpoint}" if args.hf_checkpoint else f"GPT-2 {size}"
+    asked = f"the model in {args.hf_checkpoint}" if args.hf_checkpoint else choice.label
     raise CheckpointError(f"{args.save}: this checkpoint is {what}; {fix} (this run asks for {asked}; "
                           f"another --save folder starts it afresh)")
+
+
+# --------------------------------------------------------------------------- data
+
+
+class ByteTokens:
+    """UTF-8 bytes as tokens (zerojax.data.text.ByteTokenizer: vocab 256, no special tokens) with
+    what zerojax.data.finetune reads of a tokenizer (no chat template)."""
+
+    vocab_size, eos_id, chat_template = 256, None, None
+    special_tokens: dict = {}
+    path = "the byte-level tokenizer (no --tokenizer, no --hf-checkpoint)"
+
+    def encode(self, text: str, add_special_tokens: bool = False):
+        import numpy as np
+
+        return np.frombuffer(text.encode("utf-8"), dtype=np.uint8).astype(np.int32)
+
+    def encode_with_offsets(self, text: str, add_special_tokens: bool = False):
+        import numpy as np
+
+        pieces = [(b, i) for i, ch in enumerate(text) for b in ch.encode("utf-8")]
+        ids = np.asarray([b for b, _ in pieces], np.int32)
+        return ids, np.asarray([(i, i + 1) for _, i in pieces], np.int64).reshape(-1, 2)
+
+    def token_id(self, token):
+        return None
+
+
+def jsonl_format(path) -> str | None:
+    """What a .jsonl file (or a folder whose first .jsonl file) holds, from its first record:
+    "text", "prompt_completion", "messages", or "other" (a JSON object of other keys: the
+    fine-tuning reader names the formats); None for other data, or a first line that is not JSON
+    (the text reader then names the file and the line)."""
+    path = os.fspath(path)
+    if os.path.isdir(path):
+        files = sorted(os.path.join(r, n) for r, _, names in os.walk(path) for n in names
+                       if n.endswith((".jsonl", ".txt")))
+    else:
+        files = [path]
+    if not files or not files[0].endswith(".jsonl") or not os.path.isfile(files[0]):
+        return None
+    with open(files[0], "rb") as f:
+        for line in f:
+            if not line.strip():
+                continue
+            try:
+                record = json.loads(line)
+            except ValueError:
+                return None
+            if not isinstance(record, dict):
+                return None
+            if "messages" in record:
+                return "messages"
+            if "prompt" in record or "completion" in record:
+                return "prompt_completion"
+            return "text" if "text" in record else "other"
+    return None
+
+
+class TextRows:
+    """Blocks of a token stream (zerojax.data.text): every token a target."""
+
+    def __init__(self, data):
+        self.data, self.vocab_size = data, data.vocab_size
+        self.n_train, self.n_val = len(data.train), len(data.val)
+        self.what = "training rows"
+
+    def train_batches(self, batch_size, *, seed, start_step, num_steps):
+        batches = self.data.train_batches(batch_size, seed=seed, start_step=start_step, num_steps=num_steps)
+        self.steps_per_epoch = batches.steps_per_epoch
+        return ({"input_ids": rows} for rows in batches)
+
+    def val_batches(self, batch_size):
+        return ({"input_ids": rows} for rows in self.data.val_batches(batch_size))
+
+
+class FinetuneRows:
+    """Fine-tuning rows (zerojax.data.finetune: input_ids, labels, and packed, segment_ids and
+    positions); the last ~5% of the rows held out for validation, in whole batches."""
+
+    def __init__(self, data, batch_size: int, packed: bool):
+        n = len(data)
+        n_val = min(max(1, round(0.05 * n)) if n >= 2 else 0, n - batch_size)
+        n_val = n_val // batch_size * batch_size  # validation draws whole batches
+        split = lambda lo, hi: dataclasses.replace(data, arrays={k: v[lo:hi] for k, v in data.arrays.items()})  # noqa: E731
+        self.train, self.val = split(0, n - n_val), split(n - n_val, n)
+        self.vocab_size = data.tokenizer.vocab_size
+        self.n_train, self.n_val = n - n_val, n_val
+        self.what = (f"{'packed' if packed else 'padded'} rows of {data.format.replace('_', ' / ')} examples, "
+                     f"{self.train.target_tokens:,} target tokens")
+        self.steps_per_epoch = max(1, self.n_train // batch_size)
+
+    def train_batches(self, batch_size, *, seed, start_step, num_steps):
+        return self.train.batches(batch_size, seed=seed, start_step=start_step, num_steps=num_steps)
+
+    def val_batches(self, batch_size):
+        import jax
+
+        local = batch_size // jax.process_count()
+        for k in range(self.n_val // batch_size):
+            lo = k * batch_size + jax.process_index() * local
+            yield self.val.batch(slice(lo, lo + local))
+
+
+def load_data(args, choice: ModelChoice, seq_len: int, batch_size: int, notes: list):
+    """--data (or the embedded corpus) read, tokenized and checked against the model and one batch
+    before anything is compiled -> TextRows or FinetuneRows."""
+    from zerojax.data.finetune import load_finetune_data
+    from zerojax.data.text import DataError, load_text_data
+
+    fmt = jsonl_format(args.data) if args.data else None
+    if fmt in (None, "text"):
+        if args.pad:
+            notes.append("--pad: no effect on this data (text is cut into --seq-len blocks; --pad is for "
+                         "{\"prompt\", \"completion\"} / {\"messages\"} .jsonl records)")
+        data = TextRows(load_text_data(args.data, seq_len=seq_len, tokenizer=args.tokenizer,
+                                       min_train_rows=batch_size))
+    else:
+        packed = not args.pad
+        if packed and choice.family == "gpt2":
+            packed = False
+            notes.append("GPT-2 has no segment ids to keep packed examples apart: one example a row, padded")
+        from zerojax.models import load_tokenizer
+
+        tokenizer = load_tokenizer(args.tokenizer) if args.tokenizer else ByteTokens()
+        data = FinetuneRows(load_finetune_data(args.data, tokenizer, seq_len=seq_len, packed=packed),
+                            batch_size, packed)
+        if data.n_train < batch_size:
+            raise DataError(f"{args.data}: {data.n_train} rows of {seq_len} tokens, fewer than one batch of "
+                            f"{batch_size}: give more examples, a smaller batch or (packed) a longer --seq-len")
+    if data.vocab_size > choice.config.vocab_size:
+        raise DataError(f"the tokenizer has {data.vocab_size} tokens but the model's vocab is "
+                        f"{choice.config.vocab_size}; give the model's own tokenizer (--tokenizer DIR)")
+    return data
+
+
+# --------------------------------------------------------------------------- LoRA
+
+
+def lora_settings(args, cfg, choice: ModelChoice, dtype) -> dict | None:
+    """The LoRA settings of this run: the config's "lora" section with --lora / --lora-alpha /
+    --lora-targets / --quantize over it, checked by zerojax.lora.from_config_dict; what LoRA cannot
+    run with refused in one line before anything is built. None: no LoRA."""
+    section = cfg.to_dict().get("lora")
+    flags = [f for f, v in (("--lora-alpha", args.lora_alpha), ("--lora-targets", args.lora_targets),
+                            ("--quantize", args.quantize), ("--merge", args.merge or None)) if v is not None]
+    if args.lora is None and section is None:
+        if flags:
+            raise ConfigMismatch(f"{flags[0]} is a LoRA setting: add --lora R (the adapter rank), or a \"lora\" "
+                                 f"section to {args.config}")
+        return None
+    from zerojax import lora
+
+    settings = dict(section or {})
+    if args.lora is not None:
+        settings["r"] = args.lora
+    if args.lora_alpha is not None:
+        settings["lora_alpha"] = args.lora_alpha
+    elif "lora_alpha" not in settings:
+        settings["lora_alpha"] = lora.DEFAULTS["lora_alpha"]
+    if args.lora_targets is not None:
+        t = args.lora_targets.strip()
+        settings["target_modules"] = t if t == "all-linear" else [x.strip() for x in t.split(",") if x.strip()]
+    settings.setdefault("target_modules", "all-linear")
+    if args.quantize is not None:
+        settings["quantize"] = args.quantize
+    if settings.get("base_dtype") is None and settings.get("quantize") is None:
+        import numpy as np
+
+        settings["base_dtype"] = np.dtype(dtype).name  # the frozen base is only read in the compute dtype
+    settings = lora.from_config_dict(settings)
+    from zerojax.config import pipeline_stages
+
+    zero = cfg.zero_optimization
+    refused = (f"pipeline.stages {pipeline_stages(cfg.pipeline)}" if pipeline_stages(cfg.pipeline) > 1 else
+               f"zero_optimization.offload_param.device {zero.offload_param.device!r}"
+               if zero.offload_param.device != "none" else None)
+    if choice.family != "llama":
+        raise ConfigMismatch(f"LoRA (--lora / the \"lora\" section) adapts the Llama family (Llama, Mistral, Qwen2, "
+                             f"Qwen3; zerojax.lora); {choice.label} is GPT-2, whose fused c_attn it does not "
+                             f"split: use --hf-checkpoint of a Llama-family model or --model tiny-llama")
+    if refused:
+        raise ConfigMismatch(f"LoRA with {refused} ({args.config}): the engine's layer scan there carries the "
+                             f"trained parameters only, not the frozen base (zerojax.lora); use ZeRO 0-3 (optimizer "
+                             f"offload included) without pipelining or offload_param")
+    if args.micro_batch == "auto":
+        raise ConfigMismatch("--micro-batch auto with LoRA: the planner does not model a frozen base yet; give "
+                             "--micro-batch N")
+    return settings
+
+
+def _copy_tokenizer(src, out_dir):
+    """The tokenizer files of a Hugging Face folder copied into an exported one (what
+    AutoTokenizer.from_pretrained reads)."""
+    import shutil
+
+    if not src or not os.path.isdir(src):
+        return
+    for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja",
+                 "tokenizer.model", "generation_config.json"):
+        if os.path.exists(os.path.join(src, name)):
+            shutil.copy(os.path.join(src, name), os.path.join(out_dir, name))
+
+
+def export_hf(args, engine, choice: ModelChoice, settings):
+    """--export-hf: GPT-2 / Llama as a Hugging Face folder; with LoRA the PEFT adapter folder and
+    (--merge) the merged model beside it."""
+    import zerojax.models
+
+    out, tok = args.export_hf, args.tokenizer if args.tokenizer and os.path.isdir(args.tokenizer) else None
+    if settings is not None:
+        from zerojax import lora
+
+        model = engine.model
+        adapter_dir = os.path.join(out, "adapter") if args.merge else out
+        lora.save_peft(model, adapter_dir)
+        _copy_tokenizer(tok, adapter_dir)
+        print(f"PEFT adapter written to {adapter_dir} (peft.PeftModel.from_pretrained(base, {adapter_dir!r}))")
+        if args.merge:
+            zerojax.models.to_hf(lora.merge(model), out)
+            _copy_tokenizer(tok, out)
+            print(f"merged model (base + adapters) written to {out}")
+        return
+    if choice.family == "gpt2":
+        zerojax.models.save_hf(engine.master_params, choice.config, out)
+    else:
+        zerojax.models.to_hf(engine.model, out)
+    _copy_tokenizer(tok, out)
+    print(f"Hugging Face weights written to {out}")
 
 
 def _filled_autos(raw, fill, cfg) -> list[str]:
@@ -475,9 +820,8 @@ def main(argv=None):
     from zerojax.planning.ceiling import ceiling_is_stable, measure_matmul_ceiling
     from zerojax.train.monitor import SpeedMeter
     from zerojax.config import read_source as read_config
-    from zerojax.data.text import DataError, load_text_data
     from zerojax.train.monitor import check_monitors
-    from zerojax.models.gpt2 import GPT2, GPT2Config, flops_per_token
+    from zerojax.models.gpt2 import flops_per_token
     from zerojax.precision import compute_dtype
 
     gpu = jax.default_backend() == "gpu"
@@ -502,18 +846,29 @@ def main(argv=None):
                                       max(steps, 1), notes)  # steps 0: the schedule is never used
     seed = _from_checkpoint("seed", "--seed", args.seed, saved, 0, notes)
 
-    hf = None
+    hf = None  # GPT-2's checkpoint tensors; a Llama-family checkpoint is read once the model's settings are known
     if args.hf_checkpoint:
-        from zerojax.models.hf import load_hf
-        gpt_cfg, hf = load_hf(args.hf_checkpoint)
-        tok_file = os.path.join(args.hf_checkpoint, "tokenizer.json")
-        args.tokenizer = args.tokenizer or (tok_file if os.path.exists(tok_file) else None)
+        kind = hf_model_type(args.hf_checkpoint)
+        if kind == "gpt2":
+            from zerojax.models.hf import load_hf
+            config, hf = load_hf(args.hf_checkpoint)
+            choice = ModelChoice("gpt2", config, "hf", f"GPT-2 from {args.hf_checkpoint}")
+        else:
+            from zerojax.models.hf_llama import config_from_hf
+            with open(os.path.join(args.hf_checkpoint, "config.json")) as f:
+                config = config_from_hf(json.load(f))
+            choice = ModelChoice("llama", config, "hf", f"{kind} from {args.hf_checkpoint}")
+        if os.path.exists(os.path.join(args.hf_checkpoint, "tokenizer.json")):
+            args.tokenizer = args.tokenizer or args.hf_checkpoint  # the folder: its chat template too
     else:
-        gpt_cfg = GPT2Config.named(size)
+        choice = named_model(size)
     if meta is not None:  # the checkpoint's model, before anything is built
-        size, gpt_cfg = _checkpoint_model(meta, args, size, gpt_cfg)
-    seq_len = args.seq_len if args.seq_len is not None else min(1024, gpt_cfg.n_positions)
-    lr_default = 1e-4 if hf is not None else 1e-3 if size == "tiny" else 3e-4
+        choice = _checkpoint_model(meta, args, choice)
+    size, family = choice.size, choice.family
+    seq_len = args.seq_len if args.seq_len is not None else min(1024, choice.max_positions)
+    if seq_len > choice.max_positions and family == "gpt2":
+        raise ConfigMismatch(f"--seq-len {seq_len}: GPT-2 has {choice.max_positions} positions")
+    lr_default = 1e-4 if args.hf_checkpoint else 1e-3 if size == "tiny" or size.startswith("tiny-") else 3e-4
     lr = _from_checkpoint("lr", "--lr", args.lr, saved, lr_default, notes)
 
     micro = args.micro_batch if args.micro_batch not in (None, "auto") else (8 if gpu else 4)
@@ -529,7 +884,7 @@ def main(argv=None):
     }
     raw, precision, precision_why = resolve_precision(read_config(args.config), args.precision, jax.devices()[0])
     # hidden_size: the ZeRO bucket / persistence "auto"s as the Hugging Face Trainer fills them
-    cfg = zerojax.load_config(raw, fill=fill, hidden_size=gpt_cfg.n_embd, name=args.config)
+    cfg = zerojax.load_config(raw, fill=fill, hidden_size=choice.config.n_embd, name=args.config)
     if cfg.optimizer is None:
         # DeepSpeed then expects a client optimizer (deepspeed.initialize(optimizer=...)), as the
         # Hugging Face Trainer supplies; ours is AdamW with the flags' lr.
@@ -545,11 +900,20 @@ def main(argv=None):
                              f"not run on CPU ('F16_F16_F32' is not supported by dot_general); use a GPU, or "
                              f"a bf16 config such as configs/zero2_bf16.json")
     check_monitors(cfg)  # a monitor that cannot start (e.g. wandb not installed): now, not after the build
+    dtype = compute_dtype(cfg)
+    lora_cfg = lora_settings(args, cfg, choice, dtype)  # LoRA's refusals: before the data and the model
+    if args.resume and saved and saved.get("lora") != json.loads(json.dumps(lora_cfg)):
+        from zerojax.checkpoint.state import CheckpointError
+
+        was = saved.get("lora")
+        raise CheckpointError(
+            f"{args.save}: this checkpoint trained " + (f"LoRA adapters of rank {was['r']}" if was else "the whole model")
+            + ", this run asks for " + (f"LoRA of rank {lora_cfg['r']}" if lora_cfg else "no LoRA") + "; resume with "
+            + ("its settings: " + ", ".join(f"{k} {json.dumps(v)}" for k, v in was.items() if (lora_cfg or {}).get(k) != v)
+               + " (--lora, --lora-alpha, --lora-targets, --quantize or the config's \"lora\" section)" if was
+               else "no --lora and no \"lora\" section") + "; another --save folder starts afresh")
     # read (and refuse) the data before anything is compiled
-    data = load_text_data(args.data, seq_len=seq_len, tokenizer=args.tokenizer,
-                          min_train_rows=cfg.train_batch_size)
-    if data.vocab_size > gpt_cfg.vocab_size:
-        raise DataError(f"the tokenizer has {data.vocab_size} tokens but the model's vocab is {gpt_cfg.vocab_size}")
+    data = load_data(args, choice, seq_len, cfg.train_batch_size, notes)
     remat = args.remat
     remat_why = "--remat"
     if remat is None:
@@ -558,8 +922,10 @@ def main(argv=None):
         remat_why = ("the config has no activation_checkpointing section" if ac is None else
                      "the config's activation_checkpointing section")
     remat = None if remat == "none" else remat
-    dtype = compute_dtype(cfg)
-    loss_fn = _loss_fn(args.loss_chunk)
+    loss_fn = _loss_fn(args.loss_chunk, family)
+
+    def build(remat_policy):  # a randomly initialised model (the planner's and the offload probe's too)
+        return choice.build(seed, dtype, remat_policy)
 
     planned = False
     if args.micro_batch == "auto" or (args.micro_batch is None and
@@ -567,23 +933,52 @@ def main(argv=None):
         planned_remat = remat
         # the planner varies remat unless --remat or the config's remat_policy names one
         named = args.remat is not None or getattr(cfg.activation_checkpointing, "remat_policy", None) is not None
-        cfg, remat = _plan_micro_batch(cfg, gpt_cfg, dtype, remat, not named, seq_len, loss_fn,
+        cfg, remat = _plan_micro_batch(cfg, build, dtype, remat, not named, seq_len, loss_fn,
                                        _requested_options(args))
         planned = True
         if remat != planned_remat:
             remat_why = "chosen by the planner (micro-batch auto)"
     if meta is not None and _batch_note(meta, cfg):
         notes.append(_batch_note(meta, cfg))
-    _print_run(args, cfg, size, steps, schedule_steps, lr, lr_default, precision, precision_why,
-               remat, remat_why, seq_len, data, saved, notes, filled=_filled_autos(raw, fill, cfg))
-    make_model = lambda: GPT2(gpt_cfg, rngs=nnx.Rngs(seed), dtype=dtype, remat_policy=remat)  # noqa: E731
+    _print_run(args, cfg, choice.label, size, steps, schedule_steps, lr, lr_default, precision, precision_why,
+               remat, remat_why, seq_len, data, saved, notes, filled=_filled_autos(raw, fill, cfg), lora=lora_cfg)
+    make_model = functools.partial(build, remat)
     loop, loop_why = (args.offload_loop, "--offload-loop") if args.offload_loop else _offload_loop_auto(
         cfg, make_model, seq_len, loss_fn)
+    # FLOPs a token for MFU: GPT-2's own count; other models' from zerojax.model (their parameter tree)
+    if family == "gpt2":
+        fpt = flops_per_token(choice.config, seq_len)
+    else:
+        from zerojax.model import model_dims
+
+        dims = model_dims(nnx.eval_shape(make_model))
+        fpt = dims.flops_per_token(seq_len)
+        if lora_cfg is not None:  # a frozen base takes no weight gradients: 2 of its 6 FLOPs a parameter
+            fpt -= 2.0 * dims.params
     if hf is not None:
         from zerojax.models.hf import gpt2_from_params
-        model = gpt2_from_params(gpt_cfg, hf, dtype=dtype, remat_policy=remat)
+        model = gpt2_from_params(choice.config, hf, dtype=dtype, remat_policy=remat)
+    elif args.hf_checkpoint:  # Llama family: read tensor by tensor (fp32 storage), computing in dtype
+        from zerojax.models import from_hf
+        model = from_hf(args.hf_checkpoint, remat_policy=remat)
+        model.dtype = np.dtype(dtype)
     else:  # built shard by shard on the devices, never whole on one
         model = make_model
+    if lora_cfg is not None:
+        from zerojax import lora
+
+        base = model() if callable(model) and not isinstance(model, nnx.Module) else model
+        try:
+            model = lora.apply(base, lora_cfg)
+        except ValueError as e:  # e.g. nf4 / int4 on a layer whose size is not a multiple of their block
+            if isinstance(e, zerojax.ConfigError):
+                raise
+            raise ConfigMismatch(f"LoRA on {choice.label}: {e}") from None
+        del base
+        print(f"LoRA: rank {lora_cfg['r']}, alpha {lora_cfg['lora_alpha']:g}, targets "
+              f"{', '.join(model.adapter.targets)}; {lora.trainable_count(model):,} trained parameters, the base "
+              f"frozen" + (f" and stored {lora_cfg['quantize']}" if lora_cfg.get("quantize") else
+                           f" in {lora_cfg['base_dtype']}"))
     options = _engine_options(args, cfg, loop, planned)
     # MFU's denominator: --peak-tflops, else the matmul ceiling in the run's precision, measured
     # before the engine holds any memory (its buffers are freed); none where no step is timed (the
@@ -614,17 +1009,17 @@ def main(argv=None):
     batches = data.train_batches(cfg.train_batch_size, seed=seed, start_step=start,
                                  num_steps=max(0, steps - start))
     if args.resume:
-        epoch, k = divmod(start, batches.steps_per_epoch)
+        epoch, k = divmod(start, data.steps_per_epoch)
         print(f"resumed from {path} at step {start} (data position: batch {start}, i.e. epoch {epoch} "
-              f"batch {k} of {batches.steps_per_epoch}, seed {seed})")
+              f"batch {k} of {data.steps_per_epoch}, seed {seed})")
         if start >= steps:
             print(f"the checkpoint is at step {start} >= --steps {steps}: nothing to train "
                   f"(raise --steps to continue)")
 
     n_dev = jax.device_count()
     kind = jax.devices()[0].device_kind
-    fpt = flops_per_token(gpt_cfg, seq_len)
-    print(f"GPT-2 {size} ({sum(x.size for x in jax.tree.leaves(engine.master_params)) / 1e6:.1f}M params), "
+    trained = sum(x.size for x in jax.tree.leaves(engine.master_params))
+    print(f"{choice.label} ({trained / 1e6:.1f}M params" + (f"; LoRA: {trained:,} trained" if lora_cfg else "") + "), "
           f"{n_dev} x {kind}, ZeRO stage {cfg.zero_optimization.stage}, {dtype.name if hasattr(dtype, 'name') else dtype}, "
           f"batch {cfg.train_batch_size} = {cfg.train_micro_batch_size_per_gpu} x {cfg.gradient_accumulation_steps} "
           f"x {cfg.world_size}, seq {seq_len}, remat {remat}; " + (
@@ -639,9 +1034,9 @@ def main(argv=None):
     bar = tqdm(batches, total=max(0, steps - start), initial=0, desc="train", dynamic_ncols=True,
                disable=not interactive)
     losses = []  # device scalars, read once at the end (no host sync per step)
-    for i, rows in enumerate(bar):
+    for i, batch in enumerate(bar):
         meter.before_step()
-        metrics = engine.train_step({"input_ids": rows})
+        metrics = engine.train_step(batch)
         losses.append(metrics["loss"])
         meter.after_step(metrics["loss"])
         if (i + 1) % 10 == 0 or i == steps - start - 1:
@@ -665,11 +1060,12 @@ def main(argv=None):
     jax.block_until_ready(engine.state)
     bar.close()
     losses = [float(x) for x in losses]
-    summary = {"model": size, "config": os.path.basename(args.config), "devices": n_dev,
+    summary = {"model": size, "family": family, "config": os.path.basename(args.config), "devices": n_dev,
                "stage": cfg.zero_optimization.stage, "train_batch_size": cfg.train_batch_size,
                "seq_len": seq_len, "remat": remat, "precision": precision, "start_step": start,
                "steps": steps, "schedule_steps": schedule_steps, "lr": lr,
-               "master_split": engine.layout.step.split_master}
+               "master_split": engine.layout.step.split_master, "trained_params": int(trained),
+               "lora": lora_cfg}
     if meter.tokens_per_s_per_device is not None:
         summary["tokens_per_s_per_device"] = round(meter.tokens_per_s_per_device)
     if meter.mfu is not None:
@@ -679,8 +1075,8 @@ def main(argv=None):
     if "peak_bytes_in_use" in stats:
         summary["peak_gib_device0"] = round(stats["peak_bytes_in_use"] / 2**30, 2)
 
-    val_losses = [float(engine.eval_step({"input_ids": rows}))
-                  for _, rows in zip(range(args.eval_batches), data.val_batches(cfg.train_batch_size))]
+    val_losses = [float(engine.eval_step(batch))
+                  for _, batch in zip(range(args.eval_batches), data.val_batches(cfg.train_batch_size))]
     if val_losses:
         v = float(np.mean(val_losses))
         print(f"validation loss {v:.4f}, perplexity {math.exp(min(v, 50)):.2f}")
@@ -693,22 +1089,21 @@ def main(argv=None):
 
     if args.save and (losses or not args.resume):  # a resumed run that trained nothing changed nothing
         before = set(checkpoint_files.finalized_tags(args.save))
-        client_state = {"gpt2_large_example": {"schedule_steps": schedule_steps, "lr": lr, "seed": seed}}
+        client_state = {"gpt2_large_example": {"schedule_steps": schedule_steps, "lr": lr, "seed": seed,
+                                               "lora": lora_cfg}}
         path = engine.save_checkpoint(args.save, client_state=client_state, keep=args.keep)
         print(f"checkpoint saved: {path}")
         removed = sorted(before - set(checkpoint_files.finalized_tags(args.save)))
         if removed:
             print(f"--keep {args.keep}: removed the older checkpoint(s) {', '.join(removed)}")
     if args.export_hf:
-        from zerojax.models.hf import save_hf
-        save_hf(engine.master_params, gpt_cfg, args.export_hf)
-        print(f"Hugging Face weights written to {args.export_hf}")
+        export_hf(args, engine, choice, lora_cfg)
     engine.close()
     return summary
 
 
-def _print_run(args, cfg, size, steps, schedule_steps, lr, lr_default, precision, precision_why,
-               remat, remat_why, seq_len, data, saved, notes, filled=()):
+def _print_run(args, cfg, label, size, steps, schedule_steps, lr, lr_default, precision, precision_why,
+               remat, remat_why, seq_len, data, saved, notes, filled=(), lora=None):
     """The run as resolved from flags, config and checkpoint, printed once before any compile."""
     sched = cfg.to_dict().get("scheduler")
     sched_text = "none (constant lr)" if not sched else (
@@ -719,7 +1114,7 @@ def _print_run(args, cfg, size, steps, schedule_steps, lr, lr_default, precision
                  "saved with the checkpoint" if "schedule_steps" in saved else
                  "= --steps" if steps else "unused: no training step")
     data_name = args.data or "the embedded corpus"
-    print(f"run: GPT-2 {size}, config {args.config}, ZeRO stage {cfg.zero_optimization.stage}")
+    print(f"run: {label}, config {args.config}, ZeRO stage {cfg.zero_optimization.stage}")
     print(f"  steps:     {'resume, then ' if args.resume else ''}train until global step {steps}"
           + (" (0: no training, evaluation only)" if steps == 0 else ""))
     print(f"  schedule:  {sched_text}  [length {schedule_steps}: {sched_why}]")
@@ -729,7 +1124,10 @@ def _print_run(args, cfg, size, steps, schedule_steps, lr, lr_default, precision
     print(f"  batch:     train_batch_size {cfg.train_batch_size} = micro-batch "
           f"{cfg.train_micro_batch_size_per_gpu} x accumulation {cfg.gradient_accumulation_steps} x "
           f"{cfg.world_size} data-parallel; seq {seq_len}: {cfg.train_batch_size * seq_len:,} tokens/step")
-    print(f"  data:      {data_name}: {len(data.train):,} training rows, {len(data.val):,} validation")
+    print(f"  data:      {data_name}: {data.n_train:,} {data.what}, {data.n_val:,} validation rows")
+    if lora:
+        print(f"  lora:      " + ", ".join(f"{k}={json.dumps(v)}" for k, v in lora.items()
+                                          if v not in (None, False) or k in ("r", "lora_alpha")))
     if filled:
         print(f"  auto:      {', '.join(filled)}")
     total = (((sched or {}).get("params") or {}).get("total_num_steps"))

@@ -572,3 +572,228 @@ def test_precision_resolved_as_hugging_face_fills_it(sections, flag, device, exp
 
     assert compute_dtype(zerojax.load_config(out)).name == {"fp32": "float32", "bf16": "bfloat16",
                                                              "fp16": "float16"}[mode]
+
+
+# --------------------------------------------------------------------------- the Llama family, fine-tuning
+# data and LoRA through the example: a tiny Llama written by transformers, a word-level tokenizer
+# with a chat template (tests/data/test_finetune_data.py's), fp32 so that exports compare closely
+
+WORDS = ["[UNK]", "<pad>", "<s>", "</s>", "<|user|>", "<|assistant|>", "<|system|>", "hello", "there", "hi",
+         "friend", "what", "is", "two", "plus", "four", "be", "brief", "yes", "no", "ok"]
+CHAT_TEMPLATE = ("{{ bos_token }}{% for m in messages %}{{ '<|' + m['role'] + '|> ' + m['content'] + ' ' + eos_token }}"
+                 "\n{% endfor %}{% if add_generation_prompt %}{{ '<|assistant|>' }}{% endif %}")
+LLAMA_RUN = ["--seq-len", "32", "--micro-batch", "1", "--eval-batches", "0"]
+
+
+@pytest.fixture(scope="module")
+def hf_llama(tmp_path_factory):
+    """A random tiny LlamaForCausalLM (vocabulary 101: padded on zerojax's side; GQA 4:2) with a
+    tokenizer folder's files beside it, prompt / completion and chat .jsonl data, an fp32 config."""
+    torch = pytest.importorskip("torch")
+    transformers = pytest.importorskip("transformers")
+    from tokenizers import Tokenizer, models, pre_tokenizers, processors
+
+    path = tmp_path_factory.mktemp("hf_llama")
+    torch.manual_seed(0)
+    cfg = transformers.LlamaConfig(vocab_size=101, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+                                   bos_token_id=2, eos_token_id=3, pad_token_id=1)
+    hf = transformers.LlamaForCausalLM(cfg)
+    with torch.no_grad():  # an LM head that frozen-base LoRA can steer (at 0.02 the logits stay within +-1)
+        hf.lm_head.weight.mul_(25.0)
+    hf.save_pretrained(path)
+    tok = Tokenizer(models.WordLevel({w: i for i, w in enumerate(WORDS)}, unk_token="[UNK]"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tok.add_special_tokens(["<pad>", "<s>", "</s>", "<|user|>", "<|assistant|>", "<|system|>"])
+    tok.post_processor = processors.TemplateProcessing(single="<s> $A", special_tokens=[("<s>", 2)])
+    tok.save(str(path / "tokenizer.json"))
+    (path / "tokenizer_config.json").write_text(json.dumps({
+        "bos_token": "<s>", "eos_token": "</s>", "pad_token": "<pad>", "unk_token": "[UNK]",
+        "chat_template": CHAT_TEMPLATE, "tokenizer_class": "PreTrainedTokenizerFast"}))
+    rng = np.random.default_rng(0)
+    words = WORDS[7:]
+    pairs = [{"prompt": " ".join(rng.choice(words, 3)), "completion": " ".join(rng.choice(words[:4], 2))}
+             for _ in range(64)]
+    (path / "pc.jsonl").write_text("".join(json.dumps(r) + "\n" for r in pairs))
+    chats = [{"messages": [{"role": "user", "content": r["prompt"]}, {"role": "assistant", "content": r["completion"]}]}
+             for r in pairs]
+    (path / "chat.jsonl").write_text("".join(json.dumps(r) + "\n" for r in chats))
+    with open(os.path.join(ROOT, "configs", "zero2_bf16.json")) as f:
+        ds = json.load(f)
+    ds["bf16"] = {"enabled": False}
+    (path / "ds_fp32.json").write_text(json.dumps(ds))
+    return path
+
+
+def _capture(monkeypatch, module, name):
+    """Wrap module.name so that the model it is given is kept (the trained model the example exports)."""
+    got, real = {}, getattr(module, name)
+
+    def wrapper(model, *a, **k):
+        got.setdefault("model", model)
+        return real(model, *a, **k)
+
+    monkeypatch.setattr(module, name, wrapper)
+    return got
+
+
+def _logits_ours(model, ids):
+    import jax.numpy as jnp
+
+    model.dtype = jnp.dtype(jnp.float32)  # the export is the fp32 master: compare in fp32
+    model.eval()
+    return np.asarray(model(jnp.asarray(ids)))
+
+
+def _logits_torch(model, ids):
+    import torch
+
+    with torch.no_grad():
+        return model(input_ids=torch.from_numpy(ids.astype(np.int64))).logits.numpy()
+
+
+IDS = np.random.default_rng(1).integers(0, 101, (2, 12), dtype=np.int32)
+
+
+def test_llama_from_hf_folder_fine_tunes_on_prompt_completion_and_exports(hf_llama, tmp_path, monkeypatch):
+    """--hf-checkpoint of a Llama (model_type "llama": zerojax.models.from_hf) with its tokenizer folder,
+    prompt / completion .jsonl packed with segment ids: the loss on the completions falls; --export-hf
+    writes a folder transformers loads, whose logits are the trained zerojax model's."""
+    import transformers
+
+    import zerojax.models
+
+    got = _capture(monkeypatch, zerojax.models, "to_hf")
+    out = tmp_path / "export"
+    summary = _example().main(["--config", str(hf_llama / "ds_fp32.json"), "--hf-checkpoint", str(hf_llama),
+                               "--data", str(hf_llama / "pc.jsonl"), *LLAMA_RUN, "--steps", "8", "--lr", "1e-2",
+                               "--export-hf", str(out)])
+    assert summary["family"] == "llama" and summary["model"] == "hf" and summary["lora"] is None
+    assert summary["last_loss"] < summary["first_loss"] - 0.5, summary["losses"]
+    hf = transformers.LlamaForCausalLM.from_pretrained(out).eval()
+    ours = _logits_ours(got["model"], IDS)
+    np.testing.assert_allclose(_logits_torch(hf, IDS), ours, rtol=1e-4, atol=1e-4)
+    base = transformers.LlamaForCausalLM.from_pretrained(hf_llama).eval()
+    assert np.abs(_logits_torch(base, IDS) - ours).max() > 1e-2  # trained: not the checkpoint it started from
+    assert (out / "tokenizer_config.json").exists() and (out / "tokenizer.json").exists()
+
+
+def test_lora_trains_adapters_only_and_exports_peft_and_merged(hf_llama, tmp_path, monkeypatch, capsys):
+    """--lora 4 on chat .jsonl (the loss on the assistant turns): only the adapters train (the frozen
+    base is bitwise the checkpoint's); --export-hf --merge writes PEFT's adapter folder, which
+    peft.PeftModel.from_pretrained loads onto the transformers base with the trained model's logits,
+    and the merged model, which transformers loads with the same logits."""
+    transformers = pytest.importorskip("transformers")
+    peft = pytest.importorskip("peft")
+    from flax import nnx
+
+    from zerojax import lora
+    from zerojax.models import from_hf
+
+    got = _capture(monkeypatch, lora, "save_peft")
+    out = tmp_path / "export"
+    summary = _example().main(["--config", str(hf_llama / "ds_fp32.json"), "--hf-checkpoint", str(hf_llama),
+                               "--data", str(hf_llama / "chat.jsonl"), *LLAMA_RUN, "--steps", "8", "--lr", "2e-2",
+                               "--lora", "4", "--export-hf", str(out), "--merge"])
+    assert summary["last_loss"] < summary["first_loss"] - 0.3, summary["losses"]
+    model = got["model"]
+    settings = summary["lora"]
+    assert settings["r"] == 4 and settings["target_modules"] == "all-linear"
+    assert summary["trained_params"] == lora.trainable_count(model) < 0.2 * sum(
+        x.size for x in jax_leaves(nnx.state(model)))
+    fresh = lora.apply(from_hf(hf_llama), settings)
+    frozen = lambda m: nnx.to_pure_dict(nnx.state(m, lora.FrozenWeight))  # noqa: E731
+    import jax
+
+    jax.tree.map(lambda a, b: np.testing.assert_array_equal(np.asarray(a), np.asarray(b)), frozen(model), frozen(fresh))
+    b_norms = [float(np.abs(np.asarray(v)).max()) for path, v in jax.tree_util.tree_leaves_with_path(
+        nnx.to_pure_dict(nnx.state(model, nnx.Param))) if "lora_B" in jax.tree_util.keystr(path)]
+    assert b_norms and min(b_norms) > 0  # every adapter trained (PEFT's init: B = 0)
+
+    ours = _logits_ours(model, IDS)
+    base = transformers.LlamaForCausalLM.from_pretrained(hf_llama).eval()
+    with_adapter = peft.PeftModel.from_pretrained(base, out / "adapter").eval()
+    np.testing.assert_allclose(_logits_torch(with_adapter, IDS), ours, rtol=1e-4, atol=1e-4)
+    merged = transformers.LlamaForCausalLM.from_pretrained(out).eval()
+    np.testing.assert_allclose(_logits_torch(merged, IDS), ours, rtol=1e-4, atol=1e-4)
+    assert "LoRA: rank 4, alpha 8, targets" in capsys.readouterr().out
+
+
+def jax_leaves(tree):
+    import jax
+
+    return jax.tree.leaves(tree)
+
+
+def test_model_names_cover_the_llama_shapes_and_an_unknown_name_lists_them(capsys):
+    from zerojax.models import LlamaConfig
+
+    example = _example()
+    with pytest.raises(ValueError) as info:  # the shapes LlamaConfig.named offers, from its own message
+        LlamaConfig.named("?")
+    offered = set(json.loads(str(info.value).split("choose one of ")[1].replace("'", '"')))
+    assert set(example.LLAMA_SHAPES.values()) == offered
+    for name in example.LLAMA_SHAPES:
+        assert example.named_model(name).family == "llama"
+    with pytest.raises(SystemExit) as info:
+        example.parse_args(["--model", "llama-9b"])
+    err = capsys.readouterr().err
+    assert info.value.code == 2 and "argument --model: invalid choice: 'llama-9b' (choose from " in err, err
+    assert all(name in err for name in example.MODEL_CHOICES), err
+
+
+@pytest.mark.parametrize("case", ["offload_param", "gpt2", "quantize alone", "bad section"])
+def test_lora_refusals_are_one_line_before_anything_is_built(case, tmp_path):
+    """What LoRA cannot run with is refused from the flags and the config alone (no data read, no
+    model built): offload_param or pipeline stages (zerojax.lora's layer scans), GPT-2, a LoRA flag
+    without a rank, a "lora" section zerojax.lora.from_config_dict refuses."""
+    from zerojax.config import ConfigError
+
+    example = _example()
+    argv, sections = ["--model", "tiny-llama", *TINY[2:], "--steps", "1", "--lora", "4"], {}
+    if case == "offload_param":
+        sections = {"zero_optimization": {"stage": 3, "offload_param": {"device": "cpu"}}}
+        want = (example.ConfigMismatch, "LoRA with zero_optimization.offload_param.device 'cpu'")
+    elif case == "gpt2":
+        argv[1] = "tiny"
+        want = (example.ConfigMismatch, "adapts the Llama family")
+    elif case == "quantize alone":
+        argv = [*argv[:-2], "--quantize", "nf4"]
+        want = (example.ConfigMismatch, "--quantize is a LoRA setting: add --lora R")
+    else:
+        argv = argv[:-2]
+        sections = {"lora": {"r": 4, "target_modules": "all-linear", "lora_alhpa": 16}}
+        want = (ConfigError, "lora.lora_alhpa: unknown key; did you mean 'lora_alpha'?")
+    path = _config_file(tmp_path, **sections)
+    with pytest.raises(want[0], match=want[1].replace("(", r"\(")):
+        example.main(["--config", str(path), *argv, "--data", str(tmp_path / "never-read.jsonl")])
+
+
+def test_a_bad_jsonl_line_is_one_error_line_naming_file_and_line(tmp_path):
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"prompt": "hi", "completion": "there"}\n\n{"prompt": "hi", "completion": 3}\n')
+    code, out = _cli("--model", "tiny-llama", *TINY[2:], "--steps", "1", "--data", str(bad))
+    assert code == 1 and out.strip() == (f"error: {bad}:3: 'completion' must be a string (got int); each line is "
+                                         '{"prompt": "...", "completion": "..."}'), out
+
+
+def test_llama_checkpoint_resumes_and_is_checked_against_the_run(tmp_path):
+    """A tiny Llama with LoRA saved; --resume with --model auto takes the checkpoint's model; another
+    model or other LoRA settings are refused in one line from the checkpoint's record and settings,
+    before anything is built."""
+    from zerojax.checkpoint.state import CheckpointError
+
+    example = _example()
+    ckpt = str(tmp_path / "ckpt")
+    example.main(["--model", "tiny-llama", *TINY[2:], "--steps", "1", "--save", ckpt, "--lora", "2"])
+    for argv, message in ((["--model", "tiny-qwen3", "--lora", "2"],
+                           "this checkpoint is tiny-llama (llama); use --model tiny-llama (this run asks for "
+                           "tiny-qwen3 (qwen3); another --save folder starts it afresh)"),
+                          (["--model", "tiny"], "this checkpoint is tiny-llama (llama); use --model tiny-llama"),
+                          (["--lora", "4"], "this checkpoint trained LoRA adapters of rank 2, this run asks for LoRA "
+                                            "of rank 4; resume with its settings: r 2 (--lora")):
+        with pytest.raises(CheckpointError, match=message.replace("(", r"\(").replace(")", r"\)")):
+            example.main([*argv, *TINY[2:], "--steps", "2", "--save", ckpt, "--resume"])
+    # (--steps 1: restored, nothing left to train, so no training step is compiled)
+    resumed = example.main(["--model", "auto", *TINY[2:], "--steps", "1", "--save", ckpt, "--resume", "--lora", "2"])
+    assert resumed["model"] == "tiny-llama" and resumed["start_step"] == 1 and resumed["losses"] == []

@@ -304,7 +304,7 @@ def load_finetune_data(source: str | os.PathLike, tokenizer, *, seq_len: int, pa
     tokenizer: a tokenizer folder / tokenizer.json path, or a loaded `HFTokenizer`.
     packed: several examples a row, kept apart by segment ids (default), else one a row, padded.
     chat_template: overrides the tokenizer folder's, for {"messages"} records."""
-    if not hasattr(tokenizer, "encode"):
+    if isinstance(tokenizer, (str, os.PathLike)):  # a str has .encode too: test for a path first
         tokenizer = HFTokenizer(tokenizer)
     fmt, records = read_records(source)
     examples, truncated = [], 0
