@@ -162,6 +162,12 @@ def tensor_specs(state, mesh: Mesh, rules=None, *, tp=None, model_type: str | No
     bad: list[tuple[str, int, Any]] = []
     kept_whole: list[tuple[str, str, int]] = []
 
+    # a model that names its axes is taken at its word (an unnamed leaf stays whole); AutoTP's
+    # inference from parameter names is for a model that names none (a "layers" axis aside)
+    is_var = lambda x: isinstance(x, nnx.Variable)  # noqa: E731
+    named = any(n not in (None, "layers") for v in jax.tree.leaves(state, is_leaf=is_var)
+                for n in (_logical_axes(v) or ()))
+
     def spec_of(path, v):
         names = _logical_axes(v)
         shape = tuple(getattr(v, "shape", ()) or getattr(getattr(v, "value", None), "shape", ()))
@@ -173,7 +179,7 @@ def tensor_specs(state, mesh: Mesh, rules=None, *, tp=None, model_type: str | No
                     spec = entry.spec(shape, names)
                     break
         from_specs = spec is not None  # an explicit layer_specs split must divide (an error if not)
-        if spec is None and n_tensor > 1 and use_defaults and not any(n not in (None, "layers") for n in names or ()):
+        if spec is None and n_tensor > 1 and use_defaults and not named:
             spec = _inferred_spec(dotted_keys(path), shape, names, stacked_prefixes, n_tensor, kept_whole)
         if spec is None:
             spec = logical_to_mesh(names, mesh, rules) if use_defaults else P()
@@ -191,7 +197,7 @@ def tensor_specs(state, mesh: Mesh, rules=None, *, tp=None, model_type: str | No
         return spec
 
     specs = jax.tree_util.tree_map_with_path(spec_of, state, is_leaf=lambda x: isinstance(x, nnx.Variable))
-    if n_tensor > 1 and not any(TENSOR in s for s in jax.tree.leaves(specs, is_leaf=lambda x: isinstance(x, P))):
+    if n_tensor > 1 and not named and not any(TENSOR in s for s in jax.tree.leaves(specs, is_leaf=lambda x: isinstance(x, P))):
         names = [".".join(dotted_keys(p)) for p, _ in jax.tree_util.tree_flatten_with_path(
             state, is_leaf=lambda x: isinstance(x, nnx.Variable))[0]]
         raise ConfigError([
