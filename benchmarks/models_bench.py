@@ -63,6 +63,8 @@ def main(argv=None) -> int:
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--peak-tflops", type=float, default=None, help="the matmul ceiling MFU is counted against")
     p.add_argument("--tiny", action="store_true")
+    p.add_argument("--unroll", type=int, default=None,
+                   help="zerojax: layers per iteration of a stacked list's scan (0 = all; default: the engine's)")
     args = p.parse_args(argv)
 
     import jax
@@ -75,6 +77,8 @@ def main(argv=None) -> int:
     from zerojax import model as contract
 
     factory, loss_fn, vocab = build(args.model, args.tiny)
+    if args.unroll is not None:
+        contract.StackedBlocks.scan_unroll = args.unroll or True
     seq = 16 if args.tiny else args.seq
     rows = args.micro * jax.device_count()
     batch = {"input_ids": np.random.default_rng(0).integers(0, vocab, (rows, seq), dtype=np.int32)}
@@ -131,7 +135,7 @@ def main(argv=None) -> int:
     tps = args.steps * rows * seq / dt / jax.device_count()
     fpt = dims.flops_per_token(seq)
     stats = jax.local_devices()[0].memory_stats() or {}
-    out = {"model": args.model, "mode": args.mode, "remat": args.remat, "micro": args.micro, "seq": seq,
+    out = {"model": args.model, "mode": args.mode, "remat": args.remat, "unroll": args.unroll, "micro": args.micro, "seq": seq,
            "params": dims.params, "build_s": round(build_s, 1), "first_step_s": round(first_s, 1),
            "tokens_per_s_per_device": round(tps), "tflops": round(tps * fpt / 1e12, 1),
            "mfu": round(tps * fpt / 1e12 / args.peak_tflops, 4) if args.peak_tflops else None,
