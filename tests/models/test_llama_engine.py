@@ -94,9 +94,31 @@ CASES = {
 }
 
 
+@pytest.fixture(scope="module")
+def stage_runs(tmp_path_factory):
+    """ZeRO-3 saved after 2 steps, then its third step; ZeRO-1's 3 steps, then that checkpoint loaded
+    into it and the third step taken again from there. One engine per stage serves the feature
+    test and test_checkpoint_across_zero_stages."""
+    ck = tmp_path_factory.mktemp("ck") / "ck"
+    a, losses3, saved = train(config(3), steps=2)
+    a.save_checkpoint(ck)
+    losses3 = np.append(losses3, float(a.train_step(batches()[2])["loss"]))
+    a.synchronize()
+    b, losses1, master1 = train(config(1))
+    b.load_checkpoint(ck)
+    loaded = host(b.master_params)
+    b.train_step(batches()[2])
+    return {"zero3": (a, losses3, host(a.master_params)), "zero1": (b, losses1, master1),
+            "saved": saved, "ck": ck, "loaded": loaded, "resumed": host(b.master_params)}
+
+
 @pytest.mark.parametrize("case", sorted(CASES))
-def test_feature_equals_stage0(case, reference, nvme_dir):
-    eng, losses, master = train(CASES[case](nvme_dir))
+def test_feature_equals_stage0(case, reference, nvme_dir, request):
+    if case in ("zero1", "zero3"):  # engines shared with test_checkpoint_across_zero_stages
+        runs = request.getfixturevalue("stage_runs")
+        eng, losses, master = runs["zero1"] if case == "zero1" else runs["zero3"]
+    else:
+        eng, losses, master = train(CASES[case](nvme_dir))
     ref_losses, ref = reference
     np.testing.assert_allclose(losses, ref_losses, rtol=1e-5)
     assert_same(master, ref)
@@ -114,20 +136,16 @@ def test_feature_equals_stage0(case, reference, nvme_dir):
         eng.close()
 
 
-def test_checkpoint_across_zero_stages(reference, tmp_path):
+def test_checkpoint_across_zero_stages(reference, stage_runs, tmp_path):
     # saved at stage 3 after 2 steps, resumed at stage 1 (another sharding of every state leaf):
     # the third step lands where the uninterrupted stage-0 run does
-    a, _, saved = train(config(3), steps=2)
-    a.save_checkpoint(tmp_path / "ck")
-    b = zerojax.shard(model, config(1), loss_fn=llama_loss)
-    b.load_checkpoint(tmp_path / "ck")
-    assert_same(host(b.master_params), saved, atol=0)
-    b.train_step(batches()[2])
-    assert_same(host(b.master_params), reference[1])
+    saved = stage_runs["saved"]
+    assert_same(stage_runs["loaded"], saved, atol=0)
+    assert_same(stage_runs["resumed"], reference[1])
     # and the checkpoint exports as a Hugging Face folder that from_hf reads back
     from zerojax.checkpoint import export
     from zerojax.models import weights_writer
-    export(str(tmp_path / "ck"), str(tmp_path / "hf"), writer_for=weights_writer)
+    export(str(stage_runs["ck"]), str(tmp_path / "hf"), writer_for=weights_writer)
     back = from_hf(tmp_path / "hf")
     assert_same(host(nnx.to_pure_dict(nnx.state(back, nnx.Param))), saved, atol=0)
 

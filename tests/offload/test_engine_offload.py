@@ -59,10 +59,15 @@ def _model(prec, remat, gather=True):
     return m
 
 
-@functools.lru_cache(maxsize=None)
 def run(stage, prec, opt="none", par="none", ratio=1.0, remat=None, pin=False, optimizer="adamw",
         options=zerojax.EngineOptions(), gather=True):
-    """Engine after STEPS steps and its fp32 master weights (numpy)."""
+    """Engine after STEPS steps and its fp32 master weights (numpy): one engine per setting for the
+    whole file, however the arguments are spelled (tests read it; none trains it further)."""
+    return _run(stage, prec, opt, par, ratio, remat, pin, optimizer, options, gather)
+
+
+@functools.lru_cache(maxsize=None)
+def _run(stage, prec, opt, par, ratio, remat, pin, optimizer, options, gather):
     make = functools.partial(_model, prec, remat, gather)
     eng = zerojax.shard(make, config(stage, prec, opt, par, ratio, pin, optimizer), loss_fn=gpt2.gpt2_loss,
                         options=options)
@@ -270,8 +275,8 @@ def test_host_loop_groups_layers_by_bytes():
     # offload_loop="host": each chunk is the fewest layers (a divisor of the
     # 4) whose fp32 master holds offload_host_chunk_bytes on one device (ZeRO-2 on 8 devices);
     # the bytes counted by numpy on the one-layer-a-chunk engine's host chunks
-    one = zerojax.shard(lambda: gpt2.GPT2(C, rngs=nnx.Rngs(0)), config(2, "fp32", "cpu"), loss_fn=gpt2.gpt2_loss,
-                        options=zerojax.EngineOptions(offload_loop="host", offload_host_chunk_bytes=1))
+    # (test_host_loop_matches_device's engine; its byte counts are the same after its steps)
+    one = run(2, "fp32", "cpu", options=zerojax.EngineOptions(offload_loop="host", offload_host_chunk_bytes=1))[0]
     chunks = one.offload_layout.layout.chunks
     assert [(c.lo, c.hi) for c in chunks if not c.rest] == [(0, 1), (1, 2), (2, 3), (3, 4)]
     layer = [sum(x.addressable_shards[0].data.nbytes for x in jax.tree.leaves(one.state.master[i]))
@@ -289,9 +294,10 @@ def test_host_loop_groups_layers_by_bytes():
     assert eng.offload_settings["chunks"] == 2
     _, ref = run(2, "fp32")
     close(master, ref, 1e-6)
-    # the default (256 MiB) takes the tiny model's 4 layers as one chunk
-    default = zerojax.shard(lambda: gpt2.GPT2(C, rngs=nnx.Rngs(0)), config(2, "fp32", "cpu"), loss_fn=gpt2.gpt2_loss,
-                            options=zerojax.EngineOptions(offload_loop="host"))
+    # the default (256 MiB) takes the tiny model's 4 layers as one chunk (the layout: an abstract engine)
+    from zerojax.train.engine import abstract_engine
+    default = abstract_engine(lambda: gpt2.GPT2(C, rngs=nnx.Rngs(0)), config(2, "fp32", "cpu"), loss_fn=gpt2.gpt2_loss,
+                              options=zerojax.EngineOptions(offload_loop="host"))
     assert default.offload_settings["chunks"] == 1
     with pytest.raises(ValueError, match=r"offload_host_chunk_bytes=0: use an int >= 1"):
         zerojax.EngineOptions(offload_host_chunk_bytes=0)
@@ -517,9 +523,11 @@ def test_offload_checkpoint_resumes_under_any_layout(tmp_path):
                                for x in jax.tree.leaves(e.layout.to_stored(e.state).opt_state)]
     saved_opt = unchunked_opt(a)
     want = [float(a.train_step(b)["loss"]) for b in data[2:]]
+    uninterrupted = jax.tree.map(lambda x: np.asarray(x, np.float32), a.master_params)
 
-    def resume(cfg, options=zerojax.EngineOptions()):
-        eng = zerojax.shard(make, cfg, loss_fn=gpt2.gpt2_loss, options=options)
+    def resume(cfg, options=zerojax.EngineOptions(), eng=None):
+        if eng is None:
+            eng = zerojax.shard(make, cfg, loss_fn=gpt2.gpt2_loss, options=options)
         eng.load_checkpoint(tmp_path / "ck")
         assert eng.global_steps == 2
         for x, y in zip(jax.tree.leaves(eng.master_params), jax.tree.leaves(saved)):
@@ -530,17 +538,21 @@ def test_offload_checkpoint_resumes_under_any_layout(tmp_path):
             np.testing.assert_array_equal(x, y)
         return eng, [float(eng.train_step(b)["loss"]) for b in data[2:]]
 
-    same, losses = resume(config(3, "bf16", "cpu", "cpu"))
+    # (a) the same offload: loaded back into the engine that saved it, now 2 steps past the checkpoint
+    # (every state leaf must be replaced for the next steps to repeat bitwise)
+    same, losses = resume(None, eng=a)
     assert losses == want
     check_placement(same, params_host=True)
-    for x, y in zip(jax.tree.leaves(same.master_params), jax.tree.leaves(a.master_params)):
-        np.testing.assert_array_equal(np.asarray(x, np.float32), np.asarray(y, np.float32))
+    for x, y in zip(jax.tree.leaves(same.master_params), jax.tree.leaves(uninterrupted)):
+        np.testing.assert_array_equal(np.asarray(x, np.float32), y)
     # another layout: half the pieces offloaded (offload_optimizer.ratio 0.5)
     other, losses = resume(config(3, "bf16", "cpu", "cpu", ratio=0.5))
     assert [(c.host, c.lo, c.hi) for c in other.offload_layout.layout.chunks] == [
         (True, 0, 0), (True, 0, 2), (False, 2, 4)]  # rest + layers 0-1 on the host, 2-3 on the device
     np.testing.assert_allclose(losses, want, rtol=1e-4)
-    _, losses = resume(config(3, "bf16"))  # no offload
+    # no offload: the file's stage-3 bf16 reference engine (what other tests read of it, a copy of its
+    # weights taken when built and its state's byte counts, a checkpoint does not change)
+    _, losses = resume(None, eng=run(3, "bf16")[0])
     np.testing.assert_allclose(losses, want, rtol=1e-4)
     # one host chunk per layer (the layout of offload_loop "host"), updated after the
     # step's jit from Python ("host"; optimizer offload alone); the whole fp32 master on the host
@@ -595,7 +607,8 @@ def test_memory_report_moves_bytes_to_host():
     # the same bytes, give or take the per-chunk step counters (3 chunks x int32 vs one)
     assert abs(off["host"] - moved) <= 16
     assert abs((ref["model_states"] - off["model_states"]) - moved) <= 16
-    both = run(3, "bf16", "cpu", "cpu")[0].memory_report()
+    # (test_offload_param_and_optimizer_stage3's engine: remat changes no state array, so no byte here)
+    both = run(3, "bf16", "cpu", "cpu", remat="full")[0].memory_report()
     assert both["params"] == both["gradients"] == both["model_states"] == 0
     assert abs(both["host"] - (moved + ref["params"] + ref["gradients"] // 2)) <= 16  # bf16 host grads
 

@@ -110,7 +110,12 @@ def test_stages_exchange_activations_and_keep_their_tensor_split_weights():
 def test_checkpoint_from_all_three_axes_resumes_on_the_plain_model(tmp_path):
     src = trained(2, 2, 1)[0]
     src.save_checkpoint(str(tmp_path), tag="t")
-    eng = zerojax.shard(lambda: GPT2(MODEL, rngs=nnx.Rngs(0)), config(1, 1, 1), loss_fn=gpt2_loss)
+    # into the plain reference run's engine (what the other tests read of it, copies of its metrics and
+    # weights, a load does not change), one step past it first so that the load must restore every
+    # value (weights, momentum, step count)
+    eng = trained(1, 1, 0)[0]
+    eng.train_step(batches()[0])
+    assert eng.global_steps == STEPS + 1
     eng.load_checkpoint(str(tmp_path), tag="t")
     jax.tree.map(np.testing.assert_array_equal, host((eng.master_params, eng.state.opt_state)),
                  host((src.master_params, src.state.opt_state)))

@@ -192,8 +192,12 @@ def test_checkpoint_resumes_across_stage_counts(tmp_path):
     src = trained(2, 1, 0)[0]
     src.save_checkpoint(str(tmp_path), tag="t")
     want = host((src.master_params, src.state.opt_state))
-    for stages in (4, 1):
-        eng = engine(stages)
+    # into the engines other tests trained (4 stages with ZeRO-1; the plain model): what those tests
+    # read of them (copies of their metrics and weights, their compiled steps) a load does not change.
+    # One step more first, so that the load must restore every value (weights, momentum, step count)
+    for eng in (trained(4, 1, 1, 2)[0], trained(1, 1, 0)[0]):
+        eng.train_step(batches()[0])
+        assert eng.global_steps == STEPS + 1
         eng.load_checkpoint(str(tmp_path), tag="t")
         got = host((eng.master_params, eng.state.opt_state))
         jax.tree.map(np.testing.assert_array_equal, got, want)

@@ -3,6 +3,7 @@
 Reference: stage 0 (nothing sharded) on the same batches, fp32, 1e-6. The HLO check asserts the
 gather is per layer: an all-gather inside the layer loop's body, not only before it.
 """
+import functools
 import re
 
 import jax
@@ -24,7 +25,14 @@ def cfg(stage):
             "zero_optimization": {"stage": stage, "stage3_param_persistence_threshold": 0}}
 
 
-def train(stage, remat, monkeypatch, gather=True, steps=3):
+def train(stage, remat, gather=True):
+    return _train(stage, remat, gather)  # one cache key however it is called
+
+
+@functools.lru_cache(maxsize=None)
+def _train(stage, remat, gather, steps=3):
+    """The engine after `steps` steps; one engine per setting serves every test (its compiled step is
+    cached in it: the HLO and lowering checks read the engine the numerics test trained)."""
     def make():
         m = gpt2.GPT2(C, rngs=nnx.Rngs(0), remat_policy=remat)
         if not gather:  # no per-layer hook: the placement left to GSPMD
@@ -40,9 +48,9 @@ def train(stage, remat, monkeypatch, gather=True, steps=3):
 
 
 @pytest.mark.parametrize("remat", [None, "full"])
-def test_stage3_layer_gather_matches_stage0(remat, monkeypatch):
-    ref = train(0, remat, monkeypatch)
-    eng = train(3, remat, monkeypatch)
+def test_stage3_layer_gather_matches_stage0(remat):
+    ref = train(0, remat)
+    eng = train(3, remat)
     assert eng.stage3_gather == "layer"
     for (path, a), b in zip(jax.tree_util.tree_leaves_with_path(eng.master_params),
                             jax.tree.leaves(ref.master_params)):
@@ -69,20 +77,20 @@ def _loop_body_collectives(hlo: str) -> list[int]:
     return counts
 
 
-def test_stage3_gathers_each_layer_inside_the_layer_loop(monkeypatch):
+def test_stage3_gathers_each_layer_inside_the_layer_loop():
     """On CPU (jax 0.10) XLA emits, in the forward layer loop, one all-gather per stacked leaf
     (12 for GPT-2's block) with the gather hook; without it GSPMD gathers 2 leaves there and moves
     activations (all-reduce) for the rest. (The backward loop takes the gathered weights XLA chose
     to keep; on GPU the remat policy decides: see benchmarks/.)"""
     shapes = {"input_ids": jax.ShapeDtypeStruct((8, 8), jnp.int32)}
     n_leaves = len(jax.tree.leaves(gpt2.GPT2(C, rngs=nnx.Rngs(0)).h))
-    layer = _loop_body_collectives(train(3, None, monkeypatch, steps=1).compiled_step(shapes).as_text())
-    auto = _loop_body_collectives(train(3, None, monkeypatch, gather=False, steps=1).compiled_step(shapes).as_text())
+    layer = _loop_body_collectives(train(3, None).compiled_step(shapes).as_text())
+    auto = _loop_body_collectives(train(3, None, gather=False).compiled_step(shapes).as_text())
     assert max(layer) >= n_leaves, layer
     assert max(auto) < n_leaves, auto
 
 
-def test_stage3_gathers_the_non_layer_weights_whole(monkeypatch):
+def test_stage3_gathers_the_non_layer_weights_whole():
     """The embeddings (wte, wpe) are not in the layer scan; the gather hook constrains them to their
     stage-0 (replicated) sharding where the forward uses them. Left to GSPMD, on 2 H200s a
     hidden-sharded wte made XLA gather the token ids and the full-batch fp32 logits, and stage 3
@@ -92,7 +100,7 @@ def test_stage3_gathers_the_non_layer_weights_whole(monkeypatch):
     whole = {f"tensor<{C.padded_vocab_size}x{C.n_embd}xf32>", f"tensor<{C.n_positions}x{C.n_embd}xf32>"}
 
     def replicated_constraints(gather):
-        text = train(3, None, monkeypatch, gather=gather, steps=0).lower_step(shapes).as_text()
+        text = train(3, None, gather=gather).lower_step(shapes).as_text()
         found = re.findall(r"sdy\.sharding_constraint \S+ <@mesh, \[\{\}, \{\}\]> : (tensor<[^>]+>)", text)
         if not found:  # GSPMD lowering (no Shardy): a Sharding custom call marked {replicated}
             found = re.findall(r'@Sharding.*mhlo\.sharding = "\{replicated\}".*-> (tensor<[^>]+>)', text)

@@ -230,8 +230,14 @@ def test_checkpoint_reshards_across_tensor_sizes_and_exports_whole_tensors(tmp_p
     moments = lambda e: as_numpy([a for p, a in jax.tree_util.tree_leaves_with_path(e.state.opt_state)  # noqa: E731
                                   if re.search(r"\.(mu|nu)", jax.tree_util.keystr(p))])
     saved_moments = moments(eng)
-    for tp in (4, 1):
-        other = shard(GPT2(TINY, rngs=nnx.Rngs(1)), config(tp, 1), loss_fn=gpt2_loss)
+    # into the engines test_tensor_parallel_trains_like_tp1_stage0 trained (TP 4 ZeRO-3, TP 1 stage 0:
+    # what the tests read of them, copies of their weights and losses, their shardings and compiled
+    # steps, a load does not change), one step past them first so that the load must restore every
+    # value (weights, moments, step count)
+    for tp, stage in ((4, 3), (1, 0)):
+        other = run(tp, stage)[0]
+        other.train_step(batches(N, n=1, seed=1)[0])
+        assert other.global_steps == STEPS + 1
         other.load_checkpoint(str(tmp_path / "ckpt"))
         assert other.mesh.shape["tensor"] == tp
         assert_trees_close(as_numpy(other.master_params), master, atol=0)
