@@ -536,6 +536,8 @@ def jsonl_format(path) -> str | None:
     "text", "prompt_completion", "messages", or "other" (a JSON object of other keys: the
     fine-tuning reader names the formats); None for other data, or a first line that is not JSON
     (the text reader then names the file and the line)."""
+    from zerojax.data.finetune import record_format
+
     path = os.fspath(path)
     if os.path.isdir(path):
         files = sorted(os.path.join(r, n) for r, _, names in os.walk(path) for n in names
@@ -554,11 +556,7 @@ def jsonl_format(path) -> str | None:
                 return None
             if not isinstance(record, dict):
                 return None
-            if "messages" in record:
-                return "messages"
-            if "prompt" in record or "completion" in record:
-                return "prompt_completion"
-            return "text" if "text" in record else "other"
+            return record_format(record) or "other"
     return None
 
 

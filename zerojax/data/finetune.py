@@ -71,7 +71,7 @@ def read_records(path: str | os.PathLike) -> tuple[str, list[tuple[str, int, dic
             except json.JSONDecodeError as e:
                 raise DataError(f"{file}:{lineno}: column {e.colno}: not JSON ({e.msg}); each line is one JSON "
                                 f"object such as {_EXAMPLE['prompt_completion']}") from None
-            got = _format_of(record)
+            got = record_format(record)
             if got is None:
                 found = f"keys {sorted(record)[:6]}" if isinstance(record, dict) else f"a JSON {type(record).__name__}"
                 raise DataError(f"{file}:{lineno}: not a fine-tuning record ({found}); each line is one of "
@@ -88,7 +88,8 @@ def read_records(path: str | os.PathLike) -> tuple[str, list[tuple[str, int, dic
     return fmt, records
 
 
-def _format_of(record) -> str | None:
+def record_format(record) -> str | None:
+    """The fine-tuning format one record is in ("messages", "prompt_completion", "text"), else None."""
     if not isinstance(record, dict):
         return None
     if "messages" in record:
@@ -333,5 +334,5 @@ def load_finetune_data(source: str | os.PathLike, tokenizer, *, seq_len: int, pa
     return FinetuneData(arrays=arrays, tokenizer=tokenizer, seq_len=seq_len, format=fmt, truncated=truncated)
 
 
-__all__ = ["FORMATS", "FinetuneData", "load_finetune_data", "read_records", "encode_record", "pack_examples",
+__all__ = ["FORMATS", "FinetuneData", "load_finetune_data", "read_records", "record_format", "encode_record", "pack_examples",
            "render_chat", "assistant_spans", "compile_chat_template"]

@@ -484,36 +484,41 @@ class GPT2(nnx.Module):
             _block, eps=cfg.layer_norm_epsilon, dtype=dtype,
             attention_impl=_resolve_attention(self.attention_impl, dtype, cfg.head_dim),
             constrain=constrain)
-        policy = self.remat_policy
         fetch = getattr(self, "layer_fetch", None)
         layers = nnx.to_pure_dict(nnx.state(self.h, nnx.Param))
         layer_scan = getattr(self, "layer_scan", None)
-        if fetch is not None and layer_scan is not None:
-            # host-resident layers (offload_param): fetched one layer ahead, forward and backward
-            x = layer_scan(body, x, layers, fetch, inputs_to_host=policy == "offload")
-            return _layer_norm(x, self.ln_f.scale[...], self.ln_f.bias[...], cfg.layer_norm_epsilon, dtype)
-        if fetch is not None:
-            # inside the remat, and named so that no policy saves them: re-fetched in backward
-            block, policy = body, policy or "except_fetched"
-            body = lambda x, p: block(x, jax.tree.map(  # noqa: E731
-                lambda a: checkpoint_name(a, FETCHED_PARAMS), fetch(p)))
-        pieces = split_remat_policy(policy, cfg.n_layer)
-        if layer_scan is not None and len(pieces) > 1:
-            raise ValueError(f"remat_policy={policy!r} runs two layer scans; the engine's own layer scan "
-                             "(pipeline stages) takes one policy: use \"dots\" or \"full\"")
-        start = 0
-        for name, n in pieces:  # one scan per policy, each over its layers
-            # a scan keeps iterations apart, so CSE prevention is not needed
-            step = body if name is None else jax.checkpoint(body, policy=remat_policy_fn(name), prevent_cse=False)
-            part = layers if n == cfg.n_layer else jax.tree.map(lambda a: a[start:start + n], layers)
-            if layer_scan is not None:  # no fetch: e.g. pipeline stages over the "pipe" mesh axis
-                x = layer_scan(step, x, part, None)
-            else:
-                x, _ = jax.lax.scan(lambda x, p, step=step: (step(x, p), None), x, part,
-                                    unroll=getattr(self, "scan_unroll", 1) or 1)
-            start += n
-
+        x = run_layers(body, x, layers, policy=self.remat_policy, fetch=fetch, layer_scan=layer_scan,
+                       n_layer=cfg.n_layer, unroll=getattr(self, "scan_unroll", 1) or 1)
         return _layer_norm(x, self.ln_f.scale[...], self.ln_f.bias[...], cfg.layer_norm_epsilon, dtype)
+
+
+def run_layers(body, x, layers, *, policy, fetch, layer_scan, n_layer: int, unroll: int = 1):
+    """`x` through `body(x, layer_params)` for each layer of the stacked `layers`, as an engine's
+    hooks ask (GPT-2's and the Llama family's layer stack): `layer_scan` with `fetch` is offload_param's
+    prefetching scan; a `fetch` alone runs inside each layer's remat, named so that no policy saves
+    the fetched weights (re-fetched in backward); else one scan per piece of the remat `policy`
+    (`split_remat_policy`), or the engine's `layer_scan` (pipeline stages) over all of them."""
+    if fetch is not None and layer_scan is not None:
+        return layer_scan(body, x, layers, fetch, inputs_to_host=policy == "offload")
+    if fetch is not None:
+        block, policy = body, policy or "except_fetched"
+        body = lambda x, p: block(x, jax.tree.map(  # noqa: E731
+            lambda a: checkpoint_name(a, FETCHED_PARAMS), fetch(p)))
+    pieces = split_remat_policy(policy, n_layer)
+    if layer_scan is not None and len(pieces) > 1:
+        raise ValueError(f"remat_policy={policy!r} runs two layer scans; the engine's own layer scan "
+                         "(pipeline stages) takes one policy: use \"dots\" or \"full\"")
+    start = 0
+    for name, n in pieces:  # one scan per policy, each over its layers
+        # a scan keeps iterations apart, so CSE prevention is not needed
+        step = body if name is None else jax.checkpoint(body, policy=remat_policy_fn(name), prevent_cse=False)
+        part = layers if n == n_layer else jax.tree.map(lambda a: a[start:start + n], layers)
+        if layer_scan is not None:  # no fetch: e.g. pipeline stages over the "pipe" mesh axis
+            x = layer_scan(step, x, part, None)
+        else:
+            x, _ = jax.lax.scan(lambda x, p, step=step: (step(x, p), None), x, part, unroll=unroll)
+        start += n
+    return x
 
 
 def gpt2_loss(model: GPT2, batch):

@@ -37,9 +37,9 @@ from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
 from zerojax.models.gpt2 import (  # the shared pieces: one remat vocabulary, one LM head, one loss
-    ATTENTION_IMPLS, ATTENTION_OUT, ATTENTION_RESIDUAL, FETCHED_PARAMS, LOGITS, QKV_PROJ, REMAT_POLICIES,
+    ATTENTION_IMPLS, ATTENTION_OUT, ATTENTION_RESIDUAL, LOGITS, QKV_PROJ, REMAT_POLICIES,
     RESIDUAL, SEQ_WHOLE, _mean_over_tokens, _nll_sum, _resolve_attention, _unconstrained, fused_cross_entropy,
-    lm_head, remat_policy_fn, split_remat_policy)
+    lm_head, remat_policy_fn, run_layers, split_remat_policy)
 
 # The logical name of the key / value heads axis. "heads" splits them over the tensor axis with
 # the query heads (Megatron's GQA layout); a tensor size that does not divide the kv heads is then
@@ -486,27 +486,8 @@ class Llama(nnx.Module):
             raise ValueError("packed documents (segment_ids / positions) with pipeline.stages > 1 or "
                              "offload_param: the engine's layer scan carries only the hidden states; "
                              "give padded batches (one example per row, no segment_ids)")
-        if fetch is not None and layer_scan is not None:
-            x = layer_scan(body, x, layers, fetch, inputs_to_host=policy == "offload")
-            return _rms_norm(x, self.norm.scale[...], cfg.rms_norm_eps, dtype)
-        if fetch is not None:
-            block, policy = body, policy or "except_fetched"
-            body = lambda x, p: block(x, jax.tree.map(  # noqa: E731
-                lambda a: checkpoint_name(a, FETCHED_PARAMS), fetch(p)))
-        pieces = split_remat_policy(policy, cfg.num_hidden_layers)
-        if layer_scan is not None and len(pieces) > 1:
-            raise ValueError(f"remat_policy={policy!r} runs two layer scans; the engine's own layer scan "
-                             "(pipeline stages) takes one policy: use \"dots\" or \"full\"")
-        start = 0
-        for name, n in pieces:
-            step = body if name is None else jax.checkpoint(body, policy=remat_policy_fn(name), prevent_cse=False)
-            part = layers if n == cfg.num_hidden_layers else jax.tree.map(lambda a: a[start:start + n], layers)
-            if layer_scan is not None:
-                x = layer_scan(step, x, part, None)
-            else:
-                x, _ = jax.lax.scan(lambda x, p, step=step: (step(x, p), None), x, part,
-                                    unroll=getattr(self, "scan_unroll", 1) or 1)
-            start += n
+        x = run_layers(body, x, layers, policy=policy, fetch=fetch, layer_scan=layer_scan,
+                       n_layer=cfg.num_hidden_layers, unroll=getattr(self, "scan_unroll", 1) or 1)
         return _rms_norm(x, self.norm.scale[...], cfg.rms_norm_eps, dtype)
 
 
