@@ -295,3 +295,15 @@ def test_config_accepts_peft_dict_and_dropout_follows_train_mode():
     assert np.abs(b - a).max() > 1e-4 and np.abs(b - c).max() > 1e-4  # dropout, a new mask each call
     model.eval()
     np.testing.assert_array_equal(a, np.asarray(model(ids)))
+
+
+def test_lora_section_on_a_model_without_adapters_is_refused():
+    """The "lora" section is acted on through the adapters `lora.apply` adds; a model without them
+    would train every weight in full, so `zerojax.shard` refuses the section instead of ignoring it;
+    the same section on the adapted model trains (the engine tests above)."""
+    cfg = {**ds_config(0), "lora": {"r": 4, "target_modules": "all-linear"}}
+    base = lambda: Llama(LlamaConfig.named("tiny"), rngs=nnx.Rngs(0))  # noqa: E731
+    with pytest.raises(zerojax.ConfigError, match=r"lora: the config asks for LoRA adapters but the model has none"):
+        zerojax.shard(base, cfg, loss_fn=llama_loss)
+    eng = zerojax.shard(functools.partial(lora_model), cfg, loss_fn=llama_loss)
+    assert jax.tree.leaves(eng.state.params)  # the adapters, trained

@@ -248,6 +248,20 @@ def build_layout(module: nnx.Module, cfg, *, loss_fn: Callable, mesh: Mesh | Non
         return _build_layout(module, cfg, loss_fn=loss_fn, mesh=mesh, options=options)
 
 
+def _check_lora_applied(module, cfg) -> None:
+    """A "lora" section is acted on by the adapters `zerojax.lora.apply` puts in the model; a model
+    without them would train every weight in full, so the section is refused there, not ignored."""
+    if not getattr(cfg, "lora", None):
+        return
+    from zerojax.lora import FrozenWeight
+
+    if not any(isinstance(v, FrozenWeight) for v in jax.tree.leaves(
+            nnx.state(module, FrozenWeight), is_leaf=lambda x: isinstance(x, nnx.Variable))):
+        raise ConfigError(["lora: the config asks for LoRA adapters but the model has none; apply them "
+                           "before zerojax.shard with zerojax.lora.apply(model, cfg.lora) (the example does), "
+                           "or remove the \"lora\" section"])
+
+
 def _remat_settings(module, cfg) -> list:
     """The activation_checkpointing section acted on for any model (`zerojax.model.remat_modules`):
     nothing without the section (the model's own remat stays), the policy it names on the block
@@ -279,6 +293,7 @@ def _settings(settings):
 
 def _build_layout(module, cfg: Config, *, loss_fn, mesh: Mesh, options) -> EngineLayout:
     options = options or EngineOptions()
+    _check_lora_applied(module, cfg)
     dtype = jnp.dtype(compute_dtype_of(cfg))
     fp16 = bool(cfg.fp16.enabled)
     accum_dtype = jnp.dtype(_ACCUM_DTYPES.get(cfg.data_types.grad_accum_dtype or "fp32", jnp.float32))
