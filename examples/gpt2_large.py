@@ -203,7 +203,7 @@ def _loss_fn(loss_chunk: int, family: str = "gpt2"):
     return chunked_gpt2_loss(loss_chunk) if loss_chunk else gpt2_loss
 
 
-def _plan_micro_batch(cfg, build, dtype, remat, explore_remat, seq_len, loss_fn, options):
+def _plan_micro_batch(cfg, build, dtype, remat, explore_remat, seq_len, loss_fn, options, lora=False):
     """train_micro_batch_size_per_gpu "auto": the planner's fastest choice that fits the device
     (zerojax.planning.planner: remat, micro-batch x accumulation keeping the global batch, stage, offload;
     compiled before anything is allocated, with the run's EngineOptions: --master-split and
@@ -225,8 +225,17 @@ def _plan_micro_batch(cfg, build, dtype, remat, explore_remat, seq_len, loss_fn,
     else:  # --remat given: kept
         def factory():
             return build(remat)
-    found = planner.search(factory, cfg.to_dict(), budget, seq_len, loss_fn=loss_fn, max_plans=1,
+    # LoRA: the frozen base is in what the planner compiles; parameter offload is not a choice
+    # (the engine's layer scan carries the trained parameters only)
+    offloads = tuple(o for o in planner.DEFAULT_OFFLOADS if not lora or o != "param")
+    found = planner.search(factory, cfg.to_dict(), budget, seq_len, loss_fn=loss_fn, max_plans=1, offloads=offloads,
                            remat=(None, *planner.REMAT_LADDER) if explore_remat else None, options=options)
+    host = [o for p, o in found.tried if o.startswith("does not fit host memory")]
+    if not found.plans and host:
+        raise NoPlanFits(f"micro-batch auto: the plans that fit the device {host[0].removeprefix('does not fit ')} "
+                          "(offloaded states, and with accumulation offload_param's gradient accumulator); try "
+                          "--grad-accum 1, data_types.grad_accum_dtype \"bf16\", --adam-mu-dtype bfloat16, or "
+                          "offload_optimizer device \"nvme\" (docs/nvme.md)")
     if not found.plans:
         raise zerojax.WillNotFitError(min((p.peak_bytes for p, _ in found.tried if p.peak_bytes), default=0),
                                       budget, (), what="every plan tried")
@@ -313,6 +322,10 @@ def resolve_precision(raw: dict, flag: str | None, device) -> tuple[dict, str, s
 
 class ConfigMismatch(ValueError):
     """A flag that contradicts what the config sets explicitly."""
+
+
+class NoPlanFits(ValueError):
+    """--micro-batch auto found no plan whose step fits both the device and the host memory."""
 
 
 def _offload_loop_auto(cfg, make_model, seq_len, loss_fn) -> tuple[str, str | None]:
@@ -420,14 +433,17 @@ class ModelChoice:
     def max_positions(self) -> int:
         return self.config.n_positions if self.family == "gpt2" else self.config.max_position_embeddings
 
-    def build(self, seed: int, dtype, remat):
-        """A randomly initialised model of this config (compute dtype, remat policy)."""
+    def build(self, seed: int, dtype, remat, param_dtype=None):
+        """A randomly initialised model of this config (compute dtype, remat policy; parameters in
+        param_dtype, default fp32)."""
+        import jax.numpy as jnp
         from flax import nnx
 
         from zerojax.models import GPT2, Llama
 
         cls = GPT2 if self.family == "gpt2" else Llama
-        return cls(self.config, rngs=nnx.Rngs(seed), dtype=dtype, remat_policy=remat)
+        return cls(self.config, rngs=nnx.Rngs(seed), dtype=dtype, remat_policy=remat,
+                   param_dtype=param_dtype or jnp.float32)
 
 
 def named_model(size: str) -> ModelChoice:
@@ -686,9 +702,6 @@ def lora_settings(args, cfg, choice: ModelChoice, dtype) -> dict | None:
         raise ConfigMismatch(f"LoRA with {refused} ({args.config}): the engine's layer scan there carries the "
                              f"trained parameters only, not the frozen base (zerojax.lora); use ZeRO 0-3 (optimizer "
                              f"offload included) without pipelining or offload_param")
-    if args.micro_batch == "auto":
-        raise ConfigMismatch("--micro-batch auto with LoRA: the planner does not model a frozen base yet; give "
-                             "--micro-batch N")
     return settings
 
 
@@ -923,8 +936,25 @@ def main(argv=None):
     loss_fn = _loss_fn(args.loss_chunk, family)
 
     def build(remat_policy):  # a randomly initialised model (the planner's and the offload probe's too)
-        return choice.build(seed, dtype, remat_policy)
+        if lora_cfg is None:
+            return choice.build(seed, dtype, remat_policy)
+        # LoRA: the base drawn in its stored dtype (an fp32 Llama-3.1-8B would not fit a 24 GB
+        # card before it is cast), the adapters applied: what the planner compiles is what runs
+        from zerojax import lora
+        base_dtype = lora_cfg.get("base_dtype") or dtype
+        return lora.apply(choice.build(seed, dtype, remat_policy, param_dtype=base_dtype), lora_cfg)
 
+    if lora_cfg is not None:  # the adapters' shapes, and LoRA's refusals (e.g. nf4 on a layer whose size
+        from zerojax import lora  # is not a multiple of its block), before anything is compiled
+
+        try:
+            shaped = nnx.eval_shape(functools.partial(build, remat))
+        except ValueError as e:
+            if isinstance(e, zerojax.ConfigError):
+                raise
+            raise ConfigMismatch(f"LoRA on {choice.label}: {e}") from None
+        lora_targets, lora_trained = shaped.adapter.targets, lora.trainable_count(shaped)
+        del shaped
     planned = False
     if args.micro_batch == "auto" or (args.micro_batch is None and
                                       raw.get("train_micro_batch_size_per_gpu") == "auto"):
@@ -932,7 +962,7 @@ def main(argv=None):
         # the planner varies remat unless --remat or the config's remat_policy names one
         named = args.remat is not None or getattr(cfg.activation_checkpointing, "remat_policy", None) is not None
         cfg, remat = _plan_micro_batch(cfg, build, dtype, remat, not named, seq_len, loss_fn,
-                                       _requested_options(args))
+                                       _requested_options(args), lora=lora_cfg is not None)
         planned = True
         if remat != planned_remat:
             remat_why = "chosen by the planner (micro-batch auto)"
@@ -949,7 +979,7 @@ def main(argv=None):
     else:
         from zerojax.model import model_dims
 
-        dims = model_dims(nnx.eval_shape(make_model))
+        dims = model_dims(nnx.eval_shape(lambda: choice.build(seed, dtype, remat)))  # the whole model's
         fpt = dims.flops_per_token(seq_len)
         if lora_cfg is not None:  # a frozen base takes no weight gradients: 2 of its 6 FLOPs a parameter
             fpt -= 2.0 * dims.params
@@ -958,23 +988,19 @@ def main(argv=None):
         model = gpt2_from_params(choice.config, hf, dtype=dtype, remat_policy=remat)
     elif args.hf_checkpoint:  # Llama family: read tensor by tensor (fp32 storage), computing in dtype
         from zerojax.models import from_hf
-        model = from_hf(args.hf_checkpoint, remat_policy=remat)
+        # (with LoRA: the frozen base read straight into its stored dtype, never whole in fp32)
+        base_dtype = (lora_cfg.get("base_dtype") or dtype) if lora_cfg is not None else None
+        model = from_hf(args.hf_checkpoint, dtype=base_dtype, remat_policy=remat)
         model.dtype = np.dtype(dtype)
     else:  # built shard by shard on the devices, never whole on one
         model = make_model
     if lora_cfg is not None:
         from zerojax import lora
 
-        base = model() if callable(model) and not isinstance(model, nnx.Module) else model
-        try:
-            model = lora.apply(base, lora_cfg)
-        except ValueError as e:  # e.g. nf4 / int4 on a layer whose size is not a multiple of their block
-            if isinstance(e, zerojax.ConfigError):
-                raise
-            raise ConfigMismatch(f"LoRA on {choice.label}: {e}") from None
-        del base
+        if isinstance(model, nnx.Module):  # read from a folder: its base cast as the settings say
+            model = lora.apply(model, lora_cfg)
         print(f"LoRA: rank {lora_cfg['r']}, alpha {lora_cfg['lora_alpha']:g}, targets "
-              f"{', '.join(model.adapter.targets)}; {lora.trainable_count(model):,} trained parameters, the base "
+              f"{', '.join(lora_targets)}; {lora_trained:,} trained parameters, the base "
               f"frozen" + (f" and stored {lora_cfg['quantize']}" if lora_cfg.get("quantize") else
                            f" in {lora_cfg['base_dtype']}"))
     options = _engine_options(args, cfg, loop, planned)
@@ -1151,7 +1177,7 @@ if __name__ == "__main__":
 
     try:
         main()
-    except (ConfigError, ConfigMismatch, DataError, CheckpointError, WillNotFitError, FileNotFoundError,
-            FloatingPointError, MonitorError) as e:
+    except (ConfigError, ConfigMismatch, NoPlanFits, DataError, CheckpointError, WillNotFitError,
+            FileNotFoundError, FloatingPointError, MonitorError) as e:
         # the message names the key / file / step and the fix: no traceback needed
         sys.exit(f"error: {e}")

@@ -442,11 +442,12 @@ class Search:
             return f"nothing fits {fmt_bytes(self.budget)} per device"
         text = (f"{chosen.describe()} -- the fastest predicted of the choices whose compiled step "
                 f"fits {fmt_bytes(self.budget)}")
-        faster = [p for p, outcome in self.tried if outcome != "fits" and p.step_s is not None
+        faster = [(p, outcome) for p, outcome in self.tried if outcome != "fits" and p.step_s is not None
                   and p.step_s < (chosen.step_s or math.inf)]
         if faster:
-            p = faster[0]
-            why = "over the budget" if p.peak_bytes is None else f"peak {fmt_bytes(p.peak_bytes)}"
+            p, outcome = faster[0]
+            why = ("over the budget" if p.peak_bytes is None else outcome.removeprefix("does not fit ")
+                   if "host memory" in outcome else f"peak {fmt_bytes(p.peak_bytes)}")
             text += f"\n  (faster but too big: {p.describe().split(':')[0]}, {why})"
         return text
 
@@ -455,9 +456,14 @@ def search(model_factory, cfg_dict, budget, seq_len, *, stages=(0, 1, 2, 3),
            offloads=DEFAULT_OFFLOADS, remat=None, precision=None, micro_batch=None,
            batch_rows=None, loss_fn=None, mesh=None, batch_fn=None, hardware=est.H200,
            max_plans=3, one_per_tier=True, on_result: Callable | None = None,
-           options: EngineOptions | None = None) -> Search:
-    """The planning run behind `plan`; returns what fits and what was tried (see `Search`)."""
+           options: EngineOptions | None = None, host_budget: int | None = None) -> Search:
+    """The planning run behind `plan`; returns what fits and what was tried (see `Search`).
+
+    host_budget: the host memory an offloading plan may hold (default: what is available now); a
+    plan whose compiled step holds more in host memory (offloaded states, an offload_param
+    gradient accumulator) does not fit: it would die of host OOM minutes into building."""
     budget = parse_bytes(budget)
+    host_budget = est.host_free_bytes() if host_budget is None else parse_bytes(host_budget)
     n_data = _data_size(mesh, cfg_dict)
     # the batch rule counts tensor ranks (n_data above); ZeRO partitions over "data" only, and each
     # device holds 1 / n_tensor of the parameters and their states
@@ -559,11 +565,15 @@ def search(model_factory, cfg_dict, budget, seq_len, *, stages=(0, 1, 2, 3),
                 continue
             compiled[c] = m
             p = c.plan(peak_bytes=m.peak, host_bytes=m.host_peak, **speed)
-            fits = m.peak <= budget
-            (fitting if fits else too_big).append(p if fits else c)
+            host_fits = not m.host_peak or m.host_peak <= host_budget
+            fits = m.peak <= budget and host_fits
+            if m.peak > budget:
+                too_big.append(c)  # (host memory alone: a smaller choice of the same kind may fit)
+            (fitting.append(p) if fits else None)
             if fits:
                 tiers_done.add((c.precision, c.remat, c.micro_batch))
-            tried.append((p, "fits" if fits else "does not fit"))
+            tried.append((p, "fits" if fits else "does not fit" if m.peak > budget else
+                          f"does not fit host memory: {fmt_bytes(m.host_peak)} of {fmt_bytes(host_budget)} available"))
             if on_result:
                 on_result(*tried[-1])
             continue
