@@ -992,6 +992,12 @@ def main(argv=None):
         base_dtype = (lora_cfg.get("base_dtype") or dtype) if lora_cfg is not None else None
         model = from_hf(args.hf_checkpoint, dtype=base_dtype, remat_policy=remat)
         model.dtype = np.dtype(dtype)
+    elif lora_cfg is not None and lora_cfg.get("quantize") and gpu:
+        # QLoRA: the base drawn on the host, each kernel quantized on the device as it arrives, so
+        # the device never holds the unquantized base (lora.apply's `device`)
+        with jax.default_device(jax.devices("cpu")[0]):
+            model = lora.apply(choice.build(seed, dtype, remat, param_dtype=dtype), lora_cfg,
+                               device=jax.devices()[0])
     else:  # built shard by shard on the devices, never whole on one
         model = make_model
     if lora_cfg is not None:
@@ -1043,7 +1049,10 @@ def main(argv=None):
     n_dev = jax.device_count()
     kind = jax.devices()[0].device_kind
     trained = sum(x.size for x in jax.tree.leaves(engine.master_params))
-    print(f"{choice.label} ({trained / 1e6:.1f}M params" + (f"; LoRA: {trained:,} trained" if lora_cfg else "") + "), "
+    whole = trained if lora_cfg is None else sum(  # LoRA: the frozen base's too
+        int(np.prod(x.shape)) for x in jax.tree.leaves(nnx.state(nnx.eval_shape(lambda: choice.build(seed, dtype, remat)),
+                                                                 nnx.Param)))
+    print(f"{choice.label} ({whole / 1e6:.1f}M params" + (f"; LoRA: {trained:,} trained" if lora_cfg else "") + "), "
           f"{n_dev} x {kind}, ZeRO stage {cfg.zero_optimization.stage}, {dtype.name if hasattr(dtype, 'name') else dtype}, "
           f"batch {cfg.train_batch_size} = {cfg.train_micro_batch_size_per_gpu} x {cfg.gradient_accumulation_steps} "
           f"x {cfg.world_size}, seq {seq_len}, remat {remat}; " + (

@@ -374,12 +374,16 @@ def _var(cls, value, names):
     return cls(value, out_sharding=tuple(names), eager_sharding=False)
 
 
-def apply(model, config, *, rngs: nnx.Rngs | None = None):
+def apply(model, config, *, rngs: nnx.Rngs | None = None, device=None):
     """`model` (a `zerojax.models.Llama`) with LoRA adapters on `config["target_modules"]` and its
     other weights frozen (`FrozenWeight`; `quantize`: int8 / nf4 / int4) -> the same model, changed
     in place. `config`: PEFT's LoraConfig keys (r, lora_alpha, target_modules, lora_dropout, bias,
     modules_to_save, use_rslora, init_lora_weights, exclude_modules) plus `quantize`, `base_dtype`,
-    `seed`. lora_A is drawn as PEFT's (Kaiming-uniform, bound 1/sqrt(fan in)), lora_B zero."""
+    `seed`. lora_A is drawn as PEFT's (Kaiming-uniform, bound 1/sqrt(fan in)), lora_B zero.
+
+    device: with `quantize`, where each stacked kernel is quantized and its codes kept, one kernel
+    moved there at a time: a base built on the host (`jax.default_device(jax.devices("cpu")[0])`)
+    reaches an accelerator only quantized (Llama-3.1-8B: 15 GiB in bf16, 4.6 GiB as nf4)."""
     if not isinstance(model, Llama):
         raise TypeError(f"zerojax.lora.apply: {type(model).__name__}; LoRA runs on zerojax.models.Llama "
                         "(the Llama family: Llama, Mistral, Qwen2, Qwen3)")
@@ -415,6 +419,8 @@ def apply(model, config, *, rngs: nnx.Rngs | None = None):
         k = lin.kernel
         names, w = _names(k), k[...]
         shape = w.shape
+        if device is not None and s["quantize"]:
+            w = jax.device_put(w, device)
         if s["quantize"] == "int8":
             codes, scale = quantize_int8(w, n_in)
             del lin.kernel

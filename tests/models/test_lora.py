@@ -229,6 +229,18 @@ def test_dequantized_within_bound(kind):
     assert err.max() > 0.2 * float(np.max(bound))  # the bound is not vacuous
 
 
+def test_quantized_on_a_device_as_on_the_host(folder):
+    """lora.apply(device=...): each kernel quantized where it is sent (QLoRA's base built on the
+    host reaches the accelerator only quantized): the same codes as quantizing in place, on it."""
+    target = jax.devices()[-1]
+    here = lora.apply(from_hf(folder), dict(LORA, quantize="nf4"))
+    there = lora.apply(from_hf(folder), dict(LORA, quantize="nf4"), device=target)
+    a, b = (nnx.to_pure_dict(nnx.state(m, lora.FrozenWeight)) for m in (here, there))
+    codes = b["layers"]["mlp"]["up_proj"]["kernel_nf4"]
+    assert codes.devices() == {target}
+    jax.tree.map(lambda x, y: np.testing.assert_array_equal(np.asarray(x), np.asarray(y)), a, b)
+
+
 @pytest.mark.parametrize("kind,rel", [("int8", 0.02), ("nf4", 0.2), ("int4", 0.3)])
 def test_quantized_forward_close_to_bf16(folder, kind, rel):
     # the logits' error relative to their spread: int8 keeps ~1/254 of each channel's range per
