@@ -1003,7 +1003,7 @@ def main(argv=None):
     if lora_cfg is not None:
         from zerojax import lora
 
-        if isinstance(model, nnx.Module):  # read from a folder: its base cast as the settings say
+        if isinstance(model, nnx.Module) and getattr(model, "adapter", None) is None:  # read from a folder
             model = lora.apply(model, lora_cfg)
         print(f"LoRA: rank {lora_cfg['r']}, alpha {lora_cfg['lora_alpha']:g}, targets "
               f"{', '.join(lora_targets)}; {lora_trained:,} trained parameters, the base "
@@ -1025,6 +1025,10 @@ def main(argv=None):
             peak_why = f"the {np.dtype(dtype).name} matmul ceiling measured here"
     engine = zerojax.shard(model, cfg, loss_fn=loss_fn, options=options)
     del model, hf
+    stats = jax.local_devices()[0].memory_stats() or {}
+    if "bytes_in_use" in stats and "bytes_limit" in stats:
+        print(f"device memory after building: {stats['bytes_in_use'] / 2**30:.2f} GiB in use of "
+              f"{stats['bytes_limit'] / 2**30:.2f} (build peak {stats.get('peak_bytes_in_use', 0) / 2**30:.2f})")
     _warn_replicated(engine, cfg)
     if engine.offload_settings and cfg.zero_optimization.offload_optimizer.device == "cpu":
         o = engine.offload_settings
@@ -1181,12 +1185,12 @@ if __name__ == "__main__":
     from zerojax.checkpoint.state import CheckpointError
     from zerojax.config import ConfigError
     from zerojax.data.text import DataError
-    from zerojax.planning.memory import WillNotFitError
+    from zerojax.planning.memory import HeldMemoryError, WillNotFitError
     from zerojax.train.monitor import MonitorError
 
     try:
         main()
     except (ConfigError, ConfigMismatch, NoPlanFits, DataError, CheckpointError, WillNotFitError,
-            FileNotFoundError, FloatingPointError, MonitorError) as e:
+            HeldMemoryError, FileNotFoundError, FloatingPointError, MonitorError) as e:
         # the message names the key / file / step and the fix: no traceback needed
         sys.exit(f"error: {e}")

@@ -245,7 +245,29 @@ def guard(engine, batch_shapes, budget=None, *, plans=(), notes: Sequence[str] =
     if budget is None:
         return None
     shapes = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), batch_shapes)
-    return check_fits(engine.step_memory(shapes), budget, plans=plans, notes=notes)
+    mem = check_fits(engine.step_memory(shapes), budget, plans=plans, notes=notes)
+    check_free(mem)
+    return mem
+
+
+class HeldMemoryError(MemoryError):
+    """The step fits the device's budget, but not beside what else the device holds now."""
+
+
+def check_free(mem: CompiledMemory, free: int | None = None) -> None:
+    """The step's new bytes (temporaries, outputs not written over a donated input, its code:
+    the state it reads is already resident) against the device's free bytes now (default:
+    `device_free_bytes()`; none known: nothing checked). HeldMemoryError, not an out-of-memory
+    mid-step, when arrays outside the engine (a model copy, another engine, an earlier run's
+    buffers) hold what the step needs."""
+    free = device_free_bytes() if free is None else free
+    need = mem.temp + mem.output - mem.alias + mem.generated_code
+    if free is not None and need > free:
+        raise HeldMemoryError(
+            f"the training step needs {fmt_bytes(need)} more on the device (its temporaries and new outputs; "
+            f"its peak {fmt_bytes(mem.peak)} fits the budget) but only {fmt_bytes(free)} is free now: other "
+            "arrays hold the rest. Delete what the run no longer needs (the model passed to zerojax.shard, an "
+            "earlier engine: `del` it and call gc.collect()) before the first step.")
 
 
 # XLA's rematerialization pass prints a warning per attempt when a program exceeds the device's
@@ -319,6 +341,6 @@ def _logical_names(var):
     return ()
 
 
-__all__ = ["CompiledMemory", "device_budget", "WillNotFitError", "check_fits",
+__all__ = ["CompiledMemory", "device_budget", "WillNotFitError", "HeldMemoryError", "check_fits", "check_free",
            "largest_fitting", "compile_engine_step", "guard", "quiet_xla", "count_params",
            "parse_bytes", "fmt_bytes", "GiB", "GB"]
