@@ -10,7 +10,7 @@
 The frozen base is stored as `FrozenWeight` variables (not `nnx.Param`), so the engine's
 `nnx.split(model, nnx.Param, ...)` trains only the adapters (`lora_A`, `lora_B` and the
 `modules_to_save` copies, `nnx.Param` in fp32): no gradient, fp32 master or optimizer state for the
-base, and no engine change. The base is kept in its dtype (or `base_dtype`), or quantized
+base; the engine shards it as parameters are (its logical names: tensor parallel; stage 3: ZeRO). The base is kept in its dtype (or `base_dtype`), or quantized
 (`quantize`): "int8" (per output channel absmax), "nf4" / "int4" (QLoRA: 64-element blocks of each
 layer's weight, one absmax per block, two 4-bit codes per byte), dequantized on use inside the
 layer scan. Adapters are stacked on the base's leading "layers" axis (lora_A [L, *in, r],
@@ -65,8 +65,9 @@ NF4 = np.array([-1.0, -0.6961928009986877, -0.5250730514526367, -0.3949174880981
 
 
 class FrozenWeight(nnx.Variable):
-    """A base weight that is not trained: the engine's split puts it in the replicated "rest"
-    (no gradient, no fp32 master, no optimizer state). Quantized kernels are FrozenWeights too."""
+    """A base weight that is not trained: the engine's split puts it in the "rest" (no gradient,
+    no fp32 master, no optimizer state), sharded as its parameter would be (tensor parallel by its
+    logical names, ZeRO-3 over "data"). Quantized kernels are FrozenWeights too."""
 
 
 # --------------------------------------------------------------------------- settings
@@ -425,7 +426,9 @@ def apply(model, config, *, rngs: nnx.Rngs | None = None, device=None):
             codes, scale = quantize_int8(w, n_in)
             del lin.kernel
             lin.kernel_int8 = _var(FrozenWeight, codes, names)
-            lin.kernel_scale = _var(FrozenWeight, scale, names)
+            # (its reduced input axes are 1 long: named None, never split)
+            lin.kernel_scale = _var(FrozenWeight, scale, tuple(None if scale.shape[i] != shape[i] else n
+                                                               for i, n in enumerate(names)))
         elif s["quantize"] in ("nf4", "int4"):
             codes, absmax = quantize_4bit(w, s["quantize"])
             del lin.kernel

@@ -14,10 +14,16 @@ A model with none of it still gets what can be had, never a silent no-op (`find_
   `StackedBlocks` (its leaves lead with a "layers" axis) that runs the blocks as one scan with
   the same hooks, so pipeline stages, parameter offload, stage-3 per-layer gathering and remat
   hang on it as on GPT-2's;
-- an `nnx.vmap`-stacked block module run by the model's own `nnx.scan` gets remat (the block's
-  call wrapped) and its layer axis for the offload layout; what needs the hooks (pipeline,
-  offload_param) is an error naming them;
+- an `nnx.vmap`-stacked block module run by the model's own `nnx.scan` gets the hooks through its
+  block's class, swapped on the graph the engine traces (`hooked_block_class`): each layer's call
+  fetched (parameter offload, stage-3 gathering) and rematted; for pipeline stages the model's scan
+  is handed the whole stack as its one item and the swapped call runs every layer in stages, after
+  a check on the traced program that the scan body only calls the block (`scans_block_alone`;
+  else an error naming the `layer_scan` hook);
 - dims come from the parameter tree (`infer_dims`).
+
+Every stack runs its layers through `zerojax.models.layer_stack` (fetch, remat, the engine's layer
+scans), the runner GPT-2 and the Llama family use too.
 """
 from __future__ import annotations
 
@@ -26,11 +32,15 @@ import functools
 import math
 from typing import Any
 
-from jax.ad_checkpoint import checkpoint_name
-
 import jax
 import jax.numpy as jnp
 from flax import nnx
+from jax.ad_checkpoint import checkpoint_name
+from jax.extend import core as jex
+
+# the one layer-stack runner and remat vocabulary GPT-2 and the Llama family use too
+from zerojax.models.layer_stack import (GENERIC_REMAT_POLICIES, LAYER_INPUT, layer_step, remat_policy,
+                                        run_layers)
 
 LAYERS = "layers"   # the logical name of a stacked layer axis
 HOOKS = ("layer_scan", "layer_fetch")
@@ -185,30 +195,14 @@ def stacked_flags(abstract_params: dict, prefixes) -> Any:
 # ------------------------------------------------------------------------------ stacking a list
 
 
-# names a block's activations and fetched weights are tagged with inside the stack (remat policies)
-LAYER_INPUT = "layer_input"
-FETCHED_PARAMS = "fetched_layer_params"
-# the remat policies any block stack takes ("activation_checkpointing.remat_policy"); a model with
-# its own tags (GPT-2's "save_*") names more through its own `remat_policy` attribute
-GENERIC_REMAT_POLICIES = (None, "full", "dots", "offload")
-
-
 def remat_policy_fn(name):
-    """The `jax.checkpoint` policy of a generic remat policy name (see GENERIC_REMAT_POLICIES);
-    "except_fetched": no activation remat, only fetched / gathered weights re-fetched."""
-    cp = jax.checkpoint_policies
-    if name == "full":
-        return cp.nothing_saveable
-    if name == "dots":
-        return cp.dots_with_no_batch_dims_saveable
-    if name == "except_fetched":
-        return cp.save_anything_except_these_names(FETCHED_PARAMS)
-    if name == "offload":
-        return cp.save_and_offload_only_these_names(
-            names_which_can_be_saved=[], names_which_can_be_offloaded=[LAYER_INPUT],
-            offload_src="device", offload_dst="pinned_host")
-    raise ValueError(f"remat_policy={name!r}: a block stack found by zerojax takes one of "
-                     f"{GENERIC_REMAT_POLICIES[1:]} (the \"save_*\" policies need the model's own tags)")
+    """The `jax.checkpoint` policy of a generic remat policy name (`GENERIC_REMAT_POLICIES`, and
+    the engine's "except_fetched"), else the error naming them."""
+    policy = remat_policy(name)
+    if policy is None:
+        raise ValueError(f"remat_policy={name!r}: a block stack found by zerojax takes one of "
+                         f"{GENERIC_REMAT_POLICIES[1:]} (the \"save_*\" policies need the model's own tags)")
+    return policy
 
 
 # a forward pass in progress through a StackedBlocks (by id): (next index, result, args, kwargs);
@@ -280,54 +274,64 @@ class StackedBlocks(nnx.Module):
 
     def _run(self, x, args, kwargs):
         graphdef, params, rest = nnx.split(self.block, nnx.Param, ...)
-        # the layers as the engine's hooks see this module's stacked subtree: {"block": params}
-        layers, rest = {"block": nnx.to_pure_dict(params)}, nnx.to_pure_dict(rest)
-        first = lambda tree: jax.tree.map(lambda a: a[0], tree)  # noqa: E731
-        # the block's output structure, from one layer's shapes (no memory kind: host-resident
-        # layers are fetched only inside the scan)
-        one = lambda tree: jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape[1:], a.dtype), tree)  # noqa: E731
-        shape = jax.eval_shape(lambda p, r: nnx.merge(graphdef, p["block"], r)(x, *args, **kwargs),
-                               one(layers), one(rest))
-        tupled = isinstance(shape, tuple)
+        fetch = self.layer_fetch
+        if fetch is not None:  # the engine's hooks see this module's stacked subtree as {"block": params}
+            fetch = lambda p, f=fetch: f({"block": p})["block"]  # noqa: E731
+        unroll = self.scan_unroll
+        if unroll is None:  # see scan_unroll
+            unroll = 1 if self.remat_policy is not None or fetch is not None else self.layers
+        return _run_stack(graphdef, nnx.to_pure_dict(params), nnx.to_pure_dict(rest), x, args, kwargs,
+                          policy=self.remat_policy, fetch=fetch, layer_scan=self.layer_scan, unroll=unroll)
 
-        def block(h, p, r, call=(args, kwargs)):
-            out = nnx.merge(graphdef, p["block"], r)(h, *call[0], **call[1])
-            return out[0] if tupled else out
 
-        fetch, layer_scan, policy = self.layer_fetch, self.layer_scan, self.remat_policy
-        if fetch is not None and layer_scan is not None:   # offload_param's prefetching scan
-            h = layer_scan(lambda h, p: block(h, p, first(rest)), x, layers, fetch,
-                           inputs_to_host=policy == "offload")
-        else:
-            def body(h, p, r, call=(args, kwargs)):
-                if fetch is not None:  # inside the remat and named, so that no policy saves it
-                    p = jax.tree.map(lambda a: checkpoint_name(a, FETCHED_PARAMS), fetch(p))
-                return block(checkpoint_name(h, LAYER_INPUT), p, r, call)
+def _run_stack(graphdef, params, rest, x, args, kwargs, *, policy, fetch, layer_scan, unroll=1,
+               call=lambda block, *a, **k: block(*a, **k)):
+    """`x` through every layer of a stacked block (`params` and its other state `rest`, leaves
+    [L, ...]) as the engine's hooks ask (`layer_stack.run_layers`), each layer called as
+    `call(block, h, *args, **kwargs)`. A block that returns a tuple carries its first element, and
+    the result is then (h, None, ...)."""
+    # the block's output structure, from one layer's shapes (no memory kind: host-resident
+    # layers are fetched only inside the scan)
+    one = lambda tree: jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape[1:], a.dtype), tree)  # noqa: E731
+    shape = jax.eval_shape(lambda p, r: call(nnx.merge(graphdef, p, r), x, *args, **kwargs), one(params), one(rest))
+    tupled = isinstance(shape, tuple)
+    if layer_scan is None and jax.tree.leaves(rest):
+        # the plain scan hands each layer its own other state (an RNG key); the engine's layer
+        # scans take the parameters alone, and every layer sees layer 0's
+        layers, parts = (params, rest), lambda pr: pr  # noqa: E731
+        if fetch is not None:
+            fetch = lambda pr, f=fetch: (f(pr[0]), pr[1])  # noqa: E731
+    else:
+        layers, first = params, jax.tree.map(lambda a: a[0], rest)
+        parts = lambda p: (p, first)  # noqa: E731
 
-            if fetch is not None and policy is None:
-                policy = "except_fetched"
-            step = body if policy is None else jax.checkpoint(body, policy=remat_policy_fn(policy),
-                                                              prevent_cse=False)
-            if layer_scan is not None:  # pipeline stages over the "pipe" axis
-                # per-row arguments (positions, segment ids: [rows, ...]) travel with their
-                # micro-batch through the stages; the others are the same for every row
-                leaves, treedef = jax.tree.flatten((args, kwargs))
-                rows = [isinstance(a, jax.Array) and a.ndim >= 1 and a.shape[0] == x.shape[0] for a in leaves]
+    def run(h, layer, a, k):
+        out = call(nnx.merge(graphdef, *parts(layer)), h, *a, **k)
+        return out[0] if tupled else out
 
-                def staged(hs, p):
-                    it = iter(hs[1])
-                    call = treedef.unflatten([next(it) if r else a for a, r in zip(leaves, rows)])
-                    return step(hs[0], p, first(rest), call)
+    body, x = _layer_body(run, x, args, kwargs, rows=layer_scan is not None and fetch is None)
+    h = run_layers(body, x, layers, policy=policy, fetch=fetch, layer_scan=layer_scan, policy_fn=remat_policy_fn,
+                   unroll=unroll)
+    return (h,) + (None,) * (len(shape) - 1) if tupled else h
 
-                side = tuple(a for a, r in zip(leaves, rows) if r)
-                h = layer_scan(staged, (x, side), layers, None) if side else layer_scan(
-                    lambda h, p: step(h, p, first(rest)), x, layers, None)
-            else:
-                unroll = self.scan_unroll
-                if unroll is None:  # see scan_unroll
-                    unroll = 1 if policy is not None else self.layers
-                h, _ = jax.lax.scan(lambda h, pr: (step(h, *pr), None), x, (layers, rest), unroll=unroll)
-        return (h,) + (None,) * (len(shape) - 1) if tupled else h
+
+def _layer_body(run, x, args, kwargs, *, rows: bool):
+    """(body(h, layer) -> h, the layer scan's input) for a block called as `run(h, layer, args,
+    kwargs)`, its input named LAYER_INPUT (the "offload" remat policy moves it to host memory).
+    rows (pipeline stages): the arguments that are arrays with x's leading (row) axis -- positions,
+    segment ids -- travel with their micro-batch through the stages: the input is then (x, those
+    arrays) and body takes that pair; the other arguments are the same for every row."""
+    leaves, treedef = jax.tree.flatten((args, kwargs))
+    per_row = [rows and isinstance(a, jax.Array) and a.ndim >= 1 and a.shape[0] == x.shape[0] for a in leaves]
+    if not any(per_row):
+        return (lambda h, p: run(checkpoint_name(h, LAYER_INPUT), p, args, kwargs)), x
+
+    def body(hs, p):
+        it = iter(hs[1])
+        a, k = treedef.unflatten([next(it) if r else a for a, r in zip(leaves, per_row)])
+        return run(checkpoint_name(hs[0], LAYER_INPUT), p, a, k)
+
+    return body, (x, tuple(a for a, r in zip(leaves, per_row) if r))
 
 
 def _same(a, b) -> bool:
@@ -362,32 +366,87 @@ def stack_blocks(module) -> nnx.Module:
     return module
 
 
-def hooked_block_class(cls, *, policy=None, fetch=None):
+def hooked_block_class(cls, *, policy=None, fetch=None, layer_scan=None, whole_ndim=None):
     """A subclass of the block class `cls` of an `nnx.vmap`-built stack (run by the model's own
     `nnx.scan`, one layer's slice per call) whose call applies the engine's hooks to that slice:
     `fetch` to its params (offload_param's host -> device copy, ZeRO-3's gather), inside a remat
-    with `policy` (with a fetch and no policy: only the fetched weights re-fetched in backward).
-    One class per engine: the graph the engine traces carries it, the user's module never does."""
+    with `policy` (`layer_stack.layer_step`). With `layer_scan` (pipeline stages), a call that
+    gets the whole stack -- params of `whole_ndim` dims, which the engine hands the model's scan
+    as its one item -- runs every layer through it instead. One class per engine: the graph the
+    engine traces carries it, the user's module never does."""
     base = getattr(cls, "_zerojax_block", cls)
     call = base.__call__
 
     def __call__(self, *args, **kwargs):
         graphdef, params, rest = nnx.split(self, nnx.Param, ...)
         params, rest = nnx.to_pure_dict(params), nnx.to_pure_dict(rest)
+        if args and layer_scan is not None and jax.tree.leaves(params)[0].ndim == whole_ndim:
+            return _run_stack(graphdef, params, rest, args[0], args[1:], kwargs, policy=policy, fetch=None,
+                              layer_scan=layer_scan, call=call)
 
-        def run(p, *a):
-            if fetch is not None:
-                p = jax.tree.map(lambda x: checkpoint_name(x, FETCHED_PARAMS), fetch(p))
+        def body(a, p):  # the block's input (its first argument) named inside the remat: "offload" moves it
+            a = (checkpoint_name(a[0], LAYER_INPUT), *a[1:]) if a else a
             return call(nnx.merge(graphdef, p, rest), *a, **kwargs)
 
-        name = policy or ("except_fetched" if fetch is not None else None)
-        if name is not None:
-            run = jax.checkpoint(run, policy=remat_policy_fn(name), prevent_cse=False)
-        return run(params, *args)
+        return layer_step(body, policy=policy, fetch=fetch, policy_fn=remat_policy_fn)(args, params)
 
     return type(base.__name__, (base,), {"__call__": __call__, "__module__": base.__module__,
                                          "__qualname__": base.__qualname__, "_zerojax_block": base,
                                          "_zerojax_policy": policy})
+
+
+def scans_block_alone(forward, model, path, whole_ndim) -> bool:
+    """Whether `forward(model)` runs the `nnx.vmap`-stacked block at `path`, handed whole (params
+    of `whole_ndim` dims, as the engine hands it for pipeline stages), as the whole body of a
+    one-item scan: carry in, `block(carry, ...)`, carry out, nothing else around it (remat or jit
+    wrappers aside). Only then does running every layer in that one call equal the model's own
+    loop. Read off the traced program (nothing runs), the block's call replaced by a marker: what a
+    model's scan does around its block shows nowhere else."""
+    graphdef, state = nnx.split(model)
+
+    def marker(body, x, layers, fetch):  # the stages' stand-in: the hidden states, marked
+        return jax.lax.optimization_barrier(x[0] if isinstance(x, tuple) else x)
+
+    def probe(state):  # the model built inside the trace: nnx refuses variables of an outer one
+        module = nnx.merge(graphdef, state)
+        block = at(module, path)
+        marked = hooked_block_class(type(block), layer_scan=marker, whole_ndim=whole_ndim)
+        object.__setattr__(block, "__class__", marked)
+        return forward(module)
+
+    shapes = jax.tree.map(lambda a: jax.ShapeDtypeStruct(jnp.shape(a), jnp.result_type(a)), nnx.to_pure_dict(state))
+    return _scans_marker_alone(jax.make_jaxpr(probe)(shapes).jaxpr)
+
+
+def _scans_marker_alone(jaxpr) -> bool:
+    """Whether some one-item scan in `jaxpr` (or in a program it calls) maps a carry to itself
+    through the marker alone (`_marker_links`)."""
+    for e in jaxpr.eqns:
+        if e.primitive.name == "scan" and e.params["length"] == 1:
+            consts, carry = e.params["num_consts"], e.params["num_carry"]
+            if any((consts + k, k) in _marker_links(e.params["jaxpr"].jaxpr) for k in range(carry)):
+                return True
+        if any(_scans_marker_alone(sub) for sub in jex.jaxprs_in_params(e.params)):
+            return True
+    return False
+
+
+def _marker_links(jaxpr) -> set[tuple[int, int]]:
+    """(input i, output j) of `jaxpr` where output j is the marker (an optimization_barrier) of
+    input i, directly or through calls that hand their operands on as they are (jit, remat)."""
+    inputs = {v: i for i, v in enumerate(jaxpr.invars)}
+    is_input = lambda v: isinstance(v, jex.Var) and v in inputs  # noqa: E731
+    marked = {}  # var -> the input it marks
+    for e in jaxpr.eqns:
+        sub = e.params.get("jaxpr")
+        sub = getattr(sub, "jaxpr", sub)  # a ClosedJaxpr's program
+        if e.primitive.name == "optimization_barrier" and len(e.invars) == 1 and is_input(e.invars[0]):
+            marked[e.outvars[0]] = inputs[e.invars[0]]
+        elif e.primitive.name != "scan" and isinstance(sub, jex.Jaxpr) and len(sub.invars) == len(e.invars):
+            for i, j in _marker_links(sub):
+                if is_input(e.invars[i]):
+                    marked[e.outvars[j]] = inputs[e.invars[i]]
+    return {(marked[v], j) for j, v in enumerate(jaxpr.outvars) if isinstance(v, jex.Var) and v in marked}
 
 
 def remat_modules(module, policy) -> list[tuple[Any, str, Any]]:
@@ -396,6 +455,8 @@ def remat_modules(module, policy) -> list[tuple[Any, str, Any]]:
     has one (GPT-2, Llama, `StackedBlocks`), else the stacked block's class swapped for one whose
     call is rematerialised (an `nnx.vmap`-built stack). Raises where there is no stack."""
     owners = [m for _, m in _modules(module) if "remat_policy" in vars(m)]
+    if any(isinstance(m, StackedBlocks) for m in owners):
+        remat_policy_fn(policy)  # a generic name, or the error naming them (now, not when the step is traced)
     if owners:
         return [(m, "remat_policy", policy) for m in owners]
     stack = find_blocks(module)
@@ -510,5 +571,5 @@ def count_tokens(module, batch) -> int:
 
 
 __all__ = ["ModelDims", "BlockStack", "StackedBlocks", "find_blocks", "stack_blocks", "stacked_prefixes",
-           "stacked_flags", "remat_modules", "hooked_block_class", "at", "remat_policy_fn", "model_dims", "infer_dims", "count_tokens",
+           "stacked_flags", "remat_modules", "hooked_block_class", "scans_block_alone", "at", "remat_policy_fn", "model_dims", "infer_dims", "count_tokens",
            "GENERIC_REMAT_POLICIES"]

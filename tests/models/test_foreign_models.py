@@ -177,15 +177,65 @@ def test_each_feature_trains_like_the_plain_model(kind, case, request):
         assert "tensor" in tuple(q.sharding.spec), q.sharding.spec
 
 
-def test_pipeline_runs_a_list_of_blocks_in_stages():
-    eng, losses = trained("list", {**config(0), "pipeline": {"stages": 2}, "gradient_accumulation_steps": 2})
-    assert_matches_reference(eng, "list", losses)
+@pytest.mark.parametrize("kind", ["list", "scan"])
+def test_pipeline_runs_the_blocks_in_stages(kind):
+    # the list stacked by the engine; the nnx.vmap stack run by the model's own nnx.scan, handed the
+    # whole stack as its one item
+    eng, losses = trained(kind, {**config(0), "pipeline": {"stages": 2}, "gradient_accumulation_steps": 2})
+    assert_matches_reference(eng, kind, losses)
     assert eng.pipeline_bubble > 0
+    stack = eng.layout.shardings.params["layers" if kind == "list" else "blocks"]
+    assert all(s.spec[0] == "pipe" for s in jax.tree.leaves(stack))  # each stage stores its own layers
 
 
-def test_pipeline_on_a_model_that_scans_itself_names_the_hook():
-    with pytest.raises(ConfigError, match="layer_scan"):
-        trained("scan", {**config(0), "pipeline": {"stages": 2}, "gradient_accumulation_steps": 2}, steps=0)
+class _DropoutBlock(nnx.Module):
+    def __init__(self, d, *, rngs):
+        self.lin = nnx.Linear(d, d, rngs=rngs)
+        self.drop = nnx.Dropout(0.1, rngs=rngs)  # an RNG stream: state besides parameters, per layer
+
+    def __call__(self, x):
+        return x + self.drop(self.lin(x), deterministic=True)
+
+
+class _ScanWith(nnx.Module):
+    """A model scanning its own nnx.vmap stack in a way that cannot be handed the whole stack at
+    once: "rng": its blocks keep an RNG stream each; "scanned": a per-layer scale is scanned beside
+    the blocks; "around": its scan body does more than call the block."""
+
+    def __init__(self, style, layers=4, d=8):
+        rngs = nnx.Rngs(0)
+        self.style = style
+        self.embed = nnx.Embed(64, d, rngs=rngs)
+
+        @nnx.split_rngs(splits=layers)
+        @nnx.vmap(in_axes=(0,), out_axes=0)
+        def make(rngs):
+            return _DropoutBlock(d, rngs=rngs) if style == "rng" else nnx.Linear(d, d, rngs=rngs)
+
+        self.blocks = make(rngs)
+        self.scales = nnx.Param(np.ones((layers,), np.float32))
+
+    def __call__(self, ids):
+        x = self.embed(ids)
+        if self.style == "scanned":
+            x = nnx.scan(lambda block, scale, x: block(x) * scale, in_axes=(0, 0, nnx.Carry), out_axes=nnx.Carry)(
+                self.blocks, self.scales[...], x)
+        else:
+            body = (lambda block, x: 2 * block(x)) if self.style == "around" else (lambda block, x: block(x))
+            x = nnx.scan(body, in_axes=(0, nnx.Carry), out_axes=nnx.Carry)(self.blocks, x)
+        return self.embed.attend(x)
+
+
+@pytest.mark.parametrize("style,why", [("rng", "hold state besides their parameters"),
+                                       ("scanned", "tracing the model that way failed"),
+                                       ("around", "its scan does more than that")], ids=["rng", "scanned", "around"])
+def test_pipeline_on_a_scan_it_cannot_take_over_names_the_hook(style, why):
+    cfg = {**config(0), "pipeline": {"stages": 2}, "gradient_accumulation_steps": 2}
+    shapes = {"input_ids": jax.ShapeDtypeStruct((ROWS, SEQ), np.int32)}
+    # at shard() (rng) or when the step is traced (the others)
+    with pytest.raises(ConfigError, match=f"pipeline.stages = 2: .*{why}.*the `layer_scan` hook"):
+        zerojax.shard(lambda: _ScanWith(style), cfg, loss_fn=lm_loss,
+                      options=zerojax.EngineOptions(memory_guard=False)).lower_step(shapes)
 
 
 @pytest.mark.parametrize("kind", ["list", "scan"])
@@ -228,9 +278,10 @@ def test_checkpoint_reshards_across_stages(list_stage_runs):
     assert_matches_reference(None, "list", reference("list")[1][:2] + resumed, got)
 
 
-def test_nvme_offload_trains_like_the_plain_model(tmp_path):
-    eng, losses = trained("list", config(3, zero={"offload_optimizer": {"device": "nvme", "nvme_path": str(tmp_path)}}))
-    assert_matches_reference(eng, "list", losses)
+@pytest.mark.parametrize("kind", ["list", "scan"])
+def test_nvme_offload_trains_like_the_plain_model(kind, tmp_path):
+    eng, losses = trained(kind, config(3, zero={"offload_optimizer": {"device": "nvme", "nvme_path": str(tmp_path)}}))
+    assert_matches_reference(eng, kind, losses)
 
 
 def test_bf16_stages_agree():

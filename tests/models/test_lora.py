@@ -175,7 +175,7 @@ def _adapter_only(eng, master):
     assert sum(x.size * x.dtype.itemsize for x in opt) == 4 * n
     kernels = {jax.tree_util.keystr(p[:-1]) for p, _ in jax.tree_util.tree_leaves_with_path(eng.state.rest)
                if p[-1].key.startswith("kernel")}
-    assert len(kernels) == 7  # every projection's base kernel sits in the replicated rest, untrained
+    assert len(kernels) == 7  # every projection's base kernel sits in the rest, untrained
 
 
 @pytest.fixture(scope="module")
@@ -200,13 +200,19 @@ def test_engine_trains_adapters_alike(case, reference):
     for a, b in zip(jax.tree.leaves(host(eng.state.rest)), jax.tree.leaves(ref_rest)):
         np.testing.assert_array_equal(a, b)  # the base: unchanged
     p = eng.state.params["layers"]["self_attn"]
+    base = eng.state.rest["layers"]["mlp"]["up_proj"]["kernel"]
     if case == "zero3":  # gathered layer by layer in the scan; the adapters ZeRO-3 sharded over 8 devices
         assert eng.layout.stage3_gather == "layer"
         a = eng.state.params["layers"]["mlp"]["up_proj"]["lora_A"]
         assert a.addressable_shards[0].data.size == a.size // 8
+        assert base.addressable_shards[0].data.size == base.size // 8  # the frozen base too
+    else:
+        assert base.addressable_shards[0].data.size == base.size // (2 if case == "tensor2" else 1)
     if case == "tensor2":  # split as their kernels: column-parallel lora_B, row-parallel lora_A
         assert tuple(p["q_proj"]["lora_B"].sharding.spec)[2] == "tensor"
         assert tuple(p["o_proj"]["lora_A"].sharding.spec)[1] == "tensor"
+        q = eng.state.rest["layers"]["self_attn"]["q_proj"]["kernel"]
+        assert tuple(q.sharding.spec)[2] == "tensor"  # the frozen kernel split as its adapters are
 
 
 # ------------------------------------------------------------------------ quantized bases

@@ -10,8 +10,10 @@ from zerojax.config._values import _DEVICES, _empty, _f, _freeze, _is_auto, _to_
 
 
 DEEPSPEED_VERSION = "0.19.8"
-# activation_checkpointing.remat_policy's values: zerojax.models.gpt2.REMAT_POLICIES (None written "none");
-# the config imports nothing of the models, so tests/test_speed_options.py checks the two agree
+# activation_checkpointing.remat_policy's values (None written "none"): zerojax.models.gpt2.REMAT_POLICIES,
+# the generic ones any layer stack takes (zerojax.models.layer_stack.GENERIC_REMAT_POLICIES) and the ones
+# GPT-2's and Llama's activation tags add; the config imports nothing of the models, so
+# tests/train/test_speed_options.py checks the two agree
 class _RematPolicyNames(tuple):
     """The fixed names, and also (membership only) "dots_<k>", k an int >= 1: "dots" on the first k
     layers, "full" on the rest (the model checks k < its layer count)."""
@@ -72,10 +74,13 @@ class OffloadParamConfig:
     """none / cpu / nvme.
     zerojax: **acted on**: cpu → parameters in `pinned_host` memory, streamed per layer; nvme → the same host
       tier while the model has at most `max_in_cpu` parameter elements (DeepSpeed keeps that many in CPU memory
-      with NVMe), a ConfigError above it (params streamed from files not supported yet); stage 3 only"""
+      with NVMe), a ConfigError above it (params streamed from files not supported yet); stage 3 only
+    Model needs: a layer stack zerojax finds, streamed a layer at a time (docs/CONTRACTS.md, "The model
+      contract"); a model without one gets a ConfigError naming the `layer_fetch` hook"""
     nvme_path: str | None = _f(None, "str", optional=True)
     """NVMe swap directory.
-    zerojax: **acted on**: required with `device: "nvme"` (checked: exists, writable, not a RAM disk)"""
+    zerojax: **acted on**: required with `device: "nvme"` (checked: exists, writable, not a RAM disk)
+    Model needs: nothing (a directory checked when the engine is built)"""
     buffer_count: int = _f(5, "int", ge=0)
     """NVMe swap buffers.
     zerojax: **accepted, no effect**: the parameters stay in host memory (see `device`)"""
@@ -84,7 +89,8 @@ class OffloadParamConfig:
     zerojax: **accepted, no effect**: the parameters stay in host memory (see `device`)"""
     max_in_cpu: int = _f(1_000_000_000, "int", ge=0)
     """Parameter elements kept in CPU memory with NVMe.
-    zerojax: **acted on**: with `device: "nvme"`, the model's parameter elements must not exceed it"""
+    zerojax: **acted on**: with `device: "nvme"`, the model's parameter elements must not exceed it
+    Model needs: nothing (a bound on its parameter count, checked when the engine is built)"""
     pin_memory: bool = _f(True, "bool")
     """Use page-locked host memory (DeepSpeed's default true since 0.19.5, github.com/deepspeedai/DeepSpeed/pull/8207).
     zerojax: **accepted, no effect**: host offload always uses `pinned_host` memory"""
@@ -99,20 +105,24 @@ class OffloadOptimizerConfig:
     nvme_path: str | None = _f(None, "str", optional=True)
     """NVMe swap directory.
     zerojax: **acted on**: required with `device: "nvme"`; swap files live in `<nvme_path>/zerojax-<run>/rank<p>/`,
-      removed at exit (checked before the first step: exists, writable, free bytes, not a RAM disk)"""
+      removed at exit (checked before the first step: exists, writable, free bytes, not a RAM disk)
+    Model needs: nothing (where the swap files live)"""
     buffer_count: int = _f(4, "int", ge=0)
     """NVMe swap buffers.
     zerojax: **acted on**: layer groups held in host memory at once by the swapper (at least 2: one read
-      ahead, one being written back)"""
+      ahead, one being written back)
+    Model needs: nothing (the NVMe swapper's host-side I/O, outside the compiled step)"""
     pin_memory: bool = _f(True, "bool")
     """Use page-locked host memory (DeepSpeed's default true since 0.19.5, github.com/deepspeedai/DeepSpeed/pull/8207).
     zerojax: **accepted, no effect**: host offload always uses `pinned_host` memory"""
     pipeline_read: bool = _f(False, "bool")
     """Overlap NVMe reads with the optimizer step.
-    zerojax: **acted on**: group g+1 is read while group g is updated (else each read waits)"""
+    zerojax: **acted on**: group g+1 is read while group g is updated (else each read waits)
+    Model needs: nothing (the NVMe swapper's host-side I/O, outside the compiled step)"""
     pipeline_write: bool = _f(False, "bool")
     """Overlap NVMe writes with the optimizer step.
-    zerojax: **acted on**: group g-1 is written while group g is updated (else each write waits)"""
+    zerojax: **acted on**: group g-1 is written while group g is updated (else each write waits)
+    Model needs: nothing (the NVMe swapper's host-side I/O, outside the compiled step)"""
     fast_init: bool = _f(False, "bool")
     """Fast optimizer init with NVMe.
     zerojax: **accepted, no effect**: the initial state is always written a layer group at a time"""
@@ -124,7 +134,8 @@ class OffloadOptimizerConfig:
     lives in the swap files. 0 (unset): every offloaded layer on NVMe, DeepSpeed's meaning of `device: "nvme"`.
     zerojax: **acted on**: a host / disk split for models whose state fits neither the disk nor host memory
       alone (one layer a group: any count), fewer than the
-      offloaded layers; an error with another device"""
+      offloaded layers; an error with another device
+    Model needs: nothing (the NVMe swapper's host-side I/O, outside the compiled step)"""
     ratio: float = _f(1.0, "float", ge=0.0, le=1.0)
     """Fraction of optimizer state offloaded (< 1 only at stage 3).
     zerojax: **acted on**: the first ceil(ratio × pieces) pieces of the optimizer state (embeddings, then layer
@@ -208,7 +219,8 @@ class ZeroConfig:
     stage3_gather_16bit_weights_on_model_save: bool = _f(False, "bool")
     """Gather full 16-bit weights when saving (aliases `gather_16bit_weights_on_model_save`, deprecated
     `stage3_gather_fp16_weights_on_model_save`).
-    zerojax: **acted on**: checkpoint export writes gathered 16-bit weights"""
+    zerojax: **acted on**: checkpoint export writes gathered 16-bit weights
+    Model needs: nothing (read when a checkpoint is saved, outside the compiled step)"""
     stage3_module_granularity_threshold: int = _f(0, "int")
     """Fetch fine-grained modules as a unit.
     zerojax: **accepted, no effect**: —"""
@@ -389,7 +401,9 @@ class ActivationCheckpointingConfig:
     zerojax: **accepted, no effect**: XLA plans buffers itself"""
     cpu_checkpointing: bool = _f(False, "bool")
     """Keep checkpointed activations in CPU memory.
-    zerojax: **acted on**: remat policy that offloads saved activations to host (offload.py)"""
+    zerojax: **acted on**: the remat policy "offload": each layer's input kept in pinned host memory for the
+      backward pass, the rest recomputed
+    Model needs: as `activation_checkpointing`"""
     # DeepSpeed reads it with get_scalar_param (any value); configs in the wild write false for "unset".
     number_checkpoints: int | None = _f(None, "int", optional=True, ge=0, false_is_none=True)
     """Number of checkpoints (`false` reads as unset).
@@ -404,16 +418,20 @@ class ActivationCheckpointingConfig:
                                   extension=True)
     """**Not a DeepSpeed key** (a zerojax extension; DeepSpeed 0.19.8 validates this section with a pydantic
     model that forbids unknown keys, so remove it before giving the config to DeepSpeed). What each layer keeps
-    for the backward pass, the rest being recomputed: "full" (the layer input only), "dots" (every matmul
-    output without batch dimensions), "save_qkv" (the qkv projection), "save_attention" (the attention
-    output), "save_qkv_attention" (both), "save_attention_block" (both and the residual stream after the
-    attention half: only the MLP half is recomputed), "dots_<k>" (e.g. "dots_24": "dots" on the first k layers, "full" on
-    the rest: memory between the two), "offload" (the layer input, in host memory; the same as
-    `cpu_checkpointing: true`), "none" (no recompute, as if the section were absent). Unset: "offload" with
-    `cpu_checkpointing`, else "full".
-    zerojax: **acted on**: the model's remat policy, read by `zerojax.config.remat_policy_for(cfg)` (the GPT-2
-      example builds its model with it); a policy other than "offload" with `cpu_checkpointing: true` is an
-      error"""
+    for the backward pass, the rest being recomputed. Any model: "full" (the layer input only), "dots" (every
+    matmul output without batch dimensions), "offload" (the layer input, in host memory; the same as
+    `cpu_checkpointing: true`), "none" (no recompute, as if the section were absent). A model whose blocks tag
+    their activations takes more through its own `remat_policy` attribute; zerojax's GPT-2 and Llama:
+    "save_qkv" (the qkv projection), "save_attention" (the attention output), "save_qkv_attention" (both),
+    "save_attention_block" (both and the residual stream after the attention half: only the MLP half is
+    recomputed), "dots_<k>" (e.g. "dots_24": "dots" on the first k layers, "full" on the rest: memory between
+    the two). Unset: "offload" with `cpu_checkpointing`, else "full".
+    zerojax: **acted on**: set on the model's layer stack by the engine (`zerojax.model.remat_modules`: the
+      `remat_policy` attribute of the module that scans the layers, else each found block's call run under
+      `jax.checkpoint` with the policy); a policy other than "offload" with `cpu_checkpointing: true` is an
+      error
+    Model needs: as `activation_checkpointing`; the "save_*" and "dots_<k>" names also the model's own tags
+      (zerojax.models' GPT-2 and Llama), else a ConfigError naming the policies its layers take"""
 
 
 def remat_policy_for(cfg) -> str | None:
@@ -434,13 +452,16 @@ class _FileMonitorConfig:
 
     enabled: bool = _f(False, "bool")
     """Turn this monitor on.
-    zerojax: **acted on**: metrics writer on"""
+    zerojax: **acted on**: metrics writer on
+    Model needs: nothing (the engine's metrics writer, outside the compiled step)"""
     output_path: str = _f("", "str")
     """Directory for the logs.
-    zerojax: **acted on**: writer output directory"""
+    zerojax: **acted on**: writer output directory
+    Model needs: nothing (the engine's metrics writer, outside the compiled step)"""
     job_name: str = _f("DeepSpeedJobName", "str")
     """Sub-directory / run name.
-    zerojax: **acted on**: writer run name"""
+    zerojax: **acted on**: writer run name
+    Model needs: nothing (the engine's metrics writer, outside the compiled step)"""
 
 
 @dataclass(frozen=True)
@@ -457,16 +478,20 @@ class CSVConfig(_FileMonitorConfig):
 class WandbConfig:
     enabled: bool = _f(False, "bool")
     """Turn wandb on.
-    zerojax: **acted on**: metrics writer on"""
+    zerojax: **acted on**: metrics writer on
+    Model needs: nothing (the engine's metrics writer, outside the compiled step)"""
     group: str | None = _f(None, "str", optional=True)
     """wandb group.
-    zerojax: **acted on**: passed to wandb.init"""
+    zerojax: **acted on**: passed to wandb.init
+    Model needs: nothing (the engine's metrics writer, outside the compiled step)"""
     team: str | None = _f(None, "str", optional=True)
     """wandb team (entity).
-    zerojax: **acted on**: passed to wandb.init"""
+    zerojax: **acted on**: passed to wandb.init
+    Model needs: nothing (the engine's metrics writer, outside the compiled step)"""
     project: str = _f("deepspeed", "str")
     """wandb project.
-    zerojax: **acted on**: passed to wandb.init"""
+    zerojax: **acted on**: passed to wandb.init
+    Model needs: nothing (the engine's metrics writer, outside the compiled step)"""
 
 
 @dataclass(frozen=True)
@@ -563,7 +588,10 @@ class PipelineConfig:
     """Number of pipeline stages ("auto" is DeepSpeed's default and is kept).
     zerojax: **acted on**: size of the mesh's `pipe` axis ("auto" = 1, no pipeline); the stacked layers are
       split into this many stages, micro-batches = gradient_accumulation_steps, data-parallel size =
-      devices / (stages x autotp_size); ZeRO stage <= 1 and no offload (DeepSpeed's rule)"""
+      devices / (stages x autotp_size); ZeRO stage <= 1 and no offload (DeepSpeed's rule)
+    Model needs: a layer stack zerojax can run in stages: the `layer_scan` hook (GPT-2, Llama), a list of
+      same-structure blocks, or an `nnx.vmap` stack whose own `nnx.scan` body only calls the block on its
+      carry (docs/CONTRACTS.md, "The model contract"); else a ConfigError naming the `layer_scan` hook"""
     partition: str = _f("best", "str")
     """Layer partition method.
     zerojax: **accepted, no effect**: a stacked layer scan is split evenly (its layers are identical, so
@@ -596,7 +624,10 @@ class TensorParallelConfig:
     """Tensor-parallel degree (0 = off).
     DeepSpeed default: 0
     zerojax: **acted on**, stored as 1 for 0 (no tensor axis): size of the mesh's `tensor` axis (data-parallel
-      size = devices / autotp_size); the batch rule's world size counts tensor ranks, as DeepSpeed's does"""
+      size = devices / autotp_size); the batch rule's world size counts tensor ranks, as DeepSpeed's does
+    Model needs: something to split: logical axis names on its parameters, or projection names AutoTP knows
+      (q_proj / wq, up_proj / w1, ...: `zerojax.sharding.autotp`), or `partition_config`; else a ConfigError
+      listing the parameters"""
     tp_overlap_comm: bool = _f(False, "bool")
     """Overlap TP all-reduce with compute.
     zerojax: **accepted, no effect**: XLA's latency-hiding scheduler"""
@@ -752,14 +783,17 @@ class AioConfig:
 
     block_size: int = _f(1_048_576, "int", ge=1)
     """Bytes per I/O request.
-    zerojax: **acted on**: the swap files' alignment and each read / write's request size"""
+    zerojax: **acted on**: the swap files' alignment and each read / write's request size
+    Model needs: nothing (the NVMe swapper's host-side I/O, outside the compiled step)"""
     queue_depth: int = _f(8, "int", ge=1)
     """Requests in flight.
     zerojax: **acted on**: requests in flight per group read / write (thread pool size with
-      `intra_op_parallelism`)"""
+      `intra_op_parallelism`)
+    Model needs: nothing (the NVMe swapper's host-side I/O, outside the compiled step)"""
     intra_op_parallelism: int = _f(1, "int", ge=1)
     """Threads per I/O operation (old name `thread_count`).
-    zerojax: **acted on**: I/O threads = queue_depth × intra_op_parallelism, capped at 64"""
+    zerojax: **acted on**: I/O threads = queue_depth × intra_op_parallelism, capped at 64
+    Model needs: nothing (the NVMe swapper's host-side I/O, outside the compiled step)"""
     single_submit: bool = _f(False, "bool")
     """Submit requests one at a time.
     zerojax: **accepted, no effect**: requests go through a thread pool of pread / pwrite"""
@@ -793,8 +827,9 @@ class Config:
     update and the client owns the boundary.
     zerojax: **accepted, no effect**: one engine step always runs the whole accumulation and one update"""
     steps_per_print: int | None = _f(None, "int", optional=True, ge=1)
-    """Print progress every N steps (DeepSpeed default: none).
-    zerojax: **acted on**: engine logging interval"""
+    """Print progress every N steps.
+    zerojax: **acted on**: engine logging interval
+    Model needs: nothing (the engine's log lines, outside the compiled step)"""
     wall_clock_breakdown: bool = _f(False, "bool")
     """Time forward/backward/step separately.
     zerojax: **accepted, no effect**: one jitted step has no host-visible phases; use the JAX profiler"""
@@ -817,7 +852,8 @@ class Config:
       compute dtype"""
     gradient_allreduce_op: str = _f("mean", "str", lower=True, choices=("mean", "sum"))
     """How data-parallel gradients are combined: "mean" or "sum" ("sum" refused at ZeRO stage 3).
-    zerojax: **acted on**: "mean" is what zerojax does; "sum" is a ConfigError (not supported yet)"""
+    zerojax: **acted on**: "mean" is what zerojax does; "sum" is a ConfigError (not supported yet)
+    Model needs: nothing ("mean", the default, is the one value that runs)"""
     communication_data_type: str | None = _f(None, "str", optional=True, lower=True,
                                              choices=("fp16", "bf16", "fp32"))
     """Dtype of gradient collectives (fp16 / bf16 / fp32).
@@ -828,7 +864,9 @@ class Config:
     zerojax: **accepted, no effect**: no sequence parallelism yet"""
     sequence_parallel_size: int = _f(1, "int", ge=1)
     """Ulysses sequence-parallel group size; DeepSpeed divides the world size by it.
-    zerojax: **acted on**: divides the default batch world size (`jax.device_count() // sequence_parallel_size`)"""
+    zerojax: **acted on**: divides the default batch world size (`jax.device_count() // sequence_parallel_size`)
+    Model needs: nothing (it sets the batch rule's world size only; with no sequence parallelism yet, the
+      engine refuses a world size other than its mesh's data x tensor size)"""
     disable_allgather: bool = _f(False, "bool")
     """Legacy: skip the parameter all-gather.
     zerojax: **accepted, no effect**: XLA inserts the collectives the shardings need"""
@@ -872,16 +910,22 @@ class Config:
     activation_checkpointing: ActivationCheckpointingConfig | None = _f(
         None, "section", optional=True, cls=ActivationCheckpointingConfig)
     """Section: activation checkpointing (`None` when absent).
-    zerojax: **acted on**: see its keys"""
+    zerojax: **acted on**: present, it sets the remat policy of the model's layer stack ("full" unless its
+      keys say otherwise); absent, the model's own remat stays
+    Model needs: a layer stack zerojax finds or a `remat_policy` attribute (docs/CONTRACTS.md, "The model
+      contract"); else a ConfigError naming that attribute"""
     tensorboard: TensorBoardConfig = _f(kind="section", factory=TensorBoardConfig, cls=TensorBoardConfig)
     """Section: tensorboard logging.
-    zerojax: **acted on**: metrics writer (monitor.py)"""
+    zerojax: **acted on**: metrics writer (monitor.py)
+    Model needs: nothing (the engine's metrics writer, outside the compiled step)"""
     csv_monitor: CSVConfig = _f(kind="section", factory=CSVConfig, cls=CSVConfig)
     """Section: csv_monitor logging.
-    zerojax: **acted on**: metrics writer (monitor.py)"""
+    zerojax: **acted on**: metrics writer (monitor.py)
+    Model needs: nothing (the engine's metrics writer, outside the compiled step)"""
     wandb: WandbConfig = _f(kind="section", factory=WandbConfig, cls=WandbConfig)
     """Section: Weights & Biases logging.
-    zerojax: **acted on**: metrics writer (monitor.py)"""
+    zerojax: **acted on**: metrics writer (monitor.py)
+    Model needs: nothing (the engine's metrics writer, outside the compiled step)"""
     comet: CometConfig = _f(kind="section", factory=CometConfig, cls=CometConfig)
     """Section: Comet logging.
     zerojax: **accepted, no effect**: accepted; no Comet writer yet"""
@@ -894,10 +938,11 @@ class Config:
     zerojax: **accepted, no effect**: use XLA's cost analysis (`jax.jit(...).lower(...).cost_analysis()`)"""
     checkpoint: CheckpointConfig = _f(kind="section", factory=CheckpointConfig, cls=CheckpointConfig)
     """Section: checkpoint options.
-    zerojax: **acted on**: see its keys"""
+    zerojax: **accepted, no effect**: see its keys"""
     pipeline: PipelineConfig = _f(kind="section", factory=PipelineConfig, cls=PipelineConfig)
     """Section: pipeline parallelism.
-    zerojax: **acted on**: `stages` > 1 splits the stacked layers over the mesh's `pipe` axis (zerojax.sharding.pipeline)"""
+    zerojax: **acted on**: `stages` > 1 splits the stacked layers over the mesh's `pipe` axis (zerojax.sharding.pipeline)
+    Model needs: see `pipeline.stages`"""
     tensor_parallel: TensorParallelConfig = _f(kind="special", factory=TensorParallelConfig, cls=TensorParallelConfig)
     """Section: AutoTP tensor parallelism.
     zerojax: **acted on**: see its keys"""
@@ -944,7 +989,9 @@ class Config:
       (an error naming `lora.<key>` and the fix) and applied with `zerojax.lora.apply` by
       examples/gpt2_large.py (its `--lora R`, `--lora-alpha`, `--lora-targets`, `--quantize` flags override
       the section's keys): the base frozen, the adapters trained; refused with `pipeline.stages` > 1 or
-      `offload_param`"""
+      `offload_param`
+    Model needs: a `zerojax.models.Llama` (the Llama family) with the adapters `zerojax.lora.apply` puts in;
+      a model without adapters gets a ConfigError"""
 
     def to_dict(self) -> dict:
         """The resolved config as DeepSpeed JSON; `load_config(d, world_size=cfg.world_size) == cfg`."""

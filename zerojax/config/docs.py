@@ -6,7 +6,10 @@
 A field's string reads: DeepSpeed's meaning, then `zerojax:` and what zerojax does with the key;
 an optional `DeepSpeed default:` part replaces the default shown when zerojax stores another value
 (e.g. `tensor_parallel.autotp_size`). The "DeepSpeed default" column is otherwise the field's own
-default, so the table cannot drift from the code.
+default, so the table cannot drift from the code. An optional `Model needs:` part (acted-on keys)
+says what the model must have for the key to act, or that it needs nothing (the key acts outside
+the compiled step); an acted-on key without it acts on any Flax model, which
+tests/models/test_config_keys.py checks on two models that are not GPT-2.
 """
 from __future__ import annotations
 
@@ -21,7 +24,8 @@ import sys
 from zerojax import config as schema
 from zerojax.config._values import _thaw
 
-_MARKERS = ("DeepSpeed default:", "zerojax:")
+_MARKERS = ("DeepSpeed default:", "zerojax:", "Model needs:")
+MODEL_NEEDS = "**model needs**"  # how the page writes a `Model needs:` part
 
 
 def field_docs(cls) -> dict[str, str]:
@@ -70,7 +74,10 @@ def rows(cls=schema.Config, prefix=""):
         if f.name not in docs:
             raise ValueError(f"{key}: the schema field has no documentation string under it")
         parts = _parts(docs[f.name], key)
-        yield key, parts.get("DeepSpeed default:", _default(f)), parts["meaning"], parts["zerojax:"]
+        zerojax = parts["zerojax:"]
+        if "Model needs:" in parts:
+            zerojax += f"; {MODEL_NEEDS}: {parts['Model needs:']}"
+        yield key, parts.get("DeepSpeed default:", _default(f)), parts["meaning"], zerojax
         sub = f.metadata.get("cls")
         if sub is not None:
             yield from rows(sub, key + ".")
@@ -105,6 +112,13 @@ does:
   (GPU flags; set them in `XLA_FLAGS` before JAX initialises its backend);
 - **accepted, no effect**: the key loads and is validated, and why it does nothing is said;
 - **differs from DeepSpeed**: zerojax knowingly behaves otherwise, and how is said.
+
+An acted-on key acts on any Flax model (GPT-2's, the Llama family, a model of your own: see
+docs/CONTRACTS.md, "The model contract"), unless its row says what the **model needs** for it, or
+that it needs nothing because the key acts outside the compiled step (logging, checkpoint files,
+the NVMe swapper). tests/models/test_config_keys.py walks this page and checks that every other
+acted-on key changes the compiled step or the train state of two models written without
+zerojax in mind (a list of blocks, and an `nnx.vmap` stack run by `nnx.scan`).
 
 ## Rules that apply to many keys
 

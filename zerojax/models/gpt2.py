@@ -31,10 +31,14 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
-# activation names tagged with `checkpoint_name` inside each block; the "offload" remat
-# policy moves these to host memory instead of keeping them on the device
-OFFLOADED_ACTIVATIONS = ("layer_input",)
-# the other tags: the qkv projection [B, T, 3, H, Dh] and the attention output [B, T, H, Dh],
+# the layer stack's runner and its generic remat policies, shared with the Llama family and the
+# engine's stand-ins for other models' stacks (plain JAX, nothing of the runtime)
+from zerojax.models import layer_stack
+from zerojax.models.layer_stack import LAYER_INPUT
+
+# activation names tagged with `checkpoint_name` inside each block: LAYER_INPUT (the block's
+# input, which the "offload" remat policy moves to host memory instead of keeping it on the
+# device) and the qkv projection [B, T, 3, H, Dh] and the attention output [B, T, H, Dh],
 # which the "save_*" policies keep so that the backward pass does not recompute them
 QKV_PROJ, ATTENTION_OUT = "qkv_proj", "attention_out"
 # and the residual stream after the attention half [B, T, d] (the MLP half's input, before ln_2)
@@ -57,9 +61,6 @@ PARTIAL_DOTS = "dots_"
 _SAVED_NAMES = {"save_qkv": (QKV_PROJ,), "save_attention": (ATTENTION_OUT,),
                 "save_qkv_attention": (QKV_PROJ, ATTENTION_OUT),
                 "save_attention_block": (QKV_PROJ, ATTENTION_OUT, ATTENTION_RESIDUAL)}
-# name of a layer's weights after `layer_fetch` (host->device, or ZeRO-3's gather): never saved
-# for the backward pass, so a layer's full weights are not kept for every layer
-FETCHED_PARAMS = "fetched_layer_params"
 ATTENTION_IMPLS = (None, "xla", "cudnn")
 # logical names of the residual stream [B, T, d] (activations' names, for `activation_sharding`)
 RESIDUAL = ("batch", "seq", "embed")
@@ -280,7 +281,7 @@ def _block(x, p, *, eps, dtype, attention_impl, constrain=_unconstrained):
     `constrain(x, logical names)` is the trainer's activation hook (tensor parallelism pins
     heads / mlp to the tensor axis and the residual stream whole; identity by default)."""
     c = lambda a: a.astype(dtype)  # noqa: E731
-    x = checkpoint_name(constrain(x, RESIDUAL), "layer_input")
+    x = checkpoint_name(constrain(x, RESIDUAL), LAYER_INPUT)
 
     h = _layer_norm(x, p["ln_1"]["scale"], p["ln_1"]["bias"], eps, dtype)
     qkv = jnp.einsum("btd,dcnh->btcnh", h, c(p["attn"]["c_attn"]["kernel"])) + c(p["attn"]["c_attn"]["bias"])
@@ -337,14 +338,9 @@ def _saves_cudnn_attention_forward(prim, *_, **__) -> bool:
 
 def remat_policy_fn(name):
     """The `jax.checkpoint` policy for a remat option name (None = no remat; "dots_<k>" is two
-    policies, `split_remat_policy`)."""
+    policies, `split_remat_policy`): the generic ones (`layer_stack.remat_policy`: "full",
+    "dots", "offload") and GPT-2's "save_*", which keep the activations its blocks tag."""
     cp = jax.checkpoint_policies
-    if name == "full":
-        return cp.nothing_saveable
-    if name == "except_fetched":  # no activation remat; only fetched / gathered weights re-fetched
-        return cp.save_anything_except_these_names(FETCHED_PARAMS)
-    if name == "dots":
-        return cp.dots_with_no_batch_dims_saveable
     if name in _SAVED_NAMES:
         names = cp.save_only_these_names(*_SAVED_NAMES[name])
         if ATTENTION_OUT not in _SAVED_NAMES[name]:
@@ -355,15 +351,11 @@ def remat_policy_fn(name):
         # forward primitive's outputs keeps both (+4 bytes a head per token): measured on GPT-2 Large
         # (docs/speed-options.md). The XLA path has no such primitive; its output is saved by name.
         return cp.save_from_both_policies(names, _saves_cudnn_attention_forward)
-    if name == "offload":
-        return cp.save_and_offload_only_these_names(
-            names_which_can_be_saved=[],
-            names_which_can_be_offloaded=list(OFFLOADED_ACTIVATIONS),
-            offload_src="device",
-            offload_dst="pinned_host",
-        )
-    raise ValueError(f"remat_policy={name!r}; choose one of {REMAT_POLICIES} or \"dots_<k>\" (k layers \"dots\", "
-                     "the rest \"full\")")
+    policy = layer_stack.remat_policy(name)
+    if policy is None:
+        raise ValueError(f"remat_policy={name!r}; choose one of {REMAT_POLICIES} or \"dots_<k>\" (k layers \"dots\", "
+                         "the rest \"full\")")
+    return policy
 
 
 def _resolve_attention(impl, dtype, head_dim):
@@ -494,31 +486,12 @@ class GPT2(nnx.Module):
 
 def run_layers(body, x, layers, *, policy, fetch, layer_scan, n_layer: int, unroll: int = 1):
     """`x` through `body(x, layer_params)` for each layer of the stacked `layers`, as an engine's
-    hooks ask (GPT-2's and the Llama family's layer stack): `layer_scan` with `fetch` is offload_param's
-    prefetching scan; a `fetch` alone runs inside each layer's remat, named so that no policy saves
-    the fetched weights (re-fetched in backward); else one scan per piece of the remat `policy`
-    (`split_remat_policy`), or the engine's `layer_scan` (pipeline stages) over all of them."""
-    if fetch is not None and layer_scan is not None:
-        return layer_scan(body, x, layers, fetch, inputs_to_host=policy == "offload")
-    if fetch is not None:
-        block, policy = body, policy or "except_fetched"
-        body = lambda x, p: block(x, jax.tree.map(  # noqa: E731
-            lambda a: checkpoint_name(a, FETCHED_PARAMS), fetch(p)))
-    pieces = split_remat_policy(policy, n_layer)
-    if layer_scan is not None and len(pieces) > 1:
-        raise ValueError(f"remat_policy={policy!r} runs two layer scans; the engine's own layer scan "
-                         "(pipeline stages) takes one policy: use \"dots\" or \"full\"")
-    start = 0
-    for name, n in pieces:  # one scan per policy, each over its layers
-        # a scan keeps iterations apart, so CSE prevention is not needed
-        step = body if name is None else jax.checkpoint(body, policy=remat_policy_fn(name), prevent_cse=False)
-        part = layers if n == n_layer else jax.tree.map(lambda a: a[start:start + n], layers)
-        if layer_scan is not None:  # no fetch: e.g. pipeline stages over the "pipe" mesh axis
-            x = layer_scan(step, x, part, None)
-        else:
-            x, _ = jax.lax.scan(lambda x, p, step=step: (step(x, p), None), x, part, unroll=unroll)
-        start += n
-    return x
+    hooks ask (GPT-2's and the Llama family's layer stack; `layer_stack.run_layers`), with GPT-2's
+    remat vocabulary: its "save_*" policies and "dots_<k>" (one scan per piece,
+    `split_remat_policy`)."""
+    return layer_stack.run_layers(body, x, layers, policy=policy, fetch=fetch, layer_scan=layer_scan,
+                                  policy_fn=remat_policy_fn, unroll=unroll,
+                                  pieces=lambda name, n: split_remat_policy(name, n_layer))
 
 
 def gpt2_loss(model: GPT2, batch):

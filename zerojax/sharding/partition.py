@@ -126,7 +126,7 @@ def batch_world_size(mesh: Mesh) -> int:
 # Logical axes -> mesh axes
 
 
-def _logical_axes(variable) -> tuple | None:
+def logical_axes(variable) -> tuple | None:
     """Logical axis names a flax Variable was annotated with, across flax versions."""
     get = getattr(variable, "get_metadata", None)
     meta = get() if get is not None else getattr(variable, "metadata", {}) or {}
@@ -166,11 +166,15 @@ def tensor_specs(state, mesh: Mesh, rules=None, *, tp=None, model_type: str | No
     # inference from parameter names is for a model that names none (a "layers" axis aside)
     is_var = lambda x: isinstance(x, nnx.Variable)  # noqa: E731
     named = any(n not in (None, "layers") for v in jax.tree.leaves(state, is_leaf=is_var)
-                for n in (_logical_axes(v) or ()))
+                for n in (logical_axes(v) or ()))
 
     def spec_of(path, v):
-        names = _logical_axes(v)
+        names = logical_axes(v)
         shape = tuple(getattr(v, "shape", ()) or getattr(getattr(v, "value", None), "shape", ()))
+        if names is None and shape and any(dotted_keys(path)[:len(p)] == tuple(p) for p in stacked_prefixes):
+            # a found stack's unnamed leaf (an nnx.vmap-built stack): its leading axis is the layers'
+            # (pipeline stages split it as they split a named one)
+            names = ("layers",) + (None,) * (len(shape) - 1)
         dotted = ".".join(dotted_keys(path))
         spec = None
         if n_tensor > 1:

@@ -324,7 +324,7 @@ def _build_layout(module, cfg: Config, *, loss_fn, mesh: Mesh, options) -> Engin
     shardings = partition.stage_shardings(
         abstract_master, mesh, stage, base_specs=base_specs,
         persistence_threshold=int(zero.stage3_param_persistence_threshold or 0))
-    rest_shardings = partition.replicated(mesh, pure_dict(rest))
+    rest_shardings = _rest_shardings(rest, mesh, cfg, stage, _model_type(module), prefixes)
 
     off = offload_settings = offload_step = fetch_rest = nvme = None
     stage3_gather = None
@@ -378,7 +378,11 @@ def _build_layout(module, cfg: Config, *, loss_fn, mesh: Mesh, options) -> Engin
 
     schedule_ = None
     if partition.pipe_size(mesh) > 1 or pipeline_stages(cfg.pipeline) > 1:
-        schedule_, graphdef = _pipeline_layout(module, cfg, mesh, options, abstract_master, accum_dtype, stacked)
+        schedule_, graphdef, takeover = _pipeline_layout(module, cfg, mesh, options, abstract_master, accum_dtype,
+                                                         stacked)
+        if takeover is not None:  # see _self_scanned_stages (pipelined: stage <= 1, no fetch_rest to keep)
+            fetch_rest, checked = takeover
+            loss_fn = checked(loss_fn)
 
     step = StepSettings(
         graphdef=graphdef, param_template=param_template, rest_template=rest_template,
@@ -397,20 +401,52 @@ def _build_layout(module, cfg: Config, *, loss_fn, mesh: Mesh, options) -> Engin
         stage3_gather=stage3_gather, step=step, pipeline=schedule_, nvme=nvme)
 
 
+def _rest_shardings(rest, mesh: Mesh, cfg: Config, stage: int, model_type, prefixes):
+    """The untrained state's shardings: replicated (rng counters, statistics), but for weights that
+    carry logical axis names (a LoRA's frozen base: `zerojax.lora.FrozenWeight`): those are split
+    as parameters are, by tensor parallelism and at stage 3 by ZeRO over "data", so that each
+    device holds its part of a frozen 8B base, not all of it."""
+    shardings = partition.replicated(mesh, pure_dict(rest))
+    def weight(path, v):  # an annotated array, not a scalar counter
+        value = v.get_value() if hasattr(v, "get_value") else v.value
+        return partition.logical_axes(v) is not None and len(value.shape) > 0
+
+    named = nnx.filter_state(rest, weight) if hasattr(nnx, "filter_state") else rest.filter(weight)
+    if not jax.tree.leaves(named):
+        return shardings
+    specs = partition.tensor_specs(named, mesh, tp=cfg.tensor_parallel, model_type=model_type,
+                                   stacked_prefixes=prefixes)
+    if stage >= 3:
+        threshold = int(cfg.zero_optimization.stage3_param_persistence_threshold or 0)
+        specs = jax.tree.map(lambda b, x: partition.zero_spec(x.shape, b, partition.data_size(mesh),
+                                                              min_elements=threshold),
+                             specs, pure_dict(named), is_leaf=lambda x: isinstance(x, P))
+    flat = dict(jax.tree_util.tree_leaves_with_path(specs, is_leaf=lambda x: isinstance(x, P)))
+    return jax.tree_util.tree_map_with_path(
+        lambda path, s: NamedSharding(mesh, flat[path]) if path in flat else s, shardings)
+
+
 PIPELINE_HOOK_ERROR = ("pipeline.stages = {stages}: pipelining needs a model whose layers run as one stacked scan "
                        "with a `layer_scan` hook (docs/CONTRACTS.md; zerojax.models.gpt2.GPT2 has it). {what}")
+SELF_SCAN_ERROR = ("pipeline.stages = {stages}: zerojax runs {model}'s nnx.vmap-stacked {block} in pipeline stages "
+                   "by handing the model's own layer scan the whole stack as its one item, which needs a scan "
+                   "whose body only calls the block on its carry (`x = block(x, ...)`); {what}. Give the module "
+                   "that scans its layers the `layer_scan` hook (docs/CONTRACTS.md, \"The model contract\"), or "
+                   "use pipeline.stages 1")
 
 
 def _pipeline_layout(module, cfg, mesh, options, abstract_master, accum_dtype, stacked=None):
-    """(PipelineSchedule, the graphdef whose layer scan runs it) for pipeline.stages > 1."""
+    """(PipelineSchedule, the graphdef whose layer scan runs it, None or what a stack the model
+    scans itself needs besides: `_self_scanned_stages`) for pipeline.stages > 1."""
     stages = pipeline_stages(cfg.pipeline)
     if partition.pipe_size(mesh) != stages:
         raise _config_error(f"pipeline.stages = {cfg.pipeline.stages} but the mesh's \"pipe\" axis has size "
                             f"{partition.pipe_size(mesh)}; pass mesh=None or a mesh made with "
                             f"zerojax.make_mesh(pipe={stages})")
     hooked = [m for _, m in nnx.iter_graph(module) if isinstance(m, nnx.Module) and "layer_scan" in vars(m)]
+    block = None if hooked else _vmapped_stack(module)
     layers = O.chunk_layout(abstract_master, 1, stacked=stacked).num_layers
-    if not hooked or not layers:
+    if not (hooked or block is not None) or not layers:
         raise _config_error(PIPELINE_HOOK_ERROR.format(
             stages=stages, what=f"{type(module).__name__} has no " + (
                 "`layer_scan` attribute" if not hooked else "stacked (scanned) layer parameters")
@@ -423,7 +459,53 @@ def _pipeline_layout(module, cfg, mesh, options, abstract_master, accum_dtype, s
                                  schedule.checkpoint_interval)
     if problems:
         raise ConfigError(problems)
-    return schedule, _split_with(module, hooked, {"layer_scan": pipeline_scan(schedule, mesh)})
+    if block is not None:
+        return (schedule, *_self_scanned_stages(module, block, pipeline_scan(schedule, mesh), stacked, stages))
+    return schedule, _split_with(module, hooked, {"layer_scan": pipeline_scan(schedule, mesh)}), None
+
+
+def _self_scanned_stages(module, block, layer_scan, stacked, stages):
+    """(graphdef, (params transform, loss_fn wrapper)) that run an `nnx.vmap`-built stack the
+    model scans itself (`nnx.scan` over the stacked block, no hooks) in pipeline stages. The
+    model's scan cannot be replaced, so it is handed the whole stack as its one item: the transform
+    gives every stacked leaf a leading axis of 1 ([L, ...] -> [1, L, ...]) before the model is
+    built, and the block's swapped call, getting all L layers at once, runs them through
+    `layer_scan` (`zerojax.model.hooked_block_class`). That equals the model's own loop only when
+    its scan body does nothing but call the block on its carry: the wrapped loss_fn checks so on
+    the traced program first (`zerojax.model.scans_block_alone`), an error naming the hook where
+    not."""
+    def error(what):
+        return SELF_SCAN_ERROR.format(stages=stages, model=type(module).__name__, block=type(block).__name__,
+                                      what=what)
+
+    if jax.tree.leaves(nnx.state(block, nnx.Not(nnx.Param))):
+        # its scan would take that state layer by layer, beside a stack of one item
+        raise _config_error(error(what="its blocks hold state besides their parameters (RNG streams, batch "
+                                       "statistics), which that scan takes layer by layer"))
+    path = contract.find_blocks(module).path
+    whole_ndim = jax.tree.leaves(nnx.state(block, nnx.Param))[0].ndim
+    cls = type(block)
+    swapped = contract.hooked_block_class(cls, policy=getattr(cls, "_zerojax_policy", None), layer_scan=layer_scan,
+                                          whole_ndim=whole_ndim)
+    with _settings([(block, "__class__", swapped)]), no_eager_sharding():
+        graphdef = nnx.split(module, nnx.Param, ...)[0]
+
+    def whole(params):
+        return jax.tree.map(lambda a, f: a.reshape(1, *a.shape) if f else a, params, stacked)
+
+    def checked(loss_fn):
+        def run(model, batch):
+            try:
+                alone = contract.scans_block_alone(lambda m: loss_fn(m, batch), model, path, whole_ndim)
+            except Exception as e:
+                raise _config_error(error(what="tracing the model that way failed (the error above)")) from e
+            if not alone:
+                raise _config_error(error(what="its scan does more than that (inputs scanned beside the "
+                                               "blocks, work around the block call)"))
+            return loss_fn(model, batch)
+        return run
+
+    return graphdef, (whole, checked)
 
 
 def offloads(cfg) -> tuple[bool, bool]:
