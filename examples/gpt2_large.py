@@ -142,14 +142,15 @@ def parse_args(argv=None):
                         "loads it; the checkpoint's tokenizer files copied in); with LoRA: PEFT's adapter "
                         "folder (peft.PeftModel.from_pretrained), see --merge")
     p.add_argument("--lora", type=_number(int, 1), default=None, metavar="R",
-                   help="train LoRA adapters of rank R on a frozen base (Llama family; zerojax.lora, PEFT's "
-                        "settings); overrides the config's \"lora\" section's r")
+                   help="train LoRA adapters of rank R on a frozen base (GPT-2 or the Llama family; zerojax.lora, "
+                        "PEFT's settings); overrides the config's \"lora\" section's r")
     p.add_argument("--lora-alpha", type=_number(float, 0.0, above=True), default=None,
                    help="LoRA scale numerator (scale = alpha / r); default: the \"lora\" section's, else "
                         "PEFT's 8")
     p.add_argument("--lora-targets", default=None,
                    help="modules that get adapters: \"all-linear\" (every projection but the LM head) or "
-                        "comma-separated names such as q_proj,v_proj; default: the \"lora\" section's "
+                        "comma-separated names such as q_proj,v_proj (GPT-2: c_attn,c_proj,c_fc); default: the "
+                        "\"lora\" section's "
                         "target_modules, else all-linear")
     p.add_argument("--quantize", choices=QUANTIZE, default=None,
                    help="with LoRA: store the frozen base quantized (int8 per channel; nf4 / int4 in "
@@ -656,7 +657,7 @@ def load_data(args, choice: ModelChoice, seq_len: int, batch_size: int, notes: l
 # --------------------------------------------------------------------------- LoRA
 
 
-def lora_settings(args, cfg, choice: ModelChoice, dtype) -> dict | None:
+def lora_settings(args, cfg, dtype) -> dict | None:
     """The LoRA settings of this run: the config's "lora" section with --lora / --lora-alpha /
     --lora-targets / --quantize over it, checked by zerojax.lora.from_config_dict; what LoRA cannot
     run with refused in one line before anything is built. None: no LoRA."""
@@ -694,10 +695,6 @@ def lora_settings(args, cfg, choice: ModelChoice, dtype) -> dict | None:
     refused = (f"pipeline.stages {pipeline_stages(cfg.pipeline)}" if pipeline_stages(cfg.pipeline) > 1 else
                f"zero_optimization.offload_param.device {zero.offload_param.device!r}"
                if zero.offload_param.device != "none" else None)
-    if choice.family != "llama":
-        raise ConfigMismatch(f"LoRA (--lora / the \"lora\" section) adapts the Llama family (Llama, Mistral, Qwen2, "
-                             f"Qwen3; zerojax.lora); {choice.label} is GPT-2, whose fused c_attn it does not "
-                             f"split: use --hf-checkpoint of a Llama-family model or --model tiny-llama")
     if refused:
         raise ConfigMismatch(f"LoRA with {refused} ({args.config}): the engine's layer scan there carries the "
                              f"trained parameters only, not the frozen base (zerojax.lora); use ZeRO 0-3 (optimizer "
@@ -912,7 +909,7 @@ def main(argv=None):
                              f"a bf16 config such as configs/zero2_bf16.json")
     check_monitors(cfg)  # a monitor that cannot start (e.g. wandb not installed): now, not after the build
     dtype = compute_dtype(cfg)
-    lora_cfg = lora_settings(args, cfg, choice, dtype)  # LoRA's refusals: before the data and the model
+    lora_cfg = lora_settings(args, cfg, dtype)  # LoRA's refusals: before the data and the model
     if args.resume and saved and saved.get("lora") != json.loads(json.dumps(lora_cfg)):
         from zerojax.checkpoint.state import CheckpointError
 
@@ -975,14 +972,16 @@ def main(argv=None):
         cfg, make_model, seq_len, loss_fn)
     # FLOPs a token for MFU: GPT-2's own count; other models' from zerojax.model (their parameter tree)
     if family == "gpt2":
-        fpt = flops_per_token(choice.config, seq_len)
+        from zerojax.models.gpt2 import num_params
+
+        fpt, n_params = flops_per_token(choice.config, seq_len), num_params(choice.config)
     else:
         from zerojax.model import model_dims
 
         dims = model_dims(nnx.eval_shape(lambda: choice.build(seed, dtype, remat)))  # the whole model's
-        fpt = dims.flops_per_token(seq_len)
-        if lora_cfg is not None:  # a frozen base takes no weight gradients: 2 of its 6 FLOPs a parameter
-            fpt -= 2.0 * dims.params
+        fpt, n_params = dims.flops_per_token(seq_len), dims.params
+    if lora_cfg is not None:  # a frozen base takes no weight gradients: 2 of its 6 FLOPs a parameter
+        fpt -= 2.0 * n_params
     if hf is not None:
         from zerojax.models.hf import gpt2_from_params
         model = gpt2_from_params(choice.config, hf, dtype=dtype, remat_policy=remat)

@@ -1,4 +1,4 @@
-"""LoRA and QLoRA for the Llama family, with PEFT's settings and PEFT's file format.
+"""LoRA and QLoRA for GPT-2 and the Llama family, with PEFT's settings and PEFT's file format.
 
     model = zerojax.models.from_hf(path)
     model = zerojax.lora.apply(model, {"r": 16, "lora_alpha": 32, "target_modules": "all-linear"})
@@ -16,6 +16,11 @@ layer's weight, one absmax per block, two 4-bit codes per byte), dequantized on 
 layer scan. Adapters are stacked on the base's leading "layers" axis (lora_A [L, *in, r],
 lora_B [L, r, *out]) and carry the kernel's logical axis names, so tensor parallelism splits them
 as it splits their kernel (a column-parallel kernel's lora_B, a row-parallel kernel's lora_A).
+
+What differs between model families is one `Family` each (`FAMILIES`): the PEFT (Hugging Face)
+module names, where those modules sit in our stacked layers, the savable modules, PEFT's
+fan_in_fan_out for them. GPT-2's projections are Hugging Face `Conv1D`s ([in, out] weights), for
+which PEFT sets fan_in_fan_out; its files hold lora_A [r, in] and lora_B [out, r] all the same.
 
 Why not `qwix` (installable from PyPI): its LoRA / PTQ providers intercept the calls of per-layer
 `nnx.Linear` / `nnx.Einsum` modules by module path and create their own parameters at call time;
@@ -39,22 +44,69 @@ import numpy as np
 from flax import nnx
 
 from zerojax.config import ConfigError
+from zerojax.models.gpt2 import GPT2
 from zerojax.models.llama import Llama
 
 PEFT_PREFIX = "base_model.model."
-# The Llama family's linear layers: PEFT's module name (after model.layers.{i}.) -> (our path
-# under model.layers, how many leading axes of the per-layer kernel are its input)
+
+
+@dataclasses.dataclass(frozen=True)
+class Family:
+    """What LoRA needs to know of a model family; everything else is shared."""
+
+    name: str  # its key in FAMILIES (LoraAdapter.family)
+    label: str  # for messages
+    model: type  # the model class (`merge` builds a plain one)
+    stack: str  # the model's attribute holding the stacked layers
+    prefix: str  # PEFT's (Hugging Face's) name of layer {i}, before a module name
+    # PEFT's module name (after the prefix) -> (our path under the stack, how many leading axes of
+    # a layer's kernel are its input)
+    linears: dict
+    # modules_to_save: PEFT's name -> (our attribute, HF tensor name). (PEFT matches modules_to_save
+    # by name suffix: "norm" would take every layer's norms too, which the stacked layers cannot
+    # train apart from the rest of their layer: not offered)
+    savable: dict
+    fan_in_fan_out: bool  # PEFT's for these modules: True for Conv1D ([in, out] weights)
+
+
 LLAMA_LINEARS = {
     "self_attn.q_proj": (("self_attn", "q_proj"), 1), "self_attn.k_proj": (("self_attn", "k_proj"), 1),
     "self_attn.v_proj": (("self_attn", "v_proj"), 1), "self_attn.o_proj": (("self_attn", "o_proj"), 2),
     "mlp.gate_proj": (("mlp", "gate_proj"), 1), "mlp.up_proj": (("mlp", "up_proj"), 1),
     "mlp.down_proj": (("mlp", "down_proj"), 1),
 }
-# modules_to_save: PEFT's name -> (our attribute, HF tensor name)
-LLAMA_SAVABLE = {"embed_tokens": ("embed_tokens", "model.embed_tokens.weight"),
-                 "lm_head": ("lm_head", "lm_head.weight")}
-# (PEFT matches modules_to_save by name suffix: "norm" would take every layer's norms too, which
-# the stacked layers cannot train apart from the rest of their layer: not offered)
+# GPT-2 (zerojax.models.gpt2): c_attn [d, 3, heads, head_dim] (HF's fused [q|k|v] columns), attn.c_proj
+# [heads, head_dim, d]: row-major, as Hugging Face's Conv1D weights [in, out] flatten
+GPT2_LINEARS = {
+    "attn.c_attn": (("attn", "c_attn"), 1), "attn.c_proj": (("attn", "c_proj"), 2),
+    "mlp.c_fc": (("mlp", "c_fc"), 1), "mlp.c_proj": (("mlp", "c_proj"), 1),
+}
+FAMILIES = {f.name: f for f in (
+    Family("llama", "the Llama family", Llama, "layers", "model.layers.{i}.", LLAMA_LINEARS,
+           {"embed_tokens": ("embed_tokens", "model.embed_tokens.weight"), "lm_head": ("lm_head", "lm_head.weight")},
+           fan_in_fan_out=False),
+    # GPT-2's input embedding is its LM head (tied): neither trains whole apart from the other
+    Family("gpt2", "GPT-2", GPT2, "h", "transformer.h.{i}.", GPT2_LINEARS,
+           {"wte": ("wte", "transformer.wte.weight"), "lm_head": ("wte", "lm_head.weight")}, fan_in_fan_out=True),
+)}
+
+
+def family_of(model) -> Family:
+    for fam in FAMILIES.values():
+        if isinstance(model, fam.model):
+            return fam
+    raise TypeError(f"zerojax.lora: {type(model).__name__}; LoRA runs on zerojax.models.GPT2 and "
+                    "zerojax.models.Llama (the Llama family: Llama, Mistral, Qwen2, Qwen3)")
+
+
+def _tied(model) -> bool:
+    """The input embedding is the LM head (GPT-2 always; a Llama by its config)."""
+    return getattr(model.config, "tie_word_embeddings", True)
+
+
+def _n_layer(model) -> int:
+    return model.config.n_layer  # (LlamaConfig has GPT-2's name too)
+
 QUANTIZE = (None, "int8", "nf4", "int4")
 BLOCK = 64  # QLoRA's block size for nf4 / int4
 # NF4's 16 levels (QLoRA, Dettmers et al. 2023, appendix E; bitsandbytes' table)
@@ -78,11 +130,14 @@ DEFAULTS = dict(r=8, lora_alpha=8, target_modules=None, lora_dropout=0.0, bias="
 # zerojax's additions: the base's storage
 EXTRAS = dict(quantize=None, base_dtype=None, seed=0)
 # PEFT keys accepted only at their default (a feature not implemented here: a clear error otherwise)
-FIXED = dict(fan_in_fan_out=False, layers_to_transform=None, layers_pattern=None, rank_pattern={},
+FIXED = dict(layers_to_transform=None, layers_pattern=None, rank_pattern={},
              alpha_pattern={}, use_dora=False, loftq_config={}, layer_replication=None, lora_bias=False,
              target_parameters=None, trainable_token_indices=None, use_qalora=False, megatron_config=None,
              eva_config=None, corda_config=None, lora_ga_config=None, alora_invocation_tokens=None,
              arrow_config=None, velora_config=None, monteclora_config=None, kasa_config=None, use_bdlora=None)
+# PEFT keys that describe Hugging Face's weight layout, which the model's family fixes: checked
+# against it (with a model), not kept. fan_in_fan_out: true for GPT-2's Conv1D, false otherwise
+LAYOUT = dict(fan_in_fan_out=False)
 # PEFT keys that do not change training (bookkeeping): accepted, ignored
 IGNORED = ("task_type", "peft_type", "auto_mapping", "peft_version", "base_model_name_or_path", "revision",
            "inference_mode", "megatron_core", "runtime_config", "qalora_group_size", "ensure_weight_tying")
@@ -99,7 +154,7 @@ def from_config_dict(d, model=None) -> dict:
     its module names."""
     if not isinstance(d, dict):
         raise ConfigError([f"lora: a dict of LoRA settings, got {type(d).__name__}"])
-    known = {**DEFAULTS, **EXTRAS, **FIXED}
+    known = {**DEFAULTS, **EXTRAS, **FIXED, **LAYOUT}
     for key in d:
         if key not in known and key not in IGNORED:
             near = difflib.get_close_matches(key, list(known) + list(IGNORED), n=1)
@@ -108,6 +163,8 @@ def from_config_dict(d, model=None) -> dict:
     for key, default in FIXED.items():
         if key in d and d[key] not in (default, None) and not (default == {} and not d[key]):
             raise _problem(key, f"{d[key]!r} is not supported by zerojax.lora; remove it (default {default!r})")
+    if not isinstance(d.get("fan_in_fan_out", False), bool):
+        raise _problem("fan_in_fan_out", f"{d['fan_in_fan_out']!r}: true or false")
     s = {**DEFAULTS, **EXTRAS, **{k: v for k, v in d.items() if k in DEFAULTS or k in EXTRAS}}
     r = s["r"]
     if isinstance(r, bool) or not isinstance(r, int) or r < 1:
@@ -149,13 +206,13 @@ def from_config_dict(d, model=None) -> dict:
         except TypeError:
             raise _problem("base_dtype", f"{s['base_dtype']!r}: a dtype name (\"bfloat16\", \"float32\")") from None
     if model is not None:
+        fam = family_of(model)
+        if d.get("fan_in_fan_out") and not fam.fan_in_fan_out:
+            raise _problem("fan_in_fan_out", f"true is for Hugging Face Conv1D weights stored [in, out] (GPT-2); "
+                                             f"{fam.label}'s projections are nn.Linear: remove it (default false)")
         _targets(model, s)
         _savable(model, s)
     return s
-
-
-def _layer_names(model) -> list[str]:
-    return [f"model.layers.{i}.{name}" for i in range(model.config.num_hidden_layers) for name in LLAMA_LINEARS]
 
 
 def _matches(full: str, pattern) -> bool:
@@ -165,15 +222,16 @@ def _matches(full: str, pattern) -> bool:
 
 
 def _targets(model, s) -> tuple[str, ...]:
-    """The targeted linear modules (LLAMA_LINEARS keys), PEFT's matching rules."""
-    t, names = s["target_modules"], list(LLAMA_LINEARS)
-    L = model.config.num_hidden_layers
-    if t == "all-linear":  # PEFT: every linear layer but the output head
+    """The targeted linear modules (keys of the family's `linears`), PEFT's matching rules."""
+    fam = family_of(model)
+    t, names = s["target_modules"], list(fam.linears)
+    L = _n_layer(model)
+    if t == "all-linear":  # PEFT: every linear layer (nn.Linear, Conv1D) but the output head
         chosen = names
     else:
         chosen = []
         for name in names:
-            hits = [_matches(f"model.layers.{i}.{name}", t) for i in range(L)]
+            hits = [_matches(fam.prefix.format(i=i) + name, t) for i in range(L)]
             if any(hits) and not all(hits):
                 raise _problem("target_modules", f"{t!r} matches {name} in some layers only; the layers are "
                                                  "stacked: target a module in every layer (layers_to_transform "
@@ -183,27 +241,28 @@ def _targets(model, s) -> tuple[str, ...]:
         if not chosen:
             short = sorted({n.split(".")[-1] for n in names})
             raise _problem("target_modules", f"{t!r} matches no linear module of this model; its linear "
-                                             f"modules are {short} (full names like model.layers.0.{names[0]}), "
-                                             "or use \"all-linear\"")
+                                             f"modules are {short} (full names like "
+                                             f"{fam.prefix.format(i=0)}{names[0]}), or use \"all-linear\"")
     ex = s.get("exclude_modules")
     if ex:
-        chosen = [n for n in chosen if not _matches(f"model.layers.0.{n}", ex)]
+        chosen = [n for n in chosen if not _matches(fam.prefix.format(i=0) + n, ex)]
         if not chosen:
             raise _problem("exclude_modules", f"{ex!r} excludes every targeted module")
     return tuple(chosen)
 
 
 def _savable(model, s) -> tuple[str, ...]:
-    out = []
+    fam, tied, out = family_of(model), _tied(model), []
     for name in s["modules_to_save"] or ():
         key = name.split(".")[-1]
-        if key not in LLAMA_SAVABLE or (key == "lm_head" and model.config.tie_word_embeddings):
-            have = [k for k in LLAMA_SAVABLE if not (k == "lm_head" and model.config.tie_word_embeddings)]
-            raise _problem("modules_to_save", f"{name!r}: not a module this model can train whole; choose "
-                                              f"from {have}")
-        if key == "embed_tokens" and model.config.tie_word_embeddings:
-            raise _problem("modules_to_save", "embed_tokens of a model with tied embeddings (its LM head): "
-                                              "not supported (PEFT's ensure_weight_tying); leave it out")
+        if key in fam.savable and tied:
+            raise _problem("modules_to_save", f"{name!r}: this model's input embedding is its LM head (tied "
+                                              "embeddings); training it whole is not supported (PEFT's "
+                                              "ensure_weight_tying): leave modules_to_save out")
+        if key not in fam.savable:
+            have = "this model (tied embeddings) has none: leave modules_to_save out" if tied else \
+                f"choose from {list(fam.savable)}"
+            raise _problem("modules_to_save", f"{name!r}: not a module this model can train whole; {have}")
         out.append(key)
     return tuple(out)
 
@@ -303,14 +362,20 @@ class LoraDropout(nnx.Module):
 
 @dataclasses.dataclass(frozen=True)
 class LoraAdapter:
-    """The settings a LoRA model carries (`model.adapter`, a static attribute the Llama's layer
-    scan calls): PEFT's scale, the targets, the settings dict to export."""
+    """The settings a LoRA model carries (`model.adapter`, a static attribute the model's layer
+    scan calls): PEFT's scale, the targets, the settings dict to export, the model's family (a
+    `FAMILIES` key)."""
 
     scale: float
     targets: tuple
     savable: tuple
     quantize: str | None
     settings: tuple  # sorted (key, value) pairs of the settings dict (hashable)
+    family: str = "llama"
+
+    @property
+    def family_parts(self) -> Family:
+        return FAMILIES[self.family]
 
     @property
     def config(self) -> dict:
@@ -332,13 +397,14 @@ class LoraAdapter:
     def layer_inputs(self, model):
         """The stacked untrained per-layer inputs: the frozen base and (training, dropout > 0)
         one dropout key per layer and targeted module."""
-        side = nnx.to_pure_dict(nnx.state(model.layers, FrozenWeight))
+        fam = self.family_parts
+        side = nnx.to_pure_dict(nnx.state(getattr(model, fam.stack), FrozenWeight))
         drop = getattr(model, "lora_dropout", None)
         if drop is not None and not drop.deterministic and drop.rate > 0:
-            key, L = drop.rngs.dropout(), model.config.num_hidden_layers
+            key, L = drop.rngs.dropout(), _n_layer(model)
             for i, name in enumerate(self.targets):
                 keys = jax.random.key_data(jax.random.split(jax.random.fold_in(key, i), L))
-                _at(side, LLAMA_LINEARS[name][0])["dropout_key"] = keys
+                _at(side, fam.linears[name][0])["dropout_key"] = keys
         return side
 
     @staticmethod
@@ -360,7 +426,7 @@ def _at(tree, path):
 
 
 def _module(model, path):
-    m = model.layers
+    m = getattr(model, family_of(model).stack)
     for k in path:
         m = getattr(m, k)
     return m
@@ -376,28 +442,27 @@ def _var(cls, value, names):
 
 
 def apply(model, config, *, rngs: nnx.Rngs | None = None, device=None):
-    """`model` (a `zerojax.models.Llama`) with LoRA adapters on `config["target_modules"]` and its
-    other weights frozen (`FrozenWeight`; `quantize`: int8 / nf4 / int4) -> the same model, changed
-    in place. `config`: PEFT's LoraConfig keys (r, lora_alpha, target_modules, lora_dropout, bias,
-    modules_to_save, use_rslora, init_lora_weights, exclude_modules) plus `quantize`, `base_dtype`,
-    `seed`. lora_A is drawn as PEFT's (Kaiming-uniform, bound 1/sqrt(fan in)), lora_B zero.
+    """`model` (a `zerojax.models.Llama` or `zerojax.models.GPT2`) with LoRA adapters on
+    `config["target_modules"]` and its other weights frozen (`FrozenWeight`; `quantize`: int8 /
+    nf4 / int4) -> the same model, changed in place. `config`: PEFT's LoraConfig keys (r,
+    lora_alpha, target_modules, lora_dropout, bias, modules_to_save, use_rslora, init_lora_weights,
+    exclude_modules, fan_in_fan_out) plus `quantize`, `base_dtype`, `seed`. lora_A is drawn as
+    PEFT's (Kaiming-uniform, bound 1/sqrt(fan in)), lora_B zero.
 
     device: with `quantize`, where each stacked kernel is quantized and its codes kept, one kernel
     moved there at a time: a base built on the host (`jax.default_device(jax.devices("cpu")[0])`)
     reaches an accelerator only quantized (Llama-3.1-8B: 15 GiB in bf16, 4.6 GiB as nf4)."""
-    if not isinstance(model, Llama):
-        raise TypeError(f"zerojax.lora.apply: {type(model).__name__}; LoRA runs on zerojax.models.Llama "
-                        "(the Llama family: Llama, Mistral, Qwen2, Qwen3)")
+    fam = family_of(model)
     if getattr(model, "adapter", None) is not None:
         raise ValueError("zerojax.lora.apply: this model already has LoRA adapters (merge() gives a plain model)")
     s = from_config_dict(dict(config), model)
     targets, savable = _targets(model, s), _savable(model, s)
     rngs = rngs or nnx.Rngs(s["seed"])
-    L = model.config.num_hidden_layers
+    L = _n_layer(model)
     base_dtype = jnp.dtype(s["base_dtype"]) if s["base_dtype"] else None
 
     # the base: every Param frozen (modules_to_save: trainable fp32 copies instead)
-    keep = {id(getattr(model, LLAMA_SAVABLE[k][0])) for k in savable}
+    keep = {id(getattr(model, fam.savable[k][0])) for k in savable}
     for path, m in list(nnx.iter_graph(model)):
         if not isinstance(m, nnx.Module) or id(m) in keep:
             continue
@@ -409,13 +474,13 @@ def apply(model, config, *, rngs: nnx.Rngs | None = None, device=None):
                 value = v[...] if base_dtype is None else v[...].astype(base_dtype)
                 setattr(m, name, _var(FrozenWeight, value, _names(v)))
     for k in savable:
-        m = getattr(model, LLAMA_SAVABLE[k][0])
+        m = getattr(model, fam.savable[k][0])
         if isinstance(m, nnx.Module):
             for name, v in list(vars(m).items()):
                 if isinstance(v, nnx.Variable):
                     setattr(m, name, _var(nnx.Param, v[...].astype(jnp.float32), _names(v)))
 
-    for name, (path, n_in) in LLAMA_LINEARS.items():
+    for name, (path, n_in) in fam.linears.items():
         lin = _module(model, path)
         k = lin.kernel
         names, w = _names(k), k[...]
@@ -453,7 +518,7 @@ def apply(model, config, *, rngs: nnx.Rngs | None = None, device=None):
     scale = s["lora_alpha"] / (math.sqrt(s["r"]) if s["use_rslora"] else s["r"])
     settings = tuple(sorted((k, tuple(v) if isinstance(v, list) else v) for k, v in s.items()))
     model.adapter = LoraAdapter(scale=float(scale), targets=targets, savable=savable, quantize=s["quantize"],
-                                settings=settings)
+                                settings=settings, family=fam.name)
     return model
 
 
@@ -474,22 +539,35 @@ def _pure(model):
 def peft_tensors(model) -> dict[str, np.ndarray]:
     """PEFT's adapter_model tensors (name -> fp32 numpy) of a LoRA model."""
     ad = adapter_of(model)
-    tree, cfg = _pure(model), model.config
+    fam, tree = ad.family_parts, _pure(model)
     out = {}
     for name in ad.targets:
-        path, n_in = LLAMA_LINEARS[name]
-        e = tree["layers"]
-        for k in path:
+        e = tree[fam.stack]
+        for k in fam.linears[name][0]:
             e = e[k]
         a, b = np.asarray(e["lora_A"], np.float32), np.asarray(e["lora_B"], np.float32)
         r = a.shape[-1]
-        for i in range(cfg.num_hidden_layers):
-            pre = f"{PEFT_PREFIX}model.layers.{i}.{name}"
+        for i in range(_n_layer(model)):
+            pre = f"{PEFT_PREFIX}{fam.prefix.format(i=i)}{name}"
+            # A [*in, r] -> [r, in], B [r, *out] -> [out, r] (nn.Linear's layout; PEFT's for Conv1D too)
             out[f"{pre}.lora_A.weight"] = np.ascontiguousarray(a[i].reshape(-1, r).T)
             out[f"{pre}.lora_B.weight"] = np.ascontiguousarray(b[i].reshape(r, -1).T)
     for k in ad.savable:
-        attr, hf = LLAMA_SAVABLE[k]
-        out[PEFT_PREFIX + hf] = np.asarray(tree[attr], np.float32)[:cfg.vocab_size]
+        attr, hf = fam.savable[k]
+        out[PEFT_PREFIX + hf] = np.asarray(tree[attr], np.float32)[:model.config.vocab_size]
+    return out
+
+
+def _peft_target_names(ad) -> list[str]:
+    """target_modules as PEFT matches them: each target's last name ("c_fc"), or its longer name
+    ("attn.c_proj") where the last name would take an untargeted module too (PEFT matches by suffix)."""
+    out = []
+    for name in ad.targets:
+        last = name.split(".")[-1]
+        taken = [n for n in ad.family_parts.linears if n.split(".")[-1] == last]
+        short = last if all(n in ad.targets for n in taken) else name
+        if short not in out:
+            out.append(short)
     return out
 
 
@@ -504,9 +582,10 @@ def save_peft(model, out_dir) -> str:
     os.makedirs(out_dir, exist_ok=True)
     config = {"peft_type": "LORA", "task_type": "CAUSAL_LM", "base_model_name_or_path": None, "revision": None,
               "inference_mode": True, "r": s["r"], "lora_alpha": s["lora_alpha"],
-              "target_modules": [n.split(".")[-1] for n in ad.targets], "exclude_modules": None,
+              "target_modules": _peft_target_names(ad), "exclude_modules": None,
               "lora_dropout": s["lora_dropout"], "bias": "none", "use_rslora": s["use_rslora"],
-              "modules_to_save": list(ad.savable) or None, "init_lora_weights": True, "fan_in_fan_out": False,
+              "modules_to_save": list(ad.savable) or None, "init_lora_weights": True,
+              "fan_in_fan_out": ad.family_parts.fan_in_fan_out,
               "layers_to_transform": None, "layers_pattern": None, "rank_pattern": {}, "alpha_pattern": {},
               "use_dora": False, "lora_bias": False, "megatron_config": None, "megatron_core": "megatron.core",
               "loftq_config": {}, "layer_replication": None, "target_parameters": None,
@@ -529,11 +608,12 @@ def load_peft(model, adapter_dir, **extras):
         saved = json.load(f)
     if saved.get("peft_type", "LORA") != "LORA":
         raise ValueError(f"{adapter_dir}: peft_type {saved.get('peft_type')!r}; zerojax.lora reads LORA adapters")
-    known = {**DEFAULTS, **FIXED}
+    known = {**DEFAULTS, **FIXED, **LAYOUT}
     config = {k: v for k, v in saved.items() if k in known}  # newer PEFT keys at their defaults: ignored
     if getattr(model, "adapter", None) is None:
         model = apply(model, {**config, **extras, "init_lora_weights": True})
     ad = adapter_of(model)
+    fam = ad.family_parts
     st = os.path.join(adapter_dir, "adapter_model.safetensors")
     if os.path.exists(st):
         tensors = load_file(st)
@@ -542,17 +622,16 @@ def load_peft(model, adapter_dir, **extras):
         tensors = {k: v.float().numpy() for k, v in torch.load(os.path.join(adapter_dir, "adapter_model.bin"),
                                                                map_location="cpu").items()}
     tensors = {re.sub(r"\.(lora_[AB])\.default\.", r".\1.", k): v for k, v in tensors.items()}
-    L = model.config.num_hidden_layers
+    L = _n_layer(model)
     used = set()
     for name in ad.targets:
-        path, _ = LLAMA_LINEARS[name]
-        lin = _module(model, path)
+        lin = _module(model, fam.linears[name][0])
         for which in ("lora_A", "lora_B"):
             var = getattr(lin, which)
             have = var[...]
             rows = []
             for i in range(L):
-                key = f"{PEFT_PREFIX}model.layers.{i}.{name}.{which}.weight"
+                key = f"{PEFT_PREFIX}{fam.prefix.format(i=i)}{name}.{which}.weight"
                 if key not in tensors:
                     raise ValueError(f"{adapter_dir}: no {key} (the adapter's target_modules and this model differ)")
                 used.add(key)
@@ -562,7 +641,7 @@ def load_peft(model, adapter_dir, **extras):
                 rows.append(t.reshape(have.shape[1:]))
             var[...] = jnp.asarray(np.stack(rows), have.dtype)
     for k in ad.savable:
-        attr, hf = LLAMA_SAVABLE[k]
+        attr, hf = fam.savable[k]
         key = PEFT_PREFIX + hf
         if key not in tensors:
             raise ValueError(f"{adapter_dir}: no {key} for modules_to_save {k!r}")
@@ -582,50 +661,39 @@ def load_peft(model, adapter_dir, **extras):
 
 
 def merge(model, dtype=None):
-    """A plain `Llama` (no adapters) with scale * B A folded into each targeted kernel and the base
-    dequantized: what `zerojax.models.to_hf` writes. dtype: its parameters' (default: the model's
-    param_dtype)."""
+    """A plain model of the adapted one's class (`Llama`, `GPT2`; no adapters) with scale * B A
+    folded into each targeted kernel and the base dequantized: what `zerojax.models.to_hf` writes.
+    dtype: its parameters' (default: the model's param_dtype)."""
     ad = adapter_of(model)
+    fam = ad.family_parts
     dtype = jnp.dtype(dtype or model.param_dtype)
-    cfg = model.config
     tree = _pure(model)
-    make = lambda: Llama(cfg, rngs=nnx.Rngs(0), dtype=model.dtype, param_dtype=dtype,  # noqa: E731
-                         remat_policy=model.remat_policy, attention_impl=model.attention_impl,
-                         scan_unroll=model.scan_unroll)
+    make = lambda: fam.model(model.config, rngs=nnx.Rngs(0), dtype=model.dtype, param_dtype=dtype,  # noqa: E731
+                             remat_policy=model.remat_policy, attention_impl=model.attention_impl,
+                             scan_unroll=model.scan_unroll)
     with nnx.use_eager_sharding(False) if hasattr(nnx, "use_eager_sharding") else _null():
         graphdef, state = nnx.split(nnx.eval_shape(make))
-    plain = jax.tree.map(lambda x: None, nnx.to_pure_dict(state))
+    linears = {(fam.stack, *path) for path, _ in fam.linears.values()}
 
-    def fill(p, t):
+    def fill(p, t, at=()):
+        """p (the plain model's pure dict) filled from t (the adapted model's), in fp32: norms,
+        biases and embeddings as stored, each projection's kernel dequantized + scale * B A."""
         for k in p:
-            if isinstance(p[k], dict):
-                fill(p[k], t[k])
+            if (*at, k) in linears:
+                entry = t[k]
+                w = jax.vmap(lambda e: kernel_of(e, jnp.float32))(
+                    {key: val for key, val in entry.items() if key.startswith("kernel")})
+                if "lora_A" in entry:
+                    w = w + ad.scale * _ab(entry["lora_A"], entry["lora_B"])
+                p[k] = {**{key: jnp.asarray(entry[key], jnp.float32) for key in p[k] if key != "kernel"}, "kernel": w}
+            elif isinstance(p[k], dict):
+                fill(p[k], t[k], (*at, k))
             else:
                 p[k] = jnp.asarray(t[k], jnp.float32)
 
-    shaped = dict(plain)
-    layers = shaped.pop("layers")
+    shaped = nnx.to_pure_dict(state)
     fill(shaped, tree)
-    for k, v in layers.items():  # norms, biases as stored
-        if k not in ("self_attn", "mlp"):
-            fill(v, tree["layers"][k])
-    for group in ("self_attn", "mlp"):
-        for k, v in layers[group].items():
-            entry = tree["layers"][group][k]
-            name = f"{group}.{k}"
-            if name not in LLAMA_LINEARS:  # q_norm / k_norm
-                fill(v, entry)
-                continue
-            w = jax.vmap(lambda e: kernel_of(e, jnp.float32))(
-                {key: val for key, val in entry.items() if key.startswith("kernel")})
-            if "lora_A" in entry:
-                w = w + ad.scale * _ab(entry["lora_A"], entry["lora_B"])
-            v["kernel"] = w
-            if "bias" in entry:
-                v["bias"] = jnp.asarray(entry["bias"], jnp.float32)
-    shaped["layers"] = layers
-    shaped = jax.tree.map(lambda x: x.astype(dtype), shaped)
-    nnx.replace_by_pure_dict(state, shaped)
+    nnx.replace_by_pure_dict(state, jax.tree.map(lambda x: x.astype(dtype), shaped))
     return nnx.merge(graphdef, state)
 
 
@@ -652,4 +720,4 @@ def trainable_count(model) -> int:
 
 __all__ = ["apply", "save_peft", "load_peft", "merge", "from_config_dict", "FrozenWeight", "LoraAdapter",
            "quantize_int8", "quantize_4bit", "dequantize_4bit", "quantization_bound", "kernel_of",
-           "peft_tensors", "trainable_count", "LLAMA_LINEARS"]
+           "peft_tensors", "trainable_count", "Family", "FAMILIES", "family_of", "LLAMA_LINEARS", "GPT2_LINEARS"]

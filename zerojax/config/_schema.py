@@ -981,7 +981,7 @@ class Config:
     zerojax: **accepted, no effect**: kept as a read-only mapping; nothing in zerojax reads it"""
     lora: Mapping | None = _f(None, "mapping", optional=True, extension=True)
     """**Not a DeepSpeed key** (a zerojax extension; DeepSpeed 0.19.8 ignores unknown top-level keys, so the
-    config loads there too, and trains the whole model). LoRA / QLoRA adapters for a Llama-family model:
+    config loads there too, and trains the whole model). LoRA / QLoRA adapters for GPT-2 or a Llama-family model:
     PEFT's `LoraConfig` keys (`r`, `lora_alpha`, `target_modules`, `lora_dropout`, `modules_to_save`,
     `use_rslora`, ...; `peft.LoraConfig(...).to_dict()` is a valid section) plus zerojax's `quantize`
     (null, "int8", "nf4", "int4": the frozen base's storage), `base_dtype` and `seed` (docs/lora.md).
@@ -990,8 +990,8 @@ class Config:
       examples/gpt2_large.py (its `--lora R`, `--lora-alpha`, `--lora-targets`, `--quantize` flags override
       the section's keys): the base frozen, the adapters trained; refused with `pipeline.stages` > 1 or
       `offload_param`
-    Model needs: a `zerojax.models.Llama` (the Llama family) with the adapters `zerojax.lora.apply` puts in;
-      a model without adapters gets a ConfigError"""
+    Model needs: a `zerojax.models.GPT2` or `zerojax.models.Llama` (the Llama family) with the adapters
+      `zerojax.lora.apply` puts in; a model without adapters gets a ConfigError"""
 
     def to_dict(self) -> dict:
         """The resolved config as DeepSpeed JSON; `load_config(d, world_size=cfg.world_size) == cfg`."""

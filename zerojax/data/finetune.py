@@ -27,7 +27,7 @@ from collections.abc import Iterator, Sequence
 
 import numpy as np
 
-from zerojax.data.text import DataError, HFTokenizer, _process, epoch_order
+from zerojax.data.text import DataError, HFTokenizer, process_slot, epoch_order
 
 FORMATS = {"text": ("text",), "prompt_completion": ("prompt", "completion"), "messages": ("messages",)}
 ROLES = ("system", "user", "assistant", "tool")
@@ -283,7 +283,7 @@ class FinetuneData:
 
     def batches(self, batch_size: int, *, seed: int = 0, process_index=None, process_count=None,
                 start_step: int = 0, num_steps: int | None = None) -> Iterator[dict]:
-        process_index, process_count = _process(process_index, process_count)
+        process_index, process_count = process_slot(process_index, process_count)
         if batch_size % process_count:
             raise ValueError(f"batch_size={batch_size} must be divisible by process_count={process_count}")
         if len(self) < batch_size:

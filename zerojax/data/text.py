@@ -166,7 +166,7 @@ def pack(tokens: np.ndarray, seq_len: int) -> np.ndarray:
 # --------------------------------------------------------------------------- batches
 
 
-def _process(process_index, process_count):
+def process_slot(process_index, process_count):
     if process_index is None or process_count is None:
         import jax
 
@@ -201,7 +201,7 @@ class Batches:
     num_steps: int | None = None
 
     def __post_init__(self):
-        self.process_index, self.process_count = _process(self.process_index, self.process_count)
+        self.process_index, self.process_count = process_slot(self.process_index, self.process_count)
         if self.batch_size % self.process_count:
             raise ValueError(f"batch_size={self.batch_size} must be divisible by "
                              f"process_count={self.process_count}")

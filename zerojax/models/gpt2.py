@@ -271,20 +271,29 @@ def _gelu_new_bwd(x, g):
 gelu_new.defvjp(_gelu_new_fwd, _gelu_new_bwd)
 
 
-def _unconstrained(x, names):
+def unconstrained(x, names):
     return x
 
 
-def _block(x, p, *, eps, dtype, attention_impl, constrain=_unconstrained):
+def _linear(eq, h, entry, dtype):
+    """A projection: `h` contracted with `entry["kernel"]` by the einsum `eq`, in `dtype` (its bias
+    is added by the block). An adapter (`GPT2.adapter`, e.g. `zerojax.lora`'s) replaces it to read
+    a quantized kernel or add its terms."""
+    return jnp.einsum(eq, h, entry["kernel"].astype(dtype))
+
+
+def _block(x, p, *, eps, dtype, attention_impl, constrain=unconstrained, linear=_linear):
     """One pre-LN block on [B, T, d] activations; p holds this layer's slice of `Blocks`.
 
     `constrain(x, logical names)` is the trainer's activation hook (tensor parallelism pins
-    heads / mlp to the tensor axis and the residual stream whole; identity by default)."""
+    heads / mlp to the tensor axis and the residual stream whole; identity by default);
+    `linear(eq, h, entry, dtype)` computes each of the four projections (default: the einsum)."""
     c = lambda a: a.astype(dtype)  # noqa: E731
     x = checkpoint_name(constrain(x, RESIDUAL), LAYER_INPUT)
+    attn, mlp = p["attn"], p["mlp"]
 
     h = _layer_norm(x, p["ln_1"]["scale"], p["ln_1"]["bias"], eps, dtype)
-    qkv = jnp.einsum("btd,dcnh->btcnh", h, c(p["attn"]["c_attn"]["kernel"])) + c(p["attn"]["c_attn"]["bias"])
+    qkv = linear("btd,dcnh->btcnh", h, attn["c_attn"], dtype) + c(attn["c_attn"]["bias"])
     qkv = checkpoint_name(constrain(qkv, ("batch", "seq", "qkv", "heads", "head_dim")), QKV_PROJ)
     q, k, v = qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2]
     # softmax is fp32 inside both implementations (XLA: fp32 logits; cuDNN: fp32 accumulators)
@@ -292,14 +301,14 @@ def _block(x, p, *, eps, dtype, attention_impl, constrain=_unconstrained):
     o = constrain(o, ("batch", "seq", "heads", "head_dim"))
     if attention_impl != "cudnn":  # cuDNN's: the save_*attention policies keep its forward's outputs
         o = checkpoint_name(o, ATTENTION_OUT)  # (a name here too would keep the output twice)
-    x = x + constrain(jnp.einsum("btnh,nhd->btd", o, c(p["attn"]["c_proj"]["kernel"])), RESIDUAL)
-    x = checkpoint_name(x + c(p["attn"]["c_proj"]["bias"]), ATTENTION_RESIDUAL)
+    x = x + constrain(linear("btnh,nhd->btd", o, attn["c_proj"], dtype), RESIDUAL)
+    x = checkpoint_name(x + c(attn["c_proj"]["bias"]), ATTENTION_RESIDUAL)
 
     h = _layer_norm(x, p["ln_2"]["scale"], p["ln_2"]["bias"], eps, dtype)
-    h = jnp.einsum("btd,dm->btm", h, c(p["mlp"]["c_fc"]["kernel"])) + c(p["mlp"]["c_fc"]["bias"])
+    h = linear("btd,dm->btm", h, mlp["c_fc"], dtype) + c(mlp["c_fc"]["bias"])
     h = constrain(gelu_new(h), ("batch", "seq", "mlp"))
-    x = x + constrain(jnp.einsum("btm,md->btd", h, c(p["mlp"]["c_proj"]["kernel"])), RESIDUAL)
-    return x + c(p["mlp"]["c_proj"]["bias"])
+    x = x + constrain(linear("btm,md->btd", h, mlp["c_proj"], dtype), RESIDUAL)
+    return x + c(mlp["c_proj"]["bias"])
 
 
 def dots_layers(name) -> int | None:
@@ -358,7 +367,7 @@ def remat_policy_fn(name):
     return policy
 
 
-def _resolve_attention(impl, dtype, head_dim):
+def resolve_attention(impl, dtype, head_dim):
     """None: cuDNN flash attention on GPU where it applies (bf16/fp16, head_dim <= 128 and a
     multiple of 8), else XLA. jax.nn.dot_product_attention's own None means XLA today."""
     if impl is not None:
@@ -401,6 +410,12 @@ class GPT2(nnx.Module):
     `(x, logical names) -> x` applied to the named activations inside each block (`RESIDUAL`,
     q/k/v ("batch", "seq", "qkv", "heads", "head_dim"), the attention output, the MLP hidden
     ("batch", "seq", "mlp")); a tensor-parallel trainer sets it to a sharding constraint.
+
+    Adapter hook: `adapter` (set by `zerojax.lora.apply`, absent otherwise, as `Llama.adapter`):
+    `adapter.linear(eq, h, entry, dtype)` computes each projection (a quantized kernel, LoRA terms)
+    and `adapter.layer_inputs(model)` gives the untrained per-layer inputs (the frozen base)
+    scanned beside the trained parameters (`adapted_layers`). Without it the blocks run the
+    plain einsums.
     """
 
     def __init__(self, config: GPT2Config, *, rngs: nnx.Rngs, dtype=jnp.float32,
@@ -451,7 +466,7 @@ class GPT2(nnx.Module):
         """The LM head on hidden states x [B, T, d] -> fp32 logits [B, T, padded_vocab_size], the
         padding columns -inf (no probability, no gradient). Under tensor parallelism x is gathered
         whole and the logits stay split on the vocabulary: the loss reduces over that split."""
-        constrain = getattr(self, "activation_sharding", None) or _unconstrained
+        constrain = getattr(self, "activation_sharding", None) or unconstrained
         logits = lm_head(constrain(x, SEQ_WHOLE), self.wte[...].astype(self.dtype))
         logits = constrain(logits, LOGITS)
         cfg = self.config
@@ -465,23 +480,58 @@ class GPT2(nnx.Module):
         T = input_ids.shape[-1]
         if T > cfg.n_positions:
             raise ValueError(f"sequence length {T} exceeds n_positions={cfg.n_positions}")
-        constrain = getattr(self, "activation_sharding", None) or _unconstrained
+        constrain = getattr(self, "activation_sharding", None) or unconstrained
         wte = self.wte[...]
         # a vocab-split wte: each tensor rank looks up its own rows, the partial sums are added
         # (SEQ_WHOLE), then the residual stream takes its layout (split on the sequence under SP)
         x = constrain(constrain(wte[input_ids].astype(dtype), SEQ_WHOLE) + self.wpe[...][:T].astype(dtype),
                       RESIDUAL)
 
+        adapter = getattr(self, "adapter", None)  # e.g. zerojax.lora's: frozen base, LoRA terms
         body = functools.partial(
             _block, eps=cfg.layer_norm_epsilon, dtype=dtype,
-            attention_impl=_resolve_attention(self.attention_impl, dtype, cfg.head_dim),
-            constrain=constrain)
+            attention_impl=resolve_attention(self.attention_impl, dtype, cfg.head_dim),
+            constrain=constrain, linear=_linear if adapter is None else adapter.linear)
         fetch = getattr(self, "layer_fetch", None)
         layers = nnx.to_pure_dict(nnx.state(self.h, nnx.Param))
         layer_scan = getattr(self, "layer_scan", None)
+        if adapter is not None:
+            body, layers, fetch = adapted_layers(adapter, self, body, layers, fetch=fetch, layer_scan=layer_scan,
+                                                 stack="h")
         x = run_layers(body, x, layers, policy=self.remat_policy, fetch=fetch, layer_scan=layer_scan,
                        n_layer=cfg.n_layer, unroll=getattr(self, "scan_unroll", 1) or 1)
         return _layer_norm(x, self.ln_f.scale[...], self.ln_f.bias[...], cfg.layer_norm_epsilon, dtype)
+
+
+def adapted_layers(adapter, model, body, layers, *, fetch, layer_scan, stack: str):
+    """A model's layer stack as its `adapter` runs it -> (body, layers, fetch) for `run_layers`:
+    the layers' untrained per-layer inputs (`adapter.layer_inputs(model)`: a frozen base, dropout
+    keys), stacked as the trained `layers` and scanned beside them, merged into each layer's
+    params (`adapter.merge`) before `body`; the engine's `fetch` sees the trained params alone.
+    `stack`: the model's attribute holding the layers. Refused under an engine's `layer_scan`
+    (pipeline stages, offload_param), which carries the trained parameters only."""
+    if layer_scan is not None:
+        raise ValueError("an adapter's frozen base with pipeline.stages > 1 or offload_param: the engine's "
+                         "layer scan carries the trained parameters only; use ZeRO 0-3 (optimizer offload "
+                         "included) without pipelining or offload_param")
+    side = adapter.layer_inputs(model)
+
+    def adapted(x, p):
+        return body(x, adapter.merge(p["params"], p["side"]))
+
+    if fetch is None:
+        return adapted, {"params": layers, "side": side}, None
+
+    def fetch_params(p):
+        try:
+            params = fetch(p["params"])
+        except ValueError:
+            # every trained leaf is a layer's (adapters only): the engine's hook then knows the
+            # whole tree, {stack: ...}, as the one stacked group
+            params = fetch({stack: p["params"]})[stack]
+        return {"params": params, "side": p["side"]}
+
+    return adapted, {"params": layers, "side": side}, fetch_params
 
 
 def run_layers(body, x, layers, *, policy, fetch, layer_scan, n_layer: int, unroll: int = 1):
@@ -504,7 +554,7 @@ def gpt2_loss(model: GPT2, batch):
     input_ids = batch["input_ids"]
     labels = _shifted_labels(batch)
     logits = model.padded_logits(model.hidden_states(input_ids))
-    return _mean_over_tokens(_nll_sum(logits[:, :-1], labels), labels)
+    return mean_over_tokens(nll_sum(logits[:, :-1], labels), labels)
 
 
 def _shifted_labels(batch):
@@ -512,7 +562,7 @@ def _shifted_labels(batch):
     return batch.get("labels", batch["input_ids"])[:, 1:]
 
 
-def _nll_sum(logits, labels):
+def nll_sum(logits, labels):
     """Sum of the fp32 cross entropy over positions whose label is not -100.
 
     logsumexp minus the label's logit, the label picked by a masked sum over the vocabulary
@@ -528,7 +578,7 @@ def _nll_sum(logits, labels):
     return jnp.where(valid, losses, 0.0).sum()
 
 
-def _mean_over_tokens(total, labels):
+def mean_over_tokens(total, labels):
     """(total / counted tokens, {"tokens": n}): the mean over labels that are not -100."""
     n = (labels != -100).sum()
     return total / jnp.maximum(n, 1).astype(jnp.float32), {"tokens": n}
@@ -547,13 +597,13 @@ def chunked_gpt2_loss(chunk: int = 128):
 
     def loss_fn(model: GPT2, batch):
         labels = _shifted_labels(batch)
-        constrain = getattr(model, "activation_sharding", None) or _unconstrained
+        constrain = getattr(model, "activation_sharding", None) or unconstrained
         x = constrain(model.hidden_states(batch["input_ids"]), SEQ_WHOLE)
         # every position's target, the last one none (-100): x needs no [:, :-1] slice (a copy)
         targets = jnp.pad(labels, ((0, 0), (0, 1)), constant_values=-100)
         w = model.wte[...].astype(model.dtype)
         total = fused_cross_entropy(x, w, targets, model.config.vocab_size, chunk, constrain)
-        return _mean_over_tokens(total, labels)
+        return mean_over_tokens(total, labels)
 
     return loss_fn
 
@@ -604,7 +654,7 @@ def _ce_scan(x, w, targets, vocab_size, chunk, constrain, with_grad):
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5))
-def fused_cross_entropy(x, w, targets, vocab_size, chunk, constrain=_unconstrained):
+def fused_cross_entropy(x, w, targets, vocab_size, chunk, constrain=unconstrained):
     """Summed fp32 cross entropy of the logits x @ w.T against targets, `chunk` positions at a time.
 
     x [B, T, d] (the final hidden states), w [V, d] (wte, V >= vocab_size: the rows past

@@ -216,13 +216,13 @@ def _shapes(config: GPT2Config) -> dict:
             "attn.c_proj.weight": (H, Dh, d)}
 
 
-def _set(tree, path, value):
+def set_path(tree, path, value):
     for key in path[:-1]:
         tree = tree.setdefault(key, {})
     tree[path[-1]] = value
 
 
-def _get(tree, path):
+def get_path(tree, path):
     for key in path:
         tree = tree[key]
     return tree
@@ -256,28 +256,28 @@ def load_hf(path: str, dtype=None, **config_overrides) -> tuple[GPT2Config, dict
 
         for name, ours in _TOP_KEYS:
             tensor = take(name)
-            _set(params, ours, cast(pad_vocab(tensor, config) if ours == ("wte",) else tensor))
+            set_path(params, ours, cast(pad_vocab(tensor, config) if ours == ("wte",) else tensor))
         for name, ours in _LAYER_KEYS:
             first = take(f"h.0.{name}")
             shape = shapes.get(name, first.shape)
             stacked = np.empty((config.n_layer, *shape), dtype if dtype is not None else first.dtype)
             for i in range(config.n_layer):
                 stacked[i] = (first if i == 0 else take(f"h.{i}.{name}")).reshape(shape)
-            _set(params, ("h", *ours), stacked)
+            set_path(params, ("h", *ours), stacked)
         extra = [k for k in full if k not in used and not k.endswith(_IGNORED_SUFFIXES)]
     if extra:
         raise ValueError(f"{path!r}: unexpected tensors for GPT-2: {sorted(extra)[:8]}")
     return config, params
 
 
-def _plain(tree):
+def plain_arrays(tree):
     """An nnx.Module / nnx.State / nested dict of Params or arrays -> nested dict of numpy arrays."""
     if isinstance(tree, nnx.Module):
         tree = nnx.state(tree, nnx.Param)
     if isinstance(tree, nnx.Variable):
         return np.asarray(tree[...])
     if isinstance(tree, Mapping):
-        return {k: _plain(v) for k, v in tree.items()}
+        return {k: plain_arrays(v) for k, v in tree.items()}
     return np.asarray(tree)  # a multi-host sharded array must be gathered by the caller first
 
 
@@ -289,7 +289,7 @@ def save_hf(params, config: GPT2Config, out_dir: str, dtype=None, *,
     params: the model, `nnx.state(model)` or its pure dict (`nnx.to_pure_dict`).
     dtype: the saved dtype (e.g. np.float32, jnp.bfloat16; default: as given).
     """
-    params = _plain(params)
+    params = plain_arrays(params)
     shapes = _shapes(config)
     entries = []
 
@@ -299,11 +299,11 @@ def save_hf(params, config: GPT2Config, out_dir: str, dtype=None, *,
         entries.append((name, shape, out, lambda: a.reshape(shape)))
 
     for name, ours in _TOP_KEYS:
-        tensor = _get(params, ours)
+        tensor = get_path(params, ours)
         entry(f"transformer.{name}", unpad_vocab(tensor, config) if ours == ("wte",) else tensor)
     for i in range(config.n_layer):
         for name, ours in _LAYER_KEYS:
-            stacked = _get(params, ("h", *ours))
+            stacked = get_path(params, ("h", *ours))
             if stacked.shape[0] != config.n_layer:
                 raise ValueError(f"h/{'/'.join(ours)} has {stacked.shape[0]} layers, config says {config.n_layer}")
             entry(f"transformer.h.{i}.{name}", stacked[i], _hf_shape(name, config) if name in shapes else None)

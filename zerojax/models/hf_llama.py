@@ -16,7 +16,7 @@ from collections.abc import Mapping
 
 import numpy as np
 
-from zerojax.models.hf import MAX_SHARD_BYTES, TensorReader, _get, _plain, _set, write_tensors
+from zerojax.models.hf import MAX_SHARD_BYTES, TensorReader, get_path, plain_arrays, set_path, write_tensors
 from zerojax.models.llama import MODEL_TYPES, LlamaConfig
 
 ARCHITECTURES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
@@ -198,7 +198,7 @@ def load_llama_hf(path: str, dtype=None, **config_overrides) -> tuple[LlamaConfi
     config, leaves = read_leaves(path, dtype, **config_overrides)
     params: dict = {}
     for ours, a in leaves:
-        _set(params, ours, a)
+        set_path(params, ours, a)
     return config, params
 
 
@@ -207,7 +207,7 @@ def save_llama_hf(params, config: LlamaConfig, out_dir: str, dtype=None, *,
     """Write config.json + safetensors (sharded above max_shard_size bytes, with an index) that
     `transformers`' `<Family>ForCausalLM.from_pretrained(out_dir)` loads -> the weights path.
     params: the model, its `nnx.state` or pure dict; dtype: the saved dtype (default: as given)."""
-    params = _plain(params)
+    params = plain_arrays(params)
     L, V = config.num_hidden_layers, config.vocab_size
     entries = []
 
@@ -215,19 +215,19 @@ def save_llama_hf(params, config: LlamaConfig, out_dir: str, dtype=None, *,
         out = np.dtype(dtype) if dtype is not None else a.dtype
         entries.append((name, shape or a.shape, out, lambda: convert(a) if convert else a))
 
-    emb = _get(params, ("embed_tokens",))
+    emb = get_path(params, ("embed_tokens",))
     d = emb.shape[1]
     entry("model.embed_tokens.weight", emb[:V])
     for i in range(L):
         for name, ours, shape, _, to_hf in _layer_entries(config):
-            stacked = _get(params, ("layers", *ours))
+            stacked = get_path(params, ("layers", *ours))
             if stacked.shape != (L, *shape):
                 raise ValueError(f"layers/{'/'.join(ours)}: shape {stacked.shape}, expected {(L, *shape)}")
             hf_shape = to_hf(np.empty(shape, np.int8)).shape if to_hf else shape
             entry(f"model.layers.{i}.{name}", stacked[i], to_hf, hf_shape)
-    entry("model.norm.weight", _get(params, ("norm", "scale")))
+    entry("model.norm.weight", get_path(params, ("norm", "scale")))
     if not config.tie_word_embeddings:
-        entry("lm_head.weight", _get(params, ("lm_head",))[:V])
+        entry("lm_head.weight", get_path(params, ("lm_head",))[:V])
     assert d == config.hidden_size
     os.makedirs(out_dir, exist_ok=True)
     with open(os.path.join(out_dir, "config.json"), "w") as f:

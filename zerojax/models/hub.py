@@ -9,7 +9,7 @@ from collections.abc import Mapping
 from flax import nnx
 
 from zerojax.models.gpt2 import GPT2
-from zerojax.models.hf import MAX_SHARD_BYTES, _get, _set, load_hf, save_hf
+from zerojax.models.hf import MAX_SHARD_BYTES, get_path, set_path, load_hf, save_hf
 from zerojax.models.hf_llama import read_leaves, save_llama_hf
 from zerojax.models.llama import Llama
 
@@ -33,10 +33,10 @@ def _module_from_leaves(make, leaves, param_dtype):
     shapes = nnx.to_pure_dict(state)
     filled: dict = {}
     for path, a in leaves:
-        want = _get(shapes, path).shape
+        want = get_path(shapes, path).shape
         if tuple(a.shape) != tuple(want):
             raise ValueError(f"{'/'.join(path)}: the checkpoint's shape {a.shape}, the model's {want}")
-        _set(filled, path, jnp.asarray(a, param_dtype))
+        set_path(filled, path, jnp.asarray(a, param_dtype))
         del a
     missing = [jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_leaves_with_path(shapes)
                if not _has(filled, [getattr(k, "key", k) for k in p])]

@@ -38,8 +38,8 @@ from jax.ad_checkpoint import checkpoint_name
 
 from zerojax.models.gpt2 import (  # the shared pieces: one remat vocabulary, one LM head, one loss
     ATTENTION_IMPLS, ATTENTION_OUT, ATTENTION_RESIDUAL, LOGITS, QKV_PROJ, REMAT_POLICIES,
-    RESIDUAL, SEQ_WHOLE, _mean_over_tokens, _nll_sum, _resolve_attention, _unconstrained, fused_cross_entropy,
-    lm_head, remat_policy_fn, run_layers, split_remat_policy)
+    RESIDUAL, SEQ_WHOLE, mean_over_tokens, nll_sum, resolve_attention, unconstrained, fused_cross_entropy,
+    adapted_layers, lm_head, remat_policy_fn, run_layers, split_remat_policy)
 
 # The logical name of the key / value heads axis. "heads" splits them over the tensor axis with
 # the query heads (Megatron's GQA layout); a tensor size that does not divide the kv heads is then
@@ -315,7 +315,7 @@ def _linear(eq, h, entry, dtype):
 
 
 def _block(x, p, *, config: LlamaConfig, dtype, attention_impl, segment_ids=None, positions=None,
-           constrain=_unconstrained, linear=_linear):
+           constrain=unconstrained, linear=_linear):
     """One pre-RMSNorm decoder layer on [B, T, d]; p holds this layer's slice of `Blocks`.
 
     Save points as GPT-2's: "layer_input", q / k / v projections (QKV_PROJ, before the norm and the
@@ -432,7 +432,7 @@ class Llama(nnx.Module):
 
     def padded_logits(self, x):
         """LM head on [B, T, d] -> fp32 [B, T, padded vocab], padding columns -inf (GPT-2's)."""
-        constrain = getattr(self, "activation_sharding", None) or _unconstrained
+        constrain = getattr(self, "activation_sharding", None) or unconstrained
         logits = constrain(lm_head(constrain(x, SEQ_WHOLE), self.head_weight()), LOGITS)
         cfg = self.config
         if cfg.padded_vocab_size == cfg.vocab_size:
@@ -445,7 +445,7 @@ class Llama(nnx.Module):
         segment_ids [B, T] int: packed documents (attention only within equal ids); positions
         [B, T] int: rotary positions (default: from the segment ids, else 0 .. T-1)."""
         cfg, dtype = self.config, self.dtype
-        constrain = getattr(self, "activation_sharding", None) or _unconstrained
+        constrain = getattr(self, "activation_sharding", None) or unconstrained
         if segment_ids is not None and positions is None:
             positions = positions_from_segments(segment_ids)
         x = constrain(constrain(self.embed_tokens[...][input_ids].astype(dtype), SEQ_WHOLE), RESIDUAL)
@@ -453,33 +453,15 @@ class Llama(nnx.Module):
         adapter = getattr(self, "adapter", None)  # e.g. zerojax.lora's: frozen base, LoRA terms
         body = functools.partial(
             _block, config=cfg, dtype=dtype, constrain=constrain, segment_ids=segment_ids, positions=positions,
-            attention_impl=_resolve_attention(self.attention_impl, dtype, cfg.dim_per_head),
+            attention_impl=resolve_attention(self.attention_impl, dtype, cfg.dim_per_head),
             linear=_linear if adapter is None else adapter.linear)
         policy = self.remat_policy
         fetch = getattr(self, "layer_fetch", None)
         layers = nnx.to_pure_dict(nnx.state(self.layers, nnx.Param))
         layer_scan = getattr(self, "layer_scan", None)
-        if adapter is not None:
-            # the layers' untrained per-layer inputs (a frozen base, dropout keys), stacked as the
-            # params and scanned with them; the engine's per-layer hook sees the params alone
-            if layer_scan is not None:
-                raise ValueError("an adapter's frozen base with pipeline.stages > 1 or offload_param: the "
-                                 "engine's layer scan carries the trained parameters only; use ZeRO 0-3 "
-                                 "(optimizer offload included) without pipelining or offload_param")
-            side, block0 = adapter.layer_inputs(self), body
-            layers = {"params": layers, "side": side}
-            body = lambda x, p: block0(x, adapter.merge(p["params"], p["side"]))  # noqa: E731
-            if fetch is not None:
-                fetch0 = fetch
-
-                def fetch(p):
-                    try:
-                        params = fetch0(p["params"])
-                    except ValueError:
-                        # every trained leaf is a layer's (adapters only): the engine's hook then
-                        # knows the whole tree, {"layers": ...}, as the one stacked group
-                        params = fetch0({"layers": p["params"]})["layers"]
-                    return {"params": params, "side": p["side"]}
+        if adapter is not None:  # its frozen base scanned beside the trained layers (GPT-2's helper)
+            body, layers, fetch = adapted_layers(adapter, self, body, layers, fetch=fetch, layer_scan=layer_scan,
+                                                 stack="layers")
         if layer_scan is not None and (segment_ids is not None or positions is not None):
             # an engine's layer scan (pipeline stages, offload_param's prefetch) carries the hidden
             # states only: per-row side inputs would be cut into micro-batches out of step with them
@@ -519,7 +501,7 @@ def llama_loss(model: Llama, batch):
     a document's first token is never a target of the one before it: its label is -100)."""
     labels = shifted_labels(batch)
     logits = model.padded_logits(_hidden(model, batch))
-    return _mean_over_tokens(_nll_sum(logits[:, :-1], labels), labels)
+    return mean_over_tokens(nll_sum(logits[:, :-1], labels), labels)
 
 
 def chunked_llama_loss(chunk: int = 128):
@@ -530,11 +512,11 @@ def chunked_llama_loss(chunk: int = 128):
 
     def loss_fn(model: Llama, batch):
         labels = shifted_labels(batch)
-        constrain = getattr(model, "activation_sharding", None) or _unconstrained
+        constrain = getattr(model, "activation_sharding", None) or unconstrained
         x = constrain(_hidden(model, batch), SEQ_WHOLE)
         targets = jnp.pad(labels, ((0, 0), (0, 1)), constant_values=-100)
         total = fused_cross_entropy(x, model.head_weight(), targets, model.config.vocab_size, chunk, constrain)
-        return _mean_over_tokens(total, labels)
+        return mean_over_tokens(total, labels)
 
     return loss_fn
 
