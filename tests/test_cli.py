@@ -48,6 +48,7 @@ def test_estimate_module_imports_no_jax():
                    env={**os.environ, "PYTHONPATH": REPO})
 
 
+@pytest.mark.slow
 def test_readme_planning_example_on_cpu():
     """The README's `zerojax estimate --model tiny --gpus 2 --aot --cpu --budget 12MB --micro-batch
     auto`, with --json: plans under the budget, fastest predicted first, each with its compiled
@@ -72,6 +73,7 @@ def test_readme_planning_example_on_cpu():
     assert all(t["plan"]["peak_bytes"] > 12 * 10**6 for t in misses)
 
 
+@pytest.mark.slow
 def test_estimate_aot_compiles_with_the_engine_options_asked(tmp_path, capsys):
     """`zerojax estimate --aot --master-split --adam-mu-dtype bfloat16`: the compiled peaks are those
     of the step run with EngineOptions(split_master="on", adam_mu_dtype="bfloat16"): its arguments
@@ -132,6 +134,7 @@ def test_estimate_takes_a_llama_family_shape(capsys):
     assert json.loads(capsys.readouterr().out)["flops_per_token"] == 6 * total + 12 * 28 * 16 * 128 * 2048
 
 
+@pytest.mark.slow
 def test_estimate_and_plan_take_a_module_factory(capsys):
     """`--model tests.planning.model_factories:qwen_like` (tests/foreign_models.py's Qwen3-style list
     of blocks: no zerojax names, no maximum positions): a table for its parameter count as written

@@ -7,8 +7,11 @@ global samples), with the losses the engine reported; its tensorboard section wr
 events as TensorBoard's event file (TFRecord frames of `tensorflow.Event` protobufs), with no
 package beyond zerojax's own dependencies.
 """
+import contextlib
 import csv
+import functools
 import importlib.util
+import io
 import json
 import os
 
@@ -27,6 +30,17 @@ def _example():
     return module
 
 
+@functools.lru_cache(maxsize=None)
+def _shared_run(*argv):
+    """The example's run for `argv`, once for the module: (its summary, what it printed). Tests that
+    need the same run (as a reference they compare against) read this one; none changes it."""
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        summary = _example().main(list(argv))
+    return summary, out.getvalue()
+
+
+@pytest.mark.slow
 def test_main_job_trains_and_writes_deepspeed_csv_logs(tmp_path, capsys):
     with open(os.path.join(ROOT, "configs", "zero2_bf16.json")) as f:
         cfg = json.load(f)
@@ -211,6 +225,7 @@ def test_a_bad_flag_through_the_entry_point():
     assert code == 2 and "argument --steps: -1 must be >= 0" in out, out
 
 
+@pytest.mark.slow
 def test_data_errors_name_file_and_place_before_any_compile(tmp_path):
     # the issue's three through the entry point; every case is in tests/test_data.py
     (tmp_path / "empty.txt").write_text("")
@@ -228,6 +243,10 @@ def _summary(out):
     return json.loads(next(line for line in out.splitlines() if line.startswith("SUMMARY "))[8:])
 
 
+STRAIGHT = (*TINY, "--steps", "4", "--schedule-steps", "40")  # the default config (zero2_bf16.json), 4 steps
+
+
+@pytest.mark.slow
 def test_resume_matches_the_uninterrupted_run_step_for_step(tmp_path, capsys, monkeypatch):
     """Straight 4 steps vs 2 + resume to 4, same flags. The schedule (WarmupDecayLR over 40
     steps, warmup 4) is the one saved with the checkpoint: had the resumed run rebuilt it from
@@ -247,7 +266,7 @@ def test_resume_matches_the_uninterrupted_run_step_for_step(tmp_path, capsys, mo
 
     assert lr(40, 2) > 0 and lr(40, 2) != lr(4, 2)  # the test can tell the two schedules apart
     example = _example()
-    straight = example.main([*TINY, "--steps", "4", "--schedule-steps", "40"])
+    straight = _shared_run(*STRAIGHT)[0]
     ckpt = tmp_path / "ckpt"
     first = example.main([*TINY, "--steps", "2", "--schedule-steps", "40", "--save", str(ckpt)])
     # a save killed mid-way leaves orbax's temporary folder: removed at the next start
@@ -300,6 +319,7 @@ def test_resume_matches_the_uninterrupted_run_step_for_step(tmp_path, capsys, mo
             "the lr stays at 0 (the weights stop changing); to extend the schedule, add --schedule-steps 42") in out, out
 
 
+@pytest.mark.slow
 def test_one_step_stage3_lr0_and_cpu_precision_default(tmp_path, capsys):
     """--lr 0 is honoured (the engine reports lr 0 for the step, DeepSpeed's csv_monitor file),
     one step gives a last loss, and the config's ZeRO "auto"s are filled as the Hugging Face
@@ -354,16 +374,23 @@ def test_replicated_warning_names_the_threshold(capsys):
     assert capsys.readouterr().out == ""
 
 
-def test_offload_loop_flag_trains_like_the_default_and_is_checked_against_the_config(capsys):
+@pytest.mark.slow
+def test_offload_loop_flag_trains_like_the_default_and_is_checked_against_the_config(capsys, monkeypatch):
     """--offload-loop host with configs/zero2_offload_optimizer.json: the same losses as the default
     loop (the same arithmetic; fp32 on CPU); with a config that does not offload the optimizer it is
-    refused before the engine is built, naming the key and a config that fits."""
+    refused before the engine is built, naming the key and a config that fits. A run that exports
+    nothing never reads the whole fp32 master (under offload, every host chunk merged on the device)."""
+    from zerojax.train.engine import Engine
+
     example = _example()
     cfg = os.path.join(ROOT, "configs", "zero2_offload_optimizer.json")
-    runs = [example.main(["--config", cfg, *TINY, "--steps", "2", *flag]) for flag in ([], ["--offload-loop", "host"])]
+    default, default_out = _shared_run("--config", cfg, *TINY, "--steps", "2")  # also test_offload_loop_auto_...'s
+    with monkeypatch.context() as m:
+        m.setattr(Engine, "master_params", property(lambda self: pytest.fail("the run read Engine.master_params")))
+        runs = [default, example.main(["--config", cfg, *TINY, "--steps", "2", "--offload-loop", "host"])]
     assert runs[1]["last_loss"] == pytest.approx(runs[0]["last_loss"], rel=1e-5)
     out = capsys.readouterr().out
-    assert "optimizer offload: in_place loop" in out and "optimizer offload: host loop, 1 layer group(s)" in out
+    assert "optimizer offload: in_place loop" in default_out and "optimizer offload: host loop, 1 layer group(s)" in out
     # --adam-mu-dtype reaches the engine (its first moment stored in bf16); the config's bf16 with
     # the host loop keeps the master split by default
     example.main(["--config", cfg, *TINY, "--steps", "1", "--offload-loop", "host", "--adam-mu-dtype", "bfloat16"])
@@ -373,6 +400,7 @@ def test_offload_loop_flag_trains_like_the_default_and_is_checked_against_the_co
                       "--offload-loop", "host"])
 
 
+@pytest.mark.slow
 def test_master_split_flag_trains_as_without_it_and_is_refused_without_bf16(capsys, monkeypatch, tmp_path):
     """--master-split (EngineOptions(split_master="on")) reaches the engine and trains as the whole
     fp32 master does (the same losses); under optimizer offload to cpu it is the host loop's split
@@ -380,9 +408,10 @@ def test_master_split_flag_trains_as_without_it_and_is_refused_without_bf16(caps
     naming the flag and a config that fits."""
     example = _example()
     cfg = os.path.join(ROOT, "configs", "zero2_bf16.json")
-    runs = [example.main(["--config", cfg, *TINY, "--steps", "3", *flag]) for flag in ([], ["--master-split"])]
+    # without the flag: test_resume_matches_the_uninterrupted_run_step_for_step's uninterrupted run
+    runs = [_shared_run(*STRAIGHT)[0], example.main([*STRAIGHT, "--master-split"])]
     assert [r["master_split"] for r in runs] == [False, True]
-    assert runs[1]["losses"] == runs[0]["losses"]
+    assert len(runs[0]["losses"]) == 4 and runs[1]["losses"] == runs[0]["losses"]
     # micro-batch auto: the planner compiles its candidates with the flag (the same run)
     from zerojax import load_config
     from zerojax.planning import memory
@@ -438,6 +467,7 @@ def test_offload_hint_names_the_missing_flags_and_their_bytes():
     assert split.format(2 * P / GiB) in example._offload_hint(stage0, P, 4, EngineOptions(), jnp.bfloat16)
 
 
+@pytest.mark.slow
 def test_offload_loop_auto_takes_host_where_its_step_fits(capsys, monkeypatch):
     """No --offload-loop, a config offloading the optimizer to cpu, a device that reports its memory
     (here a stand-in budget): "host" where its step (compiled on an abstract engine) fits, trained
@@ -452,9 +482,9 @@ def test_offload_loop_auto_takes_host_where_its_step_fits(capsys, monkeypatch):
     example = _example()
     cfg = os.path.join(ROOT, "configs", "zero2_offload_optimizer.json")
     args = ["--config", cfg, *TINY, "--steps", "2"]
-    plain = example.main(args)
+    plain, plain_out = _shared_run(*args)  # also test_offload_loop_flag_...'s default run
     assert "in_place loop, 2 layer group(s), master fp32, first moment fp32 (default; this device reports no " \
-           "memory limit" in capsys.readouterr().out
+           "memory limit" in plain_out
     monkeypatch.setattr(memory, "device_budget", lambda device=None: 2**40)
     auto = example.main(args)
     assert "optimizer offload: host loop, 1 layer group(s), master split (bf16 copy + 16-bit host remainder), " \
@@ -486,6 +516,7 @@ def test_offload_loop_auto_takes_host_where_its_step_fits(capsys, monkeypatch):
         assert loop == want and why.startswith(said), why
 
 
+@pytest.mark.slow
 def test_mfu_is_reported_against_the_measured_ceiling_or_the_flag(capsys, monkeypatch, tmp_path):
     """The example's MFU: tokens/s per device x the model's FLOPs a token (flops_per_token, checked
     against the written-out count in test_gpt2) over --peak-tflops, or over the matmul ceiling it
@@ -675,6 +706,7 @@ def _logits_torch(model, ids):
 IDS = np.random.default_rng(1).integers(0, 101, (2, 12), dtype=np.int32)
 
 
+@pytest.mark.slow
 def test_llama_from_hf_folder_fine_tunes_on_prompt_completion_and_exports(hf_llama, tmp_path, monkeypatch):
     """--hf-checkpoint of a Llama (model_type "llama": zerojax.models.from_hf) with its tokenizer folder,
     prompt / completion .jsonl packed with segment ids: the loss on the completions falls; --export-hf
@@ -698,6 +730,7 @@ def test_llama_from_hf_folder_fine_tunes_on_prompt_completion_and_exports(hf_lla
     assert (out / "tokenizer_config.json").exists() and (out / "tokenizer.json").exists()
 
 
+@pytest.mark.slow
 def test_lora_trains_adapters_only_and_exports_peft_and_merged(hf_llama, tmp_path, monkeypatch, capsys):
     """--lora 4 on chat .jsonl (the loss on the assistant turns): only the adapters train (the frozen
     base is bitwise the checkpoint's); --export-hf --merge writes PEFT's adapter folder, which
@@ -762,10 +795,38 @@ def test_model_names_cover_the_llama_shapes_and_an_unknown_name_lists_them(capsy
     assert all(name in err for name in example.MODEL_CHOICES), err
 
 
-@pytest.mark.parametrize("case", ["offload_param", "gpt2", "quantize alone", "bad section"])
+@pytest.mark.slow
+def test_lora_on_gpt2_trains_the_adapters_only(tmp_path, monkeypatch):
+    """--model tiny --lora 4: GPT-2's adapters train (every lora_B moves from PEFT's zero init) and
+    nothing else: the frozen base is bitwise the one the same seed builds, the trained count is the
+    adapters'; --export-hf writes PEFT's adapter folder for GPT-2's module names."""
+    import jax
+    from flax import nnx
+
+    from zerojax import lora
+
+    example = _example()
+    got = _capture(monkeypatch, lora, "save_peft")
+    out = tmp_path / "adapter"
+    summary = example.main([*TINY, "--steps", "3", "--lora", "4", "--export-hf", str(out)])  # zero2_bf16.json
+    model, settings = got["model"], summary["lora"]
+    assert summary["family"] == "gpt2" and settings["r"] == 4 and np.isfinite(summary["losses"]).all()
+    assert summary["trained_params"] == lora.trainable_count(model)
+    fresh = lora.apply(example.named_model("tiny").build(0, model.dtype, None, param_dtype=settings["base_dtype"]),
+                       settings)
+    frozen = lambda m: nnx.to_pure_dict(nnx.state(m, lora.FrozenWeight))  # noqa: E731
+    jax.tree.map(lambda a, b: np.testing.assert_array_equal(np.asarray(a), np.asarray(b)), frozen(model), frozen(fresh))
+    b_max = [float(np.abs(np.asarray(v)).max()) for path, v in jax.tree_util.tree_leaves_with_path(
+        nnx.to_pure_dict(nnx.state(model, nnx.Param))) if "lora_B" in jax.tree_util.keystr(path)]
+    assert len(b_max) == 4 and min(b_max) > 0, b_max  # c_attn, attn.c_proj, c_fc, mlp.c_proj: all trained
+    config = json.loads((out / "adapter_config.json").read_text())
+    assert config["fan_in_fan_out"] is True and sorted(config["target_modules"]) == ["c_attn", "c_fc", "c_proj"]
+
+
+@pytest.mark.parametrize("case", ["offload_param", "quantize alone", "bad section"])
 def test_lora_refusals_are_one_line_before_anything_is_built(case, tmp_path):
     """What LoRA cannot run with is refused from the flags and the config alone (no data read, no
-    model built): offload_param or pipeline stages (zerojax.lora's layer scans), GPT-2, a LoRA flag
+    model built): offload_param or pipeline stages (zerojax.lora's layer scans), a LoRA flag
     without a rank, a "lora" section zerojax.lora.from_config_dict refuses."""
     from zerojax.config import ConfigError
 
@@ -774,9 +835,6 @@ def test_lora_refusals_are_one_line_before_anything_is_built(case, tmp_path):
     if case == "offload_param":
         sections = {"zero_optimization": {"stage": 3, "offload_param": {"device": "cpu"}}}
         want = (example.ConfigMismatch, "LoRA with zero_optimization.offload_param.device 'cpu'")
-    elif case == "gpt2":
-        argv[1] = "tiny"
-        want = (example.ConfigMismatch, "adapts the Llama family")
     elif case == "quantize alone":
         argv = [*argv[:-2], "--quantize", "nf4"]
         want = (example.ConfigMismatch, "--quantize is a LoRA setting: add --lora R")
@@ -797,6 +855,7 @@ def test_a_bad_jsonl_line_is_one_error_line_naming_file_and_line(tmp_path):
                                          '{"prompt": "...", "completion": "..."}'), out
 
 
+@pytest.mark.slow
 def test_llama_checkpoint_resumes_and_is_checked_against_the_run(tmp_path):
     """A tiny Llama with LoRA saved; --resume with --model auto takes the checkpoint's model; another
     model or other LoRA settings are refused in one line from the checkpoint's record and settings,

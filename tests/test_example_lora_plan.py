@@ -2,9 +2,12 @@
 adapters) and never offers parameter offload, which LoRA's layer scan cannot take."""
 import jax
 import numpy as np
+import pytest
 from flax import nnx
 
 from test_example import TINY, _example
+
+pytestmark = pytest.mark.slow  # plans and trains LoRA runs through the example
 
 
 def test_lora_micro_batch_auto_plans_the_adapted_model_and_trains_as_the_chosen_plan(monkeypatch, capsys):

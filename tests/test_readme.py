@@ -9,6 +9,8 @@ import re
 import subprocess
 import sys
 
+import pytest
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
@@ -29,6 +31,7 @@ def test_the_snippet_is_found_as_written():
     assert use_snippet(text) == "print(1)\n"
 
 
+@pytest.mark.slow
 def test_readme_use_snippet_runs_on_cpu(tmp_path):
     with open(os.path.join(ROOT, "README.md"), encoding="utf-8") as f:
         code = use_snippet(f.read())

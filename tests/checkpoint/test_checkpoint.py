@@ -113,6 +113,7 @@ def resume_in_child(ckpt, out):
              counters=np.asarray([eng.global_steps, eng.skipped_steps, eng.global_samples]))
 
 
+@pytest.mark.slow
 def test_resume_in_new_process_is_exact(tmp_path):
     # One run of 10 steps that saves after step 5 (saving only reads the state), against
     # 5 steps + load in a fresh process + 5 steps.
@@ -155,11 +156,11 @@ def source(prec):
 
 
 @pytest.mark.parametrize("src,stage,n,prec", [
-    ("bf16", 3, 4, "bf16"),   # the two cases that failed before
+    pytest.param("bf16", 3, 4, "bf16", marks=pytest.mark.slow),   # the two cases that failed before
     ("bf16", 0, 1, "bf16"),
-    ("fp32", 2, 2, "fp32"),
+    pytest.param("fp32", 2, 2, "fp32", marks=pytest.mark.slow),
     ("bf16", 3, 8, "fp32"),   # bf16 master -> fp32 params
-    ("fp32", 1, 4, "bf16"),   # fp32 params -> master, bf16 params cast from it
+    pytest.param("fp32", 1, 4, "bf16", marks=pytest.mark.slow),   # fp32 params -> master, bf16 params cast from it
 ])
 def test_reshard_into_other_stage_devices_precision(src, stage, n, prec):
     d, master, opt, loss = source(src)
@@ -182,6 +183,7 @@ def test_reshard_into_other_stage_devices_precision(src, stage, n, prec):
 
 
 @pytest.mark.parametrize("src,prec", [("fp16", "bf16"), ("bf16", "fp16")])
+@pytest.mark.slow
 def test_fp16_loss_scale_state_across_precisions(src, prec):
     from zerojax.precision import DynamicLossScaleState
 
@@ -325,6 +327,7 @@ def killed_save_child(ckpt):
     eng.save_checkpoint(ckpt)
 
 
+@pytest.mark.slow
 def test_killed_save_leaves_previous_checkpoint(tmp_path):
     ckpt = tmp_path / "ckpt"
     proc = child("killed_save_child", str(ckpt), wait=False)
@@ -372,6 +375,7 @@ def gpt2_run():
     return c, ids, path, host(eng.master_params), host(eng.state.params)
 
 
+@pytest.mark.slow
 def test_export_loads_in_transformers(tmp_path):
     torch = pytest.importorskip("torch")
     transformers = pytest.importorskip("transformers")
@@ -392,6 +396,7 @@ def test_export_loads_in_transformers(tmp_path):
     assert cli.main(["export", str(tmp_path / "nothing"), str(tmp_path / "x")]) == 1
 
 
+@pytest.mark.slow
 def test_stage3_gathers_16bit_weights_on_save():
     from zerojax.models.hf import load_hf
 

@@ -18,6 +18,8 @@ from flax import nnx
 import zerojax
 from zerojax.models import gpt2
 
+pytestmark = pytest.mark.slow  # NVMe-offloaded engines of a ~76 MB state, saved and loaded
+
 # 8 layers of d 256: the layers' master and Adam moments (12 B/param) are ~90% of the state, so a save
 # or load holding them whole is far over the budgets below
 BIG = gpt2.GPT2Config.named("tiny", n_embd=256, n_head=2, vocab_size=64, n_positions=32, n_layer=8)

@@ -97,6 +97,7 @@ def test_chat_template_renders_as_transformers(folder):
 
 
 @pytest.mark.parametrize("packed", [True, False])
+@pytest.mark.slow
 def test_chat_loss_on_assistant_turns_only(folder, model, tmp_path, packed):
     data = load_finetune_data(_jsonl(tmp_path / "chat.jsonl", [{"messages": c} for c in CHATS]), folder,
                               seq_len=32, packed=packed)
@@ -111,6 +112,7 @@ def test_chat_loss_on_assistant_turns_only(folder, model, tmp_path, packed):
     np.testing.assert_allclose(float(loss), hand_loss(model, expected_chats()), rtol=1e-5)
 
 
+@pytest.mark.slow
 def test_prompt_completion_loss_on_completions_only(folder, model, tmp_path):
     data = load_finetune_data(_jsonl(tmp_path / "pc.jsonl", PAIRS), folder, seq_len=16)
     b = data.arrays

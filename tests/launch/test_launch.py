@@ -293,6 +293,8 @@ def _finish(proc, log, timeout=600):
     return text
 
 
+@pytest.mark.slow
+@pytest.mark.multiprocess
 def test_two_processes_match_one_and_checkpoints_move_between_process_counts(tmp_path):
     """1 process saves at step 2 -> 2 processes resume, train steps 3-4 and save -> 1 process
     resumes and trains steps 5-6; every step's loss against one uninterrupted 1-process run

@@ -9,8 +9,11 @@ import sys
 import time
 
 import numpy as np
+import pytest
 
 import multiprocess_worker as worker
+
+pytestmark = [pytest.mark.slow, pytest.mark.multiprocess]
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 TIMEOUT_S = 420

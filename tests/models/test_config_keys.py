@@ -132,6 +132,7 @@ def test_every_acted_on_key_is_probed_or_says_what_the_model_needs():
     assert not stale, f"probes for keys the page does not mark acted on: {stale}"
 
 
+@pytest.mark.slow
 def test_the_same_config_twice_gives_the_same_evidence():
     # the control: two engines built from one config lower the same program (else every probe passes)
     cfg = config()
@@ -148,6 +149,7 @@ CASES = [(key, kind) for key in sorted(PROBES) for kind in (sorted(MODELS) if ke
 
 
 @pytest.mark.parametrize("key,kind", CASES)
+@pytest.mark.slow
 def test_an_acted_on_key_changes_the_step_or_the_state(key, kind):
     reference, setting = PROBES[key]
     before, after = evidence(kind, config(reference)), evidence(kind, config(reference, setting))

@@ -159,6 +159,7 @@ def list_stage_runs(tmp_path_factory):
     return three, losses3, got1, losses1, weights(one, "list"), resumed
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kind,case", FEATURES)
 def test_each_feature_trains_like_the_plain_model(kind, case, request):
     if kind == "list" and case in ("zero1", "zero3"):  # the engines test_checkpoint_reshards_across_stages uses too
@@ -177,6 +178,7 @@ def test_each_feature_trains_like_the_plain_model(kind, case, request):
         assert "tensor" in tuple(q.sharding.spec), q.sharding.spec
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kind", ["list", "scan"])
 def test_pipeline_runs_the_blocks_in_stages(kind):
     # the list stacked by the engine; the nnx.vmap stack run by the model's own nnx.scan, handed the
@@ -238,6 +240,7 @@ def test_pipeline_on_a_scan_it_cannot_take_over_names_the_hook(style, why):
                       options=zerojax.EngineOptions(memory_guard=False)).lower_step(shapes)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kind", ["list", "scan"])
 def test_remat_lowers_the_compiled_temporaries(kind):
     shapes = {"input_ids": jax.ShapeDtypeStruct((ROWS, SEQ), np.int32)}
@@ -272,18 +275,21 @@ def test_autotp_with_nothing_to_split_lists_the_parameters():
         zerojax.shard(Anonymous, {**config(0), "tensor_parallel": {"autotp_size": 2}}, loss_fn=lm_loss)
 
 
+@pytest.mark.slow
 def test_checkpoint_reshards_across_stages(list_stage_runs):
     # saved at ZeRO-3 after 2 steps, loaded at ZeRO-1: the third step lands where the plain run's does
     *_, got, resumed = list_stage_runs
     assert_matches_reference(None, "list", reference("list")[1][:2] + resumed, got)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kind", ["list", "scan"])
 def test_nvme_offload_trains_like_the_plain_model(kind, tmp_path):
     eng, losses = trained(kind, config(3, zero={"offload_optimizer": {"device": "nvme", "nvme_path": str(tmp_path)}}))
     assert_matches_reference(eng, kind, losses)
 
 
+@pytest.mark.slow
 def test_bf16_stages_agree():
     """bf16 compute, fp32 master: ZeRO-3 against stage 0 of the same bf16 run (the stages change
     only where the fp32 gradient is reduced and how weights are gathered, not the bf16 math)."""

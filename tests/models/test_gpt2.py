@@ -150,6 +150,7 @@ def _loss_and_grads(model, ids):
 @pytest.mark.parametrize("policy,unroll", [("full", 1), ("dots", 1), ("offload", 1), ("save_qkv", 1),
                                            ("save_attention", 1), ("save_attention_block", 1),
                                            ("save_qkv_attention", 2)])
+@pytest.mark.slow
 def test_remat_matches_no_remat(policy, unroll):
     ids = jnp.asarray(_ids(CFG, seq=16))
     ref_loss, ref_g = _reference_loss_and_grads()
@@ -168,6 +169,7 @@ def test_offload_policy_moves_layer_inputs_to_host():
     assert f"f32<host>[{CFG.n_layer},2,16,{CFG.n_embd}]" in jaxpr
 
 
+@pytest.mark.slow
 def test_bf16_compute_close_to_fp32():
     ids = jnp.asarray(_ids(CFG, batch=4, seq=32))
     models = {}
@@ -202,6 +204,7 @@ def test_loss_labels_and_token_count():
 
 
 @pytest.mark.parametrize("chunk", [1, 3, 16])
+@pytest.mark.slow
 def test_chunked_loss_matches_full_logits(chunk):
     """Value and gradients of the chunked cross entropy equal `gpt2_loss`'s (full logits), with
     ignored labels and a prediction count (11) that no chunk of 3 or 16 divides."""

@@ -169,6 +169,7 @@ def test_weights_writer_from_checkpoint_record(tmp_path):
     np.testing.assert_allclose(_hf_logits(back, ids), np.asarray(model(jnp.asarray(ids))), rtol=RTOL, atol=ATOL)
 
 
+@pytest.mark.slow
 def test_packed_documents_equal_separate_runs():
     # two documents packed in one row (segment ids 1, 2) give each document's logits as if alone;
     # positions restart per document (derived from the segment ids)
@@ -183,6 +184,7 @@ def test_packed_documents_equal_separate_runs():
     assert not np.allclose(np.asarray(model(packed))[:, 7:], logits[:, 7:], atol=1e-3)
 
 
+@pytest.mark.slow
 def test_chunked_loss_equals_loss_with_labels_and_segments():
     model = Llama(LlamaConfig.named("tiny-qwen3"), rngs=nnx.Rngs(2))
     ids = _ids(256, 2, 16, seed=6)
@@ -206,6 +208,7 @@ def _grads(model, loss_fn, batch):
 
 
 @pytest.mark.parametrize("policy", ["full", "save_qkv_attention", "dots_2"])
+@pytest.mark.slow
 def test_remat_policies_same_gradients(policy):
     cfg = LlamaConfig.named("tiny", num_hidden_layers=4)
     batch = {"input_ids": jnp.asarray(_ids(256, 2, 12, seed=7))}

@@ -12,6 +12,8 @@ import zerojax
 from zerojax.config import remat_policy_for
 from zerojax.models import Llama, LlamaConfig, from_hf, llama_loss
 
+pytestmark = pytest.mark.slow  # every test trains engines
+
 MODEL = LlamaConfig.named("tiny", vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
                           num_attention_heads=4, num_key_value_heads=2, attention_bias=True,
                           attention_out_bias=True)

@@ -88,6 +88,7 @@ def test_peft_files_and_merged_export_match_peft(folder, tmp_path, settings):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 
 
+@pytest.mark.slow
 def test_one_sgd_step_equals_pytorch(folder, tmp_path):
     lr = 0.5
     model = lora.apply(from_hf(folder), LORA)
@@ -158,6 +159,7 @@ def host(tree):
 
 def train(cfg, batch_list=None, **settings):
     eng = zerojax.shard(functools.partial(lora_model, **settings), cfg, loss_fn=llama_loss)
+    eng.initial_rest = host(eng.state.rest)  # the frozen base as built (the unchanged-base checks)
     losses = [float(eng.train_step(b)["loss"]) for b in (batch_list or batches())]
     eng.synchronize()
     return eng, np.asarray(losses), host(eng.master_params)
@@ -185,6 +187,7 @@ def reference():
     return losses, master, host(eng.state.rest)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("case", ["zero1", "zero2", "zero3", "tensor2", "offload_cpu"])
 def test_engine_trains_adapters_alike(case, reference):
     cfg = {"zero1": ds_config(1), "zero2": ds_config(2), "zero3": ds_config(3),
@@ -197,8 +200,13 @@ def test_engine_trains_adapters_alike(case, reference):
         np.testing.assert_allclose(a, b, rtol=0, atol=WEIGHT_ATOL, err_msg=jax.tree_util.keystr(path))
     if case != "offload_cpu":  # (offload keeps its optimizer state in per-chunk trees)
         _adapter_only(eng, master)
-    for a, b in zip(jax.tree.leaves(host(eng.state.rest)), jax.tree.leaves(ref_rest)):
-        np.testing.assert_array_equal(a, b)  # the base: unchanged
+    # the base: unchanged by training (bitwise), and built as the stage-0 run's (each layout draws it
+    # in a program of its own, whose code may round the normal draw's arithmetic differently by an
+    # ulp: tests/conftest.py)
+    for a, b, c in zip(jax.tree.leaves(host(eng.state.rest)), jax.tree.leaves(eng.initial_rest),
+                       jax.tree.leaves(ref_rest)):
+        np.testing.assert_array_equal(a, b)
+        np.testing.assert_allclose(b, c, rtol=4 * EPS32, atol=0)
     p = eng.state.params["layers"]["self_attn"]
     base = eng.state.rest["layers"]["mlp"]["up_proj"]["kernel"]
     if case == "zero3":  # gathered layer by layer in the scan; the adapters ZeRO-3 sharded over 8 devices
@@ -247,6 +255,7 @@ def test_quantized_on_a_device_as_on_the_host(folder):
     jax.tree.map(lambda x, y: np.testing.assert_array_equal(np.asarray(x), np.asarray(y)), a, b)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kind,rel", [("int8", 0.02), ("nf4", 0.2), ("int4", 0.3)])
 def test_quantized_forward_close_to_bf16(folder, kind, rel):
     # the logits' error relative to their spread: int8 keeps ~1/254 of each channel's range per
@@ -260,6 +269,7 @@ def test_quantized_forward_close_to_bf16(folder, kind, rel):
     assert len(frozen) == 7  # every projection's kernel stored quantized
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kind", ["int8", "nf4"])
 def test_engine_trains_on_quantized_base(kind):
     one = batches(1)[0]

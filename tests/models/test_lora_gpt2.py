@@ -116,6 +116,7 @@ def test_adapter_made_by_peft_loads(folder, tmp_path, targets):
     np.testing.assert_allclose(np.asarray(model(ids)), _torch_logits(peft_model, ids), rtol=RTOL, atol=ATOL)
 
 
+@pytest.mark.slow
 def test_one_sgd_step_equals_pytorch(folder, tmp_path):
     model = lora.apply(from_hf(folder), dict(LORA, target_modules="all-linear"))
     ours, theirs, before = sgd_step_against_peft(model, gpt2_loss, functools.partial(_hf, folder), tmp_path / "a",
@@ -144,6 +145,7 @@ def _trained(stage):
     return eng, np.asarray(losses), host(eng.master_params), rest0
 
 
+@pytest.mark.slow
 def test_zero3_trains_adapters_as_stage0_with_no_state_for_the_base():
     ref_eng, ref_losses, ref, _ = _trained(0)
     eng, losses, master, rest0 = _trained(3)
@@ -169,6 +171,7 @@ def test_zero3_trains_adapters_as_stage0_with_no_state_for_the_base():
 @pytest.mark.parametrize("extra", [{"zero_optimization": {"stage": 3, "offload_param": {"device": "cpu"}}},
                                    {"zero_optimization": {"stage": 1}, "pipeline": {"stages": 2}}],
                          ids=["offload_param", "pipeline"])
+@pytest.mark.slow
 def test_engine_layer_scans_refuse_the_frozen_base(extra):
     """offload_param's and the pipeline's layer scans carry the trained parameters only: refused
     with the fix, as for the Llama family."""
@@ -208,6 +211,7 @@ def test_fan_in_fan_out_either_way_on_gpt2():
         assert model.adapter.targets == tuple(lora.GPT2_LINEARS)
 
 
+@pytest.mark.slow
 def test_quantized_base_and_the_4bit_block_rule():
     """int8 / nf4 / int4 bases stay near the unquantized adapted model (the logits' error relative
     to their spread, the Llama test's bounds; measured 0.4%, 9%, 7% here); nf4 on a GPT-2 whose layer

@@ -284,6 +284,7 @@ def test_streamed_update_takes_host_grads(mesh):
 # --------------------------------------------------------------------------- activation offload
 
 
+@pytest.mark.slow
 def test_gpt2_offload_remat_matches_no_remat():
     nnx = pytest.importorskip("flax.nnx")
     gpt2 = pytest.importorskip("zerojax.models.gpt2")

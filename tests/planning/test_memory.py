@@ -203,6 +203,7 @@ def test_will_not_fit_lists_plans():
     assert calls == [1]
 
 
+@pytest.mark.slow
 def test_plan_offers_partial_optimizer_offload_at_stage_3():
     """"optimizer:R" (DeepSpeed's offload_optimizer.ratio) is a stage-3 choice, ranked before full
     offload; its config patch builds an engine that keeps part of the optimizer state on the
@@ -240,6 +241,7 @@ def engine_micro2():
     return cfg, zerojax.shard(tiny_factory, cfg, loss_fn=PL.default_loss_fn())
 
 
+@pytest.mark.slow
 def test_engine_guard_raises_before_the_first_step(engine_micro2):
     """The guard the engine runs before its first step, on a real engine at micro-batch 2."""
     cfg, engine = engine_micro2
@@ -266,6 +268,7 @@ def test_engine_guard_raises_before_the_first_step(engine_micro2):
     assert M.guard(engine, batch, None) is None or M.device_budget() is not None  # CPU: no limit
 
 
+@pytest.mark.slow
 def test_train_step_guard_runs_even_after_an_earlier_compile(engine_micro2, monkeypatch):
     """train_step checks a batch shape before its first step even when that step was compiled
     before (memory_report / compiled_step); nothing is trained when it does not fit."""

@@ -13,6 +13,8 @@ from zerojax.planning import memory as M
 
 from tiny_gpt2 import TINY, tiny_gpt2
 
+pytestmark = pytest.mark.slow  # builds and trains engines beside held arrays
+
 SEQ = 16
 CFG = {"train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": 1, "bf16": {"enabled": True},
        "optimizer": {"type": "SGD", "params": {"lr": 0.1}}, "zero_optimization": {"stage": 2}}

@@ -30,6 +30,7 @@ CFG = {
 }
 
 
+@pytest.mark.slow
 def test_only_remat_fits_at_the_full_micro_batch():
     """Budget between the compiled peaks of the remat and no-remat steps at micro-batch 4: the
     planner keeps micro-batch 4 (no accumulation) with per-layer remat, which its step-time model
@@ -53,6 +54,7 @@ def test_only_remat_fits_at_the_full_micro_batch():
     assert "remat full, micro-batch 4 x 1" in found.explain()
 
 
+@pytest.mark.slow
 def test_search_takes_zerojax_remat_policies_and_orders_them_by_what_they_keep():
     """planner.search with remat choices beyond DeepSpeed's (dots, save_attention): a budget below
     every micro-batch-4 peak used to end in a KeyError (the pruning knew only none / full /
@@ -72,6 +74,7 @@ def test_search_takes_zerojax_remat_policies_and_orders_them_by_what_they_keep()
     assert {p.remat for p, outcome in found.tried if p.micro_batch == 4} == set(remats)
 
 
+@pytest.mark.slow
 def test_planning_compiles_with_the_runs_engine_options():
     """The planner compiles each candidate with the EngineOptions the run will use. The split master
     (an int16 remainder, not an fp32 master: 2 bytes a parameter) and the bf16 first moment (2 bytes)
@@ -299,6 +302,7 @@ def test_mesh_step_time_adds_the_pipeline_bubble():
     assert piped.tokens == ref.tokens / 2 and piped.pipeline_s > 0
 
 
+@pytest.mark.slow
 def test_mesh_search_compiles_the_step_the_engine_runs():
     """compile=True: the peak the search reports for tensor 2 x pipe 2 on 4 devices (one compile:
     both axes' config keys at once) is the compiled memory of the engine built from the plan's own

@@ -5,9 +5,13 @@ what the real compile reports (device peak) with a host figure that grows with a
 as offload_param's fp32 accumulator does."""
 import dataclasses
 
+import pytest
+
 from zerojax.planning import planner as PL
 
 from tiny_gpt2 import tiny_gpt2 as factory
+
+pytestmark = pytest.mark.slow  # compiles the planner's candidates
 
 SEQ = 32
 CFG = {"train_micro_batch_size_per_gpu": 4, "gradient_accumulation_steps": 1, "gradient_clipping": 1.0,

@@ -15,11 +15,14 @@ import re
 
 import jax
 import numpy as np
+import pytest
 from flax import nnx
 
 import zerojax
 from zerojax.models.gpt2 import GPT2, GPT2Config, gpt2_loss
 from zerojax.sharding.partition import make_mesh
+
+pytestmark = pytest.mark.slow  # every test trains engines on all three axes
 
 # heads 2 and mlp 128 split over tensor 2; 8 layers over pipe 2
 MODEL = GPT2Config.named("tiny", vocab_size=64, n_positions=16, n_embd=32, n_head=2, n_layer=8)

@@ -80,6 +80,7 @@ CASES = [(2, 1, 0, 0), (4, 1, 1, 2), (2, 2, 1, 0), (4, 2, 0, 1)]
 
 
 @pytest.mark.parametrize("stages,repeats,zero_stage,ckpt", CASES)
+@pytest.mark.slow
 def test_pipelined_steps_match_the_plain_model(stages, repeats, zero_stage, ckpt):
     eng, metrics, first, last = trained(stages, repeats, zero_stage, ckpt)
     _, ref_metrics, ref_first, ref_last = trained(1, 1, zero_stage)
@@ -111,6 +112,7 @@ def _loops(hlo: str):
     return loops
 
 
+@pytest.mark.slow
 def test_a_stage_runs_its_layers_unrolled():
     """With no checkpoints a stage's layers run unrolled inside each pipeline iteration: no loop
     over them nested in the iterations' loops, forward or backward. Why: a nested loop keeps its
@@ -131,6 +133,7 @@ def _collectives(hlo: str):
 
 
 @pytest.mark.parametrize("stages,repeats", [(4, 1), (2, 2)])
+@pytest.mark.slow
 def test_activations_move_by_collective_permute(stages, repeats):
     """The stage-to-stage shift is a collective-permute of one micro-batch's hidden states
     [1, micro rows, SEQ, n_embd] per stage; no collective carries the whole stacked layer axis
@@ -162,6 +165,7 @@ HEAD_FLOPS = 2 * MODEL.n_embd * MODEL.padded_vocab_size
 
 
 @pytest.mark.parametrize("stages,repeats,zero_stage,ckpt", [(1, 1, 0, 0)] + CASES)
+@pytest.mark.slow
 def test_per_device_flops(stages, repeats, zero_stage, ckpt):
     """Per device, the compiled step's matmul FLOPs (every loop iteration counted) are what the
     schedule says and nothing more: each stage runs its L / (S R) layers on one micro-batch in each
@@ -186,6 +190,7 @@ def test_per_device_flops(stages, repeats, zero_stage, ckpt):
     assert matmul_flops(eng.compiled_step(SHAPES).as_text()) == layers + head
 
 
+@pytest.mark.slow
 def test_checkpoint_resumes_across_stage_counts(tmp_path):
     """A pipelined run's checkpoint is the plain model's state: it resumes under 4 stages and
     without pipelining with the same weights and optimizer state, bit for bit."""

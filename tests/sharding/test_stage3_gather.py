@@ -1,6 +1,8 @@
 """ZeRO-3 "all-gather on use": each layer's weights gathered inside the GPT-2 layer scan.
 
-Reference: stage 0 (nothing sharded) on the same batches, fp32, 1e-6. The HLO check asserts the
+Reference: stage 0 (nothing sharded) on the same batches, fp32, SGD with momentum, 1e-6 (the
+runs differ in the order of the gradient's sums: ~1e-7 relative, which SGD's update, linear in the
+gradient, keeps at that size). The HLO check asserts the
 gather is per layer: an all-gather inside the layer loop's body, not only before it.
 """
 import functools
@@ -15,12 +17,14 @@ from flax import nnx
 import zerojax
 from zerojax.models import gpt2
 
+pytestmark = pytest.mark.slow  # every test compiles ZeRO-3 engines
+
 C = gpt2.GPT2Config.named("tiny", n_embd=32, n_head=2, vocab_size=64, n_positions=16, n_layer=4)
 
 
 def cfg(stage):
     return {"train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": 1,
-            "optimizer": {"type": "AdamW", "params": {"lr": 1e-2, "weight_decay": 0.01}},
+            "optimizer": {"type": "SGD", "params": {"lr": 1e-1, "momentum": 0.9}},
             "gradient_clipping": 0.5,
             "zero_optimization": {"stage": stage, "stage3_param_persistence_threshold": 0}}
 
@@ -56,10 +60,6 @@ def test_stage3_layer_gather_matches_stage0(remat):
                             jax.tree.leaves(ref.master_params)):
         name = jax.tree_util.keystr(path)
         a, b = np.asarray(a), np.asarray(b)
-        if name.endswith("['c_attn']['bias']"):
-            # the key bias's gradient is analytically zero (softmax ignores a constant shift), so
-            # Adam normalises rounding noise there: compare the query and value parts only
-            a, b = a[:, [0, 2]], b[:, [0, 2]]
         np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-6, err_msg=name)
     # the params stay sharded: each device holds 1/8 of the largest leaves
     wte = eng.state.params["wte"]

@@ -85,6 +85,7 @@ FP16_UPDATE_RTOL = 2.0**-11 * 40
 
 
 @pytest.mark.parametrize("tp, stage", [(2, 0), (2, 1), (2, 2), (2, 3), (4, 0), (4, 3)])
+@pytest.mark.slow
 def test_tensor_parallel_trains_like_tp1_stage0(tp, stage):
     eng, master, losses = run(tp, stage)
     _, ref, ref_losses = run(1, 0)
@@ -106,6 +107,7 @@ def test_tensor_parallel_trains_like_tp1_stage0(tp, stage):
     assert opt_mu and set(spec(opt_mu[0])) >= ({"tensor", "data"} if stage >= 1 else {"tensor"})
 
 
+@pytest.mark.slow
 def test_fused_loss_under_tensor_parallelism_trains_like_tp1_stage0():
     """zerojax.models.chunked_gpt2_loss (the LM head and cross entropy 4 positions at a time) with
     the vocabulary split over "tensor" (TP 2, ZeRO-2): the same losses and weights as the whole-
@@ -123,6 +125,7 @@ def test_fused_loss_under_tensor_parallelism_trains_like_tp1_stage0():
     assert f"f32[{rows},4,128]" not in hlo, "a whole chunk's logits over the padded vocabulary"
 
 
+@pytest.mark.slow
 def test_fp16_loss_scaling_and_accumulation_under_tensor_parallelism():
     """TP 2 x ZeRO-2, fp16 with dynamic loss scaling, 2 micro-batches of 8 rows each, against TP 1
     stage 0 with the same settings (micro-batches hold other rows -- DeepSpeed groups rows per data
@@ -154,6 +157,7 @@ def _collectives_by_computation(hlo):
     return out
 
 
+@pytest.mark.slow
 def test_compiled_step_has_megatrons_collectives_with_sequence_parallelism():
     """Per transformer layer (one iteration of the layer scan), with the residual stream split on its
     sequence between sublayers (Megatron-LM's sequence parallelism), on [rows, T, d] activations:
@@ -218,6 +222,7 @@ def test_compiled_step_has_megatrons_collectives_with_sequence_parallelism():
 # --- checkpoints ----------------------------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_checkpoint_reshards_across_tensor_sizes_and_exports_whole_tensors(tmp_path):
     """Saved at TP 2 x data 4 (ZeRO-1), resumed at TP 4 x data 2 and at TP 1 x data 8: the same fp32
     weights and Adam moments, bitwise (resharding moves bytes, it computes nothing); the Hugging

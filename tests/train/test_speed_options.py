@@ -149,6 +149,7 @@ def test_attention_policies_keep_cudnn_attention_from_running_again(cudnn_attent
     assert shapes.count(f"{L},{B},{H},{T}") == outputs_kept, shapes
 
 
+@pytest.mark.slow
 def test_partial_dots_matches_no_remat_and_keeps_dots_on_its_layers_only():
     """"dots_2" on a 4-layer model: loss and gradients as without remat (the fp32 reference; only
     the recompute order differs, so fp32 rounding: rtol 1e-5 as test_gpt2's remat checks), and
@@ -288,6 +289,7 @@ def _ce_reference(x, w, targets, vocab_size):
     return total, g @ w[:vocab_size], dw
 
 
+@pytest.mark.slow
 def test_fused_cross_entropy_against_float64():
     """fused_cross_entropy (value, and gradients through its custom VJP with a cotangent of 3)
     against float64 NumPy: padded vocabulary (40 rows, 37 real), ignored targets, 11 positions in
@@ -325,6 +327,7 @@ def test_fused_cross_entropy_against_float64():
     assert whole not in fused_hlo and whole in jax.jit(jax.grad(plain, (0, 1))).lower(x, w).compile().as_text()
 
 
+@pytest.mark.slow
 def test_planner_fits_the_fastest_remat_policy_to_a_budget():
     """planner.fit_remat_policy on a 5-layer GPT-2: each budget gets the first policy of the
     ladder (fastest first: dots, save_attention_block, save_qkv_attention, save_attention, full) whose compiled step
