@@ -1051,7 +1051,8 @@ def main(argv=None):
 
     n_dev = jax.device_count()
     kind = jax.devices()[0].device_kind
-    trained = sum(x.size for x in jax.tree.leaves(engine.master_params))
+    # from shapes: under offload `master_params` merges every host chunk on the device (32 GB at 8B)
+    trained = sum(x.size for x in jax.tree.leaves(engine.layout.abstract_master))
     whole = trained if lora_cfg is None else sum(  # LoRA: the frozen base's too
         int(np.prod(x.shape)) for x in jax.tree.leaves(nnx.state(nnx.eval_shape(lambda: choice.build(seed, dtype, remat)),
                                                                  nnx.Param)))
