@@ -188,10 +188,11 @@ def reference():
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("case", ["zero1", "zero2", "zero3", "tensor2", "offload_cpu"])
+@pytest.mark.parametrize("case", ["zero1", "zero2", "zero3", "tensor2", "pipeline2", "offload_cpu"])
 def test_engine_trains_adapters_alike(case, reference):
     cfg = {"zero1": ds_config(1), "zero2": ds_config(2), "zero3": ds_config(3),
            "tensor2": ds_config(1, tensor_parallel={"autotp_size": 2}),
+           "pipeline2": ds_config(1, pipeline={"stages": 2}),
            "offload_cpu": ds_config(2, zero_optimization={"stage": 2, "offload_optimizer": {"device": "cpu"}})}[case]
     eng, losses, master = train(cfg)
     ref_losses, ref, ref_rest = reference
@@ -214,8 +215,10 @@ def test_engine_trains_adapters_alike(case, reference):
         a = eng.state.params["layers"]["mlp"]["up_proj"]["lora_A"]
         assert a.addressable_shards[0].data.size == a.size // 8
         assert base.addressable_shards[0].data.size == base.size // 8  # the frozen base too
-    else:
-        assert base.addressable_shards[0].data.size == base.size // (2 if case == "tensor2" else 1)
+    else:  # tensor 2: split as its adapters are; pipeline 2: each stage holds its layers' base
+        assert base.addressable_shards[0].data.size == base.size // {"tensor2": 2, "pipeline2": 2}.get(case, 1)
+    if case == "pipeline2":
+        assert tuple(base.sharding.spec)[0] == "pipe"
     if case == "tensor2":  # split as their kernels: column-parallel lora_B, row-parallel lora_A
         assert tuple(p["q_proj"]["lora_B"].sharding.spec)[2] == "tensor"
         assert tuple(p["o_proj"]["lora_A"].sharding.spec)[1] == "tensor"
@@ -270,11 +273,12 @@ def test_quantized_forward_close_to_bf16(folder, kind, rel):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("kind", ["int8", "nf4"])
-def test_engine_trains_on_quantized_base(kind):
+@pytest.mark.parametrize("kind,cfg", [("int8", ds_config(2)), ("nf4", ds_config(1, pipeline={"stages": 2}))],
+                         ids=["int8-zero2", "nf4-pipeline2"])
+def test_engine_trains_on_quantized_base(kind, cfg):
+    # (nf4 in pipeline stages: the packed 4-bit base split by stage and carried through the stages)
     one = batches(1)[0]
-    eng = zerojax.shard(lambda: lora_model(quantize=kind, init_lora_weights=True), ds_config(2),
-                        loss_fn=llama_loss)
+    eng = zerojax.shard(lambda: lora_model(quantize=kind, init_lora_weights=True), cfg, loss_fn=llama_loss)
     rest0, master0 = host(eng.state.rest), host(eng.master_params)
     losses = [float(eng.train_step(one)["loss"]) for _ in range(4)]
     eng.synchronize()

@@ -506,32 +506,34 @@ class GPT2(nnx.Module):
 def adapted_layers(adapter, model, body, layers, *, fetch, layer_scan, stack: str):
     """A model's layer stack as its `adapter` runs it -> (body, layers, fetch) for `run_layers`:
     the layers' untrained per-layer inputs (`adapter.layer_inputs(model)`: a frozen base, dropout
-    keys), stacked as the trained `layers` and scanned beside them, merged into each layer's
-    params (`adapter.merge`) before `body`; the engine's `fetch` sees the trained params alone.
-    `stack`: the model's attribute holding the layers. Refused under an engine's `layer_scan`
-    (pipeline stages, offload_param), which carries the trained parameters only."""
-    if layer_scan is not None:
-        raise ValueError("an adapter's frozen base with pipeline.stages > 1 or offload_param: the engine's "
-                         "layer scan carries the trained parameters only; use ZeRO 0-3 (optimizer offload "
-                         "included) without pipelining or offload_param")
-    side = adapter.layer_inputs(model)
+    keys), stacked as the trained `layers` and scanned beside them (`layer_stack.WithFrozen`, which
+    the pipeline's stages carry too), merged into each layer's params (`adapter.merge`) before
+    `body`; the engine's `fetch` sees the trained params alone. `stack`: the model's attribute
+    holding the layers. Refused under offload_param's prefetching scan (a `layer_scan` with a
+    `fetch`), which moves and differentiates the trained parameters only."""
+    if layer_scan is not None and fetch is not None:
+        raise ValueError("an adapter's frozen base with offload_param: the prefetching layer scan moves the "
+                         "trained parameters only; keep the base on the devices with ZeRO-3 without "
+                         "offload_param (it is sharded like the parameters), or store it quantized "
+                         "(the 'lora' section's 'quantize')")
+    frozen = adapter.layer_inputs(model)
 
     def adapted(x, p):
-        return body(x, adapter.merge(p["params"], p["side"]))
+        return body(x, adapter.merge(p.params, p.frozen))
 
     if fetch is None:
-        return adapted, {"params": layers, "side": side}, None
+        return adapted, layer_stack.WithFrozen(layers, frozen), None
 
     def fetch_params(p):
         try:
-            params = fetch(p["params"])
+            params = fetch(p.params)
         except ValueError:
             # every trained leaf is a layer's (adapters only): the engine's hook then knows the
             # whole tree, {stack: ...}, as the one stacked group
-            params = fetch({stack: p["params"]})[stack]
-        return {"params": params, "side": p["side"]}
+            params = fetch({stack: p.params})[stack]
+        return layer_stack.WithFrozen(params, p.frozen)
 
-    return adapted, {"params": layers, "side": side}, fetch_params
+    return adapted, layer_stack.WithFrozen(layers, frozen), fetch_params
 
 
 def run_layers(body, x, layers, *, policy, fetch, layer_scan, n_layer: int, unroll: int = 1):

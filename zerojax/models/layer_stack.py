@@ -7,6 +7,8 @@ hook").
 """
 from __future__ import annotations
 
+from typing import Any, NamedTuple
+
 import jax
 from jax.ad_checkpoint import checkpoint_name
 
@@ -17,6 +19,16 @@ LAYER_INPUT = "layer_input"
 FETCHED_PARAMS = "fetched_layer_params"
 # the remat policies any layer stack takes; a model with tags of its own (GPT-2's "save_*") adds more
 GENERIC_REMAT_POLICIES = (None, "full", "dots", "offload")
+
+
+class WithFrozen(NamedTuple):
+    """A layer stack's per-layer inputs when part of them is never trained: `params` (the trained
+    layers, [L, ...] leaves) and `frozen` (e.g. a LoRA's base, stacked alike, no gradient). A runner
+    that prepares the layers for their gradients (the pipeline's accumulators) does so for `params`
+    alone."""
+
+    params: Any
+    frozen: Any
 
 
 def remat_policy(name):
@@ -81,4 +93,5 @@ def run_layers(body, x, layers, *, policy, fetch, layer_scan, policy_fn, pieces=
     return x
 
 
-__all__ = ["LAYER_INPUT", "FETCHED_PARAMS", "GENERIC_REMAT_POLICIES", "remat_policy", "layer_step", "run_layers"]
+__all__ = ["LAYER_INPUT", "FETCHED_PARAMS", "GENERIC_REMAT_POLICIES", "WithFrozen", "remat_policy", "layer_step",
+           "run_layers"]

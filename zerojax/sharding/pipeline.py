@@ -55,6 +55,7 @@ import jax.numpy as jnp
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from zerojax.accumulate import split_microbatches
+from zerojax.models.layer_stack import WithFrozen
 from zerojax.sharding.partition import DATA, PIPE
 
 
@@ -188,8 +189,10 @@ def pipeline_scan(schedule: PipelineSchedule, mesh: Mesh):
         per = num // (S * R)
         compute = jax.tree.map(lambda a: a.dtype, layers)
         if schedule.grad_accum_dtype is not None:
-            # the loop's weight-gradient accumulators take the dtype of the weights it reads
-            layers = jax.tree.map(lambda a: a.astype(jnp.promote_types(a.dtype, schedule.grad_accum_dtype)), layers)
+            # the loop's weight-gradient accumulators take the dtype of the weights it reads; a
+            # frozen part (a LoRA's base) has no gradient and keeps its own
+            acc = lambda t: jax.tree.map(lambda a: a.astype(jnp.promote_types(a.dtype, schedule.grad_accum_dtype)), t)  # noqa: E731
+            layers = layers._replace(params=acc(layers.params)) if isinstance(layers, WithFrozen) else acc(layers)
         # [L, ...] -> [R, S, per, ...]: stage s holds blocks (r, s); R = 1 is the storage shard
         blocks = constrain(jax.tree.map(lambda a: a.reshape(R, S, per, *a.shape[1:]), layers), None, PIPE,
                            rest=P.UNCONSTRAINED)
