@@ -226,8 +226,9 @@ def _plan_micro_batch(cfg, build, dtype, remat, explore_remat, seq_len, loss_fn,
     else:  # --remat given: kept
         def factory():
             return build(remat)
-    # LoRA: the frozen base is in what the planner compiles; parameter offload is not a choice
-    # (the engine's layer scan carries the trained parameters only)
+    # LoRA: the frozen base is in what the planner compiles; parameter offload is not among its
+    # choices (its time estimate prices the trained parameters' transfers, not a frozen base moved
+    # a layer at a time); a config that asks for offload_param gets it
     offloads = tuple(o for o in planner.DEFAULT_OFFLOADS if not lora or o != "param")
     found = planner.search(factory, cfg.to_dict(), budget, seq_len, loss_fn=loss_fn, max_plans=1, offloads=offloads,
                            remat=(None, *planner.REMAT_LADDER) if explore_remat else None, options=options)

@@ -188,18 +188,20 @@ def reference():
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("case", ["zero1", "zero2", "zero3", "tensor2", "pipeline2", "offload_cpu"])
+@pytest.mark.parametrize("case", ["zero1", "zero2", "zero3", "tensor2", "pipeline2", "offload_cpu", "offload_param"])
 def test_engine_trains_adapters_alike(case, reference):
     cfg = {"zero1": ds_config(1), "zero2": ds_config(2), "zero3": ds_config(3),
            "tensor2": ds_config(1, tensor_parallel={"autotp_size": 2}),
            "pipeline2": ds_config(1, pipeline={"stages": 2}),
-           "offload_cpu": ds_config(2, zero_optimization={"stage": 2, "offload_optimizer": {"device": "cpu"}})}[case]
+           "offload_cpu": ds_config(2, zero_optimization={"stage": 2, "offload_optimizer": {"device": "cpu"}}),
+           "offload_param": ds_config(3, zero_optimization={"stage": 3, "stage3_param_persistence_threshold": 0,
+                                                            "offload_param": {"device": "cpu"}})}[case]
     eng, losses, master = train(cfg)
     ref_losses, ref, ref_rest = reference
     np.testing.assert_allclose(losses, ref_losses, rtol=1e-5)
     for (path, a), b in zip(jax.tree_util.tree_leaves_with_path(master), jax.tree.leaves(ref)):
         np.testing.assert_allclose(a, b, rtol=0, atol=WEIGHT_ATOL, err_msg=jax.tree_util.keystr(path))
-    if case != "offload_cpu":  # (offload keeps its optimizer state in per-chunk trees)
+    if not case.startswith("offload"):  # (offload keeps its optimizer state in per-chunk trees)
         _adapter_only(eng, master)
     # the base: unchanged by training (bitwise), and built as the stage-0 run's (each layout draws it
     # in a program of its own, whose code may round the normal draw's arithmetic differently by an
@@ -210,8 +212,13 @@ def test_engine_trains_adapters_alike(case, reference):
         np.testing.assert_allclose(b, c, rtol=4 * EPS32, atol=0)
     p = eng.state.params["layers"]["self_attn"]
     base = eng.state.rest["layers"]["mlp"]["up_proj"]["kernel"]
-    if case == "zero3":  # gathered layer by layer in the scan; the adapters ZeRO-3 sharded over 8 devices
-        assert eng.layout.stage3_gather == "layer"
+    if case == "offload_param":  # the layers' base in host memory, fetched a layer at a time with its adapters
+        frozen = eng.state.rest["layers"]
+        assert {x.sharding.memory_kind for x in jax.tree.leaves(frozen)} == {"pinned_host"}
+        assert {x.sharding.memory_kind for x in jax.tree.leaves(eng.state.params)} == {"pinned_host"}
+        assert eng.state.rest["embed_tokens"].sharding.memory_kind == "device"  # used whole: on the device
+    if case in ("zero3", "offload_param"):  # the adapters ZeRO-3 sharded over 8 devices
+        assert eng.layout.stage3_gather == ("layer" if case == "zero3" else None)  # (zero3: gathered in the scan)
         a = eng.state.params["layers"]["mlp"]["up_proj"]["lora_A"]
         assert a.addressable_shards[0].data.size == a.size // 8
         assert base.addressable_shards[0].data.size == base.size // 8  # the frozen base too

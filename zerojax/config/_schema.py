@@ -988,7 +988,7 @@ class Config:
     zerojax: **acted on**: kept as a read-only mapping here; checked by `zerojax.lora.from_config_dict`
       (an error naming `lora.<key>` and the fix) and applied with `zerojax.lora.apply` by
       examples/gpt2_large.py (its `--lora R`, `--lora-alpha`, `--lora-targets`, `--quantize` flags override
-      the section's keys): the base frozen, the adapters trained; refused with `offload_param`
+      the section's keys): the base frozen, the adapters trained
     Model needs: a `zerojax.models.GPT2` or `zerojax.models.Llama` (the Llama family) with the adapters
       `zerojax.lora.apply` puts in; a model without adapters gets a ConfigError"""
 

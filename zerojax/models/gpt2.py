@@ -508,14 +508,9 @@ def adapted_layers(adapter, model, body, layers, *, fetch, layer_scan, stack: st
     the layers' untrained per-layer inputs (`adapter.layer_inputs(model)`: a frozen base, dropout
     keys), stacked as the trained `layers` and scanned beside them (`layer_stack.WithFrozen`, which
     the pipeline's stages carry too), merged into each layer's params (`adapter.merge`) before
-    `body`; the engine's `fetch` sees the trained params alone. `stack`: the model's attribute
-    holding the layers. Refused under offload_param's prefetching scan (a `layer_scan` with a
-    `fetch`), which moves and differentiates the trained parameters only."""
-    if layer_scan is not None and fetch is not None:
-        raise ValueError("an adapter's frozen base with offload_param: the prefetching layer scan moves the "
-                         "trained parameters only; keep the base on the devices with ZeRO-3 without "
-                         "offload_param (it is sharded like the parameters), or store it quantized "
-                         "(the 'lora' section's 'quantize')")
+    `body`; the engine's `fetch` sees the trained params alone, and the frozen slice is brought to
+    device memory where offload_param keeps it on the host. `stack`: the model's attribute holding
+    the layers."""
     frozen = adapter.layer_inputs(model)
 
     def adapted(x, p):
@@ -531,7 +526,7 @@ def adapted_layers(adapter, model, body, layers, *, fetch, layer_scan, stack: st
             # every trained leaf is a layer's (adapters only): the engine's hook then knows the
             # whole tree, {stack: ...}, as the one stacked group
             params = fetch({stack: p.params})[stack]
-        return layer_stack.WithFrozen(params, p.frozen)
+        return layer_stack.WithFrozen(params, layer_stack.to_device_memory(p.frozen))
 
     return adapted, layer_stack.WithFrozen(layers, frozen), fetch_params
 

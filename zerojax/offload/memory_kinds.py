@@ -9,6 +9,8 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import NamedSharding, PartitionSpec as P
 
+from zerojax.models.layer_stack import WithFrozen
+
 DEVICE = "device"
 PINNED_HOST = "pinned_host"
 UNPINNED_HOST = "unpinned_host"
@@ -111,42 +113,50 @@ def prefetch_scan(block: Callable, x, layers, fetch: Callable, *, inputs_to_host
     what parameter offload implies anyway (a saved device copy per layer is what it avoids).
     inputs_to_host: keep the saved layer inputs in host memory too (DeepSpeed's
     `cpu_checkpointing`; the model's remat policy "offload").
+    `layers` may be a `zerojax.models.layer_stack.WithFrozen`: its frozen part (a LoRA's base) is
+    fetched with each layer (`fetch` takes and returns the pair) and gets no gradient.
     """
-    n = jax.tree.leaves(layers)[0].shape[0]
+    with_frozen = isinstance(layers, WithFrozen)
+    trained = layers.params if with_frozen else layers
+    n = jax.tree.leaves(trained)[0].shape[0]
     # each weight gradient goes where its weight lives (JAX types a cotangent like its primal)
-    spaces = jax.tree.map(lambda a: getattr(jax.typeof(a), "memory_space", None), layers)
+    spaces = jax.tree.map(lambda a: getattr(jax.typeof(a), "memory_space", None), trained)
     host = getattr(getattr(jax, "memory", None), "Space", None)
     to_home = lambda g, sp: jax.device_put(g, sp) if host is not None and sp == host.Host else g  # noqa: E731
 
-    def take(stacked, i):  # one layer's slice, read out of host memory by a dynamic index
-        return fetch(jax.tree.map(lambda a: jax.lax.dynamic_index_in_dim(a, i, keepdims=False), stacked))
+    def take(stacked, frozen, i):  # one layer's slice, read out of host memory by a dynamic index
+        pick = lambda t: jax.tree.map(lambda a: jax.lax.dynamic_index_in_dim(a, i, keepdims=False), t)  # noqa: E731
+        return fetch(WithFrozen(pick(stacked), pick(frozen)) if with_frozen else pick(stacked))
 
-    def forward(x, stacked):
+    def forward(x, stacked, frozen):
         def step(carry, i):
             h, cur = carry
-            nxt = take(stacked, jnp.minimum(i + 1, n - 1))
+            nxt = take(stacked, frozen, jnp.minimum(i + 1, n - 1))
             return (block(h, cur), nxt), (jax.device_put(h, host.Host) if inputs_to_host else h)
 
-        (h, _), inputs = jax.lax.scan(step, (x, take(stacked, 0)), jnp.arange(n))
-        return h, (inputs, stacked)
+        (h, _), inputs = jax.lax.scan(step, (x, take(stacked, frozen, 0)), jnp.arange(n))
+        return h, (inputs, stacked, frozen)
 
     def backward(res, g):
-        inputs, stacked = res
+        inputs, stacked, frozen = res
 
         def step(carry, xs):
             gh, cur = carry
             h, i = xs
             if inputs_to_host:
                 h = jax.device_put(h, host.Device)
-            prv = take(stacked, jnp.maximum(i - 1, 0))
-            _, vjp = jax.vjp(block, h, cur)
+            prv = take(stacked, frozen, jnp.maximum(i - 1, 0))
+            if with_frozen:  # the weight gradient of the trained part only
+                _, vjp = jax.vjp(lambda h, p: block(h, WithFrozen(p, cur.frozen)), h, cur.params)
+            else:
+                _, vjp = jax.vjp(block, h, cur)
             gh, gw = vjp(gh)
             return (gh, prv), jax.tree.map(to_home, gw, spaces)
 
-        (gx, _), gws = jax.lax.scan(step, (g, take(stacked, n - 1)), (inputs, jnp.arange(n)),
+        (gx, _), gws = jax.lax.scan(step, (g, take(stacked, frozen, n - 1)), (inputs, jnp.arange(n)),
                                     reverse=True)
-        return gx, gws
+        return gx, gws, None  # None: no cotangent for the frozen part
 
-    run = jax.custom_vjp(lambda x, stacked: forward(x, stacked)[0])
+    run = jax.custom_vjp(lambda x, stacked, frozen: forward(x, stacked, frozen)[0])
     run.defvjp(forward, backward)
-    return run(x, layers)
+    return run(x, trained, layers.frozen if with_frozen else None)

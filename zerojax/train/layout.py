@@ -324,7 +324,8 @@ def _build_layout(module, cfg: Config, *, loss_fn, mesh: Mesh, options) -> Engin
     shardings = partition.stage_shardings(
         abstract_master, mesh, stage, base_specs=base_specs,
         persistence_threshold=int(zero.stage3_param_persistence_threshold or 0))
-    rest_shardings = _rest_shardings(rest, mesh, cfg, stage, _model_type(module), prefixes)
+    rest_shardings = _rest_shardings(rest, mesh, cfg, stage, _model_type(module), prefixes,
+                                     O.host_memory_kind(bool(zero.offload_param.pin_memory)) if offload_param else None)
 
     off = offload_settings = offload_step = fetch_rest = nvme = None
     stage3_gather = None
@@ -401,11 +402,13 @@ def _build_layout(module, cfg: Config, *, loss_fn, mesh: Mesh, options) -> Engin
         stage3_gather=stage3_gather, step=step, pipeline=schedule_, nvme=nvme)
 
 
-def _rest_shardings(rest, mesh: Mesh, cfg: Config, stage: int, model_type, prefixes):
+def _rest_shardings(rest, mesh: Mesh, cfg: Config, stage: int, model_type, prefixes, host_kind=None):
     """The untrained state's shardings: replicated (rng counters, statistics), but for weights that
     carry logical axis names (a LoRA's frozen base: `zerojax.lora.FrozenWeight`): those are split
     as parameters are, by tensor parallelism and at stage 3 by ZeRO over "data", so that each
-    device holds its part of a frozen 8B base, not all of it."""
+    device holds its part of a frozen 8B base, not all of it. host_kind (offload_param): the
+    stacked layers' frozen weights live in that host memory kind, fetched a layer at a time with
+    the trained layer (the non-layer ones, used whole, stay on the device)."""
     shardings = partition.replicated(mesh, pure_dict(rest))
     def weight(path, v):  # an annotated array, not a scalar counter
         value = v.get_value() if hasattr(v, "get_value") else v.value
@@ -422,8 +425,14 @@ def _rest_shardings(rest, mesh: Mesh, cfg: Config, stage: int, model_type, prefi
                                                               min_elements=threshold),
                              specs, pure_dict(named), is_leaf=lambda x: isinstance(x, P))
     flat = dict(jax.tree_util.tree_leaves_with_path(specs, is_leaf=lambda x: isinstance(x, P)))
+    on_host = set()
+    if host_kind is not None:  # a layer's weight: its first logical axis is the stack's
+        layer_axis = jax.tree.map(lambda v: (partition.logical_axes(v) or (None,))[0] == "layers", named,
+                                  is_leaf=lambda x: isinstance(x, nnx.Variable))
+        on_host = {path for path, f in jax.tree_util.tree_leaves_with_path(pure_dict(layer_axis)) if f}
     return jax.tree_util.tree_map_with_path(
-        lambda path, s: NamedSharding(mesh, flat[path]) if path in flat else s, shardings)
+        lambda path, s: NamedSharding(mesh, flat[path], memory_kind=host_kind if path in on_host else None)
+        if path in flat else s, shardings)
 
 
 PIPELINE_HOOK_ERROR = ("pipeline.stages = {stages}: pipelining needs a model whose layers run as one stacked scan "
