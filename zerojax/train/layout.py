@@ -406,9 +406,9 @@ def _rest_shardings(rest, mesh: Mesh, cfg: Config, stage: int, model_type, prefi
     """The untrained state's shardings: replicated (rng counters, statistics), but for weights that
     carry logical axis names (a LoRA's frozen base: `zerojax.lora.FrozenWeight`): those are split
     as parameters are, by tensor parallelism and at stage 3 by ZeRO over "data", so that each
-    device holds its part of a frozen 8B base, not all of it. host_kind (offload_param): the
-    stacked layers' frozen weights live in that host memory kind, fetched a layer at a time with
-    the trained layer (the non-layer ones, used whole, stay on the device)."""
+    device holds its part of a frozen 8B base, not all of it. host_kind (offload_param): a LoRA
+    base's stacked layer weights live in that host memory kind, fetched a layer at a time with the
+    trained layer (the non-layer ones, used whole, stay on the device)."""
     shardings = partition.replicated(mesh, pure_dict(rest))
     def weight(path, v):  # an annotated array, not a scalar counter
         value = v.get_value() if hasattr(v, "get_value") else v.value
@@ -426,8 +426,13 @@ def _rest_shardings(rest, mesh: Mesh, cfg: Config, stage: int, model_type, prefi
                              specs, pure_dict(named), is_leaf=lambda x: isinstance(x, P))
     flat = dict(jax.tree_util.tree_leaves_with_path(specs, is_leaf=lambda x: isinstance(x, P)))
     on_host = set()
-    if host_kind is not None:  # a layer's weight: its first logical axis is the stack's
-        layer_axis = jax.tree.map(lambda v: (partition.logical_axes(v) or (None,))[0] == "layers", named,
+    if host_kind is not None:
+        from zerojax.lora import FrozenWeight
+
+        # a LoRA base's layer weight (its first logical axis is the stack's): the adapted layer
+        # scan fetches it; any other untrained state is read where it is, so it stays on the device
+        layer_axis = jax.tree.map(lambda v: isinstance(v, FrozenWeight)
+                                  and (partition.logical_axes(v) or (None,))[0] == "layers", named,
                                   is_leaf=lambda x: isinstance(x, nnx.Variable))
         on_host = {path for path, f in jax.tree_util.tree_leaves_with_path(pure_dict(layer_axis)) if f}
     return jax.tree_util.tree_map_with_path(
