@@ -175,8 +175,9 @@ def parse_args(argv=None):
     p.add_argument("--master-split", action="store_true",
                    help="keep the fp32 master as the bf16 params + an int16 remainder on the device "
                         "(zerojax.EngineOptions(split_master=\"on\")): 2 bytes a parameter less, the same "
-                        "training but for exact ties (one fp32 ulp); needs bf16 (under optimizer offload the "
-                        "host loop splits its host copy by default)")
+                        "training but for exact ties (one fp32 ulp); needs bf16 (under optimizer offload to cpu "
+                        "alone the host loop splits its host copy by default; the in_place loop, with "
+                        "offload_param or NVMe, keeps it whole)")
     p.add_argument("--eval-batches", type=_number(int, 0), default=8,
                    help="validation batches (of train_batch_size rows, from the held-out part of the "
                         "data) evaluated after training; 0 = no validation")
@@ -385,8 +386,14 @@ def _engine_options(args, cfg, loop=None, planned=False):
     if planned:  # what the planner's layout cannot take gives way (as it did when the plan was compiled)
         adapted = options_for_config(options, cfg)
         if adapted.split_master != options.split_master:
-            print("--master-split: the planner's choice offloads, and the device then holds no master to "
-                  "split (the host loop splits its host copy by itself)")
+            off = offloads(cfg)
+            if resolve_offload_loop(adapted, zero, *off) == "host":
+                print("--master-split: the planner's choice offloads, and the device then holds no master to "
+                      "split (the host loop splits its host copy by itself)")
+            else:  # the in_place loop (offload_param, NVMe, or "host" not chosen): no host split
+                print("--master-split: the planner's choice offloads with the in_place loop, which keeps the "
+                      "fp32 master whole in host memory; the split applies without offload, or with the host "
+                      "loop (--offload-loop host: optimizer offload to cpu alone)")
         if adapted.offload_loop != options.offload_loop:
             print(f"--offload-loop {options.offload_loop}: the planner's choice does not offload the optimizer "
                   "to cpu alone; no offload loop runs")

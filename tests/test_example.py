@@ -434,6 +434,20 @@ def test_master_split_flag_trains_as_without_it_and_is_refused_without_bf16(caps
         example.main(["--config", str(fp32), *TINY, "--steps", "1", "--master-split"])
 
 
+@pytest.mark.slow
+def test_master_split_gives_way_to_a_planned_offload_naming_why(capsys):
+    """--master-split with --micro-batch auto on a config whose plan offloads parameters: the flag
+    gives way, and the note says why for the loop that runs (in_place: the fp32 master kept whole in
+    host memory; it said the host loop would split it, which it does not run here)."""
+    example = _example()
+    example.main(["--config", os.path.join(ROOT, "configs", "zero3_offload_param_optimizer.json"), "--model", "tiny",
+                  "--seq-len", "32", "--micro-batch", "auto", "--eval-batches", "0", "--steps", "1", "--master-split"])
+    out = capsys.readouterr().out
+    assert "optimizer offload: in_place loop, 2 layer group(s), master fp32" in out, out
+    (note,) = [line for line in out.splitlines() if line.startswith("--master-split:")]
+    assert "in_place loop, which keeps the fp32 master whole in host memory" in note, note
+
+
 def test_offload_hint_names_the_missing_flags_and_their_bytes():
     """micro-batch auto's note where the planner's choice offloads a bf16 run: the flags not given and
     the model state each keeps off every device, counted independently: --master-split 2 bytes a
