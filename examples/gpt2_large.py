@@ -175,9 +175,8 @@ def parse_args(argv=None):
     p.add_argument("--master-split", action="store_true",
                    help="keep the fp32 master as the bf16 params + an int16 remainder on the device "
                         "(zerojax.EngineOptions(split_master=\"on\")): 2 bytes a parameter less, the same "
-                        "training but for exact ties (one fp32 ulp); needs bf16 (under optimizer offload to cpu "
-                        "alone the host loop splits its host copy by default; the in_place loop, with "
-                        "offload_param or NVMe, keeps it whole)")
+                        "training but for exact ties (one fp32 ulp); needs bf16; under optimizer offload to cpu "
+                        "it splits the host copy (the host loop does by default), not with NVMe)")
     p.add_argument("--eval-batches", type=_number(int, 0), default=8,
                    help="validation batches (of train_batch_size rows, from the held-out part of the "
                         "data) evaluated after training; 0 = no validation")
@@ -390,10 +389,10 @@ def _engine_options(args, cfg, loop=None, planned=False):
             if resolve_offload_loop(adapted, zero, *off) == "host":
                 print("--master-split: the planner's choice offloads, and the device then holds no master to "
                       "split (the host loop splits its host copy by itself)")
-            else:  # the in_place loop (offload_param, NVMe, or "host" not chosen): no host split
-                print("--master-split: the planner's choice offloads with the in_place loop, which keeps the "
-                      "fp32 master whole in host memory; the split applies without offload, or with the host "
-                      "loop (--offload-loop host: optimizer offload to cpu alone)")
+            else:  # the master in NVMe files, or on the device beside offloaded parameters
+                print("--master-split: the planner's choice keeps the fp32 master where it is not split (in "
+                      "NVMe files, or on the device with only the parameters offloaded); the split applies "
+                      "without offload or with the optimizer offloaded to cpu")
         if adapted.offload_loop != options.offload_loop:
             print(f"--offload-loop {options.offload_loop}: the planner's choice does not offload the optimizer "
                   "to cpu alone; no offload loop runs")

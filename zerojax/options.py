@@ -38,9 +38,10 @@ class EngineOptions:
     split_master ["auto"]: with bf16 compute, the fp32 master kept as the bf16 compute copy plus
         a 16-bit remainder (`offload.split_master`): 2 bytes a parameter less. Exact but for exact
         ties (one fp32 ulp, probability 2^-16 per weight and step); checkpoints hold the fp32
-        master. It applies in host memory under offload_loop="host" and on the device without
-        offload. "auto": the host split where it applies, no device split; "on": split wherever
-        it applies (an error where neither does); "off": never.
+        master. It applies in host memory where the optimizer is offloaded to cpu (either offload
+        loop; the in_place loop rebuilds each group's master on the device from its compute copy)
+        and on the device without offload. "auto": the host split under offload_loop="host" only;
+        "on": split wherever it applies (an error where none does); "off": never.
     pipeline_repeats [1]: pipeline.stages > 1: circular repeats R (bubble (S-1) / (M R + S - 1)).
     memory_guard [True]: before the first step of a batch shape, compare XLA's predicted peak with
         the device's memory and raise WillNotFitError (listing plans that fit) instead of an

@@ -22,6 +22,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from zerojax.models.layer_stack import to_device_memory
 from zerojax.offload.chunks import dynamic_piece, is_none
 from zerojax.offload.memory_kinds import DEVICE, with_memory_kind
 
@@ -75,6 +76,7 @@ def _converter(stacked, rest, per, to_split, shardings):
 
     def run(m, params, lo):
         m = jax.device_put(m, dev)
-        piece = dynamic_piece(params, stacked, rest, per, lo)
+        # (offload_param: the compute params are host-resident; the arithmetic runs on the device)
+        piece = to_device_memory(dynamic_piece(params, stacked, rest, per, lo))
         return remainders(m, piece) if to_split else masters(piece, m)
     return jax.jit(run, out_shardings=shardings)

@@ -10,6 +10,7 @@ import jax.numpy as jnp
 import optax
 from jax.sharding import NamedSharding, PartitionSpec as P
 
+from zerojax.offload import split_master
 from zerojax.offload.chunks import OffloadLayout, OffloadState, from_chunks, is_none, to_chunks, unsplit_layers
 from zerojax.offload.memory_kinds import DEVICE, is_host, is_sharding, with_memory_kind
 
@@ -70,12 +71,15 @@ def put_group(buf, x, j, per: int):
 # -- the in-jit update
 
 
-def _loop_update(tx, c, g, m, s, cp, m_sh, s_sh, *, kind, compute_dtype, skip, grad_scale, compute_kind):
+def _loop_update(tx, c, g, m, s, cp, m_sh, s_sh, *, kind, compute_dtype, skip, grad_scale, compute_kind,
+                 split=False):
     """A loop chunk `c`: one fori_loop over its groups; iteration j reads group j of the stored
     arrays (master, state, compute copy), updates it on the device and writes it back where it was
     read (in place). State leaves with the chunk's leading layers dim are sliced per group; the
     others (counts) are read from the step's input by every group, so each group sees the same
-    count. -> (master, state, compute copy)."""
+    count. split (EngineOptions.split_master, host split): `m` holds int16 remainders against the
+    compute copy `cp`; each group's fp32 master is rebuilt from both on the device and stored as
+    its new remainder. -> (master, state, compute copy)."""
     n = c.hi - c.lo
     per = n // c.loop
     s_leaves, s_def = jax.tree.flatten(s)
@@ -86,11 +90,15 @@ def _loop_update(tx, c, g, m, s, cp, m_sh, s_sh, *, kind, compute_dtype, skip, g
     def body(j, carry):
         m, s_l, cp = carry
         mm = to_kind(group(m, j, per), m_dev, DEVICE)
+        if split:  # the fp32 master from the group's compute copy (read before it is replaced)
+            mm = split_master.masters(to_kind(group(cp, j, per), m_dev, DEVICE), mm)
         st = [jax.lax.dynamic_slice_in_dim(x, j * per, per, axis=0) if f else x0
               for x, x0, f in zip(s_l, s_leaves, stacked)]
         st = jax.device_put(st, [x.with_memory_kind(DEVICE) for x in s_dev])
         mm, st, cc = apply_chunk(tx, grads_in(group(g, j, per), m_dev), s_def.unflatten(st), mm,
                                  compute_dtype, skip, grad_scale)
+        if split:
+            mm = split_master.remainders(mm, cc)
         mm = to_kind(mm, m_dev, kind)
         st = jax.device_put(jax.tree.leaves(st), [x.with_memory_kind(kind) for x in s_dev])
         if compute_kind is not None:
@@ -114,7 +122,7 @@ def _empty_like(m, m_sh, compute_dtype, compute_kind):
 
 def streamed_update(tx, grads, state: OffloadState, off: OffloadLayout, *,
                     compute_dtype=jnp.bfloat16, skip=None, grad_scale=None, compute_kind=None,
-                    compute_init=None, nvme=None):
+                    compute_init=None, nvme=None, split=False):
     """One optimizer step over offloaded chunks (EngineOptions.offload_loop="in_place"); call
     inside the step's jit.
 
@@ -129,11 +137,13 @@ def streamed_update(tx, grads, state: OffloadState, off: OffloadLayout, *,
         chunk writes its new compute copy into them in place.
     nvme: an `nvme.tier.NvmeTier`: its loop chunk's master and moments live in swap files
         (`nvme_loop_update`); the state holds None there.
+    split: EngineOptions.split_master's host split: the host chunks' master is int16 remainders
+        against `compute_init` (`offload.split_master`), rebuilt and split again chunk by chunk.
     -> (compute params tree in `compute_dtype`, new OffloadState in place).
     """
     out_c, out_m, out_s = _update_chunks(
         tx, grads, state, off, compute_dtype=compute_dtype, skip=skip, grad_scale=grad_scale,
-        compute_kind=compute_kind, compute_init=compute_init, nvme=nvme)
+        compute_kind=compute_kind, compute_init=compute_init, nvme=nvme, split=split)
     return from_chunks(out_c, off.layout), OffloadState(out_m, out_s)
 
 
@@ -150,9 +160,13 @@ def deferred_update(tx, grads, state: OffloadState, off: OffloadLayout, *, compu
 
 
 def _update_chunks(tx, grads, state: OffloadState, off: OffloadLayout, *, compute_dtype, skip, grad_scale,
-                   compute_kind=None, compute_init=None, nvme=None, host_later=False):
+                   compute_kind=None, compute_init=None, nvme=None, host_later=False, split=False):
     """The body of `streamed_update` / `deferred_update` (`host_later`: the host chunks passed
-    through untouched) -> (compute chunks, master chunks, state chunks)."""
+    through untouched; `split`: the host chunks' master held as remainders against `compute_init`)
+    -> (compute chunks, master chunks, state chunks)."""
+    if split and compute_init is None:
+        raise ValueError("the host split of the master (EngineOptions.split_master) needs the compute params "
+                         "(compute_init) its remainders are against")
     layout = off.layout
     g_chunks = to_chunks(grads, layout)
     init_chunks = to_chunks(compute_init, layout) if compute_init is not None else None
@@ -172,14 +186,19 @@ def _update_chunks(tx, grads, state: OffloadState, off: OffloadLayout, *, comput
                                          grad_scale=grad_scale, compute_kind=compute_kind)
             else:
                 m, s, cp = _loop_update(tx, c, g, m, s, cp, m_sh, s_sh, kind=off.kind, compute_dtype=compute_dtype,
-                                        skip=skip, grad_scale=grad_scale, compute_kind=compute_kind)
+                                        skip=skip, grad_scale=grad_scale, compute_kind=compute_kind,
+                                        split=split and c.host)
             out_c[i], out_m[i], out_s[i] = cp, m, s
             continue
         # the whole chunk at once (the rest leaves; the device chunk, with no transfer)
         if c.host:
             m, s = to_kind(m, m_sh, DEVICE), to_kind(s, s_sh, DEVICE)
+            if split:
+                m = split_master.masters(to_kind(init_chunks[i], m_sh, DEVICE), m)
         m, s, cp = apply_chunk(tx, grads_in(g, m_sh), s, m, compute_dtype, skip, grad_scale)
         if c.host:
+            if split:
+                m = split_master.remainders(m, cp)
             m, s = to_kind(m, m_sh, off.kind), to_kind(s, s_sh, off.kind)
         if compute_kind is not None:
             cp = to_kind(cp, m_sh, compute_kind)

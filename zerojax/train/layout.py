@@ -537,28 +537,38 @@ def _precision_name(cfg) -> str:
         jnp.dtype(compute_dtype_of(cfg)), "fp32")
 
 
-def split_master_applies(precision: str, loop: str | None, offloaded: bool) -> tuple[bool, bool]:
+def split_master_applies(precision: str, loop: str | None, offloaded: bool,
+                         master_on_host: bool = True) -> tuple[bool, bool]:
     """(host split, device split): where EngineOptions.split_master can act. The master's top half
-    is the bf16 compute copy, so both need bf16 compute; the host split needs the "host" offload
-    loop (`loop`), the device split the state whole on the device (not `offloaded`)."""
+    is the bf16 compute copy, so both need bf16 compute; the host split an offload loop over a
+    master in host memory (`loop` "host", or "in_place" with `master_on_host`: the optimizer
+    offloaded to cpu, not to NVMe files), the device split the state whole on the device (not
+    `offloaded`)."""
     bf16 = precision == "bf16"
-    return bf16 and loop == "host", bf16 and not offloaded
+    return bf16 and (loop == "host" or (loop == "in_place" and master_on_host)), bf16 and not offloaded
+
+
+def _master_on_host(cfg) -> bool:
+    """The optimizer (its fp32 master) offloaded to cpu memory."""
+    opt = cfg.zero_optimization.offload_optimizer
+    return offloads(cfg)[0] and opt.device == "cpu"
 
 
 def resolve_split_master(options, cfg, loop: str | None, offloaded: bool) -> tuple[bool, bool]:
     """EngineOptions.split_master checked against this config -> (host split, device split).
-    "auto": the host split where it applies; "on": both where they apply, an error where neither
-    does; "off": neither."""
+    "auto": the host split with the "host" loop; "on": every split that applies (the in_place
+    loop's host split too), an error where none does; "off": neither."""
     if options.split_master == "off":
         return False, False
     precision = _precision_name(cfg)
-    host, device = split_master_applies(precision, loop, offloaded)
+    host, device = split_master_applies(precision, loop, offloaded, _master_on_host(cfg))
     if options.split_master == "auto":
-        return host, False
+        return host and loop == "host", False
     if not (host or device):
-        raise ValueError(f"EngineOptions.split_master='on' needs bf16 compute with no offload or with "
-                         f"offload_loop='host' (this config: {precision}, offload {loop or 'none'}); enable "
-                         f"\"bf16\" (with optimizer offload to cpu alone, or none), or use split_master='auto'")
+        raise ValueError(f"EngineOptions.split_master='on' needs bf16 compute with no offload or with the "
+                         f"optimizer offloaded to cpu (this config: {precision}, offload {loop or 'none'}, "
+                         f"optimizer {'in cpu memory' if _master_on_host(cfg) else 'not in cpu memory'}); enable "
+                         f"\"bf16\" (with optimizer offload to cpu, or none), or use split_master='auto'")
     return host, device
 
 
@@ -574,7 +584,8 @@ def options_for_config(options, cfg):
     if options.split_master == "on":
         loop = resolve_offload_loop(options.replace(**changes), cfg.zero_optimization, offload_optimizer,
                                     offload_param) if offload_optimizer or offload_param else None
-        if not any(split_master_applies(_precision_name(cfg), loop, offload_optimizer or offload_param)):
+        if not any(split_master_applies(_precision_name(cfg), loop, offload_optimizer or offload_param,
+                                        _master_on_host(cfg))):
             changes["split_master"] = "auto"
     return options.replace(**changes) if changes else options
 

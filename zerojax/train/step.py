@@ -299,7 +299,7 @@ def _offloaded_tail(settings: StepSettings, state: TrainState, grads, loss, aux,
         params, new_off = offload_mod.streamed_update(
             off.tx, grads, offload_mod.OffloadState(state.master, inner), off.layout,
             compute_dtype=settings.compute_dtype, skip=skip, grad_scale=factor, compute_kind=pkind,
-            compute_init=state.params, nvme=off.nvme)
+            compute_init=state.params, nvme=off.nvme, split=off.split_master)
     if params is not None and off.param_shardings is not None:
         params = jax.device_put(params, off.param_shardings)
     elif params is not None:
