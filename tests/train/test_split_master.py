@@ -104,14 +104,19 @@ def host_runs(tmp_path_factory):
 def test_split_master_trains_as_the_fp32_master(stage, host_runs):
     # the same steps with the whole fp32 master in host memory: the same losses and compute params
     # (bitwise: a tie's one-ulp move never changes the bf16 copy), the master within four ulps
-    runs = host_runs(stage)
+    trains_as_the_whole_master(host_runs(stage))
+
+
+def trains_as_the_whole_master(runs):
+    """The split run against the whole-master run: the same 4 losses and compute params (bitwise: a
+    tie's one-ulp move never changes the bf16 copy), the master within four ulps, and the host
+    chunks holding int16 remainders, half the fp32 master's bytes."""
     split, whole = runs.split, runs.whole
     assert len(runs.losses[True]) == 4 and runs.losses[True] == runs.losses[False]
     for x, y in zip(jax.tree.leaves(split.state.params), jax.tree.leaves(whole.state.params)):
         np.testing.assert_array_equal(np.asarray(x, np.float32), np.asarray(y, np.float32))
     for x, y in zip(jax.tree.leaves(split.master_params), jax.tree.leaves(whole.master_params)):
         np.testing.assert_allclose(np.asarray(x), np.asarray(y), rtol=ULP4, atol=UPDATES)
-    # the host chunks hold int16 remainders, half the fp32 master's bytes
     hosts = [i for i, c in enumerate(split.offload_layout.layout.chunks) if c.host]
     assert hosts and all(x.dtype == jnp.int16 for i in hosts for x in jax.tree.leaves(split.state.master[i]))
     nbytes = lambda e: sum(x.nbytes for i in hosts for x in jax.tree.leaves(e.state.master[i]))  # noqa: E731
@@ -159,17 +164,8 @@ def test_in_place_split_trains_as_the_fp32_master_and_checkpoints_it(par, tmp_pa
     # with the whole fp32 master: the same losses and compute params, the master within four ulps;
     # the host chunks hold int16 remainders; a checkpoint stores the fp32 master and resumes both ways
     runs = Runs(lambda split: in_place_engine(split, par), batches(4), tmp_path_factory.mktemp("in_place_split"))
-    split, whole = runs.split, runs.whole
-    assert split.offload_settings["loop"] == "in_place" and split.offload_settings["split_master"] is True
-    assert runs.losses[True] == runs.losses[False]
-    for x, y in zip(jax.tree.leaves(split.state.params), jax.tree.leaves(whole.state.params)):
-        np.testing.assert_array_equal(np.asarray(x, np.float32), np.asarray(y, np.float32))
-    for x, y in zip(jax.tree.leaves(split.master_params), jax.tree.leaves(whole.master_params)):
-        np.testing.assert_allclose(np.asarray(x), np.asarray(y), rtol=ULP4, atol=UPDATES)
-    hosts = [i for i, c in enumerate(split.offload_layout.layout.chunks) if c.host]
-    assert hosts and all(x.dtype == jnp.int16 for i in hosts for x in jax.tree.leaves(split.state.master[i]))
-    nbytes = lambda e: sum(x.nbytes for i in hosts for x in jax.tree.leaves(e.state.master[i]))  # noqa: E731
-    assert 2 * nbytes(split) == nbytes(whole)
+    assert runs.split.offload_settings["loop"] == "in_place" and runs.split.offload_settings["split_master"] is True
+    trains_as_the_whole_master(runs)
     resumes_both_ways(tmp_path, runs, lambda option: in_place_engine(option, par), batches(4)[2:])
 
 
