@@ -508,9 +508,9 @@ def adapted_layers(adapter, model, body, layers, *, fetch, layer_scan, stack: st
     the layers' untrained per-layer inputs (`adapter.layer_inputs(model)`: a frozen base, dropout
     keys), stacked as the trained `layers` and scanned beside them (`layer_stack.WithFrozen`, which
     the pipeline's stages carry too), merged into each layer's params (`adapter.merge`) before
-    `body`; the engine's `fetch` sees the trained params alone, and the frozen slice is brought to
-    device memory where offload_param keeps it on the host. `stack`: the model's attribute holding
-    the layers."""
+    `body`; the engine's `fetch` sees the trained params alone (offload_param's scan brings a
+    host-resident frozen slice to the device itself). `stack`: the model's attribute holding the
+    layers."""
     frozen = adapter.layer_inputs(model)
 
     def adapted(x, p):
@@ -526,7 +526,7 @@ def adapted_layers(adapter, model, body, layers, *, fetch, layer_scan, stack: st
             # every trained leaf is a layer's (adapters only): the engine's hook then knows the
             # whole tree, {stack: ...}, as the one stacked group
             params = fetch({stack: p.params})[stack]
-        return layer_stack.WithFrozen(params, layer_stack.to_device_memory(p.frozen))
+        return layer_stack.WithFrozen(params, p.frozen)
 
     return adapted, layer_stack.WithFrozen(layers, frozen), fetch_params
 

@@ -31,16 +31,6 @@ class WithFrozen(NamedTuple):
     frozen: Any
 
 
-def to_device_memory(tree):
-    """`tree`'s host-memory leaves (inside jit: typed `<host>`) brought to device memory, the others
-    as they are: a frozen layer slice that offload_param keeps in host memory, fetched for use."""
-    space = getattr(getattr(jax, "memory", None), "Space", None)
-    if space is None:
-        return tree
-    return jax.tree.map(lambda a: jax.device_put(a, space.Device)
-                        if getattr(jax.typeof(a), "memory_space", None) == space.Host else a, tree)
-
-
 def remat_policy(name):
     """The `jax.checkpoint` policy of a generic remat policy name, or None for any other name:
     "full" keeps each layer's input only, "dots" every matmul output without batch dimensions,
@@ -103,5 +93,5 @@ def run_layers(body, x, layers, *, policy, fetch, layer_scan, policy_fn, pieces=
     return x
 
 
-__all__ = ["LAYER_INPUT", "FETCHED_PARAMS", "GENERIC_REMAT_POLICIES", "WithFrozen", "to_device_memory",
-           "remat_policy", "layer_step", "run_layers"]
+__all__ = ["LAYER_INPUT", "FETCHED_PARAMS", "GENERIC_REMAT_POLICIES", "WithFrozen", "remat_policy", "layer_step",
+           "run_layers"]

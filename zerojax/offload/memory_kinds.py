@@ -69,6 +69,13 @@ def fetch(tree, shardings):
     return jax.device_put(tree, with_memory_kind(shardings, DEVICE))
 
 
+def to_device(tree):
+    """`tree` with its host-resident leaves (`is_host`) brought to device memory, each keeping its
+    sharding; the others as they are. Inside jit."""
+    space = getattr(getattr(jax, "memory", None), "Space", None)
+    return jax.tree.map(lambda a: jax.device_put(a, space.Device) if space is not None and is_host(a) else a, tree)
+
+
 def layer_shardings(stacked_shardings):
     """Shardings of one layer's slice: each NamedSharding's spec without its leading entry."""
     return jax.tree.map(lambda s: NamedSharding(s.mesh, P(*tuple(s.spec)[1:]), memory_kind=s.memory_kind),
@@ -114,7 +121,8 @@ def prefetch_scan(block: Callable, x, layers, fetch: Callable, *, inputs_to_host
     inputs_to_host: keep the saved layer inputs in host memory too (DeepSpeed's
     `cpu_checkpointing`; the model's remat policy "offload").
     `layers` may be a `zerojax.models.layer_stack.WithFrozen`: its frozen part (a LoRA's base) is
-    fetched with each layer (`fetch` takes and returns the pair) and gets no gradient.
+    read with each layer (`fetch` takes and returns the pair; a host-resident frozen slice is
+    brought to the device here) and gets no gradient.
     """
     with_frozen = isinstance(layers, WithFrozen)
     trained = layers.params if with_frozen else layers
@@ -126,7 +134,7 @@ def prefetch_scan(block: Callable, x, layers, fetch: Callable, *, inputs_to_host
 
     def take(stacked, frozen, i):  # one layer's slice, read out of host memory by a dynamic index
         pick = lambda t: jax.tree.map(lambda a: jax.lax.dynamic_index_in_dim(a, i, keepdims=False), t)  # noqa: E731
-        return fetch(WithFrozen(pick(stacked), pick(frozen)) if with_frozen else pick(stacked))
+        return fetch(WithFrozen(pick(stacked), to_device(pick(frozen))) if with_frozen else pick(stacked))
 
     def forward(x, stacked, frozen):
         def step(carry, i):

@@ -22,9 +22,8 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from zerojax.models.layer_stack import to_device_memory
 from zerojax.offload.chunks import dynamic_piece, is_none
-from zerojax.offload.memory_kinds import DEVICE, with_memory_kind
+from zerojax.offload.memory_kinds import DEVICE, to_device, with_memory_kind
 
 
 def _high_bits(compute):
@@ -77,6 +76,6 @@ def _converter(stacked, rest, per, to_split, shardings):
     def run(m, params, lo):
         m = jax.device_put(m, dev)
         # (offload_param: the compute params are host-resident; the arithmetic runs on the device)
-        piece = to_device_memory(dynamic_piece(params, stacked, rest, per, lo))
+        piece = to_device(dynamic_piece(params, stacked, rest, per, lo))
         return remainders(m, piece) if to_split else masters(piece, m)
     return jax.jit(run, out_shardings=shardings)

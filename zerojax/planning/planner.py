@@ -586,7 +586,7 @@ def search(model_factory, cfg_dict, budget, seq_len, *, stages=(0, 1, 2, 3),
 def device_split(options, precision: str, offloaded: bool) -> bool:
     """Whether `options` split the device-resident master for a candidate of this precision and
     offload (`layout.split_master_applies`): only split_master="on" does."""
-    return options.split_master == "on" and layout.split_master_applies(precision, None, offloaded)[1]
+    return options.split_master == "on" and layout.split_master_applies(precision, None, offloaded, False)[1]
 
 
 def _remat_choices(factory, remat):

@@ -538,7 +538,7 @@ def _precision_name(cfg) -> str:
 
 
 def split_master_applies(precision: str, loop: str | None, offloaded: bool,
-                         master_on_host: bool = True) -> tuple[bool, bool]:
+                         master_on_host: bool) -> tuple[bool, bool]:
     """(host split, device split): where EngineOptions.split_master can act. The master's top half
     is the bf16 compute copy, so both need bf16 compute; the host split an offload loop over a
     master in host memory (`loop` "host", or "in_place" with `master_on_host`: the optimizer
