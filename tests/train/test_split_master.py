@@ -385,3 +385,25 @@ def test_too_little_memory_names_master_split_and_what_it_saves(monkeypatch):
         assert (offered in str(info.value)) is not split
         if not split:
             assert f"{memory.fmt_bytes(master // 2)} less" in str(info.value)
+
+
+def test_in_place_split_converts_a_layer_group_at_a_time():
+    # the in_place loop keeps every host layer in one chunk (32 GB of fp32 master at 8B): building
+    # the split, saving it and exporting it convert that chunk a layer group at a time, so nothing
+    # moves to the device larger than one group (before, the whole chunk went there at once)
+    eng = in_place_engine(True, "cpu")
+    jax.block_until_ready(eng.master_params)  # (the conversion back to fp32, as a save or an export runs it)
+    off, cache = eng.offload_layout, eng.layout.step.offload.converters
+    loops = [(i, c) for i, c in enumerate(off.layout.chunks) if c.host and c.loop > 1]
+    assert loops, off.layout.chunks
+    i, c = loops[0]
+    per = (c.hi - c.lo) // c.loop
+    rems = eng.state.master[i]
+    for to_split in (False, True):
+        run = cache[(c.rest, c.hi - c.lo, c.loop, to_split)]
+        m = rems if not to_split else jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, jnp.float32), rems)
+        out = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, jnp.float32 if not to_split else jnp.int16), rems)
+        text = str(jax.make_jaxpr(run.loop)(m, eng.state.params, c.lo, out))
+        moved = [tuple(int(d) for d in dims.split(",")) for line in text.splitlines() if "device_put[" in line
+                 for dims in re.findall(r":\w+\[([\d,]+)\]", line.split("device_put[")[0])]
+        assert moved and max(d[0] for d in moved) == per < c.hi - c.lo, moved

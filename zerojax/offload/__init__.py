@@ -44,13 +44,14 @@ memory spaces (async copy-start/copy-done on GPU).
 """
 
 from zerojax.offload.chunks import (Chunk, ChunkLayout, OffloadLayout, OffloadState, chunk_layout, chunk_templates,
-                                    device_chunk, from_chunks, groups_of_at_least, init_offloaded, layer_pieces,
-                                    merge_chunks, offload_layout, offload_master, piece, split_chunks, to_chunks)
+                                    device_chunk, from_chunks, group, group_shardings, groups_of_at_least, init_offloaded,
+                                    layer_pieces, merge_chunks, offload_layout, offload_master, piece, put_group,
+                                    slice_sharding, split_chunks, to_chunks, to_kind)
 from zerojax.offload.memory_kinds import (DEVICE, PINNED_HOST, UNPINNED_HOST, fetch, host_memory_kind, is_host,
                                           layer_shardings, memory_kinds, prefetch_scan, scan_layers,
                                           with_memory_kind)
-from zerojax.offload.update import (accumulate_chunks, apply_chunk, deferred_update, grad_stats, grads_in, group,
-                                    group_shardings, put_group, slice_sharding, streamed_update, to_kind)
+from zerojax.offload.update import (accumulate_chunks, apply_chunk, deferred_update, grad_stats, grads_in,
+                                    streamed_update)
 from zerojax.offload import host_loop, split_master  # noqa: E402 (after update, which host_loop imports)
 
 __all__ = [

@@ -166,6 +166,38 @@ def dynamic_piece(tree, stacked, rest: bool, per: int, lo):
     return jax.tree.map(cut, tree, stacked)
 
 
+# --------------------------------------------------------------------------- layer groups of a chunk
+
+
+def to_kind(tree, shardings, kind):
+    """`tree` moved to `shardings` in memory `kind` (None leaves stay None)."""
+    return jax.device_put(tree, with_memory_kind(shardings, kind))
+
+
+def slice_sharding(s, n: int):
+    """A chunk sharding for a slice of `n` layers: the layers axis unsplit where n does not divide."""
+    return NamedSharding(s.mesh, P(*unsplit_layers(list(tuple(s.spec)), s.mesh, n)),
+                         memory_kind=s.memory_kind)
+
+
+def group_shardings(m_sh, per: int):
+    """A chunk's master shardings for one group of `per` layers (`slice_sharding` of each)."""
+    return jax.tree.map(lambda x: slice_sharding(x, per), m_sh, is_leaf=is_sharding)
+
+
+def group(tree, j, per: int):
+    """Layer group j (`per` layers) of a chunk tree's stacked leaves, by dynamic slice (None stays None)."""
+    return jax.tree.map(lambda x: None if x is None else jax.lax.dynamic_slice_in_dim(x, j * per, per, axis=0),
+                        tree, is_leaf=is_none)
+
+
+def put_group(buf, x, j, per: int):
+    """`buf` with layer group j replaced by `x` cast to its dtype (dynamic_update_slice: in place where
+    `buf` is donated or a loop carry). None leaves stay None."""
+    return jax.tree.map(lambda b, v: None if b is None else jax.lax.dynamic_update_slice_in_dim(
+        b, v.astype(b.dtype), j * per, axis=0), buf, x, is_leaf=is_none)
+
+
 def to_chunks(tree, layout: ChunkLayout | int, **kw) -> list:
     """Split a params-shaped tree into chunks (`layout` or a group count k plus chunk_layout's kw)."""
     if isinstance(layout, int):

@@ -21,8 +21,9 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
-from zerojax.offload.chunks import dynamic_piece, is_none
+from zerojax.offload.chunks import dynamic_piece, group, group_shardings, is_none, put_group, to_kind
 from zerojax.offload.memory_kinds import DEVICE, to_device, with_memory_kind
 
 
@@ -53,29 +54,65 @@ def masters(compute, rems):
     return jax.tree.map(lambda c, r: None if r is None else master_of(c, r), compute, rems, is_leaf=is_none)
 
 
-def convert(master: list, params, off, indices, *, to_split: bool, cache: dict | None = None) -> list:
+def convert(master: list, params, off, indices, *, to_split: bool, cache: dict | None = None,
+            consume: bool = False) -> list:
     """`master` (a per-chunk list) with the chunks at `indices` turned into remainders against the
     compute `params` (`to_split`), or back into fp32 master chunks; each stays in its memory kind.
     One jitted program per chunk shape (kept in `cache` across calls), so the device holds one
-    chunk's fp32 master at a time."""
+    chunk's fp32 master at a time. consume: the list `master` itself is updated chunk by chunk
+    (each converted chunk dropped as its successor is made) and returned."""
     cache = {} if cache is None else cache
     stacked = off.layout.treedef.unflatten(off.layout.stacked)
-    out = list(master)
+    out = master if consume else list(master)
     for i in indices:
         c = off.layout.chunks[i]
-        key = (c.rest, c.hi - c.lo, to_split)  # as HostLoop's programs: layer groups share one
+        groups = 1 if c.rest else c.loop
+        key = (c.rest, c.hi - c.lo, groups, to_split)  # as HostLoop's programs: layer groups share one
         if key not in cache:
-            cache[key] = _converter(stacked, c.rest, c.hi - c.lo, to_split, off.master_shardings[i])
+            cache[key] = _converter(stacked, c.rest, c.hi - c.lo, groups, to_split, off.master_shardings[i])
         out[i] = cache[key](master[i], params, c.lo)
     return out
 
 
-def _converter(stacked, rest, per, to_split, shardings):
-    dev = with_memory_kind(shardings, DEVICE)
+def _converter(stacked, rest, n, groups, to_split, shardings):
+    """The conversion of one chunk of `n` layers (the non-layer chunk: `rest`) in `groups` layer
+    groups: a loop chunk (offload_loop "in_place": every host layer in one chunk) is converted a
+    group at a time on the device, each group written into a new host buffer in place, so the
+    device never holds more than one group's fp32 master (a whole chunk is 32 GB at 8B)."""
+    if groups <= 1:
+        dev = with_memory_kind(shardings, DEVICE)
+
+        def run(m, params, lo):
+            m = jax.device_put(m, dev)
+            # (offload_param: the compute params are host-resident; the arithmetic runs on the device)
+            piece = to_device(dynamic_piece(params, stacked, rest, n, lo))
+            return remainders(m, piece) if to_split else masters(piece, m)
+        return jax.jit(run, out_shardings=shardings)
+
+    per = n // groups
+    g_sh = group_shardings(shardings, per)
+    dtype = jnp.int16 if to_split else jnp.float32
+
+    def body(m, params, lo, j, out):
+        mj = to_kind(group(m, j, per), g_sh, DEVICE)
+        piece = to_device(dynamic_piece(params, stacked, False, per, lo + j * per))
+        r = remainders(mj, piece) if to_split else masters(piece, mj)
+        return put_group(out, jax.device_put(r, g_sh), j, per)  # (g_sh: the chunk's host memory kind)
+
+    loop = jax.jit(lambda m, params, lo, out: jax.lax.fori_loop(
+        0, groups, lambda j, o: body(m, params, lo, j, o), out), out_shardings=shardings, donate_argnums=3)
 
     def run(m, params, lo):
-        m = jax.device_put(m, dev)
-        # (offload_param: the compute params are host-resident; the arithmetic runs on the device)
-        piece = to_device(dynamic_piece(params, stacked, rest, per, lo))
-        return remainders(m, piece) if to_split else masters(piece, m)
-    return jax.jit(run, out_shardings=shardings)
+        # the new buffer made in host memory directly (zeros built on the device would need the
+        # whole chunk there)
+        out = jax.tree.map(lambda x, s: None if x is None else _host_zeros(x.shape, dtype, s),
+                           m, shardings, is_leaf=is_none)
+        return loop(m, params, lo, out)
+    run.loop = loop  # (the jitted loop over the groups, out the donated new buffer: for inspection)
+    return run
+
+
+def _host_zeros(shape, dtype, sharding):
+    """Zeros of `shape` placed by `sharding` (host memory), each shard filled from numpy."""
+    return jax.make_array_from_callback(tuple(shape), sharding,
+                                        lambda idx: np.zeros(sharding.shard_shape(tuple(shape)), dtype))

@@ -11,16 +11,12 @@ import optax
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from zerojax.offload import split_master
-from zerojax.offload.chunks import OffloadLayout, OffloadState, from_chunks, is_none, to_chunks, unsplit_layers
+from zerojax.offload.chunks import (OffloadLayout, OffloadState, from_chunks, group, group_shardings, is_none, put_group,
+                                    slice_sharding, to_chunks, to_kind)
 from zerojax.offload.memory_kinds import DEVICE, is_host, is_sharding, with_memory_kind
 
 # -- the chunk API: what the in-jit loop, the host loop (`offload.host_loop`) and the NVMe tier
 #    (`offload.nvme.tier`) share
-
-
-def to_kind(tree, shardings, kind):
-    """`tree` moved to `shardings` in memory `kind` (None leaves stay None)."""
-    return jax.device_put(tree, with_memory_kind(shardings, kind))
 
 
 def grads_in(g, m_sh):
@@ -42,30 +38,6 @@ def apply_chunk(tx, g, s, m, compute_dtype, skip, grad_scale=None):
         keep = lambda new, old: jnp.where(skip, old, new)  # noqa: E731
         m_new, s_new = jax.tree.map(keep, m_new, m), jax.tree.map(keep, s_new, s)
     return m_new, s_new, jax.tree.map(lambda x: x.astype(compute_dtype), m_new)
-
-
-def slice_sharding(s, n: int):
-    """A chunk sharding for a slice of `n` layers: the layers axis unsplit where n does not divide."""
-    return NamedSharding(s.mesh, P(*unsplit_layers(list(tuple(s.spec)), s.mesh, n)),
-                         memory_kind=s.memory_kind)
-
-
-def group_shardings(m_sh, per: int):
-    """A chunk's master shardings for one group of `per` layers (`slice_sharding` of each)."""
-    return jax.tree.map(lambda x: slice_sharding(x, per), m_sh, is_leaf=is_sharding)
-
-
-def group(tree, j, per: int):
-    """Layer group j (`per` layers) of a chunk tree's stacked leaves, by dynamic slice (None stays None)."""
-    return jax.tree.map(lambda x: None if x is None else jax.lax.dynamic_slice_in_dim(x, j * per, per, axis=0),
-                        tree, is_leaf=is_none)
-
-
-def put_group(buf, x, j, per: int):
-    """`buf` with layer group j replaced by `x` cast to its dtype (dynamic_update_slice: in place where
-    `buf` is donated or a loop carry). None leaves stay None."""
-    return jax.tree.map(lambda b, v: None if b is None else jax.lax.dynamic_update_slice_in_dim(
-        b, v.astype(b.dtype), j * per, axis=0), buf, x, is_leaf=is_none)
 
 
 # -- the in-jit update

@@ -242,18 +242,16 @@ class Engine:
         optimizer state is initialised from zeros of the master's shapes: zerojax's optimizers
         (`zerojax.optim`) keep no parameter values in their state."""
         lay, sh = self.layout, self.layout.shardings
-        zeros = lambda tree, dtype=None: jax.tree.map(  # noqa: E731
-            lambda s: jnp.zeros(s.shape, dtype or s.dtype), tree)
         if init_fn is not None:
             rest = jax.jit(lambda: _init_pure(init_fn)[1], out_shardings=lay.rest_shardings)()
             master_of = jax.jit(lambda: _init_pure(init_fn)[0], out_shardings=sh.master)
         else:
             rest = jax.tree.map(_place, values[1], lay.rest_shardings)
             master_of = lambda: jax.tree.map(lambda x, s: _place(x, s, jnp.float32), values[0], sh.master)  # noqa: E731
-        opt_state = jax.jit(lambda: lay.tx.init(zeros(lay.abstract_master)), out_shardings=lay.opt_shardings)()
-        params = jax.jit(lambda: zeros(lay.abstract_master, lay.compute_dtype), out_shardings=sh.params)()
+        opt_state = jax.jit(lambda: lay.tx.init(_zeros(lay.abstract_master)), out_shardings=lay.opt_shardings)()
+        params = jax.jit(lambda: _zeros(lay.abstract_master, lay.compute_dtype), out_shardings=sh.params)()
         abstract_rems = jax.eval_shape(functools.partial(step_mod.stored_master, lay.step), lay.abstract_master)
-        rems = jax.jit(lambda: zeros(abstract_rems), out_shardings=sh.master)()
+        rems = jax.jit(lambda: _zeros(abstract_rems), out_shardings=sh.master)()
         master = master_of()
         params, rems = _split_into_program(lay)(master, params, rems)
         del master
@@ -297,11 +295,19 @@ class Engine:
         # NVMe: the swapped layers' state is written to the files a layer group at a time
         # (`NvmeTier.init_files`), never built whole in host memory
         to_files = init_fn is not None and lay.nvme is not None and lay.nvme.leaf_state_files(tx) is not None
+        split_done = False
         if init_fn is not None and (len(groups) > 1 or to_files):
             skip = lay.nvme.chunk if to_files else None
             chunks, params, rest = self._init_offloaded_by_leaves(init_fn, groups, skip=skip)
+            # the host split now, each fp32 chunk freed as its remainder is made, and the moments
+            # after it from the chunks' shapes (zerojax's optimizers start from zeros, whatever the
+            # weights): host memory never holds the fp32 master beside the final state (32 GB at 8B)
+            chunks, split_done = lay.split_master(chunks, params, to_split=True, consume=True), True
             state_sh = lay.nvme.live(list(off.state_shardings), "state") if to_files else off.state_shardings
-            states = [jax.jit(tx.init, out_shardings=s)(m) for m, s in zip(chunks, state_sh)]
+            m_tmpl, _ = O.chunk_templates(tx, lay.abstract_master, off.layout)
+            if skip is not None:  # the swap files' chunk, None in the live state: its state from that
+                m_tmpl[skip] = chunks[skip]
+            states = [jax.jit(lambda m=m: tx.init(_zeros(m)), out_shardings=s)() for m, s in zip(m_tmpl, state_sh)]
             if to_files and not any(isinstance(x, jax.core.Tracer) for x in jax.tree.leaves(states)):
                 # (traced: an abstract engine, no files)
                 lay.nvme.init_files(tx, lambda i: layout_leaves(_init_pure(init_fn)[0])[i], self._init_limit())
@@ -328,7 +334,8 @@ class Engine:
             ls = jax.jit(lambda: lay.step.offload.scaler.init(None),
                          out_shardings=NamedSharding(self.mesh, P()))()
             opt_state = ls._replace(inner_state=states)
-        chunks = lay.split_master(list(chunks), params, to_split=True)
+        if not split_done:
+            chunks = lay.split_master(list(chunks), params, to_split=True, consume=True)
         return self._fresh_state(params, chunks, opt_state, rest)
 
     def _init_groups(self) -> list[list[int]]:
@@ -761,6 +768,11 @@ def _split_into_program(lay):
 def _stacked(factory):
     """The model `factory` builds, its list of blocks (if any) stacked (`zerojax.model.stack_blocks`)."""
     return contract.stack_blocks(factory())
+
+
+def _zeros(tree, dtype=None):
+    """Zeros shaped like the abstract `tree` (in `dtype`, default each leaf's own)."""
+    return jax.tree.map(lambda s: jnp.zeros(s.shape, dtype or s.dtype), tree)
 
 
 def _init_pure(init_fn):

@@ -125,18 +125,22 @@ class EngineLayout:
         return state._replace(master=merge(self.split_master(state.master, state.params, to_split=False)),
                               opt_state=opt)
 
-    def split_master(self, master: list, params, *, to_split: bool) -> list:
+    def split_master(self, master: list, params, *, to_split: bool, consume: bool = False) -> list:
         """EngineOptions.split_master, host split: the host chunks of the per-chunk `master` turned
         into int16 remainders against the compute `params` (`to_split`) or back into fp32; device
         split: the same for the whole device-resident master (against its own bf16 rounding when
-        splitting, which the compute `params` are); `master` unchanged without either."""
+        splitting, which the compute `params` are); `master` unchanged without either. consume: the
+        host split replaces the chunks in the list `master` itself, one at a time, so that each
+        chunk it converted is freed before the next is made (the caller's list; nothing else may
+        hold them)."""
         if self.step.split_master and master is not None:
             return self._device_split(to_split)(master, params)
         so = self.step.offload
         if so is None or not so.split_master or master is None:
             return master
         hosts = [i for i, c in enumerate(self.offload.layout.chunks) if c.host]
-        return O.split_master.convert(master, params, self.offload, hosts, to_split=to_split, cache=so.converters)
+        return O.split_master.convert(master, params, self.offload, hosts, to_split=to_split, cache=so.converters,
+                                      consume=consume)
 
     def _device_split(self, to_split: bool):
         """The device split master's conversion (fp32 master <-> int16 remainders), one jitted

@@ -22,7 +22,8 @@ from zerojax.checkpoint.stream import StreamedLeaf
 from zerojax.offload.chunks import OffloadLayout, chunk_templates, is_none
 from zerojax.offload.memory_kinds import DEVICE, is_sharding
 from zerojax.offload.nvme.swapper import NvmeSwapper, SwapLeaf, check_swap_path
-from zerojax.offload.update import apply_chunk, grads_in, group, put_group, slice_sharding
+from zerojax.offload.chunks import group, put_group, slice_sharding
+from zerojax.offload.update import apply_chunk, grads_in
 
 
 def _flat(tree):
