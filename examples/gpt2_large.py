@@ -741,10 +741,13 @@ def export_hf(args, engine, choice: ModelChoice, settings):
             _copy_tokenizer(tok, out)
             print(f"merged model (base + adapters) written to {out}")
         return
+    # the master as written out, not `engine.master_params`: under offload that merges the whole
+    # fp32 master on the device (32 GB at 8B); this reads the host's layers a group at a time
     if choice.family == "gpt2":
-        zerojax.models.save_hf(engine.master_params, choice.config, out)
+        zerojax.models.save_hf(engine.consolidated_master(), choice.config, out)
     else:
-        zerojax.models.to_hf(engine.model, out)
+        from zerojax.models.hf_llama import save_llama_hf
+        save_llama_hf(engine.consolidated_master(), choice.config, out)
     _copy_tokenizer(tok, out)
     print(f"Hugging Face weights written to {out}")
 

@@ -690,12 +690,15 @@ def hf_llama(tmp_path_factory):
 
 
 def _capture(monkeypatch, module, name):
-    """Wrap module.name so that the model it is given is kept (the trained model the example exports)."""
+    """Wrap module.name so that the model it is given is kept (the trained model the example exports),
+    and what it returns (zerojax.shard: the engine)."""
     got, real = {}, getattr(module, name)
 
     def wrapper(model, *a, **k):
         got.setdefault("model", model)
-        return real(model, *a, **k)
+        out = real(model, *a, **k)
+        got.setdefault("engine", out)
+        return out
 
     monkeypatch.setattr(module, name, wrapper)
     return got
@@ -728,7 +731,7 @@ def test_llama_from_hf_folder_fine_tunes_on_prompt_completion_and_exports(hf_lla
 
     import zerojax.models
 
-    got = _capture(monkeypatch, zerojax.models, "to_hf")
+    got = _capture(monkeypatch, zerojax, "shard")
     out = tmp_path / "export"
     summary = _example().main(["--config", str(hf_llama / "ds_fp32.json"), "--hf-checkpoint", str(hf_llama),
                                "--data", str(hf_llama / "pc.jsonl"), *LLAMA_RUN, "--steps", "8", "--lr", "1e-2",
@@ -736,7 +739,7 @@ def test_llama_from_hf_folder_fine_tunes_on_prompt_completion_and_exports(hf_lla
     assert summary["family"] == "llama" and summary["model"] == "hf" and summary["lora"] is None
     assert summary["last_loss"] < summary["first_loss"] - 0.5, summary["losses"]
     hf = transformers.LlamaForCausalLM.from_pretrained(out).eval()
-    ours = _logits_ours(got["model"], IDS)
+    ours = _logits_ours(got["engine"].model, IDS)
     np.testing.assert_allclose(_logits_torch(hf, IDS), ours, rtol=1e-4, atol=1e-4)
     base = transformers.LlamaForCausalLM.from_pretrained(hf_llama).eval()
     assert np.abs(_logits_torch(base, IDS) - ours).max() > 1e-2  # trained: not the checkpoint it started from

@@ -16,6 +16,7 @@ from zerojax.checkpoint import files as checkpoint_files
 from zerojax.checkpoint import state as checkpoint
 from zerojax.models import weights_writer
 from zerojax.offload.memory_kinds import host_memory_kind, is_host
+from zerojax.planning import estimate as est
 from zerojax.train.step import TrainState
 
 
@@ -53,7 +54,11 @@ def load_engine_state(layout, live: TrainState, load_dir, *, free_bytes: Callabl
     released = []
 
     def make_room(reads):  # after the checkpoint's checks passed, before its reads
-        if layout.offload is None and _needs_room(reads, replaced, free_bytes()):
+        if layout.offload is None:
+            short = _needs_room(reads, replaced, free_bytes())
+        else:  # the state in host memory: the restore beside it would need the host's memory twice
+            short = _all_bytes(reads) + _all_bytes(replaced) > est.host_free_bytes()
+        if short:
             released.extend(x for x in jax.tree.leaves(replaced) if isinstance(x, jax.Array) and x.ndim)
             for x in released:
                 x.delete()
@@ -70,7 +75,11 @@ def load_engine_state(layout, live: TrainState, load_dir, *, free_bytes: Callabl
                 "trainable state now: build a new engine and load a readable checkpoint)") from e
         raise
     master, opt_state = layout.from_stored(got.master, got.opt_state)
-    master = layout.split_master(master, got.params, to_split=True)
+    if layout.offload is not None:
+        # the chunks hold the stored leaves themselves: dropped from `got`, each fp32 leaf the host
+        # split converts is freed as its remainder is made (the host holds the fp32 master whole once)
+        got = got._replace(master=None, opt_state=None)
+    master = layout.split_master(master, got.params, to_split=True, consume=layout.offload is not None)
     state = live._replace(
         params=got.params, master=master,
         opt_state=live.opt_state if opt_state is None else opt_state,
@@ -80,6 +89,17 @@ def load_engine_state(layout, live: TrainState, load_dir, *, free_bytes: Callabl
         # split master's fp32 read)
         state = _repacked(state, superseded=(replaced, got.params, got.master, got.opt_state, got.rest))
     return state, got
+
+
+def _all_bytes(tree) -> int:
+    """Bytes of this process's shards of every array (or abstract array with a sharding) in `tree`."""
+    def local(x):
+        sh = getattr(x, "sharding", None)
+        if sh is None or not getattr(x, "ndim", 0):
+            return 0
+        n = len([d for d in sh.device_set if d.process_index == jax.process_index()])
+        return n * math.prod(sh.shard_shape(x.shape)) * np.dtype(x.dtype).itemsize
+    return sum(local(x) for x in jax.tree.leaves(tree))
 
 
 def _needs_room(reads, replaced, free: int | None) -> bool:

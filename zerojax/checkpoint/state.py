@@ -250,6 +250,8 @@ def save(save_dir, state: TrainState, *, steps: int, info: dict, tag=None, clien
         keep = jax.process_index() == 0
 
         def gather(x):
+            if hasattr(x, "row"):  # a leaf read a layer group at a time (host offload): written so
+                return x if keep else None
             g = _host_leaf(x)
             return g if keep else None
 

@@ -271,14 +271,24 @@ def load_hf(path: str, dtype=None, **config_overrides) -> tuple[GPT2Config, dict
 
 
 def plain_arrays(tree):
-    """An nnx.Module / nnx.State / nested dict of Params or arrays -> nested dict of numpy arrays."""
+    """An nnx.Module / nnx.State / nested dict of Params or arrays -> nested dict of numpy arrays
+    (a stacked leaf read a layer at a time, one with `row(i)`, stays as it is: see `layer`)."""
     if isinstance(tree, nnx.Module):
         tree = nnx.state(tree, nnx.Param)
     if isinstance(tree, nnx.Variable):
         return np.asarray(tree[...])
     if isinstance(tree, Mapping):
         return {k: plain_arrays(v) for k, v in tree.items()}
+    if hasattr(tree, "row"):
+        return tree
     return np.asarray(tree)  # a multi-host sharded array must be gathered by the caller first
+
+
+def layer(stacked, i: int):
+    """() -> layer i of a stacked leaf, read when called: a numpy array's row, or the row of a leaf
+    read a layer group at a time (`row(i)`: an offloaded run's `zerojax.offload.stored.ChunkRows`),
+    so a writer holds one shard's tensors, never the whole model."""
+    return (lambda: stacked.row(i)) if hasattr(stacked, "row") else (lambda: stacked[i])
 
 
 def save_hf(params, config: GPT2Config, out_dir: str, dtype=None, *,
@@ -293,20 +303,22 @@ def save_hf(params, config: GPT2Config, out_dir: str, dtype=None, *,
     shapes = _shapes(config)
     entries = []
 
-    def entry(name, a, reshape=None):
-        out = np.dtype(dtype) if dtype is not None else a.dtype
-        shape = reshape or a.shape
-        entries.append((name, shape, out, lambda: a.reshape(shape)))
+    def entry(name, get, shape, kind, reshape=None):  # get() -> the array, called when written
+        out = np.dtype(dtype) if dtype is not None else np.dtype(kind)
+        shape = reshape or shape
+        entries.append((name, shape, out, lambda: get().reshape(shape)))
 
     for name, ours in _TOP_KEYS:
         tensor = get_path(params, ours)
-        entry(f"transformer.{name}", unpad_vocab(tensor, config) if ours == ("wte",) else tensor)
+        tensor = unpad_vocab(tensor, config) if ours == ("wte",) else tensor
+        entry(f"transformer.{name}", lambda t=tensor: t, tensor.shape, tensor.dtype)
     for i in range(config.n_layer):
         for name, ours in _LAYER_KEYS:
             stacked = get_path(params, ("h", *ours))
             if stacked.shape[0] != config.n_layer:
                 raise ValueError(f"h/{'/'.join(ours)} has {stacked.shape[0]} layers, config says {config.n_layer}")
-            entry(f"transformer.h.{i}.{name}", stacked[i], _hf_shape(name, config) if name in shapes else None)
+            entry(f"transformer.h.{i}.{name}", layer(stacked, i), stacked.shape[1:], stacked.dtype,
+                  _hf_shape(name, config) if name in shapes else None)
     os.makedirs(out_dir, exist_ok=True)
     with open(os.path.join(out_dir, "config.json"), "w") as f:
         json.dump(config_to_hf(config, np.dtype(entries[0][2]).name), f, indent=2, sort_keys=True)

@@ -16,7 +16,8 @@ from collections.abc import Mapping
 
 import numpy as np
 
-from zerojax.models.hf import MAX_SHARD_BYTES, TensorReader, get_path, plain_arrays, set_path, write_tensors
+from zerojax.models.hf import (MAX_SHARD_BYTES, TensorReader, get_path, layer, plain_arrays, set_path,
+                              write_tensors)
 from zerojax.models.llama import MODEL_TYPES, LlamaConfig
 
 ARCHITECTURES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
@@ -211,23 +212,26 @@ def save_llama_hf(params, config: LlamaConfig, out_dir: str, dtype=None, *,
     L, V = config.num_hidden_layers, config.vocab_size
     entries = []
 
-    def entry(name, a, convert=None, shape=None):
-        out = np.dtype(dtype) if dtype is not None else a.dtype
-        entries.append((name, shape or a.shape, out, lambda: convert(a) if convert else a))
+    def entry(name, get, shape, kind, convert=None):  # get() -> the array, called when written
+        out = np.dtype(dtype) if dtype is not None else np.dtype(kind)
+        entries.append((name, shape, out, lambda: convert(get()) if convert else get()))
+
+    def whole(name, a):
+        entry(name, lambda: a, a.shape, a.dtype)
 
     emb = get_path(params, ("embed_tokens",))
     d = emb.shape[1]
-    entry("model.embed_tokens.weight", emb[:V])
+    whole("model.embed_tokens.weight", emb[:V])
     for i in range(L):
         for name, ours, shape, _, to_hf in _layer_entries(config):
             stacked = get_path(params, ("layers", *ours))
             if stacked.shape != (L, *shape):
                 raise ValueError(f"layers/{'/'.join(ours)}: shape {stacked.shape}, expected {(L, *shape)}")
             hf_shape = to_hf(np.empty(shape, np.int8)).shape if to_hf else shape
-            entry(f"model.layers.{i}.{name}", stacked[i], to_hf, hf_shape)
-    entry("model.norm.weight", get_path(params, ("norm", "scale")))
+            entry(f"model.layers.{i}.{name}", layer(stacked, i), hf_shape, stacked.dtype, to_hf)
+    whole("model.norm.weight", get_path(params, ("norm", "scale")))
     if not config.tie_word_embeddings:
-        entry("lm_head.weight", get_path(params, ("lm_head",))[:V])
+        whole("lm_head.weight", get_path(params, ("lm_head",))[:V])
     assert d == config.hidden_size
     os.makedirs(out_dir, exist_ok=True)
     with open(os.path.join(out_dir, "config.json"), "w") as f:

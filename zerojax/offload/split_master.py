@@ -59,18 +59,34 @@ def convert(master: list, params, off, indices, *, to_split: bool, cache: dict |
     """`master` (a per-chunk list) with the chunks at `indices` turned into remainders against the
     compute `params` (`to_split`), or back into fp32 master chunks; each stays in its memory kind.
     One jitted program per chunk shape (kept in `cache` across calls), so the device holds one
-    chunk's fp32 master at a time. consume: the list `master` itself is updated chunk by chunk
-    (each converted chunk dropped as its successor is made) and returned."""
+    chunk's fp32 master at a time. consume: the list `master` itself is updated, a leaf at a time
+    (each leaf's old form dropped as its new one is made: host memory holds the chunk in both forms
+    one leaf at a time, not whole; one program per leaf), and returned."""
     cache = {} if cache is None else cache
     stacked = off.layout.treedef.unflatten(off.layout.stacked)
     out = master if consume else list(master)
     for i in indices:
         c = off.layout.chunks[i]
         groups = 1 if c.rest else c.loop
-        key = (c.rest, c.hi - c.lo, groups, to_split)  # as HostLoop's programs: layer groups share one
-        if key not in cache:
-            cache[key] = _converter(stacked, c.rest, c.hi - c.lo, groups, to_split, off.master_shardings[i])
-        out[i] = cache[key](master[i], params, c.lo)
+
+        def run(tree, leaf=None, c=c, i=i, groups=groups):
+            key = (c.rest, c.hi - c.lo, groups, to_split, leaf)  # as HostLoop's programs: layer groups share one
+            if key not in cache:
+                cache[key] = _converter(stacked, c.rest, c.hi - c.lo, groups, to_split, off.master_shardings[i])
+            return cache[key](tree, params, c.lo)
+
+        if not consume:
+            out[i] = run(master[i])
+            continue
+        leaves, treedef = jax.tree.flatten(out[i], is_leaf=is_none)
+        out[i] = None
+        for k in range(len(leaves)):
+            if leaves[k] is not None:
+                one = treedef.unflatten([x if j == k else None for j, x in enumerate(leaves)])
+                leaves[k] = None
+                leaves[k] = jax.tree.flatten(run(one, leaf=k), is_leaf=is_none)[0][k]
+                del one
+        out[i] = treedef.unflatten(leaves)
     return out
 
 

@@ -706,6 +706,17 @@ class Engine:
             return self.state.params
         return self.layout.split_master(self.state.master, self.state.params, to_split=False)
 
+    def consolidated_master(self):
+        """The fp32 master for writing out (a Hugging Face folder, safetensors): `master_params`,
+        but under CPU offload (one process) each stacked layer leaf is a `ChunkRows`, read a layer
+        group at a time when written (`row(i)`, `np.asarray`): neither the device nor host memory
+        ever holds the whole fp32 master (32 GB at 8B). The writers in `zerojax.models` take it."""
+        lay = self.layout
+        if lay.offload is None or lay.nvme is not None or jax.process_count() > 1:
+            return self.master_params
+        self.synchronize()
+        return lay.to_stored(self.state, stream=True).master
+
     @property
     def model(self) -> nnx.Module:
         """An nnx module holding the current fp32 master weights."""

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 from typing import Any, Callable
 
 import jax
@@ -30,6 +31,7 @@ from zerojax.optim import build_optimizer, build_schedule
 from zerojax.options import EngineOptions
 from zerojax.precision import compute_dtype as compute_dtype_of, loss_scale_from_config, loss_scaler_from_config
 from zerojax.offload.nvme.tier import check_params_in_cpu, nvme_tier
+from zerojax.offload.stored import stored_params, stored_tree
 from zerojax.train.step import (OffloadStep, StepSettings, TrainState, needs_grad_accumulator, pure_dict, rebuilt_master,
                           stored_master)
 
@@ -111,7 +113,9 @@ class EngineLayout:
     def to_stored(self, state: TrainState, *, stream: bool = False) -> TrainState:
         """`state` in the unchunked layout a run without offload keeps (nothing copied for the
         default "loop" layout): what a checkpoint stores. NVMe: the files' leaves read back whole,
-        or with `stream` (a checkpoint's save) `SwappedLeaf`s there, read a group at a time."""
+        or with `stream` (a checkpoint's save) `SwappedLeaf`s there, read a group at a time. Host
+        offload with `stream` (one process): the host layer chunks' leaves as `ChunkRows`, read a
+        layer group at a time (the host split's fp32 master rebuilt a group at a time)."""
         if self.offload is None:
             return state._replace(master=self.split_master(state.master, state.params, to_split=False))
         if self.nvme is not None:  # the files' leaves into the chunk
@@ -120,10 +124,26 @@ class EngineLayout:
             master, inner = into(state.master, self.chunk_states(state.opt_state))
             state = state._replace(master=master, opt_state=self.with_chunk_states(state.opt_state, inner))
         wrap, _ = self.stored_opt_codec()
-        merge = lambda chunks: O.merge_chunks(chunks, self.offload.layout)  # noqa: E731
+        if stream and self.nvme is None and jax.process_count() == 1:
+            # a checkpoint's save: the host layer chunks' leaves read a layer group at a time (`ChunkRows`)
+            master, split = list(state.master), self._host_split()
+            if split:  # the non-layer host chunk back to fp32 here; the layer chunks' rows as they are read
+                rest = [i for i, c in enumerate(self.offload.layout.chunks) if c.host and c.rest]
+                master = O.split_master.convert(master, state.params, self.offload, rest, to_split=False,
+                                                cache=self.step.offload.converters)
+            merge = functools.partial(stored_tree, layout=self.offload.layout)
+            master = merge(master, split_compute=state.params if split else None)
+            state = state._replace(params=stored_params(state.params, self.offload.layout))
+        else:
+            merge = lambda chunks: O.merge_chunks(chunks, self.offload.layout)  # noqa: E731
+            master = merge(self.split_master(state.master, state.params, to_split=False))
         opt = self.with_chunk_states(state.opt_state, wrap(merge(self.chunk_states(state.opt_state))))
-        return state._replace(master=merge(self.split_master(state.master, state.params, to_split=False)),
-                              opt_state=opt)
+        return state._replace(master=master, opt_state=opt)
+
+    def _host_split(self) -> bool:
+        """Whether the host chunks hold the master as the host split's int16 remainders."""
+        so = self.step.offload
+        return so is not None and bool(so.split_master)
 
     def split_master(self, master: list, params, *, to_split: bool, consume: bool = False) -> list:
         """EngineOptions.split_master, host split: the host chunks of the per-chunk `master` turned
