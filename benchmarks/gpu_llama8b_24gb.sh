@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One GPU capped at 24 GB (XLA_PYTHON_CLIENT_MEM_FRACTION=0.17), Llama-3.1-8B's shape, seq 2048,
-# through examples/gpt2_large.py, each run in its own process, under GNU time for the host's peak RSS:
+# through examples/gpt2_large.py, each run in its own process (the example prints the host's peak RSS):
 #   LoRA r16 alpha 32 on all linear layers, bf16 base, --micro-batch auto
 #   QLoRA (nf4 base), micro 2, full remat
 #   the full fine-tune: ZeRO-3 with parameters and optimizer offloaded, --micro-batch auto,

@@ -722,6 +722,17 @@ def _copy_tokenizer(src, out_dir):
             shutil.copy(os.path.join(src, name), os.path.join(out_dir, name))
 
 
+def _host_peak_rss() -> int | None:
+    """This process's peak resident memory in bytes (getrusage: KiB on Linux, bytes on macOS);
+    None where the platform has no `resource` module (Windows)."""
+    try:
+        import resource
+    except ImportError:
+        return None
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return peak if sys.platform == "darwin" else peak * 1024
+
+
 def export_hf(args, engine, choice: ModelChoice, settings):
     """--export-hf: GPT-2 / Llama as a Hugging Face folder; with LoRA the PEFT adapter folder and
     (--merge) the merged model beside it."""
@@ -1121,6 +1132,10 @@ def main(argv=None):
     stats = jax.local_devices()[0].memory_stats() or {}
     if "peak_bytes_in_use" in stats:
         summary["peak_gib_device0"] = round(stats["peak_bytes_in_use"] / 2**30, 2)
+    host_peak = _host_peak_rss()
+    if host_peak is not None:  # offload's state lives there: the host's share of "never an OOM"
+        summary["host_peak_rss_gib"] = round(host_peak / 2**30, 2)
+        print(f"host peak RSS {host_peak / 2**30:.2f} GiB (this process, building included)")
 
     val_losses = [float(engine.eval_step(batch))
                   for _, batch in zip(range(args.eval_batches), data.val_batches(cfg.train_batch_size))]

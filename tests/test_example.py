@@ -93,6 +93,13 @@ def _check_log_lines(captured, steps, summary):
     assert tps == pytest.approx(summary["tokens_per_s_per_device"], abs=1)
     assert mfu == pytest.approx(100 * summary["mfu"], abs=0.06)
     assert "MFU against 1 TFLOP/s per device (--peak-tflops); tokens/s are per device, steps that compile excluded" in out
+    # the host's peak, as the kernel counts it (VmHWM: the high-water mark of this process's RSS,
+    # read after the run, not below the figure the example read at its end; VmRSS: what the
+    # process holds now, most of which it held then)
+    with open("/proc/self/status") as f:
+        kib = {k: int(v.split()[0]) * 1024 for k, v in (line.split(":", 1) for line in f) if k in ("VmHWM", "VmRSS")}
+    assert kib["VmRSS"] / 2 <= summary["host_peak_rss_gib"] * 2**30 <= kib["VmHWM"] + 2**30 / 100
+    assert f"host peak RSS {summary['host_peak_rss_gib']:.2f} GiB" in out
 
 
 def _check_with_protobuf(data, loss):
