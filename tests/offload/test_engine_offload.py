@@ -528,6 +528,7 @@ def test_offload_checkpoint_resumes_under_any_layout(tmp_path, monkeypatch):
     from zerojax.checkpoint import state as checkpoint
     from zerojax.models import weights_writer
     from zerojax.models.hf import load_hf, save_hf
+    from zerojax.offload import stored
     from zerojax.offload.stored import ChunkRows
 
     # "full" remat (it changes no state): `a` runs the programs of test_offload_param_and_optimizer_stage3's
@@ -537,17 +538,21 @@ def test_offload_checkpoint_resumes_under_any_layout(tmp_path, monkeypatch):
     a = zerojax.shard(make, config(3, "bf16", "cpu", "cpu"), loss_fn=gpt2.gpt2_loss)
     for b in data[:2]:
         a.train_step(b)
+    # the embeddings (no layers axis) are written a block of rows at a time: blocks of 4 KiB here
+    monkeypatch.setattr(stored, "BLOCK_BYTES", 4096)
+    assert stored.rows_per_block(a.state.master[0]["wte"]) < C.padded_vocab_size
     a.save_checkpoint(tmp_path / "ck")
     saved = jax.tree.map(lambda x: np.asarray(x, np.float32), a.master_params)
-    # the host layers' leaves went to the files a layer group at a time, not through orbax whole
-    # (orbax copies a leaf whole into host memory: the state twice there); the master to write out
-    # (the example's --export-hf) is read the same way: the saved weights, bitwise, in a folder too
+    # every host-resident leaf went to the files a layer group (the embeddings: a block of rows) at
+    # a time, not through orbax whole (orbax copies a leaf whole into host memory: the state twice
+    # there); the master to write out (the example's --export-hf) is read the same way: the saved
+    # weights, bitwise, in a folder too
     streamed = checkpoint.read_meta(tmp_path / "ck")["streamed"]
-    n_stacked = sum(a.offload_layout.layout.stacked)
-    assert len(streamed["master"]) == len(streamed["params"]) == n_stacked > 1
-    assert len(streamed["opt_state"]) == 2 * n_stacked  # Adam's two moments
+    n_leaves = len(a.offload_layout.layout.stacked)   # all in host memory: parameters offloaded too
+    assert len(streamed["master"]) == len(streamed["params"]) == n_leaves > sum(a.offload_layout.layout.stacked)
+    assert len(streamed["opt_state"]) == 2 * n_leaves  # Adam's two moments
     written = a.consolidated_master()
-    assert sum(isinstance(x, ChunkRows) for x in jax.tree.leaves(written)) == n_stacked
+    assert sum(isinstance(x, ChunkRows) for x in jax.tree.leaves(written)) == n_leaves
     save_hf(written, C, str(tmp_path / "written"))
     for x, y in zip(jax.tree.leaves(load_hf(str(tmp_path / "written"))[1]), jax.tree.leaves(saved)):
         np.testing.assert_array_equal(np.asarray(x, np.float32), y)

@@ -157,14 +157,21 @@ def in_place_engine(split, par):
 
 @pytest.mark.parametrize("par", ["none", "cpu"], ids=["optimizer", "param_and_optimizer"])
 @pytest.mark.slow
-def test_in_place_split_trains_as_the_fp32_master_and_checkpoints_it(par, tmp_path_factory, tmp_path):
+def test_in_place_split_trains_as_the_fp32_master_and_checkpoints_it(par, tmp_path_factory, tmp_path, monkeypatch):
     # split_master="on" with the in_place loop (ZeRO-3, optimizer offload; with offload_param the
     # compute params it rebuilds from are host-resident): each host group's fp32 master rebuilt on
     # the device from its compute copy and remainder, updated, split again. Against the same steps
     # with the whole fp32 master: the same losses and compute params, the master within four ulps;
     # the host chunks hold int16 remainders; a checkpoint stores the fp32 master and resumes both ways
+    from zerojax.offload import split_master, stored
+
+    # a checkpoint rebuilds the embeddings' fp32 rows a block at a time: blocks of 4 KiB here; the
+    # init and a restore split the master a batch of leaves at a time: one leaf a batch here
+    monkeypatch.setattr(stored, "BLOCK_BYTES", 4096)
+    monkeypatch.setattr(split_master, "CONSUME_BYTES", 1)
     runs = Runs(lambda split: in_place_engine(split, par), batches(4), tmp_path_factory.mktemp("in_place_split"))
     assert runs.split.offload_settings["loop"] == "in_place" and runs.split.offload_settings["split_master"] is True
+    assert stored.rows_per_block(runs.split.state.params["wte"]) < runs.split.state.params["wte"].shape[0]
     trains_as_the_whole_master(runs)
     resumes_both_ways(tmp_path, runs, lambda option: in_place_engine(option, par), batches(4)[2:])
 
@@ -400,7 +407,7 @@ def test_in_place_split_converts_a_layer_group_at_a_time():
     per = (c.hi - c.lo) // c.loop
     rems = eng.state.master[i]
     for to_split in (False, True):
-        # (init makes the remainders a leaf at a time, one program each; any of them takes the whole chunk)
+        # (init makes the remainders a batch of leaves at a time, one program a batch; any takes the whole chunk)
         run = next(v for k, v in cache.items() if k[:4] == (c.rest, c.hi - c.lo, c.loop, to_split))
         m = rems if not to_split else jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, jnp.float32), rems)
         out = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, jnp.float32 if not to_split else jnp.int16), rems)

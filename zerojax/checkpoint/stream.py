@@ -38,6 +38,8 @@ class StreamedLeaf:
     shape: tuple
     dtype: np.dtype
     alone = True   # a restore from orbax's arrays reads this leaf in an orbax call of its own (host memory)
+    chunk_rows = 1   # rows per file chunk: a layer (a reader takes any layer range alone), or a block of a
+                     # leaf without layers (an embedding: one file a row would be ~100k files)
 
     @property
     def ndim(self) -> int:
@@ -65,9 +67,10 @@ def _spec(path: str) -> dict:
 
 def write_leaf(path: str, leaf: StreamedLeaf) -> None:
     """`leaf` as a zarr array at `path`, one block at a time (one block's write in flight while the next
-    is read); one layer per chunk, so a reader reads any layer range alone."""
+    is read); `leaf.chunk_rows` rows per chunk (a layer: a reader reads any layer range alone)."""
     shape = [int(d) for d in leaf.shape]
-    store = ts.open({**_spec(path), "metadata": {"shape": shape, "chunks": [1] + shape[1:], "compressor": None,
+    chunks = [int(leaf.chunk_rows)] + shape[1:]
+    store = ts.open({**_spec(path), "metadata": {"shape": shape, "chunks": chunks, "compressor": None,
                                                  "dtype": _zarr_dtype(leaf.dtype), "fill_value": 0},
                      # chunks of zeros are written too: a -0.0 read back as +0.0 would not be bitwise
                      "store_data_equal_to_fill_value": True}, create=True).result()

@@ -309,9 +309,13 @@ def save_hf(params, config: GPT2Config, out_dir: str, dtype=None, *,
         entries.append((name, shape, out, lambda: get().reshape(shape)))
 
     for name, ours in _TOP_KEYS:
-        tensor = get_path(params, ours)
-        tensor = unpad_vocab(tensor, config) if ours == ("wte",) else tensor
-        entry(f"transformer.{name}", lambda t=tensor: t, tensor.shape, tensor.dtype)
+        tensor = get_path(params, ours)   # read when written (an offloaded run's: a block of rows at a time)
+        if ours == ("wte",):
+            unpad_vocab(np.empty((tensor.shape[0], 0), np.int8), config)   # its row count checked now
+            entry(f"transformer.{name}", lambda t=tensor: unpad_vocab(np.asarray(t), config),
+                  (config.vocab_size, *tensor.shape[1:]), tensor.dtype)
+        else:
+            entry(f"transformer.{name}", lambda t=tensor: np.asarray(t), tensor.shape, tensor.dtype)
     for i in range(config.n_layer):
         for name, ours in _LAYER_KEYS:
             stacked = get_path(params, ("h", *ours))

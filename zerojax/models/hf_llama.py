@@ -216,12 +216,13 @@ def save_llama_hf(params, config: LlamaConfig, out_dir: str, dtype=None, *,
         out = np.dtype(dtype) if dtype is not None else np.dtype(kind)
         entries.append((name, shape, out, lambda: convert(get()) if convert else get()))
 
-    def whole(name, a):
-        entry(name, lambda: a, a.shape, a.dtype)
+    def whole(name, a, rows=None):  # read when written (an offloaded run's: a block of rows at a time)
+        rows = a.shape[0] if rows is None else rows
+        entry(name, lambda: np.asarray(a)[:rows], (rows, *a.shape[1:]), a.dtype)
 
     emb = get_path(params, ("embed_tokens",))
     d = emb.shape[1]
-    whole("model.embed_tokens.weight", emb[:V])
+    whole("model.embed_tokens.weight", emb, V)
     for i in range(L):
         for name, ours, shape, _, to_hf in _layer_entries(config):
             stacked = get_path(params, ("layers", *ours))
@@ -231,7 +232,7 @@ def save_llama_hf(params, config: LlamaConfig, out_dir: str, dtype=None, *,
             entry(f"model.layers.{i}.{name}", layer(stacked, i), hf_shape, stacked.dtype, to_hf)
     whole("model.norm.weight", get_path(params, ("norm", "scale")))
     if not config.tie_word_embeddings:
-        whole("lm_head.weight", get_path(params, ("lm_head",))[:V])
+        whole("lm_head.weight", get_path(params, ("lm_head",)), V)
     assert d == config.hidden_size
     os.makedirs(out_dir, exist_ok=True)
     with open(os.path.join(out_dir, "config.json"), "w") as f:

@@ -59,9 +59,10 @@ def convert(master: list, params, off, indices, *, to_split: bool, cache: dict |
     """`master` (a per-chunk list) with the chunks at `indices` turned into remainders against the
     compute `params` (`to_split`), or back into fp32 master chunks; each stays in its memory kind.
     One jitted program per chunk shape (kept in `cache` across calls), so the device holds one
-    chunk's fp32 master at a time. consume: the list `master` itself is updated, a leaf at a time
-    (each leaf's old form dropped as its new one is made: host memory holds the chunk in both forms
-    one leaf at a time, not whole; one program per leaf), and returned."""
+    chunk's fp32 master at a time. consume: the list `master` itself is updated, a few leaves at a
+    time (`CONSUME_BYTES` of them; each batch's old form dropped as its new one is made: host memory
+    holds the chunk in both forms a batch at a time, not whole; one program per batch, a small
+    chunk one batch), and returned."""
     cache = {} if cache is None else cache
     stacked = off.layout.treedef.unflatten(off.layout.stacked)
     out = master if consume else list(master)
@@ -69,8 +70,8 @@ def convert(master: list, params, off, indices, *, to_split: bool, cache: dict |
         c = off.layout.chunks[i]
         groups = 1 if c.rest else c.loop
 
-        def run(tree, leaf=None, c=c, i=i, groups=groups):
-            key = (c.rest, c.hi - c.lo, groups, to_split, leaf)  # as HostLoop's programs: layer groups share one
+        def run(tree, leaves=None, c=c, i=i, groups=groups):
+            key = (c.rest, c.hi - c.lo, groups, to_split, leaves)  # as HostLoop's programs: layer groups share one
             if key not in cache:
                 cache[key] = _converter(stacked, c.rest, c.hi - c.lo, groups, to_split, off.master_shardings[i])
             return cache[key](tree, params, c.lo)
@@ -80,14 +81,35 @@ def convert(master: list, params, off, indices, *, to_split: bool, cache: dict |
             continue
         leaves, treedef = jax.tree.flatten(out[i], is_leaf=is_none)
         out[i] = None
-        for k in range(len(leaves)):
-            if leaves[k] is not None:
-                one = treedef.unflatten([x if j == k else None for j, x in enumerate(leaves)])
+        for batch in _batches(leaves, CONSUME_BYTES):
+            part = treedef.unflatten([x if j in batch else None for j, x in enumerate(leaves)])
+            for k in batch:
                 leaves[k] = None
-                leaves[k] = jax.tree.flatten(run(one, leaf=k), is_leaf=is_none)[0][k]
-                del one
+            new = jax.tree.flatten(run(part, leaves=batch), is_leaf=is_none)[0]
+            del part
+            for k in batch:
+                leaves[k] = new[k]
         out[i] = treedef.unflatten(leaves)
     return out
+
+
+CONSUME_BYTES = 256 * 2**20   # a consuming conversion's batch of leaves (a small chunk: one batch)
+
+
+def _batches(leaves, limit: int) -> list[tuple[int, ...]]:
+    """The indices of the non-None `leaves` in order, in runs of at most `limit` bytes (a leaf
+    above it alone)."""
+    out, run, size = [], [], 0
+    for k, x in enumerate(leaves):
+        if x is None:
+            continue
+        b = x.size * x.dtype.itemsize
+        if run and size + b > limit:
+            out.append(tuple(run))
+            run, size = [], 0
+        run.append(k)
+        size += b
+    return out + [tuple(run)] if run else out
 
 
 def _converter(stacked, rest, n, groups, to_split, shardings):

@@ -125,14 +125,10 @@ class EngineLayout:
             state = state._replace(master=master, opt_state=self.with_chunk_states(state.opt_state, inner))
         wrap, _ = self.stored_opt_codec()
         if stream and self.nvme is None and jax.process_count() == 1:
-            # a checkpoint's save: the host layer chunks' leaves read a layer group at a time (`ChunkRows`)
-            master, split = list(state.master), self._host_split()
-            if split:  # the non-layer host chunk back to fp32 here; the layer chunks' rows as they are read
-                rest = [i for i, c in enumerate(self.offload.layout.chunks) if c.host and c.rest]
-                master = O.split_master.convert(master, state.params, self.offload, rest, to_split=False,
-                                                cache=self.step.offload.converters)
+            # a checkpoint's save: the host chunks' leaves read a layer group (a block of rows) at a time
+            # (`ChunkRows`; the host split's fp32 master rebuilt block by block as it is read)
             merge = functools.partial(stored_tree, layout=self.offload.layout)
-            master = merge(master, split_compute=state.params if split else None)
+            master = merge(state.master, split_compute=state.params if self._host_split() else None)
             state = state._replace(params=stored_params(state.params, self.offload.layout))
         else:
             merge = lambda chunks: O.merge_chunks(chunks, self.offload.layout)  # noqa: E731
