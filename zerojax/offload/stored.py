@@ -20,7 +20,7 @@ import numpy as np
 
 from zerojax.checkpoint.stream import StreamedLeaf
 from zerojax.offload.chunks import Chunk, ChunkLayout, is_none, merge_chunks, slice_sharding
-from zerojax.offload.memory_kinds import DEVICE
+from zerojax.offload.memory_kinds import DEVICE, PINNED_HOST, UNPINNED_HOST
 from zerojax.offload.split_master import master_of
 
 
@@ -156,7 +156,7 @@ def stored_params(params, layout: ChunkLayout):
     def stored(x, stacked):
         if stacked and x.shape[:1] == (c.hi,):
             return ChunkRows([(0, c.hi, per, _reader(x, c, per, None))], x.shape, x.dtype)
-        if x.ndim and getattr(x.sharding, "memory_kind", DEVICE) != DEVICE:
+        if x.ndim and getattr(x.sharding, "memory_kind", None) in (PINNED_HOST, UNPINNED_HOST):
             block = rows_per_block(x)
             return ChunkRows([(0, x.shape[0], block, _reader(x, rest, block, None))], x.shape, x.dtype, block)
         return x
