@@ -76,8 +76,8 @@ def load_engine_state(layout, live: TrainState, load_dir, *, free_bytes: Callabl
         raise
     master, opt_state = layout.from_stored(got.master, got.opt_state)
     if layout.offload is not None:
-        # the chunks hold the stored leaves themselves: dropped from `got`, each fp32 leaf the host
-        # split converts is freed as its remainder is made (the host holds the fp32 master whole once)
+        # the chunks hold the stored leaves themselves: dropped from `got`, each batch of fp32 leaves
+        # the host split converts is freed as its remainders are made (the fp32 master whole once)
         got = got._replace(master=None, opt_state=None)
     master = layout.split_master(master, got.params, to_split=True, consume=layout.offload is not None)
     state = live._replace(

@@ -81,11 +81,16 @@ def pad_vocab(wte: np.ndarray, config: GPT2Config) -> np.ndarray:
     return np.concatenate([wte, np.zeros((config.padded_vocab_size - rows, *wte.shape[1:]), wte.dtype)])
 
 
+def check_vocab_rows(rows: int, config: GPT2Config) -> None:
+    """Refuses a wte row count that is neither the vocabulary nor its padded size."""
+    if rows not in (config.vocab_size, config.padded_vocab_size):
+        raise ValueError(f"wte has {rows} rows; GPT2Config has vocab_size={config.vocab_size} "
+                         f"(padded_vocab_size={config.padded_vocab_size})")
+
+
 def unpad_vocab(wte: np.ndarray, config: GPT2Config) -> np.ndarray:
     """wte's real vocabulary rows (ours -> HF's [vocab, d]); refuses a row count of neither size."""
-    if wte.shape[0] not in (config.vocab_size, config.padded_vocab_size):
-        raise ValueError(f"wte has {wte.shape[0]} rows; GPT2Config has vocab_size={config.vocab_size} "
-                         f"(padded_vocab_size={config.padded_vocab_size})")
+    check_vocab_rows(wte.shape[0], config)
     return wte[:config.vocab_size]
 
 
@@ -311,7 +316,7 @@ def save_hf(params, config: GPT2Config, out_dir: str, dtype=None, *,
     for name, ours in _TOP_KEYS:
         tensor = get_path(params, ours)   # read when written (an offloaded run's: a block of rows at a time)
         if ours == ("wte",):
-            unpad_vocab(np.empty((tensor.shape[0], 0), np.int8), config)   # its row count checked now
+            check_vocab_rows(tensor.shape[0], config)   # now, before any tensor is read
             entry(f"transformer.{name}", lambda t=tensor: unpad_vocab(np.asarray(t), config),
                   (config.vocab_size, *tensor.shape[1:]), tensor.dtype)
         else:

@@ -7,6 +7,7 @@ from typing import Callable
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from zerojax.models.layer_stack import WithFrozen
@@ -49,6 +50,13 @@ def host_memory_kind(pin_memory: bool = True, device=None) -> str:
 def with_memory_kind(shardings, kind: str):
     """The same tree of shardings, each moved to memory `kind` (None leaves stay None)."""
     return jax.tree.map(lambda s: s.with_memory_kind(kind), shardings, is_leaf=is_sharding)
+
+
+def host_zeros(shape, dtype, sharding) -> jax.Array:
+    """Zeros of `shape` placed by `sharding` (a host memory kind), each shard filled from numpy: a
+    zero-filled array built on the device first would need the device memory it exists to spare."""
+    shape = tuple(shape)
+    return jax.make_array_from_callback(shape, sharding, lambda idx: np.zeros(sharding.shard_shape(shape), dtype))
 
 
 def is_host(x) -> bool:

@@ -21,10 +21,9 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 from zerojax.offload.chunks import dynamic_piece, group, group_shardings, is_none, put_group, to_kind
-from zerojax.offload.memory_kinds import DEVICE, to_device, with_memory_kind
+from zerojax.offload.memory_kinds import DEVICE, host_zeros, to_device, with_memory_kind
 
 
 def _high_bits(compute):
@@ -143,14 +142,8 @@ def _converter(stacked, rest, n, groups, to_split, shardings):
     def run(m, params, lo):
         # the new buffer made in host memory directly (zeros built on the device would need the
         # whole chunk there)
-        out = jax.tree.map(lambda x, s: None if x is None else _host_zeros(x.shape, dtype, s),
+        out = jax.tree.map(lambda x, s: None if x is None else host_zeros(x.shape, dtype, s),
                            m, shardings, is_leaf=is_none)
         return loop(m, params, lo, out)
     run.loop = loop  # (the jitted loop over the groups, out the donated new buffer: for inspection)
     return run
-
-
-def _host_zeros(shape, dtype, sharding):
-    """Zeros of `shape` placed by `sharding` (host memory), each shard filled from numpy."""
-    return jax.make_array_from_callback(tuple(shape), sharding,
-                                        lambda idx: np.zeros(sharding.shard_shape(tuple(shape)), dtype))

@@ -7,8 +7,8 @@ saving the CPU-offloaded state of an 8B model needed its ~80 GB of host memory a
 What: `stored_tree` is `merge_chunks` with a `ChunkRows` in place of every leaf that has a piece in
 a host chunk: the checkpoint writes it as a streamed leaf (`zerojax.checkpoint.stream`), a layer
 group at a time (a leaf without layers, e.g. the embedding: a block of rows at a time), each
-block's rows brought through the device into numpy (a slice of a host array can only be read by a program, and XLA's GPU programs
-run on the device). With the host split of the master (`offload.split_master`) a group's fp32 rows
+block's rows brought through the device into numpy (a slice of a host array can only be read by a
+program, and XLA's GPU programs run on the device). With the host split of the master (`offload.split_master`) a group's fp32 rows
 are rebuilt there from its compute copy and remainder, so the fp32 master is never whole anywhere.
 """
 from __future__ import annotations
@@ -25,9 +25,10 @@ from zerojax.offload.split_master import master_of
 
 
 class ChunkRows(StreamedLeaf):
-    """A stacked [L, ...] leaf of the stored form whose rows lie in chunk pieces: `parts` is
-    [(lo, hi, per, read)], read(start) -> numpy rows lo + start .. lo + start + per. A checkpoint
-    writes it with `blocks()`; `row(i)` reads one layer (the group holding it, the last one kept)."""
+    """A leaf of the stored form whose rows (a stacked leaf's layers, or an embedding's rows) lie in
+    chunk pieces: `parts` is [(lo, hi, per, read)], read(start) -> numpy rows lo + start .. lo +
+    start + per. A checkpoint writes it with `blocks()` (`chunk_rows`: rows per file chunk);
+    `row(i)` reads one row (the block holding it, the last one kept)."""
 
     alone = True
 

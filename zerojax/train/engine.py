@@ -40,6 +40,7 @@ from zerojax import model as contract, offload as O
 from zerojax.checkpoint import engine_io
 from zerojax.planning import memory
 from zerojax.sharding import partition
+from zerojax.offload.memory_kinds import host_zeros
 from zerojax.train import step as step_mod
 from zerojax.train.layout import EngineLayout, build_layout, no_eager_sharding
 from zerojax.train.monitor import Monitor
@@ -269,9 +270,7 @@ class Engine:
         sh = self.state_shardings.grad_accumulator
         if abstract:
             return jax.tree.map(lambda p, s: jax.ShapeDtypeStruct(p.shape, dtype, sharding=s), self.state.params, sh)
-        zeros = lambda p, s: jax.make_array_from_callback(  # noqa: E731
-            p.shape, s, lambda idx: np.zeros(s.shard_shape(p.shape), dtype))
-        return jax.tree.map(zeros, self.state.params, sh)
+        return jax.tree.map(lambda p, s: host_zeros(p.shape, dtype, s), self.state.params, sh)
 
     def _fresh_state(self, params, master, opt_state, rest) -> TrainState:
         zero = lambda: jax.device_put(jnp.zeros((), jnp.int32), NamedSharding(self.mesh, P()))  # noqa: E731
