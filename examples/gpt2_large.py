@@ -1122,7 +1122,7 @@ def main(argv=None):
                "stage": cfg.zero_optimization.stage, "train_batch_size": cfg.train_batch_size,
                "seq_len": seq_len, "remat": remat, "precision": precision, "start_step": start,
                "steps": steps, "schedule_steps": schedule_steps, "lr": lr,
-               "master_split": engine.layout.step.split_master, "trained_params": int(trained),
+               "master_split": engine.layout.master_split, "trained_params": int(trained),
                "lora": lora_cfg}
     if meter.tokens_per_s_per_device is not None:
         summary["tokens_per_s_per_device"] = round(meter.tokens_per_s_per_device)

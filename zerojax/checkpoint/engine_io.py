@@ -6,7 +6,6 @@ thin calls into `save_engine_state` / `load_engine_state`.
 """
 from __future__ import annotations
 
-import math
 from typing import Callable
 
 import jax
@@ -17,6 +16,7 @@ from zerojax.checkpoint import state as checkpoint
 from zerojax.models import weights_writer
 from zerojax.offload.memory_kinds import host_memory_kind, is_host
 from zerojax.planning import estimate as est
+from zerojax.sharding.partition import held_bytes
 from zerojax.train.step import TrainState
 
 
@@ -57,7 +57,8 @@ def load_engine_state(layout, live: TrainState, load_dir, *, free_bytes: Callabl
         if layout.offload is None:
             short = _needs_room(reads, replaced, free_bytes())
         else:  # the state in host memory: the restore beside it would need the host's memory twice
-            short = _all_bytes(reads) + _all_bytes(replaced) > est.host_free_bytes()
+            mine = jax.local_devices()
+            short = held_bytes(reads, mine) + held_bytes(replaced, mine) > est.host_free_bytes()
         if short:
             released.extend(x for x in jax.tree.leaves(replaced) if isinstance(x, jax.Array) and x.ndim)
             for x in released:
@@ -91,17 +92,6 @@ def load_engine_state(layout, live: TrainState, load_dir, *, free_bytes: Callabl
     return state, got
 
 
-def _all_bytes(tree) -> int:
-    """Bytes of this process's shards of every array (or abstract array with a sharding) in `tree`."""
-    def local(x):
-        sh = getattr(x, "sharding", None)
-        if sh is None or not getattr(x, "ndim", 0):
-            return 0
-        n = len([d for d in sh.device_set if d.process_index == jax.process_index()])
-        return n * math.prod(sh.shard_shape(x.shape)) * np.dtype(x.dtype).itemsize
-    return sum(local(x) for x in jax.tree.leaves(tree))
-
-
 def _needs_room(reads, replaced, free: int | None) -> bool:
     """Whether a restore beside the live arrays it replaces could pass the first device's `free`
     memory (never where that is unknown, e.g. CPU). The restore's peak is bounded by everything it
@@ -111,15 +101,8 @@ def _needs_room(reads, replaced, free: int | None) -> bool:
     16 GiB, and the split master's conversion then ran out of memory."""
     if free is None:
         return False
-    device = jax.local_devices()[0]
-
-    def local_bytes(x):
-        if not hasattr(x, "sharding") or device not in x.sharding.device_set:
-            return 0
-        return math.prod(x.sharding.shard_shape(x.shape)) * x.dtype.itemsize
-
-    need = sum(local_bytes(x) for x in jax.tree.leaves(reads) + jax.tree.leaves(replaced))
-    return need > free
+    first = jax.local_devices()[:1]
+    return held_bytes(reads, first) + held_bytes(replaced, first) > free
 
 
 def _repacked(state: TrainState, superseded=()) -> TrainState:

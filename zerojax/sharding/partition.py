@@ -507,11 +507,26 @@ def replicated(mesh: Mesh, tree) -> Any:
     return jax.tree.map(lambda _: s, tree)
 
 
+def shard_nbytes(shape, dtype, sharding) -> int:
+    """Bytes of one shard of an array of `shape` and `dtype` laid out by `sharding`."""
+    return math.prod(sharding.shard_shape(tuple(shape))) * np.dtype(dtype).itemsize
+
+
 def per_device_bytes(shapes_dtypes, shardings) -> int:
     """Bytes one device holds for a tree of (ShapeDtypeStruct-like, NamedSharding) pairs."""
+    return sum(shard_nbytes(x.shape, x.dtype, s)
+               for x, s in zip(jax.tree.leaves(shapes_dtypes), jax.tree.leaves(shardings)))
+
+
+def held_bytes(tree, devices) -> int:
+    """Bytes `devices` hold of the arrays (or abstract arrays with a sharding) in `tree`: one shard
+    on each of them that an array's sharding names."""
+    devices = set(devices)
     total = 0
-    for x, s in zip(jax.tree.leaves(shapes_dtypes), jax.tree.leaves(shardings)):
-        total += math.prod(s.shard_shape(tuple(x.shape))) * np.dtype(x.dtype).itemsize
+    for x in jax.tree.leaves(tree):
+        sh = getattr(x, "sharding", None)
+        if sh is not None:
+            total += len(sh.device_set & devices) * shard_nbytes(x.shape, x.dtype, sh)
     return total
 
 
@@ -520,5 +535,5 @@ __all__ = [
     "make_mesh",
     "data_size", "pipe_size", "tensor_size", "batch_world_size", "tensor_specs", "activation_constraint",
     "logical_to_mesh", "zero_spec", "StageShardings", "stage_specs", "stage_shardings",
-    "opt_state_shardings", "replicated", "per_device_bytes",
+    "opt_state_shardings", "replicated", "shard_nbytes", "per_device_bytes", "held_bytes",
 ]

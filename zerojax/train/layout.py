@@ -141,6 +141,11 @@ class EngineLayout:
         so = self.step.offload
         return so is not None and bool(so.split_master)
 
+    @property
+    def master_split(self) -> bool:
+        """Whether EngineOptions.split_master acts in this layout (the device split or the host split)."""
+        return bool(self.step.split_master) or self._host_split()
+
     def split_master(self, master: list, params, *, to_split: bool, consume: bool = False) -> list:
         """EngineOptions.split_master, host split: the host chunks of the per-chunk `master` turned
         into int16 remainders against the compute `params` (`to_split`) or back into fp32; device
