@@ -5,7 +5,10 @@ a command such as `zerojax estimate` does not pay for modules it never uses.
 """
 from importlib import import_module as _import_module
 
+from zerojax import pinned_pool as _pinned_pool
 from zerojax.version import __version__
+
+_pinned_pool.raise_cap()  # before any JAX backend starts: XLA reads it once (zerojax/pinned_pool.py)
 
 # public name -> module that defines it
 _PUBLIC = {

@@ -36,6 +36,7 @@ from zerojax.config import REMAT_POLICY_NAMES, load_config
 from zerojax.model import LAYERS, model_dims
 from zerojax.planning.memory import CompiledMemory, WillNotFitError, fmt_bytes, parse_bytes
 from zerojax.options import EngineOptions
+from zerojax import pinned_pool
 
 AS_BUILT = "as built"  # remat of a model the planner cannot rebuild (a built engine's graph)
 REMAT_CHOICES = (None, "full", "offload")  # DeepSpeed's activation_checkpointing can say these
@@ -452,6 +453,21 @@ class Search:
         return text
 
 
+def _host_budget(cfg_dict) -> tuple[int, str]:
+    """(bytes, what limits them) an offloading plan may hold in host memory: what is available now;
+    on GPU with pinned offload (`pin_memory`), no more than XLA's pinned pool allows
+    (`zerojax.pinned_pool`)."""
+    free = est.host_free_bytes()
+    zero = cfg_dict.get("zero_optimization") or {}
+    pinned = any(isinstance(zero.get(k), dict) and zero[k].get("device") == "cpu" and zero[k].get("pin_memory")
+                 for k in ("offload_param", "offload_optimizer"))
+    cap = pinned_pool.cap_bytes()
+    if pinned and jax.default_backend() == "gpu" and cap < free:
+        return cap, (f"allowed in XLA's pinned host pool ({pinned_pool.ENV}; set it to the GiB "
+                     f"the offload needs before starting, or set pin_memory false)")
+    return free, "available"
+
+
 def search(model_factory, cfg_dict, budget, seq_len, *, stages=(0, 1, 2, 3),
            offloads=DEFAULT_OFFLOADS, remat=None, precision=None, micro_batch=None,
            batch_rows=None, loss_fn=None, mesh=None, batch_fn=None, hardware=est.H200,
@@ -463,7 +479,8 @@ def search(model_factory, cfg_dict, budget, seq_len, *, stages=(0, 1, 2, 3),
     plan whose compiled step holds more in host memory (offloaded states, an offload_param
     gradient accumulator) does not fit: it would die of host OOM minutes into building."""
     budget = parse_bytes(budget)
-    host_budget = est.host_free_bytes() if host_budget is None else parse_bytes(host_budget)
+    host_budget, host_limit = ((parse_bytes(host_budget), "available") if host_budget is not None
+                               else _host_budget(cfg_dict))
     n_data = _data_size(mesh, cfg_dict)
     # the batch rule counts tensor ranks (n_data above); ZeRO partitions over "data" only, and each
     # device holds 1 / n_tensor of the parameters and their states
@@ -573,7 +590,7 @@ def search(model_factory, cfg_dict, budget, seq_len, *, stages=(0, 1, 2, 3),
             if fits:
                 tiers_done.add((c.precision, c.remat, c.micro_batch))
             tried.append((p, "fits" if fits else "does not fit" if m.peak > budget else
-                          f"does not fit host memory: {fmt_bytes(m.host_peak)} of {fmt_bytes(host_budget)} available"))
+                          f"does not fit host memory: {fmt_bytes(m.host_peak)} of {fmt_bytes(host_budget)} {host_limit}"))
             if on_result:
                 on_result(*tried[-1])
             continue
