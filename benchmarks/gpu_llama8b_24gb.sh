@@ -5,7 +5,8 @@
 #   QLoRA (nf4 base), micro 2, full remat
 #   the full fine-tune: ZeRO-3 with parameters and optimizer offloaded, --micro-batch auto,
 #     accumulation 1 (an fp32 accumulator for 8B would not fit 128 GB of host memory), bf16 first moment,
-#     the host master split (bf16 copy + int16 remainder: 16 GB less host memory at 8B)
+#     the host master split (bf16 copy + int16 remainder: 16 GB less host memory at 8B), lr 3e-5 (at
+#     the example's 3e-4 the random-init model's loss rises after a few steps)
 #   PYTHONPATH=. bash benchmarks/gpu_llama8b_24gb.sh     (about 15 minutes on an H200 with 128 GB RAM)
 #   SMOKE=1 bash benchmarks/gpu_llama8b_24gb.sh          (CPU, tiny-llama, no cap)
 set -u
@@ -26,4 +27,4 @@ run() {
 run --lora 16 --lora-alpha 32 --micro-batch auto
 run --lora 16 --lora-alpha 32 --quantize nf4 --micro-batch 2 --remat full
 run --config configs/zero3_offload_param_optimizer.json --micro-batch auto --grad-accum 1 --remat full \
-  --adam-mu-dtype bfloat16 --master-split
+  --adam-mu-dtype bfloat16 --master-split --lr 3e-5
