@@ -2,10 +2,13 @@
 
 XLA's GPU client serves pinned host memory from one pool capped by XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB
 (64 GiB where unset), read once when the client starts. The pool grows on demand (XLA's host BFC
-allocator has allow_growth), so the cap reserves nothing; it only refuses: Llama-3.1-8B's offloaded
-state (92 GiB on a 128 GB host) died at its first step with "Out of host memory ... xla_gpu_host_bfc".
-`import zerojax` sets the cap to the host's physical memory where the user has not set it and no JAX
-backend has started yet; the planner counts the cap in effect as host memory an offloading plan may hold.
+allocator has allow_growth): Llama-3.1-8B's offloaded state (90 GiB on a 125 GiB host) died at its
+first step at the default cap with "Out of host memory ... xla_gpu_host_bfc". But the pool grows by
+doubling regions, so it may pin up to the cap, pages the kernel can neither swap nor give the rest of
+the process: at a cap of all 125 GiB the same run was killed while building; at 112 GiB it trained.
+`import zerojax` sets the cap to 90% of the host's physical memory where the user has not set it and
+no JAX backend has started yet; the planner counts the cap in effect as host memory an offloading
+plan may hold.
 No jax import here: `zerojax/__init__` runs this before anything starts a backend."""
 from __future__ import annotations
 
@@ -14,6 +17,7 @@ import sys
 
 ENV = "XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB"
 XLA_DEFAULT_GIB = 64
+HOST_FRACTION = 0.9  # of physical memory; the rest for the process's unpinned memory (see above)
 
 
 def physical_gib() -> int:
@@ -29,10 +33,10 @@ def _backends_started() -> bool:
 
 
 def raise_cap() -> None:
-    """The pool's cap set to the host's physical memory, unless the user set it or a backend already
+    """The pool's cap set to HOST_FRACTION of the host's physical memory, unless the user set it or a backend already
     read it (then setting it now would misreport the cap in effect)."""
     if ENV not in os.environ and not _backends_started():
-        os.environ[ENV] = str(max(physical_gib(), XLA_DEFAULT_GIB))
+        os.environ[ENV] = str(max(int(physical_gib() * HOST_FRACTION), XLA_DEFAULT_GIB))
 
 
 def cap_bytes() -> int:
