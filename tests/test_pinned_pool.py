@@ -37,9 +37,10 @@ def test_import_raises_the_cap_only_where_unset_and_unread():
     assert _cap_after_import("jax first") is None           # a started client already read the default
 
 
-def test_planner_counts_the_pool_on_gpu_with_pinned_offload(monkeypatch):
-    pinned = {"zero_optimization": {"stage": 3, "offload_param": {"device": "cpu", "pin_memory": True}}}
-    unpinned = {"zero_optimization": {"stage": 3, "offload_param": {"device": "cpu"}}}
+def test_planner_counts_the_pool_on_gpu_with_cpu_offload(monkeypatch):
+    # CPU offload always holds its states in pinned_host memory, whatever pin_memory says
+    pinned = {"zero_optimization": {"stage": 3, "offload_param": {"device": "cpu", "pin_memory": False}}}
+    unpinned = {"zero_optimization": {"stage": 3, "offload_param": {"device": "nvme"}}}
     monkeypatch.setattr(est, "host_free_bytes", lambda: 100 * 2**30)
     monkeypatch.setenv(pinned_pool.ENV, "64")
     assert planner._host_budget(pinned) == (100 * 2**30, "available")   # CPU: no pinned pool

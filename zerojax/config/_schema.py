@@ -93,7 +93,9 @@ class OffloadParamConfig:
     Model needs: nothing (a bound on its parameter count, checked when the engine is built)"""
     pin_memory: bool = _f(True, "bool")
     """Use page-locked host memory (DeepSpeed's default true since 0.19.5, github.com/deepspeedai/DeepSpeed/pull/8207).
-    zerojax: **accepted, no effect**: host offload always uses `pinned_host` memory"""
+    zerojax: **accepted, no effect**: host offload always uses `pinned_host` memory (on GPU, XLA's pinned
+    pool, capped by XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB: `import zerojax` sets it to 90% of physical memory
+    where unset)"""
 
 
 @dataclass(frozen=True)
@@ -114,7 +116,9 @@ class OffloadOptimizerConfig:
     Model needs: nothing (the NVMe swapper's host-side I/O, outside the compiled step)"""
     pin_memory: bool = _f(True, "bool")
     """Use page-locked host memory (DeepSpeed's default true since 0.19.5, github.com/deepspeedai/DeepSpeed/pull/8207).
-    zerojax: **accepted, no effect**: host offload always uses `pinned_host` memory"""
+    zerojax: **accepted, no effect**: host offload always uses `pinned_host` memory (on GPU, XLA's pinned
+    pool, capped by XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB: `import zerojax` sets it to 90% of physical memory
+    where unset)"""
     pipeline_read: bool = _f(False, "bool")
     """Overlap NVMe reads with the optimizer step.
     zerojax: **acted on**: group g+1 is read while group g is updated (else each read waits)

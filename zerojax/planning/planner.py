@@ -455,16 +455,16 @@ class Search:
 
 def _host_budget(cfg_dict) -> tuple[int, str]:
     """(bytes, what limits them) an offloading plan may hold in host memory: what is available now;
-    on GPU with pinned offload (`pin_memory`), no more than XLA's pinned pool allows
+    on GPU with CPU offload (always in pinned_host memory), no more than XLA's pinned pool allows
     (`zerojax.pinned_pool`)."""
     free = est.host_free_bytes()
     zero = cfg_dict.get("zero_optimization") or {}
-    pinned = any(isinstance(zero.get(k), dict) and zero[k].get("device") == "cpu" and zero[k].get("pin_memory")
+    to_cpu = any(isinstance(zero.get(k), dict) and zero[k].get("device") == "cpu"
                  for k in ("offload_param", "offload_optimizer"))
     cap = pinned_pool.cap_bytes()
-    if pinned and jax.default_backend() == "gpu" and cap < free:
-        return cap, (f"allowed in XLA's pinned host pool ({pinned_pool.ENV}; set it to the GiB "
-                     f"the offload needs before starting, or set pin_memory false)")
+    if to_cpu and jax.default_backend() == "gpu" and cap < free:
+        return cap, (f"allowed in XLA's pinned host pool ({pinned_pool.ENV}: set it to the GiB the "
+                     f"offload needs before starting, or offload to nvme)")
     return free, "available"
 
 
