@@ -1,5 +1,5 @@
 """XLA's pinned host pool cap (zerojax/pinned_pool.py): raised at import where the user left it unset
-and no backend read it yet; counted by the planner on GPU with pinned offload."""
+and no backend read it yet; counted by the planner on GPU with CPU offload."""
 import json
 import os
 import subprocess

@@ -33,8 +33,8 @@ def _backends_started() -> bool:
 
 
 def raise_cap() -> None:
-    """The pool's cap set to HOST_FRACTION of the host's physical memory, unless the user set it or a backend already
-    read it (then setting it now would misreport the cap in effect)."""
+    """The pool's cap set to HOST_FRACTION of the host's physical memory, unless the user set it or a
+    backend already read it (then setting it now would misreport the cap in effect)."""
     if ENV not in os.environ and not _backends_started():
         os.environ[ENV] = str(max(int(physical_gib() * HOST_FRACTION), XLA_DEFAULT_GIB))
 

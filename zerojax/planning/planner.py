@@ -590,7 +590,8 @@ def search(model_factory, cfg_dict, budget, seq_len, *, stages=(0, 1, 2, 3),
             if fits:
                 tiers_done.add((c.precision, c.remat, c.micro_batch))
             tried.append((p, "fits" if fits else "does not fit" if m.peak > budget else
-                          f"does not fit host memory: {fmt_bytes(m.host_peak)} of {fmt_bytes(host_budget)} {host_limit}"))
+                          f"does not fit host memory: {fmt_bytes(m.host_peak)} of {fmt_bytes(host_budget)} "
+                          f"{host_limit}"))
             if on_result:
                 on_result(*tried[-1])
             continue
