@@ -4,7 +4,10 @@ the engine must serve them through the model contract alone (zerojax.model), wit
 `ListQwen`: Qwen3-style, as a Flax NNX port from another project would be: a Python list
 (`nnx.List`) of decoder blocks, q / k / v kernels shaped [d, heads, head_dim] (`nnx.LinearGeneral`),
 GQA, q / k RMSNorm, RMSNorm, SwiGLU, rotary positions, an (unused here) KV-cache argument, and
-no logical axis names on any parameter.
+no logical axis names on any parameter. Its loop is `x = layer(x, positions)`: the engine stacks it.
+
+`CacheListLM`: blocks in an `nnx.List` run by `for layer, c in zip(self.layers, cache): x = layer(x,
+c, segment_ids)`, each writing its own cache Variable: a loop the engine must leave as it is.
 
 `ScanLM`: layers built with `nnx.vmap` and run with `nnx.scan` (one stacked module), other
 parameter names (wq / wk / wv / wo, w1 / w2 / w3, tok_embeddings, output), untied head,
@@ -102,11 +105,11 @@ class ListQwen(nnx.Module):
         self.layers = nnx.List([QwenBlock(s, rngs=rngs, dtype=dtype) for _ in range(s.layers)])
         self.norm = nnx.RMSNorm(s.d, epsilon=1e-6, dtype=dtype, rngs=rngs)
 
-    def __call__(self, input_ids, caches=None):
+    def __call__(self, input_ids):
         positions = jnp.broadcast_to(jnp.arange(input_ids.shape[1]), input_ids.shape)
         x = self.embed_tokens(input_ids)
-        for i, layer in enumerate(self.layers):
-            x = layer(x, positions, None if caches is None else caches[i])
+        for layer in self.layers:
+            x = layer(x, positions)
         return self.embed_tokens.attend(self.norm(x)).astype(jnp.float32)  # tied head
 
 
@@ -170,3 +173,79 @@ def lm_loss(model, batch):
     logp = jax.nn.log_softmax(logits, axis=-1)
     nll = -jnp.take_along_axis(logp, ids[:, 1:, None], axis=-1)[..., 0]
     return nll.mean()
+
+
+# ------------------------------------------------------------------ a decoder with a per-layer cache
+
+
+class KVCache(nnx.Variable):
+    """One layer's key / value cache: state outside the parameters, written as the layer runs."""
+
+
+def make_cache(layers: int, rows: int, seq: int, kv_heads: int, head_dim: int, dtype=jnp.float32) -> list:
+    """The per-layer caches a decoding helper makes outside the model (one Variable a layer)."""
+    return [KVCache(jnp.zeros((2, rows, seq, kv_heads, head_dim), dtype)) for _ in range(layers)]
+
+
+class CacheBlock(nnx.Module):
+    """A pre-norm block whose attention stays inside each packed document (segment ids) and
+    writes this layer's keys and values into its cache Variable."""
+
+    def __init__(self, s: QwenShape, *, rngs, dtype):
+        self.norm1 = nnx.RMSNorm(s.d, epsilon=1e-6, dtype=dtype, rngs=rngs)
+        self.q_proj = nnx.Linear(s.d, s.heads * s.head_dim, use_bias=False, dtype=dtype, rngs=rngs)
+        self.k_proj = nnx.Linear(s.d, s.kv_heads * s.head_dim, use_bias=False, dtype=dtype, rngs=rngs)
+        self.v_proj = nnx.Linear(s.d, s.kv_heads * s.head_dim, use_bias=False, dtype=dtype, rngs=rngs)
+        self.o_proj = nnx.Linear(s.heads * s.head_dim, s.d, use_bias=False, dtype=dtype, rngs=rngs)
+        self.norm2 = nnx.RMSNorm(s.d, epsilon=1e-6, dtype=dtype, rngs=rngs)
+        self.up = nnx.Linear(s.d, s.mlp, use_bias=False, dtype=dtype, rngs=rngs)
+        self.down = nnx.Linear(s.mlp, s.d, use_bias=False, dtype=dtype, rngs=rngs)
+        self.s = s
+
+    def __call__(self, x, cache: KVCache, segment_ids):
+        s, (b, t, _) = self.s, x.shape
+        h = self.norm1(x)
+        q = self.q_proj(h).reshape(b, t, s.heads, s.head_dim)
+        k = self.k_proj(h).reshape(b, t, s.kv_heads, s.head_dim)
+        v = self.v_proj(h).reshape(b, t, s.kv_heads, s.head_dim)
+        cache[...] = cache[...].at[:, :, :t].set(jnp.stack([k, v]).astype(cache.dtype))
+        rep = s.heads // s.kv_heads
+        k, v = jnp.repeat(k, rep, axis=2), jnp.repeat(v, rep, axis=2)
+        scores = jnp.einsum("bthd,bshd->bhts", q, k).astype(jnp.float32) / jnp.sqrt(s.head_dim)
+        same = segment_ids[:, :, None] == segment_ids[:, None, :]
+        mask = jnp.tril(jnp.ones((t, t), bool))[None] & same
+        scores = jnp.where(mask[:, None], scores, -1e30)
+        a = jnp.einsum("bhts,bshd->bthd", jax.nn.softmax(scores, axis=-1).astype(v.dtype), v)
+        x = x + self.o_proj(a.reshape(b, t, -1))
+        return x + self.down(jax.nn.silu(self.up(self.norm2(x))))
+
+
+class CacheListLM(nnx.Module):
+    """Blocks in an `nnx.List`, run by a loop that hands each its own cache Variable (written in
+    the loop) and the segment ids: a loop the engine cannot run as one scan."""
+
+    def __init__(self, s: QwenShape = QwenShape(), *, rngs: nnx.Rngs, dtype=jnp.float32):
+        self.shape = s
+        self.embed = nnx.Embed(s.vocab, s.d, dtype=dtype, rngs=rngs)
+        self.layers = nnx.List([CacheBlock(s, rngs=rngs, dtype=dtype) for _ in range(s.layers)])
+        self.norm = nnx.RMSNorm(s.d, epsilon=1e-6, dtype=dtype, rngs=rngs)
+        self.head = nnx.Linear(s.d, s.vocab, use_bias=False, dtype=dtype, rngs=rngs)
+
+    def __call__(self, input_ids, cache, segment_ids):
+        x = self.embed(input_ids)
+        for layer, c in zip(self.layers, cache):
+            x = layer(x, c, segment_ids)
+        return self.head(self.norm(x)).astype(jnp.float32)
+
+
+def cache_lm_loss(model, batch):
+    """Mean next-token cross-entropy of `CacheListLM` over packed rows (batch "input_ids",
+    "segment_ids" [B, T]); a fresh cache a call, as a decoding helper would make it."""
+    ids, seg = batch["input_ids"], batch["segment_ids"]
+    s = model.shape
+    cache = make_cache(s.layers, ids.shape[0], ids.shape[1] - 1, s.kv_heads, s.head_dim)
+    logits = model(ids[:, :-1], cache, seg[:, :-1])
+    logp = jax.nn.log_softmax(logits, axis=-1)
+    nll = -jnp.take_along_axis(logp, ids[:, 1:, None], axis=-1)[..., 0]
+    keep = (seg[:, 1:] == seg[:, :-1]).astype(jnp.float32)  # no loss across a document boundary
+    return (nll * keep).sum() / keep.sum()

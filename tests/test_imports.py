@@ -102,3 +102,22 @@ def test_models_import_nothing_of_the_runtime():
 def test_checkpoint_knows_pytrees_not_engines():
     deps = import_graph()["zerojax.checkpoint.state"]
     assert not {d for d in deps if d.startswith("zerojax.models")} and "zerojax.train.engine" not in deps
+
+
+def test_moved_modules_keep_working_with_a_warning_naming_the_new_path():
+    import importlib
+    import sys
+    import warnings
+
+    import pytest
+
+    for old, new in (("zerojax.planner", "zerojax.planning.planner"), ("zerojax.estimate", "zerojax.planning.estimate")):
+        sys.modules.pop(old, None)
+        with pytest.warns(DeprecationWarning, match=f"{old} moved to {new}"):
+            shim = importlib.import_module(old)
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            moved = importlib.import_module(new)
+        assert shim.__getattr__("__doc__") is moved.__doc__
+        name = "plan" if old.endswith("planner") else "H200"
+        assert getattr(shim, name) is getattr(moved, name)

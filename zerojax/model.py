@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import logging
 import math
 from typing import Any
 
@@ -38,9 +39,13 @@ from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 from jax.extend import core as jex
 
+from zerojax import block_loop
+
 # the one layer-stack runner and remat vocabulary GPT-2 and the Llama family use too
 from zerojax.models.layer_stack import (GENERIC_REMAT_POLICIES, LAYER_INPUT, layer_step, remat_policy,
                                         run_layers)
+
+logger = logging.getLogger("zerojax")
 
 LAYERS = "layers"   # the logical name of a stacked layer axis
 HOOKS = ("layer_scan", "layer_fetch")
@@ -352,9 +357,16 @@ def _same(a, b) -> bool:
 
 def stack_blocks(module) -> nnx.Module:
     """`module` with a found list of blocks replaced by a `StackedBlocks` (a new module object
-    sharing the other variables; `module` itself is left as it was). Unchanged without a list."""
+    sharing the other variables; `module` itself is left as it was). Unchanged without a list, and
+    where the model's loop is not provably `x = layer(x, *same args)` over blocks holding only
+    parameters (`zerojax.block_loop`): stacking is an optimisation, the model then runs as written
+    (one log line says why; features that need the stack name the line in their error)."""
     stack = find_blocks(module)
     if stack is None or stack.kind != "list":
+        return module
+    refusal = block_loop.why_not(module, stack.path)
+    if refusal is not None:
+        _log_unstacked(type(module).__name__, stack, refusal)
         return module
     graphdef, state = nnx.split(module)
     module = nnx.merge(graphdef, state)
@@ -364,6 +376,45 @@ def stack_blocks(module) -> nnx.Module:
     blocks = getattr(parent, stack.path[-1])
     setattr(parent, stack.path[-1], StackedBlocks(list(blocks)))
     return module
+
+
+_LOGGED: set = set()
+
+
+def _log_unstacked(model: str, stack: BlockStack, refusal) -> None:
+    key = (model, stack.path, str(refusal))
+    if key not in _LOGGED:  # once a model: planners and abstract engines build it again
+        _LOGGED.add(key)
+        logger.warning("zerojax runs %s's %d blocks (%s) as the model's own loop, not as one scan: %s",
+                       model, stack.layers, ".".join(stack.path), refusal)
+
+
+def unstacked_list_note(module) -> str:
+    """For an error of a feature that needs the block stack: why a found list of blocks was left as
+    the model's own loop, and the fix; "" where there is no such list."""
+    stack = find_blocks(module)
+    if stack is None or stack.kind != "list":
+        return ""
+    refusal = block_loop.why_not(module, stack.path)
+    if refusal is None:
+        return ""
+    return f" zerojax left its list of blocks `{'.'.join(stack.path)}` unstacked: {refusal}; " + \
+        block_loop.FIX.format(name=".".join(stack.path))
+
+
+def remat_block_class(cls, policy):
+    """A subclass of a listed block's class `cls` whose call is rematerialised with `policy`
+    through `nnx.remat`, which carries Variables the block is handed or holds (a cache it writes)
+    in and out of the checkpointed function, as the block's own call would."""
+    base = getattr(cls, "_zerojax_block", cls)
+    checkpointed = nnx.remat(lambda block, *a, **k: base.__call__(block, *a, **k), policy=remat_policy_fn(policy))
+
+    def __call__(self, *args, **kwargs):
+        return checkpointed(self, *args, **kwargs)
+
+    return type(base.__name__, (base,), {"__call__": __call__, "__module__": base.__module__,
+                                         "__qualname__": base.__qualname__, "_zerojax_block": base,
+                                         "_zerojax_policy": policy})
 
 
 def hooked_block_class(cls, *, policy=None, fetch=None, layer_scan=None, whole_ndim=None):
@@ -468,6 +519,9 @@ def remat_modules(module, policy) -> list[tuple[Any, str, Any]]:
             "(docs/CONTRACTS.md) or remove the activation_checkpointing section")
     remat_policy_fn(policy)  # a generic name, or the error naming them
     target = at(module, stack.path)
+    if stack.kind == "list":  # left as the model's own loop (`stack_blocks`): each block rematted as it is called
+        swapped = remat_block_class(type(target[0]), policy)
+        return [(block, "__class__", swapped) for block in target]
     return [(target, "__class__", hooked_block_class(type(target), policy=policy))]
 
 
@@ -571,5 +625,5 @@ def count_tokens(module, batch) -> int:
 
 
 __all__ = ["ModelDims", "BlockStack", "StackedBlocks", "find_blocks", "stack_blocks", "stacked_prefixes",
-           "stacked_flags", "remat_modules", "hooked_block_class", "scans_block_alone", "at", "remat_policy_fn", "model_dims", "infer_dims", "count_tokens",
+           "stacked_flags", "remat_modules", "hooked_block_class", "remat_block_class", "unstacked_list_note", "scans_block_alone", "at", "remat_policy_fn", "model_dims", "infer_dims", "count_tokens",
            "GENERIC_REMAT_POLICIES"]

@@ -70,19 +70,15 @@ def reference(kind):
     return nnx.to_pure_dict(params), losses
 
 
-def weights(eng, kind):
-    """The engine's fp32 weights in the model's own tree (a stacked list unstacked again)."""
-    got = jax.tree.map(lambda a: np.asarray(a, np.float32), eng.master_params)
-    if kind == "list" and "layers" in got and "block" in got["layers"]:
-        block = got["layers"]["block"]
-        got["layers"] = {i: jax.tree.map(lambda a, i=i: a[i], block) for i in range(QwenShape().layers)}
-    return got
+def weights(eng):
+    """The engine's fp32 weights, in the model's own tree (a stacked list comes back as the list)."""
+    return jax.tree.map(lambda a: np.asarray(a, np.float32), eng.master_params)
 
 
 def assert_matches_reference(eng, kind, losses, got=None):
     want, want_losses = reference(kind)
     np.testing.assert_allclose(losses, want_losses, rtol=1e-5)
-    got = weights(eng, kind) if got is None else got
+    got = weights(eng) if got is None else got
     for (path, a), b in zip(jax.tree_util.tree_leaves_with_path(got), jax.tree.leaves(want)):
         np.testing.assert_allclose(a, b, atol=ATOL, err_msg=f"{kind}: {jax.tree_util.keystr(path)}")
 
@@ -153,10 +149,10 @@ def list_stage_runs(tmp_path_factory):
     three.save_checkpoint(ck)
     losses3.append(float(three.train_step(data[2])["loss"]))
     one, losses1 = trained("list", CASES["zero1"])
-    got1 = weights(one, "list")
+    got1 = weights(one)
     one.load_checkpoint(ck)
     resumed = [float(one.train_step(data[2])["loss"])]
-    return three, losses3, got1, losses1, weights(one, "list"), resumed
+    return three, losses3, got1, losses1, weights(one), resumed
 
 
 @pytest.mark.slow

@@ -9,7 +9,11 @@ from __future__ import annotations
 from typing import Callable
 
 import jax
+import jax.numpy as jnp
 import numpy as np
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+from zerojax import user_tree
 
 from zerojax.checkpoint import files as checkpoint_files
 from zerojax.checkpoint import state as checkpoint
@@ -34,7 +38,12 @@ def save_engine_state(layout, state: TrainState, save_dir, *, steps: int, model_
             "mesh": {k: int(v) for k, v in layout.mesh.shape.items()}, "config": cfg.to_dict(),
             "model": model_record}
     # NVMe offload: the swapped layers' leaves are streamed from the files a group at a time
-    path = checkpoint.save(save_dir, layout.to_stored(state, stream=True), steps=steps, info=info, tag=tag,
+    stored = layout.to_stored(state, stream=True)
+    lists = _user_lists(layout)
+    if lists:  # a list of blocks the engine stacked: stored as the model's own list
+        stored = user_tree.to_user(stored, lists, take=user_tree.take_layer)
+        info["layer_lists"] = {_list_name(p): n for p, n in lists.items()}
+    path = checkpoint.save(save_dir, stored, steps=steps, info=info, tag=tag,
                            client_state=client_state, export_weights=export)
     if keep is not None:
         checkpoint_files.prune(save_dir, keep)
@@ -49,6 +58,13 @@ def load_engine_state(layout, live: TrainState, load_dir, *, free_bytes: Callabl
     such a device the state is repacked (`_repacked`)."""
     # NVMe offload: the swapped layers' leaves are written into the files a group at a time
     current, shardings = layout.stored_targets(live, stream=True)
+    lists = _user_lists(layout)
+    if lists and checkpoint.read_meta(load_dir, tag).get("layer_lists") != {_list_name(p): n for p, n in lists.items()}:
+        lists = {}  # saved stacked (before the list was stored as the model's own)
+    stacked_shardings = shardings
+    if lists:  # read as the model's own list, each layer in its stacked leaf's sharding less the layer axis
+        current = user_tree.to_user(current, lists, take=_layer_target)
+        shardings = user_tree.to_user(shardings, lists, take=_layer_sharding)
     replaced = [live.params, live.master] + (
         [live.opt_state] if load_optimizer_states and not load_module_only else [])
     released = []
@@ -75,6 +91,8 @@ def load_engine_state(layout, live: TrainState, load_dir, *, free_bytes: Callabl
                 "state first, the device having too little memory free for both, so it holds no "
                 "trainable state now: build a new engine and load a readable checkpoint)") from e
         raise
+    if lists:
+        got = _restacked(got, lists, stacked_shardings)
     master, opt_state = layout.from_stored(got.master, got.opt_state)
     if layout.offload is not None:
         # the chunks hold the stored leaves themselves: dropped from `got`, each batch of fp32 leaves
@@ -90,6 +108,48 @@ def load_engine_state(layout, live: TrainState, load_dir, *, free_bytes: Callabl
         # split master's fp32 read)
         state = _repacked(state, superseded=(replaced, got.params, got.master, got.opt_state, got.rest))
     return state, got
+
+
+def _user_lists(layout) -> dict:
+    """The stacked lists a checkpoint stores as the model's own list: all but under NVMe offload,
+    whose swap files stream whole stacked leaves (a checkpoint's leaves are then stacked)."""
+    return {} if layout.streams_nvme() else layout.layer_lists
+
+
+def _list_name(path) -> str:
+    return ".".join(str(k) for k in path)
+
+
+def _layer_target(x, i):
+    return None if x is None else jax.ShapeDtypeStruct(tuple(x.shape[1:]), x.dtype)
+
+
+def _layer_sharding(s, i):
+    """One layer's sharding: the stacked leaf's, its layer axis dropped."""
+    if not isinstance(s, NamedSharding):
+        return s
+    spec = tuple(s.spec)[1:]
+    return NamedSharding(s.mesh, P(*spec), memory_kind=s.memory_kind)
+
+
+def _restacked(got, lists, shardings):
+    """`got` (read as the model's own lists) with each list stacked again and placed where the
+    engine keeps it (`shardings`: the stored form's)."""
+    def stack(layers):
+        if jax.process_count() == 1:  # through host memory: the layers may lie in a host memory kind
+            return np.stack([np.asarray(x) for x in layers])
+        return jnp.stack(layers)
+
+    def restack(tree, where):
+        if tree is None:
+            return None
+        joined = user_tree.from_user(tree, lists, join=stack)
+        return jax.tree.map(lambda x, s: jax.device_put(x, s) if isinstance(x, np.ndarray) else x, joined, where,
+                            is_leaf=lambda x: x is None)
+
+    return got._replace(params=restack(got.params, shardings.params),
+                        master=restack(got.master, shardings.master) if got.master is not None else None,
+                        opt_state=restack(got.opt_state, shardings.opt_state) if got.opt_state is not None else None)
 
 
 def _needs_room(reads, replaced, free: int | None) -> bool:

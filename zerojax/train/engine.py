@@ -35,7 +35,8 @@ import numpy as np
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from zerojax import model as contract, offload as O
+from zerojax import model as contract, offload as O, user_tree
+from zerojax.user_tree import take_layer
 
 from zerojax.checkpoint import engine_io
 from zerojax.planning import memory
@@ -103,11 +104,14 @@ class Engine:
         init_fn = None
         if isinstance(model, nnx.Module):
             module = contract.stack_blocks(model)
+            user = model
         elif callable(model):
             init_fn = functools.partial(_stacked, model)
             with no_eager_sharding():
                 module = nnx.eval_shape(init_fn)
-            if not abstract and any(isinstance(m, contract.StackedBlocks) for _, m in nnx.iter_graph(module)):
+                stacked = any(isinstance(m, contract.StackedBlocks) for _, m in nnx.iter_graph(module))
+                user = nnx.eval_shape(model) if stacked else module
+            if not abstract and stacked:
                 # a list of blocks, each initialised by its own code: as one XLA program they compile
                 # in minutes at real depths (28 blocks: over 100 s), run eagerly on the host in
                 # seconds; each device then receives only its own shards (`_init_state`'s values)
@@ -119,6 +123,8 @@ class Engine:
                 f"{type(model).__name__}; for a Linen module wrap it with flax.nnx.bridge.ToNNX"
             )
         self.layout: EngineLayout = build_layout(module, cfg, loss_fn=loss_fn, mesh=mesh, options=options)
+        # the model's own structure, for what users read (`model`, `params`, `master_params`)
+        self._user_split = _abstract_split(user) if self.layout.layer_lists else None
         self.loss_fn = loss_fn
         self._plans_for = plans_for
         self._counter = module if callable(getattr(module, "count_tokens", None)) else None
@@ -131,7 +137,7 @@ class Engine:
         else:
             self.state = self._init_state(init_fn, module)
         self.state = self.state._replace(grad_accumulator=self._grad_accumulator(abstract))
-        del model, module  # drop our references to the host copy
+        del model, module, user  # drop our references to the host copy
 
         # the new state comes out exactly where the state went in: left free, XLA may pick another
         # sharding for a small leaf (which the AOT-compiled step then refuses on the next call) or
@@ -685,13 +691,23 @@ class Engine:
         return float(self.schedule(self.state.step - self.state.skipped_steps))
 
     @property
+    def params(self):
+        """The compute-dtype weights the step uses (pure dict, the model's own tree)."""
+        return user_tree.to_user(self.state.params, self.layout.layer_lists)
+
+    @property
     def master_params(self):
-        """fp32 master weights (pure dict) in the optimizer sharding (fp32 runs: the params).
+        """fp32 master weights (pure dict, the model's own tree) in the optimizer sharding (fp32
+        runs: the params); a list of blocks the engine runs as one scan comes back as the list.
 
         Whole by definition: with NVMe offload the swapped layers' master is read back from the files
         into host memory and merged on the device (4 bytes per parameter of each, once). For a model
         whose state exceeds host memory, export from a checkpoint instead (`zerojax export`, which
         reads the master alone, never the moments) -- docs/nvme.md."""
+        return user_tree.to_user(self._stacked_master(), self.layout.layer_lists)
+
+    def _stacked_master(self):
+        """`master_params` in the engine's own tree (a stacked list of blocks as one stack)."""
         off = self.layout.offload
         if off is not None:  # the host chunks merged into one tree on the device
             if not hasattr(self, "_merge_master"):
@@ -714,13 +730,18 @@ class Engine:
         if lay.offload is None or lay.nvme is not None or jax.process_count() > 1:
             return self.master_params
         self.synchronize()
-        return lay.to_stored(self.state, stream=True).master
+        return user_tree.to_user(lay.to_stored(self.state, stream=True).master, lay.layer_lists, take=take_layer)
 
     @property
     def model(self) -> nnx.Module:
-        """An nnx module holding the current fp32 master weights."""
+        """An nnx module holding the current fp32 master weights, of the model's own structure."""
         self.synchronize()
-        return step_mod.merge(self.step_settings, self.master_params, self.state.rest)
+        if self._user_split is None:
+            return step_mod.merge(self.step_settings, self.master_params, self.state.rest)
+        graphdef, params, rest = (jax.tree.map(lambda x: x, t) for t in self._user_split)
+        nnx.replace_by_pure_dict(params, self.master_params)
+        nnx.replace_by_pure_dict(rest, self.state.rest)
+        return nnx.merge(graphdef, params, rest)
 
     def memory_report(self, batch_shapes=None) -> MemoryReport:
         """Per-device bytes of the model states (read from the arrays) and of XLA's compiled step."""
@@ -773,6 +794,13 @@ def _split_into_program(lay):
 
     return jax.jit(split, donate_argnums=(1, 2), keep_unused=True,
                    out_shardings=(lay.shardings.params, lay.shardings.master))
+
+
+def _abstract_split(module):
+    """(graphdef, Param state, other state) of `module` with ShapeDtypeStruct leaves (no arrays kept)."""
+    graphdef, params, rest = nnx.split(module, nnx.Param, ...)
+    abstract = lambda x: jax.ShapeDtypeStruct(jnp.shape(x), jnp.result_type(x))  # noqa: E731
+    return graphdef, jax.tree.map(abstract, params), jax.tree.map(abstract, rest)
 
 
 def _stacked(factory):

@@ -24,7 +24,7 @@ from zerojax import offload as O
 from zerojax.checkpoint import stream as stream_mod
 
 from zerojax.sharding import partition
-from zerojax import model as contract
+from zerojax import model as contract, user_tree
 from zerojax.config import Config, ConfigError, load_config, pipeline_stages, remat_policy_for
 from zerojax.sharding.pipeline import PipelineSchedule, pipeline_scan, schedule_problems
 from zerojax.optim import build_optimizer, build_schedule
@@ -69,6 +69,9 @@ class EngineLayout:
     step: StepSettings
     pipeline: PipelineSchedule | None = None   # pipeline.stages > 1: the schedule the model's scan runs
     nvme: Any = None                   # offload_optimizer device "nvme": the layers' state in swap files (NvmeTier)
+    # {path: layers} of the lists of blocks the engine stacked (`zerojax.user_tree`): the state holds
+    # them stacked, what users read and checkpoints hold is the model's own tree
+    layer_lists: dict = dataclasses.field(default_factory=dict)
 
     @property
     def state_shardings(self) -> TrainState:
@@ -327,6 +330,7 @@ def _build_layout(module, cfg: Config, *, loss_fn, mesh: Mesh, options) -> Engin
     stage = int(zero.stage)
     offload_optimizer, offload_param = offloads(cfg)
     offloading = offload_optimizer or offload_param
+    _check_needs_stack(module, cfg, offload_param)
     if offloading and cfg.optimizer is not None and "".join(
             c for c in cfg.optimizer.type.lower() if c.isalnum()) == "lamb":
         raise ConfigError(["zero_optimization.offload_optimizer / offload_param with optimizer.type "
@@ -424,7 +428,8 @@ def _build_layout(module, cfg: Config, *, loss_fn, mesh: Mesh, options) -> Engin
         tx=tx, schedule=schedule, abstract_master=abstract_master, shardings=shardings,
         param_shardings=param_shardings, master_shardings=master_shardings, opt_shardings=opt_shardings,
         rest_shardings=rest_shardings, offload=off, offload_settings=offload_settings,
-        stage3_gather=stage3_gather, step=step, pipeline=schedule_, nvme=nvme)
+        stage3_gather=stage3_gather, step=step, pipeline=schedule_, nvme=nvme,
+        layer_lists=user_tree.stacked_lists(module))
 
 
 def _rest_shardings(rest, mesh: Mesh, cfg: Config, stage: int, model_type, prefixes, host_kind=None):
@@ -472,6 +477,18 @@ SELF_SCAN_ERROR = ("pipeline.stages = {stages}: zerojax runs {model}'s nnx.vmap-
                    "whose body only calls the block on its carry (`x = block(x, ...)`); {what}. Give the module "
                    "that scans its layers the `layer_scan` hook (docs/CONTRACTS.md, \"The model contract\"), or "
                    "use pipeline.stages 1")
+
+
+def _check_needs_stack(module, cfg, offload_param: bool) -> None:
+    """Pipeline stages and per-layer parameter offload run the blocks as one stacked scan: on a
+    model whose list of blocks zerojax left as its own loop, the error names the loop's line."""
+    note = contract.unstacked_list_note(module)
+    if not note:
+        return
+    if pipeline_stages(cfg.pipeline) > 1:
+        raise _config_error(PIPELINE_HOOK_ERROR.format(stages=cfg.pipeline.stages, what=note.strip()))
+    if offload_param:
+        raise _config_error(PARAM_HOOK_ERROR.format(what=note.strip()))
 
 
 def _pipeline_layout(module, cfg, mesh, options, abstract_master, accum_dtype, stacked=None):

@@ -1,0 +1,4 @@
+"""Moved to `zerojax.planning.estimate`; this name keeps working for one release, with a DeprecationWarning."""
+from zerojax._moved import forward
+
+__getattr__ = forward(__name__, "zerojax.planning.estimate")
