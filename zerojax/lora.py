@@ -17,7 +17,7 @@ layer scan. Adapters are stacked on the base's leading "layers" axis (lora_A [L,
 lora_B [L, r, *out]) and carry the kernel's logical axis names, so tensor parallelism splits them
 as it splits their kernel (a column-parallel kernel's lora_B, a row-parallel kernel's lora_A).
 
-What differs between model families is one `Family` each (`FAMILIES`): the PEFT (Hugging Face)
+What differs between model families is one `Family` each (the registry's `PeftTargets`): the PEFT (Hugging Face)
 module names, where those modules sit in our stacked layers, the savable modules, PEFT's
 fan_in_fan_out for them. GPT-2's projections are Hugging Face `Conv1D`s ([in, out] weights), for
 which PEFT sets fan_in_fan_out; its files hold lora_A [r, in] and lora_B [out, r] all the same.
@@ -44,17 +44,16 @@ import numpy as np
 from flax import nnx
 
 from zerojax.config import ConfigError
-from zerojax.models.gpt2 import GPT2
-from zerojax.models.llama import Llama
+from zerojax.models import registry
 
 PEFT_PREFIX = "base_model.model."
 
 
 @dataclasses.dataclass(frozen=True)
 class Family:
-    """What LoRA needs to know of a model family; everything else is shared."""
+    """What LoRA needs to know of a model family (`zerojax.models.registry`: its `PeftTargets`)."""
 
-    name: str  # its key in FAMILIES (LoraAdapter.family)
+    name: str  # the registered family's name (LoraAdapter.family)
     label: str  # for messages
     model: type  # the model class (`merge` builds a plain one)
     stack: str  # the model's attribute holding the stacked layers
@@ -69,34 +68,22 @@ class Family:
     fan_in_fan_out: bool  # PEFT's for these modules: True for Conv1D ([in, out] weights)
 
 
-LLAMA_LINEARS = {
-    "self_attn.q_proj": (("self_attn", "q_proj"), 1), "self_attn.k_proj": (("self_attn", "k_proj"), 1),
-    "self_attn.v_proj": (("self_attn", "v_proj"), 1), "self_attn.o_proj": (("self_attn", "o_proj"), 2),
-    "mlp.gate_proj": (("mlp", "gate_proj"), 1), "mlp.up_proj": (("mlp", "up_proj"), 1),
-    "mlp.down_proj": (("mlp", "down_proj"), 1),
-}
-# GPT-2 (zerojax.models.gpt2): c_attn [d, 3, heads, head_dim] (HF's fused [q|k|v] columns), attn.c_proj
-# [heads, head_dim, d]: row-major, as Hugging Face's Conv1D weights [in, out] flatten
-GPT2_LINEARS = {
-    "attn.c_attn": (("attn", "c_attn"), 1), "attn.c_proj": (("attn", "c_proj"), 2),
-    "mlp.c_fc": (("mlp", "c_fc"), 1), "mlp.c_proj": (("mlp", "c_proj"), 1),
-}
-FAMILIES = {f.name: f for f in (
-    Family("llama", "the Llama family", Llama, "layers", "model.layers.{i}.", LLAMA_LINEARS,
-           {"embed_tokens": ("embed_tokens", "model.embed_tokens.weight"), "lm_head": ("lm_head", "lm_head.weight")},
-           fan_in_fan_out=False),
-    # GPT-2's input embedding is its LM head (tied): neither trains whole apart from the other
-    Family("gpt2", "GPT-2", GPT2, "h", "transformer.h.{i}.", GPT2_LINEARS,
-           {"wte": ("wte", "transformer.wte.weight"), "lm_head": ("wte", "lm_head.weight")}, fan_in_fan_out=True),
-)}
+def _family(f) -> Family:
+    return Family(f.name, f.label, f.model_class, **dataclasses.asdict(f.peft))
+
+
+def family_named(name: str) -> Family:
+    """The LoRA view of the registered family `name`."""
+    return _family(registry.get(name))
 
 
 def family_of(model) -> Family:
-    for fam in FAMILIES.values():
-        if isinstance(model, fam.model):
-            return fam
-    raise TypeError(f"zerojax.lora: {type(model).__name__}; LoRA runs on zerojax.models.GPT2 and "
-                    "zerojax.models.Llama (the Llama family: Llama, Mistral, Qwen2, Qwen3)")
+    f = registry.for_model(model)
+    if f is None or f.peft is None:
+        able = [f"{f.label} ({f.model_class.__name__})" for f in registry.families().values() if f.peft]
+        raise TypeError(f"zerojax.lora: {type(model).__name__}; LoRA runs on the families that name their "
+                        f"PEFT modules: {', '.join(able)}")
+    return _family(f)
 
 
 def _tied(model) -> bool:
@@ -364,7 +351,7 @@ class LoraDropout(nnx.Module):
 class LoraAdapter:
     """The settings a LoRA model carries (`model.adapter`, a static attribute the model's layer
     scan calls): PEFT's scale, the targets, the settings dict to export, the model's family (a
-    `FAMILIES` key)."""
+    registered family name)."""
 
     scale: float
     targets: tuple
@@ -375,7 +362,7 @@ class LoraAdapter:
 
     @property
     def family_parts(self) -> Family:
-        return FAMILIES[self.family]
+        return family_named(self.family)
 
     @property
     def config(self) -> dict:
@@ -720,4 +707,4 @@ def trainable_count(model) -> int:
 
 __all__ = ["apply", "save_peft", "load_peft", "merge", "from_config_dict", "FrozenWeight", "LoraAdapter",
            "quantize_int8", "quantize_4bit", "dequantize_4bit", "quantization_bound", "kernel_of",
-           "peft_tensors", "trainable_count", "Family", "FAMILIES", "family_of", "LLAMA_LINEARS", "GPT2_LINEARS"]
+           "peft_tensors", "trainable_count", "Family", "family_of", "family_named"]

@@ -215,7 +215,7 @@ def test_fan_in_fan_out_either_way_on_gpt2():
     """PEFT turns fan_in_fan_out on for Conv1D itself (warning when it was false): both are GPT-2's."""
     for value in (True, False):
         model = lora.apply(GPT2(MODEL, rngs=nnx.Rngs(0)), dict(LORA, fan_in_fan_out=value))
-        assert model.adapter.targets == tuple(lora.GPT2_LINEARS)
+        assert model.adapter.targets == tuple(lora.family_named("gpt2").linears)
 
 
 @pytest.mark.slow

@@ -1,5 +1,6 @@
 """Plain Flax NNX models; nothing here imports the rest of zerojax."""
 
+from zerojax.models import registry
 from zerojax.models.gpt2 import GPT2, GPT2Config, chunked_gpt2_loss, flops_per_token, gpt2_loss, num_params
 from zerojax.models.hf import gpt2_from_hf, gpt2_from_params, load_hf, save_hf
 from zerojax.models.hub import from_hf, to_hf
@@ -8,29 +9,19 @@ from zerojax.models.tokenizer import HFTokenizer
 
 
 def weights_writer(record: dict | None):
-    """The writer of consolidated weights for a model's `checkpoint_record()`, or None (unknown
-    model: the checkpoint's flat safetensors). A writer is `writer(params, out_dir, dtype=None)
-    -> path of the weights file`; GPT-2's and the Llama family's write a Hugging Face folder
+    """The writer of consolidated weights for a model's `checkpoint_record()`, or None (no record,
+    or no registered family: the checkpoint's flat safetensors). A writer is `writer(params,
+    out_dir, dtype=None) -> path of the weights file`: the family's Hugging Face folder
     (config.json + model.safetensors, or shards with model.safetensors.index.json)."""
-    if not record:
+    family = registry.for_record(record)
+    if family is None:
         return None
-    if record.get("type") == "gpt2":
-        config = GPT2Config(**record["config"])
+    config = family.config_from_record(record)
 
-        def write(params, out_dir, dtype=None):
-            return save_hf(params, config, out_dir, dtype=dtype)
+    def write(params, out_dir, dtype=None):
+        return family.writer(params, config, out_dir, dtype=dtype)
 
-        return write
-    if record.get("family") == "llama":
-        from zerojax.models.hf_llama import config_from_record, save_llama_hf
-
-        llama_config = config_from_record(record)
-
-        def write_llama(params, out_dir, dtype=None):
-            return save_llama_hf(params, llama_config, out_dir, dtype=dtype)
-
-        return write_llama
-    return None
+    return write
 
 
 def load_tokenizer(path):
@@ -42,4 +33,4 @@ def load_tokenizer(path):
 
 __all__ = ["GPT2", "GPT2Config", "chunked_gpt2_loss", "flops_per_token", "gpt2_loss", "num_params",
            "gpt2_from_hf", "gpt2_from_params", "load_hf", "save_hf", "weights_writer",
-           "Llama", "LlamaConfig", "llama_loss", "chunked_llama_loss", "from_hf", "to_hf", "load_tokenizer"]
+           "Llama", "LlamaConfig", "llama_loss", "chunked_llama_loss", "from_hf", "to_hf", "load_tokenizer", "registry"]

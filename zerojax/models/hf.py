@@ -13,6 +13,8 @@ it without building a model. Only numpy and safetensors here; no torch.
 Vocabulary padding (`GPT2Config.make_vocab_size_divisible_by`): Hugging Face's files hold the real
 vocabulary (config.json's vocab_size rows of wte); our params hold `padded_vocab_size` rows, the
 extra ones zero. Import appends the zero rows, export drops them.
+
+GPT-2's family record (`zerojax.models.registry`) is registered here, where its reader and writer are.
 """
 from __future__ import annotations
 
@@ -23,7 +25,8 @@ from collections.abc import Mapping
 import numpy as np
 from flax import nnx
 
-from zerojax.models.gpt2 import GPT2, GPT2Config
+from zerojax.models import registry
+from zerojax.models.gpt2 import GPT2, GPT2Config, chunked_gpt2_loss, gpt2_loss
 
 _LAYER_KEYS = (  # HF per-layer name -> our path under "h"
     ("ln_1.weight", ("ln_1", "scale")),
@@ -365,3 +368,83 @@ def gpt2_from_params(config: GPT2Config, params: Mapping, **model_kwargs) -> GPT
     nnx.replace_by_pure_dict(state, jax.tree.map(lambda a: jnp.asarray(a, param_dtype), params))
     return nnx.merge(graphdef, state)
 
+
+def module_from_leaves(make, leaves, param_dtype):
+    """make() built abstractly (nnx.eval_shape), its parameters filled from `leaves` (our path,
+    numpy array) one at a time: each converted to a device array and dropped before the next."""
+    import jax
+    import jax.numpy as jnp
+
+    abstract = nnx.eval_shape(make)
+    graphdef, state = nnx.split(abstract)
+    shapes = nnx.to_pure_dict(state)
+    filled: dict = {}
+    for path, a in leaves:
+        want = get_path(shapes, path).shape
+        if tuple(a.shape) != tuple(want):
+            raise ValueError(f"{'/'.join(path)}: the checkpoint's shape {a.shape}, the model's {want}")
+        set_path(filled, path, jnp.asarray(a, param_dtype))
+        del a
+    missing = [jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_leaves_with_path(shapes)
+               if not _has(filled, [getattr(k, "key", k) for k in p])]
+    if missing:
+        raise ValueError(f"parameters the checkpoint did not fill: {missing[:8]}")
+    nnx.replace_by_pure_dict(state, filled)
+    return nnx.merge(graphdef, state)
+
+
+def _has(tree, path):
+    for key in path:
+        if not isinstance(tree, Mapping) or key not in tree:
+            return False
+        tree = tree[key]
+    return True
+
+
+def storage_dtype(dtype):
+    import jax.numpy as jnp
+
+    return jnp.dtype(dtype or jnp.float32)
+
+
+def read_gpt2(path: str, dtype=None, **model_kwargs) -> GPT2:
+    """GPT-2's reader (`from_hf` for model_type gpt2)."""
+    param_dtype = storage_dtype(dtype)
+    config, params = load_hf(path)
+
+    def leaves():  # numpy leaves handed over (and released) one at a time
+        stack = [((), params)]
+        while stack:
+            prefix, tree = stack.pop()
+            for key in list(tree):
+                value = tree.pop(key)
+                if isinstance(value, dict):
+                    stack.append(((*prefix, key), value))
+                else:
+                    yield (*prefix, key), value
+
+    make = lambda: GPT2(config, rngs=nnx.Rngs(0), param_dtype=param_dtype, **model_kwargs)  # noqa: E731
+    return module_from_leaves(make, leaves(), param_dtype)
+
+
+# ------------------------------------------------------------------------------ the family
+
+
+registry.register(registry.ModelFamily(
+    name="gpt2", label="GPT-2", config_class=GPT2Config, model_class=GPT2,
+    shapes={s: s for s in ("tiny", "small", "medium", "large", "xl")},
+    loss=gpt2_loss, chunked_loss=chunked_gpt2_loss, hf_model_types=("gpt2",), from_hf=read_gpt2,
+    writer=save_hf, config_from_record=lambda record: GPT2Config(**record["config"]),
+    # the fields that decide the parameters' shapes
+    shape_keys=("vocab_size", "n_positions", "n_embd", "n_layer", "n_head", "n_inner", "make_vocab_size_divisible_by"),
+    # c_attn [d, 3, heads, head_dim] (HF's fused [q|k|v] columns), attn.c_proj [heads, head_dim, d]:
+    # row-major, as Hugging Face's Conv1D weights [in, out] flatten; the input embedding is the LM
+    # head (tied): neither trains whole apart from the other
+    peft=registry.PeftTargets(
+        stack="h", prefix="transformer.h.{i}.",
+        linears={"attn.c_attn": (("attn", "c_attn"), 1), "attn.c_proj": (("attn", "c_proj"), 2),
+                 "mlp.c_fc": (("mlp", "c_fc"), 1), "mlp.c_proj": (("mlp", "c_proj"), 1)},
+        savable={"wte": ("wte", "transformer.wte.weight"), "lm_head": ("wte", "lm_head.weight")},
+        fan_in_fan_out=True),
+    max_positions=lambda config: config.n_positions,
+    label_of=lambda shape, config: f"GPT-2 {shape}"))

@@ -6,6 +6,8 @@ q_proj [H*Dh, d] is read as its transpose reshaped to [d, H, Dh], o_proj [d, H*D
 axis one tensor at a time (`hf.TensorReader`). HF's checkpoints are already in the rotate-half
 layout our rotary embedding uses: no permutation. A tied model's `lm_head.weight` is not
 written (as `save_pretrained` does) and ignored when present.
+
+The Llama family's record (`zerojax.models.registry`) is registered here, beside its reader and writer.
 """
 from __future__ import annotations
 
@@ -15,10 +17,12 @@ import os
 from collections.abc import Mapping
 
 import numpy as np
+from flax import nnx
 
-from zerojax.models.hf import (MAX_SHARD_BYTES, TensorReader, get_path, layer, plain_arrays, set_path,
-                              write_tensors)
-from zerojax.models.llama import MODEL_TYPES, LlamaConfig
+from zerojax.models import registry
+from zerojax.models.hf import (MAX_SHARD_BYTES, TensorReader, get_path, layer, module_from_leaves, plain_arrays,
+                               set_path, storage_dtype, write_tensors)
+from zerojax.models.llama import MODEL_TYPES, Llama, LlamaConfig, chunked_llama_loss, llama_loss
 
 ARCHITECTURES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
                  "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
@@ -245,3 +249,39 @@ def config_from_record(record: Mapping) -> LlamaConfig:
     fields = {f.name for f in dataclasses.fields(LlamaConfig)}
     cfg = {k: (tuple(v) if isinstance(v, list) else v) for k, v in record["config"].items() if k in fields}
     return LlamaConfig(**cfg)
+
+
+def read_llama(path: str, dtype=None, **model_kwargs) -> Llama:
+    """The Llama family's reader (`from_hf` for llama, mistral, qwen2, qwen3)."""
+    param_dtype = storage_dtype(dtype)
+    config, leaves = read_leaves(path)
+    make = lambda: Llama(config, rngs=nnx.Rngs(0), param_dtype=param_dtype, **model_kwargs)  # noqa: E731
+    return module_from_leaves(make, leaves, param_dtype)
+
+
+# ------------------------------------------------------------------------------ the family
+
+
+# LlamaConfig fields that do not change the model a checkpoint holds
+_NOT_SHAPE = ("initializer_range", "bos_token_id", "eos_token_id")
+
+registry.register(registry.ModelFamily(
+    name="llama", label="the Llama family", config_class=LlamaConfig, model_class=Llama,
+    # the published shapes; the test shapes renamed so that "tiny" stays GPT-2's
+    shapes={**{s: s for s in ("llama-3.2-1b", "llama-3.2-3b", "llama-3.1-8b", "qwen2.5-0.5b", "qwen3-0.6b",
+                              "mistral-7b", "mistral-7b-v0.3")},
+            "tiny-llama": "tiny", "tiny-qwen2": "tiny-qwen2", "tiny-qwen3": "tiny-qwen3"},
+    loss=llama_loss, chunked_loss=chunked_llama_loss, hf_model_types=MODEL_TYPES, from_hf=read_llama,
+    writer=save_llama_hf, config_from_record=config_from_record,
+    shape_keys=tuple(f.name for f in dataclasses.fields(LlamaConfig) if f.name not in _NOT_SHAPE),
+    peft=registry.PeftTargets(
+        stack="layers", prefix="model.layers.{i}.",
+        linears={"self_attn.q_proj": (("self_attn", "q_proj"), 1), "self_attn.k_proj": (("self_attn", "k_proj"), 1),
+                 "self_attn.v_proj": (("self_attn", "v_proj"), 1), "self_attn.o_proj": (("self_attn", "o_proj"), 2),
+                 "mlp.gate_proj": (("mlp", "gate_proj"), 1), "mlp.up_proj": (("mlp", "up_proj"), 1),
+                 "mlp.down_proj": (("mlp", "down_proj"), 1)},
+        savable={"embed_tokens": ("embed_tokens", "model.embed_tokens.weight"),
+                 "lm_head": ("lm_head", "lm_head.weight")}),
+    label_of=lambda shape, config: f"{shape} ({config.model_type})"))
+
+

@@ -197,16 +197,14 @@ def default_loss_fn():
 
 
 def lm_loss(model, batch):
-    """Next-token cross entropy, fp32, of a language model on batch["input_ids"] [B, T]: the
-    family's own loss for zerojax's GPT-2 and Llama (`gpt2_loss`, `llama_loss`), else the mean
-    over `model(input_ids)`'s logits [B, T, vocab] against the next tokens."""
-    from zerojax.models.gpt2 import GPT2, gpt2_loss
-    from zerojax.models.llama import Llama, llama_loss
+    """Next-token cross entropy, fp32, of a language model on batch["input_ids"] [B, T]: its
+    registered family's loss (`zerojax.models.registry`: GPT-2's, the Llama family's, ...), else
+    the mean over `model(input_ids)`'s logits [B, T, vocab] against the next tokens."""
+    from zerojax.models import registry
 
-    if isinstance(model, GPT2):
-        return gpt2_loss(model, batch)
-    if isinstance(model, Llama):
-        return llama_loss(model, batch)
+    family = registry.for_model(model)
+    if family is not None:
+        return family.loss(model, batch)
     ids = batch["input_ids"]
     logp = jax.nn.log_softmax(jnp.asarray(model(ids[:, :-1]), jnp.float32), axis=-1)
     return -jnp.take_along_axis(logp, ids[:, 1:, None], axis=-1).mean()
