@@ -1,0 +1,52 @@
+"""Generation from an engine's live weights (ZeRO-3, tensor parallel 2, LoRA) gives the plain
+model's tokens; a LoRA model (adapters applied, not merged; an nf4 base) gives its merged model's."""
+import numpy as np
+import pytest
+
+import zerojax
+from flax import nnx
+from zerojax import lora
+from zerojax.models import Llama, LlamaConfig, llama_loss
+
+MODEL = LlamaConfig.named("tiny")
+LORA = {"r": 4, "lora_alpha": 8, "target_modules": "all-linear", "init_lora_weights": False}
+PROMPTS = [[3, 17, 42, 9, 100], [7, 8]]
+NEW = 8
+
+
+def _model():
+    return Llama(MODEL, rngs=nnx.Rngs(0))
+
+
+def _config(stage, **extra):
+    return {"train_batch_size": 8, "optimizer": {"type": "SGD", "params": {"lr": 0.1}},
+            "zero_optimization": {"stage": stage, "stage3_param_persistence_threshold": 0}, **extra}
+
+
+def _tokens(model_or_engine):
+    return zerojax.generate(model_or_engine, PROMPTS, max_new_tokens=NEW, ignore_eos=True).tokens
+
+
+@pytest.fixture(scope="module")
+def reference():
+    return _tokens(_model())
+
+
+@pytest.mark.parametrize("cfg", [_config(3), _config(1, tensor_parallel={"autotp_size": 2})], ids=["zero3", "tensor2"])
+def test_engine_generates_the_plain_models_tokens(cfg, reference):
+    engine = zerojax.shard(_model, cfg, loss_fn=llama_loss)
+    assert _tokens(engine) == reference
+
+
+def test_lora_engine_generates_the_merged_models_tokens():
+    engine = zerojax.shard(lambda: lora.apply(_model(), LORA), _config(2), loss_fn=llama_loss)
+    rows = np.random.default_rng(0).integers(0, MODEL.vocab_size, (8, 16)).astype(np.int32)
+    engine.train_step({"input_ids": rows})  # adapters trained, live in the engine
+    merged = _tokens(lora.merge(engine.model))
+    assert merged != _tokens(_model())  # the (non-zero) adapters change the tokens
+    assert _tokens(engine) == merged
+
+
+def test_quantized_lora_model_generates_its_merged_models_tokens():
+    model = lora.apply(_model(), {**LORA, "quantize": "nf4"})
+    assert _tokens(model) == _tokens(lora.merge(model))
