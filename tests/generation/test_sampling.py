@@ -111,3 +111,13 @@ def test_cache_guard_names_batch_length_and_bytes(model, monkeypatch):
     nbytes = 2 * 2 * 2 * 48 * 4 * 16 * 4
     with pytest.raises(CacheTooLargeError, match=rf"batch 2 x length 48 needs .* \({nbytes:,} bytes\) .* \(1,000 bytes\)"):
         zerojax.generate(model, PROMPTS, max_new_tokens=20)
+
+
+def test_new_lengths_inside_a_bucket_reuse_the_compiled_programs(model):
+    from zerojax.generation import decoder
+
+    zerojax.generate(model, [[1, 2, 3]], max_new_tokens=9, temperature=0.5, seed=0)
+    sizes = decoder.prefill._cache_size(), decoder.decode._cache_size()
+    # another prompt length, max_new_tokens, temperature and seed in the same buckets: no compile
+    zerojax.generate(model, [[4, 5, 6, 7, 8, 9, 10]], max_new_tokens=14, temperature=0.9, seed=5)
+    assert (decoder.prefill._cache_size(), decoder.decode._cache_size()) == sizes

@@ -39,9 +39,10 @@ class ModuleSource:
         return nnx.merge(self.graphdef, weights)
 
 
-@dataclasses.dataclass(frozen=True, eq=False)
+@dataclasses.dataclass(frozen=True)
 class EngineSource:
-    """An engine's live weights: (state.params, state.rest) merged as its step merges them."""
+    """An engine's live weights: (state.params, state.rest) merged as its step merges them. Equal
+    (one compiled program) for one engine: its StepSettings compare by identity."""
 
     settings: Any  # zerojax.train.step.StepSettings
 
