@@ -1,5 +1,5 @@
-"""Generation from an engine's live weights (ZeRO-3, tensor parallel 2, LoRA) gives the plain
-model's tokens; a LoRA model (adapters applied, not merged; an nf4 base) gives its merged model's."""
+"""Generation from an engine's live weights (ZeRO-3, tensor parallel 2, parameters offloaded to
+the host, pipeline stages; LoRA at ZeRO-2 and 3) gives the plain model's tokens; a LoRA model (adapters applied, not merged; an nf4 base) gives its merged model's."""
 import numpy as np
 import pytest
 
@@ -32,14 +32,21 @@ def reference():
     return _tokens(_model())
 
 
-@pytest.mark.parametrize("cfg", [_config(3), _config(1, tensor_parallel={"autotp_size": 2})], ids=["zero3", "tensor2"])
+OFFLOAD = {"stage": 3, "stage3_param_persistence_threshold": 0, "offload_param": {"device": "cpu"},
+           "offload_optimizer": {"device": "cpu"}}
+
+
+@pytest.mark.parametrize("cfg", [_config(3), _config(1, tensor_parallel={"autotp_size": 2}),
+                                 _config(3, zero_optimization=OFFLOAD), _config(1, pipeline={"stages": 2})],
+                         ids=["zero3", "tensor2", "offload_param", "pipeline2"])
 def test_engine_generates_the_plain_models_tokens(cfg, reference):
     engine = zerojax.shard(_model, cfg, loss_fn=llama_loss)
     assert _tokens(engine) == reference
 
 
-def test_lora_engine_generates_the_merged_models_tokens():
-    engine = zerojax.shard(lambda: lora.apply(_model(), LORA), _config(2), loss_fn=llama_loss)
+@pytest.mark.parametrize("stage", [2, 3])
+def test_lora_engine_generates_the_merged_models_tokens(stage):
+    engine = zerojax.shard(lambda: lora.apply(_model(), LORA), _config(stage), loss_fn=llama_loss)
     rows = np.random.default_rng(0).integers(0, MODEL.vocab_size, (8, 16)).astype(np.int32)
     engine.train_step({"input_ids": rows})  # adapters trained, live in the engine
     merged = _tokens(lora.merge(engine.model))
