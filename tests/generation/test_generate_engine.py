@@ -55,5 +55,7 @@ def test_lora_engine_generates_the_merged_models_tokens(stage):
 
 
 def test_quantized_lora_model_generates_its_merged_models_tokens():
-    model = lora.apply(_model(), {**LORA, "quantize": "nf4"})
+    model = lora.apply(_model(), {**LORA, "quantize": "nf4", "lora_dropout": 0.5})
+    model.train()  # lora_dropout on for training: generation still runs without it
     assert _tokens(model) == _tokens(lora.merge(model))
+    assert not model.lora_dropout.deterministic  # the user's model is left in its mode

@@ -16,7 +16,7 @@ import numpy as np
 from flax import nnx
 
 from zerojax.generation import buckets, cache, decoder, sampling
-from zerojax.generation.families import family_of, geometry_of_config
+from zerojax.generation.families import family_class, geometry_of_config
 from zerojax.planning.memory import device_free_bytes
 
 # decode steps between host checks where stop strings are asked for (without them: one call)
@@ -59,7 +59,7 @@ def _target(model_or_engine) -> _Target:
         return _Target((eng.state.params, eng.state.rest), decoder.EngineSource(settings), model,
                        partition.tensor_size(eng.mesh), eng.mesh.devices.flat[0])
     if isinstance(model_or_engine, nnx.Module):
-        family_of(model_or_engine)  # a clear error for a model without a decoder
+        family_class(model_or_engine)  # a clear error for a model without a decoder
         graphdef, state = nnx.split(model_or_engine)
         leaves = jax.tree.leaves(state)
         device = next((d for x in leaves if isinstance(x, jax.Array) for d in x.devices()), None)

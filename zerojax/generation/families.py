@@ -40,6 +40,9 @@ class Family:
         self.constrain = getattr(model, "activation_sharding", None) or unconstrained
         adapter = getattr(model, "adapter", None)  # zerojax.lora's: quantized base, LoRA terms (not merged)
         self.linear = self.plain_linear if adapter is None else adapter.linear
+        drop = getattr(model, "lora_dropout", None)
+        if drop is not None:  # generation is eval mode, whatever mode training left (this module is
+            drop.deterministic = True  # the program's own merge, not the user's model)
 
     def layers(self, body):
         """(body, stacked layer inputs, fetch) as training's layer scan gets them: a LoRA model's
@@ -97,13 +100,18 @@ class GPT2Family(Family):
         return gpt2_mod._attention_output_and_mlp(x, o, p, **self._kw())
 
 
-def family_of(model) -> Family:
-    """The decoder's `Family` for a zerojax `Llama` (Llama, Mistral, Qwen2, Qwen3) or `GPT2`."""
+def family_class(model) -> type[Family]:
+    """The decoder's `Family` class for a zerojax `Llama` (Llama, Mistral, Qwen2, Qwen3) or `GPT2`."""
     for cls, fam in ((Llama, LlamaFamily), (GPT2, GPT2Family)):
         if isinstance(model, cls):
-            return fam(model)
+            return fam
     raise TypeError(f"zerojax.generate: {type(model).__name__} has no KV-cache decoder; generation runs "
                     "zerojax.models.Llama (Llama, Mistral, Qwen2, Qwen3) and zerojax.models.GPT2")
+
+
+def family_of(model) -> Family:
+    """The decoder's view of `model`, a module merged inside the program (it is set to eval mode)."""
+    return family_class(model)(model)
 
 
 @functools.lru_cache(maxsize=None)
@@ -114,4 +122,4 @@ def geometry_of_config(config) -> Geometry:
     return Geometry(config.n_layer, config.n_head, config.head_dim, None, config.n_positions)
 
 
-__all__ = ["Geometry", "Family", "LlamaFamily", "GPT2Family", "family_of", "geometry_of_config"]
+__all__ = ["Geometry", "Family", "LlamaFamily", "GPT2Family", "family_class", "family_of", "geometry_of_config"]
