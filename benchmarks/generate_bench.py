@@ -5,8 +5,8 @@
     python benchmarks/generate_bench.py --tiny           # CPU smoke test (tiny shapes)
 
 (a) Llama-3.1-8B bf16, batch 1, 128 prompt + 256 new tokens: decode tokens/s and its share of the
-    HBM bound (every decode step reads every weight once: weight bytes / the device copy bandwidth,
-    measured here with a large array copy, is the fastest a step can be).
+    HBM bound (every decode step reads every weight once, the input embedding aside: those bytes /
+    the device copy bandwidth, measured here with a large array copy, is the fastest a step can be).
 (b) Llama-3.1-8B bf16, batch 64, 512 prompt + 512 new tokens: new tokens/s (prefill included, as
     benchmarks/hf_generate_bench.py measures transformers).
 (c) Llama-3.2-1B: an engine (ZeRO-2, bf16, LoRA r 16) trains 3 steps, generates 64 x 128 new
@@ -95,21 +95,26 @@ def rates(batch: int, new: int, total: float, first: float) -> dict:
             "decode_step_ms": round(1e3 * decode / (new - 1), 3) if decode else None}
 
 
-def weight_bytes(model) -> int:
+def weight_bytes(model) -> tuple[int, int]:
+    """(all weight bytes, the bytes a decode step reads: all but an untied input embedding, of
+    which a step gathers one row per sequence)."""
     import jax
     from flax import nnx
 
-    return sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(nnx.state(model, nnx.Param)))
+    nbytes = lambda tree: sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(tree))  # noqa: E731
+    total = nbytes(nnx.state(model, nnx.Param))
+    return total, total - (0 if model.config.tie_word_embeddings else nbytes(model.embed_tokens[...]))
 
 
 def case_a(tiny: bool) -> dict:
     model = _model("llama-3.1-8b", tiny)
     r = generation_speed(model, 1, 128, 256 if not tiny else 16, model.config.vocab_size)
     bandwidth = copy_bandwidth((1 << 30) if not tiny else (1 << 24))
-    nbytes = weight_bytes(model)
-    bound_ms = 1e3 * nbytes / bandwidth
+    total, read = weight_bytes(model)
+    bound_ms = 1e3 * read / bandwidth
     share = round(bound_ms / r["decode_step_ms"], 3) if r["decode_step_ms"] else None
-    return {"case": "a", "model": "llama-3.1-8b", **r, "weight_bytes": nbytes, "copy_bandwidth_gbs": round(bandwidth / 1e9, 1),
+    return {"case": "a", "model": "llama-3.1-8b", **r, "weight_bytes": total, "weight_bytes_read_per_step": read,
+            "copy_bandwidth_gbs": round(bandwidth / 1e9, 1),
             "hbm_bound_step_ms": round(bound_ms, 3), "hbm_bound_share": share}
 
 

@@ -34,8 +34,13 @@ def build(name: str, tiny: bool, device):
 
     hf_config = transformers.LlamaConfig(**config_to_hf(LlamaConfig.named("tiny" if tiny else name), "bfloat16"))
     hf_config._attn_implementation = "sdpa"
-    with torch.device(device):
-        model = transformers.LlamaForCausalLM(hf_config).to(torch.bfloat16).eval()
+    before = torch.get_default_dtype()
+    torch.set_default_dtype(torch.bfloat16)  # built in bf16 on the device: no fp32 copy (32 GB at 8B)
+    try:
+        with torch.device(device):
+            model = transformers.LlamaForCausalLM(hf_config).eval()
+    finally:
+        torch.set_default_dtype(before)
     return model
 
 
