@@ -44,3 +44,15 @@ def test_chat_keeps_the_conversation_and_exits(folder, capsys, monkeypatch):
     monkeypatch.setattr("sys.stdin", io.StringIO("w7 w8\nw9\n/exit\nw10\n"))
     assert main(["chat", "--hf-checkpoint", str(folder), "--max-new-tokens", "4"]) == 0
     assert len(capsys.readouterr().out.splitlines()) == 2  # two turns, none after /exit
+
+
+def test_generate_with_a_peft_adapter(folder, tmp_path, capsys):
+    from zerojax import lora
+
+    model = lora.apply(from_hf(folder), {"r": 4, "target_modules": "all-linear", "init_lora_weights": False})
+    lora.save_peft(model, tmp_path / "adapter")
+    args = ["generate", "--hf-checkpoint", str(folder), "--adapter", str(tmp_path / "adapter"), "--prompt", "w5 w9",
+            "--max-new-tokens", "5"]
+    assert main(args) == 0
+    expected = generate(model, "w5 w9", max_new_tokens=5, tokenizer=load_tokenizer(folder)).texts[0]
+    assert capsys.readouterr().out == expected + "\n"
