@@ -66,15 +66,18 @@ def positions(query_slots, pad):
 
 def write_and_attend(keys, values, layer, slot, q, k, v, mask):
     """Write this layer's new k, v [B, T, K, Dh] at `slot` of cache layer `layer`, then attend q
-    [B, T, H, Dh] over the layer's whole cache -> (keys, values, o [B, T, H, Dh]).
+    [B, T, H, Dh] over the layer's first mask.shape[-1] slots -> (keys, values, o [B, T, H, Dh]).
+    (The prefill's mask spans the prompt alone: the empty slots after it would double its
+    attention's work and its [B, H, T, slots] logits.)
 
     `jax.nn.dot_product_attention`'s XLA path: grouped kv heads, fp32 logits and softmax, an
     arbitrary mask (cuDNN's takes no such mask)."""
     at = (layer, 0, slot, 0, 0)
     keys = jax.lax.dynamic_update_slice(keys, k[None].astype(keys.dtype), at)
     values = jax.lax.dynamic_update_slice(values, v[None].astype(values.dtype), at)
-    k_all = jax.lax.dynamic_index_in_dim(keys, layer, 0, keepdims=False)
-    v_all = jax.lax.dynamic_index_in_dim(values, layer, 0, keepdims=False)
+    span = mask.shape[-1]
+    k_all = jax.lax.dynamic_index_in_dim(keys, layer, 0, keepdims=False)[:, :span]
+    v_all = jax.lax.dynamic_index_in_dim(values, layer, 0, keepdims=False)[:, :span]
     o = jax.nn.dot_product_attention(q, k_all.astype(q.dtype), v_all.astype(q.dtype), mask=mask,
                                      implementation="xla")
     return keys, values, o

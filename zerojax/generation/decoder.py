@@ -109,7 +109,7 @@ def prefill(weights, ids, pad, live, values: SamplingValues, stop_ids, key, *, s
     keys, vals = cache.empty(g, B, length, model.dtype)
     slots = jnp.arange(P, dtype=jnp.int32)
     positions = cache.positions(slots, pad)
-    mask = cache.attention_mask(slots, pad, length, g.window)
+    mask = cache.attention_mask(slots, pad, P, g.window)  # the prompt's slots only (`write_and_attend`)
     x, keys, vals = _run_layers(fam, fam.embed(ids, positions), keys, vals, 0, mask, positions)
     logits = fam.logits(x[:, -1:])[:, 0]
     seen = jnp.zeros((B, logits.shape[-1] if sampler.penalty else 1), bool)
