@@ -335,13 +335,16 @@ def cmd_chat(args) -> int:
 
     model, tokenizer, kwargs = _generation_setup(args)
     messages = [{"role": "system", "content": args.system}] if args.system else []
-    for line in sys.stdin:
+    prompt = lambda: sys.stdin.isatty() and print("> ", end="", file=sys.stderr, flush=True)  # noqa: E731
+    prompt()
+    for line in iter(sys.stdin.readline, ""):  # (a line at a time: `for line in sys.stdin` reads ahead)
         if line.strip() == "/exit":
             break
         messages.append({"role": "user", "content": line.rstrip("\n")})
         reply = chat(model, messages, **kwargs).texts[0]
         messages.append({"role": "assistant", "content": reply})
         print(reply, flush=True)
+        prompt()
     return 0
 
 
