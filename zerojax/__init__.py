@@ -34,13 +34,14 @@ _PUBLIC = {
     "search_mesh": "planning.mesh_search",
     "init_distributed": "launch.distributed",
     "apply_xla_flags": "xla_flags",
+    "generate": "generation",
 }
 
 __all__ = sorted(_PUBLIC) + ["__version__"]
 
 
 # subpackages reachable as attributes (`zerojax.lora.apply`) without an import of their own
-_SUBMODULES = ("lora", "models", "model")
+_SUBMODULES = ("lora", "models", "model", "generation")
 
 
 def __getattr__(name):

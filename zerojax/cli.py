@@ -9,6 +9,8 @@
     zerojax plan --model xl --devices 4 --search-mesh --budget 139GiB --global-batch 64  # mesh shapes
     zerojax export runs/ckpt hf_out --dtype bf16                  # consolidated weights
     zerojax launch --num_procs 2 train.py --config ds.json        # several processes (zerojax.launch.launcher)
+    zerojax generate --hf-checkpoint DIR --prompt "Once upon" --max-new-tokens 64   # text from a checkpoint
+    zerojax chat --hf-checkpoint DIR                              # a conversation on stdin (its chat template)
 
 A new subcommand is a function `_add_<name>(subparsers)` that adds its parser and sets
 `func=<handler(args) -> exit code>`, appended to COMMANDS.
@@ -265,7 +267,88 @@ def _add_launch(sub):
                    help="start a multi-process / multi-node run (DeepSpeed's launcher flags)")
 
 
-COMMANDS = [_add_estimate, _add_plan, _add_export, _add_launch]
+def _add_generation_flags(p):
+    p.add_argument("--hf-checkpoint", required=True, metavar="DIR",
+                   help="a Hugging Face folder (GPT-2, Llama, Mistral, Qwen2, Qwen3; safetensors + tokenizer.json)")
+    p.add_argument("--adapter", metavar="DIR", help="a PEFT LoRA adapter folder, applied (not merged)")
+    p.add_argument("--tokenizer", metavar="DIR", help="the tokenizer folder (default: --hf-checkpoint)")
+    p.add_argument("--dtype", choices=("auto", "fp32", "bf16"), default="auto",
+                   help="weights and compute (auto: bf16 on a GPU, else fp32)")
+    p.add_argument("--max-new-tokens", type=int, default=256, metavar="N")
+    p.add_argument("--temperature", type=float, default=0.0, help="0: greedy (default)")
+    p.add_argument("--top-k", type=int, default=None)
+    p.add_argument("--top-p", type=float, default=None)
+    p.add_argument("--repetition-penalty", type=float, default=None)
+    p.add_argument("--stop", action="append", default=None, metavar="TEXT", help="a stop string (repeatable)")
+    p.add_argument("--seed", type=int, default=0)
+
+
+def _add_generate(sub):
+    p = sub.add_parser("generate", help="generate text from a Hugging Face checkpoint (KV-cache decoder)",
+                       description="Generate a continuation of --prompt with zerojax's decoder (docs/generation.md).")
+    _add_generation_flags(p)
+    p.add_argument("--prompt", required=True, action="append", metavar="TEXT", help="a prompt (repeatable: a batch)")
+    p.set_defaults(func=cmd_generate)
+
+
+def _add_chat(sub):
+    p = sub.add_parser("chat", help="chat with a Hugging Face checkpoint on stdin (its chat template)",
+                       description="Reads a line from stdin per user turn, keeps the conversation, prints the "
+                                   "assistant's reply; exits on end of input or /exit.")
+    _add_generation_flags(p)
+    p.add_argument("--system", metavar="TEXT", help="a system message first")
+    p.set_defaults(func=cmd_chat)
+
+
+def _generation_setup(args):
+    """(model, tokenizer, generate keyword arguments) from the generation flags."""
+    import jax
+    import jax.numpy as jnp
+
+    from zerojax import lora
+    from zerojax.models import from_hf, load_tokenizer
+
+    dtype = args.dtype if args.dtype != "auto" else ("bf16" if jax.default_backend() == "gpu" else "fp32")
+    dtype = jnp.bfloat16 if dtype == "bf16" else jnp.float32
+    model = from_hf(args.hf_checkpoint, dtype)
+    model.dtype = jnp.dtype(dtype)  # compute in the weights' dtype
+    if args.adapter:
+        model = lora.load_peft(model, args.adapter)
+    tokenizer = load_tokenizer(args.tokenizer or args.hf_checkpoint)
+    kwargs = dict(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
+                  top_p=args.top_p, repetition_penalty=args.repetition_penalty, stop=args.stop, seed=args.seed,
+                  tokenizer=tokenizer)
+    return model, tokenizer, kwargs
+
+
+def cmd_generate(args) -> int:
+    from zerojax.generation import generate
+
+    model, _, kwargs = _generation_setup(args)
+    for text in generate(model, args.prompt, **kwargs).texts:
+        print(text, flush=True)
+    return 0
+
+
+def cmd_chat(args) -> int:
+    from zerojax.generation import chat
+
+    model, tokenizer, kwargs = _generation_setup(args)
+    messages = [{"role": "system", "content": args.system}] if args.system else []
+    prompt = lambda: sys.stdin.isatty() and print("> ", end="", file=sys.stderr, flush=True)  # noqa: E731
+    prompt()
+    for line in iter(sys.stdin.readline, ""):  # (a line at a time: `for line in sys.stdin` reads ahead)
+        if line.strip() == "/exit":
+            break
+        messages.append({"role": "user", "content": line.rstrip("\n")})
+        reply = chat(model, messages, **kwargs).texts[0]
+        messages.append({"role": "assistant", "content": reply})
+        print(reply, flush=True)
+        prompt()
+    return 0
+
+
+COMMANDS = [_add_estimate, _add_plan, _add_export, _add_launch, _add_generate, _add_chat]
 
 
 def build_parser() -> argparse.ArgumentParser:

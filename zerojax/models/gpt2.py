@@ -282,25 +282,22 @@ def _linear(eq, h, entry, dtype):
     return jnp.einsum(eq, h, entry["kernel"].astype(dtype))
 
 
-def _block(x, p, *, eps, dtype, attention_impl, constrain=unconstrained, linear=_linear):
-    """One pre-LN block on [B, T, d] activations; p holds this layer's slice of `Blocks`.
-
-    `constrain(x, logical names)` is the trainer's activation hook (tensor parallelism pins
-    heads / mlp to the tensor axis and the residual stream whole; identity by default);
-    `linear(eq, h, entry, dtype)` computes each of the four projections (default: the einsum)."""
-    c = lambda a: a.astype(dtype)  # noqa: E731
-    x = checkpoint_name(constrain(x, RESIDUAL), LAYER_INPUT)
-    attn, mlp = p["attn"], p["mlp"]
-
+def _attention_inputs(x, p, *, eps, dtype, constrain=unconstrained, linear=_linear):
+    """One block's q, k, v [B, T, H, Dh] from its input x [B, T, d] (ln_1, the fused projection +
+    bias). Apart from the attention so that the KV-cache decoder (`zerojax.generation`) runs the
+    same code as training."""
+    attn = p["attn"]
     h = _layer_norm(x, p["ln_1"]["scale"], p["ln_1"]["bias"], eps, dtype)
-    qkv = linear("btd,dcnh->btcnh", h, attn["c_attn"], dtype) + c(attn["c_attn"]["bias"])
+    qkv = linear("btd,dcnh->btcnh", h, attn["c_attn"], dtype) + attn["c_attn"]["bias"].astype(dtype)
     qkv = checkpoint_name(constrain(qkv, ("batch", "seq", "qkv", "heads", "head_dim")), QKV_PROJ)
-    q, k, v = qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2]
-    # softmax is fp32 inside both implementations (XLA: fp32 logits; cuDNN: fp32 accumulators)
-    o = jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation=attention_impl)
-    o = constrain(o, ("batch", "seq", "heads", "head_dim"))
-    if attention_impl != "cudnn":  # cuDNN's: the save_*attention policies keep its forward's outputs
-        o = checkpoint_name(o, ATTENTION_OUT)  # (a name here too would keep the output twice)
+    return qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2]
+
+
+def _attention_output_and_mlp(x, o, p, *, eps, dtype, constrain=unconstrained, linear=_linear):
+    """The rest of a block after the attention: o [B, T, H, Dh] through c_proj into the residual
+    x [B, T, d], then the MLP half (shared by training's `_block` and the KV-cache decoder)."""
+    c = lambda a: a.astype(dtype)  # noqa: E731
+    attn, mlp = p["attn"], p["mlp"]
     x = x + constrain(linear("btnh,nhd->btd", o, attn["c_proj"], dtype), RESIDUAL)
     x = checkpoint_name(x + c(attn["c_proj"]["bias"]), ATTENTION_RESIDUAL)
 
@@ -309,6 +306,22 @@ def _block(x, p, *, eps, dtype, attention_impl, constrain=unconstrained, linear=
     h = constrain(gelu_new(h), ("batch", "seq", "mlp"))
     x = x + constrain(linear("btm,md->btd", h, mlp["c_proj"], dtype), RESIDUAL)
     return x + c(mlp["c_proj"]["bias"])
+
+
+def _block(x, p, *, eps, dtype, attention_impl, constrain=unconstrained, linear=_linear):
+    """One pre-LN block on [B, T, d] activations; p holds this layer's slice of `Blocks`.
+
+    `constrain(x, logical names)` is the trainer's activation hook (tensor parallelism pins
+    heads / mlp to the tensor axis and the residual stream whole; identity by default);
+    `linear(eq, h, entry, dtype)` computes each of the four projections (default: the einsum)."""
+    x = checkpoint_name(constrain(x, RESIDUAL), LAYER_INPUT)
+    q, k, v = _attention_inputs(x, p, eps=eps, dtype=dtype, constrain=constrain, linear=linear)
+    # softmax is fp32 inside both implementations (XLA: fp32 logits; cuDNN: fp32 accumulators)
+    o = jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation=attention_impl)
+    o = constrain(o, ("batch", "seq", "heads", "head_dim"))
+    if attention_impl != "cudnn":  # cuDNN's: the save_*attention policies keep its forward's outputs
+        o = checkpoint_name(o, ATTENTION_OUT)  # (a name here too would keep the output twice)
+    return _attention_output_and_mlp(x, o, p, eps=eps, dtype=dtype, constrain=constrain, linear=linear)
 
 
 def dots_layers(name) -> int | None:
@@ -481,11 +494,7 @@ class GPT2(nnx.Module):
         if T > cfg.n_positions:
             raise ValueError(f"sequence length {T} exceeds n_positions={cfg.n_positions}")
         constrain = getattr(self, "activation_sharding", None) or unconstrained
-        wte = self.wte[...]
-        # a vocab-split wte: each tensor rank looks up its own rows, the partial sums are added
-        # (SEQ_WHOLE), then the residual stream takes its layout (split on the sequence under SP)
-        x = constrain(constrain(wte[input_ids].astype(dtype), SEQ_WHOLE) + self.wpe[...][:T].astype(dtype),
-                      RESIDUAL)
+        x = self.embed(input_ids)
 
         adapter = getattr(self, "adapter", None)  # e.g. zerojax.lora's: frozen base, LoRA terms
         body = functools.partial(
@@ -500,7 +509,23 @@ class GPT2(nnx.Module):
                                                  stack="h")
         x = run_layers(body, x, layers, policy=self.remat_policy, fetch=fetch, layer_scan=layer_scan,
                        n_layer=cfg.n_layer, unroll=getattr(self, "scan_unroll", 1) or 1)
-        return _layer_norm(x, self.ln_f.scale[...], self.ln_f.bias[...], cfg.layer_norm_epsilon, dtype)
+        return self.final_norm(x)
+
+    def embed(self, input_ids, positions=None):
+        """Token + position embeddings of input_ids [B, T] -> [B, T, d] in the compute dtype;
+        positions [B, T] (default 0 .. T-1; the KV-cache decoder gives each row its own)."""
+        constrain = getattr(self, "activation_sharding", None) or unconstrained
+        wpe = self.wpe[...]
+        pos = wpe[:input_ids.shape[-1]] if positions is None else wpe[positions]
+        # a vocab-split wte: each tensor rank looks up its own rows, the partial sums are added
+        # (SEQ_WHOLE), then the residual stream takes its layout (split on the sequence under SP)
+        return constrain(constrain(self.wte[...][input_ids].astype(self.dtype), SEQ_WHOLE) + pos.astype(self.dtype),
+                         RESIDUAL)
+
+    def final_norm(self, x):
+        """The final layer norm of the residual stream x [B, T, d] (before the LM head)."""
+        eps = self.config.layer_norm_epsilon
+        return _layer_norm(x, self.ln_f.scale[...], self.ln_f.bias[...], eps, self.dtype)
 
 
 def adapted_layers(adapter, model, body, layers, *, fetch, layer_scan, stack: str):

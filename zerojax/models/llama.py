@@ -314,18 +314,14 @@ def _linear(eq, h, entry, dtype):
     return jnp.einsum(eq, h, entry["kernel"].astype(dtype))
 
 
-def _block(x, p, *, config: LlamaConfig, dtype, attention_impl, segment_ids=None, positions=None,
-           constrain=unconstrained, linear=_linear):
-    """One pre-RMSNorm decoder layer on [B, T, d]; p holds this layer's slice of `Blocks`.
-
-    Save points as GPT-2's: "layer_input", q / k / v projections (QKV_PROJ, before the norm and the
-    rotation, which are cheap to redo), the attention output, the residual after attention."""
+def _attention_inputs(x, p, *, config: LlamaConfig, dtype, positions, constrain=unconstrained, linear=_linear):
+    """One layer's q [B, T, H, Dh] and k, v [B, T, K, Dh] from its input x [B, T, d]: the input norm,
+    the projections (+ biases), Qwen3's q / k norm and the rotation at `positions` [B, T]. Apart
+    from the attention itself so that a decoder with a KV cache (`zerojax.generation`) runs the
+    same code as training."""
     c = lambda a: a.astype(dtype)  # noqa: E731
     eps = config.rms_norm_eps
-    B, T = x.shape[:2]
-    x = checkpoint_name(constrain(x, RESIDUAL), "layer_input")
     a = p["self_attn"]
-
     h = _rms_norm(x, p["input_layernorm"]["scale"], eps, dtype)
 
     def project(name, heads_name):
@@ -340,10 +336,37 @@ def _block(x, p, *, config: LlamaConfig, dtype, attention_impl, segment_ids=None
         k = _rms_norm(k, a["k_norm"]["scale"], eps, dtype)
     # rotary angles, in fp32 (computed here, inside the layer, so that an engine's layer scan needs
     # nothing but x: a recompute is a few element-wise ops)
-    pos = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (B, T)) if positions is None else positions
-    angles = pos.astype(jnp.float32)[..., None] * jnp.asarray(rope_frequencies(config))
+    angles = positions.astype(jnp.float32)[..., None] * jnp.asarray(rope_frequencies(config))
     cos, sin = jnp.cos(angles), jnp.sin(angles)
-    q, k = _rotate(q, cos, sin, dtype), _rotate(k, cos, sin, dtype)
+    return _rotate(q, cos, sin, dtype), _rotate(k, cos, sin, dtype), v
+
+
+def _attention_output_and_mlp(x, o, p, *, config: LlamaConfig, dtype, constrain=unconstrained, linear=_linear):
+    """The rest of a layer after the attention: o [B, T, H, Dh] through o_proj into the residual
+    x [B, T, d], then the MLP half (shared by training's `_block` and the KV-cache decoder)."""
+    a, m = p["self_attn"], p["mlp"]
+    out = linear("btnh,nhd->btd", o, a["o_proj"], dtype)
+    if "bias" in a["o_proj"]:
+        out = out + a["o_proj"]["bias"].astype(dtype)
+    x = checkpoint_name(x + constrain(out, RESIDUAL), ATTENTION_RESIDUAL)
+
+    h = _rms_norm(x, p["post_attention_layernorm"]["scale"], config.rms_norm_eps, dtype)
+    gate = linear("btd,dm->btm", h, m["gate_proj"], dtype)
+    up = linear("btd,dm->btm", h, m["up_proj"], dtype)
+    h = constrain(jax.nn.silu(gate) * up, ("batch", "seq", "mlp"))
+    return x + constrain(linear("btm,md->btd", h, m["down_proj"], dtype), RESIDUAL)
+
+
+def _block(x, p, *, config: LlamaConfig, dtype, attention_impl, segment_ids=None, positions=None,
+           constrain=unconstrained, linear=_linear):
+    """One pre-RMSNorm decoder layer on [B, T, d]; p holds this layer's slice of `Blocks`.
+
+    Save points as GPT-2's: "layer_input", q / k / v projections (QKV_PROJ, before the norm and the
+    rotation, which are cheap to redo), the attention output, the residual after attention."""
+    B, T = x.shape[:2]
+    x = checkpoint_name(constrain(x, RESIDUAL), "layer_input")
+    pos = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (B, T)) if positions is None else positions
+    q, k, v = _attention_inputs(x, p, config=config, dtype=dtype, positions=pos, constrain=constrain, linear=linear)
 
     mask = None
     if segment_ids is not None:  # packed documents: no attention across them
@@ -354,17 +377,7 @@ def _block(x, p, *, config: LlamaConfig, dtype, attention_impl, segment_ids=None
     o = constrain(o, ("batch", "seq", "heads", "head_dim"))
     if attention_impl != "cudnn":  # as GPT-2: cuDNN's forward outputs are saved by primitive
         o = checkpoint_name(o, ATTENTION_OUT)
-    out = linear("btnh,nhd->btd", o, a["o_proj"], dtype)
-    if "bias" in a["o_proj"]:
-        out = out + c(a["o_proj"]["bias"])
-    x = checkpoint_name(x + constrain(out, RESIDUAL), ATTENTION_RESIDUAL)
-
-    m = p["mlp"]
-    h = _rms_norm(x, p["post_attention_layernorm"]["scale"], eps, dtype)
-    gate = linear("btd,dm->btm", h, m["gate_proj"], dtype)
-    up = linear("btd,dm->btm", h, m["up_proj"], dtype)
-    h = constrain(jax.nn.silu(gate) * up, ("batch", "seq", "mlp"))
-    return x + constrain(linear("btm,md->btd", h, m["down_proj"], dtype), RESIDUAL)
+    return _attention_output_and_mlp(x, o, p, config=config, dtype=dtype, constrain=constrain, linear=linear)
 
 
 class Llama(nnx.Module):
@@ -448,7 +461,7 @@ class Llama(nnx.Module):
         constrain = getattr(self, "activation_sharding", None) or unconstrained
         if segment_ids is not None and positions is None:
             positions = positions_from_segments(segment_ids)
-        x = constrain(constrain(self.embed_tokens[...][input_ids].astype(dtype), SEQ_WHOLE), RESIDUAL)
+        x = self.embed(input_ids)
 
         adapter = getattr(self, "adapter", None)  # e.g. zerojax.lora's: frozen base, LoRA terms
         body = functools.partial(
@@ -470,7 +483,17 @@ class Llama(nnx.Module):
                              "give padded batches (one example per row, no segment_ids)")
         x = run_layers(body, x, layers, policy=policy, fetch=fetch, layer_scan=layer_scan,
                        n_layer=cfg.num_hidden_layers, unroll=getattr(self, "scan_unroll", 1) or 1)
-        return _rms_norm(x, self.norm.scale[...], cfg.rms_norm_eps, dtype)
+        return self.final_norm(x)
+
+    def embed(self, input_ids):
+        """The token embedding of input_ids [B, T] -> [B, T, d] in the compute dtype (the residual
+        stream's input; the KV-cache decoder calls it too)."""
+        constrain = getattr(self, "activation_sharding", None) or unconstrained
+        return constrain(constrain(self.embed_tokens[...][input_ids].astype(self.dtype), SEQ_WHOLE), RESIDUAL)
+
+    def final_norm(self, x):
+        """The final RMSNorm of the residual stream x [B, T, d] (before the LM head)."""
+        return _rms_norm(x, self.norm.scale[...], self.config.rms_norm_eps, self.dtype)
 
 
 # --------------------------------------------------------------------------- loss

@@ -1,0 +1,58 @@
+"""Greedy generation equals transformers' `generate(do_sample=False)` for every family (tiny random
+models from tests/models' helpers, through `from_hf`), and a left-padded batch of prompts of
+different lengths equals each prompt generated alone."""
+import numpy as np
+import pytest
+
+import zerojax
+from zerojax.models import from_hf
+
+torch = pytest.importorskip("torch")
+transformers = pytest.importorskip("transformers")
+
+from models.test_gpt2 import CFG as GPT2_CFG  # noqa: E402 (tests/ on sys.path)
+from models.test_gpt2 import _hf_model as _hf_gpt2  # noqa: E402
+from models.test_llama import FAMILIES, _hf_model  # noqa: E402
+
+NEW = 12  # Mistral's window (6) is shorter than prompt + new tokens
+FAMILY_NAMES = ["llama3", "mistral", "qwen2", "qwen3", "gpt2"]
+
+
+def _prompts(vocab, lengths=(7, 3), seed=1):
+    rng = np.random.default_rng(seed)
+    return [rng.integers(2, vocab, n).tolist() for n in lengths]
+
+
+def _hf_greedy(hf, prompt, new=NEW):
+    """transformers' greedy tokens for one prompt, ending at its eos (as ours)."""
+    with torch.no_grad():
+        out = hf.generate(torch.tensor([prompt]), max_new_tokens=new, do_sample=False, pad_token_id=0,
+                          attention_mask=torch.ones(1, len(prompt), dtype=torch.long))
+    return out[0, len(prompt):].tolist()
+
+
+@pytest.fixture(scope="module", params=FAMILY_NAMES)
+def pair(request, tmp_path_factory):
+    """(HF model, ours read from its folder)."""
+    name = request.param
+    hf = _hf_gpt2(GPT2_CFG) if name == "gpt2" else _hf_model(name)
+    assert name == "gpt2" or name in FAMILIES
+    path = tmp_path_factory.mktemp(name)
+    hf.save_pretrained(path)
+    return hf, from_hf(path)
+
+
+def test_greedy_equals_transformers(pair):
+    hf, ours = pair
+    prompts = _prompts(hf.config.vocab_size)
+    got = zerojax.generate(ours, prompts, max_new_tokens=NEW)  # one left-padded batch
+    for prompt, tokens in zip(prompts, got.tokens):
+        assert tokens == _hf_greedy(hf, prompt)
+
+
+def test_padded_batch_equals_each_prompt_alone(pair):
+    _, ours = pair
+    prompts = _prompts(ours.config.vocab_size, lengths=(5, 9, 2), seed=2)
+    batched = zerojax.generate(ours, prompts, max_new_tokens=6, ignore_eos=True)
+    for prompt, tokens in zip(prompts, batched.tokens):
+        assert zerojax.generate(ours, prompt, max_new_tokens=6, ignore_eos=True).tokens == [tokens]

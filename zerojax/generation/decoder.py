@@ -1,0 +1,152 @@
+"""The two compiled programs of generation: `prefill` (the prompt bucket through every layer, its
+keys and values into a fresh cache, the first new token) and `decode` (one token per iteration of
+a `lax.while_loop`, until every row is done or the step limit). Each is compiled once per shape
+bucket (`zerojax.generation.buckets`) and weights source; sampling values are arguments.
+
+Why a `while_loop` and not a host loop per token: the loop's condition (`all rows done`) is read on
+the device, so stopping early costs no host round trip and no per-token dispatch; the host takes
+over only every few steps where stop strings need the tokenizer (`zerojax.generation.api`).
+
+The weights come in as they live (an engine's compute-dtype params in their ZeRO / tensor
+sharding, or a module's state) and the model is merged from them inside the trace: GSPMD inserts
+the gathers the sharding needs, the engine's per-layer fetch (ZeRO-3's gather on use,
+offload_param's copy) runs per layer as in training, and nothing is copied outside the program.
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from zerojax.generation import cache
+from zerojax.generation.families import family_of
+from zerojax.generation.sampling import Sampler, SamplingValues, next_token
+
+NO_TOKEN = -1  # a row's output after it is done
+
+
+@dataclasses.dataclass(frozen=True)
+class ModuleSource:
+    """A plain nnx module: the weights are `nnx.split(model)`'s state."""
+
+    graphdef: Any
+
+    def model(self, weights):
+        return nnx.merge(self.graphdef, weights)
+
+
+@dataclasses.dataclass(frozen=True)
+class EngineSource:
+    """An engine's live weights: (state.params, state.rest) merged as its step merges them. Equal
+    (one compiled program) for one engine: its StepSettings compare by identity."""
+
+    settings: Any  # zerojax.train.step.StepSettings
+
+    def model(self, weights):
+        from zerojax.train import step as step_mod
+
+        params, rest = weights
+        if self.settings.fetch_rest is not None:  # stage 3 / offload_param: the non-layer leaves where used
+            params = self.settings.fetch_rest(params)
+        return step_mod.merge(self.settings, params, rest)
+
+
+class DecodeState(NamedTuple):
+    keys: jax.Array  # [layers, B, length, kv_heads, head_dim]
+    values: jax.Array
+    tokens: jax.Array  # int32 [B, out_len]: the new tokens, NO_TOKEN after a row is done
+    last: jax.Array  # int32 [B]: the token fed next
+    step: jax.Array  # int32: new tokens so far
+    done: jax.Array  # bool [B]
+    seen: jax.Array  # bool [B, vocab] (the repetition penalty's tokens) or [B, 1] without it
+
+
+def _run_layers(fam, x, keys, values, slot, mask, positions):
+    """x through every layer, each writing its k, v at `slot` and attending over the cache: a
+    `lax.scan` over the stacked layer params with the whole cache in the carry."""
+
+    def body(carry, p):
+        x, keys, values, layer = carry
+        q, k, v = fam.attention_inputs(x, p, positions)
+        keys, values, o = cache.write_and_attend(keys, values, layer, slot, q, k, v, mask)
+        return fam.after_attention(x, o, p), keys, values, layer + 1
+
+    body, layers, fetch = fam.layers(body)
+
+    def step(carry, p):
+        return body(carry, p if fetch is None else fetch(p)), None
+
+    (x, keys, values, _), _ = jax.lax.scan(step, (x, keys, values, jnp.int32(0)), layers)
+    return x, keys, values
+
+
+def _is_stop(tokens, stop_ids):
+    return (tokens[:, None] == stop_ids[None, :]).any(-1)
+
+
+def _mark_seen(seen, tokens, sampler: Sampler):
+    if not sampler.penalty:
+        return seen
+    rows = jnp.arange(tokens.shape[0])[:, None]
+    cols = jnp.where(tokens >= 0, tokens, seen.shape[-1]).reshape(tokens.shape[0], -1)
+    return seen.at[rows, cols].set(True, mode="drop")  # NO_TOKEN / padding: out of range, dropped
+
+
+@functools.partial(jax.jit, static_argnames=("source", "sampler", "length", "out_len"))
+def prefill(weights, ids, pad, live, values: SamplingValues, stop_ids, key, *, source, sampler: Sampler,
+            length: int, out_len: int) -> DecodeState:
+    """ids [B, P] left-padded (pad [B] padding tokens per row; live [B] False for the batch
+    bucket's filler rows, done from the start) -> the state after the first new token: the cache
+    [.., length, ..] holding the prompt at slots 0 .. P-1."""
+    model = source.model(weights)
+    fam = family_of(model)
+    g = fam.geometry
+    B, P = ids.shape
+    keys, vals = cache.empty(g, B, length, model.dtype)
+    slots = jnp.arange(P, dtype=jnp.int32)
+    positions = cache.positions(slots, pad)
+    mask = cache.attention_mask(slots, pad, P, g.window)  # the prompt's slots only (`write_and_attend`)
+    x, keys, vals = _run_layers(fam, fam.embed(ids, positions), keys, vals, 0, mask, positions)
+    logits = fam.logits(x[:, -1:])[:, 0]
+    seen = jnp.zeros((B, logits.shape[-1] if sampler.penalty else 1), bool)
+    seen = _mark_seen(seen, jnp.where(slots[None] >= pad[:, None], ids, NO_TOKEN), sampler)
+    tok = next_token(sampler, values, logits, seen, jax.random.fold_in(key, 0))
+    tokens = jnp.full((B, out_len), NO_TOKEN, jnp.int32).at[:, 0].set(tok)
+    return DecodeState(keys, vals, tokens, tok, jnp.int32(1), ~live | _is_stop(tok, stop_ids),
+                       _mark_seen(seen, tok, sampler))
+
+
+@functools.partial(jax.jit, static_argnames=("source", "sampler"), donate_argnames=("state",))
+def decode(weights, state: DecodeState, pad, prompt_len, limit, values: SamplingValues, stop_ids, key, *,
+           source, sampler: Sampler) -> DecodeState:
+    """New tokens until every row is done or `limit` tokens (all rows); the token fed at step t
+    (t >= 1) sits at cache slot prompt_len + t - 1."""
+    model = source.model(weights)
+    fam = family_of(model)
+    length = state.keys.shape[2]
+    window = fam.geometry.window
+
+    def body(s: DecodeState) -> DecodeState:
+        slots = (prompt_len + s.step - 1)[None].astype(jnp.int32)
+        positions = cache.positions(slots, pad)
+        mask = cache.attention_mask(slots, pad, length, window)
+        x, keys, vals = _run_layers(fam, fam.embed(s.last[:, None], positions), s.keys, s.values, slots[0], mask,
+                                    positions)
+        logits = fam.logits(x)[:, 0]
+        tok = next_token(sampler, values, logits, s.seen, jax.random.fold_in(key, s.step))
+        tok = jnp.where(s.done, NO_TOKEN, tok)
+        tokens = jax.lax.dynamic_update_slice(s.tokens, tok[:, None], (0, s.step))
+        return DecodeState(keys, vals, tokens, jnp.maximum(tok, 0), s.step + 1, s.done | _is_stop(tok, stop_ids),
+                           _mark_seen(s.seen, tok, sampler))
+
+    def more(s: DecodeState):
+        return (s.step < limit) & ~jnp.all(s.done)
+
+    return jax.lax.while_loop(more, body, state)
+
+
+__all__ = ["ModuleSource", "EngineSource", "DecodeState", "prefill", "decode", "NO_TOKEN"]

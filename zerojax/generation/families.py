@@ -1,0 +1,125 @@
+"""What the KV-cache decoder needs of each model family, built from the model module's own pieces
+(`_attention_inputs`, `_attention_output_and_mlp`, `embed`, `final_norm`, `padded_logits`), so that
+generation runs exactly the code training runs and only the attention over the cache is new.
+
+A `Family` answers: the cache's geometry (layers, kv heads, head dim, sliding window), the
+residual stream's input for token ids at per-row positions, one layer split around its attention,
+and the stacked layers (with a LoRA adapter's frozen base beside them, as training scans them).
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+from flax import nnx
+
+from zerojax.models import gpt2 as gpt2_mod
+from zerojax.models import llama as llama_mod
+from zerojax.models.gpt2 import GPT2, adapted_layers, unconstrained
+from zerojax.models.llama import Llama
+
+
+@dataclasses.dataclass(frozen=True)
+class Geometry:
+    """The KV cache's per-layer shape: `layers` x [batch, length, kv_heads, head_dim]."""
+
+    layers: int
+    kv_heads: int
+    head_dim: int
+    window: int | None  # attend to the last `window` positions only (Mistral v0.1), None: all
+    max_positions: int | None  # learned position rows (GPT-2); None: rotary, no table to run past
+
+
+class Family:
+    """The decoder's view of one model (an nnx module merged inside the traced program)."""
+
+    stack: str  # the model's attribute holding the stacked layers
+
+    def __init__(self, model):
+        self.model = model
+        self.constrain = getattr(model, "activation_sharding", None) or unconstrained
+        adapter = getattr(model, "adapter", None)  # zerojax.lora's: quantized base, LoRA terms (not merged)
+        self.linear = self.plain_linear if adapter is None else adapter.linear
+        drop = getattr(model, "lora_dropout", None)
+        if drop is not None:  # generation is eval mode, whatever mode training left (this module is
+            drop.deterministic = True  # the program's own merge, not the user's model)
+
+    def layers(self, body):
+        """(body, stacked layer inputs, fetch) as training's layer scan gets them: a LoRA model's
+        frozen base scanned beside its adapters (`adapted_layers`), the engine's per-layer fetch
+        (ZeRO-3's gather on use, offload_param's host -> device copy) kept."""
+        m = self.model
+        layers = nnx.to_pure_dict(nnx.state(getattr(m, self.stack), nnx.Param))
+        fetch = getattr(m, "layer_fetch", None)
+        adapter = getattr(m, "adapter", None)
+        if adapter is not None:
+            return adapted_layers(adapter, m, body, layers, fetch=fetch, layer_scan=None, stack=self.stack)
+        return body, layers, fetch
+
+    @property
+    def geometry(self) -> Geometry:
+        return geometry_of_config(self.model.config)
+
+    def logits(self, x):
+        """fp32 logits [B, T, padded vocab] of the residual stream (padding columns -inf)."""
+        return self.model.padded_logits(self.model.final_norm(x))
+
+
+class LlamaFamily(Family):
+    stack = "layers"
+    plain_linear = staticmethod(llama_mod._linear)
+
+    def embed(self, ids, positions):
+        return self.model.embed(ids)  # rotary: the positions act inside each layer
+
+    def _kw(self):
+        return dict(config=self.model.config, dtype=self.model.dtype, constrain=self.constrain, linear=self.linear)
+
+    def attention_inputs(self, x, p, positions):
+        return llama_mod._attention_inputs(x, p, positions=positions, **self._kw())
+
+    def after_attention(self, x, o, p):
+        return llama_mod._attention_output_and_mlp(x, o, p, **self._kw())
+
+
+class GPT2Family(Family):
+    stack = "h"
+    plain_linear = staticmethod(gpt2_mod._linear)
+
+    def embed(self, ids, positions):
+        return self.model.embed(ids, positions)
+
+    def _kw(self):
+        return dict(eps=self.model.config.layer_norm_epsilon, dtype=self.model.dtype, constrain=self.constrain,
+                    linear=self.linear)
+
+    def attention_inputs(self, x, p, positions):
+        return gpt2_mod._attention_inputs(x, p, **self._kw())  # learned positions: added by `embed`
+
+    def after_attention(self, x, o, p):
+        return gpt2_mod._attention_output_and_mlp(x, o, p, **self._kw())
+
+
+def family_class(model) -> type[Family]:
+    """The decoder's `Family` class for a zerojax `Llama` (Llama, Mistral, Qwen2, Qwen3) or `GPT2`."""
+    for cls, fam in ((Llama, LlamaFamily), (GPT2, GPT2Family)):
+        if isinstance(model, cls):
+            return fam
+    raise TypeError(f"zerojax.generate: {type(model).__name__} has no KV-cache decoder; generation runs "
+                    "zerojax.models.Llama (Llama, Mistral, Qwen2, Qwen3) and zerojax.models.GPT2")
+
+
+def family_of(model) -> Family:
+    """The decoder's view of `model`, a module merged inside the program (it is set to eval mode)."""
+    return family_class(model)(model)
+
+
+@functools.lru_cache(maxsize=None)
+def geometry_of_config(config) -> Geometry:
+    """The cache geometry from a model config alone (before any program is traced)."""
+    if isinstance(config, llama_mod.LlamaConfig):
+        return Geometry(config.num_hidden_layers, config.kv_heads, config.dim_per_head, config.sliding_window, None)
+    return Geometry(config.n_layer, config.n_head, config.head_dim, None, config.n_positions)
+
+
+__all__ = ["Geometry", "Family", "LlamaFamily", "GPT2Family", "family_class", "family_of", "geometry_of_config"]
