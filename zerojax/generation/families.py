@@ -10,13 +10,14 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import importlib
 
 from flax import nnx
 
 from zerojax.models import gpt2 as gpt2_mod
 from zerojax.models import llama as llama_mod
-from zerojax.models.gpt2 import GPT2, adapted_layers, unconstrained
-from zerojax.models.llama import Llama
+from zerojax.models import registry
+from zerojax.models.gpt2 import adapted_layers, unconstrained
 
 
 @dataclasses.dataclass(frozen=True)
@@ -69,6 +70,10 @@ class LlamaFamily(Family):
     stack = "layers"
     plain_linear = staticmethod(llama_mod._linear)
 
+    @staticmethod
+    def geometry_of(config) -> Geometry:
+        return Geometry(config.num_hidden_layers, config.kv_heads, config.dim_per_head, config.sliding_window, None)
+
     def embed(self, ids, positions):
         return self.model.embed(ids)  # rotary: the positions act inside each layer
 
@@ -86,6 +91,10 @@ class GPT2Family(Family):
     stack = "h"
     plain_linear = staticmethod(gpt2_mod._linear)
 
+    @staticmethod
+    def geometry_of(config) -> Geometry:
+        return Geometry(config.n_layer, config.n_head, config.head_dim, None, config.n_positions)
+
     def embed(self, ids, positions):
         return self.model.embed(ids, positions)
 
@@ -101,12 +110,19 @@ class GPT2Family(Family):
 
 
 def family_class(model) -> type[Family]:
-    """The decoder's `Family` class for a zerojax `Llama` (Llama, Mistral, Qwen2, Qwen3) or `GPT2`."""
-    for cls, fam in ((Llama, LlamaFamily), (GPT2, GPT2Family)):
-        if isinstance(model, cls):
-            return fam
-    raise TypeError(f"zerojax.generate: {type(model).__name__} has no KV-cache decoder; generation runs "
-                    "zerojax.models.Llama (Llama, Mistral, Qwen2, Qwen3) and zerojax.models.GPT2")
+    """The decoder's `Family` class of `model`'s registered family (`zerojax.models.registry`'s
+    `decoder`: Llama, Mistral, Qwen2, Qwen3, GPT-2, and any family registered with one)."""
+    fam = registry.for_model(model)
+    if fam is None or fam.decoder is None:
+        able = [f.label for f in registry.families().values() if f.decoder]
+        raise TypeError(f"zerojax.generate: {type(model).__name__} has no KV-cache decoder; generation runs the "
+                        f"registered families with one: {', '.join(able)}")
+    return _resolve(fam.decoder)
+
+
+def _resolve(spec: str):
+    module, _, name = spec.partition(":")
+    return getattr(importlib.import_module(module), name)
 
 
 def family_of(model) -> Family:
@@ -117,9 +133,10 @@ def family_of(model) -> Family:
 @functools.lru_cache(maxsize=None)
 def geometry_of_config(config) -> Geometry:
     """The cache geometry from a model config alone (before any program is traced)."""
-    if isinstance(config, llama_mod.LlamaConfig):
-        return Geometry(config.num_hidden_layers, config.kv_heads, config.dim_per_head, config.sliding_window, None)
-    return Geometry(config.n_layer, config.n_head, config.head_dim, None, config.n_positions)
+    fam = registry.for_config(config)
+    if fam is None or fam.decoder is None:
+        raise TypeError(f"zerojax.generate: no KV-cache decoder for a {type(config).__name__}")
+    return _resolve(fam.decoder).geometry_of(config)
 
 
 __all__ = ["Geometry", "Family", "LlamaFamily", "GPT2Family", "family_class", "family_of", "geometry_of_config"]

@@ -447,4 +447,5 @@ registry.register(registry.ModelFamily(
         savable={"wte": ("wte", "transformer.wte.weight"), "lm_head": ("wte", "lm_head.weight")},
         fan_in_fan_out=True),
     max_positions=lambda config: config.n_positions,
-    label_of=lambda shape, config: f"GPT-2 {shape}"))
+    label_of=lambda shape, config: f"GPT-2 {shape}",
+    decoder="zerojax.generation.families:GPT2Family"))

@@ -282,6 +282,7 @@ registry.register(registry.ModelFamily(
                  "mlp.down_proj": (("mlp", "down_proj"), 1)},
         savable={"embed_tokens": ("embed_tokens", "model.embed_tokens.weight"),
                  "lm_head": ("lm_head", "lm_head.weight")}),
-    label_of=lambda shape, config: f"{shape} ({config.model_type})"))
+    label_of=lambda shape, config: f"{shape} ({config.model_type})",
+    decoder="zerojax.generation.families:LlamaFamily"))
 
 

@@ -51,6 +51,8 @@ class ModelFamily:
         Hugging Face folder); config_from_record(record) -> config (a checkpoint's model record).
     shape_keys: the config fields that decide the parameters' shapes (a resume compares them).
     peft: PEFT's module names for LoRA, or None (no LoRA).
+    decoder: "module:Class" of its KV-cache decoder view (`zerojax.generation.families.Family`;
+        named, not imported: models/ imports nothing of the runtime), or None (no generation).
     label_of(shape, config) -> the words a run prints for a named shape."""
 
     name: str
@@ -66,6 +68,7 @@ class ModelFamily:
     config_from_record: Callable
     shape_keys: tuple
     peft: PeftTargets | None = None
+    decoder: str | None = None
     max_positions: Callable[[Any], int] = lambda config: config.max_position_embeddings
     label_of: Callable[[str, Any], str] = lambda shape, config: shape
 
@@ -126,6 +129,11 @@ def for_model(model) -> ModelFamily | None:
     return next((f for f in families().values() if isinstance(model, f.model_class)), None)
 
 
+def for_config(config) -> ModelFamily | None:
+    """The family whose config class `config` is an instance of, or None."""
+    return next((f for f in families().values() if isinstance(config, f.config_class)), None)
+
+
 def for_record(record: dict | None) -> ModelFamily | None:
     """The family of a checkpoint's model record (`checkpoint_record()`), or None."""
     if not record:
@@ -143,4 +151,4 @@ def shape_names() -> list[str]:
 
 
 __all__ = ["ModelFamily", "PeftTargets", "register", "families", "get", "for_shape", "for_hf_type", "for_model",
-           "for_record", "hf_model_types", "shape_names"]
+           "for_config", "for_record", "hf_model_types", "shape_names"]
