@@ -123,11 +123,16 @@ def parse_args(argv=None):
     p.add_argument("--lr", type=_number(float, 0.0, note=" (as torch.optim.AdamW; 0 keeps the weights fixed)"),
                    default=None, help="fills optimizer/scheduler lr \"auto\" (default 1e-3 tiny, 3e-4 "
                                       "others, 1e-4 from --hf-checkpoint; on --resume the checkpoint's)")
-    precision = p.add_mutually_exclusive_group()
+    # said once for the three flags: what decides the precision (resolve_precision, default_precision)
+    precision = p.add_argument_group(
+        "precision", "The config decides where it sets fp16 / bf16 enabled: true (a flag asking for another\n"
+        "precision is then an error): the default config, configs/zero2_bf16.json, sets bf16, so a run\n"
+        "without --config trains in bf16, on CPU too. Where the config leaves it open (enabled \"auto\",\n"
+        "or no fp16 / bf16 section) a flag picks; without one: bf16 on a GPU that has it, fp32 on CPU."
+    ).add_mutually_exclusive_group()
     for name in ("bf16", "fp16", "fp32"):
         precision.add_argument(f"--{name}", dest="precision", action="store_const", const=name,
-                               help=f"train in {name} where the config leaves precision to \"auto\" "
-                                    f"(default: bf16 on a GPU that has it, fp32 on CPU)")
+                               help=f"train in {name} where the config leaves precision open")
     p.add_argument("--remat", choices=list(REMAT_POLICY_NAMES), default=None,
                    help="activation checkpointing per layer (default: from the config's "
                         "activation_checkpointing section: its remat_policy, else cpu_checkpointing -> "
@@ -468,6 +473,10 @@ def hf_model_type(path: str) -> str:
     """config.json's model_type of a Hugging Face folder (GPT-2's when absent, as from_hf reads it)."""
     from zerojax.models.llama import MODEL_TYPES
 
+    if not os.path.isdir(path):  # a mistyped path: say that, not what a folder would lack
+        raise FileNotFoundError(f"--hf-checkpoint {path}: " + ("a file, not a folder" if os.path.exists(path) else
+                                f"no such folder ({os.path.abspath(path)})") + "; give the folder holding "
+                                "config.json and model.safetensors")
     cfg_file = os.path.join(path, "config.json")
     if not os.path.exists(cfg_file):
         raise FileNotFoundError(f"--hf-checkpoint {path}: no config.json (a Hugging Face model folder has "
@@ -744,9 +753,15 @@ def export_hf(args, engine, choice: ModelChoice, settings):
 
         model = engine.model
         adapter_dir = os.path.join(out, "adapter") if args.merge else out
-        lora.save_peft(model, adapter_dir)
+        # the base as an absolute path: AutoPeftModelForCausalLM reads it from the adapter's
+        # config, and a path relative to this run's directory would not load from anywhere else;
+        # a randomly initialised --model has no folder to name (None, as PEFT writes for none)
+        base = os.path.abspath(args.hf_checkpoint) if args.hf_checkpoint else None
+        lora.save_peft(model, adapter_dir, base_model_name_or_path=base)
         _copy_tokenizer(tok, adapter_dir)
-        print(f"PEFT adapter written to {adapter_dir} (peft.PeftModel.from_pretrained(base, {adapter_dir!r}))")
+        print(f"PEFT adapter written to {adapter_dir} (" + (
+            f"peft.AutoPeftModelForCausalLM.from_pretrained({adapter_dir!r}): its base is {base}" if base
+            else f"peft.PeftModel.from_pretrained(base, {adapter_dir!r})") + ")")
         if args.merge:
             zerojax.models.to_hf(lora.merge(model), out)
             _copy_tokenizer(tok, out)
