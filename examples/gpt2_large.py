@@ -24,6 +24,7 @@ import json
 import math
 import os
 import sys
+import time
 
 # `python examples/gpt2_large.py` from a checkout works without installing.
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
@@ -123,11 +124,16 @@ def parse_args(argv=None):
     p.add_argument("--lr", type=_number(float, 0.0, note=" (as torch.optim.AdamW; 0 keeps the weights fixed)"),
                    default=None, help="fills optimizer/scheduler lr \"auto\" (default 1e-3 tiny, 3e-4 "
                                       "others, 1e-4 from --hf-checkpoint; on --resume the checkpoint's)")
-    precision = p.add_mutually_exclusive_group()
+    # said once for the three flags: what decides the precision (resolve_precision, default_precision)
+    precision = p.add_argument_group(
+        "precision", "The config decides where it sets fp16 / bf16 enabled: true (a flag asking for another\n"
+        "precision is then an error): the default config, configs/zero2_bf16.json, sets bf16, so a run\n"
+        "without --config trains in bf16, on CPU too. Where the config leaves it open (enabled \"auto\",\n"
+        "or no fp16 / bf16 section) a flag picks; without one: bf16 on a GPU that has it, fp32 on CPU."
+    ).add_mutually_exclusive_group()
     for name in ("bf16", "fp16", "fp32"):
         precision.add_argument(f"--{name}", dest="precision", action="store_const", const=name,
-                               help=f"train in {name} where the config leaves precision to \"auto\" "
-                                    f"(default: bf16 on a GPU that has it, fp32 on CPU)")
+                               help=f"train in {name} where the config leaves precision open")
     p.add_argument("--remat", choices=list(REMAT_POLICY_NAMES), default=None,
                    help="activation checkpointing per layer (default: from the config's "
                         "activation_checkpointing section: its remat_policy, else cpu_checkpointing -> "
@@ -140,7 +146,7 @@ def parse_args(argv=None):
     p.add_argument("--export-hf", metavar="DIR",
                    help="write the trained model as a Hugging Face folder (transformers' from_pretrained "
                         "loads it; the checkpoint's tokenizer files copied in); with LoRA: PEFT's adapter "
-                        "folder (peft.PeftModel.from_pretrained), see --merge")
+                        "folder naming --hf-checkpoint as its base (peft.AutoPeftModelForCausalLM.from_pretrained), see --merge")
     p.add_argument("--lora", type=_number(int, 1), default=None, metavar="R",
                    help="train LoRA adapters of rank R on a frozen base (GPT-2 or the Llama family; zerojax.lora, "
                         "PEFT's settings); overrides the config's \"lora\" section's r")
@@ -177,6 +183,9 @@ def parse_args(argv=None):
                         "(zerojax.EngineOptions(split_master=\"on\")): 2 bytes a parameter less, the same "
                         "training but for exact ties (one fp32 ulp); needs bf16; under optimizer offload to cpu "
                         "it splits the host copy (the host loop does by default), not with NVMe)")
+    p.add_argument("--summary-json", metavar="PATH",
+                   help="also write the run's SUMMARY (the JSON of the `SUMMARY {...}` line: settings, every "
+                        "loss, speed, memory) to PATH")
     p.add_argument("--eval-batches", type=_number(int, 0), default=8,
                    help="validation batches (of train_batch_size rows, from the held-out part of the "
                         "data) evaluated after training; 0 = no validation")
@@ -468,6 +477,10 @@ def hf_model_type(path: str) -> str:
     """config.json's model_type of a Hugging Face folder (GPT-2's when absent, as from_hf reads it)."""
     from zerojax.models.llama import MODEL_TYPES
 
+    if not os.path.isdir(path):  # a mistyped path: say that, not what a folder would lack
+        raise FileNotFoundError(f"--hf-checkpoint {path}: " + ("a file, not a folder" if os.path.exists(path) else
+                                f"no such folder ({os.path.abspath(path)})") + "; give the folder holding "
+                                "config.json and model.safetensors")
     cfg_file = os.path.join(path, "config.json")
     if not os.path.exists(cfg_file):
         raise FileNotFoundError(f"--hf-checkpoint {path}: no config.json (a Hugging Face model folder has "
@@ -664,21 +677,24 @@ def load_data(args, choice: ModelChoice, seq_len: int, batch_size: int, notes: l
 # --------------------------------------------------------------------------- LoRA
 
 
-def lora_settings(args, cfg, dtype) -> dict | None:
-    """The LoRA settings of this run: the config's "lora" section with --lora / --lora-alpha /
-    --lora-targets / --quantize over it, checked by zerojax.lora.from_config_dict; what LoRA cannot
-    run with refused in one line before anything is built. None: no LoRA."""
+def lora_settings(args, cfg, dtype, saved=None) -> dict | None:
+    """The LoRA settings of this run: the config's "lora" section (else, on --resume, the ones
+    `saved` with the checkpoint) with --lora / --lora-alpha / --lora-targets / --quantize over it,
+    checked by zerojax.lora.from_config_dict; what LoRA cannot run with refused in one line before
+    anything is built. None: no LoRA."""
     section = cfg.to_dict().get("lora")
     flags = [f for f, v in (("--lora-alpha", args.lora_alpha), ("--lora-targets", args.lora_targets),
                             ("--quantize", args.quantize), ("--merge", args.merge or None)) if v is not None]
-    if args.lora is None and section is None:
+    if args.lora is None and section is None and saved is None:
         if flags:
             raise ConfigMismatch(f"{flags[0]} is a LoRA setting: add --lora R (the adapter rank), or a \"lora\" "
                                  f"section to {args.config}")
         return None
     from zerojax import lora
 
-    settings = dict(section or {})
+    # a resumed run continues the checkpoint's adapters: what the flags and the config leave out
+    # is the checkpoint's, not PEFT's defaults (--lora 8 alone keeps its lora_alpha 16)
+    settings = dict(section or saved or {})
     if args.lora is not None:
         settings["r"] = args.lora
     if args.lora_alpha is not None:
@@ -707,6 +723,27 @@ def lora_settings(args, cfg, dtype) -> dict | None:
                              f"trained parameters only, not the frozen base (zerojax.lora); use ZeRO 0-3 (optimizer "
                              f"offload included) without pipelining or offload_param")
     return settings
+
+
+def _check_lora_resume(args, was: dict | None, now: dict | None, notes: list):
+    """--resume: this run's LoRA settings against the checkpoint's; a difference is refused naming
+    each differing setting with both values, before anything is built."""
+    from zerojax.checkpoint.state import CheckpointError
+
+    now = json.loads(json.dumps(now))  # as the checkpoint's JSON holds it (tuples as lists)
+    if was == now:
+        if was and not (args.lora or args.lora_alpha or args.lora_targets or args.quantize):
+            notes.append("lora: the checkpoint's settings (no LoRA flag given)")
+        return
+    start_afresh = "; another --save folder starts afresh"
+    if not was:
+        raise CheckpointError(f"{args.save}: this checkpoint trained the whole model, this run asks for LoRA; "
+                              f"resume with no --lora and no \"lora\" section{start_afresh}")
+    differ = ", ".join(f"{k} {json.dumps(now.get(k))} (the checkpoint's: {json.dumps(was.get(k))})"
+                       for k in sorted({*was, *now}) if was.get(k) != now.get(k))
+    raise CheckpointError(f"{args.save}: this run's LoRA settings differ from the checkpoint's adapters: {differ}; "
+                          f"resume without --lora / --lora-alpha / --lora-targets / --quantize (and without a "
+                          f"\"lora\" section in {args.config}) to take the checkpoint's{start_afresh}")
 
 
 def _copy_tokenizer(src, out_dir):
@@ -744,9 +781,15 @@ def export_hf(args, engine, choice: ModelChoice, settings):
 
         model = engine.model
         adapter_dir = os.path.join(out, "adapter") if args.merge else out
-        lora.save_peft(model, adapter_dir)
+        # the base as an absolute path: AutoPeftModelForCausalLM reads it from the adapter's
+        # config, and a path relative to this run's directory would not load from anywhere else;
+        # a randomly initialised --model has no folder to name (None, as PEFT writes for none)
+        base = os.path.abspath(args.hf_checkpoint) if args.hf_checkpoint else None
+        lora.save_peft(model, adapter_dir, base_model_name_or_path=base)
         _copy_tokenizer(tok, adapter_dir)
-        print(f"PEFT adapter written to {adapter_dir} (peft.PeftModel.from_pretrained(base, {adapter_dir!r}))")
+        print(f"PEFT adapter written to {adapter_dir} (" + (
+            f"peft.AutoPeftModelForCausalLM.from_pretrained({adapter_dir!r}): its base is {base}" if base
+            else f"peft.PeftModel.from_pretrained(base, {adapter_dir!r})") + ")")
         if args.merge:
             zerojax.models.to_hf(lora.merge(model), out)
             _copy_tokenizer(tok, out)
@@ -930,17 +973,9 @@ def main(argv=None):
                              f"a bf16 config such as configs/zero2_bf16.json")
     check_monitors(cfg)  # a monitor that cannot start (e.g. wandb not installed): now, not after the build
     dtype = compute_dtype(cfg)
-    lora_cfg = lora_settings(args, cfg, dtype)  # LoRA's refusals: before the data and the model
-    if args.resume and saved and saved.get("lora") != json.loads(json.dumps(lora_cfg)):
-        from zerojax.checkpoint.state import CheckpointError
-
-        was = saved.get("lora")
-        raise CheckpointError(
-            f"{args.save}: this checkpoint trained " + (f"LoRA adapters of rank {was['r']}" if was else "the whole model")
-            + ", this run asks for " + (f"LoRA of rank {lora_cfg['r']}" if lora_cfg else "no LoRA") + "; resume with "
-            + ("its settings: " + ", ".join(f"{k} {json.dumps(v)}" for k, v in was.items() if (lora_cfg or {}).get(k) != v)
-               + " (--lora, --lora-alpha, --lora-targets, --quantize or the config's \"lora\" section)" if was
-               else "no --lora and no \"lora\" section") + "; another --save folder starts afresh")
+    lora_cfg = lora_settings(args, cfg, dtype, saved.get("lora"))  # LoRA's refusals: before the data and the model
+    if args.resume and saved:
+        _check_lora_resume(args, saved.get("lora"), lora_cfg, notes)
     # read (and refuse) the data before anything is compiled
     data = load_data(args, choice, seq_len, cfg.train_batch_size, notes)
     remat = args.remat
@@ -1092,6 +1127,7 @@ def main(argv=None):
     bar = tqdm(batches, total=max(0, steps - start), initial=0, desc="train", dynamic_ncols=True,
                disable=not interactive)
     losses = []  # device scalars, read once at the end (no host sync per step)
+    began = time.perf_counter()  # the training loop's wall time, compiles included: the closing line's
     for i, batch in enumerate(bar):
         meter.before_step()
         metrics = engine.train_step(batch)
@@ -1117,13 +1153,14 @@ def main(argv=None):
     engine.synchronize()
     jax.block_until_ready(engine.state)
     bar.close()
+    train_seconds = time.perf_counter() - began
     losses = [float(x) for x in losses]
     summary = {"model": size, "family": family, "config": os.path.basename(args.config), "devices": n_dev,
                "stage": cfg.zero_optimization.stage, "train_batch_size": cfg.train_batch_size,
                "seq_len": seq_len, "remat": remat, "precision": precision, "start_step": start,
                "steps": steps, "schedule_steps": schedule_steps, "lr": lr,
                "master_split": engine.layout.master_split, "trained_params": int(trained),
-               "lora": lora_cfg}
+               "lora": lora_cfg, "train_seconds": round(train_seconds, 2)}
     if meter.tokens_per_s_per_device is not None:
         summary["tokens_per_s_per_device"] = round(meter.tokens_per_s_per_device)
     if meter.mfu is not None:
@@ -1147,7 +1184,11 @@ def main(argv=None):
     print(engine.memory_report())
     summary.update(first_loss=losses[0] if losses else None, last_loss=losses[-1] if losses else None,
                    losses=losses, val_loss=float(np.mean(val_losses)) if val_losses else None)
+    # for programs (benchmarks/ and the tests grep `^SUMMARY `); people get the closing line below
     print("SUMMARY " + json.dumps(summary), flush=True)
+    if args.summary_json and not quiet:
+        with open(args.summary_json, "w") as f:
+            json.dump(summary, f, indent=1)
 
     if args.save and (losses or not args.resume):  # a resumed run that trained nothing changed nothing
         before = set(checkpoint_files.finalized_tags(args.save))
@@ -1161,7 +1202,31 @@ def main(argv=None):
     if args.export_hf:
         export_hf(args, engine, choice, lora_cfg)
     engine.close()
+    print(closing_line(summary), flush=True)  # last: what people read of a run
     return summary
+
+
+def closing_line(summary: dict) -> str:
+    """The run in one line for people, from its SUMMARY: steps and time, loss first -> last,
+    speed, validation loss, device peak."""
+    losses, start = summary["losses"], summary["start_step"]
+    if not losses:
+        parts = [f"no training step (at global step {start})"]
+    else:
+        parts = [f"trained {len(losses)} step{'s' if len(losses) != 1 else ''}"
+                 + (f" ({start} -> {start + len(losses)})" if start else "")
+                 + f" in {summary['train_seconds']:.1f} s: loss {losses[0]:.2f} -> {losses[-1]:.2f}"]
+    if summary.get("tokens_per_s_per_device") is not None:
+        parts.append(f"{summary['tokens_per_s_per_device']:,} tokens/s per device")
+    if summary.get("mfu") is not None:
+        parts.append(f"MFU {100 * summary['mfu']:.1f}%")
+    if summary.get("val_loss") is not None:
+        parts.append(f"validation loss {summary['val_loss']:.2f}")
+    if summary.get("peak_gib_device0") is not None:
+        parts.append(f"peak {summary['peak_gib_device0']:.1f} GiB")
+    elif summary.get("host_peak_rss_gib") is not None:  # CPU: its devices report no peak
+        parts.append(f"host peak {summary['host_peak_rss_gib']:.1f} GiB")
+    return ", ".join(parts)
 
 
 def _print_run(args, cfg, label, size, steps, schedule_steps, lr, lr_default, precision, precision_why,

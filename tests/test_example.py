@@ -14,6 +14,7 @@ import importlib.util
 import io
 import json
 import os
+import re
 
 import numpy as np
 import pytest
@@ -202,6 +203,42 @@ def test_help_describes_every_flag(capsys):
         _example().parse_args(["--help"])
     out = capsys.readouterr().out
     assert info.value.code == 0 and "--eval-batches EVAL_BATCHES\n                        validation batches" in out, out
+    assert "--summary-json PATH" in out, out
+
+
+def test_help_says_what_precision_the_default_config_runs_on_cpu(capsys):
+    """--help's precision paragraph against what resolve_precision does with the default config (its
+    --config default) on a CPU: bf16, since zero2_bf16.json sets bf16.enabled true."""
+    from types import SimpleNamespace
+
+    from zerojax.config import read_source
+
+    example = _example()
+    with pytest.raises(SystemExit):
+        example.parse_args(["--help"])
+    help_text = " ".join(capsys.readouterr().out.split())
+    cpu = SimpleNamespace(platform="cpu", device_kind="cpu")
+    _, mode, why = example.resolve_precision(read_source(example.parse_args([]).config), None, cpu)
+    assert (mode, why) == ("bf16", "the config's bf16.enabled: true")
+    assert (f"the default config, configs/zero2_bf16.json, sets {mode}, so a run without --config trains in {mode}, "
+            "on CPU too") in help_text, help_text
+    # and where the config leaves it open, the CPU default the paragraph names
+    assert example.resolve_precision({"bf16": {"enabled": "auto"}}, None, cpu)[1] == "fp32"
+    assert "without one: bf16 on a GPU that has it, fp32 on CPU" in help_text
+
+
+def test_hf_checkpoint_path_that_is_missing_says_so(tmp_path):
+    """A mistyped --hf-checkpoint is named as missing (with the absolute path it looked for); a
+    folder that exists but is no model keeps its "no config.json"; both before anything is built."""
+    example = _example()
+    missing = tmp_path / "tiny-lama"
+    with pytest.raises(FileNotFoundError) as info:
+        example.main(["--hf-checkpoint", str(missing), *TINY[2:], "--steps", "1"])
+    assert str(info.value) == (f"--hf-checkpoint {missing}: no such folder ({missing}); give the folder holding "
+                               "config.json and model.safetensors")
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(FileNotFoundError, match="empty: no config.json"):
+        example.main(["--hf-checkpoint", str(tmp_path / "empty"), *TINY[2:], "--steps", "1"])
 
 
 
@@ -793,6 +830,25 @@ def test_lora_trains_adapters_only_and_exports_peft_and_merged(hf_llama, tmp_pat
     merged = transformers.LlamaForCausalLM.from_pretrained(out).eval()
     np.testing.assert_allclose(_logits_torch(merged, IDS), ours, rtol=1e-4, atol=1e-4)
     assert "LoRA: rank 4, alpha 8, targets" in capsys.readouterr().out
+    # the adapter alone names its base (the --hf-checkpoint folder, absolute): PEFT's Auto class loads
+    # both from another directory, offline, with the trained model's logits
+    assert json.loads((out / "adapter" / "adapter_config.json").read_text())["base_model_name_or_path"] == str(hf_llama)
+    np.testing.assert_allclose(_auto_peft_logits(out / "adapter", IDS, tmp_path), ours, rtol=1e-4, atol=1e-4)
+
+
+def _auto_peft_logits(adapter_dir, ids, tmp_path):
+    """peft.AutoPeftModelForCausalLM.from_pretrained(adapter_dir)'s logits for `ids`, in a fresh
+    process started elsewhere with HF_HUB_OFFLINE=1 (read at import: a hub lookup fails, not hangs)."""
+    np.save(tmp_path / "ids.npy", ids)
+    code = ("import sys, numpy as np, torch, peft\n"
+            "m = peft.AutoPeftModelForCausalLM.from_pretrained(sys.argv[1]).eval()\n"
+            "with torch.no_grad():\n"
+            "    x = m(input_ids=torch.from_numpy(np.load('ids.npy').astype(np.int64))).logits.numpy()\n"
+            "np.save('logits.npy', x)\n")
+    p = subprocess.run([sys.executable, "-c", code, str(adapter_dir)], cwd=tmp_path, capture_output=True, text=True,
+                       timeout=300, env={**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"})
+    assert p.returncode == 0, p.stderr[-3000:]
+    return np.load(tmp_path / "logits.npy")
 
 
 def jax_leaves(tree):
@@ -879,23 +935,45 @@ def test_a_bad_jsonl_line_is_one_error_line_naming_file_and_line(tmp_path):
 
 
 @pytest.mark.slow
-def test_llama_checkpoint_resumes_and_is_checked_against_the_run(tmp_path):
-    """A tiny Llama with LoRA saved; --resume with --model auto takes the checkpoint's model; another
-    model or other LoRA settings are refused in one line from the checkpoint's record and settings,
-    before anything is built."""
+def test_llama_lora_resumes_with_the_checkpoints_settings_and_ends_with_a_closing_line(tmp_path, capsys):
+    """A tiny Llama with LoRA (rank 2, alpha 16) saved at step 2; --resume with neither --model nor a
+    LoRA flag takes the checkpoint's model and adapter settings and continues as the uninterrupted
+    4-step run, loss for loss. Another model or other LoRA settings are refused in one line naming
+    only what differs, with both values, before anything is built. The uninterrupted run also shows
+    how every run ends: the `SUMMARY {...}` line for programs (its JSON also in --summary-json's
+    file), then one line for people, last."""
     from zerojax.checkpoint.state import CheckpointError
 
     example = _example()
     ckpt = str(tmp_path / "ckpt")
-    example.main(["--model", "tiny-llama", *TINY[2:], "--steps", "1", "--save", ckpt, "--lora", "2"])
-    for argv, message in ((["--model", "tiny-qwen3", "--lora", "2"],
+    run, lora_flags = [*TINY[2:], "--schedule-steps", "40"], ["--lora", "2", "--lora-alpha", "16"]
+    straight = example.main(["--model", "tiny-llama", *run, *lora_flags, "--steps", "4",
+                             "--summary-json", str(tmp_path / "summary.json")])
+    lines = capsys.readouterr().out.rstrip("\n").splitlines()
+    as_json = json.loads(json.dumps(straight))
+    (summary_line,) = [line for line in lines if line.startswith("SUMMARY ")]
+    assert json.loads(summary_line[len("SUMMARY "):]) == as_json == json.loads((tmp_path / "summary.json").read_text())
+    first, last = straight["losses"][0], straight["losses"][-1]
+    assert lines.index(summary_line) < len(lines) - 1
+    assert lines[-1].startswith(f"trained 4 steps in {straight['train_seconds']:.1f} s: loss {first:.2f} -> {last:.2f}, "
+                                ), lines[-1]
+
+    example.main(["--model", "tiny-llama", *run, *lora_flags, "--steps", "2", "--save", ckpt])
+    for argv, message in ((["--model", "tiny-qwen3"],
                            "this checkpoint is tiny-llama (llama); use --model tiny-llama (this run asks for "
                            "tiny-qwen3 (qwen3); another --save folder starts it afresh)"),
                           (["--model", "tiny"], "this checkpoint is tiny-llama (llama); use --model tiny-llama"),
-                          (["--lora", "4"], "this checkpoint trained LoRA adapters of rank 2, this run asks for LoRA "
-                                            "of rank 4; resume with its settings: r 2 (--lora")):
-        with pytest.raises(CheckpointError, match=message.replace("(", r"\(").replace(")", r"\)")):
-            example.main([*argv, *TINY[2:], "--steps", "2", "--save", ckpt, "--resume"])
-    # (--steps 1: restored, nothing left to train, so no training step is compiled)
-    resumed = example.main(["--model", "auto", *TINY[2:], "--steps", "1", "--save", ckpt, "--resume", "--lora", "2"])
-    assert resumed["model"] == "tiny-llama" and resumed["start_step"] == 1 and resumed["losses"] == []
+                          (["--lora", "4"], "this run's LoRA settings differ from the checkpoint's adapters: r 4 (the "
+                                            "checkpoint's: 2); resume without --lora / --lora-alpha"),
+                          (["--lora-alpha", "8", "--lora-targets", "q_proj"],
+                           "adapters: lora_alpha 8.0 (the checkpoint's: 16.0), target_modules [\"q_proj\"] (the "
+                           "checkpoint's: \"all-linear\"); resume without")):
+        with pytest.raises(CheckpointError, match=re.escape(message)):
+            example.main([*argv, *run, "--steps", "4", "--save", ckpt, "--resume"])
+    capsys.readouterr()
+    resumed = example.main([*run, "--steps", "4", "--save", ckpt, "--resume"])
+    out = capsys.readouterr().out
+    assert resumed["model"] == "tiny-llama" and resumed["start_step"] == 2 and resumed["lora"] == straight["lora"]
+    assert "note:      lora: the checkpoint's settings (no LoRA flag given)" in out, out
+    assert resumed["losses"] == straight["losses"][2:], (resumed["losses"], straight["losses"])
+    assert out.rstrip("\n").splitlines()[-1].startswith("trained 2 steps (2 -> 4) in ")

@@ -558,16 +558,23 @@ def _peft_target_names(ad) -> list[str]:
     return out
 
 
-def save_peft(model, out_dir) -> str:
+def save_peft(model, out_dir, *, base_model_name_or_path=None) -> str:
     """Write PEFT's adapter folder (adapter_config.json, adapter_model.safetensors) that
-    `peft.PeftModel.from_pretrained(hf_base, out_dir)` loads -> the safetensors path."""
+    `peft.PeftModel.from_pretrained(hf_base, out_dir)` loads -> the safetensors path.
+
+    base_model_name_or_path: the base model's folder or hub id, written as given (as PEFT writes
+    what its user passed to from_pretrained); `peft.AutoPeftModelForCausalLM.from_pretrained(out_dir)`
+    loads the base from it, so give a folder as an absolute path where the adapter is read from
+    elsewhere. None (a base no one can load by name, e.g. randomly initialised): PEFT's loaders then
+    need the base handed to them."""
     from safetensors.numpy import save_file
 
     ad = adapter_of(model)
     s = ad.config
     out_dir = os.fspath(out_dir)
     os.makedirs(out_dir, exist_ok=True)
-    config = {"peft_type": "LORA", "task_type": "CAUSAL_LM", "base_model_name_or_path": None, "revision": None,
+    base = None if base_model_name_or_path is None else os.fspath(base_model_name_or_path)
+    config = {"peft_type": "LORA", "task_type": "CAUSAL_LM", "base_model_name_or_path": base, "revision": None,
               "inference_mode": True, "r": s["r"], "lora_alpha": s["lora_alpha"],
               "target_modules": _peft_target_names(ad), "exclude_modules": None,
               "lora_dropout": s["lora_dropout"], "bias": "none", "use_rslora": s["use_rslora"],

@@ -31,7 +31,7 @@ DeepSpeed's reason.
 """
 from __future__ import annotations
 
-from zerojax.config._values import AUTO, ConfigError  # noqa: F401 -- the public names
+from zerojax.config._values import AUTO, ConfigError, ConfigWarning  # noqa: F401 -- the public names
 from zerojax.config._schema import (  # noqa: F401 -- the public names
     ActivationCheckpointingConfig, BF16Config, CSVConfig, CheckpointConfig, CometConfig, CommsLoggerConfig,
     CompileConfig, Config, DEEPSPEED_VERSION, DataTypesConfig, FP16Config, FlopsProfilerConfig,

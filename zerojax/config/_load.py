@@ -10,7 +10,8 @@ from typing import Any, Mapping
 import hjson
 
 from zerojax.config._autotp import check_partition_config
-from zerojax.config._values import ConfigError, _convert, _freeze, _is_auto, _plain, _suggest, _unknown
+from zerojax.config._values import (
+    ConfigError, ConfigWarning, _convert, _freeze, _is_auto, _plain, _suggest, _unknown, one_edit_apart)
 from zerojax.config._schema import (
     BF16Config, Config, DEEPSPEED_VERSION, FP16Config, OffloadOptimizerConfig, OffloadParamConfig,
     OptimizerConfig, PipelineConfig, REMOVED_TOP_LEVEL_KEYS, REMOVED_ZERO_KEYS, SchedulerConfig,
@@ -114,7 +115,7 @@ def _load(source, world_size, fill, hidden_size) -> Config:
     if problems:
         raise ConfigError(problems)
     for note in notes:
-        warnings.warn(note, UserWarning, stacklevel=2)
+        warnings.warn(note, ConfigWarning, stacklevel=2)
     return Config(**kwargs)
 
 
@@ -255,7 +256,12 @@ def _build_top(raw, unresolved, problems, notes):
         if key == "allgather_size" and isinstance(raw.get("zero_optimization"), bool):
             continue  # legacy partner of `"zero_optimization": true`
         if name not in specs or name == "world_size":
-            notes.append(_unknown_top_level(key))
+            slip = _slip_of(key)
+            if slip:
+                problems.append(f"{key}: unknown top-level key; did you mean {slip!r}? (as written, DeepSpeed ignores "
+                                f"it and trains with {slip}'s defaults; rename it)")
+            else:
+                notes.append(_unknown_top_level(key))
             continue
         if key in unresolved_top:
             continue  # reported as unresolved auto, or resolved by the batch rule
@@ -288,6 +294,16 @@ def _build_top(raw, unresolved, problems, notes):
 
 def _removed(where, reason):
     return f"{where}: {reason} See {_REMOVED_ISSUE}. (DeepSpeed {DEEPSPEED_VERSION} refuses it too; remove the key)"
+
+
+def _slip_of(key):
+    """The key zerojax reads that an unknown top-level key is one slip from, else None: one letter
+    added, dropped, changed or two swapped, case aside (a British spelling of these keys, e.g.
+    "zero_optimisation", is one such). A typo'd section would load silently at its defaults, so it
+    is an error; farther keys and keys under 4 letters ("fp8" is not "fp16") stay a warning."""
+    if len(str(key)) < 4:
+        return None
+    return next((k for k in (*_CONFIG_KEYS, *_TOP_ALIASES) if one_edit_apart(str(key), k)), None)
 
 
 def _unknown_top_level(key):

@@ -6,6 +6,7 @@ import difflib
 import json
 import math
 import types
+import warnings
 from dataclasses import field, fields
 from typing import Mapping
 
@@ -22,6 +23,42 @@ class ConfigError(ValueError):
         lines = "\n".join(f"  - {p}" for p in self.problems)
         where = f" {source}" if source else ""
         super().__init__(f"{len(self.problems)} problem(s) in the DeepSpeed config{where}:\n{lines}")
+
+
+class ConfigWarning(UserWarning):
+    """A config note that does not stop the load (an unknown top-level key, a key without effect)."""
+
+
+def _one_line_config_warnings(previous):
+    """warnings' formatter with ConfigWarning as one `warning: <note>` line: the note names its
+    key, and the default's zerojax source path and line in front of it only hid it."""
+    def formatwarning(message, category, filename, lineno, line=None):
+        if issubclass(category, ConfigWarning):
+            return f"warning: {message}\n"
+        return previous(message, category, filename, lineno, line)
+    formatwarning.zerojax_config = True
+    return formatwarning
+
+
+if not getattr(warnings.formatwarning, "zerojax_config", False):  # once, whatever reloads this module
+    warnings.formatwarning = _one_line_config_warnings(warnings.formatwarning)
+
+
+def one_edit_apart(a: str, b: str) -> bool:
+    """At most one letter added, dropped, changed, or two neighbours swapped (case aside)."""
+    a, b = a.casefold(), b.casefold()
+    if a == b:
+        return True
+    if len(a) > len(b):
+        a, b = b, a
+    if len(b) - len(a) > 1:
+        return False
+    i = 0
+    while i < len(a) and a[i] == b[i]:
+        i += 1
+    if len(a) < len(b):  # one letter more in b, at i
+        return a[i:] == b[i + 1:]
+    return a[i + 1:] == b[i + 1:] or (a[i:i + 2] == b[i:i + 2][::-1] and a[i + 2:] == b[i + 2:])
 
 
 # Field specs: a dataclass field carries its JSON kind and range in metadata ("cls" for a section).

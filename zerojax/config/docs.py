@@ -123,8 +123,12 @@ zerojax in mind (a list of blocks, and an `nnx.vmap` stack run by `nnx.scan`).
 ## Rules that apply to many keys
 
 - **Unknown keys**: at top level DeepSpeed reads the keys it knows and ignores the rest, so
-  zerojax loads such a config too and warns once per unknown key (`UserWarning`, with "did you
-  mean" when the key is close to a known one: `"gradient_cliping"`). Inside sections that DeepSpeed
+  zerojax loads such a config too and warns once per unknown key (a one-line `warning: ...`,
+  `zerojax.config.ConfigWarning`, a `UserWarning`, with "did you mean" when the key is close to a
+  known one: `"gradient_clipping_norm"`). A key one slip from a key zerojax reads (a letter added,
+  dropped, changed or two swapped, case aside, 4 letters or more: `"zero_optimisation"`,
+  `"gradient_cliping"`) is a `ConfigError` naming the key it meant instead: DeepSpeed would train
+  with that section's defaults (ZeRO stage 0) without a word. Inside sections that DeepSpeed
   validates with pydantic models (`extra="forbid"`: `zero_optimization` and its offload sections,
   `fp16`, `bf16`, the monitors, `flops_profiler`, `compile`, `hybrid_engine`, `comms_logger`,
   `timers`, `tensor_parallel`, ...) an unknown key is a `ConfigError` with "did you mean", as in
