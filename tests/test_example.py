@@ -19,6 +19,10 @@ import re
 import numpy as np
 import pytest
 
+from zerojax.models import registry
+from zerojax.trainer import choice, flags, setup
+from zerojax.trainer.errors import ConfigMismatch
+
 
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -200,7 +204,7 @@ def test_setup_errors_are_one_line_before_anything_is_built(case, tmp_path):
 
 def test_help_describes_every_flag(capsys):
     with pytest.raises(SystemExit) as info:
-        _example().parse_args(["--help"])
+        _example().main(["--help"])
     out = capsys.readouterr().out
     assert info.value.code == 0 and "--eval-batches EVAL_BATCHES\n                        validation batches" in out, out
     assert "--summary-json PATH" in out, out
@@ -213,17 +217,16 @@ def test_help_says_what_precision_the_default_config_runs_on_cpu(capsys):
 
     from zerojax.config import read_source
 
-    example = _example()
     with pytest.raises(SystemExit):
-        example.parse_args(["--help"])
+        flags.parse_args(["--help"])
     help_text = " ".join(capsys.readouterr().out.split())
     cpu = SimpleNamespace(platform="cpu", device_kind="cpu")
-    _, mode, why = example.resolve_precision(read_source(example.parse_args([]).config), None, cpu)
+    _, mode, why = setup.resolve_precision(read_source(flags.parse_args([]).config), None, cpu)
     assert (mode, why) == ("bf16", "the config's bf16.enabled: true")
     assert (f"the default config, configs/zero2_bf16.json, sets {mode}, so a run without --config trains in {mode}, "
             "on CPU too") in help_text, help_text
     # and where the config leaves it open, the CPU default the paragraph names
-    assert example.resolve_precision({"bf16": {"enabled": "auto"}}, None, cpu)[1] == "fp32"
+    assert setup.resolve_precision({"bf16": {"enabled": "auto"}}, None, cpu)[1] == "fp32"
     assert "without one: bf16 on a GPU that has it, fp32 on CPU" in help_text
 
 
@@ -255,11 +258,10 @@ def test_hf_checkpoint_path_that_is_missing_says_so(tmp_path):
     (["--micro-batch", "0"], "argument --micro-batch: 0 must be >= 1 (or auto)"),
 ])
 def test_bad_flag_values_are_refused_with_the_reason(argv, message, capsys):
-    # in-process through the example's own parser: each `python gpt2_large.py` costs a jax import
-    # (its __main__ imports zerojax's error types first), ~3.5 CPU seconds; the entry point
-    # itself is run by the test below
+    # in-process through the trainer's parser (the example's and `zerojax train`'s): each `python
+    # gpt2_large.py` costs a jax import (~3.5 CPU seconds); the entry point itself is run by the test below
     with pytest.raises(SystemExit) as info:
-        _example().parse_args(argv)
+        flags.parse_args(argv)
     out = capsys.readouterr().err
     assert info.value.code == 2 and message in out, out  # argparse's usage-error status
 
@@ -404,16 +406,15 @@ def test_replicated_warning_names_the_threshold(capsys):
 
     import zerojax
 
-    example = _example()
     cfg = zerojax.load_config({"train_batch_size": 8, "zero_optimization": {
         "stage": 3, "stage3_param_persistence_threshold": 100_000}}, world_size=8)
     params = {"w": jnp.zeros((64, 256)), "b": jnp.zeros((64,))}  # replicated: a single device's arrays
     engine = SimpleNamespace(mesh=SimpleNamespace(shape={"data": 8}), state=SimpleNamespace(params=params))
-    example._warn_replicated(engine, cfg)
+    setup.warn_replicated(engine, cfg)
     out = capsys.readouterr().out
     assert out.count("replicated on every device: tensors under "
                      "zero_optimization.stage3_param_persistence_threshold = 100,000 elements") == 1, out
-    example._warn_replicated(engine, zerojax.load_config({**cfg.to_dict(), "zero_optimization": {
+    setup.warn_replicated(engine, zerojax.load_config({**cfg.to_dict(), "zero_optimization": {
         "stage": 3, "stage3_param_persistence_threshold": 640}}, world_size=8))
     assert capsys.readouterr().out == ""
 
@@ -439,7 +440,7 @@ def test_offload_loop_flag_trains_like_the_default_and_is_checked_against_the_co
     # the host loop keeps the master split by default
     example.main(["--config", cfg, *TINY, "--steps", "1", "--offload-loop", "host", "--adam-mu-dtype", "bfloat16"])
     assert "master split (bf16 copy + 16-bit host remainder), first moment bfloat16" in capsys.readouterr().out
-    with pytest.raises(example.ConfigMismatch, match="offload_optimizer.device .cpu.*zero2_offload_optimizer"):
+    with pytest.raises(ConfigMismatch, match="offload_optimizer.device .cpu.*zero2_offload_optimizer"):
         example.main(["--config", os.path.join(ROOT, "configs", "zero2_bf16.json"), *TINY, "--steps", "1",
                       "--offload-loop", "host"])
 
@@ -468,13 +469,13 @@ def test_master_split_flag_trains_as_without_it_and_is_refused_without_bf16(caps
                       fill={"train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": 1,
                             "optimizer.params.lr": 1e-3, "optimizer.params.weight_decay": 0.0,
                             "scheduler.params.warmup_max_lr": 1e-3, "scheduler.params.warmup_num_steps": 1})
-    options = example._engine_options(example.parse_args([*TINY, "--master-split"]), off, planned=True)
+    options = setup.engine_options(flags.parse_args([*TINY, "--master-split"]), off, planned=True)
     assert options.split_master == "on" and options.offload_loop == "auto"
     import hjson
 
     fp32 = tmp_path / "zero2_fp32.json"
     fp32.write_text(json.dumps({**hjson.load(open(cfg)), "bf16": {"enabled": False}}))
-    with pytest.raises(example.ConfigMismatch, match="--master-split needs bf16.*zero2_fp32.json.*zero2_bf16.json"):
+    with pytest.raises(ConfigMismatch, match="--master-split needs bf16.*zero2_fp32.json.*zero2_bf16.json"):
         example.main(["--config", str(fp32), *TINY, "--steps", "1", "--master-split"])
 
 
@@ -502,7 +503,6 @@ def test_offload_hint_names_the_missing_flags_and_their_bytes():
     from zerojax import EngineOptions
     from zerojax.planning.planner import Plan
 
-    example = _example()
     P, GiB = 1_557_611_200, 2**30  # GPT-2 XL's parameters
     offloading = Plan(3, 8, remat="full", offload_optimizer=True, offload_ratio=0.5)
     split, mu = "--master-split {:.2f} GiB (", "--adam-mu-dtype bfloat16 {:.2f} GiB ("
@@ -510,18 +510,18 @@ def test_offload_hint_names_the_missing_flags_and_their_bytes():
                                    (EngineOptions(split_master="on"), (mu,), (split,)),
                                    (EngineOptions(adam_mu_dtype="bfloat16"), (split,), (mu,))):
         for n_data in (1, 4):
-            hint = example._offload_hint(offloading, P, n_data, options, jnp.bfloat16)
+            hint = setup.offload_hint(offloading, P, n_data, options, jnp.bfloat16)
             assert hint.startswith("micro-batch auto: this plan offloads;")
             for flag in named:  # 2 bytes a parameter each, over the data ranks
                 assert flag.format(2 * P / n_data / GiB) in hint
             for flag in absent:
                 assert flag.split(" {")[0] not in hint
     both = EngineOptions(split_master="on", adam_mu_dtype="bfloat16")
-    assert example._offload_hint(offloading, P, 1, both, jnp.bfloat16) is None
-    assert example._offload_hint(offloading, P, 1, EngineOptions(), jnp.float32) is None
-    assert example._offload_hint(Plan(2, 8, remat="full"), P, 1, EngineOptions(), jnp.bfloat16) is None
+    assert setup.offload_hint(offloading, P, 1, both, jnp.bfloat16) is None
+    assert setup.offload_hint(offloading, P, 1, EngineOptions(), jnp.float32) is None
+    assert setup.offload_hint(Plan(2, 8, remat="full"), P, 1, EngineOptions(), jnp.bfloat16) is None
     stage0 = Plan(0, 8, remat="full", offload_optimizer=True)
-    assert split.format(2 * P / GiB) in example._offload_hint(stage0, P, 4, EngineOptions(), jnp.bfloat16)
+    assert split.format(2 * P / GiB) in setup.offload_hint(stage0, P, 4, EngineOptions(), jnp.bfloat16)
 
 
 @pytest.mark.slow
@@ -556,12 +556,12 @@ def test_offload_loop_auto_takes_host_where_its_step_fits(capsys, monkeypatch):
                                             "scheduler.params.warmup_num_steps": 1})
     monkeypatch.setattr(memory, "device_budget", lambda device=None: 2**20)
     make = lambda: GPT2(GPT2Config.named("tiny"), rngs=nnx.Rngs(0))  # noqa: E731
-    loop, why = example._offload_loop_auto(loaded, make, 32, gpt2_loss)
+    loop, why = setup.offload_loop_auto(loaded, make, 32, gpt2_loss)
     assert loop == "in_place" and why.startswith('auto: "host" would need ') and why.endswith("of the device's 1.00 MiB")
     # fp16 (its loss-scale skips untested in the host loop: fp16 matmuls do not run on CPU): in_place
     fp16 = zerojax.load_config({**loaded.to_dict(), "bf16": {"enabled": False}, "fp16": {"enabled": True}})
     monkeypatch.setattr(memory, "device_budget", lambda device=None: 2**40)
-    assert example._offload_loop_auto(fp16, make, 32, gpt2_loss)[0] == "in_place"
+    assert setup.offload_loop_auto(fp16, make, 32, gpt2_loss)[0] == "in_place"
     # several processes: "host" only where it fits on every one (their answers gathered)
     import jax
     from jax.experimental import multihost_utils
@@ -569,7 +569,7 @@ def test_offload_loop_auto_takes_host_where_its_step_fits(capsys, monkeypatch):
     for answers, want, said in (([True, False], "in_place", 'auto: "host" fits here but not on every process'),
                                 ([True, True], "host", "auto: its step needs")):
         monkeypatch.setattr(multihost_utils, "process_allgather", lambda x, a=answers: np.asarray(a)[:, None])
-        loop, why = example._offload_loop_auto(loaded, make, 32, gpt2_loss)
+        loop, why = setup.offload_loop_auto(loaded, make, 32, gpt2_loss)
         assert loop == want and why.startswith(said), why
 
 
@@ -664,16 +664,15 @@ def test_steps_zero_evaluates_only(monkeypatch, capsys):
 def test_precision_resolved_as_hugging_face_fills_it(sections, flag, device, expect):
     from types import SimpleNamespace
 
-    example = _example()
     dev = {"cpu": SimpleNamespace(platform="cpu", device_kind="cpu"),
            "gpu9": SimpleNamespace(platform="gpu", device_kind="NVIDIA H200", compute_capability="9.0"),
            "gpu7": SimpleNamespace(platform="gpu", device_kind="Tesla V100", compute_capability="7.0")}[device]
     raw = {"train_batch_size": 8, **sections}
     if isinstance(expect, str):
-        with pytest.raises(example.ConfigMismatch, match=expect.replace("(", r"\(")):
-            example.resolve_precision(raw, flag, dev)
+        with pytest.raises(ConfigMismatch, match=expect.replace("(", r"\(")):
+            setup.resolve_precision(raw, flag, dev)
         return
-    out, mode, _ = example.resolve_precision(raw, flag, dev)
+    out, mode, _ = setup.resolve_precision(raw, flag, dev)
     assert mode == expect[0] and {k: out[k]["enabled"] for k in expect[1]} == expect[1]
     import zerojax
     from zerojax.precision import compute_dtype
@@ -860,18 +859,17 @@ def jax_leaves(tree):
 def test_model_names_cover_the_llama_shapes_and_an_unknown_name_lists_them(capsys):
     from zerojax.models import LlamaConfig
 
-    example = _example()
     with pytest.raises(ValueError) as info:  # the shapes LlamaConfig.named offers, from its own message
         LlamaConfig.named("?")
     offered = set(json.loads(str(info.value).split("choose one of ")[1].replace("'", '"')))
-    assert set(example.LLAMA_SHAPES.values()) == offered
-    for name in example.LLAMA_SHAPES:
-        assert example.named_model(name).family == "llama"
+    assert set(registry.get("llama").shapes.values()) == offered
+    for name in registry.get("llama").shapes:
+        assert choice.named_model(name).family == "llama"
     with pytest.raises(SystemExit) as info:
-        example.parse_args(["--model", "llama-9b"])
+        flags.parse_args(["--model", "llama-9b"])
     err = capsys.readouterr().err
     assert info.value.code == 2 and "argument --model: invalid choice: 'llama-9b' (choose from " in err, err
-    assert all(name in err for name in example.MODEL_CHOICES), err
+    assert all(name in err for name in registry.shape_names()), err
 
 
 @pytest.mark.slow
@@ -891,7 +889,7 @@ def test_lora_on_gpt2_trains_the_adapters_only(tmp_path, monkeypatch):
     model, settings = got["model"], summary["lora"]
     assert summary["family"] == "gpt2" and settings["r"] == 4 and np.isfinite(summary["losses"]).all()
     assert summary["trained_params"] == lora.trainable_count(model)
-    fresh = lora.apply(example.named_model("tiny").build(0, model.dtype, None, param_dtype=settings["base_dtype"]),
+    fresh = lora.apply(choice.named_model("tiny").build(0, model.dtype, None, param_dtype=settings["base_dtype"]),
                        settings)
     frozen = lambda m: nnx.to_pure_dict(nnx.state(m, lora.FrozenWeight))  # noqa: E731
     jax.tree.map(lambda a, b: np.testing.assert_array_equal(np.asarray(a), np.asarray(b)), frozen(model), frozen(fresh))
@@ -913,10 +911,10 @@ def test_lora_refusals_are_one_line_before_anything_is_built(case, tmp_path):
     argv, sections = ["--model", "tiny-llama", *TINY[2:], "--steps", "1", "--lora", "4"], {}
     if case == "offload_param":
         sections = {"zero_optimization": {"stage": 3, "offload_param": {"device": "cpu"}}}
-        want = (example.ConfigMismatch, "LoRA with zero_optimization.offload_param.device 'cpu'")
+        want = (ConfigMismatch, "LoRA with zero_optimization.offload_param.device 'cpu'")
     elif case == "quantize alone":
         argv = [*argv[:-2], "--quantize", "nf4"]
-        want = (example.ConfigMismatch, "--quantize is a LoRA setting: add --lora R")
+        want = (ConfigMismatch, "--quantize is a LoRA setting: add --lora R")
     else:
         argv = argv[:-2]
         sections = {"lora": {"r": 4, "target_modules": "all-linear", "lora_alhpa": 16}}

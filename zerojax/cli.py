@@ -8,6 +8,7 @@
     zerojax estimate --params 2851e6 --largest-layer 32e6 --gpus 8
     zerojax plan --model xl --devices 4 --search-mesh --budget 139GiB --global-batch 64  # mesh shapes
     zerojax export runs/ckpt hf_out --dtype bf16                  # consolidated weights
+    zerojax train --model tiny --steps 200 --config configs/zero2_bf16.json   # the trainer (zerojax.trainer)
     zerojax launch --num_procs 2 train.py --config ds.json        # several processes (zerojax.launch.launcher)
     zerojax generate --hf-checkpoint DIR --prompt "Once upon" --max-new-tokens 64   # text from a checkpoint
     zerojax chat --hf-checkpoint DIR                              # a conversation on stdin (its chat template)
@@ -267,6 +268,13 @@ def _add_launch(sub):
                    help="start a multi-process / multi-node run (DeepSpeed's launcher flags)")
 
 
+def _add_train(sub):
+    # listed for --help only: main() hands `train ...` to the trainer's own parser (zerojax.trainer.flags),
+    # the one examples/gpt2_large.py takes
+    sub.add_parser("train", add_help=False,
+                   help="train or fine-tune a model with a DeepSpeed config (`zerojax train --help`)")
+
+
 def _add_generation_flags(p):
     p.add_argument("--hf-checkpoint", required=True, metavar="DIR",
                    help="a Hugging Face folder (GPT-2, Llama, Mistral, Qwen2, Qwen3; safetensors + tokenizer.json)")
@@ -348,7 +356,7 @@ def cmd_chat(args) -> int:
     return 0
 
 
-COMMANDS = [_add_estimate, _add_plan, _add_export, _add_launch, _add_generate, _add_chat]
+COMMANDS = [_add_estimate, _add_plan, _add_export, _add_train, _add_launch, _add_generate, _add_chat]
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -366,6 +374,10 @@ def main(argv=None) -> int:
         from zerojax.launch.launcher import main as launch
 
         return launch(argv[1:])
+    if argv[:1] == ["train"]:
+        from zerojax.trainer import run_cli
+
+        return run_cli(argv[1:], prog="zerojax train")
     args = build_parser().parse_args(argv)
     return int(args.func(args) or 0)
 

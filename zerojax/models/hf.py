@@ -26,7 +26,7 @@ import numpy as np
 from flax import nnx
 
 from zerojax.models import registry
-from zerojax.models.gpt2 import GPT2, GPT2Config, chunked_gpt2_loss, gpt2_loss
+from zerojax.models.gpt2 import GPT2, GPT2Config, chunked_gpt2_loss, flops_per_token, gpt2_loss, num_params
 
 _LAYER_KEYS = (  # HF per-layer name -> our path under "h"
     ("ln_1.weight", ("ln_1", "scale")),
@@ -430,11 +430,18 @@ def read_gpt2(path: str, dtype=None, **model_kwargs) -> GPT2:
 # ------------------------------------------------------------------------------ the family
 
 
+def read_config_json(path: str) -> dict:
+    with open(os.path.join(path, "config.json")) as f:
+        return json.load(f)
+
+
 registry.register(registry.ModelFamily(
     name="gpt2", label="GPT-2", config_class=GPT2Config, model_class=GPT2,
     shapes={s: s for s in ("tiny", "small", "medium", "large", "xl")},
     loss=gpt2_loss, chunked_loss=chunked_gpt2_loss, hf_model_types=("gpt2",), from_hf=read_gpt2,
     writer=save_hf, config_from_record=lambda record: GPT2Config(**record["config"]),
+    hf_config=lambda path: config_from_hf(read_config_json(path)), learned_positions=True, packs=False,
+    counts=lambda config, seq_len: (flops_per_token(config, seq_len), num_params(config)),
     # the fields that decide the parameters' shapes
     shape_keys=("vocab_size", "n_positions", "n_embd", "n_layer", "n_head", "n_inner", "make_vocab_size_divisible_by"),
     # c_attn [d, 3, heads, head_dim] (HF's fused [q|k|v] columns), attn.c_proj [heads, head_dim, d]:

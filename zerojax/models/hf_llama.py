@@ -21,7 +21,7 @@ from flax import nnx
 
 from zerojax.models import registry
 from zerojax.models.hf import (MAX_SHARD_BYTES, TensorReader, get_path, layer, module_from_leaves, plain_arrays,
-                               set_path, storage_dtype, write_tensors)
+                               read_config_json, set_path, storage_dtype, write_tensors)
 from zerojax.models.llama import MODEL_TYPES, Llama, LlamaConfig, chunked_llama_loss, llama_loss
 
 ARCHITECTURES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
@@ -273,6 +273,7 @@ registry.register(registry.ModelFamily(
             "tiny-llama": "tiny", "tiny-qwen2": "tiny-qwen2", "tiny-qwen3": "tiny-qwen3"},
     loss=llama_loss, chunked_loss=chunked_llama_loss, hf_model_types=MODEL_TYPES, from_hf=read_llama,
     writer=save_llama_hf, config_from_record=config_from_record,
+    hf_config=lambda path: config_from_hf(read_config_json(path)),
     shape_keys=tuple(f.name for f in dataclasses.fields(LlamaConfig) if f.name not in _NOT_SHAPE),
     peft=registry.PeftTargets(
         stack="layers", prefix="model.layers.{i}.",

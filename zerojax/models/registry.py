@@ -49,7 +49,12 @@ class ModelFamily:
     hf_model_types: config.json model_types it reads; from_hf(path, dtype=None, **model_kwargs)
         -> model; writer(params, config, out_dir, dtype=None) -> the weights file written (a
         Hugging Face folder); config_from_record(record) -> config (a checkpoint's model record).
+    hf_config(path) -> the config of a Hugging Face folder (config.json), before any weight is read.
     shape_keys: the config fields that decide the parameters' shapes (a resume compares them).
+    learned_positions: a position table of `max_positions(config)` rows (GPT-2): no longer sequence
+        runs; packs: the model takes `segment_ids` / `positions` (packed documents stay apart).
+    counts(config, seq_len) -> (training FLOPs per token, parameters), or None: read off the
+        parameter tree (`zerojax.model.model_dims`).
     peft: PEFT's module names for LoRA, or None (no LoRA).
     decoder: "module:Class" of its KV-cache decoder view (`zerojax.generation.families.Family`;
         named, not imported: models/ imports nothing of the runtime), or None (no generation).
@@ -66,7 +71,11 @@ class ModelFamily:
     from_hf: Callable
     writer: Callable
     config_from_record: Callable
+    hf_config: Callable
     shape_keys: tuple
+    learned_positions: bool = False
+    packs: bool = True
+    counts: Callable | None = None
     peft: PeftTargets | None = None
     decoder: str | None = None
     max_positions: Callable[[Any], int] = lambda config: config.max_position_embeddings
@@ -94,6 +103,11 @@ def register(family: ModelFamily) -> ModelFamily:
             raise ValueError(f"register({family.name!r}): {what} {clash[0]!r} is {taken[clash[0]]!r}'s already")
     _FAMILIES[family.name] = family
     return family
+
+
+def unregister(name: str) -> None:
+    """Remove the family `name` (a test's toy family)."""
+    _FAMILIES.pop(name, None)
 
 
 def _load_builtin():
@@ -150,5 +164,5 @@ def shape_names() -> list[str]:
     return [s for f in families().values() for s in f.shapes]
 
 
-__all__ = ["ModelFamily", "PeftTargets", "register", "families", "get", "for_shape", "for_hf_type", "for_model",
+__all__ = ["ModelFamily", "PeftTargets", "register", "unregister", "families", "get", "for_shape", "for_hf_type", "for_model",
            "for_config", "for_record", "hf_model_types", "shape_names"]

@@ -1,0 +1,8 @@
+"""The training program over the engine: flags, model choice, data, planner, loop, export.
+
+`zerojax train ...` and `python examples/gpt2_large.py ...` run `main` (flags: `zerojax.trainer.flags`).
+It sits above `train/` (the engine) and `planning/` (the planner), and nothing below imports it.
+"""
+from zerojax.trainer.trainer import main, run_cli
+
+__all__ = ["main", "run_cli"]

@@ -1,0 +1,61 @@
+"""What a finished run writes out: Hugging Face folders, PEFT adapters, the tokenizer beside them."""
+from __future__ import annotations
+
+import os
+import sys
+
+
+def _copy_tokenizer(src, out_dir):
+    """The tokenizer files of a Hugging Face folder copied into an exported one (what
+    AutoTokenizer.from_pretrained reads)."""
+    import shutil
+
+    if not src or not os.path.isdir(src):
+        return
+    for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja",
+                 "tokenizer.model", "generation_config.json"):
+        if os.path.exists(os.path.join(src, name)):
+            shutil.copy(os.path.join(src, name), os.path.join(out_dir, name))
+
+
+def host_peak_rss() -> int | None:
+    """This process's peak resident memory in bytes (getrusage: KiB on Linux, bytes on macOS);
+    None where the platform has no `resource` module (Windows)."""
+    try:
+        import resource
+    except ImportError:
+        return None
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return peak if sys.platform == "darwin" else peak * 1024
+
+
+def export_hf(args, engine, choice, settings):
+    """--export-hf: GPT-2 / Llama as a Hugging Face folder; with LoRA the PEFT adapter folder and
+    (--merge) the merged model beside it."""
+    import zerojax.models
+
+    out, tok = args.export_hf, args.tokenizer if args.tokenizer and os.path.isdir(args.tokenizer) else None
+    if settings is not None:
+        from zerojax import lora
+
+        model = engine.model
+        adapter_dir = os.path.join(out, "adapter") if args.merge else out
+        # the base as an absolute path: AutoPeftModelForCausalLM reads it from the adapter's
+        # config, and a path relative to this run's directory would not load from anywhere else;
+        # a randomly initialised --model has no folder to name (None, as PEFT writes for none)
+        base = os.path.abspath(args.hf_checkpoint) if args.hf_checkpoint else None
+        lora.save_peft(model, adapter_dir, base_model_name_or_path=base)
+        _copy_tokenizer(tok, adapter_dir)
+        print(f"PEFT adapter written to {adapter_dir} (" + (
+            f"peft.AutoPeftModelForCausalLM.from_pretrained({adapter_dir!r}): its base is {base}" if base
+            else f"peft.PeftModel.from_pretrained(base, {adapter_dir!r})") + ")")
+        if args.merge:
+            zerojax.models.to_hf(lora.merge(model), out)
+            _copy_tokenizer(tok, out)
+            print(f"merged model (base + adapters) written to {out}")
+        return
+    # the master as written out, not `engine.master_params`: under offload that merges the whole
+    # fp32 master on the device (32 GB at 8B); this reads the host's layers a group at a time
+    choice.family_spec.writer(engine.consolidated_master(), choice.config, out)
+    _copy_tokenizer(tok, out)
+    print(f"Hugging Face weights written to {out}")

@@ -1,0 +1,196 @@
+"""The training run's flags (`zerojax train`, examples/gpt2_large.py): one parser, its checks.
+
+Values are checked where they are read: a number out of range, a flag that needs another, is an
+argparse error naming it, before anything is imported that is slow.
+"""
+from __future__ import annotations
+
+import argparse
+import math
+import os
+import sys
+
+# the default --config: DeepSpeed's ZeRO-2 with bf16 and "auto" batch / lr keys, in the checkout
+DEFAULT_CONFIG = os.path.normpath(os.path.join(os.path.dirname(__file__), "..", "..", "configs", "zero2_bf16.json"))
+
+
+def _number(kind, lo=None, *, above=False, note=""):
+    """An argparse type: a finite int / float, >= lo (> lo with above=True); `note` says why."""
+    def parse(text):
+        try:
+            value = kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not {'an integer' if kind is int else 'a number'}") from None
+        if kind is float and not math.isfinite(value):
+            raise argparse.ArgumentTypeError(f"{text!r} is not a finite number")
+        if lo is not None and (value <= lo if above else value < lo):
+            raise argparse.ArgumentTypeError(f"{value} must be {'>' if above else '>='} {lo}{note}")
+        return value
+    return parse
+
+
+def _micro_batch(text):
+    return "auto" if text == "auto" else _number(int, 1, note=" (or auto)")(text)
+
+
+# Flags whose value may be negative: argparse reads "-1e-3" as an option (its negative-number rule
+# misses exponents), so "--lr -1e-3" is rewritten "--lr=-1e-3" and the type checks then say why
+# a negative value is refused, instead of "expected one argument".
+_VALUE_FLAGS = ("--steps", "--schedule-steps", "--seq-len", "--grad-accum", "--lr", "--loss-chunk",
+                "--eval-batches", "--seed", "--peak-tflops", "--keep", "--micro-batch", "--lora", "--lora-alpha")
+
+QUANTIZE = ("int8", "nf4", "int4")
+
+
+def _join_negative_values(argv):
+    out, i = [], 0
+    while i < len(argv):
+        if argv[i] in _VALUE_FLAGS and i + 1 < len(argv) and argv[i + 1].startswith("-"):
+            try:
+                float(argv[i + 1])
+            except ValueError:
+                pass
+            else:
+                out.append(f"{argv[i]}={argv[i + 1]}")
+                i += 2
+                continue
+        out.append(argv[i])
+        i += 1
+    return out
+
+
+DESCRIPTION = """Train or fine-tune GPT-2 or a Llama-family model (any registered family) with a DeepSpeed config.
+
+    zerojax train --model tiny --steps 200                                   # CPU: a tiny GPT-2
+    zerojax train --hf-checkpoint ./Llama-3.2-1B-Instruct --data chat.jsonl --lora 16 --export-hf out
+
+--model names a registered family's shape (random init); --hf-checkpoint reads a local Hugging Face
+folder with its tokenizer. Without --data it trains on an embedded corpus (Python's documentation).
+--data takes .txt or .jsonl ({"text"}, {"prompt", "completion"}, {"messages"}: the loss on the
+completion / assistant turns only)."""
+
+
+def parse_args(argv=None, *, prog=None, description=None):
+    from zerojax.config import REMAT_POLICY_NAMES  # no jax: zerojax.config imports none
+    from zerojax.options import OFFLOAD_LOOPS  # nor zerojax.options
+
+    from zerojax.models import registry
+
+    families = registry.families().values()
+    model_choices = ("auto", *registry.shape_names())
+    p = argparse.ArgumentParser(prog=prog, description=description or DESCRIPTION,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--config", default=DEFAULT_CONFIG,
+                   help="a DeepSpeed JSON config (its \"auto\" values are filled from the flags below)")
+    p.add_argument("--model", default="auto", choices=model_choices, metavar="NAME",
+                   help="the model, randomly initialised: a named shape of a registered family (" + "; ".join(
+                       f"{f.label}: {', '.join(f.shapes)}" for f in families) + "; tiny-*: test shapes with a "
+                        "byte vocabulary); auto = GPT-2 large on a GPU, tiny on CPU (on --resume the checkpoint's)")
+    p.add_argument("--hf-checkpoint", metavar="DIR",
+                   help="local Hugging Face folder (config.json, model.safetensors or its shards) of a registered "
+                        "family (model_type " + ", ".join(registry.hf_model_types()) + "); its tokenizer is used")
+    p.add_argument("--data", help=".txt / .jsonl file or folder; .jsonl fine-tuning records {\"prompt\", "
+                                  "\"completion\"} or {\"messages\"} train on the completion / assistant "
+                                  "turns only; {\"text\"} records are cut into --seq-len blocks as .txt is; "
+                                  "default: the embedded corpus")
+    p.add_argument("--pad", action="store_true",
+                   help="fine-tuning .jsonl: one example a row, padded (default: examples packed into rows, "
+                        "kept apart by segment ids; GPT-2, which has none, is always padded)")
+    p.add_argument("--tokenizer", help="a tokenizer folder (tokenizer.json, tokenizer_config.json with the chat "
+                                       "template) or tokenizer.json (default: the checkpoint's, else byte-level)")
+    p.add_argument("--steps", type=_number(int, 0, note=" (0 = no training, evaluation only)"), default=None,
+                   help="train until this global optimizer step (default 300 on CPU, 100 on GPU); with "
+                        "--resume the run continues from the checkpoint's step up to it")
+    p.add_argument("--schedule-steps", type=_number(int, 1), default=None,
+                   help="length of the lr schedule (fills scheduler total_num_steps \"auto\"; warmup "
+                        "is 10%% of it); default: --steps, or on --resume the length saved with the "
+                        "checkpoint")
+    p.add_argument("--seq-len", type=_number(int, 2, note=" (a row of T tokens gives T-1 predictions)"),
+                   default=None, help="tokens per row (default 1024; tiny: 128)")
+    p.add_argument("--micro-batch", type=_micro_batch, default=None,
+                   help="fills train_micro_batch_size_per_gpu \"auto\": a number, or auto = the largest "
+                        "that fits the device (XLA's compiled peak, found before anything is allocated); "
+                        "default 8 on a GPU, 4 on CPU")
+    p.add_argument("--grad-accum", type=_number(int, 1), default=1, help="fills gradient_accumulation_steps \"auto\"")
+    p.add_argument("--lr", type=_number(float, 0.0, note=" (as torch.optim.AdamW; 0 keeps the weights fixed)"),
+                   default=None, help="fills optimizer/scheduler lr \"auto\" (default 1e-3 tiny, 3e-4 "
+                                      "others, 1e-4 from --hf-checkpoint; on --resume the checkpoint's)")
+    # said once for the three flags: what decides the precision (resolve_precision, default_precision)
+    precision = p.add_argument_group(
+        "precision", "The config decides where it sets fp16 / bf16 enabled: true (a flag asking for another\n"
+        "precision is then an error): the default config, configs/zero2_bf16.json, sets bf16, so a run\n"
+        "without --config trains in bf16, on CPU too. Where the config leaves it open (enabled \"auto\",\n"
+        "or no fp16 / bf16 section) a flag picks; without one: bf16 on a GPU that has it, fp32 on CPU."
+    ).add_mutually_exclusive_group()
+    for name in ("bf16", "fp16", "fp32"):
+        precision.add_argument(f"--{name}", dest="precision", action="store_const", const=name,
+                               help=f"train in {name} where the config leaves precision open")
+    p.add_argument("--remat", choices=list(REMAT_POLICY_NAMES), default=None,
+                   help="activation checkpointing per layer (default: from the config's "
+                        "activation_checkpointing section: its remat_policy, else cpu_checkpointing -> "
+                        "offload, else full)")
+    p.add_argument("--save", help="checkpoint folder (orbax); saved at the end")
+    p.add_argument("--resume", action="store_true", help="continue from the latest checkpoint in --save")
+    p.add_argument("--keep", type=_number(int, 1), default=None,
+                   help="after saving, delete all but the newest N checkpoints in --save, never the "
+                        "one `latest` names (Hugging Face's save_total_limit); default: keep all")
+    p.add_argument("--export-hf", metavar="DIR",
+                   help="write the trained model as a Hugging Face folder (transformers' from_pretrained "
+                        "loads it; the checkpoint's tokenizer files copied in); with LoRA: PEFT's adapter "
+                        "folder naming --hf-checkpoint as its base (peft.AutoPeftModelForCausalLM.from_pretrained), see --merge")
+    p.add_argument("--lora", type=_number(int, 1), default=None, metavar="R",
+                   help="train LoRA adapters of rank R on a frozen base (GPT-2 or the Llama family; zerojax.lora, "
+                        "PEFT's settings); overrides the config's \"lora\" section's r")
+    p.add_argument("--lora-alpha", type=_number(float, 0.0, above=True), default=None,
+                   help="LoRA scale numerator (scale = alpha / r); default: the \"lora\" section's, else "
+                        "PEFT's 8")
+    p.add_argument("--lora-targets", default=None,
+                   help="modules that get adapters: \"all-linear\" (every projection but the LM head) or "
+                        "comma-separated names such as q_proj,v_proj (GPT-2: c_attn,c_proj,c_fc); default: the "
+                        "\"lora\" section's "
+                        "target_modules, else all-linear")
+    p.add_argument("--quantize", choices=QUANTIZE, default=None,
+                   help="with LoRA: store the frozen base quantized (int8 per channel; nf4 / int4 in "
+                        "64-element blocks: QLoRA), dequantized layer by layer on use")
+    p.add_argument("--merge", action="store_true",
+                   help="with LoRA and --export-hf DIR: DIR gets the merged model (base + scale x B A, a "
+                        "plain Hugging Face folder) and DIR/adapter the PEFT adapter")
+    p.add_argument("--loss-chunk", type=_number(int, 0), default=0,
+                   help="cross entropy N positions at a time (zerojax.models.chunked_gpt2_loss / "
+                        "chunked_llama_loss): the "
+                        "full batch x seq x vocab fp32 logits are never held; 0 = full logits")
+    p.add_argument("--offload-loop", choices=list(OFFLOAD_LOOPS), default=None,
+                   help="with zero_optimization.offload_optimizer.device cpu: how the optimizer state "
+                        "streams through the GPU (zerojax.EngineOptions.offload_loop; \"host\": its "
+                        "update driven from Python, beside the forward / backward: GPT-2 Large on an "
+                        "H200 ~1.7x in_place, +4 GiB; default: host where its step fits the device's "
+                        "memory (checked before anything is allocated), else in_place)")
+    p.add_argument("--adam-mu-dtype", choices=["bfloat16"], default=None,
+                   help="store Adam's first moment in bf16 (zerojax.EngineOptions.adam_mu_dtype): 2 bytes "
+                        "a parameter less, and under optimizer offload less to move over PCIe; changes "
+                        "training slightly (DeepSpeed keeps it fp32); default: the master's dtype")
+    p.add_argument("--master-split", action="store_true",
+                   help="keep the fp32 master as the bf16 params + an int16 remainder on the device "
+                        "(zerojax.EngineOptions(split_master=\"on\")): 2 bytes a parameter less, the same "
+                        "training but for exact ties (one fp32 ulp); needs bf16; under optimizer offload to cpu "
+                        "it splits the host copy (the host loop does by default), not with NVMe)")
+    p.add_argument("--summary-json", metavar="PATH",
+                   help="also write the run's SUMMARY (the JSON of the `SUMMARY {...}` line: settings, every "
+                        "loss, speed, memory) to PATH")
+    p.add_argument("--eval-batches", type=_number(int, 0), default=8,
+                   help="validation batches (of train_batch_size rows, from the held-out part of the "
+                        "data) evaluated after training; 0 = no validation")
+    p.add_argument("--seed", type=_number(int, 0), default=None,
+                   help="init and data-order seed (default 0; on --resume the checkpoint's)")
+    p.add_argument("--peak-tflops", type=_number(float, 0.0, above=True), default=None,
+                   help="per-device TFLOP/s that MFU is reported against (default on a GPU / TPU: the "
+                        "matmul ceiling in the run's precision, measured at start, zerojax.planning.ceiling; "
+                        "a datasheet peak is never reached; on CPU no MFU is reported without this flag)")
+    args = p.parse_args(_join_negative_values(list(sys.argv[1:] if argv is None else argv)))
+    if args.keep is not None and not args.save:
+        p.error("--keep needs --save DIR (the checkpoint folder to prune)")
+    if args.resume and not args.save:
+        p.error("--resume needs --save DIR (the checkpoint folder to continue from)")
+    if args.merge and not args.export_hf:
+        p.error("--merge needs --export-hf DIR (where the merged model is written)")
+    return args
