@@ -177,8 +177,8 @@ def test_estimate_and_plan_take_a_module_factory(capsys):
 
 @pytest.mark.parametrize("command", ["estimate", "plan"])
 @pytest.mark.parametrize("model, says", [
-    ("gpt-5", "not a model zerojax knows; --model takes a GPT-2 size (tiny, small, medium, large, xl), "
-              "a Llama-family shape (llama-3.2-1b"),
+    ("gpt-5", "not a model zerojax knows; --model takes a registered shape (tiny, small, medium, large, xl, "
+              "llama-3.2-1b"),
     ("no_such_module_here:build", "cannot import no_such_module_here"),
     ("tests.planning.model_factories:missing", "tests.planning.model_factories has no missing"),
     ("tests.planning.model_factories:QWEN", "QWEN is a QwenShape, not a callable"),

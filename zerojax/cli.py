@@ -28,13 +28,10 @@ from typing import Callable
 
 from zerojax.planning import estimate
 
-GPT2_SIZES = ("tiny", "small", "medium", "large", "xl")  # `GPT2Config.named`'s sizes
-# `LlamaConfig.named`'s published shapes (named here: this module imports no jax until a command runs)
-LLAMA_SHAPES = ("llama-3.2-1b", "llama-3.2-3b", "llama-3.1-8b", "qwen2.5-0.5b", "qwen3-0.6b", "mistral-7b",
-                "mistral-7b-v0.3")
-MODEL_ACCEPTS = (f"a GPT-2 size ({', '.join(GPT2_SIZES)}), a Llama-family shape ({', '.join(LLAMA_SHAPES)}) "
-                 "or module:factory (a callable returning an nnx.Module, with no arguments or taking "
-                 "remat_policy= / dtype=; the current directory is importable)")
+MODEL_ACCEPTS = ("a named shape of a registered model family (zerojax.models.registry: GPT-2 tiny ... xl, the Llama "
+                 "family's llama-3.2-1b, llama-3.1-8b, qwen3-0.6b, mistral-7b, ...) or module:factory (a callable "
+                 "returning an nnx.Module, with no arguments or taking remat_policy= / dtype=; the current "
+                 "directory is importable)")
 MODEL_HELP = f"the model: {MODEL_ACCEPTS}; default large (GPT-2)"
 DEFAULT_SEQ = 1024  # a model that names no maximum positions
 
@@ -425,39 +422,25 @@ def _configured_dtype(cfg_dict):
             else jnp.float32)
 
 
-def gpt2_factory(size, cfg_dict, seq=None):
-    """(GPT2Config, model_factory(remat_policy=None, dtype=the config's)) for a GPT-2 size: the
-    planner varies activation checkpointing and (when the config says "auto") the compute dtype."""
+def family_factory(shape, cfg_dict):
+    """(the family, its config, model_factory(remat_policy=None, dtype=the config's)) for a registered
+    family's named shape: the planner varies activation checkpointing and (when the config says
+    "auto") the compute dtype. None where no family has the shape."""
     import jax.numpy as jnp
     from flax import nnx
 
-    from zerojax.models.gpt2 import GPT2, GPT2Config
+    from zerojax.models import registry
 
-    config = GPT2Config.named(size)
+    family = registry.for_shape(shape)
+    if family is None:
+        return None
+    config = family.config(shape)
     configured = _configured_dtype(cfg_dict)
 
     def factory(remat_policy=None, dtype=configured):
-        return GPT2(config, rngs=nnx.Rngs(0), dtype=dtype, param_dtype=jnp.float32,
-                    remat_policy=remat_policy)
+        return family.build(config, rngs=nnx.Rngs(0), dtype=dtype, param_dtype=jnp.float32, remat_policy=remat_policy)
 
-    return config, factory
-
-
-def llama_factory(name, cfg_dict):
-    """(LlamaConfig, model_factory(remat_policy=None, dtype=the config's)) for a Llama-family shape
-    (`LlamaConfig.named`)."""
-    import jax.numpy as jnp
-    from flax import nnx
-
-    from zerojax.models.llama import Llama, LlamaConfig
-
-    config = LlamaConfig.named(name)
-    configured = _configured_dtype(cfg_dict)
-
-    def factory(remat_policy=None, dtype=configured):
-        return Llama(config, rngs=nnx.Rngs(0), dtype=dtype, param_dtype=jnp.float32, remat_policy=remat_policy)
-
-    return config, factory
+    return family, config, factory
 
 
 # where a model (or its .config) may say its maximum positions, by the names projects give it
@@ -479,19 +462,16 @@ def resolve_model(spec: str, cfg_dict) -> ModelChoice:
     """--model's value -> ModelChoice: a GPT-2 size, a Llama-family shape, or module:factory.
     Raises ModelArgError (one line naming the flag and what it accepts)."""
     spec = str(spec).strip()
-    if spec.lower() in GPT2_SIZES:
-        config, factory = gpt2_factory(spec.lower(), cfg_dict)
-        return ModelChoice(spec.lower(), f"GPT-2 {spec.lower()}", factory, config.n_positions)
     if ":" in spec:
         return _imported_model(spec, cfg_dict)
-    from zerojax.models.llama import LlamaConfig
+    found = family_factory(spec.lower(), cfg_dict)
+    if found is None:
+        from zerojax.models import registry
 
-    try:
-        LlamaConfig.named(spec)
-    except ValueError:
-        raise ModelArgError(f"--model {spec!r}: not a model zerojax knows; --model takes {MODEL_ACCEPTS}") from None
-    config, factory = llama_factory(spec, cfg_dict)
-    return ModelChoice(spec.lower(), spec.lower(), factory, config.max_position_embeddings)
+        raise ModelArgError(f"--model {spec!r}: not a model zerojax knows; --model takes a registered shape "
+                            f"({', '.join(registry.shape_names())}) or module:factory")
+    family, config, factory = found
+    return ModelChoice(spec.lower(), family.label_of(spec.lower(), config), factory, family.max_positions(config))
 
 
 def _imported_model(spec: str, cfg_dict) -> ModelChoice:
