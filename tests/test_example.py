@@ -273,7 +273,7 @@ def test_a_bad_flag_through_the_entry_point():
 
 @pytest.mark.slow
 def test_data_errors_name_file_and_place_before_any_compile(tmp_path):
-    # the issue's three through the entry point; every case is in tests/test_data.py
+    # the issue's three through the entry point; every case is in tests/data/test_data.py
     (tmp_path / "empty.txt").write_text("")
     (tmp_path / "model.bin.txt").write_bytes(b"PK\x03\x04" + bytes(range(256)))
     (tmp_path / "bad.jsonl").write_text('{"text": "fine"}\n{"text": "no closing quote}\n')

@@ -9,7 +9,7 @@ the process: at a cap of all 125 GiB the same run was killed while building; at 
 `import zerojax` sets the cap to 90% of the host's physical memory where the user has not set it and
 no JAX backend has started yet; the planner counts the cap in effect as host memory an offloading
 plan may hold.
-No jax import here: `zerojax/__init__` runs this before anything starts a backend."""
+No jax import here: `zerojax/__init__.py` runs this before anything starts a backend."""
 from __future__ import annotations
 
 import os

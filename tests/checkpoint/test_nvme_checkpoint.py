@@ -1,7 +1,7 @@
 """Checkpoints of an NVMe-offloaded run stream the swapped layers' state a layer group at a time
 (zerojax/checkpoint/stream.py): exact byte accounting of a save and a load, and the layout-free
 round trips the streamed leaves take (into the swap files, into CPU offload, into a run without
-offload). The round trips NVMe <-> CPU offload after a training step are in tests/test_nvme.py
+offload). The round trips NVMe <-> CPU offload after a training step are in tests/offload/test_nvme.py
 (test_resume_across_nvme_and_cpu, and the host / disk split's own save and load)."""
 import os
 import re
@@ -149,7 +149,7 @@ def _save_and_load_hold_a_few_groups(eng, tmp_path):
 def test_streamed_checkpoint_resumes_without_offload_and_back(nvme_engine, tmp_path, monkeypatch):
     # layout-free: the streamed leaves load into a run without offload (each process reads its slices),
     # bitwise; and that run's checkpoint (orbax's arrays, no streamed item) loads back into the NVMe run's
-    # files, bitwise. (CPU offload <-> NVMe after a training step: tests/test_nvme.py)
+    # files, bitwise. (CPU offload <-> NVMe after a training step: tests/offload/test_nvme.py)
     eng = nvme_engine
     want_files = random_files(eng.layout.nvme, seed=3)
     stored = lambda e: [np.asarray(x) for x in jax.tree.leaves(  # noqa: E731

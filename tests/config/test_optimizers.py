@@ -5,7 +5,6 @@ float64 runs (under jax.enable_x64) must agree to 1e-12; float32 runs are compar
 float64 reference at float32 round-off (rtol 1e-5, atol 1e-6).
 """
 import contextlib
-import importlib.util
 
 import jax
 import jax.numpy as jnp
@@ -271,10 +270,6 @@ def test_sgd_ignores_momentum_cycling_like_deepspeed():
                         run_torch(lambda ps: torch.optim.SGD(ps, lr=0.1), p0, grads), np.float64)
 
 
-config_missing = importlib.util.find_spec("zerojax.config") is None
-
-
-@pytest.mark.skipif(config_missing, reason="zerojax/config.py is not written yet")
 @pytest.mark.parametrize("kind,params,error", [
     ("RMSprop", {}, "not supported"),
     ("OneBitAdam", {}, "closest supported choice is 'Adam'"),
@@ -293,7 +288,6 @@ def test_bad_optimizer_sections(kind, params, error):
         optimizer_from(kind, params)
 
 
-@pytest.mark.skipif(config_missing, reason="zerojax/config.py is not written yet")
 def test_build_optimizer_through_load_config():
     import zerojax
 

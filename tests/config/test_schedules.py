@@ -5,7 +5,6 @@ is built (last_batch_iteration=-1 writes the first lr into the param group), eac
 reads the group's lr, then `scheduler.step()` runs. lr(k) of zerojax must equal the lr the k-th
 step read.
 """
-import importlib.util
 import math
 
 import jax
@@ -299,10 +298,6 @@ def test_schedule_accepts_python_int_and_traced_count():
     assert float(fn(5)) == pytest.approx(float(jax.jit(fn)(jnp.int32(5))), rel=1e-7)
 
 
-config_missing = importlib.util.find_spec("zerojax.config") is None
-
-
-@pytest.mark.skipif(config_missing, reason="zerojax/config.py is not written yet")
 @pytest.mark.parametrize("kind,params,error", [
     ("CyclicLR", {}, "not supported"),
     ("WarmupDecayLR", {}, "total_num_steps"),
@@ -317,7 +312,6 @@ def test_bad_scheduler_sections(kind, params, error):
         schedule_from(kind, params)
 
 
-@pytest.mark.skipif(config_missing, reason="zerojax/config.py is not written yet")
 def test_build_schedule_through_load_config():
     import zerojax
 

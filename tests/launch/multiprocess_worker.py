@@ -1,4 +1,4 @@
-"""One process of the multi-process test (tests/test_multiprocess.py), also importable in-process.
+"""One process of the multi-process test (tests/launch/test_multiprocess.py), also importable in-process.
 
 Usage: RANK=.. WORLD_SIZE=.. LOCAL_RANK=.. MASTER_ADDR=.. MASTER_PORT=.. python multiprocess_worker.py OUT.npz
 (the variables DeepSpeed's launcher sets; zerojax.init_distributed reads them). Each process owns

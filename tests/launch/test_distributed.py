@@ -4,7 +4,7 @@ References: the variables DeepSpeed's node launcher sets for each process
 (deepspeed/launcher/launch.py v0.19.6: MASTER_ADDR, MASTER_PORT, WORLD_SIZE, RANK, LOCAL_RANK),
 torchrun's same set, and JAX's own SLURM detection (jax._src.clusters.SlurmCluster: SLURM_JOB_ID,
 SLURM_STEP_NODELIST, SLURM_NTASKS, SLURM_PROCID, SLURM_LOCALID). The two-process run through
-the torchrun/DeepSpeed variables is tests/test_multiprocess.py.
+the torchrun/DeepSpeed variables is tests/launch/test_multiprocess.py.
 """
 import jax
 import pytest

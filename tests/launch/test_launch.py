@@ -1,7 +1,7 @@
 """`zerojax launch` (zerojax/launch/launcher.py).
 
 References: DeepSpeed's own launcher tests, transcribed with their inputs and expected values
-(DeepSpeed v0.19.6, commit edaa722, tests/unit/launcher/test_run.py and test_multinode_runner.py);
+(DeepSpeed v0.19.6, commit edaa722, its unit/launcher/test_run.py and test_multinode_runner.py);
 DeepSpeed's rank mapping (deepspeed/launcher/launch.py: ranks numbered node by node in hostfile
 order, LOCAL_RANK within the node); and, for the processes themselves, one process with 8 CPU
 devices running the same example (examples/gpt2_large.py) in this test's own process.

@@ -86,7 +86,7 @@ def test_deepspeed_estimators_match_transcription(total, largest, gpus, nodes, f
 
 
 def test_deepspeed_documented_example_3b():
-    """DeepSpeed's docs (docs/code-docs/source/memory.rst), the `_all_cold` estimators for t5-3b:
+    """DeepSpeed's docs (its code-docs/source/memory.rst), the `_all_cold` estimators for t5-3b:
     total_params=2851e6, largest_layer_params=32e6, 1 node x 8 GPUs, printed as `{x/2**30:.2f}GB`."""
     fmt = lambda b: f"{b / GiB:.2f}"  # noqa: E731
     # ZeRO-3: (cpu, gpu) per (offload_param, offload_optimizer, zero_init), as the docs print them

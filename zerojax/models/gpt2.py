@@ -207,7 +207,7 @@ def lm_head(x, w):
     The backward pass runs in the operands' dtype too. JAX's own transpose of this dot multiplies
     the fp32 cotangent by the bf16 operands, so XLA upcasts both: on an H200 the two backward
     gemms of GPT-2 Large's head (8 x 1024 x 50257 x 1280 each) ran as an fp32/TF32 cuBLAS kernel
-    (8.0 ms) and a gemm fusion (7.1 ms) of a 134 ms step (benchmarks/measured/2026-12-01-s5/).
+    (8.0 ms) and a gemm fusion (7.1 ms) of a 134 ms step (an XLA profile of one step).
     Here the cotangent is rounded to the operands' dtype first, as every other activation
     gradient of a bf16 model already is; in fp32 nothing changes (the same three dots)."""
     return jnp.einsum("btd,vd->btv", x, w, preferred_element_type=jnp.float32)
@@ -371,7 +371,7 @@ def remat_policy_fn(name):
         # softmax statistics (fp32, [B, H, T]); a name on the output saves only the output, so the
         # backward would run the whole attention forward again for the statistics. Saving the
         # forward primitive's outputs keeps both (+4 bytes a head per token): measured on GPT-2 Large
-        # (docs/speed-options.md). The XLA path has no such primitive; its output is saved by name.
+        # (benchmarks/RESULTS.md). The XLA path has no such primitive; its output is saved by name.
         return cp.save_from_both_policies(names, _saves_cudnn_attention_forward)
     policy = layer_stack.remat_policy(name)
     if policy is None:

@@ -7,8 +7,7 @@ The library builds one layout, the one that won on the GPU ("loop", README "Meas
 non-layer leaves as one chunk, the host layers as one [L, ...] chunk updated in place by a loop
 over K groups, and (offload_optimizer.ratio < 1) the last pieces as one device chunk. A
 `ChunkLayout` is plain data, so other cuts (the candidates that lost: one chunk per layer group,
-everything at once) are built from `Chunk`s by benchmarks/offload_probe.py and run by the same
-update."""
+everything at once) can be built from `Chunk`s and run by the same update."""
 from __future__ import annotations
 
 import dataclasses

@@ -406,7 +406,7 @@ class StepTime:
 def tensor_parallel_bytes(shape: ModelShape, *, micro_batch: int, n_tensor: int, precision: str = "bf16",
                           remat: str | None = None) -> float:
     """Bytes one device sends per micro-batch for tensor parallelism with sequence parallelism
-    (zerojax's Megatron layout, counted in tests/test_tensor_parallel.py's compiled step).
+    (zerojax's Megatron layout, counted in tests/sharding/test_tensor_parallel.py's compiled step).
 
     Every collective moves the tensor group's residual stream, B = (micro_batch x n_tensor rows,
     DeepSpeed's batch rule) x T x d in the compute dtype, and a ring all-gather or reduce-scatter
@@ -637,7 +637,7 @@ def predict_mesh_step_time(shape: ModelShape, *, micro_batch: int, grad_accum: i
 # XLA's temporaries, which the formula does not count apart): 2.07, from one calibration point,
 # GPT-2 Large, bf16, no remat, micro-batch 8, ZeRO-2 over 2 x H200, compiled and measured 35.07 GiB
 # (states 7.21 + logits 3.07 + 11.95 x 2.07 of formula activations). Checked on the other rows of that
-# run (benchmarks/rank_check.py): ZeRO-3 5.5% low, ZeRO-1 8 x 2 and TP 2 within 1%, pipe 2 13-16% low
+# run (compiled and measured per rank): ZeRO-3 5.5% low, ZeRO-1 8 x 2 and TP 2 within 1%, pipe 2 13-16% low
 # (with and without per-iteration checkpoints). Not checked: remat, other models, other devices.
 ACTIVATION_FACTOR = 2.07
 
