@@ -324,6 +324,42 @@ class FinetuneData:
             step += 1
 
 
+class HeldOutRows:
+    """A `FinetuneData` as the trainer reads it: the last ~5% of the rows held out for validation
+    (whole batches, at least one batch left to train on), `train_batches(batch_size, *, seed,
+    start_step, num_steps)` (shuffled per epoch, resumable), `val_batches(batch_size)` (this
+    process's share of each), `n_train`, `n_val`, `vocab_size`, `steps_per_epoch` and `what` (a
+    phrase for the run header: `describe()`, which a subclass words for its rows)."""
+
+    def __init__(self, data: FinetuneData, batch_size: int):
+        self.data, self.batch_size = data, batch_size
+        n = len(data)
+        n_val = min(max(1, round(0.05 * n)) if n >= 2 else 0, n - batch_size)
+        n_val = max(0, n_val) // batch_size * batch_size  # validation draws whole batches
+        split = lambda lo, hi: dataclasses.replace(data, arrays={k: v[lo:hi] for k, v in data.arrays.items()})  # noqa: E731
+        self.train, self.val = split(0, n - n_val), split(n - n_val, n)
+        self.vocab_size = data.tokenizer.vocab_size
+        self.n_train, self.n_val = n - n_val, n_val
+        self.steps_per_epoch = max(1, self.n_train // batch_size)
+        self.what = self.describe()
+
+    def describe(self) -> str:
+        packed = "segment_ids" in self.data.arrays
+        return (f"{'packed' if packed else 'padded'} rows of {self.data.format.replace('_', ' / ')} examples, "
+                f"{self.train.target_tokens:,} target tokens")
+
+    def train_batches(self, batch_size, *, seed, start_step, num_steps):
+        return self.train.batches(batch_size, seed=seed, start_step=start_step, num_steps=num_steps)
+
+    def val_batches(self, batch_size):
+        import jax
+
+        local = batch_size // jax.process_count()
+        for k in range(self.n_val // batch_size):
+            lo = k * batch_size + jax.process_index() * local
+            yield self.val.batch(slice(lo, lo + local))
+
+
 def load_finetune_data(source: str | os.PathLike, tokenizer, *, seq_len: int, packed: bool = True,
                        chat_template: str | None = None) -> FinetuneData:
     """Read, render, tokenize and pack a .jsonl file (or a folder of them) for fine-tuning.
@@ -358,5 +394,5 @@ def load_finetune_data(source: str | os.PathLike, tokenizer, *, seq_len: int, pa
     return FinetuneData(arrays=arrays, tokenizer=tokenizer, seq_len=seq_len, format=fmt, truncated=truncated)
 
 
-__all__ = ["FORMATS", "FinetuneData", "load_finetune_data", "read_records", "jsonl_records", "pad_id_of", "record_format", "encode_record", "pack_examples",
+__all__ = ["FORMATS", "FinetuneData", "HeldOutRows", "load_finetune_data", "read_records", "jsonl_records", "pad_id_of", "record_format", "encode_record", "pack_examples",
            "render_chat", "assistant_spans", "compile_chat_template"]
