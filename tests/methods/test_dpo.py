@@ -4,11 +4,9 @@ conservative-DPO and IPO losses equal PyTorch computations of the published form
 forms); through a real engine (ZeRO-2, 8 virtual CPU devices) a LoRA model with B = 0 starts at
 ln 2 against its adapters-off reference, and a few SGD steps raise the reward margin and accuracy
 on a toy preference set read by `zerojax.data.preference`."""
-import functools
 import json
 import math
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -194,3 +192,17 @@ def test_settings_refused_with_the_fix():
         model = Llama(LlamaConfig.named("tiny"), rngs=nnx.Rngs(0))
         model = lora.apply(model, {"r": 2, "target_modules": ["q_proj"], "modules_to_save": ["lm_head"]})
         method.prepare_model(model, method.resolve())
+
+
+def test_sequence_logps_of_gpt2_agree_with_its_loss():
+    """Any registered family: GPT-2's per-sequence log-probs (plain and chunked) sum to its own
+    mean next-token loss times the token count."""
+    from zerojax.models import GPT2, GPT2Config, gpt2_loss
+
+    model = GPT2(GPT2Config.named("tiny"), rngs=nnx.Rngs(0))
+    ids = np.random.default_rng(4).integers(1, 200, (2, 16)).astype(np.int32)
+    logps, n = sequence_logps(model, {"input_ids": ids})
+    loss, _ = gpt2_loss(model, {"input_ids": jnp.asarray(ids)})
+    assert float(-logps.sum() / n.sum()) == pytest.approx(float(loss), rel=1e-5)
+    np.testing.assert_allclose(np.asarray(sequence_logps(model, {"input_ids": ids}, chunk=3)[0]), np.asarray(logps),
+                               rtol=1e-5)

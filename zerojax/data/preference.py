@@ -28,7 +28,6 @@ import dataclasses
 import os
 import warnings
 
-import numpy as np
 
 from zerojax.data.finetune import FinetuneData, HeldOutRows, encode_record, jsonl_records, pack_examples, pad_id_of
 from zerojax.data.text import DataError, HFTokenizer
