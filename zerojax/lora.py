@@ -30,6 +30,7 @@ untrained. Its NF4 numerics are private (`qwix._src`). The dequantize-on-use cod
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import difflib
 import functools
@@ -359,6 +360,7 @@ class LoraAdapter:
     quantize: str | None
     settings: tuple  # sorted (key, value) pairs of the settings dict (hashable)
     family: str = "llama"
+    enabled: bool = True  # False: the frozen base alone (`adapters_disabled`), the LoRA terms left out
 
     @property
     def family_parts(self) -> Family:
@@ -371,7 +373,7 @@ class LoraAdapter:
     def linear(self, eq, h, entry, dtype):
         """base(h) + scale * B(A(dropout(h))), the base dequantized on use."""
         y = jnp.einsum(eq, h, kernel_of(entry, dtype))
-        if "lora_A" not in entry:
+        if "lora_A" not in entry or not self.enabled:
             return y
         a, b = entry["lora_A"].astype(dtype), entry["lora_B"].astype(dtype)
         if "dropout_key" in entry:
@@ -387,7 +389,7 @@ class LoraAdapter:
         fam = self.family_parts
         side = nnx.to_pure_dict(nnx.state(getattr(model, fam.stack), FrozenWeight))
         drop = getattr(model, "lora_dropout", None)
-        if drop is not None and not drop.deterministic and drop.rate > 0:
+        if self.enabled and drop is not None and not drop.deterministic and drop.rate > 0:
             key, L = drop.rngs.dropout(), _n_layer(model)
             for i, name in enumerate(self.targets):
                 keys = jax.random.key_data(jax.random.split(jax.random.fold_in(key, i), L))
@@ -514,6 +516,23 @@ def adapter_of(model) -> LoraAdapter:
     if not isinstance(adapter, LoraAdapter):
         raise ValueError("this model has no LoRA adapters; zerojax.lora.apply(model, config) adds them")
     return adapter
+
+
+@contextlib.contextmanager
+def adapters_disabled(model):
+    """Within it, `model` (a LoRA model) runs as its frozen base: the same arrays, the LoRA terms
+    left out (PEFT's `disable_adapter()`; e.g. DPO's reference pass, `zerojax.methods.dpo`). The
+    trained copies of `modules_to_save` have no base copy to fall back to: refused. Usable inside
+    a loss_fn (the engine's traced model): only a static attribute changes, restored on exit."""
+    ad = adapter_of(model)
+    if ad.savable:
+        raise ValueError(f"adapters_disabled: modules_to_save {list(ad.savable)} are trained whole, with no "
+                         "frozen copy to run instead; leave modules_to_save out")
+    model.adapter = dataclasses.replace(ad, enabled=False)
+    try:
+        yield model
+    finally:
+        model.adapter = ad
 
 
 # --------------------------------------------------------------------------- PEFT's files
@@ -712,6 +731,6 @@ def trainable_count(model) -> int:
     return sum(int(np.prod(x.shape)) for x in jax.tree.leaves(nnx.state(model, nnx.Param)))
 
 
-__all__ = ["apply", "save_peft", "load_peft", "merge", "from_config_dict", "FrozenWeight", "LoraAdapter",
+__all__ = ["apply", "adapters_disabled", "save_peft", "load_peft", "merge", "from_config_dict", "FrozenWeight", "LoraAdapter",
            "quantize_int8", "quantize_4bit", "dequantize_4bit", "quantization_bound", "kernel_of",
            "peft_tensors", "trainable_count", "Family", "family_of", "family_named"]

@@ -38,23 +38,22 @@ _EXAMPLE = {"text": '{"text": "..."}', "prompt_completion": '{"prompt": "...", "
 # --------------------------------------------------------------------------- reading
 
 
-def read_records(path: str | os.PathLike) -> tuple[str, list[tuple[str, int, dict]]]:
-    """(format, [(file, line, record)]) of a .jsonl file or a folder of them (sorted by path).
-
-    The format is the first record's ("text", "prompt_completion" or "messages"); every record
-    must have it. Raises DataError naming the file, the line and the fix."""
+def jsonl_records(path: str | os.PathLike, *, what: str = "fine-tuning data",
+                  example: str = _EXAMPLE["prompt_completion"]):
+    """(file, line, JSON value) of each non-blank line of a .jsonl file or a folder of them (sorted
+    by path). Raises DataError naming the file, the line and the fix (not UTF-8, not JSON);
+    `what` / `example` name the data in those messages."""
     path = os.fspath(path)
     if not os.path.exists(path):
-        raise FileNotFoundError(f"fine-tuning data not found: {path!r}")
+        raise FileNotFoundError(f"{what} not found: {path!r}")
     files = ([os.path.join(root, n) for root, _, names in os.walk(path) for n in names if n.endswith(".jsonl")]
              if os.path.isdir(path) else [path])
     if not files:
         raise FileNotFoundError(f"no .jsonl files under {path!r}")
-    fmt, records = None, []
     for file in sorted(files):
         if not file.endswith(".jsonl"):
-            raise DataError(f"{file}: fine-tuning data is a .jsonl file (one JSON object a line, e.g. "
-                            f"{_EXAMPLE['prompt_completion']}); for plain text use zerojax.data.text")
+            raise DataError(f"{file}: {what} is a .jsonl file (one JSON object a line, e.g. {example}); for "
+                            "plain text use zerojax.data.text")
         with open(file, "rb") as f:
             raw = f.read()
         try:
@@ -70,28 +69,45 @@ def read_records(path: str | os.PathLike) -> tuple[str, list[tuple[str, int, dic
                 record = json.loads(line)
             except json.JSONDecodeError as e:
                 raise DataError(f"{file}:{lineno}: column {e.colno}: not JSON ({e.msg}); each line is one JSON "
-                                f"object such as {_EXAMPLE['prompt_completion']}") from None
-            got = record_format(record)
-            if got is None:
-                found = f"keys {sorted(record)[:6]}" if isinstance(record, dict) else f"a JSON {type(record).__name__}"
-                raise DataError(f"{file}:{lineno}: not a fine-tuning record ({found}); each line is one of "
-                                + "; ".join(_EXAMPLE.values()))
-            if fmt is None:
-                fmt, first = got, (file, lineno)
-            elif got != fmt:
-                raise DataError(f"{file}:{lineno}: a {got!r} record, but {first[0]}:{first[1]} started the data as "
-                                f"{fmt!r}; keep one format per data set (e.g. {_EXAMPLE[fmt]})")
-            _check(record, fmt, f"{file}:{lineno}")
-            records.append((file, lineno, record))
+                                f"object such as {example}") from None
+            yield file, lineno, record
+
+
+def read_records(path: str | os.PathLike) -> tuple[str, list[tuple[str, int, dict]]]:
+    """(format, [(file, line, record)]) of a .jsonl file or a folder of them (sorted by path).
+
+    The format is the first record's ("text", "prompt_completion" or "messages"); every record
+    must have it. Raises DataError naming the file, the line and the fix."""
+    fmt, records = None, []
+    for file, lineno, record in jsonl_records(path):
+        got = record_format(record)
+        if got is None:
+            found = f"keys {sorted(record)[:6]}" if isinstance(record, dict) else f"a JSON {type(record).__name__}"
+            raise DataError(f"{file}:{lineno}: not a fine-tuning record ({found}); each line is one of "
+                            + "; ".join(_EXAMPLE.values()))
+        if got == "preference":
+            raise DataError(f"{file}:{lineno}: a preference pair (\"chosen\" / \"rejected\"): train it with a "
+                            "preference method (DPO or a reward model: zerojax.data.preference), not as "
+                            "fine-tuning data")
+        if fmt is None:
+            fmt, first = got, (file, lineno)
+        elif got != fmt:
+            raise DataError(f"{file}:{lineno}: a {got!r} record, but {first[0]}:{first[1]} started the data as "
+                            f"{fmt!r}; keep one format per data set (e.g. {_EXAMPLE[fmt]})")
+        _check(record, fmt, f"{file}:{lineno}")
+        records.append((file, lineno, record))
     if not records:
         raise DataError(f"{path}: no records; add lines such as {_EXAMPLE['prompt_completion']}")
     return fmt, records
 
 
 def record_format(record) -> str | None:
-    """The fine-tuning format one record is in ("messages", "prompt_completion", "text"), else None."""
+    """The fine-tuning format one record is in ("messages", "prompt_completion", "text"), "preference"
+    for a {"prompt", "chosen", "rejected"} pair (`zerojax.data.preference` reads those), else None."""
     if not isinstance(record, dict):
         return None
+    if "chosen" in record and "rejected" in record:
+        return "preference"
     if "messages" in record:
         return "messages"
     if "prompt" in record or "completion" in record:
@@ -176,12 +192,14 @@ def render_chat(tokenizer, messages: Sequence[dict], *, add_generation_prompt: b
                                                   add_generation_prompt=add_generation_prompt, **special)
 
 
-def assistant_spans(tokenizer, messages, template=None, where="") -> tuple[str, list[tuple[int, int]]]:
-    """(the rendered conversation, [(start, end)] character spans of its assistant turns)."""
+def assistant_spans(tokenizer, messages, template=None, where="", from_message: int = 0
+                    ) -> tuple[str, list[tuple[int, int]]]:
+    """(the rendered conversation, [(start, end)] character spans of its assistant turns; those
+    of messages[from_message:] only: a preference pair's completion after its prompt)."""
     full = render_chat(tokenizer, messages, template=template)
     spans = []
     for i, m in enumerate(messages):
-        if m["role"] != "assistant":
+        if m["role"] != "assistant" or i < from_message:
             continue
         before = render_chat(tokenizer, messages[:i], add_generation_prompt=True, template=template) if i else ""
         upto = render_chat(tokenizer, messages[:i + 1], template=template)
@@ -201,8 +219,9 @@ def _eos(tokenizer):
     return [] if getattr(tokenizer, "eos_id", None) is None else [int(tokenizer.eos_id)]
 
 
-def encode_record(record: dict, fmt: str, tokenizer, *, where: str = "", template=None):
-    """(ids int32 [n], loss mask bool [n]) of one record; mask True = a token to learn."""
+def encode_record(record: dict, fmt: str, tokenizer, *, where: str = "", template=None, from_message: int = 0):
+    """(ids int32 [n], loss mask bool [n]) of one record; mask True = a token to learn (messages:
+    the assistant turns of messages[from_message:])."""
     if fmt == "text":
         ids = np.concatenate([tokenizer.encode(record["text"], add_special_tokens=True), _eos(tokenizer)])
         return ids.astype(np.int32), np.ones(len(ids), bool)
@@ -211,13 +230,20 @@ def encode_record(record: dict, fmt: str, tokenizer, *, where: str = "", templat
         completion = np.concatenate([tokenizer.encode(record["completion"]), _eos(tokenizer)])
         ids = np.concatenate([prompt, completion]).astype(np.int32)
         return ids, np.concatenate([np.zeros(len(prompt), bool), np.ones(len(completion), bool)])
-    text, spans = assistant_spans(tokenizer, record["messages"], template, where)
+    text, spans = assistant_spans(tokenizer, record["messages"], template, where, from_message)
     ids, offsets = tokenizer.encode_with_offsets(text)
     starts = offsets[:, 0]
     mask = np.zeros(len(ids), bool)
     for lo, hi in spans:
         mask |= (starts >= lo) & (starts < hi)
     return ids.astype(np.int32), mask
+
+
+def pad_id_of(tokenizer) -> int:
+    """The id rows are padded with: the tokenizer's pad token, else its eos token, else 0."""
+    special = getattr(tokenizer, "special_tokens", None) or {}
+    return next((i for t in ("pad_token", "eos_token") if (tok := special.get(t))
+                 and (i := tokenizer.token_id(tok)) is not None), 0)
 
 
 def pack_examples(examples: Sequence[tuple[np.ndarray, np.ndarray]], seq_len: int, *, packed: bool = True,
@@ -271,8 +297,8 @@ class FinetuneData:
     format: str
     truncated: int = 0
 
-    def __len__(self):
-        return len(self.arrays["input_ids"])
+    def __len__(self):  # rows: every array's leading axis (preference rows have no "input_ids")
+        return len(next(iter(self.arrays.values())))
 
     @property
     def target_tokens(self) -> int:
@@ -296,6 +322,42 @@ class FinetuneData:
             rows = epoch_order(len(self), seed, epoch)[k * batch_size:(k + 1) * batch_size]
             yield self.batch(rows[process_index * local:(process_index + 1) * local])
             step += 1
+
+
+class HeldOutRows:
+    """A `FinetuneData` as the trainer reads it: the last ~5% of the rows held out for validation
+    (whole batches, at least one batch left to train on), `train_batches(batch_size, *, seed,
+    start_step, num_steps)` (shuffled per epoch, resumable), `val_batches(batch_size)` (this
+    process's share of each), `n_train`, `n_val`, `vocab_size`, `steps_per_epoch` and `what` (a
+    phrase for the run header: `describe()`, which a subclass words for its rows)."""
+
+    def __init__(self, data: FinetuneData, batch_size: int):
+        self.data, self.batch_size = data, batch_size
+        n = len(data)
+        n_val = min(max(1, round(0.05 * n)) if n >= 2 else 0, n - batch_size)
+        n_val = max(0, n_val) // batch_size * batch_size  # validation draws whole batches
+        split = lambda lo, hi: dataclasses.replace(data, arrays={k: v[lo:hi] for k, v in data.arrays.items()})  # noqa: E731
+        self.train, self.val = split(0, n - n_val), split(n - n_val, n)
+        self.vocab_size = data.tokenizer.vocab_size
+        self.n_train, self.n_val = n - n_val, n_val
+        self.steps_per_epoch = max(1, self.n_train // batch_size)
+        self.what = self.describe()
+
+    def describe(self) -> str:
+        packed = "segment_ids" in self.data.arrays
+        return (f"{'packed' if packed else 'padded'} rows of {self.data.format.replace('_', ' / ')} examples, "
+                f"{self.train.target_tokens:,} target tokens")
+
+    def train_batches(self, batch_size, *, seed, start_step, num_steps):
+        return self.train.batches(batch_size, seed=seed, start_step=start_step, num_steps=num_steps)
+
+    def val_batches(self, batch_size):
+        import jax
+
+        local = batch_size // jax.process_count()
+        for k in range(self.n_val // batch_size):
+            lo = k * batch_size + jax.process_index() * local
+            yield self.val.batch(slice(lo, lo + local))
 
 
 def load_finetune_data(source: str | os.PathLike, tokenizer, *, seq_len: int, packed: bool = True,
@@ -328,11 +390,9 @@ def load_finetune_data(source: str | os.PathLike, tokenizer, *, seq_len: int, pa
     if truncated:
         warnings.warn(f"{os.fspath(source)}: {truncated} of {len(examples)} examples are longer than "
                       f"seq_len={seq_len} tokens and were cut to it", UserWarning, stacklevel=2)
-    pad = next((i for t in ("pad_token", "eos_token") if (tok := tokenizer.special_tokens.get(t))
-                and (i := tokenizer.token_id(tok)) is not None), 0) if hasattr(tokenizer, "special_tokens") else 0
-    arrays = pack_examples(examples, seq_len, packed=packed, pad_id=pad)
+    arrays = pack_examples(examples, seq_len, packed=packed, pad_id=pad_id_of(tokenizer))
     return FinetuneData(arrays=arrays, tokenizer=tokenizer, seq_len=seq_len, format=fmt, truncated=truncated)
 
 
-__all__ = ["FORMATS", "FinetuneData", "load_finetune_data", "read_records", "record_format", "encode_record", "pack_examples",
+__all__ = ["FORMATS", "FinetuneData", "HeldOutRows", "load_finetune_data", "read_records", "jsonl_records", "pad_id_of", "record_format", "encode_record", "pack_examples",
            "render_chat", "assistant_spans", "compile_chat_template"]

@@ -585,7 +585,12 @@ def _shifted_labels(batch):
 
 
 def nll_sum(logits, labels):
-    """Sum of the fp32 cross entropy over positions whose label is not -100.
+    """Sum of the fp32 cross entropy over positions whose label is not -100 (`token_nll`'s sum)."""
+    return token_nll(logits, labels).sum()
+
+
+def token_nll(logits, labels):
+    """The fp32 cross entropy of each position [..., T], 0 where the label is -100.
 
     logsumexp minus the label's logit, the label picked by a masked sum over the vocabulary
     rather than a gather: with the logits split on the vocabulary (tensor parallelism) both are
@@ -597,7 +602,7 @@ def nll_sum(logits, labels):
     target = jnp.where(valid, labels, 0)[..., None]
     picked = jnp.where(jnp.arange(logits.shape[-1]) == target, logits, 0.0).sum(-1)
     losses = jax.nn.logsumexp(logits, axis=-1) - picked
-    return jnp.where(valid, losses, 0.0).sum()
+    return jnp.where(valid, losses, 0.0)
 
 
 def mean_over_tokens(total, labels):

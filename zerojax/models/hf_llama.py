@@ -162,10 +162,11 @@ def _pad_rows(a, config):
     return np.concatenate([a, np.zeros((rows - a.shape[0], *a.shape[1:]), a.dtype)])
 
 
-def read_leaves(path: str, dtype=None, **config_overrides):
+def read_leaves(path: str, dtype=None, *, skip=(), **config_overrides):
     """(LlamaConfig, iterator of (our path, numpy array)) for a Hugging Face folder, one stacked
     leaf at a time (each per-layer tensor read once from the files; the caller consumes a leaf
-    before the next is read). dtype: cast to it (default: the file's)."""
+    before the next is read). dtype: cast to it (default: the file's). skip: tensor names the
+    caller reads itself (a sequence classifier's `score.weight`)."""
     with open(os.path.join(path, "config.json")) as f:
         config = config_from_hf(json.load(f), **config_overrides)
 
@@ -190,7 +191,7 @@ def read_leaves(path: str, dtype=None, **config_overrides):
             yield ("norm", "scale"), take("model.norm.weight")
             if not config.tie_word_embeddings:
                 yield ("lm_head",), _pad_rows(take("lm_head.weight"), config)
-            extra = [k for k in reader.names if k not in used and not (k == "lm_head.weight"
+            extra = [k for k in reader.names if k not in used and k not in skip and not (k == "lm_head.weight"
                                                                          or k.endswith("rotary_emb.inv_freq"))]
             if extra:
                 raise ValueError(f"{path!r}: tensors this {config.model_type} model does not have: {sorted(extra)[:8]}")
@@ -208,10 +209,14 @@ def load_llama_hf(path: str, dtype=None, **config_overrides) -> tuple[LlamaConfi
 
 
 def save_llama_hf(params, config: LlamaConfig, out_dir: str, dtype=None, *,
-                  max_shard_size: int = MAX_SHARD_BYTES) -> str:
+                  max_shard_size: int = MAX_SHARD_BYTES, head: bool = True, extra=None,
+                  config_updates=None) -> str:
     """Write config.json + safetensors (sharded above max_shard_size bytes, with an index) that
     `transformers`' `<Family>ForCausalLM.from_pretrained(out_dir)` loads -> the weights path.
-    params: the model, its `nnx.state` or pure dict; dtype: the saved dtype (default: as given)."""
+    params: the model, its `nnx.state` or pure dict; dtype: the saved dtype (default: as given).
+    Another head (`zerojax.methods.reward`'s `<Family>ForSequenceClassification`): head=False
+    leaves the LM head out, extra {HF name: array} adds tensors, config_updates overrides
+    config.json keys (architectures, num_labels, ...)."""
     params = plain_arrays(params)
     L, V = config.num_hidden_layers, config.vocab_size
     entries = []
@@ -235,12 +240,15 @@ def save_llama_hf(params, config: LlamaConfig, out_dir: str, dtype=None, *,
             hf_shape = to_hf(np.empty(shape, np.int8)).shape if to_hf else shape
             entry(f"model.layers.{i}.{name}", layer(stacked, i), hf_shape, stacked.dtype, to_hf)
     whole("model.norm.weight", get_path(params, ("norm", "scale")))
-    if not config.tie_word_embeddings:
+    if head and not config.tie_word_embeddings:
         whole("lm_head.weight", get_path(params, ("lm_head",)), V)
+    for name, a in (extra or {}).items():
+        whole(name, np.asarray(a))
     assert d == config.hidden_size
     os.makedirs(out_dir, exist_ok=True)
     with open(os.path.join(out_dir, "config.json"), "w") as f:
-        json.dump(config_to_hf(config, np.dtype(entries[0][2]).name), f, indent=2, sort_keys=True)
+        json.dump({**config_to_hf(config, np.dtype(entries[0][2]).name), **(config_updates or {})}, f, indent=2,
+                  sort_keys=True)
     return write_tensors(entries, out_dir, max_shard_size)
 
 

@@ -1,0 +1,134 @@
+"""Training methods by name, for the trainer (`--method NAME`): what loss, what data, what change
+to the model each needs. One `Method` a method; `register` adds one, `get(name)` reads it.
+
+The trainer's use (options: the method's settings as a dict, `Method.resolve` fills defaults and
+refuses unknown keys):
+
+    method = zerojax.methods.get("dpo")
+    method.resolve(user_options)                                         # early: refuses unknown keys
+    data = method.data(path, tokenizer, seq_len, batch_size)            # a reader (train_batches, ...)
+    options = method.resolve(user_options, data)                         # + what the data decides (pad id)
+    model = method.prepare_model(model, options) if method.prepare_model else model   # after LoRA
+    if method.prepare_data: data = method.prepare_data(data, model, options, batch_size)
+    engine = zerojax.shard(lambda: model, cfg, loss_fn=method.loss(options))
+
+Built in: "dpo" (DPO / IPO, `zerojax.methods.dpo`) and "reward" (a reward model, Bradley-Terry,
+`zerojax.methods.reward`), both on preference pairs (`zerojax.data.preference`).
+"""
+from __future__ import annotations
+
+import dataclasses
+import difflib
+from typing import Any, Callable, Mapping
+
+
+@dataclasses.dataclass(frozen=True)
+class Method:
+    """One training method.
+
+    name: the trainer's `--method` value; what: a phrase for the run header.
+    loss(options) -> loss_fn(model, batch) -> (loss, metrics) for `zerojax.shard`.
+    data(path, tokenizer, seq_len, batch_size, **kw) -> the trainer's reader of this method's
+        batches (`train_batches(batch_size, *, seed, start_step, num_steps)`, `val_batches`,
+        `n_train`, `n_val`, `what`, `vocab_size`, `steps_per_epoch`).
+    prepare_model(model, options) -> the model to train (after LoRA is applied), or None: as built.
+    prepare_data(data, model, options, batch_size) -> the data to train on (e.g. with a frozen
+        model's reference log-probs added), or None: as read.
+    data_options(data) -> options the data decides (e.g. the pad id), merged over `options`.
+    options: the settings and their defaults."""
+
+    name: str
+    what: str
+    loss: Callable[[Mapping], Callable]
+    data: Callable[..., Any]
+    prepare_model: Callable | None = None
+    prepare_data: Callable | None = None
+    data_options: Callable[[Any], dict] = lambda data: {}
+    options: Mapping = dataclasses.field(default_factory=dict)
+
+    def resolve(self, options: Mapping | None = None, data=None) -> dict:
+        """The settings: the defaults, what `data` decides (`data_options`) over them, `options` (the
+        user's) over both; an unknown key is a ValueError naming the known ones."""
+        options = dict(options or {})
+        for key in options:
+            if key not in self.options:
+                near = difflib.get_close_matches(key, list(self.options), n=1)
+                hint = f"; did you mean {near[0]!r}?" if near else ""
+                raise ValueError(f"method {self.name!r}: unknown option {key!r}{hint} (options: {sorted(self.options)})")
+        return {**self.options, **(self.data_options(data) if data is not None else {}), **options}
+
+
+_METHODS: dict[str, Method] = {}
+
+
+def register(method: Method) -> Method:
+    """Add `method` (the same name again replaces it)."""
+    _METHODS[method.name] = method
+    return method
+
+
+def get(name: str) -> Method:
+    if name not in _METHODS:
+        raise KeyError(f"no training method {name!r}; registered: {', '.join(_METHODS)}")
+    return _METHODS[name]
+
+
+def methods() -> dict[str, Method]:
+    return dict(_METHODS)
+
+
+# --------------------------------------------------------------------------- built in
+
+
+def _preference_data(path, tokenizer, seq_len, batch_size, **kw):
+    from zerojax.data.preference import load_preference_data
+
+    return load_preference_data(path, tokenizer, seq_len, batch_size, **kw)
+
+
+def _dpo_loss(options):
+    from zerojax.methods.dpo import make_dpo_loss
+
+    return make_dpo_loss(**{k: options[k] for k in ("beta", "loss_type", "label_smoothing", "reference", "chunk")})
+
+
+def _dpo_model(model, options):
+    """Checks the settings and that the reference can be had, before anything compiles."""
+    from zerojax.methods.dpo import check_options, check_reference
+
+    check_options(options["beta"], options["loss_type"], options["label_smoothing"], options["reference"])
+    check_reference(model, options["reference"])
+    return model
+
+
+def _dpo_data(data, model, options, batch_size):
+    if options["reference"] != "precomputed" or "ref_chosen_logps" in data.arrays:
+        return data
+    from zerojax.methods.dpo import precompute_reference
+
+    return precompute_reference(model, data, batch_size, chunk=options["chunk"])
+
+
+def _reward_loss(options):
+    from zerojax.methods.reward import reward_loss
+
+    return reward_loss
+
+
+def _reward_model(model, options):
+    from zerojax.methods.reward import as_reward_model
+
+    return as_reward_model(model, pad_token_id=options["pad_token_id"], seed=options["seed"])
+
+
+register(Method(
+    name="dpo", what="DPO / IPO on preference pairs", loss=_dpo_loss, data=_preference_data,
+    prepare_model=_dpo_model, prepare_data=_dpo_data,
+    options={"beta": 0.1, "loss_type": "sigmoid", "label_smoothing": 0.0, "reference": "adapters_off", "chunk": None}))
+register(Method(
+    name="reward", what="a reward model on preference pairs (Bradley-Terry)", loss=_reward_loss,
+    data=_preference_data, prepare_model=_reward_model, data_options=lambda data: {"pad_token_id": data.pad_id},
+    options={"pad_token_id": None, "seed": 0}))
+
+
+__all__ = ["Method", "register", "get", "methods"]
