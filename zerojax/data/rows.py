@@ -107,6 +107,33 @@ class FinetuneRows:
             yield self.val.batch(slice(lo, lo + local))
 
 
+def load_method_data(args, method, choice, seq_len: int, batch_size: int):
+    """--data read by a training method's own reader (`zerojax.methods.Method.data`: preference
+    pairs for dpo / reward, ...), with the run's tokenizer, checked against the model."""
+    from zerojax.data.text import DataError
+
+    if not args.data:
+        raise DataError(f"--method {method.name} trains on --data (a .jsonl of its records; docs/preference.md "
+                        "for dpo and reward): give --data PATH")
+    data = method.data(args.data, _tokenizer(args), seq_len, batch_size)
+    _check_vocab(data, choice)
+    return data
+
+
+def _tokenizer(args):
+    from zerojax.models import load_tokenizer
+
+    return load_tokenizer(args.tokenizer) if args.tokenizer else ByteTokens()
+
+
+def _check_vocab(data, choice):
+    from zerojax.data.text import DataError
+
+    if data.vocab_size > choice.config.vocab_size:
+        raise DataError(f"the tokenizer has {data.vocab_size} tokens but the model's vocab is "
+                        f"{choice.config.vocab_size}; give the model's own tokenizer (--tokenizer DIR)")
+
+
 def load_data(args, choice, seq_len: int, batch_size: int, notes: list):
     """--data (or the embedded corpus) read, tokenized and checked against the model and one batch
     before anything is compiled -> TextRows or FinetuneRows."""
@@ -126,15 +153,11 @@ def load_data(args, choice, seq_len: int, batch_size: int, notes: list):
             packed = False
             notes.append(f"{choice.family_spec.label} has no segment ids to keep packed examples apart: one "
                          "example a row, padded")
-        from zerojax.models import load_tokenizer
-
-        tokenizer = load_tokenizer(args.tokenizer) if args.tokenizer else ByteTokens()
+        tokenizer = _tokenizer(args)
         data = FinetuneRows(load_finetune_data(args.data, tokenizer, seq_len=seq_len, packed=packed),
                             batch_size, packed)
         if data.n_train < batch_size:
             raise DataError(f"{args.data}: {data.n_train} rows of {seq_len} tokens, fewer than one batch of "
                             f"{batch_size}: give more examples, a smaller batch or (packed) a longer --seq-len")
-    if data.vocab_size > choice.config.vocab_size:
-        raise DataError(f"the tokenizer has {data.vocab_size} tokens but the model's vocab is "
-                        f"{choice.config.vocab_size}; give the model's own tokenizer (--tokenizer DIR)")
+    _check_vocab(data, choice)
     return data

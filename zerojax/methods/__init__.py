@@ -118,6 +118,12 @@ def _reward_loss(options):
 def _reward_model(model, options):
     from zerojax.methods.reward import as_reward_model
 
+    if options["pad_token_id"] is None:  # the score is read on the last token before padding
+        from zerojax.data.text import DataError
+
+        raise DataError("method 'reward': the tokenizer names no pad token, which marks where each sequence "
+                        "ends; give one with --method-option pad_token_id=N (an id your data never uses)")
+
     return as_reward_model(model, pad_token_id=options["pad_token_id"], seed=options["seed"])
 
 

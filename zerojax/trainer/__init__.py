@@ -3,6 +3,6 @@
 `zerojax train ...` and `python examples/gpt2_large.py ...` run `main` (flags: `zerojax.trainer.flags`).
 It sits above `train/` (the engine) and `planning/` (the planner), and nothing below imports it.
 """
-from zerojax.trainer.trainer import main, run_cli
+from zerojax.trainer.trainer import Hook, StepInfo, Trainer, main, run_cli
 
-__all__ = ["main", "run_cli"]
+__all__ = ["Trainer", "Hook", "StepInfo", "main", "run_cli"]

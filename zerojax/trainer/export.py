@@ -29,12 +29,20 @@ def host_peak_rss() -> int | None:
     return peak if sys.platform == "darwin" else peak * 1024
 
 
-def export_hf(args, engine, choice, settings):
-    """--export-hf: GPT-2 / Llama as a Hugging Face folder; with LoRA the PEFT adapter folder and
-    (--merge) the merged model beside it."""
+def export_hf(args, engine, choice, settings, method=None):
+    """--export-hf: the family's Hugging Face folder; with LoRA the PEFT adapter folder and
+    (--merge) the merged model beside it; a reward model (--method reward) as the family's
+    sequence-classification folder."""
     import zerojax.models
 
     out, tok = args.export_hf, args.tokenizer if args.tokenizer and os.path.isdir(args.tokenizer) else None
+    if method is not None and method.name == "reward":
+        from zerojax.methods.reward import save_reward_hf
+
+        save_reward_hf(engine.model, out)
+        _copy_tokenizer(tok, out)
+        print(f"reward model written to {out} (transformers.AutoModelForSequenceClassification.from_pretrained)")
+        return
     if settings is not None:
         from zerojax import lora
 

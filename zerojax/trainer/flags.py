@@ -36,7 +36,7 @@ def _micro_batch(text):
 # Flags whose value may be negative: argparse reads "-1e-3" as an option (its negative-number rule
 # misses exponents), so "--lr -1e-3" is rewritten "--lr=-1e-3" and the type checks then say why
 # a negative value is refused, instead of "expected one argument".
-_VALUE_FLAGS = ("--steps", "--schedule-steps", "--seq-len", "--grad-accum", "--lr", "--loss-chunk",
+_VALUE_FLAGS = ("--eval-every", "--save-every", "--steps", "--schedule-steps", "--seq-len", "--grad-accum", "--lr", "--loss-chunk",
                 "--eval-batches", "--seed", "--peak-tflops", "--keep", "--micro-batch", "--lora", "--lora-alpha")
 
 QUANTIZE = ("int8", "nf4", "int4")
@@ -89,6 +89,12 @@ def parse_args(argv=None, *, prog=None, description=None):
     p.add_argument("--hf-checkpoint", metavar="DIR",
                    help="local Hugging Face folder (config.json, model.safetensors or its shards) of a registered "
                         "family (model_type " + ", ".join(registry.hf_model_types()) + "); its tokenizer is used")
+    p.add_argument("--method", default="sft", metavar="NAME",
+                   help="the training method: sft (next-token loss, the default), or a registered one "
+                        "(zerojax.methods: dpo, reward, ...), each a loss and a data reader (--data)")
+    p.add_argument("--method-option", action="append", default=[], metavar="KEY=VALUE",
+                   help="a setting of --method (repeatable; VALUE read as JSON, else as text), e.g. "
+                        "--method-option beta=0.2 --method-option loss_type=ipo")
     p.add_argument("--data", help=".txt / .jsonl file or folder; .jsonl fine-tuning records {\"prompt\", "
                                   "\"completion\"} or {\"messages\"} train on the completion / assistant "
                                   "turns only; {\"text\"} records are cut into --seq-len blocks as .txt is; "
@@ -180,6 +186,10 @@ def parse_args(argv=None, *, prog=None, description=None):
     p.add_argument("--eval-batches", type=_number(int, 0), default=8,
                    help="validation batches (of train_batch_size rows, from the held-out part of the "
                         "data) evaluated after training; 0 = no validation")
+    p.add_argument("--eval-every", type=_number(int, 1), default=None, metavar="N",
+                   help="also evaluate --eval-batches validation batches every N training steps")
+    p.add_argument("--save-every", type=_number(int, 1), default=None, metavar="N",
+                   help="also save a checkpoint to --save every N training steps (--keep prunes them)")
     p.add_argument("--seed", type=_number(int, 0), default=None,
                    help="init and data-order seed (default 0; on --resume the checkpoint's)")
     p.add_argument("--peak-tflops", type=_number(float, 0.0, above=True), default=None,
@@ -189,8 +199,29 @@ def parse_args(argv=None, *, prog=None, description=None):
     args = p.parse_args(_join_negative_values(list(sys.argv[1:] if argv is None else argv)))
     if args.keep is not None and not args.save:
         p.error("--keep needs --save DIR (the checkpoint folder to prune)")
+    if args.save_every and not args.save:
+        p.error("--save-every needs --save DIR (the checkpoint folder)")
     if args.resume and not args.save:
         p.error("--resume needs --save DIR (the checkpoint folder to continue from)")
+    for item in args.method_option:
+        if "=" not in item:
+            p.error(f"--method-option {item!r}: write KEY=VALUE (e.g. beta=0.2)")
+    if args.method_option and args.method == "sft":
+        p.error("--method-option needs --method NAME (sft has no options)")
     if args.merge and not args.export_hf:
         p.error("--merge needs --export-hf DIR (where the merged model is written)")
     return args
+
+
+def method_options(items) -> dict:
+    """--method-option KEY=VALUE items -> {key: value}, each VALUE read as JSON where it is JSON."""
+    import json
+
+    out = {}
+    for item in items:
+        key, _, value = item.partition("=")
+        try:
+            out[key.strip()] = json.loads(value)
+        except ValueError:
+            out[key.strip()] = value
+    return out

@@ -15,7 +15,31 @@ def loss_fn_for(loss_chunk: int, family):
     return family.chunked_loss(loss_chunk) if loss_chunk else family.loss
 
 
-def plan_micro_batch(cfg, build, dtype, remat, explore_remat, seq_len, loss_fn, options, lora=False):
+def training_method(args, lora_cfg):
+    """--method and its --method-option settings -> (the registered `zerojax.methods.Method`, its
+    options), or (None, {}) for sft (the family's next-token loss); refused before anything is read."""
+    if args.method == "sft":
+        return None, {}
+    from zerojax import methods
+    from zerojax.trainer.flags import method_options
+
+    try:
+        method = methods.get(args.method)
+    except KeyError:
+        raise ConfigMismatch(f"--method {args.method}: not a training method; choose sft or "
+                             f"{', '.join(methods.methods())}") from None
+    try:
+        options = method.resolve(method_options(args.method_option))
+    except ValueError as e:
+        raise ConfigMismatch(f"--method-option: {e}") from None
+    if method.name == "reward" and lora_cfg is not None and args.export_hf:
+        raise ConfigMismatch("--export-hf of a LoRA reward model: the Hugging Face sequence-classification export "
+                             "takes a whole model; train the reward model without --lora, or save with --save "
+                             "and export later")
+    return method, options
+
+
+def plan_micro_batch(cfg, build, dtype, remat, explore_remat, seq_len, loss_fn, options, lora=False, batch_fn=None):
     """train_micro_batch_size_per_gpu "auto": the planner's fastest choice that fits the device
     (zerojax.planning.planner: remat, micro-batch x accumulation keeping the global batch, stage, offload;
     compiled before anything is allocated, with the run's EngineOptions: --master-split and
@@ -42,6 +66,7 @@ def plan_micro_batch(cfg, build, dtype, remat, explore_remat, seq_len, loss_fn, 
     # a layer at a time); a config that asks for offload_param gets it
     offloads = tuple(o for o in planner.DEFAULT_OFFLOADS if not lora or o != "param")
     found = planner.search(factory, cfg.to_dict(), budget, seq_len, loss_fn=loss_fn, max_plans=1, offloads=offloads,
+                           batch_fn=batch_fn,
                            remat=(None, *planner.REMAT_LADDER) if explore_remat else None, options=options)
     host = [o for p, o in found.tried if o.startswith("does not fit host memory")]
     if not found.plans and host:
@@ -133,7 +158,7 @@ def resolve_precision(raw: dict, flag: str | None, device) -> tuple[dict, str, s
     return raw, mode, why
 
 
-def offload_loop_auto(cfg, make_model, seq_len, loss_fn) -> tuple[str, str | None]:
+def offload_loop_auto(cfg, make_model, seq_len, loss_fn, batch_shapes=None) -> tuple[str, str | None]:
     """No --offload-loop: where the config offloads the optimizer to cpu alone and the device
     reports its memory, "host" if its step fits (compiled first on an abstract engine, holding no
     memory), else "in_place" (the library's default: 3-6 GiB less on GPT-2 Large / XL, ~1.75x
@@ -154,7 +179,8 @@ def offload_loop_auto(cfg, make_model, seq_len, loss_fn) -> tuple[str, str | Non
     if budget is None:
         return "in_place", "default; this device reports no memory limit to check \"host\" against"
     probe = abstract_engine(make_model, cfg, loss_fn=loss_fn, options=EngineOptions(offload_loop="host"))
-    peak = probe.step_memory({"input_ids": jax.ShapeDtypeStruct((cfg.train_batch_size, seq_len), jnp.int32)}).peak
+    shapes = batch_shapes or {"input_ids": jax.ShapeDtypeStruct((cfg.train_batch_size, seq_len), jnp.int32)}
+    peak = probe.step_memory(shapes).peak
     fits = peak <= budget
     if jax.process_count() > 1:  # every process must build the same layout: "host" only where it fits on all
         import numpy as np

@@ -4,26 +4,69 @@
 """
 from __future__ import annotations
 
+import dataclasses
 import functools
 import json
 import math
 import os
 import sys
 import time
+from typing import Any, Callable
 
-from zerojax.data.rows import load_data
+from zerojax.data.rows import load_data, load_method_data
 from zerojax.trainer.choice import ModelChoice, checkpoint_model, hf_model_type, named_model
 from zerojax.trainer.errors import ConfigMismatch
 from zerojax.trainer.export import export_hf, host_peak_rss
 from zerojax.trainer.flags import parse_args
 from zerojax.trainer.setup import (batch_note, check_lora_resume, engine_options, filled_autos, from_checkpoint,
                                    lora_settings, loss_fn_for, offload_loop_auto, plan_micro_batch, print_run,
-                                   requested_options, resolve_precision, warn_replicated)
+                                   requested_options, resolve_precision, training_method, warn_replicated)
+
+
+@dataclasses.dataclass(frozen=True)
+class Hook:
+    """`fn(step)` after every `every`-th training step of a run (and after its last): the step's
+    `StepInfo` (global step, metrics as device scalars, the engine, the trainer)."""
+
+    every: int
+    fn: Callable[["StepInfo"], None]
+
+
+@dataclasses.dataclass(frozen=True)
+class StepInfo:
+    step: int          # the global step just taken (1-based)
+    last: bool         # the run's last step
+    metrics: dict      # the step's metrics (device scalars: reading one waits for the step)
+    engine: Any
+    trainer: "Trainer"
+
+
+class Trainer:
+    """A training run resolved from its flags (`args`: `zerojax.trainer.flags.parse_args`); `run()`
+    builds it, trains, evaluates, saves, exports, and returns the SUMMARY dict. Hooks run every N
+    steps: the built-in ones log (every 10), evaluate (`--eval-every`) and save (`--save-every`);
+    `add_hook(every, fn)` adds one of a program's own."""
+
+    def __init__(self, args):
+        self.args = args
+        self.hooks: list[Hook] = []
+
+    def add_hook(self, every: int, fn: Callable[[StepInfo], None]) -> None:
+        if int(every) < 1:
+            raise ValueError(f"add_hook: every={every!r}; give a step count >= 1")
+        self.hooks.append(Hook(int(every), fn))
+
+    def run(self) -> dict:
+        return _run(self)
 
 
 def main(argv=None, *, prog=None, description=None):
     """Train as the flags say (`zerojax.trainer.flags`); returns the run's SUMMARY dict."""
-    args = parse_args(argv, prog=prog, description=description)
+    return Trainer(parse_args(argv, prog=prog, description=description)).run()
+
+
+def _run(trainer: Trainer) -> dict:
+    args = trainer.args
     from zerojax.launch.distributed import init_distributed
 
     init_distributed()  # several processes (zerojax launch, srun, ...): before any device use
@@ -119,8 +162,25 @@ def main(argv=None, *, prog=None, description=None):
     lora_cfg = lora_settings(args, cfg, dtype, saved.get("lora"))  # LoRA's refusals: before the data and the model
     if args.resume and saved:
         check_lora_resume(args, saved.get("lora"), lora_cfg, notes)
+    method, method_opts = training_method(args, lora_cfg)  # None: sft (the next-token loss)
+    if args.resume and saved and saved.get("method", "sft") != args.method:
+        from zerojax.checkpoint.state import CheckpointError
+
+        raise CheckpointError(f"{args.save}: this checkpoint trained --method {saved.get('method', 'sft')}, this run "
+                              f"asks for --method {args.method}; resume with the checkpoint's method, or start "
+                              "another --save folder")
     # read (and refuse) the data before anything is compiled
-    data = load_data(args, choice, seq_len, cfg.train_batch_size, notes)
+    if method is None:
+        data = load_data(args, choice, seq_len, cfg.train_batch_size, notes)
+    else:
+        data = load_method_data(args, method, choice, seq_len, cfg.train_batch_size)
+        method_opts = method.resolve(method_opts, data)
+    # one batch's shapes (a method's batches are not {"input_ids"}): what the planner and the
+    # offload probe compile, and the tokens a step trains on
+    sample = next(iter(data.train_batches(cfg.train_batch_size, seed=seed, start_step=0, num_steps=1)))
+    batch_fn = None if method is None else (lambda rows, seq: {
+        k: np.zeros((rows, *np.shape(v)[1:]), np.asarray(v).dtype) for k, v in sample.items()})
+    row_tokens = seq_len if method is None else sum(np.shape(v)[1] for k, v in sample.items() if k.endswith("_ids"))
     remat = args.remat
     remat_why = "--remat"
     if remat is None:
@@ -129,22 +189,29 @@ def main(argv=None, *, prog=None, description=None):
         remat_why = ("the config has no activation_checkpointing section" if ac is None else
                      "the config's activation_checkpointing section")
     remat = None if remat == "none" else remat
-    loss_fn = loss_fn_for(args.loss_chunk, choice.family_spec)
+    loss_fn = loss_fn_for(args.loss_chunk, choice.family_spec) if method is None else method.loss(method_opts)
 
-    def build(remat_policy):  # a randomly initialised model (the planner's and the offload probe's too)
+    def prepared(model):  # the method's change to the model (a reward head), after LoRA
+        if method is None or method.prepare_model is None:
+            return model
+        return method.prepare_model(model, method_opts)
+
+    def build(remat_policy, prepare=True):  # a randomly initialised model (the planner's and the offload probe's too)
         if lora_cfg is None:
-            return choice.build(seed, dtype, remat_policy)
-        # LoRA: the base drawn in its stored dtype (an fp32 Llama-3.1-8B would not fit a 24 GB
-        # card before it is cast), the adapters applied: what the planner compiles is what runs
-        from zerojax import lora
-        base_dtype = lora_cfg.get("base_dtype") or dtype
-        return lora.apply(choice.build(seed, dtype, remat_policy, param_dtype=base_dtype), lora_cfg)
+            model = choice.build(seed, dtype, remat_policy)
+        else:
+            # LoRA: the base drawn in its stored dtype (an fp32 Llama-3.1-8B would not fit a 24 GB
+            # card before it is cast), the adapters applied: what the planner compiles is what runs
+            from zerojax import lora
+            base_dtype = lora_cfg.get("base_dtype") or dtype
+            model = lora.apply(choice.build(seed, dtype, remat_policy, param_dtype=base_dtype), lora_cfg)
+        return prepared(model) if prepare else model
 
     if lora_cfg is not None:  # the adapters' shapes, and LoRA's refusals (e.g. nf4 on a layer whose size
         from zerojax import lora  # is not a multiple of its block), before anything is compiled
 
         try:
-            shaped = nnx.eval_shape(functools.partial(build, remat))
+            shaped = nnx.eval_shape(functools.partial(build, remat, prepare=False))
         except ValueError as e:
             if isinstance(e, zerojax.ConfigError):
                 raise
@@ -158,7 +225,7 @@ def main(argv=None, *, prog=None, description=None):
         # the planner varies remat unless --remat or the config's remat_policy names one
         named = args.remat is not None or getattr(cfg.activation_checkpointing, "remat_policy", None) is not None
         cfg, remat = plan_micro_batch(cfg, build, dtype, remat, not named, seq_len, loss_fn,
-                                       requested_options(args), lora=lora_cfg is not None)
+                                      requested_options(args), lora=lora_cfg is not None, batch_fn=batch_fn)
         planned = True
         if remat != planned_remat:
             remat_why = "chosen by the planner (micro-batch auto)"
@@ -168,7 +235,9 @@ def main(argv=None, *, prog=None, description=None):
                remat, remat_why, seq_len, data, saved, notes, filled=filled_autos(raw, fill, cfg), lora=lora_cfg)
     make_model = functools.partial(build, remat)
     loop, loop_why = (args.offload_loop, "--offload-loop") if args.offload_loop else offload_loop_auto(
-        cfg, make_model, seq_len, loss_fn)
+        cfg, make_model, seq_len, loss_fn,
+        None if batch_fn is None else jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype),
+                                                   batch_fn(cfg.train_batch_size, seq_len)))
     # FLOPs a token for MFU: the family's own count, else read off the parameter tree (zerojax.model)
     if choice.family_spec.counts is not None:
         fpt, n_params = choice.family_spec.counts(choice.config, seq_len)
@@ -201,6 +270,10 @@ def main(argv=None, *, prog=None, description=None):
               f"{', '.join(lora_targets)}; {lora_trained:,} trained parameters, the base "
               f"frozen" + (f" and stored {lora_cfg['quantize']}" if lora_cfg.get("quantize") else
                            f" in {lora_cfg['base_dtype']}"))
+    if isinstance(model, nnx.Module):  # read from a folder or quantized on arrival: the method's change now
+        model = prepared(model)
+    if method is not None and method.prepare_data is not None:  # e.g. a frozen model's reference log-probs
+        data = method.prepare_data(data, model, method_opts, cfg.train_batch_size)
     options = engine_options(args, cfg, loop, planned)
     # MFU's denominator: --peak-tflops, else the matmul ceiling in the run's precision, measured
     # before the engine holds any memory (its buffers are freed); none where no step is timed (the
@@ -258,35 +331,73 @@ def main(argv=None, *, prog=None, description=None):
 
     # one definition of speed (zerojax.train.monitor.SpeedMeter): tokens/s per device over the steps
     # that compiled nothing, in the progress bar, the log lines and the SUMMARY alike
-    meter = SpeedMeter(cfg.train_batch_size * seq_len, n_dev, fpt, peak)
+    meter = SpeedMeter(cfg.train_batch_size * row_tokens, n_dev, fpt, peak)
     # a progress bar on a terminal; elsewhere (a log file, a pipe) one line every 10 steps
     interactive = not quiet and sys.stderr.isatty()
     bar = tqdm(batches, total=max(0, steps - start), initial=0, desc="train", dynamic_ncols=True,
                disable=not interactive)
     losses = []  # device scalars, read once at the end (no host sync per step)
+
+    def log_progress(info: StepInfo):
+        metrics = info.metrics
+        meter.sync(metrics["loss"])
+        post = {"loss": f"{float(metrics['loss']):.3f}"}
+        for key in method_keys:  # the method's own metrics (DPO's rewards/margins, ...)
+            post[key] = f"{float(metrics[key]):.3f}"
+        if meter.tokens_per_s_per_device is not None:
+            post["tok/s/device"] = f"{meter.tokens_per_s_per_device:,.0f}"
+        if meter.mfu is not None:
+            post["MFU"] = f"{100 * meter.mfu:.1f}%"
+        stats = jax.local_devices()[0].memory_stats() or {}
+        if "peak_bytes_in_use" in stats:
+            post["mem"] = f"{stats['peak_bytes_in_use'] / 2**30:.1f}GiB"
+        if interactive:
+            bar.set_postfix(post)
+        elif not quiet:
+            print(f"step {info.step}/{steps}: loss {post['loss']}"
+                  + "".join(f", {k} {post[k]}" for k in method_keys)
+                  + (f", {post['tok/s/device']} tokens/s per device" if "tok/s/device" in post else "")
+                  + (f", MFU {post['MFU']}" if "MFU" in post else "")
+                  + (f", peak memory {post['mem']}" if "mem" in post else ""), flush=True)
+
+    def evaluate(info: StepInfo):
+        vals = [float(engine.eval_step(b)) for _, b in zip(range(args.eval_batches), data.val_batches(cfg.train_batch_size))]
+        if vals:
+            print(f"step {info.step}: validation loss {float(np.mean(vals)):.4f}", flush=True)
+
+    saved_at = []  # the steps --save-every saved at (the run's end saves again only after another)
+
+    def save(info: StepInfo):
+        path = engine.save_checkpoint(args.save, client_state=client_state(), keep=args.keep)
+        saved_at.append(info.step)
+        print(f"step {info.step}: checkpoint saved: {path}", flush=True)
+
+    def client_state():
+        return {"gpt2_large_example": {"schedule_steps": schedule_steps, "lr": lr, "seed": seed, "lora": lora_cfg,
+                                       "method": args.method, "method_options": method_opts}}
+
+    hooks = [Hook(10, log_progress)]
+    if args.eval_every:
+        hooks.append(Hook(args.eval_every, evaluate))
+    if args.save_every:
+        hooks.append(Hook(args.save_every, save))
+    hooks += trainer.hooks
+    method_keys: list = []
+    last_metrics = {}
     began = time.perf_counter()  # the training loop's wall time, compiles included: the closing line's
     for i, batch in enumerate(bar):
         meter.before_step()
         metrics = engine.train_step(batch)
         losses.append(metrics["loss"])
         meter.after_step(metrics["loss"])
-        if (i + 1) % 10 == 0 or i == steps - start - 1:
-            meter.sync(metrics["loss"])
-            post = {"loss": f"{float(metrics['loss']):.3f}"}
-            if meter.tokens_per_s_per_device is not None:
-                post["tok/s/device"] = f"{meter.tokens_per_s_per_device:,.0f}"
-            if meter.mfu is not None:
-                post["MFU"] = f"{100 * meter.mfu:.1f}%"
-            stats = jax.local_devices()[0].memory_stats() or {}
-            if "peak_bytes_in_use" in stats:
-                post["mem"] = f"{stats['peak_bytes_in_use'] / 2**30:.1f}GiB"
-            if interactive:
-                bar.set_postfix(post)
-            elif not quiet:
-                print(f"step {start + i + 1}/{steps}: loss {post['loss']}"
-                      + (f", {post['tok/s/device']} tokens/s per device" if "tok/s/device" in post else "")
-                      + (f", MFU {post['MFU']}" if "MFU" in post else "")
-                      + (f", peak memory {post['mem']}" if "mem" in post else ""), flush=True)
+        if method is not None and not method_keys:
+            method_keys = sorted(k for k in metrics if "/" in k)  # TRL's names: rewards/chosen, ...
+        last_metrics = metrics
+        last = i == steps - start - 1
+        info = StepInfo(step=start + i + 1, last=last, metrics=metrics, engine=engine, trainer=trainer)
+        for hook in hooks:  # counted in this run's steps, the last one always
+            if (i + 1) % hook.every == 0 or (last and hook.fn is log_progress):
+                hook.fn(info)
     engine.synchronize()
     jax.block_until_ready(engine.state)
     bar.close()
@@ -298,6 +409,9 @@ def main(argv=None, *, prog=None, description=None):
                "steps": steps, "schedule_steps": schedule_steps, "lr": lr,
                "master_split": engine.layout.master_split, "trained_params": int(trained),
                "lora": lora_cfg, "train_seconds": round(train_seconds, 2)}
+    if method is not None:
+        summary.update(method=args.method, method_options=method_opts,
+                       method_metrics={k: float(last_metrics[k]) for k in method_keys})
     if meter.tokens_per_s_per_device is not None:
         summary["tokens_per_s_per_device"] = round(meter.tokens_per_s_per_device)
     if meter.mfu is not None:
@@ -315,7 +429,7 @@ def main(argv=None, *, prog=None, description=None):
                   for _, batch in zip(range(args.eval_batches), data.val_batches(cfg.train_batch_size))]
     if val_losses:
         v = float(np.mean(val_losses))
-        print(f"validation loss {v:.4f}, perplexity {math.exp(min(v, 50)):.2f}")
+        print(f"validation loss {v:.4f}" + (f", perplexity {math.exp(min(v, 50)):.2f}" if method is None else ""))
     if losses:
         print(f"train loss {losses[0]:.4f} -> {losses[-1]:.4f}")
     print(engine.memory_report())
@@ -327,17 +441,16 @@ def main(argv=None, *, prog=None, description=None):
         with open(args.summary_json, "w") as f:
             json.dump(summary, f, indent=1)
 
-    if args.save and (losses or not args.resume):  # a resumed run that trained nothing changed nothing
+    # a resumed run that trained nothing changed nothing; --save-every may have saved the last step already
+    if args.save and (losses or not args.resume) and saved_at[-1:] != [engine.global_steps]:
         before = set(checkpoint_files.finalized_tags(args.save))
-        client_state = {"gpt2_large_example": {"schedule_steps": schedule_steps, "lr": lr, "seed": seed,
-                                               "lora": lora_cfg}}
-        path = engine.save_checkpoint(args.save, client_state=client_state, keep=args.keep)
+        path = engine.save_checkpoint(args.save, client_state=client_state(), keep=args.keep)
         print(f"checkpoint saved: {path}")
         removed = sorted(before - set(checkpoint_files.finalized_tags(args.save)))
         if removed:
             print(f"--keep {args.keep}: removed the older checkpoint(s) {', '.join(removed)}")
     if args.export_hf:
-        export_hf(args, engine, choice, lora_cfg)
+        export_hf(args, engine, choice, lora_cfg, method=method)
     engine.close()
     print(closing_line(summary), flush=True)  # last: what people read of a run
     return summary

@@ -1,0 +1,123 @@
+"""The trainer (`zerojax.trainer`) as `zerojax train` runs it: methods plug in as a loss and a data
+reader (`--method dpo`, `--method reward`), hooks run every N steps, a resume keeps the method.
+
+References: DPO's loss at its first step, where the policy is its reference (LoRA's B = 0, the
+reference the base with the adapters off), is ln 2 (Rafailov et al.); the exported reward model
+is scored by transformers' `AutoModelForSequenceClassification` as zerojax's own reader scores it.
+"""
+from __future__ import annotations
+
+import json
+import math
+import os
+
+import numpy as np
+import pytest
+
+from zerojax import cli
+from zerojax.checkpoint.state import CheckpointError
+
+ROWS = 8  # 1 a device: the suite's 8 CPU devices
+
+
+@pytest.fixture(scope="module")
+def prefs(tmp_path_factory):
+    """Preference pairs a byte-level model learns in a few steps: one answer always preferred."""
+    rng = np.random.default_rng(0)
+    path = tmp_path_factory.mktemp("prefs") / "prefs.jsonl"
+    with open(path, "w") as f:
+        for _ in range(96):
+            a, b = (int(x) for x in rng.integers(1, 10, 2))
+            f.write(json.dumps({"prompt": f"is {a}+{b} even? ", "chosen": "yes", "rejected": "no"}) + "\n")
+    return str(path)
+
+
+@pytest.fixture(scope="module")
+def fp32_config(tmp_path_factory):
+    """configs/zero2_bf16.json computing in fp32 (bf16 off): exact references on CPU."""
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    with open(os.path.join(root, "configs", "zero2_bf16.json")) as f:
+        cfg = json.load(f)
+    cfg["bf16"] = {"enabled": False}
+    path = tmp_path_factory.mktemp("cfg") / "zero2_fp32.json"
+    path.write_text(json.dumps(cfg))
+    return str(path)
+
+
+def train(tmp_path, *argv):
+    out = tmp_path / "summary.json"
+    assert cli.main(["train", "--model", "tiny-llama", "--seq-len", "16", "--micro-batch", "1", "--eval-batches", "1",
+                     "--summary-json", str(out), *argv]) == 0
+    return json.loads(out.read_text())
+
+
+@pytest.mark.slow
+def test_dpo_through_zerojax_train_starts_at_ln2_and_widens_the_margin(prefs, fp32_config, tmp_path, capsys):
+    summary = train(tmp_path, "--method", "dpo", "--data", prefs, "--lora", "8", "--lr", "1e-2", "--steps", "16",
+                    "--config", fp32_config,
+                    "--method-option", "beta=0.5", "--save", str(tmp_path / "ck"), "--save-every", "8")
+    assert summary["method"] == "dpo" and summary["method_options"]["beta"] == 0.5
+    assert summary["losses"][0] == pytest.approx(math.log(2), abs=1e-6)
+    assert summary["method_metrics"]["rewards/margins"] > 0.05, summary["method_metrics"]
+    assert min(summary["losses"][-4:]) < math.log(2) - 0.02, summary["losses"]
+    out = capsys.readouterr().out
+    assert "rewards/margins" in out.split("step 10/16: ")[1].splitlines()[0]
+    # --save-every 8: steps 8 and 16, and the run's end does not save step 16 twice
+    assert sorted(os.listdir(tmp_path / "ck")) == ["global_step16", "global_step8", "latest"]
+    assert out.count("checkpoint saved") == 2
+    # a resume keeps the method: another one is refused naming both
+    with pytest.raises(CheckpointError, match="trained --method dpo, this run asks for --method sft"):
+        from zerojax import trainer
+
+        trainer.main(["--model", "tiny-llama", "--seq-len", "16", "--micro-batch", "1", "--lora", "8",
+                      "--save", str(tmp_path / "ck"), "--resume", "--steps", "20"])
+
+
+@pytest.mark.slow
+def test_reward_model_through_zerojax_train_exports_what_transformers_scores(prefs, fp32_config, tmp_path):
+    import torch
+    from transformers import AutoModelForSequenceClassification
+
+    from zerojax.methods.reward import reward_from_hf
+
+    summary = train(tmp_path, "--method", "reward", "--data", prefs, "--lr", "3e-3", "--steps", "12",
+                    "--method-option", "pad_token_id=0",
+                    "--config", fp32_config, "--export-hf", str(tmp_path / "rm"))
+    assert summary["method"] == "reward" and summary["last_loss"] < summary["first_loss"], summary
+    ids = np.random.default_rng(1).integers(1, 256, (3, 12)).astype(np.int64)
+    hf = AutoModelForSequenceClassification.from_pretrained(str(tmp_path / "rm")).eval()
+    with torch.no_grad():
+        want = hf(torch.from_numpy(ids)).logits[:, 0].numpy()
+    ours = np.asarray(reward_from_hf(str(tmp_path / "rm"), pad_token_id=0)(ids.astype(np.int32)))
+    np.testing.assert_allclose(ours, want, rtol=1e-4, atol=1e-4)
+
+
+def test_methods_and_their_options_are_checked_before_anything_is_built(prefs, capsys):
+    from zerojax import trainer
+    from zerojax.data.text import DataError
+    from zerojax.trainer.errors import ConfigMismatch
+
+    with pytest.raises(ConfigMismatch, match="--method dop: not a training method; choose sft or dpo"):
+        trainer.main(["--model", "tiny-llama", "--method", "dop", "--data", prefs, "--steps", "1"])
+    with pytest.raises(ConfigMismatch, match="unknown option 'bta'; did you mean 'beta'"):
+        trainer.main(["--model", "tiny-llama", "--method", "dpo", "--method-option", "bta=1", "--data", prefs])
+    with pytest.raises(DataError, match="no pad token.*--method-option pad_token_id=N"):
+        trainer.main(["--model", "tiny-llama", "--method", "reward", "--data", prefs, "--steps", "1"])
+    with pytest.raises(SystemExit):
+        trainer.main(["--method-option", "beta=1"])
+    assert "--method-option needs --method NAME" in capsys.readouterr().err
+
+
+def test_a_programs_own_hook_runs_every_n_steps(tmp_path):
+    from zerojax import trainer
+    from zerojax.trainer.flags import parse_args
+
+    seen = []
+    run = trainer.Trainer(parse_args(["--model", "tiny", "--seq-len", "16", "--micro-batch", "1", "--steps", "7",
+                                      "--eval-batches", "0"]))
+    run.add_hook(3, lambda info: seen.append((info.step, float(info.metrics["loss"]))))
+    summary = run.run()
+    assert [s for s, _ in seen] == [3, 6]
+    assert [loss for _, loss in seen] == pytest.approx([summary["losses"][2], summary["losses"][5]])
+    with pytest.raises(ValueError, match="every=0"):
+        run.add_hook(0, print)
