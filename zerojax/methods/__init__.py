@@ -11,9 +11,12 @@ refuses unknown keys):
     model = method.prepare_model(model, options) if method.prepare_model else model   # after LoRA
     if method.prepare_data: data = method.prepare_data(data, model, options, batch_size)
     engine = zerojax.shard(lambda: model, cfg, loss_fn=method.loss(options))
+    batches = (method.rollouts(engine, data, options, seed=seed, start_step=start, num_steps=steps)
+               if method.rollouts else data.train_batches(...))             # RL: made on the live engine
 
 Built in: "dpo" (DPO / IPO, `zerojax.methods.dpo`) and "reward" (a reward model, Bradley-Terry,
-`zerojax.methods.reward`), both on preference pairs (`zerojax.data.preference`).
+`zerojax.methods.reward`), both on preference pairs (`zerojax.data.preference`); "grpo" (GRPO /
+DAPO, `zerojax.methods.grpo`) on prompts, its batches made by `zerojax.rl.RolloutBatches`.
 """
 from __future__ import annotations
 
@@ -35,7 +38,11 @@ class Method:
     prepare_data(data, model, options, batch_size) -> the data to train on (e.g. with a frozen
         model's reference log-probs added), or None: as read.
     data_options(data) -> options the data decides (e.g. the pad id), merged over `options`.
-    options: the settings and their defaults."""
+    options: the settings and their defaults.
+    rollouts(engine, data, options, *, seed, start_step, num_steps) -> an iterator of the training
+        batches, made each step on the live engine (RL methods: `zerojax.rl.RolloutBatches`, whose
+        `.metrics` holds the last step's rollout metrics), or None: `data.train_batches` is the
+        training data (`data.train_batches` then only gives the batches' shapes)."""
 
     name: str
     what: str
@@ -45,6 +52,7 @@ class Method:
     prepare_data: Callable | None = None
     data_options: Callable[[Any], dict] = lambda data: {}
     options: Mapping = dataclasses.field(default_factory=dict)
+    rollouts: Callable | None = None
 
     def resolve(self, options: Mapping | None = None, data=None) -> dict:
         """The settings: the defaults, what `data` decides (`data_options`) over them, `options` (the
@@ -135,6 +143,48 @@ register(Method(
     name="reward", what="a reward model on preference pairs (Bradley-Terry)", loss=_reward_loss,
     data=_preference_data, prepare_model=_reward_model, data_options=lambda data: {"pad_token_id": data.pad_id},
     options={"pad_token_id": None, "seed": 0}))
+
+
+def _prompt_data(path, tokenizer, seq_len, batch_size, **kw):
+    from zerojax.rl.prompts import load_prompts
+
+    return load_prompts(path, tokenizer, seq_len, batch_size, **kw)
+
+
+def _grpo_loss(options):
+    from zerojax.methods.grpo import make_grpo_loss
+
+    return make_grpo_loss(**{k: options[k] for k in ("eps_low", "eps_high", "kl_coef", "loss_level", "iterations",
+                                                     "temperature")})
+
+
+def _grpo_rollouts(engine, data, options, *, seed, start_step, num_steps):
+    from zerojax.rl.rollouts import RolloutBatches
+
+    if options["reward"] is None:
+        raise ValueError("method 'grpo': no reward; give --method-option reward=SPEC (module:function, "
+                         "exact_match[:FIELD], regex:PATTERN, or a reward model folder)")
+    weights = options["reward_weights"]
+    from zerojax.rl.rewards import combined
+
+    return RolloutBatches(engine, data, combined(options["reward"], weights), options, seed=seed,
+                          start_step=start_step, num_steps=num_steps)
+
+
+def _grpo_data_options(data):
+    from zerojax.rl import tasks
+
+    task = next((name for name in tasks.TASKS if data.what == f"the built-in task {name!r}"), None)
+    return {"reward": task} if task else {}
+
+
+register(Method(
+    name="grpo", what="GRPO on prompts, rollouts from the live engine", loss=_grpo_loss, data=_prompt_data,
+    data_options=_grpo_data_options, rollouts=_grpo_rollouts,
+    options={"reward": None, "reward_weights": None, "group": 8, "max_new_tokens": None, "temperature": 1.0,
+             "top_p": None, "top_k": None, "stop": [], "scale_std": True, "drop_zero_variance": False,
+             "max_refills": 4, "loss_level": "sequence", "kl_coef": 0.04, "reference": "auto", "iterations": 1,
+             "adv_eps": 1e-4, "eps_low": 0.2, "eps_high": 0.2}))
 
 
 __all__ = ["Method", "register", "get", "methods"]

@@ -60,6 +60,28 @@ def sequence_logps(model, batch, *, chunk: int | None = None):
     return -total, counts
 
 
+def completion_logps(model, batch, *, temperature: float = 1.0):
+    """Per-token log-probs [B, C] fp32 of each row's completion (RL's rollouts, `zerojax.rl`).
+
+    batch: "input_ids" [B, T] (each row: its prompt from position 0, then its completion, then
+    padding: causal attention never sees the padding, so no mask or positions are needed),
+    "prompt_lengths" int32 [B], and the completion length C from "completion_mask" [B, C] (where
+    0, the value is 0). Only the C positions that predict a completion token go through the LM
+    head (gathered from the hidden states per row): the prompt's logits are never formed.
+    temperature: the logits divided by it first, as the tokens were sampled (TRL's rule)."""
+    ids = jnp.asarray(batch["input_ids"])
+    mask = jnp.asarray(batch["completion_mask"])
+    C = mask.shape[-1]
+    start = jnp.asarray(batch["prompt_lengths"], jnp.int32)[:, None] - 1
+    at = jnp.clip(start + jnp.arange(C, dtype=jnp.int32)[None], 0, ids.shape[1] - 2)  # the predicting positions
+    x = jnp.take_along_axis(hidden_states(model, {"input_ids": ids}), at[..., None], axis=1)
+    targets = jnp.where(mask != 0, jnp.take_along_axis(ids, at + 1, axis=1), -100)
+    logits = model.padded_logits(x)
+    if temperature != 1.0:
+        logits = logits.astype(jnp.float32) / temperature
+    return -token_nll(logits, targets)
+
+
 def pair_batch(batch, sides=("chosen", "rejected")):
     """One batch of both sides' rows, chosen first: {"input_ids", "labels"} [2B, T] from a
     preference batch's "chosen_ids" / "chosen_labels" / "rejected_ids" / "rejected_labels"
@@ -68,4 +90,4 @@ def pair_batch(batch, sides=("chosen", "rejected")):
             "labels": jnp.concatenate([jnp.asarray(batch[f"{s}_labels"]) for s in sides])}
 
 
-__all__ = ["sequence_logps", "hidden_states", "pair_batch"]
+__all__ = ["sequence_logps", "completion_logps", "hidden_states", "pair_batch"]

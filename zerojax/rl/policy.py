@@ -1,0 +1,93 @@
+"""Per-token log-probs of rollouts on an engine's live weights: the policy that generated them
+(the "old" policy of a clipped ratio) and the reference of the KL term.
+
+The programs merge the model inside the trace from `engine.state.params` / `state.rest` as the
+engine's step and `zerojax.generate` do (`decoder.EngineSource`: ZeRO-3's gather on use, tensor
+splits, offloaded layers fetched): no copy, no re-partition. The reference:
+
+- "adapters_off": a LoRA model's frozen base, the same arrays with the LoRA terms left out
+  (`lora.adapters_disabled`), as DPO's reference;
+- "copy": a copy of the weights as they were when the policy was made (full fine-tuning; one more
+  compute-dtype copy of the parameters, in their sharding);
+- "none": no reference (kl_coef 0).
+"""
+from __future__ import annotations
+
+import contextlib
+import functools
+
+import jax
+import numpy as np
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+from flax import nnx
+
+from zerojax.methods.logprobs import completion_logps
+
+REFERENCES = ("auto", "adapters_off", "copy", "none")
+
+
+def is_lora(engine) -> bool:
+    """Whether the engine's model is a LoRA model (its adapters can be switched off)."""
+    s = engine.step_settings
+    return getattr(nnx.merge(s.graphdef, s.param_template, s.rest_template), "adapter", None) is not None
+
+
+def pick_reference(engine, reference: str, kl_coef: float) -> str:
+    """"auto" -> "none" without a KL term, "adapters_off" for LoRA, else "copy"."""
+    if reference not in REFERENCES:
+        raise ValueError(f"reference={reference!r}; choose one of {REFERENCES}")
+    if reference == "auto":
+        return "none" if not kl_coef else "adapters_off" if is_lora(engine) else "copy"
+    if reference == "adapters_off" and not is_lora(engine):
+        raise ValueError("reference=\"adapters_off\" is a LoRA model's frozen base: apply LoRA (zerojax.lora.apply), "
+                         "or give reference=\"copy\" (a frozen copy of the starting weights)")
+    if reference == "none" and kl_coef:
+        raise ValueError(f"kl_coef={kl_coef} needs a reference model: reference=\"auto\", \"adapters_off\" or \"copy\"")
+    return reference
+
+
+class EnginePolicy:
+    """`logps(batch)` / `ref_logps(batch)` -> fp32 numpy [B, C] (`completion_logps` on the
+    engine's current weights / on the reference)."""
+
+    def __init__(self, engine, *, temperature: float = 1.0, reference: str = "none"):
+        from zerojax.generation.decoder import EngineSource
+        from zerojax.sharding import partition
+
+        self.engine, self.reference = engine, reference
+        self._rows = NamedSharding(engine.mesh, P(partition.DATA))
+        source = EngineSource(engine.step_settings)
+        self._run = jax.jit(functools.partial(_logps, source, temperature, False))
+        self._run_ref = jax.jit(functools.partial(_logps, source, temperature, reference == "adapters_off"))
+        self._frozen = None
+        if reference == "copy":  # the starting weights, where they live
+            weights = (engine.state.params, engine.state.rest)
+            self._frozen = jax.jit(lambda w: w, out_shardings=jax.tree.map(lambda x: x.sharding, weights))(weights)
+
+    def _place(self, batch):
+        keys = ("input_ids", "prompt_lengths", "completion_mask")
+        return {k: jax.device_put(np.asarray(batch[k]), self._rows) for k in keys}
+
+    def logps(self, batch) -> np.ndarray:
+        self.engine.synchronize()
+        state = self.engine.state
+        return np.asarray(self._run((state.params, state.rest), self._place(batch)), np.float32)
+
+    def ref_logps(self, batch) -> np.ndarray:
+        if self.reference == "none":
+            raise ValueError("this policy has no reference (reference=\"none\")")
+        state = self.engine.state
+        weights = self._frozen if self._frozen is not None else (state.params, state.rest)
+        return np.asarray(self._run_ref(weights, self._place(batch)), np.float32)
+
+
+def _logps(source, temperature, adapters_off, weights, batch):
+    from zerojax import lora
+
+    model = source.model(weights)
+    with lora.adapters_disabled(model) if adapters_off else contextlib.nullcontext():
+        return completion_logps(model, batch, temperature=temperature)
+
+
+__all__ = ["EnginePolicy", "pick_reference", "is_lora", "REFERENCES"]

@@ -1,0 +1,226 @@
+"""`RolloutBatches`: the training batches of an RL run, made on the live engine.
+
+For each optimizer step: a batch of prompts (`PromptData.indices`), `group` completions each from
+`zerojax.generate(engine, ...)` (the engine's compute-dtype weights as they are sharded: the
+hybrid engine trains and generates on the same arrays), scored by the reward, group-relative
+advantages, the old policy's and the reference's per-token log-probs (`EnginePolicy`), packed
+into rows of fixed shapes (`PromptData.example_batch`): engine.train_step takes them directly.
+
+    rollouts = RolloutBatches(engine, data, reward, RolloutOptions(group=8), seed=0, start_step=0, num_steps=100)
+    for batch in rollouts:
+        metrics = engine.train_step(batch)          # loss_fn = zerojax.methods.grpo.make_grpo_loss(...)
+        print(rollouts.metrics)                     # reward/mean, time/generate_s, ...
+
+Determinism: step s's prompts and sampling key are functions of (seed, s) only, so a run resumed
+at step s (the engine restored from its checkpoint) generates what the uninterrupted run did.
+With iterations = mu > 1 one rollout serves mu steps (rollout s // mu); a resume inside such a
+span regenerates that rollout from the restored weights (a warning says so).
+
+Time: `metrics["time/generate_s"]` (generation, rewards, log-probs) and `["time/train_s"]` (from
+handing out the previous batch until this call, the engine's work waited for) per step.
+"""
+from __future__ import annotations
+
+import dataclasses
+import time
+import warnings
+from typing import Mapping
+
+import jax
+import numpy as np
+
+from zerojax.rl import advantages as adv_mod
+from zerojax.rl.policy import EnginePolicy, pick_reference
+from zerojax.rl.prompts import PromptData, decode
+from zerojax.rl.rewards import combined, score
+
+LOSS_LEVELS = ("sequence", "token")
+
+
+@dataclasses.dataclass(frozen=True)
+class RolloutOptions:
+    """group: completions per prompt (G); max_new_tokens: None = the data's completion region;
+    temperature / top_p / top_k / stop: generation's; scale_std: divide advantages by the group's
+    std (GRPO; False: DAPO / Dr. GRPO); drop_zero_variance: DAPO's dynamic sampling (groups whose
+    rewards are all equal are dropped and more prompts drawn, up to max_refills extra
+    generations; rows still missing get mask 0); loss_level: "sequence" (each completion's
+    tokens averaged, then the rows: GRPO) or "token" (every token of the step weighted alike:
+    DAPO); kl_coef: the KL term's weight (0: no reference pass); reference: "auto",
+    "adapters_off", "copy", "none" (`zerojax.rl.policy`); iterations: optimizer steps per
+    rollout (mu; > 1 computes the old policy's log-probs); adv_eps: the std's eps."""
+
+    group: int = 8
+    max_new_tokens: int | None = None
+    temperature: float = 1.0
+    top_p: float | None = None
+    top_k: int | None = None
+    stop: tuple = ()
+    scale_std: bool = True
+    drop_zero_variance: bool = False
+    max_refills: int = 4
+    loss_level: str = "sequence"
+    kl_coef: float = 0.04
+    reference: str = "auto"
+    iterations: int = 1
+    adv_eps: float = 1e-4
+
+    @classmethod
+    def from_options(cls, options: Mapping) -> "RolloutOptions":
+        names = {f.name for f in dataclasses.fields(cls)}
+        picked = {k: v for k, v in options.items() if k in names}
+        if "stop" in picked:
+            stop = picked["stop"]
+            picked["stop"] = tuple([stop] if isinstance(stop, (str, int)) else stop or ())
+        return cls(**picked)
+
+    def check(self, rows: int, completion_len: int) -> None:
+        if self.group < 2:
+            raise ValueError(f"group={self.group}: completions per prompt, >= 2 (their rewards are compared)")
+        if rows % self.group:
+            raise ValueError(f"train_batch_size={rows} is not a multiple of group={self.group}: each step trains "
+                             f"whole groups (train_batch_size = prompts per step x group)")
+        if self.max_new_tokens is not None and not 1 <= self.max_new_tokens <= completion_len:
+            raise ValueError(f"max_new_tokens={self.max_new_tokens}: 1 to {completion_len} (seq_len minus the "
+                             "longest prompt); raise seq_len for longer completions")
+        if self.loss_level not in LOSS_LEVELS:
+            raise ValueError(f"loss_level={self.loss_level!r}; choose one of {LOSS_LEVELS}")
+        if self.iterations < 1:
+            raise ValueError(f"iterations={self.iterations}: optimizer steps per rollout, >= 1")
+
+
+class RolloutBatches:
+    """An iterator of training batches (dicts of numpy arrays, engine.cfg.train_batch_size rows)
+    for steps start_step .. start_step + num_steps - 1 (None: without end). `metrics`: the last
+    batch's rollout metrics; `history`: every step's."""
+
+    def __init__(self, engine, data: PromptData, reward, options: RolloutOptions | Mapping | None = None, *,
+                 seed: int = 0, start_step: int = 0, num_steps: int | None = None, tokenizer=None):
+        self.options = o = (options if isinstance(options, RolloutOptions)
+                            else RolloutOptions.from_options(options or {}))
+        self.engine, self.data, self.seed = engine, data, int(seed)
+        self.rows = int(engine.cfg.train_batch_size)
+        o.check(self.rows, data.completion_len)
+        self.reward = combined(reward)
+        self.tokenizer = tokenizer if tokenizer is not None else data.tokenizer
+        self.max_new_tokens = o.max_new_tokens or data.completion_len
+        self.reference = pick_reference(engine, o.reference, o.kl_coef)
+        self.policy = EnginePolicy(engine, temperature=o.temperature or 1.0, reference=self.reference)
+        self.step, self.end = int(start_step), None if num_steps is None else int(start_step) + int(num_steps)
+        self.metrics: dict = {}
+        self.history: list[dict] = []
+        self._cached = None  # (rollout index, batch, metrics)
+        self._handed = None  # when the last batch was handed out
+        if o.iterations > 1 and self.step % o.iterations:
+            warnings.warn(f"resuming at step {self.step}, inside a rollout of iterations={o.iterations}: it is "
+                          "generated again from the restored weights (the uninterrupted run generated it "
+                          f"{self.step % o.iterations} steps earlier); save at multiples of iterations for an "
+                          "exact resume", RuntimeWarning, stacklevel=2)
+
+    def __iter__(self):
+        return self
+
+    def __next__(self) -> dict:
+        if self.end is not None and self.step >= self.end:
+            raise StopIteration
+        train_s = 0.0
+        if self._handed is not None:
+            jax.block_until_ready(self.engine.state.params)  # the previous step's training
+            train_s = time.perf_counter() - self._handed
+        r = self.step // self.options.iterations
+        if self._cached is None or self._cached[0] != r:
+            began = time.perf_counter()
+            batch, metrics = self.rollout(r)
+            metrics["time/generate_s"] = time.perf_counter() - began
+            self._cached = (r, batch, metrics)
+        else:
+            metrics = {**self._cached[2], "time/generate_s": 0.0}
+        self.metrics = {**metrics, "time/train_s": train_s, "step": self.step}
+        self.history.append(self.metrics)
+        self.step += 1
+        self._handed = time.perf_counter()
+        return self._cached[1]
+
+    # ------------------------------------------------------------------ one rollout
+
+    def _sample_seed(self, r: int, refill: int) -> int:
+        return int(np.random.default_rng([self.seed, r, refill, 7]).integers(2 ** 31 - 1))
+
+    def generate(self, prompts: np.ndarray, seed: int):
+        """(completion token lists, completion texts) of each prompt index (already repeated per group)."""
+        import zerojax
+
+        o = self.options
+        gen = zerojax.generate(self.engine, [self.data.ids[i] for i in prompts], max_new_tokens=self.max_new_tokens,
+                               temperature=o.temperature, top_p=o.top_p, top_k=o.top_k, stop=list(o.stop),
+                               seed=seed, tokenizer=_TextTokenizer(self.tokenizer), add_special_tokens=False)
+        return gen.tokens, gen.texts
+
+    def rollout(self, r: int):
+        """(training batch, metrics) of rollout r."""
+        o, G = self.options, self.options.group
+        n = self.rows // G
+        groups = []  # (prompt index, tokens, reward, advantage) per kept group's row
+        seen_rewards, lengths, dropped = [], [], 0
+        for k in range(1 + (o.max_refills if o.drop_zero_variance else 0)):
+            prompts = np.repeat(self.data.indices(n, seed=self.seed, step=r, refill=k), G)
+            tokens, texts = self.generate(prompts, self._sample_seed(r, k))
+            rewards = score(self.reward, [self.data.texts[i] for i in prompts], texts, self.data.fields_of(prompts))
+            advs = adv_mod.group_advantages(rewards, G, scale_std=o.scale_std, eps=o.adv_eps)
+            seen_rewards.append(rewards)
+            lengths += [len(t) for t in tokens]
+            flat = adv_mod.zero_variance(rewards, G) if o.drop_zero_variance else np.zeros(n, bool)
+            dropped += int(flat.sum())
+            for g in np.flatnonzero(~flat)[:n - len(groups) // G]:
+                groups += [(prompts[g * G + j], tokens[g * G + j], rewards[g * G + j], advs[g * G + j]) for j in range(G)]
+            if len(groups) >= self.rows:
+                break
+        batch = self._pack(groups)
+        batch = self._with_logps(batch)
+        rewards = np.concatenate(seen_rewards)
+        metrics = {"reward/mean": float(rewards.mean()), "reward/std": float(rewards.std()),
+                   "completion/length": float(np.mean(lengths)), "groups/dropped": dropped,
+                   "groups/generations": k + 1, "rows/trained": len(groups)}
+        return batch, metrics
+
+    def _pack(self, groups) -> dict:
+        """Rows of fixed shapes: prompt from position 0, completion after it, then padding; rows
+        beyond `groups` (all groups dropped, refills spent) are padding with mask 0."""
+        batch = self.data.example_batch(self.rows)
+        ids, mask = batch["input_ids"], batch["completion_mask"]
+        for row, (p, tokens, _, a) in enumerate(groups):
+            prompt = self.data.ids[p]
+            ids[row, :len(prompt)] = prompt
+            ids[row, len(prompt):len(prompt) + len(tokens)] = tokens
+            batch["prompt_lengths"][row] = len(prompt)
+            mask[row, :len(tokens)] = 1.0
+            batch["advantages"][row] = a
+        total = mask.sum()
+        # "token": each token weighted 1 / (the step's completion tokens), as rows x weight / rows
+        batch["token_weights"][:] = self.rows / max(total, 1.0) if self.options.loss_level == "token" else 1.0
+        return batch
+
+    def _with_logps(self, batch) -> dict:
+        if self.options.iterations > 1:
+            batch["old_logps"] = self.policy.logps(batch)
+        if self.reference != "none":
+            batch["ref_logps"] = self.policy.ref_logps(batch)
+        return batch
+
+
+class _TextTokenizer:
+    """The run's tokenizer with `decode` (the trainer's byte-level ByteTokens has none)."""
+
+    def __init__(self, tokenizer):
+        self._tok = tokenizer
+
+    def __getattr__(self, name):
+        return getattr(self._tok, name)
+
+    def encode(self, text, add_special_tokens=False):
+        return self._tok.encode(text, add_special_tokens=add_special_tokens)
+
+    def decode(self, ids):
+        return decode(self._tok, ids)
+
+
+__all__ = ["RolloutBatches", "RolloutOptions", "LOSS_LEVELS"]
