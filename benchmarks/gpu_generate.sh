@@ -5,17 +5,5 @@
 # again; then transformers' generate (sdpa, static cache, bf16) on the same 8B shapes.
 #   PYTHONPATH=. bash benchmarks/gpu_generate.sh          # results in $OUT (default benchmarks/results/)
 #   SMOKE=1 PYTHONPATH=. bash benchmarks/gpu_generate.sh  # CPU, tiny shapes: does it run?
-set -u
-export PYTHONUNBUFFERED=1
-PY=${PYTHON:-python3}
-OUT=${OUT:-benchmarks/results}
-mkdir -p "$OUT"
-TINY=""
-[ -n "${SMOKE:-}" ] && TINY="--tiny"
-stamp=$(date +%Y%m%d-%H%M%S)
-echo "== zerojax generate (cases a, b, c)"
-timeout 270 $PY benchmarks/generate_bench.py $TINY 2>&1 | tee "$OUT/generate-zerojax-$stamp.log" | grep -v "^WARNING"
-echo "== transformers generate (cases a, b)"
-timeout 200 $PY benchmarks/hf_generate_bench.py $TINY 2>&1 | tee "$OUT/generate-hf-$stamp.log" | grep -v "^WARNING"
-echo "== JSON lines"
-grep -h '^{"framework"' "$OUT/generate-zerojax-$stamp.log" "$OUT/generate-hf-$stamp.log"
+. "$(dirname "$0")/pair.sh"
+run_pair generate benchmarks/generate_bench.py 270 benchmarks/hf_generate_bench.py 200

@@ -1,5 +1,7 @@
 """Rewards for RL fine-tuning: each a function `fn(prompts, completions, **fields) -> list[float]`
-(TRL's reward-function form: `fields` are the prompt records' other keys, one list entry per row).
+(TRL's reward-function form: `fields` are the prompt records' other keys, one list entry per row,
+and "completion_ids", each completion's token ids: a function takes **kwargs for those it does
+not read).
 
 `resolve(spec)` turns a spec into one:
 

@@ -40,7 +40,7 @@ LOSS_LEVELS = ("sequence", "token")
 @dataclasses.dataclass(frozen=True)
 class RolloutOptions:
     """group: completions per prompt (G); max_new_tokens: None = the data's completion region;
-    temperature / top_p / top_k / stop: generation's; scale_std: divide advantages by the group's
+    temperature / top_p / top_k / stop / ignore_eos: generation's; scale_std: divide advantages by the group's
     std (GRPO; False: DAPO / Dr. GRPO); drop_zero_variance: DAPO's dynamic sampling (groups whose
     rewards are all equal are dropped and more prompts drawn, up to max_refills extra
     generations; rows still missing get mask 0); loss_level: "sequence" (each completion's
@@ -55,6 +55,7 @@ class RolloutOptions:
     top_p: float | None = None
     top_k: int | None = None
     stop: tuple = ()
+    ignore_eos: bool = False
     scale_std: bool = True
     drop_zero_variance: bool = False
     max_refills: int = 4
@@ -152,7 +153,7 @@ class RolloutBatches:
         o = self.options
         gen = zerojax.generate(self.engine, [self.data.ids[i] for i in prompts], max_new_tokens=self.max_new_tokens,
                                temperature=o.temperature, top_p=o.top_p, top_k=o.top_k, stop=list(o.stop),
-                               seed=seed, tokenizer=_TextTokenizer(self.tokenizer), add_special_tokens=False)
+                               ignore_eos=o.ignore_eos, seed=seed, tokenizer=_TextTokenizer(self.tokenizer), add_special_tokens=False)
         return gen.tokens, gen.texts
 
     def rollout(self, r: int):
@@ -164,7 +165,8 @@ class RolloutBatches:
         for k in range(1 + (o.max_refills if o.drop_zero_variance else 0)):
             prompts = np.repeat(self.data.indices(n, seed=self.seed, step=r, refill=k), G)
             tokens, texts = self.generate(prompts, self._sample_seed(r, k))
-            rewards = score(self.reward, [self.data.texts[i] for i in prompts], texts, self.data.fields_of(prompts))
+            fields = {**self.data.fields_of(prompts), "completion_ids": tokens}
+            rewards = score(self.reward, [self.data.texts[i] for i in prompts], texts, fields)
             advs = adv_mod.group_advantages(rewards, G, scale_std=o.scale_std, eps=o.adv_eps)
             seen_rewards.append(rewards)
             lengths += [len(t) for t in tokens]

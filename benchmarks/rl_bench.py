@@ -1,0 +1,121 @@
+"""zerojax GRPO on random-init weights of a named shape (no hub access): the hybrid engine's
+samples/s and its split between generation and training.
+
+    python benchmarks/rl_bench.py                         # qwen2.5-0.5b and llama-3.2-1b on one GPU
+    python benchmarks/rl_bench.py --model llama-3.2-1b    # one shape
+    python benchmarks/rl_bench.py --tiny                  # CPU smoke test (tiny shapes)
+
+Each step: 8 prompts of 256 random token ids x group 8 = 64 completions of 256 new tokens
+(sampled at temperature 1, eos ignored: every row runs all 256), a cheap reward (the fraction of
+even token ids), group advantages, the reference's log-probs (a frozen bf16 copy, kl_coef 0.04),
+then one optimizer step (bf16, ZeRO-2, AdamW, full fine-tuning, micro-batch 16 x 4 accumulation).
+One warm-up step (compiles), then --steps measured steps. samples/s = completions trained / wall
+time; generation time covers generate + rewards + reference log-probs, training time the
+train_step (`RolloutBatches`' own split). Prints a table and one JSON line per shape
+({"framework": "zerojax", ...}); benchmarks/rl_bench_torch.py is the PyTorch anchor.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path[:0] = [ROOT]
+
+GROUP, PROMPTS, PROMPT_LEN, NEW, MICRO, LR, KL = 8, 8, 256, 256, 16, 1e-6, 0.04
+
+
+def shape(args, name):
+    """(prompts per step, prompt length, new tokens, micro-batch) for this run."""
+    return (2, 8, 8, 8) if args.tiny else (PROMPTS, PROMPT_LEN, NEW, MICRO)
+
+
+def prompt_ids(n: int, length: int, vocab: int, seed: int = 0):
+    import numpy as np
+
+    return np.random.default_rng(seed).integers(0, vocab, (n, length)).tolist()
+
+
+def even_fraction(prompts, completions, completion_ids=None, **fields):
+    """The cheap reward: the fraction of a completion's token ids that are even."""
+    return [sum(1 for t in ids if t % 2 == 0) / max(len(ids), 1) for ids in completion_ids]
+
+
+class IdTokenizer:
+    """Prompts given as token ids written out ("12 7 ..."): encode parses them back."""
+
+    def __init__(self, vocab_size):
+        self.vocab_size, self.eos_id = vocab_size, None
+
+    def encode(self, text, add_special_tokens=False):
+        return [int(t) for t in text.split()]
+
+    def decode(self, ids):
+        return " ".join(str(int(i)) for i in ids)
+
+
+def run(name: str, args) -> dict:
+    import jax
+    from flax import nnx
+
+    import zerojax
+    from zerojax.methods.grpo import make_grpo_loss
+    from zerojax.models import Llama, LlamaConfig
+    from zerojax.rl import PromptData, RolloutBatches, RolloutOptions
+
+    n, plen, new, micro = shape(args, name)
+    config = LlamaConfig.named("tiny" if args.tiny else name)
+    rows = n * GROUP
+    records = [{"prompt": " ".join(map(str, p))} for p in prompt_ids(64, plen, config.vocab_size)]
+    data = PromptData(records, IdTokenizer(config.vocab_size), plen + new)
+    cfg = {"train_batch_size": rows, "train_micro_batch_size_per_gpu": max(1, micro // len(jax.devices())),
+           "bf16": {"enabled": True}, "zero_optimization": {"stage": 2},
+           "optimizer": {"type": "AdamW", "params": {"lr": LR, "weight_decay": 0.0}}}
+    engine = zerojax.shard(lambda: Llama(config, rngs=nnx.Rngs(0)), cfg, loss_fn=make_grpo_loss(kl_coef=KL))
+    options = RolloutOptions(group=GROUP, temperature=1.0, kl_coef=KL, reference="copy", ignore_eos=True)
+    rollouts = RolloutBatches(engine, data, even_fraction, options, seed=0, num_steps=1 + args.steps)
+    began = None
+    for i, batch in enumerate(rollouts):
+        metrics = engine.train_step(batch)
+        if i == 0:  # the warm-up step: compiles
+            jax.block_until_ready(metrics["loss"])
+            began = time.perf_counter()
+    jax.block_until_ready(engine.state.params)
+    wall = time.perf_counter() - began
+    measured = rollouts.history[1:]
+    gen = sum(h["time/generate_s"] for h in measured)
+    # the last step's training is not in the history (no next batch asked for): the rest of the wall
+    train = wall - gen
+    return {"framework": "zerojax", "model": "tiny" if args.tiny else name, "group": GROUP, "prompts": n,
+            "prompt_len": plen, "new_tokens": new, "steps": args.steps, "seconds": round(wall, 3),
+            "samples_per_s": round(rows * args.steps / wall, 2), "generate_s": round(gen, 3),
+            "train_s": round(train, 3), "generate_share": round(gen / wall, 3),
+            "reward_mean": round(float(measured[-1]["reward/mean"]), 4), "loss": float(metrics["loss"]),
+            "device": jax.devices()[0].device_kind}
+
+
+def table(results):
+    cols = ("framework", "model", "samples_per_s", "seconds", "generate_s", "train_s", "generate_share")
+    print(" | ".join(cols))
+    for r in results:
+        print(" | ".join(str(r[c]) for c in cols))
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--model", action="append", help="a LlamaConfig.named shape (default: qwen2.5-0.5b, llama-3.2-1b)")
+    p.add_argument("--steps", type=int, default=3, help="measured steps after the warm-up (default 3)")
+    p.add_argument("--tiny", action="store_true", help="tiny shapes, for a CPU smoke test")
+    args = p.parse_args(argv)
+    results = [run(name, args) for name in (args.model or ["qwen2.5-0.5b", "llama-3.2-1b"])]
+    table(results)
+    for r in results:
+        print(json.dumps(r))
+    return results
+
+
+if __name__ == "__main__":
+    main()
