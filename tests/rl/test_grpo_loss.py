@@ -51,7 +51,8 @@ def test_loss_equals_torch(level, beta, eps_high):
     B = x[0].shape[0]
     weights = np.full((B,), B / x[4].sum(), np.float32)  # the rollouts' token weights: rows / tokens
     for tw in ([None, weights] if level == "token" else [None]):
-        loss, metrics = policy_loss(*x, eps_low=0.2, eps_high=eps_high, kl_coef=beta, loss_level=level, token_weights=tw)
+        loss, metrics = policy_loss(*x, eps_low=0.2, eps_high=eps_high, kl_coef=beta, loss_level=level,
+                                    token_weights=tw)
         np.testing.assert_allclose(float(loss), want, rtol=1e-5, atol=1e-6)
     assert 0 < want_clip < 1  # the clip is exercised
     np.testing.assert_allclose(float(metrics["policy/clip_fraction"]), want_clip, rtol=1e-6)

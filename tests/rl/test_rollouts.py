@@ -108,3 +108,20 @@ def test_grpo_method_for_the_trainer(digits):
     for batch in got:
         assert {k: (v.shape, v.dtype) for k, v in batch.items()} == {k: (v.shape, v.dtype) for k, v in sample.items()}
     assert np.isfinite(float(engine.train_step(got[0])["loss"]))
+
+
+def test_dapo_drops_groups_without_reward_variance(digits):
+    engine = zerojax.shard(_model, _cfg(16, 1e-3), loss_fn=make_grpo_loss(kl_coef=0.0, loss_level="token"))
+    # greedy: a group's completions are one completion, its rewards equal: every group dropped
+    options = RolloutOptions(group=4, temperature=0.0, kl_coef=0.0, drop_zero_variance=True, max_refills=1,
+                             loss_level="token", scale_std=False, max_new_tokens=3)
+    rollouts = RolloutBatches(engine, digits, "digit", options, seed=0, num_steps=1)
+    batch = next(rollouts)
+    assert rollouts.metrics["groups/dropped"] == 8 and rollouts.metrics["groups/generations"] == 2
+    assert rollouts.metrics["rows/trained"] == 0 and not batch["completion_mask"].any()
+    assert float(engine.train_step(batch)["loss"]) == 0.0
+    sampled = RolloutBatches(engine, digits, "digit", {**vars(options), "temperature": 1.0}, seed=0, num_steps=1)
+    batch = next(sampled)
+    kept = sampled.metrics["rows/trained"]
+    assert kept > 0 and batch["completion_mask"][:kept, :3].all() and not batch["completion_mask"][kept:].any()
+    np.testing.assert_allclose(batch["token_weights"], 16 / batch["completion_mask"].sum())

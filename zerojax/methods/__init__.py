@@ -182,7 +182,8 @@ register(Method(
     name="grpo", what="GRPO on prompts, rollouts from the live engine", loss=_grpo_loss, data=_prompt_data,
     data_options=_grpo_data_options, rollouts=_grpo_rollouts,
     options={"reward": None, "reward_weights": None, "group": 8, "max_new_tokens": None, "temperature": 1.0,
-             "top_p": None, "top_k": None, "stop": [], "ignore_eos": False, "scale_std": True, "drop_zero_variance": False,
+             "top_p": None, "top_k": None, "stop": [], "ignore_eos": False, "scale_std": True,
+             "drop_zero_variance": False,
              "max_refills": 4, "loss_level": "sequence", "kl_coef": 0.04, "reference": "auto", "iterations": 1,
              "adv_eps": 1e-4, "eps_low": 0.2, "eps_high": 0.2}))
 

@@ -85,7 +85,8 @@ def make_grpo_loss(*, eps_low: float = 0.2, eps_high: float = 0.2, kl_coef: floa
         old = batch["old_logps"] if iterations > 1 else jax.lax.stop_gradient(logps)
         return policy_loss(logps, old, batch["ref_logps"] if kl_coef else None, batch["advantages"],
                            batch["completion_mask"], eps_low=eps_low, eps_high=eps_high, kl_coef=kl_coef,
-                           loss_level=loss_level, token_weights=batch["token_weights"] if loss_level == "token" else None)
+                           loss_level=loss_level,
+                           token_weights=batch["token_weights"] if loss_level == "token" else None)
 
     return loss_fn
 

@@ -35,7 +35,8 @@ def exact_match(field: str = "answer") -> RewardFn:
         if field not in fields:
             raise KeyError(f"reward exact_match:{field}: the prompt records have no {field!r} "
                            f"(they have {sorted(fields) or 'only the prompt'})")
-        return [float(c.strip().split("\n", 1)[0].strip() == str(a).strip()) for c, a in zip(completions, fields[field])]
+        return [float(c.strip().split("\n", 1)[0].strip() == str(a).strip())
+                for c, a in zip(completions, fields[field])]
 
     reward.__name__ = f"exact_match:{field}"
     return reward

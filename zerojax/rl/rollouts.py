@@ -153,7 +153,8 @@ class RolloutBatches:
         o = self.options
         gen = zerojax.generate(self.engine, [self.data.ids[i] for i in prompts], max_new_tokens=self.max_new_tokens,
                                temperature=o.temperature, top_p=o.top_p, top_k=o.top_k, stop=list(o.stop),
-                               ignore_eos=o.ignore_eos, seed=seed, tokenizer=_TextTokenizer(self.tokenizer), add_special_tokens=False)
+                               ignore_eos=o.ignore_eos, seed=seed, tokenizer=_TextTokenizer(self.tokenizer),
+                               add_special_tokens=False)
         return gen.tokens, gen.texts
 
     def rollout(self, r: int):
@@ -173,7 +174,7 @@ class RolloutBatches:
             flat = adv_mod.zero_variance(rewards, G) if o.drop_zero_variance else np.zeros(n, bool)
             dropped += int(flat.sum())
             for g in np.flatnonzero(~flat)[:n - len(groups) // G]:
-                groups += [(prompts[g * G + j], tokens[g * G + j], rewards[g * G + j], advs[g * G + j]) for j in range(G)]
+                groups += [(prompts[i], tokens[i], rewards[i], advs[i]) for i in range(g * G, (g + 1) * G)]
             if len(groups) >= self.rows:
                 break
         batch = self._pack(groups)
