@@ -29,10 +29,11 @@ from zerojax.generation.sampling import Sampler, SamplingValues, next_token
 NO_TOKEN = -1  # a row's output after it is done
 
 # Each layer's weights and cache reach its matmuls as a dynamic slice of the stacked arrays (the
-# layer scan's index). XLA:GPU feeds a cuBLAS gemm from a buffer of its own, so without this option
-# every slice is first copied: a decode step of Llama-3.1-8B at batch 1 then reads and writes its
-# layer weights once more (28 GB of 43 GB of traffic for 15 GB of weights) before the gemms read
-# them. Dynamic-slice fusion lets the gemm read the slice where it lies. CPU ignores the option.
+# layer scan's index). A gemm that runs as a library call (cuBLAS on GPU, the CPU's dot) reads a
+# buffer of its own, so XLA first copies every slice (the CPU program's HLO shows a
+# dynamic-slice fusion per kernel per layer): at Llama-3.1-8B that is a read and a write of the 14 GB
+# of layer weights each decode step on top of the gemms' own read. Dynamic-slice fusion lets cuBLAS
+# read a slice where it lies; CPU ignores the option.
 COMPILER_OPTIONS = {"xla_gpu_enable_dynamic_slice_fusion": True}
 
 
