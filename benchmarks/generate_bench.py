@@ -12,7 +12,8 @@
 (c) Llama-3.2-1B: an engine (ZeRO-2, bf16, LoRA r 16) trains 3 steps, generates 64 x 128 new
     tokens from its live weights, trains one more step: tokens/s and peak device memory.
 
-Greedy, eos ignored (every row runs its max_new_tokens). Prints a table and one JSON line.
+Greedy, eos ignored (every row runs its max_new_tokens). Each case prints its JSON line as soon as it
+finishes (a timeout keeps the cases before it); then a table and one JSON line of all.
 Decode tokens/s = batch x (new - 1) / (time of the full generate - time of a generate of one new
 token: the prefill and its first token).
 """
@@ -106,16 +107,36 @@ def weight_bytes(model) -> tuple[int, int]:
     return total, total - (0 if model.config.tie_word_embeddings else nbytes(model.embed_tokens[...]))
 
 
+def step_bytes(model, batch: int, length: int) -> dict:
+    """XLA's cost analysis of the decode program on this device: "bytes accessed" of one decode
+    iteration with the layer loop's body counted once (XLA counts a while body once), and the
+    step's estimate: the LM head's bytes + layers x the rest (the embedding row, the norms and
+    sampling are small beside a layer)."""
+    from zerojax.generation.buckets import length_bucket
+    from zerojax.generation.program_cost import bytes_accessed, decode_program
+
+    _, compiled = decode_program(model, batch=batch, length=length, out_len=length_bucket(16))
+    one = bytes_accessed(compiled)
+    head = model.head_weight().nbytes
+    return {"bytes_accessed_one_layer_iteration": int(one),
+            "bytes_accessed_per_step": int(head + model.config.num_hidden_layers * (one - head))}
+
+
 def case_a(tiny: bool) -> dict:
+    from zerojax.generation.buckets import length_bucket
+
     model = _model("llama-3.1-8b", tiny)
-    r = generation_speed(model, 1, 128, 256 if not tiny else 16, model.config.vocab_size)
+    prompt, new = 128, 256 if not tiny else 16
+    r = generation_speed(model, 1, prompt, new, model.config.vocab_size)
     bandwidth = copy_bandwidth((1 << 30) if not tiny else (1 << 24))
     total, read = weight_bytes(model)
     bound_ms = 1e3 * read / bandwidth
     share = round(bound_ms / r["decode_step_ms"], 3) if r["decode_step_ms"] else None
+    cost = step_bytes(model, 1, length_bucket(prompt) + length_bucket(new))
     return {"case": "a", "model": "llama-3.1-8b", **r, "weight_bytes": total, "weight_bytes_read_per_step": read,
-            "copy_bandwidth_gbs": round(bandwidth / 1e9, 1),
-            "hbm_bound_step_ms": round(bound_ms, 3), "hbm_bound_share": share}
+            **cost, "copy_bandwidth_gbs": round(bandwidth / 1e9, 1),
+            "hbm_bound_step_ms": round(bound_ms, 3), "hbm_bound_share": share,
+            "bytes_accessed_bound_step_ms": round(1e3 * cost["bytes_accessed_per_step"] / bandwidth, 3)}
 
 
 def case_b(tiny: bool) -> dict:
@@ -168,7 +189,10 @@ def main(argv=None) -> int:
     import jax
 
     cases = {"a": case_a, "b": case_b, "c": case_c}
-    results = [cases[c](args.tiny) for c in (cases if args.case == "all" else [args.case])]
+    results = []
+    for name in (cases if args.case == "all" else [args.case]):
+        results.append(cases[name](args.tiny))
+        print(json.dumps({"framework": "zerojax", "device": jax.devices()[0].device_kind, **results[-1]}), flush=True)
     print(f"zerojax generate on {jax.devices()[0].device_kind} (JAX {jax.__version__})")
     print(f"{'case':<5}{'model':<14}{'batch':>6}{'new':>6}{'tokens/s':>11}{'decode tok/s':>14}  notes")
     for r in results:
