@@ -41,7 +41,8 @@ def test_reward_rises_on_the_digit_task(digits):
     history = train(engine, rollouts)
     first, last = np.mean([h["reward/mean"] for h in history[:3]]), np.mean([h["reward/mean"] for h in history[-3:]])
     assert first < 0.05 and last > 0.3, [round(h["reward/mean"], 3) for h in history]
-    assert history[-1]["critic/value_loss"] < history[0]["critic/value_loss"]
+    values = [h["critic/values"] for h in history]  # the critic follows the returns up
+    assert np.mean(values[-3:]) > 0.2, [round(v, 3) for v in values]
     for key in ("policy/kl", "policy/clip_fraction", "critic/value_loss", "completion/length", "time/generate_s",
                 "time/train_s", "time/critic_s", "reward/std"):
         assert np.isfinite(history[-1][key]), key
