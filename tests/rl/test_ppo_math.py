@@ -91,3 +91,32 @@ def test_actor_and_critic_losses_equal_torch():
         np.testing.assert_allclose(float(loss), want_critic, rtol=1e-5, atol=1e-6)
     assert 0 < want_vclip < 1
     np.testing.assert_allclose(float(metrics["critic/clip_fraction"]), want_vclip, rtol=1e-6)
+
+
+def test_critic_from_a_reward_folder_values_every_position(tmp_path):
+    """The critic read from a transformers LlamaForSequenceClassification folder: its values are
+    the classifier's score head on transformers' hidden state at each completion-predicting
+    position."""
+    transformers = pytest.importorskip("transformers")
+    import jax.numpy as jnp
+
+    from models.test_lora import _hf_folder  # tests/ on sys.path
+    from zerojax.methods.ppo import completion_values, make_critic
+
+    torch.manual_seed(3)
+    hf = transformers.LlamaForSequenceClassification.from_pretrained(_hf_folder(tmp_path / "lm", pad_token_id=0),
+                                                                    num_labels=1).eval()
+    with torch.no_grad():
+        hf.score.weight.normal_(0, 0.5)
+    hf.save_pretrained(tmp_path / "rm")
+    critic = make_critic(None, critic=str(tmp_path / "rm"))
+    rng = np.random.default_rng(0)
+    ids = rng.integers(1, 100, (3, 9)).astype(np.int32)
+    batch = {"input_ids": ids, "prompt_lengths": np.array([2, 4, 3], np.int32),
+             "completion_mask": np.ones((3, 5), np.float32)}
+    got = np.asarray(completion_values(critic, {k: jnp.asarray(v) for k, v in batch.items()}))
+    with torch.no_grad():
+        hidden = hf.model(input_ids=torch.from_numpy(ids.astype(np.int64))).last_hidden_state
+        per_position = (hidden @ hf.score.weight.T)[..., 0].numpy()
+    want = np.stack([per_position[r, n - 1:n + 4] for r, n in enumerate(batch["prompt_lengths"])])
+    np.testing.assert_allclose(got, want, atol=1e-5)

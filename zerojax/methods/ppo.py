@@ -93,7 +93,12 @@ def make_critic(policy, *, critic=None, seed: int = 0):
     from zerojax.methods.reward import RewardModel, reward_from_hf
 
     if critic is not None:
-        return reward_from_hf(critic)
+        model = reward_from_hf(critic)
+        want = getattr(getattr(policy, "config", None), "vocab_size", None)
+        if want is not None and model.config.vocab_size != want:
+            raise ValueError(f"critic={critic!r}: a vocabulary of {model.config.vocab_size} tokens, the policy's has "
+                             f"{want}; the critic reads the policy's tokens: give a reward model of its tokenizer")
+        return model
     if getattr(policy, "adapter", None) is not None:
         from zerojax import lora
 
