@@ -15,6 +15,7 @@ from zerojax.methods.logprobs import completion_logps
 from zerojax.methods.ppo import completion_values, make_actor_loss
 from zerojax.models import Llama, LlamaConfig
 from zerojax.rl import gae, load_prompts, train
+from zerojax.rl.tasks import digit_reward
 from zerojax.rl.ppo_rollouts import PPOOptions, PPOPromptData, PPORollouts
 
 MODEL = LlamaConfig.named("tiny")
@@ -48,28 +49,6 @@ def test_reward_rises_on_the_digit_task(digits):
         assert np.isfinite(history[-1][key]), key
 
 
-def test_batch_is_gae_of_the_engines_outputs(digits):
-    engine = zerojax.shard(_model, _cfg(8, 1e-3), loss_fn=make_actor_loss())
-    options = PPOOptions(kl_ctl=0.1, reference="copy", max_new_tokens=5)
-    rollouts = PPORollouts(engine, digits, "digit", options, seed=1, num_steps=1)
-    graphdef, state = nnx.split(rollouts.critic.model)
-    critic_before = nnx.merge(graphdef, jax.tree.map(np.array, state))  # its arrays are donated to its step
-    batch = next(rollouts)
-    logps = np.asarray(completion_logps(engine.model, batch))
-    values = np.asarray(completion_values(critic_before, batch))
-    mask = batch["completion_mask"]
-    np.testing.assert_allclose(batch["old_logps"], logps, atol=2e-5)
-    np.testing.assert_allclose(batch["ref_logps"], logps, atol=2e-5)  # the copy: nothing trained yet
-    texts = [bytes(int(t) for t in r[n:n + 5]).decode("utf-8", "replace")
-             for r, n in zip(batch["input_ids"], batch["prompt_lengths"])]
-    scores = np.asarray(__import__("zerojax.rl.tasks", fromlist=["x"]).digit_reward(None, texts))
-    rewards = gae.token_rewards(logps, logps, scores, mask)
-    advantages, _ = gae.advantages_and_returns(values, rewards, mask)
-    np.testing.assert_allclose(batch["advantages"], advantages, atol=1e-4)
-    assert batch["advantages"].shape == mask.shape == (8, 8) and mask[:, :5].all() and not mask[:, 5:].any()
-    assert rollouts.critic.global_steps == 1  # the critic trained before the actor's batch was handed out
-
-
 def _run(digits, steps, *, start=0, load=None, save=None):
     engine = zerojax.shard(_model, _cfg(8, 5e-2, "SGD"), loss_fn=make_actor_loss())
     options = PPOOptions(group=2, kl_ctl=0.05, reference="copy", max_new_tokens=4, critic_lr=5e-2)
@@ -96,19 +75,35 @@ def test_resume_with_the_critic_equals_the_uninterrupted_run(digits, tmp_path):
             np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
 
 
-def test_ppo_method_for_the_trainer(digits):
+def test_ppo_method_batches_are_gae_of_the_engines_outputs(digits):
+    """The trainer's flow; the batch's advantages are `zerojax.rl.gae` on the actor's and the
+    critic's outputs recomputed outside the engines, the critic stepped before it is handed out."""
     method = get_method("ppo")
     with pytest.raises(ValueError, match="did you mean 'kl_ctl'"):
         method.resolve({"kl_ctrl": 0.1})
     with pytest.raises(ValueError, match="lam=1.5"):
         method.prepare_model(None, method.resolve({"lam": 1.5}))
     data = method.data("digit", ByteTokens(), 11, 8)
-    options = method.resolve({"max_new_tokens": 3, "critic_lr": 1e-3}, data)
+    options = method.resolve({"max_new_tokens": 5, "critic_lr": 1e-3}, data)
     assert options["reward"] == "digit" and options["kl_ctl"] == 0.1 and options["gamma"] == 1.0
     sample = next(iter(data.train_batches(8, seed=0, start_step=0, num_steps=1)))
     engine = zerojax.shard(_model, _cfg(8, 1e-3), loss_fn=method.loss(options))
-    batches = method.rollouts(engine, data, options, seed=0, start_step=5, num_steps=1)
-    got = list(batches)
-    assert len(got) == 1 and batches.metrics["step"] == 5
-    assert {k: (v.shape, v.dtype) for k, v in got[0].items()} == {k: (v.shape, v.dtype) for k, v in sample.items()}
-    assert np.isfinite(float(engine.train_step(got[0])["loss"]))
+    rollouts = method.rollouts(engine, data, options, seed=1, start_step=5, num_steps=1)
+    assert rollouts.reference == "copy"
+    graphdef, state = nnx.split(rollouts.critic.model)
+    critic_before = nnx.merge(graphdef, jax.tree.map(np.array, state))  # its arrays are donated to its step
+    batch = next(rollouts)
+    assert rollouts.metrics["step"] == 5 and rollouts.critic.global_steps == 1
+    assert {k: (v.shape, v.dtype) for k, v in batch.items()} == {k: (v.shape, v.dtype) for k, v in sample.items()}
+    logps = np.asarray(completion_logps(engine.model, batch))
+    values = np.asarray(completion_values(critic_before, batch))
+    mask = batch["completion_mask"]
+    assert mask[:, :5].all() and not mask[:, 5:].any()
+    np.testing.assert_allclose(batch["old_logps"], logps, atol=2e-5)
+    np.testing.assert_allclose(batch["ref_logps"], logps, atol=2e-5)  # the copy: nothing trained yet
+    texts = [bytes(int(t) for t in r[n:n + 5]).decode("utf-8", "replace")
+             for r, n in zip(batch["input_ids"], batch["prompt_lengths"])]
+    rewards = gae.token_rewards(logps, logps, digit_reward(None, texts), mask)
+    advantages, _ = gae.advantages_and_returns(values, rewards, mask)
+    np.testing.assert_allclose(batch["advantages"], advantages, atol=1e-4)
+    assert np.isfinite(float(engine.train_step(batch)["loss"]))

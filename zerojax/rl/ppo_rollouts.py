@@ -36,6 +36,7 @@ from zerojax.rl import gae
 from zerojax.rl.prompts import PromptData
 from zerojax.rl.rollouts import RolloutBatches, RolloutOptions
 
+GRPO_ONLY = ("scale_std", "drop_zero_variance", "max_refills", "loss_level", "adv_eps")
 CRITIC_KEYS = ("input_ids", "prompt_lengths", "completion_mask", "token_weights", "old_values", "returns")
 
 
@@ -50,6 +51,7 @@ class PPOOptions(RolloutOptions):
 
     group: int = 1
     loss_level: str = "token"
+    kl_coef: float | None = None  # set from kl_ctl
     kl_ctl: float = 0.1
     clip_reward_value: float = 5.0
     gamma: float = 1.0
@@ -61,15 +63,20 @@ class PPOOptions(RolloutOptions):
     min_group: ClassVar[int] = 1
 
     def __post_init__(self):
+        if self.kl_coef is not None and self.kl_coef != self.kl_ctl:
+            raise ValueError(f"kl_coef={self.kl_coef}: PPO's KL weight is kl_ctl (a penalty in the rewards); give "
+                             "kl_ctl instead")
         object.__setattr__(self, "kl_coef", self.kl_ctl)  # what picks the reference
 
     def check(self, rows: int, completion_len: int) -> None:
         from zerojax.methods.ppo import check_options
 
         super().check(rows, completion_len)
-        if self.loss_level != "token" or self.drop_zero_variance:
-            raise ValueError("PPO averages over the step's tokens and keeps every rollout: leave loss_level "
-                             "(\"token\") and drop_zero_variance (False) unset")
+        defaults = {f.name: f.default for f in dataclasses.fields(PPOOptions)}
+        for name in GRPO_ONLY:
+            if getattr(self, name) != defaults[name]:
+                raise ValueError(f"{name}={getattr(self, name)!r} is GRPO's; PPO's advantages are GAE's, averaged "
+                                 f"over the step's tokens, every rollout kept: leave {name} unset")
         check_options(kl_ctl=self.kl_ctl, clip_reward_value=self.clip_reward_value, gamma=self.gamma, lam=self.lam,
                       cliprange=self.cliprange, cliprange_value=self.cliprange_value, critic_lr=self.critic_lr)
         if self.critic is not None and not os.path.isdir(self.critic):
