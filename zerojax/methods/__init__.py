@@ -188,4 +188,45 @@ register(Method(
              "adv_eps": 1e-4, "eps_low": 0.2, "eps_high": 0.2}))
 
 
+def _ppo_loss(options):
+    from zerojax.methods.ppo import make_actor_loss
+
+    return make_actor_loss(cliprange=options["cliprange"], iterations=options["iterations"],
+                           temperature=options["temperature"])
+
+
+def _ppo_data(path, tokenizer, seq_len, batch_size, **kw):
+    from zerojax.rl.ppo_rollouts import PPOPromptData
+
+    return PPOPromptData.of(_prompt_data(path, tokenizer, seq_len, batch_size, **kw))
+
+
+def _ppo_model(model, options):
+    """Checks PPO's settings before anything compiles."""
+    from zerojax.rl.ppo_rollouts import PPOOptions
+
+    PPOOptions.from_options(options).check(options["group"], 1 + (options["max_new_tokens"] or 0))
+    return model
+
+
+def _ppo_rollouts(engine, data, options, *, seed, start_step, num_steps):
+    from zerojax.rl.ppo_rollouts import PPORollouts
+    from zerojax.rl.rewards import combined
+
+    if options["reward"] is None:
+        raise ValueError("method 'ppo': no reward; give --method-option reward=SPEC (module:function, "
+                         "exact_match[:FIELD], regex:PATTERN, or a reward model folder)")
+    return PPORollouts(engine, data, combined(options["reward"], options["reward_weights"]), options, seed=seed,
+                       start_step=start_step, num_steps=num_steps)
+
+
+register(Method(
+    name="ppo", what="PPO with a critic (DeepSpeed-Chat step 3), rollouts from the live engine", loss=_ppo_loss,
+    data=_ppo_data, prepare_model=_ppo_model, data_options=_grpo_data_options, rollouts=_ppo_rollouts,
+    options={"reward": None, "reward_weights": None, "group": 1, "max_new_tokens": None, "temperature": 1.0,
+             "top_p": None, "top_k": None, "stop": [], "ignore_eos": False, "reference": "auto", "iterations": 1,
+             "kl_ctl": 0.1, "clip_reward_value": 5.0, "gamma": 1.0, "lam": 0.95, "cliprange": 0.2,
+             "cliprange_value": 0.2, "critic_lr": None, "critic": None}))
+
+
 __all__ = ["Method", "register", "get", "methods"]

@@ -42,12 +42,14 @@ def masked_mean(x, mask):
 def policy_loss(logps, old_logps, ref_logps, advantages, mask, *, eps_low: float = 0.2, eps_high: float = 0.2,
                 kl_coef: float = 0.04, loss_level: str = "sequence", token_weights=None):
     """(loss, metrics) from per-token log-probs [B, C] (policy, old policy, reference or None),
-    advantages [B] and the completion mask [B, C]. token_weights [B] (loss_level "token"): each
-    row's tokens weigh token_weights / B (the rollouts give rows / the step's token count);
-    None: the mean over this batch's tokens."""
+    advantages [B] (or per token [B, C]: PPO) and the completion mask [B, C]. token_weights [B]
+    (loss_level "token"): each row's tokens weigh token_weights / B (the rollouts give rows / the
+    step's token count); None: the mean over this batch's tokens."""
     check_options(eps_low, eps_high, kl_coef, loss_level)
     f32 = lambda a: jnp.asarray(a, jnp.float32)  # noqa: E731
-    logps, old_logps, advantages, mask = f32(logps), f32(old_logps), f32(advantages)[:, None], f32(mask)
+    logps, old_logps, advantages, mask = f32(logps), f32(old_logps), f32(advantages), f32(mask)
+    if advantages.ndim == 1:  # a sequence's (GRPO); PPO's are per token [B, C]
+        advantages = advantages[:, None]
     ratio = jnp.exp(logps - old_logps)
     clipped = jnp.clip(ratio, 1 - eps_low, 1 + eps_high)
     per_token = -jnp.minimum(ratio * advantages, clipped * advantages)

@@ -60,6 +60,17 @@ def sequence_logps(model, batch, *, chunk: int | None = None):
     return -total, counts
 
 
+def completion_hidden_states(model, batch):
+    """(final hidden states [B, C, d] at the C positions that predict each row's completion
+    tokens, those positions [B, C] int32) for a rollout batch ("input_ids", "prompt_lengths",
+    "completion_mask": see `completion_logps`)."""
+    ids = jnp.asarray(batch["input_ids"])
+    C = batch["completion_mask"].shape[-1]
+    start = jnp.asarray(batch["prompt_lengths"], jnp.int32)[:, None] - 1
+    at = jnp.clip(start + jnp.arange(C, dtype=jnp.int32)[None], 0, ids.shape[1] - 2)  # the predicting positions
+    return jnp.take_along_axis(hidden_states(model, {"input_ids": ids}), at[..., None], axis=1), at
+
+
 def completion_logps(model, batch, *, temperature: float = 1.0):
     """Per-token log-probs [B, C] fp32 of each row's completion (RL's rollouts, `zerojax.rl`).
 
@@ -71,10 +82,7 @@ def completion_logps(model, batch, *, temperature: float = 1.0):
     temperature: the logits divided by it first, as the tokens were sampled (TRL's rule)."""
     ids = jnp.asarray(batch["input_ids"])
     mask = jnp.asarray(batch["completion_mask"])
-    C = mask.shape[-1]
-    start = jnp.asarray(batch["prompt_lengths"], jnp.int32)[:, None] - 1
-    at = jnp.clip(start + jnp.arange(C, dtype=jnp.int32)[None], 0, ids.shape[1] - 2)  # the predicting positions
-    x = jnp.take_along_axis(hidden_states(model, {"input_ids": ids}), at[..., None], axis=1)
+    x, at = completion_hidden_states(model, batch)
     targets = jnp.where(mask != 0, jnp.take_along_axis(ids, at + 1, axis=1), -100)
     logits = model.padded_logits(x)
     if temperature != 1.0:
@@ -90,4 +98,4 @@ def pair_batch(batch, sides=("chosen", "rejected")):
             "labels": jnp.concatenate([jnp.asarray(batch[f"{s}_labels"]) for s in sides])}
 
 
-__all__ = ["sequence_logps", "completion_logps", "hidden_states", "pair_batch"]
+__all__ = ["sequence_logps", "completion_logps", "completion_hidden_states", "hidden_states", "pair_batch"]

@@ -7,7 +7,9 @@ generates, on the same arrays. docs/rl.md.
 - `advantages`: group-relative advantages;
 - `policy`: old-policy and reference log-probs on the live weights;
 - `rollouts`: `RolloutBatches`, the training batches of each step;
-- the losses are methods: `zerojax.methods.grpo` ("grpo").
+- `gae`: PPO's per-token rewards and GAE advantages;
+- `ppo_rollouts`: `PPORollouts`, PPO's batches with the critic engine's step inside;
+- the losses are methods: `zerojax.methods.grpo` ("grpo"), `zerojax.methods.ppo` ("ppo").
 """
 from zerojax.rl.prompts import PromptData, load_prompts
 from zerojax.rl.rollouts import RolloutBatches, RolloutOptions

@@ -24,7 +24,7 @@ from __future__ import annotations
 import dataclasses
 import time
 import warnings
-from typing import Mapping
+from typing import ClassVar, Mapping
 
 import jax
 import numpy as np
@@ -64,6 +64,7 @@ class RolloutOptions:
     reference: str = "auto"
     iterations: int = 1
     adv_eps: float = 1e-4
+    min_group: ClassVar[int] = 2  # GRPO compares a prompt's completions
 
     @classmethod
     def from_options(cls, options: Mapping) -> "RolloutOptions":
@@ -75,8 +76,8 @@ class RolloutOptions:
         return cls(**picked)
 
     def check(self, rows: int, completion_len: int) -> None:
-        if self.group < 2:
-            raise ValueError(f"group={self.group}: completions per prompt, >= 2 (their rewards are compared)")
+        if self.group < self.min_group:
+            raise ValueError(f"group={self.group}: completions per prompt, >= {self.min_group}")
         if rows % self.group:
             raise ValueError(f"train_batch_size={rows} is not a multiple of group={self.group}: each step trains "
                              f"whole groups (train_batch_size = prompts per step x group)")
