@@ -510,7 +510,8 @@ class GPT2(nnx.Module):
         body = functools.partial(
             _block, eps=cfg.layer_norm_epsilon, dtype=dtype,
             attention_impl=resolve_attention(self.attention_impl, dtype, cfg.head_dim),
-            attention_block=getattr(self, "attention_block", DEFAULT_BLOCK), constrain=constrain, linear=_linear if adapter is None else adapter.linear)
+            attention_block=getattr(self, "attention_block", DEFAULT_BLOCK), constrain=constrain,
+            linear=_linear if adapter is None else adapter.linear)
         fetch = getattr(self, "layer_fetch", None)
         layers = nnx.to_pure_dict(nnx.state(self.h, nnx.Param))
         layer_scan = getattr(self, "layer_scan", None)

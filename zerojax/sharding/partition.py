@@ -101,7 +101,8 @@ def make_mesh(data: int | None = None, tensor: int = 1, devices: Sequence[Any] |
         data = len(devices) // inner
     if data * inner != len(devices):
         if data * inner > len(devices):
-            raise ValueError(f"mesh data={data} x pipe={pipe} x seq={seq} x tensor={tensor} needs {data * inner} devices; "
+            raise ValueError(f"mesh data={data} x pipe={pipe} x seq={seq} x tensor={tensor} needs "
+                             f"{data * inner} devices; "
                              f"only {len(devices)} are available")
         devices = devices[: data * inner]
     shape, names = ((data, pipe, tensor), (DATA, PIPE, TENSOR)) if pipe > 1 else ((data, tensor), AXES)
@@ -579,9 +580,11 @@ def held_bytes(tree, devices) -> int:
 
 
 __all__ = [
-    "DATA", "TENSOR", "PIPE", "SEQ", "SEQ_RULES", "DEFAULT_RULES", "ACTIVATION_RULES", "REPLICATED_NAMES", "SPLIT_IF_DIVISIBLE",
+    "DATA", "TENSOR", "PIPE", "SEQ", "SEQ_RULES", "DEFAULT_RULES", "ACTIVATION_RULES", "REPLICATED_NAMES",
+    "SPLIT_IF_DIVISIBLE",
     "make_mesh",
-    "data_size", "pipe_size", "seq_size", "check_sequence_parallel", "tensor_size", "batch_world_size", "tensor_specs", "activation_constraint",
+    "data_size", "pipe_size", "seq_size", "check_sequence_parallel", "tensor_size", "batch_world_size",
+    "tensor_specs", "activation_constraint",
     "logical_to_mesh", "zero_spec", "StageShardings", "stage_specs", "stage_shardings",
     "opt_state_shardings", "replicated", "shard_nbytes", "per_device_bytes", "held_bytes",
 ]
