@@ -98,6 +98,11 @@ def _load(source, world_size, fill, hidden_size) -> Config:
         import jax  # lazily: zerojax.config itself must not need jax
 
         # DeepSpeed 0.19.8's batch rule counts every rank, tensor-parallel ranks included
+        sp = kwargs.get("sequence_parallel_size", 1)
+        n_dev = jax.device_count()
+        if isinstance(sp, int) and sp > 1 and n_dev % sp:
+            problems.append(f"sequence_parallel_size = {sp} must divide the {n_dev} devices; sizes that would "
+                            f"work: {[s for s in range(1, n_dev + 1) if n_dev % s == 0]}")
         world_size = max(1, jax.device_count() // (kwargs.get("sequence_parallel_size", 1)
                                                    * pipeline_stages(kwargs.get("pipeline", PipelineConfig()))))
     kwargs["world_size"] = world_size

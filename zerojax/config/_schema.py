@@ -865,12 +865,15 @@ class Config:
       itself runs in the gradients' own dtype (this key does not change it)"""
     seq_parallel_comm_data_type: str = _f("fp32", "str", lower=True, choices=("fp16", "bf16", "fp32"))
     """Dtype of sequence-parallel gradient collectives.
-    zerojax: **accepted, no effect**: no sequence parallelism yet"""
+    zerojax: **accepted, no effect**: the "seq" ranks' gradient sums run in the gradients' own dtype"""
     sequence_parallel_size: int = _f(1, "int", ge=1)
     """Ulysses sequence-parallel group size; DeepSpeed divides the world size by it.
-    zerojax: **acted on**: divides the default batch world size (`jax.device_count() // sequence_parallel_size`)
-    Model needs: nothing (it sets the batch rule's world size only; with no sequence parallelism yet, the
-      engine refuses a world size other than its mesh's data x tensor size)"""
+    zerojax: **acted on**: the mesh's "seq" axis (data = devices / sequence_parallel_size, the batch rule's
+      world size): activations split on the sequence between attentions, on the heads inside them (GSPMD's
+      all-to-alls, docs/long-context.md); must divide the devices and the model's heads and kv heads; beside
+      "data" only (autotp_size and pipeline.stages 1)
+    Model needs: a config naming its heads (`num_attention_heads` / `n_head`, `kv_heads`) and the
+      `activation_sharding` hook (GPT-2 and the Llama family have both)"""
     disable_allgather: bool = _f(False, "bool")
     """Legacy: skip the parameter all-gather.
     zerojax: **accepted, no effect**: XLA inserts the collectives the shardings need"""

@@ -35,6 +35,7 @@ from jax.ad_checkpoint import checkpoint_name
 # engine's stand-ins for other models' stacks (plain JAX, nothing of the runtime)
 from zerojax.models import layer_stack
 from zerojax.models.layer_stack import LAYER_INPUT
+from zerojax.models.attention import DEFAULT_BLOCK, causal_attention, check_block
 
 # activation names tagged with `checkpoint_name` inside each block: LAYER_INPUT (the block's
 # input, which the "offload" remat policy moves to host memory instead of keeping it on the
@@ -61,7 +62,9 @@ PARTIAL_DOTS = "dots_"
 _SAVED_NAMES = {"save_qkv": (QKV_PROJ,), "save_attention": (ATTENTION_OUT,),
                 "save_qkv_attention": (QKV_PROJ, ATTENTION_OUT),
                 "save_attention_block": (QKV_PROJ, ATTENTION_OUT, ATTENTION_RESIDUAL)}
-ATTENTION_IMPLS = (None, "xla", "cudnn")
+# None: chosen per call (`resolve_attention`); "blockwise": `zerojax.models.attention`'s flash
+# attention in plain JAX (no [T, T] scores, any backend)
+ATTENTION_IMPLS = (None, "xla", "cudnn", "blockwise")
 # logical names of the residual stream [B, T, d] (activations' names, for `activation_sharding`)
 RESIDUAL = ("batch", "seq", "embed")
 # [B, T, d] with every position on every tensor rank: the LM head's input (sequence parallelism
@@ -308,7 +311,8 @@ def _attention_output_and_mlp(x, o, p, *, eps, dtype, constrain=unconstrained, l
     return x + c(mlp["c_proj"]["bias"])
 
 
-def _block(x, p, *, eps, dtype, attention_impl, constrain=unconstrained, linear=_linear):
+def _block(x, p, *, eps, dtype, attention_impl, constrain=unconstrained, linear=_linear,
+           attention_block=DEFAULT_BLOCK):
     """One pre-LN block on [B, T, d] activations; p holds this layer's slice of `Blocks`.
 
     `constrain(x, logical names)` is the trainer's activation hook (tensor parallelism pins
@@ -317,7 +321,7 @@ def _block(x, p, *, eps, dtype, attention_impl, constrain=unconstrained, linear=
     x = checkpoint_name(constrain(x, RESIDUAL), LAYER_INPUT)
     q, k, v = _attention_inputs(x, p, eps=eps, dtype=dtype, constrain=constrain, linear=linear)
     # softmax is fp32 inside both implementations (XLA: fp32 logits; cuDNN: fp32 accumulators)
-    o = jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation=attention_impl)
+    o = causal_attention(q, k, v, impl=attention_impl, block=attention_block)
     o = constrain(o, ("batch", "seq", "heads", "head_dim"))
     if attention_impl != "cudnn":  # cuDNN's: the save_*attention policies keep its forward's outputs
         o = checkpoint_name(o, ATTENTION_OUT)  # (a name here too would keep the output twice)
@@ -380,11 +384,14 @@ def remat_policy_fn(name):
     return policy
 
 
-def resolve_attention(impl, dtype, head_dim):
+def resolve_attention(impl, dtype, head_dim, *, packed: bool = False):
     """None: cuDNN flash attention on GPU where it applies (bf16/fp16, head_dim <= 128 and a
-    multiple of 8), else XLA. jax.nn.dot_product_attention's own None means XLA today."""
+    multiple of 8, rows not packed: its public call takes no segment ids), the blockwise attention
+    for packed rows (no [T, T] mask), else XLA. jax.nn.dot_product_attention's own None means XLA."""
     if impl is not None:
         return impl
+    if packed:
+        return "blockwise"
     if (jax.default_backend() == "gpu" and jnp.dtype(dtype) in (jnp.bfloat16, jnp.float16)
             and head_dim % 8 == 0 and head_dim <= 128):
         return "cudnn"
@@ -402,7 +409,9 @@ class GPT2(nnx.Module):
         gives XLA's scheduler a window across layers and fewer loop-carried copies, at the cost
         of compile time. The engine sets 1 under offload_param and ZeRO-3's per-layer gather.
     offload_activations: True is remat_policy="offload" (block inputs saved to pinned host memory).
-    attention_impl: None (cuDNN on GPU when it applies, else XLA) | "xla" | "cudnn".
+    attention_impl: None (cuDNN on GPU when it applies, else XLA) | "xla" | "cudnn" | "blockwise"
+        (flash attention in plain JAX, `zerojax.models.attention`: memory O(T x attention_block)).
+    attention_block: keys per step of the blockwise attention (default 512).
 
     Parameter offload hook: `layer_fetch` (attribute, default None) is a function applied to each
     layer's parameter slice inside the layer scan, inside the block's remat, so the backward
@@ -434,11 +443,12 @@ class GPT2(nnx.Module):
     def __init__(self, config: GPT2Config, *, rngs: nnx.Rngs, dtype=jnp.float32,
                  param_dtype=jnp.float32, remat_policy: str | None = None,
                  offload_activations: bool = False, attention_impl: str | None = None,
-                 scan_unroll: int = 1):
+                 scan_unroll: int = 1, attention_block: int = DEFAULT_BLOCK):
         if offload_activations:
             if remat_policy not in (None, "offload"):
                 raise ValueError(f"offload_activations=True conflicts with {remat_policy=}")
             remat_policy = "offload"
+        self.attention_block = check_block(attention_block)
         if remat_policy is not None:  # validate early
             for name, _ in split_remat_policy(remat_policy, config.n_layer):
                 remat_policy_fn(name)
@@ -500,7 +510,8 @@ class GPT2(nnx.Module):
         body = functools.partial(
             _block, eps=cfg.layer_norm_epsilon, dtype=dtype,
             attention_impl=resolve_attention(self.attention_impl, dtype, cfg.head_dim),
-            constrain=constrain, linear=_linear if adapter is None else adapter.linear)
+            attention_block=getattr(self, "attention_block", DEFAULT_BLOCK), constrain=constrain,
+            linear=_linear if adapter is None else adapter.linear)
         fetch = getattr(self, "layer_fetch", None)
         layers = nnx.to_pure_dict(nnx.state(self.h, nnx.Param))
         layer_scan = getattr(self, "layer_scan", None)

@@ -36,6 +36,9 @@ import numpy as np
 from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
+from zerojax.models.attention import DEFAULT_BLOCK, causal_attention, check_block
+from zerojax.models.tiling import check_tile, tiled_over_sequence
+
 from zerojax.models.gpt2 import (  # the shared pieces: one remat vocabulary, one LM head, one loss
     ATTENTION_IMPLS, ATTENTION_OUT, ATTENTION_RESIDUAL, LOGITS, QKV_PROJ, REMAT_POLICIES,
     RESIDUAL, SEQ_WHOLE, mean_over_tokens, nll_sum, resolve_attention, unconstrained, fused_cross_entropy,
@@ -341,9 +344,11 @@ def _attention_inputs(x, p, *, config: LlamaConfig, dtype, positions, constrain=
     return _rotate(q, cos, sin, dtype), _rotate(k, cos, sin, dtype), v
 
 
-def _attention_output_and_mlp(x, o, p, *, config: LlamaConfig, dtype, constrain=unconstrained, linear=_linear):
+def _attention_output_and_mlp(x, o, p, *, config: LlamaConfig, dtype, constrain=unconstrained, linear=_linear,
+                              mlp_tile: int | None = None):
     """The rest of a layer after the attention: o [B, T, H, Dh] through o_proj into the residual
-    x [B, T, d], then the MLP half (shared by training's `_block` and the KV-cache decoder)."""
+    x [B, T, d], then the MLP half (shared by training's `_block` and the KV-cache decoder); with
+    `mlp_tile` the MLP runs `mlp_tile` positions at a time (`tiled_over_sequence`)."""
     a, m = p["self_attn"], p["mlp"]
     out = linear("btnh,nhd->btd", o, a["o_proj"], dtype)
     if "bias" in a["o_proj"]:
@@ -351,14 +356,18 @@ def _attention_output_and_mlp(x, o, p, *, config: LlamaConfig, dtype, constrain=
     x = checkpoint_name(x + constrain(out, RESIDUAL), ATTENTION_RESIDUAL)
 
     h = _rms_norm(x, p["post_attention_layernorm"]["scale"], config.rms_norm_eps, dtype)
-    gate = linear("btd,dm->btm", h, m["gate_proj"], dtype)
-    up = linear("btd,dm->btm", h, m["up_proj"], dtype)
-    h = constrain(jax.nn.silu(gate) * up, ("batch", "seq", "mlp"))
-    return x + constrain(linear("btm,md->btd", h, m["down_proj"], dtype), RESIDUAL)
+
+    def mlp(h):
+        gate = linear("btd,dm->btm", h, m["gate_proj"], dtype)
+        up = linear("btd,dm->btm", h, m["up_proj"], dtype)
+        h = constrain(jax.nn.silu(gate) * up, ("batch", "seq", "mlp"))
+        return linear("btm,md->btd", h, m["down_proj"], dtype)
+
+    return x + constrain(mlp(h) if mlp_tile is None else tiled_over_sequence(mlp, h, mlp_tile), RESIDUAL)
 
 
 def _block(x, p, *, config: LlamaConfig, dtype, attention_impl, segment_ids=None, positions=None,
-           constrain=unconstrained, linear=_linear):
+           constrain=unconstrained, linear=_linear, attention_block=DEFAULT_BLOCK, mlp_tile=None):
     """One pre-RMSNorm decoder layer on [B, T, d]; p holds this layer's slice of `Blocks`.
 
     Save points as GPT-2's: "layer_input", q / k / v projections (QKV_PROJ, before the norm and the
@@ -368,16 +377,14 @@ def _block(x, p, *, config: LlamaConfig, dtype, attention_impl, segment_ids=None
     pos = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (B, T)) if positions is None else positions
     q, k, v = _attention_inputs(x, p, config=config, dtype=dtype, positions=pos, constrain=constrain, linear=linear)
 
-    mask = None
-    if segment_ids is not None:  # packed documents: no attention across them
-        mask = (segment_ids[:, :, None] == segment_ids[:, None, :])[:, None]
-    window = None if config.sliding_window is None else (config.sliding_window - 1, 0)
-    o = jax.nn.dot_product_attention(q, k, v, mask=mask, is_causal=True, local_window_size=window,
-                                     implementation=attention_impl)
+    # packed documents: no attention across them (segment ids)
+    o = causal_attention(q, k, v, impl=attention_impl, segment_ids=segment_ids, window=config.sliding_window,
+                         block=attention_block)
     o = constrain(o, ("batch", "seq", "heads", "head_dim"))
     if attention_impl != "cudnn":  # as GPT-2: cuDNN's forward outputs are saved by primitive
         o = checkpoint_name(o, ATTENTION_OUT)
-    return _attention_output_and_mlp(x, o, p, config=config, dtype=dtype, constrain=constrain, linear=linear)
+    return _attention_output_and_mlp(x, o, p, config=config, dtype=dtype, constrain=constrain, linear=linear,
+                                     mlp_tile=mlp_tile)
 
 
 class Llama(nnx.Module):
@@ -385,7 +392,10 @@ class Llama(nnx.Module):
 
     Keywords as `GPT2`'s: dtype (compute), param_dtype (storage), remat_policy (GPT-2's names,
     `zerojax.models.gpt2.REMAT_POLICIES` and "dots_<k>"), offload_activations, attention_impl
-    (None: cuDNN on GPU where it applies, else XLA), scan_unroll. The engine's hooks
+    (None: cuDNN on GPU where it applies, the blockwise attention for packed rows, else XLA;
+    "blockwise": `zerojax.models.attention`, no [T, T] mask or scores), attention_block (its keys
+    per step), mlp_tile (None, or the positions per piece of a tiled MLP: ALST's TiledMLP, the
+    [B, T, intermediate] activations held one piece at a time), scan_unroll. The engine's hooks
     (`layer_fetch`, `layer_scan`, `activation_sharding`) are GPT-2's, with GPT-2's meaning.
     `adapter` (set by `zerojax.lora.apply`, absent otherwise): `adapter.linear(eq, h, entry, dtype)`
     computes each projection (a quantized kernel, LoRA terms) and `adapter.layer_inputs(model)`
@@ -395,11 +405,13 @@ class Llama(nnx.Module):
     def __init__(self, config: LlamaConfig, *, rngs: nnx.Rngs, dtype=jnp.float32,
                  param_dtype=jnp.float32, remat_policy: str | None = None,
                  offload_activations: bool = False, attention_impl: str | None = None,
-                 scan_unroll: int = 1):
+                 scan_unroll: int = 1, attention_block: int = DEFAULT_BLOCK, mlp_tile: int | None = None):
         if offload_activations:
             if remat_policy not in (None, "offload"):
                 raise ValueError(f"offload_activations=True conflicts with {remat_policy=}")
             remat_policy = "offload"
+        self.attention_block = check_block(attention_block)
+        self.mlp_tile = check_tile(mlp_tile, "mlp_tile")
         if remat_policy is not None:
             for name, _ in split_remat_policy(remat_policy, config.num_hidden_layers):
                 remat_policy_fn(name)
@@ -466,7 +478,9 @@ class Llama(nnx.Module):
         adapter = getattr(self, "adapter", None)  # e.g. zerojax.lora's: frozen base, LoRA terms
         body = functools.partial(
             _block, config=cfg, dtype=dtype, constrain=constrain, segment_ids=segment_ids, positions=positions,
-            attention_impl=resolve_attention(self.attention_impl, dtype, cfg.dim_per_head),
+            attention_impl=resolve_attention(self.attention_impl, dtype, cfg.dim_per_head,
+                                             packed=segment_ids is not None),
+            attention_block=getattr(self, "attention_block", DEFAULT_BLOCK), mlp_tile=getattr(self, "mlp_tile", None),
             linear=_linear if adapter is None else adapter.linear)
         policy = self.remat_policy
         fetch = getattr(self, "layer_fetch", None)

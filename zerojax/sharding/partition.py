@@ -30,6 +30,9 @@ from zerojax.sharding import autotp
 DATA = "data"
 TENSOR = "tensor"
 PIPE = "pipe"
+# Ulysses sequence parallelism (DeepSpeed's `sequence_parallel_size`): activations split on their
+# sequence between the attentions, on their heads inside them (`SEQ_RULES`)
+SEQ = "seq"
 AXES = (DATA, TENSOR)
 
 # Logical axis name -> mesh axis (flax's logical_axis_rules), used only when the mesh's "tensor"
@@ -64,12 +67,20 @@ REPLICATED_NAMES = frozenset({"embed", "layers", "pos", "qkv", "head_dim", "batc
 # the tensor axis (they come first), so "seq" is split only where nothing else is. Rows go over
 # "data" and nothing else: a tensor group works on the same rows.
 ACTIVATION_RULES = DEFAULT_RULES + (("seq", TENSOR), ("batch", DATA))
+# Ulysses (Jacobs et al. 2023, DeepSpeed-Ulysses / ALST): the residual stream, norms and MLP run
+# on T / sp positions of every row; q / k / v are pinned split on their heads instead, so GSPMD
+# emits an all-to-all (sequence-split -> head-split) into each attention and one back out of it
+# (the output projection reads the heads split and writes the sequence split). Each device then
+# attends over whole rows for H / sp heads: packed rows and the blockwise attention need nothing
+# more. Weights stay whole over "seq" (ZeRO shards them over "data" only).
+SEQ_RULES = (("heads", SEQ), ("kv_heads", SEQ), ("seq", SEQ), ("batch", DATA))
 
 
 def make_mesh(data: int | None = None, tensor: int = 1, devices: Sequence[Any] | None = None,
-              pipe: int = 1) -> Mesh:
+              pipe: int = 1, seq: int = 1) -> Mesh:
     """A ("data", "tensor") mesh over `devices` (default: all devices of all processes); with
-    `pipe` > 1 (pipeline.stages) a ("data", "pipe", "tensor") mesh.
+    `pipe` > 1 (pipeline.stages) a ("data", "pipe", "tensor") mesh; with `seq` > 1
+    (sequence_parallel_size) a ("data", "seq", "tensor") mesh.
 
     Axes are `AxisType.Auto` (GSPMD propagation): with explicit axes ordinary ops such as an
     embedding gather would need an `out_sharding` argument.
@@ -79,24 +90,59 @@ def make_mesh(data: int | None = None, tensor: int = 1, devices: Sequence[Any] |
         fits = [t for t in range(1, len(devices) + 1) if len(devices) % t == 0]
         raise ConfigError([f"tensor_parallel.autotp_size = {tensor}: the tensor axis must divide the "
                            f"{len(devices)} devices of the mesh; sizes that would work: {fits}"])
+    if seq != 1:
+        check_sequence_parallel(seq, len(devices), tensor=tensor, pipe=pipe)
     if pipe < 1 or len(devices) % (pipe * tensor):
         raise ValueError(f"pipe={pipe} (pipeline.stages) x tensor={tensor} must divide the {len(devices)} "
                          f"devices; stage counts that would: "
                          f"{[s for s in range(1, len(devices) + 1) if len(devices) % (s * tensor) == 0]}")
+    inner = tensor * pipe * seq
     if data is None:
-        data = len(devices) // (tensor * pipe)
-    inner = tensor * pipe
+        data = len(devices) // inner
     if data * inner != len(devices):
         if data * inner > len(devices):
-            raise ValueError(f"mesh data={data} x pipe={pipe} x tensor={tensor} needs {data * inner} devices; "
+            raise ValueError(f"mesh data={data} x pipe={pipe} x seq={seq} x tensor={tensor} needs "
+                             f"{data * inner} devices; "
                              f"only {len(devices)} are available")
         devices = devices[: data * inner]
     shape, names = ((data, pipe, tensor), (DATA, PIPE, TENSOR)) if pipe > 1 else ((data, tensor), AXES)
+    if seq > 1:
+        shape, names = (data, seq, tensor), (DATA, SEQ, TENSOR)
     axis_types = (AxisType.Auto,) * len(shape)
     if len(devices) == len(jax.devices()) and devices == list(jax.devices()):
         # jax.make_mesh picks a physical device order that keeps "tensor" neighbours close.
         return jax.make_mesh(shape, names, axis_types=axis_types)
     return Mesh(np.asarray(devices, dtype=object).reshape(shape), names, axis_types=axis_types)
+
+
+def check_sequence_parallel(sp, n_devices: int, *, tensor: int = 1, pipe: int = 1, heads: int | None = None,
+                            kv_heads: int | None = None) -> None:
+    """ConfigError (one line) unless `sequence_parallel_size` = sp can split `n_devices` and, where
+    given, the model's query and key / value heads (each "seq" rank attends over whole rows for
+    heads / sp of them)."""
+    if isinstance(sp, bool) or not isinstance(sp, int) or sp < 1:
+        raise ConfigError([f"sequence_parallel_size = {sp!r}: an int >= 1 (1 = no sequence parallelism)"])
+    if sp == 1:
+        return
+    if tensor > 1 or pipe > 1:
+        raise ConfigError([f"sequence_parallel_size = {sp} with tensor_parallel.autotp_size = {tensor} and "
+                           f"pipeline.stages = {pipe}: sequence parallelism runs beside the data axis only; "
+                           "set the others to 1"])
+    if n_devices % sp:
+        fits = [s for s in range(1, n_devices + 1) if n_devices % s == 0]
+        raise ConfigError([f"sequence_parallel_size = {sp} must divide the {n_devices} devices; sizes that "
+                           f"would work: {fits}"])
+    for what, n in (("num_attention_heads", heads), ("num_key_value_heads", kv_heads)):
+        if n is not None and n % sp:
+            fits = [s for s in range(1, n_devices + 1) if n_devices % s == 0 and heads % s == 0
+                    and (kv_heads or heads) % s == 0]
+            raise ConfigError([f"sequence_parallel_size = {sp} must divide the model's {what} = {n} (each "
+                               f"rank attends with heads / sequence_parallel_size heads); sizes that would "
+                               f"work: {fits}"])
+
+
+def seq_size(mesh: Mesh) -> int:
+    return int(mesh.shape.get(SEQ, 1))
 
 
 def pipe_size(mesh: Mesh) -> int:
@@ -337,8 +383,9 @@ def logical_to_mesh(names: Iterable | None, mesh: Mesh, rules=None) -> P:
     return P(*out)
 
 
-def activation_constraint(mesh: Mesh, rules=ACTIVATION_RULES):
-    """A model's activation hook, `constrain(x, logical_names) -> x`, or None without a tensor axis.
+def activation_constraint(mesh: Mesh, rules=None):
+    """A model's activation hook, `constrain(x, logical_names) -> x`, or None without a tensor or
+    a "seq" axis (rules: `SEQ_RULES` on a "seq" mesh, else `ACTIVATION_RULES`).
 
     Pins each named activation to the mesh axes its names map to (`ACTIVATION_RULES`: batch over
     "data", heads / mlp / vocab over "tensor", the residual stream's sequence over "tensor" where
@@ -347,7 +394,9 @@ def activation_constraint(mesh: Mesh, rules=ACTIVATION_RULES):
     whose size the mesh axis does not divide (an odd vocabulary, a short sequence) stays whole.
     Without a tensor axis nothing is pinned (GSPMD's own choices are kept as they were).
     """
-    if tensor_size(mesh) <= 1:
+    if rules is None:
+        rules = SEQ_RULES if seq_size(mesh) > 1 else ACTIVATION_RULES
+    if tensor_size(mesh) <= 1 and seq_size(mesh) <= 1:
         return None
 
     def constrain(x, names):
@@ -531,9 +580,11 @@ def held_bytes(tree, devices) -> int:
 
 
 __all__ = [
-    "DATA", "TENSOR", "PIPE", "DEFAULT_RULES", "ACTIVATION_RULES", "REPLICATED_NAMES", "SPLIT_IF_DIVISIBLE",
+    "DATA", "TENSOR", "PIPE", "SEQ", "SEQ_RULES", "DEFAULT_RULES", "ACTIVATION_RULES", "REPLICATED_NAMES",
+    "SPLIT_IF_DIVISIBLE",
     "make_mesh",
-    "data_size", "pipe_size", "tensor_size", "batch_world_size", "tensor_specs", "activation_constraint",
+    "data_size", "pipe_size", "seq_size", "check_sequence_parallel", "tensor_size", "batch_world_size",
+    "tensor_specs", "activation_constraint",
     "logical_to_mesh", "zero_spec", "StageShardings", "stage_specs", "stage_shardings",
     "opt_state_shardings", "replicated", "shard_nbytes", "per_device_bytes", "held_bytes",
 ]

@@ -238,7 +238,8 @@ def resolve_config(cfg, mesh: Mesh | None) -> tuple[Config, Mesh]:
         if not isinstance(cfg, Config):
             cfg = load_config(cfg)  # world size: devices / (sequence_parallel_size x pipeline.stages)
         try:
-            mesh = partition.make_mesh(tensor=cfg.tensor_parallel.autotp_size, pipe=pipeline_stages(cfg.pipeline))
+            mesh = partition.make_mesh(tensor=cfg.tensor_parallel.autotp_size, pipe=pipeline_stages(cfg.pipeline),
+                                       seq=cfg.sequence_parallel_size)
         except ValueError as e:
             if isinstance(e, ConfigError):
                 raise
@@ -252,6 +253,10 @@ def resolve_config(cfg, mesh: Mesh | None) -> tuple[Config, Mesh]:
             f"data={partition.data_size(mesh)} x tensor={partition.tensor_size(mesh)} = {n} (DeepSpeed's batch "
             f"rule counts tensor ranks too); load it with load_config(..., world_size={n})"
         )
+    if cfg.sequence_parallel_size != partition.seq_size(mesh):
+        raise ConfigError([f"sequence_parallel_size = {cfg.sequence_parallel_size} but the mesh's \"seq\" axis has "
+                           f"{partition.seq_size(mesh)} devices; make them equal (or pass mesh=None to size the "
+                           "axis from the config)"])
     if cfg.tensor_parallel.autotp_size != partition.tensor_size(mesh):
         raise ConfigError([f"tensor_parallel.autotp_size = {cfg.tensor_parallel.autotp_size} but the mesh's "
                            f"\"tensor\" axis has {partition.tensor_size(mesh)} devices; make them equal (or "
@@ -268,12 +273,25 @@ def build_layout(module: nnx.Module, cfg, *, loss_fn: Callable, mesh: Mesh | Non
     `module` itself.
     """
     cfg, mesh = resolve_config(cfg, mesh)
+    if partition.seq_size(mesh) > 1:
+        _check_heads_split(module, cfg.sequence_parallel_size, mesh)
     constrain = None
     if (cfg.tensor_parallel.partition_config or {}).get("use_default_specs", True):
         constrain = partition.activation_constraint(mesh)
     with _attributes(_activation_modules(module) if constrain else [], activation_sharding=constrain), \
             _settings(_remat_settings(module, cfg)):
         return _build_layout(module, cfg, loss_fn=loss_fn, mesh=mesh, options=options)
+
+
+def _check_heads_split(module, sp: int, mesh: Mesh) -> None:
+    """sequence_parallel_size must divide the model's query and key / value heads (read from its
+    config: Llama's num_attention_heads / kv_heads, GPT-2's n_head)."""
+    config = getattr(module, "config", None)
+    heads = getattr(config, "num_attention_heads", getattr(config, "n_head", None))
+    if heads is None:
+        raise ConfigError([f"sequence_parallel_size = {sp}: the model shows no attention heads (a config with "
+                           "num_attention_heads or n_head); sequence parallelism splits them"])
+    partition.check_sequence_parallel(sp, mesh.devices.size, heads=heads, kv_heads=getattr(config, "kv_heads", heads))
 
 
 def _check_lora_applied(module, cfg) -> None:
