@@ -39,7 +39,7 @@ from zerojax import model as contract, offload as O, user_tree
 from zerojax.user_tree import take_layer
 
 from zerojax.checkpoint import engine_io
-from zerojax.planning import memory
+from zerojax.train import memory
 from zerojax.sharding import partition
 from zerojax.offload.memory_kinds import host_zeros
 from zerojax.train import step as step_mod

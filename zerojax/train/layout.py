@@ -21,7 +21,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from zerojax import offload as O
 
-from zerojax.checkpoint import stream as stream_mod
+from zerojax import streamed as stream_mod
 
 from zerojax.sharding import partition
 from zerojax import model as contract, user_tree

@@ -18,7 +18,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.experimental import io_callback
 
-from zerojax.checkpoint.stream import StreamedLeaf
+from zerojax.streamed import StreamedLeaf
 from zerojax.offload.chunks import OffloadLayout, chunk_templates, is_none
 from zerojax.offload.memory_kinds import DEVICE, is_sharding
 from zerojax.offload.nvme.swapper import NvmeSwapper, SwapLeaf, check_swap_path
