@@ -22,6 +22,7 @@ import sys
 import tempfile
 from typing import Callable, Sequence
 
+from zerojax._jax_compat import flat_state
 from zerojax.byte_sizes import GB, GiB, fmt_bytes, parse_bytes
 
 # ---------------------------------------------------------------------------------------------
@@ -319,7 +320,7 @@ def count_params(state) -> tuple[int, int]:
         stacked = (stack.path,) if stack is not None and stack.kind == "stacked" else ()
         state = nnx.state(state, nnx.Param)
     total, groups = 0, {}
-    for path, var in nnx.to_flat_state(state) if hasattr(nnx, "to_flat_state") else state.flat_state():
+    for path, var in flat_state(state):
         shape = tuple(getattr(var, "shape", None) or getattr(var, "value", var).shape)
         n = math.prod(shape)
         total += n

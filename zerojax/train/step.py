@@ -18,6 +18,7 @@ from flax import nnx
 from jax.sharding import Mesh
 
 from zerojax import offload as offload_mod
+from zerojax._jax_compat import to_pure_dict as pure_dict
 from zerojax.accumulate import accumulate_gradients
 from zerojax.sharding.partition import StageShardings
 from zerojax.precision import all_finite
@@ -73,12 +74,6 @@ class OffloadStep:
     split_master: bool = False    # EngineOptions.split_master (host split): host chunks' master as remainders
     # split_master's conversion programs (offload.split_master.convert), compiled once
     converters: dict = dataclasses.field(default_factory=dict, repr=False)
-
-
-def pure_dict(state):
-    """An nnx.State as nested dicts of its values."""
-    to_pure = getattr(nnx, "to_pure_dict", None)
-    return to_pure(state) if to_pure is not None else state.to_pure_dict()
 
 
 def merge(settings: StepSettings, params, rest):
