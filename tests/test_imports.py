@@ -61,7 +61,7 @@ def _resolve(name: str, modules: set) -> str | None:
 
 
 def import_lines():
-    """(module, zerojax module it imports, "zerojax/path.py:line") for each import of a zerojax module
+    """(module, zerojax module it imports, "file:line") for each import of a zerojax module
     in zerojax/, at module level or inside a function."""
     files = {_module_name(p): p for p in PKG.rglob("*.py")}
     modules = set(files)
