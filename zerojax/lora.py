@@ -44,6 +44,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from zerojax._jax_compat import no_eager_sharding
 from zerojax.config import ConfigError
 from zerojax.models import registry
 
@@ -684,7 +685,7 @@ def merge(model, dtype=None):
     make = lambda: fam.model(model.config, rngs=nnx.Rngs(0), dtype=model.dtype, param_dtype=dtype,  # noqa: E731
                              remat_policy=model.remat_policy, attention_impl=model.attention_impl,
                              scan_unroll=model.scan_unroll)
-    with nnx.use_eager_sharding(False) if hasattr(nnx, "use_eager_sharding") else _null():
+    with no_eager_sharding():
         graphdef, state = nnx.split(nnx.eval_shape(make))
     linears = {(fam.stack, *path) for path, _ in fam.linears.values()}
 
@@ -716,14 +717,6 @@ def _ab(a, b):
     out = jnp.einsum("lir,lro->lio", a.reshape(L, -1, r).astype(jnp.float32),
                      b.reshape(L, r, -1).astype(jnp.float32), precision="highest")
     return out.reshape(*a.shape[:-1], *b.shape[2:])
-
-
-class _null:
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *a):
-        return False
 
 
 def trainable_count(model) -> int:

@@ -37,13 +37,15 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
-from jax.extend import core as jex
 
 from zerojax import block_loop
+from zerojax._jax_compat import is_tracer, jaxpr_core, variable_metadata
 
 # the one layer-stack runner and remat vocabulary GPT-2 and the Llama family use too
 from zerojax.models.layer_stack import (GENERIC_REMAT_POLICIES, LAYER_INPUT, layer_step, remat_policy,
                                         run_layers)
+
+jex = jaxpr_core()  # jax.extend.core: Jaxpr, Var, jaxprs_in_params
 
 logger = logging.getLogger("zerojax")
 
@@ -93,7 +95,7 @@ def _param_shapes(module) -> list[tuple[tuple, tuple]]:
 
 
 def _names(v) -> tuple | None:
-    meta = v.get_metadata() if hasattr(v, "get_metadata") else {}
+    meta = variable_metadata(v)
     names = meta.get("out_sharding") or meta.get("sharding_names") or meta.get("sharding")
     return tuple(names) if names else None
 
@@ -347,7 +349,7 @@ def _same(a, b) -> bool:
         return type(a) is type(b) and len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b))
     if isinstance(a, dict) and isinstance(b, dict):
         return a.keys() == b.keys() and all(_same(a[k], b[k]) for k in a)
-    if isinstance(a, (jax.Array, jax.core.Tracer)) or isinstance(b, (jax.Array, jax.core.Tracer)):
+    if isinstance(a, jax.Array) or is_tracer(a) or isinstance(b, jax.Array) or is_tracer(b):
         return False
     try:
         return bool(a == b)

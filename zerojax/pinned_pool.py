@@ -13,7 +13,8 @@ No jax import here: `zerojax/__init__.py` runs this before anything starts a bac
 from __future__ import annotations
 
 import os
-import sys
+
+from zerojax._jax_compat import backends_started
 
 ENV = "XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB"
 XLA_DEFAULT_GIB = 64
@@ -25,17 +26,10 @@ def physical_gib() -> int:
     return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE") // 2**30
 
 
-def _backends_started() -> bool:
-    if "jax" not in sys.modules:
-        return False
-    from jax._src import xla_bridge
-    return xla_bridge.backends_are_initialized()
-
-
 def raise_cap() -> None:
     """The pool's cap set to HOST_FRACTION of the host's physical memory, unless the user set it or a
     backend already read it (then setting it now would misreport the cap in effect)."""
-    if ENV not in os.environ and not _backends_started():
+    if ENV not in os.environ and not backends_started():
         os.environ[ENV] = str(max(int(physical_gib() * HOST_FRACTION), XLA_DEFAULT_GIB))
 
 

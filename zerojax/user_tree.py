@@ -17,7 +17,7 @@ import jax
 import numpy as np
 from flax import nnx
 
-from zerojax.checkpoint.stream import StreamedLeaf
+from zerojax.streamed import StreamedLeaf
 
 BLOCK = "block"   # the StackedBlocks attribute holding the stacked block (zerojax.model)
 

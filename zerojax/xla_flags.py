@@ -12,8 +12,9 @@ so `XLA_FLAGS`, to the processes it starts.
 from __future__ import annotations
 
 import os
-import sys
 from typing import Iterable, MutableMapping
+
+from zerojax._jax_compat import backends_started
 
 
 def _flag_name(flag: str) -> str:
@@ -36,14 +37,7 @@ def merged_xla_flags(existing: str, flags: Iterable[str]) -> str:
 
 def backend_started() -> bool:
     """Whether JAX has started a backend in this process (XLA_FLAGS were read then)."""
-    if "jax" not in sys.modules:
-        return False
-    try:
-        from jax._src import xla_bridge  # no public equivalent in jax 0.10 / 0.11
-    except ImportError:  # pragma: no cover -- a JAX without it: assume started, the safe side
-        return True
-    check = getattr(xla_bridge, "backends_are_initialized", None)
-    return True if check is None else bool(check())
+    return backends_started(unknown=True)
 
 
 def apply_xla_flags(flags: Iterable[str], environ: MutableMapping[str, str] | None = None) -> str:

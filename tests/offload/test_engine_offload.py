@@ -579,11 +579,11 @@ def test_offload_checkpoint_resumes_under_any_layout(tmp_path, monkeypatch):
     # (every state leaf must be replaced for the next steps to repeat bitwise), on a host too short
     # of memory for the restore beside the live state: that is released first (at 8B the state is
     # ~80 GB of a 128 GB host)
-    from zerojax.planning import estimate
+    from zerojax import byte_sizes
 
     live = jax.tree.leaves(a.state.master)[0]
     with monkeypatch.context() as m:
-        m.setattr(estimate, "host_free_bytes", lambda: 1)
+        m.setattr(byte_sizes, "host_free_bytes", lambda: 1)
         same, losses = resume(None, eng=a)
     assert live.is_deleted()
     assert losses == want

@@ -19,9 +19,9 @@ from zerojax.checkpoint import files as checkpoint_files
 from zerojax.checkpoint import state as checkpoint
 from zerojax.models import weights_writer
 from zerojax.offload.memory_kinds import host_memory_kind, is_host
-from zerojax.planning import estimate as est
+from zerojax import byte_sizes
 from zerojax.sharding.partition import held_bytes
-from zerojax.train.step import TrainState
+from zerojax.train_state import TrainState
 
 
 def save_engine_state(layout, state: TrainState, save_dir, *, steps: int, model_record, tag=None,
@@ -74,7 +74,7 @@ def load_engine_state(layout, live: TrainState, load_dir, *, free_bytes: Callabl
             short = _needs_room(reads, replaced, free_bytes())
         else:  # the state in host memory: the restore beside it would need the host's memory twice
             mine = jax.local_devices()
-            short = held_bytes(reads, mine) + held_bytes(replaced, mine) > est.host_free_bytes()
+            short = held_bytes(reads, mine) + held_bytes(replaced, mine) > byte_sizes.host_free_bytes()
         if short:
             released.extend(x for x in jax.tree.leaves(replaced) if isinstance(x, jax.Array) and x.ndim)
             for x in released:

@@ -45,7 +45,7 @@ from jax.experimental import multihost_utils
 
 from zerojax.checkpoint import stream
 from zerojax.precision import DynamicLossScaleState
-from zerojax.train.step import TrainState
+from zerojax.train_state import TrainState
 from zerojax.version import __version__
 
 FORMAT = "zerojax-checkpoint/1"

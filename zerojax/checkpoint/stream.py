@@ -20,40 +20,16 @@ from __future__ import annotations
 
 import dataclasses
 import os
-from typing import Callable, Iterator
+from typing import Callable
 
 import jax
 import numpy as np
 import orbax.checkpoint as ocp
 import tensorstore as ts
 
+from zerojax.streamed import StreamedLeaf, is_streamed  # noqa: F401 (read here by checkpoint/state.py)
+
 ITEM = "streamed"   # the orbax item (a folder of the tag) holding the streamed leaves
-
-
-class StreamedLeaf:
-    """A stacked [L, ...] leaf held outside host memory (the NVMe tier's `SwappedLeaf`), in a checkpoint's tree
-    where an array would be. `shape` / `dtype` as the array's. Save: `blocks()` yields (lo, hi, rows lo:hi as
-    numpy) covering [0, L) in order. Restore: `fill(read)` stores rows read with `read(lo, hi)`."""
-
-    shape: tuple
-    dtype: np.dtype
-    alone = True   # a restore from orbax's arrays reads this leaf in an orbax call of its own (host memory)
-    chunk_rows = 1   # rows per file chunk: a layer (a reader takes any layer range alone), or a block of a
-                     # leaf without layers (an embedding: one file a row would be ~100k files)
-
-    @property
-    def ndim(self) -> int:
-        return len(self.shape)
-
-    def blocks(self) -> Iterator[tuple[int, int, np.ndarray]]:
-        raise NotImplementedError
-
-    def fill(self, read: Callable[[int, int], np.ndarray]) -> None:
-        raise NotImplementedError
-
-
-def is_streamed(x) -> bool:
-    return isinstance(x, StreamedLeaf)
 
 
 def leaf_file(item: str, index: int) -> str:

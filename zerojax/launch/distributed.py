@@ -24,6 +24,8 @@ import logging
 import os
 from typing import Mapping
 
+from zerojax._jax_compat import backends_started, detected_cluster, distributed_state
+
 logger = logging.getLogger(__name__)
 
 # (name, variables, the variables whose presence means the user meant this form; a form half set
@@ -84,17 +86,7 @@ def _from_form(name, variables, env) -> DistributedPlan:
     return DistributedPlan(f"{name} variables ({shown})", n, p, addr, local)
 
 
-def _detected_cluster():
-    """JAX's own cluster detection (jax._src.clusters, private: read, never patched)."""
-    try:
-        from jax._src.clusters import ClusterEnv
-    except ImportError:  # a JAX without it: jax.distributed.initialize() still detects for itself
-        return None
-    return next((c for c in ClusterEnv._cluster_types
-                 if not c.opt_in_only_method and c.is_env_present()), None)
-
-
-def plan_distributed(env: Mapping[str, str] | None = None, *, detect_cluster=_detected_cluster) -> DistributedPlan:
+def plan_distributed(env: Mapping[str, str] | None = None, *, detect_cluster=detected_cluster) -> DistributedPlan:
     """The plan init_distributed would follow for environment `env` (default os.environ); pure."""
     env = os.environ if env is None else env
     partial = []
@@ -136,9 +128,7 @@ def init_distributed(*, initialization_timeout: int = 300) -> DistributedPlan:
     if jax.distributed.is_initialized():  # the user's own initialize() came first
         _DONE = dataclasses.replace(plan, source="jax.distributed was already initialised")
         return _DONE
-    from jax._src import xla_bridge
-
-    if xla_bridge.backends_are_initialized():
+    if backends_started():
         raise RuntimeError(
             f"init_distributed: this is process {plan.process_id} of {plan.num_processes} "
             f"({plan.source}), but JAX's backend is already running, so it can no longer join "
@@ -159,8 +149,7 @@ def init_distributed(*, initialization_timeout: int = 300) -> DistributedPlan:
             # explicit values: JAX must not fill local_device_ids from a surrounding SLURM job
             cluster_detection_method="deactivate", initialization_timeout=initialization_timeout)
     if plan.cluster:  # JAX chose them; read back without starting the backend
-        from jax._src.distributed import global_state
-
+        global_state = distributed_state()
         plan = dataclasses.replace(plan, num_processes=global_state.num_processes,
                                    process_id=global_state.process_id,
                                    coordinator_address=global_state.coordinator_address)

@@ -33,6 +33,7 @@ from jax.ad_checkpoint import checkpoint_name
 
 # the layer stack's runner and its generic remat policies, shared with the Llama family and the
 # engine's stand-ins for other models' stacks (plain JAX, nothing of the runtime)
+from zerojax._jax_compat import CUDNN_ATTENTION_FORWARD  # noqa: F401 (read here by the tests too)
 from zerojax.models import layer_stack
 from zerojax.models.layer_stack import LAYER_INPUT
 from zerojax.models.attention import DEFAULT_BLOCK, causal_attention, check_block
@@ -353,9 +354,6 @@ def split_remat_policy(name, n_layer: int):
     return [("dots", k), ("full", n_layer - k)]
 
 
-# JAX's cuDNN attention forward primitive (jax._src.cudnn.fused_attention_stablehlo; the same name
-# in JAX 0.10 and 0.11): its outputs are the attention output and the softmax statistics
-CUDNN_ATTENTION_FORWARD = "dot_product_attention_fwd_wrapper"
 
 
 def _saves_cudnn_attention_forward(prim, *_, **__) -> bool:

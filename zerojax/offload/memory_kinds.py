@@ -10,6 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec as P
 
+from zerojax._jax_compat import memory_space, memory_space_kinds
 from zerojax.models.layer_stack import WithFrozen
 
 DEVICE = "device"
@@ -61,9 +62,9 @@ def host_zeros(shape, dtype, sharding) -> jax.Array:
 
 def is_host(x) -> bool:
     """Whether an array (or a tracer inside jit) lives in host memory."""
-    space = getattr(jax.typeof(x), "memory_space", None)
-    if space is not None and hasattr(jax, "memory"):
-        return space == jax.memory.Space.Host
+    space, kinds = memory_space(x), memory_space_kinds()
+    if space is not None and kinds is not None:
+        return space == kinds.Host
     kind = getattr(getattr(x, "sharding", None), "memory_kind", None)
     return kind in (PINNED_HOST, UNPINNED_HOST)
 
@@ -80,7 +81,7 @@ def fetch(tree, shardings):
 def to_device(tree):
     """`tree` with its host-resident leaves (`is_host`) brought to device memory, each keeping its
     sharding; the others as they are. Inside jit."""
-    space = getattr(getattr(jax, "memory", None), "Space", None)
+    space = memory_space_kinds()
     return jax.tree.map(lambda a: jax.device_put(a, space.Device) if space is not None and is_host(a) else a, tree)
 
 
@@ -136,8 +137,8 @@ def prefetch_scan(block: Callable, x, layers, fetch: Callable, *, inputs_to_host
     trained = layers.params if with_frozen else layers
     n = jax.tree.leaves(trained)[0].shape[0]
     # each weight gradient goes where its weight lives (JAX types a cotangent like its primal)
-    spaces = jax.tree.map(lambda a: getattr(jax.typeof(a), "memory_space", None), trained)
-    host = getattr(getattr(jax, "memory", None), "Space", None)
+    spaces = jax.tree.map(memory_space, trained)
+    host = memory_space_kinds()
     to_home = lambda g, sp: jax.device_put(g, sp) if host is not None and sp == host.Host else g  # noqa: E731
 
     def take(stacked, frozen, i):  # one layer's slice, read out of host memory by a dynamic index

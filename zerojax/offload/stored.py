@@ -18,7 +18,7 @@ import functools
 import jax
 import numpy as np
 
-from zerojax.checkpoint.stream import StreamedLeaf
+from zerojax.streamed import StreamedLeaf
 from zerojax.offload.chunks import Chunk, ChunkLayout, is_none, merge_chunks, slice_sharding
 from zerojax.offload.memory_kinds import DEVICE, PINNED_HOST, UNPINNED_HOST
 from zerojax.offload.split_master import master_of

@@ -15,12 +15,9 @@ Nothing here imports jax, so `zerojax estimate --params ...` and the planner's p
 from __future__ import annotations
 
 import dataclasses
-import os
 import math
-import re
 
-GiB = 2**30
-GB = 10**9
+from zerojax.byte_sizes import GB, GiB, fmt_bytes, host_free_bytes, parse_bytes  # noqa: F401 (public here too)
 
 # ---------------------------------------------------------------------------------------------
 # 1. Formulas
@@ -121,18 +118,6 @@ def tier_bytes(total_params, stage, n_devices, *, offload_optimizer=False, offlo
     return {**b, "disk": disk}
 
 
-def host_free_bytes() -> int:
-    """Host memory available now (Linux: MemAvailable; else free physical pages)."""
-    try:
-        with open("/proc/meminfo", encoding="utf-8") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-
-
 def nvme_suggestion(host_needed, host_free, *, disk_bytes, disk_free=None, n_layers=None,
                     buffer_count=4) -> str | None:
     """A line offering NVMe offload when host memory is what a CPU-offload plan runs out of (None when
@@ -213,26 +198,6 @@ def format_formula_table(rows, total_params, largest_layer_params, num_gpus_per_
         cpu = "" if r.cpu_bytes is None else f"{r.cpu_bytes / GiB:7.2f}GB"
         lines.append(f"{r.source:<11}{r.stage:>6} | {cpu:>9} | {r.gpu_bytes / GiB:7.2f}GB | {r.options}")
     return "\n".join(lines)
-
-
-_UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "m": 10**6, "mb": 10**6, "g": GB, "gb": GB,
-          "t": 10**12, "tb": 10**12, "kib": 2**10, "mib": 2**20, "gib": GiB, "tib": 2**40}
-
-
-def parse_bytes(text) -> int:
-    """"24GB" -> 24e9, "24GiB" -> 24 * 2**30, "1.5e9" -> 1500000000, 1000 -> 1000."""
-    if isinstance(text, (int, float)):
-        return int(text)
-    m = re.fullmatch(r"\s*([0-9.eE+]+)\s*([a-zA-Z]*)\s*", str(text))
-    if not m or m.group(2).lower() not in _UNITS:
-        raise ValueError(f"cannot read {text!r} as a size; write e.g. 24GB, 22.5GiB or 2.4e10")
-    return int(float(m.group(1)) * _UNITS[m.group(2).lower()])
-
-
-def fmt_bytes(n) -> str:
-    if n is None:
-        return "-"
-    return f"{n / GiB:.2f} GiB" if abs(n) >= GiB else f"{n / 2**20:.2f} MiB"
 
 
 # ---------------------------------------------------------------------------------------------

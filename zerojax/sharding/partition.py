@@ -24,6 +24,7 @@ import jax
 import numpy as np
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P
 
+from zerojax._jax_compat import variable_value
 from zerojax.config import ConfigError
 from zerojax.sharding import autotp
 
@@ -349,7 +350,7 @@ def _pure(state):
         if hasattr(value, "items"):
             out[key] = _pure(value)
         else:
-            out[key] = value.get_value() if hasattr(value, "get_value") else getattr(value, "value", value)
+            out[key] = variable_value(value)
     return out
 
 

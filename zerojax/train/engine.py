@@ -39,7 +39,8 @@ from zerojax import model as contract, offload as O, user_tree
 from zerojax.user_tree import take_layer
 
 from zerojax.checkpoint import engine_io
-from zerojax.planning import memory
+from zerojax._jax_compat import is_tracer
+from zerojax.train import memory
 from zerojax.sharding import partition
 from zerojax.offload.memory_kinds import host_zeros
 from zerojax.train import step as step_mod
@@ -313,7 +314,7 @@ class Engine:
             if skip is not None:  # the swap files' chunk, None in the live state: its state from that
                 m_tmpl[skip] = chunks[skip]
             states = [jax.jit(lambda m=m: tx.init(_zeros(m)), out_shardings=s)() for m, s in zip(m_tmpl, state_sh)]
-            if to_files and not any(isinstance(x, jax.core.Tracer) for x in jax.tree.leaves(states)):
+            if to_files and not any(is_tracer(x) for x in jax.tree.leaves(states)):
                 # (traced: an abstract engine, no files)
                 lay.nvme.init_files(tx, lambda i: layout_leaves(_init_pure(init_fn)[0])[i], self._init_limit())
         elif init_fn is not None:

@@ -20,8 +20,9 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from zerojax import offload as O
+from zerojax._jax_compat import filter_state, no_eager_sharding, variable_value
 
-from zerojax.checkpoint import stream as stream_mod
+from zerojax import streamed as stream_mod
 
 from zerojax.sharding import partition
 from zerojax import model as contract, user_tree
@@ -459,10 +460,10 @@ def _rest_shardings(rest, mesh: Mesh, cfg: Config, stage: int, model_type, prefi
     trained layer (the non-layer ones, used whole, stay on the device)."""
     shardings = partition.replicated(mesh, pure_dict(rest))
     def weight(path, v):  # an annotated array, not a scalar counter
-        value = v.get_value() if hasattr(v, "get_value") else v.value
+        value = variable_value(v)
         return partition.logical_axes(v) is not None and len(value.shape) > 0
 
-    named = nnx.filter_state(rest, weight) if hasattr(nnx, "filter_state") else rest.filter(weight)
+    named = filter_state(rest, weight)
     if not jax.tree.leaves(named):
         return shardings
     specs = partition.tensor_specs(named, mesh, tp=cfg.tensor_parallel, model_type=model_type,
@@ -806,12 +807,6 @@ def _split_with(module, hooked, attrs: dict):
     `module` itself left as it was."""
     with _attributes(hooked, **attrs), no_eager_sharding():
         return nnx.split(module, nnx.Param, ...)[0]
-
-
-def no_eager_sharding():
-    # flax >= 0.12 shards annotated variables at creation, which needs a mesh; we shard later.
-    use = getattr(nnx, "use_eager_sharding", None)
-    return contextlib.nullcontext() if use is None else use(False)
 
 
 __all__ = ["EngineLayout", "build_layout", "resolve_config", "PARAM_HOOK_ERROR"]

@@ -18,36 +18,11 @@ from flax import nnx
 from jax.sharding import Mesh
 
 from zerojax import offload as offload_mod
+from zerojax._jax_compat import to_pure_dict as pure_dict
 from zerojax.accumulate import accumulate_gradients
 from zerojax.sharding.partition import StageShardings
 from zerojax.precision import all_finite
-
-
-class TrainState(NamedTuple):
-    """Everything that changes during training; all leaves are jax arrays (pure dicts for params).
-
-    params:   compute-dtype weights (bf16 / fp16 / fp32) in the stage's param sharding.
-    master:   fp32 master weights in the optimizer sharding, or None when the compute dtype is
-              fp32: then `params` is the master (one copy; a stage 1-2 update slices it locally).
-    opt_state: the optax state in the optimizer sharding (fp16: the loss-scale wrapper's state,
-              `opt_state.loss_scale`, around the optimizer's).
-    rest:     the model's non-Param state (rng counters, batch statistics), replicated.
-    step:     int32, optimizer steps taken, applied + skipped (DeepSpeed's global_steps).
-    skipped_steps: int32, steps skipped for fp16 overflow or a non-finite loss.
-    global_samples: int32, training samples consumed.
-    grad_accumulator: offload_param with gradient accumulation: the fp32 (accum dtype) gradient
-              sum in host memory, params-shaped, overwritten by each step's first micro-batch
-              (`offload.accumulate_chunks`); scratch donated every step, never checkpointed. Else None.
-    """
-
-    params: Any
-    master: Any
-    opt_state: Any
-    rest: Any
-    step: jax.Array
-    skipped_steps: jax.Array
-    global_samples: jax.Array
-    grad_accumulator: Any = None
+from zerojax.train_state import TrainState  # noqa: F401 (zerojax.train.step.TrainState, a public path)
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -99,12 +74,6 @@ class OffloadStep:
     split_master: bool = False    # EngineOptions.split_master (host split): host chunks' master as remainders
     # split_master's conversion programs (offload.split_master.convert), compiled once
     converters: dict = dataclasses.field(default_factory=dict, repr=False)
-
-
-def pure_dict(state):
-    """An nnx.State as nested dicts of its values."""
-    to_pure = getattr(nnx, "to_pure_dict", None)
-    return to_pure(state) if to_pure is not None else state.to_pure_dict()
 
 
 def merge(settings: StepSettings, params, rest):

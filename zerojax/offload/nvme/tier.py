@@ -18,7 +18,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax.experimental import io_callback
 
-from zerojax.checkpoint.stream import StreamedLeaf
+from zerojax._jax_compat import is_tracer
+from zerojax.streamed import StreamedLeaf
 from zerojax.offload.chunks import OffloadLayout, chunk_templates, is_none
 from zerojax.offload.memory_kinds import DEVICE, is_sharding
 from zerojax.offload.nvme.swapper import NvmeSwapper, SwapLeaf, check_swap_path
@@ -134,7 +135,7 @@ class NvmeTier:
     def spill(self, master: list, state: list) -> tuple[list, list]:
         """Write the NVMe chunk's file leaves (whole arrays) to the files; -> the live form. Under
         tracing (an abstract engine: `jax.eval_shape`) nothing is written and no file is made."""
-        if any(isinstance(x, jax.core.Tracer) for x in jax.tree.leaves((master, state))):
+        if any(is_tracer(x) for x in jax.tree.leaves((master, state))):
             return self.live(master, "master"), self.live(state, "state")
         sw = self.open()
         m, _ = _flat(master[self.chunk])
