@@ -40,12 +40,6 @@ LAYERS = (
 )
 RANK = {unit: i for i, layer in enumerate(LAYERS) for unit in layer}
 
-# (importer, imported) edges that still close a module cycle, each with why. rl.rewards.resolve reads
-# the built-in tasks' rewards by name with a deferred import of rl.tasks, whose tasks are built from
-# rl.rewards.exact_match at import time: one cycle inside rl, open at import time; it closes for
-# good when exact_match and its kin move to a module both read (an rl change).
-KNOWN_CYCLE_EDGES = frozenset({("zerojax.rl.rewards", "zerojax.rl.tasks")})
-
 def _module_name(path: pathlib.Path) -> str:
     parts = path.relative_to(PKG.parent).with_suffix("").parts
     return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
@@ -160,7 +154,7 @@ def test_no_package_imports_a_package_above_it():
 
 
 def test_no_import_cycle():
-    cycle = find_cycle(import_graph(), ignore=KNOWN_CYCLE_EDGES)
+    cycle = find_cycle(import_graph())
     assert cycle is None, " -> ".join(cycle)
 
 

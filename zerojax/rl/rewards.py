@@ -20,37 +20,12 @@ from __future__ import annotations
 
 import importlib
 import os
-import re
-from typing import Callable, Sequence
+from typing import Sequence
 
 import numpy as np
 
-RewardFn = Callable[..., list]
-
-
-def exact_match(field: str = "answer") -> RewardFn:
-    """1.0 where the completion's first line (stripped) equals the record's `field`, else 0.0."""
-
-    def reward(prompts, completions, **fields):
-        if field not in fields:
-            raise KeyError(f"reward exact_match:{field}: the prompt records have no {field!r} "
-                           f"(they have {sorted(fields) or 'only the prompt'})")
-        return [float(c.strip().split("\n", 1)[0].strip() == str(a).strip())
-                for c, a in zip(completions, fields[field])]
-
-    reward.__name__ = f"exact_match:{field}"
-    return reward
-
-
-def regex_match(pattern: str) -> RewardFn:
-    """1.0 where `re.search(pattern, completion)` matches, else 0.0."""
-    compiled = re.compile(pattern)
-
-    def reward(prompts, completions, **fields):
-        return [float(compiled.search(c) is not None) for c in completions]
-
-    reward.__name__ = f"regex:{pattern}"
-    return reward
+from zerojax.rl import tasks
+from zerojax.rl.text_rewards import RewardFn, exact_match, regex_match
 
 
 def reward_model(path, *, max_length: int = 1024, batch_size: int = 16, dtype=None) -> RewardFn:
@@ -105,8 +80,6 @@ def resolve(spec) -> RewardFn:
     if not isinstance(spec, str) or not spec:
         raise ValueError(f"reward {spec!r}: a callable or a string (module:function, exact_match[:FIELD], "
                          "regex:PATTERN, arithmetic, digit, or a reward model folder)")
-    from zerojax.rl import tasks
-
     if spec in tasks.TASKS:
         return tasks.TASKS[spec].reward
     if spec == "exact_match" or spec.startswith("exact_match:"):

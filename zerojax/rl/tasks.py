@@ -16,7 +16,7 @@ from typing import Callable
 
 import numpy as np
 
-from zerojax.rl.rewards import exact_match
+from zerojax.rl.text_rewards import exact_match
 
 
 @dataclasses.dataclass(frozen=True)
