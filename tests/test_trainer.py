@@ -121,3 +121,40 @@ def test_a_programs_own_hook_runs_every_n_steps(tmp_path):
     assert [loss for _, loss in seen] == pytest.approx([summary["losses"][2], summary["losses"][5]])
     with pytest.raises(ValueError, match="every=0"):
         run.add_hook(0, print)
+
+
+def _resume_from(ck, tag):
+    """Point the checkpoint folder's `latest` at `tag`, as if the run had stopped there."""
+    (ck / "latest").write_text(tag)
+
+
+@pytest.mark.slow
+def test_grpo_through_zerojax_train_raises_the_reward_and_resumes_exactly(fp32_config, tmp_path, capsys):
+    # the built-in digit task ("nn:" prompts, reward for each "7"), its reward found from --data alone
+    argv = ["--method", "grpo", "--data", "digit", "--config", fp32_config, "--micro-batch", "4", "--seq-len", "11",
+            "--lr", "2e-2", "--method-option", "kl_coef=0.0", "--save", str(tmp_path / "ck")]
+    whole = train(tmp_path, *argv, "--steps", "14", "--save-every", "12")
+    assert whole["method"] == "grpo" and whole["method_options"]["reward"] == "digit"
+    out = capsys.readouterr().out
+    rewards = [float(line.split("reward/mean ")[1].split(",")[0]) for line in out.splitlines()
+               if line.startswith("step ") and "reward/mean" in line]
+    assert len(rewards) == 2 and rewards[0] < rewards[1], out  # logged at steps 10 and 14
+    assert whole["method_metrics"]["reward/mean"] > 0.3, whole["method_metrics"]
+    # resumed at step 12: the same rollouts, the same losses as the uninterrupted run's last two
+    _resume_from(tmp_path / "ck", "global_step12")
+    resumed = train(tmp_path, *argv, "--steps", "14", "--resume")
+    assert resumed["start_step"] == 12
+    np.testing.assert_array_equal(resumed["losses"], whole["losses"][12:])
+
+
+@pytest.mark.slow
+def test_ppo_through_zerojax_train_saves_the_critic_beside_the_actor(fp32_config, tmp_path):
+    argv = ["--method", "ppo", "--data", "digit", "--config", fp32_config, "--micro-batch", "1", "--seq-len", "8",
+            "--lr", "1e-2", "--save", str(tmp_path / "ck")]
+    whole = train(tmp_path, *argv, "--steps", "3", "--save-every", "2")
+    assert sorted(os.listdir(tmp_path / "ck" / "critic")) == ["global_step2", "global_step3", "latest"]
+    assert "critic/value_loss" in whole["method_metrics"]
+    _resume_from(tmp_path / "ck", "global_step2")  # the critic's step-2 state read back with the actor's
+    resumed = train(tmp_path, *argv, "--steps", "3", "--resume")
+    np.testing.assert_array_equal(resumed["losses"], whole["losses"][2:])
+    assert resumed["method_metrics"]["critic/value_loss"] == whole["method_metrics"]["critic/value_loss"]

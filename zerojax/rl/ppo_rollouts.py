@@ -159,9 +159,10 @@ class PPORollouts(RolloutBatches):
 
     # the critic's state goes with the actor's checkpoint
 
-    def save(self, path, tag=None) -> str:
-        """The critic engine's checkpoint into `path`/critic (path: the actor's save_checkpoint folder)."""
-        return self.critic.save_checkpoint(os.path.join(os.fspath(path), "critic"), tag=tag)
+    def save(self, path, tag=None, *, keep: int | None = None) -> str:
+        """The critic engine's checkpoint into `path`/critic (path: the actor's save_checkpoint folder;
+        tag: the actor's, so a resume reads the pair; keep: as the actor's)."""
+        return self.critic.save_checkpoint(os.path.join(os.fspath(path), "critic"), tag=tag, keep=keep)
 
     def load(self, path, tag=None):
         """The critic engine's state from `path`/critic (tag None: its latest)."""

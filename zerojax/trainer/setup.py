@@ -16,8 +16,8 @@ def loss_fn_for(loss_chunk: int, family):
 
 
 def training_method(args, lora_cfg):
-    """--method and its --method-option settings -> (the registered `zerojax.methods.Method`, its
-    options), or (None, {}) for sft (the family's next-token loss); refused before anything is read."""
+    """--method and its --method-option settings -> (the registered `zerojax.methods.Method`, the
+    user's options, checked; `Method.resolve(options, data)` fills the rest), or (None, {}) for sft (the family's next-token loss); refused before anything is read."""
     if args.method == "sft":
         return None, {}
     from zerojax import methods
@@ -28,8 +28,9 @@ def training_method(args, lora_cfg):
     except KeyError:
         raise ConfigMismatch(f"--method {args.method}: not a training method; choose sft or "
                              f"{', '.join(methods.methods())}") from None
+    options = method_options(args.method_option)  # the user's alone: what the data decides is filled later
     try:
-        options = method.resolve(method_options(args.method_option))
+        method.resolve(options)  # unknown keys refused now
     except ValueError as e:
         raise ConfigMismatch(f"--method-option: {e}") from None
     if method.name == "reward" and lora_cfg is not None and args.export_hf:

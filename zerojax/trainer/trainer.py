@@ -301,12 +301,22 @@ def _run(trainer: Trainer) -> dict:
               f"master {'split (bf16 copy + 16-bit host remainder)' if o.get('split_master') else 'fp32'}, "
               f"first moment {engine.options.adam_mu_dtype or 'fp32'}" + (f" ({loop_why})" if loop_why else ""))
 
-    start = 0
+    start = 0 if meta is None else int(meta.get("global_steps") or 0)
+    rollouts = None
+    if method is not None and method.rollouts is not None:
+        # RL: batches generated each step on the live engine. Made before the checkpoint loads: a
+        # "copy" reference and PPO's critic start from the weights as built (the uninterrupted
+        # run's starting point), the critic's own state then read back beside the actor's
+        rollouts = method.rollouts(engine, data, method_opts, seed=seed, start_step=start,
+                                   num_steps=max(0, steps - start))
     if args.resume:
         path, _ = engine.load_checkpoint(args.save)
-        start = engine.global_steps
-    batches = data.train_batches(cfg.train_batch_size, seed=seed, start_step=start,
-                                 num_steps=max(0, steps - start))
+        if engine.global_steps != start:
+            raise RuntimeError(f"{path}: its record says step {start}, the engine read step {engine.global_steps}")
+        if hasattr(rollouts, "load"):
+            rollouts.load(args.save, tag=os.path.basename(path))
+    batches = rollouts if rollouts is not None else data.train_batches(
+        cfg.train_batch_size, seed=seed, start_step=start, num_steps=max(0, steps - start))
     if args.resume:
         epoch, k = divmod(start, data.steps_per_epoch)
         print(f"resumed from {path} at step {start} (data position: batch {start}, i.e. epoch {epoch} "
@@ -368,9 +378,15 @@ def _run(trainer: Trainer) -> dict:
     saved_at = []  # the steps --save-every saved at (the run's end saves again only after another)
 
     def save(info: StepInfo):
-        path = engine.save_checkpoint(args.save, client_state=client_state(), keep=args.keep)
+        path = save_all()
         saved_at.append(info.step)
         print(f"step {info.step}: checkpoint saved: {path}", flush=True)
+
+    def save_all():  # the engine's checkpoint, and the RL rollouts' own state (PPO's critic) beside it
+        path = engine.save_checkpoint(args.save, client_state=client_state(), keep=args.keep)
+        if hasattr(rollouts, "save"):
+            rollouts.save(args.save, tag=os.path.basename(path), keep=args.keep)
+        return path
 
     def client_state():
         return {"gpt2_large_example": {"schedule_steps": schedule_steps, "lr": lr, "seed": seed, "lora": lora_cfg,
@@ -388,6 +404,9 @@ def _run(trainer: Trainer) -> dict:
     for i, batch in enumerate(bar):
         meter.before_step()
         metrics = engine.train_step(batch)
+        if rollouts is not None:  # the rollout's metrics (reward/mean, ...) logged beside the loss's
+            metrics = {**metrics, **{k: v for k, v in rollouts.metrics.items()
+                                     if "/" in k and not k.startswith("time/")}}
         losses.append(metrics["loss"])
         meter.after_step(metrics["loss"])
         if method is not None and not method_keys:
@@ -444,7 +463,7 @@ def _run(trainer: Trainer) -> dict:
     # a resumed run that trained nothing changed nothing; --save-every may have saved the last step already
     if args.save and (losses or not args.resume) and saved_at[-1:] != [engine.global_steps]:
         before = set(checkpoint_files.finalized_tags(args.save))
-        path = engine.save_checkpoint(args.save, client_state=client_state(), keep=args.keep)
+        path = save_all()
         print(f"checkpoint saved: {path}")
         removed = sorted(before - set(checkpoint_files.finalized_tags(args.save)))
         if removed:
