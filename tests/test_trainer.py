@@ -106,6 +106,8 @@ def test_methods_and_their_options_are_checked_before_anything_is_built(prefs, c
     with pytest.raises(SystemExit):
         trainer.main(["--method-option", "beta=1"])
     assert "--method-option needs --method NAME" in capsys.readouterr().err
+    with pytest.raises(DataError, match="--sample-prompts nope.txt: no such file"):
+        trainer.main(["--model", "tiny-llama", "--sample-prompts", "nope.txt", "--steps", "1"])
 
 
 def test_a_programs_own_hook_runs_every_n_steps(tmp_path):
@@ -158,3 +160,23 @@ def test_ppo_through_zerojax_train_saves_the_critic_beside_the_actor(fp32_config
     resumed = train(tmp_path, *argv, "--steps", "3", "--resume")
     np.testing.assert_array_equal(resumed["losses"], whole["losses"][2:])
     assert resumed["method_metrics"]["critic/value_loss"] == whole["method_metrics"]["critic/value_loss"]
+
+
+@pytest.mark.slow
+def test_samples_from_the_live_weights_are_what_transformers_generates_from_the_export(fp32_config, tmp_path, capsys):
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("The cat\nab\n")
+    summary = train(tmp_path, "--steps", "2", "--config", fp32_config, "--eval-every", "2", "--sample-prompts",
+                    str(prompts), "--sample-tokens", "6", "--export-hf", str(tmp_path / "hf"))
+    out = capsys.readouterr().out
+    assert out.count("step 2: sample 1: 'The cat' -> ") == 2  # at the evaluation and at the end
+    hf = AutoModelForCausalLM.from_pretrained(tmp_path / "hf", torch_dtype=torch.float32)
+    want = []
+    for text in ("The cat", "ab"):  # one at a time: no padding on the reference's side
+        ids = torch.tensor([list(text.encode())])
+        new = hf.generate(ids, max_new_tokens=6, do_sample=False, pad_token_id=0)[0, ids.shape[1]:]
+        want.append(bytes(new.tolist()).decode("utf-8", errors="replace"))
+    assert summary["samples"] == want

@@ -94,7 +94,7 @@ def test_method_wraps_a_causal_lm(causal_folder):
     from zerojax.models import from_hf
 
     method = get_method("reward")
-    options = method.resolve({"seed": 2}, data=type("Rows", (), {"pad_id": PAD})())
+    options = method.resolve({"seed": 2}, data=type("Rows", (), {"pad_id": PAD, "named_pad_id": PAD})())
     assert options == {"pad_token_id": PAD, "seed": 2}
     model = method.prepare_model(from_hf(causal_folder), options)
     assert model.pad_token_id == PAD and method.loss(options) is reward_loss
@@ -108,7 +108,7 @@ def test_engine_trains_a_reward_model(causal_folder):
     from zerojax.models import from_hf
 
     method = get_method("reward")
-    options = method.resolve({}, data=type("Rows", (), {"pad_id": PAD})())
+    options = method.resolve({}, data=type("Rows", (), {"pad_id": PAD, "named_pad_id": PAD})())
     base = lora.apply(from_hf(causal_folder), {"r": 4, "lora_alpha": 8, "target_modules": "all-linear"})
     model = method.prepare_model(base, options)
     cfg = {"train_batch_size": 8, "optimizer": {"type": "SGD", "params": {"lr": 0.5}},

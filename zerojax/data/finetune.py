@@ -239,11 +239,17 @@ def encode_record(record: dict, fmt: str, tokenizer, *, where: str = "", templat
     return ids.astype(np.int32), mask
 
 
-def pad_id_of(tokenizer) -> int:
-    """The id rows are padded with: the tokenizer's pad token, else its eos token, else 0."""
+def named_pad_id(tokenizer) -> int | None:
+    """The tokenizer's pad token's id, else its eos token's, else None (it names neither)."""
     special = getattr(tokenizer, "special_tokens", None) or {}
     return next((i for t in ("pad_token", "eos_token") if (tok := special.get(t))
-                 and (i := tokenizer.token_id(tok)) is not None), 0)
+                 and (i := tokenizer.token_id(tok)) is not None), None)
+
+
+def pad_id_of(tokenizer) -> int:
+    """The id rows are padded with: the tokenizer's pad token, else its eos token, else 0."""
+    named = named_pad_id(tokenizer)
+    return 0 if named is None else named
 
 
 def pack_examples(examples: Sequence[tuple[np.ndarray, np.ndarray]], seq_len: int, *, packed: bool = True,

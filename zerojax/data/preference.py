@@ -29,7 +29,8 @@ import os
 import warnings
 
 
-from zerojax.data.finetune import FinetuneData, HeldOutRows, encode_record, jsonl_records, pack_examples, pad_id_of
+from zerojax.data.finetune import (FinetuneData, HeldOutRows, encode_record, jsonl_records, named_pad_id,
+                                   pack_examples, pad_id_of)
 from zerojax.data.text import DataError, HFTokenizer
 
 KEYS = ("prompt", "chosen", "rejected")
@@ -119,11 +120,13 @@ class PreferenceRows(HeldOutRows):
     """The trainer's reader of preference pairs (`HeldOutRows`: `train_batches`, `val_batches`,
     `n_train`, `n_val`, `what`, `vocab_size`, `steps_per_epoch`; the last ~5% of the pairs held
     out for validation in whole batches, the training pairs shuffled per epoch from (seed, epoch),
-    resumable at any step). `pad_id`: the id the rows are padded with (a reward model's
-    `pad_token_id`)."""
+    resumable at any step). `pad_id`: the id the rows are padded with; `named_pad_id`: the same where
+    the tokenizer names a pad (or eos) token, else None (a reward model's `pad_token_id` then has to
+    be given: 0 would be a guess)."""
 
     def __init__(self, data: FinetuneData, batch_size: int, pad_id: int):
         self.pad_id = int(pad_id)
+        self.named_pad_id = named_pad_id(data.tokenizer)
         super().__init__(data, batch_size)
 
     def describe(self) -> str:

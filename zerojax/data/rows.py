@@ -115,12 +115,13 @@ def load_method_data(args, method, choice, seq_len: int, batch_size: int):
     if not args.data:
         raise DataError(f"--method {method.name} trains on --data (a .jsonl of its records; docs/preference.md "
                         "for dpo and reward): give --data PATH")
-    data = method.data(args.data, _tokenizer(args), seq_len, batch_size)
+    data = method.data(args.data, run_tokenizer(args), seq_len, batch_size)
     _check_vocab(data, choice)
     return data
 
 
-def _tokenizer(args):
+def run_tokenizer(args):
+    """The run's tokenizer: --tokenizer's folder (the --hf-checkpoint's by default), else UTF-8 bytes."""
     from zerojax.models import load_tokenizer
 
     return load_tokenizer(args.tokenizer) if args.tokenizer else ByteTokens()
@@ -153,7 +154,7 @@ def load_data(args, choice, seq_len: int, batch_size: int, notes: list):
             packed = False
             notes.append(f"{choice.family_spec.label} has no segment ids to keep packed examples apart: one "
                          "example a row, padded")
-        tokenizer = _tokenizer(args)
+        tokenizer = run_tokenizer(args)
         data = FinetuneRows(load_finetune_data(args.data, tokenizer, seq_len=seq_len, packed=packed),
                             batch_size, packed)
         if data.n_train < batch_size:

@@ -141,7 +141,7 @@ register(Method(
     options={"beta": 0.1, "loss_type": "sigmoid", "label_smoothing": 0.0, "reference": "adapters_off", "chunk": None}))
 register(Method(
     name="reward", what="a reward model on preference pairs (Bradley-Terry)", loss=_reward_loss,
-    data=_preference_data, prepare_model=_reward_model, data_options=lambda data: {"pad_token_id": data.pad_id},
+    data=_preference_data, prepare_model=_reward_model, data_options=lambda data: {"pad_token_id": data.named_pad_id},
     options={"pad_token_id": None, "seed": 0}))
 
 

@@ -228,7 +228,7 @@ def compile_engine_step(eng, batch, *, planning=False):
     if lower is not None:
         return lower(shapes).compile()
     raise NotImplementedError(
-        "zerojax.planning.memory needs Engine.compiled_step(batch_shapes) -> jax.stages.Compiled; "
+        "zerojax.train.memory needs Engine.compiled_step(batch_shapes) -> jax.stages.Compiled; "
         f"{type(eng).__name__} has none")
 
 

@@ -37,7 +37,7 @@ def _micro_batch(text):
 # misses exponents), so "--lr -1e-3" is rewritten "--lr=-1e-3" and the type checks then say why
 # a negative value is refused, instead of "expected one argument".
 _VALUE_FLAGS = ("--eval-every", "--save-every", "--steps", "--schedule-steps", "--seq-len", "--grad-accum", "--lr", "--loss-chunk",
-                "--eval-batches", "--seed", "--peak-tflops", "--keep", "--micro-batch", "--lora", "--lora-alpha")
+                "--eval-batches", "--sample-tokens", "--seed", "--peak-tflops", "--keep", "--micro-batch", "--lora", "--lora-alpha")
 
 QUANTIZE = ("int8", "nf4", "int4")
 
@@ -188,6 +188,12 @@ def parse_args(argv=None, *, prog=None, description=None):
                         "data) evaluated after training; 0 = no validation")
     p.add_argument("--eval-every", type=_number(int, 1), default=None, metavar="N",
                    help="also evaluate --eval-batches validation batches every N training steps")
+    p.add_argument("--sample-prompts", metavar="FILE",
+                   help="print the model's greedy answers to these prompts (a .jsonl of {\"prompt\": text or "
+                        "chat messages}, or one prompt a line; at most 16) at each evaluation and at the end, "
+                        "generated from the live weights")
+    p.add_argument("--sample-tokens", type=_number(int, 1), default=64, metavar="N",
+                   help="new tokens of each --sample-prompts answer (default 64)")
     p.add_argument("--save-every", type=_number(int, 1), default=None, metavar="N",
                    help="also save a checkpoint to --save every N training steps (--keep prunes them)")
     p.add_argument("--seed", type=_number(int, 0), default=None,

@@ -175,6 +175,12 @@ def _run(trainer: Trainer) -> dict:
     else:
         data = load_method_data(args, method, choice, seq_len, cfg.train_batch_size)
         method_opts = method.resolve(method_opts, data)
+    samples = None
+    if args.sample_prompts:  # read and tokenized now: a bad file stops the run before anything compiles
+        from zerojax.data.rows import run_tokenizer
+        from zerojax.trainer.samples import SamplePrompts
+
+        samples = SamplePrompts(args.sample_prompts, run_tokenizer(args), args.sample_tokens)
     # one batch's shapes (a method's batches are not {"input_ids"}): what the planner and the
     # offload probe compile, and the tokens a step trains on
     sample = next(iter(data.train_batches(cfg.train_batch_size, seed=seed, start_step=0, num_steps=1)))
@@ -374,6 +380,8 @@ def _run(trainer: Trainer) -> dict:
         vals = [float(engine.eval_step(b)) for _, b in zip(range(args.eval_batches), data.val_batches(cfg.train_batch_size))]
         if vals:
             print(f"step {info.step}: validation loss {float(np.mean(vals)):.4f}", flush=True)
+        if samples is not None:
+            samples.print_samples(engine, f"step {info.step}")
 
     saved_at = []  # the steps --save-every saved at (the run's end saves again only after another)
 
@@ -451,6 +459,8 @@ def _run(trainer: Trainer) -> dict:
         print(f"validation loss {v:.4f}" + (f", perplexity {math.exp(min(v, 50)):.2f}" if method is None else ""))
     if losses:
         print(f"train loss {losses[0]:.4f} -> {losses[-1]:.4f}")
+    if samples is not None:
+        summary["samples"] = samples.print_samples(engine, f"step {engine.global_steps}")
     print(engine.memory_report())
     summary.update(first_loss=losses[0] if losses else None, last_loss=losses[-1] if losses else None,
                    losses=losses, val_loss=float(np.mean(val_losses)) if val_losses else None)
