@@ -3,7 +3,6 @@ allocated: the model is `nnx.eval_shape`'s, so the 8B shape compiles on any devi
 
     python benchmarks/decode_hlo_report.py                     # Llama-3.1-8B bf16, batch 1, 384 slots
     python benchmarks/decode_hlo_report.py --batch 64 --length 1024
-    python benchmarks/decode_hlo_report.py --no-slice-fusion   # the decode program as XLA builds it without
     python benchmarks/decode_hlo_report.py --tiny              # CPU smoke test
 
 Prints one JSON line: XLA's "bytes accessed" of one decode iteration (the layer loop's body counted
@@ -56,7 +55,6 @@ def main(argv=None) -> int:
     p.add_argument("--batch", type=int, default=1)
     p.add_argument("--length", type=int, default=384, help="cache slots (prompt bucket + new-token bucket)")
     p.add_argument("--min-mb", type=float, default=1.0)
-    p.add_argument("--no-slice-fusion", action="store_true", help="compile without XLA's dynamic-slice fusion")
     p.add_argument("--tiny", action="store_true", help="the tiny Llama (CPU smoke test)")
     args = p.parse_args(argv)
     if args.batch < 1 or args.length < 1:
@@ -65,15 +63,12 @@ def main(argv=None) -> int:
     import jax.numpy as jnp
     from flax import nnx
 
-    from zerojax.generation import decoder
     from zerojax.generation.program_cost import bytes_accessed, decode_program
     from zerojax.models import Llama, LlamaConfig
 
     config = LlamaConfig.named("tiny" if args.tiny else args.model)
     model = nnx.eval_shape(lambda: Llama(config, rngs=nnx.Rngs(0), dtype=jnp.bfloat16, param_dtype=jnp.bfloat16))
     lowered, compiled = decode_program(model, batch=args.batch, length=args.length)
-    if args.no_slice_fusion:
-        compiled = lowered.compile({**decoder.COMPILER_OPTIONS, "xla_gpu_enable_dynamic_slice_fusion": False})
     nbytes = lambda tree: sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(tree))  # noqa: E731
     layers = config.num_hidden_layers
     one_layer = nbytes(nnx.state(model.layers, nnx.Param)) // layers
@@ -82,7 +77,7 @@ def main(argv=None) -> int:
     moves = data_moves(compiled.as_text(), int(args.min_mb * 2**20))
     print(json.dumps({
         "device": jax.devices()[0].device_kind, "jax": jax.__version__, "model": "tiny" if args.tiny else args.model,
-        "batch": args.batch, "length": args.length, "slice_fusion": not args.no_slice_fusion,
+        "batch": args.batch, "length": args.length,
         "bytes_accessed_one_layer_iteration": int(bytes_accessed(compiled)),
         "must_read_one_layer_iteration": head + one_layer + cache_layer,
         "layer_weight_bytes": one_layer, "head_bytes": head, "cache_bytes_per_layer": cache_layer,

@@ -185,27 +185,14 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--case", choices=("a", "b", "c", "all"), default="all")
     p.add_argument("--tiny", action="store_true", help="tiny shapes (CPU smoke test)")
-    p.add_argument("--no-slice-fusion", action="store_true",
-                   help="compile prefill and decode without XLA's dynamic-slice fusion (the side-by-side run)")
     args = p.parse_args(argv)
     import jax
-
-    from zerojax.generation import decoder
-
-    if args.no_slice_fusion:  # jit binds its compiler options when it wraps: wrap the two programs again
-        decoder.COMPILER_OPTIONS = {**decoder.COMPILER_OPTIONS, "xla_gpu_enable_dynamic_slice_fusion": False}
-        decoder.prefill = jax.jit(decoder.prefill.__wrapped__, static_argnames=("source", "sampler", "length", "out_len"),
-                                  compiler_options=decoder.COMPILER_OPTIONS)
-        decoder.decode = jax.jit(decoder.decode.__wrapped__, static_argnames=("source", "sampler"),
-                                 donate_argnames=("state",), compiler_options=decoder.COMPILER_OPTIONS)
 
     cases = {"a": case_a, "b": case_b, "c": case_c}
     results = []
     for name in (cases if args.case == "all" else [args.case]):
         results.append(cases[name](args.tiny))
-        print(json.dumps({"framework": "zerojax", "device": jax.devices()[0].device_kind,
-                          "slice_fusion": decoder.COMPILER_OPTIONS.get("xla_gpu_enable_dynamic_slice_fusion", False),
-                          **results[-1]}), flush=True)
+        print(json.dumps({"framework": "zerojax", "device": jax.devices()[0].device_kind, **results[-1]}), flush=True)
     print(f"zerojax generate on {jax.devices()[0].device_kind} (JAX {jax.__version__})")
     print(f"{'case':<5}{'model':<14}{'batch':>6}{'new':>6}{'tokens/s':>11}{'decode tok/s':>14}  notes")
     for r in results:

@@ -8,7 +8,5 @@
 . "$(dirname "$0")/pair.sh"
 run_pair generate benchmarks/generate_bench.py 270 benchmarks/hf_generate_bench.py 200
 # the 8B decode program compiled from shapes (nothing allocated): XLA's bytes per iteration and
-# the kernels that only move data, with and without dynamic-slice fusion
-for flag in "" --no-slice-fusion; do
-    timeout 60 $PY benchmarks/decode_hlo_report.py $TINY $flag 2>&1 | grep '^{' | tee -a "$OUT/generate-decode-hlo.jsonl"
-done
+# the kernels that only move data
+timeout 60 $PY benchmarks/decode_hlo_report.py $TINY 2>&1 | grep '^{' | tee -a "$OUT/generate-decode-hlo.jsonl"

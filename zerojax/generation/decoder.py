@@ -28,13 +28,6 @@ from zerojax.generation.sampling import Sampler, SamplingValues, next_token
 
 NO_TOKEN = -1  # a row's output after it is done
 
-# Each layer's weights and cache reach its matmuls as a dynamic slice of the stacked arrays (the
-# layer scan's index). A gemm that runs as a library call (cuBLAS on GPU, the CPU's dot) reads a
-# buffer of its own, so XLA first copies every slice (the CPU program's HLO shows a
-# dynamic-slice fusion per kernel per layer): at Llama-3.1-8B that is a read and a write of the 14 GB
-# of layer weights each decode step on top of the gemms' own read. Dynamic-slice fusion lets cuBLAS
-# read a slice where it lies; CPU ignores the option.
-COMPILER_OPTIONS = {"xla_gpu_enable_dynamic_slice_fusion": True}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -104,8 +97,7 @@ def _mark_seen(seen, tokens, sampler: Sampler):
     return seen.at[rows, cols].set(True, mode="drop")  # NO_TOKEN / padding: out of range, dropped
 
 
-@functools.partial(jax.jit, static_argnames=("source", "sampler", "length", "out_len"),
-                   compiler_options=COMPILER_OPTIONS)
+@functools.partial(jax.jit, static_argnames=("source", "sampler", "length", "out_len"))
 def prefill(weights, ids, pad, live, values: SamplingValues, stop_ids, key, *, source, sampler: Sampler,
             length: int, out_len: int) -> DecodeState:
     """ids [B, P] left-padded (pad [B] padding tokens per row; live [B] False for the batch
@@ -129,8 +121,7 @@ def prefill(weights, ids, pad, live, values: SamplingValues, stop_ids, key, *, s
                        _mark_seen(seen, tok, sampler))
 
 
-@functools.partial(jax.jit, static_argnames=("source", "sampler"), donate_argnames=("state",),
-                   compiler_options=COMPILER_OPTIONS)
+@functools.partial(jax.jit, static_argnames=("source", "sampler"), donate_argnames=("state",))
 def decode(weights, state: DecodeState, pad, prompt_len, limit, values: SamplingValues, stop_ids, key, *,
            source, sampler: Sampler) -> DecodeState:
     """New tokens until every row is done or `limit` tokens (all rows); the token fed at step t
