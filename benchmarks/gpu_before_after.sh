@@ -11,6 +11,7 @@
 #   SMOKE=1 BEFORE=.before bash benchmarks/gpu_before_after.sh  (CPU, tiny: does it run?)
 #   PART=1 (bench, the example's flags), PART=2 (the 24 GB rows) or PART=3 (the offload rows alone)
 set -u
+. "$(dirname "$0")/cap24.sh"
 export PYTHONUNBUFFERED=1
 PY=${PYTHON:-python3}
 BEFORE=${BEFORE:-.before}
@@ -19,7 +20,7 @@ STEPS=${STEPS:-16}
 if [ -n "${SMOKE:-}" ]; then
   MODEL="--model tiny"; BENCH="--tiny"; CAP=""; STEPS=3
 else
-  MODEL="--model large"; BENCH="--sizes large --steps 6 --warmup 2 --timeout 200"; CAP="XLA_PYTHON_CLIENT_MEM_FRACTION=0.17"
+  MODEL="--model large"; BENCH="--sizes large --steps 6 --warmup 2 --timeout 200"; CAP="XLA_PYTHON_CLIENT_MEM_FRACTION=$(cap24)"
 fi
 summary() { grep -E "^SUMMARY|^micro-batch auto|error:|Error" | $PY -c '
 import json, sys

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# One GPU capped at 24 GB (XLA_PYTHON_CLIENT_MEM_FRACTION=0.17), Llama-3.1-8B's shape, seq 2048,
+# One GPU capped at 24 GB (XLA_PYTHON_CLIENT_MEM_FRACTION: 23.77 GiB of the card, benchmarks/cap24.sh), Llama-3.1-8B's shape, seq 2048,
 # through examples/gpt2_large.py, each run in its own process (the example prints the host's peak RSS):
 #   LoRA r16 alpha 32 on all linear layers, bf16 base, --micro-batch auto
 #   QLoRA (nf4 base), micro 2, full remat
@@ -10,12 +10,13 @@
 #   PYTHONPATH=. bash benchmarks/gpu_llama8b_24gb.sh     (about 15 minutes on an H200 with 128 GB RAM)
 #   SMOKE=1 bash benchmarks/gpu_llama8b_24gb.sh          (CPU, tiny-llama, no cap)
 set -u
+. "$(dirname "$0")/cap24.sh"
 export PYTHONUNBUFFERED=1
 PY=${PYTHON:-python3}
 if [ -n "${SMOKE:-}" ]; then
   M="--model tiny-llama --seq-len 64 --steps 3"; export JAX_PLATFORMS=cpu
 else
-  M="--model llama-3.1-8b --seq-len 2048 --steps ${STEPS:-8}"; export XLA_PYTHON_CLIENT_MEM_FRACTION=0.17
+  M="--model llama-3.1-8b --seq-len 2048 --steps ${STEPS:-8}"; export XLA_PYTHON_CLIENT_MEM_FRACTION=$(cap24)
 fi
 TIME=$(command -v /usr/bin/time || true)
 run() {

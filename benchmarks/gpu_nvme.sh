@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# NVMe offload (ZeRO-Infinity) on one H200 capped at 24 GB (XLA_PYTHON_CLIENT_MEM_FRACTION=0.17):
+# NVMe offload (ZeRO-Infinity) on one H200 capped at 24 GB (XLA_PYTHON_CLIENT_MEM_FRACTION: 23.77 GiB of the card, benchmarks/cap24.sh):
 #   smoke  a small GPT (d 256, 4 layers, 2 of them on NVMe) through the whole path, < 1 minute
 #   big    first the disk through the swapper's I/O path (nvme_io.py), then a GPT of d 4096 x 36
 #          layers (7.46B; L to change) with ZeRO-3 + offload_param cpu + the optimizer state split
@@ -9,9 +9,10 @@
 # what the pinned arrays need. NVME: the swap directory (default /tmp). JSON lines in $OUT.
 #   PYTHONPATH=. bash benchmarks/gpu_nvme.sh [smoke|big]
 set -u
+. "$(dirname "$0")/cap24.sh"
 MODE=${1:-big}
 OUT=${OUT:-benchmarks/results}; mkdir -p "$OUT"
-export PYTHONUNBUFFERED=1 XLA_PYTHON_CLIENT_MEM_FRACTION=0.17
+export PYTHONUNBUFFERED=1 XLA_PYTHON_CLIENT_MEM_FRACTION=$(cap24)
 PY=${PYTHON:-python3}
 NVME=${NVME:-/tmp}
 df -h "$NVME" | tail -1; free -g | head -2

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# One H200 capped at 24 GB (XLA_PYTHON_CLIENT_MEM_FRACTION=0.17), GPT-2 Large and XL through the
+# One H200 capped at 24 GB (XLA_PYTHON_CLIENT_MEM_FRACTION: 23.77 GiB of the card, benchmarks/cap24.sh), GPT-2 Large and XL through the
 # example (20-40 steps each, ~10 minutes in all; PARTS selects, default "guide offload xl bench"):
 #   guide:   configs/oom_guide_zero2_offload.json with --micro-batch auto and no other flag
 #   offload: configs/zero2_offload_optimizer.json, micro 8, full remat: the in_place loop, the
@@ -9,8 +9,9 @@
 #            offload_optimizer.ratio 0.25
 #   PYTHONPATH=. bash benchmarks/gpu_offload_24gb.sh [guide] [offload] [xl] [bench]
 set -u
+. "$(dirname "$0")/cap24.sh"
 OUT=${OUT:-benchmarks/results}; mkdir -p "$OUT"
-export PYTHONUNBUFFERED=1 XLA_PYTHON_CLIENT_MEM_FRACTION=0.17
+export PYTHONUNBUFFERED=1 XLA_PYTHON_CLIENT_MEM_FRACTION=$(cap24)
 PY=${PYTHON:-python3}
 PARTS=" ${*:-guide offload xl bench} "
 example() {  # example SECONDS ARGS...: one run of the example, its plan and summary lines
@@ -34,7 +35,7 @@ if [[ $PARTS == *" xl "* ]]; then
   done
 fi
 if [[ $PARTS == *" bench "* ]]; then
-  B="$PY benchmarks/bench.py --matrix custom --sizes large --remat on --micro 8 --mem-fraction 0.17 --steps 5 --warmup 2 --timeout 150"
+  B="$PY benchmarks/bench.py --matrix custom --sizes large --remat on --micro 8 --mem-fraction $(cap24) --steps 5 --warmup 2 --timeout 150"
   $B --stages 2,3 --offload optimizer,optimizer:0.25 --out "$OUT/offload_optimizer.json" 2>&1 | grep -E "^large|FAIL"
   $B --stages 3 --offload param:0,param --out "$OUT/offload_param.json" 2>&1 | grep -E "^large|FAIL"
 fi

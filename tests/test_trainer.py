@@ -106,6 +106,9 @@ def test_methods_and_their_options_are_checked_before_anything_is_built(prefs, c
     with pytest.raises(SystemExit):
         trainer.main(["--method-option", "beta=1"])
     assert "--method-option needs --method NAME" in capsys.readouterr().err
+    with pytest.raises(ConfigMismatch, match="--method grpo: train_batch_size=8 is not a multiple of group=3"):
+        trainer.main(["--model", "tiny-llama", "--method", "grpo", "--data", "digit", "--method-option", "group=3",
+                      "--micro-batch", "1", "--steps", "1"])
     with pytest.raises(DataError, match="--sample-prompts nope.txt: no such file"):
         trainer.main(["--model", "tiny-llama", "--sample-prompts", "nope.txt", "--steps", "1"])
 
@@ -142,6 +145,9 @@ def test_grpo_through_zerojax_train_raises_the_reward_and_resumes_exactly(fp32_c
                if line.startswith("step ") and "reward/mean" in line]
     assert len(rewards) == 2 and rewards[0] < rewards[1], out  # logged at steps 10 and 14
     assert whole["method_metrics"]["reward/mean"] > 0.3, whole["method_metrics"]
+    timed = whole["rollouts"]  # steps 2 .. 13: neither the first (compiles) nor the last (no next rollout)
+    assert timed["steps_timed"] == 12 and timed["generate_s"] > 0 and timed["train_s"] > 0
+    assert timed["samples_per_s"] == pytest.approx(32 * 12 / (timed["generate_s"] + timed["train_s"]), rel=1e-2)
     # resumed at step 12: the same rollouts, the same losses as the uninterrupted run's last two
     _resume_from(tmp_path / "ck", "global_step12")
     resumed = train(tmp_path, *argv, "--steps", "14", "--resume")

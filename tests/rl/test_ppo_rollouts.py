@@ -81,9 +81,9 @@ def test_ppo_method_batches_are_gae_of_the_engines_outputs(digits):
     method = get_method("ppo")
     with pytest.raises(ValueError, match="did you mean 'kl_ctl'"):
         method.resolve({"kl_ctrl": 0.1})
-    with pytest.raises(ValueError, match="lam=1.5"):
-        method.prepare_model(None, method.resolve({"lam": 1.5}))
     data = method.data("digit", ByteTokens(), 11, 8)
+    with pytest.raises(ValueError, match="lam=1.5"):
+        method.check(method.resolve({"lam": 1.5}, data), 8, data)
     options = method.resolve({"max_new_tokens": 5, "critic_lr": 1e-3}, data)
     assert options["reward"] == "digit" and options["kl_ctl"] == 0.1 and options["gamma"] == 1.0
     sample = next(iter(data.train_batches(8, seed=0, start_step=0, num_steps=1)))

@@ -39,6 +39,8 @@ class Method:
         model's reference log-probs added), or None: as read.
     data_options(data) -> options the data decides (e.g. the pad id), merged over `options`.
     options: the settings and their defaults.
+    check(options, rows, data) -> None: refuses (ValueError, one line) settings this run cannot take
+        (rows: train_batch_size), before anything is built; or None.
     rollouts(engine, data, options, *, seed, start_step, num_steps) -> an iterator of the training
         batches, made each step on the live engine (RL methods: `zerojax.rl.RolloutBatches`, whose
         `.metrics` holds the last step's rollout metrics), or None: `data.train_batches` is the
@@ -53,6 +55,7 @@ class Method:
     data_options: Callable[[Any], dict] = lambda data: {}
     options: Mapping = dataclasses.field(default_factory=dict)
     rollouts: Callable | None = None
+    check: Callable | None = None
 
     def resolve(self, options: Mapping | None = None, data=None) -> dict:
         """The settings: the defaults, what `data` decides (`data_options`) over them, `options` (the
@@ -171,6 +174,12 @@ def _grpo_rollouts(engine, data, options, *, seed, start_step, num_steps):
                           start_step=start_step, num_steps=num_steps)
 
 
+def _grpo_check(options, rows, data):
+    from zerojax.rl.rollouts import RolloutOptions
+
+    RolloutOptions.from_options(options).check(rows, data.completion_len)
+
+
 def _grpo_data_options(data):
     from zerojax.rl import tasks
 
@@ -180,7 +189,7 @@ def _grpo_data_options(data):
 
 register(Method(
     name="grpo", what="GRPO on prompts, rollouts from the live engine", loss=_grpo_loss, data=_prompt_data,
-    data_options=_grpo_data_options, rollouts=_grpo_rollouts,
+    data_options=_grpo_data_options, rollouts=_grpo_rollouts, check=_grpo_check,
     options={"reward": None, "reward_weights": None, "group": 8, "max_new_tokens": None, "temperature": 1.0,
              "top_p": None, "top_k": None, "stop": [], "ignore_eos": False, "scale_std": True,
              "drop_zero_variance": False,
@@ -201,12 +210,10 @@ def _ppo_data(path, tokenizer, seq_len, batch_size, **kw):
     return PPOPromptData.of(_prompt_data(path, tokenizer, seq_len, batch_size, **kw))
 
 
-def _ppo_model(model, options):
-    """Checks PPO's settings before anything compiles."""
+def _ppo_check(options, rows, data):
     from zerojax.rl.ppo_rollouts import PPOOptions
 
-    PPOOptions.from_options(options).check(options["group"], 1 + (options["max_new_tokens"] or 0))
-    return model
+    PPOOptions.from_options(options).check(rows, data.completion_len)
 
 
 def _ppo_rollouts(engine, data, options, *, seed, start_step, num_steps):
@@ -222,7 +229,7 @@ def _ppo_rollouts(engine, data, options, *, seed, start_step, num_steps):
 
 register(Method(
     name="ppo", what="PPO with a critic (DeepSpeed-Chat step 3), rollouts from the live engine", loss=_ppo_loss,
-    data=_ppo_data, prepare_model=_ppo_model, data_options=_grpo_data_options, rollouts=_ppo_rollouts,
+    data=_ppo_data, data_options=_grpo_data_options, rollouts=_ppo_rollouts, check=_ppo_check,
     options={"reward": None, "reward_weights": None, "group": 1, "max_new_tokens": None, "temperature": 1.0,
              "top_p": None, "top_k": None, "stop": [], "ignore_eos": False, "reference": "auto", "iterations": 1,
              "kl_ctl": 0.1, "clip_reward_value": 5.0, "gamma": 1.0, "lam": 0.95, "cliprange": 0.2,

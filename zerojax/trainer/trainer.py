@@ -175,6 +175,11 @@ def _run(trainer: Trainer) -> dict:
     else:
         data = load_method_data(args, method, choice, seq_len, cfg.train_batch_size)
         method_opts = method.resolve(method_opts, data)
+        if method.check is not None:
+            try:
+                method.check(method_opts, cfg.train_batch_size, data)
+            except ValueError as e:
+                raise ConfigMismatch(f"--method {method.name}: {e}") from None
     samples = None
     if args.sample_prompts:  # read and tokenized now: a bad file stops the run before anything compiles
         from zerojax.data.rows import run_tokenizer
@@ -439,6 +444,8 @@ def _run(trainer: Trainer) -> dict:
     if method is not None:
         summary.update(method=args.method, method_options=method_opts,
                        method_metrics={k: float(last_metrics[k]) for k in method_keys})
+    if rollouts is not None and len(rollouts.history) > 2:
+        summary["rollouts"] = rollout_times(rollouts.history, cfg.train_batch_size)
     if meter.tokens_per_s_per_device is not None:
         summary["tokens_per_s_per_device"] = round(meter.tokens_per_s_per_device)
     if meter.mfu is not None:
@@ -483,6 +490,19 @@ def _run(trainer: Trainer) -> dict:
     engine.close()
     print(closing_line(summary), flush=True)  # last: what people read of a run
     return summary
+
+
+def rollout_times(history: list, rows: int) -> dict:
+    """An RL run's split of time over the steps that compiled nothing (the first is left out):
+    seconds generating (rollouts, rewards, log-probs) and training, and completions trained a
+    second. A step's training is timed when the next rollout starts (`history[k + 1]`'s
+    "time/train_s"), so the last step, whose training no rollout follows, is left out too."""
+    pairs = [(history[k]["time/generate_s"], history[k + 1]["time/train_s"]) for k in range(1, len(history) - 1)]
+    generate, train = sum(g for g, _ in pairs), sum(t for _, t in pairs)
+    total = generate + train
+    return {"steps_timed": len(pairs), "generate_s": round(generate, 3), "train_s": round(train, 3),
+            "generate_share": round(generate / total, 3) if total > 0 else None,
+            "samples_per_s": round(rows * len(pairs) / total, 2) if total > 0 else None}
 
 
 def closing_line(summary: dict) -> str:
