@@ -14,6 +14,7 @@ from zerojax import EngineOptions
 from zerojax.planning import estimate as E
 from zerojax.planning import planner as PL
 from zerojax.config import load_config
+from zerojax.models import Llama, LlamaConfig
 from zerojax.models.gpt2 import GPT2, GPT2Config
 from zerojax.sharding.partition import make_mesh
 
@@ -177,6 +178,47 @@ def test_ranking_follows_an_independent_flop_count():
     # full remat costs one more forward of the blocks: slower than no remat at the same micro-batch
     by = {(p.remat, p.micro_batch): s for (p, _), s in zip(found.tried, seconds)}
     assert all(by[("full", m)] > by[(None, m)] for m in (1, 2, 4, 8))
+
+
+# a Llama whose MLP is wide against its residual stream (d 32, intermediate 512): on a long row the
+# MLP's [B, T, intermediate] activations are most of what a step without remat keeps
+WIDE_MLP = LlamaConfig.named("tiny", hidden_size=32, intermediate_size=512, num_attention_heads=2,
+                             num_key_value_heads=1, max_position_embeddings=2 * PL.MLP_TILE)
+
+
+def wide_mlp_llama(remat_policy=None, mlp_tile=None):
+    return Llama(WIDE_MLP, rngs=nnx.Rngs(0), remat_policy=remat_policy, mlp_tile=mlp_tile,
+                 attention_impl="blockwise")  # no [T, T] scores beside the MLP's activations
+
+
+@pytest.mark.slow
+def test_a_long_row_gets_a_tiled_mlp_where_the_untiled_one_does_not_fit():
+    """A factory taking `mlp_tile`, on a row longer than MLP_TILE: the planner adds the default
+    tile to its choices (at MLP_TILE positions, untiled only). At a budget between the compiled
+    peaks of the untiled and the tiled step (no remat, micro-batch 1) the untiled step does not
+    fit and the tiled one, predicted faster than a full remat, is chosen; the tile is carried
+    beside the DeepSpeed keys, not in them. Its price in the step-time model: one more forward of
+    the MLP kernels, 2 x 3·L·d·intermediate FLOPs a token, counted here from the config."""
+    T = 2 * PL.MLP_TILE
+    tile = PL.default_mlp_tile(T)
+    assert tile == PL.MLP_TILE and PL.default_mlp_tile(3000) == 1500  # equal pieces, none padded
+    assert PL.mlp_tile_choices(wide_mlp_llama, None, T) == (None, tile)
+    assert PL.mlp_tile_choices(wide_mlp_llama, None, PL.MLP_TILE) == (None,)
+    assert PL.mlp_tile_choices(factory, None, T) == (PL.AS_BUILT,)  # GPT-2's factory has no mlp_tile
+    cfg = dict(CFG, train_micro_batch_size_per_gpu=1)
+    peak = {t: PL.step_memory(wide_mlp_llama, cfg, T, 1, remat=None, mlp_tile=t).peak for t in (None, tile)}
+    assert peak[tile] < peak[None]
+    budget = (peak[tile] + peak[None]) // 2
+    found = PL.search(wide_mlp_llama, cfg, budget, T, stages=(2,), offloads=("none",), max_plans=1)
+    assert [(p.remat, p.mlp_tile, outcome) for p, outcome in found.tried] == [
+        (None, None, "does not fit"), (None, tile, "fits")]
+    best = found.plans[0]
+    assert (best.mlp_tile, best.peak_bytes, best.micro_batch) == (tile, peak[tile], 1)
+    assert f"remat none, MLP tile {tile}, micro-batch 1" in found.explain()
+    assert best.to_dict()["mlp_tile"] == tile and "mlp_tile" not in json.dumps(best.config_patch())
+    L, d, m = WIDE_MLP.num_hidden_layers, WIDE_MLP.hidden_size, WIDE_MLP.intermediate_size
+    shape = PL.model_shape(wide_mlp_llama, T)
+    assert E.train_flops_per_token(shape, tiled_mlp=True) - E.train_flops_per_token(shape) == 2 * 3 * L * d * m
 
 
 def test_precision_auto_is_explored_and_written_back():

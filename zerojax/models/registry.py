@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import importlib
+import inspect
 from typing import Any, Callable
 
 # the modules of the families zerojax ships, imported on first look-up
@@ -43,7 +44,8 @@ class ModelFamily:
     name: the key (and the model's `checkpoint_record()["family"]`); label: for messages.
     config_class: its config dataclass; shapes: {name a run takes (`--model`): the name
         `config_class.named` takes}.
-    model_class: `model_class(config, *, rngs, dtype, param_dtype, remat_policy)`.
+    model_class: `model_class(config, *, rngs, dtype, param_dtype, remat_policy)`, and any further
+        keyword its __init__ takes (`takes`: e.g. the Llama family's mlp_tile).
     loss / chunked_loss: `loss(model, batch)`; `chunked_loss(chunk)` -> a loss computing the
         logits `chunk` tokens at a time.
     hf_model_types: config.json model_types it reads; from_hf(path, dtype=None, **model_kwargs)
@@ -85,8 +87,15 @@ class ModelFamily:
         """The config of the named shape `shape` (a key of `shapes`)."""
         return self.config_class.named(self.shapes[shape], **overrides)
 
-    def build(self, config, *, rngs, dtype, param_dtype, remat_policy=None):
-        return self.model_class(config, rngs=rngs, dtype=dtype, param_dtype=param_dtype, remat_policy=remat_policy)
+    def build(self, config, *, rngs, dtype, param_dtype, remat_policy=None, **options):
+        """A model of `config`; `options`: further keywords of the model class (see `takes`)."""
+        return self.model_class(config, rngs=rngs, dtype=dtype, param_dtype=param_dtype, remat_policy=remat_policy,
+                                **options)
+
+    def takes(self, keyword: str) -> bool:
+        """Whether the model class's __init__ takes `keyword` (a build option such as mlp_tile;
+        read off __init__: an nnx.Module class's own signature is its metaclass's *args)."""
+        return keyword in inspect.signature(self.model_class.__init__).parameters
 
 
 _FAMILIES: dict[str, ModelFamily] = {}

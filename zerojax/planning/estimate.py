@@ -288,8 +288,9 @@ class ModelShape:
     stream's width), seq_len: for attention's FLOPs, the activations and the per-layer
     collectives (0 when unknown: attention is then not counted); attn_width: the attention's
     width, heads x head_dim, where attention's FLOPs are counted (0: d_model, as for GPT-2; Qwen3
-    0.6B has 16 x 128 = 2048 on d_model 1024). `n_layer=` is accepted for `layers` (its older,
-    GPT-2 name).
+    0.6B has 16 x 128 = 2048 on d_model 1024); mlp_params: the blocks' MLP kernels (all layers),
+    what a tiled MLP's backward reruns (0 when unknown). `n_layer=` is accepted for `layers` (its
+    older, GPT-2 name).
     """
 
     params: int
@@ -298,6 +299,7 @@ class ModelShape:
     d_model: int = 0
     seq_len: int = 0
     attn_width: int = 0
+    mlp_params: int = 0
     n_layer: dataclasses.InitVar[int | None] = None
 
     def __post_init__(self, n_layer):
@@ -313,12 +315,20 @@ class ModelShape:
 ModelShape.n_layer = property(lambda self: self.layers, doc="`layers`, by its older (GPT-2) name")
 
 
-def train_flops_per_token(shape: ModelShape, remat: str | None = None) -> float:
+def train_flops_per_token(shape: ModelShape, remat: str | None = None, tiled_mlp: bool = False) -> float:
     """Training FLOPs per token: 6N + 12·L·w·T (PaLM, appendix B; w the attention width, heads x
     head_dim, d for GPT-2), plus the recompute of `remat`: "full" / "offload" run every block's
     forward again (2·N_layers + 4·L·w·T), "dots" keeps the matmuls without batch dimensions and
     recomputes attention's two batched products (4·L·w·T); the save_* policies are models.gpt2's
-    (and Llama's, which takes GPT-2's names), their saved q/k/v projection counted as GPT-2's 3·d²."""
+    (and Llama's, which takes GPT-2's names), their saved q/k/v projection counted as GPT-2's 3·d².
+    tiled_mlp (`Llama(mlp_tile=N)`): each MLP piece is checkpointed, so its backward reruns the
+    MLP's forward once more, 2·N_mlp (`ModelShape.mlp_params`), on top of any remat's recompute
+    (a remat that reruns the block runs the tiled forward, whose backward then reruns each piece)."""
+    tile = 2.0 * shape.mlp_params if tiled_mlp else 0.0
+    return tile + _remat_flops_per_token(shape, remat)
+
+
+def _remat_flops_per_token(shape: ModelShape, remat) -> float:
     attn = shape.layers * shape.attention_width * shape.seq_len
     base = 6.0 * shape.params + 12.0 * attn
     if remat in (None, "none"):
@@ -336,7 +346,7 @@ def train_flops_per_token(shape: ModelShape, remat: str | None = None) -> float:
     k = partial_dots_layers(remat)
     if k is not None and 2 <= k <= shape.layers - 2:
         # "dots_<k>": "dots" on k layers, "full" on the rest (each layer recomputes 1 / layers of it)
-        return train_flops_per_token(shape, "dots") + (1 - k / shape.layers) * 2.0 * shape.layer_params
+        return _remat_flops_per_token(shape, "dots") + (1 - k / shape.layers) * 2.0 * shape.layer_params
     raise ValueError(f"remat={remat!r}; choose one of {tuple(REMAT_RECOMPUTE)} or \"dots_<k>\" "
                      "(2 <= k <= layers - 2)")
 
@@ -401,11 +411,12 @@ def predict_step_time(shape: ModelShape, *, micro_batch: int, grad_accum: int = 
                       n_data: int = 1, stage: int = 0, precision: str = "bf16",
                       remat: str | None = None, offload_optimizer: bool = False,
                       offload_ratio: float = 1.0, offload_param: bool = False,
-                      hardware: Hardware = H200, n_tensor: int = 1) -> StepTime:
+                      hardware: Hardware = H200, n_tensor: int = 1, tiled_mlp: bool = False) -> StepTime:
     """The step-time model (per device, one optimizer step of micro_batch x grad_accum rows).
 
-    compute: tokens x (FLOPs a token without remat + recompute_weight x remat's recompute)
-      / (ceiling x efficiency(micro-batch tokens x d_model)) (`Hardware`; FLOPs: train_flops_per_token).
+    compute: tokens x (FLOPs a token without remat + recompute_weight x the recompute of remat
+      and of a tiled MLP) / (ceiling x efficiency(micro-batch tokens x d_model)) (`Hardware`;
+      FLOPs: train_flops_per_token).
     collectives (ring; each device sends (N-1)/N of the buffer): stage 0/1 all-reduce the fp32
       gradients once a step (stage 1 then all-gathers the new params); stage 2 reduce-scatters
       every micro-batch and all-gathers the new params; stage 3 gathers the params twice per
@@ -431,7 +442,7 @@ def predict_step_time(shape: ModelShape, *, micro_batch: int, grad_accum: int = 
     work = micro_tokens * _width(shape)
     eff = hardware.peak_efficiency * work / (work + hardware.half_efficiency_work)
     plain = train_flops_per_token(shape, None)
-    flops = plain + hardware.recompute_weight * (train_flops_per_token(shape, remat) - plain)
+    flops = plain + hardware.recompute_weight * (train_flops_per_token(shape, remat, tiled_mlp) - plain)
     compute = tokens * flops / (hardware.ceiling(precision) * eff)
 
     P, pb, gb = shape.params / n_tensor, PRECISION_BYTES[precision], 4

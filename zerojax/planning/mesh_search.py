@@ -72,7 +72,9 @@ def gpt2_mesh_model(config, seq_len: int) -> MeshModel:
     d, L, V = config.n_embd, config.n_layer, config.padded_vocab_size
     block = 2 * d + (3 * d * d + 3 * d) + (d * d + d) + 2 * d + (4 * d * d + 4 * d) + (4 * d * d + d)
     total = V * d + config.n_positions * d + L * block + 2 * d
-    return MeshModel(est.ModelShape(total, L * block, L, d, seq_len, attn_width=d), config.n_head, V, 4 * d)
+    mlp_kernels = L * 2 * d * 4 * d  # c_fc [d, 4d] and c_proj [4d, d] a layer
+    return MeshModel(est.ModelShape(total, L * block, L, d, seq_len, attn_width=d, mlp_params=mlp_kernels),
+                     config.n_head, V, 4 * d)
 
 
 def mesh_model_of(model_factory, seq_len: int) -> MeshModel:

@@ -1,9 +1,10 @@
 """The planner: under a device-memory budget, the fastest way to train, found in seconds.
 
 It explores what buys memory, cheapest loss of speed first: activation checkpointing (the remat
-policies the model offers), precision (when the config leaves it to "auto"), a smaller
-micro-batch with gradient_accumulation_steps raised to keep the global batch, then the ZeRO
-stage, then offload. Every candidate gets a predicted step time (`zerojax.planning.estimate`: FLOPs with
+policies the model offers), a tiled MLP on long rows (where the model takes `mlp_tile`),
+precision (when the config leaves it to "auto"), a smaller micro-batch with
+gradient_accumulation_steps raised to keep the global batch, then the ZeRO stage, then offload.
+Every candidate gets a predicted step time (`zerojax.planning.estimate`: FLOPs with
 recompute at the matmul ceiling, collectives, host<->device copies); candidates are tried in that
 order, pruned first by formula (model states alone over the budget) and by dominance (a choice
 that holds at least as much as one that did not fit in every dimension is not compiled), then
@@ -43,6 +44,10 @@ REMAT_CHOICES = (None, "full", "offload")  # DeepSpeed's activation_checkpointin
 DTYPES = {"fp32": jnp.float32, "bf16": jnp.bfloat16, "fp16": jnp.float16}
 # partial optimizer offload (DeepSpeed's offload_optimizer.ratio, stage 3) sits between none and full
 DEFAULT_OFFLOADS = ("none", "optimizer:0.5", "optimizer", "param")
+# positions per piece of the tiled MLP the planner tries on rows longer than this: a piece of 2048
+# positions keeps each MLP matmul large enough to run near the matmul ceiling, while the [B, T,
+# intermediate] activations shrink T / 2048 times (ALST tiles about one hidden size's worth)
+MLP_TILE = 2048
 # a candidate whose estimated peak (from a compiled neighbour) exceeds the budget by more than
 # this is not compiled; estimates scaled down to a smaller micro-batch err low (see search)
 ESTIMATE_MARGIN = 0.05
@@ -59,7 +64,9 @@ class Plan:
     remat: None (no activation checkpointing), "full", "offload" (block inputs kept in host
     memory), or AS_BUILT. precision: "bf16" | "fp16" | "fp32", None = as the config says.
     grad_accum: gradient_accumulation_steps (None = as the config says). step_s / tokens_per_s:
-    predicted seconds per optimizer step and tokens per second per device.
+    predicted seconds per optimizer step and tokens per second per device. mlp_tile: positions
+    per piece of the tiled MLP, None (untiled) or AS_BUILT (a model without `mlp_tile`); a
+    model-build keyword, as remat is for the trainer, so not in `config_patch`.
     """
 
     stage: int
@@ -74,17 +81,28 @@ class Plan:
     grad_accum: int | None = None
     step_s: float | None = None
     tokens_per_s: float | None = None
+    mlp_tile: int | str | None = AS_BUILT
 
     def speed_key(self):
         """Smaller is faster: the predicted step time; without one (a plan built by hand), a
-        fixed order: param offload, optimizer offload (by offloaded fraction), remat, then a
-        larger micro-batch first, lower stage first."""
+        fixed order: param offload, optimizer offload (by offloaded fraction), remat, a tiled MLP,
+        then a larger micro-batch first, lower stage first."""
+        # a tile reruns the MLP's forward, a part of what a remat policy reruns: after remat.
+        # Ahead of the micro-batch: on the long rows a tile is tried on, a smaller micro-batch
+        # costs the step-time model almost nothing (its efficiency term is saturated), while
+        # the tile's recompute stays
         order = (self.offload_param, self.offload_ratio if self.offload_optimizer else 0.0,
-                 self.remat not in (None, AS_BUILT), -self.micro_batch, self.stage)
+                 self.remat not in (None, AS_BUILT), self.tiled, -self.micro_batch, self.stage)
         return (math.inf if self.step_s is None else self.step_s, *order)
 
+    @property
+    def tiled(self) -> bool:
+        """Whether this plan runs a tiled MLP."""
+        return _tiled(self.mlp_tile)
+
     def config_patch(self) -> dict:
-        """The DeepSpeed config keys this plan sets (merge with `apply`; None removes a section)."""
+        """The DeepSpeed config keys this plan sets (merge with `apply`; None removes a section).
+        The MLP tile is no DeepSpeed key: the model is built with it (`mlp_tile`)."""
         opt = {"device": "cpu" if self.offload_optimizer else "none"}
         if self.offload_optimizer and self.offload_ratio < 1.0:
             opt["ratio"] = self.offload_ratio
@@ -119,6 +137,8 @@ class Plan:
         parts = [] if self.precision is None else [self.precision]
         if self.remat != AS_BUILT:
             parts.append(f"remat {self.remat or 'none'}")
+        if self.tiled:
+            parts.append(f"MLP tile {self.mlp_tile}")
         mb = f"micro-batch {self.micro_batch}"
         if self.grad_accum is not None:
             mb += f" x {self.grad_accum} accumulation"
@@ -140,6 +160,10 @@ class Plan:
     def to_dict(self) -> dict:
         return {**dataclasses.asdict(self), "config_patch": self.config_patch(),
                 "describe": self.describe()}
+
+
+def _tiled(mlp_tile) -> bool:
+    return mlp_tile not in (None, AS_BUILT)
 
 
 def rank_plans(plans: Iterable[Plan]) -> list[Plan]:
@@ -169,10 +193,13 @@ def _params_of(factory) -> set:
         return set()
 
 
-def factory_kwargs(factory, remat=AS_BUILT, precision=None) -> dict:
-    """Keyword arguments for `factory` that build the `remat` / `precision` variant; a factory
-    without `remat_policy` (or the older `remat=bool`) / `dtype` keywords is used as it is."""
+def factory_kwargs(factory, remat=AS_BUILT, precision=None, mlp_tile=AS_BUILT) -> dict:
+    """Keyword arguments for `factory` that build the `remat` / `precision` / `mlp_tile` variant;
+    a factory without `remat_policy` (or the older `remat=bool`) / `dtype` / `mlp_tile` keywords
+    is used as it is."""
     names, kw = _params_of(factory), {}
+    if mlp_tile != AS_BUILT and "mlp_tile" in names:
+        kw["mlp_tile"] = mlp_tile
     if remat != AS_BUILT:
         if "remat_policy" in names:
             kw["remat_policy"] = remat
@@ -227,13 +254,13 @@ _STEP_MEMORY: dict = {}
 
 def step_memory(model_factory, cfg_dict, seq_len, micro_batch, *, remat=AS_BUILT, precision=None,
                 grad_accum=None, loss_fn=None, mesh=None, batch_fn=None,
-                options: EngineOptions | None = None) -> CompiledMemory:
+                options: EngineOptions | None = None, mlp_tile=AS_BUILT) -> CompiledMemory:
     """Compile the engine's real training step for `cfg_dict` at `micro_batch` (x `grad_accum`);
     read its memory. Nothing is allocated: the engine is abstract and the model traced.
 
-    model_factory: a callable returning an nnx.Module, taking `remat_policy=` / `dtype=` to build
-    variants (or the older `remat=bool`), or a built Module. batch_fn(global_batch, seq_len) -> a
-    tree of ShapeDtypeStructs (default GPT-2's input_ids). options: the EngineOptions the engine
+    model_factory: a callable returning an nnx.Module, taking `remat_policy=` / `dtype=` /
+    `mlp_tile=` to build variants (or the older `remat=bool`), or a built Module.
+    batch_fn(global_batch, seq_len) -> a tree of ShapeDtypeStructs (default GPT-2's input_ids). options: the EngineOptions the engine
     will run with (split_master, adam_mu_dtype, the offload loop ... change the peak), adapted to
     this config (`layout.options_for_config`). Memoised per (factory, config, shapes, choices, options, mesh)
     for the life of the process.
@@ -243,7 +270,7 @@ def step_memory(model_factory, cfg_dict, seq_len, micro_batch, *, remat=AS_BUILT
     if precision is not None:
         cfg_dict = merge_config(cfg_dict, {"bf16": {"enabled": precision == "bf16"},
                                      "fp16": {"enabled": precision == "fp16"}})
-    kw = factory_kwargs(model_factory, remat, precision)
+    kw = factory_kwargs(model_factory, remat, precision, mlp_tile)
     key = (model_factory, json.dumps(cfg_dict, sort_keys=True, default=str), seq_len,
            tuple(sorted((k, str(v)) for k, v in kw.items())), loss_fn, batch_fn,
            None if mesh is None else (tuple(mesh.shape.items()), tuple(d.id for d in mesh.devices.flat)),
@@ -293,9 +320,9 @@ def _tensor_size(mesh, cfg_dict):
 
 
 def model_shape(model_factory, seq_len) -> est.ModelShape:
-    """Parameters (all, and the repeated blocks'), depth, width and attention width (heads x
-    head_dim) of the model, from its dims (`zerojax.model.model_dims`: its own `model_dims()`, else
-    read off the parameter tree), on the abstract model (nothing allocated)."""
+    """Parameters (all, the repeated blocks' and their MLPs'), depth, width and attention width
+    (heads x head_dim) of the model, from its dims (`zerojax.model.model_dims`: its own
+    `model_dims()`, else read off the parameter tree), on the abstract model (nothing allocated)."""
     model = model_factory if isinstance(model_factory, nnx.Module) else nnx.eval_shape(model_factory)
     dims = model_dims(model)
     layers, layer_params = dims.layers, dims.layers * dims.layer_params
@@ -305,7 +332,15 @@ def model_shape(model_factory, seq_len) -> est.ModelShape:
         layers = int(stacked[0].shape[0]) if stacked else 0
         layer_params = sum(math.prod(var.shape) for var in stacked)
     return est.ModelShape(dims.params, layer_params, layers, dims.d_model, int(seq_len or 0),
-                          attn_width=dims.heads * dims.head_dim)
+                          attn_width=dims.heads * dims.head_dim, mlp_params=_mlp_params(model))
+
+
+def _mlp_params(model) -> int:
+    """The MLP kernels' parameters: the leaves named with both the residual ("embed") and the
+    MLP's width ("mlp") axes (Llama's gate / up / down, GPT-2's c_fc / c_proj; biases left out,
+    they are no matmul). 0 for a model without logical names."""
+    return sum(math.prod(var.shape) for _, var in nnx.to_flat_state(nnx.state(model, nnx.Param))
+               if {"embed", "mlp"} <= set(mem._logical_names(var)))
 
 
 def precision_choices(cfg_dict, factory=None) -> tuple:
@@ -330,6 +365,29 @@ def rows_per_device(cfg_dict, n_data, default=8) -> int:
     if isinstance(mb, int):
         return mb * (ga if isinstance(ga, int) else 1)
     return default
+
+
+def mlp_tile_choices(factory, mlp_tile, seq_len, cfg_dict=None) -> tuple:
+    """The MLP tilings to plan over (positions per piece; None = untiled). A factory without
+    `mlp_tile=` is used as built. mlp_tile None: untiled, plus `default_mlp_tile(seq_len)` where
+    the row is longer than MLP_TILE and not split by sequence parallelism (the pieces would cut
+    across the "seq" split); an int, or several (None among them = untiled): those."""
+    if "mlp_tile" not in _params_of(factory):
+        return (AS_BUILT,)
+    if mlp_tile is None:
+        split = ((cfg_dict or {}).get("sequence_parallel_size") or 1) > 1
+        return (None,) if split or seq_len <= MLP_TILE else (None, default_mlp_tile(seq_len))
+    from zerojax.models.tiling import check_tile
+
+    given = mlp_tile if isinstance(mlp_tile, (tuple, list)) else (mlp_tile,)
+    return tuple(dict.fromkeys(check_tile(t, "mlp_tile") for t in given))
+
+
+def default_mlp_tile(seq_len: int) -> int:
+    """The row in the fewest pieces of at most MLP_TILE positions, all of one size (a row of 3000
+    in two of 1500, not 2048 + 952 padded to 2 x 2048)."""
+    pieces = -(-seq_len // MLP_TILE)
+    return -(-seq_len // pieces)
 
 
 def _offload_choice(offload: str) -> tuple[str, float]:
@@ -371,18 +429,30 @@ class _Candidate:
     stage: int
     kind: str
     ratio: float
+    mlp_tile: int | str | None = AS_BUILT
 
     def plan(self, **kw) -> Plan:
         return Plan(self.stage, self.micro_batch, self.kind != "none", self.kind == "param",
                     self.remat, offload_ratio=self.ratio, precision=self.precision,
-                    grad_accum=self.grad_accum, **kw)
+                    grad_accum=self.grad_accum, mlp_tile=self.mlp_tile, **kw)
 
     def holds_at_least(self, other: "_Candidate") -> bool:
         """True when this choice keeps at least as much on the device as `other` in every
-        dimension (same precision; micro-batch, remat, offload and stage no leaner)."""
+        dimension (same precision; micro-batch, remat, MLP tile, offload and stage no leaner)."""
         return (self.precision == other.precision and self.micro_batch >= other.micro_batch
                 and remat_keeps_at_least(self.remat, other.remat)
+                and tile_keeps_at_least(self.mlp_tile, other.mlp_tile)
                 and _offload_rank(self) >= _offload_rank(other) and self.stage <= other.stage)
+
+
+def tile_keeps_at_least(a, b) -> bool:
+    """Whether MLP tiling `a` holds at least the MLP activations tiling `b` holds: untiled (None)
+    holds the whole row's, a tile one piece's, a larger piece more. AS_BUILT compares only to itself."""
+    if a == b or a is None:
+        return True
+    if b is None or AS_BUILT in (a, b):
+        return False
+    return a >= b
 
 
 # what each remat policy keeps for the backward pass includes what these keep (models/gpt2.py):
@@ -470,7 +540,8 @@ def search(model_factory, cfg_dict, budget, seq_len, *, stages=(0, 1, 2, 3),
            offloads=DEFAULT_OFFLOADS, remat=None, precision=None, micro_batch=None,
            batch_rows=None, loss_fn=None, mesh=None, batch_fn=None, hardware=est.H200,
            max_plans=3, one_per_tier=True, on_result: Callable | None = None,
-           options: EngineOptions | None = None, host_budget: int | None = None) -> Search:
+           options: EngineOptions | None = None, host_budget: int | None = None,
+           mlp_tile=None) -> Search:
     """The planning run behind `plan`; returns what fits and what was tried (see `Search`).
 
     host_budget: the host memory an offloading plan may hold (default: what is available now); a
@@ -485,6 +556,7 @@ def search(model_factory, cfg_dict, budget, seq_len, *, stages=(0, 1, 2, 3),
     n_tensor = _tensor_size(mesh, cfg_dict)
     n_zero = max(n_data // n_tensor, 1)
     remats = _remat_choices(model_factory, remat)
+    tiles = mlp_tile_choices(model_factory, mlp_tile, seq_len, cfg_dict)
     precisions = ((precision,) if isinstance(precision, str) else tuple(precision)
                   if precision is not None else precision_choices(cfg_dict, model_factory))
     rows = batch_rows or rows_per_device(cfg_dict, n_data)
@@ -508,7 +580,7 @@ def search(model_factory, cfg_dict, budget, seq_len, *, stages=(0, 1, 2, 3),
                 for r in remats:
                     for m in micros:
                         accum = max(rows // m, 1) if auto_micro else _accum(cfg_dict)
-                        cands.append(_Candidate(prec, r, m, accum, stage, kind, ratio))
+                        cands += [_Candidate(prec, r, m, accum, stage, kind, ratio, t) for t in tiles]
 
     def predicted(c):
         return est.predict_step_time(
@@ -516,8 +588,11 @@ def search(model_factory, cfg_dict, budget, seq_len, *, stages=(0, 1, 2, 3),
             stage=c.stage, precision=c.precision or configured_precision(cfg_dict),
             remat=None if c.remat == AS_BUILT else c.remat, offload_optimizer=c.kind != "none",
             offload_ratio=c.ratio, offload_param=c.kind == "param", hardware=hardware,
-            n_tensor=n_tensor)
+            n_tensor=n_tensor, tiled_mlp=_tiled(c.mlp_tile))
 
+    # candidates in predicted-speed order: a tile adds its MLP recompute to the step time, so
+    # within a tier (precision, remat, micro-batch) the untiled step comes first, and a tiled one
+    # comes before a heavier remat or a smaller micro-batch only where the estimate says it is faster
     timed = sorted(((predicted(c), c) for c in cands),
                    key=lambda tc: (tc[0].step_s, tc[1].stage, -_offload_rank(tc[1])))
     fitting, tried, too_big, compiled, tiers_done = [], [], [], {}, set()
@@ -534,10 +609,10 @@ def search(model_factory, cfg_dict, budget, seq_len, *, stages=(0, 1, 2, 3),
                  adam_mu_dtype=opts.adam_mu_dtype)
 
     def estimated_peak(c):
-        """From a compiled neighbour (same precision and remat, micro-batch no smaller): its peak,
-        plus the formula's difference in model states, with its activations scaled to this
-        micro-batch. Scaling down also scales the fixed temporaries, so this errs low."""
-        refs = [r for r in compiled if (r.precision, r.remat) == (c.precision, c.remat)
+        """From a compiled neighbour (same precision, remat and MLP tile, micro-batch no smaller):
+        its peak, plus the formula's difference in model states, with its activations scaled to
+        this micro-batch. Scaling down also scales the fixed temporaries, so this errs low."""
+        refs = [r for r in compiled if (r.precision, r.remat, r.mlp_tile) == (c.precision, c.remat, c.mlp_tile)
                 and r.micro_batch >= c.micro_batch]
         if not refs:
             return None, None
@@ -570,7 +645,7 @@ def search(model_factory, cfg_dict, budget, seq_len, *, stages=(0, 1, 2, 3),
                 m = step_memory(model_factory, zero_choice(cfg_dict, c.stage, c.kind, c.ratio),
                                 seq_len, c.micro_batch, remat=c.remat, precision=c.precision,
                                 grad_accum=c.grad_accum, loss_fn=loss_fn, mesh=mesh,
-                                batch_fn=batch_fn, options=options)
+                                batch_fn=batch_fn, options=options, mlp_tile=c.mlp_tile)
             except NotImplementedError:
                 raise
             except Exception as e:  # noqa: BLE001 - a choice the engine rejects is not a plan
@@ -638,19 +713,21 @@ def configured_precision(cfg_dict):
 def plan(model_factory, cfg_dict, budget, seq_len, *, stages=(0, 1, 2, 3),
          offloads=DEFAULT_OFFLOADS, remat=None, precision=None, micro_batch=None,
          batch_rows=None, loss_fn=None, mesh=None, batch_fn=None, hardware=est.H200,
-         max_plans=3, one_per_tier=True, on_result=None, options=None) -> list[Plan]:
+         max_plans=3, one_per_tier=True, on_result=None, options=None, mlp_tile=None) -> list[Plan]:
     """Up to `max_plans` choices whose compiled step fits `budget` bytes per device, fastest
     (predicted) first.
 
     remat: policies to try (default: none and "full" when the factory takes `remat_policy=`;
-    "offload" on request). precision: "bf16" / "fp16" / "fp32" or several; default: the
+    "offload" on request). mlp_tile: MLP tilings to try where the factory takes `mlp_tile=`
+    (default: untiled, and on rows longer than MLP_TILE also `default_mlp_tile`; see
+    `mlp_tile_choices`). precision: "bf16" / "fp16" / "fp32" or several; default: the
     config's, or bf16 (+ fp32) when it says "auto". micro_batch: an int tries that micro-batch
     only; None / "auto" tries every divisor of the rows per device per step (`batch_rows`, default
     from the config's batch keys, else 8), raising gradient_accumulation_steps to keep them.
     offloads: "none", "optimizer", "optimizer:R" (ratio R < 1, stage 3), "param" (stage 3).
     hardware: the throughputs the step-time model uses (`zerojax.planning.estimate.Hardware`).
-    one_per_tier: list one plan per (precision, remat, micro-batch), the fastest stage / offload
-    that fits (False: every stage / offload that fits, up to max_plans).
+    one_per_tier: list one plan per (precision, remat, micro-batch), the fastest MLP tile / stage /
+    offload that fits (False: every MLP tile / stage / offload that fits, up to max_plans).
     on_result(plan, outcome): called for every choice tried (progress output).
     options: the EngineOptions the run will use (split_master, adam_mu_dtype, offload_loop ...:
     each candidate compiles with them, adapted to its layout by `layout.options_for_config`).
@@ -659,7 +736,7 @@ def plan(model_factory, cfg_dict, budget, seq_len, *, stages=(0, 1, 2, 3),
                   remat=remat, precision=precision, micro_batch=micro_batch,
                   batch_rows=batch_rows, loss_fn=loss_fn, mesh=mesh, batch_fn=batch_fn,
                   hardware=hardware, max_plans=max_plans, one_per_tier=one_per_tier,
-                  on_result=on_result, options=options).plans
+                  on_result=on_result, options=options, mlp_tile=mlp_tile).plans
 
 
 def fit_micro_batch(model_factory, cfg_dict, budget, seq_len, *, remat=AS_BUILT, loss_fn=None,
@@ -784,4 +861,5 @@ def device_budget_or(budget):
 __all__ = ["Plan", "rank_plans", "Search", "search", "plan", "fit_micro_batch", "fit_remat_policy", "REMAT_LADDER",
            "remat_keeps_at_least", "step_memory", "model_shape", "precision_choices", "rows_per_device",
            "engine_model_factory", "engine_plans", "device_split", "AS_BUILT", "DEFAULT_OFFLOADS", "REMAT_CHOICES",
-           "zero_choice", "model_source", "factory_kwargs", "merge_config", "configured_precision", "lm_loss"]
+           "zero_choice", "model_source", "factory_kwargs", "merge_config", "configured_precision", "lm_loss",
+           "MLP_TILE", "mlp_tile_choices", "default_mlp_tile", "tile_keeps_at_least"]

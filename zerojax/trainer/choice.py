@@ -22,14 +22,20 @@ class ModelChoice:
     def max_positions(self) -> int:
         return self.family_spec.max_positions(self.config)
 
-    def build(self, seed: int, dtype, remat, param_dtype=None):
-        """A randomly initialised model of this config (compute dtype, remat policy; parameters in
-        param_dtype, default fp32)."""
+    def build(self, seed: int, dtype, remat, param_dtype=None, mlp_tile=None):
+        """A randomly initialised model of this config (compute dtype, remat policy, MLP tile;
+        parameters in param_dtype, default fp32)."""
         import jax.numpy as jnp
         from flax import nnx
 
         return self.family_spec.build(self.config, rngs=nnx.Rngs(seed), dtype=dtype, remat_policy=remat,
-                                      param_dtype=param_dtype or jnp.float32)
+                                      param_dtype=param_dtype or jnp.float32, **tile_options(mlp_tile))
+
+
+def tile_options(mlp_tile) -> dict:
+    """The model keywords for an MLP tile: none when untiled, so a family without `mlp_tile`
+    (GPT-2) is built as before."""
+    return {} if mlp_tile is None else {"mlp_tile": mlp_tile}
 
 
 def named_model(size: str) -> ModelChoice:

@@ -33,11 +33,16 @@ def _micro_batch(text):
     return "auto" if text == "auto" else _number(int, 1, note=" (or auto)")(text)
 
 
+def _mlp_tile(text):
+    return "auto" if text == "auto" else _number(int, 1, note=" (positions per piece, or auto)")(text)
+
+
 # Flags whose value may be negative: argparse reads "-1e-3" as an option (its negative-number rule
 # misses exponents), so "--lr -1e-3" is rewritten "--lr=-1e-3" and the type checks then say why
 # a negative value is refused, instead of "expected one argument".
 _VALUE_FLAGS = ("--eval-every", "--save-every", "--steps", "--schedule-steps", "--seq-len", "--grad-accum", "--lr", "--loss-chunk",
-                "--eval-batches", "--sample-tokens", "--seed", "--peak-tflops", "--keep", "--micro-batch", "--lora", "--lora-alpha")
+                "--eval-batches", "--sample-tokens", "--seed", "--peak-tflops", "--keep", "--micro-batch", "--lora", "--lora-alpha",
+                "--mlp-tile")
 
 QUANTIZE = ("int8", "nf4", "int4")
 
@@ -135,6 +140,12 @@ def parse_args(argv=None, *, prog=None, description=None):
                    help="activation checkpointing per layer (default: from the config's "
                         "activation_checkpointing section: its remat_policy, else cpu_checkpointing -> "
                         "offload, else full)")
+    p.add_argument("--mlp-tile", type=_mlp_tile, default=None, metavar="N|auto",
+                   help="run each layer's MLP N positions of the row at a time (ALST's tiled MLP: the "
+                        "[batch, seq, intermediate] activations held one piece at a time, the MLP's forward "
+                        "rerun in the backward; models with mlp_tile, the Llama family); auto = the planner "
+                        "of --micro-batch auto chooses (a tile on long rows, where the tiled step is the fastest "
+                        "that fits); default: untiled")
     p.add_argument("--save", help="checkpoint folder (orbax); saved at the end")
     p.add_argument("--resume", action="store_true", help="continue from the latest checkpoint in --save")
     p.add_argument("--keep", type=_number(int, 1), default=None,

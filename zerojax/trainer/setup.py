@@ -40,13 +40,45 @@ def training_method(args, lora_cfg):
     return method, options
 
 
-def plan_micro_batch(cfg, build, dtype, remat, explore_remat, seq_len, loss_fn, options, lora=False, batch_fn=None):
+def resolve_mlp_tile(args, choice, planner_runs: bool):
+    """--mlp-tile checked before anything is built -> (the tile: None = untiled, an int, or "auto"
+    for the planner of micro-batch auto to choose; why, "" for a family without a tiled MLP: the
+    run header then says nothing of it). Refused in one line: a tile for a family whose model has
+    no tiled MLP, and auto where no planner runs."""
+    tile, tiles = args.mlp_tile, choice.family_spec.takes("mlp_tile")
+    if tile is None:
+        return None, "default; --mlp-tile N or auto tiles it" if tiles else ""
+    if not tiles:
+        raise ConfigMismatch(f"--mlp-tile {tile}: {choice.family_spec.label} has no tiled MLP (its model takes no "
+                             f"mlp_tile); drop --mlp-tile, or train a Llama-family model")
+    if tile == "auto" and not planner_runs:
+        raise ConfigMismatch("--mlp-tile auto: the planner of --micro-batch auto chooses the tile, and this run "
+                             "fixes the micro-batch; add --micro-batch auto, or give --mlp-tile N")
+    return tile, "--mlp-tile"
+
+
+def _planner_factory(build, remat, mlp_tile, explore_remat, explore_tile):
+    """`build(remat_policy, mlp_tile=...)` as the planner calls it: the planner varies what the
+    factory takes as keywords, so only the explored choices are keywords; the others stay the run's."""
+    if explore_remat and explore_tile:
+        return lambda remat_policy=None, mlp_tile=None: build(remat_policy, mlp_tile=mlp_tile)
+    if explore_remat:
+        return lambda remat_policy=None: build(remat_policy, mlp_tile=mlp_tile)
+    if explore_tile:
+        return lambda mlp_tile=None: build(remat, mlp_tile=mlp_tile)
+    return lambda: build(remat, mlp_tile=mlp_tile)
+
+
+def plan_micro_batch(cfg, build, dtype, remat, explore_remat, seq_len, loss_fn, options, lora=False, batch_fn=None,
+                     mlp_tile=None):
     """train_micro_batch_size_per_gpu "auto": the planner's fastest choice that fits the device
-    (zerojax.planning.planner: remat, micro-batch x accumulation keeping the global batch, stage, offload;
-    compiled before anything is allocated, with the run's EngineOptions: --master-split and
-    --adam-mu-dtype hold less). Unless --remat or the config names a policy, the remat choices are
-    none and the planner's measured ladder (dots ... full). `build(remat_policy)` -> the model
-    (GPT-2 or Llama; with LoRA its adapters applied). -> (config, remat)."""
+    (zerojax.planning.planner: remat, MLP tile, micro-batch x accumulation keeping the global batch,
+    stage, offload; compiled before anything is allocated, with the run's EngineOptions:
+    --master-split and --adam-mu-dtype hold less). Unless --remat or the config names a policy,
+    the remat choices are none and the planner's measured ladder (dots ... full); mlp_tile "auto"
+    (--mlp-tile auto): the planner's tile choices, else the tile is kept. `build(remat_policy,
+    mlp_tile=...)` -> the model (GPT-2 or Llama; with LoRA its adapters applied). -> (config,
+    remat, tile); the tile is "auto" still where no planner ran (the device reports no limit)."""
     import zerojax
     from zerojax.planning import planner
     from zerojax.planning.memory import device_budget
@@ -55,13 +87,9 @@ def plan_micro_batch(cfg, build, dtype, remat, explore_remat, seq_len, loss_fn, 
     if budget is None:
         print(f"micro-batch auto: this device reports no memory limit; using "
               f"{cfg.train_micro_batch_size_per_gpu}")
-        return cfg, remat
-    if explore_remat:  # the planner varies activation checkpointing
-        def factory(remat_policy=None):
-            return build(remat_policy)
-    else:  # --remat given: kept
-        def factory():
-            return build(remat)
+        return cfg, remat, mlp_tile
+    explore_tile = mlp_tile == "auto"
+    factory = _planner_factory(build, remat, mlp_tile, explore_remat, explore_tile)
     # LoRA: the frozen base is in what the planner compiles; parameter offload is not among its
     # choices (its time estimate prices the trained parameters' transfers, not a frozen base moved
     # a layer at a time); a config that asks for offload_param gets it
@@ -84,7 +112,7 @@ def plan_micro_batch(cfg, build, dtype, remat, explore_remat, seq_len, loss_fn, 
     if hint:
         print(hint)
     cfg = zerojax.load_config(best.apply(cfg.to_dict()), world_size=cfg.world_size)
-    return cfg, (best.remat if explore_remat else remat)
+    return cfg, (best.remat if explore_remat else remat), (best.mlp_tile if explore_tile else mlp_tile)
 
 
 def offload_hint(plan, params: int, n_data: int, options, dtype) -> str | None:
@@ -392,7 +420,7 @@ def warn_replicated(engine, cfg):
 
 
 def print_run(args, cfg, label, size, steps, schedule_steps, lr, lr_default, precision, precision_why,
-               remat, remat_why, seq_len, data, saved, notes, filled=(), lora=None):
+               remat, remat_why, seq_len, data, saved, notes, filled=(), lora=None, mlp_tile=None, mlp_tile_why=""):
     """The run as resolved from flags, config and checkpoint, printed once before any compile."""
     sched = cfg.to_dict().get("scheduler")
     sched_text = "none (constant lr)" if not sched else (
@@ -410,6 +438,8 @@ def print_run(args, cfg, label, size, steps, schedule_steps, lr, lr_default, pre
     print(f"  lr:        {lr:g} ({lr_why}){'  (0: the weights will not change)' if lr == 0 else ''}")
     print(f"  precision: {precision} ({precision_why}; --bf16 / --fp16 / --fp32)")
     print(f"  remat:     {remat or 'none'} ({remat_why})")
+    if mlp_tile_why:
+        print(f"  MLP tile:  {mlp_tile or 'none'} ({mlp_tile_why})")
     print(f"  batch:     train_batch_size {cfg.train_batch_size} = micro-batch "
           f"{cfg.train_micro_batch_size_per_gpu} x accumulation {cfg.gradient_accumulation_steps} x "
           f"{cfg.world_size} data-parallel; seq {seq_len}: {cfg.train_batch_size * seq_len:,} tokens/step")

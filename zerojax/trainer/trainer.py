@@ -14,13 +14,14 @@ import time
 from typing import Any, Callable
 
 from zerojax.data.rows import load_data, load_method_data
-from zerojax.trainer.choice import ModelChoice, checkpoint_model, hf_model_type, named_model
+from zerojax.trainer.choice import ModelChoice, checkpoint_model, hf_model_type, named_model, tile_options
 from zerojax.trainer.errors import ConfigMismatch
 from zerojax.trainer.export import export_hf, host_peak_rss
 from zerojax.trainer.flags import parse_args
 from zerojax.trainer.setup import (batch_note, check_lora_resume, engine_options, filled_autos, from_checkpoint,
                                    lora_settings, loss_fn_for, offload_loop_auto, plan_micro_batch, print_run,
-                                   requested_options, resolve_precision, training_method, warn_replicated)
+                                   requested_options, resolve_mlp_tile, resolve_precision, training_method,
+                                   warn_replicated)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -158,6 +159,10 @@ def _run(trainer: Trainer) -> dict:
                              f"not run on CPU ('F16_F16_F32' is not supported by dot_general); use a GPU, or "
                              f"a bf16 config such as configs/zero2_bf16.json")
     check_monitors(cfg)  # a monitor that cannot start (e.g. wandb not installed): now, not after the build
+    # the planner runs for --micro-batch auto, or for the config's "auto" where no flag fills it
+    planner_runs = args.micro_batch == "auto" or (args.micro_batch is None and
+                                                  raw.get("train_micro_batch_size_per_gpu") == "auto")
+    mlp_tile, mlp_tile_why = resolve_mlp_tile(args, choice, planner_runs)  # refused before the data is read
     dtype = compute_dtype(cfg)
     lora_cfg = lora_settings(args, cfg, dtype, saved.get("lora"))  # LoRA's refusals: before the data and the model
     if args.resume and saved:
@@ -207,15 +212,17 @@ def _run(trainer: Trainer) -> dict:
             return model
         return method.prepare_model(model, method_opts)
 
-    def build(remat_policy, prepare=True):  # a randomly initialised model (the planner's and the offload probe's too)
+    # a randomly initialised model (the planner's and the offload probe's too)
+    def build(remat_policy, prepare=True, mlp_tile=None):
         if lora_cfg is None:
-            model = choice.build(seed, dtype, remat_policy)
+            model = choice.build(seed, dtype, remat_policy, mlp_tile=mlp_tile)
         else:
             # LoRA: the base drawn in its stored dtype (an fp32 Llama-3.1-8B would not fit a 24 GB
             # card before it is cast), the adapters applied: what the planner compiles is what runs
             from zerojax import lora
             base_dtype = lora_cfg.get("base_dtype") or dtype
-            model = lora.apply(choice.build(seed, dtype, remat_policy, param_dtype=base_dtype), lora_cfg)
+            model = lora.apply(choice.build(seed, dtype, remat_policy, param_dtype=base_dtype, mlp_tile=mlp_tile),
+                               lora_cfg)
         return prepared(model) if prepare else model
 
     if lora_cfg is not None:  # the adapters' shapes, and LoRA's refusals (e.g. nf4 on a layer whose size
@@ -230,21 +237,26 @@ def _run(trainer: Trainer) -> dict:
         lora_targets, lora_trained = shaped.adapter.targets, lora.trainable_count(shaped)
         del shaped
     planned = False
-    if args.micro_batch == "auto" or (args.micro_batch is None and
-                                      raw.get("train_micro_batch_size_per_gpu") == "auto"):
+    if planner_runs:
         planned_remat = remat
         # the planner varies remat unless --remat or the config's remat_policy names one
         named = args.remat is not None or getattr(cfg.activation_checkpointing, "remat_policy", None) is not None
-        cfg, remat = plan_micro_batch(cfg, build, dtype, remat, not named, seq_len, loss_fn,
-                                      requested_options(args), lora=lora_cfg is not None, batch_fn=batch_fn)
+        cfg, remat, mlp_tile = plan_micro_batch(cfg, build, dtype, remat, not named, seq_len, loss_fn,
+                                                requested_options(args), lora=lora_cfg is not None,
+                                                batch_fn=batch_fn, mlp_tile=mlp_tile)
         planned = True
         if remat != planned_remat:
             remat_why = "chosen by the planner (micro-batch auto)"
+        if args.mlp_tile == "auto":
+            mlp_tile_why = "--mlp-tile auto: chosen by the planner"
+    if mlp_tile == "auto":  # no planner ran (the device reports no memory limit to plan against)
+        mlp_tile, mlp_tile_why = None, "--mlp-tile auto, but no planner ran: this device reports no memory limit"
     if meta is not None and batch_note(meta, cfg):
         notes.append(batch_note(meta, cfg))
     print_run(args, cfg, choice.label, size, steps, schedule_steps, lr, lr_default, precision, precision_why,
-               remat, remat_why, seq_len, data, saved, notes, filled=filled_autos(raw, fill, cfg), lora=lora_cfg)
-    make_model = functools.partial(build, remat)
+               remat, remat_why, seq_len, data, saved, notes, filled=filled_autos(raw, fill, cfg), lora=lora_cfg,
+               mlp_tile=mlp_tile, mlp_tile_why=mlp_tile_why)
+    make_model = functools.partial(build, remat, mlp_tile=mlp_tile)
     loop, loop_why = (args.offload_loop, "--offload-loop") if args.offload_loop else offload_loop_auto(
         cfg, make_model, seq_len, loss_fn,
         None if batch_fn is None else jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype),
@@ -262,13 +274,13 @@ def _run(trainer: Trainer) -> dict:
     if args.hf_checkpoint:  # read tensor by tensor (fp32 storage), computing in dtype
         # (with LoRA: the frozen base read straight into its stored dtype, never whole in fp32)
         base_dtype = (lora_cfg.get("base_dtype") or dtype) if lora_cfg is not None else None
-        model = choice.family_spec.from_hf(args.hf_checkpoint, base_dtype, remat_policy=remat)
+        model = choice.family_spec.from_hf(args.hf_checkpoint, base_dtype, remat_policy=remat, **tile_options(mlp_tile))
         model.dtype = np.dtype(dtype)
     elif lora_cfg is not None and lora_cfg.get("quantize") and gpu:
         # QLoRA: the base drawn on the host, each kernel quantized on the device as it arrives, so
         # the device never holds the unquantized base (lora.apply's `device`)
         with jax.default_device(jax.devices("cpu")[0]):
-            model = lora.apply(choice.build(seed, dtype, remat, param_dtype=dtype), lora_cfg,
+            model = lora.apply(choice.build(seed, dtype, remat, param_dtype=dtype, mlp_tile=mlp_tile), lora_cfg,
                                device=jax.devices()[0])
     else:  # built shard by shard on the devices, never whole on one
         model = make_model
@@ -437,7 +449,7 @@ def _run(trainer: Trainer) -> dict:
     losses = [float(x) for x in losses]
     summary = {"model": size, "family": family, "config": os.path.basename(args.config), "devices": n_dev,
                "stage": cfg.zero_optimization.stage, "train_batch_size": cfg.train_batch_size,
-               "seq_len": seq_len, "remat": remat, "precision": precision, "start_step": start,
+               "seq_len": seq_len, "remat": remat, "mlp_tile": mlp_tile, "precision": precision, "start_step": start,
                "steps": steps, "schedule_steps": schedule_steps, "lr": lr,
                "master_split": engine.layout.master_split, "trained_params": int(trained),
                "lora": lora_cfg, "train_seconds": round(train_seconds, 2)}
