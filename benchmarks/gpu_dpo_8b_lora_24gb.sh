@@ -19,7 +19,7 @@
 # zerojax: the SUMMARY's tokens_per_s_per_device (one device; zerojax.train.monitor.SpeedMeter:
 # train_batch_size x the chosen and rejected rows' tokens, the steps that compiled excluded, so
 # STEPS - 1 measured steps; the JSON's steps_run counts the compiling one too; the run header's
-# "tokens/step" counts one row a pair, half the meter's count). torch: the same count over STEPS - 1
+# "tokens/step" is the same count). torch: the same count over STEPS - 1
 # steps after one warm-up step. The rows fill the 2048 tokens exactly (no padding): the .jsonl
 # written here has ASCII prompts and completions of 1024 characters, and the byte-level tokenizer
 # (no --tokenizer) makes one token of each character and adds no BOS / EOS; the script checks the

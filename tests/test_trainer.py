@@ -62,6 +62,8 @@ def test_dpo_through_zerojax_train_starts_at_ln2_and_widens_the_margin(prefs, fp
     assert min(summary["losses"][-4:]) < math.log(2) - 0.02, summary["losses"]
     out = capsys.readouterr().out
     assert "rewards/margins" in out.split("step 10/16: ")[1].splitlines()[0]
+    # a pair trains its chosen and its rejected sequence: 8 pairs x 2 x 16 tokens a step
+    assert "seq 16: 256 tokens/step (2 sequences a row)" in out
     # --save-every 8: steps 8 and 16, and the run's end does not save step 16 twice
     assert sorted(os.listdir(tmp_path / "ck")) == ["global_step16", "global_step8", "latest"]
     assert out.count("checkpoint saved") == 2

@@ -420,8 +420,12 @@ def warn_replicated(engine, cfg):
 
 
 def print_run(args, cfg, label, size, steps, schedule_steps, lr, lr_default, precision, precision_why,
-               remat, remat_why, seq_len, data, saved, notes, filled=(), lora=None, mlp_tile=None, mlp_tile_why=""):
-    """The run as resolved from flags, config and checkpoint, printed once before any compile."""
+               remat, remat_why, seq_len, data, saved, notes, filled=(), lora=None, mlp_tile=None, mlp_tile_why="",
+               row_tokens=None):
+    """The run as resolved from flags, config and checkpoint, printed once before any compile.
+    row_tokens: the tokens one batch row trains (a preference pair: its chosen and rejected
+    sequences); default seq_len."""
+    row_tokens = row_tokens or seq_len
     sched = cfg.to_dict().get("scheduler")
     sched_text = "none (constant lr)" if not sched else (
         f"{sched['type']} " + ", ".join(f"{k}={v}" for k, v in sorted((sched.get("params") or {}).items())))
@@ -442,7 +446,8 @@ def print_run(args, cfg, label, size, steps, schedule_steps, lr, lr_default, pre
         print(f"  MLP tile:  {mlp_tile or 'none'} ({mlp_tile_why})")
     print(f"  batch:     train_batch_size {cfg.train_batch_size} = micro-batch "
           f"{cfg.train_micro_batch_size_per_gpu} x accumulation {cfg.gradient_accumulation_steps} x "
-          f"{cfg.world_size} data-parallel; seq {seq_len}: {cfg.train_batch_size * seq_len:,} tokens/step")
+          f"{cfg.world_size} data-parallel; seq {seq_len}: {cfg.train_batch_size * row_tokens:,} tokens/step"
+          + (f" ({row_tokens // seq_len} sequences a row)" if row_tokens != seq_len else ""))
     print(f"  data:      {data_name}: {data.n_train:,} {data.what}, {data.n_val:,} validation rows")
     if lora:
         print("  lora:      " + ", ".join(f"{k}={json.dumps(v)}" for k, v in lora.items()

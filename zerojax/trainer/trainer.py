@@ -255,7 +255,7 @@ def _run(trainer: Trainer) -> dict:
         notes.append(batch_note(meta, cfg))
     print_run(args, cfg, choice.label, size, steps, schedule_steps, lr, lr_default, precision, precision_why,
                remat, remat_why, seq_len, data, saved, notes, filled=filled_autos(raw, fill, cfg), lora=lora_cfg,
-               mlp_tile=mlp_tile, mlp_tile_why=mlp_tile_why)
+               mlp_tile=mlp_tile, mlp_tile_why=mlp_tile_why, row_tokens=row_tokens)
     make_model = functools.partial(build, remat, mlp_tile=mlp_tile)
     loop, loop_why = (args.offload_loop, "--offload-loop") if args.offload_loop else offload_loop_auto(
         cfg, make_model, seq_len, loss_fn,
