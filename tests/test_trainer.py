@@ -108,6 +108,8 @@ def test_methods_and_their_options_are_checked_before_anything_is_built(prefs, c
     with pytest.raises(SystemExit):
         trainer.main(["--method-option", "beta=1"])
     assert "--method-option needs --method NAME" in capsys.readouterr().err
+    with pytest.raises(ConfigMismatch, match="--method ppo: method 'ppo': no reward; give --method-option reward="):
+        trainer.main(["--model", "tiny-llama", "--method", "ppo", "--data", prefs, "--steps", "1"])  # prompts, no task
     with pytest.raises(ConfigMismatch, match="--method grpo: train_batch_size=8 is not a multiple of group=3"):
         trainer.main(["--model", "tiny-llama", "--method", "grpo", "--data", "digit", "--method-option", "group=3",
                       "--micro-batch", "1", "--steps", "1"])

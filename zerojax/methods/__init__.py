@@ -161,22 +161,31 @@ def _grpo_loss(options):
                                                      "temperature")})
 
 
+def _reward(options):
+    """The RL methods' reward: their `reward` specs summed with `reward_weights`."""
+    from zerojax.rl.rewards import combined
+
+    return combined(options["reward"], options["reward_weights"])
+
+
+def _check_reward_given(name, options):
+    """RL methods: a reward, given or decided by the data (a built-in task's), before anything is built."""
+    if options["reward"] is None:
+        raise ValueError(f"method {name!r}: no reward; give --method-option reward=SPEC (module:function, "
+                         "exact_match[:FIELD], regex:PATTERN, or a reward model folder)")
+
+
 def _grpo_rollouts(engine, data, options, *, seed, start_step, num_steps):
     from zerojax.rl.rollouts import RolloutBatches
 
-    if options["reward"] is None:
-        raise ValueError("method 'grpo': no reward; give --method-option reward=SPEC (module:function, "
-                         "exact_match[:FIELD], regex:PATTERN, or a reward model folder)")
-    weights = options["reward_weights"]
-    from zerojax.rl.rewards import combined
-
-    return RolloutBatches(engine, data, combined(options["reward"], weights), options, seed=seed,
-                          start_step=start_step, num_steps=num_steps)
+    return RolloutBatches(engine, data, _reward(options), options, seed=seed, start_step=start_step,
+                          num_steps=num_steps)
 
 
 def _grpo_check(options, rows, data):
     from zerojax.rl.rollouts import RolloutOptions
 
+    _check_reward_given("grpo", options)
     RolloutOptions.from_options(options).check(rows, data.completion_len)
 
 
@@ -213,18 +222,15 @@ def _ppo_data(path, tokenizer, seq_len, batch_size, **kw):
 def _ppo_check(options, rows, data):
     from zerojax.rl.ppo_rollouts import PPOOptions
 
+    _check_reward_given("ppo", options)
     PPOOptions.from_options(options).check(rows, data.completion_len)
 
 
 def _ppo_rollouts(engine, data, options, *, seed, start_step, num_steps):
     from zerojax.rl.ppo_rollouts import PPORollouts
-    from zerojax.rl.rewards import combined
 
-    if options["reward"] is None:
-        raise ValueError("method 'ppo': no reward; give --method-option reward=SPEC (module:function, "
-                         "exact_match[:FIELD], regex:PATTERN, or a reward model folder)")
-    return PPORollouts(engine, data, combined(options["reward"], options["reward_weights"]), options, seed=seed,
-                       start_step=start_step, num_steps=num_steps)
+    return PPORollouts(engine, data, _reward(options), options, seed=seed, start_step=start_step,
+                       num_steps=num_steps)
 
 
 register(Method(
