@@ -17,7 +17,8 @@ def loss_fn_for(loss_chunk: int, family):
 
 def training_method(args, lora_cfg):
     """--method and its --method-option settings -> (the registered `zerojax.methods.Method`, the
-    user's options, checked; `Method.resolve(options, data)` fills the rest), or (None, {}) for sft (the family's next-token loss); refused before anything is read."""
+    user's options, checked; `Method.resolve(options, data)` fills the rest), or (None, {}) for sft
+    (the family's next-token loss); refused before anything is read."""
     if args.method == "sft":
         return None, {}
     from zerojax import methods
