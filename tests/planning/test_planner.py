@@ -1,6 +1,7 @@
 """zerojax.planning.planner: the choice it makes under a budget (measured from compiled peaks, never
 hard-coded), its ranking against an independent FLOP count, and its config patch."""
 import dataclasses
+import inspect
 import json
 import math
 
@@ -221,6 +222,39 @@ def test_a_long_row_gets_a_tiled_mlp_where_the_untiled_one_does_not_fit():
     assert E.train_flops_per_token(shape, tiled_mlp=True) - E.train_flops_per_token(shape) == 2 * 3 * L * d * m
 
 
+@pytest.mark.slow
+def test_a_built_engines_plans_vary_its_mlp_tile():
+    """engine_plans (the memory guard's list) for an engine built untiled, on a row longer than
+    MLP_TILE: the factory rebuilding its model takes `mlp_tile` (the model's own tile kept where
+    the keyword is left out), and at a budget between the compiled peaks of the untiled and the
+    tiled step the one plan returned is the tiled one, with that step's peak. The choices keep a
+    model's own tile first; short or sequence-split rows plan it alone."""
+    T = 2 * PL.MLP_TILE
+    tile = PL.default_mlp_tile(T)
+    cfg = dict(CFG, train_micro_batch_size_per_gpu=1)
+    peak = {t: PL.step_memory(wide_mlp_llama, cfg, T, 1, remat=None, mlp_tile=t).peak for t in (None, tile)}
+    budget = (peak[tile] + peak[None]) // 2
+    eng = abstract_engine(wide_mlp_llama, load_config(cfg, world_size=8), loss_fn=PL.default_loss_fn())
+    rebuild = PL.engine_model_factory(eng)
+    assert inspect.signature(rebuild).parameters["mlp_tile"].default == PL.AS_BUILT
+    assert (rebuild().mlp_tile, rebuild(mlp_tile=tile).mlp_tile) == (None, tile)
+    batch = {"input_ids": jax.ShapeDtypeStruct((8, T), jnp.int32)}
+    (best,) = PL.engine_plans(eng, batch, budget, stages=(2,), offloads=("none",), max_plans=1)
+    assert (best.mlp_tile, best.remat, best.micro_batch, best.peak_bytes) == (tile, None, 1, peak[tile])
+    assert f"MLP tile {tile}" in best.describe()
+    # a model built with its own tile: that tile first, then the planner's; one choice where none is planned
+    own = abstract_engine(lambda: wide_mlp_llama(mlp_tile=1024), load_config(cfg, world_size=8),
+                          loss_fn=PL.default_loss_fn())
+    assert PL.built_attributes(own)["mlp_tile"] == 1024
+    rebuilt = PL.engine_model_factory(own)
+    assert PL.built_mlp_tiles(1024, rebuilt, T, cfg) == (1024, None, tile)
+    assert PL.built_mlp_tiles(None, rebuilt, T, cfg) == (None, tile)
+    assert PL.built_mlp_tiles(1024, rebuilt, PL.MLP_TILE, cfg) == (1024,)
+    assert PL.built_mlp_tiles(1024, rebuilt, T, dict(cfg, sequence_parallel_size=2)) == (1024,)
+    assert PL.built_mlp_tiles(None, PL.engine_model_factory(abstract_engine(
+        factory, load_config(cfg, world_size=8), loss_fn=PL.default_loss_fn())), T, cfg) == (PL.AS_BUILT,)
+
+
 def test_precision_auto_is_explored_and_written_back():
     """fp16 / bf16 "auto" (Hugging Face's convention): on CPU the planner plans fp32 (bf16 on a
     GPU or TPU); the plan says so in the bf16 / fp16 sections it patches."""
@@ -392,6 +426,30 @@ def test_plan_command_searches_mesh_shapes_only_when_asked(capsys):
     assert main(["plan", "--model", "xl", "--devices", "4", "--budget", "139GiB", "--search-mesh", "--top", "1"]) == 0
     out = capsys.readouterr().out
     assert "data 2 x tensor 2 x pipe 1: tensor 2 does not divide the 25 attention heads" in out
+
+
+def test_mesh_formula_counts_the_models_mlp_and_what_a_tile_keeps():
+    """estimate.mesh_peak_bytes' activations with the model's own MLP (`ModelShape.mlp_values`):
+    GPT-2's (c_fc's output and GeLU's, 2 x 4d a position) is the paper's 16·s·b·h, so GPT-2's
+    figures are those of a shape that says no MLP; the wide-MLP Llama keeps 3 x its intermediate
+    (gate, up, their product), counted here from its config. A tile drops every layer's 2 bytes
+    of each a position and adds one piece's once, both times ACTIVATION_FACTOR; the step-time
+    model adds the MLP's rerun."""
+    large = MP.gpt2_mesh_model(GPT2Config.named("large"), 1024).shape
+    assert large.mlp_values == 8 * large.d_model
+    kw = dict(heads=20, vocab=50304, micro_batch=8)
+    assert E.mesh_peak_bytes(large, **kw) == E.mesh_peak_bytes(dataclasses.replace(large, mlp_params=0), **kw)
+    T, tile, b = 2 * PL.MLP_TILE, 1024, 2
+    shape = PL.model_shape(wide_mlp_llama, T)
+    L, W = WIDE_MLP.num_hidden_layers, 3 * WIDE_MLP.intermediate_size
+    assert shape.mlp_values == W
+    kw = dict(heads=2, vocab=256, micro_batch=b, precision="bf16")
+    untiled, tiled = (E.mesh_peak_bytes(shape, mlp_tile=t, **kw)["activations"] for t in (None, tile))
+    # (each figure truncates each layer's bytes to an int once: under a byte a layer, x the factor)
+    want = E.ACTIVATION_FACTOR * 2 * b * W * (L * T - tile)
+    assert untiled - tiled == pytest.approx(want, abs=2 * L * E.ACTIVATION_FACTOR)
+    plain, rerun = (E.predict_mesh_step_time(shape, micro_batch=b, tiled_mlp=t) for t in (False, True))
+    assert rerun.step_s > plain.step_s
 
 
 def _shard_bytes(tree) -> int:

@@ -311,6 +311,16 @@ class ModelShape:
         """heads x head_dim (d_model where the model did not say it)."""
         return self.attn_width or self.d_model
 
+    @property
+    def mlp_values(self) -> float:
+        """The MLP's intermediate values a layer keeps per position for its backward, one per
+        output of a kernel into or out of the intermediate width: mlp_params / (layers x d_model)
+        (GPT-2: c_fc's output and GeLU's, 2 x 4d; a gated MLP: gate, up and their product, 3 x
+        intermediate); 0 when unknown."""
+        if not (self.mlp_params and self.layers and self.d_model):
+            return 0.0
+        return self.mlp_params / (self.layers * self.d_model)
+
 
 ModelShape.n_layer = property(lambda self: self.layers, doc="`layers`, by its older (GPT-2) name")
 
@@ -516,7 +526,8 @@ def model_state_bytes(params: int, *, stage: int, n_data: int, precision: str, n
 
 def activation_bytes_per_layer(*, seq_len: int, rows: int, d_model: int, heads: int | None = None, n_tensor: int = 1,
                                sequence_parallel: bool = True, flash_attention: bool = True,
-                               remat: str | None = None, n_head: int | None = None) -> int:
+                               remat: str | None = None, n_head: int | None = None, mlp_values: float = 0.0,
+                               tiled_mlp: bool = False) -> int:
     """Activation bytes one transformer layer saves for its backward pass, per device, 16-bit,
     after Korthikanti et al. 2022 ("Reducing Activation Recomputation in Large Transformer
     Models", table 2): s·b·h·(34 + 5·a·s/h) without parallelism; tensor parallelism divides the
@@ -525,14 +536,21 @@ def activation_bytes_per_layer(*, seq_len: int, rows: int, d_model: int, heads: 
     attention (cuDNN) keeps no a·s² score matrices, so the 5·a·s/h term is dropped; a full remat
     keeps only the layer's input (2·s·b·h, split by t under sequence parallelism). Dropout's masks
     are in the paper's 34; zerojax trains without dropout, so this errs high by 5·s·b·h. `heads`
-    (the paper's a; `n_head=` is its older, GPT-2 name) is needed without flash attention only."""
+    (the paper's a; `n_head=` is its older, GPT-2 name) is needed without flash attention only.
+    The paper's 34 holds its 4h MLP's two intermediate values a position, 16·s·b·h of the 24
+    inside; mlp_values (`ModelShape.mlp_values`, 0: the paper's 8h) puts the model's own count
+    there (2 bytes each; a gated MLP keeps 3 x intermediate). tiled_mlp (`Llama(mlp_tile=N)`):
+    none of them is kept, each piece's being rebuilt in the backward (its input, the paper's
+    2·s·b·h of the MLP's input, is kept either way); the piece being rebuilt is not counted here
+    (`mesh_peak_bytes` adds it once)."""
     heads = heads if heads is not None else n_head
     if not flash_attention and not heads:
         raise ValueError("activation_bytes_per_layer: without flash attention the score matrices need heads=")
     s, b, h, a, t = seq_len, rows, d_model, heads, n_tensor
     if remat in ("full", "offload", True):
         return int(2 * s * b * h / (t if sequence_parallel else 1))
-    inside = 24 + (0 if flash_attention else 5 * a * s / h)
+    mlp = 0.0 if tiled_mlp else 2 * (mlp_values or 8 * h) / h
+    inside = 24 - 16 + mlp + (0 if flash_attention else 5 * a * s / h)
     outside = 10
     return int(s * b * h * (inside / t + outside / (t if sequence_parallel else 1)))
 
@@ -575,7 +593,8 @@ class MeshStepTime(StepTime):
 def predict_mesh_step_time(shape: ModelShape, *, micro_batch: int, grad_accum: int = 1, n_data: int = 1,
                            n_tensor: int = 1, n_pipe: int = 1, stage: int = 0, precision: str = "bf16",
                            remat: str | None = None, checkpoint_interval: int = 0,
-                           hardware: Hardware = H200, hbm_bytes_per_s: float = HBM_BYTES_PER_S) -> MeshStepTime:
+                           hardware: Hardware = H200, hbm_bytes_per_s: float = HBM_BYTES_PER_S,
+                           tiled_mlp: bool = False) -> MeshStepTime:
     """Seconds per optimizer step on a data x tensor x pipe mesh, per device.
 
     n_data: the "data" axis (ZeRO partitions over it); n_tensor: tensor_parallel.autotp_size;
@@ -589,11 +608,12 @@ def predict_mesh_step_time(shape: ModelShape, *, micro_batch: int, grad_accum: i
     and the stage's fp32 weight-gradient sum (read the sum, read the iteration's gradient, write the
     sum: 12 bytes a parameter of its tensor shard, at HBM bandwidth). checkpoint_interval > 0
     (pipeline.activation_checkpoint_interval) recomputes every layer's forward, as a full remat.
+    tiled_mlp: the MLP's forward rerun once more (`train_flops_per_token`).
     """
     base_remat = "full" if n_pipe > 1 and checkpoint_interval > 0 else remat
     base = predict_step_time(shape, micro_batch=micro_batch, grad_accum=grad_accum, n_data=n_data,
                              stage=stage, precision=precision, remat=base_remat, hardware=hardware,
-                             n_tensor=n_tensor)
+                             n_tensor=n_tensor, tiled_mlp=tiled_mlp)
     if n_pipe <= 1:
         return MeshStepTime(base.compute_s, base.collective_s, base.host_s, base.tokens)
     if shape.layers and shape.layers % n_pipe:
@@ -623,7 +643,7 @@ def mesh_peak_bytes(shape: ModelShape, *, heads: int, vocab: int, micro_batch: i
                     precision: str = "bf16", remat: str | None = None, checkpoint_interval: int = 0,
                     optimizer: str | None = "adamw", flash_attention: bool = True,
                     activation_factor: float = ACTIVATION_FACTOR, master_split: bool = False,
-                    adam_mu_dtype: str | None = None) -> dict:
+                    adam_mu_dtype: str | None = None, mlp_tile: int | None = None) -> dict:
     """Per-device bytes of one step on a data x tensor x pipe mesh, by formula (what the planner's
     mesh search uses where it does not compile): {"states", "activations", "logits", "total"}.
 
@@ -635,8 +655,11 @@ def mesh_peak_bytes(shape: ModelShape, *, heads: int, vocab: int, micro_batch: i
       remat keeps each layer's input and one layer's activations while it is recomputed. Pipelined,
       every iteration's activations are kept until the backward pass (M + S - 1 iterations), or
       with checkpoint_interval N only each group of N layers' input per iteration, plus one group's
-      activations. Times `activation_factor` (ACTIVATION_FACTOR: calibrated on one compiled step;
-      1.0 gives the paper's count).
+      activations. The MLP's intermediate values are the model's (`ModelShape.mlp_values`); with
+      mlp_tile (positions per piece of a tiled MLP) no layer keeps them, and one piece's (mlp_tile
+      positions of the micro-batch) are live while the backward rebuilds it. Times
+      `activation_factor` (ACTIVATION_FACTOR: calibrated on one compiled step; 1.0 gives the
+      paper's count).
     logits: the fp32 logits and their gradient, vocab / n_tensor wide (vocab-parallel head), for one
       micro-batch's rows.
     The compiled step is the measure (`zerojax.planning.planner.step_memory`); this is its estimate.
@@ -652,7 +675,8 @@ def mesh_peak_bytes(shape: ModelShape, *, heads: int, vocab: int, micro_batch: i
     def layer(remat_):
         return scale * activation_bytes_per_layer(seq_len=T, rows=micro_batch * n_tensor, d_model=d,
                                                   heads=heads, n_tensor=n_tensor,
-                                                  flash_attention=flash_attention, remat=remat_)
+                                                  flash_attention=flash_attention, remat=remat_,
+                                                  mlp_values=shape.mlp_values, tiled_mlp=mlp_tile is not None)
 
     full, kept = layer(None), layer(remat)
     if n_pipe <= 1:
@@ -662,6 +686,8 @@ def mesh_peak_bytes(shape: ModelShape, *, heads: int, vocab: int, micro_batch: i
         acts = (grad_accum + n_pipe - 1) * (layers // group) * layer("full") + group * full
     else:
         acts = (grad_accum + n_pipe - 1) * layers * kept
+    if mlp_tile is not None:  # the piece the backward rebuilds (the tensor ranks split its width)
+        acts += scale * 2 * micro_batch * min(mlp_tile, T) * (shape.mlp_values or 8 * d)
     acts *= activation_factor
     logits = 2 * 4 * micro_batch * n_tensor * T * vocab / n_tensor
     total = states + acts + logits

@@ -3,8 +3,9 @@
 For a device count it lists the mesh shapes the model allows (tensor sizes dividing the heads and
 the MLP width; pipe sizes dividing the layers), and for each the ZeRO
 stages (pipelines: 0 and 1, DeepSpeed's rule) and micro-batch x accumulation splits of the global
-batch (DeepSpeed's batch rule: train_batch_size = micro x accumulation x data x tensor), and for
-pipelines with and without per-iteration checkpoints. Each candidate gets
+batch (DeepSpeed's batch rule: train_batch_size = micro x accumulation x data x tensor), for
+pipelines with and without per-iteration checkpoints, and for a model taking `mlp_tile` on rows
+longer than `planner.MLP_TILE` with and without a tiled MLP. Each candidate gets
 
 - a per-device peak: the compiled step's (`planner.step_memory`, nothing allocated) when
   `compile=True`, else the formula `estimate.mesh_peak_bytes` (states + activations + logits,
@@ -117,6 +118,8 @@ class MeshPlan:
 
     checkpoint_interval: pipeline.activation_checkpoint_interval (pipelines only; 0 = none).
     peak_source: "compiled" (the real step, compiled abstractly) or "estimated" (the formula).
+    mlp_tile: positions per piece of the tiled MLP, None (untiled) or AS_BUILT (a model without
+    `mlp_tile`); as `planner.Plan`'s, a model-build keyword, not in `config_patch`.
     """
 
     data: int
@@ -131,6 +134,7 @@ class MeshPlan:
     step_s: float | None = None
     tokens_per_s: float | None = None   # per device
     bubble: float = 0.0
+    mlp_tile: int | str | None = planner.AS_BUILT
 
     @property
     def devices(self) -> int:
@@ -160,7 +164,8 @@ class MeshPlan:
 
     def describe(self) -> str:
         text = (f"{self.layout()}, ZeRO-{self.stage}, micro-batch {self.micro_batch} x {self.grad_accum}"
-                + (f", checkpoint every {self.checkpoint_interval} layers" if self.checkpoint_interval else ""))
+                + (f", checkpoint every {self.checkpoint_interval} layers" if self.checkpoint_interval else "")
+                + (f", MLP tile {self.mlp_tile}" if planner.is_tiled(self.mlp_tile) else ""))
         if self.peak_bytes is not None:
             text += f": peak {fmt_bytes(self.peak_bytes)} ({self.peak_source})"
         if self.tokens_per_s is not None:
@@ -179,26 +184,28 @@ class MeshPlan:
 def predict(model: MeshModel, plan: MeshPlan, *, precision: str = "bf16", remat: str | None = None,
             optimizer: str | None = "adamw", hardware: est.Hardware = est.H200, options=None) -> MeshPlan:
     """`plan` with the step-time model's prediction and (if it has none) the formula's peak
-    (with the state EngineOptions `options` shrinks: master_split, adam_mu_dtype)."""
+    (with the state EngineOptions `options` shrinks: master_split, adam_mu_dtype) for its MLP tile."""
     kw = dict(micro_batch=plan.micro_batch, grad_accum=plan.grad_accum, n_data=plan.data,
               n_tensor=plan.tensor, n_pipe=plan.pipe, stage=plan.stage, precision=precision, remat=remat,
               checkpoint_interval=plan.checkpoint_interval)
-    t = est.predict_mesh_step_time(model.shape, hardware=hardware, **kw)
+    tiled = planner.is_tiled(plan.mlp_tile)
+    t = est.predict_mesh_step_time(model.shape, hardware=hardware, tiled_mlp=tiled, **kw)
     out = dataclasses.replace(plan, step_s=t.step_s, tokens_per_s=t.tokens_per_s,
                               bubble=est.pipeline_bubble(plan.pipe, plan.grad_accum))
     if plan.peak_bytes is None:
         opts = options or EngineOptions()
         peak = est.mesh_peak_bytes(model.shape, heads=model.heads, vocab=model.vocab, optimizer=optimizer,
                                    master_split=planner.device_split(opts, precision, False),
-                                   adam_mu_dtype=opts.adam_mu_dtype, **kw)
+                                   adam_mu_dtype=opts.adam_mu_dtype, mlp_tile=plan.mlp_tile if tiled else None, **kw)
         out = dataclasses.replace(out, peak_bytes=peak["total"], peak_source="estimated")
     return out
 
 
 def candidates(model: MeshModel, devices: int, global_batch: int, *, stages=(0, 1, 2, 3), micro_batch=None,
-               tensor_sizes=None, pipe_sizes=None) -> tuple[list[MeshPlan], list]:
-    """Every (mesh shape, ZeRO stage, micro-batch x accumulation, pipeline checkpoints) choice for
-    `devices` keeping `global_batch` rows a step, and [(what, why not)] for the shapes refused."""
+               tensor_sizes=None, pipe_sizes=None, tiles=(planner.AS_BUILT,)) -> tuple[list[MeshPlan], list]:
+    """Every (mesh shape, ZeRO stage, micro-batch x accumulation, pipeline checkpoints, MLP tile of
+    `tiles`) choice for `devices` keeping `global_batch` rows a step, and [(what, why not)] for the
+    shapes refused."""
     shapes, refused = mesh_shapes(devices, model, tensor_sizes=tensor_sizes, pipe_sizes=pipe_sizes)
     out = []
     for data, t, p in shapes:
@@ -219,7 +226,7 @@ def candidates(model: MeshModel, devices: int, global_batch: int, *, stages=(0, 
         for s in ok_stages:
             for m in micros:
                 for c in intervals:
-                    out.append(MeshPlan(data, t, p, s, m, rows // m, c))
+                    out += [MeshPlan(data, t, p, s, m, rows // m, c, mlp_tile=tile) for tile in tiles]
     return out, refused
 
 
@@ -238,7 +245,7 @@ def search_mesh(model_factory, cfg_dict, budget, seq_len, *, devices: int, globa
                 stages=(0, 1, 2, 3), micro_batch=None, tensor_sizes=None, pipe_sizes=None, compile: bool = False,
                 remat=None, precision: str | None = None, hardware: est.Hardware = est.H200, loss_fn=None,
                 batch_fn=None, max_compiles: int = 12, model: MeshModel | None = None,
-                on_result: Callable | None = None, options=None) -> MeshSearch:
+                on_result: Callable | None = None, options=None, mlp_tile=None) -> MeshSearch:
     """Rank the data x tensor x pipe shapes of `devices` devices (see the module's docstring).
 
     global_batch: rows per optimizer step (default: the config's train_batch_size, else micro x
@@ -248,7 +255,10 @@ def search_mesh(model_factory, cfg_dict, budget, seq_len, *, devices: int, globa
     formula. remat: the model's remat_policy (as the factory builds it by default when None).
     precision: "bf16" | "fp16" | "fp32" for the step-time model (default: the config's).
     options: the EngineOptions the run will use (`planner.search`'s): in the formula's states and
-    in every compile.
+    in every compile. mlp_tile: the MLP tilings to try where the factory takes `mlp_tile=`
+    (`planner.mlp_tile_choices`; default: untiled, and on rows longer than MLP_TILE also
+    `default_mlp_tile`): a tiled candidate comes after the untiled one of its mesh shape, stage and
+    micro-batch (its MLP reruns), so it is chosen where it is the fastest that fits.
     """
     budget = parse_bytes(budget)
     if compile:
@@ -258,7 +268,8 @@ def search_mesh(model_factory, cfg_dict, budget, seq_len, *, devices: int, globa
     precision = precision or planner.configured_precision(cfg_dict)
     optimizer = (cfg_dict.get("optimizer") or {}).get("type") or "adamw"
     cands, refused = candidates(model, devices, global_batch, stages=stages, micro_batch=micro_batch,
-                                tensor_sizes=tensor_sizes, pipe_sizes=pipe_sizes)
+                                tensor_sizes=tensor_sizes, pipe_sizes=pipe_sizes,
+                                tiles=planner.mlp_tile_choices(model_factory, mlp_tile, seq_len, cfg_dict))
     predicted = sorted((predict(model, c, precision=precision, remat=remat, optimizer=optimizer, hardware=hardware,
                                 options=options)
                         for c in cands), key=lambda p: (p.step_s, p.stage, -p.grad_accum))
@@ -302,7 +313,8 @@ def compiled_peak(model_factory, cfg_dict, plan: MeshPlan, seq_len, *, remat=Non
     mesh = make_mesh(data=plan.data, tensor=plan.tensor, pipe=plan.pipe, devices=jax.devices()[:plan.devices])
     return planner.step_memory(model_factory, plan.apply(cfg_dict), seq_len, plan.micro_batch,
                                remat=planner.AS_BUILT if remat is None else remat, grad_accum=plan.grad_accum,
-                               loss_fn=loss_fn, mesh=mesh, batch_fn=batch_fn, options=options)
+                               loss_fn=loss_fn, mesh=mesh, batch_fn=batch_fn, options=options,
+                               mlp_tile=plan.mlp_tile)
 
 
 def _check_devices(n: int) -> None:

@@ -98,7 +98,7 @@ class Plan:
     @property
     def tiled(self) -> bool:
         """Whether this plan runs a tiled MLP."""
-        return _tiled(self.mlp_tile)
+        return is_tiled(self.mlp_tile)
 
     def config_patch(self) -> dict:
         """The DeepSpeed config keys this plan sets (merge with `apply`; None removes a section).
@@ -162,7 +162,8 @@ class Plan:
                 "describe": self.describe()}
 
 
-def _tiled(mlp_tile) -> bool:
+def is_tiled(mlp_tile) -> bool:
+    """Whether `mlp_tile` (a Plan's) tiles the MLP: not None (untiled) nor AS_BUILT."""
     return mlp_tile not in (None, AS_BUILT)
 
 
@@ -588,7 +589,7 @@ def search(model_factory, cfg_dict, budget, seq_len, *, stages=(0, 1, 2, 3),
             stage=c.stage, precision=c.precision or configured_precision(cfg_dict),
             remat=None if c.remat == AS_BUILT else c.remat, offload_optimizer=c.kind != "none",
             offload_ratio=c.ratio, offload_param=c.kind == "param", hardware=hardware,
-            n_tensor=n_tensor, tiled_mlp=_tiled(c.mlp_tile))
+            n_tensor=n_tensor, tiled_mlp=is_tiled(c.mlp_tile))
 
     # candidates in predicted-speed order: a tile adds its MLP recompute to the step time, so
     # within a tier (precision, remat, micro-batch) the untiled step comes first, and a tiled one
@@ -790,8 +791,9 @@ def fit_remat_policy(model_factory, cfg_dict, budget, seq_len, layers: int, *, l
 def engine_model_factory(engine):
     """A factory rebuilding `engine`'s model from its graph and shapes (zeros when traced): lets the
     planner compile variants of a built engine without its host copy. Where the model has a
-    `remat_policy` / `dtype` attribute (zerojax.models.GPT2 and Llama do), the factory takes it as a
-    keyword, so the planner can try other activation checkpointing and precision."""
+    `remat_policy` / `dtype` / `mlp_tile` attribute (zerojax.models.GPT2 has the first two, Llama
+    all three), the factory takes it as a keyword, so the planner can try other activation
+    checkpointing, precision and MLP tiling; a keyword left out keeps the model as built."""
     plan_ = engine.step_settings  # the step's static settings (graphdef, param / rest templates)
 
     def fill(s):
@@ -802,25 +804,56 @@ def engine_model_factory(engine):
     def build(**attrs):
         model = nnx.merge(plan_.graphdef, jax.tree.map(fill, plan_.param_template),
                           jax.tree.map(fill, plan_.rest_template))
+        given = _given(**attrs)
         for _, m in nnx.iter_graph(model):
             if isinstance(m, nnx.Module):
-                for name, value in attrs.items():
+                for name, value in given.items():
                     if name in vars(m):
                         setattr(m, name, value)
         return model
 
+    # the planner varies the keywords a factory's signature names: name the attributes found
+    names = set(built_attributes(engine))
+    if "remat_policy" not in names:
+        # dtype only beside remat_policy (zerojax's GPT2 and Llama, whose `dtype` is the compute
+        # dtype read at each call): another model's `dtype` attribute may mean something else
+        names.discard("dtype")
+    build.__signature__ = inspect.Signature(
+        [inspect.Parameter(name, inspect.Parameter.KEYWORD_ONLY, default=None if name == "dtype" else AS_BUILT)
+         for name in _REBUILT if name in names])
+    return build
+
+
+_REBUILT = ("remat_policy", "dtype", "mlp_tile")  # the model attributes engine_model_factory can set
+
+
+def built_attributes(engine) -> dict:
+    """{name: value} of the `remat_policy` / `dtype` / `mlp_tile` attributes `engine`'s model has
+    (the first module of its graph that has each), as built."""
+    plan_ = engine.step_settings
     root = nnx.merge(plan_.graphdef, plan_.param_template, plan_.rest_template)
-    has = {name for name in ("remat_policy", "dtype")
-           if any(isinstance(m, nnx.Module) and name in vars(m) for _, m in nnx.iter_graph(root))}
-    if has == {"remat_policy", "dtype"}:
-        return lambda remat_policy=AS_BUILT, dtype=None: build(**_given(remat_policy=remat_policy, dtype=dtype))
-    if has == {"remat_policy"}:
-        return lambda remat_policy=AS_BUILT: build(**_given(remat_policy=remat_policy))
-    return lambda: build()
+    found = {}
+    for _, m in nnx.iter_graph(root):
+        if isinstance(m, nnx.Module):
+            for name in _REBUILT:
+                if name in vars(m) and name not in found:
+                    found[name] = vars(m)[name]
+    return {name: found[name] for name in _REBUILT if name in found}
 
 
 def _given(**attrs):
     return {k: v for k, v in attrs.items() if v is not AS_BUILT and not (k == "dtype" and v is None)}
+
+
+def built_mlp_tiles(current, factory, seq_len, cfg_dict=None) -> tuple:
+    """The MLP tilings to plan a built model over: its own tile `current` first (the model as
+    built stays a choice), then, on a row `mlp_tile_choices` tiles (longer than MLP_TILE, not split
+    by sequence parallelism), the untiled MLP and `default_mlp_tile`. AS_BUILT for a factory
+    without `mlp_tile`."""
+    planned = mlp_tile_choices(factory, None, seq_len, cfg_dict)
+    if planned == (AS_BUILT,):
+        return planned
+    return tuple(dict.fromkeys((current, *planned))) if len(planned) > 1 else (current,)
 
 
 def _batch_fn_like(batch_shapes):
@@ -832,9 +865,11 @@ def engine_plans(engine, batch_shapes, budget=None, *, stages=(0, 1, 2, 3),
                  offloads=DEFAULT_OFFLOADS, max_plans=3) -> list[Plan]:
     """Plans that fit `budget` for a built engine's model, loss, mesh, batch and EngineOptions:
     activation checkpointing (where the model takes `remat_policy`), precision (bf16 on GPU / TPU
-    for an fp32 config, where the model takes `dtype`), micro-batch / accumulation keeping its
-    rows per step, stage, offload. Ranked fastest first; each was compiled and its peak (the
-    guard's figure, `Engine.step_memory`) fits."""
+    for an fp32 config, where the model takes `dtype`), MLP tiling (where the model takes
+    `mlp_tile`: its own tile, and on long rows the untiled MLP and `default_mlp_tile`, see
+    `built_mlp_tiles`), micro-batch / accumulation keeping its rows per step, stage, offload.
+    Ranked fastest first; each was compiled and its peak (the guard's figure,
+    `Engine.step_memory`) fits, and says its tile (`Plan.mlp_tile`)."""
     budget = device_budget_or(budget)
     shapes = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), batch_shapes)
     cfg = engine.cfg
@@ -842,6 +877,7 @@ def engine_plans(engine, batch_shapes, budget=None, *, stages=(0, 1, 2, 3),
     seq = first.shape[1] if first.ndim > 1 else 0  # tokens per row, for the step-time model
     factory = engine_model_factory(engine)
     names = _params_of(factory)
+    tiles = built_mlp_tiles(built_attributes(engine).get("mlp_tile"), factory, seq, cfg.to_dict())
     remat = None if "remat_policy" in names else (AS_BUILT,)
     precision = (None,)
     if ("dtype" in names and configured_precision(cfg.to_dict()) == "fp32"
@@ -851,7 +887,7 @@ def engine_plans(engine, batch_shapes, budget=None, *, stages=(0, 1, 2, 3),
                 precision=precision, micro_batch=None,
                 batch_rows=int(cfg.train_micro_batch_size_per_gpu) * int(cfg.gradient_accumulation_steps),
                 loss_fn=engine.loss_fn, mesh=engine.mesh, batch_fn=_batch_fn_like(shapes),
-                max_plans=max_plans, options=engine.options)
+                max_plans=max_plans, options=engine.options, mlp_tile=tiles)
 
 
 def device_budget_or(budget):
@@ -862,4 +898,5 @@ __all__ = ["Plan", "rank_plans", "Search", "search", "plan", "fit_micro_batch", 
            "remat_keeps_at_least", "step_memory", "model_shape", "precision_choices", "rows_per_device",
            "engine_model_factory", "engine_plans", "device_split", "AS_BUILT", "DEFAULT_OFFLOADS", "REMAT_CHOICES",
            "zero_choice", "model_source", "factory_kwargs", "merge_config", "configured_precision", "lm_loss",
-           "MLP_TILE", "mlp_tile_choices", "default_mlp_tile", "tile_keeps_at_least"]
+           "MLP_TILE", "mlp_tile_choices", "default_mlp_tile", "tile_keeps_at_least", "built_attributes",
+           "built_mlp_tiles", "is_tiled"]
