@@ -188,3 +188,72 @@ def test_a_bad_model_is_one_line_naming_the_flag(command, model, says, capsys):
     assert main([command, "--model", model, *extra]) == 2
     err = capsys.readouterr().err.strip()
     assert "\n" not in err and err.startswith(f"zerojax {command}: --model {model!r}: ") and says in err
+
+
+def test_estimate_and_plan_consider_the_tiled_mlp_on_long_rows(capsys):
+    """A Llama-family shape on rows longer than 2048: `zerojax estimate` lists, beside the untiled
+    MLP's activations, the default tile's (the figures `estimate.mesh_peak_bytes` gives for the
+    model's shape, smaller); --mlp-tile 1024 lists that tile instead; rows of 2048 list none.
+    `zerojax plan` at a budget between the tiled and the untiled formula peaks picks the tile and
+    says how to build it. --mlp-tile is checked as `zerojax train` checks it, and N on GPT-2 is
+    one line naming the flag and the fix."""
+    from flax import nnx
+
+    from zerojax.cli import default_config, resolve_model
+    from zerojax.model import model_dims
+    from zerojax.planning import estimate as E
+    from zerojax.planning import mesh_search as MP
+    from zerojax.planning import planner as PL
+
+    T = 8192
+    tile = PL.default_mlp_tile(T)
+    factory = resolve_model("tiny-llama", default_config()).factory
+    shape, dims = PL.model_shape(factory, T), model_dims(nnx.eval_shape(factory))
+
+    def listed(*flags):
+        assert main(["estimate", "--model", "tiny-llama", "--gpus", "8", "--micro-batch", "2", "--json", *flags]) == 0
+        acts = json.loads(capsys.readouterr().out).get("activations", [])
+        return {(a["remat"], a["mlp_tile"]): a["bytes"] for a in acts}
+
+    def formula(remat, t):
+        return E.mesh_peak_bytes(shape, heads=dims.heads, vocab=dims.vocab, micro_batch=2, n_data=8, precision="bf16",
+                                 remat=remat, mlp_tile=t)["activations"]
+
+    got = listed("--seq", str(T))
+    assert got == {(r, t): formula(r, t) for r in (None, "full") for t in (None, tile)}
+    assert got[(None, tile)] < got[(None, None)]
+    assert set(listed("--seq", str(T), "--mlp-tile", "1024", "--remat", "off")) == {(None, None), (None, 1024)}
+    assert listed("--seq", str(PL.MLP_TILE)) == {}
+
+    model = MP.mesh_model_of(factory, T)
+    peak = {t: MP.predict(model, MP.MeshPlan(8, 1, 1, 3, 1, 1, mlp_tile=t)).peak_bytes for t in (None, tile)}
+    budget = (peak[tile] + peak[None]) // 2
+    assert main(["plan", "--model", "tiny-llama", "--seq", str(T), "--devices", "8", "--stage", "3",
+                 "--global-batch", "8", "--budget", str(budget), "--json"]) == 0
+    captured = capsys.readouterr()
+    (best,) = json.loads(captured.out)["plans"]
+    assert (best["mlp_tile"], best["peak_bytes"], best["micro_batch"]) == (tile, peak[tile], 1)
+    assert "mlp_tile" not in json.dumps(best["config_patch"]) and f"--mlp-tile {tile}" in captured.err
+
+    for command, extra in (("estimate", []), ("plan", ["--devices", "2", "--budget", "1GB"])):
+        with pytest.raises(SystemExit):
+            main([command, "--mlp-tile", "0", *extra])
+        assert "argument --mlp-tile: 0 must be >= 1 (positions per piece, or auto)" in capsys.readouterr().err
+        assert main([command, "--model", "tiny", "--mlp-tile", "4", *extra]) == 2
+        err = capsys.readouterr().err.strip()
+        assert err == (f"zerojax {command}: --mlp-tile 4: GPT-2 tiny has no tiled MLP (its model takes no mlp_tile); "
+                       "drop --mlp-tile, or plan a Llama-family model")
+
+
+@pytest.mark.slow
+def test_estimate_aot_compiles_the_tiled_mlp_beside_the_untiled(tmp_path):
+    """`zerojax estimate --aot --no-plan` on a Llama-family shape's long row: the compiled table has
+    the untiled step and the default tile's (the CLI's model factory takes mlp_tile), and the
+    tiled step's peak is the smaller."""
+    from zerojax.planning import planner as PL
+
+    T, out = 2 * PL.MLP_TILE, tmp_path / "e.json"
+    assert main(["estimate", "--model", "tiny-llama", "--gpus", "8", "--aot", "--no-plan", "--stage", "2",
+                 "--remat", "off", "--micro-batch", "1", "--seq", str(T), "--json", str(out)]) == 0
+    peak = {row["mlp_tile"]: row["peak"] for row in json.loads(out.read_text())["compiled"]}
+    assert set(peak) == {None, PL.default_mlp_tile(T)} and peak[PL.default_mlp_tile(T)] < peak[None]

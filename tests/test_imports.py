@@ -19,7 +19,7 @@ PKG = pathlib.Path(__file__).resolve().parent.parent / "zerojax"
 # Lowest first. A unit is a top-level module or a subpackage of zerojax (`zerojax.train.engine` is
 # unit "train"); units of one layer may import each other (the cycle test still applies).
 LAYERS = (
-    ("_jax_compat", "version", "byte_sizes", "options", "_moved", "streamed", "train_state"),  # leaves
+    ("_jax_compat", "version", "byte_sizes", "arg_types", "options", "_moved", "streamed", "train_state"),  # leaves
     ("pinned_pool", "xla_flags", "launch"),   # process setup, before a backend starts
     ("config",),
     ("models",),                               # plain Flax: the model families, layer_stack

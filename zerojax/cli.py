@@ -21,17 +21,19 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import functools
+import itertools
 import json
 import os
 import sys
 from typing import Callable
 
+from zerojax import arg_types
 from zerojax.planning import estimate
 
 MODEL_ACCEPTS = ("a named shape of a registered model family (zerojax.models.registry: GPT-2 tiny ... xl, the Llama "
                  "family's llama-3.2-1b, llama-3.1-8b, qwen3-0.6b, mistral-7b, ...) or module:factory (a callable "
-                 "returning an nnx.Module, with no arguments or taking remat_policy= / dtype=; the current "
-                 "directory is importable)")
+                 "returning an nnx.Module, with no arguments or taking remat_policy= / dtype= / mlp_tile=; the "
+                 "current directory is importable)")
 MODEL_HELP = f"the model: {MODEL_ACCEPTS}; default large (GPT-2)"
 DEFAULT_SEQ = 1024  # a model that names no maximum positions
 
@@ -64,6 +66,7 @@ def _add_estimate(sub):
                    help="activation checkpointing to plan over: both = none and full (default), "
                         "on = full, off = none, offload = none, full and offload (block inputs in "
                         "host memory)")
+    _add_mlp_tile_flag(p)
     p.add_argument("--max-plans", type=int, default=3, help="plans to find (default 3)")
     p.add_argument("--no-plan", action="store_true", help="with --aot: compiled peaks only")
     _add_engine_option_flags(p, "with --aot: ")
@@ -82,6 +85,41 @@ def _micro_batch_arg(text: str) -> str:
     if text == "auto" or (text.isdigit() and int(text) >= 1):
         return text
     raise argparse.ArgumentTypeError(f"{text!r}: 'auto' or a whole number >= 1 (rows per device)")
+
+
+def _add_mlp_tile_flag(p):
+    """--mlp-tile, shared by estimate and plan; its value checked as `zerojax train`'s is."""
+    p.add_argument("--mlp-tile", type=arg_types.mlp_tile, default="auto", metavar="N|auto",
+                   help="the tiled MLP to plan (models taking mlp_tile, the Llama family: the [batch, seq, "
+                        "intermediate] activations held one piece at a time, the MLP's forward rerun in the "
+                        "backward): auto (default) = untiled, and on rows longer than 2048 positions also the row "
+                        "in equal pieces of at most 2048; N = N positions a piece only")
+
+
+def _mlp_tile_of(args):
+    """--mlp-tile as the planner takes it: None (auto: the planner's own choices) or N."""
+    return None if args.mlp_tile == "auto" else args.mlp_tile
+
+
+def _check_mlp_tile(args, choice) -> None:
+    """ModelArgError (one line naming the flag and the fix) for --mlp-tile N on a model without a
+    tiled MLP; auto plans such a model as built."""
+    if args.mlp_tile == "auto":
+        return
+    from zerojax.planning.planner import factory_kwargs
+
+    if "mlp_tile" not in factory_kwargs(choice.factory, mlp_tile=args.mlp_tile):
+        raise ModelArgError(f"--mlp-tile {args.mlp_tile}: {choice.label} has no tiled MLP (its model takes no "
+                            "mlp_tile); drop --mlp-tile, or plan a Llama-family model")
+
+
+def _say_plan(say, i, p) -> None:
+    """A plan's line and its config keys; a tiled MLP, a model-build keyword, is said beside them."""
+    from zerojax.planning.planner import is_tiled
+
+    tile = (f"\n     and build the model with mlp_tile={p.mlp_tile} (zerojax train --mlp-tile {p.mlp_tile})"
+            if is_tiled(p.mlp_tile) else "")
+    say(f"  {i}. {p.describe()}\n     {json.dumps(p.config_patch())}{tile}")
 
 
 def _add_hardware_flags(p):
@@ -157,6 +195,7 @@ def _add_plan(sub):
                    help="auto (default: every divisor) or an int")
     p.add_argument("--remat", choices=("on", "off"), default="off",
                    help="the model's per-layer activation checkpointing (default off)")
+    _add_mlp_tile_flag(p)
     p.add_argument("--aot", action="store_true", help="compile each candidate's real step for its peak")
     p.add_argument("--cpu", action="store_true", help="with --aot: compile on --devices virtual CPU devices")
     p.add_argument("--max-compiles", type=int, default=12, help="with --aot: compiles to spend (default 12)")
@@ -212,11 +251,12 @@ def cmd_plan(args) -> int:
         factory, cfg, budget, seq, devices=args.devices, global_batch=args.global_batch,
         stages=(args.stage,) if args.stage is not None else (0, 1, 2, 3), micro_batch=args.micro_batch,
         tensor_sizes=one, pipe_sizes=one, compile=args.aot, remat=remat, hardware=_hardware(args),
-        max_compiles=args.max_compiles, model=model, options=_engine_options_of(args, cfg))
+        max_compiles=args.max_compiles, model=model, options=_engine_options_of(args, cfg),
+        mlp_tile=_mlp_tile_of(args))
     say(f"{choice.label}, seq {seq}, {args.devices} devices, budget {fmt_bytes(budget)} per device; "
         f"peaks {'compiled' if args.aot else 'by formula (estimate.mesh_peak_bytes; --aot compiles)'}; fastest predicted first:")
     for i, p in enumerate(found.plans[:args.top], 1):
-        say(f"  {i}. {p.describe()}\n     {json.dumps(p.config_patch())}")
+        _say_plan(say, i, p)
     if not found.plans:
         say("  nothing fits: more devices, a shorter sequence, a smaller global batch or --remat on")
     for shape, why in found.refused:
@@ -423,9 +463,10 @@ def _configured_dtype(cfg_dict):
 
 
 def family_factory(shape, cfg_dict):
-    """(the family, its config, model_factory(remat_policy=None, dtype=the config's)) for a registered
-    family's named shape: the planner varies activation checkpointing and (when the config says
-    "auto") the compute dtype. None where no family has the shape."""
+    """(the family, its config, model_factory(remat_policy=None, dtype=the config's[, mlp_tile=None]))
+    for a registered family's named shape: the planner varies activation checkpointing, (when the
+    config says "auto") the compute dtype and (where the model takes it) the MLP tile. None where
+    no family has the shape."""
     import jax.numpy as jnp
     from flax import nnx
 
@@ -437,10 +478,15 @@ def family_factory(shape, cfg_dict):
     config = family.config(shape)
     configured = _configured_dtype(cfg_dict)
 
-    def factory(remat_policy=None, dtype=configured):
-        return family.build(config, rngs=nnx.Rngs(0), dtype=dtype, param_dtype=jnp.float32, remat_policy=remat_policy)
+    def build(remat_policy, dtype, **options):
+        return family.build(config, rngs=nnx.Rngs(0), dtype=dtype, param_dtype=jnp.float32, remat_policy=remat_policy,
+                            **options)
 
-    return family, config, factory
+    # the planner varies the keywords the factory names: mlp_tile only where the model takes it
+    if family.takes("mlp_tile"):
+        return family, config, lambda remat_policy=None, dtype=configured, mlp_tile=None: build(
+            remat_policy, dtype, mlp_tile=mlp_tile)
+    return family, config, lambda remat_policy=None, dtype=configured: build(remat_policy, dtype)
 
 
 # where a model (or its .config) may say its maximum positions, by the names projects give it
@@ -521,9 +567,12 @@ def _imported_model(spec: str, cfg_dict) -> ModelChoice:
 
 
 def _model_or_exit(args, cfg_dict) -> ModelChoice | None:
-    """resolve_model for the command, its error printed (None then: exit status 2)."""
+    """resolve_model for the command, --mlp-tile checked against the model; the error printed
+    (None then: exit status 2)."""
     try:
-        return resolve_model(args.model, cfg_dict)
+        choice = resolve_model(args.model, cfg_dict)
+        _check_mlp_tile(args, choice)
+        return choice
     except ModelArgError as e:
         print(f"zerojax {args.command}: {e}", file=sys.stderr)
         return None
@@ -559,6 +608,9 @@ def cmd_estimate(args) -> int:
         if args.aot:
             print("--aot needs --model (a model to compile), not --params", file=sys.stderr)
             return 2
+        if args.mlp_tile != "auto":
+            print("--mlp-tile needs --model (a model whose MLP it tiles), not --params", file=sys.stderr)
+            return 2
     else:
         from flax import nnx
 
@@ -586,11 +638,56 @@ def cmd_estimate(args) -> int:
     say(estimate.format_formula_table(rows, total, largest, args.gpus, args.nodes))
     result.update(total_params=total, largest_layer_params=largest,
                   formulas=[r.__dict__ for r in rows])
+    if not args.params:
+        acts = _tile_activations(args, say, choice, shape, dims, cfg0, n_devices)
+        if acts:
+            result["activations"] = acts
 
     if args.aot:
         result.update(_estimate_aot(args, say, choice, stages, n_devices))
     _write_json(args.json, result)
     return 0
+
+
+# --remat's choices (estimate) -> the remat policies planned
+REMATS = {"both": (None, "full"), "on": ("full",), "off": (None,), "offload": (None, "full", "offload")}
+
+
+def _micro_rows(args, cfg, n_devices) -> tuple:
+    """(micro, rows): --micro-batch as the planner takes it ("auto" or an int), and the rows a device
+    trains in one micro-batch (that int; for auto, the rows per device per step,
+    `planner.rows_per_device`)."""
+    from zerojax.planning import planner
+
+    micro = args.micro_batch if args.micro_batch == "auto" else int(args.micro_batch)
+    return micro, planner.rows_per_device(cfg, n_devices) if micro == "auto" else micro
+
+
+def _tile_activations(args, say, choice, shape, dims, cfg, n_devices) -> list[dict]:
+    """Where the row is one the planner tiles (`planner.mlp_tile_choices`; --mlp-tile N: that tile),
+    the activations per device by formula (`estimate.mesh_peak_bytes`, data-parallel over the
+    devices) of the untiled MLP beside each tile, for each remat of --remat: what a tile saves,
+    before anything compiles. [] (nothing said) where no tile is among the choices."""
+    from zerojax.planning import planner
+
+    tiles = [t for t in planner.mlp_tile_choices(choice.factory, _mlp_tile_of(args), shape.seq_len, cfg)
+             if planner.is_tiled(t)]
+    if not tiles:
+        return []
+    _, rows = _micro_rows(args, cfg, n_devices)
+    precision = planner.configured_precision(cfg)
+    say(f"\nActivations per device by formula (estimate.mesh_peak_bytes; seq {shape.seq_len}, micro-batch {rows}, "
+        f"{precision}; --aot compiles them):")
+    say(f"{'remat':>8} | " + " | ".join(f"{f'MLP tile {t}' if t else 'untiled':>13}" for t in (None, *tiles)))
+    out = []
+    for remat in REMATS[args.remat]:
+        for tile in (None, *tiles):
+            peak = estimate.mesh_peak_bytes(shape, heads=dims.heads, vocab=dims.vocab, micro_batch=rows,
+                                            n_data=n_devices, precision=precision, remat=remat, mlp_tile=tile)
+            out.append({"remat": remat, "mlp_tile": tile, "micro_batch": rows, "bytes": peak["activations"]})
+        row = out[-len(tiles) - 1:]
+        say(f"{remat or 'none':>8} | " + " | ".join(f"{estimate.fmt_bytes(r['bytes']):>13}" for r in row))
+    return out
 
 
 def _write_json(where, result) -> None:
@@ -632,10 +729,8 @@ def _estimate_aot(args, say, choice, stages, n_devices) -> dict:
     options = _engine_options_of(args, cfg)
     factory, seq = choice.factory, choice.seq_len(args.seq)
     budget = parse_bytes(args.budget) if args.budget else device_budget()
-    remats = {"both": (None, "full"), "on": ("full",), "off": (None,),
-              "offload": (None, "full", "offload")}[args.remat]
-    micro = args.micro_batch if args.micro_batch == "auto" else int(args.micro_batch)
-    rows = planner.rows_per_device(cfg, n_devices) if micro == "auto" else micro
+    remats = REMATS[args.remat]
+    micro, rows = _micro_rows(args, cfg, n_devices)
     precision = planner.precision_choices(cfg, factory)[0]
     hardware = _hardware(args)
     out: dict = {"seq_len": seq, "budget_bytes": budget, "backend": jax.default_backend(),
@@ -645,19 +740,26 @@ def _estimate_aot(args, say, choice, stages, n_devices) -> dict:
         # compiled peaks without a plan: no offload, micro-batch = the rows per step
         say(f"\nCompiled training step per device ({jax.default_backend()}, {n_devices} "
             f"device(s), seq {seq}, micro-batch {rows}):")
-        say(f"{'stage':>5} {'remat':>8} | {'peak':>11} | {'args':>10} | {'temp':>10} | {'host':>10}")
+        tiles = planner.mlp_tile_choices(factory, _mlp_tile_of(args), seq, cfg)
+        shown = any(planner.is_tiled(t) for t in tiles)
+
+        def tile_cell(text):  # a tile column only where a tile is planned
+            return f" {text:>8}" if shown else ""
+
+        say(f"{'stage':>5} {'remat':>8}{tile_cell('MLP tile')} | {'peak':>11} | {'args':>10} | {'temp':>10} | "
+            f"{'host':>10}")
         for stage in stages:
-            for r in remats:
+            for r, t in itertools.product(remats, tiles):
                 try:
                     m = planner.step_memory(factory, planner.zero_choice(cfg, stage, "none", 1.0),
                                             seq, rows, remat=r, precision=precision, grad_accum=1,
-                                            mesh=mesh, options=options)
+                                            mesh=mesh, options=options, mlp_tile=t)
                 except NotImplementedError as e:
                     say(f"  (unavailable: {e})")
                     return out
-                say(f"{stage:>5} {r or 'none':>8} | {fmt_bytes(m.peak):>11} | {fmt_bytes(m.argument):>10}"
-                    f" | {fmt_bytes(m.temp):>10} | {fmt_bytes(m.host_peak):>10}")
-                out["compiled"].append({"stage": stage, "remat": r, "micro_batch": rows, **m.to_dict()})
+                say(f"{stage:>5} {r or 'none':>8}{tile_cell(t or 'none')} | {fmt_bytes(m.peak):>11} | "
+                    f"{fmt_bytes(m.argument):>10} | {fmt_bytes(m.temp):>10} | {fmt_bytes(m.host_peak):>10}")
+                out["compiled"].append({"stage": stage, "remat": r, "mlp_tile": t, "micro_batch": rows, **m.to_dict()})
     if budget is None:
         say("\nNo plan: the device reports no memory limit (CPU); pass --budget, e.g. 24GB.")
         return out
@@ -671,9 +773,10 @@ def _estimate_aot(args, say, choice, stages, n_devices) -> dict:
 
     found = planner.search(factory, cfg, budget, seq, stages=stages, remat=remats,
                            micro_batch=micro, batch_rows=rows, mesh=mesh, hardware=hardware,
-                           max_plans=args.max_plans, on_result=progress, options=options)
-    for i, p in enumerate(found.plans):
-        say(f"  {i + 1}. {p.describe()}\n     {json.dumps(p.config_patch())}")
+                           max_plans=args.max_plans, on_result=progress, options=options,
+                           mlp_tile=_mlp_tile_of(args))
+    for i, p in enumerate(found.plans, 1):
+        _say_plan(say, i, p)
     if not found.plans:
         say("  nothing fits: more devices, a shorter sequence, or a smaller model")
     out["plans"] = [p.to_dict() for p in found.plans]

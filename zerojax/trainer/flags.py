@@ -6,35 +6,17 @@ argparse error naming it, before anything is imported that is slow.
 from __future__ import annotations
 
 import argparse
-import math
 import os
 import sys
+
+from zerojax.arg_types import mlp_tile as _mlp_tile, number as _number
 
 # the default --config: DeepSpeed's ZeRO-2 with bf16 and "auto" batch / lr keys, in the checkout
 DEFAULT_CONFIG = os.path.normpath(os.path.join(os.path.dirname(__file__), "..", "..", "configs", "zero2_bf16.json"))
 
 
-def _number(kind, lo=None, *, above=False, note=""):
-    """An argparse type: a finite int / float, >= lo (> lo with above=True); `note` says why."""
-    def parse(text):
-        try:
-            value = kind(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"{text!r} is not {'an integer' if kind is int else 'a number'}") from None
-        if kind is float and not math.isfinite(value):
-            raise argparse.ArgumentTypeError(f"{text!r} is not a finite number")
-        if lo is not None and (value <= lo if above else value < lo):
-            raise argparse.ArgumentTypeError(f"{value} must be {'>' if above else '>='} {lo}{note}")
-        return value
-    return parse
-
-
 def _micro_batch(text):
     return "auto" if text == "auto" else _number(int, 1, note=" (or auto)")(text)
-
-
-def _mlp_tile(text):
-    return "auto" if text == "auto" else _number(int, 1, note=" (positions per piece, or auto)")(text)
 
 
 # Flags whose value may be negative: argparse reads "-1e-3" as an option (its negative-number rule
