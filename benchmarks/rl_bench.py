@@ -34,7 +34,7 @@ REMAT = "full"
 
 def shape(args, name):
     """(prompts per step, prompt length, new tokens, micro-batch) for this run."""
-    return (2, 8, 8, 8) if args.tiny else (PROMPTS, PROMPT_LEN, NEW, MICRO)
+    return (2, 8, 8, 8) if args.tiny else (PROMPTS, PROMPT_LEN, NEW, args.micro)
 
 
 def prompt_ids(n: int, length: int, vocab: int, seed: int = 0):
@@ -78,7 +78,7 @@ def run(name: str, args) -> dict:
     cfg = {"train_batch_size": rows, "train_micro_batch_size_per_gpu": max(1, micro // len(jax.devices())),
            "bf16": {"enabled": True}, "zero_optimization": {"stage": 2},
            "optimizer": {"type": "AdamW", "params": {"lr": LR, "weight_decay": 0.0}}}
-    engine = zerojax.shard(lambda: Llama(config, rngs=nnx.Rngs(0), remat_policy=REMAT), cfg, loss_fn=make_grpo_loss(kl_coef=KL))
+    engine = zerojax.shard(lambda: Llama(config, rngs=nnx.Rngs(0), remat_policy=None if args.remat == "none" else args.remat), cfg, loss_fn=make_grpo_loss(kl_coef=KL))
     options = RolloutOptions(group=GROUP, temperature=1.0, kl_coef=KL, reference="copy", ignore_eos=True)
     rollouts = RolloutBatches(engine, data, even_fraction, options, seed=0, num_steps=1 + args.steps)
     began = None
@@ -94,7 +94,8 @@ def run(name: str, args) -> dict:
     # the last step's training is not in the history (no next batch asked for): the rest of the wall
     train = wall - gen
     return {"framework": "zerojax", "model": "tiny" if args.tiny else name, "group": GROUP, "prompts": n,
-            "prompt_len": plen, "new_tokens": new, "steps": args.steps, "seconds": round(wall, 3),
+            "prompt_len": plen, "new_tokens": new, "steps": args.steps,
+            "micro": micro, "remat": args.remat, "seconds": round(wall, 3),
             "samples_per_s": round(rows * args.steps / wall, 2), "generate_s": round(gen, 3),
             "train_s": round(train, 3), "generate_share": round(gen / wall, 3),
             "reward_mean": round(float(measured[-1]["reward/mean"]), 4), "loss": float(metrics["loss"]),
@@ -112,6 +113,10 @@ def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--model", action="append", help="a LlamaConfig.named shape (default: qwen2.5-0.5b, llama-3.2-1b)")
     p.add_argument("--steps", type=int, default=3, help="measured steps after the warm-up (default 3)")
+    p.add_argument("--micro", type=int, default=MICRO, help=f"rows per micro-batch (default {MICRO}; the step's "
+                   "rows stay group x prompts: fewer rows a micro-batch, more accumulation)")
+    p.add_argument("--remat", default=REMAT, help=f"the model's remat_policy (default {REMAT!r}; 'none': keep "
+                   "every activation)")
     p.add_argument("--tiny", action="store_true", help="tiny shapes, for a CPU smoke test")
     args = p.parse_args(argv)
     results = []
