@@ -1,0 +1,101 @@
+"""Where a decode step's time goes: zerojax generation on random-init weights, timed, then one
+generate call under `jax.profiler.trace` with the device's kernels summed by name, and the compiled
+decode program's HLO written out.
+
+    python benchmarks/decode_profile.py 8b1            # Llama-3.1-8B bf16, batch 1, 128 + 129 new
+    python benchmarks/decode_profile.py 1b64           # Llama-3.2-1B bf16, batch 64, 256 + 129 new
+    python benchmarks/decode_profile.py 8b1 --lean     # the timing line only
+    python benchmarks/decode_profile.py 8b1 --tiny     # CPU smoke test (tiny shapes)
+
+Before / after a change, run it from two trees back to back in one call, e.g. `git archive <commit>
+zerojax benchmarks | tar -x -C .after` and `(cd .after && PYTHONPATH=. python
+benchmarks/decode_profile.py 8b1 --lean)` beside the same in this tree.
+
+Prints one JSON line (decode ms a step and its share of the HBM bound, as generate_bench.py's case a
+counts them), then per profiled line ("XLA Ops" and each stream) the kernels by total time with
+their count and mean; the optimized HLO goes to $OUT/decode_<shape>.hlo.txt.
+"""
+from __future__ import annotations
+
+import collections
+import glob
+import json
+import os
+import sys
+import tempfile
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path[:0] = [ROOT, os.path.join(ROOT, "benchmarks")]
+
+SHAPES = {"8b1": ("llama-3.1-8b", 1, 128, 129), "1b64": ("llama-3.2-1b", 64, 256, 129)}
+
+
+def kernel_table(xplane: str, tiny: bool, top: int = 18) -> dict:
+    """{line name: [(kernel name, count, total ms)]} of a trace's device planes (on CPU, --tiny:
+    the host's XLA thread lines)."""
+    from jax.profiler import ProfileData
+
+    lines = {}
+    for plane in ProfileData.from_file(xplane).planes:
+        if "GPU" not in plane.name and not tiny:
+            continue
+        for line in plane.lines:
+            if not (line.name.startswith(("XLA Ops", "Stream")) or (tiny and "XLA" in line.name)):
+                continue
+            sums = collections.defaultdict(lambda: [0, 0.0])
+            for event in line.events:
+                sums[event.name][0] += 1
+                sums[event.name][1] += event.duration_ns / 1e6
+            lines[line.name] = sorted(((k, n, ms) for k, (n, ms) in sums.items()), key=lambda r: -r[2])[:top]
+    return lines
+
+
+def main(argv=None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    shape = next((a for a in argv if not a.startswith("-")), "8b1")
+    tiny, lean = "--tiny" in argv, "--lean" in argv
+    if shape not in SHAPES:
+        print(f"decode_profile.py: shape {shape!r}; choose one of {', '.join(SHAPES)}", file=sys.stderr)
+        return 2
+    import jax
+
+    import generate_bench as gb
+    import zerojax
+    from zerojax.generation.program_cost import decode_program
+
+    name, batch, prompt, new = SHAPES[shape]
+    if tiny:
+        batch, prompt, new = min(batch, 4), 8, 9
+    model = gb._build(name, tiny)
+    r = gb.generation_speed(model, batch, prompt, new, model.config.vocab_size)
+    bandwidth = gb.copy_bandwidth((1 << 30) if not tiny else (1 << 24))
+    _, read = gb.weight_bytes(model)
+    bound_ms = 1e3 * read / bandwidth
+    print(json.dumps({"shape": shape, "model": name, "device": jax.devices()[0].device_kind, **r,
+                      "copy_gbs": round(bandwidth / 1e9, 1), "hbm_bound_step_ms": round(bound_ms, 3),
+                      "hbm_bound_share": round(bound_ms / r["decode_step_ms"], 3) if r["decode_step_ms"] else None}),
+          flush=True)
+    if lean:
+        return 0
+
+    prompts = gb._prompts(batch, prompt, model.config.vocab_size)
+    trace_dir = tempfile.mkdtemp()
+    with jax.profiler.trace(trace_dir):
+        zerojax.generate(model, prompts, max_new_tokens=new, ignore_eos=True)
+    xplane = glob.glob(os.path.join(trace_dir, "**", "*.xplane.pb"), recursive=True)[0]
+    for line, rows in kernel_table(xplane, tiny).items():
+        print(f"{line}: {sum(ms for _, _, ms in rows):.1f} ms in its top {len(rows)} kernels "
+              f"(one generate: the prefill and {new - 1} decode steps)")
+        for kernel, n, ms in rows:
+            print(f"  {ms:9.2f} ms {n:6d}x {1e3 * ms / n:9.1f} us  {kernel[:110]}")
+    out = os.environ.get("OUT") or tempfile.mkdtemp()
+    _, compiled = decode_program(model, batch=batch, length=prompt + new + 127)
+    path = os.path.join(out, f"decode_{shape}.hlo.txt")
+    with open(path, "w") as f:
+        f.write(compiled.as_text())
+    print(f"optimized decode HLO: {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
