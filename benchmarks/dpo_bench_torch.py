@@ -41,7 +41,7 @@ import sys
 import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path[:0] = [ROOT]
+sys.path[:0] = [ROOT, os.path.join(ROOT, "benchmarks")]
 
 BETA, LR, CAP_GIB = 0.1, 3e-4, 23.77
 TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
@@ -51,23 +51,10 @@ def build(name: str, device, dtype):
     """A random-init LlamaForCausalLM of zerojax's named shape `name`, LoRA r 16 / alpha 32 applied,
     gradient checkpointing on."""
     import peft
-    import torch
-    import transformers
 
-    from zerojax.models import LlamaConfig
-    from zerojax.models.hf_llama import config_to_hf
+    from hf_random_llama import random_llama
 
-    hf = config_to_hf(LlamaConfig.named(name), str(dtype).removeprefix("torch."))
-    config = transformers.AutoConfig.for_model(**hf)
-    config._attn_implementation = "sdpa"
-    config.use_cache = False
-    before = torch.get_default_dtype()
-    torch.set_default_dtype(dtype)
-    try:
-        with torch.device(device):
-            model = transformers.AutoModelForCausalLM.from_config(config)
-    finally:
-        torch.set_default_dtype(before)
+    model = random_llama(name, device, dtype, use_cache=False)
     model.gradient_checkpointing_enable()
     model.enable_input_require_grads()
     lora = peft.LoraConfig(r=16, lora_alpha=32, lora_dropout=0.0, target_modules=TARGETS, bias="none",

@@ -28,21 +28,10 @@ from generate_bench import rates  # noqa: E402 (one definition of the figures fo
 
 def build(name: str, tiny: bool, device):
     import torch
-    import transformers
 
-    from zerojax.models import LlamaConfig
-    from zerojax.models.hf_llama import config_to_hf
+    from hf_random_llama import random_llama
 
-    hf_config = transformers.LlamaConfig(**config_to_hf(LlamaConfig.named("tiny" if tiny else name), "bfloat16"))
-    hf_config._attn_implementation = "sdpa"
-    before = torch.get_default_dtype()
-    torch.set_default_dtype(torch.bfloat16)  # built in bf16 on the device: no fp32 copy (32 GB at 8B)
-    try:
-        with torch.device(device):
-            model = transformers.LlamaForCausalLM(hf_config).eval()
-    finally:
-        torch.set_default_dtype(before)
-    return model
+    return random_llama("tiny" if tiny else name, device, torch.bfloat16).eval()
 
 
 def speed(model, batch: int, prompt: int, new: int, device) -> dict:

@@ -56,7 +56,7 @@ import sys
 import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, ROOT)
+sys.path[:0] = [ROOT, os.path.join(ROOT, "benchmarks")]
 # zerojax is imported for its named shapes only: keep JAX off the GPU this process measures
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
@@ -68,22 +68,10 @@ def build(name: str, device: str, dtype):
     """A random-init LlamaForCausalLM of zerojax's named shape `name`, made on `device` in `dtype`,
     gradient checkpointing on, PEFT LoRA r 16 / alpha 32 on every linear layer of the blocks."""
     import peft
-    import torch
-    import transformers
 
-    from zerojax.models import LlamaConfig
-    from zerojax.models.hf_llama import config_to_hf
+    from hf_random_llama import random_llama
 
-    config = transformers.LlamaConfig(**config_to_hf(LlamaConfig.named(name), str(dtype).removeprefix("torch.")))
-    config._attn_implementation = "sdpa"
-    config.use_cache = False
-    before = torch.get_default_dtype()
-    torch.set_default_dtype(dtype)
-    try:
-        with torch.device(device):
-            model = transformers.LlamaForCausalLM(config)
-    finally:
-        torch.set_default_dtype(before)
+    model = random_llama(name, device, dtype, use_cache=False)
     # transformers 5 names it activation_checkpointing_enable (gradient_checkpointing_enable, its
     # deprecated alias, warns); either also calls enable_input_require_grads, as PEFT needs
     enable = getattr(model, "activation_checkpointing_enable", None)

@@ -30,22 +30,10 @@ from rl_bench import GROUP, KL, LR, even_fraction, prompt_ids, shape, table  # n
 
 def build(name: str, tiny: bool, device):
     import torch
-    import transformers
 
-    from zerojax.models import LlamaConfig
-    from zerojax.models.hf_llama import config_to_hf
+    from hf_random_llama import random_llama
 
-    hf = config_to_hf(LlamaConfig.named("tiny" if tiny else name), "bfloat16")
-    config = transformers.AutoConfig.for_model(**hf)
-    config._attn_implementation = "sdpa"
-    before = torch.get_default_dtype()
-    torch.set_default_dtype(torch.bfloat16)
-    try:
-        with torch.device(device):
-            model = transformers.AutoModelForCausalLM.from_config(config)
-    finally:
-        torch.set_default_dtype(before)
-    return model
+    return random_llama("tiny" if tiny else name, device, torch.bfloat16)
 
 
 def completion_logps(model, ids, plen):
