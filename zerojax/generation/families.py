@@ -17,7 +17,7 @@ from flax import nnx
 from zerojax.models import gpt2 as gpt2_mod
 from zerojax.models import llama as llama_mod
 from zerojax.models import registry
-from zerojax.models.gpt2 import adapted_layers, unconstrained
+from zerojax.models.gpt2 import adapted_layers, decode_head, unconstrained
 
 
 @dataclasses.dataclass(frozen=True)
@@ -62,8 +62,9 @@ class Family:
         return geometry_of_config(self.model.config)
 
     def logits(self, x):
-        """fp32 logits [B, T, padded vocab] of the residual stream (padding columns -inf)."""
-        return self.model.padded_logits(self.model.final_norm(x))
+        """fp32 logits [B, T, padded vocab] of the residual stream (padding columns -inf), the
+        head's product in the compute dtype (`decode_head`: as transformers' generate)."""
+        return self.model.padded_logits(self.model.final_norm(x), head=decode_head)
 
 
 class LlamaFamily(Family):

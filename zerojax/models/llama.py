@@ -455,10 +455,11 @@ class Llama(nnx.Module):
         h = self.hidden_states(input_ids, segment_ids=segment_ids, positions=positions)
         return self.padded_logits(h)[..., :self.config.vocab_size]
 
-    def padded_logits(self, x):
-        """LM head on [B, T, d] -> fp32 [B, T, padded vocab], padding columns -inf (GPT-2's)."""
+    def padded_logits(self, x, head=lm_head):
+        """LM head on [B, T, d] -> fp32 [B, T, padded vocab], padding columns -inf (GPT-2's; `head`
+        the product, as there)."""
         constrain = getattr(self, "activation_sharding", None) or unconstrained
-        logits = constrain(lm_head(constrain(x, SEQ_WHOLE), self.head_weight()), LOGITS)
+        logits = constrain(head(constrain(x, SEQ_WHOLE), self.head_weight()), LOGITS)
         cfg = self.config
         if cfg.padded_vocab_size == cfg.vocab_size:
             return logits
