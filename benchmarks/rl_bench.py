@@ -63,6 +63,7 @@ class IdTokenizer:
 
 def run(name: str, args) -> dict:
     import jax
+    import numpy as np
     from flax import nnx
 
     import zerojax
@@ -89,6 +90,11 @@ def run(name: str, args) -> dict:
             began = time.perf_counter()
     jax.block_until_ready(engine.state.params)
     wall = time.perf_counter() - began
+    # the generate call alone (the generation time above also holds the rewards and both log-prob
+    # passes), on one step's prompts
+    t = time.perf_counter()
+    rollouts.generate(np.repeat(data.indices(n, seed=0, step=0, refill=0), GROUP), seed=1)
+    generate_call = time.perf_counter() - t
     measured = rollouts.history[1:]
     gen = sum(h["time/generate_s"] for h in measured)
     # the last step's training is not in the history (no next batch asked for): the rest of the wall
@@ -97,7 +103,7 @@ def run(name: str, args) -> dict:
             "prompt_len": plen, "new_tokens": new, "steps": args.steps,
             "micro": micro, "remat": args.remat, "seconds": round(wall, 3),
             "samples_per_s": round(rows * args.steps / wall, 2), "generate_s": round(gen, 3),
-            "train_s": round(train, 3), "generate_share": round(gen / wall, 3),
+            "train_s": round(train, 3), "generate_call_s": round(generate_call, 3), "generate_share": round(gen / wall, 3),
             "reward_mean": round(float(measured[-1]["reward/mean"]), 4), "loss": float(metrics["loss"]),
             "device": jax.devices()[0].device_kind}
 

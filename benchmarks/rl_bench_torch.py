@@ -25,7 +25,7 @@ import time
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path[:0] = [ROOT, os.path.join(ROOT, "benchmarks")]
 
-from rl_bench import GROUP, KL, LR, even_fraction, prompt_ids, shape, table  # noqa: E402 (one setup for both)
+from rl_bench import GROUP, KL, LR, MICRO, even_fraction, prompt_ids, shape, table  # noqa: E402 (one setup for both)
 
 
 def build(name: str, tiny: bool, device):
@@ -111,6 +111,7 @@ def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--model", action="append", help="a LlamaConfig.named shape (default: qwen2.5-0.5b, llama-3.2-1b)")
     p.add_argument("--steps", type=int, default=3)
+    p.add_argument("--micro", type=int, default=MICRO, help=f"rows per micro-batch (default {MICRO})")
     p.add_argument("--tiny", action="store_true")
     args = p.parse_args(argv)
     print(f"torch {torch.__version__}, transformers {transformers.__version__}, sdpa, bf16")
