@@ -63,6 +63,7 @@ class IdTokenizer:
 
 def run(name: str, args) -> dict:
     import jax
+    import jax.numpy as jnp
     import numpy as np
     from flax import nnx
 
@@ -79,7 +80,10 @@ def run(name: str, args) -> dict:
     cfg = {"train_batch_size": rows, "train_micro_batch_size_per_gpu": max(1, micro // len(jax.devices())),
            "bf16": {"enabled": True}, "zero_optimization": {"stage": 2},
            "optimizer": {"type": "AdamW", "params": {"lr": LR, "weight_decay": 0.0}}}
-    engine = zerojax.shard(lambda: Llama(config, rngs=nnx.Rngs(0), remat_policy=None if args.remat == "none" else args.remat), cfg, loss_fn=make_grpo_loss(kl_coef=KL))
+    # bf16 compute, as the config (and the PyTorch anchor): the module computes in its own dtype
+    engine = zerojax.shard(lambda: Llama(config, rngs=nnx.Rngs(0), dtype=jnp.bfloat16,
+                                         remat_policy=None if args.remat == "none" else args.remat),
+                           cfg, loss_fn=make_grpo_loss(kl_coef=KL))
     options = RolloutOptions(group=GROUP, temperature=1.0, kl_coef=KL, reference="copy", ignore_eos=True)
     rollouts = RolloutBatches(engine, data, even_fraction, options, seed=0, num_steps=1 + args.steps)
     began = None

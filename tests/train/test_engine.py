@@ -300,3 +300,22 @@ def test_linen_module_through_nnx_bridge():
     losses = [float(eng.train_step(b)["loss"]) for b in batches(3, seed=1) * 2]
     assert losses[-1] < losses[2]  # same three batches again: lower loss after training
     assert all(padded(x) == (None, None) for x in jax.tree.leaves(eng.state.params) if x.ndim == 2)
+
+
+def test_fp32_compute_under_bf16_config_is_named_in_a_warning():
+    """DeepSpeed's bf16 computes in bf16; a zerojax model computes in its own dtype, so a model
+    left at dtype=float32 under a bf16 config is told once (and one built in bf16 is not)."""
+    import warnings
+
+    from zerojax.models import GPT2, GPT2Config
+    from zerojax.train.engine import Engine
+
+    cfg = {"train_micro_batch_size_per_gpu": 1, "bf16": {"enabled": True},
+           "optimizer": {"type": "SGD", "params": {"lr": 0.1}}}
+    tiny = GPT2Config.named("tiny")
+    with pytest.warns(UserWarning, match=r"computes in float32 \(its dtype\): build it with dtype=jnp.bfloat16"):
+        Engine(lambda: GPT2(tiny, rngs=nnx.Rngs(0)), cfg, loss_fn=lambda m, b: m(b["input_ids"]).mean(), abstract=True)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", UserWarning)
+        Engine(lambda: GPT2(tiny, rngs=nnx.Rngs(0), dtype=jnp.bfloat16), cfg,
+              loss_fn=lambda m, b: m(b["input_ids"]).mean(), abstract=True)

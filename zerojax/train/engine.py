@@ -124,6 +124,7 @@ class Engine:
                 f"{type(model).__name__}; for a Linen module wrap it with flax.nnx.bridge.ToNNX"
             )
         self.layout: EngineLayout = build_layout(module, cfg, loss_fn=loss_fn, mesh=mesh, options=options)
+        _warn_fp32_compute(module, self.layout.compute_dtype)
         # the model's own structure, for what users read (`model`, `params`, `master_params`)
         self._user_split = _abstract_split(user) if self.layout.layer_lists else None
         self.loss_fn = loss_fn
@@ -807,6 +808,22 @@ def _abstract_split(module):
 def _stacked(factory):
     """The model `factory` builds, its list of blocks (if any) stacked (`zerojax.model.stack_blocks`)."""
     return contract.stack_blocks(factory())
+
+
+def _warn_fp32_compute(module, compute_dtype) -> None:
+    """DeepSpeed's bf16 / fp16 runs the forward in that dtype; a zerojax model computes in its own
+    `dtype` attribute, which the config does not change: say so where a model built with fp32
+    compute meets a bf16 / fp16 config (its weights are stored in bf16 / fp16, every product and
+    the KV-cache decoder's reads upcast to fp32: about half the speed)."""
+    own = getattr(module, "dtype", None)
+    try:
+        own = jnp.dtype(own)
+    except TypeError:
+        return
+    if own == jnp.float32 and jnp.dtype(compute_dtype) != jnp.float32:
+        warnings.warn(f"the config trains in {jnp.dtype(compute_dtype).name} but {type(module).__name__} computes in "
+                      f"float32 (its dtype): build it with dtype=jnp.{jnp.dtype(compute_dtype).name} for DeepSpeed's "
+                      f"{jnp.dtype(compute_dtype).name} forward", stacklevel=3)
 
 
 def _zeros(tree, dtype=None):
