@@ -2,6 +2,8 @@
 `jax.nn.dot_product_attention`: a tiny Llama's logits and gradients on packed rows (several
 documents per row, GQA 4:2, Mistral's sliding window), GPT-2 on plain rows, the choice of
 implementation, bad options, and the compiled program's memory growing as T, not T^2."""
+import re
+
 import numpy as np
 import pytest
 
@@ -110,3 +112,25 @@ def test_blockwise_against_float64_formula():
             p = np.exp(s - s.max())
             ref[0, i, h] = (p / p.sum()) @ v[0, ok, kh].astype(np.float64)
     np.testing.assert_allclose(out, ref, rtol=1e-5, atol=1e-6)
+
+
+def test_layer_scan_gradient_builds_one_key_blocks_mask_at_a_time():
+    """Differentiated inside a layer scan (every model's), the masks do not vary across layers;
+    JAX would hoist them out of that scan and build every key block's at once, stacked: a
+    [n blocks, B, K, G, T, block] boolean (Llama-3.2-1B at 32K: 32 GiB). None of that shape is
+    in the program, and the gradient is the one of the unscanned layers."""
+    T, block = 64, 16
+    rng = np.random.default_rng(0)
+    x = jnp.asarray(rng.normal(size=(1, T, 4, 8)), jnp.float32)
+    k = jnp.asarray(rng.normal(size=(1, T, 2, 8)), jnp.float32)
+    seg = jnp.asarray(np.repeat([1, 2], [40, 24])[None], jnp.int32)
+    w = jnp.asarray(rng.normal(size=(2, 8, 8)) / 3, jnp.float32)
+
+    def layer(h, wl):
+        return blockwise_attention(jnp.einsum("bthd,de->bthe", h, wl), k, k, segment_ids=seg, block=block), None
+
+    scanned = lambda w: jax.lax.scan(layer, x, w)[0].sum()  # noqa: E731
+    unrolled = lambda w: layer(layer(x, w[0])[0], w[1])[0].sum()  # noqa: E731
+    text = jax.jit(jax.grad(scanned)).lower(w).as_text()
+    assert not re.search(rf"tensor<{T // block}x[\dx]*xi1>", text)
+    np.testing.assert_allclose(jax.grad(scanned)(w), jax.grad(unrolled)(w), rtol=RTOL, atol=ATOL)

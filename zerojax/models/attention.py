@@ -68,6 +68,16 @@ def _scores(qg, kb, seg_q, seg_k, index_k, *, window, scale):
     return jnp.where(ok[:, None, None], s, _NEG), ok
 
 
+def _tied(qg, seg, sb, ib):
+    """(qg, seg, sb, ib) through one optimization barrier, so that the masks' integer inputs read
+    as depending on the queries. Inside a differentiated `lax.scan` (a model's layer scan) JAX
+    hoists what does not vary across layers out of that scan, and the masks (built from segment
+    ids and block indices alone) would be computed there for every key block at once and stacked:
+    [n blocks, B, K, G, T, block] booleans (Llama-3.2-1B at 32K: 32 GiB), where the key-block scan
+    builds one block's at a time."""
+    return jax.lax.optimization_barrier((qg, seg, sb, ib))
+
+
 def _grouped(q, K):
     B, T, H, Dh = q.shape
     return q.astype(jnp.float32).reshape(B, T, K, H // K, Dh)
@@ -78,6 +88,7 @@ def _forward(q, k, v, seg, *, block, window, scale):
     K = k.shape[2]
     qg = _grouped(q, K)
     kb, vb, sb, ib = _blocks(k, v, seg, block)
+    qg, seg, sb, ib = _tied(qg, seg, sb, ib)
 
     def step(carry, xs):
         m, l, acc = carry  # running max, normaliser [B, K, G, T], output sum [B, K, G, T, Dh]
@@ -121,6 +132,7 @@ def _attention_bwd(block, window, scale, res, do):
     og = jnp.transpose(o.astype(jnp.float32).reshape(B, T, K, G, Dh), (0, 2, 3, 1, 4))
     delta = (dog * og).sum(-1)  # [B, K, G, T]
     kb, vb, sb, ib = _blocks(k, v, seg, block)
+    qg, seg, sb, ib = _tied(qg, seg, sb, ib)
 
     def step(dq, xs):
         kj, vj, sj, ij = xs
