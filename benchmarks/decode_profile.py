@@ -4,6 +4,7 @@ decode program's HLO written out.
 
     python benchmarks/decode_profile.py 8b1            # Llama-3.1-8B bf16, batch 1, 128 + 129 new
     python benchmarks/decode_profile.py 1b64           # Llama-3.2-1B bf16, batch 64, 256 + 129 new
+    python benchmarks/decode_profile.py 8b64           # Llama-3.1-8B bf16, batch 64, 512 + 129 new
     python benchmarks/decode_profile.py 8b1 --lean     # the timing line only
     python benchmarks/decode_profile.py 8b1 --tiny     # CPU smoke test (tiny shapes)
 
@@ -27,7 +28,8 @@ import tempfile
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path[:0] = [ROOT, os.path.join(ROOT, "benchmarks")]
 
-SHAPES = {"8b1": ("llama-3.1-8b", 1, 128, 129), "1b64": ("llama-3.2-1b", 64, 256, 129)}
+SHAPES = {"8b1": ("llama-3.1-8b", 1, 128, 129), "1b64": ("llama-3.2-1b", 64, 256, 129),
+          "8b64": ("llama-3.1-8b", 64, 512, 129)}
 
 
 def kernel_table(xplane: str, tiny: bool, top: int = 18) -> dict:

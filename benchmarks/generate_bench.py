@@ -141,9 +141,24 @@ def case_a(tiny: bool) -> dict:
 
 
 def case_b(tiny: bool) -> dict:
+    """Batch 64, 512 + 512, and its HBM bound: a decode step reads at least the weights and the
+    cache slots filled so far (prompt + t at step t; on average prompt + new / 2), at the measured
+    copy rate; the bound's tokens/s adds the measured prefill to that many steps at the bound."""
+    from zerojax.generation.cache import cache_bytes
+    from zerojax.generation.families import geometry_of_config
+
     model = _model("llama-3.1-8b", tiny)
-    args = (64, 512, 512) if not tiny else (4, 16, 16)
-    return {"case": "b", "model": "llama-3.1-8b", **generation_speed(model, *args, model.config.vocab_size)}
+    batch, prompt, new = (64, 512, 512) if not tiny else (4, 16, 16)
+    r = generation_speed(model, batch, prompt, new, model.config.vocab_size)
+    bandwidth = copy_bandwidth((1 << 30) if not tiny else (1 << 24))
+    _, read = weight_bytes(model)
+    kv = cache_bytes(geometry_of_config(model.config), batch, prompt + new // 2, model.dtype)
+    bound_ms = 1e3 * (read + kv) / bandwidth
+    bound_s = r["prefill_seconds"] + (new - 1) * bound_ms / 1e3
+    return {"case": "b", "model": "llama-3.1-8b", **r, "copy_bandwidth_gbs": round(bandwidth / 1e9, 1),
+            "mean_cache_bytes_read_per_step_at_least": kv, "hbm_bound_step_ms": round(bound_ms, 3),
+            "hbm_bound_share": round(bound_ms / r["decode_step_ms"], 3) if r["decode_step_ms"] else None,
+            "hbm_bound_tokens_per_s": round(batch * new / bound_s, 1)}
 
 
 def case_c(tiny: bool) -> dict:
