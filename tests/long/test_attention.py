@@ -134,3 +134,30 @@ def test_layer_scan_gradient_builds_one_key_blocks_mask_at_a_time():
     text = jax.jit(jax.grad(scanned)).lower(w).as_text()
     assert not re.search(rf"tensor<{T // block}x[\dx]*xi1>", text)
     np.testing.assert_allclose(jax.grad(scanned)(w), jax.grad(unrolled)(w), rtol=RTOL, atol=ATOL)
+
+
+def test_bf16_products_on_bf16_operands_accumulated_in_fp32():
+    """bf16 q, k, v: every product of the forward and backward takes bf16 operands (flash
+    attention's tensor-core products) and returns fp32; output and gradients equal the dense fp32
+    path on the same (bf16-rounded) values within bf16's rounding of the probabilities."""
+    rng = np.random.default_rng(3)
+    T, block = 40, 16
+    q, k, v = (jnp.asarray(rng.normal(size=(1, T, n, 8)), jnp.bfloat16) for n in (4, 2, 2))
+    seg = jnp.asarray(np.repeat([1, 2], [25, 15])[None], jnp.int32)
+    cot = jnp.asarray(rng.normal(size=(1, T, 4, 8)), jnp.float32)
+
+    def loss(impl, dtype):
+        def f(q, k, v):
+            q, k, v = (x.astype(dtype) for x in (q, k, v))
+            return (causal_attention(q, k, v, impl=impl, segment_ids=seg, block=block).astype(jnp.float32) * cot).sum()
+        return f
+
+    text = jax.jit(jax.value_and_grad(loss("blockwise", jnp.bfloat16), argnums=(0, 1, 2))).lower(q, k, v).as_text()
+    dots = re.findall(r"stablehlo\.dot_general[^\n]*: \((tensor<[^>]*>), (tensor<[^>]*>)\) -> (tensor<[^>]*>)", text)
+    assert len(dots) == 7, dots  # forward: scores, p v; backward: the scores again, dv, dp, dq, dk
+    assert all(a.endswith("xbf16>") and b.endswith("xbf16>") and out.endswith("xf32>") for a, b, out in dots), dots
+    got = jax.value_and_grad(loss("blockwise", jnp.bfloat16), argnums=(0, 1, 2))(q, k, v)
+    ref = jax.value_and_grad(loss("xla", jnp.float32), argnums=(0, 1, 2))(q, k, v)
+    for g, r in zip(jax.tree.leaves(got), jax.tree.leaves(ref)):
+        g, r = np.asarray(g, np.float32), np.asarray(r, np.float32)
+        np.testing.assert_allclose(g, r, rtol=0, atol=0.03 * np.abs(r).max())

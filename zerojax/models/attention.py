@@ -27,7 +27,8 @@ _NEG = -1e30  # a finite "minus infinity": a fully masked block leaves exp(s - m
 
 def blockwise_attention(q, k, v, *, segment_ids=None, window: int | None = None, block: int = DEFAULT_BLOCK,
                         scale: float | None = None):
-    """Causal softmax(q k^T * scale) v per head -> [B, T, H, Dh] in q's dtype (fp32 inside)."""
+    """Causal softmax(q k^T * scale) v per head -> [B, T, H, Dh] in q's dtype (products of q's dtype
+    accumulated in fp32, the softmax in fp32)."""
     B, T, H, Dh = q.shape
     K = k.shape[2]
     if H % K:
@@ -57,7 +58,7 @@ def _blocks(k, v, seg, block):
 
 def _scores(qg, kb, seg_q, seg_k, index_k, *, window, scale):
     """Masked scores [B, K, G, T, block] fp32 of grouped queries qg [B, T, K, G, Dh] and one key block."""
-    s = jnp.einsum("btkgd,bskd->bkgts", qg, kb.astype(jnp.float32)) * scale
+    s = _dot("btkgd,bskd->bkgts", qg, kb) * scale
     T = qg.shape[1]
     i = jnp.arange(T, dtype=jnp.int32)[:, None]
     j = index_k[None, :]
@@ -78,9 +79,16 @@ def _tied(qg, seg, sb, ib):
     return jax.lax.optimization_barrier((qg, seg, sb, ib))
 
 
+def _dot(spec, a, b):
+    """einsum of a, b in a's dtype (b and a probability / gradient cast to it), accumulated in
+    fp32: flash attention's products, bf16 operands on the tensor cores for a bf16 model, fp32
+    operands (exact as before) for an fp32 one."""
+    return jnp.einsum(spec, a, b.astype(a.dtype), preferred_element_type=jnp.float32)
+
+
 def _grouped(q, K):
     B, T, H, Dh = q.shape
-    return q.astype(jnp.float32).reshape(B, T, K, H // K, Dh)
+    return q.reshape(B, T, K, H // K, Dh)
 
 
 def _forward(q, k, v, seg, *, block, window, scale):
@@ -98,7 +106,7 @@ def _forward(q, k, v, seg, *, block, window, scale):
         p = jnp.where(ok[:, None, None], jnp.exp(s - m_new[..., None]), 0.0)
         corr = jnp.exp(m - m_new)
         l = l * corr + p.sum(-1)
-        acc = acc * corr[..., None] + jnp.einsum("bkgts,bskd->bkgtd", p, vj.astype(jnp.float32))
+        acc = acc * corr[..., None] + _dot("bkgts,bskd->bkgtd", p.astype(q.dtype), vj)
         return (m_new, l, acc), None
 
     G = H // K
@@ -131,6 +139,7 @@ def _attention_bwd(block, window, scale, res, do):
     dog = jnp.transpose(do.astype(jnp.float32).reshape(B, T, K, G, Dh), (0, 2, 3, 1, 4))  # [B, K, G, T, Dh]
     og = jnp.transpose(o.astype(jnp.float32).reshape(B, T, K, G, Dh), (0, 2, 3, 1, 4))
     delta = (dog * og).sum(-1)  # [B, K, G, T]
+    dog_mm = dog.astype(q.dtype)  # the products' operand
     kb, vb, sb, ib = _blocks(k, v, seg, block)
     qg, seg, sb, ib = _tied(qg, seg, sb, ib)
 
@@ -138,14 +147,14 @@ def _attention_bwd(block, window, scale, res, do):
         kj, vj, sj, ij = xs
         s, ok = _scores(qg, kj, seg, sj, ij, window=window, scale=scale)
         p = jnp.where(ok[:, None, None], jnp.exp(s - lse[..., None]), 0.0)  # [B, K, G, T, s]
-        dv = jnp.einsum("bkgts,bkgtd->bskd", p, dog)
-        dp = jnp.einsum("bkgtd,bskd->bkgts", dog, vj.astype(jnp.float32))
+        dv = _dot("bkgts,bkgtd->bskd", p.astype(q.dtype), dog_mm)
+        dp = _dot("bkgtd,bskd->bkgts", dog_mm, vj)
         ds = p * (dp - delta[..., None]) * scale
-        dq = dq + jnp.einsum("bkgts,bskd->btkgd", ds, kj.astype(jnp.float32))
-        dk = jnp.einsum("bkgts,btkgd->bskd", ds, qg)
+        dq = dq + _dot("bkgts,bskd->btkgd", ds.astype(q.dtype), kj)
+        dk = _dot("bkgts,btkgd->bskd", ds.astype(q.dtype), qg)
         return dq, (dk, dv)
 
-    dq, (dk, dv) = jax.lax.scan(step, jnp.zeros_like(qg), (kb, vb, sb, ib))
+    dq, (dk, dv) = jax.lax.scan(step, jnp.zeros(qg.shape, jnp.float32), (kb, vb, sb, ib))
     join = lambda x: jnp.moveaxis(x, 0, 1).reshape(B, -1, K, Dh)[:, :T]  # noqa: E731
     return (dq.reshape(B, T, H, Dh).astype(q.dtype), join(dk).astype(k.dtype), join(dv).astype(v.dtype), None)
 
