@@ -70,12 +70,10 @@ def main(argv=None) -> int:
         batch, prompt, new = min(batch, 4), 8, 9
     model = gb._build(name, tiny)
     r = gb.generation_speed(model, batch, prompt, new, model.config.vocab_size)
-    bandwidth = gb.copy_bandwidth((1 << 30) if not tiny else (1 << 24))
-    _, read = gb.weight_bytes(model)
-    bound_ms = 1e3 * read / bandwidth
+    bandwidth, bound_ms, share = gb.hbm_bound(model, tiny, r["decode_step_ms"])
     print(json.dumps({"shape": shape, "model": name, "device": jax.devices()[0].device_kind, **r,
                       "copy_gbs": round(bandwidth / 1e9, 1), "hbm_bound_step_ms": round(bound_ms, 3),
-                      "hbm_bound_share": round(bound_ms / r["decode_step_ms"], 3) if r["decode_step_ms"] else None}),
+                      "hbm_bound_share": share}),
           flush=True)
     if lean:
         return 0

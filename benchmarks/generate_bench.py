@@ -108,6 +108,15 @@ def weight_bytes(model) -> tuple[int, int]:
     return total, total - (0 if model.config.tie_word_embeddings else nbytes(model.embed_tokens[...]))
 
 
+def hbm_bound(model, tiny: bool, decode_step_ms, extra_bytes: int = 0) -> tuple[float, float, float | None]:
+    """(copy bandwidth bytes/s, the step's HBM bound in ms: the weights a decode step reads plus
+    `extra_bytes` at that rate, the bound's share of the measured step or None without one)."""
+    bandwidth = copy_bandwidth((1 << 30) if not tiny else (1 << 24))
+    _, read = weight_bytes(model)
+    bound_ms = 1e3 * (read + extra_bytes) / bandwidth
+    return bandwidth, bound_ms, round(bound_ms / decode_step_ms, 3) if decode_step_ms else None
+
+
 def step_bytes(model, batch: int, length: int) -> dict:
     """XLA's cost analysis of the decode program on this device: "bytes accessed" of one decode
     iteration with the layer loop's body counted once (XLA counts a while body once), and the
@@ -129,10 +138,8 @@ def case_a(tiny: bool) -> dict:
     model = _model("llama-3.1-8b", tiny)
     prompt, new = 128, 256 if not tiny else 16
     r = generation_speed(model, 1, prompt, new, model.config.vocab_size)
-    bandwidth = copy_bandwidth((1 << 30) if not tiny else (1 << 24))
+    bandwidth, bound_ms, share = hbm_bound(model, tiny, r["decode_step_ms"])
     total, read = weight_bytes(model)
-    bound_ms = 1e3 * read / bandwidth
-    share = round(bound_ms / r["decode_step_ms"], 3) if r["decode_step_ms"] else None
     cost = step_bytes(model, 1, length_bucket(prompt) + length_bucket(new))
     return {"case": "a", "model": "llama-3.1-8b", **r, "weight_bytes": total, "weight_bytes_read_per_step": read,
             **cost, "copy_bandwidth_gbs": round(bandwidth / 1e9, 1),
@@ -150,15 +157,12 @@ def case_b(tiny: bool) -> dict:
     model = _model("llama-3.1-8b", tiny)
     batch, prompt, new = (64, 512, 512) if not tiny else (4, 16, 16)
     r = generation_speed(model, batch, prompt, new, model.config.vocab_size)
-    bandwidth = copy_bandwidth((1 << 30) if not tiny else (1 << 24))
-    _, read = weight_bytes(model)
     kv = cache_bytes(geometry_of_config(model.config), batch, prompt + new // 2, model.dtype)
-    bound_ms = 1e3 * (read + kv) / bandwidth
+    bandwidth, bound_ms, share = hbm_bound(model, tiny, r["decode_step_ms"], kv)
     bound_s = r["prefill_seconds"] + (new - 1) * bound_ms / 1e3
     return {"case": "b", "model": "llama-3.1-8b", **r, "copy_bandwidth_gbs": round(bandwidth / 1e9, 1),
             "mean_cache_bytes_read_per_step_at_least": kv, "hbm_bound_step_ms": round(bound_ms, 3),
-            "hbm_bound_share": round(bound_ms / r["decode_step_ms"], 3) if r["decode_step_ms"] else None,
-            "hbm_bound_tokens_per_s": round(batch * new / bound_s, 1)}
+            "hbm_bound_share": share, "hbm_bound_tokens_per_s": round(batch * new / bound_s, 1)}
 
 
 def case_c(tiny: bool) -> dict:

@@ -107,7 +107,8 @@ def run(name: str, args) -> dict:
             "prompt_len": plen, "new_tokens": new, "steps": args.steps,
             "micro": micro, "remat": args.remat, "seconds": round(wall, 3),
             "samples_per_s": round(rows * args.steps / wall, 2), "generate_s": round(gen, 3),
-            "train_s": round(train, 3), "generate_call_s": round(generate_call, 3), "generate_share": round(gen / wall, 3),
+            "train_s": round(train, 3), "generate_call_s": round(generate_call, 3),
+            "generate_share": round(gen / wall, 3),
             "reward_mean": round(float(measured[-1]["reward/mean"]), 4), "loss": float(metrics["loss"]),
             "device": jax.devices()[0].device_kind}
 

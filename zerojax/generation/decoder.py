@@ -37,7 +37,6 @@ NO_TOKEN = -1  # a row's output after it is done
 COMPILER_OPTIONS = {"xla_gpu_enable_triton_gemm": False, "xla_gpu_enable_dynamic_slice_fusion": True}
 
 
-
 @dataclasses.dataclass(frozen=True)
 class ModuleSource:
     """A plain nnx module: the weights are `nnx.split(model)`'s state."""

@@ -149,9 +149,9 @@ def _attention_bwd(block, window, scale, res, do):
         p = jnp.where(ok[:, None, None], jnp.exp(s - lse[..., None]), 0.0)  # [B, K, G, T, s]
         dv = _dot("bkgts,bkgtd->bskd", p.astype(q.dtype), dog_mm)
         dp = _dot("bkgtd,bskd->bkgts", dog_mm, vj)
-        ds = p * (dp - delta[..., None]) * scale
-        dq = dq + _dot("bkgts,bskd->btkgd", ds.astype(q.dtype), kj)
-        dk = _dot("bkgts,btkgd->bskd", ds.astype(q.dtype), qg)
+        ds = (p * (dp - delta[..., None]) * scale).astype(q.dtype)  # the products' operand
+        dq = dq + _dot("bkgts,bskd->btkgd", ds, kj)
+        dk = _dot("bkgts,btkgd->bskd", ds, qg)
         return dq, (dk, dv)
 
     dq, (dk, dv) = jax.lax.scan(step, jnp.zeros(qg.shape, jnp.float32), (kb, vb, sb, ib))
