@@ -70,7 +70,7 @@ def test_packed_rows_default_to_blockwise_and_bad_options_refused():
     with pytest.raises(ValueError, match="attention_block=0"):
         Llama(cfg, rngs=nnx.Rngs(0), attention_block=0)
     with pytest.raises(ValueError, match="attention_impl"):
-        Llama(cfg, rngs=nnx.Rngs(0), attention_impl="flash")
+        Llama(cfg, rngs=nnx.Rngs(0), attention_impl="fused")
 
 
 def _temp_bytes(impl, t):

@@ -20,6 +20,8 @@ import functools
 import jax
 import jax.numpy as jnp
 
+from zerojax.models.flash_attention import flash_attention
+
 # keys per step of the scan: scores of one step are [B, H, T, block] fp32
 DEFAULT_BLOCK = 512
 _NEG = -1e30  # a finite "minus infinity": a fully masked block leaves exp(s - m) at 0, never NaN
@@ -162,14 +164,16 @@ def _attention_bwd(block, window, scale, res, do):
 _attention.defvjp(_attention_fwd, _attention_bwd)
 
 
-
-
 def causal_attention(q, k, v, *, impl: str, segment_ids=None, window: int | None = None,
                      block: int = DEFAULT_BLOCK):
-    """The models' one attention call: "blockwise" (above) or `jax.nn.dot_product_attention` with
-    `implementation=impl` ("xla" / "cudnn"; packed rows there as a dense [B, 1, T, T] mask)."""
+    """The models' one attention call: "blockwise" (above), "flash" (the fused Pallas kernel,
+    `zerojax.models.flash_attention`; `block` is the blockwise scan's alone) or
+    `jax.nn.dot_product_attention` with `implementation=impl` ("xla" / "cudnn"; packed rows there as
+    a dense [B, 1, T, T] mask)."""
     if impl == "blockwise":
         return blockwise_attention(q, k, v, segment_ids=segment_ids, window=window, block=block)
+    if impl == "flash":
+        return flash_attention(q, k, v, segment_ids=segment_ids, window=window)
     mask = None
     if segment_ids is not None:
         mask = (segment_ids[:, :, None] == segment_ids[:, None, :])[:, None]
@@ -184,4 +188,6 @@ def check_block(block) -> int:
         raise ValueError(f"attention_block={block!r}: the keys per step of the blockwise attention, an int >= 1 "
                          f"(default {DEFAULT_BLOCK})")
     return block
+
+
 __all__ = ["blockwise_attention", "causal_attention", "check_block", "DEFAULT_BLOCK"]

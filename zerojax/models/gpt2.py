@@ -37,6 +37,7 @@ from zerojax._jax_compat import CUDNN_ATTENTION_FORWARD  # noqa: F401 (read here
 from zerojax.models import layer_stack
 from zerojax.models.layer_stack import LAYER_INPUT
 from zerojax.models.attention import DEFAULT_BLOCK, causal_attention, check_block
+from zerojax.models.flash_attention import flash_supported
 
 # activation names tagged with `checkpoint_name` inside each block: LAYER_INPUT (the block's
 # input, which the "offload" remat policy moves to host memory instead of keeping it on the
@@ -64,8 +65,9 @@ _SAVED_NAMES = {"save_qkv": (QKV_PROJ,), "save_attention": (ATTENTION_OUT,),
                 "save_qkv_attention": (QKV_PROJ, ATTENTION_OUT),
                 "save_attention_block": (QKV_PROJ, ATTENTION_OUT, ATTENTION_RESIDUAL)}
 # None: chosen per call (`resolve_attention`); "blockwise": `zerojax.models.attention`'s flash
-# attention in plain JAX (no [T, T] scores, any backend)
-ATTENTION_IMPLS = (None, "xla", "cudnn", "blockwise")
+# attention in plain JAX (no [T, T] scores, any backend); "flash": `zerojax.models.flash_attention`'s
+# fused Pallas kernel (GPU; Pallas' interpreter elsewhere)
+ATTENTION_IMPLS = (None, "xla", "cudnn", "blockwise", "flash")
 # logical names of the residual stream [B, T, d] (activations' names, for `activation_sharding`)
 RESIDUAL = ("batch", "seq", "embed")
 # [B, T, d] with every position on every tensor rank: the LM head's input (sequence parallelism
@@ -391,16 +393,22 @@ def remat_policy_fn(name):
     return policy
 
 
-def resolve_attention(impl, dtype, head_dim, *, packed: bool = False):
+def resolve_attention(impl, dtype, head_dim, *, packed: bool = False, heads: int = 1, kv_heads: int = 1):
     """None: cuDNN flash attention on GPU where it applies (bf16/fp16, head_dim <= 128 and a
-    multiple of 8, rows not packed: its public call takes no segment ids), the blockwise attention
-    for packed rows (no [T, T] mask), else XLA. jax.nn.dot_product_attention's own None means XLA."""
+    multiple of 8, rows not packed: its public call takes no segment ids); packed rows take the
+    fused Pallas kernel ("flash") on one GPU where its shapes apply, else the blockwise attention
+    (no [T, T] mask); else XLA. jax.nn.dot_product_attention's own None means XLA.
+
+    "flash" only on one device: a Pallas call is opaque to GSPMD, which would gather its operands
+    whole over a mesh (a shard_map over the batch and head axes is what several GPUs need)."""
     if impl is not None:
         return impl
+    gpu_half = jax.default_backend() == "gpu" and jnp.dtype(dtype) in (jnp.bfloat16, jnp.float16)
     if packed:
+        if gpu_half and jax.device_count() == 1 and flash_supported(head_dim, heads, kv_heads):
+            return "flash"
         return "blockwise"
-    if (jax.default_backend() == "gpu" and jnp.dtype(dtype) in (jnp.bfloat16, jnp.float16)
-            and head_dim % 8 == 0 and head_dim <= 128):
+    if gpu_half and head_dim % 8 == 0 and head_dim <= 128:
         return "cudnn"
     return "xla"
 
@@ -417,7 +425,8 @@ class GPT2(nnx.Module):
         of compile time. The engine sets 1 under offload_param and ZeRO-3's per-layer gather.
     offload_activations: True is remat_policy="offload" (block inputs saved to pinned host memory).
     attention_impl: None (cuDNN on GPU when it applies, else XLA) | "xla" | "cudnn" | "blockwise"
-        (flash attention in plain JAX, `zerojax.models.attention`: memory O(T x attention_block)).
+        (flash attention in plain JAX, `zerojax.models.attention`: memory O(T x attention_block)) |
+        "flash" (the fused Pallas kernel, `zerojax.models.flash_attention`).
     attention_block: keys per step of the blockwise attention (default 512).
 
     Parameter offload hook: `layer_fetch` (attribute, default None) is a function applied to each

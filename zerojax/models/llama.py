@@ -393,7 +393,8 @@ class Llama(nnx.Module):
     Keywords as `GPT2`'s: dtype (compute), param_dtype (storage), remat_policy (GPT-2's names,
     `zerojax.models.gpt2.REMAT_POLICIES` and "dots_<k>"), offload_activations, attention_impl
     (None: cuDNN on GPU where it applies, the blockwise attention for packed rows, else XLA;
-    "blockwise": `zerojax.models.attention`, no [T, T] mask or scores), attention_block (its keys
+    "blockwise": `zerojax.models.attention`, no [T, T] mask or scores; "flash": the fused Pallas kernel,
+    `zerojax.models.flash_attention`, the default for packed rows on one GPU), attention_block (its keys
     per step), mlp_tile (None, or the positions per piece of a tiled MLP: ALST's TiledMLP, the
     [B, T, intermediate] activations held one piece at a time), scan_unroll. The engine's hooks
     (`layer_fetch`, `layer_scan`, `activation_sharding`) are GPT-2's, with GPT-2's meaning.
@@ -480,7 +481,8 @@ class Llama(nnx.Module):
         body = functools.partial(
             _block, config=cfg, dtype=dtype, constrain=constrain, segment_ids=segment_ids, positions=positions,
             attention_impl=resolve_attention(self.attention_impl, dtype, cfg.dim_per_head,
-                                             packed=segment_ids is not None),
+                                             packed=segment_ids is not None, heads=cfg.num_attention_heads,
+                                             kv_heads=cfg.kv_heads),
             attention_block=getattr(self, "attention_block", DEFAULT_BLOCK), mlp_tile=getattr(self, "mlp_tile", None),
             linear=_linear if adapter is None else adapter.linear)
         policy = self.remat_policy
