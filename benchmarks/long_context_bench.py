@@ -508,7 +508,7 @@ def main(argv=None) -> int:
     p.add_argument("--full-model", default="llama-3.1-8b", help="longest-full's model")
     p.add_argument("--seq", type=int, nargs="+", default=[2048, 32768])
     p.add_argument("--docs", type=int, default=4, help="packed documents a row (1: no segment ids)")
-    p.add_argument("--attention", nargs="+", default=["blockwise"], choices=("blockwise", "cudnn", "xla"),
+    p.add_argument("--attention", nargs="+", default=["blockwise"], choices=("blockwise", "flash", "cudnn", "xla"),
                    help="longest / longest-full: each is searched; throughput: one")
     p.add_argument("--block", type=int, default=512, help="keys per step of the blockwise attention")
     p.add_argument("--mlp-tile", type=int, nargs="+", default=None,

@@ -94,7 +94,7 @@ def test_unsupported_shapes_and_blocks_refused():
     q = jnp.zeros((1, 16, 3, 24))
     with pytest.raises(ValueError, match="head_dim 24.*blockwise"):
         flash_attention(q, q, q)
-    with pytest.raises(ValueError, match="kv_dkv=64 must equal q_dq=128"):
-        FlashBlocks(kv_dkv=64)
+    with pytest.raises(ValueError, match="kv_dkv=128 must equal q_dq=64"):
+        FlashBlocks(kv_dkv=128)
     with pytest.raises(ValueError, match="FlashBlocks.k=48"):
         FlashBlocks(k=48)

@@ -125,3 +125,12 @@ def test_dapo_drops_groups_without_reward_variance(digits):
     kept = sampled.metrics["rows/trained"]
     assert kept > 0 and batch["completion_mask"][:kept, :3].all() and not batch["completion_mask"][kept:].any()
     np.testing.assert_allclose(batch["token_weights"], 16 / batch["completion_mask"].sum())
+
+
+def test_byte_level_decode_reads_ids_past_the_bytes_as_a_bad_byte():
+    """A model whose vocabulary is larger than the byte tokenizer's (a random-init Llama-3.1-8B
+    shape on the built-in task) samples ids >= 256: they decode as U+FFFD, as an invalid byte
+    does, and the reward sees the rest of the text."""
+    from zerojax.rl.prompts import decode
+
+    assert decode(object(), [52, 50, 300, 255, 10]) == "42" + "\ufffd" + b"\xff".decode("utf-8", "replace") + "\n"

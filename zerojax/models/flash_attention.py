@@ -44,11 +44,11 @@ class FlashBlocks:
     q: int = 128
     k: int = 64
     q_dkv: int = 64
-    kv_dkv: int = 128
-    q_dq: int = 128
+    kv_dkv: int = 64
+    q_dq: int = 64
     kv_dq: int = 64
     warps: int = 4
-    warps_bwd: int = 8
+    warps_bwd: int = 4
     stages: int = 3
 
     def __post_init__(self):

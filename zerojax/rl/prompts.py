@@ -25,10 +25,14 @@ BATCH_KEYS = ("input_ids", "prompt_lengths", "completion_mask", "advantages", "o
 
 
 def decode(tokenizer, ids) -> str:
-    """Token ids -> text (the byte-level tokenizer's bytes where it has no decode)."""
+    """Token ids -> text (the byte-level tokenizer's bytes where it has no decode; an id past the
+    bytes, which a model of a larger vocabulary can sample, reads as U+FFFD as a bad byte does)."""
     if hasattr(tokenizer, "decode"):
         return tokenizer.decode([int(i) for i in ids])
-    return bytes(int(i) for i in ids).decode("utf-8", errors="replace")
+    return b"".join(bytes([i]) if 0 <= i < 256 else _REPLACEMENT for i in map(int, ids)).decode("utf-8", errors="replace")
+
+
+_REPLACEMENT = "\ufffd".encode()
 
 
 class PromptData:
