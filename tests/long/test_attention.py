@@ -1,5 +1,6 @@
 """The blockwise attention (`zerojax.models.attention`) against the dense-mask path of
-`jax.nn.dot_product_attention`: a tiny Llama's logits and gradients on packed rows (several
+`jax.nn.dot_product_attention`: a tiny Llama's logits and gradients on packed rows (the flash
+kernel's too) (several
 documents per row, GQA 4:2, Mistral's sliding window), GPT-2 on plain rows, the choice of
 implementation, bad options, and the compiled program's memory growing as T, not T^2."""
 import re
@@ -35,17 +36,20 @@ def _logits_and_grads(model, batch, loss):
 
 
 @pytest.mark.parametrize("window", [None, 6], ids=["llama", "mistral-window"])
-def test_llama_blockwise_equals_dense_mask(window):
+def test_llama_blockwise_and_flash_equal_dense_mask(window):
+    """Both mask-free attentions inside a tiny Llama (GQA 4:2, packed rows, the window) against
+    the dense-mask path: logits and every gradient. The flash kernel runs in Pallas' interpreter."""
     cfg = LlamaConfig.named("tiny", sliding_window=window, model_type="mistral" if window else "llama")
     batch = _packed_batch(np.random.default_rng(0))
-    dense = Llama(cfg, rngs=nnx.Rngs(0), attention_impl="xla")
-    # block 5 does not divide T = 24: the padded last block is exercised too
-    blockwise = Llama(cfg, rngs=nnx.Rngs(0), attention_impl="blockwise", attention_block=5)
-    (l1, g1), (l2, g2) = _logits_and_grads(dense, batch, llama_loss), _logits_and_grads(blockwise, batch, llama_loss)
-    np.testing.assert_allclose(np.asarray(l2), np.asarray(l1), rtol=RTOL, atol=ATOL)
-    assert len(g1) == len(g2)
-    for a, b in zip(g1, g2):
-        np.testing.assert_allclose(np.asarray(b), np.asarray(a), rtol=1e-4, atol=1e-6)
+    l1, g1 = _logits_and_grads(Llama(cfg, rngs=nnx.Rngs(0), attention_impl="xla"), batch, llama_loss)
+    # block 5 does not divide T = 24: the padded last block is exercised too; flash pads T to its tiles
+    for model in (Llama(cfg, rngs=nnx.Rngs(0), attention_impl="blockwise", attention_block=5),
+                  Llama(cfg, rngs=nnx.Rngs(0), attention_impl="flash")):
+        l2, g2 = _logits_and_grads(model, batch, llama_loss)
+        np.testing.assert_allclose(np.asarray(l2), np.asarray(l1), rtol=RTOL, atol=ATOL)
+        assert len(g1) == len(g2)
+        for a, b in zip(g1, g2):
+            np.testing.assert_allclose(np.asarray(b), np.asarray(a), rtol=1e-4, atol=1e-6)
 
 
 def test_gpt2_blockwise_equals_xla():
@@ -60,6 +64,17 @@ def test_gpt2_blockwise_equals_xla():
                                rtol=RTOL, atol=ATOL)
     for a, b in zip(g1, g2):
         np.testing.assert_allclose(np.asarray(b), np.asarray(a), rtol=1e-4, atol=1e-6)
+
+
+def test_packed_rows_on_one_gpu_default_to_flash_where_it_applies(monkeypatch):
+    monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
+    monkeypatch.setattr(jax, "device_count", lambda: 1)
+    assert resolve_attention(None, jnp.bfloat16, 64, packed=True, heads=32, kv_heads=8) == "flash"
+    assert resolve_attention(None, jnp.bfloat16, 64, packed=True, heads=24, kv_heads=8) == "blockwise"  # G = 3
+    assert resolve_attention(None, jnp.float32, 64, packed=True, heads=32, kv_heads=8) == "blockwise"
+    assert resolve_attention(None, jnp.bfloat16, 64, heads=32, kv_heads=8) == "cudnn"  # unpacked rows
+    monkeypatch.setattr(jax, "device_count", lambda: 8)  # a mesh: GSPMD would gather a Pallas call's operands
+    assert resolve_attention(None, jnp.bfloat16, 64, packed=True, heads=32, kv_heads=8) == "blockwise"
 
 
 def test_packed_rows_default_to_blockwise_and_bad_options_refused():

@@ -2,18 +2,15 @@
 on CPU) against the published formula in float64 and against the dense-mask path: packed rows
 whose documents it skips, rows it may not skip (segment ids out of order), grouped-query heads,
 Mistral's window, a padded tail; its key-block bounds against a brute-force count; a tiny Llama's
-logits and gradients; shapes it does not take refused."""
+logits and gradients (tests/long/test_attention.py); shapes it does not take refused."""
 import numpy as np
 import pytest
 
 import jax
 import jax.numpy as jnp
-from flax import nnx
 
-from zerojax.models import Llama, LlamaConfig
 from zerojax.models.attention import causal_attention
 from zerojax.models.flash_attention import FlashBlocks, flash_attention, visible_bounds
-from zerojax.models.llama import llama_loss
 
 # small tiles, so a short row has several blocks of each kind (the kernel's loops and bounds run)
 BLOCKS = FlashBlocks(q=32, k=16, q_dkv=16, kv_dkv=32, q_dq=32, kv_dq=16)
@@ -73,21 +70,6 @@ def test_bounds_are_exact_for_ordered_rows_and_safe_for_others():
             if b != 1:  # ordered rows: tight, the blocks before a document are skipped
                 np.testing.assert_array_equal(first[b], lo)
                 np.testing.assert_array_equal(end[b], hi)
-
-
-def test_llama_flash_equals_dense_mask():
-    cfg = LlamaConfig.named("tiny")  # head_dim 16, GQA 4:2
-    rng = np.random.default_rng(1)
-    ids = jnp.asarray(rng.integers(0, cfg.vocab_size, size=(1, 40)), jnp.int32)
-    batch = {"input_ids": ids, "segment_ids": jnp.asarray(np.repeat([1, 2, 3], [17, 15, 8])[None], jnp.int32)}
-    out = {}
-    for impl in ("xla", "flash"):
-        model = Llama(cfg, rngs=nnx.Rngs(0), attention_impl=impl)
-        grads = nnx.grad(lambda m: llama_loss(m, batch)[0])(model)
-        out[impl] = (model(ids, segment_ids=batch["segment_ids"]), jax.tree.leaves(nnx.to_pure_dict(grads)))
-    np.testing.assert_allclose(np.asarray(out["flash"][0]), np.asarray(out["xla"][0]), rtol=2e-5, atol=2e-5)
-    for a, b in zip(out["xla"][1], out["flash"][1]):
-        np.testing.assert_allclose(np.asarray(b), np.asarray(a), rtol=1e-4, atol=1e-6)
 
 
 def test_unsupported_shapes_and_blocks_refused():
