@@ -1,6 +1,6 @@
 """The fused Pallas flash attention (`zerojax.models.flash_attention`, run by Pallas' interpreter
 on CPU) against the published formula in float64 and against the dense-mask path: packed rows
-whose documents it skips, rows it may not skip (segment ids out of order), grouped-query heads,
+whose documents it skips (a packer's, its padding segment 0 last), rows it may not skip (an id in two runs), grouped-query heads,
 Mistral's window, a padded tail; its key-block bounds against a brute-force count; a tiny Llama's
 logits and gradients (tests/long/test_attention.py); shapes it does not take refused."""
 import numpy as np
@@ -36,9 +36,9 @@ def test_flash_equals_formula_and_dense_gradients(window):
     rng = np.random.default_rng(0)
     B, T, H, K, D = 2, 90, 4, 2, 16  # T = 90: padded to 96, the tail's keys never seen
     q, k, v = (rng.normal(size=(B, T, n, D)).astype(np.float32) for n in (H, K, K))
-    # row 0: three packed documents in order (their earlier key blocks skipped); row 1: ids out of
-    # order, one id in two runs (nothing skipped but the causal blocks)
-    seg = np.stack([np.repeat([1, 2, 3], [37, 30, 23]), np.repeat([5, 2, 5], [20, 40, 30])]).astype(np.int32)
+    # row 0: a packer's row, two documents and its padding segment 0 (the key blocks before each
+    # skipped); row 1: one id in two runs (nothing skipped but the causal blocks)
+    seg = np.stack([np.repeat([1, 2, 0], [37, 30, 23]), np.repeat([5, 2, 5], [20, 40, 30])]).astype(np.int32)
     out = flash_attention(*map(jnp.asarray, (q, k, v)), segment_ids=jnp.asarray(seg), window=window, blocks=BLOCKS)
     np.testing.assert_allclose(np.asarray(out), _formula(q, k, v, seg, window), rtol=1e-5, atol=1e-5)
 
@@ -57,7 +57,7 @@ def test_flash_equals_formula_and_dense_gradients(window):
 
 def test_bounds_are_exact_for_ordered_rows_and_safe_for_others():
     seg = np.stack([np.repeat([1, 2, 3, 7], [5, 1, 8, 6]), np.repeat([3, 1, 3, 2], [5, 5, 5, 5]),
-                    np.zeros(20, int)]).astype(np.int32)
+                    np.zeros(20, int), np.repeat([1, 2, 3, 0], [6, 4, 7, 3])]).astype(np.int32)
     T = seg.shape[1]
     for window in (None, 4):
         first, end = map(np.asarray, visible_bounds(jnp.asarray(seg), window))
@@ -67,7 +67,7 @@ def test_bounds_are_exact_for_ordered_rows_and_safe_for_others():
             lo = seen.argmax(axis=1)  # each query's first visible key (every query sees itself)
             hi = T - seen[::-1].argmax(axis=0)  # one past each key's last visible query
             assert (first[b] <= lo).all() and (end[b] >= hi).all()  # never skips what is seen
-            if b != 1:  # ordered rows: tight, the blocks before a document are skipped
+            if b != 1:  # one run per id (row 3: a packer's, padding 0 last): tight, documents skipped
                 np.testing.assert_array_equal(first[b], lo)
                 np.testing.assert_array_equal(end[b], hi)
 

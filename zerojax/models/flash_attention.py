@@ -12,9 +12,10 @@ Built on the Pallas GPU attention op of JAX (jax.experimental.pallas.ops.gpu.att
 query head. Added here:
 - grouped-query heads: the forward reads key / value head h // G; the backward runs one program per
   key / value head and its G query heads, so dk / dv are accumulated on chip, never per query head;
-- packed rows skip whole documents: for rows whose segment ids never decrease (what a packer
-  writes) each query block starts at the first key of its first document, and each key block's
-  dk / dv stop after the last query of its last document; other rows fall back to causal bounds;
+- packed rows skip whole documents: for rows where each segment id forms one run (what a packer
+  writes, its padding included) each query block starts at the first key of its first document,
+  and each key block's dk / dv stop after the last query of its last document; other rows fall
+  back to causal bounds;
 - the sliding window narrows the same bounds.
 
 Runs compiled by Triton on NVIDIA GPUs and in Pallas' interpreter elsewhere (tests on CPU).
@@ -34,7 +35,7 @@ from jax.experimental.pallas import triton as plgpu
 
 _LOG2E = math.log2(math.e)
 _MASKED = -0.7 * float(jnp.finfo(jnp.float32).max)  # finite: a masked tile never makes NaN
-_PAD_SEGMENT = 2**31 - 1  # the padded tail's segment: after every real one, so rows stay ordered
+_PAD_SEGMENT = 2**31 - 1  # the padded tail's segment: a run of its own after the row's
 
 
 @dataclasses.dataclass(frozen=True)
@@ -97,18 +98,20 @@ def flash_attention(q, k, v, *, segment_ids=None, window: int | None = None, sca
 
 def visible_bounds(seg, window: int | None = None):
     """(first [B, T], end [B, T]) int32: query i sees no key before first[i], and key j is seen by
-    no query at or after end[j]. From the document runs of rows whose segment ids never decrease
-    (a segment id of such a row appears in one run); 0 and T for other rows; the window narrows
-    both."""
+    no query at or after end[j]. From the document runs of rows where each segment id forms one
+    run (what a packer writes, its padding segment included: 1 1 2 2 2 3 0 0); 0 and T for other
+    rows; the window narrows both."""
     B, T = seg.shape
     idx = jnp.arange(T, dtype=jnp.int32)[None]
     new = jnp.concatenate([jnp.ones((B, 1), bool), seg[:, 1:] != seg[:, :-1]], axis=1)  # a run starts here
     ends = jnp.concatenate([seg[:, 1:] != seg[:, :-1], jnp.ones((B, 1), bool)], axis=1)  # a run ends here
     first = lax.cummax(jnp.where(new, idx, 0), axis=1)
     end = lax.cummin(jnp.where(ends, idx + 1, T), axis=1, reverse=True)
-    ordered = jnp.all(seg[:, 1:] >= seg[:, :-1], axis=1, keepdims=True)
-    first = jnp.where(ordered, first, 0)
-    end = jnp.where(ordered, end, T)
+    ordered = jnp.sort(seg, axis=1)
+    distinct = 1 + jnp.sum(ordered[:, 1:] != ordered[:, :-1], axis=1, keepdims=True)
+    one_run_each = jnp.sum(new, axis=1, keepdims=True) == distinct  # as many runs as segment ids
+    first = jnp.where(one_run_each, first, 0)
+    end = jnp.where(one_run_each, end, T)
     if window is not None:
         first = jnp.maximum(first, idx - (window - 1))
         end = jnp.minimum(end, idx + window)
