@@ -91,8 +91,8 @@ def flash_attention(q, k, v, *, segment_ids=None, window: int | None = None, sca
     if pad:
         q, k, v = (jnp.pad(x, ((0, 0), (0, pad), (0, 0), (0, 0))) for x in (q, k, v))
         seg = jnp.pad(seg, ((0, 0), (0, pad)), constant_values=_PAD_SEGMENT)
-    first, last = visible_bounds(seg, window)
-    o = _flash(q, k, v, seg, first, last, blocks, window, scale, interpret)
+    first, end = visible_bounds(seg, window)
+    o = _flash(q, k, v, seg, first, end, blocks, window, scale, interpret)
     return o[:, :T]
 
 
@@ -107,8 +107,8 @@ def visible_bounds(seg, window: int | None = None):
     ends = jnp.concatenate([seg[:, 1:] != seg[:, :-1], jnp.ones((B, 1), bool)], axis=1)  # a run ends here
     first = lax.cummax(jnp.where(new, idx, 0), axis=1)
     end = lax.cummin(jnp.where(ends, idx + 1, T), axis=1, reverse=True)
-    ordered = jnp.sort(seg, axis=1)
-    distinct = 1 + jnp.sum(ordered[:, 1:] != ordered[:, :-1], axis=1, keepdims=True)
+    sorted_ids = jnp.sort(seg, axis=1)
+    distinct = 1 + jnp.sum(sorted_ids[:, 1:] != sorted_ids[:, :-1], axis=1, keepdims=True)
     one_run_each = jnp.sum(new, axis=1, keepdims=True) == distinct  # as many runs as segment ids
     first = jnp.where(one_run_each, first, 0)
     end = jnp.where(one_run_each, end, T)
