@@ -22,6 +22,8 @@ import numpy as np
 from zerojax.models.attention import blockwise_attention, causal_attention
 from zerojax.models.flash_attention import FlashBlocks, flash_attention
 
+from long_context_bench import batch_of  # benchmarks/ is sys.path[0] when run as a script
+
 # "default" is FlashBlocks() (backward tiles 64 x 64, 4 warps: 228 TFLOP/s at Llama-3.2-1B's shape and
 # 32K on an H100, against 152 for "bwd64x128", the default before; benchmarks/measured/2026-12-06/)
 TILES = {
@@ -34,12 +36,14 @@ TILES = {
 
 
 def segments(seq: int, docs: int):
-    return None if docs <= 1 else jnp.asarray(np.repeat(np.arange(1, docs + 1), -(-seq // docs))[:seq][None],
-                                               jnp.int32)
+    """Segment ids [1, seq] of long_context_bench's packed rows (`docs` documents; None for 1)."""
+    seg = batch_of(1, seq, 2, docs).get("segment_ids")
+    return None if seg is None else jnp.asarray(seg)
 
 
-def visible_pairs(seq: int, docs: int) -> int:
-    lengths = np.bincount(np.repeat(np.arange(docs), -(-seq // docs))[:seq]) if docs > 1 else np.array([seq])
+def visible_pairs(seq: int, seg) -> int:
+    """Query-key pairs the causal, per-document mask leaves: L (L + 1) / 2 per document."""
+    lengths = np.array([seq]) if seg is None else np.unique(np.asarray(seg), return_counts=True)[1]
     return int((lengths * (lengths + 1) // 2).sum())
 
 
@@ -95,7 +99,7 @@ def main():
     k, v = (jax.random.normal(x, (1, args.seq, args.kv_heads, args.head_dim), jnp.bfloat16) for x in ks[1:])
     for docs in args.docs:
         seg = segments(args.seq, docs)
-        flops = 4 * visible_pairs(args.seq, docs) * args.head_dim * args.heads * 3.5
+        flops = 4 * visible_pairs(args.seq, seg) * args.head_dim * args.heads * 3.5
         cases = [(f"flash/{t}", lambda q, k, v, t=t: flash_attention(q, k, v, segment_ids=seg, blocks=TILES[t]))
                  for t in args.tiles]
         cases.append(("blockwise", lambda q, k, v: blockwise_attention(q, k, v, segment_ids=seg)))

@@ -1,8 +1,8 @@
 """The blockwise attention (`zerojax.models.attention`) against the dense-mask path of
-`jax.nn.dot_product_attention`: a tiny Llama's logits and gradients on packed rows (the flash
-kernel's too) (several
-documents per row, GQA 4:2, Mistral's sliding window), GPT-2 on plain rows, the choice of
-implementation, bad options, and the compiled program's memory growing as T, not T^2."""
+`jax.nn.dot_product_attention`: a tiny Llama's logits and gradients on packed rows (several
+documents per row, GQA 4:2, Mistral's sliding window), the flash kernel's beside it, GPT-2 on plain
+rows, the choice of implementation, bad options, and the compiled program's memory growing as T,
+not T^2."""
 import re
 
 import numpy as np

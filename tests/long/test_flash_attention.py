@@ -1,8 +1,9 @@
 """The fused Pallas flash attention (`zerojax.models.flash_attention`, run by Pallas' interpreter
 on CPU) against the published formula in float64 and against the dense-mask path: packed rows
-whose documents it skips (a packer's, its padding segment 0 last), rows it may not skip (an id in two runs), grouped-query heads,
-Mistral's window, a padded tail; its key-block bounds against a brute-force count; a tiny Llama's
-logits and gradients (tests/long/test_attention.py); shapes it does not take refused."""
+whose documents it skips (a packer's, its padding segment 0 last), rows it may not skip (an id in
+two runs), grouped-query heads, Mistral's window, a padded tail; its key-block bounds against a
+brute-force count; a tiny Llama's logits and gradients (tests/long/test_attention.py); shapes it
+does not take refused."""
 import numpy as np
 import pytest
 
@@ -55,7 +56,7 @@ def test_flash_equals_formula_and_dense_gradients(window):
         np.testing.assert_allclose(np.asarray(g), np.asarray(r), rtol=1e-4, atol=1e-5)
 
 
-def test_bounds_are_exact_for_ordered_rows_and_safe_for_others():
+def test_bounds_are_exact_where_each_id_is_one_run_and_safe_elsewhere():
     seg = np.stack([np.repeat([1, 2, 3, 7], [5, 1, 8, 6]), np.repeat([3, 1, 3, 2], [5, 5, 5, 5]),
                     np.zeros(20, int), np.repeat([1, 2, 3, 0], [6, 4, 7, 3])]).astype(np.int32)
     T = seg.shape[1]

@@ -20,8 +20,6 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from zerojax.models.flash_attention import flash_attention
-
 # keys per step of the scan: scores of one step are [B, H, T, block] fp32
 DEFAULT_BLOCK = 512
 _NEG = -1e30  # a finite "minus infinity": a fully masked block leaves exp(s - m) at 0, never NaN
@@ -36,8 +34,7 @@ def blockwise_attention(q, k, v, *, segment_ids=None, window: int | None = None,
     if H % K:
         raise ValueError(f"blockwise_attention: {H} query heads are not a multiple of {K} key / value heads")
     check_block(block)
-    if window is not None and (isinstance(window, bool) or not isinstance(window, int) or window < 1):
-        raise ValueError(f"attention window={window!r}: the positions a query sees, an int >= 1 (None: all)")
+    check_window(window)
     scale = float(Dh ** -0.5 if scale is None else scale)
     seg = jnp.zeros((B, T), jnp.int32) if segment_ids is None else jnp.asarray(segment_ids, jnp.int32)
     return _attention(q, k, v, seg, min(block, T), window, scale)
@@ -173,6 +170,8 @@ def causal_attention(q, k, v, *, impl: str, segment_ids=None, window: int | None
     if impl == "blockwise":
         return blockwise_attention(q, k, v, segment_ids=segment_ids, window=window, block=block)
     if impl == "flash":
+        from zerojax.models.flash_attention import flash_attention  # it imports this module's checks
+
         return flash_attention(q, k, v, segment_ids=segment_ids, window=window)
     mask = None
     if segment_ids is not None:
@@ -190,4 +189,10 @@ def check_block(block) -> int:
     return block
 
 
-__all__ = ["blockwise_attention", "causal_attention", "check_block", "DEFAULT_BLOCK"]
+def check_window(window) -> None:
+    """A sliding window validated: the positions a query sees, an int >= 1 (None: all)."""
+    if window is not None and (isinstance(window, bool) or not isinstance(window, int) or window < 1):
+        raise ValueError(f"attention window={window!r}: the positions a query sees, an int >= 1 (None: all)")
+
+
+__all__ = ["blockwise_attention", "causal_attention", "check_block", "check_window", "DEFAULT_BLOCK"]

@@ -33,6 +33,8 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
+from zerojax.models.attention import check_window
+
 _LOG2E = math.log2(math.e)
 _MASKED = -0.7 * float(jnp.finfo(jnp.float32).max)  # finite: a masked tile never makes NaN
 _PAD_SEGMENT = 2**31 - 1  # the padded tail's segment: a run of its own after the row's
@@ -82,8 +84,7 @@ def flash_attention(q, k, v, *, segment_ids=None, window: int | None = None, sca
         raise ValueError(f"flash_attention: head_dim {Dh} and {H} query / {K} key-value heads; it takes a head_dim "
                          "that is a power of two in 16..256 and a power-of-two number of query heads per key head "
                          "(attention_impl='blockwise' takes any)")
-    if window is not None and (isinstance(window, bool) or not isinstance(window, int) or window < 1):
-        raise ValueError(f"attention window={window!r}: the positions a query sees, an int >= 1 (None: all)")
+    check_window(window)
     scale = float(Dh ** -0.5 if scale is None else scale)
     interpret = jax.default_backend() != "gpu" if interpret is None else bool(interpret)
     seg = jnp.zeros((B, T), jnp.int32) if segment_ids is None else jnp.asarray(segment_ids, jnp.int32)

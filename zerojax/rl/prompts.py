@@ -22,6 +22,7 @@ from zerojax.rl import tasks
 EXAMPLE = '{"prompt": "What is 2+3?", "answer": "5"}'
 BATCH_KEYS = ("input_ids", "prompt_lengths", "completion_mask", "advantages", "old_logps", "ref_logps",
               "token_weights")
+_REPLACEMENT = "\ufffd".encode()  # U+FFFD in UTF-8
 
 
 def decode(tokenizer, ids) -> str:
@@ -29,10 +30,8 @@ def decode(tokenizer, ids) -> str:
     bytes, which a model of a larger vocabulary can sample, reads as U+FFFD as a bad byte does)."""
     if hasattr(tokenizer, "decode"):
         return tokenizer.decode([int(i) for i in ids])
-    return b"".join(bytes([i]) if 0 <= i < 256 else _REPLACEMENT for i in map(int, ids)).decode("utf-8", errors="replace")
-
-
-_REPLACEMENT = "\ufffd".encode()
+    raw = b"".join(bytes([i]) if 0 <= i < 256 else _REPLACEMENT for i in map(int, ids))
+    return raw.decode("utf-8", errors="replace")
 
 
 class PromptData:
