@@ -20,6 +20,8 @@ import functools
 import jax
 import jax.numpy as jnp
 
+from zerojax.models.attention_window import check_window
+
 # keys per step of the scan: scores of one step are [B, H, T, block] fp32
 DEFAULT_BLOCK = 512
 _NEG = -1e30  # a finite "minus infinity": a fully masked block leaves exp(s - m) at 0, never NaN
@@ -170,7 +172,7 @@ def causal_attention(q, k, v, *, impl: str, segment_ids=None, window: int | None
     if impl == "blockwise":
         return blockwise_attention(q, k, v, segment_ids=segment_ids, window=window, block=block)
     if impl == "flash":
-        from zerojax.models.flash_attention import flash_attention  # it imports this module's checks
+        from zerojax.models.flash_attention import flash_attention  # Pallas loads only when asked for
 
         return flash_attention(q, k, v, segment_ids=segment_ids, window=window)
     mask = None
@@ -187,12 +189,6 @@ def check_block(block) -> int:
         raise ValueError(f"attention_block={block!r}: the keys per step of the blockwise attention, an int >= 1 "
                          f"(default {DEFAULT_BLOCK})")
     return block
-
-
-def check_window(window) -> None:
-    """A sliding window validated: the positions a query sees, an int >= 1 (None: all)."""
-    if window is not None and (isinstance(window, bool) or not isinstance(window, int) or window < 1):
-        raise ValueError(f"attention window={window!r}: the positions a query sees, an int >= 1 (None: all)")
 
 
 __all__ = ["blockwise_attention", "causal_attention", "check_block", "check_window", "DEFAULT_BLOCK"]

@@ -33,7 +33,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from zerojax.models.attention import check_window
+from zerojax.models.attention_window import check_window
 
 _LOG2E = math.log2(math.e)
 _MASKED = -0.7 * float(jnp.finfo(jnp.float32).max)  # finite: a masked tile never makes NaN
