@@ -6,6 +6,8 @@ decode program's HLO written out.
     python benchmarks/decode_profile.py 1b64           # Llama-3.2-1B bf16, batch 64, 256 + 129 new
     python benchmarks/decode_profile.py 8b64           # Llama-3.1-8B bf16, batch 64, 512 + 129 new
     python benchmarks/decode_profile.py 8b1 --lean     # the timing line only
+    python benchmarks/decode_profile.py 1b64 --decode-attention kernel   # the step's attention as the
+                                                       # fused kernel, not XLA's products (generate's option)
     python benchmarks/decode_profile.py 8b1 --tiny     # CPU smoke test (tiny shapes)
 
 Before / after a change, run it from two trees back to back in one call, e.g. `git archive <commit>
@@ -53,12 +55,15 @@ def kernel_table(xplane: str, tiny: bool, top: int = 18) -> dict:
 
 
 def main(argv=None) -> int:
-    argv = sys.argv[1:] if argv is None else argv
-    shape = next((a for a in argv if not a.startswith("-")), "8b1")
-    tiny, lean = "--tiny" in argv, "--lean" in argv
-    if shape not in SHAPES:
-        print(f"decode_profile.py: shape {shape!r}; choose one of {', '.join(SHAPES)}", file=sys.stderr)
-        return 2
+    import argparse
+
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("shape", nargs="?", default="8b1", choices=SHAPES)
+    p.add_argument("--lean", action="store_true", help="the timing line only")
+    p.add_argument("--tiny", action="store_true", help="tiny shapes, for a CPU smoke test")
+    p.add_argument("--decode-attention", default="xla", choices=("xla", "kernel"), help="generate's option")
+    args = p.parse_args(sys.argv[1:] if argv is None else argv)
+    shape, tiny, lean, attention = args.shape, args.tiny, args.lean, args.decode_attention
     import jax
 
     import generate_bench as gb
@@ -69,9 +74,9 @@ def main(argv=None) -> int:
     if tiny:
         batch, prompt, new = min(batch, 4), 8, 9
     model = gb._build(name, tiny)
-    r = gb.generation_speed(model, batch, prompt, new, model.config.vocab_size)
+    r = gb.generation_speed(model, batch, prompt, new, model.config.vocab_size, decode_attention=attention)
     bandwidth, bound_ms, share = gb.hbm_bound(model, tiny, r["decode_step_ms"])
-    print(json.dumps({"shape": shape, "model": name, "device": jax.devices()[0].device_kind, **r,
+    print(json.dumps({"shape": shape, "model": name, "decode_attention": attention, "device": jax.devices()[0].device_kind, **r,
                       "copy_gbs": round(bandwidth / 1e9, 1), "hbm_bound_step_ms": round(bound_ms, 3),
                       "hbm_bound_share": share}),
           flush=True)
@@ -81,7 +86,7 @@ def main(argv=None) -> int:
     prompts = gb._prompts(batch, prompt, model.config.vocab_size)
     trace_dir = tempfile.mkdtemp()
     with jax.profiler.trace(trace_dir):
-        zerojax.generate(model, prompts, max_new_tokens=new, ignore_eos=True)
+        zerojax.generate(model, prompts, max_new_tokens=new, ignore_eos=True, decode_attention=attention)
     xplane = glob.glob(os.path.join(trace_dir, "**", "*.xplane.pb"), recursive=True)[0]
     for line, rows in kernel_table(xplane, tiny).items():
         print(f"{line}: {sum(ms for _, _, ms in rows):.1f} ms in its top {len(rows)} kernels "
@@ -89,7 +94,7 @@ def main(argv=None) -> int:
         for kernel, n, ms in rows:
             print(f"  {ms:9.2f} ms {n:6d}x {1e3 * ms / n:9.1f} us  {kernel[:110]}")
     out = os.environ.get("OUT") or tempfile.mkdtemp()
-    _, compiled = decode_program(model, batch=batch, length=prompt + new + 127)
+    _, compiled = decode_program(model, batch=batch, length=prompt + new + 127, decode_attention=attention)
     path = os.path.join(out, f"decode_{shape}.hlo.txt")
     with open(path, "w") as f:
         f.write(compiled.as_text())

@@ -77,12 +77,13 @@ def _timed(fn, repeats: int = 2) -> float:
     return best
 
 
-def generation_speed(target, batch: int, prompt: int, new: int, vocab: int) -> dict:
+def generation_speed(target, batch: int, prompt: int, new: int, vocab: int, decode_attention: str = "xla") -> dict:
     """Seconds of a full generate and of its prefill alone -> tokens/s (all new, and decode only)."""
     import zerojax
 
     prompts = _prompts(batch, prompt, vocab)
-    run = lambda n: zerojax.generate(target, prompts, max_new_tokens=n, ignore_eos=True)  # noqa: E731
+    run = lambda n: zerojax.generate(target, prompts, max_new_tokens=n, ignore_eos=True,  # noqa: E731
+                                     decode_attention=decode_attention)
     total = _timed(lambda: run(new))
     first = _timed(lambda: run(1))
     return {"batch": batch, "prompt": prompt, "new": new, **rates(batch, new, total, first)}

@@ -56,3 +56,39 @@ def test_padded_batch_equals_each_prompt_alone(pair):
     batched = zerojax.generate(ours, prompts, max_new_tokens=6, ignore_eos=True)
     for prompt, tokens in zip(prompts, batched.tokens):
         assert zerojax.generate(ours, prompt, max_new_tokens=6, ignore_eos=True).tokens == [tokens]
+
+
+@pytest.fixture(scope="module")
+def mistral_16(tmp_path_factory):
+    """A Mistral of head_dim 16 (the fused decode kernel's smallest) with a window of 6, GQA 4:2."""
+    from models.test_llama import _common
+
+    torch.manual_seed(3)
+    hf = transformers.MistralForCausalLM(transformers.MistralConfig(**_common(sliding_window=6, head_dim=16))).eval()
+    path = tmp_path_factory.mktemp("mistral16")
+    hf.save_pretrained(path)
+    return hf, from_hf(path)
+
+
+def test_decode_kernel_greedy_equals_transformers(mistral_16):
+    """decode_attention="kernel" (the decode step's fused attention; Pallas' interpreter here):
+    greedy tokens of a left-padded batch equal transformers', the window and the padding included."""
+    hf, ours = mistral_16
+    prompts = _prompts(hf.config.vocab_size, lengths=(7, 3, 11))
+    got = zerojax.generate(ours, prompts, max_new_tokens=NEW, decode_attention="kernel")
+    for prompt, tokens in zip(prompts, got.tokens):
+        assert tokens == _hf_greedy(hf, prompt)
+
+
+def test_decode_attention_choice_is_checked(mistral_16):
+    """A bad choice, or the kernel on a head_dim it does not take, is one line before anything runs."""
+    from flax import nnx
+
+    from zerojax.models import Llama, LlamaConfig
+
+    with pytest.raises(ValueError, match=r"decode_attention='flash': choose one of \('xla', 'kernel'\)"):
+        zerojax.generate(mistral_16[1], [3, 4], max_new_tokens=2, decode_attention="flash")
+    head_dim_8 = Llama(LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=1,
+                                   num_attention_heads=4, num_key_value_heads=2), rngs=nnx.Rngs(0))
+    with pytest.raises(ValueError, match="head_dim in 16..256 \\(this model's is 8\\).*decode_attention='xla'"):
+        zerojax.generate(head_dim_8, [3, 4], max_new_tokens=2, decode_attention="kernel")

@@ -105,7 +105,7 @@ def _decode(tokenizer, ids) -> str:
 
 def generate(model_or_engine, prompts, *, max_new_tokens: int = 64, temperature: float = 0.0, top_k=None,
              top_p=None, repetition_penalty=None, stop=None, seed: int = 0, tokenizer=None,
-             add_special_tokens: bool = True, ignore_eos: bool = False) -> Generation:
+             add_special_tokens: bool = True, ignore_eos: bool = False, decode_attention: str = "xla") -> Generation:
     """Generate up to `max_new_tokens` new tokens for each prompt.
 
     model_or_engine: a zerojax `Llama` / `GPT2` (LoRA adapters applied, not merged; a quantized
@@ -117,6 +117,8 @@ def generate(model_or_engine, prompts, *, max_new_tokens: int = 64, temperature:
         repetition_penalty: Hugging Face's. seed: the jax.random key's.
     stop: token ids (ints) and / or stop strings; the model's and tokenizer's eos ids always stop a
         row unless ignore_eos.
+    decode_attention: "xla" (two batched products) or "kernel" (one fused Pallas kernel per
+        layer, reading each row's filled slots only; `zerojax.generation.decoder.DECODE_ATTENTIONS`).
     """
     if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:
         raise ValueError(f"max_new_tokens={max_new_tokens!r}: an int >= 1")
@@ -139,6 +141,7 @@ def generate(model_or_engine, prompts, *, max_new_tokens: int = 64, temperature:
     if geometry.max_positions is not None and max(len(r) for r in rows) + max_new_tokens > geometry.max_positions:
         raise ValueError(f"zerojax.generate: prompt + max_new_tokens = {max(len(r) for r in rows) + max_new_tokens} "
                          f"exceeds this model's {geometry.max_positions} learned positions")
+    kernel = decoder.check_decode_attention(decode_attention, geometry, length)
     batch = buckets.batch_bucket(len(rows))
     nbytes = cache.cache_bytes(geometry, batch, length, target.model.dtype, target.tensor)
     cache.check_cache_fits(nbytes, batch, length, device_free_bytes(target.device))
@@ -155,7 +158,7 @@ def generate(model_or_engine, prompts, *, max_new_tokens: int = 64, temperature:
         if step < max_new_tokens and not bool(np.all(np.asarray(state.done))):
             state = decoder.decode(target.weights, state, pad, np.int32(prompt_len),
                                    np.int32(min(step + chunk, max_new_tokens)), values, stop_arr, key,
-                                   source=target.source, sampler=sampler)
+                                   source=target.source, sampler=sampler, kernel=kernel)
         if stop_strings:
             state = _apply_stop_strings(state, tokenizer, stop_strings, cut, len(rows))
         if int(state.step) >= max_new_tokens or bool(np.all(np.asarray(state.done))):

@@ -68,18 +68,40 @@ def positions(query_slots, pad):
     return jnp.maximum(query_slots[None, :] - pad[:, None], 0).astype(jnp.int32)
 
 
+def write(keys, values, layer, slot, k, v):
+    """This layer's new k, v [B, T, K, Dh] written at `slot` of cache layer `layer`."""
+    at = (layer, 0, 0, slot, 0)
+    keys = jax.lax.dynamic_update_slice(keys, k.swapaxes(1, 2)[None].astype(keys.dtype), at)
+    values = jax.lax.dynamic_update_slice(values, v.swapaxes(1, 2)[None].astype(values.dtype), at)
+    return keys, values
+
+
 def write_and_attend(keys, values, layer, slot, q, k, v, mask):
     """Write this layer's new k, v [B, T, K, Dh] at `slot` of cache layer `layer`, then attend q
     [B, T, H, Dh] over the layer's first mask.shape[-1] slots -> (keys, values, o [B, T, H, Dh]).
     (The prefill's mask spans the prompt alone: the empty slots after it would double its
     attention's work and its [B, H, T, slots] logits.)"""
-    at = (layer, 0, 0, slot, 0)
-    keys = jax.lax.dynamic_update_slice(keys, k.swapaxes(1, 2)[None].astype(keys.dtype), at)
-    values = jax.lax.dynamic_update_slice(values, v.swapaxes(1, 2)[None].astype(values.dtype), at)
+    keys, values = write(keys, values, layer, slot, k, v)
     span = mask.shape[-1]
     k_all = jax.lax.dynamic_index_in_dim(keys, layer, 0, keepdims=False)[:, :, :span]
     v_all = jax.lax.dynamic_index_in_dim(values, layer, 0, keepdims=False)[:, :, :span]
     return keys, values, attend(q, k_all.astype(q.dtype), v_all.astype(q.dtype), mask)
+
+
+def write_and_attend_kernel(keys, values, layer, slot, q, k, v, first, last):
+    """`write_and_attend` of one decode step (T = 1) with the attention as one fused kernel
+    (`zerojax.generation.decode_attention`) over each row's visible slots first .. last [B]."""
+    from zerojax.generation.decode_attention import decode_attention  # Pallas loads only when used
+
+    keys, values = write(keys, values, layer, slot, k, v)
+    return keys, values, decode_attention(q[:, 0], keys, values, layer, first, last)[:, None]
+
+
+def visible_slots(slot, pad, window: int | None):
+    """(first [B], last [B]) int32: the slots a decode step's query at `slot` sees in each row (no
+    padding, inside the sliding window), as `attention_mask` draws them."""
+    first = pad if window is None else jnp.maximum(pad, slot - (window - 1))
+    return first.astype(jnp.int32), jnp.broadcast_to(slot, pad.shape).astype(jnp.int32)
 
 
 def attend(q, keys, values, mask):
@@ -102,4 +124,4 @@ def attend(q, keys, values, mask):
 
 
 __all__ = ["CacheTooLargeError", "cache_bytes", "check_cache_fits", "empty", "attention_mask", "positions",
-           "write_and_attend", "attend"]
+           "write", "write_and_attend", "write_and_attend_kernel", "visible_slots", "attend"]

@@ -79,15 +79,16 @@ class DecodeState(NamedTuple):
     seen: jax.Array  # bool [B, vocab] (the repetition penalty's tokens) or [B, 1] without it
 
 
-def _run_layers(fam, x, keys, values, slot, mask, positions, unroll: bool = False):
-    """x through every layer, each writing its k, v at `slot` and attending over the cache: a
-    `lax.scan` over the stacked layer params with the whole cache in the carry (unrolled for the
-    decode step: see `decode`)."""
+def _run_layers(fam, x, keys, values, slot, attend_layer, positions, unroll: bool = False):
+    """x through every layer, each writing its k, v at `slot` and attending over the cache
+    (`attend_layer(keys, values, layer, slot, q, k, v) -> (keys, values, o)`): a `lax.scan` over the
+    stacked layer params with the whole cache in the carry (unrolled for the decode step: see
+    `decode`)."""
 
     def body(carry, p):
         x, keys, values, layer = carry
         q, k, v = fam.attention_inputs(x, p, positions)
-        keys, values, o = cache.write_and_attend(keys, values, layer, slot, q, k, v, mask)
+        keys, values, o = attend_layer(keys, values, layer, slot, q, k, v)
         return fam.after_attention(x, o, p), keys, values, layer + 1
 
     body, layers, fetch = fam.layers(body)
@@ -126,7 +127,8 @@ def prefill(weights, ids, pad, live, values: SamplingValues, stop_ids, key, *, s
     slots = jnp.arange(P, dtype=jnp.int32)
     positions = cache.positions(slots, pad)
     mask = cache.attention_mask(slots, pad, P, g.window)  # the prompt's slots only (`write_and_attend`)
-    x, keys, vals = _run_layers(fam, fam.embed(ids, positions), keys, vals, 0, mask, positions)
+    x, keys, vals = _run_layers(fam, fam.embed(ids, positions), keys, vals, 0,
+                                functools.partial(cache.write_and_attend, mask=mask), positions)
     logits = fam.logits(x[:, -1:])[:, 0]
     seen = jnp.zeros((B, logits.shape[-1] if sampler.penalty else 1), bool)
     seen = _mark_seen(seen, jnp.where(slots[None] >= pad[:, None], ids, NO_TOKEN), sampler)
@@ -136,12 +138,36 @@ def prefill(weights, ids, pad, live, values: SamplingValues, stop_ids, key, *, s
                        _mark_seen(seen, tok, sampler))
 
 
-@functools.partial(jax.jit, static_argnames=("source", "sampler"), donate_argnames=("state",),
+# How a decode step attends over the cache: "xla", XLA's two batched products (`cache.attend`);
+# "kernel", one fused Pallas kernel (`zerojax.generation.decode_attention`) reading each row's
+# visible slots only (Pallas' interpreter off the GPU; over a mesh GSPMD would gather the cache
+# whole for it, as for any custom call). "xla" stays the default until the kernel's GPU timing is
+# taken beside it (benchmarks/decode_profile.py --decode-attention kernel).
+DECODE_ATTENTIONS = ("xla", "kernel")
+
+
+def check_decode_attention(choice, geometry, length: int) -> bool:
+    """A decode_attention choice validated -> whether the decode program runs the kernel."""
+    if choice not in DECODE_ATTENTIONS:
+        raise ValueError(f"decode_attention={choice!r}: choose one of {DECODE_ATTENTIONS}")
+    if choice == "xla":
+        return False
+    from zerojax.generation.decode_attention import decode_attention_supported
+
+    if not decode_attention_supported(geometry.head_dim, geometry.heads, geometry.kv_heads, length):
+        raise ValueError(f"decode_attention='kernel': the kernel takes a power-of-two head_dim in 16..256 (this "
+                         f"model's is {geometry.head_dim}) and a cache length that is a multiple of 16 ({length}); "
+                         "use decode_attention='xla'")
+    return True
+
+
+@functools.partial(jax.jit, static_argnames=("source", "sampler", "kernel"), donate_argnames=("state",),
                    compiler_options=DECODE_COMPILER_OPTIONS)
 def decode(weights, state: DecodeState, pad, prompt_len, limit, values: SamplingValues, stop_ids, key, *,
-           source, sampler: Sampler) -> DecodeState:
+           source, sampler: Sampler, kernel: bool = False) -> DecodeState:
     """New tokens until every row is done or `limit` tokens (all rows); the token fed at step t
-    (t >= 1) sits at cache slot prompt_len + t - 1.
+    (t >= 1) sits at cache slot prompt_len + t - 1. kernel: the attention over the cache as one
+    fused kernel (decode_attention "kernel", `DECODE_ATTENTIONS`).
 
     The layer loop is unrolled here (not in the prefill): a decode step is a few small kernels a
     layer, and a rolled loop is a device loop whose every iteration pays its own control (on a GPU
@@ -155,9 +181,14 @@ def decode(weights, state: DecodeState, pad, prompt_len, limit, values: Sampling
     def body(s: DecodeState) -> DecodeState:
         slots = (prompt_len + s.step - 1)[None].astype(jnp.int32)
         positions = cache.positions(slots, pad)
-        mask = cache.attention_mask(slots, pad, length, window)
-        x, keys, vals = _run_layers(fam, fam.embed(s.last[:, None], positions), s.keys, s.values, slots[0], mask,
-                                    positions, unroll=True)
+        if kernel:
+            first, last = cache.visible_slots(slots[0], pad, window)
+            attend_layer = functools.partial(cache.write_and_attend_kernel, first=first, last=last)
+        else:
+            attend_layer = functools.partial(cache.write_and_attend,
+                                             mask=cache.attention_mask(slots, pad, length, window))
+        x, keys, vals = _run_layers(fam, fam.embed(s.last[:, None], positions), s.keys, s.values, slots[0],
+                                    attend_layer, positions, unroll=True)
         logits = fam.logits(x)[:, 0]
         tok = next_token(sampler, values, logits, s.seen, jax.random.fold_in(key, s.step))
         tok = jnp.where(s.done, NO_TOKEN, tok)
@@ -171,4 +202,5 @@ def decode(weights, state: DecodeState, pad, prompt_len, limit, values: Sampling
     return jax.lax.while_loop(more, body, state)
 
 
-__all__ = ["ModuleSource", "EngineSource", "DecodeState", "prefill", "decode", "NO_TOKEN"]
+__all__ = ["ModuleSource", "EngineSource", "DecodeState", "prefill", "decode", "DECODE_ATTENTIONS",
+           "check_decode_attention", "NO_TOKEN"]

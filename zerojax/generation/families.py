@@ -22,13 +22,15 @@ from zerojax.models.gpt2 import adapted_layers, decode_head, unconstrained
 
 @dataclasses.dataclass(frozen=True)
 class Geometry:
-    """The KV cache's per-layer shape: `layers` x [batch, length, kv_heads, head_dim]."""
+    """The KV cache's per-layer shape: `layers` x [batch, length, kv_heads, head_dim], and the
+    query heads attending over it."""
 
     layers: int
     kv_heads: int
     head_dim: int
     window: int | None  # attend to the last `window` positions only (Mistral v0.1), None: all
     max_positions: int | None  # learned position rows (GPT-2); None: rotary, no table to run past
+    heads: int  # query heads (a multiple of kv_heads)
 
 
 class Family:
@@ -73,7 +75,8 @@ class LlamaFamily(Family):
 
     @staticmethod
     def geometry_of(config) -> Geometry:
-        return Geometry(config.num_hidden_layers, config.kv_heads, config.dim_per_head, config.sliding_window, None)
+        return Geometry(config.num_hidden_layers, config.kv_heads, config.dim_per_head, config.sliding_window, None,
+                        config.num_attention_heads)
 
     def embed(self, ids, positions):
         return self.model.embed(ids)  # rotary: the positions act inside each layer
@@ -94,7 +97,7 @@ class GPT2Family(Family):
 
     @staticmethod
     def geometry_of(config) -> Geometry:
-        return Geometry(config.n_layer, config.n_head, config.head_dim, None, config.n_positions)
+        return Geometry(config.n_layer, config.n_head, config.head_dim, None, config.n_positions, config.n_head)
 
     def embed(self, ids, positions):
         return self.model.embed(ids, positions)

@@ -24,9 +24,10 @@ def _abstract(tree):
     return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), tree)
 
 
-def decode_program(model, *, batch: int, length: int, out_len: int = 16, sampler=None):
+def decode_program(model, *, batch: int, length: int, out_len: int = 16, sampler=None,
+                   decode_attention: str = "xla"):
     """(lowered, compiled) decode program of `model` (greedy unless `sampler`) for `batch` rows and
-    a cache of `length` slots, compiled for the default backend."""
+    a cache of `length` slots, compiled for the default backend (decode_attention: generate's)."""
     graphdef, state = nnx.split(model)
     g = geometry_of_config(model.config)
     kv = jax.ShapeDtypeStruct((g.layers, batch, g.kv_heads, length, g.head_dim), model.dtype)
@@ -38,7 +39,8 @@ def decode_program(model, *, batch: int, length: int, out_len: int = 16, sampler
     values = sampling.settings()[1]
     lowered = decoder.decode.lower(_abstract(state), state_in, S((batch,), i32), S((), i32), S((), i32), values,
                                    S((STOP_SLOTS,), i32), jax.random.key(0), source=decoder.ModuleSource(graphdef),
-                                   sampler=sampler)
+                                   sampler=sampler,
+                                   kernel=decoder.check_decode_attention(decode_attention, g, length))
     return lowered, lowered.compile()
 
 

@@ -29,6 +29,7 @@ from typing import ClassVar, Mapping
 import jax
 import numpy as np
 
+from zerojax.generation.decoder import DECODE_ATTENTIONS
 from zerojax.rl import advantages as adv_mod
 from zerojax.rl.policy import EnginePolicy, pick_reference
 from zerojax.rl.prompts import PromptData, decode
@@ -47,7 +48,8 @@ class RolloutOptions:
     tokens averaged, then the rows: GRPO) or "token" (every token of the step weighted alike:
     DAPO); kl_coef: the KL term's weight (0: no reference pass); reference: "auto",
     "adapters_off", "copy", "none" (`zerojax.rl.policy`); iterations: optimizer steps per
-    rollout (mu; > 1 computes the old policy's log-probs); adv_eps: the std's eps."""
+    rollout (mu; > 1 computes the old policy's log-probs); adv_eps: the std's eps;
+    decode_attention: generation's (`zerojax.generation.decoder.DECODE_ATTENTIONS`)."""
 
     group: int = 8
     max_new_tokens: int | None = None
@@ -64,6 +66,7 @@ class RolloutOptions:
     reference: str = "auto"
     iterations: int = 1
     adv_eps: float = 1e-4
+    decode_attention: str = "xla"
     min_group: ClassVar[int] = 2  # GRPO compares a prompt's completions
 
     @classmethod
@@ -88,6 +91,8 @@ class RolloutOptions:
             raise ValueError(f"loss_level={self.loss_level!r}; choose one of {LOSS_LEVELS}")
         if self.iterations < 1:
             raise ValueError(f"iterations={self.iterations}: optimizer steps per rollout, >= 1")
+        if self.decode_attention not in DECODE_ATTENTIONS:
+            raise ValueError(f"decode_attention={self.decode_attention!r}; choose one of {DECODE_ATTENTIONS}")
 
 
 class RolloutBatches:
@@ -155,7 +160,7 @@ class RolloutBatches:
         gen = zerojax.generate(self.engine, [self.data.ids[i] for i in prompts], max_new_tokens=self.max_new_tokens,
                                temperature=o.temperature, top_p=o.top_p, top_k=o.top_k, stop=list(o.stop),
                                ignore_eos=o.ignore_eos, seed=seed, tokenizer=_TextTokenizer(self.tokenizer),
-                               add_special_tokens=False)
+                               add_special_tokens=False, decode_attention=o.decode_attention)
         return gen.tokens, gen.texts
 
     def rollout(self, r: int):

@@ -1,0 +1,42 @@
+"""The decode step's fused attention kernel (Pallas' interpreter on CPU) against the softmax formula
+computed in float64 with numpy, row by row, over each row's visible slots."""
+import jax
+import numpy as np
+import pytest
+
+from zerojax.generation.decode_attention import decode_attention, slot_block
+
+
+def _reference(q, keys, values, layer, first, last):
+    B, H, Dh = q.shape
+    G = H // keys.shape[2]
+    out = np.zeros(q.shape)
+    for b in range(B):
+        for h in range(H):
+            k, v = keys[layer, b, h // G, first[b]:last[b] + 1], values[layer, b, h // G, first[b]:last[b] + 1]
+            s = k @ q[b, h] / np.sqrt(Dh)
+            p = np.exp(s - s.max())
+            out[b, h] = (p / p.sum()) @ v
+    return out
+
+
+def test_equals_the_formula_over_each_rows_visible_slots():
+    """Rows whose visible slots start and end inside a block, span several blocks, or are one slot;
+    a layer other than the first; 4 query heads per kv head (padded to the kernel's 16 rows)."""
+    rng = np.random.default_rng(0)
+    L, B, K, S, Dh, H = 3, 4, 2, 96, 16, 8
+    q = rng.standard_normal((B, H, Dh))
+    keys, values = rng.standard_normal((2, L, B, K, S, Dh))
+    first, last = np.array([0, 5, 70, 95]), np.array([10, 64, 95, 95])
+    with jax.enable_x64(True):
+        got = decode_attention(q, keys, values, np.int32(1), first, last, block=32)
+    assert got.dtype == np.float64
+    np.testing.assert_allclose(np.asarray(got), _reference(q, keys, values, 1, first, last), rtol=1e-12, atol=1e-12)
+
+
+def test_slot_block_and_refusals():
+    assert (slot_block(512), slot_block(96), slot_block(48), slot_block(40)) == (64, 32, 16, None)
+    q = np.zeros((1, 4, 12), np.float32)
+    cache = np.zeros((1, 1, 2, 32, 12), np.float32)
+    with pytest.raises(ValueError, match="head_dim 12"):
+        decode_attention(q, cache, cache, 0, np.zeros(1, np.int32), np.zeros(1, np.int32))
