@@ -62,20 +62,21 @@ def decode_attention(q, keys, values, layer, first, last, *, scale: float | None
                          "it takes a power-of-two head_dim in 16..256, whole query groups and slots a multiple "
                          "of the block (and of 16)")
     G = H // K
-    rows = max(G, _MIN_ROWS)
+    rows = max(1 << (G - 1).bit_length(), _MIN_ROWS)  # Triton's blocks are powers of two
     scale = float(Dh ** -0.5 if scale is None else scale)
     interpret = jax.default_backend() != "gpu" if interpret is None else bool(interpret)
     qg = q.reshape(B, K, G, Dh)
     if rows > G:
         qg = jnp.pad(qg, ((0, 0), (0, 0), (0, rows - G), (0, 0)))
-    bounds = jnp.stack([jnp.broadcast_to(jnp.asarray(layer, jnp.int32), (B,)), jnp.asarray(first, jnp.int32),
-                        jnp.asarray(last, jnp.int32)], axis=1)  # [B, 3]: one small operand
+    layer = jnp.broadcast_to(jnp.asarray(layer, jnp.int32), (B,))
+    # [B, 4] (a power of two, as Triton's blocks): layer, first, last and a spare column
+    bounds = jnp.stack([layer, jnp.asarray(first, jnp.int32), jnp.asarray(last, jnp.int32), layer], axis=1)
     whole = pl.BlockSpec(keys.shape, lambda b, h: (0, 0, 0, 0, 0))
     o = pl.pallas_call(
         functools.partial(_kernel, scale=scale, block=block),
         grid=(B, K),
         in_specs=[pl.BlockSpec((None, None, rows, Dh), lambda b, h: (b, h, 0, 0)), whole, whole,
-                  pl.BlockSpec((None, 3), lambda b, h: (b, 0))],
+                  pl.BlockSpec((None, 4), lambda b, h: (b, 0))],
         out_specs=pl.BlockSpec((None, None, rows, Dh), lambda b, h: (b, h, 0, 0)),
         out_shape=jax.ShapeDtypeStruct((B, K, rows, Dh), q.dtype),
         compiler_params=plgpu.CompilerParams(num_warps=warps, num_stages=2),
