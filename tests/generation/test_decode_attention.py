@@ -40,3 +40,23 @@ def test_slot_block_and_refusals():
     cache = np.zeros((1, 1, 2, 32, 12), np.float32)
     with pytest.raises(ValueError, match="head_dim 12"):
         decode_attention(q, cache, cache, 0, np.zeros(1, np.int32), np.zeros(1, np.int32))
+
+
+@pytest.mark.parametrize("layers, batch, kv_heads, slots, head_dim, heads", [
+    (24, 64, 2, 512, 64, 14),   # Qwen2.5-0.5B at batch 64: 7 query heads a kv head, 24 layers
+    (32, 1, 8, 384, 128, 32),   # Llama-3.1-8B at batch 1
+    (3, 4, 2, 48, 64, 48),      # 24 query heads a kv head (padded to 32 rows), 16-slot blocks
+])
+def test_lowers_to_triton_for_a_gpu(layers, batch, kv_heads, slots, head_dim, heads):
+    """The compiled kernel's Triton lowering, done here for CUDA without a GPU: its loads and stores
+    must be power-of-two blocks (Pallas refuses others at this point), whatever the model's
+    layers, batch and query heads per kv head."""
+    import jax.numpy as jnp
+
+    sd = jax.ShapeDtypeStruct
+    cache = sd((layers, batch, kv_heads, slots, head_dim), jnp.bfloat16)
+    rows = sd((batch,), jnp.int32)
+    fn = jax.jit(lambda *a: decode_attention(*a, interpret=False))
+    text = fn.trace(sd((batch, heads, head_dim), jnp.bfloat16), cache, cache, sd((), jnp.int32), rows,
+                    rows).lower(lowering_platforms=("cuda",)).as_text()
+    assert "zerojax_decode_attention" in text

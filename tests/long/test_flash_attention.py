@@ -81,3 +81,22 @@ def test_unsupported_shapes_and_blocks_refused():
         FlashBlocks(kv_dkv=128)
     with pytest.raises(ValueError, match="FlashBlocks.k=48"):
         FlashBlocks(k=48)
+
+
+@pytest.mark.parametrize("heads, kv_heads, head_dim, window", [(32, 8, 64, None), (32, 8, 128, 4096)])
+def test_forward_and_backward_lower_to_triton_for_a_gpu(heads, kv_heads, head_dim, window):
+    """The compiled kernels' Triton lowering (forward and backward), done here for CUDA without a
+    GPU, at Llama-3.2-1B's and Llama-3.1-8B's head shapes (the latter with a window) on a row not a
+    multiple of the tiles:
+    Pallas refuses a load or store that is not a power-of-two block at this point."""
+    sd = jax.ShapeDtypeStruct
+    B, T = 1, 200
+    q, kv = sd((B, T, heads, head_dim), jnp.bfloat16), sd((B, T, kv_heads, head_dim), jnp.bfloat16)
+    seg = sd((B, T), jnp.int32)
+
+    def loss(q, k, v, seg):
+        return flash_attention(q, k, v, segment_ids=seg, window=window, interpret=False).astype(jnp.float32).sum()
+
+    text = jax.jit(jax.grad(loss, argnums=(0, 1, 2))).trace(q, kv, kv, seg).lower(
+        lowering_platforms=("cuda",)).as_text()
+    assert "zerojax_flash_forward" in text and "zerojax_flash_backward" in text
