@@ -19,6 +19,14 @@ if [[ $PART == *decode* ]]; then
         timeout 100 $PY benchmarks/decode_profile.py "$1" --decode-attention "$2" --lean $TINY 2>&1 | grep "^{" \
             | tee -a "$OUT/decode-attention.jsonl"
     done
+    # XLA's command buffers (CUDA graphs) over the decode loop too: its default leaves WHILE out,
+    # so each token's ~15 kernels a layer are launched one by one
+    echo "== decode step, 1b64, both, command buffers over the while loop"
+    for attention in kernel xla; do
+        XLA_FLAGS="${XLA_FLAGS:-} --xla_gpu_enable_command_buffer=FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL,WHILE,CONDITIONAL" \
+            timeout 100 $PY benchmarks/decode_profile.py 1b64 --decode-attention $attention --lean $TINY 2>&1 \
+            | grep "^{" | sed 's/^{/{"command_buffer": "while", /' | tee -a "$OUT/decode-attention.jsonl"
+    done
 fi
 if [[ $PART == *rl* ]]; then
     for attention in kernel xla; do

@@ -4,7 +4,7 @@ import jax
 import numpy as np
 import pytest
 
-from zerojax.generation.decode_attention import decode_attention, slot_block
+from zerojax.generation.decode_attention import decode_attention, slot_block, split_count
 
 
 def _reference(q, keys, values, layer, first, last):
@@ -20,22 +20,27 @@ def _reference(q, keys, values, layer, first, last):
     return out
 
 
-def test_equals_the_formula_over_each_rows_visible_slots():
+@pytest.mark.parametrize("splits", [1, 3])
+def test_equals_the_formula_over_each_rows_visible_slots(splits):
     """Rows whose visible slots start and end inside a block, span several blocks, or are one slot;
-    a layer other than the first; 4 query heads per kv head (padded to the kernel's 16 rows)."""
+    a layer other than the first; 4 query heads per kv head (padded to the kernel's 16 rows). One
+    program per (row, kv head), normalising in the kernel, or three over a block each, merged
+    after (rows with no visible slot in some of them)."""
     rng = np.random.default_rng(0)
     L, B, K, S, Dh, H = 3, 4, 2, 96, 16, 8
     q = rng.standard_normal((B, H, Dh))
     keys, values = rng.standard_normal((2, L, B, K, S, Dh))
     first, last = np.array([0, 5, 70, 95]), np.array([10, 64, 95, 95])
     with jax.enable_x64(True):
-        got = decode_attention(q, keys, values, np.int32(1), first, last, block=32)
+        got = decode_attention(q, keys, values, np.int32(1), first, last, block=32, splits=splits)
     assert got.dtype == np.float64
     np.testing.assert_allclose(np.asarray(got), _reference(q, keys, values, 1, first, last), rtol=1e-12, atol=1e-12)
 
 
-def test_slot_block_and_refusals():
+def test_slot_block_split_count_and_refusals():
     assert (slot_block(512), slot_block(96), slot_block(48), slot_block(40)) == (64, 32, 16, None)
+    # batch 64 x 8 kv heads fills the GPU with one program each; one row of 8 splits its 6 blocks
+    assert (split_count(64 * 8, 8), split_count(8, 6), split_count(8, 64), split_count(2, 1)) == (1, 6, 33, 1)
     q = np.zeros((1, 4, 12), np.float32)
     cache = np.zeros((1, 1, 2, 32, 12), np.float32)
     with pytest.raises(ValueError, match="head_dim 12"):
@@ -44,7 +49,7 @@ def test_slot_block_and_refusals():
 
 @pytest.mark.parametrize("layers, batch, kv_heads, slots, head_dim, heads", [
     (24, 64, 2, 512, 64, 14),   # Qwen2.5-0.5B at batch 64: 7 query heads a kv head, 24 layers
-    (32, 1, 8, 384, 128, 32),   # Llama-3.1-8B at batch 1
+    (32, 1, 8, 384, 128, 32),   # Llama-3.1-8B at batch 1: 6 splits, merged after
     (3, 4, 2, 48, 64, 48),      # 24 query heads a kv head (padded to 32 rows), 16-slot blocks
 ])
 def test_lowers_to_triton_for_a_gpu(layers, batch, kv_heads, slots, head_dim, heads):

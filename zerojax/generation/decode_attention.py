@@ -8,7 +8,9 @@ slots on an H100, the two small-tile batched gemms of each layer took 31 us wher
 layer's keys and values (8 MiB) takes under 3 us.
 Here one program per (row, kv head) streams that pair's keys and values once, with an online
 softmax, and reads only the slots the row sees (from its first prompt token to the current slot),
-not the whole length bucket.
+not the whole length bucket. Where rows x kv heads are too few programs to fill the GPU (one row of
+Llama-3.1-8B: 8), each pair's slots are split over several programs and their partial softmaxes
+merged after (`split_count`).
 
 The cache stays [layers, batch, kv_heads, length, head_dim] (`zerojax.generation.cache`) and is
 handed over whole with the layer index as an operand: a slice of it would be a copy before a
@@ -46,14 +48,16 @@ def decode_attention_supported(head_dim: int, heads: int, kv_heads: int, length:
 
 
 def decode_attention(q, keys, values, layer, first, last, *, scale: float | None = None, block: int | None = None,
-                     warps: int = 4, interpret: bool | None = None):
+                     splits: int | None = None, warps: int = 4, interpret: bool | None = None):
     """softmax(q k^T * scale) v of one new token per row -> [B, H, Dh] in q's dtype.
 
     q [B, H, Dh]; keys, values [L, B, K, S, Dh] (the whole cache); layer: int32 scalar, the cache
     layer read; first, last [B] int32: row b sees slots first[b] .. last[b] (both included). The
     scores in fp32 from q's dtype, the probabilities cast to the cache's dtype for their product
-    with the values, fp32 accumulation (as `cache.attend`). block None: `slot_block(S)`.
-    interpret None: compiled on GPU, Pallas' interpreter elsewhere."""
+    with the values, fp32 accumulation (as `cache.attend`). block None: `slot_block(S)`. splits:
+    programs per (row, kv head), each over its own run of slot blocks, their partial softmaxes
+    merged after (None: `split_count`). interpret None: compiled on GPU, Pallas' interpreter
+    elsewhere."""
     B, H, Dh = q.shape
     L, _, K, S, _ = keys.shape
     block = slot_block(S) if block is None else block
@@ -61,6 +65,9 @@ def decode_attention(q, keys, values, layer, first, last, *, scale: float | None
         raise ValueError(f"decode_attention: head_dim {Dh}, {H} query / {K} kv heads, {S} slots, block {block}: "
                          "it takes a power-of-two head_dim in 16..256, whole query groups and slots a multiple "
                          "of the block (and of 16)")
+    blocks = S // block
+    per = -(-blocks // (split_count(B * K, blocks) if splits is None else max(1, min(splits, blocks))))
+    splits = -(-blocks // per)  # no split without a block
     G = H // K
     rows = max(1 << (G - 1).bit_length(), _MIN_ROWS)  # Triton's blocks are powers of two
     scale = float(Dh ** -0.5 if scale is None else scale)
@@ -71,24 +78,50 @@ def decode_attention(q, keys, values, layer, first, last, *, scale: float | None
     layer = jnp.broadcast_to(jnp.asarray(layer, jnp.int32), (B,))
     # [B, 4] (a power of two, as Triton's blocks): layer, first, last and a spare column
     bounds = jnp.stack([layer, jnp.asarray(first, jnp.int32), jnp.asarray(last, jnp.int32), layer], axis=1)
-    whole = pl.BlockSpec(keys.shape, lambda b, h: (0, 0, 0, 0, 0))
-    o = pl.pallas_call(
-        functools.partial(_kernel, scale=scale, block=block),
-        grid=(B, K),
-        in_specs=[pl.BlockSpec((None, None, rows, Dh), lambda b, h: (b, h, 0, 0)), whole, whole,
-                  pl.BlockSpec((None, 4), lambda b, h: (b, 0))],
-        out_specs=pl.BlockSpec((None, None, rows, Dh), lambda b, h: (b, h, 0, 0)),
-        out_shape=jax.ShapeDtypeStruct((B, K, rows, Dh), q.dtype),
+    whole = pl.BlockSpec(keys.shape, lambda b, h, s: (0, 0, 0, 0, 0))
+    acc_t = jnp.promote_types(q.dtype, jnp.float32)
+    if splits == 1:  # the output itself, normalised in the kernel
+        out_specs = pl.BlockSpec((None, None, rows, Dh), lambda b, h, s: (b, h, 0, 0))
+        out_shape = jax.ShapeDtypeStruct((B, K, rows, Dh), q.dtype)
+    else:  # each split's unnormalised sum and its softmax statistics (max in base 2, sum)
+        out_specs = [pl.BlockSpec((None, None, None, rows, Dh), lambda b, h, s: (b, h, s, 0, 0)),
+                     pl.BlockSpec((None, None, None, rows), lambda b, h, s: (b, h, s, 0)),
+                     pl.BlockSpec((None, None, None, rows), lambda b, h, s: (b, h, s, 0))]
+        out_shape = [jax.ShapeDtypeStruct((B, K, splits, rows, Dh), acc_t),
+                     jax.ShapeDtypeStruct((B, K, splits, rows), acc_t),
+                     jax.ShapeDtypeStruct((B, K, splits, rows), acc_t)]
+    out = pl.pallas_call(
+        functools.partial(_kernel, scale=scale, block=block, per=per, whole=splits == 1),
+        grid=(B, K, splits),
+        in_specs=[pl.BlockSpec((None, None, rows, Dh), lambda b, h, s: (b, h, 0, 0)), whole, whole,
+                  pl.BlockSpec((None, 4), lambda b, h, s: (b, 0))],
+        out_specs=out_specs, out_shape=out_shape,
         compiler_params=plgpu.CompilerParams(num_warps=warps, num_stages=2),
         interpret=interpret, name="zerojax_decode_attention",
     )(qg, keys, values, bounds)
+    if splits == 1:
+        o = out
+    else:  # the splits' online softmaxes merged; a split with no visible slot has m = -inf, weight 0
+        acc, m, l = out
+        w = jnp.exp2(m - m.max(axis=2, keepdims=True))
+        o = ((acc * w[..., None]).sum(2) / (l * w).sum(2)[..., None]).astype(q.dtype)
     return o[:, :, :G].reshape(B, H, Dh)
 
 
-def _kernel(q_ref, k_ref, v_ref, bounds_ref, o_ref, *, scale, block):
-    """Program (row b, kv head h): an online softmax over the slot blocks from the row's first
-    visible slot to its last; scores in base 2 (exp2)."""
-    b, h = pl.program_id(0), pl.program_id(1)
+_TARGET_PROGRAMS = 264  # two programs per SM of an H100 (132 SMs)
+
+
+def split_count(pairs: int, blocks: int) -> int:
+    """Programs per (row, kv head): enough for `_TARGET_PROGRAMS` in all (a batch of 64 x 8 kv heads
+    fills the GPU alone; one row of Llama-3.1-8B has 8 pairs), at most one per slot block."""
+    return max(1, min(blocks, -(-_TARGET_PROGRAMS // pairs)))
+
+
+def _kernel(q_ref, k_ref, v_ref, bounds_ref, *out_refs, scale, block, per, whole):
+    """Program (row b, kv head h, split s): an online softmax over the slot blocks of split s
+    (blocks s * per .. (s + 1) * per - 1) that hold the row's visible slots; scores in base 2
+    (exp2). whole (one split): the normalised output; else the sum, max and denominator."""
+    b, h, s = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     layer, first, last = bounds_ref[0], bounds_ref[1], bounds_ref[2]
     q = q_ref[...]
     s_scale = scale * math.log2(math.e)
@@ -110,10 +143,14 @@ def _kernel(q_ref, k_ref, v_ref, bounds_ref, o_ref, *, scale, block):
 
     rows, dh = q.shape
     init = (jnp.zeros((rows, dh), acc_t), jnp.full((rows,), -jnp.inf, acc_t), jnp.zeros((rows,), acc_t))
-    start = lax.div(first, jnp.int32(block))
-    stop = lax.div(last, jnp.int32(block)) + 1
-    acc, _, l = lax.fori_loop(start, stop, body, init)
-    o_ref[...] = (acc / l[:, None]).astype(o_ref.dtype)
+    # every block in [start, stop) holds a visible slot (they are one run): m is finite after it
+    start = jnp.maximum(lax.div(first, jnp.int32(block)), s * per)
+    stop = jnp.minimum(lax.div(last, jnp.int32(block)) + 1, (s + 1) * per)
+    acc, m, l = lax.fori_loop(start, stop, body, init)
+    if whole:
+        out_refs[0][...] = (acc / l[:, None]).astype(out_refs[0].dtype)
+    else:
+        out_refs[0][...], out_refs[1][...], out_refs[2][...] = acc, m, l
 
 
-__all__ = ["decode_attention", "decode_attention_supported", "slot_block"]
+__all__ = ["decode_attention", "decode_attention_supported", "slot_block", "split_count"]
