@@ -80,6 +80,21 @@ def test_decode_kernel_greedy_equals_transformers(mistral_16):
         assert tokens == _hf_greedy(hf, prompt)
 
 
+def test_prefill_in_pieces_greedy_equals_transformers(mistral_16, monkeypatch):
+    """A prompt bucket whose attention scores pass `PREFILL_SCORES_BYTES` goes through the layers a
+    piece at a time (here pieces of 16 slots of a 64-slot bucket, the window crossing them): the
+    greedy tokens still equal transformers'."""
+    from zerojax.generation import decoder
+
+    hf, ours = mistral_16
+    monkeypatch.setattr(decoder, "PREFILL_SCORES_BYTES", 1)
+    assert (decoder.prefill_piece(4, 4, 64), decoder.prefill_piece(4, 4, 48)) == (16, 48)
+    prompts = _prompts(hf.config.vocab_size, lengths=(20, 7, 33))
+    got = zerojax.generate(ours, prompts, max_new_tokens=NEW)
+    for prompt, tokens in zip(prompts, got.tokens):
+        assert tokens == _hf_greedy(hf, prompt)
+
+
 def test_decode_attention_choice_is_checked(mistral_16):
     """A bad choice, or the kernel on a head_dim it does not take, is one line before anything runs."""
     from flax import nnx

@@ -143,14 +143,18 @@ def generate(model_or_engine, prompts, *, max_new_tokens: int = 64, temperature:
                          f"exceeds this model's {geometry.max_positions} learned positions")
     kernel = decoder.check_decode_attention(decode_attention, geometry, length)
     batch = buckets.batch_bucket(len(rows))
+    heads = geometry.heads // target.tensor if geometry.heads % target.tensor == 0 else geometry.heads
+    piece = decoder.prefill_piece(heads, batch, prompt_len)
     nbytes = cache.cache_bytes(geometry, batch, length, target.model.dtype, target.tensor)
-    cache.check_cache_fits(nbytes, batch, length, device_free_bytes(target.device))
+    cache.check_cache_fits(nbytes, batch, length, device_free_bytes(target.device),
+                           scores=decoder.prefill_scores_bytes(heads, batch, prompt_len, piece))
 
     ids, pad = buckets.left_pad(rows, prompt_len, batch)
     live = np.arange(batch) < len(rows)
     key = jax.random.key(seed)
     state = decoder.prefill(target.weights, ids, pad, live, values, stop_arr, key, source=target.source,
-                            sampler=sampler, length=length, out_len=out_len)
+                            sampler=sampler, length=length, out_len=out_len,
+                            piece=None if piece == prompt_len else piece)
     chunk = STOP_STRING_CHECK_EVERY if stop_strings else max_new_tokens
     cut = [None] * len(rows)  # (tokens kept, text) of rows a stop string ended
     while True:

@@ -34,13 +34,16 @@ def cache_bytes(geometry: Geometry, batch: int, length: int, dtype, tensor: int 
     return 2 * geometry.layers * batch * length * heads * geometry.head_dim * np.dtype(dtype).itemsize
 
 
-def check_cache_fits(nbytes: int, batch: int, length: int, free: int | None) -> None:
-    """Raise `CacheTooLargeError` (one line) when `nbytes` exceed `free` (None: unknown, no check;
-    CPU reports none)."""
-    if free is not None and nbytes > free:
+def check_cache_fits(nbytes: int, batch: int, length: int, free: int | None, scores: int = 0) -> None:
+    """Raise `CacheTooLargeError` (one line) when `nbytes` of cache plus `scores` (the prefill's
+    attention scores of one piece, held beside it) exceed `free` (None: unknown, no check; CPU
+    reports none)."""
+    if free is not None and nbytes + scores > free:
         raise CacheTooLargeError(
             f"zerojax.generate: the KV cache for batch {batch} x length {length} needs {nbytes / 2**30:.2f} GiB "
-            f"per device ({nbytes:,} bytes) but the device has {free / 2**30:.2f} GiB free ({free:,} bytes); "
+            f"per device ({nbytes:,} bytes)"
+            + (f" and the prefill's attention scores {scores / 2**30:.2f} GiB ({scores:,} bytes)" if scores else "")
+            + f" but the device has {free / 2**30:.2f} GiB free ({free:,} bytes); "
             "generate fewer prompts at a time or fewer new tokens")
 
 

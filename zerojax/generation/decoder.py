@@ -112,24 +112,62 @@ def _mark_seen(seen, tokens, sampler: Sampler):
     return seen.at[rows, cols].set(True, mode="drop")  # NO_TOKEN / padding: out of range, dropped
 
 
-@functools.partial(jax.jit, static_argnames=("source", "sampler", "length", "out_len"),
+# The prefill's attention scores of one piece of the prompt, [batch, heads, piece, prompt] fp32, are
+# kept under this: a longer prompt goes through the layers a piece of tokens at a time, each piece
+# attending over the cache the earlier ones filled (chunked prefill). Whole, batch 256 x 1024 prompt
+# tokens of Llama-3.2-1B would hold 34 GiB of scores (and [batch, prompt, ffn] MLP activations
+# of 8 GiB), however small the cache; in pieces the transient shrinks with the piece.
+PREFILL_SCORES_BYTES = 1 << 30
+
+
+def prefill_piece(heads: int, batch: int, prompt_len: int) -> int:
+    """Prompt tokens per prefill piece: the whole bucket where its scores fit `PREFILL_SCORES_BYTES`,
+    else halved until they do, while a multiple of 32 (so a divisor of the bucket, at least 16)."""
+    piece = prompt_len
+    while piece % 32 == 0 and batch * heads * piece * prompt_len * 4 > PREFILL_SCORES_BYTES:
+        piece //= 2
+    return piece
+
+
+def prefill_scores_bytes(heads: int, batch: int, prompt_len: int, piece: int) -> int:
+    """Bytes of one prefill piece's fp32 attention scores: what the prefill holds beside the cache
+    at the least (the cache guard counts them)."""
+    return batch * heads * piece * prompt_len * 4
+
+
+@functools.partial(jax.jit, static_argnames=("source", "sampler", "length", "out_len", "piece"),
                    compiler_options=COMPILER_OPTIONS)
 def prefill(weights, ids, pad, live, values: SamplingValues, stop_ids, key, *, source, sampler: Sampler,
-            length: int, out_len: int) -> DecodeState:
+            length: int, out_len: int, piece: int | None = None) -> DecodeState:
     """ids [B, P] left-padded (pad [B] padding tokens per row; live [B] False for the batch
     bucket's filler rows, done from the start) -> the state after the first new token: the cache
-    [.., length, ..] holding the prompt at slots 0 .. P-1."""
+    [.., length, ..] holding the prompt at slots 0 .. P-1. piece: prompt tokens per pass through
+    the layers (a divisor of P; None: all), each pass attending over the prompt's slots so far."""
     model = source.model(weights)
     fam = family_of(model)
     g = fam.geometry
     B, P = ids.shape
+    piece = P if piece is None else piece
     keys, vals = cache.empty(g, B, length, model.dtype)
+
+    def through_layers(start, keys, vals):
+        """Prompt slots start .. start + piece - 1 through every layer -> (their last residual, cache)."""
+        slots = start + jnp.arange(piece, dtype=jnp.int32)
+        positions = cache.positions(slots, pad)
+        mask = cache.attention_mask(slots, pad, P, g.window)  # the prompt's slots only (`write_and_attend`)
+        tokens = jax.lax.dynamic_slice_in_dim(ids, start, piece, axis=1)
+        x, keys, vals = _run_layers(fam, fam.embed(tokens, positions), keys, vals, start,
+                                    functools.partial(cache.write_and_attend, mask=mask), positions)
+        return x[:, -1:], keys, vals
+
+    if piece == P:
+        x, keys, vals = through_layers(0, keys, vals)
+    else:
+        x = jnp.zeros_like(fam.embed(ids[:, :1], jnp.zeros((B, 1), jnp.int32)))  # the residual's [B, 1, d]
+        x, keys, vals = jax.lax.fori_loop(0, P // piece, lambda i, c: through_layers(i * piece, *c[1:]),
+                                          (x, keys, vals))
+    logits = fam.logits(x)[:, 0]
     slots = jnp.arange(P, dtype=jnp.int32)
-    positions = cache.positions(slots, pad)
-    mask = cache.attention_mask(slots, pad, P, g.window)  # the prompt's slots only (`write_and_attend`)
-    x, keys, vals = _run_layers(fam, fam.embed(ids, positions), keys, vals, 0,
-                                functools.partial(cache.write_and_attend, mask=mask), positions)
-    logits = fam.logits(x[:, -1:])[:, 0]
     seen = jnp.zeros((B, logits.shape[-1] if sampler.penalty else 1), bool)
     seen = _mark_seen(seen, jnp.where(slots[None] >= pad[:, None], ids, NO_TOKEN), sampler)
     tok = next_token(sampler, values, logits, seen, jax.random.fold_in(key, 0))
@@ -203,4 +241,5 @@ def decode(weights, state: DecodeState, pad, prompt_len, limit, values: Sampling
 
 
 __all__ = ["ModuleSource", "EngineSource", "DecodeState", "prefill", "decode", "DECODE_ATTENTIONS",
-           "check_decode_attention", "NO_TOKEN"]
+           "check_decode_attention", "prefill_piece",
+           "prefill_scores_bytes", "PREFILL_SCORES_BYTES", "NO_TOKEN"]
