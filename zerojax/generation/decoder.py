@@ -115,7 +115,7 @@ def _mark_seen(seen, tokens, sampler: Sampler):
 # The prefill's attention scores of one piece of the prompt, [batch, heads, piece, prompt] fp32, are
 # kept under this: a longer prompt goes through the layers a piece of tokens at a time, each piece
 # attending over the cache the earlier ones filled (chunked prefill). Whole, batch 256 x 1024 prompt
-# tokens of Llama-3.2-1B would hold 34 GiB of scores (and [batch, prompt, ffn] MLP activations
+# tokens of Llama-3.2-1B would hold 32 GiB of scores (and [batch, prompt, ffn] MLP activations
 # of 8 GiB), however small the cache; in pieces the transient shrinks with the piece.
 PREFILL_SCORES_BYTES = 1 << 30
 
