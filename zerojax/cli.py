@@ -326,6 +326,8 @@ def _add_generation_flags(p):
     p.add_argument("--repetition-penalty", type=float, default=None)
     p.add_argument("--stop", action="append", default=None, metavar="TEXT", help="a stop string (repeatable)")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--decode-attention", choices=("xla", "kernel"), default="xla",
+                   help="a decode step's attention: XLA's products or one fused Pallas kernel (docs/generation.md)")
 
 
 def _add_generate(sub):
@@ -362,10 +364,29 @@ def _generation_setup(args):
     tokenizer = load_tokenizer(args.tokenizer or args.hf_checkpoint)
     kwargs = dict(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
                   top_p=args.top_p, repetition_penalty=args.repetition_penalty, stop=args.stop, seed=args.seed,
-                  tokenizer=tokenizer)
+                  tokenizer=tokenizer, decode_attention=args.decode_attention)
     return model, tokenizer, kwargs
 
 
+def _one_line_errors(command):
+    """A generation command whose bad input (a folder without a checkpoint, a flag the model cannot
+    take, a cache that does not fit) ends as one `error: ...` line and exit status 1."""
+    import functools
+
+    @functools.wraps(command)
+    def run(args) -> int:
+        from zerojax.generation import CacheTooLargeError
+
+        try:
+            return command(args)
+        except (FileNotFoundError, ValueError, CacheTooLargeError) as e:
+            print(f"error: {e}", file=sys.stderr)
+            return 1
+
+    return run
+
+
+@_one_line_errors
 def cmd_generate(args) -> int:
     from zerojax.generation import generate
 
@@ -375,6 +396,7 @@ def cmd_generate(args) -> int:
     return 0
 
 
+@_one_line_errors
 def cmd_chat(args) -> int:
     from zerojax.generation import chat
 

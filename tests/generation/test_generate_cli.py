@@ -38,6 +38,18 @@ def test_generate_prints_the_libraries_text(folder, capsys):
     assert capsys.readouterr().out == expected + "\n"
 
 
+def test_bad_input_is_one_error_line(folder, tmp_path, capsys):
+    """--decode-attention reaches generate (this model's head_dim 8 is one the kernel refuses); a
+    folder without a checkpoint: one `error:` line each, exit status 1."""
+    args = ["generate", "--hf-checkpoint", str(folder), "--prompt", "w5", "--decode-attention", "kernel"]
+    assert main(args) == 1
+    err = capsys.readouterr().err
+    assert err.startswith("error: decode_attention='kernel': the kernel takes a power-of-two head_dim") and \
+        err.count("\n") == 1, err
+    assert main(["generate", "--hf-checkpoint", str(tmp_path), "--prompt", "w5"]) == 1
+    assert capsys.readouterr().err == f"error: no config.json in {str(tmp_path)!r}\n"
+
+
 def test_chat_keeps_the_conversation_and_exits(folder, capsys, monkeypatch):
     import io
 
