@@ -57,11 +57,13 @@ def kernel_table(xplane: str, tiny: bool, top: int = 18) -> dict:
 def main(argv=None) -> int:
     import argparse
 
+    from zerojax.generation.decoder import DECODE_ATTENTIONS
+
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("shape", nargs="?", default="8b1", choices=SHAPES)
     p.add_argument("--lean", action="store_true", help="the timing line only")
     p.add_argument("--tiny", action="store_true", help="tiny shapes, for a CPU smoke test")
-    p.add_argument("--decode-attention", default="xla", choices=("xla", "kernel"), help="generate's option")
+    p.add_argument("--decode-attention", default="xla", choices=DECODE_ATTENTIONS, help="generate's option")
     args = p.parse_args(sys.argv[1:] if argv is None else argv)
     shape, tiny, lean, attention = args.shape, args.tiny, args.lean, args.decode_attention
     import jax

@@ -129,7 +129,9 @@ def main(argv=None):
                    "rows stay group x prompts: fewer rows a micro-batch, more accumulation)")
     p.add_argument("--remat", default=REMAT, help=f"the model's remat_policy (default {REMAT!r}; 'none': keep "
                    "every activation)")
-    p.add_argument("--decode-attention", default="xla", choices=("xla", "kernel"), help="generate's option "
+    from zerojax.generation.decoder import DECODE_ATTENTIONS
+
+    p.add_argument("--decode-attention", default="xla", choices=DECODE_ATTENTIONS, help="generate's option "
                    "(default xla)")
     p.add_argument("--tiny", action="store_true", help="tiny shapes, for a CPU smoke test")
     args = p.parse_args(argv)

@@ -326,6 +326,7 @@ def _add_generation_flags(p):
     p.add_argument("--repetition-penalty", type=float, default=None)
     p.add_argument("--stop", action="append", default=None, metavar="TEXT", help="a stop string (repeatable)")
     p.add_argument("--seed", type=int, default=0)
+    # zerojax.generation.decoder.DECODE_ATTENTIONS, spelled out: this module imports no jax until a command runs
     p.add_argument("--decode-attention", choices=("xla", "kernel"), default="xla",
                    help="a decode step's attention: XLA's products or one fused Pallas kernel (docs/generation.md)")
 

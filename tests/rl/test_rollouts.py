@@ -97,7 +97,7 @@ def test_grpo_method_for_the_trainer(digits):
     method = get_method("grpo")
     with pytest.raises(ValueError, match="did you mean 'kl_coef'"):
         method.resolve({"kl_coeff": 0.1})
-    with pytest.raises(ValueError, match="decode_attention='fast'; choose one of"):
+    with pytest.raises(ValueError, match="decode_attention='fast': choose one of"):
         RolloutOptions.from_options(method.resolve({"decode_attention": "fast"})).check(16, 8)
     data = method.data("digit", ByteTokens(), 11, 16)
     options = method.resolve({"group": 4, "kl_coef": 0.0, "max_new_tokens": 3}, data)

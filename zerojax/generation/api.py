@@ -143,7 +143,7 @@ def generate(model_or_engine, prompts, *, max_new_tokens: int = 64, temperature:
                          f"exceeds this model's {geometry.max_positions} learned positions")
     kernel = decoder.check_decode_attention(decode_attention, geometry, length)
     batch = buckets.batch_bucket(len(rows))
-    heads = geometry.heads // target.tensor if geometry.heads % target.tensor == 0 else geometry.heads
+    heads = cache.per_rank(geometry.heads, target.tensor)
     piece = decoder.prefill_piece(heads, batch, prompt_len)
     nbytes = cache.cache_bytes(geometry, batch, length, target.model.dtype, target.tensor)
     cache.check_cache_fits(nbytes, batch, length, device_free_bytes(target.device),

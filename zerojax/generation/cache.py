@@ -27,11 +27,16 @@ class CacheTooLargeError(MemoryError):
     """The KV cache of a generate call would not fit the device's free memory."""
 
 
+def per_rank(heads: int, tensor: int) -> int:
+    """Heads a tensor rank holds: split over `tensor` ranks where they divide, as the model's tensor
+    rules split them, else all."""
+    return heads // tensor if heads % tensor == 0 else heads
+
+
 def cache_bytes(geometry: Geometry, batch: int, length: int, dtype, tensor: int = 1) -> int:
-    """Bytes per device of the keys + values for `batch` rows of `length` slots (kv heads split
-    over `tensor` ranks where they divide, as the model's tensor rules split them)."""
-    heads = geometry.kv_heads // tensor if geometry.kv_heads % tensor == 0 else geometry.kv_heads
-    return 2 * geometry.layers * batch * length * heads * geometry.head_dim * np.dtype(dtype).itemsize
+    """Bytes per device of the keys + values for `batch` rows of `length` slots (`per_rank` kv heads)."""
+    return (2 * geometry.layers * batch * length * per_rank(geometry.kv_heads, tensor) * geometry.head_dim
+            * np.dtype(dtype).itemsize)
 
 
 def check_cache_fits(nbytes: int, batch: int, length: int, free: int | None, scores: int = 0) -> None:
@@ -126,5 +131,5 @@ def attend(q, keys, values, mask):
     return jnp.einsum("bkgts,bksd->btkgd", probs, values).reshape(B, T, H, Dh)
 
 
-__all__ = ["CacheTooLargeError", "cache_bytes", "check_cache_fits", "empty", "attention_mask", "positions",
+__all__ = ["CacheTooLargeError", "per_rank", "cache_bytes", "check_cache_fits", "empty", "attention_mask", "positions",
            "write", "write_and_attend", "write_and_attend_kernel", "visible_slots", "attend"]

@@ -19,7 +19,6 @@ custom call.
 from __future__ import annotations
 
 import functools
-import math
 
 import jax
 import jax.numpy as jnp
@@ -27,7 +26,8 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-_MASKED = -0.7 * float(jnp.finfo(jnp.float32).max)  # finite: a masked slot never makes NaN
+from zerojax.models.flash_attention import LOG2E, MASKED, triton_head_dim
+
 _MIN_ROWS = 16  # Triton's dot takes 16 rows at least: a kv head's G query heads are padded to it
 
 
@@ -43,8 +43,7 @@ def slot_block(length: int) -> int | None:
 def decode_attention_supported(head_dim: int, heads: int, kv_heads: int, length: int) -> bool:
     """Shapes the kernel takes: head_dim a power of two in 16..256, whole query groups, the cache
     length a multiple of 16."""
-    return (16 <= head_dim <= 256 and head_dim & (head_dim - 1) == 0 and kv_heads > 0 and heads % kv_heads == 0
-            and slot_block(length) is not None)
+    return triton_head_dim(head_dim) and kv_heads > 0 and heads % kv_heads == 0 and slot_block(length) is not None
 
 
 def decode_attention(q, keys, values, layer, first, last, *, scale: float | None = None, block: int | None = None,
@@ -124,7 +123,7 @@ def _kernel(q_ref, k_ref, v_ref, bounds_ref, *out_refs, scale, block, per, whole
     b, h, s = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     layer, first, last = bounds_ref[0], bounds_ref[1], bounds_ref[2]
     q = q_ref[...]
-    s_scale = scale * math.log2(math.e)
+    s_scale = scale * LOG2E
     acc_t = jnp.promote_types(q.dtype, jnp.float32)  # float64 in the exact reference
 
     def body(j, carry):
@@ -133,7 +132,7 @@ def _kernel(q_ref, k_ref, v_ref, bounds_ref, *out_refs, scale, block, per, whole
         k = k_ref[layer, b, h, slots, :]
         qk = plgpu.dot(q, k.T).astype(acc_t) * s_scale
         cols = j * block + jnp.arange(block)
-        qk = jnp.where(((cols >= first) & (cols <= last))[None, :], qk, _MASKED)
+        qk = jnp.where(((cols >= first) & (cols <= last))[None, :], qk, MASKED)
         m_new = jnp.maximum(m, qk.max(axis=-1))
         corr = jnp.exp2(m - m_new)
         p = jnp.exp2(qk - m_new[:, None])

@@ -124,7 +124,7 @@ def prefill_piece(heads: int, batch: int, prompt_len: int) -> int:
     """Prompt tokens per prefill piece: the whole bucket where its scores fit `PREFILL_SCORES_BYTES`,
     else halved until they do, while a multiple of 32 (so a divisor of the bucket, at least 16)."""
     piece = prompt_len
-    while piece % 32 == 0 and batch * heads * piece * prompt_len * 4 > PREFILL_SCORES_BYTES:
+    while piece % 32 == 0 and prefill_scores_bytes(heads, batch, prompt_len, piece) > PREFILL_SCORES_BYTES:
         piece //= 2
     return piece
 
@@ -184,10 +184,16 @@ def prefill(weights, ids, pad, live, values: SamplingValues, stop_ids, key, *, s
 DECODE_ATTENTIONS = ("xla", "kernel")
 
 
-def check_decode_attention(choice, geometry, length: int) -> bool:
-    """A decode_attention choice validated -> whether the decode program runs the kernel."""
+def check_decode_attention_choice(choice) -> None:
+    """A decode_attention value validated (one of `DECODE_ATTENTIONS`), before any model is known."""
     if choice not in DECODE_ATTENTIONS:
         raise ValueError(f"decode_attention={choice!r}: choose one of {DECODE_ATTENTIONS}")
+
+
+def check_decode_attention(choice, geometry, length: int) -> bool:
+    """A decode_attention choice validated for this model and cache -> whether the decode program
+    runs the kernel."""
+    check_decode_attention_choice(choice)
     if choice == "xla":
         return False
     from zerojax.generation.decode_attention import decode_attention_supported
@@ -241,5 +247,5 @@ def decode(weights, state: DecodeState, pad, prompt_len, limit, values: Sampling
 
 
 __all__ = ["ModuleSource", "EngineSource", "DecodeState", "prefill", "decode", "DECODE_ATTENTIONS",
-           "check_decode_attention", "prefill_piece",
+           "check_decode_attention", "check_decode_attention_choice", "prefill_piece",
            "prefill_scores_bytes", "PREFILL_SCORES_BYTES", "NO_TOKEN"]

@@ -35,8 +35,8 @@ from jax.experimental.pallas import triton as plgpu
 
 from zerojax.models.attention_window import check_window
 
-_LOG2E = math.log2(math.e)
-_MASKED = -0.7 * float(jnp.finfo(jnp.float32).max)  # finite: a masked tile never makes NaN
+LOG2E = math.log2(math.e)  # scores in base 2 (exp2)
+MASKED = -0.7 * float(jnp.finfo(jnp.float32).max)  # finite: a masked score never makes NaN
 _PAD_SEGMENT = 2**31 - 1  # the padded tail's segment: a run of its own after the row's
 
 
@@ -68,10 +68,16 @@ class FlashBlocks:
         return max(self.q, self.k, self.q_dkv, self.kv_dkv, self.q_dq, self.kv_dq)
 
 
+def triton_head_dim(head_dim: int) -> bool:
+    """A head_dim a Triton attention kernel takes (this one and the decoder's): a power of two in
+    16..256, as Triton's tiles and dots need."""
+    return 16 <= head_dim <= 256 and head_dim & (head_dim - 1) == 0
+
+
 def flash_supported(head_dim: int, heads: int, kv_heads: int) -> bool:
     """Shapes the kernel takes: Triton's tiles are powers of two."""
     g = heads // kv_heads if kv_heads and heads % kv_heads == 0 else 0
-    return 16 <= head_dim <= 256 and head_dim & (head_dim - 1) == 0 and g > 0 and g & (g - 1) == 0
+    return triton_head_dim(head_dim) and g > 0 and g & (g - 1) == 0
 
 
 def flash_attention(q, k, v, *, segment_ids=None, window: int | None = None, scale: float | None = None,
@@ -133,7 +139,7 @@ def _mask(qk, rows, cols, seg_q, seg_k, window):
     ok = (rows[:, None] >= cols[None, :]) & (seg_q[:, None] == seg_k[None, :])
     if window is not None:
         ok = ok & (rows[:, None] - cols[None, :] < window)
-    return jnp.where(ok, qk, _MASKED)
+    return jnp.where(ok, qk, MASKED)
 
 
 def _forward_kernel(q_ref, k_ref, v_ref, seg_ref, first_ref, o_ref, lse_ref, *, scale, window, bq, bk):
@@ -145,7 +151,7 @@ def _forward_kernel(q_ref, k_ref, v_ref, seg_ref, first_ref, o_ref, lse_ref, *, 
     seg_q = seg_ref[pl.ds(i * bq, bq)]
     start = _div(jnp.min(first_ref[...]), bk)
     stop = _div(bq * (i + 1) + bk - 1, bk)
-    s_scale = scale * _LOG2E
+    s_scale = scale * LOG2E
 
     def body(j, carry):
         acc, m, l = carry
@@ -171,7 +177,7 @@ def _backward_kernel(q_ref, k_ref, v_ref, seg_ref, first_ref, end_ref, do_ref, l
     head (query blocks from j's diagonal to the last one that sees it), then dq of query block j for
     each of those heads (key blocks from its first visible one to its diagonal)."""
     j = pl.program_id(2)
-    s_scale = scale * _LOG2E
+    s_scale = scale * LOG2E
 
     keys = pl.ds(j * bk_dkv, bk_dkv)
     k, v = k_ref[keys, :], v_ref[keys, :]
@@ -289,4 +295,5 @@ def _flash_bwd(blocks, window, scale, interpret, res, do):
 
 _flash.defvjp(_flash_fwd, _flash_bwd)
 
-__all__ = ["FlashBlocks", "flash_attention", "flash_supported", "visible_bounds"]
+__all__ = ["FlashBlocks", "flash_attention", "flash_supported", "triton_head_dim", "visible_bounds", "MASKED",
+           "LOG2E"]

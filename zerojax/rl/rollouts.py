@@ -29,7 +29,7 @@ from typing import ClassVar, Mapping
 import jax
 import numpy as np
 
-from zerojax.generation.decoder import DECODE_ATTENTIONS
+from zerojax.generation.decoder import check_decode_attention_choice
 from zerojax.rl import advantages as adv_mod
 from zerojax.rl.policy import EnginePolicy, pick_reference
 from zerojax.rl.prompts import PromptData, decode
@@ -91,8 +91,7 @@ class RolloutOptions:
             raise ValueError(f"loss_level={self.loss_level!r}; choose one of {LOSS_LEVELS}")
         if self.iterations < 1:
             raise ValueError(f"iterations={self.iterations}: optimizer steps per rollout, >= 1")
-        if self.decode_attention not in DECODE_ATTENTIONS:
-            raise ValueError(f"decode_attention={self.decode_attention!r}; choose one of {DECODE_ATTENTIONS}")
+        check_decode_attention_choice(self.decode_attention)
 
 
 class RolloutBatches:
