@@ -3,7 +3,7 @@
 # decode_attention), on one GPU (H100 / H200). PART=decode (~5 min): decode_profile.py at
 # Llama-3.2-1B batch 64 (the kernel with its kernel table, then XLA's timing line) and at
 # Llama-3.1-8B batch 1 (both timing lines: 8 (row, kv head) pairs there, their slots split), then
-# both with XLA's command buffers over the while loop. PART=rl (~8 min): GRPO (rl_bench.py, the
+# both with XLA's command buffers over the step's body and over the while loop. PART=rl (~8 min): GRPO (rl_bench.py, the
 # Llama-3.2-1B shape) with each, the kernel again without remat at micro 8, then the PyTorch +
 # transformers anchor (rl_bench_torch.py) in the same call. Without PART: both (over 10 minutes).
 #   PYTHONPATH=. bash benchmarks/gpu_decode_attention.sh          # results in $OUT (default benchmarks/results/)
@@ -20,13 +20,18 @@ if [[ $PART == *decode* ]]; then
         timeout 100 $PY benchmarks/decode_profile.py "$1" --decode-attention "$2" --lean $TINY 2>&1 | grep "^{" \
             | tee -a "$OUT/decode-attention.jsonl"
     done
-    # XLA's command buffers (CUDA graphs) over the decode loop too: its default leaves WHILE out,
-    # so each token's ~15 kernels a layer are launched one by one
-    echo "== decode step, 1b64, both, command buffers over the while loop"
-    for attention in kernel xla; do
-        XLA_FLAGS="${XLA_FLAGS:-} --xla_gpu_enable_command_buffer=FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL,WHILE,CONDITIONAL" \
-            timeout 100 $PY benchmarks/decode_profile.py 1b64 --decode-attention $attention --lean $TINY 2>&1 \
-            | grep "^{" | sed 's/^{/{"command_buffer": "while", /' | tee -a "$OUT/decode-attention.jsonl"
+    # XLA's command buffers (CUDA graphs): "body" adds the cuBLAS gemms on slices of the stacked
+    # weights (DYNAMIC_SLICE_FUSION; without it each gemm ends a graph), "while" the decode loop
+    # itself (XLA's default leaves WHILE out: each token's ~15 kernels a layer launched one by one)
+    echo "== decode step, 1b64, both, command buffers over the step's body / the while loop"
+    body=FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL,DYNAMIC_SLICE_FUSION
+    for buffers in "body $body" "while $body,WHILE,CONDITIONAL"; do
+        set -- $buffers
+        for attention in kernel xla; do
+            XLA_FLAGS="${XLA_FLAGS:-} --xla_gpu_enable_command_buffer=$2" \
+                timeout 100 $PY benchmarks/decode_profile.py 1b64 --decode-attention $attention --lean $TINY 2>&1 \
+                | grep "^{" | sed "s/^{/{\"command_buffer\": \"$1\", /" | tee -a "$OUT/decode-attention.jsonl"
+        done
     done
 fi
 if [[ $PART == *rl* ]]; then
