@@ -3,9 +3,10 @@
 # decode_attention), on one GPU (H100 / H200). PART=decode (~5 min): decode_profile.py at
 # Llama-3.2-1B batch 64 (the kernel with its kernel table, then XLA's timing line) and at
 # Llama-3.1-8B batch 1 (both timing lines: 8 (row, kv head) pairs there, their slots split), then
-# both with XLA's command buffers over the step's body and over the while loop. PART=rl (~8 min): GRPO (rl_bench.py, the
-# Llama-3.2-1B shape) with each, the kernel again without remat at micro 8, then the PyTorch +
-# transformers anchor (rl_bench_torch.py) in the same call. Without PART: both (over 10 minutes).
+# both with XLA's command buffers over the step's body and over the while loop. PART=rl (~9 min): GRPO (rl_bench.py, the
+# Llama-3.2-1B shape) with the kernel, then one change at a time (whole rows in the log-prob passes,
+# XLA's attention, no remat at micro 8), then the PyTorch + transformers anchor (rl_bench_torch.py)
+# in the same call. Without PART: both (over 10 minutes).
 #   PYTHONPATH=. bash benchmarks/gpu_decode_attention.sh          # results in $OUT (default benchmarks/results/)
 #   SMOKE=1 PYTHONPATH=. bash benchmarks/gpu_decode_attention.sh  # CPU, tiny shapes: does it run?
 . "$(dirname "$0")/pair.sh"  # PY, OUT, TINY
@@ -35,16 +36,13 @@ if [[ $PART == *decode* ]]; then
     done
 fi
 if [[ $PART == *rl* ]]; then
-    for attention in kernel xla; do
-        echo "== GRPO, decode_attention $attention"
-        timeout 150 $PY benchmarks/rl_bench.py --model llama-3.2-1b --decode-attention $attention $TINY 2>&1 \
+    # the default (each prompt run once per group in the log-prob passes), then one change at a time
+    for flags in "--decode-attention kernel" "--decode-attention kernel --whole-rows" "--decode-attention xla" \
+                 "--decode-attention kernel --remat none --micro 8"; do
+        echo "== GRPO, $flags"
+        timeout 140 $PY benchmarks/rl_bench.py --model llama-3.2-1b $flags $TINY 2>&1 \
             | grep '^{"framework"' | tee -a "$OUT/rl-decode-attention.jsonl"
     done
-    # the training half without remat (full remat recomputes every layer: 8N a token, not 6N), at
-    # half the micro-batch so that the kept activations fit
-    echo "== GRPO, decode_attention kernel, remat none, micro 8"
-    timeout 150 $PY benchmarks/rl_bench.py --model llama-3.2-1b --decode-attention kernel --remat none --micro 8 \
-        $TINY 2>&1 | grep '^{"framework"' | tee -a "$OUT/rl-decode-attention.jsonl"
     echo "== GRPO, PyTorch + transformers"
     timeout 150 $PY benchmarks/rl_bench_torch.py --model llama-3.2-1b $TINY 2>&1 | grep '^{"framework"' \
         | tee -a "$OUT/rl-decode-attention.jsonl"

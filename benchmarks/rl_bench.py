@@ -83,9 +83,9 @@ def run(name: str, args) -> dict:
     # bf16 compute, as the config (and the PyTorch anchor): the module computes in its own dtype
     engine = zerojax.shard(lambda: Llama(config, rngs=nnx.Rngs(0), dtype=jnp.bfloat16,
                                          remat_policy=None if args.remat == "none" else args.remat),
-                           cfg, loss_fn=make_grpo_loss(kl_coef=KL))
+                           cfg, loss_fn=make_grpo_loss(kl_coef=KL, group=None if args.whole_rows else GROUP))
     options = RolloutOptions(group=GROUP, temperature=1.0, kl_coef=KL, reference="copy", ignore_eos=True,
-                             decode_attention=args.decode_attention)
+                             decode_attention=args.decode_attention, shared_prompt=not args.whole_rows)
     rollouts = RolloutBatches(engine, data, even_fraction, options, seed=0, num_steps=1 + args.steps)
     began = None
     for i, batch in enumerate(rollouts):
@@ -106,7 +106,8 @@ def run(name: str, args) -> dict:
     train = wall - gen
     return {"framework": "zerojax", "model": "tiny" if args.tiny else name, "group": GROUP, "prompts": n,
             "prompt_len": plen, "new_tokens": new, "steps": args.steps,
-            "micro": micro, "remat": args.remat, "decode_attention": args.decode_attention, "seconds": round(wall, 3),
+            "micro": micro, "remat": args.remat, "decode_attention": args.decode_attention,
+            "shared_prompt": not args.whole_rows, "seconds": round(wall, 3),
             "samples_per_s": round(rows * args.steps / wall, 2), "generate_s": round(gen, 3),
             "train_s": round(train, 3), "generate_call_s": round(generate_call, 3),
             "generate_share": round(gen / wall, 3),
@@ -133,6 +134,8 @@ def main(argv=None):
 
     p.add_argument("--decode-attention", default="xla", choices=DECODE_ATTENTIONS, help="generate's option "
                    "(default xla)")
+    p.add_argument("--whole-rows", action="store_true", help="run every row's prompt through the model (the "
+                   "rollouts' shared_prompt off, the loss without group=)")
     p.add_argument("--tiny", action="store_true", help="tiny shapes, for a CPU smoke test")
     args = p.parse_args(argv)
     results = []

@@ -158,7 +158,8 @@ def _grpo_loss(options):
     from zerojax.methods.grpo import make_grpo_loss
 
     return make_grpo_loss(**{k: options[k] for k in ("eps_low", "eps_high", "kl_coef", "loss_level", "iterations",
-                                                     "temperature")})
+                                                     "temperature")},
+                          group=options["group"] if options["shared_prompt"] else None)
 
 
 def _reward(options):
@@ -203,7 +204,8 @@ register(Method(
              "top_p": None, "top_k": None, "stop": [], "ignore_eos": False, "scale_std": True,
              "drop_zero_variance": False,
              "max_refills": 4, "loss_level": "sequence", "kl_coef": 0.04, "reference": "auto", "iterations": 1,
-             "adv_eps": 1e-4, "eps_low": 0.2, "eps_high": 0.2, "decode_attention": "xla"}))
+             "adv_eps": 1e-4, "eps_low": 0.2, "eps_high": 0.2, "decode_attention": "xla",
+             "shared_prompt": True}))
 
 
 def _ppo_loss(options):

@@ -76,14 +76,20 @@ def policy_loss(logps, old_logps, ref_logps, advantages, mask, *, eps_low: float
 
 
 def make_grpo_loss(*, eps_low: float = 0.2, eps_high: float = 0.2, kl_coef: float = 0.04,
-                   loss_level: str = "sequence", iterations: int = 1, temperature: float = 1.0):
+                   loss_level: str = "sequence", iterations: int = 1, temperature: float = 1.0,
+                   group: int | None = None):
     """-> `loss_fn(model, batch) -> (loss, metrics)` for `zerojax.shard`, on `RolloutBatches`'
     batches ("input_ids", "prompt_lengths", "completion_mask", "advantages", "old_logps" (read
-    where iterations > 1), "ref_logps" (read where kl_coef > 0), "token_weights")."""
+    where iterations > 1), "ref_logps" (read where kl_coef > 0), "token_weights"). group: the
+    rollouts' completions per prompt, their rows consecutive: each prompt then runs through the
+    model once per group, not once per row (`zerojax.methods.shared_prompt`; same loss). None: every
+    row whole."""
     check_options(eps_low, eps_high, kl_coef, loss_level)
+    if group is not None and (isinstance(group, bool) or not isinstance(group, int) or group < 1):
+        raise ValueError(f"group={group!r}: completions per prompt, an int >= 1 (or None)")
 
     def loss_fn(model, batch):
-        logps = completion_logps(model, batch, temperature=temperature or 1.0)
+        logps = completion_logps(model, batch, temperature=temperature or 1.0, group=group)
         old = batch["old_logps"] if iterations > 1 else jax.lax.stop_gradient(logps)
         return policy_loss(logps, old, batch["ref_logps"] if kl_coef else None, batch["advantages"],
                            batch["completion_mask"], eps_low=eps_low, eps_high=eps_high, kl_coef=kl_coef,

@@ -71,7 +71,7 @@ def completion_hidden_states(model, batch):
     return jnp.take_along_axis(hidden_states(model, {"input_ids": ids}), at[..., None], axis=1), at
 
 
-def completion_logps(model, batch, *, temperature: float = 1.0):
+def completion_logps(model, batch, *, temperature: float = 1.0, group: int | None = None):
     """Per-token log-probs [B, C] fp32 of each row's completion (RL's rollouts, `zerojax.rl`).
 
     batch: "input_ids" [B, T] (each row: its prompt from position 0, then its completion, then
@@ -79,7 +79,14 @@ def completion_logps(model, batch, *, temperature: float = 1.0):
     "prompt_lengths" int32 [B], and the completion length C from "completion_mask" [B, C] (where
     0, the value is 0). Only the C positions that predict a completion token go through the LM
     head (gathered from the hidden states per row): the prompt's logits are never formed.
-    temperature: the logits divided by it first, as the tokens were sampled (TRL's rule)."""
+    temperature: the logits divided by it first, as the tokens were sampled (TRL's rule).
+    group: rows come in groups of `group` consecutive rows sharing one prompt (GRPO's rollouts):
+    each prompt then runs once per group where the model allows
+    (`zerojax.methods.shared_prompt`), with the same result."""
+    from zerojax.methods.shared_prompt import completion_logps_shared, shared_prompt_runs
+
+    if shared_prompt_runs(model, batch["input_ids"].shape[0], group):
+        return completion_logps_shared(model, batch, group=group, temperature=temperature)
     ids = jnp.asarray(batch["input_ids"])
     mask = jnp.asarray(batch["completion_mask"])
     x, at = completion_hidden_states(model, batch)

@@ -49,17 +49,18 @@ def pick_reference(engine, reference: str, kl_coef: float) -> str:
 
 class EnginePolicy:
     """`logps(batch)` / `ref_logps(batch)` -> fp32 numpy [B, C] (`completion_logps` on the
-    engine's current weights / on the reference)."""
+    engine's current weights / on the reference; group: rows in groups sharing a prompt, each
+    prompt run once per group)."""
 
-    def __init__(self, engine, *, temperature: float = 1.0, reference: str = "none"):
+    def __init__(self, engine, *, temperature: float = 1.0, reference: str = "none", group: int | None = None):
         from zerojax.generation.decoder import EngineSource
         from zerojax.sharding import partition
 
         self.engine, self.reference = engine, reference
         self._rows = NamedSharding(engine.mesh, P(partition.DATA))
         source = EngineSource(engine.step_settings)
-        self._run = jax.jit(functools.partial(_logps, source, temperature, False))
-        self._run_ref = jax.jit(functools.partial(_logps, source, temperature, reference == "adapters_off"))
+        self._run = jax.jit(functools.partial(_logps, source, temperature, group, False))
+        self._run_ref = jax.jit(functools.partial(_logps, source, temperature, group, reference == "adapters_off"))
         self._frozen = None
         if reference == "copy":  # the starting weights, where they live
             weights = (engine.state.params, engine.state.rest)
@@ -82,12 +83,12 @@ class EnginePolicy:
         return np.asarray(self._run_ref(weights, self._place(batch)), np.float32)
 
 
-def _logps(source, temperature, adapters_off, weights, batch):
+def _logps(source, temperature, group, adapters_off, weights, batch):
     from zerojax import lora
 
     model = source.model(weights)
     with lora.adapters_disabled(model) if adapters_off else contextlib.nullcontext():
-        return completion_logps(model, batch, temperature=temperature)
+        return completion_logps(model, batch, temperature=temperature, group=group)
 
 
 __all__ = ["EnginePolicy", "pick_reference", "is_lora", "REFERENCES"]

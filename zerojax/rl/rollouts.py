@@ -49,7 +49,10 @@ class RolloutOptions:
     DAPO); kl_coef: the KL term's weight (0: no reference pass); reference: "auto",
     "adapters_off", "copy", "none" (`zerojax.rl.policy`); iterations: optimizer steps per
     rollout (mu; > 1 computes the old policy's log-probs); adv_eps: the std's eps;
-    decode_attention: generation's (`zerojax.generation.decoder.DECODE_ATTENTIONS`)."""
+    decode_attention: generation's (`zerojax.generation.decoder.DECODE_ATTENTIONS`); shared_prompt:
+    the log-prob passes run each prompt once per group, not once per row
+    (`zerojax.methods.shared_prompt`: same numbers, fewer FLOPs; the loss takes it as
+    `make_grpo_loss(group=)`)."""
 
     group: int = 8
     max_new_tokens: int | None = None
@@ -67,6 +70,7 @@ class RolloutOptions:
     iterations: int = 1
     adv_eps: float = 1e-4
     decode_attention: str = "xla"
+    shared_prompt: bool = True
     min_group: ClassVar[int] = 2  # GRPO compares a prompt's completions
 
     @classmethod
@@ -92,6 +96,8 @@ class RolloutOptions:
         if self.iterations < 1:
             raise ValueError(f"iterations={self.iterations}: optimizer steps per rollout, >= 1")
         check_decode_attention_choice(self.decode_attention)
+        if not isinstance(self.shared_prompt, bool):
+            raise ValueError(f"shared_prompt={self.shared_prompt!r}: true or false")
 
 
 class RolloutBatches:
@@ -110,7 +116,8 @@ class RolloutBatches:
         self.tokenizer = tokenizer if tokenizer is not None else data.tokenizer
         self.max_new_tokens = o.max_new_tokens or data.completion_len
         self.reference = pick_reference(engine, o.reference, o.kl_coef)
-        self.policy = EnginePolicy(engine, temperature=o.temperature or 1.0, reference=self.reference)
+        self.policy = EnginePolicy(engine, temperature=o.temperature or 1.0, reference=self.reference,
+                                   group=o.group if o.shared_prompt else None)
         self.step, self.end = int(start_step), None if num_steps is None else int(start_step) + int(num_steps)
         self.metrics: dict = {}
         self.history: list[dict] = []
