@@ -80,6 +80,26 @@ def test_decode_kernel_greedy_equals_transformers(mistral_16):
         assert tokens == _hf_greedy(hf, prompt)
 
 
+def test_repeated_prompts_prefill_once(mistral_16, monkeypatch):
+    """A prompt asked for several times goes through the prefill once (its cache copied to its
+    rows): greedy tokens still equal transformers' for every row; sampled, each copy draws its own
+    tokens from the first one on."""
+    from zerojax.generation import decoder
+
+    hf, ours = mistral_16
+    prefilled, real = [], decoder.prefill
+    monkeypatch.setattr(decoder, "prefill",
+                        lambda w, ids, *a, **k: prefilled.append(ids.shape[0]) or real(w, ids, *a, **k))
+    a, b = _prompts(hf.config.vocab_size, lengths=(7, 3))
+    prompts = [a, b, a, a, b]
+    got = zerojax.generate(ours, prompts, max_new_tokens=NEW)
+    assert prefilled == [2]  # the batch bucket of the 2 distinct prompts, not of 5 rows
+    want = {len(p): _hf_greedy(hf, p) for p in (a, b)}
+    assert got.tokens == [want[len(p)] for p in prompts]
+    sampled = zerojax.generate(ours, [a] * 16, max_new_tokens=3, temperature=1.0, ignore_eos=True, seed=4)
+    assert prefilled[-1] == 1 and len({t[0] for t in sampled.tokens}) > 1
+
+
 def test_prefill_in_pieces_greedy_equals_transformers(mistral_16, monkeypatch):
     """A prompt bucket whose attention scores pass `PREFILL_SCORES_BYTES` goes through the layers a
     piece at a time (here pieces of 16 slots of a 64-slot bucket, the window crossing them): the

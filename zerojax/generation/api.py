@@ -143,18 +143,22 @@ def generate(model_or_engine, prompts, *, max_new_tokens: int = 64, temperature:
                          f"exceeds this model's {geometry.max_positions} learned positions")
     kernel = decoder.check_decode_attention(decode_attention, geometry, length)
     batch = buckets.batch_bucket(len(rows))
+    distinct, expand = _distinct(rows, batch)
+    prefill_batch = buckets.batch_bucket(len(distinct))
     heads = cache.per_rank(geometry.heads, target.tensor)
-    piece = decoder.prefill_piece(heads, batch, prompt_len)
+    piece = decoder.prefill_piece(heads, prefill_batch, prompt_len)
     nbytes = cache.cache_bytes(geometry, batch, length, target.model.dtype, target.tensor)
     cache.check_cache_fits(nbytes, batch, length, device_free_bytes(target.device),
-                           scores=decoder.prefill_scores_bytes(heads, batch, prompt_len, piece))
+                           scores=decoder.prefill_scores_bytes(heads, prefill_batch, prompt_len, piece))
 
-    ids, pad = buckets.left_pad(rows, prompt_len, batch)
+    ids, pad = buckets.left_pad(distinct, prompt_len, prefill_batch)
     live = np.arange(batch) < len(rows)
     key = jax.random.key(seed)
-    state = decoder.prefill(target.weights, ids, pad, live, values, stop_arr, key, source=target.source,
+    state = decoder.prefill(target.weights, ids, pad, live, values, stop_arr, key, expand, source=target.source,
                             sampler=sampler, length=length, out_len=out_len,
                             piece=None if piece == prompt_len else piece)
+    if expand is not None:
+        pad = pad[expand]
     chunk = STOP_STRING_CHECK_EVERY if stop_strings else max_new_tokens
     cut = [None] * len(rows)  # (tokens kept, text) of rows a stop string ended
     while True:
@@ -168,6 +172,16 @@ def generate(model_or_engine, prompts, *, max_new_tokens: int = 64, temperature:
         if int(state.step) >= max_new_tokens or bool(np.all(np.asarray(state.done))):
             break
     return _result(np.asarray(state.tokens)[:len(rows), :max_new_tokens], stop_ids, cut, tokenizer)
+
+
+def _distinct(rows, batch: int):
+    """(the distinct prompts, in first-seen order; None, or int32 [batch]: each of the batch's rows'
+    index among them, filler rows 0) -> where prompts repeat, the prefill runs each once."""
+    index: dict[tuple, int] = {}
+    of_row = [index.setdefault(tuple(r), len(index)) for r in rows]
+    if len(index) == len(rows):
+        return rows, None
+    return [list(r) for r in index], np.array(of_row + [0] * (batch - len(rows)), np.int32)
 
 
 def _apply_stop_strings(state, tokenizer, stop_strings, cut, n):

@@ -137,12 +137,16 @@ def prefill_scores_bytes(heads: int, batch: int, prompt_len: int, piece: int) ->
 
 @functools.partial(jax.jit, static_argnames=("source", "sampler", "length", "out_len", "piece"),
                    compiler_options=COMPILER_OPTIONS)
-def prefill(weights, ids, pad, live, values: SamplingValues, stop_ids, key, *, source, sampler: Sampler,
-            length: int, out_len: int, piece: int | None = None) -> DecodeState:
+def prefill(weights, ids, pad, live, values: SamplingValues, stop_ids, key, expand=None, *, source,
+            sampler: Sampler, length: int, out_len: int, piece: int | None = None) -> DecodeState:
     """ids [B, P] left-padded (pad [B] padding tokens per row; live [B] False for the batch
     bucket's filler rows, done from the start) -> the state after the first new token: the cache
     [.., length, ..] holding the prompt at slots 0 .. P-1. piece: prompt tokens per pass through
-    the layers (a divisor of P; None: all), each pass attending over the prompt's slots so far."""
+    the layers (a divisor of P; None: all), each pass attending over the prompt's slots so far.
+    expand: None, or int32 [rows]: the state's row r continues prompt row expand[r] (ids / pad are
+    then the distinct prompts', live the state's rows): a prompt asked for several times (GRPO's
+    group) goes through the layers once, its cache copied to its rows, each row sampling its own
+    first token."""
     model = source.model(weights)
     fam = family_of(model)
     g = fam.geometry
@@ -166,6 +170,9 @@ def prefill(weights, ids, pad, live, values: SamplingValues, stop_ids, key, *, s
         x = jnp.zeros_like(fam.embed(ids[:, :1], jnp.zeros((B, 1), jnp.int32)))  # the residual's [B, 1, d]
         x, keys, vals = jax.lax.fori_loop(0, P // piece, lambda i, c: through_layers(i * piece, *c[1:]),
                                           (x, keys, vals))
+    if expand is not None:
+        keys, vals, x, ids, pad = keys[:, expand], vals[:, expand], x[expand], ids[expand], pad[expand]
+        B = expand.shape[0]
     logits = fam.logits(x)[:, 0]
     slots = jnp.arange(P, dtype=jnp.int32)
     seen = jnp.zeros((B, logits.shape[-1] if sampler.penalty else 1), bool)
