@@ -13,11 +13,13 @@ import functools
 import importlib
 
 from flax import nnx
+from jax.ad_checkpoint import checkpoint_name
 
 from zerojax.models import gpt2 as gpt2_mod
 from zerojax.models import llama as llama_mod
 from zerojax.models import registry
-from zerojax.models.gpt2 import adapted_layers, decode_head, unconstrained
+from zerojax.models.attention import DEFAULT_BLOCK, causal_attention
+from zerojax.models.gpt2 import ATTENTION_OUT, adapted_layers, decode_head, resolve_attention, unconstrained
 
 
 @dataclasses.dataclass(frozen=True)
@@ -62,6 +64,18 @@ class Family:
     @property
     def geometry(self) -> Geometry:
         return geometry_of_config(self.model.config)
+
+    def plain_attention(self, q, k, v):
+        """The model's own causal attention over whole rows q [B, T, H, Dh], k / v [B, T, K, Dh]
+        (no cache, no packing): the implementation its training picks (cuDNN on a GPU, XLA on
+        CPU), its window, and its remat name on the output."""
+        m = self.model
+        impl = resolve_attention(getattr(m, "attention_impl", None), m.dtype, q.shape[-1], heads=q.shape[2],
+                                 kv_heads=k.shape[2])
+        o = causal_attention(q, k, v, impl=impl, window=self.geometry.window,
+                             block=getattr(m, "attention_block", DEFAULT_BLOCK))
+        o = self.constrain(o, ("batch", "seq", "heads", "head_dim"))
+        return o if impl == "cudnn" else checkpoint_name(o, ATTENTION_OUT)  # as the models' blocks name it
 
     def logits(self, x):
         """fp32 logits [B, T, padded vocab] of the residual stream (padding columns -inf), the

@@ -7,14 +7,15 @@ states do not depend on what follows it, so the `group` rows of one prompt compu
 activations `group` times over. Here each layer runs two streams:
 
 - the prompts, one row per group [groups, P], causal among themselves;
-- the completions [rows, C], each attending over its group's prompt keys / values (repeated to its
-  rows) and its own earlier tokens.
+- the completions [rows, C], each attending over its group's prompt keys / values and its own
+  earlier tokens: the model's own attention over the whole rows, laid out again from both streams
+  (the prompt's queries are attended again; the projections and the MLP are not).
 
 The result equals `logprobs.completion_logps` on the whole rows (the same per-layer pieces:
 the decoder's `Family`, built from the model's own layer code); the gradient too, since the
 prompt's keys and values reach every row of its group and autodiff sums their cotangents. What
 it saves: at GRPO's group 8 with prompts as long as completions, 7 of every 16 token-layers of
-the forward and backward passes (Prefix Grouper, Liu et al. 2025, computes GRPO this way).
+the forward and backward passes (the Prefix Grouper paper, 2025, computes GRPO this way).
 
 Rows of a group are consecutive (`zerojax.rl.RolloutBatches` packs them so). The models the
 decoder runs take it (`zerojax.generation.families`); any other model, an engine's own layer scan
@@ -22,10 +23,8 @@ decoder runs take it (`zerojax.generation.families`); any other model, an engine
 """
 from __future__ import annotations
 
-import jax
 import jax.numpy as jnp
 
-from zerojax.generation.cache import attend
 from zerojax.models.gpt2 import run_layers, token_nll
 
 
@@ -59,36 +58,35 @@ def completion_logps_shared(model, batch, *, group: int, temperature: float = 1.
     B, T = ids.shape
     C = mask.shape[-1]
     P, groups = T - C, B // group
-    window = fam.geometry.window
 
-    prompt_ids, prompt_len = ids[::group, :P], plen[::group]
-    at = jnp.clip(plen[:, None] + jnp.arange(C, dtype=jnp.int32)[None], 0, T - 1)
+    prompt_ids = ids[::group, :P]
+    at = jnp.clip(plen[:, None] + jnp.arange(C, dtype=jnp.int32)[None], 0, T - 1)  # the completion's slots
     completion_ids = jnp.take_along_axis(ids, at, axis=1)
     pos_p = jnp.broadcast_to(jnp.arange(P, dtype=jnp.int32), (groups, P))
     pos_c = plen[:, None] + jnp.arange(C, dtype=jnp.int32)[None]
+    # a whole row laid out again from the two streams: slot j < plen its group's prompt slot j,
+    # plen <= j < plen + C its completion's slot j - plen (beyond: never a query that is read)
+    slot = jnp.arange(T, dtype=jnp.int32)[None]
+    from_prompt = (slot < plen[:, None])[..., None, None]
+    prompt_slot = jnp.broadcast_to(jnp.minimum(slot, P - 1), (B, T))[..., None, None]
+    completion_slot = jnp.clip(slot - plen[:, None], 0, C - 1)[..., None, None]
+    row_group = jnp.arange(B) // group
 
-    def visible(q_pos, k_pos, k_real):
-        """bool [rows, 1, Tq, Tk]: causal by position, the key real, inside the window."""
-        see = k_real[:, None, :] & (k_pos[:, None, :] <= q_pos[:, :, None])
-        if window is not None:
-            see &= q_pos[:, :, None] - k_pos[:, None, :] < window
-        return see[:, None]
-
-    # the prompt's padding (positions >= its length) comes after its real tokens: causality hides it
-    # from them; the completions must not see it
-    mask_p = visible(pos_p, pos_p, jnp.ones((groups, P), bool))
-    k_pos = jnp.concatenate([jnp.broadcast_to(jnp.arange(P, dtype=jnp.int32), (B, P)), pos_c], axis=1)
-    k_real = jnp.concatenate([jnp.arange(P)[None] < plen[:, None], jnp.ones((B, C), bool)], axis=1)
-    mask_c = visible(pos_c, k_pos, k_real)
+    def whole_rows(prompt_part, completion_part):
+        """[groups, P, n, Dh] and [B, C, n, Dh] -> the rows' [B, T, n, Dh]."""
+        return jnp.where(from_prompt, jnp.take_along_axis(prompt_part[row_group], prompt_slot, axis=1),
+                         jnp.take_along_axis(completion_part, completion_slot, axis=1))
 
     def layer(carry, p):
         x_p, x_c = carry
-        q_p, k_p, v_p = fam.attention_inputs(x_p, p, pos_p)  # q [G, P, H, Dh], k / v [G, P, K, Dh]
+        q_p, k_p, v_p = fam.attention_inputs(x_p, p, pos_p)  # q [groups, P, H, Dh], k / v [groups, P, K, Dh]
         q_c, k_c, v_c = fam.attention_inputs(x_c, p, pos_c)
-        o_p = attend(q_p, k_p.swapaxes(1, 2), v_p.swapaxes(1, 2), mask_p)
-        keys = jnp.concatenate([jnp.repeat(k_p, group, axis=0), k_c], axis=1).swapaxes(1, 2)
-        values = jnp.concatenate([jnp.repeat(v_p, group, axis=0), v_c], axis=1).swapaxes(1, 2)
-        o_c = attend(q_c, keys, values, mask_c)
+        o_p = fam.plain_attention(q_p, k_p, v_p)  # the prompt's padding comes after it: causality hides it
+        # the completions: the model's attention over whole rows, as the plain path runs it (the
+        # prompt's queries again too: attention is the small part; the projections and the MLP,
+        # the large part, ran once per group above)
+        o = fam.plain_attention(whole_rows(q_p, q_c), whole_rows(k_p, k_c), whole_rows(v_p, v_c))
+        o_c = jnp.take_along_axis(o, at[..., None, None], axis=1)
         return fam.after_attention(x_p, o_p, p), fam.after_attention(x_c, o_c, p)
 
     body, layers, fetch = fam.layers(layer)
