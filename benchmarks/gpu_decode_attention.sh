@@ -5,8 +5,8 @@
 # Llama-3.1-8B batch 1 (both timing lines: 8 (row, kv head) pairs there, their slots split), then
 # both with XLA's command buffers over the step's body and over the while loop. PART=rl (~9 min): GRPO (rl_bench.py, the
 # Llama-3.2-1B shape) with the kernel, then one change at a time (whole rows in the log-prob passes,
-# XLA's attention, no remat at micro 8), then the PyTorch + transformers anchor (rl_bench_torch.py)
-# in the same call. Without PART: both (over 10 minutes).
+# XLA's attention, no remat; RL_CASES picks), then the PyTorch + transformers anchor
+# (rl_bench_torch.py) in the same call (NO_ANCHOR=1: not; PART=anchor: it alone). Without PART: both (over 10 minutes).
 #   PYTHONPATH=. bash benchmarks/gpu_decode_attention.sh          # results in $OUT (default benchmarks/results/)
 #   SMOKE=1 PYTHONPATH=. bash benchmarks/gpu_decode_attention.sh  # CPU, tiny shapes: does it run?
 . "$(dirname "$0")/pair.sh"  # PY, OUT, TINY
@@ -35,14 +35,18 @@ if [[ $PART == *decode* ]]; then
         done
     done
 fi
+# GRPO cases, ";" between them: the default (each prompt run once per group in the log-prob passes),
+# then one change at a time (whole rows, XLA's decode attention, no remat)
+RL_CASES=${RL_CASES:-"--decode-attention kernel;--decode-attention kernel --whole-rows;--decode-attention xla;--decode-attention kernel --remat none"}
 if [[ $PART == *rl* ]]; then
-    # the default (each prompt run once per group in the log-prob passes), then one change at a time
-    for flags in "--decode-attention kernel" "--decode-attention kernel --whole-rows" "--decode-attention xla" \
-                 "--decode-attention kernel --remat none --micro 8"; do
+    IFS=';' read -ra cases <<< "$RL_CASES"
+    for flags in "${cases[@]}"; do
         echo "== GRPO, $flags"
         timeout 140 $PY benchmarks/rl_bench.py --model llama-3.2-1b $flags $TINY 2>&1 \
-            | grep '^{"framework"' | tee -a "$OUT/rl-decode-attention.jsonl"
+            | grep -E '^\{"framework"|Error|error:' | tee -a "$OUT/rl-decode-attention.jsonl"
     done
+fi
+if [[ $PART == *anchor* || $PART == *rl* && -z ${NO_ANCHOR:-} ]]; then
     echo "== GRPO, PyTorch + transformers"
     timeout 150 $PY benchmarks/rl_bench_torch.py --model llama-3.2-1b $TINY 2>&1 | grep '^{"framework"' \
         | tee -a "$OUT/rl-decode-attention.jsonl"
