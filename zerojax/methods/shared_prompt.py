@@ -24,8 +24,10 @@ decoder runs take it (`zerojax.generation.families`); any other model, an engine
 from __future__ import annotations
 
 import jax.numpy as jnp
+from jax.ad_checkpoint import checkpoint_name
 
 from zerojax.models.gpt2 import run_layers, token_nll
+from zerojax.models.layer_stack import LAYER_INPUT
 
 
 def shared_prompt_runs(model, rows: int, group: int | None) -> bool:
@@ -78,7 +80,7 @@ def completion_logps_shared(model, batch, *, group: int, temperature: float = 1.
                          jnp.take_along_axis(completion_part, completion_slot, axis=1))
 
     def layer(carry, p):
-        x_p, x_c = carry
+        x_p, x_c = (checkpoint_name(x, LAYER_INPUT) for x in carry)  # as the models' blocks name it (remat)
         q_p, k_p, v_p = fam.attention_inputs(x_p, p, pos_p)  # q [groups, P, H, Dh], k / v [groups, P, K, Dh]
         q_c, k_c, v_c = fam.attention_inputs(x_c, p, pos_c)
         o_p = fam.plain_attention(q_p, k_p, v_p)  # the prompt's padding comes after it: causality hides it
@@ -94,7 +96,7 @@ def completion_logps_shared(model, batch, *, group: int, temperature: float = 1.
                           policy=getattr(model, "remat_policy", None), fetch=fetch, layer_scan=None,
                           n_layer=fam.geometry.layers)
     # completion token t is predicted at the prompt's last position (t = 0), else at completion t - 1
-    last_prompt = x_p[jnp.arange(B) // group, jnp.maximum(plen - 1, 0)][:, None]
+    last_prompt = x_p[row_group, jnp.maximum(plen - 1, 0)][:, None]
     x = model.final_norm(jnp.concatenate([last_prompt, x_c[:, :-1]], axis=1))
     logits = model.padded_logits(x)
     if temperature != 1.0:
