@@ -55,18 +55,19 @@ def test_shared_prompt_equals_whole_rows(name):
     weights = jnp.asarray(batch["completion_mask"]) * jnp.linspace(0.5, 1.5, COMPLETION)
 
     @functools.partial(jax.jit, static_argnums=1)
-    def value_and_grad(state, group):
-        return jax.value_and_grad(
-            lambda s: (completion_logps(nnx.merge(graphdef, s), batch, group=group) * weights).sum())(state)
+    def logps_and_grad(state, group):
+        """(per-token log-probs, the gradient of their weighted sum)."""
+        def weighted(s):
+            logps = completion_logps(nnx.merge(graphdef, s), batch, group=group)
+            return (logps * weights).sum(), logps
 
-    whole = jax.jit(lambda s: completion_logps(nnx.merge(graphdef, s), batch))(state)
-    shared = jax.jit(lambda s: shared_prompt.completion_logps_shared(nnx.merge(graphdef, s), batch,
-                                                                     group=GROUP))(state)
+        (_, logps), grad = jax.value_and_grad(weighted, has_aux=True)(state)
+        return logps, grad
+
+    (whole, g_whole), (shared, g_shared) = logps_and_grad(state, None), logps_and_grad(state, GROUP)
     mask = batch["completion_mask"] != 0
     np.testing.assert_allclose(np.asarray(shared)[mask], np.asarray(whole)[mask], rtol=1e-5, atol=1e-5)
     assert (np.asarray(shared)[~mask] == 0).all()
-    (v_whole, g_whole), (v_shared, g_shared) = value_and_grad(state, None), value_and_grad(state, GROUP)
-    np.testing.assert_allclose(float(v_shared), float(v_whole), rtol=1e-5)
     leaves = jax.tree.leaves(g_whole)
     assert sum(float(jnp.abs(g).sum()) for g in leaves) > 0
     for a, b in zip(leaves, jax.tree.leaves(g_shared)):
@@ -98,7 +99,7 @@ def test_grpo_wires_the_group(monkeypatch):
     for shared, want in ((True, [GROUP]), (False, [])):
         calls.clear()
         loss_fn = grpo.loss(grpo.resolve({"reward": "digit", "group": GROUP, "shared_prompt": shared}))
-        loss_fn(model, batch)
+        jax.eval_shape(loss_fn, model, batch)  # traced, not compiled: which pass it takes is all we ask
         assert calls == want
     with pytest.raises(ValueError, match="shared_prompt='yes'"):
         RolloutOptions(shared_prompt="yes").check(8, 4)
