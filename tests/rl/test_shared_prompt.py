@@ -105,3 +105,21 @@ def test_grpo_wires_the_group(monkeypatch):
         RolloutOptions(shared_prompt="yes").check(8, 4)
     with pytest.raises(ValueError, match="group=0"):
         make_grpo_loss(group=0)
+
+
+def test_rollouts_refuse_a_loss_whose_groups_they_would_split():
+    """The loss's group must divide the rollouts'; and where accumulation interleaves 8 devices'
+    rows into each micro-batch, each device's micro-batch (2 rows here) must hold whole groups (4)."""
+    import zerojax
+    from zerojax.data.rows import ByteTokens
+    from zerojax.rl import RolloutBatches, load_prompts
+
+    digits = load_prompts("digit", ByteTokens(), seq_len=11)
+    engine = zerojax.shard(lambda: Llama(LlamaConfig.named("tiny"), rngs=nnx.Rngs(0)),
+                           {"train_batch_size": 32, "train_micro_batch_size_per_gpu": 2,
+                            "optimizer": {"type": "SGD", "params": {"lr": 0.1}}},
+                           loss_fn=make_grpo_loss(group=4, kl_coef=0.0))
+    with pytest.raises(ValueError, match="rollouts give 2 completions per prompt: give the loss group=2"):
+        RolloutBatches(engine, digits, "digit", RolloutOptions(group=2, kl_coef=0.0))
+    with pytest.raises(ValueError, match="train_micro_batch_size_per_gpu=2 is not a multiple of group=4"):
+        RolloutBatches(engine, digits, "digit", RolloutOptions(group=4, kl_coef=0.0))

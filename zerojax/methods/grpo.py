@@ -96,6 +96,7 @@ def make_grpo_loss(*, eps_low: float = 0.2, eps_high: float = 0.2, kl_coef: floa
                            loss_level=loss_level,
                            token_weights=batch["token_weights"] if loss_level == "token" else None)
 
+    loss_fn.shared_prompt_group = group  # what the rollouts check their batches against
     return loss_fn
 
 

@@ -112,6 +112,7 @@ class RolloutBatches:
         self.engine, self.data, self.seed = engine, data, int(seed)
         self.rows = int(engine.cfg.train_batch_size)
         o.check(self.rows, data.completion_len)
+        check_loss_groups(engine, o.group)
         self.reward = combined(reward)
         self.tokenizer = tokenizer if tokenizer is not None else data.tokenizer
         self.max_new_tokens = o.max_new_tokens or data.completion_len
@@ -220,6 +221,29 @@ class RolloutBatches:
         if self.reference != "none":
             batch["ref_logps"] = self.policy.ref_logps(batch)
         return batch
+
+
+def check_loss_groups(engine, group: int) -> None:
+    """A loss that runs each prompt once per group of consecutive rows
+    (`make_grpo_loss(group=)`, `zerojax.methods.shared_prompt`) must find whole groups there: its
+    group must divide the rollouts', and each device's micro-batch must hold whole groups where the
+    engine interleaves devices' rows into a micro-batch (accumulation over several data-parallel
+    devices; `zerojax.accumulate.split_microbatches`). Else a ValueError in one line."""
+    from zerojax.sharding import partition
+
+    shared = getattr(engine.loss_fn, "shared_prompt_group", None)
+    if not shared or shared < 2:
+        return
+    if group % shared:
+        raise ValueError(f"the loss runs each prompt once per {shared} rows (make_grpo_loss(group={shared})) but the "
+                         f"rollouts give {group} completions per prompt: give the loss group={group}")
+    cfg, n = engine.cfg, partition.data_size(engine.mesh)
+    micro, steps = cfg.train_micro_batch_size_per_gpu, cfg.gradient_accumulation_steps
+    if steps > 1 and n > 1 and micro % shared and (n * micro) % shared == 0:
+        raise ValueError(f"train_micro_batch_size_per_gpu={micro} is not a multiple of group={shared}: with "
+                         f"gradient_accumulation_steps={steps} over {n} data-parallel devices a micro-batch would "
+                         "join parts of different groups, which the loss's shared prompt pass cannot take; give a "
+                         "micro-batch of whole groups, or shared_prompt=false (make_grpo_loss without group)")
 
 
 class _TextTokenizer:
