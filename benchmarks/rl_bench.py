@@ -132,8 +132,8 @@ def main(argv=None):
                    "every activation)")
     from zerojax.generation.decoder import DECODE_ATTENTIONS
 
-    p.add_argument("--decode-attention", default="xla", choices=DECODE_ATTENTIONS, help="generate's option "
-                   "(default xla)")
+    p.add_argument("--decode-attention", default="auto", choices=DECODE_ATTENTIONS, help="generate's option "
+                   "(default auto, the RL methods' default)")
     p.add_argument("--whole-rows", action="store_true", help="run every row's prompt through the model (the "
                    "rollouts' shared_prompt off, the loss without group=)")
     p.add_argument("--tiny", action="store_true", help="tiny shapes, for a CPU smoke test")

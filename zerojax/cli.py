@@ -327,8 +327,9 @@ def _add_generation_flags(p):
     p.add_argument("--stop", action="append", default=None, metavar="TEXT", help="a stop string (repeatable)")
     p.add_argument("--seed", type=int, default=0)
     # zerojax.generation.decoder.DECODE_ATTENTIONS, spelled out: this module imports no jax until a command runs
-    p.add_argument("--decode-attention", choices=("xla", "kernel"), default="xla",
-                   help="a decode step's attention: XLA's products or one fused Pallas kernel (docs/generation.md)")
+    p.add_argument("--decode-attention", choices=("auto", "xla", "kernel"), default="xla",
+                   help="a decode step's attention: XLA's products, one fused Pallas kernel, or auto (the kernel on "
+                   "one GPU where it takes the model's shape; docs/generation.md)")
 
 
 def _add_generate(sub):

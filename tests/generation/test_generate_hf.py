@@ -115,15 +115,27 @@ def test_prefill_in_pieces_greedy_equals_transformers(mistral_16, monkeypatch):
         assert tokens == _hf_greedy(hf, prompt)
 
 
-def test_decode_attention_choice_is_checked(mistral_16):
-    """A bad choice, or the kernel on a head_dim it does not take, is one line before anything runs."""
+def test_decode_attention_choice_is_checked(mistral_16, monkeypatch):
+    """A bad choice, or the kernel on a head_dim it does not take, is one line before anything runs;
+    "auto" is the kernel on one GPU where the kernel takes the shape, else XLA."""
+    import jax
     from flax import nnx
 
+    from zerojax.generation import decoder
+    from zerojax.generation.families import geometry_of_config
     from zerojax.models import Llama, LlamaConfig
 
-    with pytest.raises(ValueError, match=r"decode_attention='flash': choose one of \('xla', 'kernel'\)"):
+    with pytest.raises(ValueError, match=r"decode_attention='flash': choose one of \('auto', 'xla', 'kernel'\)"):
         zerojax.generate(mistral_16[1], [3, 4], max_new_tokens=2, decode_attention="flash")
     head_dim_8 = Llama(LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=1,
                                    num_attention_heads=4, num_key_value_heads=2), rngs=nnx.Rngs(0))
     with pytest.raises(ValueError, match="head_dim in 16..256 \\(this model's is 8\\).*decode_attention='xla'"):
         zerojax.generate(head_dim_8, [3, 4], max_new_tokens=2, decode_attention="kernel")
+    # "auto" on this CPU: XLA's products, head_dim 8 or not (no error)
+    assert zerojax.generate(head_dim_8, [3, 4], max_new_tokens=2, decode_attention="auto").tokens
+    g16, g8 = geometry_of_config(mistral_16[1].config), geometry_of_config(head_dim_8.config)
+    assert not decoder.check_decode_attention("auto", g16, 64)
+    monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
+    assert decoder.check_decode_attention("auto", g16, 64)
+    assert not decoder.check_decode_attention("auto", g16, 64, devices=2)  # a mesh would gather the cache whole
+    assert not decoder.check_decode_attention("auto", g8, 64) and not decoder.check_decode_attention("auto", g16, 40)

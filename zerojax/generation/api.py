@@ -45,6 +45,7 @@ class _Target:
     model: object  # the module (or an engine's abstract one): config, dtype
     tensor: int  # tensor-parallel ranks (the cache's kv heads split over them)
     device: object
+    devices: int  # the devices the weights (and the cache) are spread over
 
 
 def _target(model_or_engine) -> _Target:
@@ -57,13 +58,14 @@ def _target(model_or_engine) -> _Target:
         model = nnx.merge(settings.graphdef, settings.param_template, settings.rest_template)
         from zerojax.sharding import partition
         return _Target((eng.state.params, eng.state.rest), decoder.EngineSource(settings), model,
-                       partition.tensor_size(eng.mesh), eng.mesh.devices.flat[0])
+                       partition.tensor_size(eng.mesh), eng.mesh.devices.flat[0], eng.mesh.devices.size)
     if isinstance(model_or_engine, nnx.Module):
         family_class(model_or_engine)  # a clear error for a model without a decoder
         graphdef, state = nnx.split(model_or_engine)
         leaves = jax.tree.leaves(state)
+        devices = {d for x in leaves if isinstance(x, jax.Array) for d in x.devices()}
         device = next((d for x in leaves if isinstance(x, jax.Array) for d in x.devices()), None)
-        return _Target(state, decoder.ModuleSource(graphdef), model_or_engine, 1, device)
+        return _Target(state, decoder.ModuleSource(graphdef), model_or_engine, 1, device, max(len(devices), 1))
     raise TypeError(f"zerojax.generate: a zerojax model (Llama, GPT2) or an Engine, got {type(model_or_engine).__name__}")
 
 
@@ -117,8 +119,9 @@ def generate(model_or_engine, prompts, *, max_new_tokens: int = 64, temperature:
         repetition_penalty: Hugging Face's. seed: the jax.random key's.
     stop: token ids (ints) and / or stop strings; the model's and tokenizer's eos ids always stop a
         row unless ignore_eos.
-    decode_attention: "xla" (two batched products) or "kernel" (one fused Pallas kernel per
-        layer, reading each row's filled slots only; `zerojax.generation.decoder.DECODE_ATTENTIONS`).
+    decode_attention: "xla" (two batched products), "kernel" (one fused Pallas kernel per
+        layer, reading each row's filled slots only) or "auto" (the kernel on one GPU where it
+        takes the model's shape, else XLA; `zerojax.generation.decoder.DECODE_ATTENTIONS`).
     """
     if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:
         raise ValueError(f"max_new_tokens={max_new_tokens!r}: an int >= 1")
@@ -141,7 +144,7 @@ def generate(model_or_engine, prompts, *, max_new_tokens: int = 64, temperature:
     if geometry.max_positions is not None and max(len(r) for r in rows) + max_new_tokens > geometry.max_positions:
         raise ValueError(f"zerojax.generate: prompt + max_new_tokens = {max(len(r) for r in rows) + max_new_tokens} "
                          f"exceeds this model's {geometry.max_positions} learned positions")
-    kernel = decoder.check_decode_attention(decode_attention, geometry, length)
+    kernel = decoder.check_decode_attention(decode_attention, geometry, length, target.devices)
     batch = buckets.batch_bucket(len(rows))
     distinct, expand = _distinct(rows, batch)
     prefill_batch = buckets.batch_bucket(len(distinct))

@@ -186,9 +186,11 @@ def prefill(weights, ids, pad, live, values: SamplingValues, stop_ids, key, expa
 # How a decode step attends over the cache: "xla", XLA's two batched products (`cache.attend`);
 # "kernel", one fused Pallas kernel (`zerojax.generation.decode_attention`) reading each row's
 # visible slots only (Pallas' interpreter off the GPU; over a mesh GSPMD would gather the cache
-# whole for it, as for any custom call). "xla" stays the default until the kernel's GPU timing is
-# taken beside it (benchmarks/decode_profile.py --decode-attention kernel).
-DECODE_ATTENTIONS = ("xla", "kernel")
+# whole for it, as for any custom call); "auto", the kernel on one GPU where it takes the model's
+# shape, else XLA. Measured on an H100 at GRPO's Llama-3.2-1B shape (batch 64, 256 + 256): one
+# generate call 0.528 s with the kernel, 0.639 s with XLA (benchmarks/RESULTS.md); the RL methods
+# default to "auto". generate keeps "xla" until the kernel is timed at Llama-3.1-8B's shapes too.
+DECODE_ATTENTIONS = ("auto", "xla", "kernel")
 
 
 def check_decode_attention_choice(choice) -> None:
@@ -197,15 +199,18 @@ def check_decode_attention_choice(choice) -> None:
         raise ValueError(f"decode_attention={choice!r}: choose one of {DECODE_ATTENTIONS}")
 
 
-def check_decode_attention(choice, geometry, length: int) -> bool:
-    """A decode_attention choice validated for this model and cache -> whether the decode program
-    runs the kernel."""
+def check_decode_attention(choice, geometry, length: int, devices: int = 1) -> bool:
+    """A decode_attention choice validated for this model and cache (over `devices` devices) ->
+    whether the decode program runs the kernel."""
     check_decode_attention_choice(choice)
     if choice == "xla":
         return False
     from zerojax.generation.decode_attention import decode_attention_supported
 
-    if not decode_attention_supported(geometry.head_dim, geometry.heads, geometry.kv_heads, length):
+    supported = decode_attention_supported(geometry.head_dim, geometry.heads, geometry.kv_heads, length)
+    if choice == "auto":
+        return supported and devices == 1 and jax.default_backend() == "gpu"
+    if not supported:
         raise ValueError(f"decode_attention='kernel': the kernel takes a power-of-two head_dim in 16..256 (this "
                          f"model's is {geometry.head_dim}) and a cache length that is a multiple of 16 ({length}); "
                          "use decode_attention='xla'")

@@ -204,7 +204,7 @@ register(Method(
              "top_p": None, "top_k": None, "stop": [], "ignore_eos": False, "scale_std": True,
              "drop_zero_variance": False,
              "max_refills": 4, "loss_level": "sequence", "kl_coef": 0.04, "reference": "auto", "iterations": 1,
-             "adv_eps": 1e-4, "eps_low": 0.2, "eps_high": 0.2, "decode_attention": "xla",
+             "adv_eps": 1e-4, "eps_low": 0.2, "eps_high": 0.2, "decode_attention": "auto",
              "shared_prompt": True}))
 
 
@@ -241,7 +241,7 @@ register(Method(
     options={"reward": None, "reward_weights": None, "group": 1, "max_new_tokens": None, "temperature": 1.0,
              "top_p": None, "top_k": None, "stop": [], "ignore_eos": False, "reference": "auto", "iterations": 1,
              "kl_ctl": 0.1, "clip_reward_value": 5.0, "gamma": 1.0, "lam": 0.95, "cliprange": 0.2,
-             "cliprange_value": 0.2, "critic_lr": None, "critic": None, "decode_attention": "xla"}))
+             "cliprange_value": 0.2, "critic_lr": None, "critic": None, "decode_attention": "auto"}))
 
 
 __all__ = ["Method", "register", "get", "methods"]

@@ -69,7 +69,7 @@ class RolloutOptions:
     reference: str = "auto"
     iterations: int = 1
     adv_eps: float = 1e-4
-    decode_attention: str = "xla"
+    decode_attention: str = "auto"
     shared_prompt: bool = True
     min_group: ClassVar[int] = 2  # GRPO compares a prompt's completions
 
