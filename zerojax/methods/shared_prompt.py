@@ -67,17 +67,20 @@ def completion_logps_shared(model, batch, *, group: int, temperature: float = 1.
     pos_p = jnp.broadcast_to(jnp.arange(P, dtype=jnp.int32), (groups, P))
     pos_c = plen[:, None] + jnp.arange(C, dtype=jnp.int32)[None]
     # a whole row laid out again from the two streams: slot j < plen its group's prompt slot j,
-    # plen <= j < plen + C its completion's slot j - plen (beyond: never a query that is read)
+    # plen <= j < plen + C its completion's slot j - plen (beyond: never a query that is read). The
+    # prompt side is a broadcast and a pad (its backward a sum over the group), the completion side
+    # one gather whose slots outside the completion are filled, not clipped, so that its backward
+    # scatters each cotangent once (a clipped index would gather one slot for a whole prompt)
     slot = jnp.arange(T, dtype=jnp.int32)[None]
     from_prompt = (slot < plen[:, None])[..., None, None]
-    prompt_slot = jnp.broadcast_to(jnp.minimum(slot, P - 1), (B, T))[..., None, None]
-    completion_slot = jnp.clip(slot - plen[:, None], 0, C - 1)[..., None, None]
+    completion_slot = (slot - plen[:, None])[..., None, None]
     row_group = jnp.arange(B) // group
 
     def whole_rows(prompt_part, completion_part):
         """[groups, P, n, Dh] and [B, C, n, Dh] -> the rows' [B, T, n, Dh]."""
-        return jnp.where(from_prompt, jnp.take_along_axis(prompt_part[row_group], prompt_slot, axis=1),
-                         jnp.take_along_axis(completion_part, completion_slot, axis=1))
+        prompts = jnp.pad(jnp.repeat(prompt_part, group, axis=0), ((0, 0), (0, C), (0, 0), (0, 0)))
+        completions = jnp.take_along_axis(completion_part, completion_slot, axis=1, mode="fill", fill_value=0)
+        return jnp.where(from_prompt, prompts, completions)
 
     def layer(carry, p):
         x_p, x_c = (checkpoint_name(x, LAYER_INPUT) for x in carry)  # as the models' blocks name it (remat)
