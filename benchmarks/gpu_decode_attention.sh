@@ -6,7 +6,7 @@
 # both with XLA's command buffers over the step's body and over the while loop. PART=rl (~9 min): GRPO (rl_bench.py, the
 # Llama-3.2-1B shape) with the kernel, then one change at a time (whole rows in the log-prob passes,
 # XLA's attention, no remat; RL_CASES picks), then the PyTorch + transformers anchor
-# (rl_bench_torch.py) in the same call (NO_ANCHOR=1: not; PART=anchor: it alone). Without PART: both (over 10 minutes).
+# (rl_bench_torch.py) in the same call (NO_ANCHOR=1: not; PART=anchor: it alone; ANCHOR_RUNS=N: N times). Without PART: both (over 10 minutes).
 #   PYTHONPATH=. bash benchmarks/gpu_decode_attention.sh          # results in $OUT (default benchmarks/results/)
 #   SMOKE=1 PYTHONPATH=. bash benchmarks/gpu_decode_attention.sh  # CPU, tiny shapes: does it run?
 . "$(dirname "$0")/pair.sh"  # PY, OUT, TINY
@@ -47,7 +47,10 @@ if [[ $PART == *rl* ]]; then
     done
 fi
 if [[ $PART == *anchor* || $PART == *rl* && -z ${NO_ANCHOR:-} ]]; then
-    echo "== GRPO, PyTorch + transformers"
-    timeout 150 $PY benchmarks/rl_bench_torch.py --model llama-3.2-1b $TINY 2>&1 | grep '^{"framework"' \
-        | tee -a "$OUT/rl-decode-attention.jsonl"
+    # ANCHOR_RUNS > 1: its spread in one call (its time is transformers' generate, bound by the host)
+    for _ in $(seq "${ANCHOR_RUNS:-1}"); do
+        echo "== GRPO, PyTorch + transformers"
+        timeout 150 $PY benchmarks/rl_bench_torch.py --model llama-3.2-1b $TINY 2>&1 | grep '^{"framework"' \
+            | tee -a "$OUT/rl-decode-attention.jsonl"
+    done
 fi
