@@ -39,8 +39,10 @@ def shared_prompt_runs(model, rows: int, group: int | None) -> bool:
     family = registry.for_model(model)
     if family is None or family.decoder is None or getattr(model, "layer_scan", None) is not None:
         return False
-    drop = getattr(model, "lora_dropout", None)  # training-mode dropout draws per-token masks of the whole rows
-    return drop is None or drop.deterministic or not drop.rate
+    # training-mode dropout draws per-token masks of the whole rows (and the decoder's Family would
+    # set it deterministic: the model's own state must stay as the engine's step left it)
+    drop = getattr(model, "lora_dropout", None)
+    return drop is None or drop.deterministic
 
 
 def completion_logps_shared(model, batch, *, group: int, temperature: float = 1.0):
