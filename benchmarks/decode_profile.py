@@ -78,7 +78,8 @@ def main(argv=None) -> int:
     model = gb._build(name, tiny)
     r = gb.generation_speed(model, batch, prompt, new, model.config.vocab_size, decode_attention=attention)
     bandwidth, bound_ms, share = gb.hbm_bound(model, tiny, r["decode_step_ms"])
-    print(json.dumps({"shape": shape, "model": name, "decode_attention": attention, "device": jax.devices()[0].device_kind, **r,
+    print(json.dumps({"shape": shape, "model": name, "decode_attention": attention,
+                      "device": jax.devices()[0].device_kind, **r,
                       "copy_gbs": round(bandwidth / 1e9, 1), "hbm_bound_step_ms": round(bound_ms, 3),
                       "hbm_bound_share": share}),
           flush=True)

@@ -63,9 +63,9 @@ def _target(model_or_engine) -> _Target:
         family_class(model_or_engine)  # a clear error for a model without a decoder
         graphdef, state = nnx.split(model_or_engine)
         leaves = jax.tree.leaves(state)
-        devices = {d for x in leaves if isinstance(x, jax.Array) for d in x.devices()}
-        device = next((d for x in leaves if isinstance(x, jax.Array) for d in x.devices()), None)
-        return _Target(state, decoder.ModuleSource(graphdef), model_or_engine, 1, device, max(len(devices), 1))
+        placed = [d for x in leaves if isinstance(x, jax.Array) for d in x.devices()]
+        return _Target(state, decoder.ModuleSource(graphdef), model_or_engine, 1, placed[0] if placed else None,
+                       max(len(set(placed)), 1))
     raise TypeError(f"zerojax.generate: a zerojax model (Llama, GPT2) or an Engine, got {type(model_or_engine).__name__}")
 
 
