@@ -39,6 +39,7 @@ from zerojax import model as contract, offload as O, user_tree
 from zerojax.user_tree import take_layer
 
 from zerojax.checkpoint import engine_io
+from zerojax.checkpoint.finite import first_nonfinite
 from zerojax._jax_compat import is_tracer
 from zerojax.train import memory
 from zerojax.sharding import partition
@@ -51,6 +52,10 @@ from zerojax.precision import MIN_SCALE_ERROR
 from zerojax.train.step import TrainState, pure_dict
 
 logger = logging.getLogger("zerojax")
+
+# fp16 with a static loss scale: this many overflow-skipped steps in a row stop the run (the scale
+# never lowers, so every later step would be skipped too, without a word)
+STATIC_SCALE_PATIENCE = 10
 
 _HOST_KINDS = ("pinned_host", "unpinned_host")
 
@@ -168,6 +173,7 @@ class Engine:
         self._compiled: dict = {}
         self._global_steps = 0
         self._pending = None
+        self._overflow_run = 0  # fp16: consecutive overflow-skipped steps (a static scale never lowers)
         self._last_batch_shapes = None
         self._guarded: set = set()  # batch shapes whose step passed the memory guard
         self._print_time, self._print_tokens = time.perf_counter(), 0
@@ -582,12 +588,24 @@ class Engine:
             self._check(*pending)
 
     def _check(self, step: int, metrics: dict) -> None:
+        if "weights_finite" in metrics and not bool(metrics["weights_finite"]):
+            self._raise_nonfinite_weights(step, metrics)
         if self.fp16:
             if bool(metrics["overflow_at_min"]):
                 raise FloatingPointError(f"step {step}: {MIN_SCALE_ERROR}")
-            return
+            skipped = bool(metrics["skipped"])
+            self._overflow_run = self._overflow_run + 1 if skipped else 0
+            static = float(self.cfg.fp16.loss_scale or 0)
+            if static > 0 and self._overflow_run >= STATIC_SCALE_PATIENCE:
+                raise FloatingPointError(
+                    f"step {step}: fp16 with the static loss scale {static:g} (fp16.loss_scale): the last "
+                    f"{self._overflow_run} steps all overflowed and were skipped, so the weights have not changed "
+                    f"since step {step - self._overflow_run}; lower fp16.loss_scale, or set it to 0 for the "
+                    f"dynamic scale, or train in bf16")
+            if not bool(metrics["nonfinite"]) or skipped:  # an overflow the loss scale handled
+                return
         if bool(metrics["nonfinite"]):
-            dtype = "bf16" if self.compute_dtype == jnp.bfloat16 else "fp32"
+            dtype = {"bfloat16": "bf16", "float16": "fp16"}.get(jnp.dtype(self.compute_dtype).name, "fp32")
             raise FloatingPointError(
                 f"step {step}: the loss or gradients are not finite (loss={float(metrics['loss'])}, "
                 f"grad_norm={float(metrics['grad_norm'])}) under {dtype}; the update was skipped, so "
@@ -595,6 +613,16 @@ class Engine:
                 f"high (lr={float(metrics['lr']):g}; add warmup or lower it), no gradient_clipping, "
                 f"inf/NaN in the batch, or values beyond the compute dtype's range (fp16 tops out at "
                 f"65504: prefer bf16)")
+
+    def _raise_nonfinite_weights(self, step: int, metrics: dict) -> None:
+        """Step `step` wrote inf / NaN weights from a finite loss and gradients: stop with the cause."""
+        leaf = first_nonfinite(self.state.params)  # the next step's, already dispatched: as poisoned
+        raise FloatingPointError(
+            f"step {step}: the update made the weights non-finite ({leaf or 'a parameter'} first) from a finite "
+            f"loss ({float(metrics['loss']):.4g}) and gradient norm ({float(metrics['grad_norm']):.4g}) at "
+            f"lr={float(metrics['lr']):g}, loss scale {float(metrics['loss_scale']):g}. Usual causes: a "
+            f"learning rate beyond float32's range or far too high, Adam's eps 0 (0/0 where a gradient is 0). "
+            f"These weights are never checkpointed")
 
     def _log(self, metrics) -> None:
         now = time.perf_counter()

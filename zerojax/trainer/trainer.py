@@ -18,6 +18,7 @@ from zerojax.trainer.choice import ModelChoice, checkpoint_model, hf_model_type,
 from zerojax.trainer.errors import ConfigMismatch
 from zerojax.trainer.export import export_hf, host_peak_rss
 from zerojax.trainer.flags import parse_args
+from zerojax.trainer.stopping import StopRequest
 from zerojax.trainer.setup import (batch_note, check_lora_resume, engine_options, filled_autos, from_checkpoint,
                                    lora_settings, loss_fn_for, offload_loop_auto, plan_micro_batch, print_run,
                                    requested_options, resolve_mlp_tile, resolve_precision, training_method,
@@ -58,7 +59,34 @@ class Trainer:
         self.hooks.append(Hook(int(every), fn))
 
     def run(self) -> dict:
-        return _run(self)
+        from zerojax.launch.distributed import init_distributed
+
+        init_distributed()  # several processes (zerojax launch, srun, ...): before any device use
+        save = self.args.save
+        if not save:
+            return _run(self)
+        from zerojax.checkpoint import lock
+
+        note = lock.acquire(save)  # one run per folder: before its clean-up of interrupted saves
+        if note:
+            print(note)
+        try:
+            return _run(self)
+        except FloatingPointError as e:  # the step's cause, and where the run's good weights are
+            raise FloatingPointError(f"{e}. {last_good_checkpoint(save)}") from None
+        finally:
+            lock.release(save)
+
+
+def last_good_checkpoint(save_dir) -> str:
+    """Where a stopped run's last good weights are: the tag `latest` names (only finite state is ever
+    written), or that there is none."""
+    from zerojax.checkpoint import files
+
+    tag = files.latest_tag(save_dir)
+    if tag is None:
+        return f"No checkpoint was saved in {save_dir}"
+    return f"The last good checkpoint: {os.path.join(save_dir, tag)} (--resume continues from it)"
 
 
 def main(argv=None, *, prog=None, description=None):
@@ -68,9 +96,6 @@ def main(argv=None, *, prog=None, description=None):
 
 def _run(trainer: Trainer) -> dict:
     args = trainer.args
-    from zerojax.launch.distributed import init_distributed
-
-    init_distributed()  # several processes (zerojax launch, srun, ...): before any device use
     import jax
     import numpy as np
     from flax import nnx
@@ -426,6 +451,7 @@ def _run(trainer: Trainer) -> dict:
     method_keys: list = []
     last_metrics = {}
     began = time.perf_counter()  # the training loop's wall time, compiles included: the closing line's
+    stop, stopped = StopRequest().install(), False  # SIGTERM / Ctrl-C: stop after the step, save, exit 0
     for i, batch in enumerate(bar):
         meter.before_step()
         metrics = engine.train_step(batch)
@@ -442,6 +468,13 @@ def _run(trainer: Trainer) -> dict:
         for hook in hooks:  # counted in this run's steps, the last one always
             if (i + 1) % hook.every == 0 or (last and hook.fn is log_progress):
                 hook.fn(info)
+        if not last and stop.agreed():
+            stopped = True
+            break
+    stop.uninstall()
+    if stopped:
+        bar.close()
+        return stopped_by_signal(stop, engine, args.save, save_all if args.save else None)
     engine.synchronize()
     jax.block_until_ready(engine.state)
     bar.close()
@@ -504,6 +537,20 @@ def _run(trainer: Trainer) -> dict:
     return summary
 
 
+def stopped_by_signal(stop, engine, save_dir, save_all) -> dict:
+    """The loop stopped on a signal after a whole step: save (where the run has a folder), close, one line."""
+    step = engine.global_steps
+    path = save_all() if save_all is not None else None
+    engine.close()
+    if path:
+        print(f"{stop.signal}: stopped after step {step}; checkpoint saved: {path} (--resume continues from it)",
+              flush=True)
+    else:
+        print(f"{stop.signal}: stopped after step {step}; nothing saved (no --save folder)", flush=True)
+    return {"interrupted": stop.signal, "step": step, "checkpoint": path,
+            "exit_status": stop.exit_status(saved=path is not None)}
+
+
 def rollout_times(history: list, rows: int) -> dict:
     """An RL run's split of time over the steps that compiled nothing (the first is left out):
     seconds generating (rollouts, rewards, log-probs) and training, and completions trained a
@@ -551,8 +598,8 @@ def run_cli(argv=None, *, prog=None, description=None) -> int:
     from zerojax.train.monitor import MonitorError
 
     try:
-        main(argv, prog=prog, description=description)
+        summary = main(argv, prog=prog, description=description)
     except (ConfigError, ConfigMismatch, NoPlanFits, DataError, CheckpointError, WillNotFitError,
             HeldMemoryError, FileNotFoundError, FloatingPointError, MonitorError) as e:
         sys.exit(f"error: {e}")
-    return 0
+    return summary.get("exit_status", 0)  # a signal that stopped the run with nothing saved: 128 + its number
