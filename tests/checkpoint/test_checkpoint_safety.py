@@ -243,3 +243,19 @@ def test_sigterm_saves_at_the_step_boundary_and_the_resume_equals_the_uninterrup
     assert signal.getsignal(signal.SIGTERM) is handler  # the loop's handler is gone with the loop
     resumed = trainer.Trainer(parse_args([*TINY, "--steps", "6", *save, "--resume"])).run()
     assert resumed["start_step"] == 3 and resumed["losses"] == straight[3:]
+
+
+def test_ctrl_c_once_asks_the_loop_to_stop_twice_stops_now(capsys):
+    from zerojax.trainer.stopping import StopRequest
+
+    handler = signal.getsignal(signal.SIGINT)
+    stop = StopRequest().install()
+    try:
+        os.kill(os.getpid(), signal.SIGINT)
+        assert stop.signal == "SIGINT" and stop.agreed() and stop.exit_status(saved=False) == 128 + signal.SIGINT
+        assert "SIGINT: stopping after this step (Ctrl-C again stops now)" in capsys.readouterr().err
+        with pytest.raises(KeyboardInterrupt):
+            os.kill(os.getpid(), signal.SIGINT)
+    finally:
+        stop.uninstall()
+    assert signal.getsignal(signal.SIGINT) is handler and stop.exit_status(saved=True) == 0
