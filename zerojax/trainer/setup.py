@@ -188,6 +188,52 @@ def resolve_precision(raw: dict, flag: str | None, device) -> tuple[dict, str, s
     return raw, mode, why
 
 
+def flag_values(args) -> dict:
+    """The config keys the flags the user gave set, dotted key -> (flag, value): a flag left out sets
+    none (its default only fills an "auto")."""
+    given = {}
+    if args.lr is not None:
+        given["optimizer.params.lr"] = given["scheduler.params.warmup_max_lr"] = ("--lr", args.lr)
+    if args.micro_batch not in (None, "auto"):
+        given["train_micro_batch_size_per_gpu"] = ("--micro-batch", args.micro_batch)
+    if args.grad_accum is not None:
+        given["gradient_accumulation_steps"] = ("--grad-accum", args.grad_accum)
+    return given
+
+
+def flags_over_config(raw: dict, given: dict) -> tuple[dict, list[str]]:
+    """The flags the user gave (`flag_values`) over the values the config sets: each key the config
+    sets to another value (not "auto", which the flag only fills) takes the flag's, with a line for
+    the run header naming both; a key the config does not hold is left out (the flag fills it where
+    the config says "auto"). -> (the config dict, the lines)."""
+    raw, said = json.loads(json.dumps(raw)), []
+    for key, (flag, value) in given.items():
+        *parents, name = key.split(".")
+        node = raw
+        for part in parents:
+            node = node.get(part) if isinstance(node, dict) else None
+        if not isinstance(node, dict) or name not in node or node[name] == "auto" or node[name] == value:
+            continue
+        said.append(f"{flag} {value} replaces the config's {key} = {json.dumps(node[name])}")
+        node[name] = value
+    return raw, said
+
+
+def resolved_config_source(args, fill, hidden_size, device) -> tuple[dict, str, str, list[str]]:
+    """The run's config before it is loaded: first validated as written, exactly as
+    `zerojax.load_config` does (what it refuses, this run refuses, before any flag rewrites a key);
+    then the flags the user gave over the values it sets, and precision's `enabled` resolved
+    (`resolve_precision`). -> (config dict, precision, why, header lines for the overridden keys)."""
+    import zerojax
+    from zerojax.config import read_source
+
+    written = read_source(args.config)
+    zerojax.load_config(written, fill=fill, hidden_size=hidden_size, name=args.config)
+    raw, said = flags_over_config(written, flag_values(args))
+    raw, precision, why = resolve_precision(raw, args.precision, device)
+    return raw, precision, why, said
+
+
 def offload_loop_auto(cfg, make_model, seq_len, loss_fn, batch_shapes=None) -> tuple[str, str | None]:
     """No --offload-loop: where the config offloads the optimizer to cpu alone and the device
     reports its memory, "host" if its step fits (compiled first on an abstract engine, holding no
@@ -420,6 +466,20 @@ def warn_replicated(engine, cfg):
               f"partitioned; set it lower in the config (e.g. 0) to partition them")
 
 
+def configured_lr(cfg, lr, why) -> tuple:
+    """The lr the run header shows: the optimizer's as loaded (a value the config sets, where no --lr
+    replaced it, is the one that trains, not the flag's default), and where the schedule's peak key
+    says another, that too."""
+    params = cfg.optimizer.params if cfg.optimizer is not None else {}
+    if isinstance(params.get("lr"), (int, float)) and params["lr"] != lr:
+        lr, why = params["lr"], "the config's optimizer.params.lr"
+    sched = (cfg.scheduler.params if cfg.scheduler is not None else None) or {}
+    for key in ("warmup_max_lr", "cycle_max_lr"):
+        if isinstance(sched.get(key), (int, float)) and sched[key] != lr:
+            why += f"; the schedule peaks at scheduler.params.{key} = {sched[key]:g}"
+    return lr, why
+
+
 def print_run(args, cfg, label, size, steps, schedule_steps, lr, lr_default, precision, precision_why,
                remat, remat_why, seq_len, data, saved, notes, filled=(), lora=None, mlp_tile=None, mlp_tile_why="",
                row_tokens=None):
@@ -432,6 +492,7 @@ def print_run(args, cfg, label, size, steps, schedule_steps, lr, lr_default, pre
         f"{sched['type']} " + ", ".join(f"{k}={v}" for k, v in sorted((sched.get("params") or {}).items())))
     lr_why = ("--lr" if args.lr is not None else "saved with the checkpoint" if "lr" in saved
               else f"default for {'--hf-checkpoint' if args.hf_checkpoint else size}; --lr to change")
+    lr, lr_why = configured_lr(cfg, lr, lr_why)
     sched_why = ("--schedule-steps" if args.schedule_steps is not None else
                  "saved with the checkpoint" if "schedule_steps" in saved else
                  "= --steps" if steps else "unused: no training step")

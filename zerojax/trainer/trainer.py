@@ -20,7 +20,7 @@ from zerojax.trainer.export import export_hf, host_peak_rss
 from zerojax.trainer.flags import parse_args
 from zerojax.trainer.setup import (batch_note, check_lora_resume, engine_options, filled_autos, from_checkpoint,
                                    lora_settings, loss_fn_for, offload_loop_auto, plan_micro_batch, print_run,
-                                   requested_options, resolve_mlp_tile, resolve_precision, training_method,
+                                   requested_options, resolve_mlp_tile, resolved_config_source, training_method,
                                    warn_replicated)
 
 
@@ -85,7 +85,6 @@ def _run(trainer: Trainer) -> dict:
     from zerojax.checkpoint import files as checkpoint_files
     from zerojax.planning.ceiling import ceiling_is_stable, measure_matmul_ceiling
     from zerojax.train.monitor import SpeedMeter
-    from zerojax.config import read_source as read_config
     from zerojax.train.monitor import check_monitors
     from zerojax.precision import compute_dtype
 
@@ -133,7 +132,7 @@ def _run(trainer: Trainer) -> dict:
     micro = args.micro_batch if args.micro_batch not in (None, "auto") else (8 if gpu else 4)
     fill = {
         "train_micro_batch_size_per_gpu": micro,
-        "gradient_accumulation_steps": args.grad_accum,
+        "gradient_accumulation_steps": args.grad_accum or 1,
         "optimizer.params.lr": lr, "optimizer.params.betas": [0.9, 0.999],
         "optimizer.params.eps": 1e-8, "optimizer.params.weight_decay": 0.0,
         "scheduler.params.warmup_min_lr": 0.0, "scheduler.params.warmup_max_lr": lr,
@@ -141,7 +140,8 @@ def _run(trainer: Trainer) -> dict:
         "scheduler.params.total_num_steps": schedule_steps,
         "gradient_clipping": 1.0,
     }
-    raw, precision, precision_why = resolve_precision(read_config(args.config), args.precision, jax.devices()[0])
+    raw, precision, precision_why, replaced = resolved_config_source(args, fill, choice.config.n_embd, jax.devices()[0])
+    notes += replaced
     # hidden_size: the ZeRO bucket / persistence "auto"s as the Hugging Face Trainer fills them
     cfg = zerojax.load_config(raw, fill=fill, hidden_size=choice.config.n_embd, name=args.config)
     if cfg.optimizer is None:
