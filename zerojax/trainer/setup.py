@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import functools
 import json
+import os
 
 from zerojax.trainer.errors import ConfigMismatch, NoPlanFits
 
@@ -445,6 +446,32 @@ def from_checkpoint(name, flag, value, saved, default, notes):
     if name in saved and saved[name] != value:
         notes.append(f"{flag} {value} replaces the checkpoint's {saved[name]}")
     return value
+
+
+def data_source(data_flag) -> str | None:
+    """What a checkpoint records of its run's data: --data as an absolute path where it names a file
+    or folder (a resume from another working folder finds it), else as given (a built-in task's
+    name); None: the embedded corpus."""
+    if data_flag is None:
+        return None
+    return os.path.abspath(data_flag) if os.path.exists(data_flag) else str(data_flag)
+
+
+def resume_data(args, saved: dict, notes: list) -> None:
+    """--resume: the data the checkpoint's run trained on (`data_source`, saved with it) unless
+    --data is given: args.data set to it, with a header line; a --data that differs is a warning
+    naming both. A checkpoint that records none (saved before the record was kept) is left as is."""
+    if "data" not in saved:
+        return
+    was = saved["data"]
+    if args.data is None:
+        if was is not None:
+            args.data = was
+            notes.append(f"data: the checkpoint's run's, {was} (no --data given; --data replaces it)")
+        return
+    if data_source(args.data) != was:
+        print(f"warning: --data {args.data} is not the data this checkpoint trained on "
+              f"({was or 'the embedded corpus'}); the run continues on --data {args.data}", flush=True)
 
 
 def warn_replicated(engine, cfg):

@@ -18,10 +18,10 @@ from zerojax.trainer.choice import ModelChoice, checkpoint_model, hf_model_type,
 from zerojax.trainer.errors import ConfigMismatch
 from zerojax.trainer.export import export_hf, host_peak_rss
 from zerojax.trainer.flags import parse_args
-from zerojax.trainer.setup import (batch_note, check_lora_resume, engine_options, filled_autos, from_checkpoint,
-                                   lora_settings, loss_fn_for, offload_loop_auto, plan_micro_batch, print_run,
-                                   requested_options, resolve_mlp_tile, resolved_config_source, training_method,
-                                   warn_replicated)
+from zerojax.trainer.setup import (batch_note, check_lora_resume, data_source, engine_options, filled_autos,
+                                   from_checkpoint, lora_settings, loss_fn_for, offload_loop_auto, plan_micro_batch,
+                                   print_run, requested_options, resolve_mlp_tile, resolved_config_source,
+                                   resume_data, training_method, warn_replicated)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -106,6 +106,7 @@ def _run(trainer: Trainer) -> dict:
         if not saved:
             notes.append("the checkpoint records no run settings (not saved by this example): "
                          "schedule, lr and seed come from the flags")
+        resume_data(args, saved, notes)  # the run's own data unless --data says otherwise
     schedule_steps = from_checkpoint("schedule_steps", "--schedule-steps", args.schedule_steps, saved,
                                       max(steps, 1), notes)  # steps 0: the schedule is never used
     seed = from_checkpoint("seed", "--seed", args.seed, saved, 0, notes)
@@ -415,7 +416,8 @@ def _run(trainer: Trainer) -> dict:
 
     def client_state():
         return {"gpt2_large_example": {"schedule_steps": schedule_steps, "lr": lr, "seed": seed, "lora": lora_cfg,
-                                       "method": args.method, "method_options": method_opts}}
+                                       "method": args.method, "method_options": method_opts,
+                                       "data": data_source(args.data)}}
 
     hooks = [Hook(10, log_progress)]
     if args.eval_every:
