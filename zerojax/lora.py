@@ -611,6 +611,25 @@ def save_peft(model, out_dir, *, base_model_name_or_path=None) -> str:
     return path
 
 
+def _read_torch_tensors(path: str) -> dict:
+    """A torch `.bin` of tensors (PEFT's older adapter_model.bin) as fp32 numpy arrays, read with
+    weights_only=True whatever the torch version's default (it became True in torch 2.6): a pickle
+    that would build anything but tensors, run code or create a file included, is refused unread."""
+    import pickle
+
+    import torch
+
+    try:
+        state = torch.load(path, map_location="cpu", weights_only=True)
+    except pickle.UnpicklingError as e:
+        why = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise ValueError(f"{path}: refused: not a plain file of tensors (torch.load(weights_only=True): {why}); a .bin "
+                         "is a pickle that may run code when read; give adapter_model.safetensors instead") from None
+    if not isinstance(state, dict) or not all(isinstance(v, torch.Tensor) for v in state.values()):
+        raise ValueError(f"{path}: not a {{name: tensor}} file of adapter weights; give adapter_model.safetensors")
+    return {k: v.float().numpy() for k, v in state.items()}
+
+
 def load_peft(model, adapter_dir, **extras):
     """`model` with the adapters of PEFT's folder `adapter_dir` (adapter_config.json +
     adapter_model.safetensors, or adapter_model.bin): a plain model gets `apply`'d with the
@@ -632,9 +651,7 @@ def load_peft(model, adapter_dir, **extras):
     if os.path.exists(st):
         tensors = load_file(st)
     else:
-        import torch
-        tensors = {k: v.float().numpy() for k, v in torch.load(os.path.join(adapter_dir, "adapter_model.bin"),
-                                                               map_location="cpu").items()}
+        tensors = _read_torch_tensors(os.path.join(adapter_dir, "adapter_model.bin"))
     tensors = {re.sub(r"\.(lora_[AB])\.default\.", r".\1.", k): v for k, v in tensors.items()}
     L = _n_layer(model)
     used = set()

@@ -40,7 +40,8 @@ from zerojax.config._schema import (  # noqa: F401 -- the public names
     REMAT_POLICY_NAMES, REMOVED_TOP_LEVEL_KEYS, REMOVED_ZERO_KEYS, SchedulerConfig, TensorBoardConfig, TensorParallelConfig,
     ThroughputTimerConfig, TimersConfig, TrackioConfig, WandbConfig, ZeroConfig, remat_policy_for)
 from zerojax.config._params import (  # noqa: F401 -- the public names
-    MAX_GRAD_NORM_MSG, OPTIMIZER_PARAMS, Param, SCHEDULER_PARAMS, SUPPORTED_OPTIMIZERS, SUPPORTED_SCHEDULERS,
-    UNSUPPORTED_OPTIMIZERS, canonical_optimizer, check_optimizer_params, check_scheduler_params)
+    FLOAT32_MAX, MAX_GRAD_NORM_MSG, OPTIMIZER_PARAMS, Param, SCHEDULER_PARAMS, SUPPORTED_OPTIMIZERS, SUPPORTED_SCHEDULERS,
+    UNSUPPORTED_OPTIMIZERS, canonical_optimizer, check_optimizer_params, check_scheduler_params,
+    learning_rate_problem)
 from zerojax.config._load import (  # noqa: F401 -- the public names
     auto_keys, hidden_size_fill, load_config, read_source, xla_flags_for)

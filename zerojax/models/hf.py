@@ -26,6 +26,7 @@ import numpy as np
 from flax import nnx
 
 from zerojax.models import registry
+from zerojax.models.local_files import file_in_folder
 from zerojax.models.gpt2 import GPT2, GPT2Config, chunked_gpt2_loss, flops_per_token, gpt2_loss, num_params
 
 _LAYER_KEYS = (  # HF per-layer name -> our path under "h"
@@ -132,17 +133,20 @@ class TensorReader:
         single = os.path.join(self.path, "model.safetensors")
         index = single + ".index.json"
         if os.path.exists(single):
-            files = {"model.safetensors": None}
+            files = {"model.safetensors": single}
         elif os.path.exists(index):
             with open(index) as f:
-                weight_map = json.load(f)["weight_map"]
-            files = {name: None for name in sorted(set(weight_map.values()))}
+                weight_map = json.load(f).get("weight_map")
+            if not isinstance(weight_map, dict):
+                raise ValueError(f"{index}: no \"weight_map\" object (tensor name -> shard file); the index "
+                                 "save_pretrained writes has one")
+            # a shard's name comes from the file: one outside the folder is refused, never opened
+            files = {name: file_in_folder(self.path, name, index) for name in sorted(set(weight_map.values()), key=str)}
         else:
             raise FileNotFoundError(f"no model.safetensors (or model.safetensors.index.json) in {self.path!r}")
         self._handles = {}
         self._where = {}
-        for name in files:
-            full = os.path.join(self.path, name)
+        for name, full in files.items():
             if not os.path.exists(full):
                 raise FileNotFoundError(f"{index}: lists {name!r}, which is not in {self.path!r}")
             handle = safe_open(full, framework="numpy")

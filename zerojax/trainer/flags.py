@@ -15,6 +15,18 @@ from zerojax.arg_types import mlp_tile as _mlp_tile, number as _number
 DEFAULT_CONFIG = os.path.normpath(os.path.join(os.path.dirname(__file__), "..", "..", "configs", "zero2_bf16.json"))
 
 
+def _learning_rate(text):
+    """--lr's value: a number the config's learning-rate keys also accept (finite, >= 0, held by
+    float32: `zerojax.config.learning_rate_problem`); 0 keeps the weights fixed."""
+    from zerojax.config import learning_rate_problem  # no jax: zerojax.config imports none
+
+    value = _number(float)(text)
+    why = learning_rate_problem(value)
+    if why is not None:
+        raise argparse.ArgumentTypeError(f"{text}: {why}")
+    return value
+
+
 def _micro_batch(text):
     return "auto" if text == "auto" else _number(int, 1, note=" (or auto)")(text)
 
@@ -101,13 +113,17 @@ def parse_args(argv=None, *, prog=None, description=None):
     p.add_argument("--seq-len", type=_number(int, 2, note=" (a row of T tokens gives T-1 predictions)"),
                    default=None, help="tokens per row (default 1024; tiny: 128)")
     p.add_argument("--micro-batch", type=_micro_batch, default=None,
-                   help="fills train_micro_batch_size_per_gpu \"auto\": a number, or auto = the largest "
+                   help="fills train_micro_batch_size_per_gpu \"auto\" (a number also replaces a value the config "
+                        "sets; the run header says so): a number, or auto = the largest "
                         "that fits the device (XLA's compiled peak, found before anything is allocated); "
                         "default 8 on a GPU, 4 on CPU")
-    p.add_argument("--grad-accum", type=_number(int, 1), default=1, help="fills gradient_accumulation_steps \"auto\"")
-    p.add_argument("--lr", type=_number(float, 0.0, note=" (as torch.optim.AdamW; 0 keeps the weights fixed)"),
-                   default=None, help="fills optimizer/scheduler lr \"auto\" (default 1e-3 tiny, 3e-4 "
-                                      "others, 1e-4 from --hf-checkpoint; on --resume the checkpoint's)")
+    p.add_argument("--grad-accum", type=_number(int, 1), default=None,
+                   help="fills gradient_accumulation_steps \"auto\" (default 1), and replaces a value the config "
+                        "sets (the run header says so)")
+    p.add_argument("--lr", type=_learning_rate, default=None,
+                   help="the learning rate, >= 0 (0 keeps the weights fixed): fills the optimizer / scheduler lr "
+                        "\"auto\", and replaces a value the config sets there (the run header says so) (default 1e-3 "
+                        "tiny, 3e-4 others, 1e-4 from --hf-checkpoint; on --resume the checkpoint's)")
     # said once for the three flags: what decides the precision (resolve_precision, default_precision)
     precision = p.add_argument_group(
         "precision", "The config decides where it sets fp16 / bf16 enabled: true (a flag asking for another\n"

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import functools
 import json
+import os
 
 from zerojax.trainer.errors import ConfigMismatch, NoPlanFits
 
@@ -186,6 +187,52 @@ def resolve_precision(raw: dict, flag: str | None, device) -> tuple[dict, str, s
         if enabled[m] is not None or m == mode:
             raw[k] = {**raw.get(k, {}), "enabled": m == mode}
     return raw, mode, why
+
+
+def flag_values(args) -> dict:
+    """The config keys the flags the user gave set, dotted key -> (flag, value): a flag left out sets
+    none (its default only fills an "auto")."""
+    given = {}
+    if args.lr is not None:
+        given["optimizer.params.lr"] = given["scheduler.params.warmup_max_lr"] = ("--lr", args.lr)
+    if args.micro_batch not in (None, "auto"):
+        given["train_micro_batch_size_per_gpu"] = ("--micro-batch", args.micro_batch)
+    if args.grad_accum is not None:
+        given["gradient_accumulation_steps"] = ("--grad-accum", args.grad_accum)
+    return given
+
+
+def flags_over_config(raw: dict, given: dict) -> tuple[dict, list[str]]:
+    """The flags the user gave (`flag_values`) over the values the config sets: each key the config
+    sets to another value (not "auto", which the flag only fills) takes the flag's, with a line for
+    the run header naming both; a key the config does not hold is left out (the flag fills it where
+    the config says "auto"). -> (the config dict, the lines)."""
+    raw, said = json.loads(json.dumps(raw)), []
+    for key, (flag, value) in given.items():
+        *parents, name = key.split(".")
+        node = raw
+        for part in parents:
+            node = node.get(part) if isinstance(node, dict) else None
+        if not isinstance(node, dict) or name not in node or node[name] == "auto" or node[name] == value:
+            continue
+        said.append(f"{flag} {value} replaces the config's {key} = {json.dumps(node[name])}")
+        node[name] = value
+    return raw, said
+
+
+def resolved_config_source(args, fill, hidden_size, device) -> tuple[dict, str, str, list[str]]:
+    """The run's config before it is loaded: first validated as written, exactly as
+    `zerojax.load_config` does (what it refuses, this run refuses, before any flag rewrites a key);
+    then the flags the user gave over the values it sets, and precision's `enabled` resolved
+    (`resolve_precision`). -> (config dict, precision, why, header lines for the overridden keys)."""
+    import zerojax
+    from zerojax.config import read_source
+
+    written = read_source(args.config)
+    zerojax.load_config(written, fill=fill, hidden_size=hidden_size, name=args.config)
+    raw, said = flags_over_config(written, flag_values(args))
+    raw, precision, why = resolve_precision(raw, args.precision, device)
+    return raw, precision, why, said
 
 
 def offload_loop_auto(cfg, make_model, seq_len, loss_fn, batch_shapes=None) -> tuple[str, str | None]:
@@ -401,6 +448,32 @@ def from_checkpoint(name, flag, value, saved, default, notes):
     return value
 
 
+def data_source(data_flag) -> str | None:
+    """What a checkpoint records of its run's data: --data as an absolute path where it names a file
+    or folder (a resume from another working folder finds it), else as given (a built-in task's
+    name); None: the embedded corpus."""
+    if data_flag is None:
+        return None
+    return os.path.abspath(data_flag) if os.path.exists(data_flag) else str(data_flag)
+
+
+def resume_data(args, saved: dict, notes: list) -> None:
+    """--resume: the data the checkpoint's run trained on (`data_source`, saved with it) unless
+    --data is given: args.data set to it, with a header line; a --data that differs is a warning
+    naming both. A checkpoint that records none (saved before the record was kept) is left as is."""
+    if "data" not in saved:
+        return
+    was = saved["data"]
+    if args.data is None:
+        if was is not None:
+            args.data = was
+            notes.append(f"data: the checkpoint's run's, {was} (no --data given; --data replaces it)")
+        return
+    if data_source(args.data) != was:
+        print(f"warning: --data {args.data} is not the data this checkpoint trained on "
+              f"({was or 'the embedded corpus'}); the run continues on --data {args.data}", flush=True)
+
+
 def warn_replicated(engine, cfg):
     """Stage 3 keeps leaves under stage3_param_persistence_threshold elements whole on every
     device (DeepSpeed's rule): a small model then is barely partitioned, so say so once."""
@@ -420,6 +493,20 @@ def warn_replicated(engine, cfg):
               f"partitioned; set it lower in the config (e.g. 0) to partition them")
 
 
+def configured_lr(cfg, lr, why) -> tuple:
+    """The lr the run header shows: the optimizer's as loaded (a value the config sets, where no --lr
+    replaced it, is the one that trains, not the flag's default), and where the schedule's peak key
+    says another, that too."""
+    params = cfg.optimizer.params if cfg.optimizer is not None else {}
+    if isinstance(params.get("lr"), (int, float)) and params["lr"] != lr:
+        lr, why = params["lr"], "the config's optimizer.params.lr"
+    sched = (cfg.scheduler.params if cfg.scheduler is not None else None) or {}
+    for key in ("warmup_max_lr", "cycle_max_lr"):
+        if isinstance(sched.get(key), (int, float)) and sched[key] != lr:
+            why += f"; the schedule peaks at scheduler.params.{key} = {sched[key]:g}"
+    return lr, why
+
+
 def print_run(args, cfg, label, size, steps, schedule_steps, lr, lr_default, precision, precision_why,
                remat, remat_why, seq_len, data, saved, notes, filled=(), lora=None, mlp_tile=None, mlp_tile_why="",
                row_tokens=None):
@@ -432,6 +519,7 @@ def print_run(args, cfg, label, size, steps, schedule_steps, lr, lr_default, pre
         f"{sched['type']} " + ", ".join(f"{k}={v}" for k, v in sorted((sched.get("params") or {}).items())))
     lr_why = ("--lr" if args.lr is not None else "saved with the checkpoint" if "lr" in saved
               else f"default for {'--hf-checkpoint' if args.hf_checkpoint else size}; --lr to change")
+    lr, lr_why = configured_lr(cfg, lr, lr_why)
     sched_why = ("--schedule-steps" if args.schedule_steps is not None else
                  "saved with the checkpoint" if "schedule_steps" in saved else
                  "= --steps" if steps else "unused: no training step")

@@ -19,10 +19,10 @@ from zerojax.trainer.errors import ConfigMismatch
 from zerojax.trainer.export import export_hf, host_peak_rss
 from zerojax.trainer.flags import parse_args
 from zerojax.trainer.stopping import StopRequest
-from zerojax.trainer.setup import (batch_note, check_lora_resume, engine_options, filled_autos, from_checkpoint,
-                                   lora_settings, loss_fn_for, offload_loop_auto, plan_micro_batch, print_run,
-                                   requested_options, resolve_mlp_tile, resolve_precision, training_method,
-                                   warn_replicated)
+from zerojax.trainer.setup import (batch_note, check_lora_resume, data_source, engine_options, filled_autos,
+                                   from_checkpoint, lora_settings, loss_fn_for, offload_loop_auto, plan_micro_batch,
+                                   print_run, requested_options, resolve_mlp_tile, resolved_config_source,
+                                   resume_data, training_method, warn_replicated)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -110,7 +110,6 @@ def _run(trainer: Trainer) -> dict:
     from zerojax.checkpoint import files as checkpoint_files
     from zerojax.planning.ceiling import ceiling_is_stable, measure_matmul_ceiling
     from zerojax.train.monitor import SpeedMeter
-    from zerojax.config import read_source as read_config
     from zerojax.train.monitor import check_monitors
     from zerojax.precision import compute_dtype
 
@@ -132,6 +131,7 @@ def _run(trainer: Trainer) -> dict:
         if not saved:
             notes.append("the checkpoint records no run settings (not saved by this example): "
                          "schedule, lr and seed come from the flags")
+        resume_data(args, saved, notes)  # the run's own data unless --data says otherwise
     schedule_steps = from_checkpoint("schedule_steps", "--schedule-steps", args.schedule_steps, saved,
                                       max(steps, 1), notes)  # steps 0: the schedule is never used
     seed = from_checkpoint("seed", "--seed", args.seed, saved, 0, notes)
@@ -158,7 +158,7 @@ def _run(trainer: Trainer) -> dict:
     micro = args.micro_batch if args.micro_batch not in (None, "auto") else (8 if gpu else 4)
     fill = {
         "train_micro_batch_size_per_gpu": micro,
-        "gradient_accumulation_steps": args.grad_accum,
+        "gradient_accumulation_steps": args.grad_accum or 1,
         "optimizer.params.lr": lr, "optimizer.params.betas": [0.9, 0.999],
         "optimizer.params.eps": 1e-8, "optimizer.params.weight_decay": 0.0,
         "scheduler.params.warmup_min_lr": 0.0, "scheduler.params.warmup_max_lr": lr,
@@ -166,7 +166,8 @@ def _run(trainer: Trainer) -> dict:
         "scheduler.params.total_num_steps": schedule_steps,
         "gradient_clipping": 1.0,
     }
-    raw, precision, precision_why = resolve_precision(read_config(args.config), args.precision, jax.devices()[0])
+    raw, precision, precision_why, replaced = resolved_config_source(args, fill, choice.config.n_embd, jax.devices()[0])
+    notes += replaced
     # hidden_size: the ZeRO bucket / persistence "auto"s as the Hugging Face Trainer fills them
     cfg = zerojax.load_config(raw, fill=fill, hidden_size=choice.config.n_embd, name=args.config)
     if cfg.optimizer is None:
@@ -440,7 +441,8 @@ def _run(trainer: Trainer) -> dict:
 
     def client_state():
         return {"gpt2_large_example": {"schedule_steps": schedule_steps, "lr": lr, "seed": seed, "lora": lora_cfg,
-                                       "method": args.method, "method_options": method_opts}}
+                                       "method": args.method, "method_options": method_opts,
+                                       "data": data_source(args.data)}}
 
     hooks = [Hook(10, log_progress)]
     if args.eval_every:
