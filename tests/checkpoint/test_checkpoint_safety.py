@@ -32,14 +32,14 @@ TINY = ["--model", "tiny", "--seq-len", "16", "--micro-batch", "1", "--eval-batc
 
 
 class Spare(nnx.Module):
-    """A linear layer and a parameter the loss never reads: its gradient is exactly 0 at every step."""
+    """A linear layer and a parameter the loss reads times 0: its gradient is exactly 0 at every step."""
 
     def __init__(self, rngs):
         self.lin = nnx.Linear(8, 8, rngs=rngs)
         self.spare = nnx.Param(jnp.ones((8,)))
 
     def __call__(self, x):
-        return self.lin(x)
+        return self.lin(x) + 0.0 * self.spare
 
 
 def mse(model, batch):
@@ -117,16 +117,19 @@ def test_a_flipped_bit_is_found_before_anything_is_read(saved, tmp_path):
 
 def test_nonfinite_weights_stop_the_run_and_are_never_checkpointed(tmp_path):
     """Adam with eps 0 on a parameter whose gradient is 0 makes it 0/0 = NaN from a finite loss and
-    gradient norm: the run stops naming the leaf and the lr, and --keep 1 keeps the good tag."""
+    gradient norm (step 1): the next loss is NaN, and the run stops naming step 1, the leaf and the
+    lr; the state is never saved, and --keep 1 keeps the good tag."""
     d = tmp_path / "ck"
     eng = engine(eps=0.0)
     eng.save_checkpoint(d, keep=1)
     good = listing(d / "global_step0")
-    eng.train_step(batch())
-    with pytest.raises(FloatingPointError, match=r"step 1: the update made the weights non-finite \(\['spare'\]"
-                                                 r".*lr=0\.01, loss scale 1\..*eps 0"):
+    assert np.isfinite(float(eng.train_step(batch(1))["loss"]))
+    eng.train_step(batch(2))
+    with pytest.raises(FloatingPointError, match=r"step 1: the update made the weights non-finite \(\['spare'\] "
+                                                 r"first\) from a finite loss .* at lr=0\.01, loss scale 1, so step 2's "
+                                                 r"loss is not finite.*eps 0"):
         eng.save_checkpoint(d, keep=1)
-    with pytest.raises(NonFiniteState, match=r"step 1 not written: \.params\['spare'\] holds inf or NaN.*"
+    with pytest.raises(NonFiniteState, match=r"step 2 not written: \.params\['spare'\] holds inf or NaN.*"
                                              r"'global_step0', untouched"):
         eng.save_checkpoint(d, keep=1)
     assert files.latest_tag(d) == "global_step0" and checkpoint.list_tags(d) == ["global_step0"]
@@ -232,17 +235,17 @@ def test_sigterm_saves_at_the_step_boundary_and_the_resume_equals_the_uninterrup
     from zerojax.trainer.flags import parse_args
 
     handler = signal.getsignal(signal.SIGTERM)
-    straight = trainer.Trainer(parse_args([*TINY, "--steps", "6"])).run()["losses"]
+    straight = trainer.Trainer(parse_args([*TINY, "--steps", "4"])).run()["losses"]
     save = ["--save", str(tmp_path / "ck")]
-    run = trainer.Trainer(parse_args([*TINY, "--steps", "6", *save]))
-    run.add_hook(3, lambda info: os.kill(os.getpid(), signal.SIGTERM))  # a preemption during step 4's dispatch
+    run = trainer.Trainer(parse_args([*TINY, "--steps", "4", *save]))
+    run.add_hook(2, lambda info: os.kill(os.getpid(), signal.SIGTERM))  # a preemption after step 2
     stopped = run.run()
-    assert stopped == {"interrupted": "SIGTERM", "step": 3, "checkpoint": str(tmp_path / "ck" / "global_step3"),
+    assert stopped == {"interrupted": "SIGTERM", "step": 2, "checkpoint": str(tmp_path / "ck" / "global_step2"),
                        "exit_status": 0}
-    assert "SIGTERM: stopped after step 3; checkpoint saved:" in capsys.readouterr().out
+    assert "SIGTERM: stopped after step 2; checkpoint saved:" in capsys.readouterr().out
     assert signal.getsignal(signal.SIGTERM) is handler  # the loop's handler is gone with the loop
-    resumed = trainer.Trainer(parse_args([*TINY, "--steps", "6", *save, "--resume"])).run()
-    assert resumed["start_step"] == 3 and resumed["losses"] == straight[3:]
+    resumed = trainer.Trainer(parse_args([*TINY, "--steps", "4", *save, "--resume"])).run()
+    assert resumed["start_step"] == 2 and resumed["losses"] == straight[2:]
 
 
 def test_ctrl_c_once_asks_the_loop_to_stop_twice_stops_now(capsys):

@@ -186,7 +186,6 @@ def train_step(settings: StepSettings, state: TrainState, batch):
         # as non-finite gradients, so it is skipped there too (DeepSpeed's overflow path).
         new_master, new_opt = optimizer_update(settings, grads, master, state.opt_state)
         params = _compute_params(settings, new_master)
-        weights_finite = all_finite(params)
         skipped = jnp.asarray(new_opt.skipped, jnp.bool_)
         nonfinite = jnp.logical_not(jnp.isfinite(loss))
     else:
@@ -198,16 +197,13 @@ def train_step(settings: StepSettings, state: TrainState, batch):
         nonfinite = jnp.logical_not(jnp.isfinite(loss) & jnp.isfinite(grad_norm))
         skipped = nonfinite
 
-        # The new weights' finiteness (an lr beyond fp32's range, Adam's eps 0) is read in the
-        # update's branch, where XLA can fuse the reduction into the pass that writes the params.
         def update():
             new_master, new_opt = optimizer_update(settings, grads, master, state.opt_state)
-            params = _compute_params(settings, new_master)
-            return stored_master(settings, new_master), new_opt, params, all_finite(params)
+            return stored_master(settings, new_master), new_opt, _compute_params(settings, new_master)
 
         kept = state.master if settings.split_master else master
-        new_master, new_opt, params, weights_finite = jax.lax.cond(
-            nonfinite, lambda: (kept, state.opt_state, _compute_params(settings, master), jnp.asarray(True)), update)
+        new_master, new_opt, params = jax.lax.cond(
+            nonfinite, lambda: (kept, state.opt_state, _compute_params(settings, master)), update)
     new_state = TrainState(
         params=params,
         master=new_master if state.master is not None else None,
@@ -225,7 +221,6 @@ def train_step(settings: StepSettings, state: TrainState, batch):
         "loss_scale": scale,
         "skipped": skipped,
         "nonfinite": nonfinite,
-        "weights_finite": weights_finite,   # the engine stops the run on False (it never checkpoints them)
     }
     if settings.fp16:
         metrics["overflow_at_min"] = jnp.asarray(new_opt.overflow_at_min, jnp.bool_)
