@@ -211,6 +211,9 @@ def parse_args(argv=None, *, prog=None, description=None):
                    help="per-device TFLOP/s that MFU is reported against (default on a GPU / TPU: the "
                         "matmul ceiling in the run's precision, measured at start, zerojax.planning.ceiling; "
                         "a datasheet peak is never reached; on CPU no MFU is reported without this flag)")
+    # read (and removed) by run_cli before parsing, listed here for --help
+    p.add_argument("--debug", action="store_true",
+                   help="show the Python traceback of an error (default: one error: line, exit status 1)")
     args = p.parse_args(_join_negative_values(list(sys.argv[1:] if argv is None else argv)))
     if args.keep is not None and not args.save:
         p.error("--keep needs --save DIR (the checkpoint folder to prune)")

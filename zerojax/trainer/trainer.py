@@ -543,18 +543,15 @@ def closing_line(summary: dict) -> str:
 
 
 def run_cli(argv=None, *, prog=None, description=None) -> int:
-    """`main` for a command line: an error that names its key, file or step and the fix ends the
-    run with that one line (exit status 1), no traceback."""
-    from zerojax.checkpoint.state import CheckpointError
-    from zerojax.config import ConfigError
-    from zerojax.data.text import DataError
-    from zerojax.planning.memory import HeldMemoryError, WillNotFitError
-    from zerojax.trainer.errors import NoPlanFits
-    from zerojax.train.monitor import MonitorError
+    """`main` for a command line: a user's mistake (an error that names its key, file or step and the
+    fix) ends the run with that one `error:` line (exit status 1), Ctrl-C with one line (130), no
+    traceback; --debug shows it (zerojax.trainer.exits)."""
+    from zerojax.trainer.exits import run_command, split_debug
 
-    try:
+    argv, debug = split_debug(list(sys.argv[1:] if argv is None else argv))
+
+    def train() -> int:
         main(argv, prog=prog, description=description)
-    except (ConfigError, ConfigMismatch, NoPlanFits, DataError, CheckpointError, WillNotFitError,
-            HeldMemoryError, FileNotFoundError, FloatingPointError, MonitorError) as e:
-        sys.exit(f"error: {e}")
-    return 0
+        return 0
+
+    return run_command(train, debug)
