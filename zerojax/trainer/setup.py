@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import functools
 import json
+import math
 import os
 
 from zerojax.trainer.errors import ConfigMismatch, NoPlanFits
@@ -40,6 +41,33 @@ def training_method(args, lora_cfg):
                              "takes a whole model; train the reward model without --lora, or save with --save "
                              "and export later")
     return method, options
+
+
+def check_method(method, options: dict, cfg, data) -> None:
+    """The method's own check of its options against the batch and the data (`Method.check`), refused
+    in one line naming --method; a batch of no whole groups also names the flags that make it one."""
+    if method.check is None:
+        return
+    try:
+        method.check(options, cfg.train_batch_size, data)
+    except ValueError as e:
+        raise ConfigMismatch(f"--method {method.name}: {e}{group_fix(options.get('group'), cfg)}") from None
+
+
+def group_fix(group, cfg) -> str:
+    """Where train_batch_size is not a multiple of `group` (an RL method's completions per prompt): the
+    `zerojax train` flags that make it one, the smallest larger --micro-batch and the largest smaller
+    group (--method-option group=N); "" where it is one."""
+    rows = cfg.train_batch_size
+    if not isinstance(group, int) or group < 1 or rows % group == 0:
+        return ""
+    unit = cfg.gradient_accumulation_steps * cfg.world_size  # rows a micro-batch row becomes
+    step = group // math.gcd(group, unit)
+    micro = -(-cfg.train_micro_batch_size_per_gpu // step) * step
+    fix = (f"; give --micro-batch {micro} (train_batch_size {micro * unit} = {micro} x accumulation "
+           f"{cfg.gradient_accumulation_steps} x {cfg.world_size} data-parallel)")
+    smaller = max((g for g in range(2, group) if rows % g == 0), default=None)
+    return fix + (f", or --method-option group={smaller}" if smaller else "")
 
 
 def resolve_mlp_tile(args, choice, planner_runs: bool):

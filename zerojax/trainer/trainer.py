@@ -18,10 +18,10 @@ from zerojax.trainer.choice import ModelChoice, checkpoint_model, hf_model_type,
 from zerojax.trainer.errors import ConfigMismatch
 from zerojax.trainer.export import export_hf, host_peak_rss
 from zerojax.trainer.flags import parse_args
-from zerojax.trainer.setup import (batch_note, check_lora_resume, data_source, engine_options, filled_autos,
-                                   from_checkpoint, lora_settings, loss_fn_for, offload_loop_auto, plan_micro_batch,
-                                   print_run, requested_options, resolve_mlp_tile, resolved_config_source,
-                                   resume_data, training_method, warn_replicated)
+from zerojax.trainer.setup import (batch_note, check_lora_resume, check_method, data_source, engine_options,
+                                   filled_autos, from_checkpoint, lora_settings, loss_fn_for, offload_loop_auto,
+                                   plan_micro_batch, print_run, requested_options, resolve_mlp_tile,
+                                   resolved_config_source, resume_data, training_method, warn_replicated)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -181,11 +181,7 @@ def _run(trainer: Trainer) -> dict:
     else:
         data = load_method_data(args, method, choice, seq_len, cfg.train_batch_size)
         method_opts = method.resolve(method_opts, data)
-        if method.check is not None:
-            try:
-                method.check(method_opts, cfg.train_batch_size, data)
-            except ValueError as e:
-                raise ConfigMismatch(f"--method {method.name}: {e}") from None
+        check_method(method, method_opts, cfg, data)
     samples = None
     if args.sample_prompts:  # read and tokenized now: a bad file stops the run before anything compiles
         from zerojax.data.rows import run_tokenizer

@@ -1,0 +1,53 @@
+"""What a new user trips on in `zerojax train`, each refused or guided in one line before anything is
+built: the RL batch that is not whole groups names the flags that fix it (and docs/rl.md's command
+runs on one device as written).
+
+References: the group arithmetic itself (train_batch_size = micro-batch x accumulation x devices,
+a multiple of group), `zerojax.rl.rollouts.RolloutOptions`'s default group, the docs' own text.
+"""
+from __future__ import annotations
+
+import os
+import re
+import shlex
+
+from zerojax import cli
+from zerojax.rl.rollouts import RolloutOptions
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+DEVICES = 8  # tests/conftest.py's virtual CPU devices
+
+
+def _doc_commands(name):
+    """The `zerojax ...` commands of a doc's fenced blocks, continuation lines joined, comments dropped."""
+    fenced, inside = [], False
+    with open(os.path.join(REPO, "docs", name)) as f:
+        for line in f:
+            if line.lstrip().startswith("```"):
+                inside = not inside
+            elif inside:
+                fenced.append(line)
+    text = "".join(fenced).replace("\\\n", " ")
+    return [shlex.split(line, comments=True) for line in text.splitlines() if line.strip().startswith("zerojax ")]
+
+
+def test_rl_doc_commands_train_whole_groups_on_one_device():
+    commands = [c for c in _doc_commands("rl.md") if "grpo" in c and "--micro-batch" in c]
+    assert commands
+    for argv in commands:
+        options = dict(argv[i + 1].split("=", 1) for i, a in enumerate(argv) if a == "--method-option")
+        group = int(options.get("group", RolloutOptions.group))
+        micro = int(argv[argv.index("--micro-batch") + 1])
+        assert micro % group == 0, (argv, group)  # one device, no accumulation: train_batch_size = micro
+
+
+def test_a_batch_of_no_whole_groups_names_the_flags_that_fix_it(capsys):
+    argv = ["train", "--model", "tiny-llama", "--method", "grpo", "--data", "digit", "--seq-len", "11",
+            "--micro-batch", "1", "--method-option", "group=3", "--steps", "1"]
+    assert cli.main(argv) == 1
+    err = capsys.readouterr().err
+    assert err.startswith("error: --method grpo: train_batch_size=8 is not a multiple of group=3"), err
+    micro = int(re.search(r"give --micro-batch (\d+)", err).group(1))
+    group = int(re.search(r"--method-option group=(\d+)", err).group(1))
+    assert micro * DEVICES % 3 == 0 and micro > 1 and (micro - 1) * DEVICES % 3  # the smallest that fits
+    assert 1 * DEVICES % group == 0 and 2 <= group < 3
