@@ -7,9 +7,13 @@ a multiple of group), `zerojax.rl.rollouts.RolloutOptions`'s default group, the 
 """
 from __future__ import annotations
 
+import json
+import math
 import os
 import re
 import shlex
+
+import pytest
 
 from zerojax import cli
 from zerojax.rl.rollouts import RolloutOptions
@@ -51,3 +55,22 @@ def test_a_batch_of_no_whole_groups_names_the_flags_that_fix_it(capsys):
     group = int(re.search(r"--method-option group=(\d+)", err).group(1))
     assert micro * DEVICES % 3 == 0 and micro > 1 and (micro - 1) * DEVICES % 3  # the smallest that fits
     assert 1 * DEVICES % group == 0 and 2 <= group < 3
+
+
+def test_dpo_without_lora_takes_the_precomputed_reference(tmp_path):
+    """Full fine-tuning has no adapters to turn off: the reference is the starting model's log-probs,
+    computed once; at the first step the policy is that model, so DPO's loss is ln 2 (Rafailov et al.)."""
+    prefs = tmp_path / "prefs.jsonl"
+    prefs.write_text("".join(json.dumps({"prompt": f"is {i}+{i % 7} even? ", "chosen": "yes", "rejected": "no"}) + "\n"
+                             for i in range(24)))
+    config = tmp_path / "fp32.json"
+    config.write_text(json.dumps({"train_batch_size": "auto", "train_micro_batch_size_per_gpu": "auto",
+                                  "gradient_accumulation_steps": "auto",
+                                  "optimizer": {"type": "AdamW", "params": {"lr": "auto"}}}))
+    out = tmp_path / "summary.json"
+    assert cli.main(["train", "--model", "tiny-llama", "--method", "dpo", "--data", str(prefs), "--config", str(config),
+                     "--seq-len", "24", "--micro-batch", "1", "--steps", "1", "--eval-batches", "0",
+                     "--summary-json", str(out)]) == 0
+    summary = json.loads(out.read_text())
+    assert summary["method_options"]["reference"] == "precomputed" and summary["lora"] is None
+    assert summary["losses"][0] == pytest.approx(math.log(2), abs=1e-5)

@@ -32,6 +32,7 @@ def training_method(args, lora_cfg):
         raise ConfigMismatch(f"--method {args.method}: not a training method; choose sft or "
                              f"{', '.join(methods.methods())}") from None
     options = method_options(args.method_option)  # the user's alone: what the data decides is filled later
+    options = {**method.defaults_for(lora_cfg is not None), **options}  # LoRA or the whole model: DPO's reference
     try:
         method.resolve(options)  # unknown keys refused now
     except ValueError as e:

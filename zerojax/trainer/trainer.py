@@ -292,7 +292,10 @@ def _run(trainer: Trainer) -> dict:
                            f" in {lora_cfg['base_dtype']}"))
     if isinstance(model, nnx.Module):  # read from a folder or quantized on arrival: the method's change now
         model = prepared(model)
-    if method is not None and method.prepare_data is not None:  # e.g. a frozen model's reference log-probs
+    # e.g. a frozen model's reference log-probs: from the model read here, else (drawn on the devices)
+    # from the engine's as built, before a checkpoint loads (the uninterrupted run's starting point)
+    reference_later = method is not None and method.prepare_data is not None and not isinstance(model, nnx.Module)
+    if method is not None and method.prepare_data is not None and not reference_later:
         data = method.prepare_data(data, model, method_opts, cfg.train_batch_size)
     options = engine_options(args, cfg, loop, planned)
     # MFU's denominator: --peak-tflops, else the matmul ceiling in the run's precision, measured
@@ -310,6 +313,8 @@ def _run(trainer: Trainer) -> dict:
             peak_why = f"the {np.dtype(dtype).name} matmul ceiling measured here"
     engine = zerojax.shard(model, cfg, loss_fn=loss_fn, options=options)
     del model
+    if reference_later:
+        data = method.prepare_data(data, engine.model, method_opts, cfg.train_batch_size)
     stats = jax.local_devices()[0].memory_stats() or {}
     if "bytes_in_use" in stats and "bytes_limit" in stats:
         print(f"device memory after building: {stats['bytes_in_use'] / 2**30:.2f} GiB in use of "
