@@ -12,6 +12,7 @@ import math
 import os
 import re
 import shlex
+import sys
 
 import pytest
 
@@ -74,3 +75,25 @@ def test_dpo_without_lora_takes_the_precomputed_reference(tmp_path):
     summary = json.loads(out.read_text())
     assert summary["method_options"]["reference"] == "precomputed" and summary["lora"] is None
     assert summary["losses"][0] == pytest.approx(math.log(2), abs=1e-5)
+
+
+def test_reward_specs_resolve_from_the_working_folder_and_are_checked_before_the_build(tmp_path, monkeypatch, capsys):
+    from zerojax.rl.rewards import resolve
+
+    (tmp_path / "cwd_rewards.py").write_text(
+        "def length(prompts, completions, **fields):\n    return [float(len(c)) for c in completions]\n")
+    monkeypatch.chdir(tmp_path)  # the `zerojax` command's working folder, not on sys.path
+    monkeypatch.delitem(sys.modules, "cwd_rewards", raising=False)
+    try:
+        assert resolve("cwd_rewards:length")(["p", "q"], ["ab", "abcd"]) == [2.0, 4.0]
+        grpo = ["train", "--model", "tiny-llama", "--method", "grpo", "--data", "arithmetic", "--micro-batch", "1",
+                "--steps", "1", "--method-option", "group=8"]
+        assert cli.main([*grpo, "--method-option", "reward=cwd_rewards:lenght"]) == 1  # the module found, a typo in it
+        assert "module 'cwd_rewards' has no attribute 'lenght'" in capsys.readouterr().err
+    finally:
+        sys.modules.pop("cwd_rewards", None)
+    # a field the prompt records do not have: refused before the model is built (no run header)
+    assert cli.main([*grpo, "--method-option", "reward=exact_match:anwser"]) == 1
+    out, err = capsys.readouterr()
+    assert "the prompt records have no 'anwser' field" in err and "did you mean exact_match:answer?" in err
+    assert "run:" not in out

@@ -174,11 +174,15 @@ def _reward(options):
     return combined(options["reward"], options["reward_weights"])
 
 
-def _check_reward_given(name, options):
-    """RL methods: a reward, given or decided by the data (a built-in task's), before anything is built."""
+def _check_reward_given(name, options, data):
+    """RL methods: a reward, given or decided by the data (a built-in task's), that resolves against
+    the prompt records (an exact_match's field among theirs), before anything is built."""
+    from zerojax.rl.rewards import check_specs
+
     if options["reward"] is None:
         raise ValueError(f"method {name!r}: no reward; give --method-option reward=SPEC (module:function, "
                          "exact_match[:FIELD], regex:PATTERN, or a reward model folder)")
+    check_specs(options["reward"], getattr(data, "fields", None))
 
 
 def _grpo_rollouts(engine, data, options, *, seed, start_step, num_steps):
@@ -191,7 +195,7 @@ def _grpo_rollouts(engine, data, options, *, seed, start_step, num_steps):
 def _grpo_check(options, rows, data):
     from zerojax.rl.rollouts import RolloutOptions
 
-    _check_reward_given("grpo", options)
+    _check_reward_given("grpo", options, data)
     RolloutOptions.from_options(options).check(rows, data.completion_len)
 
 
@@ -229,7 +233,7 @@ def _ppo_data(path, tokenizer, seq_len, batch_size, **kw):
 def _ppo_check(options, rows, data):
     from zerojax.rl.ppo_rollouts import PPOOptions
 
-    _check_reward_given("ppo", options)
+    _check_reward_given("ppo", options, data)
     PPOOptions.from_options(options).check(rows, data.completion_len)
 
 
