@@ -62,7 +62,7 @@ def test_dpo_without_lora_takes_the_precomputed_reference(tmp_path):
     """Full fine-tuning has no adapters to turn off: the reference is the starting model's log-probs,
     computed once; at the first step the policy is that model, so DPO's loss is ln 2 (Rafailov et al.)."""
     prefs = tmp_path / "prefs.jsonl"
-    prefs.write_text("".join(json.dumps({"prompt": f"is {i}+{i % 7} even? ", "chosen": "yes", "rejected": "no"}) + "\n"
+    prefs.write_text("".join(json.dumps({"prompt": f"{i}+{i % 7}? ", "chosen": "yes", "rejected": "no"}) + "\n"
                              for i in range(24)))
     config = tmp_path / "fp32.json"
     config.write_text(json.dumps({"train_batch_size": "auto", "train_micro_batch_size_per_gpu": "auto",
@@ -70,7 +70,7 @@ def test_dpo_without_lora_takes_the_precomputed_reference(tmp_path):
                                   "optimizer": {"type": "AdamW", "params": {"lr": "auto"}}}))
     out = tmp_path / "summary.json"
     assert cli.main(["train", "--model", "tiny-llama", "--method", "dpo", "--data", str(prefs), "--config", str(config),
-                     "--seq-len", "24", "--micro-batch", "1", "--steps", "1", "--eval-batches", "0",
+                     "--seq-len", "16", "--micro-batch", "1", "--steps", "1", "--eval-batches", "0",
                      "--summary-json", str(out)]) == 0
     summary = json.loads(out.read_text())
     assert summary["method_options"]["reference"] == "precomputed" and summary["lora"] is None
@@ -97,3 +97,45 @@ def test_reward_specs_resolve_from_the_working_folder_and_are_checked_before_the
     out, err = capsys.readouterr()
     assert "the prompt records have no 'anwser' field" in err and "did you mean exact_match:answer?" in err
     assert "run:" not in out
+
+
+def test_small_trips_are_named_in_one_line(tmp_path, capsys):
+    from zerojax import methods
+    from zerojax.rl import tasks
+    from zerojax.trainer.flags import parse_args
+
+    with pytest.raises(SystemExit):
+        parse_args(["--help"])
+    said = " ".join(capsys.readouterr().out.split())
+    assert all(f"{name}: {m.what}" in said for name, m in methods.methods().items())  # every registered method
+
+    def refused(*argv):
+        assert cli.main(["train", "--model", "tiny-llama", "--steps", "1", *argv]) == 1
+        out, err = capsys.readouterr()
+        assert "run:" not in out and err.count("\n") == 1 and err.startswith("error: "), (out, err)
+        return err
+
+    assert "did you mean dpo?" in refused("--method", "DPO")
+    err = refused("--data", "digits")
+    assert f"the built-in tasks ({', '.join(tasks.TASKS)}; did you mean digit?)" in err and "--method grpo" in err
+    prompts, pairs = tmp_path / "prompts.jsonl", tmp_path / "pairs.jsonl"
+    prompts.write_text(json.dumps({"prompt": "1+1=", "answer": "2"}) + "\n")
+    pairs.write_text(json.dumps({"prompt": "1+1=", "chosen": "2", "rejected": "3"}) + "\n")
+    assert "an RL prompt record" in refused("--data", str(prompts))
+    assert "a preference pair" in refused("--method", "grpo", "--data", str(pairs), "--micro-batch", "1")
+    adapter = tmp_path / "adapter"
+    adapter.mkdir()
+    (adapter / "adapter_config.json").write_text(json.dumps({"peft_type": "LORA", "base_model_name_or_path": "/b"}))
+    assert cli.main(["train", "--hf-checkpoint", str(adapter)]) == 1
+    assert "a PEFT adapter folder (adapter_config.json), not a model; give its base model to --hf-checkpoint (/b)" \
+        in capsys.readouterr().err
+
+
+def test_the_summary_line_lists_the_losses_of_a_short_run_only():
+    from zerojax.trainer.setup import SUMMARY_LINE_LOSSES, summary_line
+
+    short = {"first_loss": 2.0, "last_loss": 1.0, "losses": [2.0, 1.0]}
+    assert json.loads(summary_line(short)) == short
+    losses = [float(i) for i in range(SUMMARY_LINE_LOSSES + 1)]
+    long_ = json.loads(summary_line({"first_loss": 0.0, "last_loss": losses[-1], "losses": losses}))
+    assert long_ == {"first_loss": 0.0, "last_loss": losses[-1], "loss_count": len(losses)}

@@ -18,10 +18,11 @@ from zerojax.trainer.choice import ModelChoice, checkpoint_model, hf_model_type,
 from zerojax.trainer.errors import ConfigMismatch
 from zerojax.trainer.export import export_hf, host_peak_rss
 from zerojax.trainer.flags import parse_args
-from zerojax.trainer.setup import (batch_note, check_lora_resume, check_method, data_source, engine_options,
-                                   filled_autos, from_checkpoint, lora_settings, loss_fn_for, offload_loop_auto,
-                                   plan_micro_batch, print_run, requested_options, resolve_mlp_tile,
-                                   resolved_config_source, resume_data, training_method, warn_replicated)
+from zerojax.trainer.setup import (batch_note, check_lora_resume, check_method, check_task_data, data_source,
+                                   engine_options, filled_autos, from_checkpoint, lora_settings, loss_fn_for,
+                                   offload_loop_auto, plan_micro_batch, print_run, requested_options,
+                                   resolve_mlp_tile, resolved_config_source, resume_data, summary_line,
+                                   training_method, warn_replicated)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -176,6 +177,7 @@ def _run(trainer: Trainer) -> dict:
                               f"asks for --method {args.method}; resume with the checkpoint's method, or start "
                               "another --save folder")
     # read (and refuse) the data before anything is compiled
+    check_task_data(args, method)
     if method is None:
         data = load_data(args, choice, seq_len, cfg.train_batch_size, notes)
     else:
@@ -487,7 +489,7 @@ def _run(trainer: Trainer) -> dict:
     summary.update(first_loss=losses[0] if losses else None, last_loss=losses[-1] if losses else None,
                    losses=losses, val_loss=float(np.mean(val_losses)) if val_losses else None)
     # for programs (benchmarks/ and the tests grep `^SUMMARY `); people get the closing line below
-    print("SUMMARY " + json.dumps(summary), flush=True)
+    print("SUMMARY " + summary_line(summary), flush=True)
     if args.summary_json and not quiet:
         with open(args.summary_json, "w") as f:
             json.dump(summary, f, indent=1)
