@@ -45,18 +45,18 @@ def _add_estimate(sub):
                     "--aot the exact per-device peak of the compiled training step for each stage "
                     "and a plan of the (stage, offload, micro-batch, remat) choices that fit a budget.")
     p.add_argument("--model", default="large", help=MODEL_HELP)
-    p.add_argument("--params", type=float, help="total parameters instead of --model (formulas only)")
-    p.add_argument("--largest-layer", type=float,
+    p.add_argument("--params", type=arg_types.number(float, 0.0, above=True), help="total parameters instead of --model (formulas only)")
+    p.add_argument("--largest-layer", type=arg_types.number(float, 0.0, above=True),
                    help="largest layer's parameters (ZeRO-3 formula; with --params)")
-    p.add_argument("--gpus", type=int, default=1, help="GPUs per node (default 1)")
-    p.add_argument("--nodes", type=int, default=1, help="nodes (default 1)")
+    p.add_argument("--gpus", type=arg_types.number(int, 1), default=1, help="GPUs per node (default 1)")
+    p.add_argument("--nodes", type=arg_types.number(int, 1), default=1, help="nodes (default 1)")
     p.add_argument("--stage", type=int, choices=(0, 1, 2, 3), help="only this ZeRO stage")
     p.add_argument("--budget", help="device memory budget, e.g. 24GB or 22GiB (default: the "
                                     "device's bytes_limit; required on CPU for a plan)")
     p.add_argument("--aot", action="store_true",
                    help="compile the real step (allocates nothing) for compiled peaks and a plan")
     p.add_argument("--config", help="DeepSpeed JSON config to start from (default: bf16 AdamW)")
-    p.add_argument("--seq", type=int, default=None,
+    p.add_argument("--seq", type=arg_types.number(int, 1), default=None,
                    help=f"sequence length (default: the model's maximum positions, else {DEFAULT_SEQ})")
     p.add_argument("--micro-batch", default="8", type=_micro_batch_arg,
                    help="micro-batch per device, or 'auto': every divisor of the rows per device "
@@ -67,7 +67,7 @@ def _add_estimate(sub):
                         "on = full, off = none, offload = none, full and offload (block inputs in "
                         "host memory)")
     _add_mlp_tile_flag(p)
-    p.add_argument("--max-plans", type=int, default=3, help="plans to find (default 3)")
+    p.add_argument("--max-plans", type=arg_types.number(int, 1), default=3, help="plans to find (default 3)")
     p.add_argument("--no-plan", action="store_true", help="with --aot: compiled peaks only")
     _add_engine_option_flags(p, "with --aot: ")
     p.add_argument("--cpu", action="store_true",
@@ -125,12 +125,12 @@ def _say_plan(say, i, p) -> None:
 def _add_hardware_flags(p):
     """The step-time model's throughputs (`estimate.Hardware`), shared by estimate and plan."""
     hw = estimate.Hardware()
-    p.add_argument("--matmul-flops", type=float, default=hw.matmul_flops,
+    p.add_argument("--matmul-flops", type=arg_types.number(float, 0.0, above=True), default=hw.matmul_flops,
                    help=f"16-bit matmul ceiling per device for predicted speed (default "
                         f"{hw.matmul_flops:.3g}, measured on an H200)")
-    p.add_argument("--host-bandwidth", type=float, default=hw.host_bytes_per_s,
+    p.add_argument("--host-bandwidth", type=arg_types.number(float, 0.0, above=True), default=hw.host_bytes_per_s,
                    help=f"host<->device bytes/s (default {hw.host_bytes_per_s:.3g}, measured PCIe)")
-    p.add_argument("--interconnect-bandwidth", type=float, default=hw.interconnect_bytes_per_s,
+    p.add_argument("--interconnect-bandwidth", type=arg_types.number(float, 0.0, above=True), default=hw.interconnect_bytes_per_s,
                    help=f"collective bytes/s per device (default {hw.interconnect_bytes_per_s:.3g})")
 
 
@@ -146,7 +146,7 @@ def _add_engine_option_flags(p, when=""):
 
 def _engine_options_of(args, cfg: dict):
     """The EngineOptions the flags ask for, checked against the config: --master-split with a config
-    that fixes fp16 or fp32 compute is refused (SystemExit naming the keys), as the example and the
+    that fixes fp16 or fp32 compute is refused (FlagError naming the keys), as the example and the
     engine refuse it, instead of planning silently without the split. A config leaving the precision
     to "auto" keeps it: the split then applies to the bf16 candidates."""
     from zerojax.options import EngineOptions
@@ -156,7 +156,7 @@ def _engine_options_of(args, cfg: dict):
         bf16 = bf16 or cfg.get("bfloat16") or {}  # DeepSpeed's old name
         enabled = fp16.get("enabled"), bf16.get("enabled")
         if "auto" not in enabled and (enabled[0] is True or enabled[1] is not True):
-            raise SystemExit(
+            raise FlagError(
                 f"--master-split needs bf16 compute (the fp32 master kept as the bf16 params + an int16 "
                 f"remainder); {args.config or 'the config'} has fp16.enabled {enabled[0]}, bf16.enabled "
                 f"{enabled[1]}: set bf16.enabled true (or \"auto\") or drop --master-split")
@@ -179,15 +179,15 @@ def _add_plan(sub):
                     "GPU step) unless --aot compiles the real step. Prints the config keys to set.")
     p.add_argument("--model", default="large", help=MODEL_HELP)
     p.add_argument("--config", help="DeepSpeed JSON config to start from (default: bf16 AdamW)")
-    p.add_argument("--seq", type=int, default=None,
+    p.add_argument("--seq", type=arg_types.number(int, 1), default=None,
                    help=f"sequence length (default: the model's maximum positions, else {DEFAULT_SEQ})")
-    p.add_argument("--devices", type=int, required=True, help="devices to split (e.g. 4 GPUs of a node)")
+    p.add_argument("--devices", type=arg_types.number(int, 1), required=True, help="devices to split (e.g. 4 GPUs of a node)")
     p.add_argument("--search-mesh", action="store_true",
                    help="search tensor and pipe sizes too (default: data-parallel only, the mesh "
                         "`zerojax.shard` builds for a config without tensor_parallel / pipeline)")
     p.add_argument("--budget", help="device memory budget, e.g. 139GiB (default: the device's bytes_limit "
                                     "with --aot; required otherwise)")
-    p.add_argument("--global-batch", type=int,
+    p.add_argument("--global-batch", type=arg_types.number(int, 1),
                    help="rows per optimizer step (default: the config's train_batch_size, else micro x "
                         "accumulation x devices)")
     p.add_argument("--stage", type=int, choices=(0, 1, 2, 3), help="only this ZeRO stage")
@@ -198,8 +198,8 @@ def _add_plan(sub):
     _add_mlp_tile_flag(p)
     p.add_argument("--aot", action="store_true", help="compile each candidate's real step for its peak")
     p.add_argument("--cpu", action="store_true", help="with --aot: compile on --devices virtual CPU devices")
-    p.add_argument("--max-compiles", type=int, default=12, help="with --aot: compiles to spend (default 12)")
-    p.add_argument("--top", type=int, default=10, help="plans to print (default 10)")
+    p.add_argument("--max-compiles", type=arg_types.number(int, 1), default=12, help="with --aot: compiles to spend (default 12)")
+    p.add_argument("--top", type=arg_types.number(int, 1), default=10, help="plans to print (default 10)")
     _add_engine_option_flags(p)
     _add_hardware_flags(p)
     p.add_argument("--json", nargs="?", const="-", metavar="FILE",
@@ -208,15 +208,10 @@ def _add_plan(sub):
 
 
 def cmd_plan(args) -> int:
-    if args.devices < 1:
-        print(f"--devices {args.devices}: need at least 1", file=sys.stderr)
-        return 2
     if args.aot and (args.cpu or os.environ.get("JAX_PLATFORMS", "") == "cpu"):
         _virtual_cpu_devices(args.devices)
     if not args.budget and not args.aot:
-        print("zerojax plan: --budget is required without --aot (e.g. --budget 139GiB for an H200)",
-              file=sys.stderr)
-        return 2
+        raise FlagError("--budget is required without --aot (e.g. --budget 139GiB for an H200)")
     out = sys.stderr if args.json == "-" else sys.stdout
     say = lambda *a: print(*a, file=out)  # noqa: E731
 
@@ -224,29 +219,24 @@ def cmd_plan(args) -> int:
     from zerojax.planning.memory import device_budget, fmt_bytes, parse_bytes
 
     cfg = _load_base_config(args)
-    choice = _model_or_exit(args, cfg)
-    if choice is None:
-        return 2
+    choice = _model_of(args, cfg)
     factory, seq = choice.factory, choice.seq_len(args.seq)
     remat = "full" if args.remat == "on" else None
     if remat:
         from zerojax.planning.planner import factory_kwargs
 
         if "remat_policy" not in factory_kwargs(factory, remat=remat):
-            print(f"zerojax plan: --remat on needs a model factory taking remat_policy=; {choice.name} takes none "
-                  "(use --remat off)", file=sys.stderr)
-            return 2
+            raise FlagError(f"--remat on needs a model factory taking remat_policy=; {choice.name} takes none "
+                            "(use --remat off)")
         factory = functools.partial(factory, remat_policy=remat)
     budget = parse_bytes(args.budget) if args.budget else device_budget()
     if budget is None:
-        print("zerojax plan: the device reports no memory limit (CPU); pass --budget", file=sys.stderr)
-        return 2
+        raise FlagError("the device reports no memory limit (CPU); pass --budget")
     one = None if args.search_mesh else [1]
     try:
         model = mesh_plan.mesh_model_of(factory, seq)
     except ValueError as e:
-        print(f"zerojax plan: --model {args.model}: {e}", file=sys.stderr)
-        return 2
+        raise FlagError(f"--model {args.model}: {e}") from None
     found = mesh_plan.search_mesh(
         factory, cfg, budget, seq, devices=args.devices, global_batch=args.global_batch,
         stages=(args.stage,) if args.stage is not None else (0, 1, 2, 3), micro_batch=args.micro_batch,
@@ -286,14 +276,13 @@ def _add_export(sub):
 
 
 def cmd_export(args) -> int:
+    if not os.path.isdir(args.checkpoint):  # before jax is imported: a mistyped path says so at once
+        raise FlagError(f"CKPT {args.checkpoint}: no such folder ({os.path.abspath(args.checkpoint)}); give the "
+                        "--save folder of a training run")
     from zerojax.checkpoint.state import export
     from zerojax.models import weights_writer
 
-    try:
-        path = export(args.checkpoint, args.out, tag=args.tag, dtype=args.dtype, writer_for=weights_writer)
-    except (FileNotFoundError, ValueError, RuntimeError) as e:
-        print(f"zerojax export: {e}", file=sys.stderr)
-        return 1
+    path = export(args.checkpoint, args.out, tag=args.tag, dtype=args.dtype, writer_for=weights_writer)
     print(path)
     return 0
 
@@ -319,11 +308,11 @@ def _add_generation_flags(p):
     p.add_argument("--tokenizer", metavar="DIR", help="the tokenizer folder (default: --hf-checkpoint)")
     p.add_argument("--dtype", choices=("auto", "fp32", "bf16"), default="auto",
                    help="weights and compute (auto: bf16 on a GPU, else fp32)")
-    p.add_argument("--max-new-tokens", type=int, default=256, metavar="N")
-    p.add_argument("--temperature", type=float, default=0.0, help="0: greedy (default)")
-    p.add_argument("--top-k", type=int, default=None)
-    p.add_argument("--top-p", type=float, default=None)
-    p.add_argument("--repetition-penalty", type=float, default=None)
+    p.add_argument("--max-new-tokens", type=arg_types.number(int, 1), default=256, metavar="N")
+    p.add_argument("--temperature", type=arg_types.number(float, 0.0), default=0.0, help="0: greedy (default)")
+    p.add_argument("--top-k", type=arg_types.number(int, 1), default=None)
+    p.add_argument("--top-p", type=arg_types.number(float, 0.0, above=True), default=None)
+    p.add_argument("--repetition-penalty", type=arg_types.number(float, 0.0, above=True), default=None)
     p.add_argument("--stop", action="append", default=None, metavar="TEXT", help="a stop string (repeatable)")
     p.add_argument("--seed", type=int, default=0)
     # zerojax.generation.decoder.DECODE_ATTENTIONS, spelled out: this module imports no jax until a command runs
@@ -349,8 +338,25 @@ def _add_chat(sub):
     p.set_defaults(func=cmd_chat)
 
 
+def check_model_folder(path: str) -> None:
+    """--hf-checkpoint's folder, checked before anything is read: FlagError naming what it is and
+    what to give where it is no model folder (a missing path; a PEFT adapter folder, which holds
+    adapter_config.json and no config.json: its base goes to --hf-checkpoint, it to --adapter)."""
+    if not os.path.isdir(path):
+        raise FlagError(f"--hf-checkpoint {path}: no such folder ({os.path.abspath(path)}); give a Hugging Face model "
+                        "folder (config.json, model.safetensors, tokenizer.json)")
+    from zerojax.local_files import adapter_folder_base  # no jax: it imports nothing
+
+    base = adapter_folder_base(path)
+    if base is not None:
+        raise FlagError(f"--hf-checkpoint {path}: a PEFT adapter folder (adapter_config.json), not a model; give its "
+                        f"base model to --hf-checkpoint and this folder to --adapter: --hf-checkpoint "
+                        f"{base or 'BASE_FOLDER'} --adapter {path}")
+
+
 def _generation_setup(args):
     """(model, tokenizer, generate keyword arguments) from the generation flags."""
+    check_model_folder(args.hf_checkpoint)  # before jax is imported
     import jax
     import jax.numpy as jnp
 
@@ -370,39 +376,19 @@ def _generation_setup(args):
     return model, tokenizer, kwargs
 
 
-def _one_line_errors(command):
-    """A generation command whose bad input (a folder without a checkpoint, a flag the model cannot
-    take, a cache that does not fit) ends as one `error: ...` line and exit status 1."""
-    import functools
-
-    @functools.wraps(command)
-    def run(args) -> int:
-        from zerojax.generation import CacheTooLargeError
-
-        try:
-            return command(args)
-        except (FileNotFoundError, ValueError, CacheTooLargeError) as e:
-            print(f"error: {e}", file=sys.stderr)
-            return 1
-
-    return run
-
-
-@_one_line_errors
 def cmd_generate(args) -> int:
+    model, _, kwargs = _generation_setup(args)  # the folder checked before jax is imported
     from zerojax.generation import generate
 
-    model, _, kwargs = _generation_setup(args)
     for text in generate(model, args.prompt, **kwargs).texts:
         print(text, flush=True)
     return 0
 
 
-@_one_line_errors
 def cmd_chat(args) -> int:
+    model, tokenizer, kwargs = _generation_setup(args)  # the folder checked before jax is imported
     from zerojax.generation import chat
 
-    model, tokenizer, kwargs = _generation_setup(args)
     messages = [{"role": "system", "content": args.system}] if args.system else []
     prompt = lambda: sys.stdin.isatty() and print("> ", end="", file=sys.stderr, flush=True)  # noqa: E731
     prompt()
@@ -423,6 +409,9 @@ COMMANDS = [_add_estimate, _add_plan, _add_export, _add_train, _add_launch, _add
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="zerojax", description="zerojax: DeepSpeed's ZeRO memory toolkit on JAX/Flax")
+    parser.add_argument("--debug", action="store_true",  # read by main() before parsing, here for --help
+                        help="show the Python traceback of an error (default: one error: line, exit status 1); "
+                             "before or after the command")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
     for add in COMMANDS:
         add(sub)
@@ -430,17 +419,24 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv=None) -> int:
+    """The command; a user's mistake ends in one `error:` line (exit status 1), Ctrl-C in one line
+    (130), --debug (before or after the subcommand) shows the traceback (zerojax.trainer.exits)."""
+    from zerojax.trainer.exits import DEBUG_FLAG, run_command, split_debug
+
     argv = sys.argv[1:] if argv is None else list(argv)
-    if argv[:1] == ["launch"]:
+    head = next((i for i, a in enumerate(argv) if a != DEBUG_FLAG), len(argv))  # --debug before the subcommand
+    debug, argv = head > 0, argv[head:]
+    if argv[:1] == ["launch"]:  # the rest is the user's script and its flags: a --debug there is theirs
         from zerojax.launch.launcher import main as launch
 
-        return launch(argv[1:])
+        return run_command(lambda: launch(argv[1:]), debug)
     if argv[:1] == ["train"]:
         from zerojax.trainer import run_cli
 
-        return run_cli(argv[1:], prog="zerojax train")
+        return run_cli(argv[1:] + [DEBUG_FLAG] * debug, prog="zerojax train")
+    argv, debug_after = split_debug(argv)
     args = build_parser().parse_args(argv)
-    return int(args.func(args) or 0)
+    return run_command(lambda: args.func(args), debug or debug_after)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -459,7 +455,12 @@ def default_config(micro_batch=8) -> dict:
     }
 
 
-class ModelArgError(ValueError):
+class FlagError(ValueError):
+    """A flag's value (or a pair of flags) this command cannot take: the message is the one
+    `error:` line printed (zerojax.trainer.exits)."""
+
+
+class ModelArgError(FlagError):
     """A --model value the CLI cannot build: the message is the one line printed."""
 
 
@@ -590,16 +591,11 @@ def _imported_model(spec: str, cfg_dict) -> ModelChoice:
     return ModelChoice(spec, f"{spec} ({type(model).__name__})", factory, max_positions(model))
 
 
-def _model_or_exit(args, cfg_dict) -> ModelChoice | None:
-    """resolve_model for the command, --mlp-tile checked against the model; the error printed
-    (None then: exit status 2)."""
-    try:
-        choice = resolve_model(args.model, cfg_dict)
-        _check_mlp_tile(args, choice)
-        return choice
-    except ModelArgError as e:
-        print(f"zerojax {args.command}: {e}", file=sys.stderr)
-        return None
+def _model_of(args, cfg_dict) -> ModelChoice:
+    """resolve_model for the command, --mlp-tile checked against the model (ModelArgError: one line)."""
+    choice = resolve_model(args.model, cfg_dict)
+    _check_mlp_tile(args, choice)
+    return choice
 
 
 def _describe_dims(dims, shape=None) -> str:
@@ -617,8 +613,7 @@ def _describe_dims(dims, shape=None) -> str:
 def cmd_estimate(args) -> int:
     n_devices = args.gpus * args.nodes
     if (args.master_split or args.adam_mu_dtype) and not args.aot:
-        print("--master-split / --adam-mu-dtype change the compiled step: add --aot", file=sys.stderr)
-        return 2
+        raise FlagError("--master-split / --adam-mu-dtype change the compiled step: add --aot")
     if args.aot and (args.cpu or os.environ.get("JAX_PLATFORMS", "") == "cpu"):
         _virtual_cpu_devices(n_devices)
     # with JSON on stdout, the human-readable tables go to stderr
@@ -630,11 +625,9 @@ def cmd_estimate(args) -> int:
         total = int(args.params)
         largest = int(args.largest_layer or 0)
         if args.aot:
-            print("--aot needs --model (a model to compile), not --params", file=sys.stderr)
-            return 2
+            raise FlagError("--aot needs --model (a model to compile), not --params")
         if args.mlp_tile != "auto":
-            print("--mlp-tile needs --model (a model whose MLP it tiles), not --params", file=sys.stderr)
-            return 2
+            raise FlagError("--mlp-tile needs --model (a model whose MLP it tiles), not --params")
     else:
         from flax import nnx
 
@@ -643,9 +636,7 @@ def cmd_estimate(args) -> int:
         from zerojax.planning.planner import model_shape
 
         cfg0 = _load_base_config(args)
-        choice = _model_or_exit(args, cfg0)
-        if choice is None:
-            return 2
+        choice = _model_of(args, cfg0)
         model = nnx.eval_shape(choice.factory)
         total, largest = count_params(model)
         if args.largest_layer:
@@ -730,19 +721,20 @@ def _virtual_cpu_devices(n: int) -> None:
 
 
 def _load_base_config(args) -> dict:
+    """--config as a plain dict (read as load_config reads it: hjson, the file named in its errors),
+    else `default_config()`."""
     if not args.config:
         return default_config()
-    import hjson
+    from zerojax.config import read_source
 
-    with open(args.config) as f:
-        return json.loads(json.dumps(hjson.load(f)))
+    return json.loads(json.dumps(read_source(args.config)))
 
 
 def _estimate_aot(args, say, choice, stages, n_devices) -> dict:
     import jax
 
     if jax.device_count() < n_devices:
-        raise SystemExit(f"--aot for {n_devices} devices but jax sees {jax.device_count()} "
+        raise FlagError(f"--aot for {n_devices} devices but jax sees {jax.device_count()} "
                          f"({jax.default_backend()}); run on the GPUs or add --cpu")
     from zerojax.planning import planner
     from zerojax.planning.memory import device_budget, fmt_bytes, parse_bytes

@@ -85,6 +85,10 @@ def read_records(path: str | os.PathLike) -> tuple[str, list[tuple[str, int, dic
             found = f"keys {sorted(record)[:6]}" if isinstance(record, dict) else f"a JSON {type(record).__name__}"
             raise DataError(f"{file}:{lineno}: not a fine-tuning record ({found}); each line is one of "
                             + "; ".join(_EXAMPLE.values()))
+        if got == "prompt_completion" and "completion" not in record and "prompt" in record:
+            raise DataError(f"{file}:{lineno}: a prompt without a completion: an RL prompt record (its other keys go "
+                            "to the reward): train it with an RL method (GRPO or PPO: zerojax.rl.prompts), not as "
+                            "fine-tuning data, whose records are " + _EXAMPLE["prompt_completion"])
         if got == "preference":
             raise DataError(f"{file}:{lineno}: a preference pair (\"chosen\" / \"rejected\"): train it with a "
                             "preference method (DPO or a reward model: zerojax.data.preference), not as "

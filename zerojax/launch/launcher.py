@@ -465,17 +465,17 @@ def main(argv=None) -> int:
         env = dict(os.environ, PYTHONPATH=os.pathsep.join(
             [os.path.abspath("."), *filter(None, [os.environ.get("PYTHONPATH")])]))
         commands = multinode_commands(args, active, pool, exports(env))
-    except ValueError as e:
-        print(f"zerojax launch: {e}", file=sys.stderr)
-        return 2
+    except ValueError as e:  # a hostfile, --include / --exclude or node count that cannot be met
+        print(f"error: zerojax launch: {e}", file=sys.stderr)
+        return 1
     if args.dry_run:
         for cmd in commands:
             print(shlex.join(cmd))
         return 0
     if shutil.which(commands[0][0]) is None:
-        print(f"zerojax launch: launcher '{args.launcher}' not installed ({commands[0][0]} not on PATH); "
+        print(f"error: zerojax launch: launcher '{args.launcher}' not installed ({commands[0][0]} not on PATH); "
               f"choose another with --launcher {{{','.join(LAUNCHERS)}}}", file=sys.stderr)
-        return 2
+        return 1
     return supervise(commands, [env] * len(commands),
                      [f"[{h}] " for h in active] if args.launcher == "ssh" else [""])
 

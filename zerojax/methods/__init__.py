@@ -39,6 +39,9 @@ class Method:
         model's reference log-probs added), or None: as read.
     data_options(data) -> options the data decides (e.g. the pad id), merged over `options`.
     options: the settings and their defaults.
+    defaults_for(lora) -> the settings whose default depends on whether the run trains LoRA adapters
+        (True) or the whole model (False), under the user's options (DPO's reference: the base with
+        the adapters off, else the starting model's log-probs computed once).
     check(options, rows, data) -> None: refuses (ValueError, one line) settings this run cannot take
         (rows: train_batch_size), before anything is built; or None.
     rollouts(engine, data, options, *, seed, start_step, num_steps) -> an iterator of the training
@@ -56,6 +59,7 @@ class Method:
     options: Mapping = dataclasses.field(default_factory=dict)
     rollouts: Callable | None = None
     check: Callable | None = None
+    defaults_for: Callable[[bool], dict] = lambda lora: {}
 
     def resolve(self, options: Mapping | None = None, data=None) -> dict:
         """The settings: the defaults, what `data` decides (`data_options`) over them, `options` (the
@@ -141,6 +145,7 @@ def _reward_model(model, options):
 register(Method(
     name="dpo", what="DPO / IPO on preference pairs", loss=_dpo_loss, data=_preference_data,
     prepare_model=_dpo_model, prepare_data=_dpo_data,
+    defaults_for=lambda lora: {"reference": "adapters_off" if lora else "precomputed"},
     options={"beta": 0.1, "loss_type": "sigmoid", "label_smoothing": 0.0, "reference": "adapters_off", "chunk": None}))
 register(Method(
     name="reward", what="a reward model on preference pairs (Bradley-Terry)", loss=_reward_loss,
@@ -169,11 +174,15 @@ def _reward(options):
     return combined(options["reward"], options["reward_weights"])
 
 
-def _check_reward_given(name, options):
-    """RL methods: a reward, given or decided by the data (a built-in task's), before anything is built."""
+def _check_reward_given(name, options, data):
+    """RL methods: a reward, given or decided by the data (a built-in task's), that resolves against
+    the prompt records (an exact_match's field among theirs), before anything is built."""
+    from zerojax.rl.rewards import check_specs
+
     if options["reward"] is None:
         raise ValueError(f"method {name!r}: no reward; give --method-option reward=SPEC (module:function, "
                          "exact_match[:FIELD], regex:PATTERN, or a reward model folder)")
+    check_specs(options["reward"], getattr(data, "fields", None))
 
 
 def _grpo_rollouts(engine, data, options, *, seed, start_step, num_steps):
@@ -186,7 +195,7 @@ def _grpo_rollouts(engine, data, options, *, seed, start_step, num_steps):
 def _grpo_check(options, rows, data):
     from zerojax.rl.rollouts import RolloutOptions
 
-    _check_reward_given("grpo", options)
+    _check_reward_given("grpo", options, data)
     RolloutOptions.from_options(options).check(rows, data.completion_len)
 
 
@@ -224,7 +233,7 @@ def _ppo_data(path, tokenizer, seq_len, batch_size, **kw):
 def _ppo_check(options, rows, data):
     from zerojax.rl.ppo_rollouts import PPOOptions
 
-    _check_reward_given("ppo", options)
+    _check_reward_given("ppo", options, data)
     PPOOptions.from_options(options).check(rows, data.completion_len)
 
 

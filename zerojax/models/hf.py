@@ -26,7 +26,7 @@ import numpy as np
 from flax import nnx
 
 from zerojax.models import registry
-from zerojax.models.local_files import file_in_folder
+from zerojax.local_files import file_in_folder
 from zerojax.models.gpt2 import GPT2, GPT2Config, chunked_gpt2_loss, flops_per_token, gpt2_loss, num_params
 
 _LAYER_KEYS = (  # HF per-layer name -> our path under "h"

@@ -127,9 +127,21 @@ def load_prompts(source, tokenizer, seq_len: int, batch_size: int | None = None,
     source = os.fspath(source)
     if source in tasks.TASKS and not os.path.exists(source):
         return PromptData(tasks.records(source, n, seed), tokenizer, seq_len, what=f"the built-in task {source!r}")
+    if not os.path.exists(source):
+        import difflib
+
+        near = difflib.get_close_matches(source, list(tasks.TASKS), n=1)
+        raise DataError(f"{source}: no such file or folder of RL prompts ({os.path.abspath(source)}), nor a built-in "
+                        f"task ({', '.join(tasks.TASKS)})" + (f"; did you mean {near[0]}?" if near else ""))
     from zerojax.data.finetune import jsonl_records
 
-    records = [r for _, _, r in jsonl_records(source, what="RL prompts", example=EXAMPLE)]
+    records = []
+    for file, lineno, record in jsonl_records(source, what="RL prompts", example=EXAMPLE):
+        if isinstance(record, dict) and "chosen" in record and "rejected" in record:
+            raise DataError(f"{file}:{lineno}: a preference pair (\"chosen\" / \"rejected\"), not an RL prompt: train "
+                            "pairs with a preference method (DPO or a reward model: zerojax.data.preference); RL "
+                            f"prompts are {EXAMPLE}")
+        records.append(record)
     return PromptData(records, tokenizer, seq_len, what=source)
 
 

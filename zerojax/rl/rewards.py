@@ -12,14 +12,16 @@ not read).
 - a built-in task's name ("arithmetic", "digit"; `zerojax.rl.tasks`);
 - a folder: a reward model (`zerojax.methods.reward.reward_from_hf`, its tokenizer from the same
   folder) scored on prompt + completion;
-- "module:function": imported (`importlib`); the function is called as above.
+- "module:function": imported (`importlib`; the working folder first); the function is called as above.
 
 `combined(specs, weights=None)`: several, summed with weights (TRL's `reward_weights`).
 """
 from __future__ import annotations
 
+import difflib
 import importlib
 import os
+import sys
 from typing import Sequence
 
 import numpy as np
@@ -61,13 +63,19 @@ def reward_model(path, *, max_length: int = 1024, batch_size: int = 16, dtype=No
 
 
 def _import(spec: str) -> RewardFn:
+    """module:function, the module looked for in the working folder first (as `python -m` would, and
+    as a user of the `zerojax` command, which does not, expects), then on sys.path."""
     module, _, name = spec.partition(":")
+    here = os.getcwd()
+    sys.path.insert(0, here)
     try:
         fn = getattr(importlib.import_module(module), name)
     except (ImportError, AttributeError) as e:
         raise ValueError(f"reward {spec!r}: cannot import {name!r} from module {module!r} ({e}); give "
-                         "module:function (on PYTHONPATH), exact_match[:FIELD], regex:PATTERN, a built-in task "
-                         "(arithmetic, digit) or a reward model folder") from None
+                         "module:function (in the working folder or on PYTHONPATH), exact_match[:FIELD], "
+                         "regex:PATTERN, a built-in task (arithmetic, digit) or a reward model folder") from None
+    finally:
+        sys.path.remove(here)  # the first occurrence: the one put there
     if not callable(fn):
         raise ValueError(f"reward {spec!r}: {module}.{name} is not callable")
     return fn
@@ -94,9 +102,30 @@ def resolve(spec) -> RewardFn:
     return _import(spec)
 
 
+def _specs(specs) -> list:
+    return [specs] if isinstance(specs, str) or callable(specs) else list(specs or [])
+
+
+def check_specs(specs, fields: Sequence[str] | None = None) -> None:
+    """Reward specs checked before anything is built (ValueError, one line): each resolvable (a
+    module:function imported, a pattern compiled; a reward model folder is only looked for: it is
+    read when the rollouts start), an exact_match's FIELD among the prompt records' `fields`
+    (None: not known)."""
+    for spec in _specs(specs):
+        if isinstance(spec, str) and (spec == "exact_match" or spec.startswith("exact_match:")):
+            field = spec.partition(":")[2] or "answer"
+            if fields is not None and field not in fields:
+                near = difflib.get_close_matches(field, list(fields), n=1)
+                hint = f"; did you mean exact_match:{near[0]}?" if near else ""
+                raise ValueError(f"reward {spec!r}: the prompt records have no {field!r} field (they have "
+                                 f"{', '.join(sorted(fields)) or 'only the prompt'}){hint}")
+        elif not (isinstance(spec, str) and os.path.isdir(spec)):
+            resolve(spec)
+
+
 def combined(specs, weights: Sequence[float] | None = None) -> RewardFn:
     """One reward from several specs: the weighted sum (weights default 1.0 each)."""
-    fns = [resolve(s) for s in ([specs] if isinstance(specs, str) or callable(specs) else specs)]
+    fns = [resolve(s) for s in _specs(specs)]
     if not fns:
         raise ValueError("reward: give at least one")
     weights = [1.0] * len(fns) if weights is None else [float(w) for w in weights]
@@ -127,4 +156,4 @@ def score(fn: RewardFn, prompts, completions, fields) -> np.ndarray:
     return arr
 
 
-__all__ = ["resolve", "combined", "score", "exact_match", "regex_match", "reward_model", "RewardFn"]
+__all__ = ["resolve", "check_specs", "combined", "score", "exact_match", "regex_match", "reward_model", "RewardFn"]

@@ -59,6 +59,13 @@ def hf_model_type(path: str) -> str:
                                 f"no such folder ({os.path.abspath(path)})") + "; give the folder holding "
                                 "config.json and model.safetensors")
     cfg_file = os.path.join(path, "config.json")
+    from zerojax.local_files import adapter_folder_base
+
+    base = adapter_folder_base(path)
+    if base is not None:
+        raise FileNotFoundError(f"--hf-checkpoint {path}: a PEFT adapter folder (adapter_config.json), not a model; "
+                                f"give its base model to --hf-checkpoint ({base or 'the folder it was trained on'}); "
+                                "--lora R trains new adapters on it")
     if not os.path.exists(cfg_file):
         raise FileNotFoundError(f"--hf-checkpoint {path}: no config.json (a Hugging Face model folder has "
                                 f"config.json and model.safetensors)")

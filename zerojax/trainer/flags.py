@@ -73,6 +73,7 @@ def parse_args(argv=None, *, prog=None, description=None):
     from zerojax.config import REMAT_POLICY_NAMES  # no jax: zerojax.config imports none
     from zerojax.options import OFFLOAD_LOOPS  # nor zerojax.options
 
+    from zerojax import methods  # no jax: the methods import their code when they run
     from zerojax.models import registry
 
     families = registry.families().values()
@@ -90,7 +91,8 @@ def parse_args(argv=None, *, prog=None, description=None):
                         "family (model_type " + ", ".join(registry.hf_model_types()) + "); its tokenizer is used")
     p.add_argument("--method", default="sft", metavar="NAME",
                    help="the training method: sft (next-token loss, the default), or a registered one "
-                        "(zerojax.methods: dpo, reward, ...), each a loss and a data reader (--data)")
+                        "(zerojax.methods), each a loss and a data reader (--data): " + "; ".join(
+                            f"{m.name}: {m.what}" for m in methods.methods().values()))
     p.add_argument("--method-option", action="append", default=[], metavar="KEY=VALUE",
                    help="a setting of --method (repeatable; VALUE read as JSON, else as text), e.g. "
                         "--method-option beta=0.2 --method-option loss_type=ipo")
@@ -190,8 +192,8 @@ def parse_args(argv=None, *, prog=None, description=None):
                         "training but for exact ties (one fp32 ulp); needs bf16; under optimizer offload to cpu "
                         "it splits the host copy (the host loop does by default), not with NVMe)")
     p.add_argument("--summary-json", metavar="PATH",
-                   help="also write the run's SUMMARY (the JSON of the `SUMMARY {...}` line: settings, every "
-                        "loss, speed, memory) to PATH")
+                   help="also write the run's SUMMARY (settings, every loss, speed, memory: the JSON of the "
+                        "`SUMMARY {...}` line, which lists the losses only for a run of at most 20 steps) to PATH")
     p.add_argument("--eval-batches", type=_number(int, 0), default=8,
                    help="validation batches (of train_batch_size rows, from the held-out part of the "
                         "data) evaluated after training; 0 = no validation")
@@ -211,6 +213,9 @@ def parse_args(argv=None, *, prog=None, description=None):
                    help="per-device TFLOP/s that MFU is reported against (default on a GPU / TPU: the "
                         "matmul ceiling in the run's precision, measured at start, zerojax.planning.ceiling; "
                         "a datasheet peak is never reached; on CPU no MFU is reported without this flag)")
+    # read (and removed) by run_cli before parsing, listed here for --help
+    p.add_argument("--debug", action="store_true",
+                   help="show the Python traceback of an error (default: one error: line, exit status 1)")
     args = p.parse_args(_join_negative_values(list(sys.argv[1:] if argv is None else argv)))
     if args.keep is not None and not args.save:
         p.error("--keep needs --save DIR (the checkpoint folder to prune)")

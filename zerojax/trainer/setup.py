@@ -4,8 +4,10 @@ the run prints about them. Errors here name the flag or key and the fix.
 """
 from __future__ import annotations
 
+import difflib
 import functools
 import json
+import math
 import os
 
 from zerojax.trainer.errors import ConfigMismatch, NoPlanFits
@@ -28,9 +30,13 @@ def training_method(args, lora_cfg):
     try:
         method = methods.get(args.method)
     except KeyError:
-        raise ConfigMismatch(f"--method {args.method}: not a training method; choose sft or "
-                             f"{', '.join(methods.methods())}") from None
+        names = ["sft", *methods.methods()]
+        near = difflib.get_close_matches(args.method.lower(), names, n=1)
+        raise ConfigMismatch(f"--method {args.method}: not a training method; "
+                             + (f"did you mean {near[0]}? " if near else "")
+                             + f"choose sft or {', '.join(methods.methods())}") from None
     options = method_options(args.method_option)  # the user's alone: what the data decides is filled later
+    options = {**method.defaults_for(lora_cfg is not None), **options}  # LoRA or the whole model: DPO's reference
     try:
         method.resolve(options)  # unknown keys refused now
     except ValueError as e:
@@ -40,6 +46,54 @@ def training_method(args, lora_cfg):
                              "takes a whole model; train the reward model without --lora, or save with --save "
                              "and export later")
     return method, options
+
+
+def check_method(method, options: dict, cfg, data) -> None:
+    """The method's own check of its options against the batch and the data (`Method.check`), refused
+    in one line naming --method; a batch of no whole groups also names the flags that make it one."""
+    if method.check is None:
+        return
+    try:
+        method.check(options, cfg.train_batch_size, data)
+    except ValueError as e:
+        raise ConfigMismatch(f"--method {method.name}: {e}{group_fix(options.get('group'), cfg)}") from None
+
+
+def group_fix(group, cfg) -> str:
+    """Where train_batch_size is not a multiple of `group` (an RL method's completions per prompt): the
+    `zerojax train` flags that make it one, the smallest larger --micro-batch and the largest smaller
+    group (--method-option group=N); "" where it is one."""
+    rows = cfg.train_batch_size
+    if not isinstance(group, int) or group < 1 or rows % group == 0:
+        return ""
+    unit = cfg.gradient_accumulation_steps * cfg.world_size  # rows a micro-batch row becomes
+    step = group // math.gcd(group, unit)
+    micro = -(-cfg.train_micro_batch_size_per_gpu // step) * step
+    fix = (f"; give --micro-batch {micro} (train_batch_size {micro * unit} = {micro} x accumulation "
+           f"{cfg.gradient_accumulation_steps} x {cfg.world_size} data-parallel)")
+    smaller = max((g for g in range(2, group) if rows % g == 0), default=None)
+    return fix + (f", or --method-option group={smaller}" if smaller else "")
+
+
+def check_task_data(args, method) -> None:
+    """--data naming a built-in RL task (prompts and their reward: zerojax.rl.tasks), or a missing path
+    close to one, for a method that trains on files (sft, dpo, reward): one line saying what the
+    tasks are and what to give, before anything is read."""
+    if not args.data or os.path.exists(args.data) or (method is not None and method.rollouts is not None):
+        return
+    from zerojax.data.text import DataError
+    from zerojax.rl import tasks
+
+    named = args.data in tasks.TASKS
+    near = [] if named else difflib.get_close_matches(args.data, list(tasks.TASKS), n=1)
+    if not (named or near):
+        return  # a missing file: the reader names it
+    what = "a built-in RL task" if named else f"no such file or folder ({os.path.abspath(args.data)})"
+    hint = f"; did you mean {near[0]}?" if near else ""
+    raise DataError(f"--data {args.data}: {what}; the built-in tasks ({', '.join(tasks.TASKS)}{hint}) are prompts "
+                    f"and their reward, for --method grpo or ppo; --method {args.method} trains on a file "
+                    + ("(.txt or .jsonl; no --data: the embedded corpus)" if method is None else
+                       "(.jsonl of its records)"))
 
 
 def resolve_mlp_tile(args, choice, planner_runs: bool):
@@ -505,6 +559,19 @@ def configured_lr(cfg, lr, why) -> tuple:
         if isinstance(sched.get(key), (int, float)) and sched[key] != lr:
             why += f"; the schedule peaks at scheduler.params.{key} = {sched[key]:g}"
     return lr, why
+
+
+SUMMARY_LINE_LOSSES = 20  # a run this short prints its every loss on the SUMMARY line
+
+
+def summary_line(summary: dict) -> str:
+    """The `SUMMARY {...}` line's JSON: the run's SUMMARY, with its every loss only for a short run
+    (what a test or a quick check reads); a longer run's line has first_loss / last_loss and
+    "loss_count" (--summary-json keeps every loss), not hundreds of numbers on one line."""
+    losses = summary.get("losses") or []
+    if len(losses) <= SUMMARY_LINE_LOSSES:
+        return json.dumps(summary)
+    return json.dumps({**{k: v for k, v in summary.items() if k != "losses"}, "loss_count": len(losses)})
 
 
 def print_run(args, cfg, label, size, steps, schedule_steps, lr, lr_default, precision, precision_why,

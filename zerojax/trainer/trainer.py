@@ -19,10 +19,11 @@ from zerojax.trainer.errors import ConfigMismatch
 from zerojax.trainer.export import export_hf, host_peak_rss
 from zerojax.trainer.flags import parse_args
 from zerojax.trainer.stopping import StopRequest
-from zerojax.trainer.setup import (batch_note, check_lora_resume, data_source, engine_options, filled_autos,
-                                   from_checkpoint, lora_settings, loss_fn_for, offload_loop_auto, plan_micro_batch,
-                                   print_run, requested_options, resolve_mlp_tile, resolved_config_source,
-                                   resume_data, training_method, warn_replicated)
+from zerojax.trainer.setup import (batch_note, check_lora_resume, check_method, check_task_data, data_source,
+                                   engine_options, filled_autos, from_checkpoint, lora_settings, loss_fn_for,
+                                   offload_loop_auto, plan_micro_batch, print_run, requested_options,
+                                   resolve_mlp_tile, resolved_config_source, resume_data, summary_line,
+                                   training_method, warn_replicated)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -201,16 +202,13 @@ def _run(trainer: Trainer) -> dict:
                               f"asks for --method {args.method}; resume with the checkpoint's method, or start "
                               "another --save folder")
     # read (and refuse) the data before anything is compiled
+    check_task_data(args, method)
     if method is None:
         data = load_data(args, choice, seq_len, cfg.train_batch_size, notes)
     else:
         data = load_method_data(args, method, choice, seq_len, cfg.train_batch_size)
         method_opts = method.resolve(method_opts, data)
-        if method.check is not None:
-            try:
-                method.check(method_opts, cfg.train_batch_size, data)
-            except ValueError as e:
-                raise ConfigMismatch(f"--method {method.name}: {e}") from None
+        check_method(method, method_opts, cfg, data)
     samples = None
     if args.sample_prompts:  # read and tokenized now: a bad file stops the run before anything compiles
         from zerojax.data.rows import run_tokenizer
@@ -321,7 +319,10 @@ def _run(trainer: Trainer) -> dict:
                            f" in {lora_cfg['base_dtype']}"))
     if isinstance(model, nnx.Module):  # read from a folder or quantized on arrival: the method's change now
         model = prepared(model)
-    if method is not None and method.prepare_data is not None:  # e.g. a frozen model's reference log-probs
+    # e.g. a frozen model's reference log-probs: from the model read here, else (drawn on the devices)
+    # from the engine's as built, before a checkpoint loads (the uninterrupted run's starting point)
+    reference_later = method is not None and method.prepare_data is not None and not isinstance(model, nnx.Module)
+    if method is not None and method.prepare_data is not None and not reference_later:
         data = method.prepare_data(data, model, method_opts, cfg.train_batch_size)
     options = engine_options(args, cfg, loop, planned)
     # MFU's denominator: --peak-tflops, else the matmul ceiling in the run's precision, measured
@@ -339,6 +340,8 @@ def _run(trainer: Trainer) -> dict:
             peak_why = f"the {np.dtype(dtype).name} matmul ceiling measured here"
     engine = zerojax.shard(model, cfg, loss_fn=loss_fn, options=options)
     del model
+    if reference_later:
+        data = method.prepare_data(data, engine.model, method_opts, cfg.train_batch_size)
     stats = jax.local_devices()[0].memory_stats() or {}
     if "bytes_in_use" in stats and "bytes_limit" in stats:
         print(f"device memory after building: {stats['bytes_in_use'] / 2**30:.2f} GiB in use of "
@@ -519,7 +522,7 @@ def _run(trainer: Trainer) -> dict:
     summary.update(first_loss=losses[0] if losses else None, last_loss=losses[-1] if losses else None,
                    losses=losses, val_loss=float(np.mean(val_losses)) if val_losses else None)
     # for programs (benchmarks/ and the tests grep `^SUMMARY `); people get the closing line below
-    print("SUMMARY " + json.dumps(summary), flush=True)
+    print("SUMMARY " + summary_line(summary), flush=True)
     if args.summary_json and not quiet:
         with open(args.summary_json, "w") as f:
             json.dump(summary, f, indent=1)
@@ -590,18 +593,15 @@ def closing_line(summary: dict) -> str:
 
 
 def run_cli(argv=None, *, prog=None, description=None) -> int:
-    """`main` for a command line: an error that names its key, file or step and the fix ends the
-    run with that one line (exit status 1), no traceback."""
-    from zerojax.checkpoint.state import CheckpointError
-    from zerojax.config import ConfigError
-    from zerojax.data.text import DataError
-    from zerojax.planning.memory import HeldMemoryError, WillNotFitError
-    from zerojax.trainer.errors import NoPlanFits
-    from zerojax.train.monitor import MonitorError
+    """`main` for a command line: a user's mistake (an error that names its key, file or step and the
+    fix) ends the run with that one `error:` line (exit status 1), Ctrl-C with one line (130), no
+    traceback; --debug shows it (zerojax.trainer.exits)."""
+    from zerojax.trainer.exits import run_command, split_debug
 
-    try:
+    argv, debug = split_debug(list(sys.argv[1:] if argv is None else argv))
+
+    def train() -> int:
         summary = main(argv, prog=prog, description=description)
-    except (ConfigError, ConfigMismatch, NoPlanFits, DataError, CheckpointError, WillNotFitError,
-            HeldMemoryError, FileNotFoundError, FloatingPointError, MonitorError) as e:
-        sys.exit(f"error: {e}")
-    return summary.get("exit_status", 0)  # a signal that stopped the run with nothing saved: 128 + its number
+        return summary.get("exit_status", 0)  # a signal that stopped the run with nothing saved: 128 + its number
+
+    return run_command(train, debug)

@@ -1,0 +1,76 @@
+"""Every `zerojax` command ends a user's mistake in one `error:` line and exit status 1 (argparse's
+usage errors: its status 2), never a traceback; `--debug`, before or after the command, shows the
+traceback; Ctrl-C outside training is one line and status 130 (the shell's for SIGINT).
+
+Each command runs as a user runs it, in its own process (all of them at once: most fail before jax
+is imported). The reference is the process itself: its exit status and what it printed.
+"""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _start(argv, cwd):
+    return subprocess.Popen([sys.executable, "-m", "zerojax.cli", *argv], cwd=cwd, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, env={**os.environ, "PYTHONPATH": REPO})
+
+
+@pytest.fixture(scope="module")
+def folder(tmp_path_factory):
+    path = tmp_path_factory.mktemp("mistakes")
+    (path / "adapter").mkdir()
+    (path / "adapter" / "adapter_config.json").write_text(json.dumps(
+        {"peft_type": "LORA", "base_model_name_or_path": "/models/base"}))
+    (path / "bad.json").write_text('{"train_batch_size": 8, "zero_optimization": {"stage": 5}}')
+    return path
+
+
+MISTAKES = {  # argv -> (exit status, what the last line says)
+    ("estimate", "--params", "1e9", "--aot"): (1, "error: --aot needs --model (a model to compile), not --params"),
+    ("estimate", "--model", "tiny", "--gpus", "0"): (2, "error: argument --gpus: 0 must be >= 1"),  # was a ZeroDivisionError
+    ("plan", "--devices", "2", "--model", "tiny"): (1, "error: --budget is required without --aot"),
+    ("export", "no-such-run", "out"): (1, "error: CKPT no-such-run: no such folder"),
+    ("generate", "--hf-checkpoint", "no-such-model", "--prompt", "hi"): (1, "error: --hf-checkpoint no-such-model: no such folder"),
+    ("chat", "--hf-checkpoint", "adapter"): (1, "error: --hf-checkpoint adapter: a PEFT adapter folder (adapter_config.json), "
+                                                "not a model; give its base model to --hf-checkpoint and this folder to "
+                                                "--adapter: --hf-checkpoint /models/base --adapter adapter"),
+    ("launch", "--include", "nohost", "train.py"): (1, "error: zerojax launch: Hostname 'nohost' not found in hostfile"),
+    ("train", "--model", "tiny", "--config", "bad.json"): (1, "  - zero_optimization.stage = 5: expected a value <= 3"),
+    ("--debug", "plan", "--devices", "2", "--model", "tiny"): (1, "FlagError: --budget is required without --aot"),
+    ("plan", "--devices", "2", "--model", "tiny", "--debug"): (1, "FlagError: --budget is required without --aot"),
+}
+
+
+def test_each_command_ends_a_mistake_in_one_error_line(folder):
+    runs = {argv: _start(argv, folder) for argv in MISTAKES}
+    for argv, run in runs.items():
+        _, err = run.communicate(timeout=300)
+        status, says = MISTAKES[argv]
+        last = err.strip().splitlines()[-1]
+        assert run.returncode == status and says in last, (argv, run.returncode, err)
+        errors = [line for line in err.splitlines() if "error: " in line]
+        if "--debug" in argv:
+            assert "Traceback (most recent call last)" in err, (argv, err)
+        else:
+            assert "Traceback" not in err and len(errors) == 1, (argv, err)
+
+
+def test_ctrl_c_outside_training_is_one_line_and_status_130(tmp_path):
+    # a model factory that takes its time (a download, a big init): Ctrl-C while it runs
+    (tmp_path / "slow_model.py").write_text(
+        "import sys, time\n\ndef build():\n    print('building', file=sys.stderr, flush=True)\n    time.sleep(120)\n")
+    run = _start(["estimate", "--model", "slow_model:build"], tmp_path)
+    assert run.stderr.readline().strip() == "building"
+    time.sleep(0.2)
+    run.send_signal(signal.SIGINT)
+    _, err = run.communicate(timeout=60)
+    assert run.returncode == 130 and err.strip() == "interrupted (Ctrl-C); --debug shows where", err
