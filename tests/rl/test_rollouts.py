@@ -136,3 +136,22 @@ def test_byte_level_decode_reads_ids_past_the_bytes_as_a_bad_byte():
     from zerojax.rl.prompts import decode
 
     assert decode(object(), [52, 50, 300, 255, 10]) == "42" + "\ufffd" + b"\xff".decode("utf-8", "replace") + "\n"
+
+
+def test_grpo_and_ppo_settings_have_one_home():
+    """The trainer's --method-option defaults, the rollouts' and the loss's keywords are the options
+    dataclasses' fields: a default changed there changes it everywhere, and no setting is missing."""
+    import dataclasses
+    import inspect
+
+    from zerojax import methods
+    from zerojax.methods.grpo import make_grpo_loss
+    from zerojax.rl.ppo_rollouts import PPOOptions
+    from zerojax.rl.rollouts import GRPOOptions
+
+    grpo, ppo = methods.get("grpo").options, methods.get("ppo").options
+    assert grpo == {f.name: f.default for f in dataclasses.fields(GRPOOptions)}
+    assert {f.name for f in dataclasses.fields(RolloutOptions)} < set(grpo)
+    assert all(ppo[k] == getattr(PPOOptions(), k) for k in ppo) and {"kl_ctl", "critic", "reward"} <= set(ppo)
+    loss_defaults = {k: p.default for k, p in inspect.signature(make_grpo_loss).parameters.items() if k != "group"}
+    assert loss_defaults == {k: grpo[k] for k in loss_defaults}

@@ -206,15 +206,30 @@ def _grpo_data_options(data):
     return {"reward": task} if task else {}
 
 
+def _grpo_options() -> dict:
+    from zerojax.rl.rollouts import GRPOOptions, defaults
+
+    return defaults(GRPOOptions)
+
+
 register(Method(
     name="grpo", what="GRPO on prompts, rollouts from the live engine", loss=_grpo_loss, data=_prompt_data,
     data_options=_grpo_data_options, rollouts=_grpo_rollouts, check=_grpo_check,
-    options={"reward": None, "reward_weights": None, "group": 8, "max_new_tokens": None, "temperature": 1.0,
-             "top_p": None, "top_k": None, "stop": [], "ignore_eos": False, "scale_std": True,
-             "drop_zero_variance": False,
-             "max_refills": 4, "loss_level": "sequence", "kl_coef": 0.04, "reference": "auto", "iterations": 1,
-             "adv_eps": 1e-4, "eps_low": 0.2, "eps_high": 0.2, "decode_attention": "auto",
-             "shared_prompt": True}))
+    options=_grpo_options()))  # every field of GRPOOptions, its default there
+
+
+# PPO's settings: PPOOptions' fields but the rollouts' GRPO-only ones (the group's std, dynamic sampling, the
+# loss level: PPO's advantages are GAE's, its loss per token), their defaults in PPOOptions
+PPO_OPTIONS = ("reward", "reward_weights", "group", "max_new_tokens", "temperature", "top_p", "top_k", "stop",
+               "ignore_eos", "reference", "iterations", "kl_ctl", "clip_reward_value", "gamma", "lam", "cliprange",
+               "cliprange_value", "critic_lr", "critic", "decode_attention")
+
+
+def _ppo_options() -> dict:
+    from zerojax.rl.ppo_rollouts import PPOOptions
+    from zerojax.rl.rollouts import defaults
+
+    return defaults(PPOOptions, PPO_OPTIONS)
 
 
 def _ppo_loss(options):
@@ -247,10 +262,7 @@ def _ppo_rollouts(engine, data, options, *, seed, start_step, num_steps):
 register(Method(
     name="ppo", what="PPO with a critic (DeepSpeed-Chat step 3), rollouts from the live engine", loss=_ppo_loss,
     data=_ppo_data, data_options=_grpo_data_options, rollouts=_ppo_rollouts, check=_ppo_check,
-    options={"reward": None, "reward_weights": None, "group": 1, "max_new_tokens": None, "temperature": 1.0,
-             "top_p": None, "top_k": None, "stop": [], "ignore_eos": False, "reference": "auto", "iterations": 1,
-             "kl_ctl": 0.1, "clip_reward_value": 5.0, "gamma": 1.0, "lam": 0.95, "cliprange": 0.2,
-             "cliprange_value": 0.2, "critic_lr": None, "critic": None, "decode_attention": "auto"}))
+    options=_ppo_options()))
 
 
 __all__ = ["Method", "register", "get", "methods"]

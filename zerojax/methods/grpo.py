@@ -22,7 +22,7 @@ import jax
 import jax.numpy as jnp
 
 from zerojax.methods.logprobs import completion_logps
-from zerojax.rl.rollouts import LOSS_LEVELS
+from zerojax.rl.rollouts import LOSS_LEVELS, GRPOOptions
 
 
 def check_options(eps_low, eps_high, kl_coef, loss_level) -> None:
@@ -75,8 +75,9 @@ def policy_loss(logps, old_logps, ref_logps, advantages, mask, *, eps_low: float
     return loss, metrics
 
 
-def make_grpo_loss(*, eps_low: float = 0.2, eps_high: float = 0.2, kl_coef: float = 0.04,
-                   loss_level: str = "sequence", iterations: int = 1, temperature: float = 1.0,
+def make_grpo_loss(*, eps_low: float = GRPOOptions.eps_low, eps_high: float = GRPOOptions.eps_high,
+                   kl_coef: float = GRPOOptions.kl_coef, loss_level: str = GRPOOptions.loss_level,
+                   iterations: int = GRPOOptions.iterations, temperature: float = GRPOOptions.temperature,
                    group: int | None = None):
     """-> `loss_fn(model, batch) -> (loss, metrics)` for `zerojax.shard`, on `RolloutBatches`'
     batches ("input_ids", "prompt_lengths", "completion_mask", "advantages", "old_logps" (read

@@ -49,6 +49,8 @@ class PPOOptions(RolloutOptions):
     values); critic_lr (None: the actor's lr), critic (a reward model folder to start the critic
     from, or None: the policy's weights and a fresh head)."""
 
+    reward: object = None           # as GRPO's (zerojax.rl.rewards)
+    reward_weights: object = None
     group: int = 1
     loss_level: str = "token"
     kl_coef: float | None = None  # set from kl_ctl

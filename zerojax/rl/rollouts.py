@@ -100,6 +100,28 @@ class RolloutOptions:
             raise ValueError(f"shared_prompt={self.shared_prompt!r}: true or false")
 
 
+@dataclasses.dataclass(frozen=True)
+class GRPOOptions(RolloutOptions):
+    """Every setting of the "grpo" method and its default, the one home of them (the trainer's
+    `--method-option`, `zerojax.methods.get("grpo").options` and `make_grpo_loss`'s keywords read
+    these): the rollouts' (`RolloutOptions`), the reward (`reward`: specs, `zerojax.rl.rewards`;
+    `reward_weights`: their weights) and the clipped ratio's bounds (eps_low, eps_high: DAPO's
+    clip-higher where they differ)."""
+
+    reward: object = None
+    reward_weights: object = None
+    eps_low: float = 0.2
+    eps_high: float = 0.2
+
+
+def defaults(options_class, names=None) -> dict:
+    """{field: default} of an options dataclass (only `names` where given): a method's settings."""
+    fields = {f.name: f for f in dataclasses.fields(options_class)}
+    picked = fields if names is None else {n: fields[n] for n in names}
+    return {n: (f.default if f.default is not dataclasses.MISSING else f.default_factory())
+            for n, f in picked.items()}
+
+
 class RolloutBatches:
     """An iterator of training batches (dicts of numpy arrays, engine.cfg.train_batch_size rows)
     for steps start_step .. start_step + num_steps - 1 (None: without end). `metrics`: the last
