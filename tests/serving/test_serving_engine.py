@@ -117,3 +117,41 @@ def test_sampling_is_per_request_and_stops(pair):
     assert crowd["g"].token_ids == greedy_ref
     stopped = zerojax.generate(model, p[1], max_new_tokens=NEW, stop=[stop_id], ignore_eos=True)
     assert crowd["stop"].token_ids == stopped.tokens[0] and crowd["stop"].finish_reason == "stop"
+
+
+def test_a_failing_step_fails_its_requests_and_the_engine_keeps_serving(pair, monkeypatch):
+    from zerojax.serving import step as step_mod
+
+    _, model = pair
+    engine = _engine(model)
+    prompt = _prompts(model.config.vocab_size, (7,), seed=8)[0]
+    real = step_mod.step
+
+    def broken(*args, **kwargs):
+        real(*args, **kwargs)  # the pool was donated to it: the engine must make a new one
+        raise RuntimeError("injected failure")
+
+    monkeypatch.setattr(step_mod, "step", broken)
+    engine.add_request(prompt, SamplingParams(max_tokens=NEW))
+    (failed,) = engine.step()
+    assert failed.finished and failed.finish_reason == "error" and "injected failure" in failed.error
+    assert engine.stats["pages_available"] == engine.pool.capacity
+    monkeypatch.setattr(step_mod, "step", real)
+    done, _ = _drain(engine, [[(0, prompt, SamplingParams(max_tokens=NEW))]])
+    assert done[0].token_ids == zerojax.generate(model, prompt, max_new_tokens=NEW).tokens[0]
+
+
+def test_gpt2_continuous_batching_equals_generate_alone(tmp_path):
+    from models.test_gpt2 import CFG, _hf_model as hf_gpt2
+
+    hf = hf_gpt2(CFG)
+    hf.save_pretrained(tmp_path)
+    model = from_hf(tmp_path)
+    engine = _engine(model)
+    prompts = _prompts(hf.config.vocab_size, (5, 19, 3, 11), seed=9)
+    greedy = SamplingParams(max_tokens=NEW)
+    done, _ = _drain(engine, [[(0, prompts[0], greedy), (1, prompts[1], greedy)], [(2, prompts[2], greedy)], [],
+                              [(3, prompts[3], greedy)]])
+    for i, prompt in enumerate(prompts):
+        assert done[i].token_ids == zerojax.generate(model, prompt, max_new_tokens=NEW).tokens[0] == \
+            _hf_greedy(hf, prompt, NEW), i

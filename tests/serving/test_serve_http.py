@@ -1,0 +1,192 @@
+"""`zerojax serve` as a real process on 127.0.0.1, driven by the official `openai` client: concurrent
+requests each equal `zerojax.generate` of their prompt alone, streaming equals non-streaming, chat
+uses the checkpoint's template, a client gone mid-stream frees its pages, bad input gets OpenAI's
+error body with 400 (401 without the key) and the server keeps serving. One server for the module
+(its start and its compiles are the expensive part), with a KV cache smaller than the requests'."""
+import concurrent.futures
+import http.client
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+
+from zerojax.generation import chat, generate
+from zerojax.models import from_hf, load_tokenizer
+
+openai = pytest.importorskip("openai")
+pytest.importorskip("fastapi")
+pytest.importorskip("uvicorn")
+pytest.importorskip("prometheus_client")
+pytest.importorskip("torch")
+
+from generation.test_generate_cli import folder  # noqa: E402,F401 (a fixture: tiny llama3, word tokenizer, template)
+
+KEY = "test-key"
+NEW = 8
+CACHE_TOKENS = 128  # 32 pages of 4: the 32 concurrent requests below need about 800 slots
+NAME = "tiny"
+
+
+def _request(url, method="GET", path="/health", raw=None, key=KEY):
+    """(status, body text) of one plain HTTP request (the stdlib's client: any body, any header)."""
+    host, port = url.rsplit("/", 1)[-1].split(":")
+    conn = http.client.HTTPConnection(host, int(port), timeout=60)
+    headers = {"Content-Type": "application/json", **({"Authorization": f"Bearer {key}"} if key else {})}
+    conn.request(method, path, body=raw, headers=headers)
+    r = conn.getresponse()
+    out = r.status, r.read().decode()
+    conn.close()
+    return out
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def server(folder):
+    """(base URL, the process) of `zerojax serve` over the tiny folder."""
+    port = _free_port()
+    cmd = [sys.executable, "-c", "import sys; from zerojax.cli import main; sys.exit(main())", "serve",
+           "--hf-checkpoint", str(folder), "--served-model-name", NAME, "--port", str(port), "--api-key", KEY,
+           "--page-size", "4", "--kv-cache-tokens", str(CACHE_TOKENS), "--max-num-seqs", "8",
+           "--max-batched-tokens", "32"]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=os.environ.copy())
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            pytest.fail(f"zerojax serve exited: {proc.stdout.read()}")
+        try:
+            if _request(url)[0] == 200:
+                break
+        except OSError:
+            time.sleep(0.2)
+    else:
+        proc.kill()
+        pytest.fail("zerojax serve did not answer /health in 120 s")
+    yield url, proc
+    proc.terminate()
+    out, _ = proc.communicate(timeout=30)
+    assert f"KV cache: {CACHE_TOKENS} tokens" in out  # it said at start what it holds
+
+
+@pytest.fixture(scope="module")
+def reference(folder):
+    return from_hf(folder), load_tokenizer(folder)
+
+
+def _client(url, key=KEY):
+    return openai.OpenAI(base_url=f"{url}/v1", api_key=key, max_retries=0, timeout=120)
+
+
+def _text(n, rng):
+    return " ".join(f"w{i}" for i in rng.integers(5, 101, n))
+
+
+def _metrics(url) -> dict:
+    text = _request(url, path="/metrics")[1]
+    return {line.rsplit(" ", 1)[0]: float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+            if line and not line.startswith("#")}
+
+
+def test_concurrent_completions_equal_generate_alone(server, reference):
+    url, _ = server
+    model, tok = reference
+    rng = np.random.default_rng(0)
+    prompts = [_text(n, rng) for n in rng.integers(2, 30, 32)]
+    client = _client(url)
+
+    def ask(prompt):
+        return client.completions.create(model=NAME, prompt=prompt, max_tokens=NEW, temperature=0)
+
+    with concurrent.futures.ThreadPoolExecutor(32) as pool:
+        answers = list(pool.map(ask, prompts))
+    assert sum(len(tok.encode(p)) + NEW for p in prompts) > CACHE_TOKENS  # more than the pool: some queued
+    for prompt, answer in zip(prompts, answers):
+        alone = generate(model, prompt, max_new_tokens=NEW, tokenizer=tok)
+        assert answer.choices[0].text == alone.texts[0]
+        assert answer.choices[0].finish_reason == alone.finish_reasons[0]
+        assert answer.usage.completion_tokens == len(alone.tokens[0])
+    m = _metrics(url)
+    assert m["zerojax_pages_in_use"] == 0 and m["zerojax_running"] == 0 and m["zerojax_waiting"] == 0
+    assert m["zerojax_generation_tokens_total"] >= sum(len(a.choices[0].text.split()) for a in answers)
+
+
+def test_stream_equals_non_stream_and_chat_uses_the_template(server, reference):
+    url, _ = server
+    model, tok = reference
+    client = _client(url)
+    prompt = "w11 w12 w40 w7"
+    whole = client.completions.create(model=NAME, prompt=prompt, max_tokens=NEW, temperature=0)
+    pieces = list(client.completions.create(model=NAME, prompt=prompt, max_tokens=NEW, temperature=0, stream=True))
+    assert "".join(p.choices[0].text for p in pieces) == whole.choices[0].text
+    assert pieces[-1].choices[0].finish_reason == whole.choices[0].finish_reason
+    messages = [{"role": "system", "content": "w9 w3"}, {"role": "user", "content": "w7 w8 w20"}]
+    answer = client.chat.completions.create(model=NAME, messages=messages, max_tokens=NEW, temperature=0)
+    expected = chat(model, messages, tokenizer=tok, max_new_tokens=NEW).texts[0]
+    assert answer.choices[0].message.content == expected
+    streamed = client.chat.completions.create(model=NAME, messages=messages, max_tokens=NEW, temperature=0,
+                                              stream=True)
+    assert "".join(c.choices[0].delta.content or "" for c in streamed if c.choices) == expected
+
+
+def test_client_gone_mid_stream_frees_its_pages(server):
+    url, _ = server
+    body = {"model": NAME, "prompt": "w5 w6 w7", "max_tokens": 50, "temperature": 0, "ignore_eos": True,
+            "stream": True}
+    host, port = url.rsplit("/", 1)[-1].split(":")
+    conn = http.client.HTTPConnection(host, int(port), timeout=60)
+    conn.request("POST", "/v1/completions", body=json.dumps(body),
+                 headers={"Content-Type": "application/json", "Authorization": f"Bearer {KEY}"})
+    response = conn.getresponse()
+    assert response.readline().startswith(b"data: ")  # the first token came
+    conn.sock.shutdown(socket.SHUT_RDWR)  # the client goes away mid-stream
+    conn.close()
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        m = _metrics(url)
+        if m["zerojax_running"] == 0 and m["zerojax_pages_in_use"] == 0:
+            break
+        time.sleep(0.1)
+    assert m["zerojax_running"] == 0 and m["zerojax_pages_in_use"] == 0
+    assert m['zerojax_requests_finished_total{reason="abort"}'] == 1
+
+
+def _error(url, body, raw=None, key=KEY):
+    status, text = _request(url, "POST", "/v1/completions", raw if raw is not None else json.dumps(body), key)
+    return status, json.loads(text)["error"]
+
+
+@pytest.mark.parametrize("body, raw, param", [
+    (None, b'{"model": "tiny", "prompt": ', None),
+    ({"model": "other", "prompt": "w5"}, None, "model"),
+    ({"model": NAME, "prompt": " ".join(["w5"] * 70)}, None, "prompt"),
+    ({"model": NAME, "prompt": "w5 w6", "max_tokens": 63}, None, "max_tokens"),
+    ({"model": NAME, "prompt": "w5", "temperature": -1}, None, "temperature"),
+    ({"model": NAME, "prompt": "w5", "top_p": 2}, None, "top_p"),
+])
+def test_bad_input_is_a_400_and_the_next_request_is_served(server, body, raw, param):
+    url, proc = server
+    status, error = _error(url, body, raw)
+    assert status == 400 and error["message"] and error["type"] == "invalid_request_error", error
+    assert error["param"] == param
+    ok = _client(url).completions.create(model=NAME, prompt="w5 w6", max_tokens=2, temperature=0)
+    assert ok.usage.completion_tokens >= 1 and proc.poll() is None
+
+
+def test_api_key_is_enforced_except_health(server):
+    url, _ = server
+    assert _error(url, {"model": NAME, "prompt": "w5"}, key=None)[0] == 401
+    assert _error(url, {"model": NAME, "prompt": "w5"}, key="wrong")[0] == 401
+    with pytest.raises(openai.AuthenticationError):
+        _client(url, key="wrong").models.list()
+    assert _request(url, key=None)[0] == 200
+    assert [m.id for m in _client(url).models.list().data] == [NAME]
