@@ -1,0 +1,51 @@
+"""The KV page pool's plan: from the device's free memory with the step's transients kept aside
+(what the planned pool and the transients hold fits the share of free memory, one page more
+would not), refused with the numbers where one request of max_model_len cannot fit; and the
+command's missing extra reported in one line."""
+import subprocess
+import sys
+
+import jax.numpy as jnp
+import pytest
+
+from zerojax.generation.families import Geometry
+from zerojax.serving import planning
+from zerojax.serving.step import pool_bytes_per_page
+
+GEOMETRY = Geometry(layers=4, kv_heads=2, head_dim=16, window=None, max_positions=None, heads=4)
+LIMITS = dict(page_size=16, kv_cache_tokens=None, max_num_seqs=8, max_batched_tokens=64, max_model_len=512,
+              model_len_limit=4096, vocab=1000)
+
+
+def test_pool_planned_from_free_memory(monkeypatch):
+    free = 48 << 20
+    monkeypatch.setattr(planning, "device_free_bytes", lambda device=None: free)
+    plan = planning.plan_pages(GEOMETRY, jnp.bfloat16, **LIMITS)
+    page = pool_bytes_per_page(GEOMETRY, 16, jnp.bfloat16)
+    assert page == 2 * 4 * 16 * 2 * 16 * 2  # keys + values, layers, slots, kv heads, head_dim, bf16 bytes
+    pool = (plan.num_pages - 1) * page
+    assert pool + plan.reserved_bytes <= 0.9 * free < pool + page + plan.reserved_bytes
+    assert plan.reserved_bytes > 0 and plan.max_model_len == 512
+    assert f"{plan.cache_tokens:,} tokens" in plan.describe()
+
+
+def test_pool_too_small_is_refused_with_the_fix(monkeypatch):
+    monkeypatch.setattr(planning, "device_free_bytes", lambda device=None: 2 << 20)
+    with pytest.raises(ValueError, match="less than one request of max_model_len 512: lower max_model_len"):
+        planning.plan_pages(GEOMETRY, jnp.bfloat16, **LIMITS)
+    monkeypatch.setattr(planning, "device_free_bytes", lambda device=None: None)  # CPU: no statistics
+    plan = planning.plan_pages(GEOMETRY, jnp.float32, **LIMITS)
+    assert plan.cache_tokens >= 8 * 512 and plan.free_bytes is None
+    asked = planning.plan_pages(GEOMETRY, jnp.float32, **{**LIMITS, "kv_cache_tokens": 1000})
+    assert asked.cache_tokens == 1008  # 63 pages of 16
+
+
+def test_serve_without_the_extra_says_how_to_install_it():
+    code = ("import sys; sys.modules['fastapi'] = None; from zerojax.cli import main; "
+            "sys.exit(main(['serve', '--hf-checkpoint', 'x']))")
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert run.returncode == 1
+    assert run.stderr == 'error: zerojax serve needs the serve extra: pip install -e ".[serve]" (fastapi, uvicorn, ' \
+                         'prometheus-client)\n'
+    code = "import sys, zerojax, zerojax.serving; zerojax.serving.LLM; print('fastapi' in sys.modules)"
+    assert subprocess.run([sys.executable, "-c", code], capture_output=True, text=True).stdout == "False\n"
