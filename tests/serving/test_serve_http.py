@@ -120,7 +120,7 @@ def test_concurrent_completions_equal_generate_alone(server, reference):
     assert m["zerojax_generation_tokens_total"] >= sum(len(a.choices[0].text.split()) for a in answers)
 
 
-def test_stream_equals_non_stream_and_chat_uses_the_template(server, reference):
+def test_stream_equals_non_stream_chat_template_and_client_gone(server, reference):
     url, _ = server
     model, tok = reference
     client = _client(url)
@@ -137,9 +137,7 @@ def test_stream_equals_non_stream_and_chat_uses_the_template(server, reference):
                                               stream=True)
     assert "".join(c.choices[0].delta.content or "" for c in streamed if c.choices) == expected
 
-
-def test_client_gone_mid_stream_frees_its_pages(server):
-    url, _ = server
+    # a client gone mid-stream: its request aborted, its pages back
     body = {"model": NAME, "prompt": "w5 w6 w7", "max_tokens": 50, "temperature": 0, "ignore_eos": True,
             "stream": True}
     host, port = url.rsplit("/", 1)[-1].split(":")
@@ -160,30 +158,31 @@ def test_client_gone_mid_stream_frees_its_pages(server):
     assert m['zerojax_requests_finished_total{reason="abort"}'] == 1
 
 
-def _error(url, body, raw=None, key=KEY):
-    status, text = _request(url, "POST", "/v1/completions", raw if raw is not None else json.dumps(body), key)
+def _error(url, body, key=KEY):
+    raw = body if isinstance(body, bytes) else json.dumps(body)
+    status, text = _request(url, "POST", "/v1/completions", raw, key)
     return status, json.loads(text)["error"]
 
 
-@pytest.mark.parametrize("body, raw, param", [
-    (None, b'{"model": "tiny", "prompt": ', None),
-    ({"model": "other", "prompt": "w5"}, None, "model"),
-    ({"model": NAME, "prompt": " ".join(["w5"] * 70)}, None, "prompt"),
-    ({"model": NAME, "prompt": "w5 w6", "max_tokens": 63}, None, "max_tokens"),
-    ({"model": NAME, "prompt": "w5", "temperature": -1}, None, "temperature"),
-    ({"model": NAME, "prompt": "w5", "top_p": 2}, None, "top_p"),
-])
-def test_bad_input_is_a_400_and_the_next_request_is_served(server, body, raw, param):
+BAD = [  # (body, or raw bytes; the param the error names)
+    (b'{"model": "tiny", "prompt": ', None),  # malformed JSON
+    ({"model": "other", "prompt": "w5"}, "model"),  # an unknown model
+    ({"model": NAME, "prompt": " ".join(["w5"] * 70)}, "prompt"),  # past the context (64)
+    ({"model": NAME, "prompt": "w5 w6", "max_tokens": 63}, "max_tokens"),  # 2 + 63 past the context
+    ({"model": NAME, "prompt": "w5", "temperature": -1}, "temperature"),
+    ({"model": NAME, "prompt": "w5", "top_p": 2}, "top_p"),
+]
+
+
+def test_bad_input_is_a_400_and_the_next_request_is_served(server):
     url, proc = server
-    status, error = _error(url, body, raw)
-    assert status == 400 and error["message"] and error["type"] == "invalid_request_error", error
-    assert error["param"] == param
-    ok = _client(url).completions.create(model=NAME, prompt="w5 w6", max_tokens=2, temperature=0)
-    assert ok.usage.completion_tokens >= 1 and proc.poll() is None
-
-
-def test_api_key_is_enforced_except_health(server):
-    url, _ = server
+    for body, param in BAD:
+        status, error = _error(url, body)
+        assert status == 400 and error["message"] and error["type"] == "invalid_request_error", (body, error)
+        assert error["param"] == param, (body, error)
+        ok = _client(url).completions.create(model=NAME, prompt="w5 w6", max_tokens=2, temperature=0)
+        assert ok.usage.completion_tokens >= 1 and proc.poll() is None
+    # --api-key: every route but /health needs it
     assert _error(url, {"model": NAME, "prompt": "w5"}, key=None)[0] == 401
     assert _error(url, {"model": NAME, "prompt": "w5"}, key="wrong")[0] == 401
     with pytest.raises(openai.AuthenticationError):
