@@ -5,7 +5,7 @@ requests give their pages back at once. Single-threaded: the server's engine thr
 (`zerojax.serving.async_engine`), `LLM` calls it in a loop.
 
 A step is at most two program calls per adapter: the rows feeding one token (decodes) as [R, 1]
-and the rows feeding a prompt chunk as [R, C], each shape from the buckets below, so the
+and the rows feeding a prompt chunk as [R, C], each shape from `zerojax.serving.shapes`, so the
 programs compiled stay few whatever the requests' lengths.
 """
 from __future__ import annotations
@@ -19,6 +19,7 @@ from flax import nnx
 
 from zerojax.generation import buckets, decoder
 from zerojax.generation.families import geometry_of_config
+from zerojax.serving import shapes
 from zerojax.serving import step as step_mod
 from zerojax.serving.output import Detokenizer, RequestOutput, make_output
 from zerojax.serving.pages import SCRATCH_PAGE, PagePool
@@ -42,17 +43,6 @@ def model_len_limit(config) -> int | None:
     return geometry_of_config(config).max_positions or getattr(config, "max_position_embeddings", None)
 
 
-def _pow2(n: int, least: int = 1) -> int:
-    return max(least, 1 << max(0, n - 1).bit_length())
-
-
-# Floors of the shape buckets, so that few programs compile: a step's rows padded to at least
-# MIN_ROWS (padding rows of a decode step cost little where a step reads the weights anyway), each
-# row's pages gathered over at least MIN_SPAN slots, a prompt chunk at least MIN_CHUNK tokens;
-# above the floors, powers of two.
-MIN_ROWS = 8
-MIN_SPAN = 256
-MIN_CHUNK = 16
 
 
 class LLMEngine:
@@ -250,11 +240,13 @@ class LLMEngine:
     def _run_group(self, model, rows) -> dict:
         weights, source = model
         ps = self.page_size
-        R = min(_pow2(len(rows), MIN_ROWS), _pow2(self.scheduler.max_num_seqs))
-        longest = max(n for _, n in rows)
-        C = 1 if longest == 1 else min(_pow2(longest, MIN_CHUNK), _pow2(self.scheduler.max_batched_tokens))
-        max_pages = -(-self.max_model_len // ps)
-        P = min(_pow2(max(len(req.pages) for req, _ in rows), -(-MIN_SPAN // ps)), _pow2(max_pages))
+        budget, longest = self.scheduler.max_batched_tokens, max(n for _, n in rows)
+        if longest == 1:
+            R, C = shapes.decode_rows(len(rows), self.scheduler.max_num_seqs), 1
+        else:
+            C = shapes.chunk_length(longest, budget)
+            R = shapes.chunk_rows(C, budget)
+        P = shapes.span_pages(max(len(req.pages) for req, _ in rows), ps, -(-self.max_model_len // ps))
         tokens = np.zeros((R, C), np.int32)
         start, count = np.zeros(R, np.int32), np.zeros(R, np.int32)
         pages = np.full((R, P), SCRATCH_PAGE, np.int32)

@@ -17,6 +17,7 @@ import time
 
 from zerojax.serving.pages import PagePool, chain_hashes
 from zerojax.serving.params import SamplingParams
+from zerojax.serving.shapes import ChunkSlots
 
 
 @dataclasses.dataclass(eq=False)
@@ -71,29 +72,38 @@ class Scheduler:
 
     def schedule(self) -> list[tuple[Request, int]]:
         """[(request, tokens it feeds this step)]: running decodes, running prompts' next chunks,
-        then newly admitted prompts."""
-        budget, plan = self.max_batched_tokens, []
+        then newly admitted prompts; the prompt chunks within one chunk program's shape
+        (`zerojax.serving.shapes.ChunkSlots`)."""
+        budget, plan, chunks = self.max_batched_tokens, [], ChunkSlots(self.max_batched_tokens)
         # decodes first, then the prompts being read: a long prompt's chunk never takes a decode's turn
         for req in sorted(self.running, key=lambda r: r.remaining > 1):
             if req not in self.running:  # preempted below for an older request
                 continue
             n = min(req.remaining, budget)
+            if n > 1:
+                n = chunks.fit(n)
             if n <= 0:
                 continue
             if self._make_room(req, req.num_computed + n):
                 plan.append((req, n))
                 budget -= n
+                if n > 1:
+                    chunks.take(n)
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             req = self.waiting[0]
             if not req.pages and self.prefix_caching:
                 self._take_cached_prefix(req)
             n = min(req.remaining, budget)
-            if not self._pages_for(req, req.num_computed + n):
-                break  # it waits (first come, first served) until pages come back
+            if n > 1:
+                n = chunks.fit(n)
+            if n <= 0 or not self._pages_for(req, req.num_computed + n):
+                break  # it waits (first come, first served) for a chunk row or for pages
             self.waiting.popleft()
             self.running.append(req)
             plan.append((req, n))
             budget -= n
+            if n > 1:
+                chunks.take(n)
         return plan
 
     def _take_cached_prefix(self, req: Request) -> None:
