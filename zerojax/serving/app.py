@@ -136,7 +136,7 @@ class _Server:
                         return
                     entries = (list(zip(out.delta_token_ids, out.delta_logprobs)) if out.delta_logprobs is not None
                                else None)
-                    if out.delta_text or out.finished or entries:
+                    if out.delta_text or out.delta_token_ids or out.finished:  # a chunk per token (no tokenizer: no text)
                         delta = {"content": out.delta_text} if chat else out.delta_text
                         yield _sse(chunk(i, delta, out.finish_reason if out.finished else None, entries))
                     if out.finished:

@@ -17,7 +17,8 @@ import jax
 import numpy as np
 from flax import nnx
 
-from zerojax.generation import buckets, decoder
+from zerojax.generation import decoder
+from zerojax.generation.buckets import length_bucket
 from zerojax.generation.families import geometry_of_config
 from zerojax.serving import shapes
 from zerojax.serving import step as step_mod
@@ -52,11 +53,12 @@ class LLMEngine:
     page_size: slots per KV page. kv_cache_tokens: the pool's size in tokens (None: planned from the
     device's free memory, `zerojax.serving.planning`). max_num_seqs: requests running at once.
     max_batched_tokens: tokens one step feeds (decodes + prompt chunks). max_model_len: prompt +
-    new tokens of one request (default: the model's positions, at most the pool)."""
+    new tokens of one request (default: the model's positions, at most the pool). buckets: the
+    floors of the compiled shapes (`zerojax.serving.shapes.Buckets`)."""
 
     def __init__(self, model, tokenizer=None, *, adapters=None, page_size: int = 16, kv_cache_tokens: int | None = None,
                  max_num_seqs: int = 64, max_batched_tokens: int = 512, max_model_len: int | None = None,
-                 prefix_caching: bool = True, memory_fraction: float = 0.9):
+                 prefix_caching: bool = True, memory_fraction: float = 0.9, buckets: shapes.Buckets = shapes.Buckets()):
         for name, v in (("page_size", page_size), ("max_num_seqs", max_num_seqs),
                         ("max_batched_tokens", max_batched_tokens)):
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
@@ -79,7 +81,8 @@ class LLMEngine:
         self.max_model_len = plan.max_model_len
         self.pool = PagePool(plan.num_pages, page_size)
         self.scheduler = Scheduler(self.pool, max_num_seqs=max_num_seqs, max_batched_tokens=max_batched_tokens,
-                                   prefix_caching=prefix_caching)
+                                   prefix_caching=prefix_caching, buckets=buckets)
+        self.buckets = buckets
         self.keys, self.values = step_mod.empty_pool(self.geometry, plan.num_pages, page_size, self.dtype)
         self.detok = Detokenizer(tokenizer)
         self._requests: dict[str, Request] = {}
@@ -242,11 +245,11 @@ class LLMEngine:
         ps = self.page_size
         budget, longest = self.scheduler.max_batched_tokens, max(n for _, n in rows)
         if longest == 1:
-            R, C = shapes.decode_rows(len(rows), self.scheduler.max_num_seqs), 1
+            R, C = self.buckets.decode_rows(len(rows), self.scheduler.max_num_seqs), 1
         else:
-            C = shapes.chunk_length(longest, budget)
-            R = shapes.chunk_rows(C, budget)
-        P = shapes.span_pages(max(len(req.pages) for req, _ in rows), ps, -(-self.max_model_len // ps))
+            C = self.buckets.chunk_length(longest, budget)
+            R = self.buckets.chunk_rows(C, budget)
+        P = self.buckets.span_pages(max(len(req.pages) for req, _ in rows), ps, -(-self.max_model_len // ps))
         tokens = np.zeros((R, C), np.int32)
         start, count = np.zeros(R, np.int32), np.zeros(R, np.int32)
         pages = np.full((R, P), SCRATCH_PAGE, np.int32)
@@ -278,7 +281,7 @@ class LLMEngine:
         """The penalties' token lists where a row asks for one (None: the program without them)."""
         if not any(req.params.penalized for req, _ in rows):
             return None
-        H = buckets.length_bucket(max(len(req.prompt) + len(req.output) for req, _ in rows))
+        H = length_bucket(max(len(req.prompt) + len(req.output) for req, _ in rows))
         ids, generated = np.full((R, H), -1, np.int32), np.zeros((R, H), bool)
         rep, presence, frequency = np.ones(R, np.float32), np.zeros(R, np.float32), np.zeros(R, np.float32)
         for r, (req, _) in enumerate(rows):

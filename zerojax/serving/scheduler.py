@@ -17,7 +17,7 @@ import time
 
 from zerojax.serving.pages import PagePool, chain_hashes
 from zerojax.serving.params import SamplingParams
-from zerojax.serving.shapes import ChunkSlots
+from zerojax.serving.shapes import Buckets, ChunkSlots
 
 
 @dataclasses.dataclass(eq=False)
@@ -57,8 +57,9 @@ class Request:
 class Scheduler:
     """The waiting queue and the running set over one `PagePool`."""
 
-    def __init__(self, pool: PagePool, *, max_num_seqs: int, max_batched_tokens: int, prefix_caching: bool = True):
-        self.pool = pool
+    def __init__(self, pool: PagePool, *, max_num_seqs: int, max_batched_tokens: int, prefix_caching: bool = True,
+                 buckets: Buckets = Buckets()):
+        self.pool, self.buckets = pool, buckets
         self.max_num_seqs, self.max_batched_tokens = max_num_seqs, max_batched_tokens
         self.prefix_caching = prefix_caching
         self.waiting: collections.deque[Request] = collections.deque()
@@ -74,7 +75,7 @@ class Scheduler:
         """[(request, tokens it feeds this step)]: running decodes, running prompts' next chunks,
         then newly admitted prompts; the prompt chunks within one chunk program's shape
         (`zerojax.serving.shapes.ChunkSlots`)."""
-        budget, plan, chunks = self.max_batched_tokens, [], ChunkSlots(self.max_batched_tokens)
+        budget, plan, chunks = self.max_batched_tokens, [], ChunkSlots(self.buckets, self.max_batched_tokens)
         # decodes first, then the prompts being read: a long prompt's chunk never takes a decode's turn
         for req in sorted(self.running, key=lambda r: r.remaining > 1):
             if req not in self.running:  # preempted below for an older request
