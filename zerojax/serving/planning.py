@@ -40,10 +40,11 @@ class PagePlan:
 def step_transient_bytes(geometry: Geometry, dtype, *, max_num_seqs: int, max_batched_tokens: int,
                          max_model_len: int, vocab: int) -> int:
     """What the largest step holds beside the pool and the weights, by count: one layer's gathered
-    keys and values of every row (and their attention layout), the chunk's fp32 attention scores,
-    and the rows' fp32 logits through sampling (a sort, a softmax, a cumulative sum)."""
+    keys and values of every row (three copies: the gather, its attention layout, one more that XLA
+    may keep), the chunk's fp32 attention scores, and the rows' fp32 logits through sampling (a
+    sort, a softmax, a cumulative sum)."""
     item = np.dtype(dtype).itemsize
-    gathered = 2 * 2 * max_num_seqs * max_model_len * geometry.kv_heads * geometry.head_dim * item
+    gathered = 2 * 3 * max_num_seqs * max_model_len * geometry.kv_heads * geometry.head_dim * item
     scores = 2 * max_batched_tokens * geometry.heads * max_model_len * 4
     logits = 6 * max_num_seqs * vocab * 4
     return gathered + scores + logits

@@ -1,0 +1,145 @@
+"""zerojax serve under load: the OpenAI-compatible server (uvicorn, in this process, on 127.0.0.1)
+over random-init Llama-3.1-8B (bf16, no hub access), and an async load generator (aiohttp) holding
+1, 16, 64 and 256 streamed requests in flight; prompt / output lengths drawn like chat traffic
+(mean 512 / 256, benchmarks/serve_traffic.py), eos ignored, greedy. Per level: output tokens/s,
+time to first token and inter-token latency p50 / p99, from each streamed chunk's arrival (a
+chunk per token). Then concurrency 64 again with a tenth of the prompts 3,072 tokens long (the
+chunked prefill's test: TTFT p99 beside the run without them). Each level runs once untimed first
+with other prompts and 8 new tokens (its programs compile there).
+
+    PYTHONPATH=. python benchmarks/serve_bench.py                 # one GPU: the table + JSON lines
+    PYTHONPATH=. python benchmarks/serve_bench.py --tiny          # CPU smoke test: tiny shapes
+    PYTHONPATH=. python benchmarks/serve_bench_hf.py              # the anchor: transformers' continuous batching
+
+Needs fastapi, uvicorn, prometheus-client (the serve extra), pydantic, starlette and aiohttp.
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import socket
+import sys
+import threading
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path[:0] = [ROOT, os.path.join(ROOT, "benchmarks")]
+
+import serve_traffic  # noqa: E402
+
+LONG_PROMPT = 3072
+
+
+def shape(tiny: bool) -> dict:
+    if tiny:
+        return dict(name="tiny", levels=(1, 4), prompt_mean=24, output_mean=12, max_prompt=48, max_output=24,
+                    max_model_len=128, long_prompt=64, max_num_seqs=8, max_batched_tokens=64, requests=lambda c: 6)
+    return dict(name="llama-3.1-8b", levels=serve_traffic.LEVELS, prompt_mean=512, output_mean=256, max_prompt=2048,
+                max_output=1024, max_model_len=4096, long_prompt=LONG_PROMPT, max_num_seqs=256,
+                max_batched_tokens=2048, requests=lambda c: max(4, 3 * c // 2))
+
+
+def build_engine(s: dict, tiny: bool):
+    import jax.numpy as jnp
+    from flax import nnx
+
+    from zerojax.models import Llama, LlamaConfig
+    from zerojax.serving import LLMEngine
+    from zerojax.serving.shapes import Buckets
+
+    model = Llama(LlamaConfig.named(s["name"]), rngs=nnx.Rngs(0), dtype=jnp.bfloat16, param_dtype=jnp.bfloat16)
+    # an 8B program compiles in seconds: high floors keep the programs few (rows 16 .. 256, spans
+    # 2048 / 4096 slots, chunks 256 .. 2048 tokens)
+    buckets = Buckets() if tiny else Buckets(min_rows=16, min_span=2048, min_chunk=256)
+    return model, LLMEngine(model, None, max_num_seqs=s["max_num_seqs"], max_batched_tokens=s["max_batched_tokens"],
+                            max_model_len=s["max_model_len"], buckets=buckets)
+
+
+def start_server(engine) -> tuple[str, object]:
+    import uvicorn
+
+    from zerojax.serving.app import build_app
+    from zerojax.serving.async_engine import AsyncEngine
+    from zerojax.serving.metrics import ServingMetrics
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    metrics = ServingMetrics(lambda: engine.stats)
+    aengine = AsyncEngine(engine, metrics)
+    aengine.start()
+    server = uvicorn.Server(uvicorn.Config(build_app(aengine, model_name="bench", metrics=metrics), host="127.0.0.1",
+                                           port=port, log_level="warning", timeout_keep_alive=600))
+    threading.Thread(target=server.run, daemon=True).start()
+    while not server.started:
+        time.sleep(0.05)
+    return f"http://127.0.0.1:{port}", server
+
+
+async def _one(session, url, prompt, new):
+    body = {"model": "bench", "prompt": prompt, "max_tokens": new, "temperature": 0, "ignore_eos": True,
+            "stream": True}
+    start, times = time.perf_counter(), []
+    async with session.post(f"{url}/v1/completions", json=body) as r:
+        if r.status != 200:
+            raise RuntimeError(f"HTTP {r.status}: {await r.text()}")
+        async for line in r.content:
+            if line.startswith(b"data: {"):
+                if json.loads(line[6:]).get("choices"):
+                    times.append(time.perf_counter())
+    return start, times
+
+
+async def level(url, reqs, concurrency: int):
+    import aiohttp
+
+    gate = asyncio.Semaphore(concurrency)
+    connector = aiohttp.TCPConnector(limit=concurrency)
+    async with aiohttp.ClientSession(connector=connector, timeout=aiohttp.ClientTimeout(total=None)) as session:
+        async def run(prompt, new):
+            async with gate:
+                return await _one(session, url, prompt, new)
+
+        start = time.perf_counter()
+        runs = await asyncio.gather(*(run(p, n) for p, n in reqs))
+    return runs, time.perf_counter() - start
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--tiny", action="store_true", help="CPU smoke test: the tiny Llama shape, levels 1 and 4")
+    ap.add_argument("--out", default=None, help="also write the JSON lines here")
+    args = ap.parse_args(argv)
+    import jax
+
+    s = shape(args.tiny)
+    model, engine = build_engine(s, args.tiny)
+    print(engine.plan.describe(), flush=True)
+    url, server = start_server(engine)
+    vocab = model.config.vocab_size
+    draw = dict(prompt_mean=s["prompt_mean"], output_mean=s["output_mean"], max_prompt=s["max_prompt"],
+                max_output=s["max_output"], vocab=vocab)
+    cases = [(c, 0.0) for c in s["levels"]] + [(s["levels"][-2] if len(s["levels"]) > 2 else s["levels"][-1], 0.1)]
+    rows = []
+    for i, (c, long_share) in enumerate(cases):
+        n = s["requests"](c)
+        warm = serve_traffic.requests(n, seed=1000 + i, long_share=long_share, long_prompt=s["long_prompt"], **draw)
+        asyncio.run(level(url, [(p, min(o, 8)) for p, o in warm], c))
+        reqs = serve_traffic.requests(n, seed=i, long_share=long_share, long_prompt=s["long_prompt"], **draw)
+        runs, seconds = asyncio.run(level(url, reqs, c))
+        row = serve_traffic.figures("zerojax", c, runs, seconds, model=s["name"], long_prompt_share=long_share,
+                                    device=str(jax.devices()[0].device_kind), **{"preemptions": engine.stats["preemptions"]})
+        rows.append(row)
+        print(json.dumps(row), flush=True)
+    server.should_exit = True
+    print(serve_traffic.table(rows))
+    if args.out:
+        with open(args.out, "a") as f:
+            f.writelines(json.dumps(r) + "\n" for r in rows)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
