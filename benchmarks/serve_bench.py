@@ -110,7 +110,6 @@ async def level(url, reqs, concurrency: int):
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--tiny", action="store_true", help="CPU smoke test: the tiny Llama shape, levels 1 and 4")
-    ap.add_argument("--out", default=None, help="also write the JSON lines here")
     args = ap.parse_args(argv)
     import jax
 
@@ -118,26 +117,10 @@ def main(argv=None) -> int:
     model, engine = build_engine(s, args.tiny)
     print(engine.plan.describe(), flush=True)
     url, server = start_server(engine)
-    vocab = model.config.vocab_size
-    draw = dict(prompt_mean=s["prompt_mean"], output_mean=s["output_mean"], max_prompt=s["max_prompt"],
-                max_output=s["max_output"], vocab=vocab)
-    cases = [(c, 0.0) for c in s["levels"]] + [(s["levels"][-2] if len(s["levels"]) > 2 else s["levels"][-1], 0.1)]
-    rows = []
-    for i, (c, long_share) in enumerate(cases):
-        n = s["requests"](c)
-        warm = serve_traffic.requests(n, seed=1000 + i, long_share=long_share, long_prompt=s["long_prompt"], **draw)
-        asyncio.run(level(url, [(p, min(o, 8)) for p, o in warm], c))
-        reqs = serve_traffic.requests(n, seed=i, long_share=long_share, long_prompt=s["long_prompt"], **draw)
-        runs, seconds = asyncio.run(level(url, reqs, c))
-        row = serve_traffic.figures("zerojax", c, runs, seconds, model=s["name"], long_prompt_share=long_share,
-                                    device=str(jax.devices()[0].device_kind), **{"preemptions": engine.stats["preemptions"]})
-        rows.append(row)
-        print(json.dumps(row), flush=True)
+    device = str(jax.devices()[0].device_kind)
+    serve_traffic.run_matrix("zerojax", s, model.config.vocab_size, lambda reqs, c: asyncio.run(level(url, reqs, c)),
+                             lambda: {"device": device, "preemptions": engine.stats["preemptions"]})
     server.should_exit = True
-    print(serve_traffic.table(rows))
-    if args.out:
-        with open(args.out, "a") as f:
-            f.writelines(json.dumps(r) + "\n" for r in rows)
     return 0
 
 

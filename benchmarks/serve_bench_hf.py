@@ -11,7 +11,6 @@ transformers (record_timestamps).
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 import time
@@ -55,7 +54,6 @@ def run_level(manager, reqs, concurrency: int):
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--tiny", action="store_true")
-    ap.add_argument("--out", default=None, help="also write the JSON lines here")
     args = ap.parse_args(argv)
     import torch
     from transformers import GenerationConfig
@@ -65,30 +63,12 @@ def main(argv=None) -> int:
     s = shape(args.tiny)
     device = "cuda" if torch.cuda.is_available() else "cpu"
     model = random_llama(s["name"], device, torch.bfloat16).eval()
-    vocab = model.config.vocab_size
     config = GenerationConfig(do_sample=False, max_new_tokens=s["max_output"], pad_token_id=0, eos_token_id=NEVER)
-    draw = dict(prompt_mean=s["prompt_mean"], output_mean=s["output_mean"], max_prompt=s["max_prompt"],
-                max_output=s["max_output"], vocab=vocab)
-    cases = [(c, 0.0) for c in s["levels"]] + [(s["levels"][-2] if len(s["levels"]) > 2 else s["levels"][-1], 0.1)]
-    rows = []
+    name = torch.cuda.get_device_name() if device == "cuda" else "cpu"
     with model.continuous_batching_context_manager(generation_config=config, block=True, timeout=30) as manager:
-        for i, (c, long_share) in enumerate(cases):
-            n = s["requests"](c)
-            warm = serve_traffic.requests(n, seed=1000 + i, long_share=long_share, long_prompt=s["long_prompt"],
-                                          **draw)
-            run_level(manager, [(p, min(o, 8)) for p, o in warm], c)
-            reqs = serve_traffic.requests(n, seed=i, long_share=long_share, long_prompt=s["long_prompt"], **draw)
-            runs, seconds = run_level(manager, reqs, c)
-            row = serve_traffic.figures("transformers", c, runs, seconds, model=s["name"],
-                                        long_prompt_share=long_share,
-                                        device=torch.cuda.get_device_name() if device == "cuda" else "cpu",
-                                        attention=model.config._attn_implementation)
-            rows.append(row)
-            print(json.dumps(row), flush=True)
-    print(serve_traffic.table(rows))
-    if args.out:
-        with open(args.out, "a") as f:
-            f.writelines(json.dumps(r) + "\n" for r in rows)
+        serve_traffic.run_matrix("transformers", s, model.config.vocab_size,
+                                 lambda reqs, c: run_level(manager, reqs, c),
+                                 lambda: {"device": name, "attention": model.config._attn_implementation})
     return 0
 
 

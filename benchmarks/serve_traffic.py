@@ -43,6 +43,28 @@ def figures(framework: str, concurrency: int, runs: list[tuple[float, list[float
             "itl_p99_ms": pct(itl, 99), **extra}
 
 
+def run_matrix(framework: str, s: dict, vocab: int, run_level, extra) -> list[dict]:
+    """Each level of `s` (serve_bench.shape), then the one before last with a tenth long prompts:
+    an untimed pass (other prompts, 8 new tokens: the programs compile), then the timed one.
+    run_level(requests, concurrency) -> (per request (start, token times), seconds); extra() -> more
+    keys for the line. Prints a JSON line per level and the table."""
+    import json
+
+    draw = dict(prompt_mean=s["prompt_mean"], output_mean=s["output_mean"], max_prompt=s["max_prompt"],
+                max_output=s["max_output"], vocab=vocab, long_prompt=s["long_prompt"])
+    levels = s["levels"]
+    rows = []
+    for i, (c, long_share) in enumerate([(c, 0.0) for c in levels] + [(levels[-2 if len(levels) > 2 else -1], 0.1)]):
+        n = s["requests"](c)
+        warm = requests(n, seed=1000 + i, long_share=long_share, **draw)
+        run_level([(p, min(o, 8)) for p, o in warm], c)
+        runs, seconds = run_level(requests(n, seed=i, long_share=long_share, **draw), c)
+        rows.append(figures(framework, c, runs, seconds, model=s["name"], long_prompt_share=long_share, **extra()))
+        print(json.dumps(rows[-1]), flush=True)
+    print(table(rows))
+    return rows
+
+
 def table(rows: list[dict]) -> str:
     cols = ["framework", "concurrency", "long_prompt_share", "requests", "output_tokens_per_s", "ttft_p50_ms", "ttft_p99_ms", "itl_p50_ms",
             "itl_p99_ms"]
@@ -50,4 +72,4 @@ def table(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
-__all__ = ["requests", "figures", "table", "LEVELS"]
+__all__ = ["requests", "figures", "table", "run_matrix", "LEVELS"]
