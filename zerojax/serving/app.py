@@ -23,6 +23,7 @@ from zerojax.serving.async_engine import AsyncEngine
 from zerojax.serving.params import BadRequestError
 
 log = logging.getLogger("zerojax.serving")
+DISCONNECT_CHECK_S = 0.5  # how often a waiting non-streamed request asks whether its client is still there
 
 
 def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
@@ -91,8 +92,16 @@ class _Server:
             for t in tasks:
                 t.cancel()
 
-    async def complete(self, reqs, model: str, chat: bool):
-        outs = await asyncio.gather(*(self._final(r) for r in reqs))
+    async def complete(self, reqs, model: str, chat: bool, http: HTTPRequest):
+        """The whole answer; a client gone before it (checked twice a second) aborts its requests."""
+        answer = asyncio.ensure_future(asyncio.gather(*(self._final(r) for r in reqs)))
+        while not (await asyncio.wait({answer}, timeout=DISCONNECT_CHECK_S))[0]:
+            if await http.is_disconnected():
+                answer.cancel()  # each request's updates closed: the engine aborts it, its pages back
+                with contextlib.suppress(asyncio.CancelledError):
+                    await answer
+                return Response(status_code=499)
+        outs = answer.result()
         failed = [o for o in outs if o.finish_reason == "error"]
         if failed:
             return JSONResponse(P.error_body(f"the engine failed this request: {failed[0].error}", "server_error",
@@ -196,15 +205,15 @@ def build_app(aengine: AsyncEngine, *, model_name: str, api_key: str | None = No
         return server.models()
 
     @app.post("/v1/completions")
-    async def completions(body: P.CompletionRequest):
+    async def completions(body: P.CompletionRequest, http: HTTPRequest):
         adapter, params = server.adapter_of(body.model), body.sampling_params()
         reqs = server.requests(body.prompts(), params, adapter, True, "cmpl")
         if body.stream:
             return server.stream(reqs, body.model, False, bool(body.stream_options and body.stream_options.include_usage))
-        return await server.complete(reqs, body.model, chat=False)
+        return await server.complete(reqs, body.model, False, http)
 
     @app.post("/v1/chat/completions")
-    async def chat_completions(body: P.ChatCompletionRequest):
+    async def chat_completions(body: P.ChatCompletionRequest, http: HTTPRequest):
         from zerojax.data.finetune import render_chat
 
         adapter, params = server.adapter_of(body.model), body.sampling_params()
@@ -218,7 +227,7 @@ def build_app(aengine: AsyncEngine, *, model_name: str, api_key: str | None = No
         reqs = server.requests([text], params, adapter, False, "chatcmpl")  # the template writes BOS itself
         if body.stream:
             return server.stream(reqs, body.model, True, bool(body.stream_options and body.stream_options.include_usage))
-        return await server.complete(reqs, body.model, chat=True)
+        return await server.complete(reqs, body.model, True, http)
 
     return app
 
