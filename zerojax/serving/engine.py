@@ -123,6 +123,8 @@ class LLMEngine:
         past it, an unknown adapter); `add` queues it. Thread-safe (touches no engine state)."""
         if adapter not in self._models:
             raise BadRequestError(f"adapter {adapter!r} is not served; served: {self.adapters}", param="model")
+        if params.stop and self.tokenizer is None:
+            raise BadRequestError("stop strings need the engine's tokenizer; give stop_token_ids", param="stop")
         ids = self.encode(prompt, add_special_tokens)
         if not ids:
             raise BadRequestError("the prompt is empty: give at least one token", param="prompt")

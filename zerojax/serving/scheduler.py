@@ -85,7 +85,7 @@ class Scheduler:
                 n = chunks.fit(n)
             if n <= 0:
                 continue
-            if self._make_room(req, req.num_computed + n):
+            if self._make_room(req, req.num_computed + n, {r for r, _ in plan}):
                 plan.append((req, n))
                 budget -= n
                 if n > 1:
@@ -98,7 +98,11 @@ class Scheduler:
             if n > 1:
                 n = chunks.fit(n)
             if n <= 0 or not self._pages_for(req, req.num_computed + n):
-                break  # it waits (first come, first served) for a chunk row or for pages
+                # it waits (first come, first served) for a chunk row or for pages, holding none: the
+                # cached pages it took stay cached, and another request's preemption may put it
+                # behind others, who must not wait on pages it sits on
+                self._release(req)
+                break
             self.waiting.popleft()
             self.running.append(req)
             plan.append((req, n))
@@ -126,11 +130,12 @@ class Scheduler:
         req.pages.extend(got)
         return True
 
-    def _make_room(self, req: Request, upto: int) -> bool:
-        """Pages for a running request, preempting the youngest running requests until they come;
-        False where `req` itself was the youngest (it was preempted)."""
+    def _make_room(self, req: Request, upto: int, planned: set) -> bool:
+        """Pages for a running request, preempting the youngest running requests not already in
+        this step (`planned`) until they come; False where `req` itself was the youngest (it was
+        preempted)."""
         while not self._pages_for(req, upto):
-            victim = self.running[-1]
+            victim = [r for r in self.running if r not in planned][-1]
             self.preempt(victim)
             if victim is req:
                 return False
