@@ -51,13 +51,24 @@ def _free_port() -> int:
 
 
 @pytest.fixture(scope="module")
-def server(folder):
-    """(base URL, the process) of `zerojax serve` over the tiny folder."""
+def tuned(folder, tmp_path_factory):
+    """(a LoRA model over the tiny base, its PEFT folder): served as model "tuned"."""
+    from zerojax import lora
+
+    model = lora.apply(from_hf(folder), {"r": 4, "target_modules": "all-linear", "init_lora_weights": False})
+    path = tmp_path_factory.mktemp("tuned")
+    lora.save_peft(model, path)
+    return model, path
+
+
+@pytest.fixture(scope="module")
+def server(folder, tuned):
+    """(base URL, the process) of `zerojax serve` over the tiny folder and the adapter."""
     port = _free_port()
     cmd = [sys.executable, "-c", "import sys; from zerojax.cli import main; sys.exit(main())", "serve",
            "--hf-checkpoint", str(folder), "--served-model-name", NAME, "--port", str(port), "--api-key", KEY,
            "--page-size", "4", "--kv-cache-tokens", str(CACHE_TOKENS), "--max-num-seqs", "8",
-           "--max-batched-tokens", "32"]
+           "--max-batched-tokens", "32", "--adapter", f"tuned={tuned[1]}"]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=os.environ.copy())
     url = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + 120
@@ -188,4 +199,16 @@ def test_bad_input_is_a_400_and_the_next_request_is_served(server):
     with pytest.raises(openai.AuthenticationError):
         _client(url, key="wrong").models.list()
     assert _request(url, key=None)[0] == 200
-    assert [m.id for m in _client(url).models.list().data] == [NAME]
+    assert [m.id for m in _client(url).models.list().data] == [NAME, "tuned"]
+
+
+def test_the_request_model_picks_the_adapter(server, tuned, reference):
+    url, _ = server
+    _, tok = reference
+    client = _client(url)
+    prompt = "w33 w2 w61 w8 w19"
+    answers = {m: client.completions.create(model=m, prompt=prompt, max_tokens=NEW, temperature=0,
+                                          extra_body={"ignore_eos": True})
+               .choices[0].text for m in (NAME, "tuned")}
+    expected = generate(tuned[0], prompt, max_new_tokens=NEW, tokenizer=tok, ignore_eos=True).texts[0]
+    assert answers["tuned"] == expected != answers[NAME]
