@@ -7,4 +7,4 @@
 #   SMOKE=1 PYTHONPATH=. bash benchmarks/gpu_serve.sh     # CPU, tiny shapes: does it run?
 # Needs fastapi, uvicorn, prometheus-client, pydantic, starlette, aiohttp beside jax and torch.
 . "$(dirname "$0")/pair.sh"
-run_pair serve benchmarks/serve_bench.py 330 benchmarks/serve_bench_hf.py 250
+run_pair serve benchmarks/serve_bench.py 360 benchmarks/serve_bench_hf.py 230

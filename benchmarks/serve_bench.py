@@ -10,6 +10,7 @@ with other prompts and 8 new tokens (its programs compile there).
     PYTHONPATH=. python benchmarks/serve_bench.py                 # one GPU: the table + JSON lines
     PYTHONPATH=. python benchmarks/serve_bench.py --tiny          # CPU smoke test: tiny shapes
     PYTHONPATH=. python benchmarks/serve_bench_hf.py              # the anchor: transformers' continuous batching
+    PYTHONPATH=. python benchmarks/serve_bench.py --adapters 8 --levels 64   # 8 LoRA adapters over the base
 
 Needs fastapi, uvicorn, prometheus-client (the serve extra), pydantic, starlette and aiohttp.
 """
@@ -38,10 +39,29 @@ def shape(tiny: bool) -> dict:
                     max_model_len=128, long_prompt=64, max_num_seqs=8, max_batched_tokens=64, requests=lambda c: 6)
     return dict(name="llama-3.1-8b", levels=serve_traffic.LEVELS, prompt_mean=512, output_mean=256, max_prompt=2048,
                 max_output=1024, max_model_len=4096, long_prompt=LONG_PROMPT, max_num_seqs=256,
-                max_batched_tokens=2048, requests=lambda c: max(4, 3 * c // 2))
+                max_batched_tokens=2048, requests=lambda c: min(max(4, 3 * c // 2), 256))
 
 
-def build_engine(s: dict, tiny: bool):
+def lora_copies(model, n: int) -> dict:
+    """n LoRA adapters (r 16 on every linear) over `model`'s arrays, not copies: made with one
+    seed (their programs are the same: the seed is part of the adapter's static settings), then
+    each shifted by its own offset, so that each has its own weights."""
+    import jax
+    from flax import nnx
+
+    from zerojax import lora
+
+    graphdef, state = nnx.split(model)
+    out = {}
+    for i in range(n):
+        m = lora.apply(nnx.merge(graphdef, state), {"r": 16, "target_modules": "all-linear",
+                                                     "init_lora_weights": "gaussian", "seed": 0})
+        nnx.update(m, jax.tree.map(lambda x, i=i: x + 0.01 * i, nnx.state(m, nnx.Param)))
+        out[f"lora{i}"] = m
+    return out
+
+
+def build_engine(s: dict, tiny: bool, adapters: int = 0):
     import jax.numpy as jnp
     from flax import nnx
 
@@ -50,11 +70,12 @@ def build_engine(s: dict, tiny: bool):
     from zerojax.serving.shapes import Buckets
 
     model = Llama(LlamaConfig.named(s["name"]), rngs=nnx.Rngs(0), dtype=jnp.bfloat16, param_dtype=jnp.bfloat16)
-    # an 8B program compiles in seconds: high floors keep the programs few (rows 16 .. 256, spans
-    # 2048 / 4096 slots, chunks 256 .. 2048 tokens)
-    buckets = Buckets() if tiny else Buckets(min_rows=16, min_span=2048, min_chunk=256)
-    return model, LLMEngine(model, None, max_num_seqs=s["max_num_seqs"], max_batched_tokens=s["max_batched_tokens"],
-                            max_model_len=s["max_model_len"], buckets=buckets)
+    # an 8B program compiles in tens of seconds: high floors keep the programs few (decode rows 32,
+    # 64, 128, 256 x spans 2048, 4096 slots; chunks of 512, 1024, 2048 tokens x the spans: 14)
+    buckets = Buckets() if tiny else Buckets(min_rows=32, min_span=2048, min_chunk=512)
+    return model, LLMEngine(model, None, adapters=lora_copies(model, adapters), max_num_seqs=s["max_num_seqs"],
+                            max_batched_tokens=s["max_batched_tokens"], max_model_len=s["max_model_len"],
+                            buckets=buckets)
 
 
 def start_server(engine) -> tuple[str, object]:
@@ -78,8 +99,8 @@ def start_server(engine) -> tuple[str, object]:
     return f"http://127.0.0.1:{port}", server
 
 
-async def _one(session, url, prompt, new):
-    body = {"model": "bench", "prompt": prompt, "max_tokens": new, "temperature": 0, "ignore_eos": True,
+async def _one(session, url, prompt, new, model):
+    body = {"model": model, "prompt": prompt, "max_tokens": new, "temperature": 0, "ignore_eos": True,
             "stream": True}
     start, times = time.perf_counter(), []
     async with session.post(f"{url}/v1/completions", json=body) as r:
@@ -92,34 +113,48 @@ async def _one(session, url, prompt, new):
     return start, times
 
 
-async def level(url, reqs, concurrency: int):
+async def level(url, reqs, concurrency: int, models=("bench",)):
+    """The requests streamed `concurrency` at a time, the i-th to models[i % len(models)]."""
     import aiohttp
 
     gate = asyncio.Semaphore(concurrency)
     connector = aiohttp.TCPConnector(limit=concurrency)
     async with aiohttp.ClientSession(connector=connector, timeout=aiohttp.ClientTimeout(total=None)) as session:
-        async def run(prompt, new):
+        async def run(prompt, new, model):
             async with gate:
-                return await _one(session, url, prompt, new)
+                return await _one(session, url, prompt, new, model)
 
         start = time.perf_counter()
-        runs = await asyncio.gather(*(run(p, n) for p, n in reqs))
+        runs = await asyncio.gather(*(run(p, n, models[i % len(models)]) for i, (p, n) in enumerate(reqs)))
     return runs, time.perf_counter() - start
 
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--tiny", action="store_true", help="CPU smoke test: the tiny Llama shape, levels 1 and 4")
+    ap.add_argument("--levels", type=lambda t: tuple(int(x) for x in t.split(",")), default=None,
+                    help="concurrency levels, e.g. 64 (default 1,16,64,256; the last but one again with long prompts)")
+    ap.add_argument("--adapters", type=int, default=0, metavar="N",
+                    help="serve N LoRA adapters (r 16, all linears) over the base and send the requests round-robin "
+                         "to them: the multi-adapter case, beside a run without")
     args = ap.parse_args(argv)
     import jax
 
+    # a second run of this benchmark reuses the compiled programs
+    jax.config.update("jax_compilation_cache_dir", os.path.expanduser("~/.cache/zerojax-serve-bench"))
+
     s = shape(args.tiny)
-    model, engine = build_engine(s, args.tiny)
+    if args.levels:
+        s["levels"] = args.levels
+    model, engine = build_engine(s, args.tiny, args.adapters)
+    models = engine.adapters or ["bench"]
     print(engine.plan.describe(), flush=True)
     url, server = start_server(engine)
     device = str(jax.devices()[0].device_kind)
-    serve_traffic.run_matrix("zerojax", s, model.config.vocab_size, lambda reqs, c: asyncio.run(level(url, reqs, c)),
-                             lambda: {"device": device, "preemptions": engine.stats["preemptions"]})
+    serve_traffic.run_matrix("zerojax", s, model.config.vocab_size,
+                             lambda reqs, c: asyncio.run(level(url, reqs, c, models)),
+                             lambda: {"device": device, "preemptions": engine.stats["preemptions"],
+                                      "adapters": len(engine.adapters)})
     server.should_exit = True
     return 0
 
