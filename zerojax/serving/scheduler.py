@@ -48,6 +48,13 @@ class Request:
     def tokens(self) -> list[int]:
         return self.prompt + self.output
 
+    def feed(self, n: int) -> list[int]:
+        """Its next n tokens to feed (from the prompt, then its own output: after a preemption)."""
+        start, P = self.num_computed, len(self.prompt)
+        if start >= P:
+            return self.output[start - P:start - P + n]
+        return self.prompt[start:start + n] + self.output[:max(0, start + n - P)]
+
     @property
     def remaining(self) -> int:
         """Tokens to feed before its next token can be sampled."""
@@ -76,6 +83,7 @@ class Scheduler:
         then newly admitted prompts; the prompt chunks within one chunk program's shape
         (`zerojax.serving.shapes.ChunkSlots`)."""
         budget, plan, chunks = self.max_batched_tokens, [], ChunkSlots(self.buckets, self.max_batched_tokens)
+        planned: set[Request] = set()
         # decodes first, then the prompts being read: a long prompt's chunk never takes a decode's turn
         for req in sorted(self.running, key=lambda r: r.remaining > 1):
             if req not in self.running:  # preempted below for an older request
@@ -85,8 +93,9 @@ class Scheduler:
                 n = chunks.fit(n)
             if n <= 0:
                 continue
-            if self._make_room(req, req.num_computed + n, {r for r, _ in plan}):
+            if self._make_room(req, req.num_computed + n, planned):
                 plan.append((req, n))
+                planned.add(req)
                 budget -= n
                 if n > 1:
                     chunks.take(n)
