@@ -26,7 +26,7 @@ def add_serve_flags(p) -> None:
     src.add_argument("--hf-checkpoint", metavar="DIR", help="a Hugging Face folder (safetensors + tokenizer.json)")
     src.add_argument("--checkpoint", metavar="SAVE_DIR",
                      help="a zerojax checkpoint (its weights exported, as `zerojax export` does); the tokenizer from "
-                          "--tokenizer")
+                          "--tokenizer (without one: token-id prompts only, no chat)")
     p.add_argument("--tokenizer", metavar="DIR", help="the tokenizer folder (default: --hf-checkpoint)")
     p.add_argument("--adapter", action="append", type=_adapter, default=[], metavar="NAME=DIR",
                    help="a PEFT LoRA adapter served as model NAME over the same base (repeatable)")
@@ -59,16 +59,16 @@ def _load(args):
 
     dtype = args.dtype if args.dtype != "auto" else ("bf16" if jax.default_backend() == "gpu" else "fp32")
     dtype = jnp.bfloat16 if dtype == "bf16" else jnp.float32
-    folder = args.hf_checkpoint
-    if args.checkpoint:
+    if args.checkpoint:  # its weights exported to a Hugging Face folder, read, and the folder removed
         from zerojax.checkpoint.state import export
         from zerojax.models import weights_writer
 
-        if not args.tokenizer:
-            raise ValueError("--checkpoint needs --tokenizer DIR (a checkpoint holds no tokenizer)")
-        folder = tempfile.mkdtemp(prefix="zerojax-serve-")
-        export(args.checkpoint, folder, dtype="fp32", writer_for=weights_writer)
-    model, tokenizer, adapters = load_model(folder, dtype, dict(args.adapter))
+        with tempfile.TemporaryDirectory(prefix="zerojax-serve-") as folder:
+            export(args.checkpoint, folder, dtype="bf16" if dtype == jnp.bfloat16 else "fp32",
+                   writer_for=weights_writer)
+            model, tokenizer, adapters = load_model(folder, dtype, dict(args.adapter))
+    else:
+        model, tokenizer, adapters = load_model(args.hf_checkpoint, dtype, dict(args.adapter))
     if args.tokenizer:
         from zerojax.models import load_tokenizer
 
@@ -95,7 +95,7 @@ def main(args) -> int:
                            kv_cache_tokens=args.kv_cache_tokens, max_num_seqs=args.max_num_seqs,
                            max_batched_tokens=args.max_batched_tokens, max_model_len=args.max_model_len,
                            prefix_caching=not args.no_prefix_caching, memory_fraction=args.memory_fraction)
-    except (FileNotFoundError, ValueError) as e:
+    except (FileNotFoundError, ValueError, RuntimeError) as e:  # as `zerojax export` reports a checkpoint's
         print(f"error: {e}", file=sys.stderr)
         return 1
     name = args.served_model_name or os.path.basename(os.path.normpath(args.hf_checkpoint or args.checkpoint))
