@@ -148,7 +148,7 @@ def test_gpt2_continuous_batching_equals_generate_alone(tmp_path):
     hf.save_pretrained(tmp_path)
     model = from_hf(tmp_path)
     engine = _engine(model)
-    prompts = _prompts(hf.config.vocab_size, (5, 19, 3, 11), seed=9)
+    prompts = _prompts(hf.config.vocab_size, (5, 14, 3, 11), seed=9)  # one prompt bucket of generate
     greedy = SamplingParams(max_tokens=NEW)
     done, _ = _drain(engine, [[(0, prompts[0], greedy), (1, prompts[1], greedy)], [(2, prompts[2], greedy)], [],
                               [(3, prompts[3], greedy)]])
