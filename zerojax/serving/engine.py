@@ -254,12 +254,15 @@ class LLMEngine:
             groups.setdefault((req.adapter, n > 1), []).append((req, n))
             if req.num_computed < len(req.prompt):
                 self.prompt_tokens += min(n, len(req.prompt) - req.num_computed)
+        # every call dispatched before any result is read: the host prepares the next while one runs
+        launched = [(rows, self._launch(self._models[adapter], rows)) for (adapter, _), rows in groups.items()]
         sampled = {}
-        for (adapter, _), rows in groups.items():
-            sampled.update(self._run_group(self._models[adapter], rows))
+        for rows, out in launched:
+            sampled.update(self._collect(rows, jax.device_get(out)))
         return sampled
 
-    def _run_group(self, model, rows) -> dict:
+    def _launch(self, model, rows) -> step_mod.StepOut:
+        """One group's rows through the step (the pool updated in place) -> its outputs, on the device."""
         weights, source = model
         ps = self.page_size
         budget, longest = self.scheduler.max_batched_tokens, max(n for _, n in rows)
@@ -287,12 +290,16 @@ class LLMEngine:
             weights, self.keys, self.values, step_mod.Rows(tokens, start, count, pages),
             step_mod.RowSampling(temperature, top_p, top_k, seed, index), penalties, source=source, page_size=ps,
             top_logprobs=SamplingParams.MAX_LOGPROBS if want_top else 0)
-        out = jax.device_get(out)
+        return out
+
+    @staticmethod
+    def _collect(rows, out: step_mod.StepOut) -> dict:
+        tokens, logprobs = out.tokens.tolist(), out.logprob.tolist()
         result = {}
         for r, (req, _) in enumerate(rows):
             k = req.params.logprobs or 0
             top = {int(i): float(v) for i, v in zip(out.top_ids[r, :k], out.top_logprobs[r, :k])}
-            result[req] = (int(out.tokens[r]), float(out.logprob[r]), top)
+            result[req] = (tokens[r], logprobs[r], top)
         return result
 
     @staticmethod
