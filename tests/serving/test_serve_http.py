@@ -148,6 +148,15 @@ def test_stream_equals_non_stream_chat_template_and_client_gone(server, referenc
                                               stream=True)
     assert "".join(c.choices[0].delta.content or "" for c in streamed if c.choices) == expected
 
+    # a stop string (a word of the greedy text): cut where generate cuts, streamed or not
+    full = generate(model, prompt, max_new_tokens=NEW, tokenizer=tok, ignore_eos=True).texts[0]
+    stop = full.split()[2]
+    expected = generate(model, prompt, max_new_tokens=NEW, tokenizer=tok, stop=[stop])
+    kw = dict(model=NAME, prompt=prompt, max_tokens=NEW, temperature=0, stop=[stop])
+    cut = client.completions.create(**kw).choices[0]
+    assert cut.text == expected.texts[0] and cut.finish_reason == expected.finish_reasons[0] == "stop"
+    assert "".join(p.choices[0].text for p in client.completions.create(**kw, stream=True)) == cut.text
+
     # a client gone mid-stream: its request aborted, its pages back
     body = {"model": NAME, "prompt": "w5 w6 w7", "max_tokens": 50, "temperature": 0, "ignore_eos": True,
             "stream": True}
