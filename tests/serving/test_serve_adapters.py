@@ -23,10 +23,10 @@ def served(tmp_path_factory):
     base = tmp_path_factory.mktemp("serve_base")
     _hf_model("llama3").save_pretrained(base)
     tuned = {}
-    for seed, (name, targets) in enumerate((("a", ["q_proj", "v_proj"]), ("b", ["gate_proj", "o_proj"]))):
+    for seed, name in enumerate(("a", "b")):  # one LoraConfig, as adapters trained for one base often share
         torch.manual_seed(seed)
-        model = peft.get_peft_model(transformers.AutoModelForCausalLM.from_pretrained(base),
-                                    peft.LoraConfig(r=4, lora_alpha=8, target_modules=targets)).eval()
+        config = peft.LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj", "gate_proj", "o_proj"])
+        model = peft.get_peft_model(transformers.AutoModelForCausalLM.from_pretrained(base), config).eval()
         with torch.no_grad():
             for pname, p in model.named_parameters():
                 if "lora_B" in pname:
@@ -45,11 +45,13 @@ def _prompts(n=3):
 
 
 def test_two_adapters_each_equal_peft_greedy(served):
-    _, tuned, llm = served
+    """Both adapters and the base in one batch (their LoRA terms stacked: one program call a step)."""
+    hf, tuned, llm = served
+    assert llm.engine.stacked_adapters == ["a", "b"]
     prompts = _prompts()
     greedy = SamplingParams(max_tokens=NEW)
     for p in prompts:  # one request per adapter and the base, in one batch
-        for name in tuned:
+        for name in (*tuned, None):
             llm.engine.add_request(p, greedy, adapter=name, request_id=f"{name}-{p}")
     answers = {}
     while llm.engine.has_unfinished():
@@ -58,6 +60,7 @@ def test_two_adapters_each_equal_peft_greedy(served):
         a, b = answers[f"a-{p}"], answers[f"b-{p}"]
         assert a != b
         assert a == _hf_greedy(tuned["a"], p, NEW) and b == _hf_greedy(tuned["b"], p, NEW)
+        assert answers[f"None-{p}"] == _hf_greedy(hf, p, NEW)
 
 
 def test_penalties_and_logprobs_against_transformers(served):

@@ -19,8 +19,9 @@ from flax import nnx
 
 from zerojax.generation import decoder
 from zerojax.generation.buckets import length_bucket
-from zerojax.generation.families import geometry_of_config
+from zerojax.generation.families import family_class, geometry_of_config
 from zerojax.serving import shapes
+from zerojax.serving.adapters import stack_adapters
 from zerojax.serving import step as step_mod
 from zerojax.serving.output import Detokenizer, RequestOutput, make_output
 from zerojax.serving.pages import SCRATCH_PAGE, PagePool
@@ -88,6 +89,9 @@ class LLMEngine:
         self._models = {None: self._split(model)}
         for name, m in (adapters or {}).items():
             self._models[name] = self._split(m)
+        # adapters of one configuration: one stacked model for every request, base included
+        stacked = stack_adapters(adapters, family_class(model).stack) if adapters else None
+        self._stacked = None if stacked is None else (self._split(stacked[0]), {None: 0, **stacked[1]})
         self.page_size = page_size
         plan = plan_pages(self.geometry, self.dtype, page_size=page_size, kv_cache_tokens=kv_cache_tokens,
                           max_num_seqs=max_num_seqs, max_batched_tokens=max_batched_tokens,
@@ -121,6 +125,11 @@ class LLMEngine:
     @property
     def adapters(self) -> list[str]:
         return [name for name in self._models if name is not None]
+
+    @property
+    def stacked_adapters(self) -> list[str]:
+        """The adapters served by one stacked model (every request in one call a step), or []."""
+        return [name for name in self._stacked[1] if name is not None] if self._stacked else []
 
     # ---- requests in and out -----------------------------------------------------------------
 
@@ -251,11 +260,12 @@ class LLMEngine:
         -> {request: (token, logprob, {top id: logprob})}."""
         groups: dict = {}
         for req, n in plan:
-            groups.setdefault((req.adapter, n > 1), []).append((req, n))
+            groups.setdefault((None if self._stacked else req.adapter, n > 1), []).append((req, n))
             if req.num_computed < len(req.prompt):
                 self.prompt_tokens += min(n, len(req.prompt) - req.num_computed)
         # every call dispatched before any result is read: the host prepares the next while one runs
-        launched = [(rows, self._launch(self._models[adapter], rows)) for (adapter, _), rows in groups.items()]
+        launched = [(rows, self._launch(self._stacked[0] if self._stacked else self._models[adapter], rows))
+                    for (adapter, _), rows in groups.items()]
         sampled = {}
         for rows, out in launched:
             sampled.update(self._collect(rows, jax.device_get(out)))
@@ -284,10 +294,14 @@ class LLMEngine:
             p = req.params
             temperature[r], top_p[r], top_k[r] = p.temperature, p.top_p, p.top_k
             seed[r], index[r] = req.seed, len(req.output)
+        adapter = None
+        if self._stacked:
+            adapter = np.zeros(R, np.int32)
+            adapter[:len(rows)] = [self._stacked[1][req.adapter] for req, _ in rows]
         penalties = self._penalties(rows, R)
         want_top = max((req.params.logprobs or 0) for req, _ in rows)
         self.keys, self.values, out = step_mod.step(
-            weights, self.keys, self.values, step_mod.Rows(tokens, start, count, pages),
+            weights, self.keys, self.values, step_mod.Rows(tokens, start, count, pages, adapter),
             step_mod.RowSampling(temperature, top_p, top_k, seed, index), penalties, source=source, page_size=ps,
             top_logprobs=SamplingParams.MAX_LOGPROBS if want_top else 0)
         return out

@@ -33,6 +33,7 @@ class Rows(NamedTuple):
     start: jax.Array  # int32 [R]: the position of tokens[:, 0]
     count: jax.Array  # int32 [R]: tokens fed (0: a padding row)
     pages: jax.Array  # int32 [R, P]: the page table (unused entries: the scratch page 0)
+    adapter: jax.Array | None = None  # int32 [R]: each row's adapter in a stacked-adapters model (0: none)
 
 
 class RowSampling(NamedTuple):
@@ -125,6 +126,8 @@ def step(weights, keys, values, rows: Rows, sampling: RowSampling, penalties: Pe
     written to the pool, donated), and each row's next token from its last fed token."""
     model = source.model(weights)
     fam = family_of(model)
+    if rows.adapter is not None:  # each row's own adapter (zerojax.serving.adapters)
+        fam.linear = functools.partial(model.adapter.rows_linear, rows=rows.adapter)
     R, C = rows.tokens.shape
     offsets = jnp.arange(C, dtype=jnp.int32)
     valid = offsets[None] < rows.count[:, None]
