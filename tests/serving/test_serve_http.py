@@ -221,3 +221,29 @@ def test_the_request_model_picks_the_adapter(server, tuned, reference):
                .choices[0].text for m in (NAME, "tuned")}
     expected = generate(tuned[0], prompt, max_new_tokens=NEW, tokenizer=tok, ignore_eos=True).texts[0]
     assert answers["tuned"] == expected != answers[NAME]
+
+
+def test_logprobs_are_the_models_own(server, folder, reference):
+    """logprobs=2: each new token's log-probability and the two likeliest, as transformers' logits
+    give them (the token strings as the tokenizer decodes each id)."""
+    import torch
+    import transformers
+
+    url, _ = server
+    _, tok = reference
+    hf = transformers.AutoModelForCausalLM.from_pretrained(folder).eval()
+    prompt = "w14 w15 w90"
+    answer = _client(url).completions.create(model=NAME, prompt=prompt, max_tokens=4, temperature=0, logprobs=2,
+                                             extra_body={"ignore_eos": True}).choices[0]
+    ids = [int(i) for i in tok.encode(prompt)]
+    lp = answer.logprobs
+    assert len(lp.token_logprobs) == len(lp.top_logprobs) == len(lp.tokens) == 4
+    for token_text, logprob, top in zip(lp.tokens, lp.token_logprobs, lp.top_logprobs):
+        with torch.no_grad():
+            expected = torch.log_softmax(hf(torch.tensor([ids])).logits[0, -1].double(), -1)
+        best = torch.topk(expected, 2)
+        assert token_text == tok.decode([int(best.indices[0])])  # greedy: the likeliest
+        assert logprob == pytest.approx(float(best.values[0]), abs=1e-4)
+        assert list(top) == [tok.decode([int(i)]) for i in best.indices]
+        np.testing.assert_allclose(list(top.values()), best.values.numpy(), atol=1e-4)
+        ids.append(int(best.indices[0]))
