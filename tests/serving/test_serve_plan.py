@@ -1,4 +1,4 @@
-"""The KV page pool's plan: from the device's free memory with the step's transients kept aside
+"""The KV page pool: its plan from the device's free memory with the step's transients kept aside
 (what the planned pool and the transients hold fits the share of free memory, one page more
 would not), refused with the numbers where one request of max_model_len cannot fit; and the
 command's missing extra reported in one line."""
@@ -48,3 +48,31 @@ def test_serve_without_the_extra_says_how_to_install_it():
     assert run.returncode == 1
     assert run.stderr == 'error: zerojax serve needs the serve extra: pip install -e ".[serve]" (fastapi, uvicorn, ' \
                          'prometheus-client)\n'
+
+
+def test_the_step_updates_the_pool_in_place():
+    """The compiled decode step writes the donated pool where it lies: keys and values aliased to
+    the outputs, no copy of the pool among its temporaries (a copy per step would double the
+    cache's memory and move all of it every token)."""
+    import numpy as np
+    from flax import nnx
+
+    from zerojax.generation.decoder import ModuleSource
+    from zerojax.models import Llama, LlamaConfig
+    from zerojax.serving import LLMEngine
+    from zerojax.serving import step as step_mod
+
+    model = Llama(LlamaConfig.named("tiny"), rngs=nnx.Rngs(0), dtype=jnp.float32, param_dtype=jnp.float32)
+    engine = LLMEngine(model, None, max_num_seqs=8, kv_cache_tokens=1 << 17, max_model_len=128)
+    graphdef, weights = nnx.split(model)
+    R = 8
+    rows = step_mod.Rows(np.zeros((R, 1), np.int32), np.zeros(R, np.int32), np.ones(R, np.int32),
+                         np.zeros((R, 16), np.int32))
+    sampling = step_mod.RowSampling(np.zeros(R, np.float32), np.ones(R, np.float32), np.zeros(R, np.int32),
+                                    np.zeros(R, np.uint32), np.zeros(R, np.int32))
+    compiled = step_mod.step.lower(weights, engine.keys, engine.values, rows, sampling, None,
+                                   source=ModuleSource(graphdef), page_size=16).compile()
+    memory = compiled.memory_analysis()
+    pool = engine.keys.nbytes + engine.values.nbytes
+    assert memory.alias_size_in_bytes >= pool
+    assert memory.temp_size_in_bytes < engine.keys.nbytes / 8
