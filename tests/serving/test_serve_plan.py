@@ -1,7 +1,7 @@
 """The KV page pool: its plan from the device's free memory with the step's transients kept aside
 (what the planned pool and the transients hold fits the share of free memory, one page more
-would not), refused with the numbers where one request of max_model_len cannot fit; and the
-command's missing extra reported in one line."""
+would not), refused with the numbers where one request of max_model_len cannot fit; the compiled step
+writing it in place; and the command's missing extra reported in one line."""
 import subprocess
 import sys
 
