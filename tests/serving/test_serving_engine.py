@@ -125,18 +125,22 @@ def test_a_failing_step_fails_its_requests_and_the_engine_keeps_serving(pair, mo
     _, model = pair
     engine = _engine(model)
     prompt = _prompts(model.config.vocab_size, (7,), seed=8)[0]
-    real = step_mod.step
+    real = {name: getattr(step_mod, name) for name in ("step", "chunk_step")}
 
-    def broken(*args, **kwargs):
-        real(*args, **kwargs)  # the pool was donated to it: the engine must make a new one
-        raise RuntimeError("injected failure")
+    def broken(run):
+        def call(*args, **kwargs):
+            run(*args, **kwargs)  # the pool was donated to it: the engine must make a new one
+            raise RuntimeError("injected failure")
+        return call
 
-    monkeypatch.setattr(step_mod, "step", broken)
+    for name, run in real.items():
+        monkeypatch.setattr(step_mod, name, broken(run))
     engine.add_request(prompt, SamplingParams(max_tokens=NEW))
     (failed,) = engine.step()
     assert failed.finished and failed.finish_reason == "error" and "injected failure" in failed.error
     assert engine.stats["pages_available"] == engine.pool.capacity
-    monkeypatch.setattr(step_mod, "step", real)
+    for name, run in real.items():
+        monkeypatch.setattr(step_mod, name, run)
     done, _ = _drain(engine, [[(0, prompt, SamplingParams(max_tokens=NEW))]])
     assert done[0].token_ids == zerojax.generate(model, prompt, max_new_tokens=NEW).tokens[0]
 

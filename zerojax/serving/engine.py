@@ -300,7 +300,8 @@ class LLMEngine:
             adapter[:len(rows)] = [self._stacked[1][req.adapter] for req, _ in rows]
         penalties = self._penalties(rows, R)
         want_top = max((req.params.logprobs or 0) for req, _ in rows)
-        self.keys, self.values, out = step_mod.step(
+        run = step_mod.step if C == 1 else step_mod.chunk_step
+        self.keys, self.values, out = run(
             weights, self.keys, self.values, step_mod.Rows(tokens, start, count, pages, adapter),
             step_mod.RowSampling(temperature, top_p, top_k, seed, index), penalties, source=source, page_size=ps,
             top_logprobs=SamplingParams.MAX_LOGPROBS if want_top else 0)

@@ -119,9 +119,8 @@ def _sample(logits, s: RowSampling):
     return jax.lax.cond(jnp.any(s.temperature > 0), sampled, lambda _: greedy, logits)
 
 
-@functools.partial(jax.jit, static_argnames=("source", "page_size", "top_logprobs"), donate_argnames=("keys", "values"))
-def step(weights, keys, values, rows: Rows, sampling: RowSampling, penalties: Penalties | None = None, *, source,
-         page_size: int, top_logprobs: int = 0):
+def _step(weights, keys, values, rows: Rows, sampling: RowSampling, penalties: Penalties | None = None, *, source,
+          page_size: int, top_logprobs: int = 0):
     """-> (keys, values, StepOut): the rows' tokens through every layer (their keys and values
     written to the pool, donated), and each row's next token from its last fed token."""
     model = source.model(weights)
@@ -153,4 +152,12 @@ def step(weights, keys, values, rows: Rows, sampling: RowSampling, penalties: Pe
     return keys, values, StepOut(tok, logprob, top_ids.astype(jnp.int32), top_lp)
 
 
-__all__ = ["Rows", "RowSampling", "Penalties", "StepOut", "step", "empty_pool", "pool_bytes_per_page"]
+# The step as two compiled functions with generate's XLA options (zerojax.generation.decoder: each
+# layer's weights read as a slice of the stack where it lies, not copied first; the decode's
+# products left unmerged): `step` for rows of one token (decodes), `chunk_step` for prompt chunks.
+_JIT = dict(static_argnames=("source", "page_size", "top_logprobs"), donate_argnames=("keys", "values"))
+step = jax.jit(_step, compiler_options=decoder.DECODE_COMPILER_OPTIONS, **_JIT)
+chunk_step = jax.jit(_step, compiler_options=decoder.COMPILER_OPTIONS, **_JIT)
+
+
+__all__ = ["Rows", "RowSampling", "Penalties", "StepOut", "step", "chunk_step", "empty_pool", "pool_bytes_per_page"]
