@@ -191,6 +191,7 @@ BAD = [  # (body, or raw bytes; the param the error names)
     ({"model": NAME, "prompt": "w5 w6", "max_tokens": 63}, "max_tokens"),  # 2 + 63 past the context
     ({"model": NAME, "prompt": "w5", "temperature": -1}, "temperature"),
     ({"model": NAME, "prompt": "w5", "top_p": 2}, "top_p"),
+    ({"model": NAME, "prompt": "w5", "logit_bias": {"7": 100}}, "logit_bias"),  # not served: refused, not ignored
 ]
 
 

@@ -12,6 +12,12 @@ from pydantic import BaseModel, ConfigDict, Field
 from zerojax.serving.params import BadRequestError, SamplingParams
 
 
+# OpenAI fields that would change the answer and that zerojax does not honour: refused, not ignored
+# (other unknown fields, e.g. user or metadata, change nothing and pass)
+UNSERVED = ("logit_bias", "suffix", "tools", "tool_choice", "functions", "function_call", "response_format",
+            "prediction", "audio", "modalities")
+
+
 class StreamOptions(BaseModel):
     include_usage: bool = False
 
@@ -36,6 +42,10 @@ class _Sampling(BaseModel):
     ignore_eos: bool = False
 
     def _params(self, max_tokens, logprobs) -> SamplingParams:
+        extra = self.model_extra or {}
+        for name in UNSERVED:
+            if extra.get(name) not in (None, [], {}, "", "none", "auto"):
+                raise BadRequestError(f"{name} is not served by zerojax serve: leave it out", param=name)
         if self.n != 1:
             raise BadRequestError(f"n={self.n}: zerojax serve returns one choice per prompt (n=1)", param="n")
         stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or ())
