@@ -34,6 +34,7 @@ LAYERS = (
     ("planning",),                             # estimate, planner, mesh search (builds on train)
     ("api", "planner", "estimate"),            # shard(); the moved-module shims
     ("generation",),
+    ("serving",),                              # continuous batching over a paged cache; the HTTP server
     ("methods", "rl"),                         # preference and RL methods: they read each other
     ("trainer",),
     ("cli",),

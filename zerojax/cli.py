@@ -12,6 +12,7 @@
     zerojax launch --num_procs 2 train.py --config ds.json        # several processes (zerojax.launch.launcher)
     zerojax generate --hf-checkpoint DIR --prompt "Once upon" --max-new-tokens 64   # text from a checkpoint
     zerojax chat --hf-checkpoint DIR                              # a conversation on stdin (its chat template)
+    zerojax serve --hf-checkpoint DIR --port 8000                 # an OpenAI-compatible server (the serve extra)
 
 A new subcommand is a function `_add_<name>(subparsers)` that adds its parser and sets
 `func=<handler(args) -> exit code>`, appended to COMMANDS.
@@ -403,7 +404,17 @@ def cmd_chat(args) -> int:
     return 0
 
 
-COMMANDS = [_add_estimate, _add_plan, _add_export, _add_train, _add_launch, _add_generate, _add_chat]
+def _add_serve(sub):
+    from zerojax.serving.cli import add_serve_flags, main  # imports no jax until it runs
+
+    p = sub.add_parser("serve", help="an OpenAI-compatible server with continuous batching (pip install -e \".[serve]\")",
+                       description="Serve a checkpoint over HTTP: /v1/completions, /v1/chat/completions, /v1/models, "
+                                   "/health, /metrics (docs/serving.md).")
+    add_serve_flags(p)
+    p.set_defaults(func=main)
+
+
+COMMANDS = [_add_estimate, _add_plan, _add_export, _add_train, _add_launch, _add_generate, _add_chat, _add_serve]
 
 
 def build_parser() -> argparse.ArgumentParser:

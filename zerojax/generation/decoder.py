@@ -79,7 +79,7 @@ class DecodeState(NamedTuple):
     seen: jax.Array  # bool [B, vocab] (the repetition penalty's tokens) or [B, 1] without it
 
 
-def _run_layers(fam, x, keys, values, slot, attend_layer, positions, unroll: bool = False):
+def run_layers(fam, x, keys, values, slot, attend_layer, positions, unroll: bool = False):
     """x through every layer, each writing its k, v at `slot` and attending over the cache
     (`attend_layer(keys, values, layer, slot, q, k, v) -> (keys, values, o)`): a `lax.scan` over the
     stacked layer params with the whole cache in the carry (unrolled for the decode step: see
@@ -160,7 +160,7 @@ def prefill(weights, ids, pad, live, values: SamplingValues, stop_ids, key, expa
         positions = cache.positions(slots, pad)
         mask = cache.attention_mask(slots, pad, P, g.window)  # the prompt's slots only (`write_and_attend`)
         tokens = jax.lax.dynamic_slice_in_dim(ids, start, piece, axis=1)
-        x, keys, vals = _run_layers(fam, fam.embed(tokens, positions), keys, vals, start,
+        x, keys, vals = run_layers(fam, fam.embed(tokens, positions), keys, vals, start,
                                     functools.partial(cache.write_and_attend, mask=mask), positions)
         return x[:, -1:], keys, vals
 
@@ -243,7 +243,7 @@ def decode(weights, state: DecodeState, pad, prompt_len, limit, values: Sampling
         else:
             attend_layer = functools.partial(cache.write_and_attend,
                                              mask=cache.attention_mask(slots, pad, length, window))
-        x, keys, vals = _run_layers(fam, fam.embed(s.last[:, None], positions), s.keys, s.values, slots[0],
+        x, keys, vals = run_layers(fam, fam.embed(s.last[:, None], positions), s.keys, s.values, slots[0],
                                     attend_layer, positions, unroll=True)
         logits = fam.logits(x)[:, 0]
         tok = next_token(sampler, values, logits, s.seen, jax.random.fold_in(key, s.step))
@@ -258,6 +258,6 @@ def decode(weights, state: DecodeState, pad, prompt_len, limit, values: Sampling
     return jax.lax.while_loop(more, body, state)
 
 
-__all__ = ["ModuleSource", "EngineSource", "DecodeState", "prefill", "decode", "DECODE_ATTENTIONS",
+__all__ = ["ModuleSource", "EngineSource", "DecodeState", "prefill", "decode", "run_layers", "DECODE_ATTENTIONS",
            "check_decode_attention", "check_decode_attention_choice", "prefill_piece",
            "prefill_scores_bytes", "PREFILL_SCORES_BYTES", "NO_TOKEN"]

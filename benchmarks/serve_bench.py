@@ -1,0 +1,163 @@
+"""zerojax serve under load: the OpenAI-compatible server (uvicorn, in this process, on 127.0.0.1)
+over random-init Llama-3.1-8B (bf16, no hub access), and an async load generator (aiohttp) holding
+1, 16, 64 and 256 streamed requests in flight; prompt / output lengths drawn like chat traffic
+(mean 512 / 256, benchmarks/serve_traffic.py), eos ignored, greedy. Per level: output tokens/s,
+time to first token and inter-token latency p50 / p99, from each streamed chunk's arrival (a
+chunk per token). Then concurrency 64 again with a tenth of the prompts 3,072 tokens long (the
+chunked prefill's test: TTFT p99 beside the run without them). Each level runs once untimed first
+with other prompts and 8 new tokens (its programs compile there).
+
+    PYTHONPATH=. python benchmarks/serve_bench.py                 # one GPU: the table + JSON lines
+    PYTHONPATH=. python benchmarks/serve_bench.py --tiny          # CPU smoke test: tiny shapes
+    PYTHONPATH=. python benchmarks/serve_bench_hf.py              # the anchor: transformers' continuous batching
+    PYTHONPATH=. python benchmarks/serve_bench.py --adapters 8 --levels 64   # 8 LoRA adapters over the base
+
+Needs fastapi, uvicorn, prometheus-client (the serve extra), pydantic, starlette and aiohttp.
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import socket
+import sys
+import threading
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path[:0] = [ROOT, os.path.join(ROOT, "benchmarks")]
+
+import serve_traffic  # noqa: E402
+
+LONG_PROMPT = 3072
+
+
+def shape(tiny: bool) -> dict:
+    if tiny:
+        return dict(name="tiny", levels=(1, 4), prompt_mean=24, output_mean=12, max_prompt=48, max_output=24,
+                    max_model_len=128, long_prompt=64, max_num_seqs=8, max_batched_tokens=64, requests=lambda c: 6)
+    return dict(name="llama-3.1-8b", levels=serve_traffic.LEVELS, prompt_mean=512, output_mean=256, max_prompt=2048,
+                max_output=1024, max_model_len=4096, long_prompt=LONG_PROMPT, max_num_seqs=256,
+                max_batched_tokens=2048, requests=lambda c: min(max(4, 3 * c // 2), 256))
+
+
+def lora_copies(model, n: int) -> dict:
+    """n LoRA adapters (r 16 on every linear) over `model`'s arrays, not copies: made with one
+    seed (their programs are the same: the seed is part of the adapter's static settings), then
+    each shifted by its own offset, so that each has its own weights."""
+    import jax
+    from flax import nnx
+
+    from zerojax import lora
+
+    graphdef, state = nnx.split(model)
+    out = {}
+    for i in range(n):
+        m = lora.apply(nnx.merge(graphdef, state), {"r": 16, "target_modules": "all-linear",
+                                                     "init_lora_weights": "gaussian", "seed": 0})
+        nnx.update(m, jax.tree.map(lambda x, i=i: x + 0.01 * i, nnx.state(m, nnx.Param)))
+        out[f"lora{i}"] = m
+    return out
+
+
+def build_engine(s: dict, tiny: bool, adapters: int = 0):
+    import jax.numpy as jnp
+    from flax import nnx
+
+    from zerojax.models import Llama, LlamaConfig
+    from zerojax.serving import LLMEngine
+    from zerojax.serving.shapes import Buckets
+
+    model = Llama(LlamaConfig.named(s["name"]), rngs=nnx.Rngs(0), dtype=jnp.bfloat16, param_dtype=jnp.bfloat16)
+    # an 8B program compiles in tens of seconds: high floors keep the programs few (decode rows 32,
+    # 64, 128, 256 x spans 2048, 4096 slots; chunks of 512, 1024, 2048 tokens x the spans: 14)
+    buckets = Buckets() if tiny else Buckets(min_rows=32, min_span=2048, min_chunk=512)
+    return model, LLMEngine(model, None, adapters=lora_copies(model, adapters), max_num_seqs=s["max_num_seqs"],
+                            max_batched_tokens=s["max_batched_tokens"], max_model_len=s["max_model_len"],
+                            buckets=buckets)
+
+
+def start_server(engine) -> tuple[str, object]:
+    import uvicorn
+
+    from zerojax.serving.app import build_app
+    from zerojax.serving.async_engine import AsyncEngine
+    from zerojax.serving.metrics import ServingMetrics
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    metrics = ServingMetrics(lambda: engine.stats)
+    aengine = AsyncEngine(engine, metrics)
+    aengine.start()
+    server = uvicorn.Server(uvicorn.Config(build_app(aengine, model_name="bench", metrics=metrics), host="127.0.0.1",
+                                           port=port, log_level="warning", timeout_keep_alive=600))
+    threading.Thread(target=server.run, daemon=True).start()
+    while not server.started:
+        time.sleep(0.05)
+    return f"http://127.0.0.1:{port}", server
+
+
+async def _one(session, url, prompt, new, model):
+    body = {"model": model, "prompt": prompt, "max_tokens": new, "temperature": 0, "ignore_eos": True,
+            "stream": True}
+    start, times = time.perf_counter(), []
+    async with session.post(f"{url}/v1/completions", json=body) as r:
+        if r.status != 200:
+            raise RuntimeError(f"HTTP {r.status}: {await r.text()}")
+        async for line in r.content:
+            if line.startswith(b"data: {"):
+                if json.loads(line[6:]).get("choices"):
+                    times.append(time.perf_counter())
+    return start, times
+
+
+async def level(url, reqs, concurrency: int, models=("bench",)):
+    """The requests streamed `concurrency` at a time, the i-th to models[i % len(models)]."""
+    import aiohttp
+
+    gate = asyncio.Semaphore(concurrency)
+    connector = aiohttp.TCPConnector(limit=concurrency)
+    async with aiohttp.ClientSession(connector=connector, timeout=aiohttp.ClientTimeout(total=None)) as session:
+        async def run(prompt, new, model):
+            async with gate:
+                return await _one(session, url, prompt, new, model)
+
+        start = time.perf_counter()
+        runs = await asyncio.gather(*(run(p, n, models[i % len(models)]) for i, (p, n) in enumerate(reqs)))
+    return runs, time.perf_counter() - start
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--tiny", action="store_true", help="CPU smoke test: the tiny Llama shape, levels 1 and 4")
+    ap.add_argument("--levels", type=lambda t: tuple(int(x) for x in t.split(",")), default=None,
+                    help="concurrency levels, e.g. 64 (default 1,16,64,256; the last but one again with long prompts)")
+    ap.add_argument("--adapters", type=int, default=0, metavar="N",
+                    help="serve N LoRA adapters (r 16, all linears) over the base and send the requests round-robin "
+                         "to them: the multi-adapter case, beside a run without")
+    args = ap.parse_args(argv)
+    import jax
+
+    # a second run of this benchmark reuses the compiled programs
+    jax.config.update("jax_compilation_cache_dir", os.path.expanduser("~/.cache/zerojax-serve-bench"))
+
+    s = shape(args.tiny)
+    if args.levels:
+        s["levels"] = args.levels
+    model, engine = build_engine(s, args.tiny, args.adapters)
+    models = engine.adapters or ["bench"]
+    print(engine.plan.describe(), flush=True)
+    url, server = start_server(engine)
+    device = str(jax.devices()[0].device_kind)
+    serve_traffic.run_matrix("zerojax", s, model.config.vocab_size,
+                             lambda reqs, c: asyncio.run(level(url, reqs, c, models)),
+                             lambda: {"device": device, "preemptions": engine.stats["preemptions"],
+                                      "adapters": len(engine.adapters)})
+    server.should_exit = True
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,163 @@
+"""The serving step: one compiled program over a paged KV cache that takes, for each of R rows, a
+run of up to C tokens at that row's own positions (a decode's one token, or a chunk of a prompt),
+writes their keys and values into the rows' pages, attends over each row's pages, and samples the
+next token of every row from its last token's logits.
+
+The cache pool is keys / values [layers, num_pages * page_size, kv_heads, head_dim]: a page is a
+run of `page_size` slots, a row's page table [R, P] lists its pages in order, and token position p
+of a row lives at slot table[p // page_size] * page_size + p % page_size. The layers run through the
+model family's own pieces (`zerojax.generation.decoder.run_layers`, as `zerojax.generate`); only
+the write (a scatter at the rows' slots) and the gather of each row's pages are the pool's own.
+
+Each row computes only from its own tokens, pages and random key, so a row's tokens never depend
+on which other rows share the step. The shapes (R, C, P) come from a small set of buckets; the
+sampling values are arguments, so no request compiles anything new.
+"""
+from __future__ import annotations
+
+import functools
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+
+from zerojax.generation import cache, decoder
+from zerojax.generation.families import Geometry, family_of
+from zerojax.generation.sampling import apply_repetition_penalty, top_p_filter
+
+
+class Rows(NamedTuple):
+    """One step's rows (host arrays; padding rows have count 0)."""
+
+    tokens: jax.Array  # int32 [R, C]: the tokens fed, left-aligned
+    start: jax.Array  # int32 [R]: the position of tokens[:, 0]
+    count: jax.Array  # int32 [R]: tokens fed (0: a padding row)
+    pages: jax.Array  # int32 [R, P]: the page table (unused entries: the scratch page 0)
+    adapter: jax.Array | None = None  # int32 [R]: each row's adapter in a stacked-adapters model (0: none)
+
+
+class RowSampling(NamedTuple):
+    temperature: jax.Array  # fp32 [R], 0: greedy
+    top_p: jax.Array  # fp32 [R], 1: off
+    top_k: jax.Array  # int32 [R], 0: off
+    seed: jax.Array  # uint32 [R]: the request's random stream
+    index: jax.Array  # int32 [R]: which new token this is (folded into the stream)
+
+
+class Penalties(NamedTuple):
+    """The tokens a row's penalties count: ids [R, H] (-1 padding) and whether each was generated
+    (presence / frequency count generated tokens only; the repetition penalty prompt + generated)."""
+
+    ids: jax.Array
+    generated: jax.Array  # bool [R, H]
+    repetition: jax.Array  # fp32 [R], 1: none
+    presence: jax.Array  # fp32 [R]
+    frequency: jax.Array  # fp32 [R]
+
+
+class StepOut(NamedTuple):
+    tokens: jax.Array  # int32 [R]: each row's next token (meaningless for a row mid-prompt)
+    logprob: jax.Array  # fp32 [R]: its log-probability under the model's raw distribution
+    top_ids: jax.Array  # int32 [R, N]: the N most likely tokens (N = 0 unless asked for)
+    top_logprobs: jax.Array  # fp32 [R, N]
+
+
+def empty_pool(geometry: Geometry, num_pages: int, page_size: int, dtype):
+    """(keys, values) zeros [layers, num_pages * page_size, kv_heads, head_dim]."""
+    shape = (geometry.layers, num_pages * page_size, geometry.kv_heads, geometry.head_dim)
+    return jnp.zeros(shape, dtype), jnp.zeros(shape, dtype)
+
+
+def pool_bytes_per_page(geometry: Geometry, page_size: int, dtype) -> int:
+    return 2 * geometry.layers * page_size * geometry.kv_heads * geometry.head_dim * jnp.dtype(dtype).itemsize
+
+
+def _slots(pages, positions, page_size: int):
+    """The pool slots of `positions` [R, T] through page tables [R, P]."""
+    page = jnp.take_along_axis(pages, jnp.clip(positions // page_size, 0, pages.shape[1] - 1), axis=1)
+    return page * page_size + positions % page_size
+
+
+def _write_and_attend(keys, values, layer, slots, q, k, v, *, row_slots, mask):
+    """Write k, v [R, C, K, Dh] at `slots` [R, C] of pool layer `layer`, then attend q over the
+    rows' gathered slots row_slots [R, L] under mask [R, 1, C, L]."""
+    K, Dh = k.shape[2:]
+    keys = keys.at[layer, slots.reshape(-1)].set(k.reshape(-1, K, Dh).astype(keys.dtype))
+    values = values.at[layer, slots.reshape(-1)].set(v.reshape(-1, K, Dh).astype(values.dtype))
+    layer_k = jax.lax.dynamic_index_in_dim(keys, layer, 0, keepdims=False)
+    layer_v = jax.lax.dynamic_index_in_dim(values, layer, 0, keepdims=False)
+    # [R, L, K, Dh] -> the [R, K, L, Dh] that `cache.attend` reads
+    k_rows = layer_k[row_slots].swapaxes(1, 2).astype(q.dtype)
+    v_rows = layer_v[row_slots].swapaxes(1, 2).astype(q.dtype)
+    return keys, values, cache.attend(q, k_rows, v_rows, mask)
+
+
+def _penalize(logits, p: Penalties):
+    rows = jnp.arange(logits.shape[0])[:, None]
+    cols = jnp.where(p.ids >= 0, p.ids, logits.shape[-1])  # padding: out of range, dropped
+    seen = jnp.zeros(logits.shape, bool).at[rows, cols].set(True, mode="drop")
+    counts = jnp.zeros(logits.shape, jnp.float32).at[rows, cols].add(p.generated.astype(jnp.float32), mode="drop")
+    logits = apply_repetition_penalty(logits, seen, p.repetition[:, None])
+    return logits - p.presence[:, None] * (counts > 0) - p.frequency[:, None] * counts
+
+
+def _sample(logits, s: RowSampling):
+    """Each row's token: argmax where its temperature is 0, else sampled from its own stream after
+    temperature, top_k, top_p (Hugging Face's order). The sort runs only in a step with a sampled row."""
+    greedy = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+
+    def sampled(logits):
+        logits = logits / jnp.where(s.temperature > 0, s.temperature, 1.0)[:, None]
+        descending = -jnp.sort(-logits, axis=-1)
+        kth = jnp.take_along_axis(descending, jnp.clip(s.top_k - 1, 0, logits.shape[-1] - 1)[:, None], axis=1)
+        logits = jnp.where((s.top_k[:, None] > 0) & (logits < kth), -jnp.inf, logits)
+        logits = top_p_filter(logits, s.top_p[:, None])
+        keys = jax.vmap(lambda seed, i: jax.random.fold_in(jax.random.key(seed), i))(s.seed, s.index)
+        tok = jax.vmap(jax.random.categorical)(keys, logits).astype(jnp.int32)
+        return jnp.where(s.temperature > 0, tok, greedy)
+
+    return jax.lax.cond(jnp.any(s.temperature > 0), sampled, lambda _: greedy, logits)
+
+
+def _step(weights, keys, values, rows: Rows, sampling: RowSampling, penalties: Penalties | None = None, *, source,
+          page_size: int, top_logprobs: int = 0):
+    """-> (keys, values, StepOut): the rows' tokens through every layer (their keys and values
+    written to the pool, donated), and each row's next token from its last fed token."""
+    model = source.model(weights)
+    fam = family_of(model)
+    if rows.adapter is not None:  # each row's own adapter (zerojax.serving.adapters)
+        fam.linear = functools.partial(model.adapter.rows_linear, rows=rows.adapter)
+    R, C = rows.tokens.shape
+    offsets = jnp.arange(C, dtype=jnp.int32)
+    valid = offsets[None] < rows.count[:, None]
+    positions = jnp.where(valid, rows.start[:, None] + offsets[None], 0)
+    slots = jnp.where(valid, _slots(rows.pages, positions, page_size), offsets[None] % page_size)  # padding: page 0
+    span = jnp.arange(rows.pages.shape[1] * page_size, dtype=jnp.int32)
+    row_slots = _slots(rows.pages, jnp.broadcast_to(span, (R, span.size)), page_size)
+    visible = span[None, None] <= positions[:, :, None]  # [R, C, L]: no future slot (nor another row's)
+    window = fam.geometry.window
+    if window is not None:
+        visible &= positions[:, :, None] - span[None, None] < window
+    attend_layer = functools.partial(_write_and_attend, row_slots=row_slots, mask=visible[:, None])
+    x, keys, values = decoder.run_layers(fam, fam.embed(rows.tokens, positions), keys, values, slots, attend_layer,
+                                         positions, unroll=C == 1)
+    last = jnp.take_along_axis(x, jnp.maximum(rows.count - 1, 0)[:, None, None], axis=1)
+    logits = fam.logits(last)[:, 0]
+    raw = jax.nn.log_softmax(logits, axis=-1)
+    if penalties is not None:
+        logits = _penalize(logits, penalties)
+    tok = _sample(logits, sampling)
+    logprob = jnp.take_along_axis(raw, tok[:, None], axis=1)[:, 0]
+    top_lp, top_ids = jax.lax.top_k(raw, top_logprobs)
+    return keys, values, StepOut(tok, logprob, top_ids.astype(jnp.int32), top_lp)
+
+
+# The step as two compiled functions with generate's XLA options (zerojax.generation.decoder: each
+# layer's weights read as a slice of the stack where it lies, not copied first; the decode's
+# products left unmerged): `step` for rows of one token (decodes), `chunk_step` for prompt chunks.
+_JIT = dict(static_argnames=("source", "page_size", "top_logprobs"), donate_argnames=("keys", "values"))
+step = jax.jit(_step, compiler_options=decoder.DECODE_COMPILER_OPTIONS, **_JIT)
+chunk_step = jax.jit(_step, compiler_options=decoder.COMPILER_OPTIONS, **_JIT)
+
+
+__all__ = ["Rows", "RowSampling", "Penalties", "StepOut", "step", "chunk_step", "empty_pool", "pool_bytes_per_page"]
