@@ -1,0 +1,137 @@
+"""The mixture-of-experts family (Qwen3-MoE, Mixtral) against transformers: logits, the training
+loss with its load-balancing term (`aux_loss`, attention mask included), greedy tokens, `to_hf`
+folders transformers loads; a padded batch equals its rows one by one; the grouped expert
+product equals a float64 loop over experts. Tiny random folders written by transformers, the
+router weights scaled up (init's 0.02 makes every expert nearly equally likely) so that routing
+decides the outputs."""
+import numpy as np
+import pytest
+
+import jax
+import jax.numpy as jnp
+
+import zerojax
+from zerojax.models import MoELlama, from_hf, moe_loss, to_hf
+from zerojax.models.moe import grouped_experts
+
+torch = pytest.importorskip("torch")
+transformers = pytest.importorskip("transformers")
+
+# fp32 parity as tests/models/test_llama.py's: the same products summed in another order
+RTOL = ATOL = 2e-5
+SEQ, NEW = 12, 8
+_COMMON = dict(vocab_size=101, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+               max_position_embeddings=64, num_experts_per_tok=2, router_aux_loss_coef=0.02)
+FAMILIES = {
+    # tied head, top-k weights not renormalised (Qwen3-MoE's default), 4 experts
+    "qwen3_moe": (transformers.Qwen3MoeConfig, dict(_COMMON, head_dim=16, moe_intermediate_size=16,
+                                                    intermediate_size=24, num_experts=4, tie_word_embeddings=True)),
+    # untied head, always renormalised, 5 experts (an odd count)
+    "mixtral": (transformers.MixtralConfig, dict(_COMMON, intermediate_size=16, num_local_experts=5)),
+}
+
+
+def _hf_model(name, seed=0):
+    cfg_cls, kw = FAMILIES[name]
+    torch.manual_seed(seed)
+    hf = transformers.AutoModelForCausalLM.from_config(cfg_cls(**kw)).eval()
+    with torch.no_grad():
+        for pname, p in hf.named_parameters():
+            if pname.endswith("gate.weight"):  # the router: decisive routing
+                p.copy_(torch.randn_like(p))
+            elif "norm" in pname:
+                p.add_(0.2 * torch.randn_like(p))
+    return hf
+
+
+@pytest.fixture(scope="module", params=sorted(FAMILIES))
+def pair(request, tmp_path_factory):
+    """(HF model, its folder, ours read from it)."""
+    hf = _hf_model(request.param)
+    path = tmp_path_factory.mktemp(request.param)
+    hf.save_pretrained(path)
+    return hf, path, from_hf(path)
+
+
+def _batch(vocab, lengths=(SEQ, 7), seed=0):
+    """Right-padded rows of `lengths` real tokens: ids, attention mask, labels (-100 on padding)."""
+    rng = np.random.default_rng(seed)
+    ids = rng.integers(0, vocab, (len(lengths), SEQ)).astype(np.int64)
+    mask = (np.arange(SEQ)[None] < np.asarray(lengths)[:, None]).astype(np.int64)
+    return ids, mask, np.where(mask == 1, ids, -100)
+
+
+def test_logits_loss_and_aux_loss_equal_transformers(pair):
+    hf, _, ours = pair
+    assert isinstance(ours, MoELlama)
+    ids, mask, labels = _batch(hf.config.vocab_size)
+    with torch.no_grad():
+        ref = hf(input_ids=torch.from_numpy(ids), attention_mask=torch.from_numpy(mask),
+                 labels=torch.from_numpy(labels), output_router_logits=True)
+    got = np.asarray(ours(jnp.asarray(ids)))
+    valid = mask.astype(bool)  # right padding: the real positions never see the padding
+    np.testing.assert_allclose(got[valid], ref.logits.numpy()[valid], rtol=RTOL, atol=ATOL)
+    loss, metrics = moe_loss(ours, {"input_ids": jnp.asarray(ids), "labels": jnp.asarray(labels),
+                                    "attention_mask": jnp.asarray(mask)})
+    np.testing.assert_allclose(float(metrics["aux_loss"]), float(ref.aux_loss), rtol=1e-5)
+    # transformers' loss: cross entropy + router_aux_loss_coef x aux_loss (z-loss off by default)
+    np.testing.assert_allclose(float(loss), float(ref.loss), rtol=1e-5)
+    assert float(metrics["z_loss"]) > 0
+
+
+def test_padded_batch_equals_rows_one_by_one(pair):
+    hf, _, ours = pair
+    lengths = (SEQ, 5, 9)
+    ids, mask, _ = _batch(hf.config.vocab_size, lengths, seed=3)
+    logits = jax.jit(lambda ids: ours(ids))  # one program per shape: the batch, then a row
+    batched = np.asarray(logits(jnp.asarray(ids)))
+    for row, n in enumerate(lengths):
+        # the row alone, its padding other tokens (the experts' groups change, its tokens' outputs must not)
+        alone = np.asarray(logits(jnp.asarray(np.where(mask[row:row + 1] == 1, ids[row:row + 1], 1))))[0]
+        np.testing.assert_allclose(batched[row, :n], alone[:n], rtol=RTOL, atol=ATOL)
+
+
+def test_greedy_tokens_equal_transformers(pair):
+    hf, _, ours = pair
+    rng = np.random.default_rng(1)
+    prompts = [rng.integers(3, hf.config.vocab_size, n).tolist() for n in (7, 3)]
+    got = zerojax.generate(ours, prompts, max_new_tokens=NEW, ignore_eos=True)  # one left-padded batch
+    for prompt, tokens in zip(prompts, got.tokens):
+        with torch.no_grad():
+            out = hf.generate(torch.tensor([prompt]), max_new_tokens=NEW, do_sample=False, pad_token_id=0,
+                              eos_token_id=None, attention_mask=torch.ones(1, len(prompt), dtype=torch.long))
+        assert tokens == out[0, len(prompt):].tolist()
+
+
+def test_to_hf_loads_in_transformers(pair, tmp_path):
+    hf, _, ours = pair
+    # a small shard size: several files and an index, as save_pretrained writes large models
+    to_hf(ours, tmp_path, max_shard_size=20_000)
+    assert (tmp_path / "model.safetensors.index.json").exists()
+    back = transformers.AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.float32).eval()
+    assert type(back) is type(hf)
+    ids, _, _ = _batch(hf.config.vocab_size)
+    with torch.no_grad():
+        ref = back(input_ids=torch.from_numpy(ids)).logits.numpy()
+    np.testing.assert_allclose(np.asarray(ours(jnp.asarray(ids))), ref, rtol=RTOL, atol=ATOL)
+
+
+def test_grouped_experts_equal_a_dense_loop_over_experts():
+    # the sorted, ragged_dot path against every expert run on every token in float64, each token's
+    # output the weighted sum of its chosen experts'
+    rng = np.random.default_rng(0)
+    N, d, m, E, k = 24, 8, 6, 5, 2
+    h = rng.normal(size=(N, d))
+    p = {name: {"kernel": rng.normal(size=shape)} for name, shape in
+         (("gate_proj", (E, d, m)), ("up_proj", (E, d, m)), ("down_proj", (E, m, d)))}
+    # expert 3 chosen by no token (an empty group), expert 0 by many
+    experts = np.stack([rng.permutation([0, 1, 2, 4])[:k] for _ in range(N)])
+    experts[:6] = [0, 1]
+    weights = rng.uniform(size=(N, k))
+    silu = lambda x: x / (1 + np.exp(-x))  # noqa: E731
+    every = np.stack([(silu(h @ p["gate_proj"]["kernel"][e]) * (h @ p["up_proj"]["kernel"][e]))
+                      @ p["down_proj"]["kernel"][e] for e in range(E)], 1)  # [N, E, d]
+    ref = np.einsum("nkd,nk->nd", np.take_along_axis(every, experts[..., None], 1), weights)
+    f32 = lambda a: jnp.asarray(a, jnp.float32)  # noqa: E731
+    got = grouped_experts(f32(h), f32(weights), jnp.asarray(experts), jax.tree.map(f32, p), jnp.float32)
+    np.testing.assert_allclose(np.asarray(got), ref, rtol=1e-4, atol=1e-4)
