@@ -123,13 +123,14 @@ def test_grouped_experts_equal_a_dense_loop_over_experts():
     N, d, m, E, k = 24, 8, 6, 5, 2
     h = rng.normal(size=(N, d))
     p = {name: {"kernel": rng.normal(size=shape)} for name, shape in
-         (("gate_proj", (E, d, m)), ("up_proj", (E, d, m)), ("down_proj", (E, m, d)))}
+         (("gate_up_proj", (E, d, 2, m)), ("down_proj", (E, m, d)))}
+    gate, up = p["gate_up_proj"]["kernel"][:, :, 0], p["gate_up_proj"]["kernel"][:, :, 1]
     # expert 3 chosen by no token (an empty group), expert 0 by many
     experts = np.stack([rng.permutation([0, 1, 2, 4])[:k] for _ in range(N)])
     experts[:6] = [0, 1]
     weights = rng.uniform(size=(N, k))
     silu = lambda x: x / (1 + np.exp(-x))  # noqa: E731
-    every = np.stack([(silu(h @ p["gate_proj"]["kernel"][e]) * (h @ p["up_proj"]["kernel"][e]))
+    every = np.stack([(silu(h @ gate[e]) * (h @ up[e]))
                       @ p["down_proj"]["kernel"][e] for e in range(E)], 1)  # [N, E, d]
     ref = np.einsum("nkd,nk->nd", np.take_along_axis(every, experts[..., None], 1), weights)
     f32 = lambda a: jnp.asarray(a, jnp.float32)  # noqa: E731

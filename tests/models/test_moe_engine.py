@@ -67,7 +67,7 @@ def test_zero3_equals_stage0_and_resumes_into_zero1(tmp_path):
 
     a, metrics3, saved = train(3, steps=2)
     a.save_checkpoint(tmp_path / "ck")
-    k = a.state.params["layers"]["mlp"]["up_proj"]["kernel"]  # [L, E, d, m] sharded over 8 devices
+    k = a.state.params["layers"]["mlp"]["gate_up_proj"]["kernel"]  # [L, E, d, 2, m] over 8 devices
     assert k.addressable_shards[0].data.size == k.size // 8
     metrics3.append({k: float(v) for k, v in a.train_step(batches()[2]).items()})
     for got, want in zip(metrics3, ref_metrics):

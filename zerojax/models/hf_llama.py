@@ -132,7 +132,8 @@ def layer_entries(config: LlamaConfig, mlp: bool = True):
     """[(HF name after "model.layers.{i}.", our path under "layers", our per-layer shape, to_ours,
     to_hf)] for this config's tensors (mlp=False: without the dense MLP's). A name with "{e}" is
     one tensor per expert: our leaf's first per-layer axis runs over them, to_ours / to_hf convert
-    one expert's tensor."""
+    one expert's tensor; a tuple of names is several tensors fused on our next-to-last axis (gate
+    and up: [d, 2, m])."""
     d, m, H, K, Dh = (config.hidden_size, config.intermediate_size, config.num_attention_heads,
                       config.kv_heads, config.dim_per_head)
     out = [("input_layernorm.weight", ("input_layernorm", "scale"), (d,), None, None),
@@ -155,19 +156,44 @@ def layer_entries(config: LlamaConfig, mlp: bool = True):
     return out
 
 
+def _per_expert(name) -> bool:
+    return "{e}" in (name if isinstance(name, str) else name[0])
+
+
 def _stack_layers(take, name, shape, to_ours, L):
     """One stacked leaf [L, *shape] read tensor by tensor (`take(HF name)`), per expert where the
-    name has "{e}" (`layer_entries`)."""
-    parts = [name.format(e=e) for e in range(shape[0])] if "{e}" in name else [name]
+    name has "{e}", fused where it is a tuple (`layer_entries`)."""
+    experts = range(shape[0]) if _per_expert(name) else [None]
+    fused = name if isinstance(name, tuple) else (name,)
     stacked = None
     for i in range(L):
-        for j, part in enumerate(parts):
-            a = take(f"model.layers.{i}.{part}")
-            a = to_ours(a) if to_ours else a
+        for e in experts:
+            parts = [take(f"model.layers.{i}.{n.format(e=e)}") for n in fused]
+            parts = [to_ours(a) if to_ours else a for a in parts]
+            a = np.stack(parts, axis=-2) if isinstance(name, tuple) else parts[0]
             if stacked is None:
                 stacked = np.empty((L, *shape), a.dtype)
-            stacked[(i, j) if "{e}" in name else i] = a
+            stacked[(i, e) if e is not None else i] = a
     return stacked
+
+
+def _layer_tensors(name, stacked, i, shape, to_hf):
+    """[(HF name, () -> the tensor read when written, HF shape)] of layer i of a stacked leaf:
+    one per expert where the name has "{e}", one per fused part where it is a tuple."""
+    one = shape[1:] if _per_expert(name) else shape
+    fused = name if isinstance(name, tuple) else (name,)
+    part_shape = one[:-2] + one[-1:] if isinstance(name, tuple) else one
+    hf_shape = to_hf(np.empty(part_shape, np.int8)).shape if to_hf else part_shape
+    out = []
+    for e in (range(shape[0]) if _per_expert(name) else [None]):
+        for j, n in enumerate(fused):
+            def get(get_layer=layer(stacked, i), e=e, j=j):
+                a = np.asarray(get_layer())
+                a = a if e is None else a[e]
+                a = a[..., j, :] if isinstance(name, tuple) else a
+                return to_hf(a) if to_hf else a
+            out.append((f"model.layers.{i}.{n.format(e=e)}", get, hf_shape))
+    return out
 
 
 def _pad_rows(a, config):
@@ -252,15 +278,8 @@ def save_llama_hf(params, config: LlamaConfig, out_dir: str, dtype=None, *,
             stacked = get_path(params, ("layers", *ours))
             if stacked.shape != (L, *shape):
                 raise ValueError(f"layers/{'/'.join(ours)}: shape {stacked.shape}, expected {(L, *shape)}")
-            if "{e}" in name:  # one tensor per expert, each read when written
-                one = shape[1:]
-                hf_shape = to_hf(np.empty(one, np.int8)).shape if to_hf else one
-                for e in range(shape[0]):
-                    entry(f"model.layers.{i}.{name.format(e=e)}",
-                          lambda get=layer(stacked, i), e=e: np.asarray(get()[e]), hf_shape, stacked.dtype, to_hf)
-                continue
-            hf_shape = to_hf(np.empty(shape, np.int8)).shape if to_hf else shape
-            entry(f"model.layers.{i}.{name}", layer(stacked, i), hf_shape, stacked.dtype, to_hf)
+            for hf_name, get, hf_shape in _layer_tensors(name, stacked, i, shape, to_hf):
+                entry(hf_name, get, hf_shape, stacked.dtype)
     whole("model.norm.weight", get_path(params, ("norm", "scale")))
     if head and not config.tie_word_embeddings:
         whole("lm_head.weight", get_path(params, ("lm_head",)), V)

@@ -9,7 +9,8 @@ and merges them back on load):
   mixtral:   block_sparse_moe.gate.weight [E, d], block_sparse_moe.experts.{e}.w1 (gate) / w3 (up) /
              w2 (down).weight
 
-each [out, in], ours their transposes stacked on the experts axis ([E, in, out]). Qwen3-MoE's
+each [out, in], ours their transposes stacked on the experts axis: gate and up fused as
+[E, d, 2, m] (transformers 5's `gate_up_proj` order), down [E, m, d]. Qwen3-MoE's
 config.json names the expert width `moe_intermediate_size` (its `intermediate_size` is the width
 of dense layers, which a config with every layer sparse has none of).
 
@@ -108,9 +109,11 @@ def moe_layer_entries(config: MoEConfig):
     block, names = _BLOCK[config.model_type]
     out = hf_llama.layer_entries(config, mlp=False)
     out.append((f"{block}.gate.weight", ("mlp", "router", "kernel"), (d, E), lambda a: a.T, lambda a: a.T))
-    for ours, shape in (("gate_proj", (E, d, m)), ("up_proj", (E, d, m)), ("down_proj", (E, m, d))):
-        out.append((f"{block}.experts.{{e}}.{names[ours]}.weight", ("mlp", ours, "kernel"), shape,
-                    lambda a: a.T, lambda a: a.T))
+    experts = f"{block}.experts.{{e}}."
+    out.append(((experts + names["gate_proj"] + ".weight", experts + names["up_proj"] + ".weight"),
+                ("mlp", "gate_up_proj", "kernel"), (E, d, 2, m), lambda a: a.T, lambda a: a.T))
+    out.append((experts + names["down_proj"] + ".weight", ("mlp", "down_proj", "kernel"), (E, m, d),
+                lambda a: a.T, lambda a: a.T))
     return out
 
 

@@ -127,14 +127,16 @@ def moe_flops_per_token(config: MoEConfig, seq_len: int) -> float:
 
 
 class SparseMLP(nnx.Module):
-    """One stacked sparse block: router [L, d, E] and per-expert SwiGLU kernels [L, E, in, out]."""
+    """One stacked sparse block: router [L, d, E], per-expert SwiGLU kernels gate_up [L, E, d, 2, m]
+    (gate then up) and down [L, E, m, d]."""
 
     def __init__(self, config: MoEConfig, rngs: nnx.Rngs, dtype):
         L, d, m, E = config.num_hidden_layers, config.hidden_size, config.intermediate_size, config.num_experts
         std = config.initializer_range
         self.router = Linear(rngs, (L, d, E), ("layers", "embed", None), std, dtype)
-        self.gate_proj = Linear(rngs, (L, E, d, m), ("layers", EXPERTS, "embed", "mlp"), std, dtype)
-        self.up_proj = Linear(rngs, (L, E, d, m), ("layers", EXPERTS, "embed", "mlp"), std, dtype)
+        # gate and up fused on an axis of 2 that is never split (as GPT-2's "qkv"): one grouped
+        # product for both, and transformers 5's / PEFT's `experts.gate_up_proj` one to one
+        self.gate_up_proj = Linear(rngs, (L, E, d, 2, m), ("layers", EXPERTS, "embed", "gate_up", "mlp"), std, dtype)
         self.down_proj = Linear(rngs, (L, E, m, d), ("layers", EXPERTS, "mlp", "embed"), std, dtype)
 
 
@@ -210,22 +212,30 @@ def grouped_experts(h, weights, experts, p, dtype, *, ragged=None):
     (an adapter's, e.g. LoRA's, replaces the plain `jax.lax.ragged_dot`)."""
     ragged = ragged or ragged_linear
     N, k = experts.shape
-    E = p["gate_proj"]["kernel"].shape[0]
+    E = p["down_proj"]["kernel"].shape[0]
     flat = experts.reshape(-1)
     order = jnp.argsort(flat, stable=True)  # pair index, grouped by expert (token order inside a group)
     group_sizes = jnp.bincount(flat, length=E).astype(jnp.int32)
     x = h[order // k]  # [N*k, d]
-    gate = ragged(x, p["gate_proj"], group_sizes, dtype)
-    up = ragged(x, p["up_proj"], group_sizes, dtype)
-    out = ragged(jax.nn.silu(gate) * up, p["down_proj"], group_sizes, dtype)  # [N*k, d]
+    gate_up = ragged(x, p["gate_up_proj"], group_sizes, dtype)  # [N*k, 2, m]
+    out = ragged(jax.nn.silu(gate_up[:, 0]) * gate_up[:, 1], p["down_proj"], group_sizes, dtype)  # [N*k, d]
     # back to (token, slot) order by the inverse permutation: a gather, no scatter-add
     out = out[jnp.argsort(order)].reshape(N, k, -1)
     return jnp.einsum("nkd,nk->nd", out, weights.astype(dtype))
 
 
 def ragged_linear(x, entry, group_sizes, dtype):
-    """x [M, in] (rows grouped by expert, `group_sizes` [E]) times entry["kernel"] [E, in, out]."""
-    return jax.lax.ragged_dot(x, entry["kernel"].astype(dtype), group_sizes)
+    """x [M, in] (rows grouped by expert, `group_sizes` [E]) times entry["kernel"] [E, in, *out]
+    -> [M, *out]."""
+    w = entry["kernel"].astype(dtype)
+    return grouped_product(x, w, group_sizes)
+
+
+def grouped_product(x, w, group_sizes):
+    """`jax.lax.ragged_dot` of x [M, in] with w [E, in, *out] (out axes flattened for it) -> [M, *out]."""
+    E, n_in, *outs = w.shape
+    y = jax.lax.ragged_dot(x, w.reshape(E, n_in, -1), group_sizes)
+    return y.reshape(x.shape[0], *outs)
 
 
 def sparse_feed_forward(config: MoEConfig, dtype, token_mask=None, found=None, ragged=None):
@@ -321,5 +331,5 @@ def chunked_moe_loss(chunk: int = 128):
 
 
 __all__ = ["MoEConfig", "MoELlama", "RouterStats", "SparseMLP", "MOE_MODEL_TYPES", "EXPERTS", "route",
-           "router_stats", "grouped_experts", "ragged_linear", "sparse_feed_forward", "moe_loss", "chunked_moe_loss",
+           "router_stats", "grouped_experts", "ragged_linear", "grouped_product", "sparse_feed_forward", "moe_loss", "chunked_moe_loss",
            "moe_num_params", "active_params", "moe_flops_per_token", "token_mask_of"]
