@@ -68,6 +68,13 @@ class Family:
     # train apart from the rest of their layer: not offered)
     savable: dict
     fan_in_fan_out: bool  # PEFT's for these modules: True for Conv1D ([in, out] weights)
+    # PEFT's target_parameters name -> (our path, input axes, leading expert axes): 3-D expert weights
+    parameters: dict = dataclasses.field(default_factory=dict)
+
+    @property
+    def kernels(self) -> dict:
+        """Every adaptable kernel: PEFT name -> (our path, input axes, leading axes)."""
+        return {**{k: (*v, 0) for k, v in self.linears.items()}, **self.parameters}
 
 
 def _family(f) -> Family:
@@ -115,13 +122,13 @@ class FrozenWeight(nnx.Variable):
 
 # PEFT's LoraConfig keys this module acts on, with their defaults
 DEFAULTS = dict(r=8, lora_alpha=8, target_modules=None, lora_dropout=0.0, bias="none", use_rslora=False,
-                modules_to_save=None, init_lora_weights=True, exclude_modules=None)
+                modules_to_save=None, init_lora_weights=True, exclude_modules=None, target_parameters=None)
 # zerojax's additions: the base's storage
 EXTRAS = dict(quantize=None, base_dtype=None, seed=0)
 # PEFT keys accepted only at their default (a feature not implemented here: a clear error otherwise)
 FIXED = dict(layers_to_transform=None, layers_pattern=None, rank_pattern={},
              alpha_pattern={}, use_dora=False, loftq_config={}, layer_replication=None, lora_bias=False,
-             target_parameters=None, trainable_token_indices=None, use_qalora=False, megatron_config=None,
+             trainable_token_indices=None, use_qalora=False, megatron_config=None,
              eva_config=None, corda_config=None, lora_ga_config=None, alora_invocation_tokens=None,
              arrow_config=None, velora_config=None, monteclora_config=None, kasa_config=None, use_bdlora=None)
 # PEFT keys that describe Hugging Face's weight layout, which the model's family fixes: checked
@@ -172,12 +179,22 @@ def from_config_dict(d, model=None) -> dict:
     if s["init_lora_weights"] not in (True, False, "gaussian"):
         raise _problem("init_lora_weights", f"{s['init_lora_weights']!r}: true (PEFT's: B = 0), \"gaussian\" "
                                             "or false (random B, for tests); other schemes are not implemented")
+    tp = s["target_parameters"]
+    if tp is not None and not (isinstance(tp, (list, tuple)) and tp and all(isinstance(x, str) for x in tp)):
+        raise _problem("target_parameters", f"{tp!r}: a non-empty list of parameter names such as "
+                                            "[\"mlp.experts.gate_up_proj\", \"mlp.experts.down_proj\"] (or null)")
+    if tp and p:
+        raise _problem("lora_dropout", f"{p!r} with target_parameters: PEFT's parameter adapters take no dropout "
+                                       "(dropout of x cannot be factored out of an expert's product); set it to 0")
+    s["target_parameters"] = list(tp) if tp else None
     t = s["target_modules"]
+    if t is None and tp:
+        s["target_modules"] = t = []
     if t is None:
         raise _problem("target_modules", "required: a list of module names such as [\"q_proj\", \"v_proj\"], "
                                          "\"all-linear\", or a regular expression")
     if isinstance(t, (list, tuple, set)):
-        if not t or not all(isinstance(x, str) for x in t):
+        if (not t and not tp) or not all(isinstance(x, str) for x in t):
             raise _problem("target_modules", f"{t!r}: a non-empty list of module names")
         s["target_modules"] = sorted(set(t))
     elif not isinstance(t, str):
@@ -217,6 +234,8 @@ def _targets(model, s) -> tuple[str, ...]:
     L = _n_layer(model)
     if t == "all-linear":  # PEFT: every linear layer (nn.Linear, Conv1D) but the output head
         chosen = names
+    elif not t:  # target_parameters alone
+        chosen = []
     else:
         chosen = []
         for name in names:
@@ -227,7 +246,7 @@ def _targets(model, s) -> tuple[str, ...]:
                                                  "is not supported)")
             if all(hits):
                 chosen.append(name)
-        if not chosen:
+        if not chosen and not s.get("target_parameters"):
             short = sorted({n.split(".")[-1] for n in names})
             raise _problem("target_modules", f"{t!r} matches no linear module of this model; its linear "
                                              f"modules are {short} (full names like "
@@ -235,8 +254,21 @@ def _targets(model, s) -> tuple[str, ...]:
     ex = s.get("exclude_modules")
     if ex:
         chosen = [n for n in chosen if not _matches(fam.prefix.format(i=0) + n, ex)]
-        if not chosen:
+        if not chosen and not s.get("target_parameters"):
             raise _problem("exclude_modules", f"{ex!r} excludes every targeted module")
+    return tuple(chosen) + _target_parameters(fam, s)
+
+
+def _target_parameters(fam: Family, s) -> tuple[str, ...]:
+    """The targeted expert parameters (keys of the family's `parameters`), matched as PEFT matches
+    target_parameters: a name equal to, or a suffix of, the full parameter name."""
+    tp = s.get("target_parameters") or []
+    chosen = [name for name in fam.parameters if _matches(fam.prefix.format(i=0) + name, tp)]
+    unknown = [x for x in tp if not any(_matches(fam.prefix.format(i=0) + n, [x]) for n in fam.parameters)]
+    if unknown:
+        have = list(fam.parameters) or "none (no expert weights)"
+        raise _problem("target_parameters", f"{unknown[0]!r} matches no parameter of this model; its adaptable "
+                                            f"parameters are {have}")
     return tuple(chosen)
 
 
@@ -259,15 +291,16 @@ def _savable(model, s) -> tuple[str, ...]:
 # --------------------------------------------------------------------------- quantization
 
 
-def quantize_int8(w, n_in: int):
-    """Per output channel absmax int8 of a stacked kernel [L, *in, *out] -> (codes int8, scale fp32
-    [L, 1.., *out]); |w - codes * scale| <= scale / 2. Layer by layer (see `_per_layer`)."""
-    return _per_layer(functools.partial(_int8_layer, n_in=n_in), w)
+def quantize_int8(w, n_in: int, lead: int = 0):
+    """Per output channel absmax int8 of a stacked kernel [L, *lead, *in, *out] (lead: e.g. the
+    experts axis) -> (codes int8, scale fp32 [L, *lead, 1.., *out]); |w - codes * scale| <= scale / 2.
+    Layer by layer (see `_per_layer`)."""
+    return _per_layer(functools.partial(_int8_layer, n_in=n_in, lead=lead), w)
 
 
-def _int8_layer(w, n_in):
+def _int8_layer(w, n_in, lead=0):
     w = w.astype(jnp.float32)
-    absmax = jnp.max(jnp.abs(w), axis=tuple(range(n_in)), keepdims=True)
+    absmax = jnp.max(jnp.abs(w), axis=tuple(range(lead, lead + n_in)), keepdims=True)
     scale = jnp.where(absmax > 0, absmax / 127.0, 1.0)
     return jnp.clip(jnp.round(w / scale), -127, 127).astype(jnp.int8), scale
 
@@ -384,6 +417,18 @@ class LoraAdapter:
         u = jnp.tensordot(h, a, axes=a.ndim - 1)
         return y + self.scale * jnp.tensordot(u, b, axes=1)
 
+    def ragged(self, x, entry, group_sizes, dtype):
+        """An expert projection (`zerojax.models.moe.grouped_experts`): x [M, in] grouped by expert
+        times the kernel [E, in, *out] (dequantized on use), plus scale * B_e(A_e(x)) with each
+        row's own expert's adapters (lora_A [E, in, r], lora_B [E, r, *out]), as grouped products."""
+        from zerojax.models.moe import grouped_product
+
+        y = grouped_product(x, kernel_of(entry, dtype), group_sizes)
+        if "lora_A" not in entry or not self.enabled:
+            return y
+        u = grouped_product(x, entry["lora_A"].astype(dtype), group_sizes)
+        return y + self.scale * grouped_product(u, entry["lora_B"].astype(dtype), group_sizes)
+
     def layer_inputs(self, model):
         """The stacked untrained per-layer inputs: the frozen base and (training, dropout > 0)
         one dropout key per layer and targeted module."""
@@ -394,7 +439,7 @@ class LoraAdapter:
             key, L = drop.rngs.dropout(), _n_layer(model)
             for i, name in enumerate(self.targets):
                 keys = jax.random.key_data(jax.random.split(jax.random.fold_in(key, i), L))
-                _at(side, fam.linears[name][0])["dropout_key"] = keys
+                _at(side, fam.kernels[name][0])["dropout_key"] = keys
         return side
 
     @staticmethod
@@ -470,7 +515,7 @@ def apply(model, config, *, rngs: nnx.Rngs | None = None, device=None):
                 if isinstance(v, nnx.Variable):
                     setattr(m, name, _var(nnx.Param, v[...].astype(jnp.float32), _names(v)))
 
-    for name, (path, n_in) in fam.linears.items():
+    for name, (path, n_in, lead) in fam.kernels.items():
         lin = _module(model, path)
         k = lin.kernel
         names, w = _names(k), k[...]
@@ -478,7 +523,7 @@ def apply(model, config, *, rngs: nnx.Rngs | None = None, device=None):
         if device is not None and s["quantize"]:
             w = jax.device_put(w, device)
         if s["quantize"] == "int8":
-            codes, scale = quantize_int8(w, n_in)
+            codes, scale = quantize_int8(w, n_in, lead)
             del lin.kernel
             lin.kernel_int8 = _var(FrozenWeight, codes, names)
             # (its reduced input axes are 1 long: named None, never split)
@@ -491,17 +536,19 @@ def apply(model, config, *, rngs: nnx.Rngs | None = None, device=None):
             lin.kernel_absmax = _var(FrozenWeight, absmax, ("layers", None))
         if name not in targets:
             continue
-        ins, outs = shape[1:1 + n_in], shape[1 + n_in:]
+        # [L, *lead (experts), *in, *out]: one adapter per expert, on its leading axes
+        heads, ins, outs = shape[1:1 + lead], shape[1 + lead:1 + lead + n_in], shape[1 + lead + n_in:]
         fan_in, r = math.prod(ins), s["r"]
         bound = 1.0 / math.sqrt(fan_in)  # PEFT: kaiming_uniform_(a=sqrt(5)) on [r, in]
         if s["init_lora_weights"] == "gaussian":
-            a = jax.random.normal(rngs.params(), (L, *ins, r), jnp.float32) / r
+            a = jax.random.normal(rngs.params(), (L, *heads, *ins, r), jnp.float32) / r
         else:
-            a = jax.random.uniform(rngs.params(), (L, *ins, r), jnp.float32, -bound, bound)
-        b = (jax.random.uniform(rngs.params(), (L, r, *outs), jnp.float32, -bound, bound)
-             if s["init_lora_weights"] is False else jnp.zeros((L, r, *outs), jnp.float32))
-        lin.lora_A = _var(nnx.Param, a, ("layers", *names[1:1 + n_in], None))
-        lin.lora_B = _var(nnx.Param, b, ("layers", None, *names[1 + n_in:]))
+            a = jax.random.uniform(rngs.params(), (L, *heads, *ins, r), jnp.float32, -bound, bound)
+        b = (jax.random.uniform(rngs.params(), (L, *heads, r, *outs), jnp.float32, -bound, bound)
+             if s["init_lora_weights"] is False else jnp.zeros((L, *heads, r, *outs), jnp.float32))
+        lead_names = names[1:1 + lead]
+        lin.lora_A = _var(nnx.Param, a, ("layers", *lead_names, *names[1 + lead:1 + lead + n_in], None))
+        lin.lora_B = _var(nnx.Param, b, ("layers", *lead_names, None, *names[1 + lead + n_in:]))
 
     if s["lora_dropout"] > 0:
         model.lora_dropout = LoraDropout(float(s["lora_dropout"]), int(s["seed"]))
@@ -543,6 +590,43 @@ def _pure(model):
     return nnx.to_pure_dict(nnx.state(model))
 
 
+def _peft_name(fam: Family, targets, name: str, i: int) -> str:
+    """PEFT's name of target `name`'s adapters in layer i, before ".lora_A.weight": the module's
+    name; a parameter's (`target_parameters`) is its module's, with ".base_layer" once for each
+    targeted parameter of the same module wrapped around it (PEFT nests their wrappers in the
+    family's order, the first innermost)."""
+    pre = f"{PEFT_PREFIX}{fam.prefix.format(i=i)}"
+    if name not in fam.parameters:
+        return pre + name
+    module = name.rsplit(".", 1)[0]
+    same = [n for n in fam.parameters if n in targets and n.rsplit(".", 1)[0] == module]
+    return pre + module + ".base_layer" * (len(same) - 1 - same.index(name))
+
+
+def _to_peft(a, b, lead: int):
+    """One layer's lora_A [*lead, *in, r] / lora_B [*lead, r, *out] -> PEFT's lora_A [r, in] /
+    lora_B [out, r] weights (nn.Linear's layout; PEFT's for Conv1D too); with an experts axis
+    (lead 1), PEFT's parameter adapters: lora_A [E * r, in] (expert-major), lora_B [out, r * E]
+    (rank-major)."""
+    r = a.shape[-1]
+    if not lead:
+        return a.reshape(-1, r).T, b.reshape(r, -1).T
+    E = a.shape[0]
+    A = a.reshape(E, -1, r).transpose(0, 2, 1).reshape(E * r, -1)
+    B = b.reshape(E, r, -1).transpose(2, 1, 0).reshape(-1, r * E)
+    return A, B
+
+
+def _from_peft(A, B, a_shape, b_shape, lead: int):
+    """`_to_peft`'s inverse: PEFT's weights -> one layer's lora_A of a_shape, lora_B of b_shape."""
+    if not lead:
+        return A.T.reshape(a_shape), B.T.reshape(b_shape)
+    E, r = a_shape[0], a_shape[-1]
+    a = A.reshape(E, r, -1).transpose(0, 2, 1).reshape(a_shape)
+    b = B.reshape(-1, r, E).transpose(2, 1, 0).reshape(b_shape)
+    return a, b
+
+
 def peft_tensors(model) -> dict[str, np.ndarray]:
     """PEFT's adapter_model tensors (name -> fp32 numpy) of a LoRA model."""
     ad = adapter_of(model)
@@ -550,15 +634,15 @@ def peft_tensors(model) -> dict[str, np.ndarray]:
     out = {}
     for name in ad.targets:
         e = tree[fam.stack]
-        for k in fam.linears[name][0]:
+        path, _, lead = fam.kernels[name]
+        for k in path:
             e = e[k]
         a, b = np.asarray(e["lora_A"], np.float32), np.asarray(e["lora_B"], np.float32)
-        r = a.shape[-1]
         for i in range(_n_layer(model)):
-            pre = f"{PEFT_PREFIX}{fam.prefix.format(i=i)}{name}"
-            # A [*in, r] -> [r, in], B [r, *out] -> [out, r] (nn.Linear's layout; PEFT's for Conv1D too)
-            out[f"{pre}.lora_A.weight"] = np.ascontiguousarray(a[i].reshape(-1, r).T)
-            out[f"{pre}.lora_B.weight"] = np.ascontiguousarray(b[i].reshape(r, -1).T)
+            pre = _peft_name(fam, ad.targets, name, i)
+            A, B = _to_peft(a[i], b[i], lead)
+            out[f"{pre}.lora_A.weight"] = np.ascontiguousarray(A)
+            out[f"{pre}.lora_B.weight"] = np.ascontiguousarray(B)
     for k in ad.savable:
         attr, hf = fam.savable[k]
         out[PEFT_PREFIX + hf] = np.asarray(tree[attr], np.float32)[:model.config.vocab_size]
@@ -570,6 +654,8 @@ def _peft_target_names(ad) -> list[str]:
     ("attn.c_proj") where the last name would take an untargeted module too (PEFT matches by suffix)."""
     out = []
     for name in ad.targets:
+        if name in ad.family_parts.parameters:  # written as target_parameters
+            continue
         last = name.split(".")[-1]
         taken = [n for n in ad.family_parts.linears if n.split(".")[-1] == last]
         short = last if all(n in ad.targets for n in taken) else name
@@ -602,7 +688,8 @@ def save_peft(model, out_dir, *, base_model_name_or_path=None) -> str:
               "fan_in_fan_out": ad.family_parts.fan_in_fan_out,
               "layers_to_transform": None, "layers_pattern": None, "rank_pattern": {}, "alpha_pattern": {},
               "use_dora": False, "lora_bias": False, "megatron_config": None, "megatron_core": "megatron.core",
-              "loftq_config": {}, "layer_replication": None, "target_parameters": None,
+              "loftq_config": {}, "layer_replication": None,
+              "target_parameters": [n for n in ad.targets if n in ad.family_parts.parameters] or None,
               "trainable_token_indices": None}
     with open(os.path.join(out_dir, "adapter_config.json"), "w") as f:
         json.dump(config, f, indent=2, sort_keys=True)
@@ -639,21 +726,27 @@ def load_peft(model, adapter_dir, **extras):
     L = _n_layer(model)
     used = set()
     for name in ad.targets:
-        lin = _module(model, fam.linears[name][0])
-        for which in ("lora_A", "lora_B"):
-            var = getattr(lin, which)
-            have = var[...]
-            rows = []
-            for i in range(L):
-                key = f"{PEFT_PREFIX}{fam.prefix.format(i=i)}{name}.{which}.weight"
+        path, _, lead = fam.kernels[name]
+        lin = _module(model, path)
+        a_var, b_var = lin.lora_A, lin.lora_B
+        a_rows, b_rows = [], []
+        for i in range(L):
+            pair = []
+            for which, var in (("lora_A", a_var), ("lora_B", b_var)):
+                key = f"{_peft_name(fam, ad.targets, name, i)}.{which}.weight"
                 if key not in tensors:
-                    raise ValueError(f"{adapter_dir}: no {key} (the adapter's target_modules and this model differ)")
+                    raise ValueError(f"{adapter_dir}: no {key} (the adapter's target_modules / target_parameters "
+                                     "and this model differ)")
                 used.add(key)
-                t = np.asarray(tensors[key], np.float32).T  # A: [in, r], B: [r, out]
-                if t.size != math.prod(have.shape[1:]):
-                    raise ValueError(f"{key}: shape {tensors[key].shape} does not fit {have.shape[1:]}")
-                rows.append(t.reshape(have.shape[1:]))
-            var[...] = jnp.asarray(np.stack(rows), have.dtype)
+                t = np.asarray(tensors[key], np.float32)
+                if t.size != math.prod(var[...].shape[1:]):
+                    raise ValueError(f"{key}: shape {t.shape} does not fit {var[...].shape[1:]}")
+                pair.append(t)
+            a, b = _from_peft(*pair, a_var[...].shape[1:], b_var[...].shape[1:], lead)
+            a_rows.append(a)
+            b_rows.append(b)
+        a_var[...] = jnp.asarray(np.stack(a_rows), a_var[...].dtype)
+        b_var[...] = jnp.asarray(np.stack(b_rows), b_var[...].dtype)
     for k in ad.savable:
         attr, hf = fam.savable[k]
         key = PEFT_PREFIX + hf
@@ -687,7 +780,7 @@ def merge(model, dtype=None):
                              scan_unroll=model.scan_unroll)
     with no_eager_sharding():
         graphdef, state = nnx.split(nnx.eval_shape(make))
-    linears = {(fam.stack, *path) for path, _ in fam.linears.values()}
+    linears = {(fam.stack, *path): lead for path, _, lead in fam.kernels.values()}
 
     def fill(p, t, at=()):
         """p (the plain model's pure dict) filled from t (the adapted model's), in fp32: norms,
@@ -698,7 +791,7 @@ def merge(model, dtype=None):
                 w = jax.vmap(lambda e: kernel_of(e, jnp.float32))(
                     {key: val for key, val in entry.items() if key.startswith("kernel")})
                 if "lora_A" in entry:
-                    w = w + ad.scale * _ab(entry["lora_A"], entry["lora_B"])
+                    w = w + ad.scale * _ab(entry["lora_A"], entry["lora_B"], linears[(*at, k)])
                 p[k] = {**{key: jnp.asarray(entry[key], jnp.float32) for key in p[k] if key != "kernel"}, "kernel": w}
             elif isinstance(p[k], dict):
                 fill(p[k], t[k], (*at, k))
@@ -711,12 +804,13 @@ def merge(model, dtype=None):
     return nnx.merge(graphdef, state)
 
 
-def _ab(a, b):
-    """sum_r A[l, *in, r] B[l, r, *out] -> [l, *in, *out] in fp32."""
-    L, r = a.shape[0], a.shape[-1]
-    out = jnp.einsum("lir,lro->lio", a.reshape(L, -1, r).astype(jnp.float32),
-                     b.reshape(L, r, -1).astype(jnp.float32), precision="highest")
-    return out.reshape(*a.shape[:-1], *b.shape[2:])
+def _ab(a, b, lead: int = 0):
+    """sum_r A[l, *lead, *in, r] B[l, *lead, r, *out] -> [l, *lead, *in, *out] in fp32 (lead: the
+    experts axes, one product per expert)."""
+    n, r = math.prod(a.shape[:1 + lead]), a.shape[-1]
+    out = jnp.einsum("lir,lro->lio", a.reshape(n, -1, r).astype(jnp.float32),
+                     b.reshape(n, r, -1).astype(jnp.float32), precision="highest")
+    return out.reshape(*a.shape[:-1], *b.shape[2 + lead:])
 
 
 def trainable_count(model) -> int:

@@ -134,5 +134,66 @@ def test_grouped_experts_equal_a_dense_loop_over_experts():
                       @ p["down_proj"]["kernel"][e] for e in range(E)], 1)  # [N, E, d]
     ref = np.einsum("nkd,nk->nd", np.take_along_axis(every, experts[..., None], 1), weights)
     f32 = lambda a: jnp.asarray(a, jnp.float32)  # noqa: E731
+    p["router"] = {"kernel": np.zeros((d, E))}  # (its shape tells the expert count)
     got = grouped_experts(f32(h), f32(weights), jnp.asarray(experts), jax.tree.map(f32, p), jnp.float32)
     np.testing.assert_allclose(np.asarray(got), ref, rtol=1e-4, atol=1e-4)
+
+
+LORA = {"r": 2, "lora_alpha": 4, "target_modules": ["q_proj", "k_proj", "v_proj", "o_proj"],
+        "target_parameters": ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"],
+        "init_lora_weights": False}  # random lora_B: the adapters change the outputs
+
+
+def test_lora_on_experts_loads_in_peft_with_equal_logits_and_tokens(pair, tmp_path):
+    peft = pytest.importorskip("peft")
+    from zerojax import lora
+
+    hf, path, plain = pair
+    ours = lora.apply(from_hf(path), LORA)
+    lora.save_peft(ours, tmp_path)
+    base = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    ref = peft.PeftModel.from_pretrained(base, tmp_path).eval()
+    ids, _, _ = _batch(hf.config.vocab_size)
+    with torch.no_grad():
+        ref_logits = ref(input_ids=torch.from_numpy(ids)).logits.numpy()
+    got = np.asarray(ours(jnp.asarray(ids)))
+    np.testing.assert_allclose(got, ref_logits, rtol=RTOL, atol=ATOL)
+    assert np.abs(got - np.asarray(plain(jnp.asarray(ids)))).max() > 1e-2  # the adapters matter
+    prompt = ids[0, :5].tolist()
+    with torch.no_grad():
+        want = ref.generate(input_ids=torch.tensor([prompt]), max_new_tokens=NEW, do_sample=False, pad_token_id=0,
+                            eos_token_id=None, attention_mask=torch.ones(1, 5, dtype=torch.long))
+    assert zerojax.generate(ours, prompt, max_new_tokens=NEW, ignore_eos=True).tokens[0] == \
+        want[0, 5:].tolist()
+    # and PEFT's file read back into a fresh model gives the same adapters
+    back = lora.load_peft(from_hf(path), tmp_path)
+    np.testing.assert_array_equal(np.asarray(back(jnp.asarray(ids))), got)
+
+
+def test_quantized_experts_run_as_their_dequantized_merge():
+    # QLoRA's nf4 base experts ([L, E, d, 2, m] quantized in 64-element blocks per layer), dequantized
+    # on use inside the grouped products, equal the plain model `merge` builds from the same codes
+    # (the kernels dequantized, scale x B A folded in), and stay within nf4's bound of the weights
+    from flax import nnx
+
+    from zerojax import lora
+    from zerojax.models import MoEConfig
+
+    cfg = MoEConfig.named("tiny-mixtral", num_hidden_layers=1, initializer_range=0.5)
+    model = MoELlama(cfg, rngs=nnx.Rngs(0))
+    w = np.asarray(model.layers.mlp.gate_up_proj.kernel[...])
+    lora.apply(model, dict(LORA, quantize="nf4"))
+    merged = lora.merge(model)
+    deq = np.asarray(merged.layers.mlp.gate_up_proj.kernel[...])
+    ids = jnp.asarray(np.random.default_rng(0).integers(0, cfg.vocab_size, (2, SEQ)))
+    got, want = np.asarray(model(ids)), np.asarray(merged(ids))
+    # x W + s (x A) B against x (W + s A B): the same terms rounded apart, fp32 sums of `hidden_size`
+    # products in each of the few products between them and the logits
+    tol = 4 * cfg.hidden_size * np.finfo(np.float32).eps * np.abs(want).max()
+    np.testing.assert_allclose(got, want, rtol=0, atol=tol)
+    blocks = np.abs(w).reshape(-1, lora.BLOCK).max(-1)  # each block's absmax, row-major per layer
+    bound = np.repeat(np.asarray(lora.quantization_bound("nf4", blocks)), lora.BLOCK).reshape(w.shape)
+    entry = model.layers.mlp.gate_up_proj  # per expert: scale x A_e [d, r] B_e [r, 2, m]
+    delta = model.adapter.scale * np.einsum("ledr,lerkm->ledkm", np.asarray(entry.lora_A[...], np.float64),
+                                            np.asarray(entry.lora_B[...], np.float64))
+    assert np.all(np.abs(deq - delta - w) <= bound * (1 + 1e-5) + 1e-6)

@@ -163,5 +163,16 @@ registry.register(registry.ModelFamily(
     hf_config=lambda path: config_from_hf(read_config_json(path)),
     shape_keys=tuple(f.name for f in dataclasses.fields(MoEConfig) if f.name not in _NOT_SHAPE),
     counts=lambda config, seq_len: (moe_flops_per_token(config, seq_len), moe_num_params(config)),
+    # PEFT's names as transformers 5 builds these models (Mixtral's block_sparse_moe renamed mlp on
+    # load): experts are 3-D parameters, adapted through PEFT's target_parameters (one lora_A
+    # [r * E, in] and lora_B [out, r * E] per parameter), gate and up as one fused gate_up_proj
+    peft=registry.PeftTargets(
+        stack="layers", prefix="model.layers.{i}.",
+        linears={"self_attn.q_proj": (("self_attn", "q_proj"), 1), "self_attn.k_proj": (("self_attn", "k_proj"), 1),
+                 "self_attn.v_proj": (("self_attn", "v_proj"), 1), "self_attn.o_proj": (("self_attn", "o_proj"), 2)},
+        savable={"embed_tokens": ("embed_tokens", "model.embed_tokens.weight"),
+                 "lm_head": ("lm_head", "lm_head.weight")},
+        parameters={"mlp.experts.gate_up_proj": (("mlp", "gate_up_proj"), 1, 1),
+                    "mlp.experts.down_proj": (("mlp", "down_proj"), 1, 1)}),
     label_of=lambda shape, config: f"{shape} ({config.model_type})",
     decoder="zerojax.generation.families:MoEFamily"))

@@ -212,7 +212,7 @@ def grouped_experts(h, weights, experts, p, dtype, *, ragged=None):
     (an adapter's, e.g. LoRA's, replaces the plain `jax.lax.ragged_dot`)."""
     ragged = ragged or ragged_linear
     N, k = experts.shape
-    E = p["down_proj"]["kernel"].shape[0]
+    E = p["router"]["kernel"].shape[-1]
     flat = experts.reshape(-1)
     order = jnp.argsort(flat, stable=True)  # pair index, grouped by expert (token order inside a group)
     group_sizes = jnp.bincount(flat, length=E).astype(jnp.int32)

@@ -29,13 +29,16 @@ class PeftTargets:
     before a module name; linears: PEFT's module name -> (our path under the stack, how many
     leading axes of a layer's kernel are its input); savable: modules_to_save name -> (our
     attribute, Hugging Face tensor name); fan_in_fan_out: PEFT's flag for these modules (True for
-    Conv1D's [in, out] weights)."""
+    Conv1D's [in, out] weights); parameters: PEFT's `target_parameters` names (3-D expert weights,
+    e.g. "mlp.experts.gate_up_proj") -> (our path, input axes, leading expert axes), in the order
+    PEFT nests their wrappers (the first innermost)."""
 
     stack: str
     prefix: str
     linears: dict
     savable: dict
     fan_in_fan_out: bool = False
+    parameters: dict = dataclasses.field(default_factory=dict)
 
 
 @dataclasses.dataclass(frozen=True)
