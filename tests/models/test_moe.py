@@ -73,10 +73,10 @@ def test_logits_loss_and_aux_loss_equal_transformers(pair):
     np.testing.assert_allclose(got[valid], ref.logits.numpy()[valid], rtol=RTOL, atol=ATOL)
     loss, metrics = moe_loss(ours, {"input_ids": jnp.asarray(ids), "labels": jnp.asarray(labels),
                                     "attention_mask": jnp.asarray(mask)})
-    np.testing.assert_allclose(float(metrics["aux_loss"]), float(ref.aux_loss), rtol=1e-5)
+    np.testing.assert_allclose(float(metrics["router/aux_loss"]), float(ref.aux_loss), rtol=1e-5)
     # transformers' loss: cross entropy + router_aux_loss_coef x aux_loss (z-loss off by default)
     np.testing.assert_allclose(float(loss), float(ref.loss), rtol=1e-5)
-    assert float(metrics["z_loss"]) > 0
+    assert float(metrics["router/z_loss"]) > 0
 
 
 def test_padded_batch_equals_rows_one_by_one(pair):
@@ -197,3 +197,19 @@ def test_quantized_experts_run_as_their_dequantized_merge():
     delta = model.adapter.scale * np.einsum("ledr,lerkm->ledkm", np.asarray(entry.lora_A[...], np.float64),
                                             np.asarray(entry.lora_B[...], np.float64))
     assert np.all(np.abs(deq - delta - w) <= bound * (1 + 1e-5) + 1e-6)
+
+
+@pytest.mark.parametrize("name", ["qwen3-30b-a3b", "mixtral-8x7b"])
+def test_named_shapes_count_as_transformers(name):
+    # every expert counted (the planner's parameter count), against the model transformers builds
+    # from the config.json we write (on the meta device: no memory)
+    from zerojax.models import registry
+    from zerojax.models.hf_moe import config_to_hf
+
+    fam = registry.for_shape(name)
+    cfg = fam.config(name)
+    hf = {k: v for k, v in config_to_hf(cfg).items() if k not in ("architectures", "model_type")}
+    cls = transformers.Qwen3MoeConfig if cfg.model_type == "qwen3_moe" else transformers.MixtralConfig
+    with torch.device("meta"):
+        ref = transformers.AutoModelForCausalLM.from_config(cls(**hf))
+    assert fam.counts(cfg, 2048)[1] == ref.num_parameters()

@@ -58,12 +58,12 @@ def assert_same(a, b, atol=WEIGHT_ATOL):
 
 def test_zero3_equals_stage0_and_resumes_into_zero1(tmp_path):
     _, ref_metrics, ref = train(0)
-    for name in ("loss", "aux_loss", "z_loss", "ce_loss"):
+    for name in ("loss", "router/aux_loss", "router/z_loss", "ce_loss"):
         assert name in ref_metrics[0], name
     # the logged loss is the cross entropy plus the weighted router terms
     m = ref_metrics[0]
-    np.testing.assert_allclose(m["loss"], m["ce_loss"] + MODEL.router_aux_loss_coef * m["aux_loss"]
-                               + MODEL.router_z_loss_coef * m["z_loss"], rtol=1e-6)
+    np.testing.assert_allclose(m["loss"], m["ce_loss"] + MODEL.router_aux_loss_coef * m["router/aux_loss"]
+                               + MODEL.router_z_loss_coef * m["router/z_loss"], rtol=1e-6)
 
     a, metrics3, saved = train(3, steps=2)
     a.save_checkpoint(tmp_path / "ck")
@@ -71,7 +71,7 @@ def test_zero3_equals_stage0_and_resumes_into_zero1(tmp_path):
     assert k.addressable_shards[0].data.size == k.size // 8
     metrics3.append({k: float(v) for k, v in a.train_step(batches()[2]).items()})
     for got, want in zip(metrics3, ref_metrics):
-        for name in ("loss", "aux_loss", "z_loss"):
+        for name in ("loss", "router/aux_loss", "router/z_loss"):
             np.testing.assert_allclose(got[name], want[name], rtol=1e-5, err_msg=name)
     assert_same(host(a.master_params), ref)
 

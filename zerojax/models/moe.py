@@ -81,7 +81,7 @@ class MoEConfig(LlamaConfig):
             "olmoe-1b-7b": dict(qwen, vocab_size=50304, hidden_size=2048, intermediate_size=1024,
                                 num_hidden_layers=16, num_attention_heads=16, num_key_value_heads=16, head_dim=None,
                                 max_position_embeddings=4096, num_experts=64, num_experts_per_tok=8,
-                                norm_topk_prob=False),
+                                norm_topk_prob=False, bos_token_id=None, eos_token_id=50279),
             "qwen1.5-moe-a2.7b": dict(qwen, vocab_size=151936, hidden_size=2048, intermediate_size=1408,
                                       num_hidden_layers=24, num_attention_heads=16, num_key_value_heads=16,
                                       head_dim=None, max_position_embeddings=8192, num_experts=60,
@@ -299,16 +299,17 @@ def token_mask_of(batch):
 
 
 def router_losses(model: MoELlama, stats: RouterStats):
-    """(the router terms added to the loss, their metrics {"aux_loss", "z_loss"})."""
+    """(the router terms added to the loss, their metrics {"router/aux_loss", "router/z_loss"}: named
+    with a "/", which the trainer logs beside the loss)."""
     cfg = model.config
     aux, z = stats.aux_loss(), stats.z_loss()
-    return cfg.router_aux_loss_coef * aux + cfg.router_z_loss_coef * z, {"aux_loss": aux, "z_loss": z}
+    return cfg.router_aux_loss_coef * aux + cfg.router_z_loss_coef * z, {"router/aux_loss": aux, "router/z_loss": z}
 
 
 def moe_loss(model: MoELlama, batch):
     """`llama_loss` (next-token cross entropy, mean over counted targets) plus
     router_aux_loss_coef x the load-balancing loss plus router_z_loss_coef x the z-loss ->
-    (loss, {"tokens", "ce_loss", "aux_loss", "z_loss"})."""
+    (loss, {"tokens", "ce_loss", "router/aux_loss", "router/z_loss"})."""
     labels = shifted_labels(batch)
     x, stats = model.hidden_states_and_extras(**hidden_inputs(batch), token_mask=token_mask_of(batch))
     ce, metrics = mean_over_tokens(nll_sum(model.padded_logits(x)[:, :-1], labels), labels)

@@ -434,8 +434,8 @@ def _run(trainer: Trainer) -> dict:
                                      if "/" in k and not k.startswith("time/")}}
         losses.append(metrics["loss"])
         meter.after_step(metrics["loss"])
-        if method is not None and not method_keys:
-            method_keys = sorted(k for k in metrics if "/" in k)  # TRL's names: rewards/chosen, ...
+        if not method_keys:  # TRL's names: rewards/chosen, ...; a family's own: router/aux_loss (experts)
+            method_keys = sorted(k for k in metrics if "/" in k)
         last_metrics = metrics
         last = i == steps - start - 1
         info = StepInfo(step=start + i + 1, last=last, metrics=metrics, engine=engine, trainer=trainer)
@@ -456,6 +456,8 @@ def _run(trainer: Trainer) -> dict:
     if method is not None:
         summary.update(method=args.method, method_options=method_opts,
                        method_metrics={k: float(last_metrics[k]) for k in method_keys})
+    elif method_keys:  # the model's loss terms beside the cross entropy (a mixture of experts' router losses)
+        summary["loss_metrics"] = {k: float(last_metrics[k]) for k in method_keys}
     if rollouts is not None and len(rollouts.history) > 2:
         summary["rollouts"] = rollout_times(rollouts.history, cfg.train_batch_size)
     if meter.tokens_per_s_per_device is not None:
