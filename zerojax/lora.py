@@ -291,11 +291,11 @@ def _savable(model, s) -> tuple[str, ...]:
 # --------------------------------------------------------------------------- quantization
 
 
-def quantize_int8(w, n_in: int, lead: int = 0):
+def quantize_int8(w, n_in: int, lead: int = 0, device=None):
     """Per output channel absmax int8 of a stacked kernel [L, *lead, *in, *out] (lead: e.g. the
     experts axis) -> (codes int8, scale fp32 [L, *lead, 1.., *out]); |w - codes * scale| <= scale / 2.
-    Layer by layer (see `_per_layer`)."""
-    return _per_layer(functools.partial(_int8_layer, n_in=n_in, lead=lead), w)
+    Layer by layer (see `_per_layer`; device: where the codes go, a host `w` moved a layer at a time)."""
+    return _per_layer(functools.partial(_int8_layer, n_in=n_in, lead=lead), w, device)
 
 
 def _int8_layer(w, n_in, lead=0):
@@ -305,14 +305,14 @@ def _int8_layer(w, n_in, lead=0):
     return jnp.clip(jnp.round(w / scale), -127, 127).astype(jnp.int8), scale
 
 
-def quantize_4bit(w, kind: str):
+def quantize_4bit(w, kind: str, device=None):
     """nf4 / int4 of a stacked kernel [L, *s]: each layer's weight in blocks of 64 (row-major), one
     fp32 absmax per block -> (codes uint8 [L, *s[:-1], s[-1] / 2], two per byte, absmax [L, n / 64])."""
     shape = w.shape[1:]
     if math.prod(shape) % BLOCK or shape[-1] % 2:
         raise ValueError(f"{kind}: a layer's weight {shape} must have a multiple of {BLOCK} elements and an even "
                          "last dimension; use quantize \"int8\" for this model")
-    return _per_layer(functools.partial(_4bit_layer, kind=kind), w)
+    return _per_layer(functools.partial(_4bit_layer, kind=kind), w, device)
 
 
 def _4bit_layer(w, kind):
@@ -329,11 +329,22 @@ def _4bit_layer(w, kind):
     return codes[..., 0] | (codes[..., 1] << 4), absmax
 
 
-def _per_layer(fn, w):
+def _per_layer(fn, w, device=None):
     """fn over a stacked kernel's leading layer axis, one layer at a time (`lax.map` under jit): the
     fp32 working copy is one layer's, never the stack's (Llama-3.1-8B's stacked MLP kernel in fp32
-    is 7 GiB, more than a 24 GB card has beside its bf16 base)."""
-    return jax.jit(lambda w: jax.lax.map(fn, w))(w)
+    is 7 GiB, more than a 24 GB card has beside its bf16 base). With `device`, `w` (on the host) is
+    moved there one layer at a time, each layer's results written into the stacked outputs in
+    place: Qwen3-30B-A3B's stacked experts are 38 GB in bf16, their nf4 codes 10 GB."""
+    if device is None:
+        return jax.jit(lambda w: jax.lax.map(fn, w))(w)
+    one = jax.jit(fn)
+    shapes = jax.eval_shape(fn, jax.ShapeDtypeStruct(w.shape[1:], w.dtype))
+    with jax.default_device(device):
+        outs = jax.tree.map(lambda x: jnp.zeros((w.shape[0], *x.shape), x.dtype), shapes)
+    put = jax.jit(lambda outs, x, i: jax.tree.map(lambda o, v: o.at[i].set(v), outs, x), donate_argnums=0)
+    for i in range(w.shape[0]):
+        outs = put(outs, one(jax.device_put(w[i], device)), i)
+    return outs
 
 
 def _levels(kind):
@@ -520,17 +531,15 @@ def apply(model, config, *, rngs: nnx.Rngs | None = None, device=None):
         k = lin.kernel
         names, w = _names(k), k[...]
         shape = w.shape
-        if device is not None and s["quantize"]:
-            w = jax.device_put(w, device)
         if s["quantize"] == "int8":
-            codes, scale = quantize_int8(w, n_in, lead)
+            codes, scale = quantize_int8(w, n_in, lead, device)
             del lin.kernel
             lin.kernel_int8 = _var(FrozenWeight, codes, names)
             # (its reduced input axes are 1 long: named None, never split)
             lin.kernel_scale = _var(FrozenWeight, scale, tuple(None if scale.shape[i] != shape[i] else n
                                                                for i, n in enumerate(names)))
         elif s["quantize"] in ("nf4", "int4"):
-            codes, absmax = quantize_4bit(w, s["quantize"])
+            codes, absmax = quantize_4bit(w, s["quantize"], device)
             del lin.kernel
             setattr(lin, f"kernel_{s['quantize']}", _var(FrozenWeight, codes, names))
             lin.kernel_absmax = _var(FrozenWeight, absmax, ("layers", None))
