@@ -24,8 +24,8 @@ REL = ROWS * (SEQ - 1) * EPS32
 WEIGHT_ATOL = LR * REL * sum(sum(MOMENTUM ** j for j in range(k + 1)) for k in range(STEPS))
 
 
-def config(stage):
-    return {"train_batch_size": ROWS, "gradient_accumulation_steps": GA,
+def config(stage, ga=GA):
+    return {"train_batch_size": ROWS, "gradient_accumulation_steps": ga,
             "optimizer": {"type": "SGD", "params": {"lr": LR, "momentum": MOMENTUM}}, "gradient_clipping": 1.0,
             "zero_optimization": {"stage": stage, "stage3_param_persistence_threshold": 0}}
 
@@ -81,3 +81,29 @@ def test_zero3_equals_stage0_and_resumes_into_zero1(tmp_path):
     b.train_step(batches()[2])
     b.synchronize()
     assert_same(host(b.master_params), ref)
+
+
+def test_expert_parallel_on_8_devices_equals_one_device():
+    # EngineOptions.ep_size = 8: each device holds one of the 8 experts of every layer (at ZeRO-2,
+    # the rest sharded by ZeRO), tokens sent to their expert's device by all-to-all; the same
+    # losses and weights after SGD as the whole model on one device
+    from zerojax.sharding.partition import make_mesh
+
+    cfg8 = MoEConfig.named("tiny-mixtral", vocab_size=64, hidden_size=32, intermediate_size=16, num_experts=8,
+                           num_experts_per_tok=2, router_aux_loss_coef=0.1, initializer_range=0.3)
+    make = lambda: MoELlama(cfg8, rngs=nnx.Rngs(0))  # noqa: E731
+    # one micro-batch a step: the load-balancing loss is not a mean over rows (a product of
+    # means), so accumulation steps that group the rows differently (per device here, in order on
+    # one device) would change it, as they do in transformers and DeepSpeed
+    one = zerojax.shard(make, config(0, ga=1), loss_fn=moe_loss, mesh=make_mesh(devices=jax.devices()[:1]))
+    ep = zerojax.shard(make, config(2, ga=1), loss_fn=moe_loss, options=zerojax.EngineOptions(ep_size=8))
+    k = ep.state.params["layers"]["mlp"]["gate_up_proj"]["kernel"]  # [L, E, d, 2, m]: experts over the devices
+    assert tuple(k.sharding.spec)[1] == "data" and k.addressable_shards[0].data.shape[1] == 1
+    losses = {}
+    for name, eng in (("one", one), ("ep", ep)):
+        losses[name] = [float(eng.train_step(b)["loss"]) for b in batches()]
+        eng.synchronize()
+    np.testing.assert_allclose(losses["ep"], losses["one"], rtol=1e-5)
+    assert_same(host(ep.master_params), host(one.master_params))
+    shapes = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), batches()[0])
+    assert "all-to-all" in ep.compiled_step(shapes).as_text()

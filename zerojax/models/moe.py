@@ -24,12 +24,14 @@ sparse layers is refused when read.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import ClassVar, NamedTuple
 
 import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from zerojax.models.expert_parallel import expert_parallel_experts
 from zerojax.models.gpt2 import mean_over_tokens, nll_sum
 from zerojax.models.llama import (
     Attention, Linear, Llama, LlamaConfig, RMSNorm, chunked_cross_entropy, hidden_inputs, num_params, shifted_labels)
@@ -216,12 +218,18 @@ def grouped_experts(h, weights, experts, p, dtype, *, ragged=None):
     flat = experts.reshape(-1)
     order = jnp.argsort(flat, stable=True)  # pair index, grouped by expert (token order inside a group)
     group_sizes = jnp.bincount(flat, length=E).astype(jnp.int32)
-    x = h[order // k]  # [N*k, d]
-    gate_up = ragged(x, p["gate_up_proj"], group_sizes, dtype)  # [N*k, 2, m]
-    out = ragged(jax.nn.silu(gate_up[:, 0]) * gate_up[:, 1], p["down_proj"], group_sizes, dtype)  # [N*k, d]
+    out = expert_swiglu(h[order // k], p, group_sizes, dtype, ragged)  # [N*k, d]
     # back to (token, slot) order by the inverse permutation: a gather, no scatter-add
     out = out[jnp.argsort(order)].reshape(N, k, -1)
     return jnp.einsum("nkd,nk->nd", out, weights.astype(dtype))
+
+
+def expert_swiglu(x, p, group_sizes, dtype, ragged=None):
+    """The experts' SwiGLU on rows x [M, d] grouped by expert (`group_sizes` [E]; rows past their
+    sum belong to no group and give zeros) -> [M, d]: two grouped products."""
+    ragged = ragged or ragged_linear
+    gate_up = ragged(x, p["gate_up_proj"], group_sizes, dtype)  # [M, 2, m]
+    return ragged(jax.nn.silu(gate_up[:, 0]) * gate_up[:, 1], p["down_proj"], group_sizes, dtype)
 
 
 def ragged_linear(x, entry, group_sizes, dtype):
@@ -238,10 +246,11 @@ def grouped_product(x, w, group_sizes):
     return y.reshape(x.shape[0], *outs)
 
 
-def sparse_feed_forward(config: MoEConfig, dtype, token_mask=None, found=None, ragged=None):
+def sparse_feed_forward(config: MoEConfig, dtype, token_mask=None, found=None, ragged=None, expert_parallel=None):
     """The `feed_forward(h, p_mlp, linear)` a layer runs (`llama._attention_output_and_mlp`):
     routing then `grouped_experts`; each call's `RouterStats` appended to `found` (a list) when
-    given, weighted by token_mask [B, T]."""
+    given, weighted by token_mask [B, T]. expert_parallel: (mesh, axis), the experts split over
+    it (`zerojax.models.expert_parallel`), or None."""
 
     def feed_forward(h, p, linear):
         B, T, d = h.shape
@@ -250,7 +259,13 @@ def sparse_feed_forward(config: MoEConfig, dtype, token_mask=None, found=None, r
         if found is not None:
             mask = jnp.ones((B * T,), jnp.float32) if token_mask is None else token_mask.reshape(-1)
             found.append(router_stats(logits, experts, mask.astype(jnp.float32)))
-        return grouped_experts(flat, weights, experts, p, dtype, ragged=ragged).reshape(B, T, d)
+        if expert_parallel is not None:
+            mesh, axis = expert_parallel
+            out = expert_parallel_experts(flat, weights, experts, p, dtype, mesh=mesh, axis=axis,
+                                          compute=functools.partial(expert_swiglu, ragged=ragged))
+        else:
+            out = grouped_experts(flat, weights, experts, p, dtype, ragged=ragged)
+        return out.reshape(B, T, d)
 
     return feed_forward
 
@@ -264,6 +279,10 @@ class MoELlama(Llama):
     router statistics (`RouterStats`) beside the final hidden states."""
 
     blocks_class = MoEBlocks
+
+    def __init__(self, config: MoEConfig, **kwargs):
+        super().__init__(config, **kwargs)
+        self.expert_parallel = None  # engine hook: (mesh, axis) to split the experts over (EngineOptions.ep_size)
 
     def checkpoint_record(self) -> dict:
         return {"type": self.config.model_type, "family": "moe", "config": dataclasses.asdict(self.config)}
@@ -279,7 +298,8 @@ class MoELlama(Llama):
         def layer(carry, p):
             h, stats = carry
             found = []
-            h = body(h, p, feed_forward=sparse_feed_forward(cfg, dtype, token_mask, found, ragged))
+            h = body(h, p, feed_forward=sparse_feed_forward(cfg, dtype, token_mask, found, ragged,
+                                                            getattr(self, "expert_parallel", None)))
             return h, stats + found[0]
 
         return (x, RouterStats.zeros(cfg.num_experts)), layer
@@ -332,5 +352,5 @@ def chunked_moe_loss(chunk: int = 128):
 
 
 __all__ = ["MoEConfig", "MoELlama", "RouterStats", "SparseMLP", "MOE_MODEL_TYPES", "EXPERTS", "route",
-           "router_stats", "grouped_experts", "ragged_linear", "grouped_product", "sparse_feed_forward", "moe_loss", "chunked_moe_loss",
+           "router_stats", "grouped_experts", "expert_swiglu", "ragged_linear", "grouped_product", "sparse_feed_forward", "moe_loss", "chunked_moe_loss",
            "moe_num_params", "active_params", "moe_flops_per_token", "token_mask_of"]
