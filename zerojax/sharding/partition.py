@@ -354,27 +354,6 @@ def _pure(state):
     return out
 
 
-EXPERTS = "experts"  # the logical name of a mixture of experts' experts axis
-
-
-def split_experts(state, specs, axis: str = DATA) -> Any:
-    """`specs` (a pure dict, as `tensor_specs` returns) with each leaf's logical "experts" axis on
-    mesh `axis`: expert parallelism (`EngineOptions.ep_size`), at every ZeRO stage. `state`: the
-    nnx.State the specs are of (its Variables carry the logical names)."""
-    def put(spec, variable):
-        names = tuple(logical_axes(variable) or ())
-        if EXPERTS not in names:
-            return spec
-        out = list(spec) + [None] * (len(names) - len(spec))
-        out[names.index(EXPERTS)] = axis
-        return P(*out)
-
-    def walk(specs, state):
-        return {k: walk(v, state[k]) if isinstance(v, dict) else put(v, state[k]) for k, v in specs.items()}
-
-    return walk(specs, state)
-
-
 def logical_to_mesh(names: Iterable | None, mesh: Mesh, rules=None) -> P:
     """Translate logical axis names with ordered rules; keep names that are mesh axes already.
 
@@ -602,8 +581,7 @@ def held_bytes(tree, devices) -> int:
 
 
 __all__ = [
-    "DATA", "TENSOR", "PIPE", "SEQ", "EXPERTS", "split_experts", "SEQ_RULES", "DEFAULT_RULES", "ACTIVATION_RULES",
-    "REPLICATED_NAMES",
+    "DATA", "TENSOR", "PIPE", "SEQ", "SEQ_RULES", "DEFAULT_RULES", "ACTIVATION_RULES", "REPLICATED_NAMES",
     "SPLIT_IF_DIVISIBLE",
     "make_mesh",
     "data_size", "pipe_size", "seq_size", "check_sequence_parallel", "tensor_size", "batch_world_size",

@@ -25,6 +25,7 @@ from zerojax._jax_compat import filter_state, no_eager_sharding, variable_value
 from zerojax import streamed as stream_mod
 
 from zerojax.sharding import partition
+from zerojax.sharding.experts import expert_parallel_hook, split_experts
 from zerojax import model as contract, user_tree
 from zerojax.config import Config, ConfigError, load_config, pipeline_stages, remat_policy_for
 from zerojax.sharding.pipeline import PipelineSchedule, pipeline_scan, schedule_problems
@@ -279,38 +280,11 @@ def build_layout(module: nnx.Module, cfg, *, loss_fn: Callable, mesh: Mesh | Non
     constrain = None
     if (cfg.tensor_parallel.partition_config or {}).get("use_default_specs", True):
         constrain = partition.activation_constraint(mesh)
-    experts = _expert_parallel(module, mesh, options)
+    experts = expert_parallel_hook(module, mesh, (options or EngineOptions()).ep_size, _modules_with)
     with _attributes(_activation_modules(module) if constrain else [], activation_sharding=constrain), \
             _attributes(_modules_with(module, "expert_parallel") if experts else [], expert_parallel=experts), \
             _settings(_remat_settings(module, cfg)):
         return _build_layout(module, cfg, loss_fn=loss_fn, mesh=mesh, options=options)
-
-
-def _expert_parallel(module, mesh: Mesh, options) -> tuple | None:
-    """The `expert_parallel` hook's value, (mesh, axis), for EngineOptions.ep_size > 1 (else None);
-    a ConfigError where it cannot apply."""
-    ep = (options or EngineOptions()).ep_size
-    if ep == 1:
-        return None
-    if not _modules_with(module, "expert_parallel"):
-        raise ConfigError([f"EngineOptions.ep_size = {ep}: {type(module).__name__} has no experts (no module with "
-                           "the expert_parallel hook, e.g. zerojax.models.MoELlama); use ep_size 1"])
-    others = {"tensor_parallel.autotp_size": partition.tensor_size(mesh), "pipeline.stages": partition.pipe_size(mesh),
-              "sequence_parallel_size": partition.seq_size(mesh)}
-    busy = [f"{k} = {v}" for k, v in others.items() if v > 1]
-    if busy:
-        raise ConfigError([f"EngineOptions.ep_size = {ep} with {', '.join(busy)}: expert parallelism runs on the "
-                           "data axis alone; set those to 1"])
-    if ep != partition.data_size(mesh):
-        raise ConfigError([f"EngineOptions.ep_size = {ep}: it must equal the data-parallel size "
-                           f"{partition.data_size(mesh)} (one expert-parallel group over the \"data\" axis; smaller "
-                           "groups are not implemented), or 1"])
-    experts = getattr(getattr(module, "config", None), "num_experts", None)
-    if experts is not None and experts % ep:
-        fits = [n for n in range(1, partition.data_size(mesh) + 1) if experts % n == 0]
-        raise ConfigError([f"EngineOptions.ep_size = {ep} must divide the model's num_experts = {experts} (each "
-                           f"device holds num_experts / ep_size of them); sizes that would work: {fits}"])
-    return (mesh, partition.DATA)
 
 
 def _check_heads_split(module, sp: int, mesh: Mesh) -> None:
@@ -399,7 +373,7 @@ def _build_layout(module, cfg: Config, *, loss_fn, mesh: Mesh, options) -> Engin
     base_specs = partition.tensor_specs(params, mesh, tp=cfg.tensor_parallel, model_type=_model_type(module),
                                         stacked_prefixes=prefixes)
     if options.ep_size > 1:  # experts split over "data" at every stage (ZeRO leaves that axis be)
-        base_specs = partition.split_experts(params, base_specs)
+        base_specs = split_experts(params, base_specs)
     shardings = partition.stage_shardings(
         abstract_master, mesh, stage, base_specs=base_specs,
         persistence_threshold=int(zero.stage3_param_persistence_threshold or 0))
@@ -501,7 +475,7 @@ def _rest_shardings(rest, mesh: Mesh, cfg: Config, stage: int, model_type, prefi
     specs = partition.tensor_specs(named, mesh, tp=cfg.tensor_parallel, model_type=model_type,
                                    stacked_prefixes=prefixes)
     if ep_size > 1:  # a frozen (LoRA) base's experts, split as trained ones are
-        specs = partition.split_experts(named, specs)
+        specs = split_experts(named, specs)
     if stage >= 3:
         threshold = int(cfg.zero_optimization.stage3_param_persistence_threshold or 0)
         specs = jax.tree.map(lambda b, x: partition.zero_spec(x.shape, b, partition.data_size(mesh),
