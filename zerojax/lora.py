@@ -26,14 +26,14 @@ Why not `qwix` (installable from PyPI): its LoRA / PTQ providers intercept the c
 `nnx.Linear` / `nnx.Einsum` modules by module path and create their own parameters at call time;
 our layers run as one `lax.scan` over stacked pure dicts (the engine's hooks need that), with no
 module calls to intercept, and its QArray is not a Variable type the engine's split would leave
-untrained. Its NF4 numerics are private (`qwix._src`). The dequantize-on-use code here is ~60 lines.
+untrained. Its NF4 numerics are private (`qwix._src`). The dequantize-on-use code (`zerojax.models.quantize`) is
+~60 lines.
 """
 from __future__ import annotations
 
 import contextlib
 import dataclasses
 import difflib
-import functools
 import json
 import math
 import os
@@ -47,6 +47,8 @@ from flax import nnx
 from zerojax._jax_compat import no_eager_sharding
 from zerojax.config import ConfigError
 from zerojax.models import registry
+from zerojax.models.quantize import (BLOCK, NF4, QUANTIZE, dequantize_4bit, kernel_of, quantization_bound,  # noqa: F401
+                              quantize_4bit, quantize_int8)
 
 PEFT_PREFIX = "base_model.model."
 
@@ -68,6 +70,13 @@ class Family:
     # train apart from the rest of their layer: not offered)
     savable: dict
     fan_in_fan_out: bool  # PEFT's for these modules: True for Conv1D ([in, out] weights)
+    # PEFT's target_parameters name -> (our path, input axes, leading expert axes): 3-D expert weights
+    parameters: dict = dataclasses.field(default_factory=dict)
+
+    @property
+    def kernels(self) -> dict:
+        """Every adaptable kernel: PEFT name -> (our path, input axes, leading axes)."""
+        return {**{k: (*v, 0) for k, v in self.linears.items()}, **self.parameters}
 
 
 def _family(f) -> Family:
@@ -96,15 +105,6 @@ def _tied(model) -> bool:
 def _n_layer(model) -> int:
     return model.config.n_layer  # (LlamaConfig has GPT-2's name too)
 
-QUANTIZE = (None, "int8", "nf4", "int4")
-BLOCK = 64  # QLoRA's block size for nf4 / int4
-# NF4's 16 levels (QLoRA, Dettmers et al. 2023, appendix E; bitsandbytes' table)
-NF4 = np.array([-1.0, -0.6961928009986877, -0.5250730514526367, -0.39491748809814453,
-                -0.28444138169288635, -0.18477343022823334, -0.09105003625154495, 0.0,
-                0.07958029955625534, 0.16093020141124725, 0.24611230194568634, 0.33791524171829224,
-                0.44070982933044434, 0.5626170039176941, 0.7229568362236023, 1.0], np.float32)
-
-
 class FrozenWeight(nnx.Variable):
     """A base weight that is not trained: the engine's split puts it in the "rest" (no gradient,
     no fp32 master, no optimizer state), sharded as its parameter would be (tensor parallel by its
@@ -115,13 +115,13 @@ class FrozenWeight(nnx.Variable):
 
 # PEFT's LoraConfig keys this module acts on, with their defaults
 DEFAULTS = dict(r=8, lora_alpha=8, target_modules=None, lora_dropout=0.0, bias="none", use_rslora=False,
-                modules_to_save=None, init_lora_weights=True, exclude_modules=None)
+                modules_to_save=None, init_lora_weights=True, exclude_modules=None, target_parameters=None)
 # zerojax's additions: the base's storage
 EXTRAS = dict(quantize=None, base_dtype=None, seed=0)
 # PEFT keys accepted only at their default (a feature not implemented here: a clear error otherwise)
 FIXED = dict(layers_to_transform=None, layers_pattern=None, rank_pattern={},
              alpha_pattern={}, use_dora=False, loftq_config={}, layer_replication=None, lora_bias=False,
-             target_parameters=None, trainable_token_indices=None, use_qalora=False, megatron_config=None,
+             trainable_token_indices=None, use_qalora=False, megatron_config=None,
              eva_config=None, corda_config=None, lora_ga_config=None, alora_invocation_tokens=None,
              arrow_config=None, velora_config=None, monteclora_config=None, kasa_config=None, use_bdlora=None)
 # PEFT keys that describe Hugging Face's weight layout, which the model's family fixes: checked
@@ -172,12 +172,22 @@ def from_config_dict(d, model=None) -> dict:
     if s["init_lora_weights"] not in (True, False, "gaussian"):
         raise _problem("init_lora_weights", f"{s['init_lora_weights']!r}: true (PEFT's: B = 0), \"gaussian\" "
                                             "or false (random B, for tests); other schemes are not implemented")
+    tp = s["target_parameters"]
+    if tp is not None and not (isinstance(tp, (list, tuple)) and tp and all(isinstance(x, str) for x in tp)):
+        raise _problem("target_parameters", f"{tp!r}: a non-empty list of parameter names such as "
+                                            "[\"mlp.experts.gate_up_proj\", \"mlp.experts.down_proj\"] (or null)")
+    if tp and p:
+        raise _problem("lora_dropout", f"{p!r} with target_parameters: PEFT's parameter adapters take no dropout "
+                                       "(dropout of x cannot be factored out of an expert's product); set it to 0")
+    s["target_parameters"] = list(tp) if tp else None
     t = s["target_modules"]
+    if t is None and tp:
+        s["target_modules"] = t = []
     if t is None:
         raise _problem("target_modules", "required: a list of module names such as [\"q_proj\", \"v_proj\"], "
                                          "\"all-linear\", or a regular expression")
     if isinstance(t, (list, tuple, set)):
-        if not t or not all(isinstance(x, str) for x in t):
+        if (not t and not tp) or not all(isinstance(x, str) for x in t):
             raise _problem("target_modules", f"{t!r}: a non-empty list of module names")
         s["target_modules"] = sorted(set(t))
     elif not isinstance(t, str):
@@ -217,6 +227,8 @@ def _targets(model, s) -> tuple[str, ...]:
     L = _n_layer(model)
     if t == "all-linear":  # PEFT: every linear layer (nn.Linear, Conv1D) but the output head
         chosen = names
+    elif not t:  # target_parameters alone
+        chosen = []
     else:
         chosen = []
         for name in names:
@@ -227,7 +239,7 @@ def _targets(model, s) -> tuple[str, ...]:
                                                  "is not supported)")
             if all(hits):
                 chosen.append(name)
-        if not chosen:
+        if not chosen and not s.get("target_parameters"):
             short = sorted({n.split(".")[-1] for n in names})
             raise _problem("target_modules", f"{t!r} matches no linear module of this model; its linear "
                                              f"modules are {short} (full names like "
@@ -235,8 +247,21 @@ def _targets(model, s) -> tuple[str, ...]:
     ex = s.get("exclude_modules")
     if ex:
         chosen = [n for n in chosen if not _matches(fam.prefix.format(i=0) + n, ex)]
-        if not chosen:
+        if not chosen and not s.get("target_parameters"):
             raise _problem("exclude_modules", f"{ex!r} excludes every targeted module")
+    return tuple(chosen) + _target_parameters(fam, s)
+
+
+def _target_parameters(fam: Family, s) -> tuple[str, ...]:
+    """The targeted expert parameters (keys of the family's `parameters`), matched as PEFT matches
+    target_parameters: a name equal to, or a suffix of, the full parameter name."""
+    tp = s.get("target_parameters") or []
+    chosen = [name for name in fam.parameters if _matches(fam.prefix.format(i=0) + name, tp)]
+    unknown = [x for x in tp if not any(_matches(fam.prefix.format(i=0) + n, [x]) for n in fam.parameters)]
+    if unknown:
+        have = list(fam.parameters) or "none (no expert weights)"
+        raise _problem("target_parameters", f"{unknown[0]!r} matches no parameter of this model; its adaptable "
+                                            f"parameters are {have}")
     return tuple(chosen)
 
 
@@ -254,86 +279,6 @@ def _savable(model, s) -> tuple[str, ...]:
             raise _problem("modules_to_save", f"{name!r}: not a module this model can train whole; {have}")
         out.append(key)
     return tuple(out)
-
-
-# --------------------------------------------------------------------------- quantization
-
-
-def quantize_int8(w, n_in: int):
-    """Per output channel absmax int8 of a stacked kernel [L, *in, *out] -> (codes int8, scale fp32
-    [L, 1.., *out]); |w - codes * scale| <= scale / 2. Layer by layer (see `_per_layer`)."""
-    return _per_layer(functools.partial(_int8_layer, n_in=n_in), w)
-
-
-def _int8_layer(w, n_in):
-    w = w.astype(jnp.float32)
-    absmax = jnp.max(jnp.abs(w), axis=tuple(range(n_in)), keepdims=True)
-    scale = jnp.where(absmax > 0, absmax / 127.0, 1.0)
-    return jnp.clip(jnp.round(w / scale), -127, 127).astype(jnp.int8), scale
-
-
-def quantize_4bit(w, kind: str):
-    """nf4 / int4 of a stacked kernel [L, *s]: each layer's weight in blocks of 64 (row-major), one
-    fp32 absmax per block -> (codes uint8 [L, *s[:-1], s[-1] / 2], two per byte, absmax [L, n / 64])."""
-    shape = w.shape[1:]
-    if math.prod(shape) % BLOCK or shape[-1] % 2:
-        raise ValueError(f"{kind}: a layer's weight {shape} must have a multiple of {BLOCK} elements and an even "
-                         "last dimension; use quantize \"int8\" for this model")
-    return _per_layer(functools.partial(_4bit_layer, kind=kind), w)
-
-
-def _4bit_layer(w, kind):
-    shape = w.shape
-    blocks = w.astype(jnp.float32).reshape(-1, BLOCK)
-    absmax = jnp.max(jnp.abs(blocks), axis=-1)
-    x = blocks / jnp.where(absmax > 0, absmax, 1.0)[..., None]
-    if kind == "nf4":
-        mids = jnp.asarray((NF4[1:] + NF4[:-1]) / 2)
-        codes = jnp.searchsorted(mids, x)  # the nearest level
-    else:  # int4: symmetric levels -7 .. 7 of absmax / 7, stored + 8
-        codes = jnp.clip(jnp.round(x * 7), -7, 7) + 8
-    codes = codes.astype(jnp.uint8).reshape(*shape[:-1], shape[-1] // 2, 2)
-    return codes[..., 0] | (codes[..., 1] << 4), absmax
-
-
-def _per_layer(fn, w):
-    """fn over a stacked kernel's leading layer axis, one layer at a time (`lax.map` under jit): the
-    fp32 working copy is one layer's, never the stack's (Llama-3.1-8B's stacked MLP kernel in fp32
-    is 7 GiB, more than a 24 GB card has beside its bf16 base)."""
-    return jax.jit(lambda w: jax.lax.map(fn, w))(w)
-
-
-def _levels(kind):
-    return jnp.asarray(NF4) if kind == "nf4" else (jnp.arange(16, dtype=jnp.float32) - 8) / 7
-
-
-def dequantize_4bit(codes, absmax, kind: str, dtype=jnp.float32):
-    """One layer's (no leading L axis) packed codes and block absmax -> its weight [*s] in dtype."""
-    pair = jnp.stack([codes & 15, codes >> 4], axis=-1)
-    shape = (*codes.shape[:-1], codes.shape[-1] * 2)
-    x = _levels(kind)[pair.astype(jnp.int32)].reshape(-1, BLOCK) * absmax[:, None]
-    return x.reshape(shape).astype(dtype)
-
-
-def quantization_bound(kind: str, scale):
-    """The largest |w - dequantized w| for a block / channel of `scale` (int8: its scale; nf4 /
-    int4: its absmax): half the widest gap between neighbouring levels."""
-    if kind == "int8":
-        return scale / 2
-    gap = np.max(np.diff(np.asarray(_levels(kind))))
-    return scale * gap / 2
-
-
-def kernel_of(entry, dtype):
-    """A projection's (one layer's) weight from its dict: stored, int8 or nf4 / int4."""
-    if "kernel" in entry:
-        return entry["kernel"].astype(dtype)
-    if "kernel_int8" in entry:
-        return (entry["kernel_int8"].astype(jnp.float32) * entry["kernel_scale"]).astype(dtype)
-    for kind in ("nf4", "int4"):
-        if f"kernel_{kind}" in entry:
-            return dequantize_4bit(entry[f"kernel_{kind}"], entry["kernel_absmax"], kind, dtype)
-    raise KeyError(f"no kernel among {sorted(entry)}")
 
 
 # --------------------------------------------------------------------------- the adapter
@@ -384,6 +329,18 @@ class LoraAdapter:
         u = jnp.tensordot(h, a, axes=a.ndim - 1)
         return y + self.scale * jnp.tensordot(u, b, axes=1)
 
+    def ragged(self, x, entry, group_sizes, dtype):
+        """An expert projection (`zerojax.models.moe.grouped_experts`): x [M, in] grouped by expert
+        times the kernel [E, in, *out] (dequantized on use), plus scale * B_e(A_e(x)) with each
+        row's own expert's adapters (lora_A [E, in, r], lora_B [E, r, *out]), as grouped products."""
+        from zerojax.models.moe import grouped_product
+
+        y = grouped_product(x, kernel_of(entry, dtype), group_sizes)
+        if "lora_A" not in entry or not self.enabled:
+            return y
+        u = grouped_product(x, entry["lora_A"].astype(dtype), group_sizes)
+        return y + self.scale * grouped_product(u, entry["lora_B"].astype(dtype), group_sizes)
+
     def layer_inputs(self, model):
         """The stacked untrained per-layer inputs: the frozen base and (training, dropout > 0)
         one dropout key per layer and targeted module."""
@@ -394,7 +351,7 @@ class LoraAdapter:
             key, L = drop.rngs.dropout(), _n_layer(model)
             for i, name in enumerate(self.targets):
                 keys = jax.random.key_data(jax.random.split(jax.random.fold_in(key, i), L))
-                _at(side, fam.linears[name][0])["dropout_key"] = keys
+                _at(side, fam.kernels[name][0])["dropout_key"] = keys
         return side
 
     @staticmethod
@@ -470,38 +427,38 @@ def apply(model, config, *, rngs: nnx.Rngs | None = None, device=None):
                 if isinstance(v, nnx.Variable):
                     setattr(m, name, _var(nnx.Param, v[...].astype(jnp.float32), _names(v)))
 
-    for name, (path, n_in) in fam.linears.items():
+    for name, (path, n_in, lead) in fam.kernels.items():
         lin = _module(model, path)
         k = lin.kernel
         names, w = _names(k), k[...]
         shape = w.shape
-        if device is not None and s["quantize"]:
-            w = jax.device_put(w, device)
         if s["quantize"] == "int8":
-            codes, scale = quantize_int8(w, n_in)
+            codes, scale = quantize_int8(w, n_in, lead, device)
             del lin.kernel
             lin.kernel_int8 = _var(FrozenWeight, codes, names)
             # (its reduced input axes are 1 long: named None, never split)
             lin.kernel_scale = _var(FrozenWeight, scale, tuple(None if scale.shape[i] != shape[i] else n
                                                                for i, n in enumerate(names)))
         elif s["quantize"] in ("nf4", "int4"):
-            codes, absmax = quantize_4bit(w, s["quantize"])
+            codes, absmax = quantize_4bit(w, s["quantize"], device)
             del lin.kernel
             setattr(lin, f"kernel_{s['quantize']}", _var(FrozenWeight, codes, names))
             lin.kernel_absmax = _var(FrozenWeight, absmax, ("layers", None))
         if name not in targets:
             continue
-        ins, outs = shape[1:1 + n_in], shape[1 + n_in:]
+        # [L, *lead (experts), *in, *out]: one adapter per expert, on its leading axes
+        heads, ins, outs = shape[1:1 + lead], shape[1 + lead:1 + lead + n_in], shape[1 + lead + n_in:]
         fan_in, r = math.prod(ins), s["r"]
         bound = 1.0 / math.sqrt(fan_in)  # PEFT: kaiming_uniform_(a=sqrt(5)) on [r, in]
         if s["init_lora_weights"] == "gaussian":
-            a = jax.random.normal(rngs.params(), (L, *ins, r), jnp.float32) / r
+            a = jax.random.normal(rngs.params(), (L, *heads, *ins, r), jnp.float32) / r
         else:
-            a = jax.random.uniform(rngs.params(), (L, *ins, r), jnp.float32, -bound, bound)
-        b = (jax.random.uniform(rngs.params(), (L, r, *outs), jnp.float32, -bound, bound)
-             if s["init_lora_weights"] is False else jnp.zeros((L, r, *outs), jnp.float32))
-        lin.lora_A = _var(nnx.Param, a, ("layers", *names[1:1 + n_in], None))
-        lin.lora_B = _var(nnx.Param, b, ("layers", None, *names[1 + n_in:]))
+            a = jax.random.uniform(rngs.params(), (L, *heads, *ins, r), jnp.float32, -bound, bound)
+        b = (jax.random.uniform(rngs.params(), (L, *heads, r, *outs), jnp.float32, -bound, bound)
+             if s["init_lora_weights"] is False else jnp.zeros((L, *heads, r, *outs), jnp.float32))
+        lead_names = names[1:1 + lead]
+        lin.lora_A = _var(nnx.Param, a, ("layers", *lead_names, *names[1 + lead:1 + lead + n_in], None))
+        lin.lora_B = _var(nnx.Param, b, ("layers", *lead_names, None, *names[1 + lead + n_in:]))
 
     if s["lora_dropout"] > 0:
         model.lora_dropout = LoraDropout(float(s["lora_dropout"]), int(s["seed"]))
@@ -543,6 +500,43 @@ def _pure(model):
     return nnx.to_pure_dict(nnx.state(model))
 
 
+def _peft_name(fam: Family, targets, name: str, i: int) -> str:
+    """PEFT's name of target `name`'s adapters in layer i, before ".lora_A.weight": the module's
+    name; a parameter's (`target_parameters`) is its module's, with ".base_layer" once for each
+    targeted parameter of the same module wrapped around it (PEFT nests their wrappers in the
+    family's order, the first innermost)."""
+    pre = f"{PEFT_PREFIX}{fam.prefix.format(i=i)}"
+    if name not in fam.parameters:
+        return pre + name
+    module = name.rsplit(".", 1)[0]
+    same = [n for n in fam.parameters if n in targets and n.rsplit(".", 1)[0] == module]
+    return pre + module + ".base_layer" * (len(same) - 1 - same.index(name))
+
+
+def _to_peft(a, b, lead: int):
+    """One layer's lora_A [*lead, *in, r] / lora_B [*lead, r, *out] -> PEFT's lora_A [r, in] /
+    lora_B [out, r] weights (nn.Linear's layout; PEFT's for Conv1D too); with an experts axis
+    (lead 1), PEFT's parameter adapters: lora_A [E * r, in] (expert-major), lora_B [out, r * E]
+    (rank-major)."""
+    r = a.shape[-1]
+    if not lead:
+        return a.reshape(-1, r).T, b.reshape(r, -1).T
+    E = a.shape[0]
+    A = a.reshape(E, -1, r).transpose(0, 2, 1).reshape(E * r, -1)
+    B = b.reshape(E, r, -1).transpose(2, 1, 0).reshape(-1, r * E)
+    return A, B
+
+
+def _from_peft(A, B, a_shape, b_shape, lead: int):
+    """`_to_peft`'s inverse: PEFT's weights -> one layer's lora_A of a_shape, lora_B of b_shape."""
+    if not lead:
+        return A.T.reshape(a_shape), B.T.reshape(b_shape)
+    E, r = a_shape[0], a_shape[-1]
+    a = A.reshape(E, r, -1).transpose(0, 2, 1).reshape(a_shape)
+    b = B.reshape(-1, r, E).transpose(2, 1, 0).reshape(b_shape)
+    return a, b
+
+
 def peft_tensors(model) -> dict[str, np.ndarray]:
     """PEFT's adapter_model tensors (name -> fp32 numpy) of a LoRA model."""
     ad = adapter_of(model)
@@ -550,15 +544,15 @@ def peft_tensors(model) -> dict[str, np.ndarray]:
     out = {}
     for name in ad.targets:
         e = tree[fam.stack]
-        for k in fam.linears[name][0]:
+        path, _, lead = fam.kernels[name]
+        for k in path:
             e = e[k]
         a, b = np.asarray(e["lora_A"], np.float32), np.asarray(e["lora_B"], np.float32)
-        r = a.shape[-1]
         for i in range(_n_layer(model)):
-            pre = f"{PEFT_PREFIX}{fam.prefix.format(i=i)}{name}"
-            # A [*in, r] -> [r, in], B [r, *out] -> [out, r] (nn.Linear's layout; PEFT's for Conv1D too)
-            out[f"{pre}.lora_A.weight"] = np.ascontiguousarray(a[i].reshape(-1, r).T)
-            out[f"{pre}.lora_B.weight"] = np.ascontiguousarray(b[i].reshape(r, -1).T)
+            pre = _peft_name(fam, ad.targets, name, i)
+            A, B = _to_peft(a[i], b[i], lead)
+            out[f"{pre}.lora_A.weight"] = np.ascontiguousarray(A)
+            out[f"{pre}.lora_B.weight"] = np.ascontiguousarray(B)
     for k in ad.savable:
         attr, hf = fam.savable[k]
         out[PEFT_PREFIX + hf] = np.asarray(tree[attr], np.float32)[:model.config.vocab_size]
@@ -570,6 +564,8 @@ def _peft_target_names(ad) -> list[str]:
     ("attn.c_proj") where the last name would take an untargeted module too (PEFT matches by suffix)."""
     out = []
     for name in ad.targets:
+        if name in ad.family_parts.parameters:  # written as target_parameters
+            continue
         last = name.split(".")[-1]
         taken = [n for n in ad.family_parts.linears if n.split(".")[-1] == last]
         short = last if all(n in ad.targets for n in taken) else name
@@ -602,7 +598,8 @@ def save_peft(model, out_dir, *, base_model_name_or_path=None) -> str:
               "fan_in_fan_out": ad.family_parts.fan_in_fan_out,
               "layers_to_transform": None, "layers_pattern": None, "rank_pattern": {}, "alpha_pattern": {},
               "use_dora": False, "lora_bias": False, "megatron_config": None, "megatron_core": "megatron.core",
-              "loftq_config": {}, "layer_replication": None, "target_parameters": None,
+              "loftq_config": {}, "layer_replication": None,
+              "target_parameters": [n for n in ad.targets if n in ad.family_parts.parameters] or None,
               "trainable_token_indices": None}
     with open(os.path.join(out_dir, "adapter_config.json"), "w") as f:
         json.dump(config, f, indent=2, sort_keys=True)
@@ -656,21 +653,27 @@ def load_peft(model, adapter_dir, **extras):
     L = _n_layer(model)
     used = set()
     for name in ad.targets:
-        lin = _module(model, fam.linears[name][0])
-        for which in ("lora_A", "lora_B"):
-            var = getattr(lin, which)
-            have = var[...]
-            rows = []
-            for i in range(L):
-                key = f"{PEFT_PREFIX}{fam.prefix.format(i=i)}{name}.{which}.weight"
+        path, _, lead = fam.kernels[name]
+        lin = _module(model, path)
+        a_var, b_var = lin.lora_A, lin.lora_B
+        a_rows, b_rows = [], []
+        for i in range(L):
+            pair = []
+            for which, var in (("lora_A", a_var), ("lora_B", b_var)):
+                key = f"{_peft_name(fam, ad.targets, name, i)}.{which}.weight"
                 if key not in tensors:
-                    raise ValueError(f"{adapter_dir}: no {key} (the adapter's target_modules and this model differ)")
+                    raise ValueError(f"{adapter_dir}: no {key} (the adapter's target_modules / target_parameters "
+                                     "and this model differ)")
                 used.add(key)
-                t = np.asarray(tensors[key], np.float32).T  # A: [in, r], B: [r, out]
-                if t.size != math.prod(have.shape[1:]):
-                    raise ValueError(f"{key}: shape {tensors[key].shape} does not fit {have.shape[1:]}")
-                rows.append(t.reshape(have.shape[1:]))
-            var[...] = jnp.asarray(np.stack(rows), have.dtype)
+                t = np.asarray(tensors[key], np.float32)
+                if t.size != math.prod(var[...].shape[1:]):
+                    raise ValueError(f"{key}: shape {t.shape} does not fit {var[...].shape[1:]}")
+                pair.append(t)
+            a, b = _from_peft(*pair, a_var[...].shape[1:], b_var[...].shape[1:], lead)
+            a_rows.append(a)
+            b_rows.append(b)
+        a_var[...] = jnp.asarray(np.stack(a_rows), a_var[...].dtype)
+        b_var[...] = jnp.asarray(np.stack(b_rows), b_var[...].dtype)
     for k in ad.savable:
         attr, hf = fam.savable[k]
         key = PEFT_PREFIX + hf
@@ -704,7 +707,7 @@ def merge(model, dtype=None):
                              scan_unroll=model.scan_unroll)
     with no_eager_sharding():
         graphdef, state = nnx.split(nnx.eval_shape(make))
-    linears = {(fam.stack, *path) for path, _ in fam.linears.values()}
+    linears = {(fam.stack, *path): lead for path, _, lead in fam.kernels.values()}
 
     def fill(p, t, at=()):
         """p (the plain model's pure dict) filled from t (the adapted model's), in fp32: norms,
@@ -715,7 +718,7 @@ def merge(model, dtype=None):
                 w = jax.vmap(lambda e: kernel_of(e, jnp.float32))(
                     {key: val for key, val in entry.items() if key.startswith("kernel")})
                 if "lora_A" in entry:
-                    w = w + ad.scale * _ab(entry["lora_A"], entry["lora_B"])
+                    w = w + ad.scale * _ab(entry["lora_A"], entry["lora_B"], linears[(*at, k)])
                 p[k] = {**{key: jnp.asarray(entry[key], jnp.float32) for key in p[k] if key != "kernel"}, "kernel": w}
             elif isinstance(p[k], dict):
                 fill(p[k], t[k], (*at, k))
@@ -728,12 +731,13 @@ def merge(model, dtype=None):
     return nnx.merge(graphdef, state)
 
 
-def _ab(a, b):
-    """sum_r A[l, *in, r] B[l, r, *out] -> [l, *in, *out] in fp32."""
-    L, r = a.shape[0], a.shape[-1]
-    out = jnp.einsum("lir,lro->lio", a.reshape(L, -1, r).astype(jnp.float32),
-                     b.reshape(L, r, -1).astype(jnp.float32), precision="highest")
-    return out.reshape(*a.shape[:-1], *b.shape[2:])
+def _ab(a, b, lead: int = 0):
+    """sum_r A[l, *lead, *in, r] B[l, *lead, r, *out] -> [l, *lead, *in, *out] in fp32 (lead: the
+    experts axes, one product per expert)."""
+    n, r = math.prod(a.shape[:1 + lead]), a.shape[-1]
+    out = jnp.einsum("lir,lro->lio", a.reshape(n, -1, r).astype(jnp.float32),
+                     b.reshape(n, r, -1).astype(jnp.float32), precision="highest")
+    return out.reshape(*a.shape[:-1], *b.shape[2 + lead:])
 
 
 def trainable_count(model) -> int:

@@ -48,6 +48,12 @@ class EngineOptions:
         out-of-memory error mid-step.
     init_group_bytes [None]: offload init builds the fp32 weights in groups of at most this many
         bytes; None = a quarter of the device's memory (no limit on CPU).
+    ep_size [1]: expert parallelism (DeepSpeed-MoE's `ep_size`, an argument of its MoE layer, not a
+        config key): a mixture-of-experts model's experts split over this many devices, tokens sent
+        to their experts' devices and back by all-to-alls (`zerojax.models.expert_parallel`).
+        1 = off; else it must equal the data-parallel size (one expert-parallel group spanning the
+        "data" axis; groups smaller than it are not implemented), with no tensor, pipeline or
+        sequence axis.
     """
 
     offload_loop: str = "auto"
@@ -59,6 +65,7 @@ class EngineOptions:
     pipeline_repeats: int = 1
     memory_guard: bool = True
     init_group_bytes: int | None = None
+    ep_size: int = 1
 
     def __post_init__(self):
         problems = []
@@ -68,7 +75,7 @@ class EngineOptions:
                 problems.append(f"{name}={getattr(self, name)!r}: use one of {choices}")
         for name, least, optional in (("offload_host_chunk_bytes", 1, False), ("offload_host_window", 0, False),
                                       ("offload_host_prefetch", 0, False), ("pipeline_repeats", 1, False),
-                                      ("init_group_bytes", 1, True)):
+                                      ("init_group_bytes", 1, True), ("ep_size", 1, False)):
             value = getattr(self, name)
             if value is None and optional:
                 continue

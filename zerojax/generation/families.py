@@ -17,6 +17,7 @@ from jax.ad_checkpoint import checkpoint_name
 
 from zerojax.models import gpt2 as gpt2_mod
 from zerojax.models import llama as llama_mod
+from zerojax.models import moe as moe_mod
 from zerojax.models import registry
 from zerojax.models.attention import DEFAULT_BLOCK, causal_attention
 from zerojax.models.gpt2 import ATTENTION_OUT, adapted_layers, decode_head, resolve_attention, unconstrained
@@ -105,6 +106,15 @@ class LlamaFamily(Family):
         return llama_mod._attention_output_and_mlp(x, o, p, **self._kw())
 
 
+class MoEFamily(LlamaFamily):
+    """Qwen3-MoE, Mixtral: the Llama family's layer with the sparse block (`zerojax.models.moe`)."""
+
+    def after_attention(self, x, o, p):
+        m = self.model
+        ff = moe_mod.sparse_feed_forward(m.config, m.dtype, ragged=getattr(getattr(m, "adapter", None), "ragged", None))
+        return llama_mod._attention_output_and_mlp(x, o, p, feed_forward=ff, **self._kw())
+
+
 class GPT2Family(Family):
     stack = "h"
     plain_linear = staticmethod(gpt2_mod._linear)
@@ -157,4 +167,4 @@ def geometry_of_config(config) -> Geometry:
     return _resolve(fam.decoder).geometry_of(config)
 
 
-__all__ = ["Geometry", "Family", "LlamaFamily", "GPT2Family", "family_class", "family_of", "geometry_of_config"]
+__all__ = ["Geometry", "Family", "LlamaFamily", "MoEFamily", "GPT2Family", "family_class", "family_of", "geometry_of_config"]

@@ -128,9 +128,12 @@ def config_to_hf(config: LlamaConfig, dtype: str = "float32") -> dict:
     return out
 
 
-def _layer_entries(config: LlamaConfig):
+def layer_entries(config: LlamaConfig, mlp: bool = True):
     """[(HF name after "model.layers.{i}.", our path under "layers", our per-layer shape, to_ours,
-    to_hf)] for this config's tensors."""
+    to_hf)] for this config's tensors (mlp=False: without the dense MLP's). A name with "{e}" is
+    one tensor per expert: our leaf's first per-layer axis runs over them, to_ours / to_hf convert
+    one expert's tensor; a tuple of names is several tensors fused on our next-to-last axis (gate
+    and up: [d, 2, m])."""
     d, m, H, K, Dh = (config.hidden_size, config.intermediate_size, config.num_attention_heads,
                       config.kv_heads, config.dim_per_head)
     out = [("input_layernorm.weight", ("input_layernorm", "scale"), (d,), None, None),
@@ -148,8 +151,48 @@ def _layer_entries(config: LlamaConfig):
     if config.qk_norm:
         out += [("self_attn.q_norm.weight", ("self_attn", "q_norm", "scale"), (Dh,), None, None),
                 ("self_attn.k_norm.weight", ("self_attn", "k_norm", "scale"), (Dh,), None, None)]
-    for name, shape in (("gate_proj", (d, m)), ("up_proj", (d, m)), ("down_proj", (m, d))):
+    for name, shape in (("gate_proj", (d, m)), ("up_proj", (d, m)), ("down_proj", (m, d))) if mlp else ():
         out.append((f"mlp.{name}.weight", ("mlp", name, "kernel"), shape, lambda a: a.T, lambda a: a.T))
+    return out
+
+
+def _per_expert(name) -> bool:
+    return "{e}" in (name if isinstance(name, str) else name[0])
+
+
+def _stack_layers(take, name, shape, to_ours, L):
+    """One stacked leaf [L, *shape] read tensor by tensor (`take(HF name)`), per expert where the
+    name has "{e}", fused where it is a tuple (`layer_entries`)."""
+    experts = range(shape[0]) if _per_expert(name) else [None]
+    fused = name if isinstance(name, tuple) else (name,)
+    stacked = None
+    for i in range(L):
+        for e in experts:
+            parts = [take(f"model.layers.{i}.{n.format(e=e)}") for n in fused]
+            parts = [to_ours(a) if to_ours else a for a in parts]
+            a = np.stack(parts, axis=-2) if isinstance(name, tuple) else parts[0]
+            if stacked is None:
+                stacked = np.empty((L, *shape), a.dtype)
+            stacked[(i, e) if e is not None else i] = a
+    return stacked
+
+
+def _layer_tensors(name, stacked, i, shape, to_hf):
+    """[(HF name, () -> the tensor read when written, HF shape)] of layer i of a stacked leaf:
+    one per expert where the name has "{e}", one per fused part where it is a tuple."""
+    one = shape[1:] if _per_expert(name) else shape
+    fused = name if isinstance(name, tuple) else (name,)
+    part_shape = one[:-2] + one[-1:] if isinstance(name, tuple) else one
+    hf_shape = to_hf(np.empty(part_shape, np.int8)).shape if to_hf else part_shape
+    out = []
+    for e in (range(shape[0]) if _per_expert(name) else [None]):
+        for j, n in enumerate(fused):
+            def get(get_layer=layer(stacked, i), e=e, j=j):
+                a = np.asarray(get_layer())
+                a = a if e is None else a[e]
+                a = a[..., j, :] if isinstance(name, tuple) else a
+                return to_hf(a) if to_hf else a
+            out.append((f"model.layers.{i}.{n.format(e=e)}", get, hf_shape))
     return out
 
 
@@ -162,13 +205,15 @@ def _pad_rows(a, config):
     return np.concatenate([a, np.zeros((rows - a.shape[0], *a.shape[1:]), a.dtype)])
 
 
-def read_leaves(path: str, dtype=None, *, skip=(), **config_overrides):
+def read_leaves(path: str, dtype=None, *, skip=(), config_from=None, entries=layer_entries, **config_overrides):
     """(LlamaConfig, iterator of (our path, numpy array)) for a Hugging Face folder, one stacked
     leaf at a time (each per-layer tensor read once from the files; the caller consumes a leaf
     before the next is read). dtype: cast to it (default: the file's). skip: tensor names the
-    caller reads itself (a sequence classifier's `score.weight`)."""
+    caller reads itself (a sequence classifier's `score.weight`). config_from(config.json dict,
+    **overrides) -> config and entries(config) -> `layer_entries` rows: another family's (the
+    mixture-of-experts one, `zerojax.models.hf_moe`); default this family's."""
     with open(os.path.join(path, "config.json")) as f:
-        config = config_from_hf(json.load(f), **config_overrides)
+        config = (config_from or config_from_hf)(json.load(f), **config_overrides)
 
     def leaves():
         with TensorReader(path) as reader:
@@ -181,13 +226,8 @@ def read_leaves(path: str, dtype=None, *, skip=(), **config_overrides):
 
             yield ("embed_tokens",), _pad_rows(take("model.embed_tokens.weight"), config)
             L = config.num_hidden_layers
-            for name, ours, shape, to_ours, _ in _layer_entries(config):
-                first = take(f"model.layers.0.{name}")
-                stacked = np.empty((L, *shape), first.dtype)
-                for i in range(L):
-                    a = first if i == 0 else take(f"model.layers.{i}.{name}")
-                    stacked[i] = to_ours(a) if to_ours else a
-                yield ("layers", *ours), stacked
+            for name, ours, shape, to_ours, _ in entries(config):
+                yield ("layers", *ours), _stack_layers(take, name, shape, to_ours, L)
             yield ("norm", "scale"), take("model.norm.weight")
             if not config.tie_word_embeddings:
                 yield ("lm_head",), _pad_rows(take("lm_head.weight"), config)
@@ -210,20 +250,21 @@ def load_llama_hf(path: str, dtype=None, **config_overrides) -> tuple[LlamaConfi
 
 def save_llama_hf(params, config: LlamaConfig, out_dir: str, dtype=None, *,
                   max_shard_size: int = MAX_SHARD_BYTES, head: bool = True, extra=None,
-                  config_updates=None) -> str:
+                  config_updates=None, entries=layer_entries, config_json=None) -> str:
     """Write config.json + safetensors (sharded above max_shard_size bytes, with an index) that
     `transformers`' `<Family>ForCausalLM.from_pretrained(out_dir)` loads -> the weights path.
     params: the model, its `nnx.state` or pure dict; dtype: the saved dtype (default: as given).
     Another head (`zerojax.methods.reward`'s `<Family>ForSequenceClassification`): head=False
     leaves the LM head out, extra {HF name: array} adds tensors, config_updates overrides
-    config.json keys (architectures, num_labels, ...)."""
+    config.json keys (architectures, num_labels, ...). entries / config_json(config, dtype name):
+    another family's tensors and config.json (`zerojax.models.hf_moe`)."""
     params = plain_arrays(params)
     L, V = config.num_hidden_layers, config.vocab_size
-    entries = []
+    tensors = []
 
     def entry(name, get, shape, kind, convert=None):  # get() -> the array, called when written
         out = np.dtype(dtype) if dtype is not None else np.dtype(kind)
-        entries.append((name, shape, out, lambda: convert(get()) if convert else get()))
+        tensors.append((name, shape, out, lambda: convert(get()) if convert else get()))
 
     def whole(name, a, rows=None):  # read when written (an offloaded run's: a block of rows at a time)
         rows = a.shape[0] if rows is None else rows
@@ -233,12 +274,12 @@ def save_llama_hf(params, config: LlamaConfig, out_dir: str, dtype=None, *,
     d = emb.shape[1]
     whole("model.embed_tokens.weight", emb, V)
     for i in range(L):
-        for name, ours, shape, _, to_hf in _layer_entries(config):
+        for name, ours, shape, _, to_hf in entries(config):
             stacked = get_path(params, ("layers", *ours))
             if stacked.shape != (L, *shape):
                 raise ValueError(f"layers/{'/'.join(ours)}: shape {stacked.shape}, expected {(L, *shape)}")
-            hf_shape = to_hf(np.empty(shape, np.int8)).shape if to_hf else shape
-            entry(f"model.layers.{i}.{name}", layer(stacked, i), hf_shape, stacked.dtype, to_hf)
+            for hf_name, get, hf_shape in _layer_tensors(name, stacked, i, shape, to_hf):
+                entry(hf_name, get, hf_shape, stacked.dtype)
     whole("model.norm.weight", get_path(params, ("norm", "scale")))
     if head and not config.tie_word_embeddings:
         whole("lm_head.weight", get_path(params, ("lm_head",)), V)
@@ -247,9 +288,9 @@ def save_llama_hf(params, config: LlamaConfig, out_dir: str, dtype=None, *,
     assert d == config.hidden_size
     os.makedirs(out_dir, exist_ok=True)
     with open(os.path.join(out_dir, "config.json"), "w") as f:
-        json.dump({**config_to_hf(config, np.dtype(entries[0][2]).name), **(config_updates or {})}, f, indent=2,
-                  sort_keys=True)
-    return write_tensors(entries, out_dir, max_shard_size)
+        json.dump({**(config_json or config_to_hf)(config, np.dtype(tensors[0][2]).name), **(config_updates or {})},
+                  f, indent=2, sort_keys=True)
+    return write_tensors(tensors, out_dir, max_shard_size)
 
 
 def config_from_record(record: Mapping) -> LlamaConfig:

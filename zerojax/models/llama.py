@@ -29,6 +29,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
+from typing import ClassVar
 
 import jax
 import jax.numpy as jnp
@@ -84,6 +85,8 @@ class LlamaConfig:
     # as GPT2Config's: embedding / LM head rows padded to a multiple (padding rows zero, their
     # logits -inf); 1 keeps Hugging Face's exact shapes. Every named vocabulary below divides 128.
     make_vocab_size_divisible_by: int = 128
+    # the model_types this config class takes (a subclass, e.g. the mixture-of-experts family's, has its own)
+    model_types: ClassVar[tuple] = MODEL_TYPES
 
     def __post_init__(self):
         if isinstance(self.eos_token_id, list):  # JSON (config.json, a checkpoint record) has lists
@@ -99,13 +102,13 @@ class LlamaConfig:
             problems.append(f"head_dim={self.dim_per_head} must be even (rotary pairs)")
         if self.rope_type not in ROPE_TYPES:
             problems.append(f"rope_type={self.rope_type!r}; choose one of {ROPE_TYPES}")
-        if self.model_type not in MODEL_TYPES:
-            problems.append(f"model_type={self.model_type!r}; choose one of {MODEL_TYPES}")
+        if self.model_type not in self.model_types:
+            problems.append(f"model_type={self.model_type!r}; choose one of {self.model_types}")
         m = self.make_vocab_size_divisible_by
         if isinstance(m, bool) or not isinstance(m, int) or m < 1:
             problems.append(f"make_vocab_size_divisible_by={m!r}: an int >= 1 (1 = no padding)")
         if problems:
-            raise ValueError("LlamaConfig: " + "; ".join(problems))
+            raise ValueError(f"{type(self).__name__}: " + "; ".join(problems))
 
     @property
     def kv_heads(self) -> int:
@@ -345,10 +348,12 @@ def _attention_inputs(x, p, *, config: LlamaConfig, dtype, positions, constrain=
 
 
 def _attention_output_and_mlp(x, o, p, *, config: LlamaConfig, dtype, constrain=unconstrained, linear=_linear,
-                              mlp_tile: int | None = None):
+                              mlp_tile: int | None = None, feed_forward=None):
     """The rest of a layer after the attention: o [B, T, H, Dh] through o_proj into the residual
     x [B, T, d], then the MLP half (shared by training's `_block` and the KV-cache decoder); with
-    `mlp_tile` the MLP runs `mlp_tile` positions at a time (`tiled_over_sequence`)."""
+    `mlp_tile` the MLP runs `mlp_tile` positions at a time (`tiled_over_sequence`).
+    `feed_forward(h, p["mlp"], linear)` -> [B, T, d], when given, replaces the dense SwiGLU MLP (a
+    mixture of experts, `zerojax.models.moe`)."""
     a, m = p["self_attn"], p["mlp"]
     out = linear("btnh,nhd->btd", o, a["o_proj"], dtype)
     if "bias" in a["o_proj"]:
@@ -356,6 +361,8 @@ def _attention_output_and_mlp(x, o, p, *, config: LlamaConfig, dtype, constrain=
     x = checkpoint_name(x + constrain(out, RESIDUAL), ATTENTION_RESIDUAL)
 
     h = _rms_norm(x, p["post_attention_layernorm"]["scale"], config.rms_norm_eps, dtype)
+    if feed_forward is not None:
+        return x + constrain(feed_forward(h, m, linear), RESIDUAL)
 
     def mlp(h):
         gate = linear("btd,dm->btm", h, m["gate_proj"], dtype)
@@ -367,7 +374,7 @@ def _attention_output_and_mlp(x, o, p, *, config: LlamaConfig, dtype, constrain=
 
 
 def _block(x, p, *, config: LlamaConfig, dtype, attention_impl, segment_ids=None, positions=None,
-           constrain=unconstrained, linear=_linear, attention_block=DEFAULT_BLOCK, mlp_tile=None):
+           constrain=unconstrained, linear=_linear, attention_block=DEFAULT_BLOCK, mlp_tile=None, feed_forward=None):
     """One pre-RMSNorm decoder layer on [B, T, d]; p holds this layer's slice of `Blocks`.
 
     Save points as GPT-2's: "layer_input", q / k / v projections (QKV_PROJ, before the norm and the
@@ -384,7 +391,7 @@ def _block(x, p, *, config: LlamaConfig, dtype, attention_impl, segment_ids=None
     if attention_impl != "cudnn":  # as GPT-2: cuDNN's forward outputs are saved by primitive
         o = checkpoint_name(o, ATTENTION_OUT)
     return _attention_output_and_mlp(x, o, p, config=config, dtype=dtype, constrain=constrain, linear=linear,
-                                     mlp_tile=mlp_tile)
+                                     mlp_tile=mlp_tile, feed_forward=feed_forward)
 
 
 class Llama(nnx.Module):
@@ -402,6 +409,8 @@ class Llama(nnx.Module):
     computes each projection (a quantized kernel, LoRA terms) and `adapter.layer_inputs(model)`
     gives the untrained per-layer inputs (the frozen base) scanned beside the trained parameters.
     """
+
+    blocks_class = Blocks  # the stacked layers' parameters (a subclass swaps the MLP for experts)
 
     def __init__(self, config: LlamaConfig, *, rngs: nnx.Rngs, dtype=jnp.float32,
                  param_dtype=jnp.float32, remat_policy: str | None = None,
@@ -436,7 +445,7 @@ class Llama(nnx.Module):
             return _param(jnp.pad(w, ((0, Vp - V), (0, 0))), ("vocab", "embed"))
 
         self.embed_tokens = table()
-        self.layers = Blocks(config, rngs, param_dtype)
+        self.layers = self.blocks_class(config, rngs, param_dtype)
         self.norm = RMSNorm((d,), ("embed",), param_dtype)
         if not config.tie_word_embeddings:
             self.lm_head = table()
@@ -471,6 +480,17 @@ class Llama(nnx.Module):
 
         segment_ids [B, T] int: packed documents (attention only within equal ids); positions
         [B, T] int: rotary positions (default: from the segment ids, else 0 .. T-1)."""
+        return self.hidden_states_and_extras(input_ids, segment_ids=segment_ids, positions=positions)[0]
+
+    def stack_carry(self, x, body, token_mask):
+        """(what the layer scan carries, the layer body over it) for the residual stream x: x and
+        `body` themselves here; a subclass carries more beside x (the mixture-of-experts family's
+        router statistics) and returns it from `hidden_states_and_extras`."""
+        return x, body
+
+    def hidden_states_and_extras(self, input_ids, segment_ids=None, positions=None, token_mask=None):
+        """(`hidden_states`, what `stack_carry` carried beside the residual stream, or None);
+        token_mask [B, T] (1 = a real token) weighs such statistics (None: every token)."""
         cfg, dtype = self.config, self.dtype
         constrain = getattr(self, "activation_sharding", None) or unconstrained
         if segment_ids is not None and positions is None:
@@ -485,6 +505,7 @@ class Llama(nnx.Module):
                                              kv_heads=cfg.kv_heads),
             attention_block=getattr(self, "attention_block", DEFAULT_BLOCK), mlp_tile=getattr(self, "mlp_tile", None),
             linear=_linear if adapter is None else adapter.linear)
+        x, body = self.stack_carry(x, body, token_mask)
         policy = self.remat_policy
         fetch = getattr(self, "layer_fetch", None)
         layers = nnx.to_pure_dict(nnx.state(self.layers, nnx.Param))
@@ -500,7 +521,8 @@ class Llama(nnx.Module):
                              "give padded batches (one example per row, no segment_ids)")
         x = run_layers(body, x, layers, policy=policy, fetch=fetch, layer_scan=layer_scan,
                        n_layer=cfg.num_hidden_layers, unroll=getattr(self, "scan_unroll", 1) or 1)
-        return self.final_norm(x)
+        x, extras = x if isinstance(x, tuple) else (x, None)
+        return self.final_norm(x), extras
 
     def embed(self, input_ids):
         """The token embedding of input_ids [B, T] -> [B, T, d] in the compute dtype (the residual
@@ -528,9 +550,13 @@ def shifted_labels(batch):
     return labels[:, 1:]
 
 
+def hidden_inputs(batch) -> dict:
+    """The keywords of `Llama.hidden_states` a batch holds: input_ids, segment_ids, positions."""
+    return dict(input_ids=batch["input_ids"], segment_ids=batch.get("segment_ids"), positions=batch.get("positions"))
+
+
 def _hidden(model, batch):
-    return model.hidden_states(batch["input_ids"], segment_ids=batch.get("segment_ids"),
-                               positions=batch.get("positions"))
+    return model.hidden_states(**hidden_inputs(batch))
 
 
 def llama_loss(model: Llama, batch):
@@ -551,15 +577,21 @@ def chunked_llama_loss(chunk: int = 128):
         raise ValueError(f"chunk={chunk!r}: the positions per piece of the cross entropy, an int >= 1")
 
     def loss_fn(model: Llama, batch):
-        labels = shifted_labels(batch)
-        constrain = getattr(model, "activation_sharding", None) or unconstrained
-        x = constrain(_hidden(model, batch), SEQ_WHOLE)
-        targets = jnp.pad(labels, ((0, 0), (0, 1)), constant_values=-100)
-        total = fused_cross_entropy(x, model.head_weight(), targets, model.config.vocab_size, chunk, constrain)
-        return mean_over_tokens(total, labels)
+        return chunked_cross_entropy(model, _hidden(model, batch), batch, chunk)
 
     return loss_fn
 
 
-__all__ = ["Llama", "LlamaConfig", "llama_loss", "chunked_llama_loss", "num_params", "flops_per_token",
+def chunked_cross_entropy(model: Llama, x, batch, chunk: int):
+    """The mean next-token cross entropy of the final hidden states x [B, T, d] against the batch's
+    targets, the LM head and loss run `chunk` positions at a time -> (loss, {"tokens": n})."""
+    labels = shifted_labels(batch)
+    constrain = getattr(model, "activation_sharding", None) or unconstrained
+    x = constrain(x, SEQ_WHOLE)
+    targets = jnp.pad(labels, ((0, 0), (0, 1)), constant_values=-100)
+    total = fused_cross_entropy(x, model.head_weight(), targets, model.config.vocab_size, chunk, constrain)
+    return mean_over_tokens(total, labels)
+
+
+__all__ = ["Llama", "LlamaConfig", "llama_loss", "chunked_llama_loss", "chunked_cross_entropy", "hidden_inputs", "num_params", "flops_per_token",
            "rope_frequencies", "positions_from_segments", "REMAT_POLICIES", "KV_HEADS"]

@@ -5,7 +5,8 @@ shapes, losses), `from_hf` / `to_hf` and the checkpoint's Hugging Face writer (m
 writers), LoRA (PEFT's module names), the planner's loss -- so adding a family is one module: a
 config, a model, and a `register(ModelFamily(...))` call (torchtitan's `ModelSpec`, levanter's
 `LmConfig.register_subclass`). GPT-2 registers in `zerojax.models.hf`, the Llama family in
-`zerojax.models.hf_llama` (each beside its Hugging Face reader and writer); a look-up imports them.
+`zerojax.models.hf_llama`, the mixture-of-experts family (Qwen3-MoE, Mixtral) in
+`zerojax.models.hf_moe` (each beside its Hugging Face reader and writer); a look-up imports them.
 
 This module imports nothing of jax, so the CLI can list names cheaply.
 """
@@ -17,7 +18,7 @@ import inspect
 from typing import Any, Callable
 
 # the modules of the families zerojax ships, imported on first look-up
-BUILTIN = ("zerojax.models.hf", "zerojax.models.hf_llama")
+BUILTIN = ("zerojax.models.hf", "zerojax.models.hf_llama", "zerojax.models.hf_moe")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -28,13 +29,16 @@ class PeftTargets:
     before a module name; linears: PEFT's module name -> (our path under the stack, how many
     leading axes of a layer's kernel are its input); savable: modules_to_save name -> (our
     attribute, Hugging Face tensor name); fan_in_fan_out: PEFT's flag for these modules (True for
-    Conv1D's [in, out] weights)."""
+    Conv1D's [in, out] weights); parameters: PEFT's `target_parameters` names (3-D expert weights,
+    e.g. "mlp.experts.gate_up_proj") -> (our path, input axes, leading expert axes), in the order
+    PEFT nests their wrappers (the first innermost)."""
 
     stack: str
     prefix: str
     linears: dict
     savable: dict
     fan_in_fan_out: bool = False
+    parameters: dict = dataclasses.field(default_factory=dict)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -147,14 +151,21 @@ def for_hf_type(model_type: str) -> ModelFamily | None:
     return next((f for f in families().values() if model_type in f.hf_model_types), None)
 
 
+def _closest(obj, cls_of) -> ModelFamily | None:
+    """The family whose class (`cls_of(family)`) `obj` is an instance of, the most derived one
+    first: a family built on another's classes (mixture of experts on the Llama family's) wins."""
+    matches = [f for f in families().values() if isinstance(obj, cls_of(f))]
+    return min(matches, key=lambda f: type(obj).__mro__.index(cls_of(f)), default=None)
+
+
 def for_model(model) -> ModelFamily | None:
-    """The family whose model class `model` is an instance of, or None."""
-    return next((f for f in families().values() if isinstance(model, f.model_class)), None)
+    """The family whose model class `model` is an instance of (the most derived), or None."""
+    return _closest(model, lambda f: f.model_class)
 
 
 def for_config(config) -> ModelFamily | None:
-    """The family whose config class `config` is an instance of, or None."""
-    return next((f for f in families().values() if isinstance(config, f.config_class)), None)
+    """The family whose config class `config` is an instance of (the most derived), or None."""
+    return _closest(config, lambda f: f.config_class)
 
 
 def for_record(record: dict | None) -> ModelFamily | None:

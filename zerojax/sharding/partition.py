@@ -59,7 +59,7 @@ WHOLE_BY_DESIGN = frozenset({"kv_heads"})
 # Logical names that stay whole on purpose under tensor parallelism (no "unknown name" warning).
 # Position embeddings ("pos") are small and read by every token; norms and biases are per-feature.
 REPLICATED_NAMES = frozenset({"embed", "layers", "pos", "qkv", "head_dim", "batch", "seq",
-                              "norm", "kv"})
+                              "norm", "kv", "gate_up"})
 # Activations. Sequence parallelism (Megatron-LM's, Korthikanti et al. 2022): between the blocks
 # the residual stream ("batch", "seq", "embed") is split over "tensor" on its sequence axis, so
 # layer norms, residual adds and the saved block inputs cost 1/T per device; GSPMD then all-gathers

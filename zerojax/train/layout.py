@@ -25,6 +25,7 @@ from zerojax._jax_compat import filter_state, no_eager_sharding, variable_value
 from zerojax import streamed as stream_mod
 
 from zerojax.sharding import partition
+from zerojax.sharding.experts import expert_parallel_hook, split_experts
 from zerojax import model as contract, user_tree
 from zerojax.config import Config, ConfigError, load_config, pipeline_stages, remat_policy_for
 from zerojax.sharding.pipeline import PipelineSchedule, pipeline_scan, schedule_problems
@@ -279,7 +280,9 @@ def build_layout(module: nnx.Module, cfg, *, loss_fn: Callable, mesh: Mesh | Non
     constrain = None
     if (cfg.tensor_parallel.partition_config or {}).get("use_default_specs", True):
         constrain = partition.activation_constraint(mesh)
+    experts = expert_parallel_hook(module, mesh, (options or EngineOptions()).ep_size, _modules_with)
     with _attributes(_activation_modules(module) if constrain else [], activation_sharding=constrain), \
+            _attributes(_modules_with(module, "expert_parallel") if experts else [], expert_parallel=experts), \
             _settings(_remat_settings(module, cfg)):
         return _build_layout(module, cfg, loss_fn=loss_fn, mesh=mesh, options=options)
 
@@ -369,10 +372,12 @@ def _build_layout(module, cfg: Config, *, loss_fn, mesh: Mesh, options) -> Engin
     stacked = contract.stacked_flags(abstract_master, prefixes) if prefixes else None
     base_specs = partition.tensor_specs(params, mesh, tp=cfg.tensor_parallel, model_type=_model_type(module),
                                         stacked_prefixes=prefixes)
+    if options.ep_size > 1:  # experts split over "data" at every stage (ZeRO leaves that axis be)
+        base_specs = split_experts(params, base_specs)
     shardings = partition.stage_shardings(
         abstract_master, mesh, stage, base_specs=base_specs,
         persistence_threshold=int(zero.stage3_param_persistence_threshold or 0))
-    rest_shardings = _rest_shardings(rest, mesh, cfg, stage, _model_type(module), prefixes,
+    rest_shardings = _rest_shardings(rest, mesh, cfg, stage, _model_type(module), prefixes, options.ep_size,
                                      O.host_memory_kind(bool(zero.offload_param.pin_memory)) if offload_param else None)
 
     off = offload_settings = offload_step = fetch_rest = nvme = None
@@ -451,7 +456,8 @@ def _build_layout(module, cfg: Config, *, loss_fn, mesh: Mesh, options) -> Engin
         layer_lists=user_tree.stacked_lists(module))
 
 
-def _rest_shardings(rest, mesh: Mesh, cfg: Config, stage: int, model_type, prefixes, host_kind=None):
+def _rest_shardings(rest, mesh: Mesh, cfg: Config, stage: int, model_type, prefixes, ep_size: int,
+                    host_kind=None):
     """The untrained state's shardings: replicated (rng counters, statistics), but for weights that
     carry logical axis names (a LoRA's frozen base: `zerojax.lora.FrozenWeight`): those are split
     as parameters are, by tensor parallelism and at stage 3 by ZeRO over "data", so that each
@@ -468,6 +474,8 @@ def _rest_shardings(rest, mesh: Mesh, cfg: Config, stage: int, model_type, prefi
         return shardings
     specs = partition.tensor_specs(named, mesh, tp=cfg.tensor_parallel, model_type=model_type,
                                    stacked_prefixes=prefixes)
+    if ep_size > 1:  # a frozen (LoRA) base's experts, split as trained ones are
+        specs = split_experts(named, specs)
     if stage >= 3:
         threshold = int(cfg.zero_optimization.stage3_param_persistence_threshold or 0)
         specs = jax.tree.map(lambda b, x: partition.zero_spec(x.shape, b, partition.data_size(mesh),
@@ -710,7 +718,12 @@ def _model_type(module) -> str:
 
 def _activation_modules(model) -> list:
     """The modules of `model` that expose the `activation_sharding` hook (docs/CONTRACTS.md)."""
-    return [m for _, m in nnx.iter_graph(model) if isinstance(m, nnx.Module) and "activation_sharding" in vars(m)]
+    return _modules_with(model, "activation_sharding")
+
+
+def _modules_with(model, hook: str) -> list:
+    """The modules of `model` that have the attribute `hook` (an engine hook, docs/CONTRACTS.md)."""
+    return [m for _, m in nnx.iter_graph(model) if isinstance(m, nnx.Module) and hook in vars(m)]
 
 
 @contextlib.contextmanager

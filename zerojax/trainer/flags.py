@@ -186,6 +186,10 @@ def parse_args(argv=None, *, prog=None, description=None):
                    help="store Adam's first moment in bf16 (zerojax.EngineOptions.adam_mu_dtype): 2 bytes "
                         "a parameter less, and under optimizer offload less to move over PCIe; changes "
                         "training slightly (DeepSpeed keeps it fp32); default: the master's dtype")
+    p.add_argument("--ep-size", type=_number(int, 1), default=1,
+                   help="expert parallelism for a mixture-of-experts model (DeepSpeed-MoE's ep_size, "
+                        "zerojax.EngineOptions.ep_size): its experts split over this many devices, tokens "
+                        "sent to them by all-to-all; 1 = off, else the data-parallel size")
     p.add_argument("--master-split", action="store_true",
                    help="keep the fp32 master as the bf16 params + an int16 remainder on the device "
                         "(zerojax.EngineOptions(split_master=\"on\")): 2 bytes a parameter less, the same "

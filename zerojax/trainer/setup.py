@@ -331,7 +331,7 @@ def requested_options(args, loop=None):
     from zerojax import EngineOptions
 
     return EngineOptions(offload_loop=args.offload_loop or loop or "auto", adam_mu_dtype=args.adam_mu_dtype,
-                         split_master="on" if args.master_split else "auto")
+                         split_master="on" if args.master_split else "auto", ep_size=getattr(args, "ep_size", 1))
 
 
 def engine_options(args, cfg, loop=None, planned=False):

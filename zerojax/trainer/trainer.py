@@ -538,8 +538,8 @@ class Trainer:
                 metrics = self.train_step(batch)
                 self.losses.append(metrics["loss"])  # device scalars, read once at the end (no host sync a step)
                 self.meter.after_step(metrics["loss"])
-                if self.method is not None and not self.method_keys:
-                    self.method_keys = sorted(k for k in metrics if "/" in k)  # TRL's names: rewards/chosen, ...
+                if not self.method_keys:  # TRL's names: rewards/chosen, ...; a family's own: router/aux_loss (experts)
+                    self.method_keys = sorted(k for k in metrics if "/" in k)
                 self.last_metrics = metrics
                 last = i == steps - start - 1
                 info = StepInfo(step=start + i + 1, last=last, metrics=metrics, engine=self.engine, trainer=self)
@@ -649,6 +649,8 @@ class Trainer:
         if self.method is not None:
             summary.update(method=args.method, method_options=self.method_opts,
                            method_metrics={k: float(self.last_metrics[k]) for k in self.method_keys})
+        elif self.method_keys:  # the model's loss terms beside the cross entropy (a mixture of experts' router losses)
+            summary["loss_metrics"] = {k: float(self.last_metrics[k]) for k in self.method_keys}
         if self.rollouts is not None and len(self.rollouts.history) > 2:
             summary["rollouts"] = rollout_times(self.rollouts.history, cfg.train_batch_size)
         if meter.tokens_per_s_per_device is not None:
