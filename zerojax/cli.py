@@ -339,19 +339,14 @@ def _add_chat(sub):
 
 
 def check_model_folder(path: str) -> None:
-    """--hf-checkpoint's folder, checked before anything is read: FlagError naming what it is and
-    what to give where it is no model folder (a missing path; a PEFT adapter folder, which holds
-    adapter_config.json and no config.json: its base goes to --hf-checkpoint, it to --adapter)."""
-    if not os.path.isdir(path):
-        raise FlagError(f"--hf-checkpoint {path}: no such folder ({os.path.abspath(path)}); give a Hugging Face model "
-                        "folder (config.json, model.safetensors, tokenizer.json)")
-    from zerojax.local_files import adapter_folder_base  # no jax: it imports nothing
+    """--hf-checkpoint's folder, checked before jax is imported (zerojax.local_files): a missing path,
+    or a PEFT adapter folder, whose base goes to --hf-checkpoint and itself to --adapter."""
+    from zerojax.local_files import model_folder_problem
 
-    base = adapter_folder_base(path)
-    if base is not None:
-        raise FlagError(f"--hf-checkpoint {path}: a PEFT adapter folder (adapter_config.json), not a model; give its "
-                        f"base model to --hf-checkpoint and this folder to --adapter: --hf-checkpoint "
-                        f"{base or 'BASE_FOLDER'} --adapter {path}")
+    problem = model_folder_problem(path, lambda base: "give its base model to --hf-checkpoint and this folder to "
+                                                      f"--adapter: --hf-checkpoint {base} --adapter {path}")
+    if problem:
+        raise FlagError(problem)
 
 
 def _generation_setup(args):
@@ -456,8 +451,7 @@ def default_config(micro_batch=8) -> dict:
 
 
 class FlagError(ValueError):
-    """A flag's value (or a pair of flags) this command cannot take: the message is the one
-    `error:` line printed (zerojax.trainer.exits)."""
+    """A flag's value (or a pair of flags) this command cannot take: its `error:` line (trainer.exits)."""
 
 
 class ModelArgError(FlagError):
@@ -721,8 +715,7 @@ def _virtual_cpu_devices(n: int) -> None:
 
 
 def _load_base_config(args) -> dict:
-    """--config as a plain dict (read as load_config reads it: hjson, the file named in its errors),
-    else `default_config()`."""
+    """--config as a plain dict, read as load_config reads it (its errors name the file); else the default."""
     if not args.config:
         return default_config()
     from zerojax.config import read_source
