@@ -196,11 +196,12 @@ def _run(trainer: Trainer) -> dict:
     batch_fn = None if method is None else (lambda rows, seq: {
         k: np.zeros((rows, *np.shape(v)[1:]), np.asarray(v).dtype) for k, v in sample.items()})
     row_tokens = seq_len if method is None else sum(np.shape(v)[1] for k, v in sample.items() if k.endswith("_ids"))
-    remat = args.remat
-    remat_why = "--remat"
+    remat, configured_remat = args.remat, zerojax.config.remat_policy_for(cfg)
+    remat_why = "--remat" + (f", replacing the config's activation_checkpointing ({configured_remat})"
+                             if configured_remat not in (None, remat) else "")
     if remat is None:
         ac = cfg.activation_checkpointing
-        remat = zerojax.config.remat_policy_for(cfg) or "none"
+        remat = configured_remat or "none"
         remat_why = ("the config has no activation_checkpointing section" if ac is None else
                      "the config's activation_checkpointing section")
     remat = None if remat == "none" else remat
