@@ -262,12 +262,11 @@ def cmd_plan(args) -> int:
 
 def _add_export(sub):
     p = sub.add_parser(
-        "export", help="consolidated weights of a checkpoint as safetensors (GPT-2: Hugging Face)",
-        description="Write a checkpoint's master weights as one safetensors file: a Hugging Face "
-                    "GPT-2 folder (config.json + model.safetensors) when the checkpoint holds "
-                    "zerojax's GPT-2, else a flat safetensors file with dotted names. Reads only "
-                    "the weights, never the optimizer state.")
-    p.add_argument("checkpoint", metavar="CKPT", help="the save_checkpoint directory")
+        "export", help="a training checkpoint as a Hugging Face folder (weights, tokenizer, generation config)",
+        description="A checkpoint's master weights as its family's Hugging Face folder with the run's tokenizer "
+                    "files and pad_token_id (transformers loads it offline; no registered family: flat safetensors). "
+                    "Reads no optimizer state. A LoRA checkpoint is refused with the command that writes its adapter.")
+    p.add_argument("checkpoint", metavar="CKPT", help="the --save folder of a training run")
     p.add_argument("out", metavar="OUT", help="output directory")
     p.add_argument("--tag", help="checkpoint tag (default: the one named in CKPT/latest)")
     p.add_argument("--dtype", choices=("fp32", "bf16", "fp16"), default="fp32",
@@ -279,11 +278,9 @@ def cmd_export(args) -> int:
     if not os.path.isdir(args.checkpoint):  # before jax is imported: a mistyped path says so at once
         raise FlagError(f"CKPT {args.checkpoint}: no such folder ({os.path.abspath(args.checkpoint)}); give the "
                         "--save folder of a training run")
-    from zerojax.checkpoint.state import export
-    from zerojax.models import weights_writer
+    from zerojax.trainer.run_folder import export_run
 
-    path = export(args.checkpoint, args.out, tag=args.tag, dtype=args.dtype, writer_for=weights_writer)
-    print(path)
+    print(export_run(args.checkpoint, args.out, tag=args.tag, dtype=args.dtype))
     return 0
 
 
@@ -303,7 +300,8 @@ def _add_train(sub):
 
 def _add_generation_flags(p):
     p.add_argument("--hf-checkpoint", required=True, metavar="DIR",
-                   help="a Hugging Face folder (GPT-2, Llama, Mistral, Qwen2, Qwen3; safetensors + tokenizer.json)")
+                   help="a Hugging Face folder (GPT-2, Llama, Mistral, Qwen2, Qwen3; safetensors + tokenizer.json), or "
+                        "the --save folder of a training run (its weights and its run's tokenizer)")
     p.add_argument("--adapter", metavar="DIR", help="a PEFT LoRA adapter folder, applied (not merged)")
     p.add_argument("--tokenizer", metavar="DIR", help="the tokenizer folder (default: --hf-checkpoint)")
     p.add_argument("--dtype", choices=("auto", "fp32", "bf16"), default="auto",
@@ -352,6 +350,9 @@ def check_model_folder(path: str) -> None:
 def _generation_setup(args):
     """(model, tokenizer, generate keyword arguments) from the generation flags."""
     check_model_folder(args.hf_checkpoint)  # before jax is imported
+    from zerojax.trainer.run_folder import model_folder_of
+
+    folder = model_folder_of(args.hf_checkpoint)  # a training checkpoint: exported (weights, tokenizer) first
     import jax
     import jax.numpy as jnp
 
@@ -360,11 +361,11 @@ def _generation_setup(args):
 
     dtype = args.dtype if args.dtype != "auto" else ("bf16" if jax.default_backend() == "gpu" else "fp32")
     dtype = jnp.bfloat16 if dtype == "bf16" else jnp.float32
-    model = from_hf(args.hf_checkpoint, dtype)
+    model = from_hf(folder, dtype)
     model.dtype = jnp.dtype(dtype)  # compute in the weights' dtype
     if args.adapter:
         model = lora.load_peft(model, args.adapter)
-    tokenizer = load_tokenizer(args.tokenizer or args.hf_checkpoint)
+    tokenizer = load_tokenizer(args.tokenizer or folder)
     kwargs = dict(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
                   top_p=args.top_p, repetition_penalty=args.repetition_penalty, stop=args.stop, seed=args.seed,
                   tokenizer=tokenizer, decode_attention=args.decode_attention)

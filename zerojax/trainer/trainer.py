@@ -21,8 +21,8 @@ from zerojax.trainer.flags import parse_args
 from zerojax.trainer.setup import (batch_note, check_lora_resume, check_method, check_task_data, data_source,
                                    engine_options, filled_autos, from_checkpoint, lora_settings, loss_fn_for,
                                    offload_loop_auto, plan_micro_batch, print_run, requested_options,
-                                   resolve_mlp_tile, resolved_config_source, resume_data, summary_line,
-                                   training_method, warn_replicated)
+                                   resolve_mlp_tile, resolved_config_source, resume_data, run_folders,
+                                   summary_line, training_method, warn_replicated)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -421,7 +421,7 @@ def _run(trainer: Trainer) -> dict:
     def client_state():
         return {"gpt2_large_example": {"schedule_steps": schedule_steps, "lr": lr, "seed": seed, "lora": lora_cfg,
                                        "method": args.method, "method_options": method_opts,
-                                       "data": data_source(args.data)}}
+                                       "data": data_source(args.data), **run_folders(args)}}
 
     hooks = [Hook(10, log_progress)]
     if args.eval_every:
