@@ -269,8 +269,7 @@ def _add_export(sub):
     p.add_argument("checkpoint", metavar="CKPT", help="the --save folder of a training run")
     p.add_argument("out", metavar="OUT", help="output directory")
     p.add_argument("--tag", help="checkpoint tag (default: the one named in CKPT/latest)")
-    p.add_argument("--dtype", choices=("fp32", "bf16", "fp16"), default="fp32",
-                   help="saved dtype (default fp32)")
+    p.add_argument("--dtype", choices=("fp32", "bf16", "fp16"), default="fp32", help="saved dtype (default fp32)")
     p.set_defaults(func=cmd_export)
 
 
@@ -292,8 +291,7 @@ def _add_launch(sub):
 
 
 def _add_train(sub):
-    # listed for --help only: main() hands `train ...` to the trainer's own parser (zerojax.trainer.flags),
-    # the one examples/gpt2_large.py takes
+    # for --help only: main() hands `train ...` to the trainer's own parser (zerojax.trainer.flags)
     sub.add_parser("train", add_help=False,
                    help="train or fine-tune a model with a DeepSpeed config (`zerojax train --help`)")
 
@@ -383,7 +381,9 @@ def cmd_generate(args) -> int:
 
 def cmd_chat(args) -> int:
     model, tokenizer, kwargs = _generation_setup(args)  # the folder checked before jax is imported
-    from zerojax.generation import chat
+    from zerojax.generation.api import chat, check_chat_template
+
+    check_chat_template(tokenizer)  # before the first line is read
 
     messages = [{"role": "system", "content": args.system}] if args.system else []
     prompt = lambda: sys.stdin.isatty() and print("> ", end="", file=sys.stderr, flush=True)  # noqa: E731
