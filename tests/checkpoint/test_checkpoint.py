@@ -267,10 +267,7 @@ def test_load_releases_the_live_state_first_where_the_device_lacks_room(monkeypa
     other.train_step(batch)
     ckpt = tmp_path / "ckpt"
     shutil.copytree(d, ckpt)
-    for f in glob.glob(str(ckpt / "global_step3" / "opt_state" / "**" / "*"), recursive=True):
-        if os.path.isfile(f):
-            with open(f, "wb") as fh:
-                fh.write(b"garbage")
+    garble_opt_state(ckpt / "global_step3", keep_checksums=False)  # caught by orbax's read, after the release
     monkeypatch.setattr(memory, "device_free_bytes", lambda device=None: 0)
     with pytest.raises(checkpoint.CheckpointError, match="'opt_state'(.|\n)*released its parameters"):
         engine(1, 8, "bf16").load_checkpoint(ckpt)
@@ -421,6 +418,17 @@ def test_flat_export_for_other_models(tmp_path):
 # errors
 
 
+def garble_opt_state(tag_dir, keep_checksums=True):
+    """Overwrite every file of a tag's optimizer state; without keep_checksums, as a tag saved before
+    checksums existed (the corruption then reaches orbax's read)."""
+    for f in glob.glob(str(tag_dir / "opt_state" / "**" / "*"), recursive=True):
+        if os.path.isfile(f):
+            with open(f, "wb") as fh:
+                fh.write(b"garbage")
+    if not keep_checksums:
+        os.remove(tag_dir / "checksums.json")
+
+
 def test_missing_checkpoint_names_path_and_tags(tmp_path):
     eng = engine(0, 1, "fp32")
     with pytest.raises(FileNotFoundError, match=r"latest.*tags found.*none"):
@@ -443,10 +451,13 @@ def test_corrupt_item_names_it_and_suggests_another_tag(tmp_path):
     ckpt = tmp_path / "ckpt"
     shutil.copytree(d, ckpt)
     shutil.copytree(ckpt / "global_step3", ckpt / "global_step2")
-    for f in glob.glob(str(ckpt / "global_step3" / "opt_state" / "**" / "*"), recursive=True):
-        if os.path.isfile(f):
-            with open(f, "wb") as fh:
-                fh.write(b"garbage")
+    garble_opt_state(ckpt / "global_step3")
     eng = engine(1, 8, "bf16")
+    # the files' checksums (written at save) name the first file that differs, before anything is read
+    with pytest.raises(checkpoint.CheckpointError, match=r"global_step3/opt_state/\S+ differs from its checksum"
+                                                          r".*another tag.*global_step2"):
+        eng.load_checkpoint(ckpt)
+    # a tag saved before checksums were written: orbax's read fails, naming the item
+    os.remove(ckpt / "global_step3" / "checksums.json")
     with pytest.raises(checkpoint.CheckpointError, match=r"'opt_state'.*another tag.*global_step2"):
         eng.load_checkpoint(ckpt)

@@ -835,3 +835,24 @@ def test_real_world_config_loads_as_deepspeed_loads_it(name):
 def test_real_world_config_refused_where_deepspeed_refuses_it(name):
     err = problems_of(DS_CONFIGS / name, world_size=1, fill=TRAINER_FILL)
     assert sorted(p.split(" ")[0].rstrip(":") for p in err.problems) == sorted(DS_REFUSES[name])
+
+
+def test_a_switch_zerojax_does_not_act_on_warns_when_turned_on():
+    """Every section whose `enabled` the schema documents as "accepted, no effect" (and the ZeRO++
+    quantization switches) warns, naming the key, when a config turns it on; off, nothing is said."""
+    import dataclasses
+    import warnings
+
+    from zerojax.config import _load, _schema
+    from zerojax.config.docs import field_docs
+
+    sections = {f.name: getattr(_schema, str(f.type), None) for f in dataclasses.fields(_schema.Config)}
+    documented = {(name, "enabled") for name, cls in sections.items() if isinstance(cls, type)
+                  and dataclasses.is_dataclass(cls) and "accepted, no effect" in field_docs(cls).get("enabled", "")}
+    assert len(documented) == 5 and documented <= set(_load.INERT_SWITCHES)
+    for section, key in _load.INERT_SWITCHES:
+        with warnings.catch_warnings(record=True) as seen:
+            warnings.simplefilter("always")
+            load_config({"train_batch_size": 8, section: {key: True}})
+            load_config({"train_batch_size": 8, section: {key: False}})
+        assert [str(w.message).split(":")[0] for w in seen] == [f"{section}.{key} = true"]

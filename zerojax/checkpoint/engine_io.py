@@ -16,6 +16,9 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 from zerojax import user_tree
 
 from zerojax.checkpoint import files as checkpoint_files
+from zerojax.checkpoint import lock as checkpoint_lock
+from zerojax.checkpoint.finite import NonFiniteState, first_nonfinite
+from zerojax.checkpoint.tags import check_tag
 from zerojax.checkpoint import state as checkpoint
 from zerojax.models import weights_writer
 from zerojax.offload.memory_kinds import host_memory_kind, is_host
@@ -30,6 +33,8 @@ def save_engine_state(layout, state: TrainState, save_dir, *, steps: int, model_
     path. keep=N: then delete all but the N newest checkpoints, never `latest`'s."""
     if keep is not None:
         checkpoint_files.check_keep(keep)
+    if tag is not None:
+        tag = check_tag(tag)
     cfg = layout.cfg
     export = None
     if layout.stage == 3 and cfg.zero_optimization.stage3_gather_16bit_weights_on_model_save:
@@ -39,14 +44,22 @@ def save_engine_state(layout, state: TrainState, save_dir, *, steps: int, model_
             "model": model_record}
     # NVMe offload: the swapped layers' leaves are streamed from the files a group at a time
     stored = layout.to_stored(state, stream=True)
+    bad = first_nonfinite(stored)
+    if bad is not None:
+        latest = checkpoint_files.latest_tag(save_dir)
+        raise NonFiniteState(
+            f"checkpoint of step {steps} not written: {bad} holds inf or NaN (a checkpoint is written only from "
+            f"finite weights and optimizer state); the newest checkpoint in {save_dir} is "
+            + (f"{latest!r}, untouched" if latest else "none"))
     lists = _user_lists(layout)
     if lists:  # a list of blocks the engine stacked: stored as the model's own list
         stored = user_tree.to_user(stored, lists, take=user_tree.take_layer)
         info["layer_lists"] = {_list_name(p): n for p, n in lists.items()}
-    path = checkpoint.save(save_dir, stored, steps=steps, info=info, tag=tag,
-                           client_state=client_state, export_weights=export)
-    if keep is not None:
-        checkpoint_files.prune(save_dir, keep)
+    with checkpoint_lock.holding(save_dir):  # a second run on this folder is refused, not interleaved
+        path = checkpoint.save(save_dir, stored, steps=steps, info=info, tag=tag,
+                               client_state=client_state, export_weights=export)
+        if keep is not None:
+            checkpoint_files.prune(save_dir, keep)
     return path
 
 

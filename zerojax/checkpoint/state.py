@@ -44,6 +44,9 @@ import orbax.checkpoint as ocp
 from jax.experimental import multihost_utils
 
 from zerojax.checkpoint import stream
+from zerojax.checkpoint import checksums, space
+from zerojax.checkpoint.errors import CheckpointError
+from zerojax.checkpoint.tags import TagError, check_tag
 from zerojax.precision import DynamicLossScaleState
 from zerojax.train_state import TrainState
 from zerojax.version import __version__
@@ -51,10 +54,6 @@ from zerojax.version import __version__
 FORMAT = "zerojax-checkpoint/1"
 LATEST = "latest"
 _TMP_MARK = ".orbax-checkpoint-tmp"
-
-
-class CheckpointError(RuntimeError):
-    """A checkpoint that exists but cannot be read (corrupt, partial, or incompatible)."""
 
 
 # ---------------------------------------------------------------------------------------------
@@ -113,7 +112,7 @@ def _rewrap_keys(restored, live):
 
 
 def _tag_dir(save_dir, tag) -> str:
-    return os.path.abspath(os.path.join(os.fspath(save_dir), str(tag)))
+    return os.path.abspath(os.path.join(os.fspath(save_dir), check_tag(tag)))
 
 
 def list_tags(save_dir) -> list[str]:
@@ -129,7 +128,9 @@ def list_tags(save_dir) -> list[str]:
 def _resolve_tag(load_dir, tag) -> str:
     load_dir = os.fspath(load_dir)
     found = list_tags(load_dir)
-    if tag is None:
+    if tag is not None:
+        tag = check_tag(tag)
+    else:
         latest = os.path.join(load_dir, LATEST)
         if not os.path.exists(latest):
             raise FileNotFoundError(
@@ -137,6 +138,11 @@ def _resolve_tag(load_dir, tag) -> str:
                 f"{found or 'none'}); pass tag=... or save a checkpoint there first")
         with open(latest) as f:
             tag = f.read().strip()
+        try:
+            check_tag(tag)
+        except TagError:
+            raise CheckpointError(f"{latest} names {tag!r}, not a checkpoint tag (tags found in {load_dir!r}: "
+                                  f"{found or 'none'}); pass tag=... (--tag) to load one of them") from None
     path = _tag_dir(load_dir, tag)
     if tag not in found:
         raise FileNotFoundError(
@@ -155,6 +161,27 @@ def read_meta(load_dir, tag=None) -> dict:
     if not isinstance(meta, dict) or meta.get("format") != FORMAT:
         raise CheckpointError(f"{path!r}: item 'meta' is not a {FORMAT} metadata record")
     return meta
+
+
+def verify_files(load_dir, tag) -> bool:
+    """The tag's files against the checksums written when it was saved (`zerojax.checkpoint.checksums`),
+    by process 0, the verdict shared with the others; CheckpointError naming the first file that
+    differs. False where the tag has no checksums (saved before they were written)."""
+    others = [t for t in list_tags(load_dir) if t != tag]
+    error, ok = None, False
+    if jax.process_index() == 0:
+        try:
+            ok = checksums.verify(_tag_dir(load_dir, tag), others)
+        except CheckpointError as e:
+            error = e
+    if jax.process_count() > 1:
+        failed = multihost_utils.broadcast_one_to_all(np.int32(error is not None))
+        if failed and error is None:
+            raise CheckpointError(f"{_tag_dir(load_dir, tag)}: process 0 found a file that differs from its "
+                                  f"checksum; load another tag ({others or 'none other found'})")
+    if error is not None:
+        raise error
+    return ok
 
 
 def _corrupt(load_dir, tag, item, e) -> CheckpointError:
@@ -204,7 +231,7 @@ def save(save_dir, state: TrainState, *, steps: int, info: dict, tag=None, clien
         stage3_gather_16bit_weights_on_model_save).
     """
     steps = int(steps)
-    tag = str(tag) if tag is not None else f"global_step{steps}"
+    tag = check_tag(tag) if tag is not None else f"global_step{steps}"
     save_dir = os.fspath(save_dir)
     path = _tag_dir(save_dir, tag)
     fp32 = state.master is None
@@ -242,9 +269,12 @@ def save(save_dir, state: TrainState, *, steps: int, info: dict, tag=None, clien
     if streamed:  # an orbax item of its own: written inside orbax's tmp dir, so the atomic finalize covers it
         args[stream.ITEM] = stream.StreamedSave({name: leaf for v in streamed.values() for name, leaf in v.values()})
     os.makedirs(save_dir, exist_ok=True)
-    # Orbax writes into <tag>.orbax-checkpoint-tmp-*, then renames it to <tag> (atomic finalize).
-    _checkpointer().save(path, args=ocp.args.Composite(meta=ocp.args.JsonSave(meta), **args),
-                         force=True)
+    space.check_room(save_dir, tag, items, extra=space.tree_bytes(state.params) if export_weights is not None else 0)
+    # Orbax writes into <tag>.orbax-checkpoint-tmp-*, then renames it to <tag> (atomic finalize). force:
+    # a tag saved again replaces the old one (DeepSpeed's behaviour); a tag is a name, never the folder.
+    with space.one_line_when_full(save_dir, tag):
+        _checkpointer().save(path, args=ocp.args.Composite(meta=ocp.args.JsonSave(meta), **args),
+                             force=True)
     if export_weights is not None:
         # leaf by leaf: every process joins each gather, only process 0 keeps the host copy
         keep = jax.process_index() == 0
@@ -257,9 +287,11 @@ def save(save_dir, state: TrainState, *, steps: int, info: dict, tag=None, clien
 
         weights = jax.tree.map(gather, state.params)
         if keep:
-            export_weights(weights, path)
+            with space.one_line_when_full(save_dir, tag):
+                export_weights(weights, path)
         del weights
     if jax.process_index() == 0:
+        checksums.write(path)  # before `latest` names the tag
         tmp = os.path.join(save_dir, f".{LATEST}.tmp{os.getpid()}")
         with open(tmp, "w") as f:
             f.write(tag)
@@ -426,6 +458,7 @@ def restore(load_dir, current: TrainState, shardings: TrainState, *, compute_dty
     load_dir = os.fspath(load_dir)
     tag = _resolve_tag(load_dir, tag)
     path = _tag_dir(load_dir, tag)
+    verify_files(load_dir, tag)
     meta = read_meta(load_dir, tag)
     saved = meta["items"]
     fp32 = current.master is None
@@ -509,6 +542,7 @@ def export(load_dir, out_dir, tag=None, dtype: str = "fp32", *,
         raise ValueError(f"export dtype={dtype!r}; accepted: fp32, bf16, fp16")
     load_dir = os.fspath(load_dir)
     tag = _resolve_tag(load_dir, tag)
+    verify_files(load_dir, tag)
     meta = read_meta(load_dir, tag)
     entries = meta["items"]["master"]
     # zerojax before layout-free checkpoints stored an offloaded master chunk by chunk:

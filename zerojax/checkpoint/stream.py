@@ -27,6 +27,7 @@ import numpy as np
 import orbax.checkpoint as ocp
 import tensorstore as ts
 
+from zerojax.checkpoint.finite import check_block
 from zerojax.streamed import StreamedLeaf, is_streamed  # noqa: F401 (read here by checkpoint/state.py)
 
 ITEM = "streamed"   # the orbax item (a folder of the tag) holding the streamed leaves
@@ -52,6 +53,7 @@ def write_leaf(path: str, leaf: StreamedLeaf) -> None:
                      "store_data_equal_to_fill_value": True}, create=True).result()
     pending, done = None, 0
     for lo, hi, rows in leaf.blocks():
+        check_block(f"{os.path.basename(os.fspath(path))} rows {lo}:{hi}", rows)  # never a non-finite checkpoint
         if lo != done:
             raise ValueError(f"streamed checkpoint leaf {path!r}: blocks must cover the rows in order (got "
                              f"{lo}:{hi} after row {done})")

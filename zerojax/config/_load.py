@@ -93,6 +93,7 @@ def _load(source, world_size, fill, hidden_size) -> Config:
     kwargs = _build_top(raw, unresolved, problems, notes)
     zero = kwargs.get("zero_optimization", ZeroConfig())
     notes += _cross_checks(kwargs, zero, problems)
+    notes += inert_switches(kwargs)
 
     if world_size is None:
         import jax  # lazily: zerojax.config itself must not need jax
@@ -458,6 +459,33 @@ def _build_scheduler(value, problems):
         return None
     checked = check_scheduler_params(typ, params, problems)
     return SchedulerConfig(type=typ, params=checked)
+
+
+# Switches DeepSpeed acts on that zerojax loads without acting on: turned on, each warns with what
+# happens instead (keys that would change the trained weights are refused, not listed here)
+INERT_SWITCHES = {
+    ("comet", "enabled"): "no Comet writer: nothing is sent to Comet (csv_monitor, tensorboard and wandb are written)",
+    ("trackio", "enabled"): "no Trackio writer: nothing is sent to Trackio (csv_monitor, tensorboard and wandb are "
+                            "written)",
+    ("flops_profiler", "enabled"): "no FLOPs profiler: the trainer reports MFU, and `zerojax estimate` the FLOPs "
+                                   "a token",
+    ("hybrid_engine", "enabled"): "no hybrid engine: zerojax.generate decodes from the training engine's own arrays",
+    ("comms_logger", "enabled"): "no collective logger: the collectives are in the compiled step's HLO "
+                                 "(engine.lower_step) and the JAX profiler",
+    ("zero_optimization", "zero_quantized_weights"): "ZeRO++'s int8 weight all-gather is not implemented: weights "
+                                                     "are gathered in their own dtype",
+    ("zero_optimization", "zero_quantized_gradients"): "ZeRO++'s quantized gradient reduction is not implemented: "
+                                                       "gradients are reduced in their own dtype",
+}
+
+
+def inert_switches(kwargs) -> list[str]:
+    """A warning for each `INERT_SWITCHES` key the config turns on."""
+    notes = []
+    for (section, key), instead in INERT_SWITCHES.items():
+        if getattr(kwargs.get(section), key, False) is True:
+            notes.append(f"{section}.{key} = true: zerojax does not act on it ({instead})")
+    return notes
 
 
 def _cross_checks(kwargs, zero, problems):

@@ -16,7 +16,7 @@ DEBUG_FLAG = "--debug"
 # zerojax's errors that are not ValueError / OSError, by where they live: looked up only among the
 # modules already imported (an error of a module never imported was never raised), so telling a
 # mistake from a bug imports nothing (`zerojax estimate` picks its backend before jax is imported)
-_USER_ERRORS = ("zerojax.checkpoint.state.CheckpointError", "zerojax.generation.cache.CacheTooLargeError",
+_USER_ERRORS = ("zerojax.checkpoint.errors.CheckpointError", "zerojax.generation.cache.CacheTooLargeError",
                 "zerojax.train.memory.WillNotFitError", "zerojax.train.memory.HeldMemoryError",
                 "zerojax.train.monitor.MonitorError")
 
