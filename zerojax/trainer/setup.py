@@ -32,9 +32,8 @@ def training_method(args, lora_cfg):
     except KeyError:
         names = ["sft", *methods.methods()]
         near = difflib.get_close_matches(args.method.lower(), names, n=1)
-        raise ConfigMismatch(f"--method {args.method}: not a training method; "
-                             + (f"did you mean {near[0]}? " if near else "")
-                             + f"choose sft or {', '.join(methods.methods())}") from None
+        raise ConfigMismatch(f"--method {args.method}: not a training method; choose sft or "
+                             f"{', '.join(methods.methods())}" + (f"; did you mean {near[0]}?" if near else "")) from None
     options = method_options(args.method_option)  # the user's alone: what the data decides is filled later
     options = {**method.defaults_for(lora_cfg is not None), **options}  # LoRA or the whole model: DPO's reference
     try:
@@ -509,6 +508,15 @@ def data_source(data_flag) -> str | None:
     if data_flag is None:
         return None
     return os.path.abspath(data_flag) if os.path.exists(data_flag) else str(data_flag)
+
+
+def run_folders(args) -> dict:
+    """What a checkpoint records of the folders its run read, as absolute paths (None: none): the
+    Hugging Face model (--hf-checkpoint) and the tokenizer folder (--tokenizer, else the model's):
+    what `zerojax export` / `generate` of the checkpoint need beside its weights."""
+    tokenizer = args.tokenizer if args.tokenizer and os.path.isdir(args.tokenizer) else None
+    return {"hf_checkpoint": os.path.abspath(args.hf_checkpoint) if args.hf_checkpoint else None,
+            "tokenizer": os.path.abspath(tokenizer) if tokenizer else None}
 
 
 def resume_data(args, saved: dict, notes: list) -> None:
