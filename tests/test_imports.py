@@ -246,3 +246,19 @@ def test_moved_modules_keep_working_with_a_warning_naming_the_new_path():
         assert shim.__getattr__("__doc__") is moved.__doc__
         name = "plan" if old.endswith("planner") else "H200"
         assert getattr(shim, name) is getattr(moved, name)
+
+
+def test_each_rl_package_imports_first_in_a_fresh_process():
+    """`zerojax.rl` and `zerojax.methods` read each other's modules; each must import on its own in a
+    new interpreter (a registration that ran the other package's half-loaded module broke `import zerojax.rl`)."""
+    import os
+    import subprocess
+    import sys
+
+    root = str(PKG.parent)
+    env = dict(os.environ, PYTHONPATH=root + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    procs = {name: subprocess.Popen([sys.executable, "-c", f"import {name}"], env=env, cwd=root,
+                                    stderr=subprocess.PIPE, text=True)
+             for name in ("zerojax.rl", "zerojax.methods", "zerojax.serving", "zerojax.trainer")}
+    failed = {name: p.communicate(timeout=240)[1][-600:] for name, p in procs.items() if p.wait(timeout=240)}
+    assert not failed, failed

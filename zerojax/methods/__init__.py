@@ -73,6 +73,28 @@ class Method:
         return {**self.options, **(self.data_options(data) if data is not None else {}), **options}
 
 
+class LazyDefaults(Mapping):
+    """A method's settings read from its options dataclass on first use: `zerojax.rl` imports this
+    package (the log-prob pieces), so the RL methods' dataclasses cannot be imported while it loads."""
+
+    def __init__(self, read: Callable[[], dict]):
+        self._read, self._values = read, None
+
+    def _get(self) -> dict:
+        if self._values is None:
+            self._values = dict(self._read())
+        return self._values
+
+    def __getitem__(self, key):
+        return self._get()[key]
+
+    def __iter__(self):
+        return iter(self._get())
+
+    def __len__(self):
+        return len(self._get())
+
+
 _METHODS: dict[str, Method] = {}
 
 
@@ -213,7 +235,7 @@ def _grpo_options() -> dict:
 register(Method(
     name="grpo", what="GRPO on prompts, rollouts from the live engine", loss=_grpo_loss, data=_prompt_data,
     data_options=_grpo_data_options, rollouts=_grpo_rollouts, check=_grpo_check,
-    options=_grpo_options()))  # every field of GRPOOptions, its default there
+    options=LazyDefaults(_grpo_options)))  # every field of GRPOOptions, its default there
 
 
 # PPO's settings: PPOOptions' fields but the rollouts' GRPO-only ones (the group's std, dynamic sampling, the
@@ -260,7 +282,7 @@ def _ppo_rollouts(engine, data, options, *, seed, start_step, num_steps):
 register(Method(
     name="ppo", what="PPO with a critic (DeepSpeed-Chat step 3), rollouts from the live engine", loss=_ppo_loss,
     data=_ppo_data, data_options=_grpo_data_options, rollouts=_ppo_rollouts, check=_ppo_check,
-    options=_ppo_options()))
+    options=LazyDefaults(_ppo_options)))
 
 
 __all__ = ["Method", "register", "get", "methods"]
