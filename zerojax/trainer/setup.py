@@ -33,10 +33,9 @@ def training_method(args, lora_cfg):
     except KeyError:
         names = ["sft", *methods.methods()]
         near = difflib.get_close_matches(args.method.lower(), names, n=1)
-        raise ConfigMismatch(f"--method {args.method}: not a training method; "
-                             + (f"did you mean {near[0]}? " if near else "")
-                             + f"choose sft, {', '.join(methods.methods())} or module:object (your own "
-                             "zerojax.methods.Method)") from None
+        raise ConfigMismatch(f"--method {args.method}: not a training method; choose sft or "
+                             f"{', '.join(methods.methods())}, or module:object (your own zerojax.methods.Method; "
+                             "docs/extending.md)" + (f"; did you mean {near[0]}?" if near else "")) from None
     options = method_options(args.method_option)  # the user's alone: what the data decides is filled later
     options = {**method.defaults_for(lora_cfg is not None), **options}  # LoRA or the whole model: DPO's reference
     try:
