@@ -74,3 +74,15 @@ def test_ctrl_c_outside_training_is_one_line_and_status_130(tmp_path):
     run.send_signal(signal.SIGINT)
     _, err = run.communicate(timeout=60)
     assert run.returncode == 130 and err.strip() == "interrupted (Ctrl-C); --debug shows where", err
+
+
+def test_chat_without_a_chat_template_says_what_to_use_instead():
+    from types import SimpleNamespace
+
+    from zerojax.generation.api import check_chat_template
+
+    with pytest.raises(ValueError) as e:  # was the fine-tuning reader's advice about {"messages"} records
+        check_chat_template(SimpleNamespace(path="base/tokenizer.json", chat_template=None))
+    said = str(e.value)
+    assert "\n" not in said and "no chat template" in said and "zerojax generate --prompt" in said
+    check_chat_template(SimpleNamespace(path="x", chat_template=None), template="{{ messages }}")  # given: fine

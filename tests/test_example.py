@@ -249,7 +249,7 @@ def test_hf_checkpoint_path_that_is_missing_says_so(tmp_path):
 @pytest.mark.parametrize("argv, message", [
     (["--steps", "-1"], "argument --steps: -1 must be >= 0"),
     # without "=": argparse alone would answer "expected one argument"
-    (["--lr", "-1e-3"], "argument --lr: -0.001 must be >= 0.0 (as torch.optim.AdamW"),
+    (["--lr", "-1e-3"], "argument --lr: -1e-3: a negative learning rate climbs the loss; give a value >= 0"),
     (["--lr", "nan"], "argument --lr: 'nan' is not a finite number"),
     (["--seq-len", "1"], "argument --seq-len: 1 must be >= 2"),
     (["--keep", "0", "--save", "d"], "argument --keep: 0 must be >= 1"),

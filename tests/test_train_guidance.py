@@ -122,6 +122,13 @@ def test_small_trips_are_named_in_one_line(tmp_path, capsys):
     prompts.write_text(json.dumps({"prompt": "1+1=", "answer": "2"}) + "\n")
     pairs.write_text(json.dumps({"prompt": "1+1=", "chosen": "2", "rejected": "3"}) + "\n")
     assert "an RL prompt record" in refused("--data", str(prompts))
+    from zerojax.data.rows import ByteTokens
+    from zerojax.rl.prompts import load_prompts
+
+    # the run header's data line: "N prompts", not the file's name again
+    assert load_prompts(str(prompts), ByteTokens(), 32).what == "prompts"
+    digit = load_prompts("digit", ByteTokens(), 32, n=4)
+    assert (digit.what, digit.task) == ("prompts of the built-in task 'digit'", "digit")
     assert "a preference pair" in refused("--method", "grpo", "--data", str(pairs), "--micro-batch", "1")
     adapter = tmp_path / "adapter"
     adapter.mkdir()

@@ -56,14 +56,16 @@ def test_lr_flag_past_float32_or_negative_is_refused_naming_the_flag(capsys):
 def test_a_flag_replacing_a_config_value_says_so_and_trains_with_it(tmp_path, capsys):
     path = tmp_path / "explicit.json"
     path.write_text(json.dumps({"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 1,
-                                "optimizer": {"type": "SGD", "params": {"lr": 0.01}}}))
+                                "optimizer": {"type": "SGD", "params": {"lr": 0.01}},
+                                "activation_checkpointing": {"partition_activations": True}}))
     seen = []
     run = trainer.Trainer(parse_args([
-        "--model", "tiny", "--config", str(path), "--lr", "0.002", "--micro-batch", "1", "--seq-len", "8",
+        "--model", "tiny", "--config", str(path), "--lr", "0.002", "--micro-batch", "1", "--remat", "none", "--seq-len", "8",
         "--steps", "1", "--eval-batches", "0"]))
     run.add_hook(1, lambda info: seen.append(float(info.metrics["lr"])))
     summary = run.run()
     header = capsys.readouterr().out
     assert "--lr 0.002 replaces the config's optimizer.params.lr = 0.01" in header
     assert "--micro-batch 1 replaces the config's train_micro_batch_size_per_gpu = 2" in header
+    assert "remat:     none (--remat, replacing the config's activation_checkpointing (full))" in header
     assert seen == [pytest.approx(0.002)] and summary["train_batch_size"] == 8  # 1 a device x the 8 devices

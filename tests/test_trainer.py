@@ -94,7 +94,7 @@ def test_reward_model_through_zerojax_train_exports_what_transformers_scores(pre
     np.testing.assert_allclose(ours, want, rtol=1e-4, atol=1e-4)
 
 
-def test_methods_and_their_options_are_checked_before_anything_is_built(prefs, capsys):
+def test_methods_and_their_options_are_checked_before_anything_is_built(prefs, tmp_path, capsys):
     from zerojax import trainer
     from zerojax.data.text import DataError
     from zerojax.trainer.errors import ConfigMismatch
@@ -108,8 +108,12 @@ def test_methods_and_their_options_are_checked_before_anything_is_built(prefs, c
     with pytest.raises(SystemExit):
         trainer.main(["--method-option", "beta=1"])
     assert "--method-option needs --method NAME" in capsys.readouterr().err
+    prompts = tmp_path / "prompts.jsonl"  # prompts, no task
+    prompts.write_text("".join(json.dumps({"prompt": r["prompt"]}) + "\n" for r in map(json.loads, open(prefs))))
     with pytest.raises(ConfigMismatch, match="--method ppo: method 'ppo': no reward; give --method-option reward="):
-        trainer.main(["--model", "tiny-llama", "--method", "ppo", "--data", prefs, "--steps", "1"])  # prompts, no task
+        trainer.main(["--model", "tiny-llama", "--method", "ppo", "--data", str(prompts), "--steps", "1"])
+    with pytest.raises(DataError, match="a preference pair .* not an RL prompt"):
+        trainer.main(["--model", "tiny-llama", "--method", "ppo", "--data", prefs, "--steps", "1"])
     with pytest.raises(ConfigMismatch, match="--method grpo: train_batch_size=8 is not a multiple of group=3"):
         trainer.main(["--model", "tiny-llama", "--method", "grpo", "--data", "digit", "--method-option", "group=3",
                       "--micro-batch", "1", "--steps", "1"])

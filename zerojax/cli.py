@@ -263,16 +263,14 @@ def cmd_plan(args) -> int:
 
 def _add_export(sub):
     p = sub.add_parser(
-        "export", help="consolidated weights of a checkpoint as safetensors (GPT-2: Hugging Face)",
-        description="Write a checkpoint's master weights as one safetensors file: a Hugging Face "
-                    "GPT-2 folder (config.json + model.safetensors) when the checkpoint holds "
-                    "zerojax's GPT-2, else a flat safetensors file with dotted names. Reads only "
-                    "the weights, never the optimizer state.")
-    p.add_argument("checkpoint", metavar="CKPT", help="the save_checkpoint directory")
+        "export", help="a training checkpoint as a Hugging Face folder (weights, tokenizer, generation config)",
+        description="A checkpoint's master weights as its family's Hugging Face folder with the run's tokenizer "
+                    "files and pad_token_id (transformers loads it offline; no registered family: flat safetensors). "
+                    "Reads no optimizer state. A LoRA checkpoint is refused with the command that writes its adapter.")
+    p.add_argument("checkpoint", metavar="CKPT", help="the --save folder of a training run")
     p.add_argument("out", metavar="OUT", help="output directory")
     p.add_argument("--tag", help="checkpoint tag (default: the one named in CKPT/latest)")
-    p.add_argument("--dtype", choices=("fp32", "bf16", "fp16"), default="fp32",
-                   help="saved dtype (default fp32)")
+    p.add_argument("--dtype", choices=("fp32", "bf16", "fp16"), default="fp32", help="saved dtype (default fp32)")
     p.set_defaults(func=cmd_export)
 
 
@@ -280,11 +278,9 @@ def cmd_export(args) -> int:
     if not os.path.isdir(args.checkpoint):  # before jax is imported: a mistyped path says so at once
         raise FlagError(f"CKPT {args.checkpoint}: no such folder ({os.path.abspath(args.checkpoint)}); give the "
                         "--save folder of a training run")
-    from zerojax.checkpoint.state import export
-    from zerojax.models import weights_writer
+    from zerojax.trainer.run_folder import export_run
 
-    path = export(args.checkpoint, args.out, tag=args.tag, dtype=args.dtype, writer_for=weights_writer)
-    print(path)
+    print(export_run(args.checkpoint, args.out, tag=args.tag, dtype=args.dtype))
     return 0
 
 
@@ -296,15 +292,15 @@ def _add_launch(sub):
 
 
 def _add_train(sub):
-    # listed for --help only: main() hands `train ...` to the trainer's own parser (zerojax.trainer.flags),
-    # the one examples/gpt2_large.py takes
+    # for --help only: main() hands `train ...` to the trainer's own parser (zerojax.trainer.flags)
     sub.add_parser("train", add_help=False,
                    help="train or fine-tune a model with a DeepSpeed config (`zerojax train --help`)")
 
 
 def _add_generation_flags(p):
     p.add_argument("--hf-checkpoint", required=True, metavar="DIR",
-                   help="a Hugging Face folder (GPT-2, Llama, Mistral, Qwen2, Qwen3; safetensors + tokenizer.json)")
+                   help="a Hugging Face folder (GPT-2, Llama, Mistral, Qwen2, Qwen3; safetensors + tokenizer.json), or "
+                        "the --save folder of a training run (its weights and its run's tokenizer)")
     p.add_argument("--adapter", metavar="DIR", help="a PEFT LoRA adapter folder, applied (not merged)")
     p.add_argument("--tokenizer", metavar="DIR", help="the tokenizer folder (default: --hf-checkpoint)")
     p.add_argument("--dtype", choices=("auto", "fp32", "bf16"), default="auto",
@@ -340,24 +336,22 @@ def _add_chat(sub):
 
 
 def check_model_folder(path: str) -> None:
-    """--hf-checkpoint's folder, checked before anything is read: FlagError naming what it is and
-    what to give where it is no model folder (a missing path; a PEFT adapter folder, which holds
-    adapter_config.json and no config.json: its base goes to --hf-checkpoint, it to --adapter)."""
-    if not os.path.isdir(path):
-        raise FlagError(f"--hf-checkpoint {path}: no such folder ({os.path.abspath(path)}); give a Hugging Face model "
-                        "folder (config.json, model.safetensors, tokenizer.json)")
-    from zerojax.local_files import adapter_folder_base  # no jax: it imports nothing
+    """--hf-checkpoint's folder, checked before jax is imported (zerojax.local_files): a missing path,
+    or a PEFT adapter folder, whose base goes to --hf-checkpoint and itself to --adapter."""
+    from zerojax.local_files import model_folder_problem
 
-    base = adapter_folder_base(path)
-    if base is not None:
-        raise FlagError(f"--hf-checkpoint {path}: a PEFT adapter folder (adapter_config.json), not a model; give its "
-                        f"base model to --hf-checkpoint and this folder to --adapter: --hf-checkpoint "
-                        f"{base or 'BASE_FOLDER'} --adapter {path}")
+    problem = model_folder_problem(path, lambda base: "give its base model to --hf-checkpoint and this folder to "
+                                                      f"--adapter: --hf-checkpoint {base} --adapter {path}")
+    if problem:
+        raise FlagError(problem)
 
 
 def _generation_setup(args):
     """(model, tokenizer, generate keyword arguments) from the generation flags."""
     check_model_folder(args.hf_checkpoint)  # before jax is imported
+    from zerojax.trainer.run_folder import model_folder_of
+
+    folder = model_folder_of(args.hf_checkpoint)  # a training checkpoint: exported (weights, tokenizer) first
     import jax
     import jax.numpy as jnp
 
@@ -366,11 +360,11 @@ def _generation_setup(args):
 
     dtype = args.dtype if args.dtype != "auto" else ("bf16" if jax.default_backend() == "gpu" else "fp32")
     dtype = jnp.bfloat16 if dtype == "bf16" else jnp.float32
-    model = from_hf(args.hf_checkpoint, dtype)
+    model = from_hf(folder, dtype)
     model.dtype = jnp.dtype(dtype)  # compute in the weights' dtype
     if args.adapter:
         model = lora.load_peft(model, args.adapter)
-    tokenizer = load_tokenizer(args.tokenizer or args.hf_checkpoint)
+    tokenizer = load_tokenizer(args.tokenizer or folder)
     kwargs = dict(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
                   top_p=args.top_p, repetition_penalty=args.repetition_penalty, stop=args.stop, seed=args.seed,
                   tokenizer=tokenizer, decode_attention=args.decode_attention)
@@ -388,7 +382,9 @@ def cmd_generate(args) -> int:
 
 def cmd_chat(args) -> int:
     model, tokenizer, kwargs = _generation_setup(args)  # the folder checked before jax is imported
-    from zerojax.generation import chat
+    from zerojax.generation.api import chat, check_chat_template
+
+    check_chat_template(tokenizer)  # before the first line is read
 
     messages = [{"role": "system", "content": args.system}] if args.system else []
     prompt = lambda: sys.stdin.isatty() and print("> ", end="", file=sys.stderr, flush=True)  # noqa: E731
@@ -467,8 +463,7 @@ def default_config(micro_batch=8) -> dict:
 
 
 class FlagError(ValueError):
-    """A flag's value (or a pair of flags) this command cannot take: the message is the one
-    `error:` line printed (zerojax.trainer.exits)."""
+    """A flag's value (or a pair of flags) this command cannot take: its `error:` line (trainer.exits)."""
 
 
 class ModelArgError(FlagError):
@@ -732,8 +727,7 @@ def _virtual_cpu_devices(n: int) -> None:
 
 
 def _load_base_config(args) -> dict:
-    """--config as a plain dict (read as load_config reads it: hjson, the file named in its errors),
-    else `default_config()`."""
+    """--config as a plain dict, read as load_config reads it (its errors name the file); else the default."""
     if not args.config:
         return default_config()
     from zerojax.config import read_source

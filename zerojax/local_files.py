@@ -35,3 +35,19 @@ def adapter_folder_base(path: str) -> str | None:
     except (ValueError, AttributeError, OSError):  # unreadable: still an adapter folder by its file's name
         base = None
     return base if isinstance(base, str) else ""
+
+
+def model_folder_problem(path: str, adapter_fix) -> str | None:
+    """What keeps `path` (--hf-checkpoint's value) from being a model folder, as one line naming the
+    flag: not a folder, or a PEFT adapter folder (`adapter_fix(base)` says what to give instead;
+    base: the one its adapter_config.json names, else "BASE_FOLDER"); None where it is a folder of
+    neither kind (its reader names what it lacks)."""
+    flag = f"--hf-checkpoint {path}"
+    if not os.path.isdir(path):  # a mistyped path: say that, not what a folder would lack
+        return (f"{flag}: " + ("a file, not a folder" if os.path.exists(path) else
+                               f"no such folder ({os.path.abspath(path)})")
+                + "; give the folder holding config.json and model.safetensors")
+    base = adapter_folder_base(path)
+    if base is None:
+        return None
+    return f"{flag}: a PEFT adapter folder (adapter_config.json), not a model; {adapter_fix(base or 'BASE_FOLDER')}"

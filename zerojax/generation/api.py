@@ -224,6 +224,17 @@ def _result(tokens, stop_ids, cut, tokenizer) -> Generation:
     return Generation(out, texts, reasons)
 
 
+def check_chat_template(tokenizer, template: str | None = None) -> None:
+    """ValueError in one line where neither `template` nor the tokenizer's folder has a chat template
+    (tokenizer_config.json's "chat_template", or chat_template.jinja): a conversation cannot be
+    rendered for this checkpoint (a base model's, not an instruct one's)."""
+    if not (template or getattr(tokenizer, "chat_template", None)):
+        raise ValueError(f"{getattr(tokenizer, 'path', 'the tokenizer')}: no chat template (tokenizer_config.json's "
+                         "\"chat_template\" or chat_template.jinja), so a conversation cannot be rendered: chat with "
+                         "a chat (instruct) checkpoint, give --tokenizer a folder that has one, or continue plain text "
+                         "with zerojax generate --prompt")
+
+
 def chat(model_or_engine, messages: Sequence[dict], *, tokenizer, template: str | None = None,
          **kwargs) -> Generation:
     """The assistant's next turn: `messages` ([{"role", "content"}, ...]) rendered with the
@@ -231,9 +242,10 @@ def chat(model_or_engine, messages: Sequence[dict], *, tokenizer, template: str 
     generation prompt, then `generate` (kwargs) on that text. -> a one-row Generation."""
     from zerojax.data.finetune import render_chat
 
+    check_chat_template(tokenizer, template)
     text = render_chat(tokenizer, messages, add_generation_prompt=True, template=template)
     # the template writes the special tokens (BOS) itself
     return generate(model_or_engine, [text], tokenizer=tokenizer, add_special_tokens=False, **kwargs)
 
 
-__all__ = ["Generation", "generate", "chat", "STOP_STRING_CHECK_EVERY"]
+__all__ = ["Generation", "generate", "chat", "check_chat_template", "STOP_STRING_CHECK_EVERY"]

@@ -200,9 +200,7 @@ def _grpo_check(options, rows, data):
 
 
 def _grpo_data_options(data):
-    from zerojax.rl import tasks
-
-    task = next((name for name in tasks.TASKS if data.what == f"the built-in task {name!r}"), None)
+    task = getattr(data, "task", None)  # a built-in task's prompts: its reward
     return {"reward": task} if task else {}
 
 

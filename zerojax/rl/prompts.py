@@ -39,10 +39,14 @@ class PromptData:
     come from the rollouts (`zerojax.rl.RolloutBatches`); `train_batches` yields zero batches of
     their shapes (what the planner compiles), `val_batches` none."""
 
-    def __init__(self, records: list[dict], tokenizer, seq_len: int, *, what: str = "prompts"):
+    def __init__(self, records: list[dict], tokenizer, seq_len: int, *, what: str = "prompts", task: str | None = None):
+        # what: how messages name the records' source; task: the built-in task they come from (its reward the
+        # default); .what is the run header's noun for the rows ("50 prompts"), as the other readers' is
         if not records:
             raise DataError(f"{what}: no prompt records; each line is one JSON object such as {EXAMPLE}")
-        self.records, self.tokenizer, self.seq_len, self.what = records, tokenizer, int(seq_len), what
+        self.records, self.tokenizer, self.seq_len = records, tokenizer, int(seq_len)
+        self.source, self.task = what, task
+        self.what = "prompts" + (f" of the built-in task {task!r}" if task else "")
         self.texts, self.ids = [], []
         for i, record in enumerate(records):
             text, add_special = _prompt_text(record, tokenizer, f"{what}: record {i + 1}")
@@ -126,7 +130,8 @@ def load_prompts(source, tokenizer, seq_len: int, batch_size: int | None = None,
     prompt records -> PromptData."""
     source = os.fspath(source)
     if source in tasks.TASKS and not os.path.exists(source):
-        return PromptData(tasks.records(source, n, seed), tokenizer, seq_len, what=f"the built-in task {source!r}")
+        return PromptData(tasks.records(source, n, seed), tokenizer, seq_len, what=f"the built-in task {source!r}",
+                          task=source)
     if not os.path.exists(source):
         import difflib
 

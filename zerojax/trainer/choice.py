@@ -52,20 +52,14 @@ def named_model(size: str) -> ModelChoice:
 
 def hf_model_type(path: str) -> str:
     """config.json's model_type of a Hugging Face folder (GPT-2's when absent, as from_hf reads it)."""
+    from zerojax.local_files import model_folder_problem
     from zerojax.models import registry
 
-    if not os.path.isdir(path):  # a mistyped path: say that, not what a folder would lack
-        raise FileNotFoundError(f"--hf-checkpoint {path}: " + ("a file, not a folder" if os.path.exists(path) else
-                                f"no such folder ({os.path.abspath(path)})") + "; give the folder holding "
-                                "config.json and model.safetensors")
+    problem = model_folder_problem(path, lambda base: f"give its base model to --hf-checkpoint ({base}); --lora R "
+                                                      "trains new adapters on it")
+    if problem:
+        raise FileNotFoundError(problem)
     cfg_file = os.path.join(path, "config.json")
-    from zerojax.local_files import adapter_folder_base
-
-    base = adapter_folder_base(path)
-    if base is not None:
-        raise FileNotFoundError(f"--hf-checkpoint {path}: a PEFT adapter folder (adapter_config.json), not a model; "
-                                f"give its base model to --hf-checkpoint ({base or 'the folder it was trained on'}); "
-                                "--lora R trains new adapters on it")
     if not os.path.exists(cfg_file):
         raise FileNotFoundError(f"--hf-checkpoint {path}: no config.json (a Hugging Face model folder has "
                                 f"config.json and model.safetensors)")

@@ -5,7 +5,7 @@ import os
 import sys
 
 
-def _copy_tokenizer(src, out_dir):
+def copy_tokenizer(src, out_dir):
     """The tokenizer files of a Hugging Face folder copied into an exported one (what
     AutoTokenizer.from_pretrained reads)."""
     import shutil
@@ -40,7 +40,7 @@ def export_hf(args, engine, choice, settings, method=None):
         from zerojax.methods.reward import save_reward_hf
 
         save_reward_hf(engine.model, out)
-        _copy_tokenizer(tok, out)
+        copy_tokenizer(tok, out)
         print(f"reward model written to {out} (transformers.AutoModelForSequenceClassification.from_pretrained)")
         return
     if settings is not None:
@@ -53,17 +53,17 @@ def export_hf(args, engine, choice, settings, method=None):
         # a randomly initialised --model has no folder to name (None, as PEFT writes for none)
         base = os.path.abspath(args.hf_checkpoint) if args.hf_checkpoint else None
         lora.save_peft(model, adapter_dir, base_model_name_or_path=base)
-        _copy_tokenizer(tok, adapter_dir)
+        copy_tokenizer(tok, adapter_dir)
         print(f"PEFT adapter written to {adapter_dir} (" + (
             f"peft.AutoPeftModelForCausalLM.from_pretrained({adapter_dir!r}): its base is {base}" if base
             else f"peft.PeftModel.from_pretrained(base, {adapter_dir!r})") + ")")
         if args.merge:
             zerojax.models.to_hf(lora.merge(model), out)
-            _copy_tokenizer(tok, out)
+            copy_tokenizer(tok, out)
             print(f"merged model (base + adapters) written to {out}")
         return
     # the master as written out, not `engine.master_params`: under offload that merges the whole
     # fp32 master on the device (32 GB at 8B); this reads the host's layers a group at a time
     choice.family_spec.writer(engine.consolidated_master(), choice.config, out)
-    _copy_tokenizer(tok, out)
+    copy_tokenizer(tok, out)
     print(f"Hugging Face weights written to {out}")

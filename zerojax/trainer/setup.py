@@ -537,6 +537,15 @@ def data_source(data_flag) -> str | None:
     return os.path.abspath(data_flag) if os.path.exists(data_flag) else str(data_flag)
 
 
+def run_folders(args) -> dict:
+    """What a checkpoint records of the folders its run read, as absolute paths (None: none): the
+    Hugging Face model (--hf-checkpoint) and the tokenizer folder (--tokenizer, else the model's):
+    what `zerojax export` / `generate` of the checkpoint need beside its weights."""
+    tokenizer = args.tokenizer if args.tokenizer and os.path.isdir(args.tokenizer) else None
+    return {"hf_checkpoint": os.path.abspath(args.hf_checkpoint) if args.hf_checkpoint else None,
+            "tokenizer": os.path.abspath(tokenizer) if tokenizer else None}
+
+
 def resume_data(args, saved: dict, notes: list) -> None:
     """--resume: the data the checkpoint's run trained on (`data_source`, saved with it) unless
     --data is given: args.data set to it, with a header line; a --data that differs is a warning

@@ -23,8 +23,8 @@ from zerojax.trainer.stopping import StopRequest
 from zerojax.trainer.setup import (batch_note, check_lora_resume, check_method, check_task_data, data_source,
                                    engine_options, filled_autos, from_checkpoint, lora_settings, loss_fn_for,
                                    offload_loop_auto, plan_micro_batch, print_run, requested_options,
-                                   resolve_mlp_tile, resolved_config_source, resume_data, summary_line,
-                                   training_method, warn_replicated)
+                                   resolve_mlp_tile, resolved_config_source, resume_data, run_folders,
+                                   summary_line, training_method, warn_replicated)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -258,9 +258,11 @@ class Trainer:
         import zerojax
 
         args, cfg = self.args, self.cfg
-        remat, self.remat_why = args.remat, "--remat"
+        remat, configured = args.remat, zerojax.config.remat_policy_for(cfg)
+        self.remat_why = "--remat" + (f", replacing the config's activation_checkpointing ({configured})"
+                                      if configured not in (None, remat) else "")
         if remat is None:
-            remat = zerojax.config.remat_policy_for(cfg) or "none"
+            remat = configured or "none"
             self.remat_why = ("the config has no activation_checkpointing section" if cfg.activation_checkpointing
                               is None else "the config's activation_checkpointing section")
         self.remat = None if remat == "none" else remat
@@ -617,7 +619,8 @@ class Trainer:
         args = self.args
         client_state = {"gpt2_large_example": {
             "schedule_steps": self.schedule_steps, "lr": self.lr, "seed": self.seed, "lora": self.lora_cfg,
-            "method": args.method, "method_options": self.method_opts, "data": data_source(args.data)}}
+            "method": args.method, "method_options": self.method_opts, "data": data_source(args.data),
+            **run_folders(args)}}
         path = self.engine.save_checkpoint(args.save, client_state=client_state, keep=args.keep)
         if hasattr(self.rollouts, "save"):
             self.rollouts.save(args.save, tag=os.path.basename(path), keep=args.keep)
