@@ -6,6 +6,9 @@
   cycle this forbids. None goes upward today, so no exception is needed;
 - no cycle among modules, function-local imports included (DESIGN.md, "Imports flow one way");
 - `models/` imports nothing of zerojax's runtime (only `zerojax._jax_compat`);
+- no module imports, or reads through a module attribute, another module's private (`_name`) name
+  (a module whose own name is private, such as `zerojax._jax_compat`, is zerojax's to import: its
+  public names are the ones meant for the rest of zerojax);
 - private and version-dependent JAX / Flax APIs are used in `zerojax/_jax_compat.py` only;
 - the old paths of moved modules and names keep working.
 """
@@ -20,7 +23,7 @@ PKG = pathlib.Path(__file__).resolve().parent.parent / "zerojax"
 # unit "train"); units of one layer may import each other (the cycle test still applies).
 LAYERS = (
     ("_jax_compat", "version", "byte_sizes", "arg_types", "local_files", "options", "_moved", "streamed",
-     "train_state"),  # leaves
+     "train_state", "user_code"),  # leaves
     ("pinned_pool", "xla_flags", "launch"),   # process setup, before a backend starts
     ("config",),
     ("models",),                               # plain Flax: the model families, layer_stack
@@ -169,6 +172,80 @@ def test_models_import_nothing_of_the_runtime():
             assert not outside, f"{mod} imports {outside}"
 
 
+def _private(name: str) -> bool:
+    return name.startswith("_") and not name.startswith("__")
+
+
+def private_name_uses(text: str, module: str, modules: set, where: str = "") -> list[str]:
+    """Lines of the module `module` (source `text`) that take another zerojax module's private name:
+    `from zerojax.x import _name`, or `alias._name` / `getattr(alias, "_name")` where `alias` is a
+    zerojax module (`import zerojax.x as alias`, `from zerojax import x`, `zerojax.x` written out),
+    at module level or inside a function."""
+    tree = ast.parse(text, where or module)
+    package = module if where.endswith("__init__.py") else module.rpartition(".")[0]
+    aliases, out = {}, []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            for a in node.names:
+                if a.name in modules:
+                    aliases[a.asname or a.name] = a.name
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                up = package.split(".")[: len(package.split(".")) - node.level + 1]
+                base = ".".join(up + ([base] if base else []))
+            if base not in modules:
+                continue
+            for a in node.names:
+                if f"{base}.{a.name}" in modules:  # a module (a private module is zerojax's to import)
+                    aliases[a.asname or a.name] = f"{base}.{a.name}"
+                elif _private(a.name) and base != module:
+                    out.append(f"{where}:{node.lineno}: imports {a.name} from {base}")
+
+    def module_of(expr):
+        """The zerojax module an expression names (`alias`, `zerojax.x.y`), or None."""
+        if isinstance(expr, ast.Name):
+            return aliases.get(expr.id)
+        if isinstance(expr, ast.Attribute):
+            parent = module_of(expr.value) or (expr.value.id if isinstance(expr.value, ast.Name) else None)
+            name = f"{parent}.{expr.attr}" if parent else None
+            return name if name in modules else None
+        return None
+
+    for node in ast.walk(tree):
+        target = name = None
+        if isinstance(node, ast.Attribute) and _private(node.attr):
+            target, name = module_of(node.value), node.attr
+        elif (isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id == "getattr"
+              and len(node.args) >= 2 and isinstance(node.args[1], ast.Constant)
+              and isinstance(node.args[1].value, str) and _private(node.args[1].value)):
+            target, name = module_of(node.args[0]), node.args[1].value
+        if target is not None and target != module:
+            out.append(f"{where}:{node.lineno}: reads {target}.{name}")
+    return out
+
+
+def test_the_private_name_reader_finds_imports_and_module_attributes():
+    modules = {"zerojax", "zerojax.models", "zerojax.models.gpt2", "zerojax.config", "zerojax.config._values"}
+    text = ("from zerojax.models import gpt2 as g\nfrom zerojax.models.gpt2 import _linear, embed\n"
+            "import zerojax.models.gpt2\nfrom zerojax.config import _values\n"
+            "def f():\n    from zerojax.models import gpt2\n    return gpt2._block, g._attention_inputs, "
+            "zerojax.models.gpt2._ce, getattr(g, '_x'), g.__name__, _values.ok, _values._hidden\n")
+    assert sorted(private_name_uses(text, "zerojax.methods.x", modules, "x.py")) == [
+        "x.py:2: imports _linear from zerojax.models.gpt2", "x.py:7: reads zerojax.config._values._hidden",
+        "x.py:7: reads zerojax.models.gpt2._attention_inputs", "x.py:7: reads zerojax.models.gpt2._block",
+        "x.py:7: reads zerojax.models.gpt2._ce", "x.py:7: reads zerojax.models.gpt2._x"]
+    assert private_name_uses(text, "zerojax.models.gpt2", modules, "gpt2.py") == [
+        "gpt2.py:7: reads zerojax.config._values._hidden"]  # its own names are its own
+
+
+def test_no_module_takes_another_modules_private_names():
+    files = {_module_name(p): p for p in PKG.rglob("*.py")}
+    bad = [line for mod, path in sorted(files.items())
+           for line in private_name_uses(path.read_text(), mod, set(files), str(path.relative_to(PKG.parent)))]
+    assert not bad, "make a public name for each of these:\n" + "\n".join(bad)
+
+
 def test_checkpoint_knows_pytrees_not_engines():
     deps = import_graph()["zerojax.checkpoint.state"]
     assert not {d for d in deps if d.split(".")[1] in ("models", "train")}
@@ -262,3 +339,13 @@ def test_each_rl_package_imports_first_in_a_fresh_process():
              for name in ("zerojax.rl", "zerojax.methods", "zerojax.serving", "zerojax.trainer")}
     failed = {name: p.communicate(timeout=240)[1][-600:] for name, p in procs.items() if p.wait(timeout=240)}
     assert not failed, failed
+
+
+def test_the_decoders_old_family_classes_are_the_public_pieces_with_a_warning():
+    from zerojax.generation import families
+    from zerojax.models import pieces
+
+    for old, new in (("LlamaFamily", "LlamaPieces"), ("MoEFamily", "MoEPieces"), ("GPT2Family", "GPT2Pieces"),
+                     ("Family", "LayerPieces")):
+        with pytest.warns(DeprecationWarning, match=f"{old} is zerojax.models.pieces.{new}"):
+            assert getattr(families, old) is getattr(pieces, new)

@@ -11,11 +11,11 @@ import hjson
 
 from zerojax.config._autotp import check_partition_config
 from zerojax.config._values import (
-    ConfigError, ConfigWarning, _convert, _freeze, _is_auto, _plain, _suggest, _unknown, one_edit_apart)
+    ConfigError, ConfigWarning, convert, freeze, is_auto, plain, suggest, unknown, one_edit_apart)
 from zerojax.config._schema import (
     BF16Config, Config, DEEPSPEED_VERSION, FP16Config, OffloadOptimizerConfig, OffloadParamConfig,
     OptimizerConfig, PipelineConfig, REMOVED_TOP_LEVEL_KEYS, REMOVED_ZERO_KEYS, SchedulerConfig,
-    TensorParallelConfig, ZeroConfig, pipeline_stages, AioConfig, _AIO_ALIASES, _REMOVED_ISSUE, _TP_ALIASES, _ZERO_ALIASES, _ZERO_DEPRECATED_NOOP)
+    TensorParallelConfig, ZeroConfig, pipeline_stages, AioConfig, AIO_ALIASES, REMOVED_ISSUE, TP_ALIASES, ZERO_ALIASES, ZERO_DEPRECATED_NOOP)
 from zerojax.config._params import (
     MAX_GRAD_NORM_MSG, SUPPORTED_OPTIMIZERS, SUPPORTED_SCHEDULERS, UNSUPPORTED_OPTIMIZERS, canonical_optimizer,
     check_optimizer_params, check_scheduler_params)
@@ -67,7 +67,7 @@ def hidden_size_fill(hidden_size: int, stage3: bool = True) -> dict[str, int]:
 def auto_keys(source) -> list[str]:
     """The dotted keys of a config (path, text or dict) whose value is "auto", in file order."""
     left = []
-    _apply_fill(_plain(read_source(source)), {}, left)
+    _apply_fill(plain(read_source(source)), {}, left)
     return left
 
 
@@ -82,7 +82,7 @@ def _load(source, world_size, fill, hidden_size) -> Config:
     for key in fill:
         if not isinstance(key, str):
             problems.append(f"fill: keys are dotted config keys (str), got {key!r}")
-    raw = _plain(raw)
+    raw = plain(raw)
     unresolved = _apply_fill(raw, fill)
     if world_size is not None and (isinstance(world_size, bool) or not isinstance(world_size, int)
                                    or world_size < 1):
@@ -193,9 +193,9 @@ def _apply_fill(raw, fill, left=None):
     def walk(node, prefix):
         for k, v in list(node.items()):
             path = f"{prefix}.{k}" if prefix else str(k)
-            if _is_auto(v):
+            if is_auto(v):
                 if path in fill:
-                    node[k] = _plain(fill[path])
+                    node[k] = plain(fill[path])
                 else:
                     left.append(path)
             elif isinstance(v, dict):
@@ -226,20 +226,20 @@ def _build(cls, raw, path, problems, *, aliases=None):
     for key, value in raw.items():
         name = aliases.get(key, key)
         if name not in specs:
-            _unknown(path, key, list(specs) + list(aliases), problems)
+            unknown(path, key, list(specs) + list(aliases), problems)
             continue
         if name in given_as:
             problems.append(f"{path}: {given_as[name]!r} and {key!r} are the same setting; give one")
             continue
         given_as[name] = key
-        if _is_auto(value) and specs[name].metadata["kind"] != "int_or_auto":
+        if is_auto(value) and specs[name].metadata["kind"] != "int_or_auto":
             continue  # DeepSpeed drops "auto" inside sections: the default applies
         meta = specs[name].metadata
         if meta["kind"] == "section":
             kwargs[name] = _build(meta["cls"], value, f"{path}.{key}", problems) if value is not None else (
                 None if meta.get("optional") else meta["cls"]())
             continue
-        ok, conv = _convert(value, meta, f"{path}.{key}", problems)
+        ok, conv = convert(value, meta, f"{path}.{key}", problems)
         if ok:
             kwargs[name] = conv
     return cls(**kwargs)
@@ -277,7 +277,7 @@ def _build_top(raw, unresolved, problems, notes):
         elif name == "scheduler":
             kwargs[name] = _build_scheduler(value, problems)
         elif name == "tensor_parallel":
-            tp = _build(TensorParallelConfig, value, "tensor_parallel", problems, aliases=_TP_ALIASES)
+            tp = _build(TensorParallelConfig, value, "tensor_parallel", problems, aliases=TP_ALIASES)
             check_partition_config(tp.partition_config, problems)
             kwargs[name] = dataclasses.replace(tp, autotp_size=max(1, tp.autotp_size))
         elif name == "torch_autocast":
@@ -290,7 +290,7 @@ def _build_top(raw, unresolved, problems, notes):
             else:
                 kwargs[name] = _build(meta["cls"], value, key, problems)
         else:
-            ok, conv = _convert(value, meta, key, problems)
+            ok, conv = convert(value, meta, key, problems)
             if ok:
                 kwargs[name] = conv
     if "zero_optimization" not in kwargs:
@@ -299,7 +299,7 @@ def _build_top(raw, unresolved, problems, notes):
 
 
 def _removed(where, reason):
-    return f"{where}: {reason} See {_REMOVED_ISSUE}. (DeepSpeed {DEEPSPEED_VERSION} refuses it too; remove the key)"
+    return f"{where}: {reason} See {REMOVED_ISSUE}. (DeepSpeed {DEEPSPEED_VERSION} refuses it too; remove the key)"
 
 
 def _slip_of(key):
@@ -315,7 +315,7 @@ def _slip_of(key):
 def _unknown_top_level(key):
     """DeepSpeed reads the top level key by key and never looks at the others: an unknown key loads."""
     # A stricter cutoff than for sections: free-form keys ("_comment", "comms_config") are common up here.
-    hint = _suggest(key, _CONFIG_KEYS, cutoff=0.8)
+    hint = suggest(key, _CONFIG_KEYS, cutoff=0.8)
     return (f"{key}: unknown top-level key, ignored (as DeepSpeed ignores it){hint} "
             "(docs/config-keys.md lists the keys zerojax reads)")
 
@@ -324,11 +324,11 @@ def _build_aio(value, problems, notes):
     """DeepSpeed reads `aio` key by key (`get_scalar_param`) and ignores the rest: unknown keys are a note;
     `thread_count` is the pre-0.15 name of `intra_op_parallelism`."""
     if isinstance(value, Mapping):
-        unknown = [k for k in value if k not in {f.name for f in fields(AioConfig)} and k not in _AIO_ALIASES]
+        unknown = [k for k in value if k not in {f.name for f in fields(AioConfig)} and k not in AIO_ALIASES]
         for key in unknown:
-            notes.append(f"aio.{key}: unknown key, ignored (as DeepSpeed ignores it){_suggest(key, [f.name for f in fields(AioConfig)])}")
+            notes.append(f"aio.{key}: unknown key, ignored (as DeepSpeed ignores it){suggest(key, [f.name for f in fields(AioConfig)])}")
         value = {k: v for k, v in value.items() if k not in unknown}
-    aio = _build(AioConfig, value, "aio", problems, aliases=_AIO_ALIASES)
+    aio = _build(AioConfig, value, "aio", problems, aliases=AIO_ALIASES)
     if aio.use_gds:
         notes.append("aio.use_gds = true: GPUDirect Storage is not used by zerojax; NVMe transfers go through "
                      "host buffers (the result is the same)")
@@ -345,7 +345,7 @@ def _build_torch_autocast(value, problems):
         problems.append(
             "torch_autocast.enabled = true: torch.autocast is a PyTorch mechanism with no JAX equivalent; "
             "use \"bf16\": {\"enabled\": true} (or \"fp16\": {\"enabled\": true}) instead")
-    return _freeze(value)
+    return freeze(value)
 
 
 def _build_zero(raw, value, problems):
@@ -369,7 +369,7 @@ def _build_zero(raw, value, problems):
         if old not in value:
             continue
         flag = value.pop(old)
-        if _is_auto(flag):
+        if is_auto(flag):
             continue
         if new in value:
             problems.append(f"{path}: Cannot provide deprecated parameter '{old}' and replacing "
@@ -382,7 +382,7 @@ def _build_zero(raw, value, problems):
                       stacklevel=4)
         if flag:
             value[new] = {"device": "cpu"}
-    for old in _ZERO_DEPRECATED_NOOP:
+    for old in ZERO_DEPRECATED_NOOP:
         if old in value:
             value.pop(old)
             warnings.warn(f"Config parameter {old} is deprecated use offload_param or offload_optimizer "
@@ -391,7 +391,7 @@ def _build_zero(raw, value, problems):
         if key in REMOVED_ZERO_KEYS:
             problems.append(_removed(f"{path}.{key}", REMOVED_ZERO_KEYS[key]))
     value = {k: v for k, v in value.items() if k not in REMOVED_ZERO_KEYS}
-    zero = _build(ZeroConfig, value, path, problems, aliases=_ZERO_ALIASES)
+    zero = _build(ZeroConfig, value, path, problems, aliases=ZERO_ALIASES)
     overlap = zero.overlap_comm if zero.overlap_comm is not None else zero.stage == 3
     return dataclasses.replace(zero, overlap_comm=overlap)
 
@@ -405,7 +405,7 @@ def _type_and_params(section, value, keys, problems):
         return None
     for key in value:
         if key not in keys:
-            _unknown(section, key, keys, problems)
+            unknown(section, key, keys, problems)
     return value
 
 
@@ -414,10 +414,10 @@ def _build_optimizer(value, problems):
     if value is None:
         return None
     typ, params = value.get("type"), value.get("params") or {}
-    ok_fusion, fusion = _convert(value.get("legacy_fusion", False), {"kind": "bool"}, "optimizer.legacy_fusion",
+    ok_fusion, fusion = convert(value.get("legacy_fusion", False), {"kind": "bool"}, "optimizer.legacy_fusion",
                                  problems)
-    if not isinstance(typ, str) or _is_auto(typ):
-        if not _is_auto(typ):
+    if not isinstance(typ, str) or is_auto(typ):
+        if not is_auto(typ):
             problems.append(f"optimizer.type = {typ!r}: expected one of {list(SUPPORTED_OPTIMIZERS)}")
         return None
     if not isinstance(params, Mapping):
@@ -433,7 +433,7 @@ def _build_optimizer(value, problems):
                 f"optimizer would change results; the closest supported choice is {closest!r} "
                 f"(supported: {', '.join(SUPPORTED_OPTIMIZERS)})")
         else:
-            hint = _suggest(typ, SUPPORTED_OPTIMIZERS)
+            hint = suggest(typ, SUPPORTED_OPTIMIZERS)
             problems.append(f"optimizer.type = {typ!r}: unknown optimizer{hint} "
                             f"(supported, case-insensitive: {', '.join(SUPPORTED_OPTIMIZERS)})")
         if "max_grad_norm" in params:
@@ -449,8 +449,8 @@ def _build_scheduler(value, problems):
         return None
     typ, params = value.get("type"), value.get("params") or {}
     if not isinstance(typ, str) or typ not in SUPPORTED_SCHEDULERS:
-        if not _is_auto(typ):
-            hint = _suggest(typ, SUPPORTED_SCHEDULERS) if isinstance(typ, str) else ""
+        if not is_auto(typ):
+            hint = suggest(typ, SUPPORTED_SCHEDULERS) if isinstance(typ, str) else ""
             problems.append(f"scheduler.type = {typ!r}: unknown scheduler{hint} "
                             f"(supported: {', '.join(SUPPORTED_SCHEDULERS)})")
         return None

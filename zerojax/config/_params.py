@@ -5,7 +5,7 @@ from __future__ import annotations
 import math
 from typing import Any, NamedTuple
 
-from zerojax.config._values import _convert, _freeze, _is_auto, _unknown
+from zerojax.config._values import convert, freeze, is_auto, unknown
 
 
 SUPPORTED_OPTIMIZERS = ("Adam", "AdamW", "Lamb", "Lion", "SGD", "Adagrad")
@@ -126,9 +126,9 @@ def _check_params(params, schema, path, problems):
             problems.append(f"{where}: {MAX_GRAD_NORM_MSG}")
             continue
         if name not in schema:
-            _unknown(path, name, schema, problems)
+            unknown(path, name, schema, problems)
             continue
-        if _is_auto(value):
+        if is_auto(value):
             out[name] = value  # reported as unresolved
             continue
         ok, conv = _check_param(value, schema[name].check, where, problems)
@@ -137,24 +137,24 @@ def _check_params(params, schema, path, problems):
     for name, spec in schema.items():
         if spec.required and name not in params:
             problems.append(f"{path}.{name}: required by this scheduler and missing")
-    return _freeze(out)
+    return freeze(out)
 
 
 def _check_param(value, kind, where, problems):
     if kind == _OPT_BOOL and value is None:
         return True, None
     if kind in (_BOOL, _OPT_BOOL):
-        return _convert(value, {"kind": "bool"}, where, problems)
+        return convert(value, {"kind": "bool"}, where, problems)
     if kind in (_NUM, _NONNEG, _LR):
         if isinstance(value, (list, tuple)):  # DeepSpeed allows one value per param group
             results = [_check_param(v, kind, where, problems) for v in value]
             return all(r[0] for r in results), [r[1] for r in results]
         if kind == _LR:
             return _check_learning_rate(value, where, problems)
-        ok, conv = _convert(value, {"kind": "float", **({"ge": 0.0} if kind == _NONNEG else {})}, where, problems)
+        ok, conv = convert(value, {"kind": "float", **({"ge": 0.0} if kind == _NONNEG else {})}, where, problems)
         return ok, (value if ok else None)  # keep the user's int/float as written
     if kind in (_INT, _POSINT):
-        return _convert(value, {"kind": "int", **({"ge": 1} if kind == _POSINT else {})}, where, problems)
+        return convert(value, {"kind": "int", **({"ge": 1} if kind == _POSINT else {})}, where, problems)
     if kind == _BETAS:
         if (not isinstance(value, (list, tuple)) or len(value) != 2
                 or not all(isinstance(b, (int, float)) and not isinstance(b, bool) and 0 <= b < 1 for b in value)):

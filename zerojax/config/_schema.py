@@ -6,7 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Mapping
 
-from zerojax.config._values import _DEVICES, _empty, _f, _freeze, _is_auto, _to_json
+from zerojax.config._values import DEVICES, config_field as _f, empty, freeze, is_auto, to_json  # _f: the fields below
 
 
 DEEPSPEED_VERSION = "0.19.8"
@@ -32,7 +32,7 @@ REMAT_POLICY_NAMES = _RematPolicyNames(
 # false, is a DeepSpeedConfigError. Reasons transcribed from DeepSpeed 0.19.8
 # `deepspeed/runtime/config.py` (`_REMOVED_TOP_LEVEL_CONFIG_KEYS`, `_REMOVED_ZERO_CONFIG_KEYS`,
 # checked by `_reject_removed_config_keys` before anything else is read).
-_REMOVED_ISSUE = "https://github.com/deepspeedai/DeepSpeed/issues/8489"
+REMOVED_ISSUE = "https://github.com/deepspeedai/DeepSpeed/issues/8489"
 REMOVED_TOP_LEVEL_KEYS = {
     "nebula": "Nebula checkpointing has been removed. A leftover 'nebula' block would be ignored and "
               "checkpoints would silently fall back to local torch.save.",
@@ -70,7 +70,7 @@ REMOVED_ZERO_KEYS = {
 
 @dataclass(frozen=True)
 class OffloadParamConfig:
-    device: str = _f("none", "str", choices=_DEVICES, lower=True)
+    device: str = _f("none", "str", choices=DEVICES, lower=True)
     """none / cpu / nvme.
     zerojax: **acted on**: cpu → parameters in `pinned_host` memory, streamed per layer; nvme → the same host
       tier while the model has at most `max_in_cpu` parameter elements (DeepSpeed keeps that many in CPU memory
@@ -100,7 +100,7 @@ class OffloadParamConfig:
 
 @dataclass(frozen=True)
 class OffloadOptimizerConfig:
-    device: str = _f("none", "str", choices=_DEVICES, lower=True)
+    device: str = _f("none", "str", choices=DEVICES, lower=True)
     """none / cpu / nvme.
     zerojax: **acted on**: cpu → fp32 master + moments in `pinned_host` memory; nvme → the layers' master +
       moments in swap files under `nvme_path`, streamed a layer group at a time through the update (stage 3)"""
@@ -277,7 +277,7 @@ class ZeroConfig:
     save_muon_momentum_buffer_in_memory: bool = _f(False, "bool")
     """Keep Muon momentum off NVMe.
     zerojax: **accepted, no effect**: Muon not supported"""
-    leaf_module: Mapping = _f(kind="mapping", factory=lambda: _freeze(_LEAF_MODULE_DEFAULT))
+    leaf_module: Mapping = _f(kind="mapping", factory=lambda: freeze(_LEAF_MODULE_DEFAULT))
     """Modules treated as ZeRO-3 leaves (`classes`, `names`, `name_suffixes`).
     DeepSpeed default: the Mixtral, Qwen2-MoE and Qwen3-MoE sparse MoE block classes
     zerojax: **accepted, no effect**: kept as a mapping"""
@@ -291,15 +291,15 @@ _LEAF_MODULE_DEFAULT = {
     "names": [], "name_suffixes": []}
 
 # DeepSpeed's pydantic aliases (populate_by_name): both spellings load; we keep the stage3_ name.
-_ZERO_ALIASES = {name[len("stage3_"):]: name for name in (
+ZERO_ALIASES = {name[len("stage3_"):]: name for name in (
     "stage3_prefetch_bucket_size", "stage3_param_persistence_threshold",
     "stage3_model_persistence_threshold", "stage3_max_live_parameters", "stage3_max_reuse_distance",
     "stage3_gather_16bit_weights_on_model_save", "stage3_module_granularity_threshold",
     "stage3_use_all_reduce_for_fetch_params", "stage3_allgather_sequential",
     "stage3_partition_stream_chunk_size")}
-_ZERO_ALIASES["stage3_gather_fp16_weights_on_model_save"] = "stage3_gather_16bit_weights_on_model_save"
+ZERO_ALIASES["stage3_gather_fp16_weights_on_model_save"] = "stage3_gather_16bit_weights_on_model_save"
 # Deprecated keys with no replacement value: accepted with a warning, as DeepSpeed does.
-_ZERO_DEPRECATED_NOOP = ("cpu_offload_use_pin_memory",)
+ZERO_DEPRECATED_NOOP = ("cpu_offload_use_pin_memory",)
 
 
 @dataclass(frozen=True)
@@ -376,7 +376,7 @@ class OptimizerConfig:
     """Optimizer name. OneBitAdam/ZeroOneAdam/OneBitLamb/MuAdam/MuAdamW/MuSGD/Muon are refused with the closest
     supported choice.
     zerojax: **acted on**: selects the optax optimizer"""
-    params: Mapping = _f(kind="mapping", factory=_empty)
+    params: Mapping = _f(kind="mapping", factory=empty)
     """Constructor arguments (lr, betas, eps, weight_decay, ...; checked per type). `max_grad_norm` is refused
     with DeepSpeed's message.
     zerojax: **acted on**: optimizer hyper-parameters; "auto" needs `fill`"""
@@ -390,7 +390,7 @@ class SchedulerConfig:
     type: str = _f(None, "str")
     """WarmupLR, WarmupDecayLR, WarmupCosineLR, OneCycle or LRRangeTest.
     zerojax: **acted on**: selects the schedule"""
-    params: Mapping = _f(kind="mapping", factory=_empty)
+    params: Mapping = _f(kind="mapping", factory=empty)
     """Schedule arguments (lr_schedules.py names; required ones checked).
     zerojax: **acted on**: schedule parameters; "auto" needs `fill`"""
 
@@ -575,7 +575,7 @@ class CheckpointConfig:
     use_node_local_storage: bool = _f(False, "bool")
     """Each node writes to local storage.
     zerojax: **accepted, no effect**: —"""
-    parallel_write: Mapping = _f(kind="mapping", factory=_empty)
+    parallel_write: Mapping = _f(kind="mapping", factory=empty)
     """Parallel write options (`pipeline_stage`).
     zerojax: **accepted, no effect**: orbax writes shards in parallel"""
     serialization: bool = _f(True, "bool")
@@ -618,7 +618,7 @@ class PipelineConfig:
 
 def pipeline_stages(pipeline: PipelineConfig) -> int:
     """The pipe axis size of a pipeline section: its stages, "auto" read as 1 (no pipeline)."""
-    return 1 if _is_auto(pipeline.stages) else int(pipeline.stages)
+    return 1 if is_auto(pipeline.stages) else int(pipeline.stages)
 
 
 @dataclass(frozen=True)
@@ -635,7 +635,7 @@ class TensorParallelConfig:
     tp_overlap_comm: bool = _f(False, "bool")
     """Overlap TP all-reduce with compute.
     zerojax: **accepted, no effect**: XLA's latency-hiding scheduler"""
-    tp: Mapping = _f(kind="mapping", factory=_empty)
+    tp: Mapping = _f(kind="mapping", factory=empty)
     """TP group settings (alias `tensor_parallel`).
     zerojax: **accepted, no effect**: kept as a mapping"""
     dtype: str | None = _f(None, "dtype", optional=True)
@@ -658,7 +658,7 @@ class TensorParallelConfig:
     zerojax: **accepted, no effect**: PyTorch-specific"""
 
 
-_TP_ALIASES = {"tensor_parallel": "tp", "kernel_inject": "replace_with_kernel_inject"}
+TP_ALIASES = {"tensor_parallel": "tp", "kernel_inject": "replace_with_kernel_inject"}
 
 
 # Sections DeepSpeed validates with pydantic models (DeepSpeedConfigModel: extra="forbid"), so a
@@ -809,7 +809,7 @@ class AioConfig:
     zerojax: **accepted, no effect**: transfers go through host buffers; true gives a note"""
 
 
-_AIO_ALIASES = {"thread_count": "intra_op_parallelism"}
+AIO_ALIASES = {"thread_count": "intra_op_parallelism"}
 
 
 @dataclass(frozen=True)
@@ -1001,4 +1001,4 @@ class Config:
 
     def to_dict(self) -> dict:
         """The resolved config as DeepSpeed JSON; `load_config(d, world_size=cfg.world_size) == cfg`."""
-        return _to_json(self)
+        return to_json(self)

@@ -62,64 +62,64 @@ def one_edit_apart(a: str, b: str) -> bool:
 
 
 # Field specs: a dataclass field carries its JSON kind and range in metadata ("cls" for a section).
-def _f(default=None, kind="any", *, factory=None, **checks):
+def config_field(default=None, kind="any", *, factory=None, **checks):
     meta = {"kind": kind, **checks}
     if factory is not None:
         return field(default_factory=factory, metadata=meta)
     return field(default=default, metadata=meta)
 
 
-def _empty():
+def empty():
     return types.MappingProxyType({})
 
 
-_DEVICES = ("none", "cpu", "nvme")
+DEVICES = ("none", "cpu", "nvme")
 _DTYPES = {"fp32": "fp32", "float32": "fp32", "float": "fp32", "torch.float32": "fp32",
            "fp16": "fp16", "float16": "fp16", "half": "fp16", "torch.float16": "fp16",
            "bf16": "bf16", "bfloat16": "bf16", "torch.bfloat16": "bf16"}
 
 
-def _plain(x):
+def plain(x):
     if isinstance(x, Mapping):
-        return {k: _plain(v) for k, v in x.items()}
+        return {k: plain(v) for k, v in x.items()}
     if isinstance(x, (list, tuple)):
-        return [_plain(v) for v in x]
+        return [plain(v) for v in x]
     return x
 
 
-def _is_auto(v):
+def is_auto(v):
     return isinstance(v, str) and v == AUTO
 
 
-def _freeze(x):
+def freeze(x):
     if isinstance(x, Mapping):
-        return types.MappingProxyType({k: _freeze(v) for k, v in x.items()})
+        return types.MappingProxyType({k: freeze(v) for k, v in x.items()})
     if isinstance(x, (list, tuple)):
-        return tuple(_freeze(v) for v in x)
+        return tuple(freeze(v) for v in x)
     return x
 
 
-def _thaw(x):
+def thaw(x):
     if isinstance(x, Mapping):
-        return {k: _thaw(v) for k, v in x.items()}
+        return {k: thaw(v) for k, v in x.items()}
     if isinstance(x, tuple):
-        return [_thaw(v) for v in x]
+        return [thaw(v) for v in x]
     return x
 
 
-def _suggest(key, known, cutoff=0.6):
+def suggest(key, known, cutoff=0.6):
     match = difflib.get_close_matches(str(key), list(known), n=1, cutoff=cutoff)
     return f"; did you mean {match[0]!r}?" if match else ""
 
 
-def _unknown(path, key, known, problems):
-    hint = _suggest(key, known)
+def unknown(path, key, known, problems):
+    hint = suggest(key, known)
     accepted = f" (accepted: {', '.join(sorted(known))})" if not hint else ""
     where = f"{path}.{key}" if path else str(key)
     problems.append(f"{where}: unknown key{hint}{accepted}")
 
 
-def _convert(value, meta, path, problems):
+def convert(value, meta, path, problems):
     """Check one value against its field spec; returns (ok, converted)."""
     kind, given = meta["kind"], value
     if (value is None and meta.get("optional")) or (value is False and meta.get("false_is_none")):
@@ -152,13 +152,13 @@ def _convert(value, meta, path, problems):
     elif kind == "mapping":
         if not isinstance(value, Mapping):
             return bad("an object {...}")
-        value = _freeze(value)
+        value = freeze(value)
     elif kind == "int_or_auto":
-        if _is_auto(value):
+        if is_auto(value):
             return True, value
-        return _convert(value, {"kind": "int", "ge": 1}, path, problems)
+        return convert(value, {"kind": "int", "ge": 1}, path, problems)
     else:
-        value = _freeze(value)
+        value = freeze(value)
     choices = meta.get("choices")
     if choices is not None and value not in choices:
         return bad(f"one of {list(choices)}")
@@ -177,18 +177,18 @@ def _jsonable(v):
         return False
 
 
-def _to_json(obj):
+def to_json(obj):
     out = {}
     for f in fields(obj):
         if f.name == "world_size":
             continue
         v = getattr(obj, f.name)
         if dataclasses.is_dataclass(v):
-            out[f.name] = _to_json(v)
+            out[f.name] = to_json(v)
         elif v is None and f.metadata.get("kind") in ("section", "special", "mapping"):
             continue  # absent section
         elif f.metadata.get("extension") and v == f.default:
             continue  # a zerojax-only key left unset: the dict stays one DeepSpeed accepts
         else:
-            out[f.name] = _thaw(v)
+            out[f.name] = thaw(v)
     return out

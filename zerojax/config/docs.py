@@ -22,7 +22,7 @@ import re
 import sys
 
 from zerojax import config as schema
-from zerojax.config._values import _thaw
+from zerojax.config._values import thaw
 
 _MARKERS = ("DeepSpeed default:", "zerojax:", "Model needs:")
 MODEL_NEEDS = "**model needs**"  # how the page writes a `Model needs:` part
@@ -61,7 +61,7 @@ def _default(f) -> str:
         return "section"
     if value is None:
         return "none"
-    return json.dumps(_thaw(value))
+    return json.dumps(thaw(value))
 
 
 def rows(cls=schema.Config, prefix=""):

@@ -23,7 +23,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from zerojax.generation import cache
-from zerojax.generation.families import family_of
+from zerojax.generation.families import decode_logits, family_of
 from zerojax.generation.sampling import Sampler, SamplingValues, next_token
 
 NO_TOKEN = -1  # a row's output after it is done
@@ -89,7 +89,7 @@ def run_layers(fam, x, keys, values, slot, attend_layer, positions, unroll: bool
         x, keys, values, layer = carry
         q, k, v = fam.attention_inputs(x, p, positions)
         keys, values, o = attend_layer(keys, values, layer, slot, q, k, v)
-        return fam.after_attention(x, o, p), keys, values, layer + 1
+        return fam.attention_output_and_mlp(x, o, p), keys, values, layer + 1
 
     body, layers, fetch = fam.layers(body)
 
@@ -173,7 +173,7 @@ def prefill(weights, ids, pad, live, values: SamplingValues, stop_ids, key, expa
     if expand is not None:
         keys, vals, x, ids, pad = keys[:, expand], vals[:, expand], x[expand], ids[expand], pad[expand]
         B = expand.shape[0]
-    logits = fam.logits(x)[:, 0]
+    logits = decode_logits(fam, x)[:, 0]
     slots = jnp.arange(P, dtype=jnp.int32)
     seen = jnp.zeros((B, logits.shape[-1] if sampler.penalty else 1), bool)
     seen = _mark_seen(seen, jnp.where(slots[None] >= pad[:, None], ids, NO_TOKEN), sampler)
@@ -245,7 +245,7 @@ def decode(weights, state: DecodeState, pad, prompt_len, limit, values: Sampling
                                              mask=cache.attention_mask(slots, pad, length, window))
         x, keys, vals = run_layers(fam, fam.embed(s.last[:, None], positions), s.keys, s.values, slots[0],
                                     attend_layer, positions, unroll=True)
-        logits = fam.logits(x)[:, 0]
+        logits = decode_logits(fam, x)[:, 0]
         tok = next_token(sampler, values, logits, s.seen, jax.random.fold_in(key, s.step))
         tok = jnp.where(s.done, NO_TOKEN, tok)
         tokens = jax.lax.dynamic_update_slice(s.tokens, tok[:, None], (0, s.step))

@@ -11,14 +11,14 @@ activations `group` times over. Here each layer runs two streams:
   earlier tokens: the model's own attention over the whole rows, laid out again from both streams
   (the prompt's queries are attended again; the projections and the MLP are not).
 
-The result equals `logprobs.completion_logps` on the whole rows (the same per-layer pieces:
-the decoder's `Family`, built from the model's own layer code); the gradient too, since the
+The result equals `logprobs.completion_logps` on the whole rows (the same per-layer pieces: the
+family's public `LayerPieces`, `zerojax.models.pieces`, which training's layers are made of); the gradient too, since the
 prompt's keys and values reach every row of its group and autodiff sums their cotangents. What
 it saves: at GRPO's group 8 with prompts as long as completions, 7 of every 16 token-layers of
 the forward and backward passes (the Prefix Grouper paper, 2025, computes GRPO this way).
 
-Rows of a group are consecutive (`zerojax.rl.RolloutBatches` packs them so). The models the
-decoder runs take it (`zerojax.generation.families`); any other model, an engine's own layer scan
+Rows of a group are consecutive (`zerojax.rl.RolloutBatches` packs them so). The families with
+`LayerPieces` take it; any other model, an engine's own layer scan
 (pipeline stages, offload_param's prefetch) and LoRA dropout in training mode take the plain path.
 """
 from __future__ import annotations
@@ -28,19 +28,16 @@ from jax.ad_checkpoint import checkpoint_name
 
 from zerojax.models.gpt2 import run_layers, token_nll
 from zerojax.models.layer_stack import LAYER_INPUT
+from zerojax.models.pieces import pieces_class, pieces_of
 
 
 def shared_prompt_runs(model, rows: int, group: int | None) -> bool:
     """Whether `completion_logps_shared` takes this model and these rows (else the plain path)."""
-    from zerojax.models import registry
-
     if group is None or group < 2 or rows % group:
         return False
-    family = registry.for_model(model)
-    if family is None or family.decoder is None or getattr(model, "layer_scan", None) is not None:
+    if pieces_class(model) is None or getattr(model, "layer_scan", None) is not None:
         return False
-    # training-mode dropout draws per-token masks of the whole rows (and the decoder's Family would
-    # set it deterministic: the model's own state must stay as the engine's step left it)
+    # training-mode dropout draws per-token masks of the whole rows
     drop = getattr(model, "lora_dropout", None)
     return drop is None or drop.deterministic
 
@@ -51,11 +48,7 @@ def completion_logps_shared(model, batch, *, group: int, temperature: float = 1.
 
     batch: "input_ids" [B, T] (prompt from position 0, completion after it), "prompt_lengths" [B]
     (equal within a group), "completion_mask" [B, C]; the prompts fit the first T - C positions."""
-    from zerojax.generation.families import family_class
-
-    fam = family_class(model)(model)
-    # the decoder's Family sets LoRA dropout deterministic (generation is eval mode); shared_prompt_runs
-    # already sent training-mode dropout to the plain path, so nothing changes here
+    fam = pieces_of(model)  # training-mode LoRA dropout took the plain path (`shared_prompt_runs`)
     ids = jnp.asarray(batch["input_ids"])
     mask = jnp.asarray(batch["completion_mask"])
     plen = jnp.asarray(batch["prompt_lengths"], jnp.int32)
@@ -88,13 +81,13 @@ def completion_logps_shared(model, batch, *, group: int, temperature: float = 1.
         x_p, x_c = (checkpoint_name(x, LAYER_INPUT) for x in carry)  # as the models' blocks name it (remat)
         q_p, k_p, v_p = fam.attention_inputs(x_p, p, pos_p)  # q [groups, P, H, Dh], k / v [groups, P, K, Dh]
         q_c, k_c, v_c = fam.attention_inputs(x_c, p, pos_c)
-        o_p = fam.plain_attention(q_p, k_p, v_p)  # the prompt's padding comes after it: causality hides it
+        o_p = fam.attention(q_p, k_p, v_p)  # the prompt's padding comes after it: causality hides it
         # the completions: the model's attention over whole rows, as the plain path runs it (the
         # prompt's queries again too: attention is the small part; the projections and the MLP,
         # the large part, ran once per group above)
-        o = fam.plain_attention(whole_rows(q_p, q_c), whole_rows(k_p, k_c), whole_rows(v_p, v_c))
+        o = fam.attention(whole_rows(q_p, q_c), whole_rows(k_p, k_c), whole_rows(v_p, v_c))
         o_c = jnp.take_along_axis(o, at[..., None, None], axis=1)
-        return fam.after_attention(x_p, o_p, p), fam.after_attention(x_c, o_c, p)
+        return fam.attention_output_and_mlp(x_p, o_p, p), fam.attention_output_and_mlp(x_c, o_c, p)
 
     body, layers, fetch = fam.layers(layer)
     x_p, x_c = run_layers(body, (fam.embed(prompt_ids, pos_p), fam.embed(completion_ids, pos_c)), layers,
@@ -102,8 +95,8 @@ def completion_logps_shared(model, batch, *, group: int, temperature: float = 1.
                           n_layer=fam.geometry.layers)
     # completion token t is predicted at the prompt's last position (t = 0), else at completion t - 1
     last_prompt = x_p[row_group, jnp.maximum(plen - 1, 0)][:, None]
-    x = model.final_norm(jnp.concatenate([last_prompt, x_c[:, :-1]], axis=1))
-    logits = model.padded_logits(x)
+    x = fam.final_norm(jnp.concatenate([last_prompt, x_c[:, :-1]], axis=1))
+    logits = fam.logits(x)
     if temperature != 1.0:
         logits = logits.astype(jnp.float32) / temperature
     return -token_nll(logits, jnp.where(mask != 0, completion_ids, -100))

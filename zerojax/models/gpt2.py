@@ -290,14 +290,14 @@ def unconstrained(x, names):
     return x
 
 
-def _linear(eq, h, entry, dtype):
+def plain_linear(eq, h, entry, dtype):
     """A projection: `h` contracted with `entry["kernel"]` by the einsum `eq`, in `dtype` (its bias
     is added by the block). An adapter (`GPT2.adapter`, e.g. `zerojax.lora`'s) replaces it to read
     a quantized kernel or add its terms."""
     return jnp.einsum(eq, h, entry["kernel"].astype(dtype))
 
 
-def _attention_inputs(x, p, *, eps, dtype, constrain=unconstrained, linear=_linear):
+def attention_inputs(x, p, *, eps, dtype, constrain=unconstrained, linear=plain_linear):
     """One block's q, k, v [B, T, H, Dh] from its input x [B, T, d] (ln_1, the fused projection +
     bias). Apart from the attention so that the KV-cache decoder (`zerojax.generation`) runs the
     same code as training."""
@@ -308,7 +308,7 @@ def _attention_inputs(x, p, *, eps, dtype, constrain=unconstrained, linear=_line
     return qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2]
 
 
-def _attention_output_and_mlp(x, o, p, *, eps, dtype, constrain=unconstrained, linear=_linear):
+def attention_output_and_mlp(x, o, p, *, eps, dtype, constrain=unconstrained, linear=plain_linear):
     """The rest of a block after the attention: o [B, T, H, Dh] through c_proj into the residual
     x [B, T, d], then the MLP half (shared by training's `_block` and the KV-cache decoder)."""
     c = lambda a: a.astype(dtype)  # noqa: E731
@@ -323,7 +323,7 @@ def _attention_output_and_mlp(x, o, p, *, eps, dtype, constrain=unconstrained, l
     return x + c(mlp["c_proj"]["bias"])
 
 
-def _block(x, p, *, eps, dtype, attention_impl, constrain=unconstrained, linear=_linear,
+def _block(x, p, *, eps, dtype, attention_impl, constrain=unconstrained, linear=plain_linear,
            attention_block=DEFAULT_BLOCK):
     """One pre-LN block on [B, T, d] activations; p holds this layer's slice of `Blocks`.
 
@@ -331,13 +331,13 @@ def _block(x, p, *, eps, dtype, attention_impl, constrain=unconstrained, linear=
     heads / mlp to the tensor axis and the residual stream whole; identity by default);
     `linear(eq, h, entry, dtype)` computes each of the four projections (default: the einsum)."""
     x = checkpoint_name(constrain(x, RESIDUAL), LAYER_INPUT)
-    q, k, v = _attention_inputs(x, p, eps=eps, dtype=dtype, constrain=constrain, linear=linear)
+    q, k, v = attention_inputs(x, p, eps=eps, dtype=dtype, constrain=constrain, linear=linear)
     # softmax is fp32 inside both implementations (XLA: fp32 logits; cuDNN: fp32 accumulators)
     o = causal_attention(q, k, v, impl=attention_impl, block=attention_block)
     o = constrain(o, ("batch", "seq", "heads", "head_dim"))
     if attention_impl != "cudnn":  # cuDNN's: the save_*attention policies keep its forward's outputs
         o = checkpoint_name(o, ATTENTION_OUT)  # (a name here too would keep the output twice)
-    return _attention_output_and_mlp(x, o, p, eps=eps, dtype=dtype, constrain=constrain, linear=linear)
+    return attention_output_and_mlp(x, o, p, eps=eps, dtype=dtype, constrain=constrain, linear=linear)
 
 
 def dots_layers(name) -> int | None:
@@ -528,7 +528,7 @@ class GPT2(nnx.Module):
             _block, eps=cfg.layer_norm_epsilon, dtype=dtype,
             attention_impl=resolve_attention(self.attention_impl, dtype, cfg.head_dim),
             attention_block=getattr(self, "attention_block", DEFAULT_BLOCK), constrain=constrain,
-            linear=_linear if adapter is None else adapter.linear)
+            linear=plain_linear if adapter is None else adapter.linear)
         fetch = getattr(self, "layer_fetch", None)
         layers = nnx.to_pure_dict(nnx.state(self.h, nnx.Param))
         layer_scan = getattr(self, "layer_scan", None)

@@ -28,6 +28,7 @@ from flax import nnx
 from zerojax.models import registry
 from zerojax.local_files import file_in_folder
 from zerojax.models.gpt2 import GPT2, GPT2Config, chunked_gpt2_loss, flops_per_token, gpt2_loss, num_params
+from zerojax.models.pieces import GPT2Pieces
 
 _LAYER_KEYS = (  # HF per-layer name -> our path under "h"
     ("ln_1.weight", ("ln_1", "scale")),
@@ -459,4 +460,4 @@ registry.register(registry.ModelFamily(
         fan_in_fan_out=True),
     max_positions=lambda config: config.n_positions,
     label_of=lambda shape, config: f"GPT-2 {shape}",
-    decoder="zerojax.generation.families:GPT2Family"))
+    pieces=GPT2Pieces))

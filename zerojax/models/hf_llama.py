@@ -23,6 +23,7 @@ from zerojax.models import registry
 from zerojax.models.hf import (MAX_SHARD_BYTES, TensorReader, get_path, layer, module_from_leaves, plain_arrays,
                                read_config_json, set_path, storage_dtype, write_tensors)
 from zerojax.models.llama import MODEL_TYPES, Llama, LlamaConfig, chunked_llama_loss, llama_loss
+from zerojax.models.pieces import LlamaPieces
 
 ARCHITECTURES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
                  "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
@@ -333,6 +334,6 @@ registry.register(registry.ModelFamily(
         savable={"embed_tokens": ("embed_tokens", "model.embed_tokens.weight"),
                  "lm_head": ("lm_head", "lm_head.weight")}),
     label_of=lambda shape, config: f"{shape} ({config.model_type})",
-    decoder="zerojax.generation.families:LlamaFamily"))
+    pieces=LlamaPieces))
 
 

@@ -26,6 +26,7 @@ from flax import nnx
 from zerojax.models import hf_llama, registry
 from zerojax.models.hf import module_from_leaves, read_config_json, storage_dtype
 from zerojax.models.llama import LlamaConfig
+from zerojax.models.pieces import MoEPieces
 from zerojax.models.moe import (MOE_MODEL_TYPES, MoEConfig, MoELlama, chunked_moe_loss, moe_flops_per_token, moe_loss,
                                 moe_num_params)
 
@@ -175,4 +176,4 @@ registry.register(registry.ModelFamily(
         parameters={"mlp.experts.gate_up_proj": (("mlp", "gate_up_proj"), 1, 1),
                     "mlp.experts.down_proj": (("mlp", "down_proj"), 1, 1)}),
     label_of=lambda shape, config: f"{shape} ({config.model_type})",
-    decoder="zerojax.generation.families:MoEFamily"))
+    pieces=MoEPieces))

@@ -43,7 +43,7 @@ from zerojax.models.tiling import check_tile, tiled_over_sequence
 from zerojax.models.gpt2 import (  # the shared pieces: one remat vocabulary, one LM head, one loss
     ATTENTION_IMPLS, ATTENTION_OUT, ATTENTION_RESIDUAL, LOGITS, QKV_PROJ, REMAT_POLICIES,
     RESIDUAL, SEQ_WHOLE, mean_over_tokens, nll_sum, resolve_attention, unconstrained, fused_cross_entropy,
-    adapted_layers, lm_head, remat_policy_fn, run_layers, split_remat_policy)
+    adapted_layers, lm_head, plain_linear, remat_policy_fn, run_layers, split_remat_policy)
 
 # The logical name of the key / value heads axis. "heads" splits them over the tensor axis with
 # the query heads (Megatron's GQA layout); a tensor size that does not divide the kv heads is then
@@ -314,13 +314,7 @@ def positions_from_segments(segment_ids):
     return t - start
 
 
-def _linear(eq, h, entry, dtype):
-    """A projection: `h` contracted with `entry["kernel"]` by the einsum `eq`, in `dtype`. An adapter
-    (`Llama.adapter`, e.g. `zerojax.lora`'s) replaces it to read a quantized kernel or add its terms."""
-    return jnp.einsum(eq, h, entry["kernel"].astype(dtype))
-
-
-def _attention_inputs(x, p, *, config: LlamaConfig, dtype, positions, constrain=unconstrained, linear=_linear):
+def attention_inputs(x, p, *, config: LlamaConfig, dtype, positions, constrain=unconstrained, linear=plain_linear):
     """One layer's q [B, T, H, Dh] and k, v [B, T, K, Dh] from its input x [B, T, d]: the input norm,
     the projections (+ biases), Qwen3's q / k norm and the rotation at `positions` [B, T]. Apart
     from the attention itself so that a decoder with a KV cache (`zerojax.generation`) runs the
@@ -347,7 +341,7 @@ def _attention_inputs(x, p, *, config: LlamaConfig, dtype, positions, constrain=
     return _rotate(q, cos, sin, dtype), _rotate(k, cos, sin, dtype), v
 
 
-def _attention_output_and_mlp(x, o, p, *, config: LlamaConfig, dtype, constrain=unconstrained, linear=_linear,
+def attention_output_and_mlp(x, o, p, *, config: LlamaConfig, dtype, constrain=unconstrained, linear=plain_linear,
                               mlp_tile: int | None = None, feed_forward=None):
     """The rest of a layer after the attention: o [B, T, H, Dh] through o_proj into the residual
     x [B, T, d], then the MLP half (shared by training's `_block` and the KV-cache decoder); with
@@ -374,7 +368,7 @@ def _attention_output_and_mlp(x, o, p, *, config: LlamaConfig, dtype, constrain=
 
 
 def _block(x, p, *, config: LlamaConfig, dtype, attention_impl, segment_ids=None, positions=None,
-           constrain=unconstrained, linear=_linear, attention_block=DEFAULT_BLOCK, mlp_tile=None, feed_forward=None):
+           constrain=unconstrained, linear=plain_linear, attention_block=DEFAULT_BLOCK, mlp_tile=None, feed_forward=None):
     """One pre-RMSNorm decoder layer on [B, T, d]; p holds this layer's slice of `Blocks`.
 
     Save points as GPT-2's: "layer_input", q / k / v projections (QKV_PROJ, before the norm and the
@@ -382,7 +376,7 @@ def _block(x, p, *, config: LlamaConfig, dtype, attention_impl, segment_ids=None
     B, T = x.shape[:2]
     x = checkpoint_name(constrain(x, RESIDUAL), "layer_input")
     pos = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (B, T)) if positions is None else positions
-    q, k, v = _attention_inputs(x, p, config=config, dtype=dtype, positions=pos, constrain=constrain, linear=linear)
+    q, k, v = attention_inputs(x, p, config=config, dtype=dtype, positions=pos, constrain=constrain, linear=linear)
 
     # packed documents: no attention across them (segment ids)
     o = causal_attention(q, k, v, impl=attention_impl, segment_ids=segment_ids, window=config.sliding_window,
@@ -390,7 +384,7 @@ def _block(x, p, *, config: LlamaConfig, dtype, attention_impl, segment_ids=None
     o = constrain(o, ("batch", "seq", "heads", "head_dim"))
     if attention_impl != "cudnn":  # as GPT-2: cuDNN's forward outputs are saved by primitive
         o = checkpoint_name(o, ATTENTION_OUT)
-    return _attention_output_and_mlp(x, o, p, config=config, dtype=dtype, constrain=constrain, linear=linear,
+    return attention_output_and_mlp(x, o, p, config=config, dtype=dtype, constrain=constrain, linear=linear,
                                      mlp_tile=mlp_tile, feed_forward=feed_forward)
 
 
@@ -504,7 +498,7 @@ class Llama(nnx.Module):
                                              packed=segment_ids is not None, heads=cfg.num_attention_heads,
                                              kv_heads=cfg.kv_heads),
             attention_block=getattr(self, "attention_block", DEFAULT_BLOCK), mlp_tile=getattr(self, "mlp_tile", None),
-            linear=_linear if adapter is None else adapter.linear)
+            linear=plain_linear if adapter is None else adapter.linear)
         x, body = self.stack_carry(x, body, token_mask)
         policy = self.remat_policy
         fetch = getattr(self, "layer_fetch", None)
@@ -593,5 +587,5 @@ def chunked_cross_entropy(model: Llama, x, batch, chunk: int):
     return mean_over_tokens(total, labels)
 
 
-__all__ = ["Llama", "LlamaConfig", "llama_loss", "chunked_llama_loss", "chunked_cross_entropy", "hidden_inputs", "num_params", "flops_per_token",
+__all__ = ["Llama", "LlamaConfig", "attention_inputs", "attention_output_and_mlp", "llama_loss", "chunked_llama_loss", "chunked_cross_entropy", "hidden_inputs", "num_params", "flops_per_token",
            "rope_frequencies", "positions_from_segments", "REMAT_POLICIES", "KV_HEADS"]

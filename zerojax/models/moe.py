@@ -247,7 +247,7 @@ def grouped_product(x, w, group_sizes):
 
 
 def sparse_feed_forward(config: MoEConfig, dtype, token_mask=None, found=None, ragged=None, expert_parallel=None):
-    """The `feed_forward(h, p_mlp, linear)` a layer runs (`llama._attention_output_and_mlp`):
+    """The `feed_forward(h, p_mlp, linear)` a layer runs (`llama.attention_output_and_mlp`):
     routing then `grouped_experts`; each call's `RouterStats` appended to `found` (a list) when
     given, weighted by token_mask [B, T]. expert_parallel: (mesh, axis), the experts split over
     it (`zerojax.models.expert_parallel`), or None."""

@@ -62,8 +62,8 @@ class ModelFamily:
     counts(config, seq_len) -> (training FLOPs per token, parameters), or None: read off the
         parameter tree (`zerojax.model.model_dims`).
     peft: PEFT's module names for LoRA, or None (no LoRA).
-    decoder: "module:Class" of its KV-cache decoder view (`zerojax.generation.families.Family`;
-        named, not imported: models/ imports nothing of the runtime), or None (no generation).
+    pieces: its `zerojax.models.pieces.LayerPieces` class (the forward pass in the pieces generation,
+        serving and the shared-prompt pass run), or None (none of those).
     label_of(shape, config) -> the words a run prints for a named shape."""
 
     name: str
@@ -83,7 +83,7 @@ class ModelFamily:
     packs: bool = True
     counts: Callable | None = None
     peft: PeftTargets | None = None
-    decoder: str | None = None
+    pieces: type | None = None
     max_positions: Callable[[Any], int] = lambda config: config.max_position_embeddings
     label_of: Callable[[str, Any], str] = lambda shape, config: shape
 

@@ -329,7 +329,7 @@ def model_shape(model_factory, seq_len) -> est.ModelShape:
     layers, layer_params = dims.layers, dims.layers * dims.layer_params
     if not layers:  # a stack the dims did not find: the leaves named with a leading "layers" axis
         stacked = [var for _, var in nnx.to_flat_state(nnx.state(model, nnx.Param))
-                   if mem._logical_names(var)[:1] == (LAYERS,) and var.shape]
+                   if mem.logical_names(var)[:1] == (LAYERS,) and var.shape]
         layers = int(stacked[0].shape[0]) if stacked else 0
         layer_params = sum(math.prod(var.shape) for var in stacked)
     return est.ModelShape(dims.params, layer_params, layers, dims.d_model, int(seq_len or 0),
@@ -341,7 +341,7 @@ def _mlp_params(model) -> int:
     MLP's width ("mlp") axes (Llama's gate / up / down, GPT-2's c_fc / c_proj; biases left out,
     they are no matmul). 0 for a model without logical names."""
     return sum(math.prod(var.shape) for _, var in nnx.to_flat_state(nnx.state(model, nnx.Param))
-               if {"embed", "mlp"} <= set(mem._logical_names(var)))
+               if {"embed", "mlp"} <= set(mem.logical_names(var)))
 
 
 def precision_choices(cfg_dict, factory=None) -> tuple:

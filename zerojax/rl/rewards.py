@@ -19,15 +19,14 @@ not read).
 from __future__ import annotations
 
 import difflib
-import importlib
 import os
-import sys
 from typing import Sequence
 
 import numpy as np
 
 from zerojax.rl import tasks
 from zerojax.rl.text_rewards import RewardFn, exact_match, regex_match
+from zerojax.user_code import import_object
 
 
 def reward_model(path, *, max_length: int = 1024, batch_size: int = 16, dtype=None) -> RewardFn:
@@ -63,21 +62,12 @@ def reward_model(path, *, max_length: int = 1024, batch_size: int = 16, dtype=No
 
 
 def _import(spec: str) -> RewardFn:
-    """module:function, the module looked for in the working folder first (as `python -m` would, and
-    as a user of the `zerojax` command, which does not, expects), then on sys.path."""
-    module, _, name = spec.partition(":")
-    here = os.getcwd()
-    sys.path.insert(0, here)
-    try:
-        fn = getattr(importlib.import_module(module), name)
-    except (ImportError, AttributeError) as e:
-        raise ValueError(f"reward {spec!r}: cannot import {name!r} from module {module!r} ({e}); give "
-                         "module:function (in the working folder or on PYTHONPATH), exact_match[:FIELD], "
-                         "regex:PATTERN, a built-in task (arithmetic, digit) or a reward model folder") from None
-    finally:
-        sys.path.remove(here)  # the first occurrence: the one put there
+    """module:function, the module looked for in the working folder first (`zerojax.user_code`)."""
+    fn = import_object(spec, f"reward {spec!r}", "give module:function (in the working folder or on PYTHONPATH), "
+                       "exact_match[:FIELD], regex:PATTERN, a built-in task (arithmetic, digit) or a reward model "
+                       "folder")
     if not callable(fn):
-        raise ValueError(f"reward {spec!r}: {module}.{name} is not callable")
+        raise ValueError(f"reward {spec!r}: {spec.replace(':', '.')} is not callable")
     return fn
 
 

@@ -6,7 +6,7 @@ next token of every row from its last token's logits.
 The cache pool is keys / values [layers, num_pages * page_size, kv_heads, head_dim]: a page is a
 run of `page_size` slots, a row's page table [R, P] lists its pages in order, and token position p
 of a row lives at slot table[p // page_size] * page_size + p % page_size. The layers run through the
-model family's own pieces (`zerojax.generation.decoder.run_layers`, as `zerojax.generate`); only
+model family's public pieces (`zerojax.models.pieces`, through `zerojax.generation.decoder.run_layers`, as `zerojax.generate`); only
 the write (a scatter at the rows' slots) and the gather of each row's pages are the pool's own.
 
 Each row computes only from its own tokens, pages and random key, so a row's tokens never depend
@@ -22,7 +22,8 @@ import jax
 import jax.numpy as jnp
 
 from zerojax.generation import cache, decoder
-from zerojax.generation.families import Geometry, family_of
+from zerojax.generation.families import decode_logits, family_of
+from zerojax.models.pieces import Geometry
 from zerojax.generation.sampling import apply_repetition_penalty, top_p_filter
 
 
@@ -124,9 +125,9 @@ def _step(weights, keys, values, rows: Rows, sampling: RowSampling, penalties: P
     """-> (keys, values, StepOut): the rows' tokens through every layer (their keys and values
     written to the pool, donated), and each row's next token from its last fed token."""
     model = source.model(weights)
-    fam = family_of(model)
-    if rows.adapter is not None:  # each row's own adapter (zerojax.serving.adapters)
-        fam.linear = functools.partial(model.adapter.rows_linear, rows=rows.adapter)
+    # each row's own adapter (zerojax.serving.adapters), else the model's projections
+    rows_linear = None if rows.adapter is None else functools.partial(model.adapter.rows_linear, rows=rows.adapter)
+    fam = family_of(model, linear=rows_linear)
     R, C = rows.tokens.shape
     offsets = jnp.arange(C, dtype=jnp.int32)
     valid = offsets[None] < rows.count[:, None]
@@ -142,7 +143,7 @@ def _step(weights, keys, values, rows: Rows, sampling: RowSampling, penalties: P
     x, keys, values = decoder.run_layers(fam, fam.embed(rows.tokens, positions), keys, values, slots, attend_layer,
                                          positions, unroll=C == 1)
     last = jnp.take_along_axis(x, jnp.maximum(rows.count - 1, 0)[:, None, None], axis=1)
-    logits = fam.logits(last)[:, 0]
+    logits = decode_logits(fam, last)[:, 0]
     raw = jax.nn.log_softmax(logits, axis=-1)
     if penalties is not None:
         logits = _penalize(logits, penalties)

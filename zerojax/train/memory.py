@@ -324,7 +324,7 @@ def count_params(state) -> tuple[int, int]:
         shape = tuple(getattr(var, "shape", None) or getattr(var, "value", var).shape)
         n = math.prod(shape)
         total += n
-        names = _logical_names(var)
+        names = logical_names(var)
         keys = tuple(str(getattr(k, "key", k)) for k in path)
         if shape and ((names and names[0] == "layers") or any(keys[:len(p)] == p for p in stacked)):
             n //= shape[0]
@@ -333,7 +333,8 @@ def count_params(state) -> tuple[int, int]:
     return total, max(groups.values(), default=0)
 
 
-def _logical_names(var):
+def logical_names(var) -> tuple:
+    """A parameter's logical axis names (its sharding metadata), () where it has none."""
     get = getattr(var, "get_metadata", None)
     meta = get() if get is not None else getattr(var, "metadata", {}) or {}
     for key in ("out_sharding", "sharding_names", "sharding"):
@@ -344,4 +345,4 @@ def _logical_names(var):
 
 __all__ = ["CompiledMemory", "device_budget", "WillNotFitError", "HeldMemoryError", "check_fits", "check_free",
            "largest_fitting", "compile_engine_step", "guard", "quiet_xla", "count_params",
-           "parse_bytes", "fmt_bytes", "GiB", "GB"]
+           "parse_bytes", "fmt_bytes", "GiB", "GB", "logical_names"]

@@ -90,8 +90,9 @@ def parse_args(argv=None, *, prog=None, description=None):
                    help="local Hugging Face folder (config.json, model.safetensors or its shards) of a registered "
                         "family (model_type " + ", ".join(registry.hf_model_types()) + "); its tokenizer is used")
     p.add_argument("--method", default="sft", metavar="NAME",
-                   help="the training method: sft (next-token loss, the default), or a registered one "
-                        "(zerojax.methods), each a loss and a data reader (--data): " + "; ".join(
+                   help="the training method: sft (next-token loss, the default), module:object (your own "
+                        "zerojax.methods.Method, imported from the working folder first; docs/extending.md), "
+                        "or a registered one (zerojax.methods), each a loss and a data reader (--data): " + "; ".join(
                             f"{m.name}: {m.what}" for m in methods.methods().values()))
     p.add_argument("--method-option", action="append", default=[], metavar="KEY=VALUE",
                    help="a setting of --method (repeatable; VALUE read as JSON, else as text), e.g. "

@@ -10,6 +10,7 @@ import json
 import math
 import os
 
+from zerojax import user_code
 from zerojax.trainer.errors import ConfigMismatch, NoPlanFits
 
 
@@ -28,12 +29,13 @@ def training_method(args, lora_cfg):
     from zerojax.trainer.flags import method_options
 
     try:
-        method = methods.get(args.method)
+        method = user_method(args.method) if user_code.is_spec(args.method) else methods.get(args.method)
     except KeyError:
         names = ["sft", *methods.methods()]
         near = difflib.get_close_matches(args.method.lower(), names, n=1)
         raise ConfigMismatch(f"--method {args.method}: not a training method; choose sft or "
-                             f"{', '.join(methods.methods())}" + (f"; did you mean {near[0]}?" if near else "")) from None
+                             f"{', '.join(methods.methods())}, or module:object (your own zerojax.methods.Method; "
+                             "docs/extending.md)" + (f"; did you mean {near[0]}?" if near else "")) from None
     options = method_options(args.method_option)  # the user's alone: what the data decides is filled later
     options = {**method.defaults_for(lora_cfg is not None), **options}  # LoRA or the whole model: DPO's reference
     try:
@@ -45,6 +47,31 @@ def training_method(args, lora_cfg):
                              "takes a whole model; train the reward model without --lora, or save with --save "
                              "and export later")
     return method, options
+
+
+def user_method(spec: str):
+    """--method module:object: a user's own `zerojax.methods.Method`, or a factory (called with no
+    arguments) returning one, imported from the working folder first (`zerojax.user_code`)."""
+    from zerojax.methods import Method
+
+    fix = "give module:object naming a zerojax.methods.Method (or a function returning one) in the working folder"
+    try:
+        found = user_code.import_object(spec, f"--method {spec}", fix + " or on PYTHONPATH")
+    except ValueError as e:
+        raise ConfigMismatch(str(e)) from None
+    method = found
+    if callable(found) and not isinstance(found, Method):
+        try:
+            method = found()
+        except Exception as e:  # noqa: BLE001 - the user's code: its error, on one line
+            first = str(e).splitlines()[0] if str(e) else ""
+            raise ConfigMismatch(f"--method {spec}: calling {spec.replace(':', '.')}() failed: "
+                                 f"{type(e).__name__}: {first}; {fix}") from None
+    if not isinstance(method, Method):
+        made = f", which returned a {type(method).__name__}" if method is not found else ""
+        raise ConfigMismatch(f"--method {spec}: {spec.replace(':', '.')} is a {type(found).__name__}{made}, not a "
+                             f"zerojax.methods.Method; {fix} (docs/extending.md)")
+    return method
 
 
 def check_method(method, options: dict, cfg, data) -> None:
