@@ -23,8 +23,8 @@ READERS = ("stdout", "bench", "moe", "summary")
 
 @dataclasses.dataclass(frozen=True)
 class Run:
-    """One program of a case. `argv` starts with a script under the tree (`benchmarks/x.py`,
-    `examples/x.py`, run by {py}) or `-m MODULE`; `smoke` is its tiny CPU variant (None: not run
+    """One program of a case. `argv` starts with a script under the tree (e.g.
+    `benchmarks/bench.py`, `examples/gpt2_large.py`, run by {py}) or `-m MODULE`; `smoke` is its tiny CPU variant (None: not run
     under --smoke). `anchor`: its records are the yardstick the case's other rows are divided by."""
     label: str
     argv: tuple[str, ...]
