@@ -221,7 +221,9 @@ def run_once(case: Case, run: Run, argv: tuple[str, ...], tree: tuple[str, str],
     records = [normalize(r, run.label, anchor, extra) for r in records]
     if failed:
         tail = [line for line in log.splitlines() if line.strip()][-1:] or [""]
-        records.append(normalize({"error": f"{failed}: {tail[0][:200]}"}, run.label, anchor, extra))
+        framework = "anchor" if anchor else "zerojax"
+        records.append(normalize({"framework": framework, "error": f"{failed}: {tail[0][:200]}"}, run.label, anchor,
+                                 extra))
     with open(os.path.join(settings.out, f"{name}.jsonl"), "w") as f:
         f.writelines(json.dumps(r, default=str) + "\n" for r in records)
     if not settings.quiet:

@@ -84,3 +84,23 @@ def test_smoke_case_prints_the_table_of_its_program_output(smoke_run):
     assert int(shown.replace(",", "")) == printed[0][key]
     saved = [json.loads(line) for line in (out / f"{CHEAPEST}.jsonl").read_text().splitlines()]
     assert saved[0][key] == printed[0][key]
+
+
+def test_each_row_is_divided_by_its_own_anchor():
+    """The table pairs a row with the anchor row of the same match fields (the case's, or with two
+    trees the same run), whatever the order, and divides their headline figures."""
+    from benchmarks.table import table_rows
+
+    case = CASES["rl"]
+    key = case.headline[0]
+    records = [{"row": "rl", "framework": "zerojax", "model": "a", key: 30.0},
+               {"row": "rl", "framework": "zerojax", "model": "b", key: 12.0},
+               {"row": "rl-anchor", "framework": "torch", "model": "b", key: 8.0, "anchor": True},
+               {"row": "rl-anchor", "framework": "torch", "model": "a", key: 6.0, "anchor": True},
+               {"row": "rl", "framework": "zerojax", "model": "c", key: 1.0}]  # no anchor of its model
+    shown = [row[-1] for row in table_rows(case, records)]
+    assert shown == [f"{30.0 / 6.0:.2f}x", f"{12.0 / 8.0:.2f}x", "anchor", "anchor", ""]
+    trees = [{"row": "bench", "tree": "before", key: 4.0, "anchor": True, "model": "a"},
+             {"row": "other", "tree": "before", key: 1.0, "anchor": True, "model": "a"},
+             {"row": "bench", "tree": "after", key: 5.0, "model": "a"}]
+    assert table_rows(case, trees)[-1][-1] == f"{5.0 / 4.0:.2f}x"
