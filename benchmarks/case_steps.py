@@ -42,9 +42,8 @@ def dpo_pairs(out: str, smoke: bool) -> None:
     path = os.path.join(out, f"dpo-pairs-{seq}.jsonl")
     with open(path, "w") as f:
         # more pairs than one step's: the trainer holds ~5% out for validation and cycles the rest
-        for _ in range(max(64, 2 * pairs)):
-            f.write(json.dumps({"prompt": text(plen), "chosen": text(seq - plen),
-                                "rejected": text(seq - plen)}) + "\n")
+        f.writelines(json.dumps({"prompt": text(plen), "chosen": text(seq - plen),
+                                "rejected": text(seq - plen)}) + "\n" for _ in range(max(64, 2 * pairs)))
     data = load_preference_data(path, ByteTokens(), seq, pairs)
     for side in ("chosen", "rejected"):
         ids, labels = data.arrays[f"{side}_ids"], data.arrays[f"{side}_labels"]
@@ -81,8 +80,11 @@ def launch_losses(out: str) -> list[dict]:
 
     def summary(name):
         path = os.path.join(out, f"x2-{name}.log")  # the runner's log of that run
-        text = open(path).read() if os.path.exists(path) else ""
-        found = re.findall(r"^(?:\[0\] )?SUMMARY (.*)$", text, re.M)
+        if not os.path.exists(path):
+            return {}
+        with open(path) as f:
+            text = f.read()
+        found = re.findall(r"^(?:\[0\] )?SUMMARY (.*)$", text, re.MULTILINE)
         return json.loads(found[-1]) if found else {}
 
     records = []

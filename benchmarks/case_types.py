@@ -14,18 +14,27 @@ Placeholders in a run's argv and env, filled in by the runner (benchmarks/runner
 from __future__ import annotations
 
 import dataclasses
-from typing import Callable
+from collections.abc import Callable
 
 # how a run's records are read: JSON lines on stdout (also `NAME {...}` lines such as the trainer's
 # SUMMARY), bench.py's --out report, moe_bench.py's --out list, or the trainer's --summary-json file
 READERS = ("stdout", "bench", "moe", "summary")
 
+# pieces of commands several cases share
+BENCH = "benchmarks/bench.py"
+EXAMPLE = "examples/gpt2_large.py"
+CAP24 = (("XLA_PYTHON_CLIENT_MEM_FRACTION", "{cap24}"),)   # a 24 GB card
+# the example's fastest flags on GPT-2 Large (benchmarks/RESULTS.md)
+BEST_FLAGS = ("--micro-batch", "8", "--remat", "dots", "--loss-chunk", "256", "--adam-mu-dtype", "bfloat16",
+              "--master-split")
+
 
 @dataclasses.dataclass(frozen=True)
 class Run:
     """One program of a case. `argv` starts with a script under the tree (e.g.
-    `benchmarks/bench.py`, `examples/gpt2_large.py`, run by {py}) or `-m MODULE`; `smoke` is its tiny CPU variant (None: not run
-    under --smoke). `anchor`: its records are the yardstick the case's other rows are divided by."""
+    `benchmarks/bench.py`, `examples/gpt2_large.py`, run by {py}) or `-m MODULE`; `smoke` is its tiny
+    CPU variant (None: not run under --smoke). `anchor`: its records are the yardstick the case's
+    other rows are divided by."""
     label: str
     argv: tuple[str, ...]
     timeout_s: int
@@ -49,7 +58,8 @@ class Run:
 class Case:
     """One study: its name on the command line, what it measures, its anchor, about how long it runs
     on one H100 (minutes), the GPUs it needs and its runs. `headline`: the figures the table shows
-    (the first a record has) and divides by the anchor's; `match`: the record fields that pair a row with its anchor row.
+    (the first a record has) and divides by the anchor's; `match`: the record fields that pair a
+    row with its anchor row.
     `prepare(out, smoke)` writes input files before the runs; `post(out)` returns extra records
     (comparisons made from the runs' files). `needs_before`: only with --before DIR (two trees)."""
     name: str

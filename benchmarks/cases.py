@@ -6,14 +6,10 @@ from __future__ import annotations
 import json
 
 from benchmarks import case_steps
-from benchmarks.case_types import Case, Run
+from benchmarks.case_types import BENCH, BEST_FLAGS, CAP24, Case, Run
 from benchmarks.cases_scale import BEFORE_AFTER, LONG_CONTEXT, LONG_CONTEXT_FULL, X2, X4
 
-CAP24 = (("XLA_PYTHON_CLIENT_MEM_FRACTION", "{cap24}"),)
 EXAMPLE = ("examples/gpt2_large.py", "--eval-batches", "0")
-BEST_FLAGS = ("--micro-batch", "8", "--remat", "dots", "--loss-chunk", "256", "--adam-mu-dtype", "bfloat16",
-              "--master-split")
-BENCH = "benchmarks/bench.py"
 
 
 def bench(label, out_name, *args, timeout_s=180, smoke=True, anchor=False, env=()):
@@ -251,7 +247,8 @@ REWARD_1B = Case(
 SERVE = Case(
     "serve", "zerojax serve behind its HTTP server on random-init Llama-3.1-8B bf16 at concurrency 1, 16, 64, 256 "
     "(chat-like lengths) and 64 with 3K-token prompts mixed in", "transformers continuous batching "
-    "(paged attention), the same requests", 10, headline="output_tokens_per_s", match=("concurrency", "long_prompt_share"),
+    "(paged attention), the same requests", 10, headline="output_tokens_per_s",
+    match=("concurrency", "long_prompt_share"),
     runs=pair("serve", "benchmarks/serve_bench.py", 360, "benchmarks/serve_bench_hf.py", 230))
 
 MOE = Case(
@@ -263,9 +260,9 @@ MOE = Case(
 
 
 def _registry():
-    cases = (SPEED, OFFLOAD_24GB, NVME, MODELS, LLAMA8B_24GB, GENERATE, DECODE_HLO, RL, DECODE_ATTENTION, DECODE_ATTENTION_RL,
-             RL_8B_LORA_24GB, DPO_8B_LORA_24GB, REWARD_1B, LONG_CONTEXT, LONG_CONTEXT_FULL, SERVE, MOE, X2, X4,
-             BEFORE_AFTER)
+    cases = (SPEED, OFFLOAD_24GB, NVME, MODELS, LLAMA8B_24GB, GENERATE, DECODE_HLO, RL, DECODE_ATTENTION,
+             DECODE_ATTENTION_RL, RL_8B_LORA_24GB, DPO_8B_LORA_24GB, REWARD_1B, LONG_CONTEXT, LONG_CONTEXT_FULL,
+             SERVE, MOE, X2, X4, BEFORE_AFTER)
     return {case.name: case for case in cases}
 
 

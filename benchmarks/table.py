@@ -51,7 +51,7 @@ def table_rows(case: Case, records: list[dict]) -> list[tuple[str, ...]]:
         detail = " ".join(str(record[k]) for k in DETAIL_KEYS if record.get(k) is not None)
         ratio = anchor_ratio(case, record, records)
         peak = record.get("peak_gib")
-        rows.append((case.name, str(record.get("row", ""))[:40], str(record.get("framework", "")), detail[:40],
+        rows.append((case.name, str(record.get("row", ""))[:64], str(record.get("framework", "")), detail[:40],
                      figure[0] if figure else "error", _number(figure[1]) if figure else record["error"][:60],
                      _number(peak) if isinstance(peak, (int, float)) else "",
                      f"{ratio:.2f}x" if ratio is not None else ("anchor" if record.get("anchor") else "")))
