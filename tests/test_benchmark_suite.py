@@ -55,7 +55,9 @@ def test_listing_and_readme_name_every_case():
 
 def test_multi_gpu_case_refuses_on_fewer_gpus():
     needs = next(case for case in CASES.values() if case.gpus > 1)
-    done = _suite(needs.name, "--out", os.devnull + "-unused")
+    # no nvidia-smi on PATH: no GPU, on any machine (a multi-GPU host must not start the case here)
+    env = dict(os.environ, PATH=os.path.dirname(sys.executable))
+    done = _suite(needs.name, "--out", os.devnull + "-unused", env=env)
     assert done.returncode != 0
     assert f"needs {needs.gpus} GPUs" in done.stderr
 
