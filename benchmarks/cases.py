@@ -94,8 +94,9 @@ NVME = Case(
 
 def _models_run(label, *args):
     argv = ("benchmarks/models_bench.py", *args, "--peak-tflops", "{peak_tflops}")
-    return Run(label, (*argv, "--steps", "8"), 300, smoke=(*argv, "--tiny", "--steps", "2"),
-               anchor="plain" in args)
+    plain = "plain" in args
+    return Run(label, (*argv, "--steps", "8"), 300, smoke=(*argv, "--tiny", "--steps", "2"), anchor=plain,
+               tag=(("framework", "jax.jit"),) if plain else ())
 
 
 _LLAMA = ("--model", "llama-3.2-1b", "--micro", "4", "--seq", "2048")

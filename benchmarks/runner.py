@@ -158,8 +158,12 @@ def moe_records(path: str) -> list[dict]:
     """moe_bench.py's list: its transformers rows are the anchor; rows pair by kind (ft / qlora)."""
     with open(path) as f:
         rows = json.load(f)
-    return [{"framework": "transformers" if r.get("row", "").endswith("transformers") else "zerojax",
-             "kind": r.get("row", "").split("-")[0], **r} for r in rows]
+    records = []
+    for r in rows:
+        anchor = r.get("row", "").endswith("transformers")
+        records.append({"framework": "transformers" if anchor else "zerojax", "anchor": anchor,
+                        "kind": r.get("row", "").split("-")[0], **r})
+    return records
 
 
 def summary_record(path: str) -> list[dict]:
