@@ -1,4 +1,4 @@
-"""The PyTorch + PEFT anchor of benchmarks/gpu_dpo_8b_lora_24gb.sh: LoRA DPO as TRL's `DPOTrainer`
+"""The PyTorch + PEFT anchor of the `dpo-8b-lora-24gb` case (benchmarks/cases.py): LoRA DPO as TRL's `DPOTrainer`
 runs it with a PEFT model and no reference model, written as a plain loop.
 
     python benchmarks/dpo_bench_torch.py --cap-24gb          # llama-3.1-8b, seq 2048, 8 pairs a step
@@ -26,7 +26,7 @@ Timing: one warm-up step, then --steps measured. tokens/s = pairs x 2 rows (chos
 seq_len per step / seconds, the count zerojax's trainer uses for a DPO run (its SpeedMeter:
 train_batch_size pairs x the chosen and rejected rows' tokens). peak_gib: torch.cuda.max_memory_allocated
 over the whole run, building included. --cap-24gb: torch.cuda.set_per_process_memory_fraction(23.77 GiB
-/ the card's memory), as benchmarks/cap24.sh caps JAX. first_loss: the warm-up step's first
+/ the card's memory), as the suite's 24 GB cases cap JAX (benchmarks/runner.py). first_loss: the warm-up step's first
 micro-batch, before any update: ln 2, since LoRA's B starts at 0 (policy = reference); --tiny
 checks it. Prints one JSON line {"framework": "torch", ...}.
 """

@@ -25,7 +25,7 @@ from zerojax.models.flash_attention import FlashBlocks, flash_attention
 from long_context_bench import batch_of  # benchmarks/ is sys.path[0] when run as a script
 
 # "default" is FlashBlocks() (backward tiles 64 x 64, 4 warps: 228 TFLOP/s at Llama-3.2-1B's shape and
-# 32K on an H100, against 152 for "bwd64x128", the default before; benchmarks/measured/2026-12-06/)
+# 32K on an H100, against 152 for "bwd64x128", the default before; benchmarks/RESULTS.md, 2026-12-06)
 TILES = {
     "default": FlashBlocks(),
     "bwd64x128": FlashBlocks(q_dkv=64, kv_dkv=128, q_dq=128, kv_dq=64, warps_bwd=8),

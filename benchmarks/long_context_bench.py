@@ -76,7 +76,7 @@ adds fp32 [heads, T, block] scores (4 GiB each at 65,536, block 512) and fp32 q 
     --adam-mu-dtype bfloat16 the host state is 8 bytes a parameter (59.8 GiB), and 131,072 (91.8
     GiB on the host, ~53 on the device) is expected to fit.
 The 2026-12-05 full fine-tune of this shape (ZeRO-3, parameters and optimizer offloaded, 89.7 GiB
-of host state) peaked at 117.5 GiB host RSS (benchmarks/measured/2026-12-05/example_full8b_24gb.txt),
+of host state) peaked at 117.5 GiB host RSS (benchmarks/RESULTS.md, "Llama-3.1-8B full fine-tune, 24 GB cap"),
 so the process may take more than the 16 GB assumed: the real step's row reports the host's peak
 RSS.
 

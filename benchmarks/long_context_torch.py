@@ -28,7 +28,7 @@ whole row; long_context_bench.py packs four documents a row (segment ids), which
 kernel cannot take without a [T, T] mask, so the anchor's attention does the full causal row (at
 least the work of the packed row).
 
-`longest`: --cap-gib (default 23.77 GiB, the figure benchmarks/cap24.sh leaves to JAX) is given to
+`longest`: --cap-gib (default 23.77 GiB, the figure the suite's 24 GB cap leaves to JAX) is given to
 the caching allocator (`torch.cuda.set_per_process_memory_fraction(cap / the card's memory)`); one
 untimed step at --warmup-seq sets up the optimizer state and the kernels; then the row length
 doubles from --start (default 4096) up to --limit, one step at each (--steps > 1: their mean), until

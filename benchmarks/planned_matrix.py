@@ -1,4 +1,4 @@
-"""bench.py matrix entries for the four-GPU layouts of gpu_x4.sh, with the micro-batch x accumulation (and
+"""bench.py matrix entries for the four-GPU layouts of the `x4` case (benchmarks/cases_scale.py), with the micro-batch x accumulation (and
 pipeline checkpoints) the planner's mesh search chose (`zerojax plan --search-mesh --json`).
 
     python benchmarks/planned_matrix.py plan_xl.json plan_large.json > matrix.json

@@ -94,8 +94,9 @@ def test_stage3_gathers_the_non_layer_weights_whole():
     """The embeddings (wte, wpe) are not in the layer scan; the gather hook constrains them to their
     stage-0 (replicated) sharding where the forward uses them. Left to GSPMD, on 2 H200s a
     hidden-sharded wte made XLA gather the token ids and the full-batch fp32 logits, and stage 3
-    ran at 60% of stage 2 (benchmarks/measured/). Checked in the lowered step (Shardy), before
-    XLA's CPU partitioner, whose choices for a tiny model differ from the GPU's."""
+    ran at 60% of stage 2 (2026-11-30; raw logs in git's history, benchmarks/measured/). Checked
+    in the lowered step (Shardy), before XLA's CPU partitioner, whose choices for a tiny model
+    differ from the GPU's."""
     shapes = {"input_ids": jax.ShapeDtypeStruct((8, 8), jnp.int32)}
     whole = {f"tensor<{C.padded_vocab_size}x{C.n_embd}xf32>", f"tensor<{C.n_positions}x{C.n_embd}xf32>"}
 
