@@ -111,6 +111,7 @@ class LLMEngine:
         self._ids = itertools.count()
         self._rng = np.random.default_rng()
         self.prompt_tokens = self.generation_tokens = 0
+        self._programs: set = set()  # the step programs run (shapes and variants), each compiled once
 
     @staticmethod
     def _split(model):
@@ -208,7 +209,7 @@ class LLMEngine:
         return {"waiting": len(self.scheduler.waiting), "running": len(self.scheduler.running),
                 "pages_total": self.pool.capacity, "pages_in_use": self.pool.in_use,
                 "pages_available": self.pool.available, "prefix_cache_hits": self.pool.prefix_hits,
-                "preemptions": self.scheduler.preemptions}
+                "preemptions": self.scheduler.preemptions, "step_programs": len(self._programs)}
 
     # ---- one step ----------------------------------------------------------------------------
 
@@ -273,7 +274,6 @@ class LLMEngine:
 
     def _launch(self, model, rows) -> step_mod.StepOut:
         """One group's rows through the step (the pool updated in place) -> its outputs, on the device."""
-        weights, source = model
         ps = self.page_size
         budget, longest = self.scheduler.max_batched_tokens, max(n for _, n in rows)
         if longest == 1:
@@ -298,14 +298,39 @@ class LLMEngine:
         if self._stacked:
             adapter = np.zeros(R, np.int32)
             adapter[:len(rows)] = [self._stacked[1][req.adapter] for req, _ in rows]
-        penalties = self._penalties(rows, R)
         want_top = max((req.params.logprobs or 0) for req, _ in rows)
+        return self._call(model, step_mod.Rows(tokens, start, count, pages, adapter),
+                          step_mod.RowSampling(temperature, top_p, top_k, seed, index), self._penalties(rows, R),
+                          SamplingParams.MAX_LOGPROBS if want_top else 0)
+
+    def _call(self, model, rows: step_mod.Rows, sampling: step_mod.RowSampling, penalties, top: int):
+        """One compiled step over `rows` (the pool updated in place) -> its StepOut on the device."""
+        weights, source = model
+        R, C = rows.tokens.shape
+        self._programs.add((id(source), R, C, rows.pages.shape[1], penalties is not None, top))
         run = step_mod.step if C == 1 else step_mod.chunk_step
-        self.keys, self.values, out = run(
-            weights, self.keys, self.values, step_mod.Rows(tokens, start, count, pages, adapter),
-            step_mod.RowSampling(temperature, top_p, top_k, seed, index), penalties, source=source, page_size=ps,
-            top_logprobs=SamplingParams.MAX_LOGPROBS if want_top else 0)
+        self.keys, self.values, out = run(weights, self.keys, self.values, rows, sampling, penalties, source=source,
+                                          page_size=self.page_size, top_logprobs=top)
         return out
+
+    def warm_up(self) -> int:
+        """Compile (and run once, on padding rows that write only the scratch page) the step program
+        of every shape bucket for every model a step calls, so that no request pays a compile ->
+        the programs run. Requests asking for penalties or logprobs still compile theirs on first use."""
+        models = [self._stacked[0]] if self._stacked else list(self._models.values())
+        shapes_ = self.buckets.programs(self.scheduler.max_num_seqs, self.scheduler.max_batched_tokens,
+                                        self.page_size, -(-self.max_model_len // self.page_size))
+        outs = []
+        for model in models:
+            for R, C, P in shapes_:
+                z = np.zeros(R, np.int32)
+                adapter = z if self._stacked else None
+                rows = step_mod.Rows(np.zeros((R, C), np.int32), z, z, np.full((R, P), SCRATCH_PAGE, np.int32), adapter)
+                sampling = step_mod.RowSampling(np.zeros(R, np.float32), np.ones(R, np.float32), z,
+                                                np.zeros(R, np.uint32), z)
+                outs.append(self._call(model, rows, sampling, None, 0))
+        jax.block_until_ready(outs)
+        return len(outs)
 
     @staticmethod
     def _collect(rows, out: step_mod.StepOut) -> dict:
