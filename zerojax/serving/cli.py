@@ -33,6 +33,9 @@ def add_serve_flags(p) -> None:
                    help="a PEFT LoRA adapter served as model NAME over the same base (repeatable)")
     p.add_argument("--served-model-name", metavar="NAME", help="the base model's name in requests (default: the "
                                                                    "folder's name)")
+    p.add_argument("--quantize", choices=("int8", "nf4", "int4"),
+                   help="store the frozen base quantized, as QLoRA does (int8: per output channel; nf4 / int4: "
+                        "blocks of 64), dequantized on use; adapters share it")
     p.add_argument("--dtype", choices=("auto", "fp32", "bf16"), default="auto",
                    help="weights, compute and KV cache (auto: bf16 on a GPU, else fp32)")
     p.add_argument("--host", default="127.0.0.1", help="the address to bind (default 127.0.0.1: this machine only)")
@@ -91,9 +94,9 @@ def _load(args):
         with tempfile.TemporaryDirectory(prefix="zerojax-serve-") as folder:
             export(args.checkpoint, folder, dtype="bf16" if dtype == jnp.bfloat16 else "fp32",
                    writer_for=weights_writer)
-            model, tokenizer, adapters = load_model(folder, dtype, dict(args.adapter))
+            model, tokenizer, adapters = load_model(folder, dtype, dict(args.adapter), args.quantize)
     else:
-        model, tokenizer, adapters = load_model(args.hf_checkpoint, dtype, dict(args.adapter))
+        model, tokenizer, adapters = load_model(args.hf_checkpoint, dtype, dict(args.adapter), args.quantize)
     if args.tokenizer:
         from zerojax.models import load_tokenizer
 

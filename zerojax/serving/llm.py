@@ -10,9 +10,10 @@ from zerojax.serving.output import RequestOutput
 from zerojax.serving.params import SamplingParams
 
 
-def load_model(path, dtype=None, adapters: dict | None = None):
+def load_model(path, dtype=None, adapters: dict | None = None, quantize: str | None = None):
     """(model, tokenizer or None, {name: LoRA model}) of a Hugging Face folder, computing in `dtype`
-    (default float32), with PEFT adapter folders applied to copies sharing the base's arrays."""
+    (default float32), with PEFT adapter folders applied to copies sharing the base's arrays; with
+    `quantize` ("int8" / "nf4" / "int4") the base stored quantized (`quantize_base`)."""
     import jax.numpy as jnp
     from flax import nnx
 
@@ -23,22 +24,55 @@ def load_model(path, dtype=None, adapters: dict | None = None):
     model = from_hf(path, dtype)
     model.dtype = dtype  # compute in the weights' dtype
     tokenizer = load_tokenizer(path) if os.path.exists(os.path.join(path, "tokenizer.json")) else None
+    if quantize:
+        base, loaded = quantize_base(model, quantize, adapters or {})
+        return base, tokenizer, loaded
     graphdef, state = nnx.split(model)
     loaded = {name: lora.load_peft(nnx.merge(graphdef, state), folder) for name, folder in (adapters or {}).items()}
     return model, tokenizer, loaded
 
 
+def quantize_base(model, kind: str, adapters: dict):
+    """(the base stored quantized as QLoRA stores it (`zerojax.lora.apply(..., quantize=kind)`: the
+    kernels dequantized on use), {name: its PEFT folder's adapters over that base}). The base is a
+    LoRA model with its adapters disabled (a LoRA model is what carries a quantized base); the
+    adapters share its quantized arrays, but for one with modules_to_save (its own frozen copy)."""
+    import dataclasses
+
+    from flax import nnx
+
+    from zerojax import lora
+
+    if kind not in lora.QUANTIZE[1:]:
+        raise ValueError(f"quantize={kind!r}: one of {list(lora.QUANTIZE[1:])}")
+    graphdef, state = nnx.split(model)
+    base = lora.apply(nnx.merge(graphdef, state), {"r": 1, "target_modules": "all-linear", "quantize": kind})
+    base.adapter = dataclasses.replace(base.adapter, enabled=False)  # the frozen base alone
+    frozen = nnx.state(base, lora.FrozenWeight)
+    loaded = {}
+    for name, folder in adapters.items():
+        tuned = lora.load_peft(nnx.merge(graphdef, state), folder, quantize=kind)
+        if not tuned.adapter.savable:  # the same quantized arrays as the base's: kept once
+            nnx.update(tuned, frozen)
+        loaded[name] = tuned
+    return base, loaded
+
+
 class LLM:
     """The engine over `model_or_dir` (a zerojax model, or a Hugging Face folder read with
-    `dtype`); `engine_kwargs` go to `LLMEngine` (page_size, kv_cache_tokens, max_num_seqs,
+    `dtype`, its base stored `quantize`d: "int8" / "nf4"); `engine_kwargs` go to `LLMEngine` (page_size, kv_cache_tokens, max_num_seqs,
     max_batched_tokens, max_model_len, prefix_caching; adapters: {name: PEFT folder or LoRA model})."""
 
-    def __init__(self, model_or_dir, tokenizer=None, *, dtype=None, adapters: dict | None = None, **engine_kwargs):
+    def __init__(self, model_or_dir, tokenizer=None, *, dtype=None, adapters: dict | None = None,
+                 quantize: str | None = None, **engine_kwargs):
         if isinstance(model_or_dir, (str, os.PathLike)):
             folders = {k: v for k, v in (adapters or {}).items() if isinstance(v, (str, os.PathLike))}
-            model, tok, loaded = load_model(os.fspath(model_or_dir), dtype, folders)
+            model, tok, loaded = load_model(os.fspath(model_or_dir), dtype, folders, quantize)
             adapters = {**(adapters or {}), **loaded}
             tokenizer = tokenizer or tok
+        elif quantize:
+            raise ValueError("LLM(model, quantize=...): quantize applies to a folder read here; give a model "
+                             "quantized already (zerojax.serving.llm.quantize_base)")
         else:
             model = model_or_dir
         self.engine = LLMEngine(model, tokenizer, adapters=adapters, **engine_kwargs)
@@ -59,4 +93,4 @@ class LLM:
         return [done[i] for i in ids]
 
 
-__all__ = ["LLM", "load_model"]
+__all__ = ["LLM", "load_model", "quantize_base"]
