@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import os
 import sys
-import tempfile
 import time
 
 SERVE_EXTRA = 'zerojax serve needs the serve extra: pip install -e ".[serve]" (fastapi, uvicorn, prometheus-client)'
@@ -15,7 +14,8 @@ def _adapter(value: str) -> tuple[str, str]:
 
     name, sep, folder = value.partition("=")
     if not sep or not name or not folder:
-        raise argparse.ArgumentTypeError(f"--adapter {value!r}: NAME=DIR (a PEFT LoRA folder served as model NAME)")
+        raise argparse.ArgumentTypeError(f"--adapter {value!r}: NAME=DIR (a PEFT LoRA folder or a `zerojax train "
+                                         "--lora R --save` folder, served as model NAME)")
     return name, folder
 
 
@@ -30,7 +30,8 @@ def add_serve_flags(p) -> None:
                           "--tokenizer (without one: token-id prompts only, no chat)")
     p.add_argument("--tokenizer", metavar="DIR", help="the tokenizer folder (default: --hf-checkpoint)")
     p.add_argument("--adapter", action="append", type=_adapter, default=[], metavar="NAME=DIR",
-                   help="a PEFT LoRA adapter served as model NAME over the same base (repeatable)")
+                   help="LoRA adapters served as model NAME over the same base: a PEFT folder or a `zerojax "
+                        "train --lora R --save` folder (repeatable)")
     p.add_argument("--served-model-name", metavar="NAME", help="the base model's name in requests (default: the "
                                                                    "folder's name)")
     p.add_argument("--quantize", choices=("int8", "nf4", "int4"),
@@ -83,18 +84,12 @@ def _load(args):
     import jax
     import jax.numpy as jnp
 
-    from zerojax.serving.llm import load_model
+    from zerojax.serving.llm import load_checkpoint_model, load_model
 
     dtype = args.dtype if args.dtype != "auto" else ("bf16" if jax.default_backend() == "gpu" else "fp32")
     dtype = jnp.bfloat16 if dtype == "bf16" else jnp.float32
     if args.checkpoint:  # its weights exported to a Hugging Face folder, read, and the folder removed
-        from zerojax.checkpoint.state import export
-        from zerojax.models import weights_writer
-
-        with tempfile.TemporaryDirectory(prefix="zerojax-serve-") as folder:
-            export(args.checkpoint, folder, dtype="bf16" if dtype == jnp.bfloat16 else "fp32",
-                   writer_for=weights_writer)
-            model, tokenizer, adapters = load_model(folder, dtype, dict(args.adapter), args.quantize)
+        model, tokenizer, adapters = load_checkpoint_model(args.checkpoint, dtype, dict(args.adapter), args.quantize)
     else:
         model, tokenizer, adapters = load_model(args.hf_checkpoint, dtype, dict(args.adapter), args.quantize)
     if args.tokenizer:

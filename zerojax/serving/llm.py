@@ -12,7 +12,8 @@ from zerojax.serving.params import SamplingParams
 
 def load_model(path, dtype=None, adapters: dict | None = None, quantize: str | None = None):
     """(model, tokenizer or None, {name: LoRA model}) of a Hugging Face folder, computing in `dtype`
-    (default float32), with PEFT adapter folders applied to copies sharing the base's arrays; with
+    (default float32), with adapter folders (PEFT's or `zerojax train --lora --save`'s,
+    `load_adapter`) applied to copies sharing the base's arrays; with
     `quantize` ("int8" / "nf4" / "int4") the base stored quantized (`quantize_base`)."""
     import jax.numpy as jnp
     from flax import nnx
@@ -28,15 +29,51 @@ def load_model(path, dtype=None, adapters: dict | None = None, quantize: str | N
         base, loaded = quantize_base(model, quantize, adapters or {})
         return base, tokenizer, loaded
     graphdef, state = nnx.split(model)
-    loaded = {name: lora.load_peft(nnx.merge(graphdef, state), folder) for name, folder in (adapters or {}).items()}
+    loaded = {name: load_adapter(nnx.merge(graphdef, state), folder) for name, folder in (adapters or {}).items()}
     return model, tokenizer, loaded
+
+
+def load_adapter(model, folder, quantize: str | None = None):
+    """`model` (a plain base, changed in place) with the adapters of `folder`: a PEFT folder or a
+    `zerojax train --lora R --save` folder; the base stored `quantize`d where given."""
+    from zerojax import lora
+    from zerojax.serving.checkpoints import is_checkpoint, load_trained_adapter
+
+    if is_checkpoint(folder):
+        return load_trained_adapter(model, folder, quantize)
+    if not os.path.exists(os.path.join(folder, "adapter_config.json")):
+        raise FileNotFoundError(f"--adapter {folder}: neither a PEFT folder (adapter_config.json) nor a zerojax "
+                                "checkpoint (a `zerojax train --lora R --save` folder)")
+    return lora.load_peft(model, folder, quantize=quantize)
+
+
+def load_checkpoint_model(save_dir, dtype=None, adapters: dict | None = None, quantize: str | None = None):
+    """(model, None: no tokenizer, {name: LoRA model}) of a whole-model `zerojax train --save`
+    folder: its weights exported to a temporary Hugging Face folder (as `zerojax export` does),
+    read as `load_model` reads one, the folder removed."""
+    import tempfile
+
+    import jax.numpy as jnp
+
+    from zerojax.checkpoint.state import export
+    from zerojax.models import weights_writer
+    from zerojax.serving.checkpoints import run_lora_settings
+
+    if run_lora_settings(save_dir) is not None:
+        raise ValueError(f"--checkpoint {save_dir}: a LoRA run's checkpoint holds its adapters only; serve its "
+                         f"base with --hf-checkpoint DIR and this folder as --adapter NAME={save_dir}")
+    with tempfile.TemporaryDirectory(prefix="zerojax-serve-") as folder:
+        export(save_dir, folder, dtype="bf16" if jnp.dtype(dtype or jnp.float32) == jnp.bfloat16 else "fp32",
+               writer_for=weights_writer)
+        model, _, loaded = load_model(folder, dtype, adapters, quantize)
+    return model, None, loaded
 
 
 def quantize_base(model, kind: str, adapters: dict):
     """(the base stored quantized as QLoRA stores it (`zerojax.lora.apply(..., quantize=kind)`: the
     kernels dequantized on use), {name: its PEFT folder's adapters over that base}). The base is a
     LoRA model with its adapters disabled (a LoRA model is what carries a quantized base); the
-    adapters share its quantized arrays, but for one with modules_to_save (its own frozen copy)."""
+    adapters (`load_adapter`'s folders) share its quantized arrays, but for one with modules_to_save."""
     import dataclasses
 
     from flax import nnx
@@ -51,7 +88,7 @@ def quantize_base(model, kind: str, adapters: dict):
     frozen = nnx.state(base, lora.FrozenWeight)
     loaded = {}
     for name, folder in adapters.items():
-        tuned = lora.load_peft(nnx.merge(graphdef, state), folder, quantize=kind)
+        tuned = load_adapter(nnx.merge(graphdef, state), folder, kind)
         if not tuned.adapter.savable:  # the same quantized arrays as the base's: kept once
             nnx.update(tuned, frozen)
         loaded[name] = tuned
@@ -93,4 +130,4 @@ class LLM:
         return [done[i] for i in ids]
 
 
-__all__ = ["LLM", "load_model", "quantize_base"]
+__all__ = ["LLM", "load_model", "load_adapter", "load_checkpoint_model", "quantize_base"]
