@@ -104,7 +104,8 @@ class LLMEngine:
         self.scheduler = Scheduler(self.pool, max_num_seqs=max_num_seqs, max_batched_tokens=max_batched_tokens,
                                    prefix_caching=prefix_caching, buckets=buckets)
         self.buckets = buckets
-        self.keys, self.values = step_mod.empty_pool(self.geometry, plan.num_pages, page_size, self.dtype)
+        self._pool_sharding = None  # where the KV pool lies: the default device, or the weights' (use_weights)
+        self.keys, self.values = self._fresh_pool()
         self.detok = Detokenizer(tokenizer)
         self._requests: dict[str, Request] = {}
         self._sent: dict[str, tuple[int, str]] = {}
@@ -112,6 +113,31 @@ class LLMEngine:
         self._rng = np.random.default_rng()
         self.prompt_tokens = self.generation_tokens = 0
         self._programs: set = set()  # the step programs run (shapes and variants), each compiled once
+
+    def _fresh_pool(self):
+        pool = step_mod.empty_pool(self.geometry, self.pool.num_pages, self.page_size, self.dtype)
+        return pool if self._pool_sharding is None else jax.device_put(pool, self._pool_sharding)
+
+    def use_weights(self, weights, source=None) -> None:
+        """Serve the base from `weights` from the next step on, without a copy (a training engine's
+        live arrays after each optimizer step: `zerojax.serving.live`); `source` makes the model of
+        them (default: the base's own). Between requests only: the cached prompt pages, computed
+        with the old weights, are forgotten; the KV pool moves to the weights' devices (replicated
+        over their mesh) where they lie elsewhere."""
+        if self.adapters:
+            raise ValueError("use_weights: this engine serves adapters over its base; it takes new weights only "
+                             "for a base served alone")
+        if self.has_unfinished():
+            raise RuntimeError("use_weights: requests are running on the current weights; finish or abort them first")
+        _, base_source = self._models[None]
+        self._models[None] = (weights, base_source if source is None else HashedSource(source))
+        self.pool.forget_prefixes()
+        leaf = next((x for x in jax.tree.leaves(weights) if isinstance(x, jax.Array)), None)
+        if leaf is not None and leaf.sharding.device_set != self.keys.sharding.device_set:
+            mesh = getattr(leaf.sharding, "mesh", None)
+            self._pool_sharding = (jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec()) if mesh is not None
+                                   else jax.sharding.SingleDeviceSharding(next(iter(leaf.devices()))))
+            self.keys, self.values = jax.device_put((self.keys, self.values), self._pool_sharding)
 
     @staticmethod
     def _split(model):
@@ -250,8 +276,7 @@ class LLMEngine:
         failed = {req for req, _ in plan}
         out = self.fail(list(failed), f"{type(error).__name__}: {error}")
         if self.keys.is_deleted() or self.values.is_deleted():
-            self.keys, self.values = step_mod.empty_pool(self.geometry, self.pool.num_pages, self.page_size,
-                                                         self.dtype)
+            self.keys, self.values = self._fresh_pool()
             for req in list(self.scheduler.running):
                 self.scheduler.preempt(req)
         return out

@@ -123,11 +123,18 @@ class LLM:
         per = list(params) if isinstance(params, (list, tuple)) else [params] * len(prompts)
         if len(per) != len(prompts):
             raise ValueError(f"{len(per)} SamplingParams for {len(prompts)} prompts: give one, or one per prompt")
-        ids = [self.engine.add_request(p, sp, adapter=adapter) for p, sp in zip(prompts, per)]
-        done: dict[str, RequestOutput] = {}
-        while self.engine.has_unfinished():
-            done.update((o.request_id, o) for o in self.engine.step() if o.finished)
-        return [done[i] for i in ids]
+        return run_all(self.engine, prompts, per, adapter=adapter)
 
 
-__all__ = ["LLM", "load_model", "load_adapter", "load_checkpoint_model", "quantize_base"]
+def run_all(engine: LLMEngine, prompts, params: Sequence[SamplingParams], *,
+            adapter: str | None = None) -> list[RequestOutput]:
+    """Every prompt (with its own SamplingParams) queued at once, steps run until all are done: a
+    finished row's pages go to the rows still waiting -> the finished outputs, in order."""
+    ids = [engine.add_request(p, sp, adapter=adapter) for p, sp in zip(prompts, params)]
+    done: dict[str, RequestOutput] = {}
+    while engine.has_unfinished():
+        done.update((o.request_id, o) for o in engine.step() if o.finished)
+    return [done[i] for i in ids]
+
+
+__all__ = ["LLM", "run_all", "load_model", "load_adapter", "load_checkpoint_model", "quantize_base"]
