@@ -192,19 +192,30 @@ class RolloutBatches:
     def _sample_seed(self, r: int, refill: int) -> int:
         return int(np.random.default_rng([self.seed, r, refill, 7]).integers(2 ** 31 - 1))
 
+    def warm_up(self) -> int:
+        """Compile the generator's programs ahead of the first rollout where it can: the serving
+        engine's every shape bucket (generator "serving"; rows ending at different lengths reach
+        new buckets in later rollouts otherwise) -> programs compiled (0: generate compiles per call)."""
+        if self.options.generator != "serving":
+            return 0
+        return self._serving_generator().warm_up()
+
+    def _serving_generator(self):
+        if self._served is None:
+            from zerojax.rl.serving_rollouts import ServingGenerator
+
+            self._served = ServingGenerator(self.engine, self.options, rows=self.rows, prompt_len=self.data.prompt_len,
+                                            max_new_tokens=self.max_new_tokens,
+                                            tokenizer=_TextTokenizer(self.tokenizer))
+        return self._served
+
     def generate(self, prompts: np.ndarray, seed: int):
         """(completion token lists, completion texts) of each prompt index (already repeated per group)."""
         import zerojax
 
         o = self.options
         if o.generator == "serving":
-            if self._served is None:
-                from zerojax.rl.serving_rollouts import ServingGenerator
-
-                self._served = ServingGenerator(self.engine, o, rows=len(prompts), prompt_len=self.data.prompt_len,
-                                                max_new_tokens=self.max_new_tokens,
-                                                tokenizer=_TextTokenizer(self.tokenizer))
-            return self._served([self.data.ids[i] for i in prompts], seed)
+            return self._serving_generator()([self.data.ids[i] for i in prompts], seed)
         gen = zerojax.generate(self.engine, [self.data.ids[i] for i in prompts], max_new_tokens=self.max_new_tokens,
                                temperature=o.temperature, top_p=o.top_p, top_k=o.top_k, stop=list(o.stop),
                                ignore_eos=o.ignore_eos, seed=seed, tokenizer=_TextTokenizer(self.tokenizer),

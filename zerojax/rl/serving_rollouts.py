@@ -23,7 +23,7 @@ class ServingGenerator:
 
     def __init__(self, engine, options, *, rows: int, prompt_len: int, max_new_tokens: int, tokenizer):
         self.engine, self.options, self.tokenizer = engine, options, tokenizer
-        self.rows, self.max_new_tokens = rows, max_new_tokens
+        self.rows, self.prompt_len, self.max_new_tokens = rows, prompt_len, max_new_tokens
         self.max_model_len = prompt_len + max_new_tokens
         self.llm = None
 
@@ -31,13 +31,24 @@ class ServingGenerator:
         from zerojax.serving.live import follow, live_engine
 
         if self.llm is None:
+            from zerojax.serving.shapes import Buckets, pow2
+
             pages = -(-self.max_model_len // PAGE_SIZE)
+            # every prompt of a rollout read in one step of one chunk length (prompts fit the data's
+            # longest): one chunk program per span; the decode rows shrink by buckets as rows finish
+            chunk = pow2(self.prompt_len)
             self.llm = live_engine(self.engine, self.tokenizer, page_size=PAGE_SIZE,
                                    kv_cache_tokens=self.rows * pages * PAGE_SIZE, max_num_seqs=self.rows,
-                                   max_model_len=self.max_model_len, max_batched_tokens=max(512, self.rows))
+                                   max_model_len=self.max_model_len, max_batched_tokens=self.rows * chunk,
+                                   buckets=Buckets(min_chunk=chunk))
         else:
             follow(self.llm, self.engine)
         return self.llm
+
+    def warm_up(self) -> int:
+        """Compile the serving engine's every shape bucket now (`LLMEngine.warm_up`; prompt chunks of
+        the data's longest prompt: the pool holds every row, none is preempted) -> programs run."""
+        return self._serving_engine().warm_up(max_chunk=self.prompt_len)
 
     def __call__(self, prompts: list[list[int]], seed: int):
         """(completion token lists, completion texts) of `prompts`, in order."""

@@ -133,10 +133,14 @@ class LLMEngine:
         self._models[None] = (weights, base_source if source is None else HashedSource(source))
         self.pool.forget_prefixes()
         leaf = next((x for x in jax.tree.leaves(weights) if isinstance(x, jax.Array)), None)
-        if leaf is not None and leaf.sharding.device_set != self.keys.sharding.device_set:
-            mesh = getattr(leaf.sharding, "mesh", None)
-            self._pool_sharding = (jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec()) if mesh is not None
-                                   else jax.sharding.SingleDeviceSharding(next(iter(leaf.devices()))))
+        mesh = getattr(getattr(leaf, "sharding", None), "mesh", None)
+        if mesh is not None:
+            # replicated over the weights' mesh, as the step returns it: the first call compiles once, not
+            # once for a pool placed otherwise and again for the one it returns
+            self._pool_sharding = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
+        elif leaf is not None and leaf.sharding.device_set != self.keys.sharding.device_set:
+            self._pool_sharding = jax.sharding.SingleDeviceSharding(next(iter(leaf.devices())))
+        if self._pool_sharding is not None and self.keys.sharding != self._pool_sharding:
             self.keys, self.values = jax.device_put((self.keys, self.values), self._pool_sharding)
 
     @staticmethod
@@ -338,13 +342,16 @@ class LLMEngine:
                                           page_size=self.page_size, top_logprobs=top)
         return out
 
-    def warm_up(self) -> int:
+    def warm_up(self, max_chunk: int | None = None) -> int:
         """Compile (and run once, on padding rows that write only the scratch page) the step program
         of every shape bucket for every model a step calls, so that no request pays a compile ->
-        the programs run. Requests asking for penalties or logprobs still compile theirs on first use."""
+        the programs run. max_chunk: the longest prompt chunk to expect (default max_model_len: a
+        preempted request's prompt and tokens read again). Requests asking for penalties or
+        logprobs still compile theirs on first use."""
         models = [self._stacked[0]] if self._stacked else list(self._models.values())
         shapes_ = self.buckets.programs(self.scheduler.max_num_seqs, self.scheduler.max_batched_tokens,
-                                        self.page_size, -(-self.max_model_len // self.page_size))
+                                        self.page_size, -(-self.max_model_len // self.page_size),
+                                        max_chunk or self.max_model_len)
         outs = []
         for model in models:
             for R, C, P in shapes_:
