@@ -4,6 +4,8 @@ samples/s and its split between generation and training.
     python benchmarks/rl_bench.py                         # qwen2.5-0.5b and llama-3.2-1b on one GPU
     python benchmarks/rl_bench.py --model llama-3.2-1b    # one shape
     python benchmarks/rl_bench.py --tiny                  # CPU smoke test (tiny shapes)
+    python benchmarks/rl_bench.py --model llama-3.2-1b --new 1024 --stop-every 256 --generator serving
+                                                          # rows ending at different lengths, on the serving engine
 
 Each step: 8 prompts of 256 random token ids x group 8 = 64 completions of 256 new tokens
 (sampled at temperature 1, eos ignored: every row runs all 256), a cheap reward (the fraction of
@@ -34,7 +36,14 @@ REMAT = "full"
 
 def shape(args, name):
     """(prompts per step, prompt length, new tokens, micro-batch) for this run."""
-    return (2, 8, 8, 8) if args.tiny else (PROMPTS, PROMPT_LEN, NEW, args.micro)
+    return (2, 8, args.new or 8, 8) if args.tiny else (PROMPTS, PROMPT_LEN, args.new or NEW, args.micro)
+
+
+def stop_ids(vocab: int, every: int | None) -> tuple:
+    """Every `every`-th token id ends a completion (None: none): on random weights, whose tokens are
+    near uniform, lengths spread geometrically with mean about `every` (capped by the new tokens),
+    as rollouts of a trained policy end at different lengths."""
+    return tuple(range(every - 1, vocab, every)) if every else ()
 
 
 def prompt_ids(n: int, length: int, vocab: int, seed: int = 0):
@@ -85,8 +94,13 @@ def run(name: str, args) -> dict:
                                          remat_policy=None if args.remat == "none" else args.remat),
                            cfg, loss_fn=make_grpo_loss(kl_coef=KL, group=None if args.whole_rows else GROUP))
     options = RolloutOptions(group=GROUP, temperature=1.0, kl_coef=KL, reference="copy", ignore_eos=True,
-                             decode_attention=args.decode_attention, shared_prompt=not args.whole_rows)
+                             decode_attention=args.decode_attention, shared_prompt=not args.whole_rows,
+                             generator=args.generator, stop=stop_ids(config.vocab_size, args.stop_every))
     rollouts = RolloutBatches(engine, data, even_fraction, options, seed=0, num_steps=1 + args.steps)
+    t = time.perf_counter()
+    programs = rollouts.warm_up()  # the serving engine's shape buckets (rows end at different lengths)
+    if programs:
+        print(f"serving engine: {programs} step programs compiled in {time.perf_counter() - t:.0f} s", flush=True)
     began = None
     for i, batch in enumerate(rollouts):
         metrics = engine.train_step(batch)
@@ -107,7 +121,9 @@ def run(name: str, args) -> dict:
     return {"framework": "zerojax", "model": "tiny" if args.tiny else name, "group": GROUP, "prompts": n,
             "prompt_len": plen, "new_tokens": new, "steps": args.steps,
             "micro": micro, "remat": args.remat, "decode_attention": args.decode_attention,
-            "shared_prompt": not args.whole_rows, "seconds": round(wall, 3),
+            "shared_prompt": not args.whole_rows, "generator": args.generator, "stop_every": args.stop_every,
+            "completion_mean": round(float(np.mean([h["completion/length"] for h in measured])), 1),
+            "seconds": round(wall, 3),
             "samples_per_s": round(rows * args.steps / wall, 2), "generate_s": round(gen, 3),
             "train_s": round(train, 3), "generate_call_s": round(generate_call, 3),
             "generate_share": round(gen / wall, 3),
@@ -116,7 +132,7 @@ def run(name: str, args) -> dict:
 
 
 def table(results):
-    cols = ("framework", "model", "samples_per_s", "seconds", "generate_s", "train_s", "generate_share")
+    cols = ("framework", "model", "generator", "completion_mean", "samples_per_s", "seconds", "generate_s", "train_s", "generate_share")
     print(" | ".join(cols))
     for r in results:
         print(" | ".join(str(r[c]) for c in cols))
@@ -136,6 +152,11 @@ def main(argv=None):
                    "(default auto, the RL methods' default)")
     p.add_argument("--whole-rows", action="store_true", help="run every row's prompt through the model (the "
                    "rollouts' shared_prompt off, the loss without group=)")
+    p.add_argument("--generator", default="generate", choices=("generate", "serving"),
+                   help="what generates the rollouts (RolloutOptions.generator; default generate)")
+    p.add_argument("--new", type=int, help=f"new tokens per completion at most (default {NEW}; --tiny 8)")
+    p.add_argument("--stop-every", type=int, metavar="K", help="every K-th token id ends a completion: lengths "
+                   "spread about K (default: none, every row runs all the new tokens)")
     p.add_argument("--tiny", action="store_true", help="tiny shapes, for a CPU smoke test")
     args = p.parse_args(argv)
     results = []

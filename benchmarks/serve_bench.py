@@ -149,6 +149,8 @@ def main(argv=None) -> int:
     model, engine = build_engine(s, args.tiny, args.adapters)
     models = engine.adapters or ["bench"]
     print(engine.plan.describe(), flush=True)
+    start = time.perf_counter()
+    print(f"warmed up {engine.warm_up()} step programs in {time.perf_counter() - start:.0f} s", flush=True)
     url, server = start_server(engine)
     device = str(jax.devices()[0].device_kind)
     serve_traffic.run_matrix("zerojax", s, model.config.vocab_size,

@@ -18,8 +18,8 @@ NEW = 8
 
 
 @pytest.fixture(scope="module")
-def served(tmp_path_factory):
-    """(transformers' base, {name: peft model}, an LLM serving the base and both adapters)."""
+def folders(tmp_path_factory):
+    """(the base's folder (transformers' tiny llama3), {name: (peft model, its folder)})."""
     base = tmp_path_factory.mktemp("serve_base")
     _hf_model("llama3").save_pretrained(base)
     tuned = {}
@@ -34,6 +34,13 @@ def served(tmp_path_factory):
         folder = tmp_path_factory.mktemp(f"adapter_{name}")
         model.save_pretrained(folder)
         tuned[name] = (model, folder)
+    return base, tuned
+
+
+@pytest.fixture(scope="module")
+def served(folders):
+    """(transformers' base, {name: peft model}, an LLM serving the base and both adapters)."""
+    base, tuned = folders
     llm = LLM(str(base), adapters={n: str(f) for n, (_, f) in tuned.items()}, page_size=4, kv_cache_tokens=256,
               max_num_seqs=8)
     return transformers.AutoModelForCausalLM.from_pretrained(base).eval(), {n: m for n, (m, _) in tuned.items()}, llm
@@ -89,3 +96,29 @@ def test_penalties_and_logprobs_against_transformers(served):
         penalized = penalized - 1.5 * (generated > 0) - 0.7 * generated  # OpenAI's
         assert token == int(torch.argmax(penalized))
         ids.append(token)
+
+
+def test_quantized_base_and_adapter_equal_generate_on_the_same_quantized_model(folders):
+    """quantize="nf4": the base stored as QLoRA stores it, the adapter over the same codes; each
+    request's greedy tokens equal `zerojax.generate` on a QLoRA model built by `zerojax.lora` from
+    the same folders (its own quantization, its adapters zero for the base)."""
+    import jax
+    from flax import nnx
+
+    import zerojax
+    from zerojax import lora
+    from zerojax.models import from_hf
+    from zerojax.serving.llm import load_model
+
+    base, tuned = folders
+    model, tok, adapters = load_model(str(base), adapters={"a": str(tuned["a"][1])}, quantize="nf4")
+    codes = [x for x in jax.tree.leaves(nnx.state(model)) if x.dtype == np.uint8]
+    assert codes and all(any(c is x for x in jax.tree.leaves(nnx.state(adapters["a"]))) for c in codes)  # shared
+    llm = LLM(model, tok, adapters=adapters, page_size=4, kv_cache_tokens=256, max_num_seqs=8)
+    reference = {None: lora.apply(from_hf(base), {"r": 4, "target_modules": "all-linear", "quantize": "nf4"}),
+                 "a": lora.load_peft(from_hf(base), tuned["a"][1], quantize="nf4")}
+    greedy = SamplingParams(max_tokens=NEW, ignore_eos=True)
+    for p in _prompts(2):  # one prompt bucket of generate's
+        for name, ref in reference.items():
+            served = llm.generate([p], greedy, adapter=name)[0].token_ids
+            assert served == zerojax.generate(ref, p, max_new_tokens=NEW, ignore_eos=True).tokens[0], (name, p)

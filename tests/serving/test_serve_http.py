@@ -87,6 +87,7 @@ def server(folder, tuned):
     proc.terminate()
     out, _ = proc.communicate(timeout=30)
     assert f"KV cache: {CACHE_TOKENS} tokens" in out  # it said at start what it holds
+    assert "warmed up" in out
 
 
 @pytest.fixture(scope="module")
@@ -111,6 +112,8 @@ def _metrics(url) -> dict:
 def test_concurrent_completions_equal_generate_alone(server, reference):
     url, _ = server
     model, tok = reference
+    warmed = _metrics(url)["zerojax_step_programs"]
+    assert warmed > 0  # compiled before the port opened
     rng = np.random.default_rng(0)
     prompts = [_text(n, rng) for n in rng.integers(2, 30, 32)]
     client = _client(url)
@@ -128,6 +131,7 @@ def test_concurrent_completions_equal_generate_alone(server, reference):
         assert answer.usage.completion_tokens == len(alone.tokens[0])
     m = _metrics(url)
     assert m["zerojax_pages_in_use"] == 0 and m["zerojax_running"] == 0 and m["zerojax_waiting"] == 0
+    assert m["zerojax_step_programs"] == warmed  # no request paid a compile
     assert m["zerojax_generation_tokens_total"] >= sum(len(a.choices[0].text.split()) for a in answers)
 
 

@@ -76,3 +76,16 @@ def test_the_step_updates_the_pool_in_place():
     pool = engine.keys.nbytes + engine.values.nbytes
     assert memory.alias_size_in_bytes >= pool
     assert memory.temp_size_in_bytes < engine.keys.nbytes / 8
+
+
+@pytest.mark.parametrize("flag", ["--min-rows", "--min-span", "--min-chunk"])
+def test_shape_floor_flags_are_checked_when_parsed(flag, capsys):
+    from zerojax.cli import build_parser
+
+    args = build_parser().parse_args(["serve", "--hf-checkpoint", "x", flag, "64", "--no-warmup"])
+    assert getattr(args, flag[2:].replace("-", "_")) == 64 and args.no_warmup
+    for bad in ("3", "0", "many"):
+        with pytest.raises(SystemExit):
+            build_parser().parse_args(["serve", "--hf-checkpoint", "x", flag, bad])
+        assert capsys.readouterr().err.splitlines()[-1] == \
+            f"zerojax serve: error: argument {flag}: {bad!r} is not a power of two >= 1 (1, 2, 4, ..., 256, ...)"

@@ -159,3 +159,26 @@ def test_gpt2_continuous_batching_equals_generate_alone(tmp_path):
     for i, prompt in enumerate(prompts):
         assert done[i].token_ids == zerojax.generate(model, prompt, max_new_tokens=NEW).tokens[0] == \
             _hf_greedy(hf, prompt, NEW), i
+
+
+def test_warm_up_compiles_every_bucket_before_the_first_request(pair):
+    """After `warm_up` no request compiles anything (jax's own cache of the step's programs does not
+    grow), whatever the lengths: the warm-up ran every shape bucket the scheduler can pick."""
+    from zerojax.serving import step as step_mod
+    from zerojax.serving.shapes import Buckets
+
+    _, model = pair
+    # a page size of its own: these shapes are compiled by no other test
+    engine = LLMEngine(model, page_size=8, kv_cache_tokens=64, max_num_seqs=4, max_batched_tokens=16,
+                       max_model_len=64, buckets=Buckets(min_rows=2, min_span=64, min_chunk=8))
+    compiled = lambda: step_mod.step._cache_size() + step_mod.chunk_step._cache_size()  # noqa: E731
+    before = compiled()
+    programs = engine.warm_up()
+    assert programs == 2 + 2 == engine.stats["step_programs"]  # decode rows 2, 4; chunks of 8, 16 (one span: 8 pages)
+    assert compiled() - before == programs
+    greedy = SamplingParams(max_tokens=NEW, ignore_eos=True)
+    prompts = _prompts(model.config.vocab_size, (3, 20, 9, 40, 1), seed=10)
+    done, _ = _drain(engine, [[(0, prompts[0], greedy)], [(i, prompts[i], greedy) for i in (1, 2, 3)], [],
+                              [(4, prompts[4], greedy)]])
+    assert sorted(done) == list(range(len(prompts)))
+    assert compiled() - before == programs == engine.stats["step_programs"]

@@ -540,6 +540,15 @@ def export(load_dir, out_dir, tag=None, dtype: str = "fp32", *,
     np_dtype = {"fp32": np.float32, "bf16": jnp.bfloat16, "fp16": np.float16}.get(dtype)
     if np_dtype is None:
         raise ValueError(f"export dtype={dtype!r}; accepted: fp32, bf16, fp16")
+    meta, master = read_master(load_dir, tag)
+    writer = (writer_for(meta.get("model")) if writer_for is not None else None) or write_safetensors
+    return writer(master, os.fspath(out_dir), dtype=np_dtype)
+
+
+def read_master(load_dir, tag=None) -> tuple[dict, dict]:
+    """(the checkpoint's metadata, its trained weights: the master, a nested dict of whole numpy
+    arrays as the model's state names them; a LoRA run's holds its adapters alone). Reads only
+    the master item into host memory, never the optimizer state."""
     load_dir = os.fspath(load_dir)
     tag = _resolve_tag(load_dir, tag)
     verify_files(load_dir, tag)
@@ -571,9 +580,7 @@ def export(load_dir, out_dir, tag=None, dtype: str = "fp32", *,
             parts = [x for xs, _ in flat if (x := xs[i]) is not None]
             leaves.append(parts[0] if len(parts) == 1 else np.concatenate(parts, axis=0))
         master = flat[0][1].unflatten(leaves)
-    master = jax.tree.map(lambda x: x.rows if isinstance(x, _WholeHost) else x, master)
-    writer = (writer_for(meta.get("model")) if writer_for is not None else None) or write_safetensors
-    return writer(master, os.fspath(out_dir), dtype=np_dtype)
+    return meta, jax.tree.map(lambda x: x.rows if isinstance(x, _WholeHost) else x, master)
 
 
 class _WholeHost(stream.StreamedLeaf):
@@ -605,4 +612,5 @@ def _nested(entries, every=None) -> dict:
     return target
 
 
-__all__ = ["CheckpointError", "Restored", "save", "restore", "export", "read_meta", "list_tags", "write_safetensors"]
+__all__ = ["CheckpointError", "Restored", "save", "restore", "export", "read_master", "read_meta", "list_tags",
+           "write_safetensors"]

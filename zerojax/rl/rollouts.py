@@ -36,6 +36,7 @@ from zerojax.rl.prompts import PromptData, decode
 from zerojax.rl.rewards import combined, score
 
 LOSS_LEVELS = ("sequence", "token")
+GENERATORS = ("generate", "serving")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -52,7 +53,10 @@ class RolloutOptions:
     decode_attention: generation's (`zerojax.generation.decoder.DECODE_ATTENTIONS`); shared_prompt:
     the log-prob passes run each prompt once per group, not once per row
     (`zerojax.methods.shared_prompt`: same numbers, fewer FLOPs; the loss takes it as
-    `make_grpo_loss(group=)`)."""
+    `make_grpo_loss(group=)`); generator: what generates the completions, "generate"
+    (`zerojax.generate`: one batch decoded to its longest row's end) or "serving" (`zerojax.serving`'s
+    continuous batching over the same live weights, `zerojax.rl.serving_rollouts`: a finished row
+    frees its place; greedy rollouts equal generate's, sampled ones draw each row's own stream)."""
 
     group: int = 8
     max_new_tokens: int | None = None
@@ -71,6 +75,7 @@ class RolloutOptions:
     adv_eps: float = 1e-4
     decode_attention: str = "auto"
     shared_prompt: bool = True
+    generator: str = "generate"
     min_group: ClassVar[int] = 2  # GRPO compares a prompt's completions
 
     @classmethod
@@ -98,6 +103,11 @@ class RolloutOptions:
         check_decode_attention_choice(self.decode_attention)
         if not isinstance(self.shared_prompt, bool):
             raise ValueError(f"shared_prompt={self.shared_prompt!r}: true or false")
+        if self.generator not in GENERATORS:
+            raise ValueError(f"generator={self.generator!r}; choose one of {GENERATORS}")
+        if self.generator == "serving" and self.decode_attention != "auto":
+            raise ValueError(f"decode_attention={self.decode_attention!r} is generate's: the serving engine "
+                             "attends over its pages; leave decode_attention \"auto\" with generator \"serving\"")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -146,6 +156,7 @@ class RolloutBatches:
         self.history: list[dict] = []
         self._cached = None  # (rollout index, batch, metrics)
         self._handed = None  # when the last batch was handed out
+        self._served = None  # the serving engine's generator (generator "serving"), built at the first rollout
         if o.iterations > 1 and self.step % o.iterations:
             warnings.warn(f"resuming at step {self.step}, inside a rollout of iterations={o.iterations}: it is "
                           "generated again from the restored weights (the uninterrupted run generated it "
@@ -181,11 +192,30 @@ class RolloutBatches:
     def _sample_seed(self, r: int, refill: int) -> int:
         return int(np.random.default_rng([self.seed, r, refill, 7]).integers(2 ** 31 - 1))
 
+    def warm_up(self) -> int:
+        """Compile the generator's programs ahead of the first rollout where it can: the serving
+        engine's every shape bucket (generator "serving"; rows ending at different lengths reach
+        new buckets in later rollouts otherwise) -> programs compiled (0: generate compiles per call)."""
+        if self.options.generator != "serving":
+            return 0
+        return self._serving_generator().warm_up()
+
+    def _serving_generator(self):
+        if self._served is None:
+            from zerojax.rl.serving_rollouts import ServingGenerator
+
+            self._served = ServingGenerator(self.engine, self.options, rows=self.rows, prompt_len=self.data.prompt_len,
+                                            max_new_tokens=self.max_new_tokens,
+                                            tokenizer=_TextTokenizer(self.tokenizer))
+        return self._served
+
     def generate(self, prompts: np.ndarray, seed: int):
         """(completion token lists, completion texts) of each prompt index (already repeated per group)."""
         import zerojax
 
         o = self.options
+        if o.generator == "serving":
+            return self._serving_generator()([self.data.ids[i] for i in prompts], seed)
         gen = zerojax.generate(self.engine, [self.data.ids[i] for i in prompts], max_new_tokens=self.max_new_tokens,
                                temperature=o.temperature, top_p=o.top_p, top_k=o.top_k, stop=list(o.stop),
                                ignore_eos=o.ignore_eos, seed=seed, tokenizer=_TextTokenizer(self.tokenizer),
@@ -284,4 +314,4 @@ class _TextTokenizer:
         return decode(self._tok, ids)
 
 
-__all__ = ["RolloutBatches", "RolloutOptions", "LOSS_LEVELS"]
+__all__ = ["RolloutBatches", "RolloutOptions", "LOSS_LEVELS", "GENERATORS"]

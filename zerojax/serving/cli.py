@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import os
 import sys
-import tempfile
+import time
 
 SERVE_EXTRA = 'zerojax serve needs the serve extra: pip install -e ".[serve]" (fastapi, uvicorn, prometheus-client)'
 
@@ -14,7 +14,8 @@ def _adapter(value: str) -> tuple[str, str]:
 
     name, sep, folder = value.partition("=")
     if not sep or not name or not folder:
-        raise argparse.ArgumentTypeError(f"--adapter {value!r}: NAME=DIR (a PEFT LoRA folder served as model NAME)")
+        raise argparse.ArgumentTypeError(f"--adapter {value!r}: NAME=DIR (a PEFT LoRA folder or a `zerojax train "
+                                         "--lora R --save` folder, served as model NAME)")
     return name, folder
 
 
@@ -29,9 +30,13 @@ def add_serve_flags(p) -> None:
                           "--tokenizer (without one: token-id prompts only, no chat)")
     p.add_argument("--tokenizer", metavar="DIR", help="the tokenizer folder (default: --hf-checkpoint)")
     p.add_argument("--adapter", action="append", type=_adapter, default=[], metavar="NAME=DIR",
-                   help="a PEFT LoRA adapter served as model NAME over the same base (repeatable)")
+                   help="LoRA adapters served as model NAME over the same base: a PEFT folder or a `zerojax "
+                        "train --lora R --save` folder (repeatable)")
     p.add_argument("--served-model-name", metavar="NAME", help="the base model's name in requests (default: the "
                                                                    "folder's name)")
+    p.add_argument("--quantize", choices=("int8", "nf4", "int4"),
+                   help="store the frozen base quantized, as QLoRA does (int8: per output channel; nf4 / int4: "
+                        "blocks of 64), dequantized on use; adapters share it")
     p.add_argument("--dtype", choices=("auto", "fp32", "bf16"), default="auto",
                    help="weights, compute and KV cache (auto: bf16 on a GPU, else fp32)")
     p.add_argument("--host", default="127.0.0.1", help="the address to bind (default 127.0.0.1: this machine only)")
@@ -49,26 +54,44 @@ def add_serve_flags(p) -> None:
     p.add_argument("--memory-fraction", type=number(float, 0, above=True), default=0.9, metavar="F",
                    help="of the device's free memory, the share the cache plan may use (default 0.9)")
     p.add_argument("--no-prefix-caching", action="store_true", help="do not share cached prompt pages")
+    floors = p.add_argument_group("compiled shapes", "the floors of the step's shape buckets (powers of two): "
+                                  "higher floors compile fewer programs (seconds each for a large model) for more "
+                                  "padding per step")
+    floors.add_argument("--min-rows", type=_power_of_two, default=8, metavar="N",
+                        help="rows of a decode step, at least (default 8)")
+    floors.add_argument("--min-span", type=_power_of_two, default=256, metavar="N",
+                        help="KV slots a row's attention gathers, at least (default 256)")
+    floors.add_argument("--min-chunk", type=_power_of_two, default=16, metavar="N",
+                        help="tokens of a prompt-chunk row, at least (default 16)")
+    p.add_argument("--no-warmup", action="store_true",
+                   help="open the port at once; each shape bucket compiles at its first request (default: every "
+                        "bucket's step program compiled before the port opens)")
+
+
+def _power_of_two(text: str) -> int:
+    import argparse
+
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1 or value & (value - 1):
+        raise argparse.ArgumentTypeError(f"{text!r} is not a power of two >= 1 (1, 2, 4, ..., 256, ...)")
+    return value
 
 
 def _load(args):
     import jax
     import jax.numpy as jnp
 
-    from zerojax.serving.llm import load_model
+    from zerojax.serving.llm import load_checkpoint_model, load_model
 
     dtype = args.dtype if args.dtype != "auto" else ("bf16" if jax.default_backend() == "gpu" else "fp32")
     dtype = jnp.bfloat16 if dtype == "bf16" else jnp.float32
     if args.checkpoint:  # its weights exported to a Hugging Face folder, read, and the folder removed
-        from zerojax.checkpoint.state import export
-        from zerojax.models import weights_writer
-
-        with tempfile.TemporaryDirectory(prefix="zerojax-serve-") as folder:
-            export(args.checkpoint, folder, dtype="bf16" if dtype == jnp.bfloat16 else "fp32",
-                   writer_for=weights_writer)
-            model, tokenizer, adapters = load_model(folder, dtype, dict(args.adapter))
+        model, tokenizer, adapters = load_checkpoint_model(args.checkpoint, dtype, dict(args.adapter), args.quantize)
     else:
-        model, tokenizer, adapters = load_model(args.hf_checkpoint, dtype, dict(args.adapter))
+        model, tokenizer, adapters = load_model(args.hf_checkpoint, dtype, dict(args.adapter), args.quantize)
     if args.tokenizer:
         from zerojax.models import load_tokenizer
 
@@ -88,13 +111,15 @@ def main(args) -> int:
     from zerojax.serving.async_engine import AsyncEngine
     from zerojax.serving.engine import LLMEngine
     from zerojax.serving.metrics import ServingMetrics
+    from zerojax.serving.shapes import Buckets
 
     try:
         model, tokenizer, adapters = _load(args)
         engine = LLMEngine(model, tokenizer, adapters=adapters, page_size=args.page_size,
                            kv_cache_tokens=args.kv_cache_tokens, max_num_seqs=args.max_num_seqs,
                            max_batched_tokens=args.max_batched_tokens, max_model_len=args.max_model_len,
-                           prefix_caching=not args.no_prefix_caching, memory_fraction=args.memory_fraction)
+                           prefix_caching=not args.no_prefix_caching, memory_fraction=args.memory_fraction,
+                           buckets=Buckets(args.min_rows, args.min_span, args.min_chunk))
     except (FileNotFoundError, ValueError, RuntimeError) as e:  # as `zerojax export` reports a checkpoint's
         print(f"error: {e}", file=sys.stderr)
         return 1
@@ -103,6 +128,11 @@ def main(args) -> int:
     aengine = AsyncEngine(engine, metrics)
     app = build_app(aengine, model_name=name, api_key=args.api_key, metrics=metrics)
     print(f"zerojax serve: {engine.plan.describe()}", file=sys.stderr, flush=True)
+    if not args.no_warmup:  # before the port opens: the first requests never pay a compile
+        start = time.perf_counter()
+        programs = engine.warm_up()
+        print(f"zerojax serve: warmed up {programs} step programs in {time.perf_counter() - start:.1f} s",
+              file=sys.stderr, flush=True)
     print(f"zerojax serve: model {name!r}" + (f", adapters {engine.adapters}" if engine.adapters else "")
           + f" on http://{args.host}:{args.port}", file=sys.stderr, flush=True)
     aengine.start()

@@ -104,13 +104,44 @@ class LLMEngine:
         self.scheduler = Scheduler(self.pool, max_num_seqs=max_num_seqs, max_batched_tokens=max_batched_tokens,
                                    prefix_caching=prefix_caching, buckets=buckets)
         self.buckets = buckets
-        self.keys, self.values = step_mod.empty_pool(self.geometry, plan.num_pages, page_size, self.dtype)
+        self._pool_sharding = None  # where the KV pool lies: the default device, or the weights' (use_weights)
+        self.keys, self.values = self._fresh_pool()
         self.detok = Detokenizer(tokenizer)
         self._requests: dict[str, Request] = {}
         self._sent: dict[str, tuple[int, str]] = {}
         self._ids = itertools.count()
         self._rng = np.random.default_rng()
         self.prompt_tokens = self.generation_tokens = 0
+        self._programs: set = set()  # the step programs run (shapes and variants), each compiled once
+
+    def _fresh_pool(self):
+        pool = step_mod.empty_pool(self.geometry, self.pool.num_pages, self.page_size, self.dtype)
+        return pool if self._pool_sharding is None else jax.device_put(pool, self._pool_sharding)
+
+    def use_weights(self, weights, source=None) -> None:
+        """Serve the base from `weights` from the next step on, without a copy (a training engine's
+        live arrays after each optimizer step: `zerojax.serving.live`); `source` makes the model of
+        them (default: the base's own). Between requests only: the cached prompt pages, computed
+        with the old weights, are forgotten; the KV pool moves to the weights' devices (replicated
+        over their mesh) where they lie elsewhere."""
+        if self.adapters:
+            raise ValueError("use_weights: this engine serves adapters over its base; it takes new weights only "
+                             "for a base served alone")
+        if self.has_unfinished():
+            raise RuntimeError("use_weights: requests are running on the current weights; finish or abort them first")
+        _, base_source = self._models[None]
+        self._models[None] = (weights, base_source if source is None else HashedSource(source))
+        self.pool.forget_prefixes()
+        leaf = next((x for x in jax.tree.leaves(weights) if isinstance(x, jax.Array)), None)
+        mesh = getattr(getattr(leaf, "sharding", None), "mesh", None)
+        if mesh is not None:
+            # replicated over the weights' mesh, as the step returns it: the first call compiles once, not
+            # once for a pool placed otherwise and again for the one it returns
+            self._pool_sharding = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
+        elif leaf is not None and leaf.sharding.device_set != self.keys.sharding.device_set:
+            self._pool_sharding = jax.sharding.SingleDeviceSharding(next(iter(leaf.devices())))
+        if self._pool_sharding is not None and self.keys.sharding != self._pool_sharding:
+            self.keys, self.values = jax.device_put((self.keys, self.values), self._pool_sharding)
 
     @staticmethod
     def _split(model):
@@ -208,7 +239,7 @@ class LLMEngine:
         return {"waiting": len(self.scheduler.waiting), "running": len(self.scheduler.running),
                 "pages_total": self.pool.capacity, "pages_in_use": self.pool.in_use,
                 "pages_available": self.pool.available, "prefix_cache_hits": self.pool.prefix_hits,
-                "preemptions": self.scheduler.preemptions}
+                "preemptions": self.scheduler.preemptions, "step_programs": len(self._programs)}
 
     # ---- one step ----------------------------------------------------------------------------
 
@@ -249,8 +280,7 @@ class LLMEngine:
         failed = {req for req, _ in plan}
         out = self.fail(list(failed), f"{type(error).__name__}: {error}")
         if self.keys.is_deleted() or self.values.is_deleted():
-            self.keys, self.values = step_mod.empty_pool(self.geometry, self.pool.num_pages, self.page_size,
-                                                         self.dtype)
+            self.keys, self.values = self._fresh_pool()
             for req in list(self.scheduler.running):
                 self.scheduler.preempt(req)
         return out
@@ -273,7 +303,6 @@ class LLMEngine:
 
     def _launch(self, model, rows) -> step_mod.StepOut:
         """One group's rows through the step (the pool updated in place) -> its outputs, on the device."""
-        weights, source = model
         ps = self.page_size
         budget, longest = self.scheduler.max_batched_tokens, max(n for _, n in rows)
         if longest == 1:
@@ -298,14 +327,42 @@ class LLMEngine:
         if self._stacked:
             adapter = np.zeros(R, np.int32)
             adapter[:len(rows)] = [self._stacked[1][req.adapter] for req, _ in rows]
-        penalties = self._penalties(rows, R)
         want_top = max((req.params.logprobs or 0) for req, _ in rows)
+        return self._call(model, step_mod.Rows(tokens, start, count, pages, adapter),
+                          step_mod.RowSampling(temperature, top_p, top_k, seed, index), self._penalties(rows, R),
+                          SamplingParams.MAX_LOGPROBS if want_top else 0)
+
+    def _call(self, model, rows: step_mod.Rows, sampling: step_mod.RowSampling, penalties, top: int):
+        """One compiled step over `rows` (the pool updated in place) -> its StepOut on the device."""
+        weights, source = model
+        R, C = rows.tokens.shape
+        self._programs.add((id(source), R, C, rows.pages.shape[1], penalties is not None, top))
         run = step_mod.step if C == 1 else step_mod.chunk_step
-        self.keys, self.values, out = run(
-            weights, self.keys, self.values, step_mod.Rows(tokens, start, count, pages, adapter),
-            step_mod.RowSampling(temperature, top_p, top_k, seed, index), penalties, source=source, page_size=ps,
-            top_logprobs=SamplingParams.MAX_LOGPROBS if want_top else 0)
+        self.keys, self.values, out = run(weights, self.keys, self.values, rows, sampling, penalties, source=source,
+                                          page_size=self.page_size, top_logprobs=top)
         return out
+
+    def warm_up(self, max_chunk: int | None = None) -> int:
+        """Compile (and run once, on padding rows that write only the scratch page) the step program
+        of every shape bucket for every model a step calls, so that no request pays a compile ->
+        the programs run. max_chunk: the longest prompt chunk to expect (default max_model_len: a
+        preempted request's prompt and tokens read again). Requests asking for penalties or
+        logprobs still compile theirs on first use."""
+        models = [self._stacked[0]] if self._stacked else list(self._models.values())
+        shapes_ = self.buckets.programs(self.scheduler.max_num_seqs, self.scheduler.max_batched_tokens,
+                                        self.page_size, -(-self.max_model_len // self.page_size),
+                                        max_chunk or self.max_model_len)
+        outs = []
+        for model in models:
+            for R, C, P in shapes_:
+                z = np.zeros(R, np.int32)
+                adapter = z if self._stacked else None
+                rows = step_mod.Rows(np.zeros((R, C), np.int32), z, z, np.full((R, P), SCRATCH_PAGE, np.int32), adapter)
+                sampling = step_mod.RowSampling(np.zeros(R, np.float32), np.ones(R, np.float32), z,
+                                                np.zeros(R, np.uint32), z)
+                outs.append(self._call(model, rows, sampling, None, 0))
+        jax.block_until_ready(outs)
+        return len(outs)
 
     @staticmethod
     def _collect(rows, out: step_mod.StepOut) -> dict:

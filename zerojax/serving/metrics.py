@@ -23,7 +23,9 @@ class ServingMetrics:
                          ("pages_in_use", "KV cache pages held by requests"),
                          ("pages_total", "KV cache pages in the pool"),
                          ("prefix_cache_hits", "prompt pages found in the prefix cache, since start"),
-                         ("preemptions", "requests preempted for pages (recomputed), since start")):
+                         ("preemptions", "requests preempted for pages (recomputed), since start"),
+                         ("step_programs", "step programs compiled (shape buckets and variants), since start: "
+                                           "growing after the warm-up means requests paid a compile")):
             Gauge(f"zerojax_{key}", doc, registry=r).set_function(lambda key=key: stats()[key])
         self.prompt_tokens = Counter("zerojax_prompt_tokens", "prompt tokens of finished requests", registry=r)
         self.generation_tokens = Counter("zerojax_generation_tokens", "tokens generated", registry=r)

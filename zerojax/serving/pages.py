@@ -101,5 +101,13 @@ class PagePool:
         self._page_of_hash[h] = page
         self._hash_of_page[page] = h
 
+    def forget_prefixes(self) -> None:
+        """No page is a cached prefix any more (their contents were computed with weights that
+        changed): the unreferenced ones are free again."""
+        self._free.extend(self._evictable)
+        self._evictable.clear()
+        self._page_of_hash.clear()
+        self._hash_of_page.clear()
+
 
 __all__ = ["PagePool", "chain_hashes", "SCRATCH_PAGE"]

@@ -44,6 +44,18 @@ class Buckets:
         """Page-table width for rows holding at most `pages` pages."""
         return min(pow2(pages, -(-self.min_span // page_size)), pow2(max_pages))
 
+    def programs(self, max_num_seqs: int, max_batched_tokens: int, page_size: int, max_pages: int,
+                 max_chunk: int) -> list[tuple[int, int, int]]:
+        """Every (rows, chunk length, page-table width) a step can take, prompt chunks of at most
+        max_chunk tokens: the decodes' [R, 1] and the prompt chunks' [R, C], each at every width;
+        what the engine's warm-up compiles."""
+        spans = sorted({self.span_pages(p, page_size, max_pages) for p in range(1, max_pages + 1)})
+        decodes = sorted({self.decode_rows(n, max_num_seqs) for n in range(1, max_num_seqs + 1)})
+        longest = min(max_batched_tokens, max_chunk)
+        lengths = sorted({self.chunk_length(n, max_batched_tokens) for n in range(2, longest + 1)})
+        shapes = [(rows, 1) for rows in decodes] + [(self.chunk_rows(c, max_batched_tokens), c) for c in lengths]
+        return [(rows, length, span) for rows, length in shapes for span in spans]
+
 
 class ChunkSlots:
     """One step's prompt chunks: the first fixes the chunk length, the others fit in it, as many
