@@ -252,6 +252,21 @@ SERVE = Case(
     match=("concurrency", "long_prompt_share"),
     runs=pair("serve", "benchmarks/serve_bench.py", 360, "benchmarks/serve_bench_hf.py", 230))
 
+def _rl_generator(generator, anchor=False):
+    argv = ("benchmarks/rl_bench.py", "--model", "llama-3.2-1b", "--new", "1024", "--stop-every", "256", "--steps", "3",
+            "--generator", generator)
+    return Run(generator, argv, 280, anchor=anchor, tag=(("generator", generator),),
+               smoke=("benchmarks/rl_bench.py", "--tiny", "--new", "8", "--stop-every", "4", "--steps", "1",
+                      "--generator", generator))
+
+
+RL_SERVING = Case(
+    "rl-serving", "GRPO rollouts where completions end at different lengths (random-init Llama-3.2-1B, group 8 x 8 "
+    "prompts of 256 tokens, up to 1,024 new, every 256th token id a stop): the serving engine's continuous "
+    "batching over the live weights (generator=serving)", "zerojax.generate (each batch decoded to its longest "
+    "row's end), the same run", 9, headline="samples_per_s",
+    runs=(_rl_generator("generate", anchor=True), _rl_generator("serving")))
+
 MOE = Case(
     "moe", "MoE training: OLMoE-1B-7B's shape full fine-tune (8 of 16 layers) and Qwen3-30B-A3B QLoRA nf4 r16 "
     "under a 24 GB budget, one process per row", "transformers (+ PEFT), the same batch and tokens", 10,
@@ -263,7 +278,7 @@ MOE = Case(
 def _registry():
     cases = (SPEED, OFFLOAD_24GB, NVME, MODELS, LLAMA8B_24GB, GENERATE, DECODE_HLO, RL, DECODE_ATTENTION,
              DECODE_ATTENTION_RL, RL_8B_LORA_24GB, DPO_8B_LORA_24GB, REWARD_1B, LONG_CONTEXT, LONG_CONTEXT_FULL,
-             SERVE, MOE, X2, X4, BEFORE_AFTER)
+             SERVE, RL_SERVING, MOE, X2, X4, BEFORE_AFTER)
     return {case.name: case for case in cases}
 
 
