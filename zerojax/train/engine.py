@@ -39,7 +39,6 @@ from zerojax import model as contract, offload as O, user_tree
 from zerojax.user_tree import take_layer
 
 from zerojax.checkpoint import engine_io
-from zerojax.checkpoint.finite import first_nonfinite
 from zerojax._jax_compat import is_tracer
 from zerojax.train import memory
 from zerojax.sharding import partition
@@ -48,14 +47,10 @@ from zerojax.train import step as step_mod
 from zerojax.train.layout import EngineLayout, build_layout, no_eager_sharding
 from zerojax.train.monitor import Monitor
 from zerojax.options import EngineOptions
-from zerojax.precision import MIN_SCALE_ERROR
 from zerojax.train.step import TrainState, pure_dict
+from zerojax.train.step_checks import StepChecks
 
 logger = logging.getLogger("zerojax")
-
-# fp16 with a static loss scale: this many overflow-skipped steps in a row stop the run (the scale
-# never lowers, so every later step would be skipped too, without a word)
-STATIC_SCALE_PATIENCE = 10
 
 _HOST_KINDS = ("pinned_host", "unpinned_host")
 
@@ -172,9 +167,9 @@ class Engine:
         self._eval = jax.jit(functools.partial(step_mod.eval_step, settings))
         self._compiled: dict = {}
         self._global_steps = 0
-        self._pending = None
-        self._overflow_run = 0  # fp16: consecutive overflow-skipped steps (a static scale never lowers)
-        self._last_checked = None  # (step, metrics) of the last step whose flags were read
+        self._pending = None  # the last step's (number, metrics), its flags read after the next dispatch
+        self._checks = StepChecks(self.layout.compute_dtype, self.layout.fp16, self.cfg.fp16.loss_scale,
+                                  params=lambda: self.state.params)
         self._last_batch_shapes = None
         self._guarded: set = set()  # batch shapes whose step passed the memory guard
         self._print_time, self._print_tokens = time.perf_counter(), 0
@@ -589,54 +584,7 @@ class Engine:
             self._check(*pending)
 
     def _check(self, step: int, metrics: dict) -> None:
-        self._check_flags(step, metrics)
-        self._last_checked = (step, metrics)
-
-    def _check_flags(self, step: int, metrics: dict) -> None:
-        if self.fp16:
-            if bool(metrics["overflow_at_min"]):
-                self._raise_if_weights_nonfinite(step)
-                raise FloatingPointError(f"step {step}: {MIN_SCALE_ERROR}")
-            skipped = bool(metrics["skipped"])
-            self._overflow_run = self._overflow_run + 1 if skipped else 0
-            static = float(self.cfg.fp16.loss_scale or 0)
-            if static > 0 and self._overflow_run >= STATIC_SCALE_PATIENCE:
-                self._raise_if_weights_nonfinite(step)
-                raise FloatingPointError(
-                    f"step {step}: fp16 with the static loss scale {static:g} (fp16.loss_scale): the last "
-                    f"{self._overflow_run} steps all overflowed and were skipped, so the weights have not changed "
-                    f"since step {step - self._overflow_run}; lower fp16.loss_scale, or set it to 0 for the "
-                    f"dynamic scale, or train in bf16")
-            if not bool(metrics["nonfinite"]) or skipped:  # an overflow the loss scale handled
-                return
-        if bool(metrics["nonfinite"]):
-            self._raise_if_weights_nonfinite(step)
-            dtype = {"bfloat16": "bf16", "float16": "fp16"}.get(jnp.dtype(self.compute_dtype).name, "fp32")
-            raise FloatingPointError(
-                f"step {step}: the loss or gradients are not finite (loss={float(metrics['loss'])}, "
-                f"grad_norm={float(metrics['grad_norm'])}) under {dtype}; the update was skipped, so "
-                f"the weights are those after step {step - 1}. Usual causes: the learning rate is too "
-                f"high (lr={float(metrics['lr']):g}; add warmup or lower it), no gradient_clipping, "
-                f"inf/NaN in the batch, or values beyond the compute dtype's range (fp16 tops out at "
-                f"65504: prefer bf16)")
-
-    def _raise_if_weights_nonfinite(self, step: int) -> None:
-        """Step `step`'s loss was not finite: where the weights it read already were (an update made them
-        so from a finite loss and gradients: an lr beyond fp32's range, Adam's eps 0), the true cause,
-        the step before's. Read only here, on the way to an error: a check of the weights every step
-        cost 2% of Llama-3.2-1B's step on an H200; a non-finite weight shows in the next loss, and a
-        save checks the whole state (`zerojax.checkpoint.finite`)."""
-        leaf = first_nonfinite(self.state.params)  # a skipped step left them as the step read them
-        if leaf is None:
-            return
-        at, before = self._last_checked if self._last_checked else (step - 1, None)
-        said = "" if before is None else (
-            f" from a finite loss ({float(before['loss']):.4g}) and gradient norm ({float(before['grad_norm']):.4g}) "
-            f"at lr={float(before['lr']):g}, loss scale {float(before['loss_scale']):g}")
-        raise FloatingPointError(
-            f"step {at}: the update made the weights non-finite ({leaf} first){said}, so step {step}'s loss is not "
-            f"finite. Usual causes: a learning rate beyond float32's range or far too high, Adam's eps 0 (0/0 where "
-            f"a gradient is 0). Non-finite weights are never checkpointed")
+        self._checks.check(step, metrics)
 
     def _log(self, metrics) -> None:
         now = time.perf_counter()
@@ -668,7 +616,8 @@ class Engine:
             load_optimizer_states=load_optimizer_states, load_module_only=load_module_only)
         if got.global_steps is not None:
             self._global_steps = int(got.global_steps)
-        self._pending = self._last_checked = None
+        self._pending = None
+        self._checks.reset()
         return got.path, got.client_state
 
     # ------------------------------------------------------------------ ahead of time
