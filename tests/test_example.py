@@ -98,6 +98,9 @@ def _check_log_lines(captured, steps, summary):
     assert tps == pytest.approx(summary["tokens_per_s_per_device"], abs=1)
     assert mfu == pytest.approx(100 * summary["mfu"], abs=0.06)
     assert "MFU against 1 TFLOP/s per device (--peak-tflops); tokens/s are per device, steps that compile excluded" in out
+    # DeepSpeed's steps_per_print lines (the config sets 10) carry no second speed figure
+    ds_lines = [line for line in out.splitlines() if line.startswith("[Rank 0] step=")]
+    assert len(ds_lines) == steps // 10 and not any("tokens/s" in line for line in ds_lines), ds_lines
     # the host's peak, as the kernel counts it (VmHWM: the high-water mark of this process's RSS,
     # read after the run, not below the figure the example read at its end; VmRSS: what the
     # process holds now, most of which it held then)

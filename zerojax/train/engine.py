@@ -25,7 +25,6 @@ from __future__ import annotations
 import dataclasses
 import functools
 import logging
-import time
 import warnings
 from typing import Callable
 
@@ -129,7 +128,6 @@ class Engine:
         self._user_split = _abstract_split(user) if self.layout.layer_lists else None
         self.loss_fn = loss_fn
         self._plans_for = plans_for
-        self._counter = module if callable(getattr(module, "count_tokens", None)) else None
         record = getattr(module, "checkpoint_record", None)
         self._model_record = record() if callable(record) else None
         if abstract:
@@ -172,7 +170,6 @@ class Engine:
                                   params=lambda: self.state.params)
         self._last_batch_shapes = None
         self._guarded: set = set()  # batch shapes whose step passed the memory guard
-        self._print_time, self._print_tokens = time.perf_counter(), 0
         cfg = self.cfg
         self.monitor = Monitor(cfg, is_writer=jax.process_index() == 0)
         betas = (cfg.optimizer.params.get("betas") if cfg.optimizer is not None else None) or (0.9, 0.999)
@@ -486,7 +483,6 @@ class Engine:
         previous, self._pending = self._pending, (self._global_steps, metrics)
         if previous is not None:
             self._check(*previous)
-        self._print_tokens += contract.count_tokens(self._counter, placed)
         self.monitor.record(self._global_steps * self.cfg.train_batch_size, metrics)
         spp = self.cfg.steps_per_print
         if spp and self._global_steps % spp == 0:
@@ -587,12 +583,12 @@ class Engine:
         self._checks.check(step, metrics)
 
     def _log(self, metrics) -> None:
-        now = time.perf_counter()
+        """DeepSpeed's steps_per_print line. No speed in it: a wall-clock rate over the steps since the
+        last line (compiles included, all devices) read beside the trainer's tokens/s per device
+        (zerojax.train.monitor.SpeedMeter) gave two figures for one step."""
         loss = float(metrics["loss"])  # waits for this step
-        tps = self._print_tokens / max(now - self._print_time, 1e-9)
-        self._print_time, self._print_tokens = time.perf_counter(), 0
         line = (f"[Rank {jax.process_index()}] step={self._global_steps}, skipped={self.skipped_steps}, "
-                f"lr=[{float(metrics['lr']):g}], mom=[{self._mom}], loss={loss:.4f}, tokens/s={tps:.0f}")
+                f"lr=[{float(metrics['lr']):g}], mom=[{self._mom}], loss={loss:.4f}")
         if jax.process_index() == 0:
             logger.info(line)
             print(line, flush=True)
