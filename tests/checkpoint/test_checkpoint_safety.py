@@ -263,3 +263,20 @@ def test_ctrl_c_once_asks_the_loop_to_stop_twice_stops_now(capsys):
     finally:
         stop.uninstall()
     assert signal.getsignal(signal.SIGINT) is handler and stop.exit_status(saved=True) == 0
+
+
+def test_several_processes_agree_on_the_stop_every_few_steps(monkeypatch):
+    """With several processes the stop is agreed by a collective every AGREE_EVERY steps (not every step:
+    the host would wait for the device), and a signal to any one process stops them all."""
+    from jax.experimental import multihost_utils
+
+    from zerojax.trainer import stopping
+
+    asked = []
+    monkeypatch.setattr(jax, "process_count", lambda: 2)
+    monkeypatch.setattr(multihost_utils, "process_allgather",
+                        lambda x: asked.append(x) or np.stack([x, np.asarray([True])]))  # the other process was signalled
+    stop = stopping.StopRequest()
+    assert [stop.agreed(k) for k in range(1, 2 * stopping.AGREE_EVERY + 1)] == \
+        [False] * (stopping.AGREE_EVERY - 1) + [True] + [False] * (stopping.AGREE_EVERY - 1) + [True]
+    assert len(asked) == 2 and stop.signal == "SIGTERM" and not asked[0].any()

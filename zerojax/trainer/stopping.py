@@ -5,14 +5,19 @@ A preempted cluster job gets SIGTERM and a grace period; the run used to die at 
 only asks the loop to stop at the next step boundary; the trainer then saves a checkpoint (where it
 has a --save folder) and exits 0 with one line. A second Ctrl-C stops at once (KeyboardInterrupt).
 
-With several processes a signal may reach them at different steps; the loop then asks all of them
-(`agreed`) each step, so that every process stops after the same step and joins the same save.
+With several processes a signal may reach them at different steps; every `AGREE_EVERY` steps the loop
+asks all of them (`agreed`), so that every process stops after the same step and joins the same save.
+Not every step: the question is a collective the host waits for, which would take away the one step
+the host runs ahead of the device (the trainer's log line every 10 steps waits for its loss anyway).
 """
 from __future__ import annotations
 
 import signal
 import sys
 import threading
+
+
+AGREE_EVERY = 10  # steps between the processes' agreement on a stop (several processes only)
 
 
 class StopRequest:
@@ -42,12 +47,15 @@ class StopRequest:
         print(f"{name}: stopping after this step" + (" (Ctrl-C again stops now)" if signum == signal.SIGINT else ""),
               file=sys.stderr, flush=True)
 
-    def agreed(self) -> bool:
-        """Whether the loop stops after this step: this process's flag, or any process's."""
+    def agreed(self, steps_done: int = 0) -> bool:
+        """Whether the loop stops after this step (the run's `steps_done`-th): this process's flag; with
+        several processes, any process's, asked every AGREE_EVERY steps."""
         import jax
 
         if jax.process_count() == 1:
             return self.signal is not None
+        if steps_done % AGREE_EVERY:
+            return False
         import numpy as np
         from jax.experimental import multihost_utils
 

@@ -548,7 +548,7 @@ class Trainer:
                 for hook in hooks:  # counted in this run's steps, the last one always
                     if (i + 1) % hook.every == 0 or (last and hook.fn == self.log_progress):
                         hook.fn(info)
-                if not last and self.stop.agreed():
+                if not last and self.stop.agreed(i + 1):
                     self.bar.close()
                     return False
         finally:
