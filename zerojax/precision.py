@@ -42,11 +42,16 @@ class DynamicLossScaleState(NamedTuple):
 LossScaleState = DynamicLossScaleState  # the static scaler uses the same state (counters unused)
 
 
-def all_finite(tree) -> jax.Array:
+def finite_leaves(tree) -> jax.Array:
+    """A bool per leaf of `tree`: whether it holds no inf / NaN (the checkpoint's check names the first)."""
     leaves = jax.tree.leaves(tree)
     if not leaves:
-        return jnp.asarray(True)
-    return jnp.stack([jnp.all(jnp.isfinite(x)) for x in leaves]).all()
+        return jnp.ones((0,), jnp.bool_)
+    return jnp.stack([jnp.all(jnp.isfinite(x)) for x in leaves])
+
+
+def all_finite(tree) -> jax.Array:
+    return finite_leaves(tree).all()
 
 
 def _unscale(grads, loss_scale):

@@ -16,7 +16,8 @@ from __future__ import annotations
 import os
 import shutil
 
-LATEST = "latest"  # the same file name zerojax.checkpoint.state writes
+from zerojax.checkpoint.tags import LATEST
+
 _LATEST_TMP_PREFIX = f".{LATEST}.tmp"  # zerojax.checkpoint.state writes `latest` through this, then renames
 
 

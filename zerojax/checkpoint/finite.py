@@ -9,26 +9,23 @@ are written (`zerojax.checkpoint.stream.write_leaf`).
 """
 from __future__ import annotations
 
-import functools
-
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 from zerojax.checkpoint.errors import CheckpointError
+from zerojax.precision import finite_leaves
 
 
 class NonFiniteState(CheckpointError):
     """A checkpoint was asked of a state holding inf or NaN."""
 
 
+_finite_flags = jax.jit(finite_leaves)  # a bool per device leaf, one small program
+
+
 def _floating(x) -> bool:
     return hasattr(x, "dtype") and jnp.issubdtype(x.dtype, jnp.inexact)
-
-
-@functools.partial(jax.jit)
-def _finite_flags(leaves):
-    return jnp.stack([jnp.all(jnp.isfinite(x)) for x in leaves])
 
 
 _BLOCK = 1 << 20  # elements a host check reads at once: its temporary stays 1 MiB, not a bool per element

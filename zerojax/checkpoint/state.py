@@ -46,14 +46,12 @@ from jax.experimental import multihost_utils
 from zerojax.checkpoint import stream
 from zerojax.checkpoint import checksums, space
 from zerojax.checkpoint.errors import CheckpointError
-from zerojax.checkpoint.tags import TagError, check_tag
+from zerojax.checkpoint.tags import LATEST, TMP_MARK, TagError, check_tag
 from zerojax.precision import DynamicLossScaleState
 from zerojax.train_state import TrainState
 from zerojax.version import __version__
 
 FORMAT = "zerojax-checkpoint/1"
-LATEST = "latest"
-_TMP_MARK = ".orbax-checkpoint-tmp"
 
 
 # ---------------------------------------------------------------------------------------------
@@ -121,7 +119,7 @@ def list_tags(save_dir) -> list[str]:
     if not os.path.isdir(save_dir):
         return []
     tags = [d for d in os.listdir(save_dir)
-            if _TMP_MARK not in d and os.path.isdir(os.path.join(save_dir, d, "meta"))]
+            if TMP_MARK not in d and os.path.isdir(os.path.join(save_dir, d, "meta"))]
     return sorted(tags, key=lambda d: os.path.getmtime(os.path.join(save_dir, d)))
 
 

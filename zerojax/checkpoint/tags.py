@@ -16,7 +16,7 @@ from zerojax.checkpoint.lock import LOCK_FILE
 LATEST = "latest"
 _NAME = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.+=-]{0,199}")
 _RESERVED = {LATEST, LOCK_FILE, "critic"}  # critic: PPO's critic checkpoints beside the actor's tags
-_TMP_MARK = ".orbax-checkpoint-tmp"
+TMP_MARK = ".orbax-checkpoint-tmp"  # orbax writes a tag into <tag><TMP_MARK>..., then renames it
 RULE = ("a tag is a name of letters, digits and _ . + = - (up to 200, not starting with '.' or '-', "
         "not 'latest' or 'critic'), e.g. global_step10 or epoch-2")
 
@@ -32,9 +32,9 @@ def check_tag(tag) -> str:
             tag = str(tag)
         else:
             raise TagError(f"checkpoint tag {tag!r}: {RULE}")
-    if not _NAME.fullmatch(tag) or tag in _RESERVED or _TMP_MARK in tag:
+    if not _NAME.fullmatch(tag) or tag in _RESERVED or TMP_MARK in tag:
         raise TagError(f"checkpoint tag {tag!r} is not a plain name: {RULE}")
     return tag
 
 
-__all__ = ["TagError", "check_tag", "RULE", "LATEST"]
+__all__ = ["TagError", "check_tag", "RULE", "LATEST", "TMP_MARK"]
