@@ -61,7 +61,7 @@ def lora_copies(model, n: int) -> dict:
     return out
 
 
-def build_engine(s: dict, tiny: bool, adapters: int = 0):
+def build_engine(s: dict, tiny: bool, adapters: int = 0, decode_attention: str = "auto"):
     import jax.numpy as jnp
     from flax import nnx
 
@@ -70,12 +70,15 @@ def build_engine(s: dict, tiny: bool, adapters: int = 0):
     from zerojax.serving.shapes import Buckets
 
     model = Llama(LlamaConfig.named(s["name"]), rngs=nnx.Rngs(0), dtype=jnp.bfloat16, param_dtype=jnp.bfloat16)
-    # an 8B program compiles in tens of seconds: high floors keep the programs few (decode rows 32,
-    # 64, 128, 256 x spans 2048, 4096 slots; chunks of 512, 1024, 2048 tokens x the spans: 14)
-    buckets = Buckets() if tiny else Buckets(min_rows=32, min_span=2048, min_chunk=512)
+    # an 8B program compiles in tens of seconds: high floors keep the programs few. The decode
+    # kernel reads only each row's own pages, so a decode's page table may be as wide as the context
+    # at no cost (one width: decode rows 32, 64, 128, 256; chunks of 512, 1024, 2048 tokens: 7
+    # programs); XLA's decodes gather the whole table, so they keep two widths (2048, 4096 slots: 14)
+    span = 2048 if decode_attention == "xla" else s["max_model_len"]
+    buckets = Buckets() if tiny else Buckets(min_rows=32, min_span=span, min_chunk=512)
     return model, LLMEngine(model, None, adapters=lora_copies(model, adapters), max_num_seqs=s["max_num_seqs"],
                             max_batched_tokens=s["max_batched_tokens"], max_model_len=s["max_model_len"],
-                            buckets=buckets)
+                            buckets=buckets, decode_attention=decode_attention)
 
 
 def start_server(engine) -> tuple[str, object]:
@@ -137,6 +140,8 @@ def main(argv=None) -> int:
     ap.add_argument("--adapters", type=int, default=0, metavar="N",
                     help="serve N LoRA adapters (r 16, all linears) over the base and send the requests round-robin "
                          "to them: the multi-adapter case, beside a run without")
+    ap.add_argument("--decode-attention", choices=("auto", "xla", "kernel"), default="auto",
+                    help="how decode steps read the pages (the engine's option; auto: the kernel on a GPU)")
     args = ap.parse_args(argv)
     import jax
 
@@ -146,7 +151,7 @@ def main(argv=None) -> int:
     s = shape(args.tiny)
     if args.levels:
         s["levels"] = args.levels
-    model, engine = build_engine(s, args.tiny, args.adapters)
+    model, engine = build_engine(s, args.tiny, args.adapters, args.decode_attention)
     models = engine.adapters or ["bench"]
     print(engine.plan.describe(), flush=True)
     start = time.perf_counter()
@@ -156,7 +161,8 @@ def main(argv=None) -> int:
     serve_traffic.run_matrix("zerojax", s, model.config.vocab_size,
                              lambda reqs, c: asyncio.run(level(url, reqs, c, models)),
                              lambda: {"device": device, "preemptions": engine.stats["preemptions"],
-                                      "adapters": len(engine.adapters)})
+                                      "adapters": len(engine.adapters),
+                                      "decode_attention": "kernel" if engine.decode_kernel else "xla"})
     server.should_exit = True
     return 0
 

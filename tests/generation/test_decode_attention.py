@@ -4,7 +4,8 @@ import jax
 import numpy as np
 import pytest
 
-from zerojax.generation.decode_attention import decode_attention, slot_block, split_count
+from zerojax.generation.decode_attention import (decode_attention, paged_attention_supported, slot_block,
+                                                 split_count)
 
 
 def _reference(q, keys, values, layer, first, last):
@@ -37,6 +38,30 @@ def test_equals_the_formula_over_each_rows_visible_slots(splits):
     np.testing.assert_allclose(np.asarray(got), _reference(q, keys, values, 1, first, last), rtol=1e-12, atol=1e-12)
 
 
+@pytest.mark.parametrize("splits", [1, 3])
+def test_paged_pool_equals_the_formula_over_each_rows_pages(splits):
+    """The serving pool's layout [L, pages, K, page_size, Dh]: each row's slots scattered over
+    pages in its own order (shared pages, the scratch page 0 past a row's end), read through its
+    page table; equal to the formula over the same slots laid out contiguously."""
+    rng = np.random.default_rng(1)
+    L, B, K, Dh, H, ps, P, N = 3, 4, 2, 16, 8, 16, 4, 20
+    q = rng.standard_normal((B, H, Dh))
+    dense = rng.standard_normal((2, L, B, K, P * ps, Dh))
+    pages = rng.permutation(np.arange(1, N))[:B * P].reshape(B, P).astype(np.int32)  # no page in two rows...
+    pages[1, 0] = pages[0, 0]  # ...but a shared prefix page, holding the same slots in both
+    dense[:, :, 1, :, :ps] = dense[:, :, 0, :, :ps]
+    pages[3, 2:] = 0  # row 3 ends in its second page: the table's rest is the scratch page
+    pool = rng.standard_normal((2, L, N, K, ps, Dh))
+    for b in range(B):
+        for j in range(P if b != 3 else 2):
+            pool[:, :, pages[b, j]] = dense[:, :, b, :, j * ps:(j + 1) * ps]
+    first, last = np.array([0, 5, 20, 0]), np.array([10, 63, 40, 31])
+    with jax.enable_x64(True):
+        got = decode_attention(q, pool[0], pool[1], np.int32(2), first, last, pages=pages, splits=splits)
+    np.testing.assert_allclose(np.asarray(got), _reference(q, dense[0], dense[1], 2, first, last), rtol=1e-12,
+                               atol=1e-12)
+
+
 def test_slot_block_split_count_and_refusals():
     assert (slot_block(512), slot_block(96), slot_block(48), slot_block(40)) == (64, 32, 16, None)
     # batch 64 x 8 kv heads fills the GPU with one program each; one row of 8 splits its 6 blocks
@@ -45,6 +70,12 @@ def test_slot_block_split_count_and_refusals():
     cache = np.zeros((1, 1, 2, 32, 12), np.float32)
     with pytest.raises(ValueError, match="head_dim 12"):
         decode_attention(q, cache, cache, 0, np.zeros(1, np.int32), np.zeros(1, np.int32))
+    # pages: a power of two of 16 slots or more, a power-of-two table
+    assert paged_attention_supported(128, 32, 8, 16, 256) and not paged_attention_supported(128, 32, 8, 8, 256)
+    assert not paged_attention_supported(128, 32, 8, 24, 256) and not paged_attention_supported(128, 32, 8, 16, 3)
+    with pytest.raises(ValueError, match="pages of 8 slots"):
+        decode_attention(np.zeros((1, 4, 16)), np.zeros((1, 3, 2, 8, 16)), np.zeros((1, 3, 2, 8, 16)), 0,
+                         np.zeros(1, np.int32), np.zeros(1, np.int32), pages=np.zeros((1, 2), np.int32))
 
 
 @pytest.mark.parametrize("layers, batch, kv_heads, slots, head_dim, heads", [
@@ -64,4 +95,11 @@ def test_lowers_to_triton_for_a_gpu(layers, batch, kv_heads, slots, head_dim, he
     fn = jax.jit(lambda *a: decode_attention(*a, interpret=False))
     text = fn.trace(sd((batch, heads, head_dim), jnp.bfloat16), cache, cache, sd((), jnp.int32), rows,
                     rows).lower(lowering_platforms=("cuda",)).as_text()
+    assert "zerojax_decode_attention" in text
+    # the serving pool read through page tables: pages of 16 slots, tables of slots / 16 pages
+    pool = sd((layers, 64, kv_heads, 16, head_dim), jnp.bfloat16)
+    paged = jax.jit(lambda *a: decode_attention(*a[:-1], pages=a[-1], interpret=False))
+    text = paged.trace(sd((batch, heads, head_dim), jnp.bfloat16), pool, pool, sd((), jnp.int32), rows, rows,
+                       sd((batch, 1 << (slots // 16 - 1).bit_length()), jnp.int32)).lower(
+                           lowering_platforms=("cuda",)).as_text()
     assert "zerojax_decode_attention" in text

@@ -71,6 +71,28 @@ def test_continuous_batching_equals_generate_alone_and_transformers(pair):
     assert engine.stats["pages_available"] == engine.pool.capacity  # every page back
 
 
+def test_decode_kernel_reads_the_pages_and_equals_transformers(tmp_path):
+    """decode_attention="kernel": the decode steps read each row's pages through its page table in
+    the fused kernel (Pallas' interpreter here), the prompt chunks gather them; rows spanning
+    pages, a shared prompt page, a sliding window shorter than a page: transformers' greedy tokens
+    (a Mistral of head_dim 16, the kernel's smallest, window 6, GQA 4:2)."""
+    from models.test_llama import _common
+
+    torch.manual_seed(3)
+    hf = transformers.MistralForCausalLM(transformers.MistralConfig(**_common(sliding_window=6, head_dim=16))).eval()
+    hf.save_pretrained(tmp_path)
+    model = from_hf(tmp_path)
+    engine = LLMEngine(model, page_size=16, kv_cache_tokens=160, max_num_seqs=4, max_batched_tokens=32,
+                       decode_attention="kernel")
+    prompts = _prompts(hf.config.vocab_size, (3, 20, 40), seed=6)
+    prompts.append(prompts[2][:32] + [5, 6])  # its first two pages cached from the third's
+    greedy = SamplingParams(max_tokens=NEW)
+    done, _ = _drain(engine, [[(i, p, greedy) for i, p in enumerate(prompts[:3])], [], [], [(3, prompts[3], greedy)]])
+    assert engine.stats["prefix_cache_hits"] > 0
+    for i, prompt in enumerate(prompts):
+        assert done[i].token_ids == _hf_greedy(hf, prompt, NEW), i
+
+
 def test_abort_frees_pages_at_once(pair):
     _, model = pair
     engine = _engine(model, prefix_caching=False)

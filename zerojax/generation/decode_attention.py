@@ -14,7 +14,9 @@ merged after (`split_count`).
 
 The cache stays [layers, batch, kv_heads, length, head_dim] (`zerojax.generation.cache`) and is
 handed over whole with the layer index as an operand: a slice of it would be a copy before a
-custom call.
+custom call. The serving engine's paged pool, [layers, pages, kv_heads, page_size, head_dim]
+(`zerojax.serving.step`), is read by the same kernel through each row's page table: a loop step is
+one page, found in the table, so no row's pages are ever gathered into a copy.
 """
 from __future__ import annotations
 
@@ -46,21 +48,43 @@ def decode_attention_supported(head_dim: int, heads: int, kv_heads: int, length:
     return triton_head_dim(head_dim) and kv_heads > 0 and heads % kv_heads == 0 and slot_block(length) is not None
 
 
-def decode_attention(q, keys, values, layer, first, last, *, scale: float | None = None, block: int | None = None,
-                     splits: int | None = None, warps: int = 4, interpret: bool | None = None):
+def paged_attention_supported(head_dim: int, heads: int, kv_heads: int, page_size: int, table_width: int) -> bool:
+    """Shapes the kernel takes over a paged pool: as `decode_attention_supported`, with a page
+    (a loop step) and the page table's width powers of two (Triton's blocks), a page 16 slots at
+    least (Triton's dot)."""
+    def pow2(n):
+        return n >= 1 and not n & (n - 1)
+
+    return (triton_head_dim(head_dim) and kv_heads > 0 and heads % kv_heads == 0 and pow2(page_size)
+            and page_size >= 16 and pow2(table_width))
+
+
+def decode_attention(q, keys, values, layer, first, last, *, pages=None, scale: float | None = None,
+                     block: int | None = None, splits: int | None = None, warps: int = 4,
+                     interpret: bool | None = None):
     """softmax(q k^T * scale) v of one new token per row -> [B, H, Dh] in q's dtype.
 
     q [B, H, Dh]; keys, values [L, B, K, S, Dh] (the whole cache); layer: int32 scalar, the cache
-    layer read; first, last [B] int32: row b sees slots first[b] .. last[b] (both included). The
+    layer read; first, last [B] int32: row b sees slots first[b] .. last[b] (both included).
+    pages [B, P] int32 (a paged pool): keys, values are [L, N, K, page_size, Dh] and row b's slot s
+    lies in page pages[b, s // page_size] at s % page_size; a loop step is one page. The
     scores in fp32 from q's dtype, the probabilities cast to the cache's dtype for their product
     with the values, fp32 accumulation (as `cache.attend`). block None: `slot_block(S)`. splits:
     programs per (row, kv head), each over its own run of slot blocks, their partial softmaxes
     merged after (None: `split_count`). interpret None: compiled on GPU, Pallas' interpreter
     elsewhere."""
     B, H, Dh = q.shape
-    L, _, K, S, _ = keys.shape
-    block = slot_block(S) if block is None else block
-    if not decode_attention_supported(Dh, H, K, S) or S % block:
+    if pages is not None:  # a paged pool: a page a block, the table's width in slots
+        L, _, K, block, _ = keys.shape
+        S = pages.shape[1] * block
+        if not paged_attention_supported(Dh, H, K, block, pages.shape[1]):
+            raise ValueError(f"decode_attention: head_dim {Dh}, {H} query / {K} kv heads, pages of {block} slots, "
+                             f"a table {pages.shape[1]} pages wide: it takes a power-of-two head_dim in 16..256, "
+                             "whole query groups, power-of-two pages of 16 slots or more and a power-of-two table")
+    else:
+        L, _, K, S, _ = keys.shape
+        block = slot_block(S) if block is None else block
+    if pages is None and (not decode_attention_supported(Dh, H, K, S) or S % block):
         raise ValueError(f"decode_attention: head_dim {Dh}, {H} query / {K} kv heads, {S} slots, block {block}: "
                          "it takes a power-of-two head_dim in 16..256, whole query groups and slots a multiple "
                          "of the block (and of 16)")
@@ -78,6 +102,8 @@ def decode_attention(q, keys, values, layer, first, last, *, scale: float | None
     # [B, 4] (a power of two, as Triton's blocks): layer, first, last and a spare column
     bounds = jnp.stack([layer, jnp.asarray(first, jnp.int32), jnp.asarray(last, jnp.int32), layer], axis=1)
     whole = pl.BlockSpec(keys.shape, lambda b, h, s: (0, 0, 0, 0, 0))
+    table = [] if pages is None else [jnp.asarray(pages, jnp.int32)]
+    table_spec = [] if pages is None else [pl.BlockSpec((None, table[0].shape[1]), lambda b, h, s: (b, 0))]
     acc_t = jnp.promote_types(q.dtype, jnp.float32)
     if splits == 1:  # the output itself, normalised in the kernel
         out_specs = pl.BlockSpec((None, None, rows, Dh), lambda b, h, s: (b, h, 0, 0))
@@ -90,14 +116,14 @@ def decode_attention(q, keys, values, layer, first, last, *, scale: float | None
                      jax.ShapeDtypeStruct((B, K, splits, rows), acc_t),
                      jax.ShapeDtypeStruct((B, K, splits, rows), acc_t)]
     out = pl.pallas_call(
-        functools.partial(_kernel, scale=scale, block=block, per=per, whole=splits == 1),
+        functools.partial(_kernel, scale=scale, block=block, per=per, whole=splits == 1, paged=pages is not None),
         grid=(B, K, splits),
         in_specs=[pl.BlockSpec((None, None, rows, Dh), lambda b, h, s: (b, h, 0, 0)), whole, whole,
-                  pl.BlockSpec((None, 4), lambda b, h, s: (b, 0))],
+                  pl.BlockSpec((None, 4), lambda b, h, s: (b, 0)), *table_spec],
         out_specs=out_specs, out_shape=out_shape,
         compiler_params=plgpu.CompilerParams(num_warps=warps, num_stages=2),
         interpret=interpret, name="zerojax_decode_attention",
-    )(qg, keys, values, bounds)
+    )(qg, keys, values, bounds, *table)
     if splits == 1:
         o = out
     else:  # the splits' online softmaxes merged; a split with no visible slot has m = -inf, weight 0
@@ -116,10 +142,12 @@ def split_count(pairs: int, blocks: int) -> int:
     return max(1, min(blocks, -(-_TARGET_PROGRAMS // pairs)))
 
 
-def _kernel(q_ref, k_ref, v_ref, bounds_ref, *out_refs, scale, block, per, whole):
+def _kernel(q_ref, k_ref, v_ref, bounds_ref, *refs, scale, block, per, whole, paged):
     """Program (row b, kv head h, split s): an online softmax over the slot blocks of split s
     (blocks s * per .. (s + 1) * per - 1) that hold the row's visible slots; scores in base 2
-    (exp2). whole (one split): the normalised output; else the sum, max and denominator."""
+    (exp2). whole (one split): the normalised output; else the sum, max and denominator. paged:
+    block j is the page the row's table names at j."""
+    table_ref, out_refs = (refs[0], refs[1:]) if paged else (None, refs)
     b, h, s = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     layer, first, last = bounds_ref[0], bounds_ref[1], bounds_ref[2]
     q = q_ref[...]
@@ -128,15 +156,18 @@ def _kernel(q_ref, k_ref, v_ref, bounds_ref, *out_refs, scale, block, per, whole
 
     def body(j, carry):
         acc, m, l = carry
-        slots = pl.ds(j * block, block)
-        k = k_ref[layer, b, h, slots, :]
+        if paged:
+            at = (layer, table_ref[j], h, slice(None), slice(None))
+        else:
+            at = (layer, b, h, pl.ds(j * block, block), slice(None))
+        k = k_ref[at]
         qk = plgpu.dot(q, k.T).astype(acc_t) * s_scale
         cols = j * block + jnp.arange(block)
         qk = jnp.where(((cols >= first) & (cols <= last))[None, :], qk, MASKED)
         m_new = jnp.maximum(m, qk.max(axis=-1))
         corr = jnp.exp2(m - m_new)
         p = jnp.exp2(qk - m_new[:, None])
-        v = v_ref[layer, b, h, slots, :]
+        v = v_ref[at]
         acc = acc * corr[:, None] + plgpu.dot(p.astype(v.dtype), v).astype(acc_t)
         return acc, m_new, l * corr + p.sum(axis=-1)
 
@@ -152,4 +183,4 @@ def _kernel(q_ref, k_ref, v_ref, bounds_ref, *out_refs, scale, block, per, whole
         out_refs[0][...], out_refs[1][...], out_refs[2][...] = acc, m, l
 
 
-__all__ = ["decode_attention", "decode_attention_supported", "slot_block", "split_count"]
+__all__ = ["decode_attention", "decode_attention_supported", "paged_attention_supported", "slot_block", "split_count"]

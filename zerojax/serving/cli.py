@@ -54,13 +54,17 @@ def add_serve_flags(p) -> None:
     p.add_argument("--memory-fraction", type=number(float, 0, above=True), default=0.9, metavar="F",
                    help="of the device's free memory, the share the cache plan may use (default 0.9)")
     p.add_argument("--no-prefix-caching", action="store_true", help="do not share cached prompt pages")
+    p.add_argument("--decode-attention", choices=("auto", "xla", "kernel"), default="auto",
+                   help="how a decode step reads its rows' pages: the fused Pallas kernel through each page table, "
+                        "XLA's products over the pages gathered, or auto (the kernel on a GPU where it takes the "
+                        "model's shape; docs/serving.md)")
     floors = p.add_argument_group("compiled shapes", "the floors of the step's shape buckets (powers of two): "
                                   "higher floors compile fewer programs (seconds each for a large model) for more "
                                   "padding per step")
     floors.add_argument("--min-rows", type=_power_of_two, default=8, metavar="N",
                         help="rows of a decode step, at least (default 8)")
     floors.add_argument("--min-span", type=_power_of_two, default=256, metavar="N",
-                        help="KV slots a row's attention gathers, at least (default 256)")
+                        help="KV slots of a row's page table, at least (default 256)")
     floors.add_argument("--min-chunk", type=_power_of_two, default=16, metavar="N",
                         help="tokens of a prompt-chunk row, at least (default 16)")
     p.add_argument("--no-warmup", action="store_true",
@@ -119,7 +123,8 @@ def main(args) -> int:
                            kv_cache_tokens=args.kv_cache_tokens, max_num_seqs=args.max_num_seqs,
                            max_batched_tokens=args.max_batched_tokens, max_model_len=args.max_model_len,
                            prefix_caching=not args.no_prefix_caching, memory_fraction=args.memory_fraction,
-                           buckets=Buckets(args.min_rows, args.min_span, args.min_chunk))
+                           buckets=Buckets(args.min_rows, args.min_span, args.min_chunk),
+                           decode_attention=args.decode_attention)
     except (FileNotFoundError, ValueError, RuntimeError) as e:  # as `zerojax export` reports a checkpoint's
         print(f"error: {e}", file=sys.stderr)
         return 1

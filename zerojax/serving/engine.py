@@ -72,11 +72,14 @@ class LLMEngine:
     device's free memory, `zerojax.serving.planning`). max_num_seqs: requests running at once.
     max_batched_tokens: tokens one step feeds (decodes + prompt chunks). max_model_len: prompt +
     new tokens of one request (default: the model's positions, at most the pool). buckets: the
-    floors of the compiled shapes (`zerojax.serving.shapes.Buckets`)."""
+    floors of the compiled shapes (`zerojax.serving.shapes.Buckets`). decode_attention: how a decode
+    step reads the pages: "kernel", the fused kernel through each row's page table; "xla", the rows'
+    pages gathered for XLA's products; "auto", the kernel on one GPU where it takes the shapes."""
 
     def __init__(self, model, tokenizer=None, *, adapters=None, page_size: int = 16, kv_cache_tokens: int | None = None,
                  max_num_seqs: int = 64, max_batched_tokens: int = 512, max_model_len: int | None = None,
-                 prefix_caching: bool = True, memory_fraction: float = 0.9, buckets: shapes.Buckets = shapes.Buckets()):
+                 prefix_caching: bool = True, memory_fraction: float = 0.9, buckets: shapes.Buckets = shapes.Buckets(),
+                 decode_attention: str = "auto"):
         for name, v in (("page_size", page_size), ("max_num_seqs", max_num_seqs),
                         ("max_batched_tokens", max_batched_tokens)):
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
@@ -84,6 +87,8 @@ class LLMEngine:
         self.tokenizer = tokenizer
         self.dtype = model.dtype
         self.geometry = geometry_of_config(model.config)
+        # whether decode steps read the pages with the fused kernel (else XLA's products over a gather)
+        self.decode_kernel = self._decode_kernel(decode_attention, self.geometry, page_size)
         self.vocab_size = int(model.config.vocab_size)
         self.eos = eos_ids(model, tokenizer)
         self._models = {None: self._split(model)}
@@ -97,7 +102,8 @@ class LLMEngine:
                           max_num_seqs=max_num_seqs, max_batched_tokens=max_batched_tokens,
                           max_model_len=max_model_len, model_len_limit=model_len_limit(model.config),
                           vocab=model.config.padded_vocab_size,
-                          device=self._device(model), memory_fraction=memory_fraction)
+                          device=self._device(model), memory_fraction=memory_fraction,
+                          gather_rows=self._gather_rows(buckets, max_num_seqs, max_batched_tokens))
         self.plan = plan
         self.max_model_len = plan.max_model_len
         self.pool = PagePool(plan.num_pages, page_size)
@@ -142,6 +148,30 @@ class LLMEngine:
             self._pool_sharding = jax.sharding.SingleDeviceSharding(next(iter(leaf.devices())))
         if self._pool_sharding is not None and self.keys.sharding != self._pool_sharding:
             self.keys, self.values = jax.device_put((self.keys, self.values), self._pool_sharding)
+
+    @staticmethod
+    def _decode_kernel(choice: str, geometry, page_size: int) -> bool:
+        """Whether decode steps read the pages with the fused kernel (`decode_attention`)."""
+        from zerojax.generation.decode_attention import paged_attention_supported
+
+        decoder.check_decode_attention_choice(choice)
+        if choice == "xla":
+            return False
+        # the table's width is a power of two whatever the requests (`shapes.Buckets.span_pages`)
+        supported = paged_attention_supported(geometry.head_dim, geometry.heads, geometry.kv_heads, page_size, 1)
+        if choice == "auto":
+            return supported and jax.default_backend() == "gpu"
+        if not supported:
+            raise ValueError(f"decode_attention='kernel': the kernel takes a power-of-two head_dim in 16..256 (this "
+                             f"model's is {geometry.head_dim}) and pages of a power of two >= 16 slots (page_size="
+                             f"{page_size}); use decode_attention='xla'")
+        return True
+
+    def _gather_rows(self, buckets: shapes.Buckets, max_num_seqs: int, max_batched_tokens: int) -> int:
+        """The most rows one step gathers the pages of: the shortest chunk program's rows, and the
+        decodes' unless the kernel reads their pages."""
+        chunk_rows = buckets.chunk_rows(buckets.chunk_length(2, max_batched_tokens), max_batched_tokens)
+        return chunk_rows if self.decode_kernel else max(chunk_rows, max_num_seqs)
 
     @staticmethod
     def _split(model):
@@ -339,7 +369,7 @@ class LLMEngine:
         self._programs.add((id(source), R, C, rows.pages.shape[1], penalties is not None, top))
         run = step_mod.step if C == 1 else step_mod.chunk_step
         self.keys, self.values, out = run(weights, self.keys, self.values, rows, sampling, penalties, source=source,
-                                          page_size=self.page_size, top_logprobs=top)
+                                          page_size=self.page_size, top_logprobs=top, kernel=self.decode_kernel and C == 1)
         return out
 
     def warm_up(self, max_chunk: int | None = None) -> int:

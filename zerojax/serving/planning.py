@@ -38,13 +38,15 @@ class PagePlan:
 
 
 def step_transient_bytes(geometry: Geometry, dtype, *, max_num_seqs: int, max_batched_tokens: int,
-                         max_model_len: int, vocab: int) -> int:
+                         max_model_len: int, vocab: int, gather_rows: int | None = None) -> int:
     """What the largest step holds beside the pool and the weights, by count: one layer's gathered
-    keys and values of every row (three copies: the gather, its attention layout, one more that XLA
-    may keep), the chunk's fp32 attention scores, and the rows' fp32 logits through sampling (a
-    sort, a softmax, a cumulative sum)."""
+    keys and values of `gather_rows` rows (default max_num_seqs: decodes gathered too; with the
+    decode kernel only a step's prompt-chunk rows gather; three copies: the gather, its attention
+    layout, one more that XLA may keep), the chunk's fp32 attention scores, and the rows' fp32
+    logits through sampling (a sort, a softmax, a cumulative sum)."""
     item = np.dtype(dtype).itemsize
-    gathered = 2 * 3 * max_num_seqs * max_model_len * geometry.kv_heads * geometry.head_dim * item
+    rows = max_num_seqs if gather_rows is None else gather_rows
+    gathered = 2 * 3 * rows * max_model_len * geometry.kv_heads * geometry.head_dim * item
     scores = 2 * max_batched_tokens * geometry.heads * max_model_len * 4
     logits = 6 * max_num_seqs * vocab * 4
     return gathered + scores + logits
@@ -52,7 +54,7 @@ def step_transient_bytes(geometry: Geometry, dtype, *, max_num_seqs: int, max_ba
 
 def plan_pages(geometry: Geometry, dtype, *, page_size: int, kv_cache_tokens: int | None, max_num_seqs: int,
                max_batched_tokens: int, max_model_len: int | None, model_len_limit: int | None, vocab: int,
-               device=None, memory_fraction: float = 0.9) -> PagePlan:
+               device=None, memory_fraction: float = 0.9, gather_rows: int | None = None) -> PagePlan:
     """The pool for these limits (ValueError: a limit that cannot hold, with the fix)."""
     from zerojax.serving.step import pool_bytes_per_page
 
@@ -79,7 +81,7 @@ def plan_pages(geometry: Geometry, dtype, *, page_size: int, kv_cache_tokens: in
         else:
             reserved = step_transient_bytes(geometry, dtype, max_num_seqs=max_num_seqs,
                                             max_batched_tokens=max_batched_tokens, max_model_len=max_model_len,
-                                            vocab=vocab)
+                                            vocab=vocab, gather_rows=gather_rows)
             pages = max(0, int(free * memory_fraction) - reserved) // page_bytes
     if pages * page_size < max_model_len:
         if asked_len is None and pages >= 1:  # the model's own length does not fit: serve what does

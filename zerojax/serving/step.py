@@ -3,11 +3,16 @@ run of up to C tokens at that row's own positions (a decode's one token, or a ch
 writes their keys and values into the rows' pages, attends over each row's pages, and samples the
 next token of every row from its last token's logits.
 
-The cache pool is keys / values [layers, num_pages * page_size, kv_heads, head_dim]: a page is a
-run of `page_size` slots, a row's page table [R, P] lists its pages in order, and token position p
-of a row lives at slot table[p // page_size] * page_size + p % page_size. The layers run through the
-model family's public pieces (`zerojax.models.pieces`, through `zerojax.generation.decoder.run_layers`, as `zerojax.generate`); only
-the write (a scatter at the rows' slots) and the gather of each row's pages are the pool's own.
+The cache pool is keys / values [layers, num_pages, kv_heads, page_size, head_dim]: a page holds
+`page_size` slots of each kv head contiguous (a page of one head is one [page_size, head_dim] tile,
+the block of generate's decode kernel), a row's page table [R, P] lists its pages in order, and token
+position p of a row lives in page table[p // page_size] at slot p % page_size. The layers run
+through the model family's public pieces (`zerojax.models.pieces`, through
+`zerojax.generation.decoder.run_layers`, as `zerojax.generate`); only the write (a scatter at the
+rows' page slots) and the attention's reading of the pages are the pool's own. A decode step's
+attention reads each row's pages where they lie, through its page table, in generate's fused
+kernel (`zerojax.generation.decode_attention`, on a GPU); a prompt chunk's (and the XLA path's)
+gathers the rows' pages into one [R, kv_heads, P * page_size, head_dim] operand first.
 
 Each row computes only from its own tokens, pages and random key, so a row's tokens never depend
 on which other rows share the step. The shapes (R, C, P) come from a small set of buckets; the
@@ -64,8 +69,8 @@ class StepOut(NamedTuple):
 
 
 def empty_pool(geometry: Geometry, num_pages: int, page_size: int, dtype):
-    """(keys, values) zeros [layers, num_pages * page_size, kv_heads, head_dim]."""
-    shape = (geometry.layers, num_pages * page_size, geometry.kv_heads, geometry.head_dim)
+    """(keys, values) zeros [layers, num_pages, kv_heads, page_size, head_dim]."""
+    shape = (geometry.layers, num_pages, geometry.kv_heads, page_size, geometry.head_dim)
     return jnp.zeros(shape, dtype), jnp.zeros(shape, dtype)
 
 
@@ -73,24 +78,42 @@ def pool_bytes_per_page(geometry: Geometry, page_size: int, dtype) -> int:
     return 2 * geometry.layers * page_size * geometry.kv_heads * geometry.head_dim * jnp.dtype(dtype).itemsize
 
 
-def _slots(pages, positions, page_size: int):
-    """The pool slots of `positions` [R, T] through page tables [R, P]."""
+def _page_slots(pages, positions, page_size: int):
+    """(page, slot in page) of `positions` [R, T] through page tables [R, P]."""
     page = jnp.take_along_axis(pages, jnp.clip(positions // page_size, 0, pages.shape[1] - 1), axis=1)
-    return page * page_size + positions % page_size
+    return page, positions % page_size
 
 
-def _write_and_attend(keys, values, layer, slots, q, k, v, *, row_slots, mask):
-    """Write k, v [R, C, K, Dh] at `slots` [R, C] of pool layer `layer`, then attend q over the
-    rows' gathered slots row_slots [R, L] under mask [R, 1, C, L]."""
+def _write(keys, values, layer, at, k, v):
+    """k, v [R, C, K, Dh] into pool layer `layer` at `at` = (page, slot in page), each [R, C]."""
+    page, slot = (a.reshape(-1) for a in at)
     K, Dh = k.shape[2:]
-    keys = keys.at[layer, slots.reshape(-1)].set(k.reshape(-1, K, Dh).astype(keys.dtype))
-    values = values.at[layer, slots.reshape(-1)].set(v.reshape(-1, K, Dh).astype(values.dtype))
-    layer_k = jax.lax.dynamic_index_in_dim(keys, layer, 0, keepdims=False)
-    layer_v = jax.lax.dynamic_index_in_dim(values, layer, 0, keepdims=False)
-    # [R, L, K, Dh] -> the [R, K, L, Dh] that `cache.attend` reads
-    k_rows = layer_k[row_slots].swapaxes(1, 2).astype(q.dtype)
-    v_rows = layer_v[row_slots].swapaxes(1, 2).astype(q.dtype)
-    return keys, values, cache.attend(q, k_rows, v_rows, mask)
+    # the indices (layer, page, slot) are split by the kv-head axis: the update is [R * C, K, Dh]
+    keys = keys.at[layer, page, :, slot].set(k.reshape(-1, K, Dh).astype(keys.dtype))
+    values = values.at[layer, page, :, slot].set(v.reshape(-1, K, Dh).astype(values.dtype))
+    return keys, values
+
+
+def _write_and_gather(keys, values, layer, at, q, k, v, *, pages, mask):
+    """Write k, v at `at`, then attend q over the rows' pages [R, P] gathered into one operand,
+    under mask [R, 1, C, P * page_size]."""
+    keys, values = _write(keys, values, layer, at, k, v)
+    R, P = pages.shape
+
+    def rows(pool):  # [N, K, ps, Dh] -> the rows' [R, P, K, ps, Dh] -> the [R, K, P * ps, Dh] `cache.attend` reads
+        x = jax.lax.dynamic_index_in_dim(pool, layer, 0, keepdims=False)[pages]
+        return x.swapaxes(1, 2).reshape(R, x.shape[2], P * x.shape[3], x.shape[4]).astype(q.dtype)
+
+    return keys, values, cache.attend(q, rows(keys), rows(values), mask)
+
+
+def _write_and_read_pages(keys, values, layer, at, q, k, v, *, pages, first, last):
+    """Write k, v (one token a row) at `at`, then attend q over each row's slots first .. last [R],
+    read from its pages where they lie (the fused decode kernel)."""
+    from zerojax.generation.decode_attention import decode_attention  # Pallas loads only when used
+
+    keys, values = _write(keys, values, layer, at, k, v)
+    return keys, values, decode_attention(q[:, 0], keys, values, layer, first, last, pages=pages)[:, None]
 
 
 def _penalize(logits, p: Penalties):
@@ -121,9 +144,10 @@ def _sample(logits, s: RowSampling):
 
 
 def _step(weights, keys, values, rows: Rows, sampling: RowSampling, penalties: Penalties | None = None, *, source,
-          page_size: int, top_logprobs: int = 0):
+          page_size: int, top_logprobs: int = 0, kernel: bool = False):
     """-> (keys, values, StepOut): the rows' tokens through every layer (their keys and values
-    written to the pool, donated), and each row's next token from its last fed token."""
+    written to the pool, donated), and each row's next token from its last fed token. kernel (one
+    token a row): the attention read from the pages by the fused decode kernel, not gathered."""
     model = source.model(weights)
     # each row's own adapter (zerojax.serving.adapters), else the model's projections
     rows_linear = None if rows.adapter is None else functools.partial(model.adapter.rows_linear, rows=rows.adapter)
@@ -132,15 +156,21 @@ def _step(weights, keys, values, rows: Rows, sampling: RowSampling, penalties: P
     offsets = jnp.arange(C, dtype=jnp.int32)
     valid = offsets[None] < rows.count[:, None]
     positions = jnp.where(valid, rows.start[:, None] + offsets[None], 0)
-    slots = jnp.where(valid, _slots(rows.pages, positions, page_size), offsets[None] % page_size)  # padding: page 0
-    span = jnp.arange(rows.pages.shape[1] * page_size, dtype=jnp.int32)
-    row_slots = _slots(rows.pages, jnp.broadcast_to(span, (R, span.size)), page_size)
-    visible = span[None, None] <= positions[:, :, None]  # [R, C, L]: no future slot (nor another row's)
+    page, slot = _page_slots(rows.pages, positions, page_size)
+    # padding tokens write to the scratch page 0
+    at = (jnp.where(valid, page, 0), jnp.where(valid, slot, offsets[None] % page_size))
     window = fam.geometry.window
-    if window is not None:
-        visible &= positions[:, :, None] - span[None, None] < window
-    attend_layer = functools.partial(_write_and_attend, row_slots=row_slots, mask=visible[:, None])
-    x, keys, values = decoder.run_layers(fam, fam.embed(rows.tokens, positions), keys, values, slots, attend_layer,
+    if kernel:  # one token a row: its slots first .. its position
+        last = positions[:, 0]
+        first = jnp.zeros_like(last) if window is None else jnp.maximum(0, last - (window - 1))
+        attend_layer = functools.partial(_write_and_read_pages, pages=rows.pages, first=first, last=last)
+    else:
+        span = jnp.arange(rows.pages.shape[1] * page_size, dtype=jnp.int32)
+        visible = span[None, None] <= positions[:, :, None]  # [R, C, L]: no future slot (nor another row's)
+        if window is not None:
+            visible &= positions[:, :, None] - span[None, None] < window
+        attend_layer = functools.partial(_write_and_gather, pages=rows.pages, mask=visible[:, None])
+    x, keys, values = decoder.run_layers(fam, fam.embed(rows.tokens, positions), keys, values, at, attend_layer,
                                          positions, unroll=C == 1)
     last = jnp.take_along_axis(x, jnp.maximum(rows.count - 1, 0)[:, None, None], axis=1)
     logits = decode_logits(fam, last)[:, 0]
@@ -156,7 +186,7 @@ def _step(weights, keys, values, rows: Rows, sampling: RowSampling, penalties: P
 # The step as two compiled functions with generate's XLA options (zerojax.generation.decoder: each
 # layer's weights read as a slice of the stack where it lies, not copied first; the decode's
 # products left unmerged): `step` for rows of one token (decodes), `chunk_step` for prompt chunks.
-_JIT = dict(static_argnames=("source", "page_size", "top_logprobs"), donate_argnames=("keys", "values"))
+_JIT = dict(static_argnames=("source", "page_size", "top_logprobs", "kernel"), donate_argnames=("keys", "values"))
 step = jax.jit(_step, compiler_options=decoder.DECODE_COMPILER_OPTIONS, **_JIT)
 chunk_step = jax.jit(_step, compiler_options=decoder.COMPILER_OPTIONS, **_JIT)
 
