@@ -249,8 +249,8 @@ def grouped_product(x, w, group_sizes):
 def sparse_feed_forward(config: MoEConfig, dtype, token_mask=None, found=None, ragged=None, expert_parallel=None):
     """The `feed_forward(h, p_mlp, linear)` a layer runs (`llama.attention_output_and_mlp`):
     routing then `grouped_experts`; each call's `RouterStats` appended to `found` (a list) when
-    given, weighted by token_mask [B, T]. expert_parallel: (mesh, axis), the experts split over
-    it (`zerojax.models.expert_parallel`), or None."""
+    given, weighted by token_mask [B, T]. expert_parallel: (mesh, expert axis, the rows' axes),
+    the experts split over the expert axis (`zerojax.models.expert_parallel`), or None."""
 
     def feed_forward(h, p, linear):
         B, T, d = h.shape
@@ -260,8 +260,8 @@ def sparse_feed_forward(config: MoEConfig, dtype, token_mask=None, found=None, r
             mask = jnp.ones((B * T,), jnp.float32) if token_mask is None else token_mask.reshape(-1)
             found.append(router_stats(logits, experts, mask.astype(jnp.float32)))
         if expert_parallel is not None:
-            mesh, axis = expert_parallel
-            out = expert_parallel_experts(flat, weights, experts, p, dtype, mesh=mesh, axis=axis,
+            mesh, axis, rows = expert_parallel
+            out = expert_parallel_experts(flat, weights, experts, p, dtype, mesh=mesh, axis=axis, rows=rows,
                                           compute=functools.partial(expert_swiglu, ragged=ragged))
         else:
             out = grouped_experts(flat, weights, experts, p, dtype, ragged=ragged)
@@ -282,7 +282,7 @@ class MoELlama(Llama):
 
     def __init__(self, config: MoEConfig, **kwargs):
         super().__init__(config, **kwargs)
-        self.expert_parallel = None  # engine hook: (mesh, axis) to split the experts over (EngineOptions.ep_size)
+        self.expert_parallel = None  # engine hook: (mesh, expert axis, rows' axes) (EngineOptions.ep_size)
 
     def checkpoint_record(self) -> dict:
         return {"type": self.config.model_type, "family": "moe", "config": dataclasses.asdict(self.config)}
