@@ -239,8 +239,13 @@ def ragged_linear(x, entry, group_sizes, dtype):
     return grouped_product(x, w, group_sizes)
 
 
+@jax.checkpoint
 def grouped_product(x, w, group_sizes):
-    """`jax.lax.ragged_dot` of x [M, in] with w [E, in, *out] (out axes flattened for it) -> [M, *out]."""
+    """`jax.lax.ragged_dot` of x [M, in] with w [E, in, *out] (out axes flattened for it) -> [M, *out].
+
+    Checkpointed: the backward rebuilds the flattened kernel from w rather than keep it, which in
+    the layer scan would save a copy of every layer's experts (all of them, gathered at ZeRO-3)
+    beside the activations; the product itself is not rerun (its backward needs x and w only)."""
     E, n_in, *outs = w.shape
     y = jax.lax.ragged_dot(x, w.reshape(E, n_in, -1), group_sizes)
     return y.reshape(x.shape[0], *outs)
@@ -286,6 +291,12 @@ class MoELlama(Llama):
 
     def checkpoint_record(self) -> dict:
         return {"type": self.config.model_type, "family": "moe", "config": dataclasses.asdict(self.config)}
+
+    def loss_terms(self, extras):
+        """(what a training method adds to its loss, their metrics) for the `RouterStats` that
+        `hidden_states_and_extras` returned: the router losses at the config's coefficients
+        (`router_losses`), so DPO / GRPO on this model train the router as `moe_loss` does."""
+        return router_losses(self, extras)
 
     def stack_carry(self, x, body, token_mask):
         cfg, dtype = self.config, self.dtype
