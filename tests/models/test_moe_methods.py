@@ -72,7 +72,7 @@ def test_dpo_on_a_mixture_of_experts_starts_at_ln2_plus_the_router_loss_and_lear
     rng = np.random.default_rng(0)
     prefs.write_text("".join(json.dumps({"prompt": f"is {a}+{b} even? ", "chosen": "yes", "rejected": "no"}) + "\n"
                              for a, b in rng.integers(1, 10, (64, 2))))
-    rec, summary = run(path, "--method", "dpo", "--data", str(prefs), "--lora", "8", "--lr", "1e-2", "--steps", "8",
+    rec, summary = run(path, "--method", "dpo", "--data", str(prefs), "--lora", "8", "--lr", "2e-2", "--steps", "4",
                        "--seq-len", "16", "--config", fp32_config, "--method-option", "beta=0.5")
     first = rec.seen[0]
     assert "router/aux_loss" in summary["method_metrics"] and "router/aux_loss" in first
@@ -99,7 +99,7 @@ def test_grpo_on_a_mixture_of_experts_logs_the_router_loss_and_its_reference_is_
         folder, fp32_config, tmp_path):
     path, hf = folder
     rec, summary = run(path, "--method", "grpo", "--data", "digit", "--lora", "8", "--micro-batch", "4",
-                       "--seq-len", "11", "--lr", "2e-2", "--steps", "10", "--config", fp32_config)
+                       "--seq-len", "11", "--lr", "3e-2", "--steps", "6", "--config", fp32_config)
     assert summary["method"] == "grpo" and "router/aux_loss" in summary["method_metrics"]
     assert all(s["router/aux_loss"] > 0 for s in rec.seen)
     # the first rollouts' reference log-probs (the base, adapters off) against transformers' on
@@ -113,4 +113,4 @@ def test_grpo_on_a_mixture_of_experts_logs_the_router_loss_and_its_reference_is_
     np.testing.assert_allclose(np.where(cmask != 0, b["ref_logps"], 0), np.where(cmask != 0, want, 0),
                                rtol=1e-4, atol=1e-5)
     rewards = [s["reward/mean"] for s in rec.seen]
-    assert np.mean(rewards[-3:]) > np.mean(rewards[:3]), rewards  # learns the digit task
+    assert np.mean(rewards[-2:]) > np.mean(rewards[:2]), rewards  # learns the digit task
