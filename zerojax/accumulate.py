@@ -11,6 +11,7 @@ gradient straight into its shard (a reduce-scatter) instead of all-reducing a fu
 """
 from __future__ import annotations
 
+import math
 from typing import Any, Callable
 
 import jax
@@ -22,14 +23,16 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 LossFn = Callable[[Any, Any, Any], tuple[jax.Array, dict, Any]]
 
 
-def split_microbatches(batch, steps: int, mesh: Mesh | None = None, axis: str = "data"):
-    """[steps * micro * dp, ...] -> [steps, micro * dp, ...], each micro-batch spread over `axis`.
+def split_microbatches(batch, steps: int, mesh: Mesh | None = None, axis: str | tuple = "data"):
+    """[steps * micro * dp, ...] -> [steps, micro * dp, ...], each micro-batch spread over `axis`
+    (a mesh axis, or a tuple of them: the rows' PartitionSpec entry).
 
     Rows are grouped device-major, as DeepSpeed's ranks see them: with the batch sharded over
     `axis`, device d holds rows [d*steps*micro, (d+1)*steps*micro) and its k-th micro-batch is the
     k-th `micro` of those. The reshape therefore moves no data between devices.
     """
-    n = int(mesh.shape.get(axis, 1)) if mesh is not None else 1
+    n = math.prod(int(mesh.shape.get(a, 1)) for a in ((axis,) if isinstance(axis, str) else axis)) \
+        if mesh is not None else 1
 
     def split(x):
         rows = x.shape[0]
@@ -71,6 +74,7 @@ def accumulate_gradients(
     carry=None,
     add_into: Callable | None = None,
     acc_init=None,
+    data_axes: str | tuple = "data",
 ):
     """Sum of gradients of `loss / steps * loss_scale` over `steps` micro-batches of `batch`.
 
@@ -85,6 +89,7 @@ def accumulate_gradients(
     accumulator lives in host memory and is added to layer group by layer group on the device, so
     the device never holds a whole fp32 gradient (DeepSpeed accumulates offloaded gradients in
     host memory too).
+    data_axes: the mesh axes the batch's rows are split over (`split_microbatches`' axis).
     """
     if steps < 1:
         raise ValueError(f"gradient_accumulation_steps={steps} must be >= 1")
@@ -116,7 +121,7 @@ def accumulate_gradients(
         acc = constrain(jax.tree.map(lambda a, g: a + g.astype(accum_dtype), acc, grads))
         return (acc, carry), (loss, aux)
 
-    micro_batches = split_microbatches(batch, steps, mesh)
+    micro_batches = split_microbatches(batch, steps, mesh, data_axes)
     if add_into is not None:
         def body_into(c, xs):
             (acc, carry), (mb, k) = c, xs

@@ -65,7 +65,9 @@ class ModelDims:
     vocab: int
     params: int          # every parameter
     layer_params: int    # one block's
-    mlp: int = 0         # the MLP's hidden width
+    mlp: int = 0         # the MLP's hidden width (each expert's, for a mixture of experts)
+    experts: int = 0     # a mixture of experts' experts a layer (0: a dense MLP)
+    top_k: int = 0       # ... and the experts each token runs
 
     def flops_per_token(self, seq_len: int) -> float:
         """Training FLOPs per token: 6N (forward 2N, backward 4N) plus causal-agnostic attention
@@ -610,8 +612,24 @@ def infer_dims(module) -> ModelDims:
         if len(path) > 1 and path[-1] == "kernel" and len(own) == 2 and path[-2] in _MLP_UP:
             mlp = own[1]
             break
+    experts, top_k = _experts_of(module, sizes)
     return ModelDims(layers=layers, d_model=d, heads=heads, kv_heads=kv or heads, head_dim=head_dim,
-                     vocab=vocab, params=params, layer_params=layer_params, mlp=mlp)
+                     vocab=vocab, params=params, layer_params=layer_params, mlp=mlp, experts=experts, top_k=top_k)
+
+
+_TOP_K_ATTRS = ("num_experts_per_tok", "top_k", "moe_top_k", "num_selected_experts")
+
+
+def _experts_of(module, sizes: dict) -> tuple[int, int]:
+    """(experts a layer, experts a token runs) of a mixture of experts: the size of the logical
+    "experts" axis and a top-k attribute of the model, its config or a module (Hugging Face's
+    `num_experts_per_tok`); (0, 0) for a dense model."""
+    experts = sizes.get("experts", 0)
+    if not experts:
+        return 0, 0
+    owners = [module, getattr(module, "config", None)] + [m for _, m in _modules(module)]
+    top_k = next((getattr(o, a) for o in owners for a in _TOP_K_ATTRS if isinstance(getattr(o, a, None), int)), 0)
+    return experts, top_k or experts
 
 
 def count_tokens(module, batch) -> int:

@@ -51,9 +51,9 @@ class EngineOptions:
     ep_size [1]: expert parallelism (DeepSpeed-MoE's `ep_size`, an argument of its MoE layer, not a
         config key): a mixture-of-experts model's experts split over this many devices, tokens sent
         to their experts' devices and back by all-to-alls (`zerojax.models.expert_parallel`).
-        1 = off; else it must equal the data-parallel size (one expert-parallel group spanning the
-        "data" axis; groups smaller than it are not implemented), with no tensor, pipeline or
-        sequence axis.
+        1 = off; else it must divide the data-parallel size and the model's num_experts: the
+        data-parallel devices form dp / ep_size groups of ep_size (mesh axes ("data", "expert")),
+        each holding every expert once; no tensor, pipeline or sequence axis.
     """
 
     offload_loop: str = "auto"

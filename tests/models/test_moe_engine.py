@@ -83,27 +83,51 @@ def test_zero3_equals_stage0_and_resumes_into_zero1(tmp_path):
     assert_same(host(b.master_params), ref)
 
 
-def test_expert_parallel_on_8_devices_equals_one_device():
-    # EngineOptions.ep_size = 8: each device holds one of the 8 experts of every layer (at ZeRO-2,
-    # the rest sharded by ZeRO), tokens sent to their expert's device by all-to-all; the same
-    # losses and weights after SGD as the whole model on one device
+EP_MODEL = MoEConfig.named("tiny-mixtral", vocab_size=64, hidden_size=32, intermediate_size=16, num_experts=8,
+                           num_experts_per_tok=2, router_aux_loss_coef=0.1, initializer_range=0.3)
+
+
+def ep_model():
+    return MoELlama(EP_MODEL, rngs=nnx.Rngs(0))
+
+
+@pytest.fixture(scope="module")
+def one_device_run():
+    """(losses, fp32 weights) of the whole model on one device: the expert-parallel runs' reference."""
     from zerojax.sharding.partition import make_mesh
 
-    cfg8 = MoEConfig.named("tiny-mixtral", vocab_size=64, hidden_size=32, intermediate_size=16, num_experts=8,
-                           num_experts_per_tok=2, router_aux_loss_coef=0.1, initializer_range=0.3)
-    make = lambda: MoELlama(cfg8, rngs=nnx.Rngs(0))  # noqa: E731
     # one micro-batch a step: the load-balancing loss is not a mean over rows (a product of
     # means), so accumulation steps that group the rows differently (per device here, in order on
     # one device) would change it, as they do in transformers and DeepSpeed
-    one = zerojax.shard(make, config(0, ga=1), loss_fn=moe_loss, mesh=make_mesh(devices=jax.devices()[:1]))
-    ep = zerojax.shard(make, config(2, ga=1), loss_fn=moe_loss, options=zerojax.EngineOptions(ep_size=8))
-    k = ep.state.params["layers"]["mlp"]["gate_up_proj"]["kernel"]  # [L, E, d, 2, m]: experts over the devices
-    assert tuple(k.sharding.spec)[1] == "data" and k.addressable_shards[0].data.shape[1] == 1
-    losses = {}
-    for name, eng in (("one", one), ("ep", ep)):
-        losses[name] = [float(eng.train_step(b)["loss"]) for b in batches()]
-        eng.synchronize()
-    np.testing.assert_allclose(losses["ep"], losses["one"], rtol=1e-5)
-    assert_same(host(ep.master_params), host(one.master_params))
+    one = zerojax.shard(ep_model, config(0, ga=1), loss_fn=moe_loss, mesh=make_mesh(devices=jax.devices()[:1]))
+    losses = [float(one.train_step(b)["loss"]) for b in batches()]
+    one.synchronize()
+    return losses, host(one.master_params)
+
+
+@pytest.mark.parametrize("ep,stage", [(8, 2), (4, 1), (2, 3)])
+def test_expert_parallel_inside_8_data_devices_equals_one_device(one_device_run, ep, stage):
+    # EngineOptions.ep_size = ep on 8 data-parallel devices: 8 / ep groups of ep devices, each
+    # device holding 8 / ep of the 8 experts of every layer (ZeRO partitioning them further over
+    # the groups at stage 3), tokens sent to their expert's device in the group by all-to-all; the
+    # same losses and weights after SGD as the whole model on one device
+    eng = zerojax.shard(ep_model, config(stage, ga=1), loss_fn=moe_loss, options=zerojax.EngineOptions(ep_size=ep))
+    k = eng.state.params["layers"]["mlp"]["gate_up_proj"]["kernel"]  # [L, E, d, 2, m]
+    spec = tuple(k.sharding.spec) + (None,) * 5
+    assert spec[1] == "expert" and k.addressable_shards[0].data.shape[1] == EP_MODEL.num_experts // ep
+    # ZeRO-3 splits each group's experts over the 8 / ep groups too
+    assert k.addressable_shards[0].data.size == k.size // (8 if stage == 3 else ep), spec
+    losses = [float(eng.train_step(b)["loss"]) for b in batches()]
+    eng.synchronize()
+    ref_losses, ref = one_device_run
+    np.testing.assert_allclose(losses, ref_losses, rtol=1e-5)
+    assert_same(host(eng.master_params), ref)
     shapes = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), batches()[0])
-    assert "all-to-all" in ep.compiled_step(shapes).as_text()
+    assert "all-to-all" in eng.compiled_step(shapes).as_text()
+
+
+@pytest.mark.parametrize("ep,names", [(3, "data-parallel size 8"), (8, "num_experts = 4")])
+def test_expert_parallel_size_that_does_not_divide_is_refused(ep, names):
+    with pytest.raises(zerojax.ConfigError, match=f"ep_size = {ep} must divide the (model's )?{names}"):
+        zerojax.shard(functools.partial(model, 0), config(0, ga=1), loss_fn=moe_loss,
+                      options=zerojax.EngineOptions(ep_size=ep))

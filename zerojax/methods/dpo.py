@@ -26,6 +26,11 @@ The reference:
 Metrics (means over the micro-batch's pairs, TRL's names): rewards/chosen, rewards/rejected
 (beta x the policy-reference log-ratio), rewards/margins, rewards/accuracies (chosen reward >
 rejected reward), logps/chosen, logps/rejected (the policy's; averaged per token for IPO, as TRL).
+
+A model with loss terms of its own (a mixture of experts' router losses, `MoELlama.loss_terms`)
+adds them to the loss at its config's coefficients (router_aux_loss_coef x the load-balancing
+loss over both sides' tokens, as TRL adds `aux_loss_coef` x the policy pass's `aux_loss`) and logs
+them (router/aux_loss, router/z_loss); the reference pass adds none.
 """
 from __future__ import annotations
 
@@ -33,7 +38,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from zerojax.methods.logprobs import pair_batch, sequence_logps
+from zerojax.methods.logprobs import pair_batch, sequence_logps, with_loss_terms
 
 LOSS_TYPES = ("sigmoid", "ipo")
 REFERENCES = ("adapters_off", "precomputed")
@@ -121,7 +126,8 @@ def make_dpo_loss(beta: float = 0.1, loss_type: str = "sigmoid", label_smoothing
     def loss_fn(model, batch):
         B = batch["chosen_ids"].shape[0]
         pair = pair_batch(batch)
-        logps, counts = sequence_logps(model, pair, chunk=chunk)
+        terms = []  # the model's own loss terms (a mixture of experts' router losses), as TRL adds them
+        logps, counts = sequence_logps(model, pair, chunk=chunk, terms=terms)
         if reference == "adapters_off":
             ref = reference_logps(model, pair, chunk=chunk)
         else:
@@ -138,7 +144,7 @@ def make_dpo_loss(beta: float = 0.1, loss_type: str = "sigmoid", label_smoothing
         metrics = preference_metrics(chosen_r, rejected_r)
         metrics.update({"logps/chosen": jax.lax.stop_gradient(logps[:B]).mean(),
                         "logps/rejected": jax.lax.stop_gradient(logps[B:]).mean()})
-        return losses.mean(), metrics
+        return with_loss_terms(losses.mean(), metrics, terms)
 
     return loss_fn
 

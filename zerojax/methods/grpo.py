@@ -21,7 +21,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from zerojax.methods.logprobs import completion_logps
+from zerojax.methods.logprobs import completion_logps, with_loss_terms
 from zerojax.rl.rollouts import LOSS_LEVELS, GRPOOptions
 
 
@@ -84,18 +84,22 @@ def make_grpo_loss(*, eps_low: float = GRPOOptions.eps_low, eps_high: float = GR
     where iterations > 1), "ref_logps" (read where kl_coef > 0), "token_weights"). group: the
     rollouts' completions per prompt, their rows consecutive: each prompt then runs through the
     model once per group, not once per row (`zerojax.methods.shared_prompt`; same loss). None: every
-    row whole."""
+    row whole. A model with loss terms of its own (a mixture of experts' router losses,
+    `MoELlama.loss_terms`) adds them and their metrics, its rows run whole."""
     check_options(eps_low, eps_high, kl_coef, loss_level)
     if group is not None and (isinstance(group, bool) or not isinstance(group, int) or group < 1):
         raise ValueError(f"group={group!r}: completions per prompt, an int >= 1 (or None)")
 
     def loss_fn(model, batch):
-        logps = completion_logps(model, batch, temperature=temperature or 1.0, group=group)
+        # the model's own loss terms (a mixture of experts' router losses), where it has them
+        terms = [] if callable(getattr(model, "loss_terms", None)) else None
+        logps = completion_logps(model, batch, temperature=temperature or 1.0, group=group, terms=terms)
         old = batch["old_logps"] if iterations > 1 else jax.lax.stop_gradient(logps)
-        return policy_loss(logps, old, batch["ref_logps"] if kl_coef else None, batch["advantages"],
-                           batch["completion_mask"], eps_low=eps_low, eps_high=eps_high, kl_coef=kl_coef,
-                           loss_level=loss_level,
-                           token_weights=batch["token_weights"] if loss_level == "token" else None)
+        loss, metrics = policy_loss(logps, old, batch["ref_logps"] if kl_coef else None, batch["advantages"],
+                                    batch["completion_mask"], eps_low=eps_low, eps_high=eps_high, kl_coef=kl_coef,
+                                    loss_level=loss_level,
+                                    token_weights=batch["token_weights"] if loss_level == "token" else None)
+        return with_loss_terms(loss, metrics, terms or [])
 
     loss_fn.shared_prompt_group = group  # what the rollouts check their batches against
     return loss_fn

@@ -25,24 +25,43 @@ from zerojax.models.gpt2 import token_nll
 from zerojax.models.llama import shifted_labels
 
 
-def hidden_states(model, batch):
+def hidden_states(model, batch, terms: list | None = None, token_mask=None):
     """The model's final hidden states [B, T, d] for batch["input_ids"] (packed-document inputs
-    passed on where present)."""
+    passed on where present). terms: a list that gets the model's own loss terms for this pass,
+    `model.loss_terms(extras)` -> (loss, metrics), where the model has them (a mixture of experts'
+    router losses), weighing its statistics by token_mask [B, T] (1: a real token; None: all)."""
     extra = {k: batch[k] for k in ("segment_ids", "positions") if batch.get(k) is not None}
-    return model.hidden_states(batch["input_ids"], **extra)
+    if terms is None or not callable(getattr(model, "loss_terms", None)):
+        return model.hidden_states(batch["input_ids"], **extra)
+    x, extras = model.hidden_states_and_extras(batch["input_ids"], **extra, token_mask=token_mask)
+    terms.append(model.loss_terms(extras))
+    return x
 
 
-def sequence_logps(model, batch, *, chunk: int | None = None):
+def with_loss_terms(loss, metrics: dict, terms: list):
+    """(loss plus the model's own terms that `hidden_states` collected, metrics with theirs): the
+    router losses of a mixture of experts, which the trainer logs beside the method's metrics."""
+    for extra, extra_metrics in terms:
+        loss = loss + extra
+        metrics = {**metrics, **extra_metrics}
+    return loss, metrics
+
+
+def sequence_logps(model, batch, *, chunk: int | None = None, terms: list | None = None):
     """(sum of the target tokens' log-probs [B] fp32, target count [B] int32) of each row.
 
     batch: "input_ids" [B, T] and "labels" [B, T] (-100: not a target) or "loss_mask".
-    chunk: compute the logits `chunk` positions at a time (see the module's docstring)."""
+    chunk: compute the logits `chunk` positions at a time (see the module's docstring).
+    terms: gets the model's own loss terms (`hidden_states`), its statistics weighed over each
+    row's tokens up to its last target (the padding after it left out)."""
     if chunk is not None and (isinstance(chunk, bool) or not isinstance(chunk, int) or chunk < 1):
         raise ValueError(f"chunk={chunk!r}: positions per piece of the log-probs, an int >= 1 (or None)")
     labels = shifted_labels(batch)
     # every position's target, the last one none: the hidden states need no [:, :-1] copy
     targets = jnp.pad(labels, ((0, 0), (0, 1)), constant_values=-100)
-    x = hidden_states(model, batch)
+    T_in = targets.shape[1]
+    last = jnp.max(jnp.where(targets != -100, jnp.arange(T_in)[None], -1), axis=1)  # the last predicting position
+    x = hidden_states(model, batch, terms, (jnp.arange(T_in)[None] <= last[:, None] + 1).astype(jnp.float32))
     counts = (labels != -100).sum(-1).astype(jnp.int32)
     B, T = targets.shape
     if chunk is None or chunk >= T:
@@ -60,7 +79,7 @@ def sequence_logps(model, batch, *, chunk: int | None = None):
     return -total, counts
 
 
-def completion_hidden_states(model, batch):
+def completion_hidden_states(model, batch, terms: list | None = None):
     """(final hidden states [B, C, d] at the C positions that predict each row's completion
     tokens, those positions [B, C] int32) for a rollout batch ("input_ids", "prompt_lengths",
     "completion_mask": see `completion_logps`)."""
@@ -68,10 +87,15 @@ def completion_hidden_states(model, batch):
     C = batch["completion_mask"].shape[-1]
     start = jnp.asarray(batch["prompt_lengths"], jnp.int32)[:, None] - 1
     at = jnp.clip(start + jnp.arange(C, dtype=jnp.int32)[None], 0, ids.shape[1] - 2)  # the predicting positions
-    return jnp.take_along_axis(hidden_states(model, {"input_ids": ids}), at[..., None], axis=1), at
+    # a row's real tokens: its prompt and completion, not the padding after them
+    ends = start[:, 0] + 1 + jnp.asarray(batch["completion_mask"]).astype(jnp.int32).sum(-1)
+    real = (jnp.arange(ids.shape[1])[None] < ends[:, None]).astype(jnp.float32)
+    x = hidden_states(model, {"input_ids": ids}, terms, real)
+    return jnp.take_along_axis(x, at[..., None], axis=1), at
 
 
-def completion_logps(model, batch, *, temperature: float = 1.0, group: int | None = None):
+def completion_logps(model, batch, *, temperature: float = 1.0, group: int | None = None,
+                     terms: list | None = None):
     """Per-token log-probs [B, C] fp32 of each row's completion (RL's rollouts, `zerojax.rl`).
 
     batch: "input_ids" [B, T] (each row: its prompt from position 0, then its completion, then
@@ -82,14 +106,16 @@ def completion_logps(model, batch, *, temperature: float = 1.0, group: int | Non
     temperature: the logits divided by it first, as the tokens were sampled (TRL's rule).
     group: rows come in groups of `group` consecutive rows sharing one prompt (GRPO's rollouts):
     each prompt then runs once per group where the model allows
-    (`zerojax.methods.shared_prompt`), with the same result."""
+    (`zerojax.methods.shared_prompt`), with the same result.
+    terms: gets the model's own loss terms (`hidden_states`, over each row's prompt and
+    completion); the rows then run whole, not through the shared-prompt pass."""
     from zerojax.methods.shared_prompt import completion_logps_shared, shared_prompt_runs
 
-    if shared_prompt_runs(model, batch["input_ids"].shape[0], group):
+    if terms is None and shared_prompt_runs(model, batch["input_ids"].shape[0], group):
         return completion_logps_shared(model, batch, group=group, temperature=temperature)
     ids = jnp.asarray(batch["input_ids"])
     mask = jnp.asarray(batch["completion_mask"])
-    x, at = completion_hidden_states(model, batch)
+    x, at = completion_hidden_states(model, batch, terms)
     targets = jnp.where(mask != 0, jnp.take_along_axis(ids, at + 1, axis=1), -100)
     logits = model.padded_logits(x)
     if temperature != 1.0:
@@ -105,4 +131,5 @@ def pair_batch(batch, sides=("chosen", "rejected")):
             "labels": jnp.concatenate([jnp.asarray(batch[f"{s}_labels"]) for s in sides])}
 
 
-__all__ = ["sequence_logps", "completion_logps", "completion_hidden_states", "hidden_states", "pair_batch"]
+__all__ = ["sequence_logps", "completion_logps", "completion_hidden_states", "hidden_states", "pair_batch",
+           "with_loss_terms"]

@@ -1,6 +1,9 @@
-"""Expert parallelism (DeepSpeed-MoE's `ep_size`): each device of a mesh axis holds E / ep of every
-sparse layer's experts, and the (token, expert) pairs travel to their expert's device and back by
-two all-to-alls, inside a `jax.shard_map` over that axis.
+"""Expert parallelism (DeepSpeed-MoE's `ep_size`): each device of an expert-parallel group (a mesh
+axis of ep devices) holds E / ep of every sparse layer's experts, and the (token, expert) pairs
+travel to their expert's device in the group and back by two all-to-alls over that axis, inside a
+`jax.shard_map`. Groups side by side (a data-parallel size larger than ep) each hold every expert
+and route their own tokens: the tokens are split over every data-parallel axis, the all-to-alls
+run over the expert axis alone.
 
 Dropless: each device sends every device a buffer of N x k rows (its N local tokens' k pairs could
 all choose that device's experts), filled up to the pairs that did, the rest marked as padding;
@@ -42,11 +45,12 @@ def _local_experts(h, weights, experts, p, dtype, *, compute, axis: str, ep: int
     return jnp.einsum("nkd,nk->nd", pairs, weights.astype(dtype))
 
 
-def expert_parallel_experts(h, weights, experts, p, dtype, *, mesh, axis: str, compute):
+def expert_parallel_experts(h, weights, experts, p, dtype, *, mesh, axis: str, compute, rows=None):
     """`zerojax.models.moe.grouped_experts` with the experts split over `axis` of `mesh` (every
-    leaf of p but the router's split on its leading experts axis): h [N, d] and the routing [N, k]
-    split over the same axis on N. compute(x, p, group_sizes, dtype) -> the experts' outputs for
-    rows x grouped by (local) expert (`moe.expert_swiglu`)."""
+    leaf of p but the router's split on its leading experts axis, whole over the other axes): h
+    [N, d] and the routing [N, k] split on N over `rows` (a PartitionSpec entry: the data-parallel
+    axes, `axis` among them; default `axis`). compute(x, p, group_sizes, dtype) -> the experts'
+    outputs for rows x grouped by (local) expert (`moe.expert_swiglu`)."""
     ep = mesh.shape[axis]
     if any("kernel_absmax" in entry for entry in p.values()):
         raise ValueError("expert parallelism with nf4 / int4 quantized experts: their block scales are not split "
@@ -55,7 +59,10 @@ def expert_parallel_experts(h, weights, experts, p, dtype, *, mesh, axis: str, c
     p_specs = {name: jax.tree.map(expert_spec if name != "router" else (lambda x: P()), entry)
                for name, entry in p.items()}
     fn = lambda h, w, e, p: _local_experts(h, w, e, p, dtype, compute=compute, axis=axis, ep=ep)  # noqa: E731
-    return jax.shard_map(fn, mesh=mesh, in_specs=(P(axis), P(axis), P(axis), p_specs), out_specs=P(axis),
+    tokens = P(axis if rows is None else rows)
+    # unchecked: the experts' cotangents are summed over the axes their spec leaves out (the
+    # expert-parallel groups side by side), the data-parallel gradient sum
+    return jax.shard_map(fn, mesh=mesh, in_specs=(tokens, tokens, tokens, p_specs), out_specs=tokens,
                          check_vma=False)(h, weights, experts, p)
 
 

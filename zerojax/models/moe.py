@@ -239,8 +239,13 @@ def ragged_linear(x, entry, group_sizes, dtype):
     return grouped_product(x, w, group_sizes)
 
 
+@jax.checkpoint
 def grouped_product(x, w, group_sizes):
-    """`jax.lax.ragged_dot` of x [M, in] with w [E, in, *out] (out axes flattened for it) -> [M, *out]."""
+    """`jax.lax.ragged_dot` of x [M, in] with w [E, in, *out] (out axes flattened for it) -> [M, *out].
+
+    Checkpointed: the backward rebuilds the flattened kernel from w rather than keep it, which in
+    the layer scan would save a copy of every layer's experts (all of them, gathered at ZeRO-3)
+    beside the activations; the product itself is not rerun (its backward needs x and w only)."""
     E, n_in, *outs = w.shape
     y = jax.lax.ragged_dot(x, w.reshape(E, n_in, -1), group_sizes)
     return y.reshape(x.shape[0], *outs)
@@ -249,8 +254,8 @@ def grouped_product(x, w, group_sizes):
 def sparse_feed_forward(config: MoEConfig, dtype, token_mask=None, found=None, ragged=None, expert_parallel=None):
     """The `feed_forward(h, p_mlp, linear)` a layer runs (`llama.attention_output_and_mlp`):
     routing then `grouped_experts`; each call's `RouterStats` appended to `found` (a list) when
-    given, weighted by token_mask [B, T]. expert_parallel: (mesh, axis), the experts split over
-    it (`zerojax.models.expert_parallel`), or None."""
+    given, weighted by token_mask [B, T]. expert_parallel: (mesh, expert axis, the rows' axes),
+    the experts split over the expert axis (`zerojax.models.expert_parallel`), or None."""
 
     def feed_forward(h, p, linear):
         B, T, d = h.shape
@@ -260,8 +265,8 @@ def sparse_feed_forward(config: MoEConfig, dtype, token_mask=None, found=None, r
             mask = jnp.ones((B * T,), jnp.float32) if token_mask is None else token_mask.reshape(-1)
             found.append(router_stats(logits, experts, mask.astype(jnp.float32)))
         if expert_parallel is not None:
-            mesh, axis = expert_parallel
-            out = expert_parallel_experts(flat, weights, experts, p, dtype, mesh=mesh, axis=axis,
+            mesh, axis, rows = expert_parallel
+            out = expert_parallel_experts(flat, weights, experts, p, dtype, mesh=mesh, axis=axis, rows=rows,
                                           compute=functools.partial(expert_swiglu, ragged=ragged))
         else:
             out = grouped_experts(flat, weights, experts, p, dtype, ragged=ragged)
@@ -282,10 +287,16 @@ class MoELlama(Llama):
 
     def __init__(self, config: MoEConfig, **kwargs):
         super().__init__(config, **kwargs)
-        self.expert_parallel = None  # engine hook: (mesh, axis) to split the experts over (EngineOptions.ep_size)
+        self.expert_parallel = None  # engine hook: (mesh, expert axis, rows' axes) (EngineOptions.ep_size)
 
     def checkpoint_record(self) -> dict:
         return {"type": self.config.model_type, "family": "moe", "config": dataclasses.asdict(self.config)}
+
+    def loss_terms(self, extras):
+        """(what a training method adds to its loss, their metrics) for the `RouterStats` that
+        `hidden_states_and_extras` returned: the router losses at the config's coefficients
+        (`router_losses`), so DPO / GRPO on this model train the router as `moe_loss` does."""
+        return router_losses(self, extras)
 
     def stack_carry(self, x, body, token_mask):
         cfg, dtype = self.config, self.dtype

@@ -290,7 +290,9 @@ class ModelShape:
     width, heads x head_dim, where attention's FLOPs are counted (0: d_model, as for GPT-2; Qwen3
     0.6B has 16 x 128 = 2048 on d_model 1024); mlp_params: the blocks' MLP kernels (all layers),
     what a tiled MLP's backward reruns (0 when unknown). `n_layer=` is accepted for `layers` (its
-    older, GPT-2 name).
+    older, GPT-2 name). A mixture of experts: experts (a layer's), top_k (the experts a token
+    runs), expert_params (all layers' expert weights, among params and mlp_params; what expert
+    parallelism splits); 0 for a dense model.
     """
 
     params: int
@@ -300,6 +302,9 @@ class ModelShape:
     seq_len: int = 0
     attn_width: int = 0
     mlp_params: int = 0
+    experts: int = 0
+    top_k: int = 0
+    expert_params: int = 0
     n_layer: dataclasses.InitVar[int | None] = None
 
     def __post_init__(self, n_layer):
@@ -316,10 +321,41 @@ class ModelShape:
         """The MLP's intermediate values a layer keeps per position for its backward, one per
         output of a kernel into or out of the intermediate width: mlp_params / (layers x d_model)
         (GPT-2: c_fc's output and GeLU's, 2 x 4d; a gated MLP: gate, up and their product, 3 x
-        intermediate); 0 when unknown."""
+        intermediate); 0 when unknown. A mixture of experts keeps those of the top_k experts a
+        token runs, not of every expert."""
         if not (self.mlp_params and self.layers and self.d_model):
             return 0.0
-        return self.mlp_params / (self.layers * self.d_model)
+        active = self.top_k / self.experts if self.experts else 1.0
+        return active * self.mlp_params / (self.layers * self.d_model)
+
+    @property
+    def routing_values(self) -> float:
+        """A mixture of experts' routing buffers a layer keeps per position beyond the experts' MLP
+        values (`zerojax.models.moe.grouped_experts`): its top_k (token, expert) rows twice, sorted
+        by expert (the grouped products' input) and the experts' outputs before they are weighted
+        back (top_k x d_model each), and the router's logits and softmax (experts each); 0 for a
+        dense model."""
+        return 2.0 * self.top_k * self.d_model + 2.0 * self.experts if self.experts else 0.0
+
+    @property
+    def grouped_transient_values(self) -> float:
+        """A mixture of experts' largest transient a position, once: XLA's rewrite of a grouped
+        product (`jax.lax.ragged_dot`; its ragged-dot rewriter) into a dense one over every expert,
+        experts x the gate-and-up width (2/3 of an expert's gated MLP values) for each of the
+        top_k rows, three of them live in the backward (the product's, its gradient's and its
+        input gradient's: fitted on CPU compiles of tiny shapes, the formula then 12% under to 18%
+        over their peaks' difference from a dense twin; not checked on GPU); 0 for a dense model."""
+        if not (self.experts and self.mlp_params and self.layers and self.d_model):
+            return 0.0
+        gate_up = 2.0 / 3.0 * self.mlp_params / (self.layers * self.d_model * self.experts)
+        return 3.0 * self.experts * self.top_k * gate_up
+
+    @property
+    def active_params(self) -> float:
+        """The parameters one token runs through: params less the experts it does not choose."""
+        if not self.experts:
+            return self.params
+        return self.params - self.expert_params * (1.0 - self.top_k / self.experts)
 
 
 ModelShape.n_layer = property(lambda self: self.layers, doc="`layers`, by its older (GPT-2) name")
@@ -340,7 +376,7 @@ def train_flops_per_token(shape: ModelShape, remat: str | None = None, tiled_mlp
 
 def _remat_flops_per_token(shape: ModelShape, remat) -> float:
     attn = shape.layers * shape.attention_width * shape.seq_len
-    base = 6.0 * shape.params + 12.0 * attn
+    base = 6.0 * shape.active_params + 12.0 * attn  # a mixture of experts: the experts a token runs
     if remat in (None, "none"):
         return base
     if remat in ("full", "offload", True):
@@ -524,10 +560,22 @@ def model_state_bytes(params: int, *, stage: int, n_data: int, precision: str, n
                              n_tensor=n_tensor, **floor_kw) + int(grads)
 
 
+def expert_split_states(states, shape: ModelShape, params: float, *, n_data: int, n_expert: int = 1, **kw) -> int:
+    """states(params, n_data=..., **kw) (`model_state_bytes` or `model_state_floor`) with expert
+    parallelism (EngineOptions.ep_size = n_expert > 1): a mixture of experts' expert weights
+    (`ModelShape.expert_params`) split 1 / n_expert at every stage and ZeRO-partitioned over the
+    n_data / n_expert groups only, the other parameters as before."""
+    experts = shape.expert_params if n_expert > 1 else 0
+    out = states(int(params - experts), n_data=n_data, **kw)
+    if experts:
+        out += states(int(experts / n_expert), n_data=max(n_data // n_expert, 1), **kw)
+    return out
+
+
 def activation_bytes_per_layer(*, seq_len: int, rows: int, d_model: int, heads: int | None = None, n_tensor: int = 1,
                                sequence_parallel: bool = True, flash_attention: bool = True,
                                remat: str | None = None, n_head: int | None = None, mlp_values: float = 0.0,
-                               tiled_mlp: bool = False) -> int:
+                               tiled_mlp: bool = False, routing_values: float = 0.0) -> int:
     """Activation bytes one transformer layer saves for its backward pass, per device, 16-bit,
     after Korthikanti et al. 2022 ("Reducing Activation Recomputation in Large Transformer
     Models", table 2): s·b·h·(34 + 5·a·s/h) without parallelism; tensor parallelism divides the
@@ -542,7 +590,9 @@ def activation_bytes_per_layer(*, seq_len: int, rows: int, d_model: int, heads: 
     there (2 bytes each; a gated MLP keeps 3 x intermediate). tiled_mlp (`Llama(mlp_tile=N)`):
     none of them is kept, each piece's being rebuilt in the backward (its input, the paper's
     2·s·b·h of the MLP's input, is kept either way); the piece being rebuilt is not counted here
-    (`mesh_peak_bytes` adds it once)."""
+    (`mesh_peak_bytes` adds it once). routing_values (`ModelShape.routing_values`): a mixture of
+    experts' routing buffers a position, 2 bytes each, inside the sublayer (the experts are whole on
+    each tensor rank, so t does not split them)."""
     heads = heads if heads is not None else n_head
     if not flash_attention and not heads:
         raise ValueError("activation_bytes_per_layer: without flash attention the score matrices need heads=")
@@ -552,7 +602,7 @@ def activation_bytes_per_layer(*, seq_len: int, rows: int, d_model: int, heads: 
     mlp = 0.0 if tiled_mlp else 2 * (mlp_values or 8 * h) / h
     inside = 24 - 16 + mlp + (0 if flash_attention else 5 * a * s / h)
     outside = 10
-    return int(s * b * h * (inside / t + outside / (t if sequence_parallel else 1)))
+    return int(s * b * (h * (inside / t + outside / (t if sequence_parallel else 1)) + 2 * routing_values))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -643,12 +693,14 @@ def mesh_peak_bytes(shape: ModelShape, *, heads: int, vocab: int, micro_batch: i
                     precision: str = "bf16", remat: str | None = None, checkpoint_interval: int = 0,
                     optimizer: str | None = "adamw", flash_attention: bool = True,
                     activation_factor: float = ACTIVATION_FACTOR, master_split: bool = False,
-                    adam_mu_dtype: str | None = None, mlp_tile: int | None = None) -> dict:
+                    adam_mu_dtype: str | None = None, mlp_tile: int | None = None, n_expert: int = 1) -> dict:
     """Per-device bytes of one step on a data x tensor x pipe mesh, by formula (what the planner's
     mesh search uses where it does not compile): {"states", "activations", "logits", "total"}.
 
     states: `model_state_bytes` for the stage's parameters (layers / n_pipe, the rest whole) split
-      1 / n_tensor, ZeRO over n_data (master_split / adam_mu_dtype: the EngineOptions that shrink them).
+      1 / n_tensor, ZeRO over n_data (master_split / adam_mu_dtype: the EngineOptions that shrink them);
+      n_expert (EngineOptions.ep_size): a mixture of experts' expert weights split 1 / n_expert at
+      every stage, ZeRO then over the n_data / n_expert groups.
     activations: `activation_bytes_per_layer` (Korthikanti et al.; 16-bit, scaled to the compute
       dtype) for the micro-batch a tensor group trains (micro_batch x n_tensor rows), times the
       device's layers. Unpipelined, one micro-batch is live at a time (the accumulation scan); a full
@@ -665,9 +717,9 @@ def mesh_peak_bytes(shape: ModelShape, *, heads: int, vocab: int, micro_batch: i
     The compiled step is the measure (`zerojax.planning.planner.step_memory`); this is its estimate.
     """
     p_stage = _per_stage_params(shape, n_pipe)
-    states = model_state_bytes(int(p_stage), stage=stage, n_data=n_data, precision=precision,
-                               n_tensor=n_tensor, optimizer=optimizer, master_split=master_split,
-                               adam_mu_dtype=adam_mu_dtype)
+    kw = dict(stage=stage, precision=precision, n_tensor=n_tensor, optimizer=optimizer, master_split=master_split,
+              adam_mu_dtype=adam_mu_dtype)
+    states = expert_split_states(model_state_bytes, shape, p_stage, n_data=n_data, n_expert=n_expert, **kw)
     T, d = max(shape.seq_len, 1), shape.d_model
     scale = PRECISION_BYTES[precision] / 2
     layers = shape.layers // n_pipe if shape.layers else 0
@@ -676,7 +728,8 @@ def mesh_peak_bytes(shape: ModelShape, *, heads: int, vocab: int, micro_batch: i
         return scale * activation_bytes_per_layer(seq_len=T, rows=micro_batch * n_tensor, d_model=d,
                                                   heads=heads, n_tensor=n_tensor,
                                                   flash_attention=flash_attention, remat=remat_,
-                                                  mlp_values=shape.mlp_values, tiled_mlp=mlp_tile is not None)
+                                                  mlp_values=shape.mlp_values, tiled_mlp=mlp_tile is not None,
+                                                  routing_values=shape.routing_values)
 
     full, kept = layer(None), layer(remat)
     if n_pipe <= 1:
@@ -689,6 +742,9 @@ def mesh_peak_bytes(shape: ModelShape, *, heads: int, vocab: int, micro_batch: i
     if mlp_tile is not None:  # the piece the backward rebuilds (the tensor ranks split its width)
         acts += scale * 2 * micro_batch * min(mlp_tile, T) * (shape.mlp_values or 8 * d)
     acts *= activation_factor
+    # a mixture of experts: one layer's grouped product as XLA runs it, dense over the experts (a
+    # transient of its own, not the saved activations the factor was calibrated on)
+    acts += scale * 2 * micro_batch * T * shape.grouped_transient_values
     logits = 2 * 4 * micro_batch * n_tensor * T * vocab / n_tensor
     total = states + acts + logits
     return {"states": int(states), "activations": int(acts), "logits": int(logits), "total": int(total)}

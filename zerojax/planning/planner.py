@@ -333,7 +333,8 @@ def model_shape(model_factory, seq_len) -> est.ModelShape:
         layers = int(stacked[0].shape[0]) if stacked else 0
         layer_params = sum(math.prod(var.shape) for var in stacked)
     return est.ModelShape(dims.params, layer_params, layers, dims.d_model, int(seq_len or 0),
-                          attn_width=dims.heads * dims.head_dim, mlp_params=_mlp_params(model))
+                          attn_width=dims.heads * dims.head_dim, mlp_params=_mlp_params(model),
+                          experts=dims.experts, top_k=dims.top_k, expert_params=_expert_params(model))
 
 
 def _mlp_params(model) -> int:
@@ -342,6 +343,12 @@ def _mlp_params(model) -> int:
     they are no matmul). 0 for a model without logical names."""
     return sum(math.prod(var.shape) for _, var in nnx.to_flat_state(nnx.state(model, nnx.Param))
                if {"embed", "mlp"} <= set(mem.logical_names(var)))
+
+
+def _expert_params(model) -> int:
+    """A mixture of experts' expert weights: the leaves with a logical "experts" axis (0 if none)."""
+    return sum(math.prod(var.shape) for _, var in nnx.to_flat_state(nnx.state(model, nnx.Param))
+               if "experts" in mem.logical_names(var))
 
 
 def precision_choices(cfg_dict, factory=None) -> tuple:
@@ -603,11 +610,12 @@ def search(model_factory, cfg_dict, budget, seq_len, *, stages=(0, 1, 2, 3),
     def states(c, bound):
         f = est.model_state_floor if bound else est.model_state_bytes
         prec = c.precision or configured_precision(cfg_dict)
-        return f(shape.params, stage=c.stage, n_data=n_zero, precision=prec, optimizer=optimizer,
-                 offload_optimizer=c.kind != "none", offload_ratio=c.ratio,
-                 offload_param=c.kind == "param", n_tensor=n_tensor,
-                 master_split=device_split(opts, prec, c.kind != "none"),
-                 adam_mu_dtype=opts.adam_mu_dtype)
+        return est.expert_split_states(f, shape, shape.params, n_expert=opts.ep_size, stage=c.stage,
+                                       n_data=n_zero, precision=prec, optimizer=optimizer,
+                                       offload_optimizer=c.kind != "none", offload_ratio=c.ratio,
+                                       offload_param=c.kind == "param", n_tensor=n_tensor,
+                                       master_split=device_split(opts, prec, c.kind != "none"),
+                                       adam_mu_dtype=opts.adam_mu_dtype)
 
     def estimated_peak(c):
         """From a compiled neighbour (same precision, remat and MLP tile, micro-batch no smaller):

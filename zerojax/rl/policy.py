@@ -57,7 +57,7 @@ class EnginePolicy:
         from zerojax.sharding import partition
 
         self.engine, self.reference = engine, reference
-        self._rows = NamedSharding(engine.mesh, P(partition.DATA))
+        self._rows = NamedSharding(engine.mesh, P(partition.data_axes(engine.mesh)))
         source = EngineSource(engine.step_settings)
         self._run = jax.jit(functools.partial(_logps, source, temperature, group, False))
         self._run_ref = jax.jit(functools.partial(_logps, source, temperature, group, reference == "adapters_off"))

@@ -135,7 +135,7 @@ class EngineValues:
         from zerojax.sharding import partition
 
         self.critic = critic
-        self._rows = NamedSharding(critic.mesh, P(partition.DATA))
+        self._rows = NamedSharding(critic.mesh, P(partition.data_axes(critic.mesh)))
         source = EngineSource(critic.step_settings)
         self._run = jax.jit(lambda weights, batch: completion_values(source.model(weights), batch))
 

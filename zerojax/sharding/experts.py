@@ -1,7 +1,9 @@
-"""Expert parallelism's sharding (DeepSpeed-MoE's `ep_size`, `EngineOptions.ep_size`): a mixture
-of experts' expert leaves split over the "data" axis on their logical "experts" axis at every ZeRO
-stage (ZeRO leaves an axis already on "data" be), and the models' `expert_parallel` hook that makes
-their sparse layers send tokens to the experts' devices (`zerojax.models.expert_parallel`).
+"""Expert parallelism's sharding (DeepSpeed-MoE's `ep_size`, `EngineOptions.ep_size`): the
+data-parallel devices as a ("data", "expert") grid of (dp / ep, ep) (`partition.with_expert_axis`),
+a mixture of experts' expert leaves split over "expert" on their logical "experts" axis at every
+ZeRO stage (replicated over "data", across the expert-parallel groups, where ZeRO partitions them
+on another dim), and the models' `expert_parallel` hook that makes their sparse layers send tokens
+to the experts' devices within their group (`zerojax.models.expert_parallel`).
 """
 from __future__ import annotations
 
@@ -11,12 +13,13 @@ from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
 from zerojax.config import ConfigError
-from zerojax.sharding.partition import DATA, data_size, logical_axes, pipe_size, seq_size, tensor_size
+from zerojax.sharding.partition import (
+    EXPERT, data_axes, data_size, logical_axes, pipe_size, seq_size, tensor_size, with_expert_axis)
 
 EXPERTS = "experts"  # the logical name of a mixture of experts' experts axis
 
 
-def split_experts(state, specs, axis: str = DATA) -> Any:
+def split_experts(state, specs, axis: str = EXPERT) -> Any:
     """`specs` (a pure dict, as `tensor_specs` returns) with each leaf's logical "experts" axis on
     mesh `axis`: expert parallelism (`EngineOptions.ep_size`), at every ZeRO stage. `state`: the
     nnx.State the specs are of (its Variables carry the logical names)."""
@@ -34,12 +37,13 @@ def split_experts(state, specs, axis: str = DATA) -> Any:
     return walk(specs, state)
 
 
-def expert_parallel_hook(module, mesh: Mesh, ep: int, modules_with) -> tuple | None:
-    """The models' `expert_parallel` hook value, (mesh, "data"), for EngineOptions.ep_size = ep > 1
-    (else None); a ConfigError where it cannot apply. modules_with(module, name): the modules
-    having the hook."""
+def expert_parallel_hook(module, mesh: Mesh, ep: int, modules_with) -> tuple[tuple | None, Mesh]:
+    """(the models' `expert_parallel` hook value, the mesh to run on) for EngineOptions.ep_size = ep:
+    (None, mesh) for ep 1; else ((mesh, "expert", the rows' axes), mesh with its "data" axis split
+    into ("data", "expert")), or a ConfigError where it cannot apply. modules_with(module, name):
+    the modules having the hook."""
     if ep == 1:
-        return None
+        return None, mesh
     if not modules_with(module, "expert_parallel"):
         raise ConfigError([f"EngineOptions.ep_size = {ep}: {type(module).__name__} has no experts (no module with "
                            "the expert_parallel hook, e.g. zerojax.models.MoELlama); use ep_size 1"])
@@ -48,17 +52,15 @@ def expert_parallel_hook(module, mesh: Mesh, ep: int, modules_with) -> tuple | N
     busy = [f"{k} = {v}" for k, v in others.items() if v > 1]
     if busy:
         raise ConfigError([f"EngineOptions.ep_size = {ep} with {', '.join(busy)}: expert parallelism runs on the "
-                           "data axis alone; set those to 1"])
-    if ep != data_size(mesh):
-        raise ConfigError([f"EngineOptions.ep_size = {ep}: it must equal the data-parallel size "
-                           f"{data_size(mesh)} (one expert-parallel group over the \"data\" axis; smaller "
-                           "groups are not implemented), or 1"])
+                           "data-parallel devices alone; set those to 1"])
+    grid = with_expert_axis(mesh, ep)  # first: ep must divide the data-parallel size
     experts = getattr(getattr(module, "config", None), "num_experts", None)
     if experts is not None and experts % ep:
-        fits = [n for n in range(1, data_size(mesh) + 1) if experts % n == 0]
+        n = data_size(mesh)
+        fits = [e for e in range(1, n + 1) if experts % e == 0 and n % e == 0]
         raise ConfigError([f"EngineOptions.ep_size = {ep} must divide the model's num_experts = {experts} (each "
-                           f"device holds num_experts / ep_size of them); sizes that would work: {fits}"])
-    return (mesh, DATA)
+                           f"device of a group holds num_experts / ep_size of them); sizes that would work: {fits}"])
+    return (grid, EXPERT, data_axes(grid)), grid
 
 
 __all__ = ["EXPERTS", "split_experts", "expert_parallel_hook"]

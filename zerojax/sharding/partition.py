@@ -34,6 +34,11 @@ PIPE = "pipe"
 # Ulysses sequence parallelism (DeepSpeed's `sequence_parallel_size`): activations split on their
 # sequence between the attentions, on their heads inside them (`SEQ_RULES`)
 SEQ = "seq"
+# expert parallelism inside data parallelism (DeepSpeed-MoE's ep_size): the data-parallel devices
+# as a (DATA, EXPERT) grid, each row of EXPERT devices one expert-parallel group. Data parallelism
+# (batch rows, ZeRO) spans both axes; expert leaves split over EXPERT and are ZeRO-partitioned over
+# DATA, the expert-data-parallel group (`zerojax.sharding.experts`)
+EXPERT = "expert"
 AXES = (DATA, TENSOR)
 
 # Logical axis name -> mesh axis (flax's logical_axis_rules), used only when the mesh's "tensor"
@@ -151,7 +156,39 @@ def pipe_size(mesh: Mesh) -> int:
 
 
 def data_size(mesh: Mesh) -> int:
-    return int(mesh.shape.get(DATA, 1))
+    """The data-parallel size: the "data" axis times the "expert" axis it may be split into."""
+    return int(mesh.shape.get(DATA, 1)) * int(mesh.shape.get(EXPERT, 1))
+
+
+def data_axes(mesh: Mesh) -> str | tuple[str, str]:
+    """The mesh axes rows are split over (a PartitionSpec entry): "data", or ("data", "expert")
+    where expert parallelism split it."""
+    return (DATA, EXPERT) if EXPERT in mesh.axis_names else DATA
+
+
+def zero_axes(mesh: Mesh) -> dict[str, int]:
+    """The axes ZeRO partitions over and their sizes (`zero_spec`'s n_data): the data-parallel ones."""
+    return {DATA: int(mesh.shape.get(DATA, 1)), **({EXPERT: int(mesh.shape[EXPERT])} if EXPERT in mesh.axis_names
+                                                   else {})}
+
+
+def with_expert_axis(mesh: Mesh, ep: int) -> Mesh:
+    """`mesh` with its "data" axis split into ("data", "expert") of sizes (data / ep, ep): each run of
+    ep neighbouring data-parallel devices one expert-parallel group (DeepSpeed-MoE's layout)."""
+    if EXPERT in mesh.axis_names:
+        if mesh.shape[EXPERT] != ep:
+            raise ConfigError([f"EngineOptions.ep_size = {ep} but the mesh's \"expert\" axis has "
+                               f"{mesh.shape[EXPERT]} devices; make them equal (or pass a mesh without it)"])
+        return mesh
+    n = data_size(mesh)
+    if ep < 1 or n % ep:
+        raise ConfigError([f"EngineOptions.ep_size = {ep} must divide the data-parallel size {n} (expert-parallel "
+                           f"groups of ep_size devices inside it); sizes that would work: "
+                           f"{[e for e in range(1, n + 1) if n % e == 0]}"])
+    i = mesh.axis_names.index(DATA)
+    shape = mesh.devices.shape[:i] + (n // ep, ep) + mesh.devices.shape[i + 1:]
+    names = mesh.axis_names[:i] + (DATA, EXPERT) + mesh.axis_names[i + 1:]
+    return Mesh(mesh.devices.reshape(shape), names, axis_types=(AxisType.Auto,) * len(names))
 
 
 def tensor_size(mesh: Mesh) -> int:
@@ -412,22 +449,28 @@ def activation_constraint(mesh: Mesh, rules=None):
 # The ZeRO leaf rule
 
 
-def zero_spec(shape: Sequence[int], base: P, n_data: int, *, min_elements: int = 0) -> P:
-    """Add "data" to `base` on the largest dim divisible by `n_data` not used by another axis.
+def zero_spec(shape: Sequence[int], base: P, n_data: int | dict, *, min_elements: int = 0) -> P:
+    """Add the data-parallel axes to `base` on the largest dim divisible by their size not used by
+    another axis. n_data: the "data" size, or {axis: size} (`zero_axes(mesh)`); axes `base` already
+    uses are left out (an expert leaf split over "expert" is ZeRO-partitioned over "data" alone).
 
     Leaves with fewer than `min_elements` elements, or with no such dim, keep `base`.
     """
     shape = tuple(shape)
     spec = list(base) + [None] * (len(shape) - len(base))
-    if n_data <= 1 or not shape or math.prod(shape) < min_elements:
+    used = {a for s in spec for a in (s if isinstance(s, tuple) else (s,))}
+    axes = {a: n for a, n in (n_data.items() if isinstance(n_data, dict) else ((DATA, n_data),))
+            if a not in used and n > 1}
+    n = math.prod(axes.values())
+    if n <= 1 or not shape or math.prod(shape) < min_elements:
         return P(*spec)
-    if any(DATA == s or (isinstance(s, tuple) and DATA in s) for s in spec):
+    if DATA in used:
         return P(*spec)
-    free = [i for i, d in enumerate(shape) if spec[i] is None and d % n_data == 0 and d > 0]
+    free = [i for i, d in enumerate(shape) if spec[i] is None and d % n == 0 and d > 0]
     if not free:
         return P(*spec)
     i = max(free, key=lambda i: (shape[i], -i))  # largest; the first of equals
-    spec[i] = DATA
+    spec[i] = tuple(axes) if len(axes) > 1 else next(iter(axes))
     return P(*spec)
 
 
@@ -443,7 +486,7 @@ def _shapes(tree):
     return jax.tree.map(lambda x: tuple(x.shape), tree)
 
 
-def stage_specs(shapes, base_specs, stage: int, n_data: int, *, persistence_threshold: int = 0):
+def stage_specs(shapes, base_specs, stage: int, n_data: int | dict, *, persistence_threshold: int = 0):
     """PartitionSpec trees (params, grads, master) for `stage` from shapes and tensor-only specs."""
     if stage not in (0, 1, 2, 3):
         raise ValueError(f"zero_optimization.stage={stage!r}; accepted: 0, 1, 2, 3")
@@ -478,7 +521,7 @@ def stage_shardings(
     shapes = _shapes(abstract_params)
     is_shape = lambda x: isinstance(x, tuple) and all(isinstance(d, int) for d in x)  # noqa: E731
     base = base_specs if base_specs is not None else jax.tree.map(lambda s: P(), shapes, is_leaf=is_shape)
-    specs = stage_specs(shapes, base, stage, data_size(mesh), persistence_threshold=persistence_threshold)
+    specs = stage_specs(shapes, base, stage, zero_axes(mesh), persistence_threshold=persistence_threshold)
     named = lambda tree, kind=None: jax.tree.map(  # noqa: E731
         lambda p: NamedSharding(mesh, p, memory_kind=kind), tree, is_leaf=lambda x: isinstance(x, P)
     )
@@ -529,7 +572,7 @@ def _fix_mismatches(shardings, abstract_state, mesh, kind):
             s.shard_shape(tuple(x.shape))
             return s
         except Exception:  # noqa: BLE001
-            return kind(NamedSharding(mesh, zero_spec(x.shape, P(), data_size(mesh))))
+            return kind(NamedSharding(mesh, zero_spec(x.shape, P(), zero_axes(mesh))))
 
     return jax.tree.map(fix, shardings, abstract_state, is_leaf=lambda x: isinstance(x, NamedSharding))
 
@@ -538,7 +581,7 @@ def _by_shape(abstract_state, abstract_master, master_shardings, mesh, kind):
     by_shape: dict = {}
     for x, s in zip(jax.tree.leaves(abstract_master), jax.tree.leaves(master_shardings)):
         by_shape.setdefault((tuple(x.shape), x.dtype), s)
-    n = data_size(mesh)
+    n = zero_axes(mesh)
 
     def pick(x):
         if not getattr(x, "shape", ()):
@@ -581,7 +624,7 @@ def held_bytes(tree, devices) -> int:
 
 
 __all__ = [
-    "DATA", "TENSOR", "PIPE", "SEQ", "SEQ_RULES", "DEFAULT_RULES", "ACTIVATION_RULES", "REPLICATED_NAMES",
+    "DATA", "TENSOR", "PIPE", "SEQ", "EXPERT", "data_axes", "zero_axes", "with_expert_axis", "SEQ_RULES", "DEFAULT_RULES", "ACTIVATION_RULES", "REPLICATED_NAMES",
     "SPLIT_IF_DIVISIBLE",
     "make_mesh",
     "data_size", "pipe_size", "seq_size", "check_sequence_parallel", "tensor_size", "batch_world_size",

@@ -409,13 +409,14 @@ class Engine:
     def _local_fraction(self) -> tuple[int, int]:
         """(data indices this process feeds, data size)."""
         devs = np.asarray(self.mesh.devices)
-        data_axis = self.mesh.axis_names.index(partition.DATA)
-        mine = {idx[data_axis] for idx in np.ndindex(devs.shape)
+        axes = partition.data_axes(self.mesh)
+        data_axes = [self.mesh.axis_names.index(a) for a in ((axes,) if isinstance(axes, str) else axes)]
+        mine = {tuple(idx[i] for i in data_axes) for idx in np.ndindex(devs.shape)
                 if devs[idx].process_index == jax.process_index()}
         return len(mine), partition.data_size(self.mesh)
 
     def _place_batch(self, batch, rows: int | None, what: str):
-        sharding = NamedSharding(self.mesh, P(partition.DATA))
+        sharding = NamedSharding(self.mesh, P(partition.data_axes(self.mesh)))
         mine, n = self._local_fraction
         cfg = self.cfg
 
@@ -445,7 +446,7 @@ class Engine:
         return jax.tree_util.tree_map_with_path(place, batch)
 
     def _abstract_batch(self, batch_shapes):
-        sharding = NamedSharding(self.mesh, P(partition.DATA))
+        sharding = NamedSharding(self.mesh, P(partition.data_axes(self.mesh)))
         return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding), batch_shapes)
 
     # ------------------------------------------------------------------ steps

@@ -280,7 +280,8 @@ def build_layout(module: nnx.Module, cfg, *, loss_fn: Callable, mesh: Mesh | Non
     constrain = None
     if (cfg.tensor_parallel.partition_config or {}).get("use_default_specs", True):
         constrain = partition.activation_constraint(mesh)
-    experts = expert_parallel_hook(module, mesh, (options or EngineOptions()).ep_size, _modules_with)
+    # ep_size > 1: the mesh's "data" axis split into ("data", "expert") for everything that follows
+    experts, mesh = expert_parallel_hook(module, mesh, (options or EngineOptions()).ep_size, _modules_with)
     with _attributes(_activation_modules(module) if constrain else [], activation_sharding=constrain), \
             _attributes(_modules_with(module, "expert_parallel") if experts else [], expert_parallel=experts), \
             _settings(_remat_settings(module, cfg)):
@@ -372,7 +373,7 @@ def _build_layout(module, cfg: Config, *, loss_fn, mesh: Mesh, options) -> Engin
     stacked = contract.stacked_flags(abstract_master, prefixes) if prefixes else None
     base_specs = partition.tensor_specs(params, mesh, tp=cfg.tensor_parallel, model_type=_model_type(module),
                                         stacked_prefixes=prefixes)
-    if options.ep_size > 1:  # experts split over "data" at every stage (ZeRO leaves that axis be)
+    if options.ep_size > 1:  # experts split over "expert" at every stage (ZeRO adds "data" on another dim)
         base_specs = split_experts(params, base_specs)
     shardings = partition.stage_shardings(
         abstract_master, mesh, stage, base_specs=base_specs,
@@ -478,7 +479,7 @@ def _rest_shardings(rest, mesh: Mesh, cfg: Config, stage: int, model_type, prefi
         specs = split_experts(named, specs)
     if stage >= 3:
         threshold = int(cfg.zero_optimization.stage3_param_persistence_threshold or 0)
-        specs = jax.tree.map(lambda b, x: partition.zero_spec(x.shape, b, partition.data_size(mesh),
+        specs = jax.tree.map(lambda b, x: partition.zero_spec(x.shape, b, partition.zero_axes(mesh),
                                                               min_elements=threshold),
                              specs, pure_dict(named), is_leaf=lambda x: isinstance(x, P))
     flat = dict(jax.tree_util.tree_leaves_with_path(specs, is_leaf=lambda x: isinstance(x, P)))

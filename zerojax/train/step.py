@@ -20,7 +20,7 @@ from jax.sharding import Mesh
 from zerojax import offload as offload_mod
 from zerojax._jax_compat import to_pure_dict as pure_dict
 from zerojax.accumulate import accumulate_gradients
-from zerojax.sharding.partition import StageShardings
+from zerojax.sharding.partition import StageShardings, data_axes
 from zerojax.precision import all_finite
 from zerojax.train_state import TrainState  # noqa: F401 (zerojax.train.step.TrainState, a public path)
 
@@ -170,6 +170,7 @@ def train_step(settings: StepSettings, state: TrainState, batch):
         state.params, batch, steps=settings.steps, mesh=settings.mesh,
         grad_shardings=settings.shardings.grads, accum_dtype=accum_dtype,
         loss_scale=scale, carry=state.rest, add_into=add_into, acc_init=state.grad_accumulator,
+        data_axes=data_axes(settings.mesh),
     )
     if settings.offload is not None:
         new_state, metrics = _offloaded_tail(settings, state, grads, loss, aux, rest, scale)

@@ -190,7 +190,8 @@ def parse_args(argv=None, *, prog=None, description=None):
     p.add_argument("--ep-size", type=_number(int, 1), default=1,
                    help="expert parallelism for a mixture-of-experts model (DeepSpeed-MoE's ep_size, "
                         "zerojax.EngineOptions.ep_size): its experts split over this many devices, tokens "
-                        "sent to them by all-to-all; 1 = off, else the data-parallel size")
+                        "sent to them by all-to-all within groups of this many devices; 1 = off, else a "
+                        "divisor of the data-parallel size and of num_experts")
     p.add_argument("--master-split", action="store_true",
                    help="keep the fp32 master as the bf16 params + an int16 remainder on the device "
                         "(zerojax.EngineOptions(split_master=\"on\")): 2 bytes a parameter less, the same "

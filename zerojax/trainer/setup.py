@@ -568,8 +568,10 @@ def warn_replicated(engine, cfg):
     device (DeepSpeed's rule): a small model then is barely partitioned, so say so once."""
     import jax
 
+    from zerojax.sharding import partition
+
     zero = cfg.zero_optimization
-    if zero.stage != 3 or engine.mesh.shape.get("data", 1) < 2:
+    if zero.stage != 3 or partition.data_size(engine.mesh) < 2:
         return
     threshold = int(zero.stage3_param_persistence_threshold or 0)
     leaves = [x for x in jax.tree.leaves(engine.state.params) if hasattr(x, "sharding")]
