@@ -70,7 +70,8 @@ class Scheduler:
         self.max_num_seqs, self.max_batched_tokens = max_num_seqs, max_batched_tokens
         self.prefix_caching = prefix_caching
         self.waiting: collections.deque[Request] = collections.deque()
-        self.running: list[Request] = []
+        # oldest first; a dict for its order and O(1) membership (a step asks of every row)
+        self.running: dict[Request, None] = {}
         self.preemptions = 0
 
     def add(self, req: Request) -> None:
@@ -113,7 +114,7 @@ class Scheduler:
                 self._release(req)
                 break
             self.waiting.popleft()
-            self.running.append(req)
+            self.running[req] = None
             plan.append((req, n))
             budget -= n
             if n > 1:
@@ -144,7 +145,7 @@ class Scheduler:
         this step (`planned`) until they come; False where `req` itself was the youngest (it was
         preempted)."""
         while not self._pages_for(req, upto):
-            victim = [r for r in self.running if r not in planned][-1]
+            victim = next(r for r in reversed(self.running) if r not in planned)
             self.preempt(victim)
             if victim is req:
                 return False
@@ -152,7 +153,7 @@ class Scheduler:
 
     def preempt(self, req: Request) -> None:
         """Its pages back to the pool; it waits at the head of the queue to be recomputed."""
-        self.running.remove(req)
+        del self.running[req]
         self._release(req)
         self.waiting.appendleft(req)
         self.preemptions += 1
@@ -165,7 +166,7 @@ class Scheduler:
         """A request done (finished or aborted): out of the queue or the running set, its pages
         back to the pool at once."""
         if req in self.running:
-            self.running.remove(req)
+            del self.running[req]
         elif req in self.waiting:
             self.waiting.remove(req)
         self._release(req)
