@@ -9,8 +9,8 @@ layer's keys and values (8 MiB) takes under 3 us.
 Here one program per (row, kv head) streams that pair's keys and values once, with an online
 softmax, and reads only the slots the row sees (from its first prompt token to the current slot),
 not the whole length bucket. Where rows x kv heads are too few programs to fill the GPU (one row of
-Llama-3.1-8B: 8), each pair's slots are split over several programs and their partial softmaxes
-merged after (`split_count`).
+Llama-3.1-8B: 8), each pair's visible slots are split evenly over several programs and their
+partial softmaxes merged after (`split_count`).
 
 The cache stays [layers, batch, kv_heads, length, head_dim] (`zerojax.generation.cache`) and is
 handed over whole with the layer index as an operand: a slice of it would be a copy before a
@@ -70,8 +70,8 @@ def decode_attention(q, keys, values, layer, first, last, *, pages=None, scale: 
     lies in page pages[b, s // page_size] at s % page_size; a loop step is one page. The
     scores in fp32 from q's dtype, the probabilities cast to the cache's dtype for their product
     with the values, fp32 accumulation (as `cache.attend`). block None: `slot_block(S)`. splits:
-    programs per (row, kv head), each over its own run of slot blocks, their partial softmaxes
-    merged after (None: `split_count`). interpret None: compiled on GPU, Pallas' interpreter
+    programs per (row, kv head), each over its own share of the blocks that hold the row's visible
+    slots, their partial softmaxes merged after (None: `split_count`). interpret None: compiled on GPU, Pallas' interpreter
     elsewhere."""
     B, H, Dh = q.shape
     if pages is not None:  # a paged pool: a page a block, the table's width in slots
@@ -89,8 +89,7 @@ def decode_attention(q, keys, values, layer, first, last, *, pages=None, scale: 
                          "it takes a power-of-two head_dim in 16..256, whole query groups and slots a multiple "
                          "of the block (and of 16)")
     blocks = S // block
-    per = -(-blocks // (split_count(B * K, blocks) if splits is None else max(1, min(splits, blocks))))
-    splits = -(-blocks // per)  # no split without a block
+    splits = split_count(B * K, blocks) if splits is None else max(1, min(splits, blocks))
     G = H // K
     rows = max(1 << (G - 1).bit_length(), _MIN_ROWS)  # Triton's blocks are powers of two
     scale = float(Dh ** -0.5 if scale is None else scale)
@@ -116,7 +115,7 @@ def decode_attention(q, keys, values, layer, first, last, *, pages=None, scale: 
                      jax.ShapeDtypeStruct((B, K, splits, rows), acc_t),
                      jax.ShapeDtypeStruct((B, K, splits, rows), acc_t)]
     out = pl.pallas_call(
-        functools.partial(_kernel, scale=scale, block=block, per=per, whole=splits == 1, paged=pages is not None),
+        functools.partial(_kernel, scale=scale, block=block, splits=splits, paged=pages is not None),
         grid=(B, K, splits),
         in_specs=[pl.BlockSpec((None, None, rows, Dh), lambda b, h, s: (b, h, 0, 0)), whole, whole,
                   pl.BlockSpec((None, 4), lambda b, h, s: (b, 0)), *table_spec],
@@ -142,11 +141,12 @@ def split_count(pairs: int, blocks: int) -> int:
     return max(1, min(blocks, -(-_TARGET_PROGRAMS // pairs)))
 
 
-def _kernel(q_ref, k_ref, v_ref, bounds_ref, *refs, scale, block, per, whole, paged):
-    """Program (row b, kv head h, split s): an online softmax over the slot blocks of split s
-    (blocks s * per .. (s + 1) * per - 1) that hold the row's visible slots; scores in base 2
-    (exp2). whole (one split): the normalised output; else the sum, max and denominator. paged:
-    block j is the page the row's table names at j."""
+def _kernel(q_ref, k_ref, v_ref, bounds_ref, *refs, scale, block, splits, paged):
+    """Program (row b, kv head h, split s): an online softmax over split s's share of the slot
+    blocks that hold the row's visible slots (the shares as even as whole blocks allow, however
+    long the cache or page table: a short row's blocks are spread over every split, not left to the
+    first ones); scores in base 2 (exp2). One split: the normalised output; else the sum, max and
+    denominator. paged: block j is the page the row's table names at j."""
     table_ref, out_refs = (refs[0], refs[1:]) if paged else (None, refs)
     b, h, s = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     layer, first, last = bounds_ref[0], bounds_ref[1], bounds_ref[2]
@@ -174,10 +174,12 @@ def _kernel(q_ref, k_ref, v_ref, bounds_ref, *refs, scale, block, per, whole, pa
     rows, dh = q.shape
     init = (jnp.zeros((rows, dh), acc_t), jnp.full((rows,), -jnp.inf, acc_t), jnp.zeros((rows,), acc_t))
     # every block in [start, stop) holds a visible slot (they are one run): m is finite after it
-    start = jnp.maximum(lax.div(first, jnp.int32(block)), s * per)
-    stop = jnp.minimum(lax.div(last, jnp.int32(block)) + 1, (s + 1) * per)
+    lo, hi = lax.div(first, jnp.int32(block)), lax.div(last, jnp.int32(block)) + 1
+    per = lax.div(hi - lo + splits - 1, jnp.int32(splits))
+    start = lo + s * per
+    stop = jnp.minimum(start + per, hi)
     acc, m, l = lax.fori_loop(start, stop, body, init)
-    if whole:
+    if splits == 1:
         out_refs[0][...] = (acc / l[:, None]).astype(out_refs[0].dtype)
     else:
         out_refs[0][...], out_refs[1][...], out_refs[2][...] = acc, m, l
