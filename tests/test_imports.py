@@ -313,7 +313,8 @@ def test_moved_modules_keep_working_with_a_warning_naming_the_new_path():
     import sys
     import warnings
 
-    for old, new in (("zerojax.planner", "zerojax.planning.planner"), ("zerojax.estimate", "zerojax.planning.estimate")):
+    for old, new in (("zerojax.planner", "zerojax.planning.planner"),
+                     ("zerojax.estimate", "zerojax.planning.estimate")):
         sys.modules.pop(old, None)
         with pytest.warns(DeprecationWarning, match=f"{old} moved to {new}"):
             shim = importlib.import_module(old)

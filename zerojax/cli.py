@@ -26,7 +26,7 @@ import itertools
 import json
 import os
 import sys
-from typing import Callable
+from collections.abc import Callable
 
 from zerojax import arg_types
 from zerojax.planning import estimate
@@ -46,7 +46,8 @@ def _add_estimate(sub):
                     "--aot the exact per-device peak of the compiled training step for each stage "
                     "and a plan of the (stage, offload, micro-batch, remat) choices that fit a budget.")
     p.add_argument("--model", default="large", help=MODEL_HELP)
-    p.add_argument("--params", type=arg_types.number(float, 0.0, above=True), help="total parameters instead of --model (formulas only)")
+    p.add_argument("--params", type=arg_types.number(float, 0.0, above=True),
+                   help="total parameters instead of --model (formulas only)")
     p.add_argument("--largest-layer", type=arg_types.number(float, 0.0, above=True),
                    help="largest layer's parameters (ZeRO-3 formula; with --params)")
     p.add_argument("--gpus", type=arg_types.number(int, 1), default=1, help="GPUs per node (default 1)")
@@ -131,7 +132,8 @@ def _add_hardware_flags(p):
                         f"{hw.matmul_flops:.3g}, measured on an H200)")
     p.add_argument("--host-bandwidth", type=arg_types.number(float, 0.0, above=True), default=hw.host_bytes_per_s,
                    help=f"host<->device bytes/s (default {hw.host_bytes_per_s:.3g}, measured PCIe)")
-    p.add_argument("--interconnect-bandwidth", type=arg_types.number(float, 0.0, above=True), default=hw.interconnect_bytes_per_s,
+    p.add_argument("--interconnect-bandwidth", type=arg_types.number(float, 0.0, above=True),
+                   default=hw.interconnect_bytes_per_s,
                    help=f"collective bytes/s per device (default {hw.interconnect_bytes_per_s:.3g})")
 
 
@@ -182,7 +184,8 @@ def _add_plan(sub):
     p.add_argument("--config", help="DeepSpeed JSON config to start from (default: bf16 AdamW)")
     p.add_argument("--seq", type=arg_types.number(int, 1), default=None,
                    help=f"sequence length (default: the model's maximum positions, else {DEFAULT_SEQ})")
-    p.add_argument("--devices", type=arg_types.number(int, 1), required=True, help="devices to split (e.g. 4 GPUs of a node)")
+    p.add_argument("--devices", type=arg_types.number(int, 1), required=True,
+                   help="devices to split (e.g. 4 GPUs of a node)")
     p.add_argument("--search-mesh", action="store_true",
                    help="search tensor and pipe sizes too (default: data-parallel only, the mesh "
                         "`zerojax.shard` builds for a config without tensor_parallel / pipeline)")
@@ -199,7 +202,8 @@ def _add_plan(sub):
     _add_mlp_tile_flag(p)
     p.add_argument("--aot", action="store_true", help="compile each candidate's real step for its peak")
     p.add_argument("--cpu", action="store_true", help="with --aot: compile on --devices virtual CPU devices")
-    p.add_argument("--max-compiles", type=arg_types.number(int, 1), default=12, help="with --aot: compiles to spend (default 12)")
+    p.add_argument("--max-compiles", type=arg_types.number(int, 1), default=12,
+                   help="with --aot: compiles to spend (default 12)")
     p.add_argument("--top", type=arg_types.number(int, 1), default=10, help="plans to print (default 10)")
     _add_engine_option_flags(p)
     _add_hardware_flags(p)
@@ -245,7 +249,8 @@ def cmd_plan(args) -> int:
         max_compiles=args.max_compiles, model=model, options=_engine_options_of(args, cfg),
         mlp_tile=_mlp_tile_of(args))
     say(f"{choice.label}, seq {seq}, {args.devices} devices, budget {fmt_bytes(budget)} per device; "
-        f"peaks {'compiled' if args.aot else 'by formula (estimate.mesh_peak_bytes; --aot compiles)'}; fastest predicted first:")
+        f"peaks {'compiled' if args.aot else 'by formula (estimate.mesh_peak_bytes; --aot compiles)'}; "
+        "fastest predicted first:")
     for i, p in enumerate(found.plans[:args.top], 1):
         _say_plan(say, i, p)
     if not found.plans:
@@ -403,7 +408,8 @@ def cmd_chat(args) -> int:
 def _add_serve(sub):
     from zerojax.serving.cli import add_serve_flags, main  # imports no jax until it runs
 
-    p = sub.add_parser("serve", help="an OpenAI-compatible server with continuous batching (pip install -e \".[serve]\")",
+    p = sub.add_parser("serve",
+                       help="an OpenAI-compatible server with continuous batching (pip install -e \".[serve]\")",
                        description="Serve a checkpoint over HTTP: /v1/completions, /v1/chat/completions, /v1/models, "
                                    "/health, /metrics (docs/serving.md).")
     add_serve_flags(p)
@@ -567,7 +573,8 @@ def _imported_model(spec: str, cfg_dict) -> ModelChoice:
         obj = importlib.import_module(module_name)
     except ImportError as e:
         raise ModelArgError(f"{what}: cannot import {module_name} ({type(e).__name__}: {e}); "
-                            "--model module:factory imports the module with the current directory on sys.path") from None
+                            "--model module:factory imports the module with the current directory on sys.path"
+                            ) from None
     for part in attr.split("."):
         if not hasattr(obj, part):
             raise ModelArgError(f"{what}: {module_name} has no {attr}; --model module:factory names a callable in it")
@@ -590,7 +597,8 @@ def _imported_model(spec: str, cfg_dict) -> ModelChoice:
     try:
         model = nnx.eval_shape(factory)
     except Exception as e:  # noqa: BLE001 - the user's code: its error, on one line
-        raise ModelArgError(f"{what}: calling {attr}() failed: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}") from None
+        first_line = str(e).splitlines()[0] if str(e) else ""
+        raise ModelArgError(f"{what}: calling {attr}() failed: {type(e).__name__}: {first_line}") from None
     if not isinstance(model, nnx.Module):
         raise ModelArgError(f"{what}: {attr}() returned a {type(model).__name__}; --model module:factory must "
                             "return an nnx.Module")

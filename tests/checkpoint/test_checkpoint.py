@@ -18,9 +18,8 @@ import pytest
 from flax import nnx
 
 from zerojax import cli
-
-from zerojax.checkpoint import state as checkpoint
 from zerojax.api import shard
+from zerojax.checkpoint import state as checkpoint
 from zerojax.sharding.partition import make_mesh
 
 ROWS = 32
@@ -141,7 +140,7 @@ def test_resume_in_new_process_is_exact(tmp_path):
 # stage 1 / 8 devices -> other stages, device counts and precisions
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def source(prec):
     """A stage-1 / 8-device run saved after 3 steps; its state then and its 4th step's loss."""
     d = tempfile.mkdtemp(prefix=f"ckpt_{prec}_", dir=SHARED)
@@ -356,7 +355,7 @@ def test_killed_save_leaves_previous_checkpoint(tmp_path):
 # export
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def gpt2_run():
     """Tiny GPT-2, bf16 at stage 3 with stage3_gather_16bit_weights_on_model_save, one step, saved."""
     from zerojax.models.gpt2 import GPT2, GPT2Config, gpt2_loss

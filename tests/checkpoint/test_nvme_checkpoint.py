@@ -235,7 +235,8 @@ def test_a_missing_streamed_leaf_names_it_and_another_tag(nvme_engine, tmp_path)
     path, folder = next(iter(meta["streamed"]["master"].items()))
     shutil.rmtree(tmp_path / "ck" / "bad" / "streamed" / folder)
     with pytest.raises(zerojax.checkpoint.state.CheckpointError,  # the checksums' record lists every file
-                       match=rf"bad/streamed/{folder}/\S+ is missing \(and \d+ more\); load another tag \(\['good'\]\)"):
+                       match=rf"bad/streamed/{folder}/\S+ is missing \(and \d+ more\); "
+                             r"load another tag \(\['good'\]\)"):
         eng.load_checkpoint(tmp_path / "ck", tag="bad")
     os.remove(tmp_path / "ck" / "bad" / "checksums.json")  # a tag saved before checksums: the read names the leaf
     with pytest.raises(zerojax.checkpoint.state.CheckpointError,

@@ -6,12 +6,18 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from jax.sharding import NamedSharding, PartitionSpec as P
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 
 from zerojax.optim import optimizer_from, schedule_from
-from zerojax.precision import (MIN_SCALE_ERROR, DynamicLossScaleState, compute_dtype, dynamic_loss_scale,
-                               loss_scale_from_config, static_loss_scale)
-
+from zerojax.precision import (
+    MIN_SCALE_ERROR,
+    DynamicLossScaleState,
+    compute_dtype,
+    dynamic_loss_scale,
+    loss_scale_from_config,
+    static_loss_scale,
+)
 
 # ---- transcription of DeepSpeed 0.19 DynamicLossScaler.update_scale (raise -> flag) ----
 

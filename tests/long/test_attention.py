@@ -5,11 +5,10 @@ rows, the choice of implementation, bad options, and the compiled program's memo
 not T^2."""
 import re
 
-import numpy as np
-import pytest
-
 import jax
 import jax.numpy as jnp
+import numpy as np
+import pytest
 from flax import nnx
 
 from zerojax.models import GPT2, GPT2Config, Llama, LlamaConfig

@@ -1,11 +1,10 @@
 """The tiled MLP (`Llama(mlp_tile=...)`, ALST's TiledMLP: a remat'd scan over sequence pieces)
 against the untiled one: logits and gradients of a tiny Llama on packed rows, a tile that does
 not divide the row included; and the option refused in one line when it is not a positive int."""
-import numpy as np
-import pytest
-
 import jax
 import jax.numpy as jnp
+import numpy as np
+import pytest
 from flax import nnx
 
 from zerojax.models import Llama, LlamaConfig

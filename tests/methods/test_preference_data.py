@@ -6,12 +6,11 @@ import json
 
 import numpy as np
 import pytest
+from data.test_finetune_data import folder, ids_of  # noqa: F401 (tests/ on sys.path; the fixture)
 
 from zerojax.data.finetune import load_finetune_data
 from zerojax.data.preference import load_preference_data
 from zerojax.data.text import DataError
-
-from data.test_finetune_data import folder, ids_of  # noqa: F401 (tests/ on sys.path; the fixture)
 
 SEQ = 16
 

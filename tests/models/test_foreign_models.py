@@ -16,12 +16,11 @@ import jax
 import numpy as np
 import pytest
 from flax import nnx
+from foreign_models import ListQwen, QwenShape, ScanLM, ScanShape, lm_loss  # noqa: E402 (tests/ on sys.path)
 
 import zerojax
 from zerojax import model as contract
 from zerojax.config import ConfigError
-
-from foreign_models import ListQwen, QwenShape, ScanLM, ScanShape, lm_loss  # noqa: E402 (tests/ on sys.path)
 
 ROWS, SEQ, STEPS, LR = 16, 9, 3, 0.1
 ATOL = 2e-5
@@ -47,7 +46,7 @@ def trained(kind, cfg, steps=STEPS):
     return eng, losses
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def reference(kind):
     """Weights after STEPS plain SGD steps of the unwrapped model (optax, one jit, no engine)."""
     import optax
@@ -130,7 +129,7 @@ SCAN_CASES = ("autotp", "offload_param", "remat", "zero3")
 FEATURES = [("list", case) for case in sorted(CASES)] + [("scan", case) for case in SCAN_CASES]
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def feature_run(kind, case):
     """(engine, losses) after STEPS steps; one engine for every test that reads it (none trains it further)."""
     return trained(kind, CASES[case])

@@ -2,11 +2,10 @@
 import dataclasses
 import functools
 
-import numpy as np
-import pytest
-
 import jax
 import jax.numpy as jnp
+import numpy as np
+import pytest
 from flax import nnx
 
 from zerojax.models import GPT2, GPT2Config, chunked_gpt2_loss, flops_per_token, gpt2_loss, num_params
@@ -135,7 +134,7 @@ def _leaf(tree, path):
     return tree
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _reference_loss_and_grads():
     return _loss_and_grads(GPT2(CFG, rngs=nnx.Rngs(0)), jnp.asarray(_ids(CFG, seq=16)))
 
@@ -273,7 +272,7 @@ def test_vocab_padding_gives_the_exact_vocabularys_loss_and_gradients():
     grads = {}
     for cfg in (CFG, exact):
         gd, st = nnx.split(GPT2(cfg, rngs=nnx.Rngs(0)))
-        grads[cfg] = jax.value_and_grad(lambda st: gpt2_loss(nnx.merge(gd, st), {"input_ids": ids})[0])(st)
+        grads[cfg] = jax.value_and_grad(lambda st: gpt2_loss(nnx.merge(gd, st), {"input_ids": ids})[0])(st)  # noqa: B023 - called within this iteration
         assert nnx.merge(gd, st)(ids).shape == (2, 12, CFG.vocab_size)  # HF's logits, padding dropped
     (loss_p, g_p), (loss_e, g_e) = grads[CFG], grads[exact]
     g_p, g_e = nnx.to_pure_dict(g_p), nnx.to_pure_dict(g_e)

@@ -10,6 +10,7 @@ import jax
 import numpy as np
 import pytest
 from flax import nnx
+
 # the Llama LoRA tests' tolerances and engine settings (tests/models is on sys.path)
 from test_lora import ATOL, ROWS, RTOL, SEQ, WEIGHT_ATOL, _ids, _torch_logits, ds_config, host
 
@@ -134,7 +135,7 @@ def test_one_sgd_step_equals_pytorch(folder, tmp_path):
 MODEL = GPT2Config.named("tiny", vocab_size=64, n_positions=SEQ, n_embd=32, n_head=4)
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _trained(stage, offload_param=False):
     """(engine, losses, adapters, the base as built) after 3 SGD steps; one engine per setting
     (tests read it, none trains it further)."""

@@ -4,11 +4,10 @@ folders transformers loads; a padded batch equals its rows one by one; the group
 product equals a float64 loop over experts. Tiny random folders written by transformers, the
 router weights scaled up (init's 0.02 makes every expert nearly equally likely) so that routing
 decides the outputs."""
-import numpy as np
-import pytest
-
 import jax
 import jax.numpy as jnp
+import numpy as np
+import pytest
 
 import zerojax
 from zerojax.models import MoELlama, from_hf, moe_loss, to_hf

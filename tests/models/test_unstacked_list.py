@@ -23,12 +23,12 @@ import numpy as np
 import optax
 import pytest
 from flax import nnx
+from foreign_models import CacheListLM, ListQwen, QwenShape, cache_lm_loss, lm_loss  # noqa: E402
 
 import zerojax
-from zerojax import block_loop, model as contract
+from zerojax import block_loop
+from zerojax import model as contract
 from zerojax.config import ConfigError
-
-from foreign_models import CacheListLM, ListQwen, QwenShape, cache_lm_loss, lm_loss  # noqa: E402
 
 ROWS, SEQ, STEPS, LR = 16, 9, 3, 0.1
 ATOL, LOW_ATOL = 2e-5, 2e-3
@@ -58,7 +58,7 @@ def config(stage=0, **extra):
                                   **extra.pop("zero", {})}, **extra}
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def reference():
     """Losses and weights after STEPS plain SGD steps: optax through nnx.Optimizer, no zerojax."""
     model = build()

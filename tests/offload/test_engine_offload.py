@@ -15,8 +15,8 @@ import pytest
 from flax import nnx
 
 import zerojax
-from zerojax.config import ConfigError
 from zerojax import offload
+from zerojax.config import ConfigError
 from zerojax.models import gpt2
 
 STEPS = 3
@@ -67,7 +67,7 @@ def run(stage, prec, opt="none", par="none", ratio=1.0, remat=None, pin=False, o
     return _run(stage, prec, opt, par, ratio, remat, pin, optimizer, options, gather)
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _run(stage, prec, opt, par, ratio, remat, pin, optimizer, options, gather):
     make = functools.partial(_model, prec, remat, gather)
     eng = zerojax.shard(make, config(stage, prec, opt, par, ratio, pin, optimizer), loss_fn=gpt2.gpt2_loss,
@@ -346,8 +346,8 @@ def test_host_loop_chunks_count_in_the_memory_guard(monkeypatch):
     # `window` write-backs sit beside the jit's temporaries; after it the loop's chunks in flight
     # (window + 1 of them), beside the params and gradients: the largest chunks; all with window 0.
     # The guard's figure takes the larger, and refuses a budget between the jit's peak and the loop's
-    from zerojax.planning import memory
     from zerojax.offload.host_loop import HostLoop
+    from zerojax.planning import memory
     shapes = {"input_ids": jax.ShapeDtypeStruct((8, 8), jnp.int32)}
     eng = zerojax.shard(lambda: gpt2.GPT2(C, rngs=nnx.Rngs(0)), config(2, "fp32", "cpu"), loss_fn=gpt2.gpt2_loss,
                         options=zerojax.EngineOptions(offload_loop="host", offload_host_window=1,

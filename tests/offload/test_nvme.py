@@ -20,9 +20,9 @@ from flax import nnx
 
 import zerojax
 from zerojax.config import ConfigError
-from zerojax.train.engine import abstract_engine
 from zerojax.models import gpt2
 from zerojax.offload.nvme.swapper import NvmeSwapper, SwapLeaf, check_swap_path
+from zerojax.train.engine import abstract_engine
 
 STEPS = 1
 C = gpt2.GPT2Config.named("tiny", n_embd=32, n_head=2, vocab_size=64, n_positions=16, n_layer=4)
@@ -155,7 +155,8 @@ def test_host_disk_split_trains_like_cpu_and_nvme_offload(engines, split_engine,
         np.testing.assert_array_equal(x, y)
     report = split.layout.offload_settings
     assert report["nvme_host_layers"] == h
-    assert report["nvme_disk_bytes"] == report["nvme_host_bytes"] == nvme.layout.offload_settings["nvme_disk_bytes"] // 2
+    half = nvme.layout.offload_settings["nvme_disk_bytes"] // 2
+    assert report["nvme_disk_bytes"] == report["nvme_host_bytes"] == half
 
 
 @pytest.mark.slow
@@ -365,7 +366,8 @@ def test_swap_path_errors(tmp_path, monkeypatch):
     with pytest.raises(ValueError, match=r"need [\d,]+ bytes .* has [\d,]+ bytes .* free") as e:
         check_swap_path(str(tmp_path), free * 4)
     assert "nvme_path" in str(e.value)
-    if os.path.isdir("/dev/shm") and __import__("zerojax.offload.nvme.swapper", fromlist=["x"])._filesystem_type("/dev/shm") == "tmpfs":
+    if os.path.isdir("/dev/shm") and __import__("zerojax.offload.nvme.swapper",
+                                                fromlist=["x"])._filesystem_type("/dev/shm") == "tmpfs":
         with pytest.raises(ValueError, match="RAM disk"):
             check_swap_path("/dev/shm", 1)
     # read-only: as root every path is writable, so the check's probe is replaced

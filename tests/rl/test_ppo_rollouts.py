@@ -15,8 +15,8 @@ from zerojax.methods.logprobs import completion_logps
 from zerojax.methods.ppo import completion_values, make_actor_loss
 from zerojax.models import Llama, LlamaConfig
 from zerojax.rl import gae, load_prompts, train
-from zerojax.rl.tasks import digit_reward
 from zerojax.rl.ppo_rollouts import PPOOptions, PPOPromptData, PPORollouts
+from zerojax.rl.tasks import digit_reward
 
 MODEL = LlamaConfig.named("tiny")
 

@@ -57,7 +57,7 @@ def batches():
             for i in range(STEPS)]
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def trained(tensor, stages, zero_stage, devices=None):
     """(engine, [(loss, grad_norm)] per step, final fp32 weights); devices: the first N devices
     (default all 8, the mesh `zerojax.shard` builds from the config)."""

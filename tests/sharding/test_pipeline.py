@@ -8,14 +8,13 @@ import jax
 import numpy as np
 import pytest
 from flax import nnx
+from hlo_text import matmul_flops, parse  # noqa: E402 (tests/ is on sys.path under pytest)
+from tiny_mlp import MLP  # noqa: E402 (tests/ is on sys.path under pytest)
+from tiny_mlp import loss_fn as mlp_loss
 
 import zerojax
 from zerojax.config import ConfigError
 from zerojax.models.gpt2 import GPT2, GPT2Config, gpt2_loss
-
-from tiny_mlp import MLP, loss_fn as mlp_loss  # noqa: E402 (tests/ is on sys.path under pytest)
-
-from hlo_text import matmul_flops, parse  # noqa: E402 (tests/ is on sys.path under pytest)
 
 MODEL = GPT2Config.named("tiny", vocab_size=64, n_positions=16, n_embd=32, n_head=2, n_layer=8)
 ROWS, SEQ, GA, STEPS, LR = 32, 16, 4, 3, 0.1
@@ -62,7 +61,7 @@ def trained(stages, repeats=1, zero_stage=0, ckpt=0):
     return _trained(stages, repeats, zero_stage, ckpt)
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _trained(stages, repeats, zero_stage, ckpt):
     eng = engine(stages, repeats, zero_stage, ckpt)
     metrics, first = [], None

@@ -33,7 +33,7 @@ def train(stage, remat, gather=True):
     return _train(stage, remat, gather)  # one cache key however it is called
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _train(stage, remat, gather, steps=3):
     """The engine after `steps` steps; one engine per setting serves every test (its compiled step is
     cached in it: the HLO and lowering checks read the engine the numerics test trained)."""

@@ -364,7 +364,8 @@ def test_device_master_split_with_tensor_and_pipeline_axes(axis):
                             loss_fn=gpt2.gpt2_loss, options=zerojax.EngineOptions(split_master=DEVICE[split]))
         rng = np.random.default_rng(0)
         rows = eng.cfg.train_batch_size
-        losses = [float(eng.train_step({"input_ids": rng.integers(0, C.vocab_size, (rows, 8)).astype(np.int32)})["loss"])
+        losses = [float(eng.train_step({"input_ids": rng.integers(0, C.vocab_size,
+                                                                  (rows, 8)).astype(np.int32)})["loss"])
                   for _ in range(3)]
         return eng, losses
 
@@ -410,7 +411,7 @@ def test_in_place_split_converts_a_layer_group_at_a_time():
         # (init makes the remainders a batch of leaves at a time, one program a batch; any takes the whole chunk)
         run = next(v for k, v in cache.items() if k[:4] == (c.rest, c.hi - c.lo, c.loop, to_split))
         m = rems if not to_split else jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, jnp.float32), rems)
-        out = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, jnp.float32 if not to_split else jnp.int16), rems)
+        out = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, jnp.float32 if not to_split else jnp.int16), rems)  # noqa: B023 - called within this iteration
         text = str(jax.make_jaxpr(run.loop)(m, eng.state.params, c.lo, out))
         moved = [tuple(int(d) for d in dims.split(",")) for line in text.splitlines() if "device_put[" in line
                  for dims in re.findall(r":\w+\[([\d,]+)\]", line.split("device_put[")[0])]

@@ -3,11 +3,12 @@ its documentation string (DeepSpeed's meaning, then "zerojax:" and what zerojax 
 keys DeepSpeed 0.19.8 removed."""
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any, Mapping
+from typing import Any
 
-from zerojax.config._values import DEVICES, config_field as _f, empty, freeze, is_auto, to_json  # _f: the fields below
-
+from zerojax.config._values import DEVICES, empty, freeze, is_auto, to_json  # _f: the fields below
+from zerojax.config._values import config_field as _f
 
 DEEPSPEED_VERSION = "0.19.8"
 # activation_checkpointing.remat_policy's values (None written "none"): zerojax.models.gpt2.REMAT_POLICIES,
@@ -948,7 +949,8 @@ class Config:
     zerojax: **accepted, no effect**: see its keys"""
     pipeline: PipelineConfig = _f(kind="section", factory=PipelineConfig, cls=PipelineConfig)
     """Section: pipeline parallelism.
-    zerojax: **acted on**: `stages` > 1 splits the stacked layers over the mesh's `pipe` axis (zerojax.sharding.pipeline)
+    zerojax: **acted on**: `stages` > 1 splits the stacked layers over the mesh's `pipe` axis
+    (zerojax.sharding.pipeline)
     Model needs: see `pipeline.stages`"""
     tensor_parallel: TensorParallelConfig = _f(kind="special", factory=TensorParallelConfig, cls=TensorParallelConfig)
     """Section: AutoTP tensor parallelism.

@@ -172,7 +172,8 @@ def render() -> str:
     for key, default, meaning, zerojax in rows():
         out.append(f"| `{key}` | {_cell(default)} | {_cell(meaning)} | {_cell(zerojax)} |")
     out += ["", "## Refused keys\n",
-            f"DeepSpeed {schema.DEEPSPEED_VERSION} removed these features (github.com/deepspeedai/DeepSpeed/issues/8489) and refuses a "
+            f"DeepSpeed {schema.DEEPSPEED_VERSION} removed these features "
+            "(github.com/deepspeedai/DeepSpeed/issues/8489) and refuses a "
             "config that holds the key, whatever its value; zerojax refuses it with DeepSpeed's reason.\n",
             "| Key | DeepSpeed's reason |", "|---|---|"]
     for prefix, table in (("", schema.REMOVED_TOP_LEVEL_KEYS), ("zero_optimization.", schema.REMOVED_ZERO_KEYS)):

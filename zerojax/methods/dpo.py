@@ -172,5 +172,6 @@ def precompute_reference(model, data, batch_size: int, *, chunk: int | None = No
     return data.with_arrays(ref_chosen_logps=both[:, 0], ref_rejected_logps=both[:, 1])
 
 
-__all__ = ["dpo_loss", "make_dpo_loss", "precompute_reference", "preference_metrics", "reference_logps", "check_reference",
+__all__ = ["dpo_loss", "make_dpo_loss", "precompute_reference", "preference_metrics", "reference_logps",
+           "check_reference",
            "check_options", "LOSS_TYPES", "REFERENCES"]

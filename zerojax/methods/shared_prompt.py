@@ -12,7 +12,8 @@ activations `group` times over. Here each layer runs two streams:
   (the prompt's queries are attended again; the projections and the MLP are not).
 
 The result equals `logprobs.completion_logps` on the whole rows (the same per-layer pieces: the
-family's public `LayerPieces`, `zerojax.models.pieces`, which training's layers are made of); the gradient too, since the
+family's public `LayerPieces`, `zerojax.models.pieces`, which training's layers are made of); the
+gradient too, since the
 prompt's keys and values reach every row of its group and autodiff sums their cotangents. What
 it saves: at GRPO's group 8 with prompts as long as completions, 7 of every 16 token-layers of
 the forward and backward passes (the Prefix Grouper paper, 2025, computes GRPO this way).

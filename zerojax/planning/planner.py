@@ -22,22 +22,22 @@ import dataclasses
 import inspect
 import json
 import math
-from typing import Callable, Iterable
+from collections.abc import Callable, Iterable
 
 import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from zerojax.train import engine as E
-from zerojax.planning import estimate as est
-from zerojax.train import layout
-from zerojax.planning import memory as mem
-from zerojax.sharding import partition
+from zerojax import pinned_pool
 from zerojax.config import REMAT_POLICY_NAMES, load_config
 from zerojax.model import LAYERS, model_dims
-from zerojax.planning.memory import CompiledMemory, WillNotFitError, fmt_bytes, parse_bytes
 from zerojax.options import EngineOptions
-from zerojax import pinned_pool
+from zerojax.planning import estimate as est
+from zerojax.planning import memory as mem
+from zerojax.planning.memory import CompiledMemory, WillNotFitError, fmt_bytes, parse_bytes
+from zerojax.sharding import partition
+from zerojax.train import engine as E
+from zerojax.train import layout
 
 AS_BUILT = "as built"  # remat of a model the planner cannot rebuild (a built engine's graph)
 REMAT_CHOICES = (None, "full", "offload")  # DeepSpeed's activation_checkpointing can say these
@@ -261,7 +261,8 @@ def step_memory(model_factory, cfg_dict, seq_len, micro_batch, *, remat=AS_BUILT
 
     model_factory: a callable returning an nnx.Module, taking `remat_policy=` / `dtype=` /
     `mlp_tile=` to build variants (or the older `remat=bool`), or a built Module.
-    batch_fn(global_batch, seq_len) -> a tree of ShapeDtypeStructs (default GPT-2's input_ids). options: the EngineOptions the engine
+    batch_fn(global_batch, seq_len) -> a tree of ShapeDtypeStructs (default GPT-2's input_ids).
+    options: the EngineOptions the engine
     will run with (split_master, adam_mu_dtype, the offload loop ... change the peak), adapted to
     this config (`layout.options_for_config`). Memoised per (factory, config, shapes, choices, options, mesh)
     for the life of the process.
@@ -437,7 +438,7 @@ class _Candidate:
                     self.remat, offload_ratio=self.ratio, precision=self.precision,
                     grad_accum=self.grad_accum, mlp_tile=self.mlp_tile, **kw)
 
-    def holds_at_least(self, other: "_Candidate") -> bool:
+    def holds_at_least(self, other: _Candidate) -> bool:
         """True when this choice keeps at least as much on the device as `other` in every
         dimension (same precision; micro-batch, remat, MLP tile, offload and stage no leaner)."""
         return (self.precision == other.precision and self.micro_batch >= other.micro_batch

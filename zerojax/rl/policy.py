@@ -18,9 +18,9 @@ import functools
 
 import jax
 import numpy as np
+from flax import nnx
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
-from flax import nnx
 
 from zerojax.methods.logprobs import completion_logps
 

@@ -25,7 +25,8 @@ import copy
 import dataclasses
 import os
 import time
-from typing import ClassVar, Mapping
+from collections.abc import Mapping
+from typing import ClassVar
 
 import jax
 import numpy as np
@@ -90,7 +91,7 @@ class PPOPromptData(PromptData):
     """PromptData whose example batches have PPO's per-token "advantages" [B, C]."""
 
     @classmethod
-    def of(cls, data: PromptData) -> "PPOPromptData":
+    def of(cls, data: PromptData) -> PPOPromptData:
         out = copy.copy(data)
         out.__class__ = cls
         return out

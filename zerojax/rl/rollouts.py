@@ -24,7 +24,8 @@ from __future__ import annotations
 import dataclasses
 import time
 import warnings
-from typing import ClassVar, Mapping
+from collections.abc import Mapping
+from typing import ClassVar
 
 import jax
 import numpy as np
@@ -79,7 +80,7 @@ class RolloutOptions:
     min_group: ClassVar[int] = 2  # GRPO compares a prompt's completions
 
     @classmethod
-    def from_options(cls, options: Mapping) -> "RolloutOptions":
+    def from_options(cls, options: Mapping) -> RolloutOptions:
         names = {f.name for f in dataclasses.fields(cls)}
         picked = {k: v for k, v in options.items() if k in names}
         if "stop" in picked:

@@ -26,28 +26,30 @@ import dataclasses
 import functools
 import logging
 import warnings
-from typing import Callable
+from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
-from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
 
-from zerojax import model as contract, offload as O, user_tree
-from zerojax.user_tree import take_layer
-
-from zerojax.checkpoint import engine_io
+from zerojax import model as contract
+from zerojax import offload as O
+from zerojax import user_tree
 from zerojax._jax_compat import is_tracer
-from zerojax.train import memory
-from zerojax.sharding import partition
+from zerojax.checkpoint import engine_io
 from zerojax.offload.memory_kinds import host_zeros
+from zerojax.options import EngineOptions
+from zerojax.sharding import partition
+from zerojax.train import memory
 from zerojax.train import step as step_mod
 from zerojax.train.layout import EngineLayout, build_layout, no_eager_sharding
 from zerojax.train.monitor import Monitor
-from zerojax.options import EngineOptions
 from zerojax.train.step import TrainState, pure_dict
 from zerojax.train.step_checks import StepChecks
+from zerojax.user_tree import take_layer
 
 logger = logging.getLogger("zerojax")
 
@@ -77,7 +79,7 @@ class MemoryReport(dict):
 
 
 def abstract_engine(model, cfg, *, loss_fn: Callable, mesh: Mesh | None = None,
-                    options: EngineOptions | None = None) -> "Engine":
+                    options: EngineOptions | None = None) -> Engine:
     """An Engine whose state is ShapeDtypeStructs with the real shardings: it lowers and compiles
     the real train step (memory analysis, planning) but holds no device memory. The one abstract
     engine: the planner compiles its candidates through it."""
@@ -132,7 +134,7 @@ class Engine:
         self._model_record = record() if callable(record) else None
         if abstract:
             self.state = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
-                                      jax.eval_shape(lambda: self._init_state(init_fn, module)),
+                                      jax.eval_shape(functools.partial(self._init_state, init_fn, module)),
                                       self.state_shardings._replace(grad_accumulator=None))
         else:
             self.state = self._init_state(init_fn, module)

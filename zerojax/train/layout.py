@@ -12,30 +12,39 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import jax
 import jax.numpy as jnp
 from flax import nnx
-from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
 
+from zerojax import model as contract
 from zerojax import offload as O
-from zerojax._jax_compat import filter_state, no_eager_sharding, variable_value
-
 from zerojax import streamed as stream_mod
-
-from zerojax.sharding import partition
-from zerojax.sharding.experts import expert_parallel_hook, split_experts
-from zerojax import model as contract, user_tree
+from zerojax import user_tree
+from zerojax._jax_compat import filter_state, no_eager_sharding, variable_value
 from zerojax.config import Config, ConfigError, load_config, pipeline_stages, remat_policy_for
-from zerojax.sharding.pipeline import PipelineSchedule, pipeline_scan, schedule_problems
-from zerojax.optim import build_optimizer, build_schedule
-from zerojax.options import EngineOptions
-from zerojax.precision import compute_dtype as compute_dtype_of, loss_scale_from_config, loss_scaler_from_config
 from zerojax.offload.nvme.tier import check_params_in_cpu, nvme_tier
 from zerojax.offload.stored import stored_params, stored_tree
-from zerojax.train.step import (OffloadStep, StepSettings, TrainState, needs_grad_accumulator, pure_dict, rebuilt_master,
-                          stored_master)
+from zerojax.optim import build_optimizer, build_schedule
+from zerojax.options import EngineOptions
+from zerojax.precision import compute_dtype as compute_dtype_of
+from zerojax.precision import loss_scale_from_config, loss_scaler_from_config
+from zerojax.sharding import partition
+from zerojax.sharding.experts import expert_parallel_hook, split_experts
+from zerojax.sharding.pipeline import PipelineSchedule, pipeline_scan, schedule_problems
+from zerojax.train.step import (
+    OffloadStep,
+    StepSettings,
+    TrainState,
+    needs_grad_accumulator,
+    pure_dict,
+    rebuilt_master,
+    stored_master,
+)
 
 PARAM_HOOK_ERROR = ("zero_optimization.offload_param: offload_param needs a model whose layer scan accepts a "
                     "fetch hook (a `layer_fetch` attribute applied to each layer's params inside the scan); "

@@ -9,7 +9,8 @@ import argparse
 import os
 import sys
 
-from zerojax.arg_types import mlp_tile as _mlp_tile, number as _number
+from zerojax.arg_types import mlp_tile as _mlp_tile
+from zerojax.arg_types import number as _number
 
 # the default --config: DeepSpeed's ZeRO-2 with bf16 and "auto" batch / lr keys, in the checkout
 DEFAULT_CONFIG = os.path.normpath(os.path.join(os.path.dirname(__file__), "..", "..", "configs", "zero2_bf16.json"))
@@ -34,8 +35,10 @@ def _micro_batch(text):
 # Flags whose value may be negative: argparse reads "-1e-3" as an option (its negative-number rule
 # misses exponents), so "--lr -1e-3" is rewritten "--lr=-1e-3" and the type checks then say why
 # a negative value is refused, instead of "expected one argument".
-_VALUE_FLAGS = ("--eval-every", "--save-every", "--steps", "--schedule-steps", "--seq-len", "--grad-accum", "--lr", "--loss-chunk",
-                "--eval-batches", "--sample-tokens", "--seed", "--peak-tflops", "--keep", "--micro-batch", "--lora", "--lora-alpha",
+_VALUE_FLAGS = ("--eval-every", "--save-every", "--steps", "--schedule-steps", "--seq-len", "--grad-accum", "--lr",
+                "--loss-chunk",
+                "--eval-batches", "--sample-tokens", "--seed", "--peak-tflops", "--keep", "--micro-batch", "--lora",
+                "--lora-alpha",
                 "--mlp-tile")
 
 QUANTIZE = ("int8", "nf4", "int4")
@@ -70,11 +73,10 @@ completion / assistant turns only)."""
 
 
 def parse_args(argv=None, *, prog=None, description=None):
-    from zerojax.config import REMAT_POLICY_NAMES  # no jax: zerojax.config imports none
-    from zerojax.options import OFFLOAD_LOOPS  # nor zerojax.options
-
     from zerojax import methods  # no jax: the methods import their code when they run
+    from zerojax.config import REMAT_POLICY_NAMES  # no jax: zerojax.config imports none
     from zerojax.models import registry
+    from zerojax.options import OFFLOAD_LOOPS  # nor zerojax.options
 
     families = registry.families().values()
     model_choices = ("auto", *registry.shape_names())
@@ -155,7 +157,8 @@ def parse_args(argv=None, *, prog=None, description=None):
     p.add_argument("--export-hf", metavar="DIR",
                    help="write the trained model as a Hugging Face folder (transformers' from_pretrained "
                         "loads it; the checkpoint's tokenizer files copied in); with LoRA: PEFT's adapter "
-                        "folder naming --hf-checkpoint as its base (peft.AutoPeftModelForCausalLM.from_pretrained), see --merge")
+                        "folder naming --hf-checkpoint as its base (peft.AutoPeftModelForCausalLM.from_pretrained), "
+                        "see --merge")
     p.add_argument("--lora", type=_number(int, 1), default=None, metavar="R",
                    help="train LoRA adapters of rank R on a frozen base (GPT-2 or the Llama family; zerojax.lora, "
                         "PEFT's settings); overrides the config's \"lora\" section's r")
