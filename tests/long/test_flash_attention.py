@@ -51,7 +51,7 @@ def test_flash_equals_formula_and_dense_gradients(window):
                    argnums=(0, 1, 2))(q, k, v)
     ref = jax.grad(loss(lambda q, k, v: causal_attention(q, k, v, impl="xla", segment_ids=jnp.asarray(seg),
                                                          window=window)), argnums=(0, 1, 2))(q, k, v)
-    for g, r in zip(got, ref):
+    for g, r in zip(got, ref, strict=True):
         np.testing.assert_allclose(np.asarray(g), np.asarray(r), rtol=1e-4, atol=1e-5)
 
 

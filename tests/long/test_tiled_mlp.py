@@ -23,7 +23,7 @@ def test_tiled_mlp_equals_untiled():
         outs.append((model(batch["input_ids"], segment_ids=batch["segment_ids"]), grads))
     (l1, g1), (l2, g2) = outs
     np.testing.assert_allclose(np.asarray(l2), np.asarray(l1), rtol=1e-5, atol=1e-5)
-    for a, b in zip(g1, g2):
+    for a, b in zip(g1, g2, strict=True):
         np.testing.assert_allclose(np.asarray(b), np.asarray(a), rtol=1e-4, atol=1e-6)
 
 

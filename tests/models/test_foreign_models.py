@@ -78,7 +78,7 @@ def assert_matches_reference(eng, kind, losses, got=None):
     want, want_losses = reference(kind)
     np.testing.assert_allclose(losses, want_losses, rtol=1e-5)
     got = weights(eng) if got is None else got
-    for (path, a), b in zip(jax.tree_util.tree_leaves_with_path(got), jax.tree.leaves(want)):
+    for (path, a), b in zip(jax.tree_util.tree_leaves_with_path(got), jax.tree.leaves(want), strict=True):
         np.testing.assert_allclose(a, b, atol=ATOL, err_msg=f"{kind}: {jax.tree_util.keystr(path)}")
 
 
@@ -290,5 +290,5 @@ def test_bf16_stages_agree():
     only where the fp32 gradient is reduced and how weights are gathered, not the bf16 math)."""
     runs = [trained("scan", {**config(stage), "bf16": {"enabled": True}})[0] for stage in (0, 3)]
     a, b = (jax.tree.map(lambda x: np.asarray(x, np.float32), e.master_params) for e in runs)
-    for (path, x), y in zip(jax.tree_util.tree_leaves_with_path(a), jax.tree.leaves(b)):
+    for (path, x), y in zip(jax.tree_util.tree_leaves_with_path(a), jax.tree.leaves(b), strict=True):
         np.testing.assert_allclose(x, y, atol=1e-3, err_msg=jax.tree_util.keystr(path))

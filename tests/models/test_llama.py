@@ -198,7 +198,7 @@ def test_chunked_loss_equals_loss_with_labels_and_segments():
     assert int(m["tokens"]) == int(m2["tokens"]) == 2 * 15 - 2 * 4 - 1
     np.testing.assert_allclose(float(got), float(ref), rtol=1e-6)
     g1, g2 = _grads(model, llama_loss, batch), _grads(model, chunked_llama_loss(5), batch)
-    for x, y in zip(jax.tree.leaves(g1), jax.tree.leaves(g2)):
+    for x, y in zip(jax.tree.leaves(g1), jax.tree.leaves(g2), strict=True):
         np.testing.assert_allclose(np.asarray(x), np.asarray(y), rtol=1e-5, atol=1e-7)
 
 
@@ -214,7 +214,7 @@ def test_remat_policies_same_gradients(policy):
     batch = {"input_ids": jnp.asarray(_ids(256, 2, 12, seed=7))}
     ref = _grads(Llama(cfg, rngs=nnx.Rngs(0)), llama_loss, batch)
     got = _grads(Llama(cfg, rngs=nnx.Rngs(0), remat_policy=policy), llama_loss, batch)
-    for x, y in zip(jax.tree.leaves(ref), jax.tree.leaves(got)):
+    for x, y in zip(jax.tree.leaves(ref), jax.tree.leaves(got), strict=True):
         np.testing.assert_allclose(np.asarray(x), np.asarray(y), rtol=1e-5, atol=1e-7)
 
 

@@ -66,7 +66,7 @@ def _world(cfg):
 
 
 def assert_same(a, b, atol=WEIGHT_ATOL):
-    for (path, x), y in zip(jax.tree_util.tree_leaves_with_path(a), jax.tree.leaves(b)):
+    for (path, x), y in zip(jax.tree_util.tree_leaves_with_path(a), jax.tree.leaves(b), strict=True):
         np.testing.assert_allclose(x, y, rtol=0, atol=atol, err_msg=jax.tree_util.keystr(path))
 
 

@@ -95,7 +95,7 @@ def test_greedy_tokens_equal_transformers(pair):
     rng = np.random.default_rng(1)
     prompts = [rng.integers(3, hf.config.vocab_size, n).tolist() for n in (7, 3)]
     got = zerojax.generate(ours, prompts, max_new_tokens=NEW, ignore_eos=True)  # one left-padded batch
-    for prompt, tokens in zip(prompts, got.tokens):
+    for prompt, tokens in zip(prompts, got.tokens, strict=True):
         with torch.no_grad():
             out = hf.generate(torch.tensor([prompt]), max_new_tokens=NEW, do_sample=False, pad_token_id=0,
                               eos_token_id=None, attention_mask=torch.ones(1, len(prompt), dtype=torch.long))

@@ -79,7 +79,7 @@ def assert_matches_reference(weights, losses, *, atol=ATOL, rtol=1e-5):
     np.testing.assert_allclose(losses, want_losses, rtol=rtol)
     # the model's own tree: the list's items by index, as nnx.state(model) has them
     assert jax.tree.structure(weights) == jax.tree.structure(want)
-    for (path, a), b in zip(jax.tree_util.tree_leaves_with_path(weights), jax.tree.leaves(want)):
+    for (path, a), b in zip(jax.tree_util.tree_leaves_with_path(weights), jax.tree.leaves(want), strict=True):
         np.testing.assert_allclose(np.asarray(a, np.float32), b, atol=atol, err_msg=jax.tree_util.keystr(path))
 
 

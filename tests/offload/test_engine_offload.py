@@ -79,7 +79,7 @@ def _run(stage, prec, opt, par, ratio, remat, pin, optimizer, options, gather):
 
 
 def close(a, b, tol, skip=()):
-    for (path, x), y in zip(jax.tree_util.tree_leaves_with_path(a), jax.tree.leaves(b)):
+    for (path, x), y in zip(jax.tree_util.tree_leaves_with_path(a), jax.tree.leaves(b), strict=True):
         name = jax.tree_util.keystr(path)
         if any(s in name for s in skip):
             continue
@@ -93,12 +93,12 @@ def kinds(tree):
 def check_placement(eng, *, params_host):
     s = eng.state
     master_chunks = eng.offload_layout.layout.chunks
-    for c, m, st in zip(master_chunks, s.master, s.opt_state.inner_state if eng.fp16 else s.opt_state):
+    for c, m, st in zip(master_chunks, s.master, s.opt_state.inner_state if eng.fp16 else s.opt_state, strict=True):
         want = "unpinned_host" if c.host else "device"
         assert kinds(m) == kinds(st) == {want}, (c, kinds(m), kinds(st))
     assert kinds(s.params) == ({"unpinned_host"} if params_host else {"device"})
     # the declared placement is the real one
-    for x, sh in zip(jax.tree.leaves(s), jax.tree.leaves(eng.state_shardings)):
+    for x, sh in zip(jax.tree.leaves(s), jax.tree.leaves(eng.state_shardings), strict=True):
         assert x.sharding.memory_kind == sh.memory_kind
 
 
@@ -135,7 +135,7 @@ ADAM_NOISE_BOUND = 2 * LR * STEPS * 1.1  # the first step's bias-corrected updat
 def close_adam(a, b, tol=BF16_TOL, skip=NOISE):
     """Two Adam runs: all but BF16_FRAC of each leaf's elements within `tol`, every one within
     Adam's noise bound (see above)."""
-    for (path, x), y in zip(jax.tree_util.tree_leaves_with_path(a), jax.tree.leaves(b)):
+    for (path, x), y in zip(jax.tree_util.tree_leaves_with_path(a), jax.tree.leaves(b), strict=True):
         name = jax.tree_util.keystr(path)
         if any(s in name for s in skip):
             continue
@@ -168,7 +168,7 @@ def test_offload_param_and_optimizer_stage3(prec):
     if prec == "fp32":
         eng, master = run(3, prec, "cpu", "cpu", optimizer="sgd")
         _, ref = run(3, prec, optimizer="sgd")
-        for (path, x), y in zip(jax.tree_util.tree_leaves_with_path(master), jax.tree.leaves(ref)):
+        for (path, x), y in zip(jax.tree_util.tree_leaves_with_path(master), jax.tree.leaves(ref), strict=True):
             np.testing.assert_allclose(x, y, rtol=1e-6, atol=1e-6, err_msg=jax.tree_util.keystr(path))
     else:
         # bf16: Adam moves every weight by ~lr a step whatever its gradient, so bf16 rounding
@@ -225,7 +225,7 @@ def test_streamed_update_groups_agree():
         return offload.offload_master(state, off), params
 
     got, want = two_steps(4), two_steps(8)
-    for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+    for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
         np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32))
     m, st = tree, tx.init(tree)
     for _ in range(2):
@@ -354,7 +354,7 @@ def test_host_loop_chunks_count_in_the_memory_guard(monkeypatch):
                                                       offload_host_prefetch=2, offload_host_chunk_bytes=1))
     # numpy's count of each host chunk's bytes on one of the 8 devices
     per_chunk = [sum(x.addressable_shards[0].data.nbytes for x in jax.tree.leaves((m, st)))
-                 for m, st in zip(eng.state.master, eng.state.opt_state)]
+                 for m, st in zip(eng.state.master, eng.state.opt_state, strict=True)]
     largest = sorted(per_chunk, reverse=True)
     during_jit = sum(largest[:3])  # 2 prefetched + window 1
     want = sum(largest[:2])  # the loop: window 1 + 1
@@ -397,7 +397,8 @@ def test_bf16_first_moment_offloaded_matches_device():
     assert {x.dtype for x in jax.tree.leaves(mus)} == {jnp.dtype(jnp.bfloat16)}
     assert kinds(mus) <= set(HOST)
     _, fp32_mu = run(2, "fp32")
-    assert max(float(np.max(np.abs(a - b))) for a, b in zip(jax.tree.leaves(master), jax.tree.leaves(fp32_mu))) > 1e-6
+    assert max(float(np.max(np.abs(a - b))) for a,
+               b in zip(jax.tree.leaves(master), jax.tree.leaves(fp32_mu), strict=True)) > 1e-6
 
 
 def test_fused_adam_bf16_first_moment_against_float64():
@@ -453,7 +454,7 @@ def test_init_by_leaf_groups_equals_one_jit(par):
     eng = zerojax.shard(make, cfg, loss_fn=gpt2.gpt2_loss, options=zerojax.EngineOptions(init_group_bytes=1))
     assert len(eng._init_groups()) == len(jax.tree.leaves(eng.state.params)) > 1
     for a, b, sa, sb in zip(jax.tree.leaves(eng.state), jax.tree.leaves(ref.state),
-                            jax.tree.leaves(eng.state_shardings), jax.tree.leaves(ref.state_shardings)):
+                            jax.tree.leaves(eng.state_shardings), jax.tree.leaves(ref.state_shardings), strict=True):
         np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32))
         assert a.sharding.memory_kind == sa.memory_kind == sb.memory_kind
     check_placement(eng, params_host=par == "cpu")
@@ -554,7 +555,7 @@ def test_offload_checkpoint_resumes_under_any_layout(tmp_path, monkeypatch):
     written = a.consolidated_master()
     assert sum(isinstance(x, ChunkRows) for x in jax.tree.leaves(written)) == n_leaves
     save_hf(written, C, str(tmp_path / "written"))
-    for x, y in zip(jax.tree.leaves(load_hf(str(tmp_path / "written"))[1]), jax.tree.leaves(saved)):
+    for x, y in zip(jax.tree.leaves(load_hf(str(tmp_path / "written"))[1]), jax.tree.leaves(saved), strict=True):
         np.testing.assert_array_equal(np.asarray(x, np.float32), y)
     unchunked_opt = lambda e: [np.asarray(x, np.float32)  # noqa: E731
                                for x in jax.tree.leaves(e.layout.to_stored(e.state).opt_state)]
@@ -567,11 +568,11 @@ def test_offload_checkpoint_resumes_under_any_layout(tmp_path, monkeypatch):
             eng = zerojax.shard(make, cfg, loss_fn=gpt2.gpt2_loss, options=options)
         eng.load_checkpoint(tmp_path / "ck")
         assert eng.global_steps == 2
-        for x, y in zip(jax.tree.leaves(eng.master_params), jax.tree.leaves(saved)):
+        for x, y in zip(jax.tree.leaves(eng.master_params), jax.tree.leaves(saved), strict=True):
             np.testing.assert_array_equal(np.asarray(x, np.float32), y)
         opt = unchunked_opt(eng)
         assert len(opt) == len(saved_opt) > 3
-        for x, y in zip(opt, saved_opt):
+        for x, y in zip(opt, saved_opt, strict=True):
             np.testing.assert_array_equal(x, y)
         return eng, [float(eng.train_step(b)["loss"]) for b in data[2:]]
 
@@ -588,7 +589,7 @@ def test_offload_checkpoint_resumes_under_any_layout(tmp_path, monkeypatch):
     assert live.is_deleted()
     assert losses == want
     check_placement(same, params_host=True)
-    for x, y in zip(jax.tree.leaves(same.master_params), jax.tree.leaves(uninterrupted)):
+    for x, y in zip(jax.tree.leaves(same.master_params), jax.tree.leaves(uninterrupted), strict=True):
         np.testing.assert_array_equal(np.asarray(x, np.float32), y)
     # another layout: half the pieces offloaded (offload_optimizer.ratio 0.5)
     other, losses = resume(config(3, "bf16", "cpu", "cpu", ratio=0.5))
@@ -612,7 +613,7 @@ def test_offload_checkpoint_resumes_under_any_layout(tmp_path, monkeypatch):
     # export: the weights as saved
     checkpoint.export(tmp_path / "ck", tmp_path / "hf", writer_for=weights_writer)
     _, exported = load_hf(str(tmp_path / "hf"))
-    for x, y in zip(jax.tree.leaves(exported), jax.tree.leaves(saved)):
+    for x, y in zip(jax.tree.leaves(exported), jax.tree.leaves(saved), strict=True):
         np.testing.assert_array_equal(np.asarray(x, np.float32), y)
 
 
@@ -633,7 +634,7 @@ def test_chunked_checkpoint_of_earlier_zerojax_exports(tmp_path, monkeypatch):
         eng.save_checkpoint(tmp_path / "old")
     checkpoint.export(tmp_path / "old", tmp_path / "hf", writer_for=weights_writer)
     _, exported = load_hf(str(tmp_path / "hf"))
-    for x, y in zip(jax.tree.leaves(exported), jax.tree.leaves(eng.master_params)):
+    for x, y in zip(jax.tree.leaves(exported), jax.tree.leaves(eng.master_params), strict=True):
         np.testing.assert_array_equal(np.asarray(x, np.float32), np.asarray(y, np.float32))
     with pytest.raises(checkpoint.CheckpointError, match="chunk by chunk.*zerojax export"):
         eng.load_checkpoint(tmp_path / "old")
@@ -686,7 +687,7 @@ def test_fp16_overflow_is_skipped_with_offload(loop):
     eng.synchronize()
     assert not bool(m["skipped"])
     assert not all(np.array_equal(a, b) for a, b in zip(jax.tree.leaves(jax.tree.map(np.asarray, eng.master_params)),
-                                                       jax.tree.leaves(before)))
+                                                       jax.tree.leaves(before), strict=True))
     assert kinds(eng.state.master) == {"unpinned_host"}
 
 

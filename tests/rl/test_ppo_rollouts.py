@@ -71,7 +71,7 @@ def test_resume_with_the_critic_equals_the_uninterrupted_run(digits, tmp_path):
     assert [h["critic/value_loss"] for h in whole_rollouts.history[2:]] == \
         [h["critic/value_loss"] for h in resumed_rollouts.history]
     for a, b in ((whole, resumed), (whole_rollouts.critic, resumed_rollouts.critic)):
-        for x, y in zip(jax.tree.leaves(a.params), jax.tree.leaves(b.params)):
+        for x, y in zip(jax.tree.leaves(a.params), jax.tree.leaves(b.params), strict=True):
             np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
 
 

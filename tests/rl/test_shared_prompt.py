@@ -70,7 +70,7 @@ def test_shared_prompt_equals_whole_rows(name):
     assert (np.asarray(shared)[~mask] == 0).all()
     leaves = jax.tree.leaves(g_whole)
     assert sum(float(jnp.abs(g).sum()) for g in leaves) > 0
-    for a, b in zip(leaves, jax.tree.leaves(g_shared)):
+    for a, b in zip(leaves, jax.tree.leaves(g_shared), strict=True):
         np.testing.assert_allclose(np.asarray(b), np.asarray(a), rtol=1e-4, atol=1e-5 * float(jnp.abs(a).max()))
 
 

@@ -88,7 +88,7 @@ def test_pipelined_steps_match_the_plain_model(stages, repeats, zero_stage, ckpt
     np.testing.assert_allclose(metrics, ref_metrics, rtol=REL, atol=0)
     # step 1's update is -LR x (clipped) gradient: the gradients themselves
     for got, want in ((first, ref_first), (last, ref_last)):
-        for (path, a), b in zip(jax.tree_util.tree_leaves_with_path(got), jax.tree.leaves(want)):
+        for (path, a), b in zip(jax.tree_util.tree_leaves_with_path(got), jax.tree.leaves(want), strict=True):
             np.testing.assert_allclose(a, b, rtol=0, atol=WEIGHT_ATOL, err_msg=jax.tree_util.keystr(path))
     # the bubble the engine reports: (S - 1) / (M R + S - 1)
     assert eng.pipeline_bubble == pytest.approx((stages - 1) / (GA * repeats + stages - 1))

@@ -57,7 +57,7 @@ def test_stage3_layer_gather_matches_stage0(remat):
     eng = train(3, remat)
     assert eng.stage3_gather == "layer"
     for (path, a), b in zip(jax.tree_util.tree_leaves_with_path(eng.master_params),
-                            jax.tree.leaves(ref.master_params)):
+                            jax.tree.leaves(ref.master_params), strict=True):
         name = jax.tree_util.keystr(path)
         a, b = np.asarray(a), np.asarray(b)
         np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-6, err_msg=name)

@@ -60,7 +60,7 @@ def run(tp, stage, prec="fp32", ga=1):
 
 
 def assert_trees_close(a, b, atol, rtol=0.0):
-    for (path, x), y in zip(jax.tree_util.tree_leaves_with_path(a), jax.tree.leaves(b)):
+    for (path, x), y in zip(jax.tree_util.tree_leaves_with_path(a), jax.tree.leaves(b), strict=True):
         np.testing.assert_allclose(x, y, rtol=rtol, atol=atol, err_msg=jax.tree_util.keystr(path))
 
 
@@ -136,7 +136,7 @@ def test_fp16_loss_scaling_and_accumulation_under_tensor_parallelism():
     np.testing.assert_allclose(losses, ref_losses, rtol=2 * 2.0**-11)
     init = as_numpy(nnx.to_pure_dict(nnx.state(GPT2(TINY, rngs=nnx.Rngs(0)), nnx.Param)))
     for (path, x), y, x0 in zip(jax.tree_util.tree_leaves_with_path(master), jax.tree.leaves(ref),
-                                jax.tree.leaves(init)):
+                                jax.tree.leaves(init), strict=True):
         moved = np.linalg.norm(y - x0)
         assert moved > 0 and np.linalg.norm(x - y) <= FP16_UPDATE_RTOL * moved, jax.tree_util.keystr(path)
     assert eng.skipped_steps == ref_eng.skipped_steps
@@ -247,7 +247,7 @@ def test_checkpoint_reshards_across_tensor_sizes_and_exports_whole_tensors(tmp_p
         other.load_checkpoint(str(tmp_path / "ckpt"))
         assert other.mesh.shape["tensor"] == tp
         assert_trees_close(as_numpy(other.master_params), master, atol=0)
-        for a, b in zip(moments(other), saved_moments):
+        for a, b in zip(moments(other), saved_moments, strict=True):
             np.testing.assert_array_equal(a, b)
         assert other.global_steps == STEPS
         if tp == 4:

@@ -320,7 +320,7 @@ def test_fused_cross_entropy_against_float64():
         assert np.abs(np.asarray(got) - ref).max() <= 1e-5 * np.abs(ref).max()
     xb, wb = x.astype(jnp.bfloat16), w.astype(jnp.bfloat16)
     _, ref_dx16, ref_dw16 = _ce_reference(xb.astype(jnp.float32), wb.astype(jnp.float32), targets, vocab)
-    for got, ref in zip(jax.grad(loss, (0, 1))(xb, wb), (3 * ref_dx16, 3 * ref_dw16)):
+    for got, ref in zip(jax.grad(loss, (0, 1))(xb, wb), (3 * ref_dx16, 3 * ref_dw16), strict=True):
         assert got.dtype == jnp.bfloat16
         assert np.abs(np.asarray(got, np.float32) - ref).max() <= 2.0**-6 * np.abs(ref).max()
     whole = f"f32[{Bx},{Tx},{V}]"

@@ -113,9 +113,9 @@ def trains_as_the_whole_master(runs):
     chunks holding int16 remainders, half the fp32 master's bytes."""
     split, whole = runs.split, runs.whole
     assert len(runs.losses[True]) == 4 and runs.losses[True] == runs.losses[False]
-    for x, y in zip(jax.tree.leaves(split.state.params), jax.tree.leaves(whole.state.params)):
+    for x, y in zip(jax.tree.leaves(split.state.params), jax.tree.leaves(whole.state.params), strict=True):
         np.testing.assert_array_equal(np.asarray(x, np.float32), np.asarray(y, np.float32))
-    for x, y in zip(jax.tree.leaves(split.master_params), jax.tree.leaves(whole.master_params)):
+    for x, y in zip(jax.tree.leaves(split.master_params), jax.tree.leaves(whole.master_params), strict=True):
         np.testing.assert_allclose(np.asarray(x), np.asarray(y), rtol=ULP4, atol=UPDATES)
     hosts = [i for i, c in enumerate(split.offload_layout.layout.chunks) if c.host]
     assert hosts and all(x.dtype == jnp.int16 for i in hosts for x in jax.tree.leaves(split.state.master[i]))
@@ -133,7 +133,7 @@ def resumes_both_ways(tmp_path, runs, engine_with, later):
     for option, src in ((False, runs.saved), (True, tmp_path / "b")):
         eng = engine_with(option)
         eng.load_checkpoint(src)
-        for x, y in zip(jax.tree.leaves(eng.master_params), ref):
+        for x, y in zip(jax.tree.leaves(eng.master_params), ref, strict=True):
             np.testing.assert_allclose(np.asarray(x), y, rtol=ULP4, atol=UPDATES)
         if src == runs.saved:
             eng.save_checkpoint(tmp_path / "b")  # saved without the option, resumed with it next
@@ -239,14 +239,14 @@ def test_device_master_split_trains_as_the_fp32_master(stage, accum, nan_at):
     whole, want = train_on_device(False, stage, accum=accum, nan_at=nan_at)
     np.testing.assert_array_equal(losses, want)
     assert split.skipped_steps == whole.skipped_steps == len(nan_at)
-    for x, y in zip(jax.tree.leaves(split.state.params), jax.tree.leaves(whole.state.params)):
+    for x, y in zip(jax.tree.leaves(split.state.params), jax.tree.leaves(whole.state.params), strict=True):
         np.testing.assert_array_equal(np.asarray(x, np.float32), np.asarray(y, np.float32))
-    for x, y in zip(jax.tree.leaves(split.master_params), jax.tree.leaves(whole.master_params)):
+    for x, y in zip(jax.tree.leaves(split.master_params), jax.tree.leaves(whole.master_params), strict=True):
         assert x.dtype == jnp.float32 and x.sharding == y.sharding
         np.testing.assert_allclose(np.asarray(x), np.asarray(y), rtol=ULP4, atol=UPDATES)
     # the state holds int16 remainders in the master's sharding: half the fp32 master's bytes
     assert {x.dtype for x in jax.tree.leaves(split.state.master)} == {jnp.dtype(jnp.int16)}
-    for x, y in zip(jax.tree.leaves(split.state.master), jax.tree.leaves(whole.state.master)):
+    for x, y in zip(jax.tree.leaves(split.state.master), jax.tree.leaves(whole.state.master), strict=True):
         assert x.sharding == y.sharding
     assert 2 * split.memory_report()["master"] == whole.memory_report()["master"]
     assert "master (int16 remainder)" in str(split.memory_report()) and "fp32 master" in str(whole.memory_report())
@@ -280,7 +280,7 @@ def test_device_master_split_initial_state_is_the_split_of_the_fp32_one(built):
     for got, ref in ((split.state.params, whole.state.params), (split.state.master, want),
                      (split.state.opt_state, whole.state.opt_state), (split.state.rest, whole.state.rest)):
         assert jax.tree.structure(got) == jax.tree.structure(ref)
-        for x, y in zip(jax.tree.leaves(got), jax.tree.leaves(ref)):
+        for x, y in zip(jax.tree.leaves(got), jax.tree.leaves(ref), strict=True):
             if jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key):
                 x, y = jax.random.key_data(x), jax.random.key_data(y)
             assert x.dtype == y.dtype and x.sharding == y.sharding
@@ -327,7 +327,7 @@ def test_device_master_split_restore_frees_its_fp32_read_before_repacking(device
     eng.load_checkpoint(saved)
     assert beside == []
     raw = lambda x: np.asarray(jax.random.key_data(x) if jnp.issubdtype(x.dtype, jax.dtypes.prng_key) else x)  # noqa: E731
-    for x, y in zip(jax.tree.leaves(eng.state), jax.tree.leaves(plain.state)):
+    for x, y in zip(jax.tree.leaves(eng.state), jax.tree.leaves(plain.state), strict=True):
         np.testing.assert_array_equal(raw(x), raw(y))
 
 
@@ -372,7 +372,7 @@ def test_device_master_split_with_tensor_and_pipeline_axes(axis):
     (split, losses), (whole, want) = run(True), run(False)
     assert losses == want
     assert {x.dtype for x in jax.tree.leaves(split.state.master)} == {jnp.dtype(jnp.int16)}
-    for x, y in zip(jax.tree.leaves(split.master_params), jax.tree.leaves(whole.master_params)):
+    for x, y in zip(jax.tree.leaves(split.master_params), jax.tree.leaves(whole.master_params), strict=True):
         np.testing.assert_allclose(np.asarray(x), np.asarray(y), rtol=ULP4, atol=UPDATES)
 
 
