@@ -40,7 +40,7 @@ LAYERS = (
     ("serving",),                              # continuous batching over a paged cache; the HTTP server
     ("methods", "rl"),                         # preference and RL methods: they read each other
     ("trainer",),
-    ("cli",),
+    ("cli", "model_arg"),                      # the commands; their --model value
     ("",),                                     # zerojax/__init__.py: the public names, read lazily
 )
 RANK = {unit: i for i, layer in enumerate(LAYERS) for unit in layer}

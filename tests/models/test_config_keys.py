@@ -126,7 +126,7 @@ def test_every_acted_on_key_is_probed_or_says_what_the_model_needs():
     rows = acted_on_rows()
     unaccounted = sorted(k for k, z in rows.items() if k not in PROBES and MODEL_NEEDS not in z)
     assert not unaccounted, (f"acted-on keys with no probe here and no '{MODEL_NEEDS}' on the page "
-                             f"(add one to the schema's string, zerojax/config/_schema.py): {unaccounted}")
+                             f"(add one to the schema's string, zerojax/config/_schema*.py): {unaccounted}")
     stale = sorted(set(PROBES) - set(rows))
     assert not stale, f"probes for keys the page does not mark acted on: {stale}"
 

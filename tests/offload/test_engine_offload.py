@@ -18,6 +18,7 @@ import zerojax
 from zerojax import offload
 from zerojax.config import ConfigError
 from zerojax.models import gpt2
+from zerojax.train import init_state
 
 STEPS = 3
 LR = 1e-2
@@ -452,7 +453,7 @@ def test_init_by_leaf_groups_equals_one_jit(par):
     cfg = config(3, "bf16", "cpu", par)
     ref = zerojax.shard(make, cfg, loss_fn=gpt2.gpt2_loss)
     eng = zerojax.shard(make, cfg, loss_fn=gpt2.gpt2_loss, options=zerojax.EngineOptions(init_group_bytes=1))
-    assert len(eng._init_groups()) == len(jax.tree.leaves(eng.state.params)) > 1
+    assert len(init_state.init_groups(eng.layout)) == len(jax.tree.leaves(eng.state.params)) > 1
     for a, b, sa, sb in zip(jax.tree.leaves(eng.state), jax.tree.leaves(ref.state),
                             jax.tree.leaves(eng.state_shardings), jax.tree.leaves(ref.state_shardings), strict=True):
         np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32))

@@ -348,8 +348,8 @@ def test_init_writes_the_files_without_the_state_in_host_memory(tmp_path, monkey
     # the files hold the model's initial master (its initialiser run whole) and Adam's zero moments;
     # the groups' programs draw the same normal values, each with code of its own, which may round
     # their arithmetic an ulp differently (tests/conftest.py): 4 eps relative
-    from zerojax.train.engine import _init_pure
-    want = jax.tree.leaves(jax.jit(lambda: _init_pure(make_big)[0]["h"])())
+    from zerojax.train.init_state import init_pure
+    want = jax.tree.leaves(jax.jit(lambda: init_pure(make_big)[0]["h"])())
     got = read_swap_files(tier)
     for x, y in zip(got, want, strict=True):
         np.testing.assert_allclose(x, np.asarray(y), rtol=4 * np.finfo(np.float32).eps, atol=0)

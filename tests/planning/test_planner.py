@@ -83,7 +83,7 @@ def test_planning_compiles_with_the_runs_engine_options():
     the formula's floor stays under every compiled peak, and a budget that only the bf16 moment
     meets is met only when the search is told of it. A candidate that offloads drops the device
     split (layout.options_for_config) instead of failing."""
-    from zerojax.train.layout import options_for_config
+    from zerojax.train.offload_choice import options_for_config
 
     params = PL.model_shape(factory, SEQ).params
     split_mu = EngineOptions(split_master="on", adam_mu_dtype="bfloat16")

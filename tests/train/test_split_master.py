@@ -256,7 +256,7 @@ def test_device_master_split_trains_as_the_fp32_master(stage, accum, nan_at):
 @pytest.mark.slow
 def test_device_master_split_initial_state_is_the_split_of_the_fp32_one(built):
     """The split master's initial state (allocated longest-lived first, its fp32 master last:
-    Engine._init_split_master) is the default initial state split: the same compute params, rest
+    init_state.initial_state) is the default initial state split: the same compute params, rest
     and optimizer state, and as remainders exactly `step.stored_master` of the fp32 master; from a
     model callable and from a built model's values."""
     from zerojax.train import step
@@ -270,10 +270,10 @@ def test_device_master_split_initial_state_is_the_split_of_the_fp32_one(built):
     # the split writes into the donated params / remainder buffers (no second copy of either at
     # init: measured on an H200, jit's default of dropping unused arguments cost 2.9 GiB and a
     # fragmented pool): every output aliases an input
-    from zerojax.train.engine import _split_into_program
+    from zerojax.train.init_state import split_into_program
 
     args = (whole.state.master, split.state.params, split.state.master)
-    hlo = _split_into_program(split.layout).lower(*args).compile().as_text()
+    hlo = split_into_program(split.layout).lower(*args).compile().as_text()
     aliased = [line for line in hlo.splitlines() if "input_output_alias=" in line]
     assert aliased and len(re.findall(r"(may|must)-alias", aliased[0])) == len(jax.tree.leaves(args[1:]))
     want = step.stored_master(split.layout.step, whole.state.master)

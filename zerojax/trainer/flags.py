@@ -73,17 +73,27 @@ completion / assistant turns only)."""
 
 
 def parse_args(argv=None, *, prog=None, description=None):
-    from zerojax import methods  # no jax: the methods import their code when they run
-    from zerojax.config import REMAT_POLICY_NAMES  # no jax: zerojax.config imports none
-    from zerojax.models import registry
-    from zerojax.options import OFFLOAD_LOOPS  # nor zerojax.options
-
-    families = registry.families().values()
-    model_choices = ("auto", *registry.shape_names())
     p = argparse.ArgumentParser(prog=prog, description=description or DESCRIPTION,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--config", default=DEFAULT_CONFIG,
                    help="a DeepSpeed JSON config (its \"auto\" values are filled from the flags below)")
+    _add_model_and_data_flags(p)
+    _add_training_flags(p)
+    _add_save_and_lora_flags(p)
+    _add_memory_flags(p)
+    _add_report_flags(p)
+    args = p.parse_args(_join_negative_values(list(sys.argv[1:] if argv is None else argv)))
+    _check_flag_pairs(p, args)
+    return args
+
+
+def _add_model_and_data_flags(p) -> None:
+    """What is trained and on what: --model / --hf-checkpoint, --method, --data, --tokenizer."""
+    from zerojax import methods  # no jax: the methods import their code when they run
+    from zerojax.models import registry
+
+    families = registry.families().values()
+    model_choices = ("auto", *registry.shape_names())
     p.add_argument("--model", default="auto", choices=model_choices, metavar="NAME",
                    help="the model, randomly initialised: a named shape of a registered family (" + "; ".join(
                        f"{f.label}: {', '.join(f.shapes)}" for f in families) + "; tiny-*: test shapes with a "
@@ -108,6 +118,12 @@ def parse_args(argv=None, *, prog=None, description=None):
                         "kept apart by segment ids; GPT-2, which has none, is always padded)")
     p.add_argument("--tokenizer", help="a tokenizer folder (tokenizer.json, tokenizer_config.json with the chat "
                                        "template) or tokenizer.json (default: the checkpoint's, else byte-level)")
+
+
+def _add_training_flags(p) -> None:
+    """How long and how: steps, schedule, sequence, batch, lr, precision, remat, MLP tile."""
+    from zerojax.config import REMAT_POLICY_NAMES  # no jax: zerojax.config imports none
+
     p.add_argument("--steps", type=_number(int, 0, note=" (0 = no training, evaluation only)"), default=None,
                    help="train until this global optimizer step (default 300 on CPU, 100 on GPU); with "
                         "--resume the run continues from the checkpoint's step up to it")
@@ -149,6 +165,10 @@ def parse_args(argv=None, *, prog=None, description=None):
                         "rerun in the backward; models with mlp_tile, the Llama family); auto = the planner "
                         "of --micro-batch auto chooses (a tile on long rows, where the tiled step is the fastest "
                         "that fits); default: untiled")
+
+
+def _add_save_and_lora_flags(p) -> None:
+    """Checkpoints and exports; LoRA adapters and the quantized base."""
     p.add_argument("--save", help="checkpoint folder (orbax); saved at the end")
     p.add_argument("--resume", action="store_true", help="continue from the latest checkpoint in --save")
     p.add_argument("--keep", type=_number(int, 1), default=None,
@@ -176,6 +196,12 @@ def parse_args(argv=None, *, prog=None, description=None):
     p.add_argument("--merge", action="store_true",
                    help="with LoRA and --export-hf DIR: DIR gets the merged model (base + scale x B A, a "
                         "plain Hugging Face folder) and DIR/adapter the PEFT adapter")
+
+
+def _add_memory_flags(p) -> None:
+    """The knobs that trade memory for speed beyond the config (zerojax.EngineOptions)."""
+    from zerojax.options import OFFLOAD_LOOPS  # no jax: zerojax.options imports none
+
     p.add_argument("--loss-chunk", type=_number(int, 0), default=0,
                    help="cross entropy N positions at a time (zerojax.models.chunked_gpt2_loss / "
                         "chunked_llama_loss): the "
@@ -199,6 +225,10 @@ def parse_args(argv=None, *, prog=None, description=None):
                         "(zerojax.EngineOptions(split_master=\"on\")): 2 bytes a parameter less, the same "
                         "training but for exact ties (one fp32 ulp); needs bf16; under optimizer offload to cpu "
                         "it splits the host copy (the host loop does by default), not with NVMe)")
+
+
+def _add_report_flags(p) -> None:
+    """What the run reports and when: summary, evaluation, samples, periodic saves, seed, MFU."""
     p.add_argument("--summary-json", metavar="PATH",
                    help="also write the run's SUMMARY (settings, every loss, speed, memory: the JSON of the "
                         "`SUMMARY {...}` line, which lists the losses only for a run of at most 20 steps) to PATH")
@@ -224,7 +254,10 @@ def parse_args(argv=None, *, prog=None, description=None):
     # read (and removed) by run_cli before parsing, listed here for --help
     p.add_argument("--debug", action="store_true",
                    help="show the Python traceback of an error (default: one error: line, exit status 1)")
-    args = p.parse_args(_join_negative_values(list(sys.argv[1:] if argv is None else argv)))
+
+
+def _check_flag_pairs(p, args) -> None:
+    """Flags that need another flag: argparse's error line (exit status 2) naming both."""
     if args.keep is not None and not args.save:
         p.error("--keep needs --save DIR (the checkpoint folder to prune)")
     if args.save_every and not args.save:
@@ -238,7 +271,6 @@ def parse_args(argv=None, *, prog=None, description=None):
         p.error("--method-option needs --method NAME (sft has no options)")
     if args.merge and not args.export_hf:
         p.error("--merge needs --export-hf DIR (where the merged model is written)")
-    return args
 
 
 def method_options(items) -> dict:
