@@ -38,7 +38,9 @@ LAYERS = (
     ("api", "planner", "estimate"),            # shard(); the moved-module shims
     ("generation",),
     ("serving",),                              # continuous batching over a paged cache; the HTTP server
-    ("methods", "rl"),                         # preference and RL methods: they read each other
+    ("scoring",),                              # log-probs, reward model, critic: read by rl and methods
+    ("rl",),                                   # rollouts: generation, rewards, advantages
+    ("methods",),                              # training methods (their losses over rl's rollouts)
     ("trainer",),
     ("cli", "model_arg"),                      # the commands; their --model value
     ("",),                                     # zerojax/__init__.py: the public names, read lazily
@@ -314,7 +316,9 @@ def test_moved_modules_keep_working_with_a_warning_naming_the_new_path():
     import warnings
 
     for old, new in (("zerojax.planner", "zerojax.planning.planner"),
-                     ("zerojax.estimate", "zerojax.planning.estimate")):
+                     ("zerojax.estimate", "zerojax.planning.estimate"),
+                     ("zerojax.methods.logprobs", "zerojax.scoring.logprobs"),
+                     ("zerojax.methods.shared_prompt", "zerojax.scoring.shared_prompt")):
         sys.modules.pop(old, None)
         with pytest.warns(DeprecationWarning, match=f"{old} moved to {new}"):
             shim = importlib.import_module(old)
@@ -322,13 +326,14 @@ def test_moved_modules_keep_working_with_a_warning_naming_the_new_path():
             warnings.simplefilter("error")
             moved = importlib.import_module(new)
         assert shim.__getattr__("__doc__") is moved.__doc__
-        name = "plan" if old.endswith("planner") else "H200"
+        name = {"zerojax.planner": "plan", "zerojax.estimate": "H200", "zerojax.methods.logprobs": "completion_logps",
+                "zerojax.methods.shared_prompt": "completion_logps_shared"}[old]
         assert getattr(shim, name) is getattr(moved, name)
 
 
 def test_each_rl_package_imports_first_in_a_fresh_process():
-    """`zerojax.rl` and `zerojax.methods` read each other's modules; each must import on its own in a
-    new interpreter (a registration that ran the other package's half-loaded module broke `import zerojax.rl`)."""
+    """Each package imports on its own in a new interpreter (when `zerojax.rl` and `zerojax.methods`
+    read each other, a registration that ran the other's half-loaded module broke `import zerojax.rl`)."""
     import os
     import subprocess
     import sys

@@ -351,7 +351,7 @@ def test_init_writes_the_files_without_the_state_in_host_memory(tmp_path, monkey
     from zerojax.train.init_state import init_pure
     want = jax.tree.leaves(jax.jit(lambda: init_pure(make_big)[0]["h"])())
     got = read_swap_files(tier)
-    for x, y in zip(got, want, strict=True):
+    for x, y in zip(got[:len(want)], want, strict=True):  # the master's files; the moments' below
         np.testing.assert_allclose(x, np.asarray(y), rtol=4 * np.finfo(np.float32).eps, atol=0)
     assert len(got) == 3 * len(want) and all(not x.any() for x in got[len(want):])
     eng.close()

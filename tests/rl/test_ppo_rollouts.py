@@ -11,12 +11,12 @@ from flax import nnx
 import zerojax
 from zerojax.data.rows import ByteTokens
 from zerojax.methods import get as get_method
-from zerojax.methods.logprobs import completion_logps
 from zerojax.methods.ppo import completion_values, make_actor_loss
 from zerojax.models import Llama, LlamaConfig
 from zerojax.rl import gae, load_prompts, train
 from zerojax.rl.ppo_rollouts import PPOOptions, PPOPromptData, PPORollouts
 from zerojax.rl.tasks import digit_reward
+from zerojax.scoring.logprobs import completion_logps
 
 MODEL = LlamaConfig.named("tiny")
 

@@ -12,9 +12,9 @@ from zerojax import lora
 from zerojax.data.rows import ByteTokens
 from zerojax.methods import get as get_method
 from zerojax.methods.grpo import make_grpo_loss
-from zerojax.methods.logprobs import completion_logps
 from zerojax.models import Llama, LlamaConfig
 from zerojax.rl import RolloutBatches, RolloutOptions, load_prompts, train
+from zerojax.scoring.logprobs import completion_logps
 
 MODEL = LlamaConfig.named("tiny")
 LORA = {"r": 4, "lora_alpha": 8, "target_modules": "all-linear", "init_lora_weights": False}

@@ -33,7 +33,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from zerojax.methods.logprobs import pair_batch, sequence_logps
+from zerojax.scoring.logprobs import pair_batch, sequence_logps
 
 LOSS_TYPES = ("sigmoid", "ipo")
 REFERENCES = ("adapters_off", "precomputed")
@@ -115,7 +115,7 @@ def make_dpo_loss(beta: float = 0.1, loss_type: str = "sigmoid", label_smoothing
     over the batch's pairs. batch: "chosen_ids", "chosen_labels", "rejected_ids",
     "rejected_labels" [B, T] (`zerojax.data.preference`), and with reference="precomputed"
     "ref_chosen_logps" / "ref_rejected_logps" [B]. chunk: the log-probs' logits `chunk`
-    positions at a time (`zerojax.methods.logprobs`)."""
+    positions at a time (`zerojax.scoring.logprobs`)."""
     check_options(beta, loss_type, label_smoothing, reference)
 
     def loss_fn(model, batch):

@@ -22,7 +22,7 @@ from flax import nnx
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from zerojax.methods.logprobs import completion_logps
+from zerojax.scoring.logprobs import completion_logps
 
 REFERENCES = ("auto", "adapters_off", "copy", "none")
 
