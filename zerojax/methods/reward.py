@@ -1,23 +1,7 @@
 """Reward models (DeepSpeed-Chat's step 2): the method's loss, the Bradley-Terry loss on preference
-pairs. The model (a registered family's model with a scalar head, in and out of Hugging Face's
-`<Family>ForSequenceClassification`, num_labels = 1) is `zerojax.scoring.reward_model`'s,
-re-exported here.
-
-    model = reward_from_hf("Llama-3.2-1B")           # a CausalLM or SequenceClassification folder
-    engine = zerojax.shard(lambda: model, cfg, loss_fn=reward_loss)
-    ...
-    save_reward_hf(engine.model, "rm/")             # transformers' AutoModelForSequenceClassification loads it
-
-The score: `score` [hidden, 1] (no bias; Hugging Face's `score.weight` [1, hidden] transposed)
-applied to the final hidden state of each sequence's last non-pad token, transformers'
-`GenericForSequenceClassification` rule: the rightmost position whose id is not pad_token_id
-(left or right padding alike; a row of pads only reads position 0); with no pad_token_id, the
-last position, and a batch of more than one row is refused, as transformers refuses it. The
-score is computed in fp32 on the picked hidden state.
-
-The model's base keeps no LM head (as Hugging Face's classifier has none): an untied `lm_head`
-is dropped, so it takes no memory, gradient or optimizer state.
-"""
+pairs (`reward_loss`). The model, a registered family's model with a scalar head in and out of
+Hugging Face's `<Family>ForSequenceClassification` (`reward_from_hf`, `save_reward_hf`), is
+`zerojax.scoring.reward_model`'s, re-exported here; its module docstring says how it scores."""
 from __future__ import annotations
 
 import jax
