@@ -139,8 +139,8 @@ def main(argv=None):
         "peak_rss_gib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20,
         "init_peak_rss_gib": init_hwm / 2**30,
         "host_layers": args.host_layers if dev == "nvme" else None,
-        "disk_gib": (eng.offload_settings or {}).get("nvme_disk_bytes", 0) / 2**30,
-        "nvme_host_gib": (eng.offload_settings or {}).get("nvme_host_bytes", 0) / 2**30,
+        "disk_gib": (eng.layout.offload_settings or {}).get("nvme_disk_bytes", 0) / 2**30,
+        "nvme_host_gib": (eng.layout.offload_settings or {}).get("nvme_host_bytes", 0) / 2**30,
         "swap_read_gib_per_step": io[0] / 2**30, "swap_write_gib_per_step": io[1] / 2**30,
         "swap_stall_s_per_step": io[2],
         # the swap traffic over the whole step: a lower bound of the update's achieved disk bandwidth

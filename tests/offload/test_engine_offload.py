@@ -93,13 +93,14 @@ def kinds(tree):
 
 def check_placement(eng, *, params_host):
     s = eng.state
-    master_chunks = eng.offload_layout.layout.chunks
-    for c, m, st in zip(master_chunks, s.master, s.opt_state.inner_state if eng.fp16 else s.opt_state, strict=True):
+    master_chunks = eng.layout.offload.layout.chunks
+    for c, m, st in zip(master_chunks, s.master, s.opt_state.inner_state if eng.layout.fp16 else s.opt_state,
+                        strict=True):
         want = "unpinned_host" if c.host else "device"
         assert kinds(m) == kinds(st) == {want}, (c, kinds(m), kinds(st))
     assert kinds(s.params) == ({"unpinned_host"} if params_host else {"device"})
     # the declared placement is the real one
-    for x, sh in zip(jax.tree.leaves(s), jax.tree.leaves(eng.state_shardings), strict=True):
+    for x, sh in zip(jax.tree.leaves(s), jax.tree.leaves(eng.layout.state_shardings), strict=True):
         assert x.sharding.memory_kind == sh.memory_kind
 
 
@@ -118,7 +119,7 @@ def test_offload_optimizer_fp32_matches_device(stage):
     # fp32 compute: the device params are a copy apart from the host master
     assert eng.state.params["wte"].dtype == jnp.float32 and kinds(eng.state.params) == {"device"}
     # "in_place": the non-layer chunk + the 4 layers updated in place one at a time
-    assert [(c.rest, c.loop) for c in eng.offload_layout.layout.chunks] == [(True, 0), (False, 4)]
+    assert [(c.rest, c.loop) for c in eng.layout.offload.layout.chunks] == [(True, 0), (False, 4)]
 
 
 # bf16: the whole step is one XLA program, and a different update lets XLA fuse and partition the
@@ -153,7 +154,7 @@ def test_offload_optimizer_stage3_bf16(ratio):
     _, ref = run(3, "bf16")
     close_adam(master, ref)
     check_placement(eng, params_host=False)
-    hosts = [c.host for c in eng.offload_layout.layout.chunks]
+    hosts = [c.host for c in eng.layout.offload.layout.chunks]
     # pieces: the non-layer leaves + 4 layers; ratio 0.5 keeps ceil(2.5) = 3 of them on the host
     assert hosts == ([True, True] if ratio == 1.0 else [True, True, False])
 
@@ -195,8 +196,8 @@ def test_in_place_loop_with_offload_param_matches_device():
     eng, master = run(3, "fp32", "cpu", "cpu", optimizer="sgd")
     _, ref = run(3, "fp32", optimizer="sgd")
     close(master, ref, 1e-6)
-    assert eng.offload_settings["loop"] == "in_place"
-    assert [(c.rest, c.loop) for c in eng.offload_layout.layout.chunks] == [(True, 0), (False, 4)]
+    assert eng.layout.offload_settings["loop"] == "in_place"
+    assert [(c.rest, c.loop) for c in eng.layout.offload.layout.chunks] == [(True, 0), (False, 4)]
 
 
 def test_streamed_update_groups_agree():
@@ -254,7 +255,7 @@ def test_host_loop_matches_device(host):
     _, ref = run(2, "fp32", optimizer="sgd")
     close(master, ref, 1e-6)
     check_placement(eng, params_host=False)
-    assert [(c.rest, c.lo, c.hi, c.loop) for c in eng.offload_layout.layout.chunks] == [
+    assert [(c.rest, c.lo, c.hi, c.loop) for c in eng.layout.offload.layout.chunks] == [
         (True, 0, 0, 0)] + [(False, i, i + 1, 1) for i in range(4)]
     # one layer's c_fc kernel (d 32, 4d 128) as master or moment among the step's inputs: none,
     # the groups are left to Python
@@ -290,7 +291,7 @@ def test_host_loop_groups_layers_by_bytes():
     # (test_host_loop_matches_device's engine; its byte counts are the same after its steps)
     one = run(2, "fp32", "cpu", options=zerojax.EngineOptions(offload_loop="host", offload_host_chunk_bytes=1),
               optimizer="sgd")[0]
-    chunks = one.offload_layout.layout.chunks
+    chunks = one.layout.offload.layout.chunks
     assert [(c.lo, c.hi) for c in chunks if not c.rest] == [(0, 1), (1, 2), (2, 3), (3, 4)]
     layer = [sum(x.addressable_shards[0].data.nbytes for x in jax.tree.leaves(one.state.master[i]))
              for i, c in enumerate(chunks) if not c.rest]
@@ -303,15 +304,15 @@ def test_host_loop_groups_layers_by_bytes():
     # through the engine: 1.5 layers' bytes -> 2 chunks of 2 layers, the device update's arithmetic
     eng, master = run(2, "fp32", "cpu", optimizer="sgd", options=zerojax.EngineOptions(
         offload_loop="host", offload_host_chunk_bytes=layer[0] * 3 // 2))
-    assert [(c.lo, c.hi) for c in eng.offload_layout.layout.chunks if not c.rest] == [(0, 2), (2, 4)]
-    assert eng.offload_settings["chunks"] == 2
+    assert [(c.lo, c.hi) for c in eng.layout.offload.layout.chunks if not c.rest] == [(0, 2), (2, 4)]
+    assert eng.layout.offload_settings["chunks"] == 2
     _, ref = run(2, "fp32", optimizer="sgd")
     close(master, ref, 1e-6)
     # the default (256 MiB) takes the tiny model's 4 layers as one chunk (the layout: an abstract engine)
     from zerojax.train.engine import abstract_engine
     default = abstract_engine(lambda: gpt2.GPT2(C, rngs=nnx.Rngs(0)), config(2, "fp32", "cpu"), loss_fn=gpt2.gpt2_loss,
                               options=zerojax.EngineOptions(offload_loop="host"))
-    assert default.offload_settings["chunks"] == 1
+    assert default.layout.offload_settings["chunks"] == 1
     with pytest.raises(ValueError, match=r"offload_host_chunk_bytes=0: use an int >= 1"):
         zerojax.EngineOptions(offload_host_chunk_bytes=0)
 
@@ -337,7 +338,7 @@ def test_host_loop_with_part_of_the_state_on_the_device():
     eng, master = run(3, "fp32", "cpu", ratio=0.5, options=HOST_ONE_LAYER_A_CHUNK, optimizer="sgd")
     _, ref = run(3, "fp32", optimizer="sgd")
     close(master, ref, 1e-6)
-    assert [(c.lo, c.hi, c.host) for c in eng.offload_layout.layout.chunks] == [
+    assert [(c.lo, c.hi, c.host) for c in eng.layout.offload.layout.chunks] == [
         (0, 0, True), (0, 1, True), (1, 2, True), (2, 4, False)]
     assert eng._host_loop.loops == [0, 1, 2]
 
@@ -360,8 +361,8 @@ def test_host_loop_chunks_count_in_the_memory_guard(monkeypatch):
     during_jit = sum(largest[:3])  # 2 prefetched + window 1
     want = sum(largest[:2])  # the loop: window 1 + 1
     assert eng._host_loop.device_bytes(eng.state.master, eng.state.opt_state) == (during_jit, want)
-    every = HostLoop(eng.offload_layout, eng.step_settings.offload.tx, compute_dtype=jnp.float32,
-                     params_shardings=eng.state_shardings.params, window=0)
+    every = HostLoop(eng.layout.offload, eng.step_settings.offload.tx, compute_dtype=jnp.float32,
+                     params_shardings=eng.layout.state_shardings.params, window=0)
     assert every.device_bytes(eng.state.master, eng.state.opt_state) == (sum(per_chunk),) * 2
     jit_only = memory.CompiledMemory.of(eng.compiled_step(shapes))
     assert eng.step_memory(shapes).temp == max(jit_only.temp + during_jit, want)
@@ -455,7 +456,8 @@ def test_init_by_leaf_groups_equals_one_jit(par):
     eng = zerojax.shard(make, cfg, loss_fn=gpt2.gpt2_loss, options=zerojax.EngineOptions(init_group_bytes=1))
     assert len(init_state.init_groups(eng.layout)) == len(jax.tree.leaves(eng.state.params)) > 1
     for a, b, sa, sb in zip(jax.tree.leaves(eng.state), jax.tree.leaves(ref.state),
-                            jax.tree.leaves(eng.state_shardings), jax.tree.leaves(ref.state_shardings), strict=True):
+                            jax.tree.leaves(eng.layout.state_shardings), jax.tree.leaves(ref.layout.state_shardings),
+                            strict=True):
         np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32))
         assert a.sharding.memory_kind == sa.memory_kind == sb.memory_kind
     check_placement(eng, params_host=par == "cpu")
@@ -550,8 +552,8 @@ def test_offload_checkpoint_resumes_under_any_layout(tmp_path, monkeypatch):
     # there); the master to write out (the example's --export-hf) is read the same way: the saved
     # weights, bitwise, in a folder too
     streamed = checkpoint.read_meta(tmp_path / "ck")["streamed"]
-    n_leaves = len(a.offload_layout.layout.stacked)   # all in host memory: parameters offloaded too
-    assert len(streamed["master"]) == len(streamed["params"]) == n_leaves > sum(a.offload_layout.layout.stacked)
+    n_leaves = len(a.layout.offload.layout.stacked)   # all in host memory: parameters offloaded too
+    assert len(streamed["master"]) == len(streamed["params"]) == n_leaves > sum(a.layout.offload.layout.stacked)
     assert len(streamed["opt_state"]) == 2 * n_leaves  # Adam's two moments
     written = a.consolidated_master()
     assert sum(isinstance(x, ChunkRows) for x in jax.tree.leaves(written)) == n_leaves
@@ -594,7 +596,7 @@ def test_offload_checkpoint_resumes_under_any_layout(tmp_path, monkeypatch):
         np.testing.assert_array_equal(np.asarray(x, np.float32), y)
     # another layout: half the pieces offloaded (offload_optimizer.ratio 0.5)
     other, losses = resume(config(3, "bf16", "cpu", "cpu", ratio=0.5))
-    assert [(c.host, c.lo, c.hi) for c in other.offload_layout.layout.chunks] == [
+    assert [(c.host, c.lo, c.hi) for c in other.layout.offload.layout.chunks] == [
         (True, 0, 0), (True, 0, 2), (False, 2, 4)]  # rest + layers 0-1 on the host, 2-3 on the device
     np.testing.assert_allclose(losses, want, rtol=1e-4)
     # no offload: the file's stage-3 bf16 reference engine (what other tests read of it, a copy of its

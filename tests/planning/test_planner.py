@@ -480,9 +480,9 @@ def test_mesh_state_formula_matches_the_engines_shards():
         eng = abstract_engine(factory, load_config(plan.apply(cfg), world_size=data * t),
                               loss_fn=PL.default_loss_fn(), mesh=mesh, options=options)
         st = eng.state
-        grads = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, eng.accum_dtype), st.params)  # noqa: B023 - called within this iteration
+        grads = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, eng.layout.accum_dtype), st.params)  # noqa: B023 - called within this iteration
         grads = jax.tree.map(lambda g, s: jax.ShapeDtypeStruct(g.shape, g.dtype, sharding=s), grads,
-                             eng.shardings.grads)
+                             eng.layout.shardings.grads)
         shards = _shard_bytes((st.params, grads, st.master, st.opt_state))
         # the ZeRO paper's table with fp32 gradients: bf16 params, fp32 grads, fp32 master, Adam's 2 moments
         # (with the split master and the bf16 first moment: a 2-byte remainder, moments 2 + 4)

@@ -55,7 +55,7 @@ def _train(stage, remat, gather, steps=3):
 def test_stage3_layer_gather_matches_stage0(remat):
     ref = train(0, remat)
     eng = train(3, remat)
-    assert eng.stage3_gather == "layer"
+    assert eng.layout.stage3_gather == "layer"
     for (path, a), b in zip(jax.tree_util.tree_leaves_with_path(eng.master_params),
                             jax.tree.leaves(ref.master_params), strict=True):
         name = jax.tree_util.keystr(path)

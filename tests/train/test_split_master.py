@@ -117,7 +117,7 @@ def trains_as_the_whole_master(runs):
         np.testing.assert_array_equal(np.asarray(x, np.float32), np.asarray(y, np.float32))
     for x, y in zip(jax.tree.leaves(split.master_params), jax.tree.leaves(whole.master_params), strict=True):
         np.testing.assert_allclose(np.asarray(x), np.asarray(y), rtol=ULP4, atol=UPDATES)
-    hosts = [i for i, c in enumerate(split.offload_layout.layout.chunks) if c.host]
+    hosts = [i for i, c in enumerate(split.layout.offload.layout.chunks) if c.host]
     assert hosts and all(x.dtype == jnp.int16 for i in hosts for x in jax.tree.leaves(split.state.master[i]))
     nbytes = lambda e: sum(x.nbytes for i in hosts for x in jax.tree.leaves(e.state.master[i]))  # noqa: E731
     assert 2 * nbytes(split) == nbytes(whole)
@@ -170,7 +170,8 @@ def test_in_place_split_trains_as_the_fp32_master_and_checkpoints_it(par, tmp_pa
     monkeypatch.setattr(stored, "BLOCK_BYTES", 4096)
     monkeypatch.setattr(split_master, "CONSUME_BYTES", 1)
     runs = Runs(lambda split: in_place_engine(split, par), batches(4), tmp_path_factory.mktemp("in_place_split"))
-    assert runs.split.offload_settings["loop"] == "in_place" and runs.split.offload_settings["split_master"] is True
+    settings = runs.split.layout.offload_settings
+    assert settings["loop"] == "in_place" and settings["split_master"] is True
     assert stored.rows_per_block(runs.split.state.params["wte"]) < runs.split.state.params["wte"].shape[0]
     trains_as_the_whole_master(runs)
     resumes_both_ways(tmp_path, runs, lambda option: in_place_engine(option, par), batches(4)[2:])
@@ -184,8 +185,8 @@ def test_split_master_is_the_default_where_it_applies():
                                     ("bf16", jnp.bfloat16, "in_place", False)):
         eng = zerojax.shard(make(dtype), config(2, prec, "cpu"), loss_fn=gpt2.gpt2_loss,
                             options=zerojax.EngineOptions(offload_loop=loop))
-        assert eng.offload_settings["split_master"] is want
-        hosts = [i for i, c in enumerate(eng.offload_layout.layout.chunks) if c.host]
+        assert eng.layout.offload_settings["split_master"] is want
+        hosts = [i for i, c in enumerate(eng.layout.offload.layout.chunks) if c.host]
         dtypes = {x.dtype for i in hosts for x in jax.tree.leaves(eng.state.master[i])}
         assert dtypes == ({jnp.dtype(jnp.int16)} if want else {jnp.dtype(jnp.float32)})
 
@@ -401,7 +402,7 @@ def test_in_place_split_converts_a_layer_group_at_a_time():
     # moves to the device larger than one group (before, the whole chunk went there at once)
     eng = in_place_engine(True, "cpu")
     jax.block_until_ready(eng.master_params)  # (the conversion back to fp32, as a save or an export runs it)
-    off, cache = eng.offload_layout, eng.layout.step.offload.converters
+    off, cache = eng.layout.offload, eng.layout.step.offload.converters
     loops = [(i, c) for i, c in enumerate(off.layout.chunks) if c.host and c.loop > 1]
     assert loops, off.layout.chunks
     i, c = loops[0]

@@ -85,6 +85,13 @@ def abstract_engine(model, cfg, *, loss_fn: Callable, mesh: Mesh | None = None,
     return Engine(model, cfg, loss_fn=loss_fn, mesh=mesh, options=options, abstract=True)
 
 
+# Engine.<old name> -> the EngineLayout field it read (`Engine.__getattr__`: deprecated, one release)
+LAYOUT_FIELDS = {name: name for name in (
+    "stage", "fp16", "compute_dtype", "accum_dtype", "offload_param", "tx", "schedule", "shardings",
+    "param_shardings", "master_shardings", "opt_shardings", "rest_shardings", "state_shardings",
+    "offload_settings", "stage3_gather", "pipeline")} | {"offload_layout": "offload"}
+
+
 class Engine:
     """Trains one model under one config. See the module docstring and `zerojax.train.step`.
 
@@ -134,7 +141,7 @@ class Engine:
         if abstract:
             self.state = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
                                       jax.eval_shape(functools.partial(initial_state, self.layout, init_fn, module)),
-                                      self.state_shardings._replace(grad_accumulator=None))
+                                      self.layout.state_shardings._replace(grad_accumulator=None))
         else:
             self.state = initial_state(self.layout, init_fn, module)
         self.state = self.state._replace(grad_accumulator=grad_accumulator(self.layout, self.state.params, abstract))
@@ -145,16 +152,16 @@ class Engine:
         # place an output it may choose, e.g. unpinned_host, in device memory
         settings = self.layout.step
         self._host_loop = None
-        out_shardings = (self.state_shardings, None)
+        out_shardings = (self.layout.state_shardings, None)
         if settings.offload is not None and settings.offload.loop == "host":
             # the host chunks (non-layer leaves, each layer group) are updated after the step's jit, from Python
             self._host_loop = O.host_loop.HostLoop(settings.offload.layout, settings.offload.tx,
                                                    compute_dtype=settings.compute_dtype,
-                                                   params_shardings=self.state_shardings.params,
+                                                   params_shardings=self.layout.state_shardings.params,
                                                    window=self.options.offload_host_window,
                                                    prefetch=self.options.offload_host_prefetch,
                                                    split_master=settings.offload.split_master)
-            out_shardings = (self._without_host_chunks(self.state_shardings)._replace(params=None), None)
+            out_shardings = (self._without_host_chunks(self.layout.state_shardings)._replace(params=None), None)
             # the params come in apart and are not donated: the step returns none (the host loop
             # writes the new ones into them, in place), so JAX would alias their buffers to other
             # outputs of the same shape, host-memory ones included
@@ -176,36 +183,29 @@ class Engine:
         betas = (cfg.optimizer.params.get("betas") if cfg.optimizer is not None else None) or (0.9, 0.999)
         self._mom = tuple(float(b) for b in betas)
 
-    # ------------------------------------------------------------------ the layout, read through
+    # ------------------------------------------------------------------ what it was built with
 
-    cfg = property(lambda self: self.layout.cfg)
-    mesh = property(lambda self: self.layout.mesh)
-    options = property(lambda self: self.layout.options)
-    stage = property(lambda self: self.layout.stage)
-    fp16 = property(lambda self: self.layout.fp16)
-    compute_dtype = property(lambda self: self.layout.compute_dtype)
-    accum_dtype = property(lambda self: self.layout.accum_dtype)
-    offload_param = property(lambda self: self.layout.offload_param)
-    tx = property(lambda self: self.layout.tx)
-    schedule = property(lambda self: self.layout.schedule)
-    shardings = property(lambda self: self.layout.shardings)
-    param_shardings = property(lambda self: self.layout.param_shardings)
-    master_shardings = property(lambda self: self.layout.master_shardings)
-    opt_shardings = property(lambda self: self.layout.opt_shardings)
-    rest_shardings = property(lambda self: self.layout.rest_shardings)
-    state_shardings = property(lambda self: self.layout.state_shardings,
-                               doc="Where every state leaf lives (a TrainState of shardings).")
-    offload_layout = property(lambda self: self.layout.offload, doc="The chunk layout of an offloaded state, or None.")
-    offload_settings = property(lambda self: self.layout.offload_settings)
-    stage3_gather = property(lambda self: self.layout.stage3_gather)
-    pipeline = property(lambda self: self.layout.pipeline,
-                        doc="The pipeline schedule (stages, micro-batches, repeats) or None.")
+    # The engine's inputs; everything else static about it is its layout (`engine.layout`, an
+    # `EngineLayout`: shardings, offload layout, pipeline schedule, dtypes, optimizer).
+    cfg = property(lambda self: self.layout.cfg, doc="The resolved DeepSpeed config (a zerojax Config).")
+    mesh = property(lambda self: self.layout.mesh, doc="The device mesh the state is sharded over.")
+    options = property(lambda self: self.layout.options, doc="The EngineOptions it runs with.")
+    step_settings = property(lambda self: self.layout.step,
+                             doc="The step's static settings (graphdef, templates; `zerojax.train.step.StepSettings`).")
 
     @property
     def pipeline_bubble(self) -> float:
         """The share of pipeline stage-iterations that idle, (S - 1) / (M R + S - 1); 0.0 unpipelined."""
         return self.layout.pipeline.bubble_fraction if self.layout.pipeline is not None else 0.0
-    step_settings = property(lambda self: self.layout.step)
+
+    def __getattr__(self, name):
+        # the layout's fields the engine once passed through, one release with a warning
+        moved = LAYOUT_FIELDS.get(name)
+        if moved is None:
+            raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
+        warnings.warn(f"Engine.{name} is deprecated and goes in the next release: read engine.layout.{moved}",
+                      DeprecationWarning, stacklevel=2)
+        return getattr(self.layout, moved)
 
     # ------------------------------------------------------------------ batches
 
@@ -346,7 +346,7 @@ class Engine:
     def _host_loop_notes(self) -> tuple[str, ...]:
         """For WillNotFitError under offload_loop="host": what its chunks hold on the device and
         the options that hold less."""
-        o, chunks = self.options, self.offload_settings["chunks"]
+        o, chunks = self.options, self.layout.offload_settings["chunks"]
         opt = self.layout.chunk_states(self.state.opt_state)
         during_jit, during_loop = self._host_loop.device_bytes(self.state.master, opt)
         return (f"Of that, offload_loop='host' keeps up to {memory.fmt_bytes(max(during_jit, during_loop))} of "
@@ -481,7 +481,7 @@ class Engine:
     @property
     def lr(self) -> float:
         """The learning rate the next step will use."""
-        return float(self.schedule(self.state.step - self.state.skipped_steps))
+        return float(self.layout.schedule(self.state.step - self.state.skipped_steps))
 
     @property
     def params(self):
@@ -505,7 +505,7 @@ class Engine:
         if off is not None:  # the host chunks merged into one tree on the device
             if not hasattr(self, "_merge_master"):
                 self._merge_master = jax.jit(lambda m: O.offload_master(O.OffloadState(m, []), off),
-                                             out_shardings=self.shardings.master)
+                                             out_shardings=self.layout.shardings.master)
             master = self.layout.split_master(self.state.master, self.state.params, to_split=False)
             if self.layout.nvme is not None:  # read back from the swap files
                 master = self.layout.nvme.fill(master, None)[0]
@@ -541,10 +541,10 @@ class Engine:
         s = self.state
         # offload_param: each micro-batch's gradients come to host memory (compute dtype); with
         # accumulation they are summed into the host accumulator the state carries
-        host_grads = self.offload_param
-        gdtype = self.compute_dtype if host_grads else self.accum_dtype
+        host_grads = self.layout.offload_param
+        gdtype = self.layout.compute_dtype if host_grads else self.layout.accum_dtype
         grads = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, gdtype), s.params)
-        grad_bytes = partition.per_device_bytes(grads, self.shardings.grads)
+        grad_bytes = partition.per_device_bytes(grads, self.layout.shardings.grads)
         report = MemoryReport(
             params=_nbytes(s.params, False),
             gradients=0 if host_grads else grad_bytes,
@@ -603,4 +603,4 @@ def _warn_fp32_compute(module, compute_dtype) -> None:
                       f"{jnp.dtype(compute_dtype).name} forward", stacklevel=3)
 
 
-__all__ = ["Engine", "abstract_engine", "MemoryReport"]
+__all__ = ["Engine", "abstract_engine", "MemoryReport", "LAYOUT_FIELDS"]

@@ -463,8 +463,8 @@ class Trainer:
             print(f"device memory after building: {stats['bytes_in_use'] / 2**30:.2f} GiB in use of "
                   f"{stats['bytes_limit'] / 2**30:.2f} (build peak {stats.get('peak_bytes_in_use', 0) / 2**30:.2f})")
         warn_replicated(engine, cfg)
-        if engine.offload_settings and cfg.zero_optimization.offload_optimizer.device == "cpu":
-            o = engine.offload_settings
+        if engine.layout.offload_settings and cfg.zero_optimization.offload_optimizer.device == "cpu":
+            o = engine.layout.offload_settings
             print(f"optimizer offload: {o['loop']} loop, {o['chunks']} layer group(s), "
                   f"master {'split (bf16 copy + 16-bit host remainder)' if o.get('split_master') else 'fp32'}, "
                   f"first moment {engine.options.adam_mu_dtype or 'fp32'}"
