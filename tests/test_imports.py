@@ -27,7 +27,7 @@ LAYERS = (
     ("pinned_pool", "xla_flags", "launch"),   # process setup, before a backend starts
     ("config",),
     ("models",),                               # plain Flax: the model families, layer_stack
-    ("data", "lora"),                          # readers and tokenizers; adapters on a family's model
+    ("data", "lora", "model_arg"),             # readers and tokenizers; adapters; the --model value
     ("optim", "precision", "accumulate"),      # optax transforms, usable without the engine
     ("sharding",),                             # mesh; ZeRO / tensor / pipe rules -> sharding trees
     ("block_loop", "model", "user_tree"),      # the model contract; the user's tree in and out
@@ -42,7 +42,7 @@ LAYERS = (
     ("rl",),                                   # rollouts: generation, rewards, advantages
     ("methods",),                              # training methods (their losses over rl's rollouts)
     ("trainer",),
-    ("cli", "model_arg"),                      # the commands; their --model value
+    ("cli",),
     ("",),                                     # zerojax/__init__.py: the public names, read lazily
 )
 RANK = {unit: i for i, layer in enumerate(LAYERS) for unit in layer}
@@ -329,6 +329,17 @@ def test_moved_modules_keep_working_with_a_warning_naming_the_new_path():
         name = {"zerojax.planner": "plan", "zerojax.estimate": "H200", "zerojax.methods.logprobs": "completion_logps",
                 "zerojax.methods.shared_prompt": "completion_logps_shared"}[old]
         assert getattr(shim, name) is getattr(moved, name)
+
+
+@pytest.mark.parametrize("old", ["zerojax.cli.ModelChoice", "zerojax.trainer.choice.ModelChoice"])
+def test_the_two_model_choices_are_one_class_with_a_warning_on_the_old_paths(old):
+    import importlib
+
+    from zerojax.model_arg import ModelChoice
+
+    module, _, name = old.rpartition(".")
+    with pytest.warns(DeprecationWarning, match=f"{old} moved to zerojax.model_arg.ModelChoice"):
+        assert getattr(importlib.import_module(module), name) is ModelChoice
 
 
 def test_each_rl_package_imports_first_in_a_fresh_process():

@@ -26,18 +26,21 @@ import json
 import os
 import sys
 
-from zerojax import arg_types
+from zerojax import arg_types, model_arg
+from zerojax._moved import renamed
 from zerojax.model_arg import (  # noqa: F401 - resolve_model and its kin keep their old path, zerojax.cli
     DEFAULT_SEQ,
     MODEL_ACCEPTS,
     FlagError,
     ModelArgError,
-    ModelChoice,
     family_factory,
     max_positions,
     resolve_model,
 )
 from zerojax.planning import estimate
+
+# the commands' ModelChoice is zerojax.model_arg's, the one the trainer uses too
+__getattr__ = renamed(__name__, {"ModelChoice": "zerojax.model_arg.ModelChoice"})
 
 MODEL_HELP = f"the model: {MODEL_ACCEPTS}; default large (GPT-2)"
 
@@ -474,7 +477,7 @@ def default_config(micro_batch=8) -> dict:
 # where a model (or its .config) may say its maximum positions, by the names projects give it
 
 
-def _model_of(args, cfg_dict) -> ModelChoice:
+def _model_of(args, cfg_dict) -> model_arg.ModelChoice:
     """resolve_model for the command, --mlp-tile checked against the model (ModelArgError: one line)."""
     choice = resolve_model(args.model, cfg_dict)
     _check_mlp_tile(args, choice)

@@ -11,6 +11,7 @@ import functools
 import os
 import sys
 from collections.abc import Callable
+from typing import Any
 
 MODEL_ACCEPTS = ("a named shape of a registered model family (zerojax.models.registry: GPT-2 tiny ... xl, the Llama "
                  "family's llama-3.2-1b, llama-3.1-8b, qwen3-0.6b, mistral-7b, ...) or module:factory (a callable "
@@ -31,17 +32,56 @@ class ModelArgError(FlagError):
 
 @dataclasses.dataclass
 class ModelChoice:
-    """What --model named: `factory` (remat_policy= / dtype= where the model takes them, for the
-    planner's variants), a label for the output, the model's maximum positions (0: it names none)."""
+    """The model a command runs: `name` (--model's value; "hf" for a Hugging Face checkpoint's), the
+    `label` the output prints, the model's maximum positions (0: it names none) and, where known:
+    `factory` (remat_policy= / dtype= [/ mlp_tile=] keywords where the model takes them: the
+    planner's variants), the registered family (`family_spec`, a `zerojax.models.registry.ModelFamily`)
+    and its `config` (`zerojax train` builds from these)."""
 
     name: str
     label: str
-    factory: Callable
+    factory: Callable | None = None
     max_positions: int = 0
+    family_spec: Any = None
+    config: Any = None
+
+    @classmethod
+    def of_family(cls, family, config, name: str, label: str | None = None, factory=None) -> ModelChoice:
+        """A registered family's model of `config`, named `name` (its label: the family's words for it)."""
+        return cls(name, label if label is not None else family.label_of(name, config), factory,
+                   family.max_positions(config), family, config)
+
+    @property
+    def size(self) -> str:
+        """--model's name (the trainer's word for it)."""
+        return self.name
+
+    @property
+    def family(self) -> str:
+        """The registered family's name."""
+        return self.family_spec.name
 
     def seq_len(self, seq: int | None) -> int:
         """--seq, else the model's maximum positions, else DEFAULT_SEQ."""
         return seq or self.max_positions or DEFAULT_SEQ
+
+    def build(self, seed: int, dtype, remat, param_dtype=None, mlp_tile=None):
+        """A randomly initialised model of this family's config (compute dtype, remat policy, MLP
+        tile; parameters in param_dtype, default fp32)."""
+        import jax.numpy as jnp
+        from flax import nnx
+
+        if self.family_spec is None:
+            raise ValueError(f"--model {self.name}: not a registered family's model, so it cannot be built "
+                             "from a config; call its factory")
+        return self.family_spec.build(self.config, rngs=nnx.Rngs(seed), dtype=dtype, remat_policy=remat,
+                                      param_dtype=param_dtype or jnp.float32, **tile_options(mlp_tile))
+
+
+def tile_options(mlp_tile) -> dict:
+    """The model keywords for an MLP tile: none when untiled, so a family without `mlp_tile`
+    (GPT-2) is built as before."""
+    return {} if mlp_tile is None else {"mlp_tile": mlp_tile}
 
 
 def configured_dtype(cfg_dict):
@@ -106,7 +146,7 @@ def resolve_model(spec: str, cfg_dict) -> ModelChoice:
         raise ModelArgError(f"--model {spec!r}: not a model zerojax knows; --model takes a registered shape "
                             f"({', '.join(registry.shape_names())}) or module:factory")
     family, config, factory = found
-    return ModelChoice(spec.lower(), family.label_of(spec.lower(), config), factory, family.max_positions(config))
+    return ModelChoice.of_family(family, config, spec.lower(), factory=factory)
 
 
 def _imported_model(spec: str, cfg_dict) -> ModelChoice:

@@ -15,7 +15,8 @@ from collections.abc import Callable
 from typing import Any
 
 from zerojax.data.rows import load_data, load_method_data
-from zerojax.trainer.choice import ModelChoice, checkpoint_model, hf_model_type, named_model, tile_options
+from zerojax.model_arg import ModelChoice, tile_options
+from zerojax.trainer.choice import checkpoint_model, hf_model_type, named_model
 from zerojax.trainer.errors import ConfigMismatch
 from zerojax.trainer.export import export_hf, host_peak_rss
 from zerojax.trainer.flags import parse_args
@@ -165,8 +166,8 @@ class Trainer:
 
             kind = hf_model_type(args.hf_checkpoint)
             family = registry.for_hf_type(kind)
-            choice = ModelChoice(family, family.hf_config(args.hf_checkpoint), "hf",
-                                 f"{kind} from {args.hf_checkpoint}")
+            choice = ModelChoice.of_family(family, family.hf_config(args.hf_checkpoint), "hf",
+                                           f"{kind} from {args.hf_checkpoint}")
             if os.path.exists(os.path.join(args.hf_checkpoint, "tokenizer.json")):
                 args.tokenizer = args.tokenizer or args.hf_checkpoint  # the folder: its chat template too
         else:
