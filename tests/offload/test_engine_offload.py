@@ -609,7 +609,7 @@ def test_offload_checkpoint_resumes_under_any_layout(tmp_path, monkeypatch):
     # moves by one ulp, and this model's ~50k weights are likely to hold one)
     host, losses = resume(config(3, "bf16", "cpu"), zerojax.EngineOptions(
         offload_loop="host", offload_host_chunk_bytes=1, split_master="off"))
-    assert [(c.lo, c.hi) for c in host.offload_layout.layout.chunks] == [(0, 0), (0, 1), (1, 2), (2, 3), (3, 4)]
+    assert [(c.lo, c.hi) for c in host.layout.offload.layout.chunks] == [(0, 0), (0, 1), (1, 2), (2, 3), (3, 4)]
     np.testing.assert_allclose(losses, want, rtol=1e-4)
     assert kinds(host.state.master) <= set(HOST) and kinds(host.state.params) == {"device"}
 
