@@ -304,10 +304,11 @@ class PlainRunner:
         import jax.numpy as jnp
         import optax
         from flax import nnx
-        from jax.sharding import NamedSharding, PartitionSpec as P
+        from jax.sharding import NamedSharding
+        from jax.sharding import PartitionSpec as P
 
-        from zerojax.planning.memory import CompiledMemory
         from zerojax.models.gpt2 import GPT2
+        from zerojax.planning.memory import CompiledMemory
 
         loss_fn = loss_fn_of(spec)
         mesh = jax.make_mesh((jax.device_count(),), ("data",),
@@ -372,8 +373,8 @@ class ZeroRunner:
         from flax import nnx
 
         import zerojax
-        from zerojax.planning import memory as M
         from zerojax.models.gpt2 import GPT2
+        from zerojax.planning import memory as M
 
         off, _, ratio = spec["offload"].partition(":")  # "optimizer:0.5": offload_optimizer.ratio
         zero = {"stage": int(spec["stage"]),

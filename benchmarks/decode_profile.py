@@ -66,9 +66,9 @@ def main(argv=None) -> int:
     p.add_argument("--decode-attention", default="xla", choices=DECODE_ATTENTIONS, help="generate's option")
     args = p.parse_args(sys.argv[1:] if argv is None else argv)
     shape, tiny, lean, attention = args.shape, args.tiny, args.lean, args.decode_attention
+    import generate_bench as gb
     import jax
 
-    import generate_bench as gb
     import zerojax
     from zerojax.generation.program_cost import decode_program
 

@@ -51,7 +51,6 @@ def build(name: str, device, dtype):
     """A random-init LlamaForCausalLM of zerojax's named shape `name`, LoRA r 16 / alpha 32 applied,
     gradient checkpointing on."""
     import peft
-
     from hf_random_llama import random_llama
 
     model = random_llama(name, device, dtype, use_cache=False)

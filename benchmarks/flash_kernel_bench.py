@@ -18,11 +18,10 @@ import time
 import jax
 import jax.numpy as jnp
 import numpy as np
+from long_context_bench import batch_of  # benchmarks/ is sys.path[0] when run as a script
 
 from zerojax.models.attention import blockwise_attention, causal_attention
 from zerojax.models.flash_attention import FlashBlocks, flash_attention
-
-from long_context_bench import batch_of  # benchmarks/ is sys.path[0] when run as a script
 
 # "default" is FlashBlocks() (backward tiles 64 x 64, 4 warps: 228 TFLOP/s at Llama-3.2-1B's shape and
 # 32K on an H100, against 152 for "bwd64x128", the default before; benchmarks/RESULTS.md, 2026-12-06)
@@ -100,9 +99,9 @@ def main():
     for docs in args.docs:
         seg = segments(args.seq, docs)
         flops = 4 * visible_pairs(args.seq, seg) * args.head_dim * args.heads * 3.5
-        cases = [(f"flash/{t}", lambda q, k, v, t=t: flash_attention(q, k, v, segment_ids=seg, blocks=TILES[t]))
+        cases = [(f"flash/{t}", lambda q, k, v, t=t: flash_attention(q, k, v, segment_ids=seg, blocks=TILES[t]))  # noqa: B023 - called within this iteration
                  for t in args.tiles]
-        cases.append(("blockwise", lambda q, k, v: blockwise_attention(q, k, v, segment_ids=seg)))
+        cases.append(("blockwise", lambda q, k, v: blockwise_attention(q, k, v, segment_ids=seg)))  # noqa: B023 - called within this iteration
         if docs <= 1:
             cases.append(("cudnn", lambda q, k, v: causal_attention(q, k, v, impl="cudnn")))
         for name, attend in cases:

@@ -93,7 +93,8 @@ def rates(batch: int, new: int, total: float, first: float) -> dict:
     """Seconds of a full generate call and of a one-new-token call -> the row's figures (decode:
     the difference; None where timing noise leaves none, as on tiny CPU shapes)."""
     decode = total - first if total > first else None
-    return {"seconds": round(total, 4), "prefill_seconds": round(first, 4), "tokens_per_s": round(batch * new / total, 1),
+    return {"seconds": round(total, 4), "prefill_seconds": round(first, 4),
+            "tokens_per_s": round(batch * new / total, 1),
             "decode_tokens_per_s": round(batch * (new - 1) / decode, 1) if decode else None,
             "decode_step_ms": round(1e3 * decode / (new - 1), 3) if decode else None}
 
@@ -217,7 +218,8 @@ def main(argv=None) -> int:
     print(f"zerojax generate on {jax.devices()[0].device_kind} (JAX {jax.__version__})")
     print(f"{'case':<5}{'model':<14}{'batch':>6}{'new':>6}{'tokens/s':>11}{'decode tok/s':>14}  notes")
     for r in results:
-        notes = (f"HBM bound share {r['hbm_bound_share'] or 0:.0%} ({r['copy_bandwidth_gbs']} GB/s copy)" if r["case"] == "a"
+        notes = (f"HBM bound share {r['hbm_bound_share'] or 0:.0%} ({r['copy_bandwidth_gbs']} GB/s copy)"
+                 if r["case"] == "a"
                  else f"peak {r['peak_bytes'] / 2**30:.2f} GiB" if r["case"] == "c" and r.get("peak_bytes") else "")
         print(f"{r['case']:<5}{r['model']:<14}{r['batch']:>6}{r['new']:>6}{r['tokens_per_s']:>11}"
               f"{r.get('decode_tokens_per_s') or '':>14}  {notes}")

@@ -28,7 +28,6 @@ from generate_bench import rates  # noqa: E402 (one definition of the figures fo
 
 def build(name: str, tiny: bool, device):
     import torch
-
     from hf_random_llama import random_llama
 
     return random_llama("tiny" if tiny else name, device, torch.bfloat16).eval()

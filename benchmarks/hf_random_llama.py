@@ -12,7 +12,8 @@ def random_llama(name: str, device, dtype, *, use_cache: bool = True):
     from zerojax.models import LlamaConfig
     from zerojax.models.hf_llama import config_to_hf
 
-    config = transformers.AutoConfig.for_model(**config_to_hf(LlamaConfig.named(name), str(dtype).removeprefix("torch.")))
+    config = transformers.AutoConfig.for_model(**config_to_hf(LlamaConfig.named(name),
+                                                              str(dtype).removeprefix("torch.")))
     config._attn_implementation = "sdpa"
     config.use_cache = use_cache
     before = torch.get_default_dtype()

@@ -295,7 +295,7 @@ def search_all(args, probe) -> tuple[dict, tuple | None]:
             if best is not None and best * 2 > args.limit:
                 return found, best_key
             lowest = args.floor if best is None else max(args.floor, 2 * best)
-            seq = search(lambda s: probe(remat, attention, s), max(args.start, lowest), args.limit, lowest)
+            seq = search(lambda s: probe(remat, attention, s), max(args.start, lowest), args.limit, lowest)  # noqa: B023 - called within this iteration
             found[f"{remat}/{attention}"] = seq
             if seq is not None and (best is None or seq > best):
                 best, best_key = seq, (remat, attention)

@@ -68,7 +68,6 @@ def build(name: str, device: str, dtype):
     """A random-init LlamaForCausalLM of zerojax's named shape `name`, made on `device` in `dtype`,
     gradient checkpointing on, PEFT LoRA r 16 / alpha 32 on every linear layer of the blocks."""
     import peft
-
     from hf_random_llama import random_llama
 
     model = random_llama(name, device, dtype, use_cache=False)

@@ -135,7 +135,8 @@ def main(argv=None) -> int:
     tps = args.steps * rows * seq / dt / jax.device_count()
     fpt = dims.flops_per_token(seq)
     stats = jax.local_devices()[0].memory_stats() or {}
-    out = {"model": args.model, "mode": args.mode, "remat": args.remat, "unroll": args.unroll, "micro": args.micro, "seq": seq,
+    out = {"model": args.model, "mode": args.mode, "remat": args.remat, "unroll": args.unroll, "micro": args.micro,
+           "seq": seq,
            "params": dims.params, "build_s": round(build_s, 1), "first_step_s": round(first_s, 1),
            "tokens_per_s_per_device": round(tps), "tflops": round(tps * fpt / 1e12, 1),
            "mfu": round(tps * fpt / 1e12 / args.peak_tflops, 4) if args.peak_tflops else None,

@@ -87,7 +87,8 @@ def main(argv=None):
     # subtracted from it, which leaves the first step's own time (a run too long for a second step)
     compile_s = [0.0]
     jax.monitoring.register_event_duration_secs_listener(
-        lambda event, secs, **_: compile_s.__setitem__(0, compile_s[0] + secs) if event.startswith("/jax/core/compile/") else None)
+        lambda event, secs, **_: (compile_s.__setitem__(0, compile_s[0] + secs)
+                                  if event.startswith("/jax/core/compile/") else None))
     sw = eng.layout.nvme.swapper if eng.layout.nvme is not None else None
     io_w = (sw.bytes_read, sw.bytes_written, sw.stall_s, len(sw.pass_s)) if sw else (0, 0, 0.0, 0)
     t1 = time.perf_counter()
@@ -107,9 +108,11 @@ def main(argv=None):
         loss = eng.train_step(batch)["loss"]
         if args.steps > 1:
             jax.block_until_ready(loss)
-            io_now = (f", swap read {(sw.bytes_read - io0[0]) / 2**30:.1f} GiB written {(sw.bytes_written - io0[1]) / 2**30:.1f} "
+            io_now = (f", swap read {(sw.bytes_read - io0[0]) / 2**30:.1f} GiB "
+                      f"written {(sw.bytes_written - io0[1]) / 2**30:.1f} "
                       f"GiB, update I/O windows {[round(x, 1) for x in sw.pass_s[passes0:]]} s") if sw else ""
-            print(f"NVME-progress step {k + 1}: {time.perf_counter() - t0:.1f} s since the timed steps began, host RSS peak "
+            print(f"NVME-progress step {k + 1}: {time.perf_counter() - t0:.1f} s since the timed steps began, "
+                  "host RSS peak "
                   f"{_vm('VmHWM') / 2**30:.1f} GiB{io_now}", flush=True)
     jax.block_until_ready((eng.state, loss))
     # --steps 0: the warm-up's step net of compilation stands in for the timed steps
@@ -117,7 +120,8 @@ def main(argv=None):
     if not args.steps:  # the warm-up's traffic (it ran one step per warm-up)
         io0, passes0 = io_w[:3], io_w[3]
     k = args.steps or max(args.warmup, 1)
-    io = ((sw.bytes_read - io0[0]) / k, (sw.bytes_written - io0[1]) / k, (sw.stall_s - io0[2]) / k) if sw else (0, 0, 0.0)
+    io = (((sw.bytes_read - io0[0]) / k, (sw.bytes_written - io0[1]) / k, (sw.stall_s - io0[2]) / k) if sw
+          else (0, 0, 0.0))
     if sw:   # the last group's write-back finishes behind the step (seconds with O_DIRECT): its window closes then
         sw.flush()
         time.sleep(0.1)   # a future's done-callbacks (which record the window) run just after its waiters wake
@@ -129,13 +133,14 @@ def main(argv=None):
         "offload": args.offload, "param": param, "model": f"L{cfg.n_layer}/d{cfg.n_embd}/h{cfg.n_head}",
         "n_params": int(sum(x.size for x in jax.tree.leaves(eng.state.params))),
         "micro": args.micro, "accum": args.accum, "seq": T, "step_s": dt, "tokens_per_s": B * T / dt / n,
-        "init_s": init_s, "compile_s": compile_s[0], "timed_steps": args.steps, "loss": float(loss), "peak_gib": stats.get("peak_bytes_in_use", 0) / 2**30,
+        "init_s": init_s, "compile_s": compile_s[0], "timed_steps": args.steps, "loss": float(loss),
+        "peak_gib": stats.get("peak_bytes_in_use", 0) / 2**30,
         "host_state_gib": rep["host"] / 2**30,
         "peak_rss_gib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20,
         "init_peak_rss_gib": init_hwm / 2**30,
         "host_layers": args.host_layers if dev == "nvme" else None,
-        "disk_gib": (eng.offload_settings or {}).get("nvme_disk_bytes", 0) / 2**30,
-        "nvme_host_gib": (eng.offload_settings or {}).get("nvme_host_bytes", 0) / 2**30,
+        "disk_gib": (eng.layout.offload_settings or {}).get("nvme_disk_bytes", 0) / 2**30,
+        "nvme_host_gib": (eng.layout.offload_settings or {}).get("nvme_host_bytes", 0) / 2**30,
         "swap_read_gib_per_step": io[0] / 2**30, "swap_write_gib_per_step": io[1] / 2**30,
         "swap_stall_s_per_step": io[2],
         # the swap traffic over the whole step: a lower bound of the update's achieved disk bandwidth

@@ -111,10 +111,10 @@ def main(argv=None):
     for mib in args.mib:
         block, total = mib << 20, max(args.total_mib, mib) << 20
         cases = [(f"pread {'O_DIRECT' if d else 'buffered'} b{bc}",
-                  lambda d=d, bc=bc: bench_pread(args.path, block, total, args.threads, direct=d, buffer_count=bc))
+                  lambda d=d, bc=bc: bench_pread(args.path, block, total, args.threads, direct=d, buffer_count=bc))  # noqa: B023 - called within this iteration
                  for d in (True, False) for bc in args.buffer_count]
         if not args.no_tensorstore:
-            cases.append(("tensorstore zarr", lambda: bench_tensorstore(args.path, block, total)))
+            cases.append(("tensorstore zarr", lambda: bench_tensorstore(args.path, block, total)))  # noqa: B023 - called within this iteration
         for name, fn in cases:
             rows.append({"path": name, "block_MiB": mib, "total_MiB": total >> 20, **fn()})
     print(f"disk: {args.path} ({_filesystem_type(args.path) or '?'}), threads {args.threads}")

@@ -1,5 +1,6 @@
-"""bench.py matrix entries for the four-GPU layouts of the `x4` case (benchmarks/cases_scale.py), with the micro-batch x accumulation (and
-pipeline checkpoints) the planner's mesh search chose (`zerojax plan --search-mesh --json`).
+"""bench.py matrix entries for the four-GPU layouts of the `x4` case (benchmarks/cases_scale.py), with the
+micro-batch x accumulation (and pipeline checkpoints) the planner's mesh search chose
+(`zerojax plan --search-mesh --json`).
 
     python benchmarks/planned_matrix.py plan_xl.json plan_large.json > matrix.json
 
@@ -24,7 +25,8 @@ def entries(plan_json: dict) -> list[dict]:
         zero = "any ZeRO stage" if stage is None else f"ZeRO-{stage}"
         name = f"{plan_json['model']} data {data} x tensor {tensor} x pipe {pipe}, {zero}"
         if not mine:
-            why = [r["why"] for r in plan_json["refused"] if (r["data"], r["tensor"], r["pipe"]) == (data, tensor, pipe)]
+            why = [r["why"] for r in plan_json["refused"]
+                   if (r["data"], r["tensor"], r["pipe"]) == (data, tensor, pipe)]
             print(f"not run: {name}: {why[0] if why else 'nothing fits the budget'}", file=sys.stderr)
             continue
         p = mine[0]  # plans are fastest first

@@ -132,7 +132,8 @@ def run(name: str, args) -> dict:
 
 
 def table(results):
-    cols = ("framework", "model", "generator", "completion_mean", "samples_per_s", "seconds", "generate_s", "train_s", "generate_share")
+    cols = ("framework", "model", "generator", "completion_mean", "samples_per_s", "seconds", "generate_s", "train_s",
+            "generate_share")
     print(" | ".join(cols))
     for r in results:
         print(" | ".join(str(r[c]) for c in cols))

@@ -30,7 +30,6 @@ from rl_bench import GROUP, KL, LR, MICRO, even_fraction, prompt_ids, shape, tab
 
 def build(name: str, tiny: bool, device):
     import torch
-
     from hf_random_llama import random_llama
 
     return random_llama("tiny" if tiny else name, device, torch.bfloat16)

@@ -56,9 +56,8 @@ def main(argv=None) -> int:
     ap.add_argument("--tiny", action="store_true")
     args = ap.parse_args(argv)
     import torch
-    from transformers import GenerationConfig
-
     from hf_random_llama import random_llama
+    from transformers import GenerationConfig
 
     s = shape(args.tiny)
     device = "cuda" if torch.cuda.is_available() else "cpu"

@@ -66,7 +66,8 @@ def run_matrix(framework: str, s: dict, vocab: int, run_level, extra) -> list[di
 
 
 def table(rows: list[dict]) -> str:
-    cols = ["framework", "concurrency", "long_prompt_share", "requests", "output_tokens_per_s", "ttft_p50_ms", "ttft_p99_ms", "itl_p50_ms",
+    cols = ["framework", "concurrency", "long_prompt_share", "requests", "output_tokens_per_s", "ttft_p50_ms",
+            "ttft_p99_ms", "itl_p50_ms",
             "itl_p99_ms"]
     lines = [" | ".join(cols)] + [" | ".join(str(r.get(c)) for c in cols) for r in rows]
     return "\n".join(lines)

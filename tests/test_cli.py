@@ -83,9 +83,8 @@ def test_estimate_aot_compiles_with_the_engine_options_asked(tmp_path, capsys):
     from flax import nnx
 
     from zerojax import cli
-
-    from zerojax.planning import planner
     from zerojax.models.gpt2 import GPT2, GPT2Config
+    from zerojax.planning import planner
 
     def compiled(*flags):
         out = tmp_path / "e.json"
@@ -242,7 +241,7 @@ def test_estimate_and_plan_consider_the_tiled_mlp_on_long_rows(capsys):
         assert "argument --mlp-tile: 0 must be >= 1 (positions per piece, or auto)" in capsys.readouterr().err
         assert main([command, "--model", "tiny", "--mlp-tile", "4", *extra]) == 1
         err = capsys.readouterr().err.strip()
-        assert err == (f"error: --mlp-tile 4: GPT-2 tiny has no tiled MLP (its model takes no mlp_tile); "
+        assert err == ("error: --mlp-tile 4: GPT-2 tiny has no tiled MLP (its model takes no mlp_tile); "
                        "drop --mlp-tile, or plan a Llama-family model")
 
 

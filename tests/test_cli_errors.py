@@ -36,14 +36,18 @@ def folder(tmp_path_factory):
 
 MISTAKES = {  # argv -> (exit status, what the last line says)
     ("estimate", "--params", "1e9", "--aot"): (1, "error: --aot needs --model (a model to compile), not --params"),
-    ("estimate", "--model", "tiny", "--gpus", "0"): (2, "error: argument --gpus: 0 must be >= 1"),  # was a ZeroDivisionError
+    # was a ZeroDivisionError
+    ("estimate", "--model", "tiny", "--gpus", "0"): (2, "error: argument --gpus: 0 must be >= 1"),
     ("plan", "--devices", "2", "--model", "tiny"): (1, "error: --budget is required without --aot"),
     ("export", "no-such-run", "out"): (1, "error: CKPT no-such-run: no such folder"),
-    ("generate", "--hf-checkpoint", "no-such-model", "--prompt", "hi"): (1, "error: --hf-checkpoint no-such-model: no such folder"),
-    ("chat", "--hf-checkpoint", "adapter"): (1, "error: --hf-checkpoint adapter: a PEFT adapter folder (adapter_config.json), "
-                                                "not a model; give its base model to --hf-checkpoint and this folder to "
-                                                "--adapter: --hf-checkpoint /models/base --adapter adapter"),
-    ("launch", "--include", "nohost", "train.py"): (1, "error: zerojax launch: Hostname 'nohost' not found in hostfile"),
+    ("generate", "--hf-checkpoint", "no-such-model", "--prompt", "hi"):
+        (1, "error: --hf-checkpoint no-such-model: no such folder"),
+    ("chat", "--hf-checkpoint", "adapter"):
+        (1, "error: --hf-checkpoint adapter: a PEFT adapter folder (adapter_config.json), "
+            "not a model; give its base model to --hf-checkpoint and this folder to "
+            "--adapter: --hf-checkpoint /models/base --adapter adapter"),
+    ("launch", "--include", "nohost", "train.py"):
+        (1, "error: zerojax launch: Hostname 'nohost' not found in hostfile"),
     ("train", "--model", "tiny", "--config", "bad.json"): (1, "  - zero_optimization.stage = 5: expected a value <= 3"),
     ("--debug", "plan", "--devices", "2", "--model", "tiny"): (1, "FlagError: --budget is required without --aot"),
     ("plan", "--devices", "2", "--model", "tiny", "--debug"): (1, "FlagError: --budget is required without --aot"),

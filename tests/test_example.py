@@ -23,8 +23,6 @@ from zerojax.models import registry
 from zerojax.trainer import choice, flags, setup
 from zerojax.trainer.errors import ConfigMismatch
 
-
-
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
@@ -35,7 +33,7 @@ def _example():
     return module
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _shared_run(*argv):
     """The example's run for `argv`, once for the module: (its summary, what it printed). Tests that
     need the same run (as a reference they compare against) read this one; none changes it."""
@@ -97,7 +95,8 @@ def _check_log_lines(captured, steps, summary):
     mfu = float(lines[-1].split("MFU ")[1].split("%")[0])
     assert tps == pytest.approx(summary["tokens_per_s_per_device"], abs=1)
     assert mfu == pytest.approx(100 * summary["mfu"], abs=0.06)
-    assert "MFU against 1 TFLOP/s per device (--peak-tflops); tokens/s are per device, steps that compile excluded" in out
+    assert ("MFU against 1 TFLOP/s per device (--peak-tflops); tokens/s are per device, "
+            "steps that compile excluded") in out
     # DeepSpeed's steps_per_print lines (the config sets 10) carry no second speed figure
     ds_lines = [line for line in out.splitlines() if line.startswith("[Rank 0] step=")]
     assert len(ds_lines) == steps // 10 and not any("tokens/s" in line for line in ds_lines), ds_lines
@@ -141,7 +140,8 @@ def _check_with_protobuf(data, loss):
         events.append(Event.FromString(data[i + 12:i + 12 + n]))
         i += 16 + n
     assert events[0].file_version == "brain.Event:2"
-    scalars = [(e.step, v.simple_value) for e in events[1:] for v in e.summary.value if v.tag == "Train/Samples/train_loss"]
+    scalars = [(e.step, v.simple_value) for e in events[1:] for v in e.summary.value
+               if v.tag == "Train/Samples/train_loss"]
     assert scalars == loss
 
 
@@ -209,7 +209,8 @@ def test_help_describes_every_flag(capsys):
     with pytest.raises(SystemExit) as info:
         _example().main(["--help"])
     out = capsys.readouterr().out
-    assert info.value.code == 0 and "--eval-batches EVAL_BATCHES\n                        validation batches" in out, out
+    assert info.value.code == 0
+    assert "--eval-batches EVAL_BATCHES\n                        validation batches" in out, out
     assert "--summary-json PATH" in out, out
 
 
@@ -349,7 +350,6 @@ def test_resume_matches_the_uninterrupted_run_step_for_step(tmp_path, capsys, mo
     # past the saved schedule's end, with another global batch (as fewer devices or processes give):
     # both said before the run, with how to keep the schedule going (the run itself stopped where
     # its engine would be built: what is checked is printed before it)
-    import zerojax
 
     class Built(Exception):
         pass
@@ -365,7 +365,8 @@ def test_resume_matches_the_uninterrupted_run_step_for_step(tmp_path, capsys, mo
     assert ("note:      the global batch changes from the checkpoint's 8 = 1 x 1 x 8 data-parallel to "
             "16 = 2 x 1 x 8 data-parallel") in out, out
     assert ("note:      --steps 42 runs past the schedule's 40 steps (saved with the checkpoint): past its end "
-            "the lr stays at 0 (the weights stop changing); to extend the schedule, add --schedule-steps 42") in out, out
+            "the lr stays at 0 (the weights stop changing); "
+            "to extend the schedule, add --schedule-steps 42") in out, out
 
 
 @pytest.mark.slow
@@ -467,7 +468,8 @@ def test_master_split_flag_trains_as_without_it_and_is_refused_without_bf16(caps
     monkeypatch.setattr(memory, "device_budget", lambda device=None: 2**40)
     planned = example.main(["--config", cfg, *TINY, "--steps", "3", "--master-split", "--micro-batch", "auto"])
     assert planned["master_split"] is True and planned["last_loss"] < planned["first_loss"]
-    assert "micro-batch auto: remat none, micro-batch 4 x 1 accumulation, stage 2, offload none" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "micro-batch auto: remat none, micro-batch 4 x 1 accumulation, stage 2, offload none" in out
     off = load_config(os.path.join(ROOT, "configs", "zero2_offload_optimizer.json"),
                       fill={"train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": 1,
                             "optimizer.params.lr": 1e-3, "optimizer.params.weight_decay": 0.0,
@@ -536,8 +538,8 @@ def test_offload_loop_auto_takes_host_where_its_step_fits(capsys, monkeypatch):
     from flax import nnx
 
     import zerojax
-    from zerojax.planning import memory
     from zerojax.models.gpt2 import GPT2, GPT2Config, gpt2_loss
+    from zerojax.planning import memory
 
     example = _example()
     cfg = os.path.join(ROOT, "configs", "zero2_offload_optimizer.json")
@@ -560,7 +562,8 @@ def test_offload_loop_auto_takes_host_where_its_step_fits(capsys, monkeypatch):
     monkeypatch.setattr(memory, "device_budget", lambda device=None: 2**20)
     make = lambda: GPT2(GPT2Config.named("tiny"), rngs=nnx.Rngs(0))  # noqa: E731
     loop, why = setup.offload_loop_auto(loaded, make, 32, gpt2_loss)
-    assert loop == "in_place" and why.startswith('auto: "host" would need ') and why.endswith("of the device's 1.00 MiB")
+    assert loop == "in_place"
+    assert why.startswith('auto: "host" would need ') and why.endswith("of the device's 1.00 MiB")
     # fp16 (its loss-scale skips untested in the host loop: fp16 matmuls do not run on CPU): in_place
     fp16 = zerojax.load_config({**loaded.to_dict(), "bf16": {"enabled": False}, "fp16": {"enabled": True}})
     monkeypatch.setattr(memory, "device_budget", lambda device=None: 2**40)
@@ -659,7 +662,8 @@ def test_steps_zero_evaluates_only(monkeypatch, capsys):
     ({"fp16": {"enabled": "auto"}}, None, "cpu", ("fp32", {"fp16": False})),
     ({"fp16": {"enabled": "auto"}}, None, "gpu7", ("fp32", {"fp16": False})),  # V100: no fast bf16
     ({"bfloat16": {"enabled": "auto"}}, "bf16", "cpu", ("bf16", {"bfloat16": True})),
-    ({"bf16": {"enabled": "auto"}, "fp16": {"enabled": "auto"}}, "fp32", "gpu9", ("fp32", {"bf16": False, "fp16": False})),
+    ({"bf16": {"enabled": "auto"}, "fp16": {"enabled": "auto"}}, "fp32", "gpu9",
+     ("fp32", {"bf16": False, "fp16": False})),
     # a mode the config turns off is never chosen
     ({"bf16": {"enabled": False}}, None, "gpu9", ("fp32", {"bf16": False})),
     ({"bf16": {"enabled": False}}, "bf16", "gpu9", "--bf16 asks for bf16, but the config sets bf16.enabled: false"),
@@ -956,8 +960,8 @@ def test_llama_lora_resumes_with_the_checkpoints_settings_and_ends_with_a_closin
     assert json.loads(summary_line[len("SUMMARY "):]) == as_json == json.loads((tmp_path / "summary.json").read_text())
     first, last = straight["losses"][0], straight["losses"][-1]
     assert lines.index(summary_line) < len(lines) - 1
-    assert lines[-1].startswith(f"trained 4 steps in {straight['train_seconds']:.1f} s: loss {first:.2f} -> {last:.2f}, "
-                                ), lines[-1]
+    assert lines[-1].startswith(f"trained 4 steps in {straight['train_seconds']:.1f} s: "
+                                f"loss {first:.2f} -> {last:.2f}, "), lines[-1]
 
     example.main(["--model", "tiny-llama", *run, *lora_flags, "--steps", "2", "--save", ckpt])
     for argv, message in ((["--model", "tiny-qwen3"],

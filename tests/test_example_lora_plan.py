@@ -4,7 +4,6 @@ import jax
 import numpy as np
 import pytest
 from flax import nnx
-
 from test_example import TINY, _example
 
 pytestmark = pytest.mark.slow  # plans and trains LoRA runs through the example

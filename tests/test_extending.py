@@ -78,7 +78,8 @@ def test_the_doc_family_and_method_train_through_zerojax_train(toy, tmp_path, mo
     del ds_config["scheduler"]  # a constant learning rate (no warmup from 0)
     config.write_text(json.dumps({**ds_config, "bf16": {"enabled": False}}))
     assert cli.main(["train", "--model", "toylm-tiny", "--method", "my_method:SMOOTHED", "--method-option",
-                     "smoothing=0.2", "--data", str(data), "--config", str(config), "--lr", "3e-2", "--steps", "3", "--seq-len",
+                     "smoothing=0.2", "--data", str(data), "--config", str(config), "--lr", "3e-2", "--steps", "3",
+                     "--seq-len",
                      "32", "--micro-batch", "1", "--eval-batches", "0", "--summary-json", str(summary_path)]) == 0
     summary = json.loads(summary_path.read_text())
     assert summary["family"] == "toylm" and summary["method"] == "my_method:SMOOTHED"

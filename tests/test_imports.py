@@ -27,7 +27,7 @@ LAYERS = (
     ("pinned_pool", "xla_flags", "launch"),   # process setup, before a backend starts
     ("config",),
     ("models",),                               # plain Flax: the model families, layer_stack
-    ("data", "lora"),                          # readers and tokenizers; adapters on a family's model
+    ("data", "lora", "model_arg"),             # readers and tokenizers; adapters; the --model value
     ("optim", "precision", "accumulate"),      # optax transforms, usable without the engine
     ("sharding",),                             # mesh; ZeRO / tensor / pipe rules -> sharding trees
     ("block_loop", "model", "user_tree"),      # the model contract; the user's tree in and out
@@ -38,7 +38,9 @@ LAYERS = (
     ("api", "planner", "estimate"),            # shard(); the moved-module shims
     ("generation",),
     ("serving",),                              # continuous batching over a paged cache; the HTTP server
-    ("methods", "rl"),                         # preference and RL methods: they read each other
+    ("scoring",),                              # log-probs, reward model, critic: read by rl and methods
+    ("rl",),                                   # rollouts: generation, rewards, advantages
+    ("methods",),                              # training methods (their losses over rl's rollouts)
     ("trainer",),
     ("cli",),
     ("",),                                     # zerojax/__init__.py: the public names, read lazily
@@ -313,7 +315,10 @@ def test_moved_modules_keep_working_with_a_warning_naming_the_new_path():
     import sys
     import warnings
 
-    for old, new in (("zerojax.planner", "zerojax.planning.planner"), ("zerojax.estimate", "zerojax.planning.estimate")):
+    for old, new in (("zerojax.planner", "zerojax.planning.planner"),
+                     ("zerojax.estimate", "zerojax.planning.estimate"),
+                     ("zerojax.methods.logprobs", "zerojax.scoring.logprobs"),
+                     ("zerojax.methods.shared_prompt", "zerojax.scoring.shared_prompt")):
         sys.modules.pop(old, None)
         with pytest.warns(DeprecationWarning, match=f"{old} moved to {new}"):
             shim = importlib.import_module(old)
@@ -321,13 +326,25 @@ def test_moved_modules_keep_working_with_a_warning_naming_the_new_path():
             warnings.simplefilter("error")
             moved = importlib.import_module(new)
         assert shim.__getattr__("__doc__") is moved.__doc__
-        name = "plan" if old.endswith("planner") else "H200"
+        name = {"zerojax.planner": "plan", "zerojax.estimate": "H200", "zerojax.methods.logprobs": "completion_logps",
+                "zerojax.methods.shared_prompt": "completion_logps_shared"}[old]
         assert getattr(shim, name) is getattr(moved, name)
 
 
+@pytest.mark.parametrize("old", ["zerojax.cli.ModelChoice", "zerojax.trainer.choice.ModelChoice"])
+def test_the_two_model_choices_are_one_class_with_a_warning_on_the_old_paths(old):
+    import importlib
+
+    from zerojax.model_arg import ModelChoice
+
+    module, _, name = old.rpartition(".")
+    with pytest.warns(DeprecationWarning, match=f"{old} moved to zerojax.model_arg.ModelChoice"):
+        assert getattr(importlib.import_module(module), name) is ModelChoice
+
+
 def test_each_rl_package_imports_first_in_a_fresh_process():
-    """`zerojax.rl` and `zerojax.methods` read each other's modules; each must import on its own in a
-    new interpreter (a registration that ran the other package's half-loaded module broke `import zerojax.rl`)."""
+    """Each package imports on its own in a new interpreter (when `zerojax.rl` and `zerojax.methods`
+    read each other, a registration that ran the other's half-loaded module broke `import zerojax.rl`)."""
     import os
     import subprocess
     import sys

@@ -123,14 +123,15 @@ def test_a_registered_family_trains_and_exports_through_zerojax_train(toy_family
     trained = read_toy(str(tmp_path / "trained"))
     fresh = ToyLM(ToyConfig.named("small"), rngs=nnx.Rngs(0))
     moved = [float(np.abs(a - b).max()) for a, b in zip(jax.tree.leaves(nnx.state(trained, nnx.Param)),
-                                                          jax.tree.leaves(nnx.state(fresh, nnx.Param)))]
+                                                          jax.tree.leaves(nnx.state(fresh, nnx.Param)), strict=True)]
     assert min(moved) > 0, moved  # every weight trained and written
 
     # no training: the export is the seed's initial model, read back by its model_type
     _train("--model", "toy-small", "--steps", "0", "--seq-len", "32", "--micro-batch", "1", "--eval-batches", "0",
            "--export-hf", str(tmp_path / "init"))
     back = read_toy(str(tmp_path / "init"))
-    for a, b in zip(jax.tree.leaves(nnx.state(back, nnx.Param)), jax.tree.leaves(nnx.state(fresh, nnx.Param))):
+    for a, b in zip(jax.tree.leaves(nnx.state(back, nnx.Param)), jax.tree.leaves(nnx.state(fresh, nnx.Param)),
+                    strict=True):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
     assert registry.for_hf_type("toy") is toy_family
     _train("--hf-checkpoint", str(tmp_path / "init"), "--steps", "2", "--seq-len", "32", "--micro-batch", "1",

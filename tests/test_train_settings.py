@@ -16,7 +16,8 @@ import zerojax
 from zerojax import cli, trainer
 from zerojax.trainer.flags import parse_args
 
-BATCH_AUTOS = {"train_batch_size": "auto", "train_micro_batch_size_per_gpu": "auto", "gradient_accumulation_steps": "auto"}
+BATCH_AUTOS = {"train_batch_size": "auto", "train_micro_batch_size_per_gpu": "auto",
+               "gradient_accumulation_steps": "auto"}
 FILL = {"optimizer.params.lr": 1e-3, "train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": 1}
 
 
@@ -60,8 +61,8 @@ def test_a_flag_replacing_a_config_value_says_so_and_trains_with_it(tmp_path, ca
                                 "activation_checkpointing": {"partition_activations": True}}))
     seen = []
     run = trainer.Trainer(parse_args([
-        "--model", "tiny", "--config", str(path), "--lr", "0.002", "--micro-batch", "1", "--remat", "none", "--seq-len", "8",
-        "--steps", "1", "--eval-batches", "0"]))
+        "--model", "tiny", "--config", str(path), "--lr", "0.002", "--micro-batch", "1", "--remat", "none",
+        "--seq-len", "8", "--steps", "1", "--eval-batches", "0"]))
     run.add_hook(1, lambda info: seen.append(float(info.metrics["lr"])))
     summary = run.run()
     header = capsys.readouterr().out

@@ -19,3 +19,18 @@ def forward(old: str, new: str):
         return getattr(module, name)
 
     return __getattr__
+
+
+def renamed(old_module: str, names: dict):
+    """The `__getattr__` of module `old_module` for names that moved out of it: `names` maps each to
+    its new "module.name"; reading one warns (DeprecationWarning naming the new path) and returns it."""
+    def __getattr__(name):
+        new = names.get(name)
+        if new is None:
+            raise AttributeError(f"module {old_module!r} has no attribute {name!r}")
+        warnings.warn(f"{old_module}.{name} moved to {new}; import it from there ({old_module}.{name} goes in the "
+                      "next release)", DeprecationWarning, stacklevel=2)
+        module, _, attr = new.rpartition(".")
+        return getattr(importlib.import_module(module), attr)
+
+    return __getattr__

@@ -12,11 +12,13 @@ gradient straight into its shard (a reduce-scatter) instead of all-reducing a fu
 from __future__ import annotations
 
 import math
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import jax
 import jax.numpy as jnp
-from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
 
 # loss_fn(params, micro_batch, carry) -> (loss, aux, carry); `carry` is non-trained model state
 # (e.g. rng counters) threaded through the micro-batches; aux is a dict of scalars.

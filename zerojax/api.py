@@ -6,14 +6,13 @@ abstract engines, so it imports the engine and the engine never imports it.
 """
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 from jax.sharding import Mesh
 
-from zerojax.train.engine import Engine
 from zerojax.options import EngineOptions
-
 from zerojax.planning.planner import engine_plans  # the planner imports the engine, never the reverse
+from zerojax.train.engine import Engine
 
 
 def shard(model, cfg, *, loss_fn: Callable, mesh: Mesh | None = None,

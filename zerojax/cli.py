@@ -20,23 +20,29 @@ A new subcommand is a function `_add_<name>(subparsers)` that adds its parser an
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import functools
 import itertools
 import json
 import os
 import sys
-from typing import Callable
 
-from zerojax import arg_types
+from zerojax import arg_types, model_arg
+from zerojax._moved import renamed
+from zerojax.model_arg import (  # noqa: F401 - resolve_model and its kin keep their old path, zerojax.cli
+    DEFAULT_SEQ,
+    MODEL_ACCEPTS,
+    FlagError,
+    ModelArgError,
+    family_factory,
+    max_positions,
+    resolve_model,
+)
 from zerojax.planning import estimate
 
-MODEL_ACCEPTS = ("a named shape of a registered model family (zerojax.models.registry: GPT-2 tiny ... xl, the Llama "
-                 "family's llama-3.2-1b, llama-3.1-8b, qwen3-0.6b, mistral-7b, ...) or module:factory (a callable "
-                 "returning an nnx.Module, with no arguments or taking remat_policy= / dtype= / mlp_tile=; the "
-                 "current directory is importable)")
+# the commands' ModelChoice is zerojax.model_arg's, the one the trainer uses too
+__getattr__ = renamed(__name__, {"ModelChoice": "zerojax.model_arg.ModelChoice"})
+
 MODEL_HELP = f"the model: {MODEL_ACCEPTS}; default large (GPT-2)"
-DEFAULT_SEQ = 1024  # a model that names no maximum positions
 
 
 def _add_estimate(sub):
@@ -46,7 +52,8 @@ def _add_estimate(sub):
                     "--aot the exact per-device peak of the compiled training step for each stage "
                     "and a plan of the (stage, offload, micro-batch, remat) choices that fit a budget.")
     p.add_argument("--model", default="large", help=MODEL_HELP)
-    p.add_argument("--params", type=arg_types.number(float, 0.0, above=True), help="total parameters instead of --model (formulas only)")
+    p.add_argument("--params", type=arg_types.number(float, 0.0, above=True),
+                   help="total parameters instead of --model (formulas only)")
     p.add_argument("--largest-layer", type=arg_types.number(float, 0.0, above=True),
                    help="largest layer's parameters (ZeRO-3 formula; with --params)")
     p.add_argument("--gpus", type=arg_types.number(int, 1), default=1, help="GPUs per node (default 1)")
@@ -131,7 +138,8 @@ def _add_hardware_flags(p):
                         f"{hw.matmul_flops:.3g}, measured on an H200)")
     p.add_argument("--host-bandwidth", type=arg_types.number(float, 0.0, above=True), default=hw.host_bytes_per_s,
                    help=f"host<->device bytes/s (default {hw.host_bytes_per_s:.3g}, measured PCIe)")
-    p.add_argument("--interconnect-bandwidth", type=arg_types.number(float, 0.0, above=True), default=hw.interconnect_bytes_per_s,
+    p.add_argument("--interconnect-bandwidth", type=arg_types.number(float, 0.0, above=True),
+                   default=hw.interconnect_bytes_per_s,
                    help=f"collective bytes/s per device (default {hw.interconnect_bytes_per_s:.3g})")
 
 
@@ -182,7 +190,8 @@ def _add_plan(sub):
     p.add_argument("--config", help="DeepSpeed JSON config to start from (default: bf16 AdamW)")
     p.add_argument("--seq", type=arg_types.number(int, 1), default=None,
                    help=f"sequence length (default: the model's maximum positions, else {DEFAULT_SEQ})")
-    p.add_argument("--devices", type=arg_types.number(int, 1), required=True, help="devices to split (e.g. 4 GPUs of a node)")
+    p.add_argument("--devices", type=arg_types.number(int, 1), required=True,
+                   help="devices to split (e.g. 4 GPUs of a node)")
     p.add_argument("--search-mesh", action="store_true",
                    help="search tensor and pipe sizes too (default: data-parallel only, the mesh "
                         "`zerojax.shard` builds for a config without tensor_parallel / pipeline)")
@@ -199,7 +208,8 @@ def _add_plan(sub):
     _add_mlp_tile_flag(p)
     p.add_argument("--aot", action="store_true", help="compile each candidate's real step for its peak")
     p.add_argument("--cpu", action="store_true", help="with --aot: compile on --devices virtual CPU devices")
-    p.add_argument("--max-compiles", type=arg_types.number(int, 1), default=12, help="with --aot: compiles to spend (default 12)")
+    p.add_argument("--max-compiles", type=arg_types.number(int, 1), default=12,
+                   help="with --aot: compiles to spend (default 12)")
     p.add_argument("--top", type=arg_types.number(int, 1), default=10, help="plans to print (default 10)")
     _add_engine_option_flags(p)
     _add_hardware_flags(p)
@@ -245,7 +255,8 @@ def cmd_plan(args) -> int:
         max_compiles=args.max_compiles, model=model, options=_engine_options_of(args, cfg),
         mlp_tile=_mlp_tile_of(args))
     say(f"{choice.label}, seq {seq}, {args.devices} devices, budget {fmt_bytes(budget)} per device; "
-        f"peaks {'compiled' if args.aot else 'by formula (estimate.mesh_peak_bytes; --aot compiles)'}; fastest predicted first:")
+        f"peaks {'compiled' if args.aot else 'by formula (estimate.mesh_peak_bytes; --aot compiles)'}; "
+        "fastest predicted first:")
     for i, p in enumerate(found.plans[:args.top], 1):
         _say_plan(say, i, p)
     if not found.plans:
@@ -403,7 +414,8 @@ def cmd_chat(args) -> int:
 def _add_serve(sub):
     from zerojax.serving.cli import add_serve_flags, main  # imports no jax until it runs
 
-    p = sub.add_parser("serve", help="an OpenAI-compatible server with continuous batching (pip install -e \".[serve]\")",
+    p = sub.add_parser("serve",
+                       help="an OpenAI-compatible server with continuous batching (pip install -e \".[serve]\")",
                        description="Serve a checkpoint over HTTP: /v1/completions, /v1/chat/completions, /v1/models, "
                                    "/health, /metrics (docs/serving.md).")
     add_serve_flags(p)
@@ -462,142 +474,10 @@ def default_config(micro_batch=8) -> dict:
     }
 
 
-class FlagError(ValueError):
-    """A flag's value (or a pair of flags) this command cannot take: its `error:` line (trainer.exits)."""
-
-
-class ModelArgError(FlagError):
-    """A --model value the CLI cannot build: the message is the one line printed."""
-
-
-@dataclasses.dataclass
-class ModelChoice:
-    """What --model named: `factory` (remat_policy= / dtype= where the model takes them, for the
-    planner's variants), a label for the output, the model's maximum positions (0: it names none)."""
-
-    name: str
-    label: str
-    factory: Callable
-    max_positions: int = 0
-
-    def seq_len(self, seq: int | None) -> int:
-        """--seq, else the model's maximum positions, else DEFAULT_SEQ."""
-        return seq or self.max_positions or DEFAULT_SEQ
-
-
-def _configured_dtype(cfg_dict):
-    import jax.numpy as jnp
-
-    return (jnp.bfloat16 if (cfg_dict.get("bf16") or {}).get("enabled") is True
-            else jnp.float16 if (cfg_dict.get("fp16") or {}).get("enabled") is True
-            else jnp.float32)
-
-
-def family_factory(shape, cfg_dict):
-    """(the family, its config, model_factory(remat_policy=None, dtype=the config's[, mlp_tile=None]))
-    for a registered family's named shape: the planner varies activation checkpointing, (when the
-    config says "auto") the compute dtype and (where the model takes it) the MLP tile. None where
-    no family has the shape."""
-    import jax.numpy as jnp
-    from flax import nnx
-
-    from zerojax.models import registry
-
-    family = registry.for_shape(shape)
-    if family is None:
-        return None
-    config = family.config(shape)
-    configured = _configured_dtype(cfg_dict)
-
-    def build(remat_policy, dtype, **options):
-        return family.build(config, rngs=nnx.Rngs(0), dtype=dtype, param_dtype=jnp.float32, remat_policy=remat_policy,
-                            **options)
-
-    # the planner varies the keywords the factory names: mlp_tile only where the model takes it
-    if family.takes("mlp_tile"):
-        return family, config, lambda remat_policy=None, dtype=configured, mlp_tile=None: build(
-            remat_policy, dtype, mlp_tile=mlp_tile)
-    return family, config, lambda remat_policy=None, dtype=configured: build(remat_policy, dtype)
-
-
 # where a model (or its .config) may say its maximum positions, by the names projects give it
-_MAX_POSITION_NAMES = ("max_position_embeddings", "n_positions", "max_seq_len", "max_seq_length",
-                       "max_len", "block_size", "context_length", "n_ctx")
 
 
-def max_positions(model) -> int:
-    """The model's maximum positions where it (or its `.config` / `.shape`) says them, else 0."""
-    for owner in (model, getattr(model, "config", None), getattr(model, "shape", None)):
-        for name in _MAX_POSITION_NAMES:
-            value = getattr(owner, name, None) if owner is not None else None
-            if isinstance(value, int) and not isinstance(value, bool) and value > 0:
-                return value
-    return 0
-
-
-def resolve_model(spec: str, cfg_dict) -> ModelChoice:
-    """--model's value -> ModelChoice: a GPT-2 size, a Llama-family shape, or module:factory.
-    Raises ModelArgError (one line naming the flag and what it accepts)."""
-    spec = str(spec).strip()
-    if ":" in spec:
-        return _imported_model(spec, cfg_dict)
-    found = family_factory(spec.lower(), cfg_dict)
-    if found is None:
-        from zerojax.models import registry
-
-        raise ModelArgError(f"--model {spec!r}: not a model zerojax knows; --model takes a registered shape "
-                            f"({', '.join(registry.shape_names())}) or module:factory")
-    family, config, factory = found
-    return ModelChoice(spec.lower(), family.label_of(spec.lower(), config), factory, family.max_positions(config))
-
-
-def _imported_model(spec: str, cfg_dict) -> ModelChoice:
-    import importlib
-    import inspect
-
-    from flax import nnx
-
-    module_name, _, attr = spec.partition(":")
-    what = f"--model {spec!r}"
-    if not module_name or not attr:
-        raise ModelArgError(f"{what}: write module:factory, e.g. mypkg.models:build ({MODEL_ACCEPTS})")
-    if os.getcwd() not in sys.path and "" not in sys.path:
-        sys.path.insert(0, os.getcwd())
-    try:
-        obj = importlib.import_module(module_name)
-    except ImportError as e:
-        raise ModelArgError(f"{what}: cannot import {module_name} ({type(e).__name__}: {e}); "
-                            "--model module:factory imports the module with the current directory on sys.path") from None
-    for part in attr.split("."):
-        if not hasattr(obj, part):
-            raise ModelArgError(f"{what}: {module_name} has no {attr}; --model module:factory names a callable in it")
-        obj = getattr(obj, part)
-    if not callable(obj):
-        raise ModelArgError(f"{what}: {attr} is a {type(obj).__name__}, not a callable; --model module:factory "
-                            "names a function (or class) returning an nnx.Module")
-    try:
-        params = inspect.signature(obj).parameters.values()
-    except (TypeError, ValueError):
-        params = ()
-    kinds = (inspect.Parameter.VAR_POSITIONAL, inspect.Parameter.VAR_KEYWORD)
-    required = [p.name for p in params if p.default is p.empty and p.kind not in kinds]
-    others = [n for n in required if n not in ("remat_policy", "dtype")]
-    if others:
-        raise ModelArgError(f"{what}: {attr} needs {', '.join(others)}; --model module:factory takes a callable "
-                            "with no arguments, or with only remat_policy= / dtype= keywords")
-    defaults = {"remat_policy": None, "dtype": _configured_dtype(cfg_dict)}
-    factory = functools.partial(obj, **{n: defaults[n] for n in required}) if required else obj
-    try:
-        model = nnx.eval_shape(factory)
-    except Exception as e:  # noqa: BLE001 - the user's code: its error, on one line
-        raise ModelArgError(f"{what}: calling {attr}() failed: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}") from None
-    if not isinstance(model, nnx.Module):
-        raise ModelArgError(f"{what}: {attr}() returned a {type(model).__name__}; --model module:factory must "
-                            "return an nnx.Module")
-    return ModelChoice(spec, f"{spec} ({type(model).__name__})", factory, max_positions(model))
-
-
-def _model_of(args, cfg_dict) -> ModelChoice:
+def _model_of(args, cfg_dict) -> model_arg.ModelChoice:
     """resolve_model for the command, --mlp-tile checked against the model (ModelArgError: one line)."""
     choice = resolve_model(args.model, cfg_dict)
     _check_mlp_tile(args, choice)

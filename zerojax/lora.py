@@ -10,7 +10,8 @@
 The frozen base is stored as `FrozenWeight` variables (not `nnx.Param`), so the engine's
 `nnx.split(model, nnx.Param, ...)` trains only the adapters (`lora_A`, `lora_B` and the
 `modules_to_save` copies, `nnx.Param` in fp32): no gradient, fp32 master or optimizer state for the
-base; the engine shards it as parameters are (its logical names: tensor parallel; stage 3: ZeRO). The base is kept in its dtype (or `base_dtype`), or quantized
+base; the engine shards it as parameters are (its logical names: tensor parallel; stage 3: ZeRO).
+The base is kept in its dtype (or `base_dtype`), or quantized
 (`quantize`): "int8" (per output channel absmax), "nf4" / "int4" (QLoRA: 64-element blocks of each
 layer's weight, one absmax per block, two 4-bit codes per byte), dequantized on use inside the
 layer scan. Adapters are stacked on the base's leading "layers" axis (lora_A [L, *in, r],
@@ -47,8 +48,16 @@ from flax import nnx
 from zerojax._jax_compat import no_eager_sharding
 from zerojax.config import ConfigError
 from zerojax.models import registry
-from zerojax.models.quantize import (BLOCK, NF4, QUANTIZE, dequantize_4bit, kernel_of, quantization_bound,  # noqa: F401
-                              quantize_4bit, quantize_int8)
+from zerojax.models.quantize import (  # noqa: F401
+    BLOCK,
+    NF4,
+    QUANTIZE,
+    dequantize_4bit,
+    kernel_of,
+    quantization_bound,
+    quantize_4bit,
+    quantize_int8,
+)
 
 PEFT_PREFIX = "base_model.model."
 
@@ -410,7 +419,7 @@ def apply(model, config, *, rngs: nnx.Rngs | None = None, device=None):
 
     # the base: every Param frozen (modules_to_save: trainable fp32 copies instead)
     keep = {id(getattr(model, fam.savable[k][0])) for k in savable}
-    for path, m in list(nnx.iter_graph(model)):
+    for _path, m in list(nnx.iter_graph(model)):
         if not isinstance(m, nnx.Module) or id(m) in keep:
             continue
         for name, v in list(vars(m).items()):
@@ -745,6 +754,7 @@ def trainable_count(model) -> int:
     return sum(int(np.prod(x.shape)) for x in jax.tree.leaves(nnx.state(model, nnx.Param)))
 
 
-__all__ = ["apply", "adapters_disabled", "save_peft", "load_peft", "merge", "from_config_dict", "FrozenWeight", "LoraAdapter",
+__all__ = ["apply", "adapters_disabled", "save_peft", "load_peft", "merge", "from_config_dict", "FrozenWeight",
+           "LoraAdapter",
            "quantize_int8", "quantize_4bit", "dequantize_4bit", "quantization_bound", "kernel_of",
            "peft_tensors", "trainable_count", "Family", "family_of", "family_named"]

@@ -42,8 +42,7 @@ from zerojax import block_loop
 from zerojax._jax_compat import is_tracer, jaxpr_core, variable_metadata
 
 # the one layer-stack runner and remat vocabulary GPT-2 and the Llama family use too
-from zerojax.models.layer_stack import (GENERIC_REMAT_POLICIES, LAYER_INPUT, layer_step, remat_policy,
-                                        run_layers)
+from zerojax.models.layer_stack import GENERIC_REMAT_POLICIES, LAYER_INPUT, layer_step, remat_policy, run_layers
 
 jex = jaxpr_core()  # jax.extend.core: Jaxpr, Var, jaxprs_in_params
 
@@ -645,5 +644,6 @@ def count_tokens(module, batch) -> int:
 
 
 __all__ = ["ModelDims", "BlockStack", "StackedBlocks", "find_blocks", "stack_blocks", "stacked_prefixes",
-           "stacked_flags", "remat_modules", "hooked_block_class", "remat_block_class", "unstacked_list_note", "scans_block_alone", "at", "remat_policy_fn", "model_dims", "infer_dims", "count_tokens",
+           "stacked_flags", "remat_modules", "hooked_block_class", "remat_block_class", "unstacked_list_note",
+           "scans_block_alone", "at", "remat_policy_fn", "model_dims", "infer_dims", "count_tokens",
            "GENERIC_REMAT_POLICIES"]

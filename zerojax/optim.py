@@ -17,15 +17,25 @@ from __future__ import annotations
 
 import math
 import warnings
-from typing import Any, Callable, Mapping, NamedTuple
+from collections.abc import Callable, Mapping
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
 import optax
 
-from zerojax.config import (MAX_GRAD_NORM_MSG, OPTIMIZER_PARAMS, SCHEDULER_PARAMS, SUPPORTED_OPTIMIZERS,
-                            SUPPORTED_SCHEDULERS, UNSUPPORTED_OPTIMIZERS, ConfigError, canonical_optimizer,
-                            check_optimizer_params, check_scheduler_params)
+from zerojax.config import (
+    MAX_GRAD_NORM_MSG,
+    OPTIMIZER_PARAMS,
+    SCHEDULER_PARAMS,
+    SUPPORTED_OPTIMIZERS,
+    SUPPORTED_SCHEDULERS,
+    UNSUPPORTED_OPTIMIZERS,
+    ConfigError,
+    canonical_optimizer,
+    check_optimizer_params,
+    check_scheduler_params,
+)
 
 Schedule = Callable[[Any], Any]
 
@@ -538,7 +548,7 @@ def optimizer_from(type: str, params: Mapping[str, Any] | None = None, *, gradie
                      "leave adam_mu_dtype None")
     if momentum_schedule is not None and kind in ("SGD", "Adagrad"):
         warnings.warn(f"cycle_momentum is disabled because optimizer {type} does not support momentum, "
-                      f"no betas attribute in defaults")
+                      "no betas attribute in defaults", stacklevel=2)
         momentum_schedule = None
 
     if kind in ("Adam", "AdamW"):

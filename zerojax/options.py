@@ -86,7 +86,7 @@ class EngineOptions:
         if problems:
             raise ValueError("EngineOptions: " + "; ".join(problems))
 
-    def replace(self, **changes) -> "EngineOptions":
+    def replace(self, **changes) -> EngineOptions:
         return dataclasses.replace(self, **changes)
 
 

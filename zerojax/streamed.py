@@ -6,7 +6,7 @@ it, and `zerojax.checkpoint` reads them, without either importing the other.
 """
 from __future__ import annotations
 
-from typing import Callable, Iterator
+from collections.abc import Callable, Iterator
 
 import numpy as np
 

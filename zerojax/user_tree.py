@@ -11,7 +11,8 @@ holding such subtrees (parameters, master weights, each optimizer moment).
 """
 from __future__ import annotations
 
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import jax
 import numpy as np

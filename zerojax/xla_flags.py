@@ -12,7 +12,7 @@ so `XLA_FLAGS`, to the processes it starts.
 from __future__ import annotations
 
 import os
-from typing import Iterable, MutableMapping
+from collections.abc import Iterable, MutableMapping
 
 from zerojax._jax_compat import backends_started
 

@@ -18,9 +18,8 @@ import pytest
 from flax import nnx
 
 from zerojax import cli
-
-from zerojax.checkpoint import state as checkpoint
 from zerojax.api import shard
+from zerojax.checkpoint import state as checkpoint
 from zerojax.sharding.partition import make_mesh
 
 ROWS = 32
@@ -80,7 +79,7 @@ def host(tree):
 
 
 def assert_equal(a, b):
-    for (path, x), y in zip(jax.tree_util.tree_leaves_with_path(a), jax.tree.leaves(b)):
+    for (path, x), y in zip(jax.tree_util.tree_leaves_with_path(a), jax.tree.leaves(b), strict=True):
         np.testing.assert_array_equal(np.asarray(x), np.asarray(y), err_msg=jax.tree_util.keystr(path))
 
 
@@ -141,7 +140,7 @@ def test_resume_in_new_process_is_exact(tmp_path):
 # stage 1 / 8 devices -> other stages, device counts and precisions
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def source(prec):
     """A stage-1 / 8-device run saved after 3 steps; its state then and its 4th step's loss."""
     d = tempfile.mkdtemp(prefix=f"ckpt_{prec}_", dir=SHARED)
@@ -245,9 +244,10 @@ def test_load_releases_the_live_state_first_where_the_device_lacks_room(monkeypa
     old = [x for x in jax.tree.leaves((eng.state.params, eng.state.master, eng.state.opt_state)) if x.ndim]
     eng.load_checkpoint(d)
     assert old and all(x.is_deleted() for x in old)
-    for got, want in zip((eng.state.params, eng.state.master, eng.state.opt_state), loaded):
+    for got, want in zip((eng.state.params, eng.state.master, eng.state.opt_state), loaded, strict=True):
         assert_equal(host(got), want)
-    for got, want in zip(jax.tree.leaves(eng.state), jax.tree.leaves(plain.state)):  # repacked: same placement
+    for got, want in zip(jax.tree.leaves(eng.state), jax.tree.leaves(plain.state),
+                         strict=True):  # repacked: same placement
         assert got.sharding == want.sharding
     batch = batches(1)[0]
     assert float(eng.train_step(batch)["loss"]) == float(plain.train_step(batch)["loss"])
@@ -258,7 +258,7 @@ def test_load_releases_the_live_state_first_where_the_device_lacks_room(monkeypa
     old = [x for x in jax.tree.leaves((roomy.state.params, roomy.state.master, roomy.state.opt_state)) if x.ndim]
     roomy.load_checkpoint(d)
     assert all(x.is_deleted() for x in old)
-    for got, want in zip((roomy.state.params, roomy.state.master, roomy.state.opt_state), loaded):
+    for got, want in zip((roomy.state.params, roomy.state.master, roomy.state.opt_state), loaded, strict=True):
         assert_equal(host(got), want)
     other = engine(1, 8, "bf16", hidden=64)
     with pytest.raises(ValueError, match="was saved with shape"):
@@ -287,7 +287,7 @@ def test_repacked_state_round_trips_through_host_memory():
         want = [(raw(x), x.dtype) for x in before]
         after = jax.tree.leaves(_repacked(eng.state))
         assert all(x.is_deleted() for x in before)
-        for x, got, (value, dtype) in zip(before, after, want):
+        for x, got, (value, dtype) in zip(before, after, want, strict=True):
             assert got.sharding == x.sharding and got.dtype == dtype
             np.testing.assert_array_equal(raw(got), value)
 
@@ -356,7 +356,7 @@ def test_killed_save_leaves_previous_checkpoint(tmp_path):
 # export
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def gpt2_run():
     """Tiny GPT-2, bf16 at stage 3 with stage3_gather_16bit_weights_on_model_save, one step, saved."""
     from zerojax.models.gpt2 import GPT2, GPT2Config, gpt2_loss

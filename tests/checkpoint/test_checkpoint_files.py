@@ -32,4 +32,5 @@ def test_interrupted_save_found_and_removed_finalized_untouched(tmp_path):
     found = checkpoint_files.remove_interrupted_saves(tmp_path)
     assert [os.path.basename(p) for p in found] == [".latest.tmp4242", "global_step20.orbax-checkpoint-tmp"]
     assert sorted(os.listdir(tmp_path)) == ["global_step10", "latest"]
-    assert checkpoint_files.interrupted_saves(tmp_path) == [] and checkpoint_files.interrupted_saves(tmp_path / "no") == []
+    assert checkpoint_files.interrupted_saves(tmp_path) == []
+    assert checkpoint_files.interrupted_saves(tmp_path / "no") == []

@@ -22,7 +22,8 @@ from flax import nnx
 
 from zerojax import cli
 from zerojax.api import shard
-from zerojax.checkpoint import files, lock, state as checkpoint
+from zerojax.checkpoint import files, lock
+from zerojax.checkpoint import state as checkpoint
 from zerojax.checkpoint.finite import NonFiniteState
 from zerojax.checkpoint.space import DiskFull
 from zerojax.checkpoint.tags import TagError
@@ -109,8 +110,9 @@ def test_a_flipped_bit_is_found_before_anything_is_read(saved, tmp_path):
         byte = f.read(1)[0]
         f.seek(-1, os.SEEK_CUR)
         f.write(bytes([byte ^ 0x10]))
-    with pytest.raises(checkpoint.CheckpointError, match=r"global_step2/opt_state/\S+ differs from its checksum "
-                                                         r"\(corrupt on disk\); load another tag \(\['global_step1'\]\)"):
+    with pytest.raises(checkpoint.CheckpointError,
+                       match=r"global_step2/opt_state/\S+ differs from its checksum "
+                             r"\(corrupt on disk\); load another tag \(\['global_step1'\]\)"):
         engine().load_checkpoint(ck)
     path, _ = engine().load_checkpoint(ck, tag="global_step1")  # the previous tag still loads
     assert path.endswith("global_step1")
@@ -126,9 +128,10 @@ def test_nonfinite_weights_stop_the_run_and_are_never_checkpointed(tmp_path):
     good = listing(d / "global_step0")
     assert np.isfinite(float(eng.train_step(batch(1))["loss"]))
     eng.train_step(batch(2))
-    with pytest.raises(FloatingPointError, match=r"step 1: the update made the weights non-finite \(\['spare'\] "
-                                                 r"first\) from a finite loss .* at lr=0\.01, loss scale 1, so step 2's "
-                                                 r"loss is not finite.*eps 0"):
+    with pytest.raises(FloatingPointError,
+                       match=r"step 1: the update made the weights non-finite \(\['spare'\] "
+                             r"first\) from a finite loss .* at lr=0\.01, loss scale 1, so step 2's "
+                             r"loss is not finite.*eps 0"):
         eng.save_checkpoint(d, keep=1)
     with pytest.raises(NonFiniteState, match=r"step 2 not written: \.params\['spare'\] holds inf or NaN.*"
                                              r"'global_step0', untouched"):
@@ -275,7 +278,8 @@ def test_several_processes_agree_on_the_stop_every_few_steps(monkeypatch):
     asked = []
     monkeypatch.setattr(jax, "process_count", lambda: 2)
     monkeypatch.setattr(multihost_utils, "process_allgather",
-                        lambda x: asked.append(x) or np.stack([x, np.asarray([True])]))  # the other process was signalled
+                        lambda x: asked.append(x)
+                        or np.stack([x, np.asarray([True])]))  # the other process was signalled
     stop = stopping.StopRequest()
     assert [stop.agreed(k) for k in range(1, 2 * stopping.AGREE_EVERY + 1)] == \
         [False] * (stopping.AGREE_EVERY - 1) + [True] + [False] * (stopping.AGREE_EVERY - 1) + [True]

@@ -134,7 +134,7 @@ def _save_and_load_hold_a_few_groups(eng, tmp_path):
     assert save_peak <= budget_save, (save_peak, budget_save)
     assert load_peak <= budget_load, (load_peak, budget_load)
     # bitwise: the files hold what was saved (read with plain numpy: the swapper's own layout)
-    for i, (leaf, stride, x) in enumerate(zip(tier.swap_leaves(), sw.strides, want)):
+    for i, (leaf, stride, x) in enumerate(zip(tier.swap_leaves(), sw.strides, want, strict=True)):
         raw = np.fromfile(os.path.join(sw.dir, f"leaf{i}.swap"), dtype=np.uint8)
         got = np.concatenate([raw[g * stride:g * stride + leaf.group_bytes].view(leaf.dtype).reshape(
             leaf.group_shape) for g in range(sw.disk_groups)])
@@ -160,7 +160,7 @@ def test_streamed_checkpoint_resumes_without_offload_and_back(nvme_engine, tmp_p
     other.load_checkpoint(tmp_path / "nvme")
     got = stored(other)
     assert len(got) == len(want)
-    for a, b in zip(got, want):
+    for a, b in zip(got, want, strict=True):
         same_bits(a, b)
     other.save_checkpoint(tmp_path / "other")
     assert "streamed" not in os.listdir(tmp_path / "other" / "global_step0")
@@ -219,7 +219,7 @@ def test_fp32_checkpoint_into_a_bf16_nvme_run(nvme_engine, tmp_path):
     random_files(eng.layout.nvme, seed=6)
     eng.load_checkpoint(tmp_path / "fp32")
     want = jax.tree.map(lambda x: np.asarray(x.astype(jax.numpy.bfloat16)), fp32.state.params)
-    for a, b in zip(jax.tree.leaves(eng.state.params), jax.tree.leaves(want)):
+    for a, b in zip(jax.tree.leaves(eng.state.params), jax.tree.leaves(want), strict=True):
         same_bits(np.asarray(a), b)
     tier = eng.layout.nvme
     master = jax.tree.leaves(fp32.state.params)
@@ -235,7 +235,8 @@ def test_a_missing_streamed_leaf_names_it_and_another_tag(nvme_engine, tmp_path)
     path, folder = next(iter(meta["streamed"]["master"].items()))
     shutil.rmtree(tmp_path / "ck" / "bad" / "streamed" / folder)
     with pytest.raises(zerojax.checkpoint.state.CheckpointError,  # the checksums' record lists every file
-                       match=rf"bad/streamed/{folder}/\S+ is missing \(and \d+ more\); load another tag \(\['good'\]\)"):
+                       match=rf"bad/streamed/{folder}/\S+ is missing \(and \d+ more\); "
+                             r"load another tag \(\['good'\]\)"):
         eng.load_checkpoint(tmp_path / "ck", tag="bad")
     os.remove(tmp_path / "ck" / "bad" / "checksums.json")  # a tag saved before checksums: the read names the leaf
     with pytest.raises(zerojax.checkpoint.state.CheckpointError,

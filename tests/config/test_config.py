@@ -1,4 +1,5 @@
 """zerojax.config: DeepSpeed JSON/hjson configs, "auto", the batch trio, validation."""
+import dataclasses
 import json
 import pathlib
 import re
@@ -20,7 +21,7 @@ GUIDE_TEXT = """{"train_batch_size": "auto", "train_micro_batch_size_per_gpu": "
  "zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu", "pin_memory": true},
    "offload_param": {"device": "cpu", "pin_memory": true}, "overlap_comm": true, "contiguous_gradients": true,
    "reduce_bucket_size": "auto", "stage3_prefetch_bucket_size": "auto", "stage3_param_persistence_threshold": "auto"},
- "gradient_clipping": 1.0, "steps_per_print": 2000, "wall_clock_breakdown": false}"""
+ "gradient_clipping": 1.0, "steps_per_print": 2000, "wall_clock_breakdown": false}"""  # noqa: E501 - the guide's text as published
 
 INTRO_TEXT = """{
   "train_batch_size": 8,
@@ -221,11 +222,14 @@ BAD = [
     ({"zero_optimization": {"reduce_bucket_size": -5}}, "zero_optimization.reduce_bucket_size"),
     ({"zero_optimization": {"overlap_comm": "yes"}}, "zero_optimization.overlap_comm"),
     ({"zero_optimization": {"offload_optimizer": {"device": "gpu"}}}, "zero_optimization.offload_optimizer.device"),
-    ({"zero_optimization": {"stage": 3, "offload_param": {"device": "nvme"}}}, "zero_optimization.offload_param.device"),
-    ({"zero_optimization": {"offload_optimizer": {"pin_memroy": True}}}, "zero_optimization.offload_optimizer.pin_memroy"),
+    ({"zero_optimization": {"stage": 3, "offload_param": {"device": "nvme"}}},
+     "zero_optimization.offload_param.device"),
+    ({"zero_optimization": {"offload_optimizer": {"pin_memroy": True}}},
+     "zero_optimization.offload_optimizer.pin_memroy"),
     ({"zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu", "ratio": 0.5}}},
      "zero_optimization.offload_optimizer.ratio"),
-    ({"zero_optimization": {"stage": 3, "offload_optimizer": {"ratio": 1.5}}}, "zero_optimization.offload_optimizer.ratio"),
+    ({"zero_optimization": {"stage": 3, "offload_optimizer": {"ratio": 1.5}}},
+     "zero_optimization.offload_optimizer.ratio"),
     ({"zero_optimization": {"stage": 1, "cpu_offload": True, "offload_optimizer": {"device": "cpu"}}},
      "zero_optimization"),
     ({"zero_optimization": {"stage": 3, "prefetch_bucket_size": 5, "stage3_prefetch_bucket_size": 5}},
@@ -512,10 +516,12 @@ def test_hidden_size_fills_zero_autos_as_the_hugging_face_trainer():
                        hidden_size=64).zero_optimization
         assert (z.reduce_bucket_size, z.stage3_prefetch_bucket_size, z.stage3_param_persistence_threshold) == want
     z = quiet_load(GUIDE_TEXT.replace('"stage": 2', '"stage": 3'), world_size=1, hidden_size=1280,
-                   fill={"train_micro_batch_size_per_gpu": 1, "zero_optimization.reduce_bucket_size": 7}).zero_optimization
+                   fill={"train_micro_batch_size_per_gpu": 1,
+                         "zero_optimization.reduce_bucket_size": 7}).zero_optimization
     assert (z.reduce_bucket_size, z.stage3_prefetch_bucket_size, z.stage3_param_persistence_threshold) == (
         7, 1_474_560, 12_800)
-    default = quiet_load({"train_batch_size": 8, "zero_optimization": {"stage": 3, **zero}}, world_size=1).zero_optimization
+    default = quiet_load({"train_batch_size": 8, "zero_optimization": {"stage": 3, **zero}},
+                         world_size=1).zero_optimization
     assert (default.reduce_bucket_size, default.stage3_param_persistence_threshold) == (500_000_000, 100_000)
     assert hidden_size_fill(64, stage3=False) == {"zero_optimization.reduce_bucket_size": 4096}
     assert auto_keys(GUIDE_TEXT) == [
@@ -568,7 +574,8 @@ def test_monitors_are_checked_before_any_folder_is_made(tmp_path, monkeypatch):
     (tmp_path / "file").write_text("")
     bad = quiet_load({"train_batch_size": 8, "csv_monitor": {"enabled": True, "output_path": str(tmp_path / "file")}},
                      world_size=1)
-    assert monitor_problems(bad) == [f"csv_monitor.output_path / job_name: {str(tmp_path / 'file' / 'DeepSpeedJobName')!r} "
+    assert monitor_problems(bad) == [f"csv_monitor.output_path / job_name: "
+                                     f"{str(tmp_path / 'file' / 'DeepSpeedJobName')!r} "
                                      f"cannot be a folder ({str(tmp_path / 'file')!r} is a file); set "
                                      "csv_monitor.output_path to a folder"]
 
@@ -587,7 +594,8 @@ def test_duplicate_keys():
 def test_nvme_message():
     err = problems_of({"train_batch_size": 8, "zero_optimization": {"stage": 3, "offload_param": {"device": "nvme"}}},
                       world_size=1)
-    assert ('zero_optimization.offload_param.device = "nvme" needs zero_optimization.offload_param.nvme_path') in str(err)
+    assert ('zero_optimization.offload_param.device = "nvme" needs '
+            'zero_optimization.offload_param.nvme_path') in str(err)
 
 
 def test_max_grad_norm_message_is_deepspeeds():
@@ -708,7 +716,7 @@ def test_offload_param_below_stage3_warns_not_errors():
 
 def test_frozen():
     cfg = quiet_load(INTRO, world_size=1)
-    with pytest.raises(Exception):
+    with pytest.raises(dataclasses.FrozenInstanceError):
         cfg.train_batch_size = 3
     with pytest.raises(TypeError):
         cfg.zero_optimization.leaf_module["x"] = 1

@@ -6,12 +6,18 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from jax.sharding import NamedSharding, PartitionSpec as P
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 
 from zerojax.optim import optimizer_from, schedule_from
-from zerojax.precision import (MIN_SCALE_ERROR, DynamicLossScaleState, compute_dtype, dynamic_loss_scale,
-                               loss_scale_from_config, static_loss_scale)
-
+from zerojax.precision import (
+    MIN_SCALE_ERROR,
+    DynamicLossScaleState,
+    compute_dtype,
+    dynamic_loss_scale,
+    loss_scale_from_config,
+    static_loss_scale,
+)
 
 # ---- transcription of DeepSpeed 0.19 DynamicLossScaler.update_scale (raise -> flag) ----
 
@@ -143,7 +149,7 @@ def test_matches_deepspeed_transcription(window, hysteresis, consecutive, power,
     tx = dynamic_loss_scale(inner, initial_scale_power=power, loss_scale_window=window, hysteresis=hysteresis,
                             consecutive_hysteresis=consecutive, min_loss_scale=min_scale)
     ref = RefDynamicLossScaler(2.0 ** power, window, min_scale, hysteresis, consecutive)
-    for r, c in zip(run(tx, script), script):
+    for r, c in zip(run(tx, script), script, strict=True):
         ref.update_scale(c == "O")
         assert r["scale"] == ref.cur_scale
         assert r["at_min"] == ref.raised
@@ -194,7 +200,7 @@ def test_sharded_over_8_devices_matches_unsharded():
     plain = run(_tx(False), SCRIPT)
     assert [r["scale"] for r in sharded] == EXPECTED
     assert [r["skipped"] for r in sharded] == [c == "O" for c in SCRIPT]
-    for rs, rp in zip(sharded, plain):
+    for rs, rp in zip(sharded, plain, strict=True):
         for k in rp["new_params"]:
             np.testing.assert_allclose(np.asarray(rs["new_params"][k]), np.asarray(rp["new_params"][k]),
                                        rtol=1e-6, atol=1e-7)

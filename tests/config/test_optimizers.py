@@ -69,7 +69,7 @@ def run_torch(make, params, grads, hook=None):
 
 def assert_trajectories(got, want, dtype):
     tol = dict(rtol=1e-12, atol=1e-14) if dtype == np.float64 else dict(rtol=1e-5, atol=1e-6)
-    for step, (g, w) in enumerate(zip(got, want)):
+    for step, (g, w) in enumerate(zip(got, want, strict=True)):
         for k in SHAPES:
             np.testing.assert_allclose(g[k], w[k], **tol, err_msg=f"step {step} leaf {k}")
 
@@ -225,7 +225,7 @@ def test_clipping_by_global_norm(max_norm):
             for t in tg:
                 t.grad = t.clone()
             torch.nn.utils.clip_grad_norm_(tg, max_norm)
-            for k, t in zip(SHAPES, tg):
+            for k, t in zip(SHAPES, tg, strict=True):
                 np.testing.assert_allclose(np.asarray(out[k]), t.grad.numpy(), rtol=1e-13)
 
 

@@ -78,7 +78,8 @@ def expected_chats():
              "<|user|> what is two plus two </s> <|assistant|> four </s>")
     second = "<s> <|user|> hi </s> <|assistant|> hello friend </s>"
     learn = [{10, 11, 12, 21, 22}, {5, 6, 7}]  # token indices of "hi friend </s>", "four </s>", ...
-    return [(ids_of(t), np.isin(np.arange(len(ids_of(t))), sorted(k))) for t, k in zip((first, second), learn)]
+    return [(ids_of(t), np.isin(np.arange(len(ids_of(t))), sorted(k))) for t,
+            k in zip((first, second), learn, strict=True)]
 
 
 def test_chat_template_renders_as_transformers(folder):
@@ -92,7 +93,7 @@ def test_chat_template_renders_as_transformers(folder):
             assert text == hf.apply_chat_template(chat, tokenize=False, add_generation_prompt=gen)
             assert ours.encode(text).tolist() == hf(text, add_special_tokens=False)["input_ids"]
     # the spelled-out expectation below is this rendering
-    for chat, (ids, _) in zip(CHATS, expected_chats()):
+    for chat, (ids, _) in zip(CHATS, expected_chats(), strict=True):
         assert ours.encode(render_chat(ours, chat)).tolist() == ids.tolist()
 
 

@@ -4,8 +4,7 @@ import jax
 import numpy as np
 import pytest
 
-from zerojax.generation.decode_attention import (decode_attention, paged_attention_supported, slot_block,
-                                                 split_count)
+from zerojax.generation.decode_attention import decode_attention, paged_attention_supported, slot_block, split_count
 
 
 def _reference(q, keys, values, layer, first, last):

@@ -12,7 +12,8 @@ tokenizers = pytest.importorskip("tokenizers")
 
 from models.test_llama import _hf_model  # noqa: E402 (tests/ on sys.path)
 
-TEMPLATE = "{% for m in messages %}{{ m.role }} : {{ m.content }} {% endfor %}{% if add_generation_prompt %}w1 {% endif %}"
+TEMPLATE = ("{% for m in messages %}{{ m.role }} : {{ m.content }} {% endfor %}"
+            "{% if add_generation_prompt %}w1 {% endif %}")
 
 
 @pytest.fixture(scope="module")

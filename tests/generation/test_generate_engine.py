@@ -1,10 +1,11 @@
 """Generation from an engine's live weights (ZeRO-3, tensor parallel 2, parameters offloaded to
-the host, pipeline stages; LoRA at ZeRO-2 and 3) gives the plain model's tokens; a LoRA model (adapters applied, not merged; an nf4 base) gives its merged model's."""
+the host, pipeline stages; LoRA at ZeRO-2 and 3) gives the plain model's tokens; a LoRA model
+(adapters applied, not merged; an nf4 base) gives its merged model's."""
 import numpy as np
 import pytest
+from flax import nnx
 
 import zerojax
-from flax import nnx
 from zerojax import lora
 from zerojax.models import Llama, LlamaConfig, llama_loss
 

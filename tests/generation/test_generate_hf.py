@@ -46,7 +46,7 @@ def test_greedy_equals_transformers(pair):
     hf, ours = pair
     prompts = _prompts(hf.config.vocab_size)
     got = zerojax.generate(ours, prompts, max_new_tokens=NEW)  # one left-padded batch
-    for prompt, tokens in zip(prompts, got.tokens):
+    for prompt, tokens in zip(prompts, got.tokens, strict=True):
         assert tokens == _hf_greedy(hf, prompt)
 
 
@@ -54,7 +54,7 @@ def test_padded_batch_equals_each_prompt_alone(pair):
     _, ours = pair
     prompts = _prompts(ours.config.vocab_size, lengths=(5, 9, 2), seed=2)
     batched = zerojax.generate(ours, prompts, max_new_tokens=6, ignore_eos=True)
-    for prompt, tokens in zip(prompts, batched.tokens):
+    for prompt, tokens in zip(prompts, batched.tokens, strict=True):
         assert zerojax.generate(ours, prompt, max_new_tokens=6, ignore_eos=True).tokens == [tokens]
 
 
@@ -76,7 +76,7 @@ def test_decode_kernel_greedy_equals_transformers(mistral_16):
     hf, ours = mistral_16
     prompts = _prompts(hf.config.vocab_size, lengths=(7, 3, 11))
     got = zerojax.generate(ours, prompts, max_new_tokens=NEW, decode_attention="kernel")
-    for prompt, tokens in zip(prompts, got.tokens):
+    for prompt, tokens in zip(prompts, got.tokens, strict=True):
         assert tokens == _hf_greedy(hf, prompt)
 
 
@@ -111,7 +111,7 @@ def test_prefill_in_pieces_greedy_equals_transformers(mistral_16, monkeypatch):
     assert (decoder.prefill_piece(4, 4, 64), decoder.prefill_piece(4, 4, 48)) == (16, 48)
     prompts = _prompts(hf.config.vocab_size, lengths=(20, 7, 33))
     got = zerojax.generate(ours, prompts, max_new_tokens=NEW)
-    for prompt, tokens in zip(prompts, got.tokens):
+    for prompt, tokens in zip(prompts, got.tokens, strict=True):
         assert tokens == _hf_greedy(hf, prompt)
 
 

@@ -1,12 +1,12 @@
 """Sampling against references (top-p against a numpy transcription of Hugging Face's warper, the
 repetition penalty against transformers' own processor), top-k 1 = greedy, stop ids and stop
 strings end rows, the chat helper, the cache guard's message."""
+import jax.numpy as jnp
 import numpy as np
 import pytest
-
-import jax.numpy as jnp
-import zerojax
 from flax import nnx
+
+import zerojax
 from zerojax.generation import CacheTooLargeError, api, chat, sampling
 from zerojax.models import GPT2, GPT2Config
 
@@ -21,7 +21,8 @@ class ByteTokenizer:
 
     eos_id = None
     special_tokens = {}
-    chat_template = "{% for m in messages %}<{{ m.role }}>{{ m.content }}\n{% endfor %}{% if add_generation_prompt %}<assistant>{% endif %}"
+    chat_template = ("{% for m in messages %}<{{ m.role }}>{{ m.content }}\n{% endfor %}"
+                     "{% if add_generation_prompt %}<assistant>{% endif %}")
 
     def encode(self, text, add_special_tokens=False):
         return list(text.encode("latin-1"))
@@ -109,7 +110,8 @@ def test_cache_guard_names_batch_length_and_bytes(model, monkeypatch):
     monkeypatch.setattr(api, "device_free_bytes", lambda device=None: 1000)
     # keys + values x 2 layers x 2 rows x (16 prompt + 32 new slots) x 4 heads x 16 x fp32
     nbytes = 2 * 2 * 2 * 48 * 4 * 16 * 4
-    with pytest.raises(CacheTooLargeError, match=rf"batch 2 x length 48 needs .* \({nbytes:,} bytes\) .* \(1,000 bytes\)"):
+    with pytest.raises(CacheTooLargeError,
+                       match=rf"batch 2 x length 48 needs .* \({nbytes:,} bytes\) .* \(1,000 bytes\)"):
         zerojax.generate(model, PROMPTS, max_new_tokens=20)
 
 

@@ -24,11 +24,10 @@ def train(stage, prec, ga, rows_of, offload_loop=None):
     import numpy as np
     from flax import nnx
     from jax.experimental import multihost_utils
+    from tiny_mlp import MLP, loss_fn  # after XLA_FLAGS: it imports jax
 
     from zerojax.api import shard
     from zerojax.options import EngineOptions
-
-    from tiny_mlp import MLP, loss_fn  # after XLA_FLAGS: it imports jax
 
     n = jax.device_count()
     cfg = {

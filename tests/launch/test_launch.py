@@ -15,9 +15,9 @@ import subprocess
 import sys
 
 import pytest
-
 from test_example import _example
 from test_multiprocess import _free_port
+
 from zerojax.launch import launcher as launch
 from zerojax.launch.distributed import plan_distributed
 

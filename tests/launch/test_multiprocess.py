@@ -8,10 +8,9 @@ import subprocess
 import sys
 import time
 
+import multiprocess_worker as worker
 import numpy as np
 import pytest
-
-import multiprocess_worker as worker
 
 pytestmark = [pytest.mark.slow, pytest.mark.multiprocess]
 

@@ -5,11 +5,10 @@ rows, the choice of implementation, bad options, and the compiled program's memo
 not T^2."""
 import re
 
-import numpy as np
-import pytest
-
 import jax
 import jax.numpy as jnp
+import numpy as np
+import pytest
 from flax import nnx
 
 from zerojax.models import GPT2, GPT2Config, Llama, LlamaConfig
@@ -48,7 +47,7 @@ def test_llama_blockwise_and_flash_equal_dense_mask(window):
         l2, g2 = _logits_and_grads(model, batch, llama_loss)
         np.testing.assert_allclose(np.asarray(l2), np.asarray(l1), rtol=RTOL, atol=ATOL)
         assert len(g1) == len(g2)
-        for a, b in zip(g1, g2):
+        for a, b in zip(g1, g2, strict=True):
             np.testing.assert_allclose(np.asarray(b), np.asarray(a), rtol=1e-4, atol=1e-6)
 
 
@@ -62,7 +61,7 @@ def test_gpt2_blockwise_equals_xla():
     g2 = jax.tree.leaves(nnx.to_pure_dict(nnx.grad(lambda m: loss(m, batch)[0])(blockwise)))
     np.testing.assert_allclose(np.asarray(blockwise(batch["input_ids"])), np.asarray(dense(batch["input_ids"])),
                                rtol=RTOL, atol=ATOL)
-    for a, b in zip(g1, g2):
+    for a, b in zip(g1, g2, strict=True):
         np.testing.assert_allclose(np.asarray(b), np.asarray(a), rtol=1e-4, atol=1e-6)
 
 
@@ -173,6 +172,6 @@ def test_bf16_products_on_bf16_operands_accumulated_in_fp32():
     assert all(a.endswith("xbf16>") and b.endswith("xbf16>") and out.endswith("xf32>") for a, b, out in dots), dots
     got = jax.value_and_grad(loss("blockwise", jnp.bfloat16), argnums=(0, 1, 2))(q, k, v)
     ref = jax.value_and_grad(loss("xla", jnp.float32), argnums=(0, 1, 2))(q, k, v)
-    for g, r in zip(jax.tree.leaves(got), jax.tree.leaves(ref)):
+    for g, r in zip(jax.tree.leaves(got), jax.tree.leaves(ref), strict=True):
         g, r = np.asarray(g, np.float32), np.asarray(r, np.float32)
         np.testing.assert_allclose(g, r, rtol=0, atol=0.03 * np.abs(r).max())

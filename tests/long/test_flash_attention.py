@@ -4,11 +4,10 @@ whose documents it skips (a packer's, its padding segment 0 last), rows it may n
 two runs), grouped-query heads, Mistral's window, a padded tail; its key-block bounds against a
 brute-force count; a tiny Llama's logits and gradients (tests/long/test_attention.py); shapes it
 does not take refused."""
-import numpy as np
-import pytest
-
 import jax
 import jax.numpy as jnp
+import numpy as np
+import pytest
 
 from zerojax.models.attention import causal_attention
 from zerojax.models.flash_attention import FlashBlocks, flash_attention, visible_bounds
@@ -52,7 +51,7 @@ def test_flash_equals_formula_and_dense_gradients(window):
                    argnums=(0, 1, 2))(q, k, v)
     ref = jax.grad(loss(lambda q, k, v: causal_attention(q, k, v, impl="xla", segment_ids=jnp.asarray(seg),
                                                          window=window)), argnums=(0, 1, 2))(q, k, v)
-    for g, r in zip(got, ref):
+    for g, r in zip(got, ref, strict=True):
         np.testing.assert_allclose(np.asarray(g), np.asarray(r), rtol=1e-4, atol=1e-5)
 
 

@@ -55,7 +55,7 @@ def test_sequence_parallel_equals_unsplit(reference, stage, sp):
     eng, losses, master = train(stage, sp)
     assert partition.seq_size(eng.mesh) == sp and partition.data_size(eng.mesh) == 8 // sp
     np.testing.assert_allclose(losses, reference[0], rtol=1e-5)
-    for (path, x), y in zip(jax.tree_util.tree_leaves_with_path(master), jax.tree.leaves(reference[1])):
+    for (path, x), y in zip(jax.tree_util.tree_leaves_with_path(master), jax.tree.leaves(reference[1]), strict=True):
         np.testing.assert_allclose(x, y, rtol=0, atol=WEIGHT_ATOL, err_msg=jax.tree_util.keystr(path))
     if sp == 2:  # Ulysses' exchange: sequence-split activations <-> head-split q / k / v
         shapes = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), batches()[0])

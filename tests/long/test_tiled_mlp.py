@@ -1,11 +1,10 @@
 """The tiled MLP (`Llama(mlp_tile=...)`, ALST's TiledMLP: a remat'd scan over sequence pieces)
 against the untiled one: logits and gradients of a tiny Llama on packed rows, a tile that does
 not divide the row included; and the option refused in one line when it is not a positive int."""
-import numpy as np
-import pytest
-
 import jax
 import jax.numpy as jnp
+import numpy as np
+import pytest
 from flax import nnx
 
 from zerojax.models import Llama, LlamaConfig
@@ -24,7 +23,7 @@ def test_tiled_mlp_equals_untiled():
         outs.append((model(batch["input_ids"], segment_ids=batch["segment_ids"]), grads))
     (l1, g1), (l2, g2) = outs
     np.testing.assert_allclose(np.asarray(l2), np.asarray(l1), rtol=1e-5, atol=1e-5)
-    for a, b in zip(g1, g2):
+    for a, b in zip(g1, g2, strict=True):
         np.testing.assert_allclose(np.asarray(b), np.asarray(a), rtol=1e-4, atol=1e-6)
 
 

@@ -1,4 +1,4 @@
-"""DPO / IPO (`zerojax.methods.dpo`) and per-sequence log-probs (`zerojax.methods.logprobs`):
+"""DPO / IPO (`zerojax.methods.dpo`) and per-sequence log-probs (`zerojax.scoring.logprobs`):
 the log-probs equal transformers' LlamaForCausalLM on a tiny folder (plain and chunked); the DPO,
 conservative-DPO and IPO losses equal PyTorch computations of the published formulas (TRL's
 forms); through a real engine (ZeRO-2, 8 virtual CPU devices) a LoRA model with B = 0 starts at
@@ -17,8 +17,8 @@ from zerojax import lora
 from zerojax.data.preference import load_preference_data
 from zerojax.methods import get as get_method
 from zerojax.methods.dpo import dpo_loss, make_dpo_loss, precompute_reference
-from zerojax.methods.logprobs import sequence_logps
 from zerojax.models import Llama, LlamaConfig, from_hf
+from zerojax.scoring.logprobs import sequence_logps
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")

@@ -6,12 +6,11 @@ import json
 
 import numpy as np
 import pytest
+from data.test_finetune_data import folder, ids_of  # noqa: F401 (tests/ on sys.path; the fixture)
 
 from zerojax.data.finetune import load_finetune_data
 from zerojax.data.preference import load_preference_data
 from zerojax.data.text import DataError
-
-from data.test_finetune_data import folder, ids_of  # noqa: F401 (tests/ on sys.path; the fixture)
 
 SEQ = 16
 
@@ -57,8 +56,8 @@ def test_reader_is_deterministic_and_resumable(folder, tmp_path):
     assert (data.n_train, data.n_val, data.steps_per_epoch) == (76, 4, 19)
     run = lambda start, n: [b["chosen_ids"] for b in data.train_batches(4, seed=3, start_step=start, num_steps=n)]  # noqa: E731
     whole, again = run(0, 12), run(0, 12)
-    assert all((x == y).all() for x, y in zip(whole, again))
-    assert all((x == y).all() for x, y in zip(whole[5:], run(5, 7)))  # resumed at step 5
+    assert all((x == y).all() for x, y in zip(whole, again, strict=True))
+    assert all((x == y).all() for x, y in zip(whole[5:], run(5, 7), strict=True))  # resumed at step 5
     assert [len(b["chosen_ids"]) for b in data.val_batches(4)] == [4]
 
 

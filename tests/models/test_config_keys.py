@@ -19,12 +19,11 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
+from foreign_models import ListQwen, QwenShape, ScanLM, ScanShape, lm_loss  # noqa: E402 (tests/ on sys.path)
 
 import zerojax
 from zerojax.config.docs import MODEL_NEEDS
 from zerojax.train.engine import abstract_engine
-
-from foreign_models import ListQwen, QwenShape, ScanLM, ScanShape, lm_loss  # noqa: E402 (tests/ on sys.path)
 
 PAGE = pathlib.Path(__file__).resolve().parents[2] / "docs" / "config-keys.md"
 ROWS, SEQ = 16, 9
@@ -108,7 +107,7 @@ def config(*sections) -> str:
     return json.dumps(cfg, sort_keys=True)  # hashable, for the cache
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def evidence(kind, cfg):
     """(the lowered step's text, the train state's leaves with their shardings, the optimizer
     state's initial values) of `kind` under the config `cfg` (JSON)."""
@@ -127,7 +126,7 @@ def test_every_acted_on_key_is_probed_or_says_what_the_model_needs():
     rows = acted_on_rows()
     unaccounted = sorted(k for k, z in rows.items() if k not in PROBES and MODEL_NEEDS not in z)
     assert not unaccounted, (f"acted-on keys with no probe here and no '{MODEL_NEEDS}' on the page "
-                             f"(add one to the schema's string, zerojax/config/_schema.py): {unaccounted}")
+                             f"(add one to the schema's string, zerojax/config/_schema*.py): {unaccounted}")
     stale = sorted(set(PROBES) - set(rows))
     assert not stale, f"probes for keys the page does not mark acted on: {stale}"
 
@@ -145,7 +144,8 @@ def test_the_same_config_twice_gives_the_same_evidence():
 # shardings): both models. The others (batch, precision, optimizer, schedule) are the engine's, one
 # code path for any model: the scan model alone.
 MODEL_SECTIONS = ("activation_checkpointing", "pipeline", "tensor_parallel", "zero_optimization")
-CASES = [(key, kind) for key in sorted(PROBES) for kind in (sorted(MODELS) if key.startswith(MODEL_SECTIONS) else ["scan"])]
+CASES = [(key, kind) for key in sorted(PROBES)
+         for kind in (sorted(MODELS) if key.startswith(MODEL_SECTIONS) else ["scan"])]
 
 
 @pytest.mark.parametrize("key,kind", CASES)

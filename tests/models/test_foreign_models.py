@@ -16,12 +16,11 @@ import jax
 import numpy as np
 import pytest
 from flax import nnx
+from foreign_models import ListQwen, QwenShape, ScanLM, ScanShape, lm_loss  # noqa: E402 (tests/ on sys.path)
 
 import zerojax
 from zerojax import model as contract
 from zerojax.config import ConfigError
-
-from foreign_models import ListQwen, QwenShape, ScanLM, ScanShape, lm_loss  # noqa: E402 (tests/ on sys.path)
 
 ROWS, SEQ, STEPS, LR = 16, 9, 3, 0.1
 ATOL = 2e-5
@@ -47,7 +46,7 @@ def trained(kind, cfg, steps=STEPS):
     return eng, losses
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def reference(kind):
     """Weights after STEPS plain SGD steps of the unwrapped model (optax, one jit, no engine)."""
     import optax
@@ -79,7 +78,7 @@ def assert_matches_reference(eng, kind, losses, got=None):
     want, want_losses = reference(kind)
     np.testing.assert_allclose(losses, want_losses, rtol=1e-5)
     got = weights(eng) if got is None else got
-    for (path, a), b in zip(jax.tree_util.tree_leaves_with_path(got), jax.tree.leaves(want)):
+    for (path, a), b in zip(jax.tree_util.tree_leaves_with_path(got), jax.tree.leaves(want), strict=True):
         np.testing.assert_allclose(a, b, atol=ATOL, err_msg=f"{kind}: {jax.tree_util.keystr(path)}")
 
 
@@ -130,7 +129,7 @@ SCAN_CASES = ("autotp", "offload_param", "remat", "zero3")
 FEATURES = [("list", case) for case in sorted(CASES)] + [("scan", case) for case in SCAN_CASES]
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def feature_run(kind, case):
     """(engine, losses) after STEPS steps; one engine for every test that reads it (none trains it further)."""
     return trained(kind, CASES[case])
@@ -291,5 +290,5 @@ def test_bf16_stages_agree():
     only where the fp32 gradient is reduced and how weights are gathered, not the bf16 math)."""
     runs = [trained("scan", {**config(stage), "bf16": {"enabled": True}})[0] for stage in (0, 3)]
     a, b = (jax.tree.map(lambda x: np.asarray(x, np.float32), e.master_params) for e in runs)
-    for (path, x), y in zip(jax.tree_util.tree_leaves_with_path(a), jax.tree.leaves(b)):
+    for (path, x), y in zip(jax.tree_util.tree_leaves_with_path(a), jax.tree.leaves(b), strict=True):
         np.testing.assert_allclose(x, y, atol=1e-3, err_msg=jax.tree_util.keystr(path))

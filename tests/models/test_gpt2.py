@@ -2,11 +2,10 @@
 import dataclasses
 import functools
 
-import numpy as np
-import pytest
-
 import jax
 import jax.numpy as jnp
+import numpy as np
+import pytest
 from flax import nnx
 
 from zerojax.models import GPT2, GPT2Config, chunked_gpt2_loss, flops_per_token, gpt2_loss, num_params
@@ -122,7 +121,7 @@ def test_logical_axis_names():
     assert specs["h"]["mlp"]["c_fc"]["kernel"] == P("layers", "embed", "mlp")
     assert specs["ln_f"]["scale"] == P("embed")
     shapes = nnx.to_pure_dict(nnx.state(model, nnx.Param))
-    for spec, leaf in zip(jax.tree.leaves(specs), jax.tree.leaves(shapes)):
+    for spec, leaf in zip(jax.tree.leaves(specs), jax.tree.leaves(shapes), strict=True):
         assert len(spec) == leaf.ndim
     for path, spec in jax.tree_util.tree_leaves_with_path(specs):
         if path[0].key == "h":
@@ -135,7 +134,7 @@ def _leaf(tree, path):
     return tree
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _reference_loss_and_grads():
     return _loss_and_grads(GPT2(CFG, rngs=nnx.Rngs(0)), jnp.asarray(_ids(CFG, seq=16)))
 
@@ -221,7 +220,7 @@ def test_chunked_loss_matches_full_logits(chunk):
     (got, got_aux), got_g = grad_of(chunked_gpt2_loss(chunk))
     assert int(got_aux["tokens"]) == int(ref_aux["tokens"]) == 2 * 11 - 4
     np.testing.assert_allclose(float(got), float(ref), rtol=1e-6)
-    for (path, a), b in zip(jax.tree_util.tree_leaves_with_path(got_g), jax.tree.leaves(ref_g)):
+    for (path, a), b in zip(jax.tree_util.tree_leaves_with_path(got_g), jax.tree.leaves(ref_g), strict=True):
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-7,
                                    err_msg=jax.tree_util.keystr(path))
     with pytest.raises(ValueError, match="chunk"):
@@ -273,7 +272,7 @@ def test_vocab_padding_gives_the_exact_vocabularys_loss_and_gradients():
     grads = {}
     for cfg in (CFG, exact):
         gd, st = nnx.split(GPT2(cfg, rngs=nnx.Rngs(0)))
-        grads[cfg] = jax.value_and_grad(lambda st: gpt2_loss(nnx.merge(gd, st), {"input_ids": ids})[0])(st)
+        grads[cfg] = jax.value_and_grad(lambda st: gpt2_loss(nnx.merge(gd, st), {"input_ids": ids})[0])(st)  # noqa: B023 - called within this iteration
         assert nnx.merge(gd, st)(ids).shape == (2, 12, CFG.vocab_size)  # HF's logits, padding dropped
     (loss_p, g_p), (loss_e, g_e) = grads[CFG], grads[exact]
     g_p, g_e = nnx.to_pure_dict(g_p), nnx.to_pure_dict(g_e)
@@ -284,7 +283,7 @@ def test_vocab_padding_gives_the_exact_vocabularys_loss_and_gradients():
     assert not wte_p[CFG.vocab_size:].any()
     np.testing.assert_allclose(wte_p[:CFG.vocab_size], np.asarray(g_e.pop("wte")),
                                rtol=1e-5, atol=1e-6 * np.abs(wte_p).max())
-    for a, b in zip(jax.tree.leaves(g_p), jax.tree.leaves(g_e)):
+    for a, b in zip(jax.tree.leaves(g_p), jax.tree.leaves(g_e), strict=True):
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-6 * np.abs(b).max())
 
 
@@ -318,12 +317,12 @@ def test_lm_head_backward_runs_in_the_compute_dtype():
 
     plain = lambda x, w: jnp.einsum("btd,vd->btv", x, w, preferred_element_type=jnp.float32)  # noqa: E731
     ref = jax.grad(loss(plain), (0, 1))(x, w)
-    for a, b in zip(jax.grad(loss(lm_head), (0, 1))(x, w), ref):
+    for a, b in zip(jax.grad(loss(lm_head), (0, 1))(x, w), ref, strict=True):
         np.testing.assert_array_equal(a, b)
     xb, wb = x.astype(jnp.bfloat16), w.astype(jnp.bfloat16)
     hlo = jax.jit(jax.grad(loss(lm_head), (0, 1))).lower(xb, wb).as_text()
     dots = [line for line in hlo.splitlines() if "dot_general" in line]
     assert len(dots) == 3 and all("xf32>," not in d.split(":")[-1].split("->")[0] for d in dots), dots
-    for a, b in zip(jax.grad(loss(lm_head), (0, 1))(xb, wb), ref):
+    for a, b in zip(jax.grad(loss(lm_head), (0, 1))(xb, wb), ref, strict=True):
         a = np.asarray(a, np.float32)
         assert np.abs(a - b).max() <= 2.0**-6 * np.abs(b).max()

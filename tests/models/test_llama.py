@@ -3,11 +3,10 @@
 documents, counts, the named shapes against transformers' own parameter counts."""
 import json
 
-import numpy as np
-import pytest
-
 import jax
 import jax.numpy as jnp
+import numpy as np
+import pytest
 from flax import nnx
 
 from zerojax.models import GPT2, GPT2Config, Llama, LlamaConfig, from_hf, to_hf, weights_writer
@@ -195,10 +194,11 @@ def test_chunked_loss_equals_loss_with_labels_and_segments():
              "segment_ids": jnp.asarray([[1] * 9 + [2] * 7, [1] * 16])}
     ref, m = llama_loss(model, batch)
     got, m2 = chunked_llama_loss(5)(model, batch)
-    assert int(m["tokens"]) == int(m2["tokens"]) == 2 * 15 - 2 * 4 - 1  # targets 1..4 of each row and (0, 9) not counted
+    # targets 1..4 of each row and (0, 9) not counted
+    assert int(m["tokens"]) == int(m2["tokens"]) == 2 * 15 - 2 * 4 - 1
     np.testing.assert_allclose(float(got), float(ref), rtol=1e-6)
     g1, g2 = _grads(model, llama_loss, batch), _grads(model, chunked_llama_loss(5), batch)
-    for x, y in zip(jax.tree.leaves(g1), jax.tree.leaves(g2)):
+    for x, y in zip(jax.tree.leaves(g1), jax.tree.leaves(g2), strict=True):
         np.testing.assert_allclose(np.asarray(x), np.asarray(y), rtol=1e-5, atol=1e-7)
 
 
@@ -214,7 +214,7 @@ def test_remat_policies_same_gradients(policy):
     batch = {"input_ids": jnp.asarray(_ids(256, 2, 12, seed=7))}
     ref = _grads(Llama(cfg, rngs=nnx.Rngs(0)), llama_loss, batch)
     got = _grads(Llama(cfg, rngs=nnx.Rngs(0), remat_policy=policy), llama_loss, batch)
-    for x, y in zip(jax.tree.leaves(ref), jax.tree.leaves(got)):
+    for x, y in zip(jax.tree.leaves(ref), jax.tree.leaves(got), strict=True):
         np.testing.assert_allclose(np.asarray(x), np.asarray(y), rtol=1e-5, atol=1e-7)
 
 

@@ -66,7 +66,7 @@ def _world(cfg):
 
 
 def assert_same(a, b, atol=WEIGHT_ATOL):
-    for (path, x), y in zip(jax.tree_util.tree_leaves_with_path(a), jax.tree.leaves(b)):
+    for (path, x), y in zip(jax.tree_util.tree_leaves_with_path(a), jax.tree.leaves(b), strict=True):
         np.testing.assert_allclose(x, y, rtol=0, atol=atol, err_msg=jax.tree_util.keystr(path))
 
 
@@ -158,7 +158,8 @@ def test_tensor_parallel_with_indivisible_kv_heads():
     cfg = LlamaConfig.named("tiny", vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
                             num_attention_heads=4, num_key_value_heads=1)
     make = lambda: Llama(cfg, rngs=nnx.Rngs(0))  # noqa: E731
-    runs = [zerojax.shard(make, c, loss_fn=llama_loss) for c in (config(0), config(1, tensor_parallel={"autotp_size": 2}))]
+    runs = [zerojax.shard(make, c, loss_fn=llama_loss)
+            for c in (config(0), config(1, tensor_parallel={"autotp_size": 2}))]
     for eng in runs:
         for b in batches()[:2]:
             eng.train_step(b)

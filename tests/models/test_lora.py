@@ -84,7 +84,8 @@ def test_peft_files_and_merged_export_match_peft(folder, tmp_path, settings):
 
     # and load_peft reads the folder back onto a plain model: the same adapters, bit for bit
     back = lora.load_peft(from_hf(folder), tmp_path / "adapter")
-    for a, b in zip(jax.tree.leaves(nnx.state(back, nnx.Param)), jax.tree.leaves(nnx.state(model, nnx.Param))):
+    for a, b in zip(jax.tree.leaves(nnx.state(back, nnx.Param)), jax.tree.leaves(nnx.state(model, nnx.Param)),
+                    strict=True):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 
 
@@ -199,7 +200,7 @@ def test_engine_trains_adapters_alike(case, reference):
     eng, losses, master = train(cfg)
     ref_losses, ref, ref_rest = reference
     np.testing.assert_allclose(losses, ref_losses, rtol=1e-5)
-    for (path, a), b in zip(jax.tree_util.tree_leaves_with_path(master), jax.tree.leaves(ref)):
+    for (path, a), b in zip(jax.tree_util.tree_leaves_with_path(master), jax.tree.leaves(ref), strict=True):
         np.testing.assert_allclose(a, b, rtol=0, atol=WEIGHT_ATOL, err_msg=jax.tree_util.keystr(path))
     if not case.startswith("offload"):  # (offload keeps its optimizer state in per-chunk trees)
         _adapter_only(eng, master)
@@ -207,7 +208,7 @@ def test_engine_trains_adapters_alike(case, reference):
     # in a program of its own, whose code may round the normal draw's arithmetic differently by an
     # ulp: tests/conftest.py)
     for a, b, c in zip(jax.tree.leaves(host(eng.state.rest)), jax.tree.leaves(eng.initial_rest),
-                       jax.tree.leaves(ref_rest)):
+                       jax.tree.leaves(ref_rest), strict=True):
         np.testing.assert_array_equal(a, b)
         np.testing.assert_allclose(b, c, rtol=4 * EPS32, atol=0)
     p = eng.state.params["layers"]["self_attn"]
@@ -290,9 +291,10 @@ def test_engine_trains_on_quantized_base(kind, cfg):
     losses = [float(eng.train_step(one)["loss"]) for _ in range(4)]
     eng.synchronize()
     assert losses[-1] < losses[0] - 1e-3, losses
-    moved = [np.abs(a - b).max() for a, b in zip(jax.tree.leaves(host(eng.master_params)), jax.tree.leaves(master0))]
+    moved = [np.abs(a - b).max() for a,
+             b in zip(jax.tree.leaves(host(eng.master_params)), jax.tree.leaves(master0), strict=True)]
     assert min(moved) > 0  # every adapter updated
-    for a, b in zip(jax.tree.leaves(host(eng.state.rest)), jax.tree.leaves(rest0)):
+    for a, b in zip(jax.tree.leaves(host(eng.state.rest)), jax.tree.leaves(rest0), strict=True):
         assert a.dtype == b.dtype
         np.testing.assert_array_equal(a, b)  # the quantized base: unchanged, bit for bit
     _adapter_only(eng, host(eng.master_params))

@@ -10,6 +10,7 @@ import jax
 import numpy as np
 import pytest
 from flax import nnx
+
 # the Llama LoRA tests' tolerances and engine settings (tests/models is on sys.path)
 from test_lora import ATOL, ROWS, RTOL, SEQ, WEIGHT_ATOL, _ids, _torch_logits, ds_config, host
 
@@ -134,7 +135,7 @@ def test_one_sgd_step_equals_pytorch(folder, tmp_path):
 MODEL = GPT2Config.named("tiny", vocab_size=64, n_positions=SEQ, n_embd=32, n_head=4)
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _trained(stage, offload_param=False):
     """(engine, losses, adapters, the base as built) after 3 SGD steps; one engine per setting
     (tests read it, none trains it further)."""
@@ -156,7 +157,7 @@ def test_zero3_trains_adapters_as_stage0_with_no_state_for_the_base():
     ref_eng, ref_losses, ref, _ = _trained(0)
     eng, losses, master, rest0 = _trained(3)
     np.testing.assert_allclose(losses, ref_losses, rtol=1e-5)
-    for (path, a), b in zip(jax.tree_util.tree_leaves_with_path(master), jax.tree.leaves(ref)):
+    for (path, a), b in zip(jax.tree_util.tree_leaves_with_path(master), jax.tree.leaves(ref), strict=True):
         np.testing.assert_allclose(a, b, rtol=0, atol=WEIGHT_ATOL, err_msg=jax.tree_util.keystr(path))
     for e, m in ((ref_eng, ref), (eng, master)):
         # the trained tree: the adapters alone; SGD's momentum one fp32 per adapter element, nothing more
@@ -164,7 +165,7 @@ def test_zero3_trains_adapters_as_stage0_with_no_state_for_the_base():
         opt = [x for x in jax.tree.leaves(e.state.opt_state) if getattr(x, "ndim", 0) > 0]
         assert sorted(x.shape for x in opt) == sorted(x.shape for x in jax.tree.leaves(m))
     moved = [np.abs(a - b).max() for a, b in zip(jax.tree.leaves(master), jax.tree.leaves(
-        host(nnx.state(lora.apply(GPT2(MODEL, rngs=nnx.Rngs(0)), LORA), nnx.Param))))]
+        host(nnx.state(lora.apply(GPT2(MODEL, rngs=nnx.Rngs(0)), LORA), nnx.Param))), strict=True)]
     assert min(moved) > 0  # every adapter trained
     jax.tree.map(np.testing.assert_array_equal, host(eng.state.rest), rest0)  # the base: unchanged
     assert eng.layout.stage3_gather == "layer"
@@ -181,7 +182,7 @@ def test_offload_param_trains_adapters_as_stage0_with_the_base_in_host_memory():
     _, ref_losses, ref, _ = _trained(0)
     eng, losses, master, rest0 = _trained(3, offload_param=True)
     np.testing.assert_allclose(losses, ref_losses, rtol=1e-5)
-    for (path, a), b in zip(jax.tree_util.tree_leaves_with_path(master), jax.tree.leaves(ref)):
+    for (path, a), b in zip(jax.tree_util.tree_leaves_with_path(master), jax.tree.leaves(ref), strict=True):
         np.testing.assert_allclose(a, b, rtol=0, atol=WEIGHT_ATOL, err_msg=jax.tree_util.keystr(path))
     jax.tree.map(np.testing.assert_array_equal, host(eng.state.rest), rest0)
     assert {x.sharding.memory_kind for x in jax.tree.leaves(eng.state.rest["h"])} == {"pinned_host"}

@@ -4,11 +4,10 @@ folders transformers loads; a padded batch equals its rows one by one; the group
 product equals a float64 loop over experts. Tiny random folders written by transformers, the
 router weights scaled up (init's 0.02 makes every expert nearly equally likely) so that routing
 decides the outputs."""
-import numpy as np
-import pytest
-
 import jax
 import jax.numpy as jnp
+import numpy as np
+import pytest
 
 import zerojax
 from zerojax.models import MoELlama, from_hf, moe_loss, to_hf
@@ -96,7 +95,7 @@ def test_greedy_tokens_equal_transformers(pair):
     rng = np.random.default_rng(1)
     prompts = [rng.integers(3, hf.config.vocab_size, n).tolist() for n in (7, 3)]
     got = zerojax.generate(ours, prompts, max_new_tokens=NEW, ignore_eos=True)  # one left-padded batch
-    for prompt, tokens in zip(prompts, got.tokens):
+    for prompt, tokens in zip(prompts, got.tokens, strict=True):
         with torch.no_grad():
             out = hf.generate(torch.tensor([prompt]), max_new_tokens=NEW, do_sample=False, pad_token_id=0,
                               eos_token_id=None, attention_mask=torch.ones(1, len(prompt), dtype=torch.long))

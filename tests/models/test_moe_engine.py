@@ -52,7 +52,7 @@ def train(stage, steps=STEPS, eng=None):
 
 
 def assert_same(a, b, atol=WEIGHT_ATOL):
-    for (path, x), y in zip(jax.tree_util.tree_leaves_with_path(a), jax.tree.leaves(b)):
+    for (path, x), y in zip(jax.tree_util.tree_leaves_with_path(a), jax.tree.leaves(b), strict=True):
         np.testing.assert_allclose(x, y, rtol=0, atol=atol, err_msg=jax.tree_util.keystr(path))
 
 
@@ -70,7 +70,7 @@ def test_zero3_equals_stage0_and_resumes_into_zero1(tmp_path):
     k = a.state.params["layers"]["mlp"]["gate_up_proj"]["kernel"]  # [L, E, d, 2, m] over 8 devices
     assert k.addressable_shards[0].data.size == k.size // 8
     metrics3.append({k: float(v) for k, v in a.train_step(batches()[2]).items()})
-    for got, want in zip(metrics3, ref_metrics):
+    for got, want in zip(metrics3, ref_metrics, strict=True):
         for name in ("loss", "router/aux_loss", "router/z_loss"):
             np.testing.assert_allclose(got[name], want[name], rtol=1e-5, err_msg=name)
     assert_same(host(a.master_params), ref)

@@ -13,10 +13,10 @@ import pytest
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
+from test_trainer import fp32_config  # noqa: E402,F401 (configs/zero2_bf16.json computing in fp32)
+
 from zerojax import trainer  # noqa: E402
 from zerojax.trainer.flags import parse_args  # noqa: E402
-
-from test_trainer import fp32_config  # noqa: E402,F401 (configs/zero2_bf16.json computing in fp32)
 
 pytestmark = pytest.mark.slow  # trains through the CLI's trainer
 AUX_COEF = 0.05

@@ -23,12 +23,12 @@ import numpy as np
 import optax
 import pytest
 from flax import nnx
+from foreign_models import CacheListLM, ListQwen, QwenShape, cache_lm_loss, lm_loss  # noqa: E402
 
 import zerojax
-from zerojax import block_loop, model as contract
+from zerojax import block_loop
+from zerojax import model as contract
 from zerojax.config import ConfigError
-
-from foreign_models import CacheListLM, ListQwen, QwenShape, cache_lm_loss, lm_loss  # noqa: E402
 
 ROWS, SEQ, STEPS, LR = 16, 9, 3, 0.1
 ATOL, LOW_ATOL = 2e-5, 2e-3
@@ -58,7 +58,7 @@ def config(stage=0, **extra):
                                   **extra.pop("zero", {})}, **extra}
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def reference():
     """Losses and weights after STEPS plain SGD steps: optax through nnx.Optimizer, no zerojax."""
     model = build()
@@ -79,7 +79,7 @@ def assert_matches_reference(weights, losses, *, atol=ATOL, rtol=1e-5):
     np.testing.assert_allclose(losses, want_losses, rtol=rtol)
     # the model's own tree: the list's items by index, as nnx.state(model) has them
     assert jax.tree.structure(weights) == jax.tree.structure(want)
-    for (path, a), b in zip(jax.tree_util.tree_leaves_with_path(weights), jax.tree.leaves(want)):
+    for (path, a), b in zip(jax.tree_util.tree_leaves_with_path(weights), jax.tree.leaves(want), strict=True):
         np.testing.assert_allclose(np.asarray(a, np.float32), b, atol=atol, err_msg=jax.tree_util.keystr(path))
 
 

@@ -15,9 +15,10 @@ import pytest
 from flax import nnx
 
 import zerojax
-from zerojax.config import ConfigError
 from zerojax import offload
+from zerojax.config import ConfigError
 from zerojax.models import gpt2
+from zerojax.train import init_state
 
 STEPS = 3
 LR = 1e-2
@@ -67,7 +68,7 @@ def run(stage, prec, opt="none", par="none", ratio=1.0, remat=None, pin=False, o
     return _run(stage, prec, opt, par, ratio, remat, pin, optimizer, options, gather)
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _run(stage, prec, opt, par, ratio, remat, pin, optimizer, options, gather):
     make = functools.partial(_model, prec, remat, gather)
     eng = zerojax.shard(make, config(stage, prec, opt, par, ratio, pin, optimizer), loss_fn=gpt2.gpt2_loss,
@@ -79,7 +80,7 @@ def _run(stage, prec, opt, par, ratio, remat, pin, optimizer, options, gather):
 
 
 def close(a, b, tol, skip=()):
-    for (path, x), y in zip(jax.tree_util.tree_leaves_with_path(a), jax.tree.leaves(b)):
+    for (path, x), y in zip(jax.tree_util.tree_leaves_with_path(a), jax.tree.leaves(b), strict=True):
         name = jax.tree_util.keystr(path)
         if any(s in name for s in skip):
             continue
@@ -92,13 +93,14 @@ def kinds(tree):
 
 def check_placement(eng, *, params_host):
     s = eng.state
-    master_chunks = eng.offload_layout.layout.chunks
-    for c, m, st in zip(master_chunks, s.master, s.opt_state.inner_state if eng.fp16 else s.opt_state):
+    master_chunks = eng.layout.offload.layout.chunks
+    for c, m, st in zip(master_chunks, s.master, s.opt_state.inner_state if eng.layout.fp16 else s.opt_state,
+                        strict=True):
         want = "unpinned_host" if c.host else "device"
         assert kinds(m) == kinds(st) == {want}, (c, kinds(m), kinds(st))
     assert kinds(s.params) == ({"unpinned_host"} if params_host else {"device"})
     # the declared placement is the real one
-    for x, sh in zip(jax.tree.leaves(s), jax.tree.leaves(eng.state_shardings)):
+    for x, sh in zip(jax.tree.leaves(s), jax.tree.leaves(eng.layout.state_shardings), strict=True):
         assert x.sharding.memory_kind == sh.memory_kind
 
 
@@ -117,7 +119,7 @@ def test_offload_optimizer_fp32_matches_device(stage):
     # fp32 compute: the device params are a copy apart from the host master
     assert eng.state.params["wte"].dtype == jnp.float32 and kinds(eng.state.params) == {"device"}
     # "in_place": the non-layer chunk + the 4 layers updated in place one at a time
-    assert [(c.rest, c.loop) for c in eng.offload_layout.layout.chunks] == [(True, 0), (False, 4)]
+    assert [(c.rest, c.loop) for c in eng.layout.offload.layout.chunks] == [(True, 0), (False, 4)]
 
 
 # bf16: the whole step is one XLA program, and a different update lets XLA fuse and partition the
@@ -135,7 +137,7 @@ ADAM_NOISE_BOUND = 2 * LR * STEPS * 1.1  # the first step's bias-corrected updat
 def close_adam(a, b, tol=BF16_TOL, skip=NOISE):
     """Two Adam runs: all but BF16_FRAC of each leaf's elements within `tol`, every one within
     Adam's noise bound (see above)."""
-    for (path, x), y in zip(jax.tree_util.tree_leaves_with_path(a), jax.tree.leaves(b)):
+    for (path, x), y in zip(jax.tree_util.tree_leaves_with_path(a), jax.tree.leaves(b), strict=True):
         name = jax.tree_util.keystr(path)
         if any(s in name for s in skip):
             continue
@@ -152,7 +154,7 @@ def test_offload_optimizer_stage3_bf16(ratio):
     _, ref = run(3, "bf16")
     close_adam(master, ref)
     check_placement(eng, params_host=False)
-    hosts = [c.host for c in eng.offload_layout.layout.chunks]
+    hosts = [c.host for c in eng.layout.offload.layout.chunks]
     # pieces: the non-layer leaves + 4 layers; ratio 0.5 keeps ceil(2.5) = 3 of them on the host
     assert hosts == ([True, True] if ratio == 1.0 else [True, True, False])
 
@@ -168,7 +170,7 @@ def test_offload_param_and_optimizer_stage3(prec):
     if prec == "fp32":
         eng, master = run(3, prec, "cpu", "cpu", optimizer="sgd")
         _, ref = run(3, prec, optimizer="sgd")
-        for (path, x), y in zip(jax.tree_util.tree_leaves_with_path(master), jax.tree.leaves(ref)):
+        for (path, x), y in zip(jax.tree_util.tree_leaves_with_path(master), jax.tree.leaves(ref), strict=True):
             np.testing.assert_allclose(x, y, rtol=1e-6, atol=1e-6, err_msg=jax.tree_util.keystr(path))
     else:
         # bf16: Adam moves every weight by ~lr a step whatever its gradient, so bf16 rounding
@@ -194,8 +196,8 @@ def test_in_place_loop_with_offload_param_matches_device():
     eng, master = run(3, "fp32", "cpu", "cpu", optimizer="sgd")
     _, ref = run(3, "fp32", optimizer="sgd")
     close(master, ref, 1e-6)
-    assert eng.offload_settings["loop"] == "in_place"
-    assert [(c.rest, c.loop) for c in eng.offload_layout.layout.chunks] == [(True, 0), (False, 4)]
+    assert eng.layout.offload_settings["loop"] == "in_place"
+    assert [(c.rest, c.loop) for c in eng.layout.offload.layout.chunks] == [(True, 0), (False, 4)]
 
 
 def test_streamed_update_groups_agree():
@@ -225,7 +227,7 @@ def test_streamed_update_groups_agree():
         return offload.offload_master(state, off), params
 
     got, want = two_steps(4), two_steps(8)
-    for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+    for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
         np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32))
     m, st = tree, tx.init(tree)
     for _ in range(2):
@@ -253,7 +255,7 @@ def test_host_loop_matches_device(host):
     _, ref = run(2, "fp32", optimizer="sgd")
     close(master, ref, 1e-6)
     check_placement(eng, params_host=False)
-    assert [(c.rest, c.lo, c.hi, c.loop) for c in eng.offload_layout.layout.chunks] == [
+    assert [(c.rest, c.lo, c.hi, c.loop) for c in eng.layout.offload.layout.chunks] == [
         (True, 0, 0, 0)] + [(False, i, i + 1, 1) for i in range(4)]
     # one layer's c_fc kernel (d 32, 4d 128) as master or moment among the step's inputs: none,
     # the groups are left to Python
@@ -289,7 +291,7 @@ def test_host_loop_groups_layers_by_bytes():
     # (test_host_loop_matches_device's engine; its byte counts are the same after its steps)
     one = run(2, "fp32", "cpu", options=zerojax.EngineOptions(offload_loop="host", offload_host_chunk_bytes=1),
               optimizer="sgd")[0]
-    chunks = one.offload_layout.layout.chunks
+    chunks = one.layout.offload.layout.chunks
     assert [(c.lo, c.hi) for c in chunks if not c.rest] == [(0, 1), (1, 2), (2, 3), (3, 4)]
     layer = [sum(x.addressable_shards[0].data.nbytes for x in jax.tree.leaves(one.state.master[i]))
              for i, c in enumerate(chunks) if not c.rest]
@@ -302,15 +304,15 @@ def test_host_loop_groups_layers_by_bytes():
     # through the engine: 1.5 layers' bytes -> 2 chunks of 2 layers, the device update's arithmetic
     eng, master = run(2, "fp32", "cpu", optimizer="sgd", options=zerojax.EngineOptions(
         offload_loop="host", offload_host_chunk_bytes=layer[0] * 3 // 2))
-    assert [(c.lo, c.hi) for c in eng.offload_layout.layout.chunks if not c.rest] == [(0, 2), (2, 4)]
-    assert eng.offload_settings["chunks"] == 2
+    assert [(c.lo, c.hi) for c in eng.layout.offload.layout.chunks if not c.rest] == [(0, 2), (2, 4)]
+    assert eng.layout.offload_settings["chunks"] == 2
     _, ref = run(2, "fp32", optimizer="sgd")
     close(master, ref, 1e-6)
     # the default (256 MiB) takes the tiny model's 4 layers as one chunk (the layout: an abstract engine)
     from zerojax.train.engine import abstract_engine
     default = abstract_engine(lambda: gpt2.GPT2(C, rngs=nnx.Rngs(0)), config(2, "fp32", "cpu"), loss_fn=gpt2.gpt2_loss,
                               options=zerojax.EngineOptions(offload_loop="host"))
-    assert default.offload_settings["chunks"] == 1
+    assert default.layout.offload_settings["chunks"] == 1
     with pytest.raises(ValueError, match=r"offload_host_chunk_bytes=0: use an int >= 1"):
         zerojax.EngineOptions(offload_host_chunk_bytes=0)
 
@@ -336,7 +338,7 @@ def test_host_loop_with_part_of_the_state_on_the_device():
     eng, master = run(3, "fp32", "cpu", ratio=0.5, options=HOST_ONE_LAYER_A_CHUNK, optimizer="sgd")
     _, ref = run(3, "fp32", optimizer="sgd")
     close(master, ref, 1e-6)
-    assert [(c.lo, c.hi, c.host) for c in eng.offload_layout.layout.chunks] == [
+    assert [(c.lo, c.hi, c.host) for c in eng.layout.offload.layout.chunks] == [
         (0, 0, True), (0, 1, True), (1, 2, True), (2, 4, False)]
     assert eng._host_loop.loops == [0, 1, 2]
 
@@ -346,21 +348,21 @@ def test_host_loop_chunks_count_in_the_memory_guard(monkeypatch):
     # `window` write-backs sit beside the jit's temporaries; after it the loop's chunks in flight
     # (window + 1 of them), beside the params and gradients: the largest chunks; all with window 0.
     # The guard's figure takes the larger, and refuses a budget between the jit's peak and the loop's
-    from zerojax.planning import memory
     from zerojax.offload.host_loop import HostLoop
+    from zerojax.planning import memory
     shapes = {"input_ids": jax.ShapeDtypeStruct((8, 8), jnp.int32)}
     eng = zerojax.shard(lambda: gpt2.GPT2(C, rngs=nnx.Rngs(0)), config(2, "fp32", "cpu"), loss_fn=gpt2.gpt2_loss,
                         options=zerojax.EngineOptions(offload_loop="host", offload_host_window=1,
                                                       offload_host_prefetch=2, offload_host_chunk_bytes=1))
     # numpy's count of each host chunk's bytes on one of the 8 devices
     per_chunk = [sum(x.addressable_shards[0].data.nbytes for x in jax.tree.leaves((m, st)))
-                 for m, st in zip(eng.state.master, eng.state.opt_state)]
+                 for m, st in zip(eng.state.master, eng.state.opt_state, strict=True)]
     largest = sorted(per_chunk, reverse=True)
     during_jit = sum(largest[:3])  # 2 prefetched + window 1
     want = sum(largest[:2])  # the loop: window 1 + 1
     assert eng._host_loop.device_bytes(eng.state.master, eng.state.opt_state) == (during_jit, want)
-    every = HostLoop(eng.offload_layout, eng.step_settings.offload.tx, compute_dtype=jnp.float32,
-                     params_shardings=eng.state_shardings.params, window=0)
+    every = HostLoop(eng.layout.offload, eng.step_settings.offload.tx, compute_dtype=jnp.float32,
+                     params_shardings=eng.layout.state_shardings.params, window=0)
     assert every.device_bytes(eng.state.master, eng.state.opt_state) == (sum(per_chunk),) * 2
     jit_only = memory.CompiledMemory.of(eng.compiled_step(shapes))
     assert eng.step_memory(shapes).temp == max(jit_only.temp + during_jit, want)
@@ -397,7 +399,8 @@ def test_bf16_first_moment_offloaded_matches_device():
     assert {x.dtype for x in jax.tree.leaves(mus)} == {jnp.dtype(jnp.bfloat16)}
     assert kinds(mus) <= set(HOST)
     _, fp32_mu = run(2, "fp32")
-    assert max(float(np.max(np.abs(a - b))) for a, b in zip(jax.tree.leaves(master), jax.tree.leaves(fp32_mu))) > 1e-6
+    assert max(float(np.max(np.abs(a - b))) for a,
+               b in zip(jax.tree.leaves(master), jax.tree.leaves(fp32_mu), strict=True)) > 1e-6
 
 
 def test_fused_adam_bf16_first_moment_against_float64():
@@ -451,9 +454,10 @@ def test_init_by_leaf_groups_equals_one_jit(par):
     cfg = config(3, "bf16", "cpu", par)
     ref = zerojax.shard(make, cfg, loss_fn=gpt2.gpt2_loss)
     eng = zerojax.shard(make, cfg, loss_fn=gpt2.gpt2_loss, options=zerojax.EngineOptions(init_group_bytes=1))
-    assert len(eng._init_groups()) == len(jax.tree.leaves(eng.state.params)) > 1
+    assert len(init_state.init_groups(eng.layout)) == len(jax.tree.leaves(eng.state.params)) > 1
     for a, b, sa, sb in zip(jax.tree.leaves(eng.state), jax.tree.leaves(ref.state),
-                            jax.tree.leaves(eng.state_shardings), jax.tree.leaves(ref.state_shardings)):
+                            jax.tree.leaves(eng.layout.state_shardings), jax.tree.leaves(ref.layout.state_shardings),
+                            strict=True):
         np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32))
         assert a.sharding.memory_kind == sa.memory_kind == sb.memory_kind
     check_placement(eng, params_host=par == "cpu")
@@ -548,13 +552,13 @@ def test_offload_checkpoint_resumes_under_any_layout(tmp_path, monkeypatch):
     # there); the master to write out (the example's --export-hf) is read the same way: the saved
     # weights, bitwise, in a folder too
     streamed = checkpoint.read_meta(tmp_path / "ck")["streamed"]
-    n_leaves = len(a.offload_layout.layout.stacked)   # all in host memory: parameters offloaded too
-    assert len(streamed["master"]) == len(streamed["params"]) == n_leaves > sum(a.offload_layout.layout.stacked)
+    n_leaves = len(a.layout.offload.layout.stacked)   # all in host memory: parameters offloaded too
+    assert len(streamed["master"]) == len(streamed["params"]) == n_leaves > sum(a.layout.offload.layout.stacked)
     assert len(streamed["opt_state"]) == 2 * n_leaves  # Adam's two moments
     written = a.consolidated_master()
     assert sum(isinstance(x, ChunkRows) for x in jax.tree.leaves(written)) == n_leaves
     save_hf(written, C, str(tmp_path / "written"))
-    for x, y in zip(jax.tree.leaves(load_hf(str(tmp_path / "written"))[1]), jax.tree.leaves(saved)):
+    for x, y in zip(jax.tree.leaves(load_hf(str(tmp_path / "written"))[1]), jax.tree.leaves(saved), strict=True):
         np.testing.assert_array_equal(np.asarray(x, np.float32), y)
     unchunked_opt = lambda e: [np.asarray(x, np.float32)  # noqa: E731
                                for x in jax.tree.leaves(e.layout.to_stored(e.state).opt_state)]
@@ -567,11 +571,11 @@ def test_offload_checkpoint_resumes_under_any_layout(tmp_path, monkeypatch):
             eng = zerojax.shard(make, cfg, loss_fn=gpt2.gpt2_loss, options=options)
         eng.load_checkpoint(tmp_path / "ck")
         assert eng.global_steps == 2
-        for x, y in zip(jax.tree.leaves(eng.master_params), jax.tree.leaves(saved)):
+        for x, y in zip(jax.tree.leaves(eng.master_params), jax.tree.leaves(saved), strict=True):
             np.testing.assert_array_equal(np.asarray(x, np.float32), y)
         opt = unchunked_opt(eng)
         assert len(opt) == len(saved_opt) > 3
-        for x, y in zip(opt, saved_opt):
+        for x, y in zip(opt, saved_opt, strict=True):
             np.testing.assert_array_equal(x, y)
         return eng, [float(eng.train_step(b)["loss"]) for b in data[2:]]
 
@@ -588,11 +592,11 @@ def test_offload_checkpoint_resumes_under_any_layout(tmp_path, monkeypatch):
     assert live.is_deleted()
     assert losses == want
     check_placement(same, params_host=True)
-    for x, y in zip(jax.tree.leaves(same.master_params), jax.tree.leaves(uninterrupted)):
+    for x, y in zip(jax.tree.leaves(same.master_params), jax.tree.leaves(uninterrupted), strict=True):
         np.testing.assert_array_equal(np.asarray(x, np.float32), y)
     # another layout: half the pieces offloaded (offload_optimizer.ratio 0.5)
     other, losses = resume(config(3, "bf16", "cpu", "cpu", ratio=0.5))
-    assert [(c.host, c.lo, c.hi) for c in other.offload_layout.layout.chunks] == [
+    assert [(c.host, c.lo, c.hi) for c in other.layout.offload.layout.chunks] == [
         (True, 0, 0), (True, 0, 2), (False, 2, 4)]  # rest + layers 0-1 on the host, 2-3 on the device
     np.testing.assert_allclose(losses, want, rtol=1e-4)
     # no offload: the file's stage-3 bf16 reference engine (what other tests read of it, a copy of its
@@ -605,14 +609,14 @@ def test_offload_checkpoint_resumes_under_any_layout(tmp_path, monkeypatch):
     # moves by one ulp, and this model's ~50k weights are likely to hold one)
     host, losses = resume(config(3, "bf16", "cpu"), zerojax.EngineOptions(
         offload_loop="host", offload_host_chunk_bytes=1, split_master="off"))
-    assert [(c.lo, c.hi) for c in host.offload_layout.layout.chunks] == [(0, 0), (0, 1), (1, 2), (2, 3), (3, 4)]
+    assert [(c.lo, c.hi) for c in host.layout.offload.layout.chunks] == [(0, 0), (0, 1), (1, 2), (2, 3), (3, 4)]
     np.testing.assert_allclose(losses, want, rtol=1e-4)
     assert kinds(host.state.master) <= set(HOST) and kinds(host.state.params) == {"device"}
 
     # export: the weights as saved
     checkpoint.export(tmp_path / "ck", tmp_path / "hf", writer_for=weights_writer)
     _, exported = load_hf(str(tmp_path / "hf"))
-    for x, y in zip(jax.tree.leaves(exported), jax.tree.leaves(saved)):
+    for x, y in zip(jax.tree.leaves(exported), jax.tree.leaves(saved), strict=True):
         np.testing.assert_array_equal(np.asarray(x, np.float32), y)
 
 
@@ -633,7 +637,7 @@ def test_chunked_checkpoint_of_earlier_zerojax_exports(tmp_path, monkeypatch):
         eng.save_checkpoint(tmp_path / "old")
     checkpoint.export(tmp_path / "old", tmp_path / "hf", writer_for=weights_writer)
     _, exported = load_hf(str(tmp_path / "hf"))
-    for x, y in zip(jax.tree.leaves(exported), jax.tree.leaves(eng.master_params)):
+    for x, y in zip(jax.tree.leaves(exported), jax.tree.leaves(eng.master_params), strict=True):
         np.testing.assert_array_equal(np.asarray(x, np.float32), np.asarray(y, np.float32))
     with pytest.raises(checkpoint.CheckpointError, match="chunk by chunk.*zerojax export"):
         eng.load_checkpoint(tmp_path / "old")
@@ -686,7 +690,7 @@ def test_fp16_overflow_is_skipped_with_offload(loop):
     eng.synchronize()
     assert not bool(m["skipped"])
     assert not all(np.array_equal(a, b) for a, b in zip(jax.tree.leaves(jax.tree.map(np.asarray, eng.master_params)),
-                                                       jax.tree.leaves(before)))
+                                                       jax.tree.leaves(before), strict=True))
     assert kinds(eng.state.master) == {"unpinned_host"}
 
 

@@ -20,9 +20,9 @@ from flax import nnx
 
 import zerojax
 from zerojax.config import ConfigError
-from zerojax.train.engine import abstract_engine
 from zerojax.models import gpt2
 from zerojax.offload.nvme.swapper import NvmeSwapper, SwapLeaf, check_swap_path
+from zerojax.train.engine import abstract_engine
 
 STEPS = 1
 C = gpt2.GPT2Config.named("tiny", n_embd=32, n_head=2, vocab_size=64, n_positions=16, n_layer=4)
@@ -74,7 +74,7 @@ def read_swap_files(tier):
     (the disk groups: the split's host groups come first and are not in the files)."""
     tier.swapper.flush()
     out = []
-    for i, (leaf, stride) in enumerate(zip(tier.swap_leaves(), tier.swapper.strides)):
+    for i, (leaf, stride) in enumerate(zip(tier.swap_leaves(), tier.swapper.strides, strict=True)):
         raw = np.fromfile(os.path.join(tier.swapper.dir, f"leaf{i}.swap"), dtype=np.uint8)
         out.append(np.concatenate([raw[g * stride:g * stride + leaf.group_bytes].view(leaf.dtype).reshape(
             leaf.group_shape) for g in range(tier.swapper.disk_groups)]))
@@ -100,7 +100,7 @@ RTOL, ATOL = 2.0**-21, 2.0**-29
 
 
 def assert_close(a, b):
-    for (path, x), y in zip(jax.tree_util.tree_leaves_with_path(a), jax.tree.leaves(b)):
+    for (path, x), y in zip(jax.tree_util.tree_leaves_with_path(a), jax.tree.leaves(b), strict=True):
         np.testing.assert_allclose(x, y, rtol=RTOL, atol=ATOL, err_msg=jax.tree_util.keystr(path))
 
 
@@ -113,7 +113,7 @@ def test_nvme_trains_like_cpu_offload(engines, which):
     assert len(a) == len(b) > 10
     n_master = len(jax.tree.leaves(master(cpu)))
     assert_close(a[:n_master], b[:n_master])
-    for x, y in zip(a[n_master:], b[n_master:]):  # the moments: the same arithmetic on the same values
+    for x, y in zip(a[n_master:], b[n_master:], strict=True):  # the moments: the same arithmetic on the same values
         np.testing.assert_array_equal(x, y)
 
 
@@ -137,13 +137,14 @@ def test_host_disk_split_trains_like_cpu_and_nvme_offload(engines, split_engine,
     h = HOST_LAYERS
     assert tier.host_layers == h and tier.swapper.disk_groups == C.n_layer - h
     ms = master(split)
-    for x, y in zip(jax.tree.leaves(ms), jax.tree.leaves(master(nvme))):
+    for x, y in zip(jax.tree.leaves(ms), jax.tree.leaves(master(nvme)), strict=True):
         np.testing.assert_array_equal(x, y)
     assert_close(ms, master(cpu))
-    for x, y in zip(stored(split), stored(nvme)):   # master, moments, counters
+    for x, y in zip(stored(split), stored(nvme), strict=True):   # master, moments, counters
         np.testing.assert_array_equal(x, y)
     files = read_swap_files(tier)
-    for got, want in zip(files, jax.tree.leaves(ms["h"])):  # the master leaves come first
+    for got, want in zip(files, jax.tree.leaves(ms["h"]),
+                         strict=False):  # the master leaves come first, then the moments
         np.testing.assert_array_equal(got, want[h:])
     assert [os.path.getsize(os.path.join(tier.swapper.dir, f"leaf{i}.swap")) for i in range(len(files))] == [
         s * (C.n_layer - h) for s in tier.swapper.strides]
@@ -151,11 +152,12 @@ def test_host_disk_split_trains_like_cpu_and_nvme_offload(engines, split_engine,
     want = stored(split)
     split.save_checkpoint(tmp_path / "split")
     split.load_checkpoint(tmp_path / "split")
-    for x, y in zip(stored(split), want):
+    for x, y in zip(stored(split), want, strict=True):
         np.testing.assert_array_equal(x, y)
     report = split.layout.offload_settings
     assert report["nvme_host_layers"] == h
-    assert report["nvme_disk_bytes"] == report["nvme_host_bytes"] == nvme.layout.offload_settings["nvme_disk_bytes"] // 2
+    half = nvme.layout.offload_settings["nvme_disk_bytes"] // 2
+    assert report["nvme_disk_bytes"] == report["nvme_host_bytes"] == half
 
 
 @pytest.mark.slow
@@ -172,7 +174,7 @@ def test_state_lives_in_the_files(engines):
     leaves = tier.swap_leaves()
     assert files == sorted(f"leaf{i}.swap" for i in range(len(leaves)))
     layers = [np.asarray(x, np.float32) for x in jax.tree.leaves(eng.master_params["h"])]
-    for got, want in zip(read_swap_files(tier)[:len(tier.m_files)], layers):
+    for got, want in zip(read_swap_files(tier)[:len(tier.m_files)], layers, strict=True):
         np.testing.assert_array_equal(got, want)
     report = eng.layout.offload_settings
     assert report["nvme_disk_bytes"] == sum(x.group_bytes for x in leaves) * tier._c.loop
@@ -189,9 +191,9 @@ def test_resume_across_nvme_and_cpu(engines, tmp_path):
     assert not any("swap" in f for _, _, fs in os.walk(tmp_path) for f in fs)  # scratch is no checkpoint
     cpu.load_checkpoint(tmp_path / "nvme")
     eng.load_checkpoint(tmp_path / "cpu")
-    for x, y in zip(stored(cpu), want_nvme):
+    for x, y in zip(stored(cpu), want_nvme, strict=True):
         np.testing.assert_array_equal(x, y)
-    for x, y in zip(stored(eng), want_cpu):
+    for x, y in zip(stored(eng), want_cpu, strict=True):
         np.testing.assert_array_equal(x, y)
     # and it trains on from there as CPU offload does from the same state
     batch = batches(1)[0]
@@ -236,7 +238,7 @@ def test_swapper_round_trip(tmp_path, pipelined, host_groups):
     g_of_row = np.repeat(np.arange(5, dtype=np.float32), 2).reshape((-1,) + (1,) * (whole[0].ndim - 1))
     want = [(x + g_of_row.reshape((-1,) + (1,) * (x.ndim - 1))) + g_of_row.reshape((-1,) + (1,) * (x.ndim - 1))
             for x in whole]
-    for got, w in zip(sw.read_all(), want):
+    for got, w in zip(sw.read_all(), want, strict=True):
         np.testing.assert_array_equal(got, w)
     assert len(sw.pass_s) == 2 and min(sw.pass_s) > 0   # one I/O window per pass over the groups
     assert sw.disk_bytes == (5 - host_groups) * sum(-(-s.group_bytes // 4096) * 4096 for s in specs)
@@ -346,10 +348,10 @@ def test_init_writes_the_files_without_the_state_in_host_memory(tmp_path, monkey
     # the files hold the model's initial master (its initialiser run whole) and Adam's zero moments;
     # the groups' programs draw the same normal values, each with code of its own, which may round
     # their arithmetic an ulp differently (tests/conftest.py): 4 eps relative
-    from zerojax.train.engine import _init_pure
-    want = jax.tree.leaves(jax.jit(lambda: _init_pure(make_big)[0]["h"])())
+    from zerojax.train.init_state import init_pure
+    want = jax.tree.leaves(jax.jit(lambda: init_pure(make_big)[0]["h"])())
     got = read_swap_files(tier)
-    for x, y in zip(got, want):
+    for x, y in zip(got[:len(want)], want, strict=True):  # the master's files; the moments' below
         np.testing.assert_allclose(x, np.asarray(y), rtol=4 * np.finfo(np.float32).eps, atol=0)
     assert len(got) == 3 * len(want) and all(not x.any() for x in got[len(want):])
     eng.close()
@@ -365,7 +367,8 @@ def test_swap_path_errors(tmp_path, monkeypatch):
     with pytest.raises(ValueError, match=r"need [\d,]+ bytes .* has [\d,]+ bytes .* free") as e:
         check_swap_path(str(tmp_path), free * 4)
     assert "nvme_path" in str(e.value)
-    if os.path.isdir("/dev/shm") and __import__("zerojax.offload.nvme.swapper", fromlist=["x"])._filesystem_type("/dev/shm") == "tmpfs":
+    if os.path.isdir("/dev/shm") and __import__("zerojax.offload.nvme.swapper",
+                                                fromlist=["x"])._filesystem_type("/dev/shm") == "tmpfs":
         with pytest.raises(ValueError, match="RAM disk"):
             check_swap_path("/dev/shm", 1)
     # read-only: as root every path is writable, so the check's probe is replaced
@@ -485,7 +488,7 @@ def test_swapper_direct_io_round_trip(tmp_path, direct):
     for g, arrays in enumerate(groups):
         sw.write(g, *arrays)
     for g in (2, 0, 3, 1):
-        for got, want in zip(sw._read_now(g), groups[g]):
+        for got, want in zip(sw._read_now(g), groups[g], strict=True):
             np.testing.assert_array_equal(got, want)
     sw.flush()
     for i, s in enumerate(specs):

@@ -10,9 +10,12 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from jax.sharding import NamedSharding, PartitionSpec as P
+from flax import nnx
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 
 from zerojax import offload as O
+from zerojax.models import gpt2
 
 L = 6  # stacked layers
 
@@ -36,7 +39,7 @@ def _grads(params, i):
 
 
 def _close(a, b):
-    for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)):
+    for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True):
         np.testing.assert_allclose(np.asarray(x, np.float32), np.asarray(y, np.float32), rtol=1e-6, atol=1e-6)
 
 
@@ -116,7 +119,7 @@ def test_streamed_update_equals_optax(mesh, k, ratio):
     compute, state, plan, ref = _run(tx, params, sh, k, ratio)
     _close(compute, ref)
     _close(O.offload_master(state, plan), ref)
-    for c, m, s in zip(plan.layout.chunks, state.master, state.opt_state):
+    for c, m, s in zip(plan.layout.chunks, state.master, state.opt_state, strict=True):
         want = "pinned_host" if c.host else "device"
         assert {x.sharding.memory_kind for x in jax.tree.leaves(m) + jax.tree.leaves(s)} == {want}
     # optimizer-state moments stay sharded over "data" like their params
@@ -286,8 +289,6 @@ def test_streamed_update_takes_host_grads(mesh):
 
 @pytest.mark.slow
 def test_gpt2_offload_remat_matches_no_remat():
-    nnx = pytest.importorskip("flax.nnx")
-    gpt2 = pytest.importorskip("zerojax.models.gpt2")
     cfg = gpt2.GPT2Config.named("tiny", n_embd=32, n_head=2, vocab_size=64, n_positions=16)
     batch = {"input_ids": jax.random.randint(jax.random.key(2), (2, 8), 0, cfg.vocab_size)}
 

@@ -8,10 +8,9 @@ import numpy as np
 import pytest
 
 import zerojax
+from tiny_gpt2 import TINY, tiny_gpt2
 from zerojax.models.gpt2 import gpt2_loss
 from zerojax.planning import memory as M
-
-from tiny_gpt2 import TINY, tiny_gpt2
 
 pytestmark = pytest.mark.slow  # builds and trains engines beside held arrays
 

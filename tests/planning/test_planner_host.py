@@ -7,9 +7,8 @@ import dataclasses
 
 import pytest
 
-from zerojax.planning import planner as PL
-
 from tiny_gpt2 import tiny_gpt2 as factory
+from zerojax.planning import planner as PL
 
 pytestmark = pytest.mark.slow  # compiles the planner's candidates
 

@@ -99,8 +99,8 @@ def test_critic_from_a_reward_folder_values_every_position(tmp_path):
     position."""
     transformers = pytest.importorskip("transformers")
     import jax.numpy as jnp
-
     from models.test_lora import _hf_folder  # tests/ on sys.path
+
     from zerojax.methods.ppo import completion_values, make_critic
 
     torch.manual_seed(3)

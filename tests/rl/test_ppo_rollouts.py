@@ -11,12 +11,12 @@ from flax import nnx
 import zerojax
 from zerojax.data.rows import ByteTokens
 from zerojax.methods import get as get_method
-from zerojax.methods.logprobs import completion_logps
 from zerojax.methods.ppo import completion_values, make_actor_loss
 from zerojax.models import Llama, LlamaConfig
 from zerojax.rl import gae, load_prompts, train
-from zerojax.rl.tasks import digit_reward
 from zerojax.rl.ppo_rollouts import PPOOptions, PPOPromptData, PPORollouts
+from zerojax.rl.tasks import digit_reward
+from zerojax.scoring.logprobs import completion_logps
 
 MODEL = LlamaConfig.named("tiny")
 
@@ -71,7 +71,7 @@ def test_resume_with_the_critic_equals_the_uninterrupted_run(digits, tmp_path):
     assert [h["critic/value_loss"] for h in whole_rollouts.history[2:]] == \
         [h["critic/value_loss"] for h in resumed_rollouts.history]
     for a, b in ((whole, resumed), (whole_rollouts.critic, resumed_rollouts.critic)):
-        for x, y in zip(jax.tree.leaves(a.params), jax.tree.leaves(b.params)):
+        for x, y in zip(jax.tree.leaves(a.params), jax.tree.leaves(b.params), strict=True):
             np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
 
 

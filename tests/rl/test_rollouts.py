@@ -12,9 +12,9 @@ from zerojax import lora
 from zerojax.data.rows import ByteTokens
 from zerojax.methods import get as get_method
 from zerojax.methods.grpo import make_grpo_loss
-from zerojax.methods.logprobs import completion_logps
 from zerojax.models import Llama, LlamaConfig
 from zerojax.rl import RolloutBatches, RolloutOptions, load_prompts, train
+from zerojax.scoring.logprobs import completion_logps
 
 MODEL = LlamaConfig.named("tiny")
 LORA = {"r": 4, "lora_alpha": 8, "target_modules": "all-linear", "init_lora_weights": False}
@@ -81,9 +81,9 @@ def _run(digits, steps, *, start=0, load=None, save=None):
 def test_resume_equals_the_uninterrupted_run(digits, tmp_path):
     whole, engine = _run(digits, 4, save=(tmp_path, 2))
     resumed, engine2 = _run(digits, 2, start=2, load=tmp_path)
-    for a, b in zip(whole[2:], resumed):
+    for a, b in zip(whole[2:], resumed, strict=True):
         np.testing.assert_array_equal(a, b)
-    for a, b in zip(jax_leaves(engine.params), jax_leaves(engine2.params)):
+    for a, b in zip(jax_leaves(engine.params), jax_leaves(engine2.params), strict=True):
         np.testing.assert_array_equal(a, b)
 
 

@@ -1,4 +1,4 @@
-"""Rollout log-probs with each group's prompt run once (`zerojax.methods.shared_prompt`) equal the
+"""Rollout log-probs with each group's prompt run once (`zerojax.scoring.shared_prompt`) equal the
 whole rows' (`completion_logps` without group), values and gradients, on a Llama with a sliding
 window and full remat, a GPT-2 and a LoRA Llama (prompt lengths differing between groups, ragged
 completions); what the shared pass does not take falls back to the whole rows; the GRPO method
@@ -13,11 +13,11 @@ from flax import nnx
 
 from zerojax import lora
 from zerojax.methods import get as get_method
-from zerojax.methods import shared_prompt
 from zerojax.methods.grpo import make_grpo_loss
-from zerojax.methods.logprobs import completion_logps
 from zerojax.models import GPT2, GPT2Config, Llama, LlamaConfig
 from zerojax.rl import RolloutOptions
+from zerojax.scoring import shared_prompt
+from zerojax.scoring.logprobs import completion_logps
 
 GROUPS, GROUP, PROMPT, COMPLETION = 3, 4, 9, 7
 
@@ -70,7 +70,7 @@ def test_shared_prompt_equals_whole_rows(name):
     assert (np.asarray(shared)[~mask] == 0).all()
     leaves = jax.tree.leaves(g_whole)
     assert sum(float(jnp.abs(g).sum()) for g in leaves) > 0
-    for a, b in zip(leaves, jax.tree.leaves(g_shared)):
+    for a, b in zip(leaves, jax.tree.leaves(g_shared), strict=True):
         np.testing.assert_allclose(np.asarray(b), np.asarray(a), rtol=1e-4, atol=1e-5 * float(jnp.abs(a).max()))
 
 

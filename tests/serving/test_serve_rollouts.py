@@ -48,7 +48,7 @@ def test_serving_rollouts_equal_generates_and_train_alike():
     assert step_mod.step._cache_size() > served_before  # the serving engine's step made them
     lengths = want[0]["completion_mask"].sum(1)
     assert lengths.min() < lengths.max()  # rows finished at different lengths
-    for a, b in zip(want, got):
+    for a, b in zip(want, got, strict=True):
         assert sorted(a) == sorted(b)
         for key in a:
             np.testing.assert_array_equal(a[key], b[key], err_msg=key)

@@ -60,7 +60,8 @@ def test_continuous_batching_equals_generate_alone_and_transformers(pair):
     prompts = _prompts(hf.config.vocab_size, (5, 17, 3, 30, 9, 12, 2, 21), seed=4)
     greedy = SamplingParams(max_tokens=NEW)
     arrivals = [[(0, prompts[0], greedy), (1, prompts[1], greedy)], [], [(2, prompts[2], greedy)],
-                [(i, prompts[i], greedy) for i in (3, 4, 5)], [], [], [(6, prompts[6], greedy), (7, prompts[7], greedy)]]
+                [(i, prompts[i], greedy) for i in (3, 4, 5)], [], [],
+                [(6, prompts[6], greedy), (7, prompts[7], greedy)]]
     done, waited = _drain(engine, arrivals)
     assert sorted(done) == list(range(len(prompts)))  # none dropped
     assert waited > 0 and engine.stats["preemptions"] > 0  # the pool was too small: queued and preempted
@@ -134,7 +135,8 @@ def test_sampling_is_per_request_and_stops(pair):
     crowd, _ = _drain(engine, [[("g", p[1], SamplingParams(temperature=0.7, top_k=1, max_tokens=NEW,
                                                            ignore_eos=True)),
                                 ("s", p[0], sampled), ("x", p[2], SamplingParams(temperature=1.0, seed=3)),
-                                ("stop", p[1], SamplingParams(max_tokens=NEW, stop_token_ids=[stop_id], ignore_eos=True))]])
+                                ("stop", p[1],
+                                 SamplingParams(max_tokens=NEW, stop_token_ids=[stop_id], ignore_eos=True))]])
     assert crowd["s"].token_ids == alone["s"].token_ids
     assert crowd["g"].token_ids == greedy_ref
     stopped = zerojax.generate(model, p[1], max_new_tokens=NEW, stop=[stop_id], ignore_eos=True)
@@ -168,7 +170,8 @@ def test_a_failing_step_fails_its_requests_and_the_engine_keeps_serving(pair, mo
 
 
 def test_gpt2_continuous_batching_equals_generate_alone(tmp_path):
-    from models.test_gpt2 import CFG, _hf_model as hf_gpt2
+    from models.test_gpt2 import CFG
+    from models.test_gpt2 import _hf_model as hf_gpt2
 
     hf = hf_gpt2(CFG)
     hf.save_pretrained(tmp_path)

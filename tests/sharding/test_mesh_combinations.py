@@ -57,7 +57,7 @@ def batches():
             for i in range(STEPS)]
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def trained(tensor, stages, zero_stage, devices=None):
     """(engine, [(loss, grad_norm)] per step, final fp32 weights); devices: the first N devices
     (default all 8, the mesh `zerojax.shard` builds from the config)."""
@@ -81,7 +81,7 @@ def test_tensor_pipe_and_data_together_train_like_the_plain_model():
     assert dict(eng.mesh.shape) == {"data": 2, "pipe": 2, "tensor": 2}
     assert_trains_like_the_plain_model(trained(2, 2, 1))
     # the layer stack over "pipe", Megatron's MLP split over "tensor", ZeRO-1's optimizer state over "data"
-    spec = tuple(eng.shardings.master["h"]["mlp"]["c_fc"]["kernel"].spec)
+    spec = tuple(eng.layout.shardings.master["h"]["mlp"]["c_fc"]["kernel"].spec)
     assert spec[0] == "pipe" and spec[2] == "tensor", spec
     mu = [a for path, a in jax.tree_util.tree_leaves_with_path(eng.state.opt_state)
           if re.search(r"'c_fc'.*'kernel'", jax.tree_util.keystr(path)) and a.ndim == 3]

@@ -5,10 +5,11 @@ import numpy as np
 import optax
 import pytest
 from flax import nnx
-from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
+from jax.sharding import AxisType, NamedSharding
+from jax.sharding import PartitionSpec as P
 
-from zerojax.sharding import partition
 from zerojax.accumulate import accumulate_gradients, split_microbatches
+from zerojax.sharding import partition
 
 
 def test_make_mesh_axes_and_auto_types():
@@ -82,7 +83,8 @@ def test_logical_axes_map_to_tensor_and_zero_adds_data():
     mesh1 = partition.make_mesh()
     assert partition.tensor_specs(state, mesh1)["up"]["kernel"] == P(None, None)
     # custom ordered rules: first match wins
-    assert partition.logical_to_mesh(("embed", "mlp"), mesh, [("embed", "tensor"), ("mlp", "tensor")]) == P("tensor", None)
+    rules = [("embed", "tensor"), ("mlp", "tensor")]
+    assert partition.logical_to_mesh(("embed", "mlp"), mesh, rules) == P("tensor", None)
 
 
 def test_opt_state_follows_params_and_memory_kind():

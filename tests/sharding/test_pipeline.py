@@ -8,14 +8,13 @@ import jax
 import numpy as np
 import pytest
 from flax import nnx
+from hlo_text import matmul_flops, parse  # noqa: E402 (tests/ is on sys.path under pytest)
+from tiny_mlp import MLP  # noqa: E402 (tests/ is on sys.path under pytest)
+from tiny_mlp import loss_fn as mlp_loss
 
 import zerojax
 from zerojax.config import ConfigError
 from zerojax.models.gpt2 import GPT2, GPT2Config, gpt2_loss
-
-from tiny_mlp import MLP, loss_fn as mlp_loss  # noqa: E402 (tests/ is on sys.path under pytest)
-
-from hlo_text import matmul_flops, parse  # noqa: E402 (tests/ is on sys.path under pytest)
 
 MODEL = GPT2Config.named("tiny", vocab_size=64, n_positions=16, n_embd=32, n_head=2, n_layer=8)
 ROWS, SEQ, GA, STEPS, LR = 32, 16, 4, 3, 0.1
@@ -62,7 +61,7 @@ def trained(stages, repeats=1, zero_stage=0, ckpt=0):
     return _trained(stages, repeats, zero_stage, ckpt)
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _trained(stages, repeats, zero_stage, ckpt):
     eng = engine(stages, repeats, zero_stage, ckpt)
     metrics, first = [], None
@@ -84,17 +83,17 @@ CASES = [(2, 1, 0, 0), (4, 1, 1, 2), (2, 2, 1, 0), (4, 2, 0, 1)]
 def test_pipelined_steps_match_the_plain_model(stages, repeats, zero_stage, ckpt):
     eng, metrics, first, last = trained(stages, repeats, zero_stage, ckpt)
     _, ref_metrics, ref_first, ref_last = trained(1, 1, zero_stage)
-    assert eng.pipeline.stages == stages and eng.mesh.shape["pipe"] == stages
+    assert eng.layout.pipeline.stages == stages and eng.mesh.shape["pipe"] == stages
     assert eng.mesh.shape["data"] == 8 // stages
     np.testing.assert_allclose(metrics, ref_metrics, rtol=REL, atol=0)
     # step 1's update is -LR x (clipped) gradient: the gradients themselves
     for got, want in ((first, ref_first), (last, ref_last)):
-        for (path, a), b in zip(jax.tree_util.tree_leaves_with_path(got), jax.tree.leaves(want)):
+        for (path, a), b in zip(jax.tree_util.tree_leaves_with_path(got), jax.tree.leaves(want), strict=True):
             np.testing.assert_allclose(a, b, rtol=0, atol=WEIGHT_ATOL, err_msg=jax.tree_util.keystr(path))
     # the bubble the engine reports: (S - 1) / (M R + S - 1)
     assert eng.pipeline_bubble == pytest.approx((stages - 1) / (GA * repeats + stages - 1))
     # ZeRO-1: the fp32 master / momentum split over "data" too (the stacked layers: over "pipe")
-    spec = eng.shardings.master["h"]["mlp"]["c_fc"]["kernel"].spec
+    spec = eng.layout.shardings.master["h"]["mlp"]["c_fc"]["kernel"].spec
     assert spec[0] == "pipe" and (("data" in spec) == (zero_stage == 1)), spec
 
 
@@ -122,7 +121,7 @@ def test_a_stage_runs_its_layers_unrolled():
     eng = trained(2, 2, 1, 0)[0]
     per = MODEL.n_layer // (2 * 2)
     iterations = [inner for trips, inner in _loops(eng.compiled_step(SHAPES).as_text()).values()
-                  if trips == eng.pipeline.iterations]
+                  if trips == eng.layout.pipeline.iterations]
     assert len(iterations) >= 2, iterations  # the forward and the backward pass
     assert all(per not in inner for inner in iterations), iterations
 
@@ -180,12 +179,12 @@ def test_per_device_flops(stages, repeats, zero_stage, ckpt):
         layers = GA * MODEL.n_layer * tokens_per_iteration * LAYER_FLOPS * passes
     else:
         per = MODEL.n_layer // (stages * repeats)
-        layers = eng.pipeline.iterations * per * tokens_per_iteration * LAYER_FLOPS * passes
+        layers = eng.layout.pipeline.iterations * per * tokens_per_iteration * LAYER_FLOPS * passes
         if ckpt == 1:
             # a checkpointed group of one layer (no loop left: XLA inlines a one-trip scan) is
             # recomputed without its last matmul, the MLP's down-projection 2 x 4d x d: the
             # backward pass needs that matmul's inputs, not its output
-            layers -= eng.pipeline.iterations * per * tokens_per_iteration * 8 * MODEL.n_embd ** 2
+            layers -= eng.layout.pipeline.iterations * per * tokens_per_iteration * 8 * MODEL.n_embd ** 2
     head = ROWS // 8 * SEQ * HEAD_FLOPS * 3
     assert matmul_flops(eng.compiled_step(SHAPES).as_text()) == layers + head
 

@@ -33,7 +33,7 @@ def train(stage, remat, gather=True):
     return _train(stage, remat, gather)  # one cache key however it is called
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _train(stage, remat, gather, steps=3):
     """The engine after `steps` steps; one engine per setting serves every test (its compiled step is
     cached in it: the HLO and lowering checks read the engine the numerics test trained)."""
@@ -55,9 +55,9 @@ def _train(stage, remat, gather, steps=3):
 def test_stage3_layer_gather_matches_stage0(remat):
     ref = train(0, remat)
     eng = train(3, remat)
-    assert eng.stage3_gather == "layer"
+    assert eng.layout.stage3_gather == "layer"
     for (path, a), b in zip(jax.tree_util.tree_leaves_with_path(eng.master_params),
-                            jax.tree.leaves(ref.master_params)):
+                            jax.tree.leaves(ref.master_params), strict=True):
         name = jax.tree_util.keystr(path)
         a, b = np.asarray(a), np.asarray(b)
         np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-6, err_msg=name)

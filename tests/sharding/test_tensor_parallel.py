@@ -9,12 +9,13 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
+from tiny_mlp import MLP  # noqa: E402 (tests/ is on sys.path under pytest)
+from tiny_mlp import loss_fn as mlp_loss
 
 from zerojax import ConfigError, load_config, shard
+from zerojax.models.gpt2 import GPT2, GPT2Config, gpt2_loss
 from zerojax.planning import estimate as est
 from zerojax.train.layout import build_layout
-from zerojax.models.gpt2 import GPT2, GPT2Config, gpt2_loss
-from tiny_mlp import MLP, loss_fn as mlp_loss  # noqa: E402 (tests/ is on sys.path under pytest)
 
 N = 8  # devices (tests/conftest.py)
 STEPS, LR, SEQ = 3, 1e-2, 16
@@ -50,7 +51,7 @@ def as_numpy(tree):
     return jax.tree.map(lambda a: np.asarray(a, np.float32), tree)
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def run(tp, stage, prec="fp32", ga=1):
     """Engine after STEPS steps, its fp32 master weights and losses (shared by several tests)."""
     eng = shard(GPT2(TINY, rngs=nnx.Rngs(0)), config(tp, stage, prec, ga), loss_fn=gpt2_loss)
@@ -59,7 +60,7 @@ def run(tp, stage, prec="fp32", ga=1):
 
 
 def assert_trees_close(a, b, atol, rtol=0.0):
-    for (path, x), y in zip(jax.tree_util.tree_leaves_with_path(a), jax.tree.leaves(b)):
+    for (path, x), y in zip(jax.tree_util.tree_leaves_with_path(a), jax.tree.leaves(b), strict=True):
         np.testing.assert_allclose(x, y, rtol=rtol, atol=atol, err_msg=jax.tree_util.keystr(path))
 
 
@@ -135,7 +136,7 @@ def test_fp16_loss_scaling_and_accumulation_under_tensor_parallelism():
     np.testing.assert_allclose(losses, ref_losses, rtol=2 * 2.0**-11)
     init = as_numpy(nnx.to_pure_dict(nnx.state(GPT2(TINY, rngs=nnx.Rngs(0)), nnx.Param)))
     for (path, x), y, x0 in zip(jax.tree_util.tree_leaves_with_path(master), jax.tree.leaves(ref),
-                                jax.tree.leaves(init)):
+                                jax.tree.leaves(init), strict=True):
         moved = np.linalg.norm(y - x0)
         assert moved > 0 and np.linalg.norm(x - y) <= FP16_UPDATE_RTOL * moved, jax.tree_util.keystr(path)
     assert eng.skipped_steps == ref_eng.skipped_steps
@@ -246,7 +247,7 @@ def test_checkpoint_reshards_across_tensor_sizes_and_exports_whole_tensors(tmp_p
         other.load_checkpoint(str(tmp_path / "ckpt"))
         assert other.mesh.shape["tensor"] == tp
         assert_trees_close(as_numpy(other.master_params), master, atol=0)
-        for a, b in zip(moments(other), saved_moments):
+        for a, b in zip(moments(other), saved_moments, strict=True):
             np.testing.assert_array_equal(a, b)
         assert other.global_steps == STEPS
         if tp == 4:
@@ -380,8 +381,9 @@ def test_deepspeed_filled_autotp_config_loads_with_its_batch_rule():
 
 def test_estimates_split_model_states_and_activations_over_the_tensor_axis():
     """Model states: each device holds 1 / t of the parameters before ZeRO divides by the data ranks
-    (the ZeRO paper's accounting: 2 + 12 bytes a parameter without gradients, stage 0, Adam). Activations: Korthikanti et al. 2022,
-    table 2, s·b·h·(34 + 5·a·s/h) per layer without parallelism, 34/t with tensor + sequence
+    (the ZeRO paper's accounting: 2 + 12 bytes a parameter without gradients, stage 0, Adam).
+    Activations: Korthikanti et al. 2022, table 2, s·b·h·(34 + 5·a·s/h) per layer without parallelism,
+    34/t with tensor + sequence
     parallelism (flash attention: no score matrices); a tensor group trains micro x t rows, so under
     DeepSpeed's batch rule a device saves what a data-parallel device does at the same micro-batch."""
     psi = 774_030_080  # GPT-2 Large (HF's num_parameters)

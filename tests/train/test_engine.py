@@ -9,10 +9,9 @@ import numpy as np
 import optax
 import pytest
 from flax import nnx
+from tiny_mlp import MLP, loss_fn  # noqa: E402 (tests/ is on sys.path under pytest)
 
 from zerojax.api import shard
-
-from tiny_mlp import MLP, loss_fn  # noqa: E402 (tests/ is on sys.path under pytest)
 
 N = 8          # data-parallel devices (conftest)
 ROWS = 32      # global batch: 8 devices x micro 4 x GA 1, or x micro 1 x GA 4
@@ -40,7 +39,7 @@ def config(stage, prec, ga, **extra):
     }
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def run(stage, prec, ga):
     """Engine after STEPS steps, its fp32 master weights and metrics (shared by several tests)."""
     eng = shard(MLP(nnx.Rngs(0)), config(stage, prec, ga), loss_fn=loss_fn)
@@ -57,7 +56,7 @@ def padded(a):
 
 
 def assert_trees_close(a, b, rtol, atol):
-    for (path, x), y in zip(jax.tree_util.tree_leaves_with_path(a), jax.tree.leaves(b)):
+    for (path, x), y in zip(jax.tree_util.tree_leaves_with_path(a), jax.tree.leaves(b), strict=True):
         np.testing.assert_allclose(x, y, rtol=rtol, atol=atol, err_msg=jax.tree_util.keystr(path))
 
 

@@ -18,7 +18,7 @@ from flax import nnx
 
 import zerojax
 from zerojax.config import REMAT_POLICY_NAMES, remat_policy_for
-from zerojax.models.gpt2 import GPT2, GPT2Config, REMAT_POLICIES, gpt2_loss
+from zerojax.models.gpt2 import GPT2, REMAT_POLICIES, GPT2Config, gpt2_loss
 from zerojax.xla_flags import apply_xla_flags, merged_xla_flags
 
 CFG = GPT2Config.named("tiny")  # 2 layers, d 64, 4 heads of 16, vocab 256
@@ -91,6 +91,7 @@ def test_gelu_new_is_jaxs_gelu_with_a_backward_that_keeps_only_its_input():
 def test_jax_names_its_cudnn_attention_forward_as_the_policies_expect():
     """The save_*attention policies find cuDNN's attention forward by its primitive's name."""
     from jax._src.cudnn import fused_attention_stablehlo as cudnn_attention
+
     from zerojax.models.gpt2 import CUDNN_ATTENTION_FORWARD
 
     assert cudnn_attention._dot_product_attention_fwd_p_wrapper.name == CUDNN_ATTENTION_FORWARD
@@ -102,6 +103,7 @@ def cudnn_attention_stand_in(monkeypatch):
     VJP whose forward is a primitive of cuDNN's name returning the output and fp32 softmax
     statistics [B, H, T], whose backward needs q, k, v, both. Only traced, never run."""
     from jax.extend.core import Primitive
+
     from zerojax.models.gpt2 import CUDNN_ATTENTION_FORWARD
 
     fwd_p = Primitive(CUDNN_ATTENTION_FORWARD)
@@ -250,8 +252,8 @@ def test_the_step_time_model_knows_every_remat_policy_of_the_model():
     a step for the policy a config names), ordered by what each keeps: a policy that saves a
     superset recomputes no more. Reference: PaLM's 6N + 12 L d T for no remat, plus one forward of
     the blocks (2 x layer params + 4 L d T) for "full"."""
-    from zerojax.planning import estimate as est
     from zerojax.models.gpt2 import REMAT_POLICIES
+    from zerojax.planning import estimate as est
 
     shape = est.ModelShape(params=774_030_080, layer_params=36 * 12 * 1280**2, n_layer=36, d_model=1280,
                            seq_len=1024)
@@ -318,7 +320,7 @@ def test_fused_cross_entropy_against_float64():
         assert np.abs(np.asarray(got) - ref).max() <= 1e-5 * np.abs(ref).max()
     xb, wb = x.astype(jnp.bfloat16), w.astype(jnp.bfloat16)
     _, ref_dx16, ref_dw16 = _ce_reference(xb.astype(jnp.float32), wb.astype(jnp.float32), targets, vocab)
-    for got, ref in zip(jax.grad(loss, (0, 1))(xb, wb), (3 * ref_dx16, 3 * ref_dw16)):
+    for got, ref in zip(jax.grad(loss, (0, 1))(xb, wb), (3 * ref_dx16, 3 * ref_dw16), strict=True):
         assert got.dtype == jnp.bfloat16
         assert np.abs(np.asarray(got, np.float32) - ref).max() <= 2.0**-6 * np.abs(ref).max()
     whole = f"f32[{Bx},{Tx},{V}]"

@@ -113,11 +113,11 @@ def trains_as_the_whole_master(runs):
     chunks holding int16 remainders, half the fp32 master's bytes."""
     split, whole = runs.split, runs.whole
     assert len(runs.losses[True]) == 4 and runs.losses[True] == runs.losses[False]
-    for x, y in zip(jax.tree.leaves(split.state.params), jax.tree.leaves(whole.state.params)):
+    for x, y in zip(jax.tree.leaves(split.state.params), jax.tree.leaves(whole.state.params), strict=True):
         np.testing.assert_array_equal(np.asarray(x, np.float32), np.asarray(y, np.float32))
-    for x, y in zip(jax.tree.leaves(split.master_params), jax.tree.leaves(whole.master_params)):
+    for x, y in zip(jax.tree.leaves(split.master_params), jax.tree.leaves(whole.master_params), strict=True):
         np.testing.assert_allclose(np.asarray(x), np.asarray(y), rtol=ULP4, atol=UPDATES)
-    hosts = [i for i, c in enumerate(split.offload_layout.layout.chunks) if c.host]
+    hosts = [i for i, c in enumerate(split.layout.offload.layout.chunks) if c.host]
     assert hosts and all(x.dtype == jnp.int16 for i in hosts for x in jax.tree.leaves(split.state.master[i]))
     nbytes = lambda e: sum(x.nbytes for i in hosts for x in jax.tree.leaves(e.state.master[i]))  # noqa: E731
     assert 2 * nbytes(split) == nbytes(whole)
@@ -133,7 +133,7 @@ def resumes_both_ways(tmp_path, runs, engine_with, later):
     for option, src in ((False, runs.saved), (True, tmp_path / "b")):
         eng = engine_with(option)
         eng.load_checkpoint(src)
-        for x, y in zip(jax.tree.leaves(eng.master_params), ref):
+        for x, y in zip(jax.tree.leaves(eng.master_params), ref, strict=True):
             np.testing.assert_allclose(np.asarray(x), y, rtol=ULP4, atol=UPDATES)
         if src == runs.saved:
             eng.save_checkpoint(tmp_path / "b")  # saved without the option, resumed with it next
@@ -170,7 +170,8 @@ def test_in_place_split_trains_as_the_fp32_master_and_checkpoints_it(par, tmp_pa
     monkeypatch.setattr(stored, "BLOCK_BYTES", 4096)
     monkeypatch.setattr(split_master, "CONSUME_BYTES", 1)
     runs = Runs(lambda split: in_place_engine(split, par), batches(4), tmp_path_factory.mktemp("in_place_split"))
-    assert runs.split.offload_settings["loop"] == "in_place" and runs.split.offload_settings["split_master"] is True
+    settings = runs.split.layout.offload_settings
+    assert settings["loop"] == "in_place" and settings["split_master"] is True
     assert stored.rows_per_block(runs.split.state.params["wte"]) < runs.split.state.params["wte"].shape[0]
     trains_as_the_whole_master(runs)
     resumes_both_ways(tmp_path, runs, lambda option: in_place_engine(option, par), batches(4)[2:])
@@ -184,8 +185,8 @@ def test_split_master_is_the_default_where_it_applies():
                                     ("bf16", jnp.bfloat16, "in_place", False)):
         eng = zerojax.shard(make(dtype), config(2, prec, "cpu"), loss_fn=gpt2.gpt2_loss,
                             options=zerojax.EngineOptions(offload_loop=loop))
-        assert eng.offload_settings["split_master"] is want
-        hosts = [i for i, c in enumerate(eng.offload_layout.layout.chunks) if c.host]
+        assert eng.layout.offload_settings["split_master"] is want
+        hosts = [i for i, c in enumerate(eng.layout.offload.layout.chunks) if c.host]
         dtypes = {x.dtype for i in hosts for x in jax.tree.leaves(eng.state.master[i])}
         assert dtypes == ({jnp.dtype(jnp.int16)} if want else {jnp.dtype(jnp.float32)})
 
@@ -239,14 +240,14 @@ def test_device_master_split_trains_as_the_fp32_master(stage, accum, nan_at):
     whole, want = train_on_device(False, stage, accum=accum, nan_at=nan_at)
     np.testing.assert_array_equal(losses, want)
     assert split.skipped_steps == whole.skipped_steps == len(nan_at)
-    for x, y in zip(jax.tree.leaves(split.state.params), jax.tree.leaves(whole.state.params)):
+    for x, y in zip(jax.tree.leaves(split.state.params), jax.tree.leaves(whole.state.params), strict=True):
         np.testing.assert_array_equal(np.asarray(x, np.float32), np.asarray(y, np.float32))
-    for x, y in zip(jax.tree.leaves(split.master_params), jax.tree.leaves(whole.master_params)):
+    for x, y in zip(jax.tree.leaves(split.master_params), jax.tree.leaves(whole.master_params), strict=True):
         assert x.dtype == jnp.float32 and x.sharding == y.sharding
         np.testing.assert_allclose(np.asarray(x), np.asarray(y), rtol=ULP4, atol=UPDATES)
     # the state holds int16 remainders in the master's sharding: half the fp32 master's bytes
     assert {x.dtype for x in jax.tree.leaves(split.state.master)} == {jnp.dtype(jnp.int16)}
-    for x, y in zip(jax.tree.leaves(split.state.master), jax.tree.leaves(whole.state.master)):
+    for x, y in zip(jax.tree.leaves(split.state.master), jax.tree.leaves(whole.state.master), strict=True):
         assert x.sharding == y.sharding
     assert 2 * split.memory_report()["master"] == whole.memory_report()["master"]
     assert "master (int16 remainder)" in str(split.memory_report()) and "fp32 master" in str(whole.memory_report())
@@ -256,7 +257,7 @@ def test_device_master_split_trains_as_the_fp32_master(stage, accum, nan_at):
 @pytest.mark.slow
 def test_device_master_split_initial_state_is_the_split_of_the_fp32_one(built):
     """The split master's initial state (allocated longest-lived first, its fp32 master last:
-    Engine._init_split_master) is the default initial state split: the same compute params, rest
+    init_state.initial_state) is the default initial state split: the same compute params, rest
     and optimizer state, and as remainders exactly `step.stored_master` of the fp32 master; from a
     model callable and from a built model's values."""
     from zerojax.train import step
@@ -270,17 +271,17 @@ def test_device_master_split_initial_state_is_the_split_of_the_fp32_one(built):
     # the split writes into the donated params / remainder buffers (no second copy of either at
     # init: measured on an H200, jit's default of dropping unused arguments cost 2.9 GiB and a
     # fragmented pool): every output aliases an input
-    from zerojax.train.engine import _split_into_program
+    from zerojax.train.init_state import split_into_program
 
     args = (whole.state.master, split.state.params, split.state.master)
-    hlo = _split_into_program(split.layout).lower(*args).compile().as_text()
+    hlo = split_into_program(split.layout).lower(*args).compile().as_text()
     aliased = [line for line in hlo.splitlines() if "input_output_alias=" in line]
     assert aliased and len(re.findall(r"(may|must)-alias", aliased[0])) == len(jax.tree.leaves(args[1:]))
     want = step.stored_master(split.layout.step, whole.state.master)
     for got, ref in ((split.state.params, whole.state.params), (split.state.master, want),
                      (split.state.opt_state, whole.state.opt_state), (split.state.rest, whole.state.rest)):
         assert jax.tree.structure(got) == jax.tree.structure(ref)
-        for x, y in zip(jax.tree.leaves(got), jax.tree.leaves(ref)):
+        for x, y in zip(jax.tree.leaves(got), jax.tree.leaves(ref), strict=True):
             if jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key):
                 x, y = jax.random.key_data(x), jax.random.key_data(y)
             assert x.dtype == y.dtype and x.sharding == y.sharding
@@ -327,7 +328,7 @@ def test_device_master_split_restore_frees_its_fp32_read_before_repacking(device
     eng.load_checkpoint(saved)
     assert beside == []
     raw = lambda x: np.asarray(jax.random.key_data(x) if jnp.issubdtype(x.dtype, jax.dtypes.prng_key) else x)  # noqa: E731
-    for x, y in zip(jax.tree.leaves(eng.state), jax.tree.leaves(plain.state)):
+    for x, y in zip(jax.tree.leaves(eng.state), jax.tree.leaves(plain.state), strict=True):
         np.testing.assert_array_equal(raw(x), raw(y))
 
 
@@ -364,14 +365,15 @@ def test_device_master_split_with_tensor_and_pipeline_axes(axis):
                             loss_fn=gpt2.gpt2_loss, options=zerojax.EngineOptions(split_master=DEVICE[split]))
         rng = np.random.default_rng(0)
         rows = eng.cfg.train_batch_size
-        losses = [float(eng.train_step({"input_ids": rng.integers(0, C.vocab_size, (rows, 8)).astype(np.int32)})["loss"])
+        losses = [float(eng.train_step({"input_ids": rng.integers(0, C.vocab_size,
+                                                                  (rows, 8)).astype(np.int32)})["loss"])
                   for _ in range(3)]
         return eng, losses
 
     (split, losses), (whole, want) = run(True), run(False)
     assert losses == want
     assert {x.dtype for x in jax.tree.leaves(split.state.master)} == {jnp.dtype(jnp.int16)}
-    for x, y in zip(jax.tree.leaves(split.master_params), jax.tree.leaves(whole.master_params)):
+    for x, y in zip(jax.tree.leaves(split.master_params), jax.tree.leaves(whole.master_params), strict=True):
         np.testing.assert_allclose(np.asarray(x), np.asarray(y), rtol=ULP4, atol=UPDATES)
 
 
@@ -400,7 +402,7 @@ def test_in_place_split_converts_a_layer_group_at_a_time():
     # moves to the device larger than one group (before, the whole chunk went there at once)
     eng = in_place_engine(True, "cpu")
     jax.block_until_ready(eng.master_params)  # (the conversion back to fp32, as a save or an export runs it)
-    off, cache = eng.offload_layout, eng.layout.step.offload.converters
+    off, cache = eng.layout.offload, eng.layout.step.offload.converters
     loops = [(i, c) for i, c in enumerate(off.layout.chunks) if c.host and c.loop > 1]
     assert loops, off.layout.chunks
     i, c = loops[0]
@@ -410,7 +412,7 @@ def test_in_place_split_converts_a_layer_group_at_a_time():
         # (init makes the remainders a batch of leaves at a time, one program a batch; any takes the whole chunk)
         run = next(v for k, v in cache.items() if k[:4] == (c.rest, c.hi - c.lo, c.loop, to_split))
         m = rems if not to_split else jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, jnp.float32), rems)
-        out = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, jnp.float32 if not to_split else jnp.int16), rems)
+        out = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, jnp.float32 if not to_split else jnp.int16), rems)  # noqa: B023 - called within this iteration
         text = str(jax.make_jaxpr(run.loop)(m, eng.state.params, c.lo, out))
         moved = [tuple(int(d) for d in dims.split(",")) for line in text.splitlines() if "device_put[" in line
                  for dims in re.findall(r":\w+\[([\d,]+)\]", line.split("device_put[")[0])]

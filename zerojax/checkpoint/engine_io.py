@@ -6,23 +6,22 @@ thin calls into `save_engine_state` / `load_engine_state`.
 """
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.sharding import NamedSharding, PartitionSpec as P
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 
-from zerojax import user_tree
-
+from zerojax import byte_sizes, user_tree
 from zerojax.checkpoint import files as checkpoint_files
 from zerojax.checkpoint import lock as checkpoint_lock
+from zerojax.checkpoint import state as checkpoint
 from zerojax.checkpoint.finite import NonFiniteState, first_nonfinite
 from zerojax.checkpoint.tags import check_tag
-from zerojax.checkpoint import state as checkpoint
 from zerojax.models import weights_writer
 from zerojax.offload.memory_kinds import host_memory_kind, is_host
-from zerojax import byte_sizes
 from zerojax.sharding.partition import held_bytes
 from zerojax.train_state import TrainState
 

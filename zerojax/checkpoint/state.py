@@ -35,7 +35,8 @@ from __future__ import annotations
 
 import json
 import os
-from typing import Any, Callable, NamedTuple
+from collections.abc import Callable
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -43,8 +44,7 @@ import numpy as np
 import orbax.checkpoint as ocp
 from jax.experimental import multihost_utils
 
-from zerojax.checkpoint import stream
-from zerojax.checkpoint import checksums, space
+from zerojax.checkpoint import checksums, space, stream
 from zerojax.checkpoint.errors import CheckpointError
 from zerojax.checkpoint.tags import LATEST, TMP_MARK, TagError, check_tag
 from zerojax.precision import DynamicLossScaleState

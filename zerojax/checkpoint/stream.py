@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
-from typing import Callable
+from collections.abc import Callable
 
 import jax
 import numpy as np

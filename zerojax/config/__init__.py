@@ -31,17 +31,51 @@ DeepSpeed's reason.
 """
 from __future__ import annotations
 
-from zerojax.config._values import AUTO, ConfigError, ConfigWarning  # noqa: F401 -- the public names
-from zerojax.config._schema import (  # noqa: F401 -- the public names
-    ActivationCheckpointingConfig, BF16Config, CSVConfig, CheckpointConfig, CometConfig, CommsLoggerConfig,
-    CompileConfig, Config, DEEPSPEED_VERSION, DataTypesConfig, FP16Config, FlopsProfilerConfig,
-    HybridEngineConfig, OffloadOptimizerConfig, OffloadParamConfig, OptimizerConfig, PipelineConfig,
-    pipeline_stages,
-    REMAT_POLICY_NAMES, REMOVED_TOP_LEVEL_KEYS, REMOVED_ZERO_KEYS, SchedulerConfig, TensorBoardConfig, TensorParallelConfig,
-    ThroughputTimerConfig, TimersConfig, TrackioConfig, WandbConfig, ZeroConfig, remat_policy_for)
+from zerojax.config._load import auto_keys, hidden_size_fill, load_config, read_source, xla_flags_for  # noqa: F401 -- the public names
 from zerojax.config._params import (  # noqa: F401 -- the public names
-    FLOAT32_MAX, MAX_GRAD_NORM_MSG, OPTIMIZER_PARAMS, Param, SCHEDULER_PARAMS, SUPPORTED_OPTIMIZERS, SUPPORTED_SCHEDULERS,
-    UNSUPPORTED_OPTIMIZERS, canonical_optimizer, check_optimizer_params, check_scheduler_params,
-    learning_rate_problem)
-from zerojax.config._load import (  # noqa: F401 -- the public names
-    auto_keys, hidden_size_fill, load_config, read_source, xla_flags_for)
+    FLOAT32_MAX,
+    MAX_GRAD_NORM_MSG,
+    OPTIMIZER_PARAMS,
+    SCHEDULER_PARAMS,
+    SUPPORTED_OPTIMIZERS,
+    SUPPORTED_SCHEDULERS,
+    UNSUPPORTED_OPTIMIZERS,
+    Param,
+    canonical_optimizer,
+    check_optimizer_params,
+    check_scheduler_params,
+    learning_rate_problem,
+)
+from zerojax.config._schema import (  # noqa: F401 -- the public names
+    DEEPSPEED_VERSION,
+    REMAT_POLICY_NAMES,
+    REMOVED_TOP_LEVEL_KEYS,
+    REMOVED_ZERO_KEYS,
+    ActivationCheckpointingConfig,
+    BF16Config,
+    CheckpointConfig,
+    CometConfig,
+    CommsLoggerConfig,
+    CompileConfig,
+    Config,
+    CSVConfig,
+    DataTypesConfig,
+    FlopsProfilerConfig,
+    FP16Config,
+    HybridEngineConfig,
+    OffloadOptimizerConfig,
+    OffloadParamConfig,
+    OptimizerConfig,
+    PipelineConfig,
+    SchedulerConfig,
+    TensorBoardConfig,
+    TensorParallelConfig,
+    ThroughputTimerConfig,
+    TimersConfig,
+    TrackioConfig,
+    WandbConfig,
+    ZeroConfig,
+    pipeline_stages,
+    remat_policy_for,
+)
+from zerojax.config._values import AUTO, ConfigError, ConfigWarning  # noqa: F401 -- the public names

@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 import re
-from typing import Mapping
+from collections.abc import Mapping
 
 # tensor_parallel.partition_config, as DeepSpeed's AutoTPConfig.from_dict reads it
 # (deepspeed/module_inject/autotp_config.py): its keys, and each layer_specs entry's.

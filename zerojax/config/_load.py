@@ -4,22 +4,55 @@ from __future__ import annotations
 import dataclasses
 import os
 import warnings
+from collections.abc import Mapping
 from dataclasses import fields
-from typing import Any, Mapping
+from typing import Any
 
 import hjson
 
 from zerojax.config._autotp import check_partition_config
-from zerojax.config._values import (
-    ConfigError, ConfigWarning, convert, freeze, is_auto, plain, suggest, unknown, one_edit_apart)
-from zerojax.config._schema import (
-    BF16Config, Config, DEEPSPEED_VERSION, FP16Config, OffloadOptimizerConfig, OffloadParamConfig,
-    OptimizerConfig, PipelineConfig, REMOVED_TOP_LEVEL_KEYS, REMOVED_ZERO_KEYS, SchedulerConfig,
-    TensorParallelConfig, ZeroConfig, pipeline_stages, AioConfig, AIO_ALIASES, REMOVED_ISSUE, TP_ALIASES, ZERO_ALIASES, ZERO_DEPRECATED_NOOP)
 from zerojax.config._params import (
-    MAX_GRAD_NORM_MSG, SUPPORTED_OPTIMIZERS, SUPPORTED_SCHEDULERS, UNSUPPORTED_OPTIMIZERS, canonical_optimizer,
-    check_optimizer_params, check_scheduler_params)
-
+    MAX_GRAD_NORM_MSG,
+    SUPPORTED_OPTIMIZERS,
+    SUPPORTED_SCHEDULERS,
+    UNSUPPORTED_OPTIMIZERS,
+    canonical_optimizer,
+    check_optimizer_params,
+    check_scheduler_params,
+)
+from zerojax.config._schema import (
+    AIO_ALIASES,
+    DEEPSPEED_VERSION,
+    REMOVED_ISSUE,
+    REMOVED_TOP_LEVEL_KEYS,
+    REMOVED_ZERO_KEYS,
+    TP_ALIASES,
+    ZERO_ALIASES,
+    ZERO_DEPRECATED_NOOP,
+    AioConfig,
+    BF16Config,
+    Config,
+    FP16Config,
+    OffloadOptimizerConfig,
+    OffloadParamConfig,
+    OptimizerConfig,
+    PipelineConfig,
+    SchedulerConfig,
+    TensorParallelConfig,
+    ZeroConfig,
+    pipeline_stages,
+)
+from zerojax.config._values import (
+    ConfigError,
+    ConfigWarning,
+    convert,
+    freeze,
+    is_auto,
+    one_edit_apart,
+    plain,
+    suggest,
+    unknown,
+)
 
 _BATCH_KEYS = ("train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps")
 _CONFIG_KEYS = tuple(f.name for f in fields(Config) if f.name != "world_size")
@@ -326,7 +359,8 @@ def _build_aio(value, problems, notes):
     if isinstance(value, Mapping):
         unknown = [k for k in value if k not in {f.name for f in fields(AioConfig)} and k not in AIO_ALIASES]
         for key in unknown:
-            notes.append(f"aio.{key}: unknown key, ignored (as DeepSpeed ignores it){suggest(key, [f.name for f in fields(AioConfig)])}")
+            hint = suggest(key, [f.name for f in fields(AioConfig)])
+            notes.append(f"aio.{key}: unknown key, ignored (as DeepSpeed ignores it){hint}")
         value = {k: v for k, v in value.items() if k not in unknown}
     aio = _build(AioConfig, value, "aio", problems, aliases=AIO_ALIASES)
     if aio.use_gds:
@@ -364,8 +398,8 @@ def _build_zero(raw, value, problems):
     value = dict(value)
     path = "zero_optimization"
     # DeepSpeed's deprecated booleans that create an offload section.
-    for old, new, cls in (("cpu_offload", "offload_optimizer", OffloadOptimizerConfig),
-                          ("cpu_offload_param", "offload_param", OffloadParamConfig)):
+    for old, new, _cls in (("cpu_offload", "offload_optimizer", OffloadOptimizerConfig),
+                           ("cpu_offload_param", "offload_param", OffloadParamConfig)):
         if old not in value:
             continue
         flag = value.pop(old)

@@ -7,7 +7,6 @@ from typing import Any, NamedTuple
 
 from zerojax.config._values import convert, freeze, is_auto, unknown
 
-
 SUPPORTED_OPTIMIZERS = ("Adam", "AdamW", "Lamb", "Lion", "SGD", "Adagrad")
 _NUM, _NONNEG, _BOOL, _BETAS, _POSINT, _INT = "num", "nonneg", "bool", "betas", "posint", "int"
 _LR = "lr"  # a learning rate: finite, >= 0, and one that float32 holds (the optimizer's arithmetic is fp32)

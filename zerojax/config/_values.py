@@ -7,9 +7,8 @@ import json
 import math
 import types
 import warnings
+from collections.abc import Mapping
 from dataclasses import field, fields
-from typing import Mapping
-
 
 AUTO = "auto"
 

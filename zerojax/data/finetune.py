@@ -27,7 +27,7 @@ from collections.abc import Iterator, Sequence
 
 import numpy as np
 
-from zerojax.data.text import DataError, HFTokenizer, process_slot, epoch_order
+from zerojax.data.text import DataError, HFTokenizer, epoch_order, process_slot
 
 FORMATS = {"text": ("text",), "prompt_completion": ("prompt", "completion"), "messages": ("messages",)}
 ROLES = ("system", "user", "assistant", "tool")
@@ -404,5 +404,6 @@ def load_finetune_data(source: str | os.PathLike, tokenizer, *, seq_len: int, pa
     return FinetuneData(arrays=arrays, tokenizer=tokenizer, seq_len=seq_len, format=fmt, truncated=truncated)
 
 
-__all__ = ["FORMATS", "FinetuneData", "HeldOutRows", "load_finetune_data", "read_records", "jsonl_records", "pad_id_of", "record_format", "encode_record", "pack_examples",
+__all__ = ["FORMATS", "FinetuneData", "HeldOutRows", "load_finetune_data", "read_records", "jsonl_records", "pad_id_of",
+           "record_format", "encode_record", "pack_examples",
            "render_chat", "assistant_spans", "compile_chat_template"]

@@ -28,9 +28,15 @@ import dataclasses
 import os
 import warnings
 
-
-from zerojax.data.finetune import (FinetuneData, HeldOutRows, encode_record, jsonl_records, named_pad_id,
-                                   pack_examples, pad_id_of)
+from zerojax.data.finetune import (
+    FinetuneData,
+    HeldOutRows,
+    encode_record,
+    jsonl_records,
+    named_pad_id,
+    pack_examples,
+    pad_id_of,
+)
 from zerojax.data.text import DataError, HFTokenizer
 
 KEYS = ("prompt", "chosen", "rejected")
@@ -139,7 +145,7 @@ class PreferenceRows(HeldOutRows):
         """Every pair's arrays (train rows, then validation rows)."""
         return self.data.arrays
 
-    def with_arrays(self, **arrays) -> "PreferenceRows":
+    def with_arrays(self, **arrays) -> PreferenceRows:
         """The same pairs with more per-pair arrays ([rows, ...] in `arrays`' row order), e.g. a
         reference model's "ref_chosen_logps" / "ref_rejected_logps"."""
         for k, v in arrays.items():

@@ -66,7 +66,8 @@ def _target(model_or_engine) -> _Target:
         placed = [d for x in leaves if isinstance(x, jax.Array) for d in x.devices()]
         return _Target(state, decoder.ModuleSource(graphdef), model_or_engine, 1, placed[0] if placed else None,
                        max(len(set(placed)), 1))
-    raise TypeError(f"zerojax.generate: a zerojax model (Llama, GPT2) or an Engine, got {type(model_or_engine).__name__}")
+    raise TypeError("zerojax.generate: a zerojax model (Llama, GPT2) or an Engine, "
+                    f"got {type(model_or_engine).__name__}")
 
 
 def _encode(tokenizer, text: str, add_special_tokens: bool) -> list[int]:

@@ -71,8 +71,8 @@ def decode_attention(q, keys, values, layer, first, last, *, pages=None, scale: 
     scores in fp32 from q's dtype, the probabilities cast to the cache's dtype for their product
     with the values, fp32 accumulation (as `cache.attend`). block None: `slot_block(S)`. splits:
     programs per (row, kv head), each over its own share of the blocks that hold the row's visible
-    slots, their partial softmaxes merged after (None: `split_count`). interpret None: compiled on GPU, Pallas' interpreter
-    elsewhere."""
+    slots, their partial softmaxes merged after (None: `split_count`). interpret None: compiled on
+    GPU, Pallas' interpreter elsewhere."""
     B, H, Dh = q.shape
     if pages is not None:  # a paged pool: a page a block, the table's width in slots
         L, _, K, block, _ = keys.shape

@@ -43,7 +43,7 @@ def decode_logits(fam: LayerPieces, x):
     return fam.logits(fam.final_norm(x), head=decode_head)
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def geometry_of_config(config) -> Geometry:
     """The cache geometry from a model config alone (before any program is traced)."""
     fam = registry.for_config(config)

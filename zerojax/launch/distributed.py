@@ -22,7 +22,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
-from typing import Mapping
+from collections.abc import Mapping
 
 from zerojax._jax_compat import backends_started, detected_cluster, distributed_state
 

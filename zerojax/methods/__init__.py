@@ -22,7 +22,8 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
-from typing import Any, Callable, Mapping
+from collections.abc import Callable, Mapping
+from typing import Any
 
 
 @dataclasses.dataclass(frozen=True)
@@ -69,7 +70,8 @@ class Method:
             if key not in self.options:
                 near = difflib.get_close_matches(key, list(self.options), n=1)
                 hint = f"; did you mean {near[0]!r}?" if near else ""
-                raise ValueError(f"method {self.name!r}: unknown option {key!r}{hint} (options: {sorted(self.options)})")
+                raise ValueError(f"method {self.name!r}: unknown option {key!r}{hint} "
+                                 f"(options: {sorted(self.options)})")
         return {**self.options, **(self.data_options(data) if data is not None else {}), **options}
 
 

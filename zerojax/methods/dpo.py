@@ -38,7 +38,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from zerojax.methods.logprobs import pair_batch, sequence_logps, with_loss_terms
+from zerojax.scoring.logprobs import pair_batch, sequence_logps, with_loss_terms
 
 LOSS_TYPES = ("sigmoid", "ipo")
 REFERENCES = ("adapters_off", "precomputed")
@@ -120,7 +120,7 @@ def make_dpo_loss(beta: float = 0.1, loss_type: str = "sigmoid", label_smoothing
     over the batch's pairs. batch: "chosen_ids", "chosen_labels", "rejected_ids",
     "rejected_labels" [B, T] (`zerojax.data.preference`), and with reference="precomputed"
     "ref_chosen_logps" / "ref_rejected_logps" [B]. chunk: the log-probs' logits `chunk`
-    positions at a time (`zerojax.methods.logprobs`)."""
+    positions at a time (`zerojax.scoring.logprobs`)."""
     check_options(beta, loss_type, label_smoothing, reference)
 
     def loss_fn(model, batch):
@@ -178,5 +178,6 @@ def precompute_reference(model, data, batch_size: int, *, chunk: int | None = No
     return data.with_arrays(ref_chosen_logps=both[:, 0], ref_rejected_logps=both[:, 1])
 
 
-__all__ = ["dpo_loss", "make_dpo_loss", "precompute_reference", "preference_metrics", "reference_logps", "check_reference",
+__all__ = ["dpo_loss", "make_dpo_loss", "precompute_reference", "preference_metrics", "reference_logps",
+           "check_reference",
            "check_options", "LOSS_TYPES", "REFERENCES"]

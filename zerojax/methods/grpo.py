@@ -21,8 +21,8 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from zerojax.methods.logprobs import completion_logps, with_loss_terms
 from zerojax.rl.rollouts import LOSS_LEVELS, GRPOOptions
+from zerojax.scoring.logprobs import completion_logps, masked_mean, with_loss_terms
 
 
 def check_options(eps_low, eps_high, kl_coef, loss_level) -> None:
@@ -33,10 +33,6 @@ def check_options(eps_low, eps_high, kl_coef, loss_level) -> None:
         raise ValueError(f"kl_coef={kl_coef!r}: the KL term's weight, a number >= 0 (DeepSeekMath 0.04; 0: none)")
     if loss_level not in LOSS_LEVELS:
         raise ValueError(f"loss_level={loss_level!r}; choose one of {LOSS_LEVELS}")
-
-
-def masked_mean(x, mask):
-    return (x * mask).sum() / jnp.maximum(mask.sum(), 1.0)
 
 
 def policy_loss(logps, old_logps, ref_logps, advantages, mask, *, eps_low: float = 0.2, eps_high: float = 0.2,
@@ -83,7 +79,7 @@ def make_grpo_loss(*, eps_low: float = GRPOOptions.eps_low, eps_high: float = GR
     batches ("input_ids", "prompt_lengths", "completion_mask", "advantages", "old_logps" (read
     where iterations > 1), "ref_logps" (read where kl_coef > 0), "token_weights"). group: the
     rollouts' completions per prompt, their rows consecutive: each prompt then runs through the
-    model once per group, not once per row (`zerojax.methods.shared_prompt`; same loss). None: every
+    model once per group, not once per row (`zerojax.scoring.shared_prompt`; same loss). None: every
     row whole. A model with loss terms of its own (a mixture of experts' router losses,
     `MoELlama.loss_terms`) adds them and their metrics, its rows run whole."""
     check_options(eps_low, eps_high, kl_coef, loss_level)

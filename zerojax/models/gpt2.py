@@ -35,9 +35,9 @@ from jax.ad_checkpoint import checkpoint_name
 # engine's stand-ins for other models' stacks (plain JAX, nothing of the runtime)
 from zerojax._jax_compat import CUDNN_ATTENTION_FORWARD  # noqa: F401 (read here by the tests too)
 from zerojax.models import layer_stack
-from zerojax.models.layer_stack import LAYER_INPUT
 from zerojax.models.attention import DEFAULT_BLOCK, causal_attention, check_block
 from zerojax.models.flash_attention import flash_supported
+from zerojax.models.layer_stack import LAYER_INPUT
 
 # activation names tagged with `checkpoint_name` inside each block: LAYER_INPUT (the block's
 # input, which the "offload" remat policy moves to host memory instead of keeping it on the
@@ -118,7 +118,7 @@ class GPT2Config:
         return self.n_inner or 4 * self.n_embd
 
     @classmethod
-    def named(cls, size: str, **overrides) -> "GPT2Config":
+    def named(cls, size: str, **overrides) -> GPT2Config:
         """"tiny" (tests; byte vocab 256), "small" 124M, "medium" 355M, "large" 774M, "xl" 1.5B."""
         sizes = {
             "tiny": dict(vocab_size=256, n_positions=128, n_embd=64, n_layer=2, n_head=4),

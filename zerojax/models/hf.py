@@ -25,8 +25,8 @@ from collections.abc import Mapping
 import numpy as np
 from flax import nnx
 
-from zerojax.models import registry
 from zerojax.local_files import file_in_folder
+from zerojax.models import registry
 from zerojax.models.gpt2 import GPT2, GPT2Config, chunked_gpt2_loss, flops_per_token, gpt2_loss, num_params
 from zerojax.models.pieces import GPT2Pieces
 

@@ -20,8 +20,18 @@ import numpy as np
 from flax import nnx
 
 from zerojax.models import registry
-from zerojax.models.hf import (MAX_SHARD_BYTES, TensorReader, get_path, layer, module_from_leaves, plain_arrays,
-                               read_config_json, set_path, storage_dtype, write_tensors)
+from zerojax.models.hf import (
+    MAX_SHARD_BYTES,
+    TensorReader,
+    get_path,
+    layer,
+    module_from_leaves,
+    plain_arrays,
+    read_config_json,
+    set_path,
+    storage_dtype,
+    write_tensors,
+)
 from zerojax.models.llama import MODEL_TYPES, Llama, LlamaConfig, chunked_llama_loss, llama_loss
 from zerojax.models.pieces import LlamaPieces
 
@@ -188,7 +198,7 @@ def _layer_tensors(name, stacked, i, shape, to_hf):
     out = []
     for e in (range(shape[0]) if _per_expert(name) else [None]):
         for j, n in enumerate(fused):
-            def get(get_layer=layer(stacked, i), e=e, j=j):
+            def get(get_layer=layer(stacked, i), e=e, j=j):  # noqa: B008 - binds this iteration's getter
                 a = np.asarray(get_layer())
                 a = a if e is None else a[e]
                 a = a[..., j, :] if isinstance(name, tuple) else a

@@ -26,9 +26,16 @@ from flax import nnx
 from zerojax.models import hf_llama, registry
 from zerojax.models.hf import module_from_leaves, read_config_json, storage_dtype
 from zerojax.models.llama import LlamaConfig
+from zerojax.models.moe import (
+    MOE_MODEL_TYPES,
+    MoEConfig,
+    MoELlama,
+    chunked_moe_loss,
+    moe_flops_per_token,
+    moe_loss,
+    moe_num_params,
+)
 from zerojax.models.pieces import MoEPieces
-from zerojax.models.moe import (MOE_MODEL_TYPES, MoEConfig, MoELlama, chunked_moe_loss, moe_flops_per_token, moe_loss,
-                                moe_num_params)
 
 ARCHITECTURES = {"qwen3_moe": "Qwen3MoeForCausalLM", "mixtral": "MixtralForCausalLM"}
 # the dense Llama-family type whose attention each one has, and its names for the sparse block

@@ -84,7 +84,7 @@ def run_layers(body, x, layers, *, policy, fetch, layer_scan, policy_fn, pieces=
     start = 0
     for name, n in parts:  # one scan per policy, each over its layers
         step = layer_step(body, policy=name, fetch=fetch, policy_fn=policy_fn)
-        part = layers if n == n_layer else jax.tree.map(lambda a: a[start:start + n], layers)
+        part = layers if n == n_layer else jax.tree.map(lambda a: a[start:start + n], layers)  # noqa: B023 - called within this iteration
         if layer_scan is not None:  # no fetch: e.g. pipeline stages over the "pipe" mesh axis
             x = layer_scan(step, x, part, None)
         else:

@@ -38,12 +38,28 @@ from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
 from zerojax.models.attention import DEFAULT_BLOCK, causal_attention, check_block
-from zerojax.models.tiling import check_tile, tiled_over_sequence
-
 from zerojax.models.gpt2 import (  # the shared pieces: one remat vocabulary, one LM head, one loss
-    ATTENTION_IMPLS, ATTENTION_OUT, ATTENTION_RESIDUAL, LOGITS, QKV_PROJ, REMAT_POLICIES,
-    RESIDUAL, SEQ_WHOLE, mean_over_tokens, nll_sum, resolve_attention, unconstrained, fused_cross_entropy,
-    adapted_layers, lm_head, plain_linear, remat_policy_fn, run_layers, split_remat_policy)
+    ATTENTION_IMPLS,
+    ATTENTION_OUT,
+    ATTENTION_RESIDUAL,
+    LOGITS,
+    QKV_PROJ,
+    REMAT_POLICIES,
+    RESIDUAL,
+    SEQ_WHOLE,
+    adapted_layers,
+    fused_cross_entropy,
+    lm_head,
+    mean_over_tokens,
+    nll_sum,
+    plain_linear,
+    remat_policy_fn,
+    resolve_attention,
+    run_layers,
+    split_remat_policy,
+    unconstrained,
+)
+from zerojax.models.tiling import check_tile, tiled_over_sequence
 
 # The logical name of the key / value heads axis. "heads" splits them over the tensor axis with
 # the query heads (Megatron's GQA layout); a tensor size that does not divide the kv heads is then
@@ -137,7 +153,7 @@ class LlamaConfig:
         return self.num_attention_heads
 
     @classmethod
-    def named(cls, name: str, **overrides) -> "LlamaConfig":
+    def named(cls, name: str, **overrides) -> LlamaConfig:
         """Hugging Face's published shapes: "llama-3.2-1b", "llama-3.2-3b", "llama-3.1-8b",
         "qwen2.5-0.5b", "qwen3-0.6b", "mistral-7b" (v0.1), "mistral-7b-v0.3"; and for tests
         "tiny" (Llama 3 style, GQA 4:2), "tiny-qwen2", "tiny-qwen3" (byte vocabulary 256)."""
@@ -368,7 +384,8 @@ def attention_output_and_mlp(x, o, p, *, config: LlamaConfig, dtype, constrain=u
 
 
 def _block(x, p, *, config: LlamaConfig, dtype, attention_impl, segment_ids=None, positions=None,
-           constrain=unconstrained, linear=plain_linear, attention_block=DEFAULT_BLOCK, mlp_tile=None, feed_forward=None):
+           constrain=unconstrained, linear=plain_linear, attention_block=DEFAULT_BLOCK, mlp_tile=None,
+           feed_forward=None):
     """One pre-RMSNorm decoder layer on [B, T, d]; p holds this layer's slice of `Blocks`.
 
     Save points as GPT-2's: "layer_input", q / k / v projections (QKV_PROJ, before the norm and the
@@ -587,5 +604,6 @@ def chunked_cross_entropy(model: Llama, x, batch, chunk: int):
     return mean_over_tokens(total, labels)
 
 
-__all__ = ["Llama", "LlamaConfig", "attention_inputs", "attention_output_and_mlp", "llama_loss", "chunked_llama_loss", "chunked_cross_entropy", "hidden_inputs", "num_params", "flops_per_token",
+__all__ = ["Llama", "LlamaConfig", "attention_inputs", "attention_output_and_mlp", "llama_loss", "chunked_llama_loss",
+           "chunked_cross_entropy", "hidden_inputs", "num_params", "flops_per_token",
            "rope_frequencies", "positions_from_segments", "REMAT_POLICIES", "KV_HEADS"]

@@ -34,7 +34,16 @@ from flax import nnx
 from zerojax.models.expert_parallel import expert_parallel_experts
 from zerojax.models.gpt2 import mean_over_tokens, nll_sum
 from zerojax.models.llama import (
-    Attention, Linear, Llama, LlamaConfig, RMSNorm, chunked_cross_entropy, hidden_inputs, num_params, shifted_labels)
+    Attention,
+    Linear,
+    Llama,
+    LlamaConfig,
+    RMSNorm,
+    chunked_cross_entropy,
+    hidden_inputs,
+    num_params,
+    shifted_labels,
+)
 
 MOE_MODEL_TYPES = ("qwen3_moe", "mixtral")
 EXPERTS = "experts"  # the logical name of the experts axis of expert weights
@@ -67,7 +76,7 @@ class MoEConfig(LlamaConfig):
             raise ValueError("MoEConfig: " + "; ".join(problems))
 
     @classmethod
-    def named(cls, name: str, **overrides) -> "MoEConfig":
+    def named(cls, name: str, **overrides) -> MoEConfig:
         """Published shapes: "qwen3-30b-a3b", "mixtral-8x7b", "olmoe-1b-7b" (OLMoE's layer shape
         as a Qwen3-MoE: 64 experts, top 8, width 2048), "qwen1.5-moe-a2.7b" (its routed experts
         only: 60, top 4); tests: "tiny-qwen3-moe", "tiny-mixtral" (byte vocabulary 256)."""
@@ -167,7 +176,7 @@ class RouterStats(NamedTuple):
     z: jax.Array
 
     @classmethod
-    def zeros(cls, num_experts: int) -> "RouterStats":
+    def zeros(cls, num_experts: int) -> RouterStats:
         e = jnp.zeros((num_experts,), jnp.float32)
         return cls(e, e, jnp.zeros((), jnp.float32), jnp.zeros((), jnp.float32))
 
@@ -363,5 +372,6 @@ def chunked_moe_loss(chunk: int = 128):
 
 
 __all__ = ["MoEConfig", "MoELlama", "RouterStats", "SparseMLP", "MOE_MODEL_TYPES", "EXPERTS", "route",
-           "router_stats", "grouped_experts", "expert_swiglu", "ragged_linear", "grouped_product", "sparse_feed_forward", "moe_loss", "chunked_moe_loss",
+           "router_stats", "grouped_experts", "expert_swiglu", "ragged_linear", "grouped_product",
+           "sparse_feed_forward", "moe_loss", "chunked_moe_loss",
            "moe_num_params", "active_params", "moe_flops_per_token", "token_mask_of"]

@@ -1,6 +1,6 @@
 """A model family's public protocol: its forward pass in the pieces that anything running the layers
 one at a time calls -- the KV-cache decoder (`zerojax.generation`), the serving step
-(`zerojax.serving.step`), the shared-prompt log-probs of RL (`zerojax.methods.shared_prompt`).
+(`zerojax.serving.step`), the shared-prompt log-probs of RL (`zerojax.scoring.shared_prompt`).
 
 A family implements `LayerPieces` (docs/extending.md) and names the class in its registry record
 (`zerojax.models.registry.ModelFamily.pieces`):

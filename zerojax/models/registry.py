@@ -15,7 +15,8 @@ from __future__ import annotations
 import dataclasses
 import importlib
 import inspect
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 # the modules of the families zerojax ships, imported on first look-up
 BUILTIN = ("zerojax.models.hf", "zerojax.models.hf_llama", "zerojax.models.hf_moe")
@@ -184,5 +185,6 @@ def shape_names() -> list[str]:
     return [s for f in families().values() for s in f.shapes]
 
 
-__all__ = ["ModelFamily", "PeftTargets", "register", "unregister", "families", "get", "for_shape", "for_hf_type", "for_model",
+__all__ = ["ModelFamily", "PeftTargets", "register", "unregister", "families", "get", "for_shape", "for_hf_type",
+           "for_model",
            "for_config", "for_record", "hf_model_types", "shape_names"]

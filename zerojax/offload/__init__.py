@@ -43,23 +43,60 @@ marks host buffers (`S(5)`). On GPU/TPU each such `device_put` lowers to an
 memory spaces (async copy-start/copy-done on GPU).
 """
 
-from zerojax.offload.chunks import (Chunk, ChunkLayout, OffloadLayout, OffloadState, chunk_layout, chunk_templates,
-                                    device_chunk, from_chunks, group, group_shardings, groups_of_at_least, init_offloaded,
-                                    layer_pieces, merge_chunks, offload_layout, offload_master, piece, put_group,
-                                    slice_sharding, split_chunks, to_chunks, to_kind)
-from zerojax.offload.memory_kinds import (DEVICE, PINNED_HOST, UNPINNED_HOST, fetch, host_memory_kind, is_host,
-                                          layer_shardings, memory_kinds, prefetch_scan, scan_layers,
-                                          with_memory_kind)
-from zerojax.offload.update import (accumulate_chunks, apply_chunk, deferred_update, grad_stats, grads_in,
-                                    streamed_update)
 from zerojax.offload import host_loop, split_master  # noqa: E402 (after update, which host_loop imports)
+from zerojax.offload.chunks import (
+                                    Chunk,
+                                    ChunkLayout,
+                                    OffloadLayout,
+                                    OffloadState,
+                                    chunk_layout,
+                                    chunk_templates,
+                                    device_chunk,
+                                    from_chunks,
+                                    group,
+                                    group_shardings,
+                                    groups_of_at_least,
+                                    init_offloaded,
+                                    layer_pieces,
+                                    merge_chunks,
+                                    offload_layout,
+                                    offload_master,
+                                    piece,
+                                    put_group,
+                                    slice_sharding,
+                                    split_chunks,
+                                    to_chunks,
+                                    to_kind,
+)
+from zerojax.offload.memory_kinds import (
+                                    DEVICE,
+                                    PINNED_HOST,
+                                    UNPINNED_HOST,
+                                    fetch,
+                                    host_memory_kind,
+                                    is_host,
+                                    layer_shardings,
+                                    memory_kinds,
+                                    prefetch_scan,
+                                    scan_layers,
+                                    with_memory_kind,
+)
+from zerojax.offload.update import (
+                                    accumulate_chunks,
+                                    apply_chunk,
+                                    deferred_update,
+                                    grad_stats,
+                                    grads_in,
+                                    streamed_update,
+)
 
 __all__ = [
     "DEVICE", "PINNED_HOST", "UNPINNED_HOST", "memory_kinds", "host_memory_kind",
     "with_memory_kind", "is_host", "fetch", "layer_shardings", "scan_layers", "prefetch_scan", "Chunk", "ChunkLayout",
     "chunk_layout", "groups_of_at_least", "to_chunks", "from_chunks", "OffloadState", "OffloadLayout",
     "offload_layout",
-    "init_offloaded", "offload_master", "layer_pieces", "device_chunk", "piece", "merge_chunks", "split_chunks", "chunk_templates",
+    "init_offloaded", "offload_master", "layer_pieces", "device_chunk", "piece", "merge_chunks", "split_chunks",
+    "chunk_templates",
     "streamed_update", "deferred_update", "grad_stats", "accumulate_chunks", "host_loop", "split_master",
     "apply_chunk", "grads_in", "group", "group_shardings", "put_group", "slice_sharding", "to_kind",
 ]

@@ -12,13 +12,15 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Any, NamedTuple, Sequence
+from collections.abc import Sequence
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
-from jax.sharding import NamedSharding, PartitionSpec as P
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 
 from zerojax.offload.memory_kinds import DEVICE, PINNED_HOST, is_sharding, with_memory_kind
 
@@ -366,7 +368,7 @@ def split_chunks(tree, layout: ChunkLayout, templates: Sequence, shardings: Sequ
             elif tuple(t.shape) == tuple(x.shape):
                 pieces.append(x if x.sharding == sh else jax.device_put(x, sh))
             else:
-                pieces.append(jax.jit(lambda v, t=t: v[c.lo:c.hi].reshape(t.shape), out_shardings=sh)(x))
+                pieces.append(jax.jit(lambda v, t=t: v[c.lo:c.hi].reshape(t.shape), out_shardings=sh)(x))  # noqa: B023 - called within this iteration
         out.append(t_def.unflatten(pieces))
     return out
 

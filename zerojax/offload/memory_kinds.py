@@ -3,12 +3,13 @@ unpinned_host), moving a layer's params to the device inside the layer scan (`fe
 prefetching layer scan handed to a model for parameter offload (`prefetch_scan`)."""
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.sharding import NamedSharding, PartitionSpec as P
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 
 from zerojax._jax_compat import memory_space, memory_space_kinds
 from zerojax.models.layer_stack import WithFrozen

@@ -8,7 +8,8 @@ What: `stored_tree` is `merge_chunks` with a `ChunkRows` in place of every leaf 
 a host chunk: the checkpoint writes it as a streamed leaf (`zerojax.checkpoint.stream`), a layer
 group at a time (a leaf without layers, e.g. the embedding: a block of rows at a time), each
 block's rows brought through the device into numpy (a slice of a host array can only be read by a
-program, and XLA's GPU programs run on the device). With the host split of the master (`offload.split_master`) a group's fp32 rows
+program, and XLA's GPU programs run on the device). With the host split of the master
+(`offload.split_master`) a group's fp32 rows
 are rebuilt there from its compute copy and remainder, so the fp32 master is never whole anywhere.
 """
 from __future__ import annotations
@@ -18,10 +19,10 @@ import functools
 import jax
 import numpy as np
 
-from zerojax.streamed import StreamedLeaf
 from zerojax.offload.chunks import Chunk, ChunkLayout, is_none, merge_chunks, slice_sharding
 from zerojax.offload.memory_kinds import DEVICE, PINNED_HOST, UNPINNED_HOST
 from zerojax.offload.split_master import master_of
+from zerojax.streamed import StreamedLeaf
 
 
 class ChunkRows(StreamedLeaf):
@@ -62,7 +63,7 @@ class ChunkRows(StreamedLeaf):
         raise NotImplementedError("ChunkRows is written by a checkpoint, not restored into")
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _rows_program(per: int, sharding):
     """rows(x, start): `per` rows of the chunk piece x from `start`, on the device."""
     dev = slice_sharding(sharding, per).with_memory_kind(DEVICE)
@@ -71,7 +72,7 @@ def _rows_program(per: int, sharding):
                    out_shardings=dev)
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _master_rows_program(per: int, sharding):
     """rows(rem, compute, start, at): the fp32 master of `per` rows, rebuilt on the device from the
     remainder piece's rows from `start` and the compute params' rows from `at`."""

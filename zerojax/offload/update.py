@@ -8,12 +8,22 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 import optax
-from jax.sharding import NamedSharding, PartitionSpec as P
+from jax.sharding import NamedSharding
 
 from zerojax.offload import split_master
-from zerojax.offload.chunks import (OffloadLayout, OffloadState, from_chunks, group, group_shardings, is_none, put_group,
-                                    slice_sharding, to_chunks, to_kind)
-from zerojax.offload.memory_kinds import DEVICE, is_host, is_sharding, with_memory_kind
+from zerojax.offload.chunks import (
+    OffloadLayout,
+    OffloadState,
+    from_chunks,
+    group,
+    group_shardings,
+    is_none,
+    put_group,
+    slice_sharding,
+    to_chunks,
+    to_kind,
+)
+from zerojax.offload.memory_kinds import DEVICE, is_host
 
 # -- the chunk API: what the in-jit loop, the host loop (`offload.host_loop`) and the NVMe tier
 #    (`offload.nvme.tier`) share
@@ -233,7 +243,8 @@ def accumulate_chunks(acc, grads, off: OffloadLayout, first, *, kind: str):
 
             out.append(jax.lax.fori_loop(0, c.loop, body, a))
         else:  # the non-layer leaves (or a device chunk): whole
-            out.append(to_kind(jax.tree.map(add, to_kind(a, m_sh, DEVICE), grads_in(g, m_sh), is_leaf=is_none), m_sh, kind))
+            out.append(to_kind(jax.tree.map(add, to_kind(a, m_sh, DEVICE), grads_in(g, m_sh), is_leaf=is_none), m_sh,
+                               kind))
     return from_chunks(out, off.layout)
 
 

@@ -32,7 +32,8 @@ def measure_matmul_ceiling(n: int | None = None, iters: int | None = None, dtype
     on return."""
     import jax
     import jax.numpy as jnp
-    from jax.sharding import NamedSharding, PartitionSpec as P
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
 
     cpu = jax.default_backend() == "cpu"
     n = n or (512 if cpu else 8192)
@@ -51,5 +52,6 @@ def measure_matmul_ceiling(n: int | None = None, iters: int | None = None, dtype
     c.block_until_ready()
     dt = (time.perf_counter() - t0) / iters
     del a, b, c
-    return {"ceiling_tflops": 2 * n**3 / dt / 1e12, "dtype": dtype.name, "matmul_n": n, "backend": jax.default_backend(),
+    return {"ceiling_tflops": 2 * n**3 / dt / 1e12, "dtype": dtype.name, "matmul_n": n,
+            "backend": jax.default_backend(),
             "device_kind": devs[0].device_kind, "n_devices": len(devs), "jax_version": jax.__version__}

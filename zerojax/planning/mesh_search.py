@@ -22,16 +22,16 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Callable
+from collections.abc import Callable
 
 import jax
 from flax import nnx
 
+from zerojax.model import model_dims
+from zerojax.options import EngineOptions
 from zerojax.planning import estimate as est
 from zerojax.planning import planner
-from zerojax.model import model_dims
 from zerojax.planning.memory import fmt_bytes, parse_bytes
-from zerojax.options import EngineOptions
 from zerojax.sharding.partition import make_mesh
 
 # a candidate whose formula peak exceeds the budget by more than this is not compiled. On the

@@ -22,32 +22,46 @@ import dataclasses
 import inspect
 import json
 import math
-from typing import Callable, Iterable
+from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from zerojax.train import engine as E
-from zerojax.planning import estimate as est
-from zerojax.train import layout
-from zerojax.planning import memory as mem
-from zerojax.sharding import partition
+from zerojax import pinned_pool
 from zerojax.config import REMAT_POLICY_NAMES, load_config
 from zerojax.model import LAYERS, model_dims
-from zerojax.planning.memory import CompiledMemory, WillNotFitError, fmt_bytes, parse_bytes
 from zerojax.options import EngineOptions
-from zerojax import pinned_pool
+from zerojax.planning import estimate as est
+from zerojax.planning import memory as mem
+from zerojax.planning.memory import CompiledMemory, WillNotFitError, fmt_bytes, parse_bytes
+from zerojax.planning.plans import (
+    AS_BUILT,
+    DEFAULT_OFFLOADS,
+    DTYPES,
+    MLP_TILE,
+    REMAT_CHOICES,
+    Candidate,
+    Plan,
+    Search,
+    is_tiled,
+    merge_config,
+    offload_kind,
+    offload_rank,
+    rank_plans,
+    remat_keeps_at_least,
+    tile_keeps_at_least,
+    valid_stage,
+    zero_choice,
+)
+from zerojax.sharding import partition
+from zerojax.train import engine as E
+from zerojax.train import offload_choice
 
-AS_BUILT = "as built"  # remat of a model the planner cannot rebuild (a built engine's graph)
-REMAT_CHOICES = (None, "full", "offload")  # DeepSpeed's activation_checkpointing can say these
-DTYPES = {"fp32": jnp.float32, "bf16": jnp.bfloat16, "fp16": jnp.float16}
 # partial optimizer offload (DeepSpeed's offload_optimizer.ratio, stage 3) sits between none and full
-DEFAULT_OFFLOADS = ("none", "optimizer:0.5", "optimizer", "param")
 # positions per piece of the tiled MLP the planner tries on rows longer than this: a piece of 2048
 # positions keeps each MLP matmul large enough to run near the matmul ceiling, while the [B, T,
 # intermediate] activations shrink T / 2048 times (ALST tiles about one hidden size's worth)
-MLP_TILE = 2048
 # a candidate whose estimated peak (from a compiled neighbour) exceeds the budget by more than
 # this is not compiled; estimates scaled down to a smaller micro-batch err low (see search)
 ESTIMATE_MARGIN = 0.05
@@ -55,132 +69,6 @@ ESTIMATE_MARGIN = 0.05
 
 # ---------------------------------------------------------------------------------------------
 # Plans
-
-
-@dataclasses.dataclass(frozen=True)
-class Plan:
-    """One way to run, with its compiled peak and predicted speed.
-
-    remat: None (no activation checkpointing), "full", "offload" (block inputs kept in host
-    memory), or AS_BUILT. precision: "bf16" | "fp16" | "fp32", None = as the config says.
-    grad_accum: gradient_accumulation_steps (None = as the config says). step_s / tokens_per_s:
-    predicted seconds per optimizer step and tokens per second per device. mlp_tile: positions
-    per piece of the tiled MLP, None (untiled) or AS_BUILT (a model without `mlp_tile`); a
-    model-build keyword, as remat is for the trainer, so not in `config_patch`.
-    """
-
-    stage: int
-    micro_batch: int
-    offload_optimizer: bool = False
-    offload_param: bool = False
-    remat: str | None = AS_BUILT
-    peak_bytes: int | None = None
-    host_bytes: int | None = None
-    offload_ratio: float = 1.0  # offload_optimizer.ratio: the fraction offloaded (stage 3)
-    precision: str | None = None
-    grad_accum: int | None = None
-    step_s: float | None = None
-    tokens_per_s: float | None = None
-    mlp_tile: int | str | None = AS_BUILT
-
-    def speed_key(self):
-        """Smaller is faster: the predicted step time; without one (a plan built by hand), a
-        fixed order: param offload, optimizer offload (by offloaded fraction), remat, a tiled MLP,
-        then a larger micro-batch first, lower stage first."""
-        # a tile reruns the MLP's forward, a part of what a remat policy reruns: after remat.
-        # Ahead of the micro-batch: on the long rows a tile is tried on, a smaller micro-batch
-        # costs the step-time model almost nothing (its efficiency term is saturated), while
-        # the tile's recompute stays
-        order = (self.offload_param, self.offload_ratio if self.offload_optimizer else 0.0,
-                 self.remat not in (None, AS_BUILT), self.tiled, -self.micro_batch, self.stage)
-        return (math.inf if self.step_s is None else self.step_s, *order)
-
-    @property
-    def tiled(self) -> bool:
-        """Whether this plan runs a tiled MLP."""
-        return is_tiled(self.mlp_tile)
-
-    def config_patch(self) -> dict:
-        """The DeepSpeed config keys this plan sets (merge with `apply`; None removes a section).
-        The MLP tile is no DeepSpeed key: the model is built with it (`mlp_tile`)."""
-        opt = {"device": "cpu" if self.offload_optimizer else "none"}
-        if self.offload_optimizer and self.offload_ratio < 1.0:
-            opt["ratio"] = self.offload_ratio
-        zero = {"stage": self.stage, "offload_optimizer": opt}
-        if self.stage == 3:
-            zero["offload_param"] = {"device": "cpu" if self.offload_param else "none"}
-        patch = {"train_micro_batch_size_per_gpu": self.micro_batch}
-        if self.grad_accum is not None:
-            patch["gradient_accumulation_steps"] = self.grad_accum
-        patch["zero_optimization"] = zero
-        if self.precision is not None:
-            patch["bf16"] = {"enabled": self.precision == "bf16"}
-            patch["fp16"] = {"enabled": self.precision == "fp16"}
-        if self.remat != AS_BUILT:
-            patch["activation_checkpointing"] = (
-                None if self.remat is None else
-                {"partition_activations": False, "cpu_checkpointing": self.remat == "offload"})
-            if self.remat not in (None, "full", "offload"):  # zerojax's extension key: "dots", "dots_<k>", ...
-                patch["activation_checkpointing"]["remat_policy"] = self.remat
-        return patch
-
-    def apply(self, cfg_dict: dict) -> dict:
-        """`cfg_dict` with this plan's keys merged in (sections merged key by key, so a section's
-        other keys, e.g. fp16.loss_scale_window or offload pin_memory, are kept)."""
-        return merge_config(cfg_dict, self.config_patch())
-
-    def describe(self) -> str:
-        off = ("param+optimizer" if self.offload_param else
-               "optimizer" if self.offload_optimizer else "none")
-        if self.offload_optimizer and self.offload_ratio < 1.0:
-            off += f" (ratio {self.offload_ratio:g})"
-        parts = [] if self.precision is None else [self.precision]
-        if self.remat != AS_BUILT:
-            parts.append(f"remat {self.remat or 'none'}")
-        if self.tiled:
-            parts.append(f"MLP tile {self.mlp_tile}")
-        mb = f"micro-batch {self.micro_batch}"
-        if self.grad_accum is not None:
-            mb += f" x {self.grad_accum} accumulation"
-        parts += [mb, f"stage {self.stage}", f"offload {off}"]
-        text = ", ".join(parts)
-        if self.peak_bytes is not None:
-            text += f": peak {fmt_bytes(self.peak_bytes)}"
-        if self.tokens_per_s is not None:
-            text += f", predicted {self.tokens_per_s:,.0f} tokens/s"
-        if self.host_bytes and (self.offload_optimizer or self.offload_param):
-            # host memory is the next wall after device memory: offer the NVMe tier (at most the
-            # offloaded optimizer bytes go to disk, so host_bytes bounds the swap files)
-            tip = est.nvme_suggestion(self.host_bytes, est.host_free_bytes(), disk_bytes=self.host_bytes)
-            text += f" ({tip})" if tip else ""
-        return text
-
-    __str__ = describe
-
-    def to_dict(self) -> dict:
-        return {**dataclasses.asdict(self), "config_patch": self.config_patch(),
-                "describe": self.describe()}
-
-
-def is_tiled(mlp_tile) -> bool:
-    """Whether `mlp_tile` (a Plan's) tiles the MLP: not None (untiled) nor AS_BUILT."""
-    return mlp_tile not in (None, AS_BUILT)
-
-
-def rank_plans(plans: Iterable[Plan]) -> list[Plan]:
-    return sorted(plans, key=Plan.speed_key)
-
-
-def merge_config(base: dict, patch: dict) -> dict:
-    out = copy.deepcopy(dict(base))
-    for key, value in patch.items():
-        if value is None:
-            out.pop(key, None)
-        elif isinstance(value, dict) and isinstance(out.get(key), dict):
-            out[key] = merge_config(out[key], value)
-        else:
-            out[key] = copy.deepcopy(value)
-    return out
 
 
 # ---------------------------------------------------------------------------------------------
@@ -261,9 +149,10 @@ def step_memory(model_factory, cfg_dict, seq_len, micro_batch, *, remat=AS_BUILT
 
     model_factory: a callable returning an nnx.Module, taking `remat_policy=` / `dtype=` /
     `mlp_tile=` to build variants (or the older `remat=bool`), or a built Module.
-    batch_fn(global_batch, seq_len) -> a tree of ShapeDtypeStructs (default GPT-2's input_ids). options: the EngineOptions the engine
+    batch_fn(global_batch, seq_len) -> a tree of ShapeDtypeStructs (default GPT-2's input_ids).
+    options: the EngineOptions the engine
     will run with (split_master, adam_mu_dtype, the offload loop ... change the peak), adapted to
-    this config (`layout.options_for_config`). Memoised per (factory, config, shapes, choices, options, mesh)
+    this config (`offload_choice.options_for_config`). Memoised per (factory, config, shapes, choices, options, mesh)
     for the life of the process.
     """
     n_data = _data_size(mesh, cfg_dict)
@@ -283,10 +172,10 @@ def step_memory(model_factory, cfg_dict, seq_len, micro_batch, *, remat=AS_BUILT
     if hit is not None:
         return hit
     cfg = load_config(cfg_dict, world_size=n_data)
-    # the options adapted to this candidate (`layout.options_for_config`: a split_master="on" or
+    # the options adapted to this candidate (`offload_choice.options_for_config`: a split_master="on" or
     # offload_loop="host" its layout cannot take falls back to "auto", not an error)
     eng = E.abstract_engine(model_source(model_factory, **kw), cfg, loss_fn=loss_fn or default_loss_fn(),
-                            mesh=mesh, options=layout.options_for_config(options or EngineOptions(), cfg))
+                            mesh=mesh, options=offload_choice.options_for_config(options or EngineOptions(), cfg))
     if batch_fn is None:
         batch = {"input_ids": jax.ShapeDtypeStruct((cfg.train_batch_size, seq_len), jnp.int32)}
     else:
@@ -398,135 +287,10 @@ def default_mlp_tile(seq_len: int) -> int:
     return -(-seq_len // pieces)
 
 
-def _offload_choice(offload: str) -> tuple[str, float]:
-    """"none" | "optimizer" | "optimizer:R" | "param" -> (kind, offload_optimizer.ratio)."""
-    kind, _, ratio = offload.partition(":")
-    if kind not in ("none", "optimizer", "param") or (ratio and kind != "optimizer"):
-        raise ValueError(f"offload choice {offload!r}: use none, optimizer, optimizer:RATIO or param")
-    return kind, float(ratio) if ratio else 1.0
-
-
-def zero_choice(cfg_dict, stage, kind, ratio):
-    """cfg_dict with zero_optimization set to `stage` and the offload choice (other keys of the
-    offload sections, e.g. pin_memory, kept)."""
-    cfg = copy.deepcopy(dict(cfg_dict))
-    zero = cfg["zero_optimization"] = dict(cfg.get("zero_optimization") or {}, stage=stage)
-    for section, on in (("offload_optimizer", kind in ("optimizer", "param")),
-                        ("offload_param", kind == "param")):
-        if on:
-            zero[section] = dict(zero.get(section) or {}, device="cpu")
-        elif section in zero:
-            zero[section] = dict(zero[section] or {}, device="none")
-    if "offload_optimizer" in zero:
-        zero["offload_optimizer"]["ratio"] = ratio
-    return cfg
-
-
-def _valid_stage(kind, ratio, stage):
-    if kind == "param" or ratio < 1.0:
-        return stage == 3  # DeepSpeed: offload_param and offload_optimizer.ratio are ZeRO-3's
-    return kind == "none" or stage >= 1  # DeepSpeed offloads the optimizer only under ZeRO
-
-
-@dataclasses.dataclass(frozen=True)
-class _Candidate:
-    precision: str | None
-    remat: str | None
-    micro_batch: int
-    grad_accum: int
-    stage: int
-    kind: str
-    ratio: float
-    mlp_tile: int | str | None = AS_BUILT
-
-    def plan(self, **kw) -> Plan:
-        return Plan(self.stage, self.micro_batch, self.kind != "none", self.kind == "param",
-                    self.remat, offload_ratio=self.ratio, precision=self.precision,
-                    grad_accum=self.grad_accum, mlp_tile=self.mlp_tile, **kw)
-
-    def holds_at_least(self, other: "_Candidate") -> bool:
-        """True when this choice keeps at least as much on the device as `other` in every
-        dimension (same precision; micro-batch, remat, MLP tile, offload and stage no leaner)."""
-        return (self.precision == other.precision and self.micro_batch >= other.micro_batch
-                and remat_keeps_at_least(self.remat, other.remat)
-                and tile_keeps_at_least(self.mlp_tile, other.mlp_tile)
-                and _offload_rank(self) >= _offload_rank(other) and self.stage <= other.stage)
-
-
-def tile_keeps_at_least(a, b) -> bool:
-    """Whether MLP tiling `a` holds at least the MLP activations tiling `b` holds: untiled (None)
-    holds the whole row's, a tile one piece's, a larger piece more. AS_BUILT compares only to itself."""
-    if a == b or a is None:
-        return True
-    if b is None or AS_BUILT in (a, b):
-        return False
-    return a >= b
-
-
 # what each remat policy keeps for the backward pass includes what these keep (models/gpt2.py):
 # "offload" moves the block input to host memory; "full" keeps it; the save_* policies add the
 # attention output and / or the q/k/v projection; "dots" every matmul output without batch dims
 # (the q/k/v projection among them, not the attention output: a batched product)
-_REMAT_INCLUDES = {"full": {"offload"}, "save_attention": {"full"}, "save_qkv": {"full"},
-                   "save_qkv_attention": {"save_attention", "save_qkv"}, "dots": {"save_qkv"},
-                   "save_attention_block": {"save_qkv_attention"}}
-
-
-def remat_keeps_at_least(a, b) -> bool:
-    """Whether remat policy `a` keeps on the device everything policy `b` keeps (a partial order:
-    False where neither includes the other, e.g. "dots" and "save_attention"). None (no remat)
-    keeps everything; "dots_<k>" includes "full" and "dots_<j>" for j <= k, "dots" includes it.
-    The planner skips compiling a candidate that keeps at least as much as one already too big."""
-    if a == b or a is None:
-        return True
-    if b is None or AS_BUILT in (a, b):
-        return False
-    ka, kb = est.partial_dots_layers(a), est.partial_dots_layers(b)
-    if ka is not None or kb is not None:
-        if ka is not None and kb is not None:
-            return ka >= kb
-        if kb is not None:  # a is a named policy
-            return a == "dots"
-        return remat_keeps_at_least("full", b)  # dots_<k> keeps what "full" keeps
-    seen, todo = set(), [a]
-    while todo:
-        x = todo.pop()
-        if x == b:
-            return True
-        if x not in seen:
-            seen.add(x)
-            todo += _REMAT_INCLUDES.get(x, ())
-    return False
-
-
-def _offload_rank(c) -> float:
-    return {"param": 0.0, "optimizer": 2.0 - c.ratio, "none": 3.0}[c.kind]
-
-
-@dataclasses.dataclass
-class Search:
-    """What a planning run tried: `plans` (fitting, fastest first) and `tried`: (plan, outcome)
-    in the order tried, outcome "fits", "does not fit", "pruned: ..." or "failed: ..."."""
-
-    plans: list
-    tried: list
-    budget: int
-
-    def explain(self, chosen: Plan | None = None) -> str:
-        """One or two lines: what was chosen and why."""
-        chosen = chosen or (self.plans[0] if self.plans else None)
-        if chosen is None:
-            return f"nothing fits {fmt_bytes(self.budget)} per device"
-        text = (f"{chosen.describe()} -- the fastest predicted of the choices whose compiled step "
-                f"fits {fmt_bytes(self.budget)}")
-        faster = [(p, outcome) for p, outcome in self.tried if outcome != "fits" and p.step_s is not None
-                  and p.step_s < (chosen.step_s or math.inf)]
-        if faster:
-            p, outcome = faster[0]
-            why = ("over the budget" if p.peak_bytes is None else outcome.removeprefix("does not fit ")
-                   if "host memory" in outcome else f"peak {fmt_bytes(p.peak_bytes)}")
-            text += f"\n  (faster but too big: {p.describe().split(':')[0]}, {why})"
-        return text
 
 
 def _host_budget(cfg_dict) -> tuple[int, str]:
@@ -542,6 +306,52 @@ def _host_budget(cfg_dict) -> tuple[int, str]:
         return cap, (f"allowed in XLA's pinned host pool ({pinned_pool.ENV}: set it to the GiB the "
                      f"offload needs before starting, or offload to nvme)")
     return free, "available"
+
+
+@dataclasses.dataclass(frozen=True)
+class _Estimates:
+    """The formulas `search` orders and prunes candidates by, for one model shape and mesh."""
+
+    shape: est.ModelShape
+    cfg_dict: dict
+    n_zero: int
+    n_tensor: int
+    hardware: est.Hardware
+    optimizer: str
+    options: EngineOptions
+
+    def predicted(self, c: Candidate):
+        return est.predict_step_time(
+            self.shape, micro_batch=c.micro_batch, grad_accum=c.grad_accum, n_data=self.n_zero,
+            stage=c.stage, precision=c.precision or configured_precision(self.cfg_dict),
+            remat=None if c.remat == AS_BUILT else c.remat, offload_optimizer=c.kind != "none",
+            offload_ratio=c.ratio, offload_param=c.kind == "param", hardware=self.hardware,
+            n_tensor=self.n_tensor, tiled_mlp=is_tiled(c.mlp_tile))
+
+    def states(self, c: Candidate, bound: bool) -> int:
+        f = est.model_state_floor if bound else est.model_state_bytes
+        prec = c.precision or configured_precision(self.cfg_dict)
+        return est.expert_split_states(f, self.shape, self.shape.params, n_expert=self.options.ep_size,
+                                       stage=c.stage, n_data=self.n_zero, precision=prec, optimizer=self.optimizer,
+                                       offload_optimizer=c.kind != "none", offload_ratio=c.ratio,
+                                       offload_param=c.kind == "param", n_tensor=self.n_tensor,
+                                       master_split=device_split(self.options, prec, c.kind != "none"),
+                                       adam_mu_dtype=self.options.adam_mu_dtype)
+
+    def peak(self, c: Candidate, compiled: dict):
+        """(estimated peak, the candidate it came from), or (None, None): from a compiled neighbour
+        (same precision, remat and MLP tile, micro-batch no smaller), its peak plus the formula's
+        difference in model states, with its activations scaled to this micro-batch. Scaling down
+        also scales the fixed temporaries, so this errs low."""
+        refs = [r for r in compiled if (r.precision, r.remat, r.mlp_tile) == (c.precision, c.remat, c.mlp_tile)
+                and r.micro_batch >= c.micro_batch]
+        if not refs:
+            return None, None
+        r = min(refs, key=lambda r: (r.micro_batch, abs(r.stage - c.stage), r.kind != c.kind))
+        peak = compiled[r].peak
+        act = max(peak - self.states(r, False), 0)
+        scaled = act * (c.micro_batch / r.micro_batch - 1)
+        return peak + self.states(c, False) - self.states(r, False) + scaled, r
 
 
 def search(model_factory, cfg_dict, budget, seq_len, *, stages=(0, 1, 2, 3),
@@ -579,64 +389,27 @@ def search(model_factory, cfg_dict, budget, seq_len, *, stages=(0, 1, 2, 3),
     auto_micro = micro_batch in (None, "auto")
     cands = []
     for off in offloads:
-        kind, ratio = _offload_choice(off)
-        ok = [s for s in stages if _valid_stage(kind, ratio, s)]
+        kind, ratio = offload_kind(off)
+        ok = [s for s in stages if valid_stage(kind, ratio, s)]
         if n_zero == 1 and ok:  # one data rank: no stage partitions anything; keep the user's
             ok = [user_stage if user_stage in ok else ok[0]]
-        for stage in ok:
-            for prec in precisions:
-                for r in remats:
-                    for m in micros:
-                        accum = max(rows // m, 1) if auto_micro else _accum(cfg_dict)
-                        cands += [_Candidate(prec, r, m, accum, stage, kind, ratio, t) for t in tiles]
+        cands += [Candidate(prec, r, m, max(rows // m, 1) if auto_micro else _accum(cfg_dict), stage, kind, ratio, t)
+                  for stage in ok for prec in precisions for r in remats for m in micros for t in tiles]
 
-    def predicted(c):
-        return est.predict_step_time(
-            shape, micro_batch=c.micro_batch, grad_accum=c.grad_accum, n_data=n_zero,
-            stage=c.stage, precision=c.precision or configured_precision(cfg_dict),
-            remat=None if c.remat == AS_BUILT else c.remat, offload_optimizer=c.kind != "none",
-            offload_ratio=c.ratio, offload_param=c.kind == "param", hardware=hardware,
-            n_tensor=n_tensor, tiled_mlp=is_tiled(c.mlp_tile))
-
+    formulas = _Estimates(shape, cfg_dict, n_zero, n_tensor, hardware, optimizer, options or EngineOptions())
     # candidates in predicted-speed order: a tile adds its MLP recompute to the step time, so
     # within a tier (precision, remat, micro-batch) the untiled step comes first, and a tiled one
     # comes before a heavier remat or a smaller micro-batch only where the estimate says it is faster
-    timed = sorted(((predicted(c), c) for c in cands),
-                   key=lambda tc: (tc[0].step_s, tc[1].stage, -_offload_rank(tc[1])))
+    timed = sorted(((formulas.predicted(c), c) for c in cands),
+                   key=lambda tc: (tc[0].step_s, tc[1].stage, -offload_rank(tc[1])))
     fitting, tried, too_big, compiled, tiers_done = [], [], [], {}, set()
-
-    opts = options or EngineOptions()
-
-    def states(c, bound):
-        f = est.model_state_floor if bound else est.model_state_bytes
-        prec = c.precision or configured_precision(cfg_dict)
-        return est.expert_split_states(f, shape, shape.params, n_expert=opts.ep_size, stage=c.stage,
-                                       n_data=n_zero, precision=prec, optimizer=optimizer,
-                                       offload_optimizer=c.kind != "none", offload_ratio=c.ratio,
-                                       offload_param=c.kind == "param", n_tensor=n_tensor,
-                                       master_split=device_split(opts, prec, c.kind != "none"),
-                                       adam_mu_dtype=opts.adam_mu_dtype)
-
-    def estimated_peak(c):
-        """From a compiled neighbour (same precision, remat and MLP tile, micro-batch no smaller):
-        its peak, plus the formula's difference in model states, with its activations scaled to
-        this micro-batch. Scaling down also scales the fixed temporaries, so this errs low."""
-        refs = [r for r in compiled if (r.precision, r.remat, r.mlp_tile) == (c.precision, c.remat, c.mlp_tile)
-                and r.micro_batch >= c.micro_batch]
-        if not refs:
-            return None, None
-        r = min(refs, key=lambda r: (r.micro_batch, abs(r.stage - c.stage), r.kind != c.kind))
-        peak = compiled[r].peak
-        act = max(peak - states(r, False), 0)
-        scaled = act * (c.micro_batch / r.micro_batch - 1)
-        return peak + states(c, False) - states(r, False) + scaled, r
 
     for t, c in timed:
         if len(fitting) >= max_plans:
             break
         speed = dict(step_s=t.step_s, tokens_per_s=t.tokens_per_s)
-        floor = states(c, True)
-        guess, ref = estimated_peak(c)
+        floor = formulas.states(c, True)
+        estimate, ref = formulas.peak(c, compiled)
         if one_per_tier and (c.precision, c.remat, c.micro_batch) in tiers_done:
             # a faster stage / offload of this precision, remat and micro-batch already fits: the
             # rest of the tier only repeats it slower, so the next plan listed is another tier
@@ -645,8 +418,8 @@ def search(model_factory, cfg_dict, budget, seq_len, *, stages=(0, 1, 2, 3),
             outcome = f"pruned: model states alone need {fmt_bytes(floor)}"
         elif any(c.holds_at_least(f) for f in too_big):
             outcome = "pruned: holds at least what a choice that does not fit holds"
-        elif guess is not None and guess > budget * (1 + ESTIMATE_MARGIN):
-            outcome = (f"pruned: estimated peak {fmt_bytes(guess)} (from the compiled "
+        elif estimate is not None and estimate > budget * (1 + ESTIMATE_MARGIN):
+            outcome = (f"pruned: estimated peak {fmt_bytes(estimate)} (from the compiled "
                        f"{ref.plan().describe()})")
             too_big.append(c)
         else:
@@ -685,8 +458,8 @@ def search(model_factory, cfg_dict, budget, seq_len, *, stages=(0, 1, 2, 3),
 
 def device_split(options, precision: str, offloaded: bool) -> bool:
     """Whether `options` split the device-resident master for a candidate of this precision and
-    offload (`layout.split_master_applies`): only split_master="on" does."""
-    return options.split_master == "on" and layout.split_master_applies(precision, None, offloaded, False)[1]
+    offload (`offload_choice.split_master_applies`): only split_master="on" does."""
+    return options.split_master == "on" and offload_choice.split_master_applies(precision, None, offloaded, False)[1]
 
 
 def _remat_choices(factory, remat):
@@ -739,7 +512,7 @@ def plan(model_factory, cfg_dict, budget, seq_len, *, stages=(0, 1, 2, 3),
     offload that fits (False: every MLP tile / stage / offload that fits, up to max_plans).
     on_result(plan, outcome): called for every choice tried (progress output).
     options: the EngineOptions the run will use (split_master, adam_mu_dtype, offload_loop ...:
-    each candidate compiles with them, adapted to its layout by `layout.options_for_config`).
+    each candidate compiles with them, adapted to its layout by `offload_choice.options_for_config`).
     """
     return search(model_factory, cfg_dict, budget, seq_len, stages=stages, offloads=offloads,
                   remat=remat, precision=precision, micro_batch=micro_batch,

@@ -18,11 +18,11 @@ import functools
 
 import jax
 import numpy as np
+from flax import nnx
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
-from flax import nnx
 
-from zerojax.methods.logprobs import completion_logps
+from zerojax.scoring.logprobs import completion_logps
 
 REFERENCES = ("auto", "adapters_off", "copy", "none")
 

@@ -25,7 +25,8 @@ import copy
 import dataclasses
 import os
 import time
-from typing import ClassVar, Mapping
+from collections.abc import Mapping
+from typing import ClassVar
 
 import jax
 import numpy as np
@@ -38,6 +39,22 @@ from zerojax.rl.rollouts import RolloutBatches, RolloutOptions
 
 GRPO_ONLY = ("scale_std", "drop_zero_variance", "max_refills", "loss_level", "adv_eps")
 CRITIC_KEYS = ("input_ids", "prompt_lengths", "completion_mask", "token_weights", "old_values", "returns")
+
+
+def check_ppo_options(*, kl_ctl, clip_reward_value, gamma, lam, cliprange, cliprange_value, critic_lr=None) -> None:
+    """Each PPO setting a number in its range, else a ValueError naming it."""
+    ranges = {"kl_ctl": (kl_ctl, 0, None, "the KL penalty's weight (DeepSpeed-Chat 0.1)"),
+              "clip_reward_value": (clip_reward_value, 0, None, "the score's clip (DeepSpeed-Chat 5.0)"),
+              "gamma": (gamma, 0, 1, "the discount (DeepSpeed-Chat 1.0)"),
+              "lam": (lam, 0, 1, "GAE's lambda (DeepSpeed-Chat 0.95)"),
+              "cliprange": (cliprange, 0, None, "the ratio's clip (DeepSpeed-Chat 0.2)"),
+              "cliprange_value": (cliprange_value, 0, None, "the value's clip (DeepSpeed-Chat 0.2)")}
+    if critic_lr is not None:
+        ranges["critic_lr"] = (critic_lr, 0, None, "the critic's learning rate (None: the actor's)")
+    for name, (v, low, high, what) in ranges.items():
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or v < low or (high is not None and v > high):
+            span = f"{low} to {high}" if high is not None else f">= {low}"
+            raise ValueError(f"{name}={v!r}: {what}, a number {span}")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -71,15 +88,13 @@ class PPOOptions(RolloutOptions):
         object.__setattr__(self, "kl_coef", self.kl_ctl)  # what picks the reference
 
     def check(self, rows: int, completion_len: int) -> None:
-        from zerojax.methods.ppo import check_options
-
         super().check(rows, completion_len)
         defaults = {f.name: f.default for f in dataclasses.fields(PPOOptions)}
         for name in GRPO_ONLY:
             if getattr(self, name) != defaults[name]:
                 raise ValueError(f"{name}={getattr(self, name)!r} is GRPO's; PPO's advantages are GAE's, averaged "
                                  f"over the step's tokens, every rollout kept: leave {name} unset")
-        check_options(kl_ctl=self.kl_ctl, clip_reward_value=self.clip_reward_value, gamma=self.gamma, lam=self.lam,
+        check_ppo_options(kl_ctl=self.kl_ctl, clip_reward_value=self.clip_reward_value, gamma=self.gamma, lam=self.lam,
                       cliprange=self.cliprange, cliprange_value=self.cliprange_value, critic_lr=self.critic_lr)
         if self.critic is not None and not os.path.isdir(self.critic):
             raise ValueError(f"critic={self.critic!r}: not a folder; give a reward model folder (Hugging Face "
@@ -90,7 +105,7 @@ class PPOPromptData(PromptData):
     """PromptData whose example batches have PPO's per-token "advantages" [B, C]."""
 
     @classmethod
-    def of(cls, data: PromptData) -> "PPOPromptData":
+    def of(cls, data: PromptData) -> PPOPromptData:
         out = copy.copy(data)
         out.__class__ = cls
         return out
@@ -118,7 +133,7 @@ def critic_config(engine, critic_lr: float | None) -> dict:
 def make_critic_engine(engine, options: PPOOptions, *, seed: int = 0):
     """The critic's engine beside the actor's (see the module docstring)."""
     import zerojax
-    from zerojax.methods.ppo import make_critic, make_critic_loss
+    from zerojax.scoring.critic import make_critic, make_critic_loss
 
     model = make_critic(engine.model, critic=options.critic, seed=seed)
     return zerojax.shard(lambda: model, critic_config(engine, options.critic_lr),
@@ -131,7 +146,7 @@ class EngineValues:
 
     def __init__(self, critic):
         from zerojax.generation.decoder import EngineSource
-        from zerojax.methods.ppo import completion_values
+        from zerojax.scoring.critic import completion_values
         from zerojax.sharding import partition
 
         self.critic = critic

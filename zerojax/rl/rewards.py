@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import difflib
 import os
-from typing import Sequence
+from collections.abc import Sequence
 
 import numpy as np
 
@@ -36,8 +36,8 @@ def reward_model(path, *, max_length: int = 1024, batch_size: int = 16, dtype=No
     import jax
     from flax import nnx
 
-    from zerojax.methods.reward import reward_from_hf
     from zerojax.models import load_tokenizer
+    from zerojax.scoring.reward_model import reward_from_hf
 
     tok = load_tokenizer(path)
     model = reward_from_hf(path, dtype=dtype)

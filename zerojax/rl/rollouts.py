@@ -24,7 +24,8 @@ from __future__ import annotations
 import dataclasses
 import time
 import warnings
-from typing import ClassVar, Mapping
+from collections.abc import Mapping
+from typing import ClassVar
 
 import jax
 import numpy as np
@@ -52,7 +53,7 @@ class RolloutOptions:
     rollout (mu; > 1 computes the old policy's log-probs); adv_eps: the std's eps;
     decode_attention: generation's (`zerojax.generation.decoder.DECODE_ATTENTIONS`); shared_prompt:
     the log-prob passes run each prompt once per group, not once per row
-    (`zerojax.methods.shared_prompt`: same numbers, fewer FLOPs; the loss takes it as
+    (`zerojax.scoring.shared_prompt`: same numbers, fewer FLOPs; the loss takes it as
     `make_grpo_loss(group=)`); generator: what generates the completions, "generate"
     (`zerojax.generate`: one batch decoded to its longest row's end) or "serving" (`zerojax.serving`'s
     continuous batching over the same live weights, `zerojax.rl.serving_rollouts`: a finished row
@@ -79,7 +80,7 @@ class RolloutOptions:
     min_group: ClassVar[int] = 2  # GRPO compares a prompt's completions
 
     @classmethod
-    def from_options(cls, options: Mapping) -> "RolloutOptions":
+    def from_options(cls, options: Mapping) -> RolloutOptions:
         names = {f.name for f in dataclasses.fields(cls)}
         picked = {k: v for k, v in options.items() if k in names}
         if "stop" in picked:
@@ -277,7 +278,7 @@ class RolloutBatches:
 
 def check_loss_groups(engine, group: int) -> None:
     """A loss that runs each prompt once per group of consecutive rows
-    (`make_grpo_loss(group=)`, `zerojax.methods.shared_prompt`) must find whole groups there: its
+    (`make_grpo_loss(group=)`, `zerojax.scoring.shared_prompt`) must find whole groups there: its
     group must divide the rollouts', and each device's micro-batch must hold whole groups where the
     engine interleaves devices' rows into a micro-batch (accumulation over several data-parallel
     devices; `zerojax.accumulate.split_microbatches`). Else a ValueError in one line."""

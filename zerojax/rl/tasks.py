@@ -12,7 +12,7 @@ run shows its reward rising on a fresh machine (byte-level tokenizer: no tokeniz
 from __future__ import annotations
 
 import dataclasses
-from typing import Callable
+from collections.abc import Callable
 
 import numpy as np
 

@@ -4,7 +4,7 @@ tasks use them) both read it, so neither imports the other in a circle."""
 from __future__ import annotations
 
 import re
-from typing import Callable
+from collections.abc import Callable
 
 RewardFn = Callable[..., list]
 

@@ -114,11 +114,13 @@ class _Server:
                                 "logprobs": P.chat_logprobs(entries, self.engine.tokenizer),
                                 "finish_reason": o.finish_reason})
             else:
-                choices.append({"index": i, "text": o.text, "logprobs": P.completion_logprobs(entries, self.engine.tokenizer),
+                choices.append({"index": i, "text": o.text,
+                                "logprobs": P.completion_logprobs(entries, self.engine.tokenizer),
                                 "finish_reason": o.finish_reason})
         use = P.usage(sum(len(o.prompt_token_ids) for o in outs), sum(len(o.token_ids) for o in outs))
         rid = P.new_id("chatcmpl" if chat else "cmpl")
-        return JSONResponse(P.completion_body(rid, model, choices, use, "chat.completion" if chat else "text_completion"))
+        kind = "chat.completion" if chat else "text_completion"
+        return JSONResponse(P.completion_body(rid, model, choices, use, kind))
 
     def stream(self, reqs, model: str, chat: bool, include_usage: bool) -> StreamingResponse:
         rid, kind = P.new_id("chatcmpl" if chat else "cmpl"), "chat.completion.chunk" if chat else "text_completion"
@@ -126,7 +128,8 @@ class _Server:
 
         def chunk(i, delta, finish, entries):
             if chat:
-                choice = {"index": i, "delta": delta, "logprobs": P.chat_logprobs(entries, tok), "finish_reason": finish}
+                choice = {"index": i, "delta": delta, "logprobs": P.chat_logprobs(entries, tok),
+                          "finish_reason": finish}
             else:
                 choice = {"index": i, "text": delta, "logprobs": P.completion_logprobs(entries, tok),
                           "finish_reason": finish}
@@ -145,7 +148,8 @@ class _Server:
                         return
                     entries = (list(zip(out.delta_token_ids, out.delta_logprobs)) if out.delta_logprobs is not None
                                else None)
-                    if out.delta_text or out.delta_token_ids or out.finished:  # a chunk per token (no tokenizer: no text)
+                    # a chunk per token (no tokenizer: no text)
+                    if out.delta_text or out.delta_token_ids or out.finished:
                         delta = {"content": out.delta_text} if chat else out.delta_text
                         yield _sse(chunk(i, delta, out.finish_reason if out.finished else None, entries))
                     if out.finished:
@@ -156,6 +160,11 @@ class _Server:
             yield _sse("[DONE]")
 
         return StreamingResponse(events(), media_type="text/event-stream")
+
+
+def _include_usage(body) -> bool:
+    """Whether a streamed request asked for a last chunk with the usage (stream_options)."""
+    return bool(body.stream_options and body.stream_options.include_usage)
 
 
 def build_app(aengine: AsyncEngine, *, model_name: str, api_key: str | None = None, metrics=None) -> FastAPI:
@@ -209,7 +218,7 @@ def build_app(aengine: AsyncEngine, *, model_name: str, api_key: str | None = No
         adapter, params = server.adapter_of(body.model), body.sampling_params()
         reqs = server.requests(body.prompts(), params, adapter, True, "cmpl")
         if body.stream:
-            return server.stream(reqs, body.model, False, bool(body.stream_options and body.stream_options.include_usage))
+            return server.stream(reqs, body.model, False, _include_usage(body))
         return await server.complete(reqs, body.model, False, http)
 
     @app.post("/v1/chat/completions")
@@ -226,7 +235,7 @@ def build_app(aengine: AsyncEngine, *, model_name: str, api_key: str | None = No
             raise BadRequestError(f"the chat template: {e}", param="messages") from e
         reqs = server.requests([text], params, adapter, False, "chatcmpl")  # the template writes BOS itself
         if body.stream:
-            return server.stream(reqs, body.model, True, bool(body.stream_options and body.stream_options.include_usage))
+            return server.stream(reqs, body.model, True, _include_usage(body))
         return await server.complete(reqs, body.model, True, http)
 
     return app

@@ -21,8 +21,8 @@ from zerojax.generation import decoder
 from zerojax.generation.buckets import length_bucket
 from zerojax.generation.families import family_class, geometry_of_config
 from zerojax.serving import shapes
-from zerojax.serving.adapters import stack_adapters
 from zerojax.serving import step as step_mod
+from zerojax.serving.adapters import stack_adapters
 from zerojax.serving.output import Detokenizer, RequestOutput, make_output
 from zerojax.serving.pages import SCRATCH_PAGE, PagePool
 from zerojax.serving.params import BadRequestError, SamplingParams
@@ -369,7 +369,8 @@ class LLMEngine:
         self._programs.add((id(source), R, C, rows.pages.shape[1], penalties is not None, top))
         run = step_mod.step if C == 1 else step_mod.chunk_step
         self.keys, self.values, out = run(weights, self.keys, self.values, rows, sampling, penalties, source=source,
-                                          page_size=self.page_size, top_logprobs=top, kernel=self.decode_kernel and C == 1)
+                                          page_size=self.page_size, top_logprobs=top,
+                                          kernel=self.decode_kernel and C == 1)
         return out
 
     def warm_up(self, max_chunk: int | None = None) -> int:

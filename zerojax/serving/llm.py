@@ -18,7 +18,6 @@ def load_model(path, dtype=None, adapters: dict | None = None, quantize: str | N
     import jax.numpy as jnp
     from flax import nnx
 
-    from zerojax import lora
     from zerojax.models import from_hf, load_tokenizer
 
     dtype = jnp.dtype(dtype or jnp.float32)
@@ -97,8 +96,9 @@ def quantize_base(model, kind: str, adapters: dict):
 
 class LLM:
     """The engine over `model_or_dir` (a zerojax model, or a Hugging Face folder read with
-    `dtype`, its base stored `quantize`d: "int8" / "nf4"); `engine_kwargs` go to `LLMEngine` (page_size, kv_cache_tokens, max_num_seqs,
-    max_batched_tokens, max_model_len, prefix_caching; adapters: {name: PEFT folder or LoRA model})."""
+    `dtype`, its base stored `quantize`d: "int8" / "nf4"); `engine_kwargs` go to `LLMEngine`
+    (page_size, kv_cache_tokens, max_num_seqs, max_batched_tokens, max_model_len, prefix_caching,
+    decode_attention; adapters: {name: PEFT folder or LoRA model})."""
 
     def __init__(self, model_or_dir, tokenizer=None, *, dtype=None, adapters: dict | None = None,
                  quantize: str | None = None, **engine_kwargs):

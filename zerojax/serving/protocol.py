@@ -11,7 +11,6 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from zerojax.serving.params import BadRequestError, SamplingParams
 
-
 # OpenAI fields that would change the answer and that zerojax does not honour: refused, not ignored
 # (other unknown fields, e.g. user or metadata, change nothing and pass)
 UNSERVED = ("logit_bias", "suffix", "tools", "tool_choice", "functions", "function_call", "response_format",

@@ -28,8 +28,8 @@ import jax.numpy as jnp
 
 from zerojax.generation import cache, decoder
 from zerojax.generation.families import decode_logits, family_of
-from zerojax.models.pieces import Geometry
 from zerojax.generation.sampling import apply_repetition_penalty, top_p_filter
+from zerojax.models.pieces import Geometry
 
 
 class Rows(NamedTuple):

@@ -14,7 +14,15 @@ from jax.sharding import PartitionSpec as P
 
 from zerojax.config import ConfigError
 from zerojax.sharding.partition import (
-    EXPERT, data_axes, data_size, logical_axes, pipe_size, seq_size, tensor_size, with_expert_axis)
+    EXPERT,
+    data_axes,
+    data_size,
+    logical_axes,
+    pipe_size,
+    seq_size,
+    tensor_size,
+    with_expert_axis,
+)
 
 EXPERTS = "experts"  # the logical name of a mixture of experts' experts axis
 

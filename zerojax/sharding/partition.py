@@ -18,11 +18,13 @@ from __future__ import annotations
 import math
 import re
 import warnings
-from typing import Any, Iterable, NamedTuple, Sequence
+from collections.abc import Iterable, Sequence
+from typing import Any, NamedTuple
 
 import jax
 import numpy as np
-from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P
+from jax.sharding import AxisType, Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
 
 from zerojax._jax_compat import variable_value
 from zerojax.config import ConfigError
@@ -285,7 +287,8 @@ def tensor_specs(state, mesh: Mesh, rules=None, *, tp=None, model_type: str | No
         return spec
 
     specs = jax.tree_util.tree_map_with_path(spec_of, state, is_leaf=lambda x: isinstance(x, nnx.Variable))
-    if n_tensor > 1 and not named and not any(TENSOR in s for s in jax.tree.leaves(specs, is_leaf=lambda x: isinstance(x, P))):
+    if n_tensor > 1 and not named and not any(TENSOR in s
+                                              for s in jax.tree.leaves(specs, is_leaf=lambda x: isinstance(x, P))):
         names = [".".join(dotted_keys(p)) for p, _ in jax.tree_util.tree_flatten_with_path(
             state, is_leaf=lambda x: isinstance(x, nnx.Variable))[0]]
         raise ConfigError([
@@ -624,7 +627,8 @@ def held_bytes(tree, devices) -> int:
 
 
 __all__ = [
-    "DATA", "TENSOR", "PIPE", "SEQ", "EXPERT", "data_axes", "zero_axes", "with_expert_axis", "SEQ_RULES", "DEFAULT_RULES", "ACTIVATION_RULES", "REPLICATED_NAMES",
+    "DATA", "TENSOR", "PIPE", "SEQ", "EXPERT", "data_axes", "zero_axes", "with_expert_axis", "SEQ_RULES",
+    "DEFAULT_RULES", "ACTIVATION_RULES", "REPLICATED_NAMES",
     "SPLIT_IF_DIVISIBLE",
     "make_mesh",
     "data_size", "pipe_size", "seq_size", "check_sequence_parallel", "tensor_size", "batch_world_size",

@@ -13,7 +13,8 @@ Schedule, S stages, M micro-batches, R circular repeats, L layers: the layer sta
 viewed as [R, S, L / (S R), ...], stage s holding the blocks (r, s) -- contiguous blocks, so with
 R = 1 each device keeps exactly its storage shard of the stack. A buffer [S, micro-batch, ...]
 sharded over "pipe" holds each stage's input; every iteration all stages run their block at once
-(vmapped; a stage's layers unrolled, see `_stage_pieces`), then the buffer rolls by one stage (`jnp.roll` over the "pipe"-sharded axis,
+(vmapped; a stage's layers unrolled, see `_stage_pieces`), then the buffer rolls by one stage
+(`jnp.roll` over the "pipe"-sharded axis,
 which XLA lowers to a collective-permute) and stage 0 takes the next micro-batch, or, with R > 1,
 the last stage's output of the previous repeat from a ring of M - S + 1 buffers. M R + S - 1
 iterations; each stage idles S - 1 of them: the bubble fraction (S - 1) / (M R + S - 1).
@@ -52,7 +53,8 @@ import dataclasses
 
 import jax
 import jax.numpy as jnp
-from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
 
 from zerojax.accumulate import split_microbatches
 from zerojax.models.layer_stack import WithFrozen
@@ -89,7 +91,8 @@ def schedule_problems(layers: int, stages: int, microbatches: int, repeats: int,
         problems.append(
             f"pipeline.stages={stages} x pipeline_repeats={repeats} does not divide the model's "
             f"{layers} stacked layers; stage counts that would work with {repeats} repeat(s): {fits or 'none'}")
-    elif 0 < checkpoint_interval < layers // (stages * repeats) and (layers // (stages * repeats)) % checkpoint_interval:
+    elif 0 < checkpoint_interval < layers // (stages * repeats) and (
+            (layers // (stages * repeats)) % checkpoint_interval):
         per = layers // (stages * repeats)
         problems.append(
             f"pipeline.activation_checkpoint_interval={checkpoint_interval} does not divide the {per} layers "
@@ -144,8 +147,8 @@ def _stage_pieces(body, per: int, interval: int):
 
     def cut(block):
         if not interval:  # single layers: [R, S, ...]
-            return [jax.tree.map(lambda a: a[:, :, i], block) for i in range(per)]
-        return [jax.tree.map(lambda a: a[:, :, i:i + group], block) for i in range(0, per, group)]
+            return [jax.tree.map(lambda a: a[:, :, i], block) for i in range(per)]  # noqa: B023 - called within this iteration
+        return [jax.tree.map(lambda a: a[:, :, i:i + group], block) for i in range(0, per, group)]  # noqa: B023 - called within this iteration
 
     def run(h, pieces):
         for piece in pieces:
@@ -203,7 +206,8 @@ def pipeline_scan(schedule: PipelineSchedule, mesh: Mesh):
         # sums the embeddings' gradients over "pipe" once, after the loop -- a buffer replicated
         # over "pipe" made XLA all-reduce each iteration's micro-batch gradient inside the loop
         xs = split_microbatches(x, M, mesh)
-        xs = constrain(jax.tree.map(lambda a: jnp.where(first_stage(a[0])[:, None], a[None], jnp.zeros((), a.dtype)), xs),
+        xs = constrain(jax.tree.map(lambda a: jnp.where(first_stage(a[0])[:, None], a[None], jnp.zeros((), a.dtype)),
+                                    xs),
                        PIPE, None, DATA)
         cut, run = _stage_pieces(body, per, schedule.checkpoint_interval)
         pieces = cut(blocks)

@@ -26,28 +26,29 @@ import dataclasses
 import functools
 import logging
 import warnings
-from typing import Callable
+from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
-from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
 
-from zerojax import model as contract, offload as O, user_tree
-from zerojax.user_tree import take_layer
-
+from zerojax import model as contract
+from zerojax import offload as O
+from zerojax import user_tree
+from zerojax._jax_compat import no_eager_sharding
 from zerojax.checkpoint import engine_io
-from zerojax._jax_compat import is_tracer
-from zerojax.train import memory
-from zerojax.sharding import partition
-from zerojax.offload.memory_kinds import host_zeros
-from zerojax.train import step as step_mod
-from zerojax.train.layout import EngineLayout, build_layout, no_eager_sharding
-from zerojax.train.monitor import Monitor
 from zerojax.options import EngineOptions
-from zerojax.train.step import TrainState, pure_dict
+from zerojax.sharding import partition
+from zerojax.train import memory
+from zerojax.train import step as step_mod
+from zerojax.train.init_state import grad_accumulator, initial_state
+from zerojax.train.layout import EngineLayout, build_layout
+from zerojax.train.monitor import Monitor
 from zerojax.train.step_checks import StepChecks
+from zerojax.user_tree import take_layer
 
 logger = logging.getLogger("zerojax")
 
@@ -77,11 +78,18 @@ class MemoryReport(dict):
 
 
 def abstract_engine(model, cfg, *, loss_fn: Callable, mesh: Mesh | None = None,
-                    options: EngineOptions | None = None) -> "Engine":
+                    options: EngineOptions | None = None) -> Engine:
     """An Engine whose state is ShapeDtypeStructs with the real shardings: it lowers and compiles
     the real train step (memory analysis, planning) but holds no device memory. The one abstract
     engine: the planner compiles its candidates through it."""
     return Engine(model, cfg, loss_fn=loss_fn, mesh=mesh, options=options, abstract=True)
+
+
+# Engine.<old name> -> the EngineLayout field it read (`Engine.__getattr__`: deprecated, one release)
+LAYOUT_FIELDS = {name: name for name in (
+    "stage", "fp16", "compute_dtype", "accum_dtype", "offload_param", "tx", "schedule", "shardings",
+    "param_shardings", "master_shardings", "opt_shardings", "rest_shardings", "state_shardings",
+    "offload_settings", "stage3_gather", "pipeline")} | {"offload_layout": "offload"}
 
 
 class Engine:
@@ -114,7 +122,7 @@ class Engine:
             if not abstract and stacked:
                 # a list of blocks, each initialised by its own code: as one XLA program they compile
                 # in minutes at real depths (28 blocks: over 100 s), run eagerly on the host in
-                # seconds; each device then receives only its own shards (`_init_state`'s values)
+                # seconds; each device then receives only its own shards (`init_state.initial_state`'s values)
                 with jax.default_device(jax.devices("cpu")[0]), no_eager_sharding():
                     module, init_fn = init_fn(), None
         else:
@@ -132,11 +140,11 @@ class Engine:
         self._model_record = record() if callable(record) else None
         if abstract:
             self.state = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
-                                      jax.eval_shape(lambda: self._init_state(init_fn, module)),
-                                      self.state_shardings._replace(grad_accumulator=None))
+                                      jax.eval_shape(functools.partial(initial_state, self.layout, init_fn, module)),
+                                      self.layout.state_shardings._replace(grad_accumulator=None))
         else:
-            self.state = self._init_state(init_fn, module)
-        self.state = self.state._replace(grad_accumulator=self._grad_accumulator(abstract))
+            self.state = initial_state(self.layout, init_fn, module)
+        self.state = self.state._replace(grad_accumulator=grad_accumulator(self.layout, self.state.params, abstract))
         del model, module, user  # drop our references to the host copy
 
         # the new state comes out exactly where the state went in: left free, XLA may pick another
@@ -144,16 +152,16 @@ class Engine:
         # place an output it may choose, e.g. unpinned_host, in device memory
         settings = self.layout.step
         self._host_loop = None
-        out_shardings = (self.state_shardings, None)
+        out_shardings = (self.layout.state_shardings, None)
         if settings.offload is not None and settings.offload.loop == "host":
             # the host chunks (non-layer leaves, each layer group) are updated after the step's jit, from Python
             self._host_loop = O.host_loop.HostLoop(settings.offload.layout, settings.offload.tx,
                                                    compute_dtype=settings.compute_dtype,
-                                                   params_shardings=self.state_shardings.params,
+                                                   params_shardings=self.layout.state_shardings.params,
                                                    window=self.options.offload_host_window,
                                                    prefetch=self.options.offload_host_prefetch,
                                                    split_master=settings.offload.split_master)
-            out_shardings = (self._without_host_chunks(self.state_shardings)._replace(params=None), None)
+            out_shardings = (self._without_host_chunks(self.layout.state_shardings)._replace(params=None), None)
             # the params come in apart and are not donated: the step returns none (the host loop
             # writes the new ones into them, in place), so JAX would alias their buffers to other
             # outputs of the same shape, host-memory ones included
@@ -175,233 +183,29 @@ class Engine:
         betas = (cfg.optimizer.params.get("betas") if cfg.optimizer is not None else None) or (0.9, 0.999)
         self._mom = tuple(float(b) for b in betas)
 
-    # ------------------------------------------------------------------ the layout, read through
+    # ------------------------------------------------------------------ what it was built with
 
-    cfg = property(lambda self: self.layout.cfg)
-    mesh = property(lambda self: self.layout.mesh)
-    options = property(lambda self: self.layout.options)
-    stage = property(lambda self: self.layout.stage)
-    fp16 = property(lambda self: self.layout.fp16)
-    compute_dtype = property(lambda self: self.layout.compute_dtype)
-    accum_dtype = property(lambda self: self.layout.accum_dtype)
-    offload_param = property(lambda self: self.layout.offload_param)
-    tx = property(lambda self: self.layout.tx)
-    schedule = property(lambda self: self.layout.schedule)
-    shardings = property(lambda self: self.layout.shardings)
-    param_shardings = property(lambda self: self.layout.param_shardings)
-    master_shardings = property(lambda self: self.layout.master_shardings)
-    opt_shardings = property(lambda self: self.layout.opt_shardings)
-    rest_shardings = property(lambda self: self.layout.rest_shardings)
-    state_shardings = property(lambda self: self.layout.state_shardings,
-                               doc="Where every state leaf lives (a TrainState of shardings).")
-    offload_layout = property(lambda self: self.layout.offload, doc="The chunk layout of an offloaded state, or None.")
-    offload_settings = property(lambda self: self.layout.offload_settings)
-    stage3_gather = property(lambda self: self.layout.stage3_gather)
-    pipeline = property(lambda self: self.layout.pipeline,
-                        doc="The pipeline schedule (stages, micro-batches, repeats) or None.")
+    # The engine's inputs; everything else static about it is its layout (`engine.layout`, an
+    # `EngineLayout`: shardings, offload layout, pipeline schedule, dtypes, optimizer).
+    cfg = property(lambda self: self.layout.cfg, doc="The resolved DeepSpeed config (a zerojax Config).")
+    mesh = property(lambda self: self.layout.mesh, doc="The device mesh the state is sharded over.")
+    options = property(lambda self: self.layout.options, doc="The EngineOptions it runs with.")
+    step_settings = property(lambda self: self.layout.step,
+                             doc="The step's static settings (graphdef, templates; `zerojax.train.step.StepSettings`).")
 
     @property
     def pipeline_bubble(self) -> float:
         """The share of pipeline stage-iterations that idle, (S - 1) / (M R + S - 1); 0.0 unpipelined."""
         return self.layout.pipeline.bubble_fraction if self.layout.pipeline is not None else 0.0
-    step_settings = property(lambda self: self.layout.step)
 
-    # ------------------------------------------------------------------ state placement
-
-    def _init_state(self, init_fn, module) -> TrainState:
-        """The initial state: built sharded from `init_fn` (a callable model) or placed leaf by
-        leaf from `module`'s values (a built model)."""
-        lay = self.layout
-        values = None
-        if init_fn is None:
-            _, params, rest = nnx.split(module, nnx.Param, ...)
-            values = pure_dict(params), pure_dict(rest)
-        if lay.offload is not None:
-            return self._init_offloaded(init_fn, values)
-        if lay.step.split_master:
-            return self._init_split_master(init_fn, values)
-        sh = lay.shardings
-        fp32 = lay.compute_dtype == jnp.float32
-        # The master lives in the optimizer sharding; with fp32 compute the params are the master.
-        target = sh.params if fp32 else sh.master
-        if init_fn is not None:
-            master, rest = jax.jit(lambda: _init_pure(init_fn), out_shardings=(target, lay.rest_shardings))()
-        else:
-            master = jax.tree.map(lambda x, s: _place(x, s, jnp.float32), values[0], target)
-            rest = jax.tree.map(_place, values[1], lay.rest_shardings)
-        if fp32:
-            params, master = master, None
-            master_view = params
-        else:
-            cast = lambda t: jax.tree.map(lambda x: x.astype(lay.compute_dtype), t)  # noqa: E731
-            params = jax.jit(cast, out_shardings=sh.params)(master)
-            master_view = master
-        opt_state = jax.jit(lay.tx.init, out_shardings=lay.opt_shardings)(master_view)
-        return self._fresh_state(params, master, opt_state, rest)
-
-    def _init_split_master(self, init_fn, values) -> TrainState:
-        """The device split master's initial state (bf16 params + int16 remainders), allocated
-        longest-lived first and the fp32 master, needed only to derive both, last. Why: the GPU
-        allocator hands out contiguous ranges from the front of its pool; an fp32 master allocated
-        first and freed after the split leaves a hole of 4 bytes a parameter at the front, and the
-        step's temporary buffer (one contiguous range, 8.4 GiB for GPT-2 Large at micro 8) then did
-        not fit in the 16 GiB the compiled peak (15.65 GiB) promised (an H200 capped at 16 GiB).
-        Allocated last, the master's range is freed back into the free tail. The
-        optimizer state is initialised from zeros of the master's shapes: zerojax's optimizers
-        (`zerojax.optim`) keep no parameter values in their state."""
-        lay, sh = self.layout, self.layout.shardings
-        if init_fn is not None:
-            rest = jax.jit(lambda: _init_pure(init_fn)[1], out_shardings=lay.rest_shardings)()
-            master_of = jax.jit(lambda: _init_pure(init_fn)[0], out_shardings=sh.master)
-        else:
-            rest = jax.tree.map(_place, values[1], lay.rest_shardings)
-            master_of = lambda: jax.tree.map(lambda x, s: _place(x, s, jnp.float32), values[0], sh.master)  # noqa: E731
-        opt_state = jax.jit(lambda: lay.tx.init(_zeros(lay.abstract_master)), out_shardings=lay.opt_shardings)()
-        params = jax.jit(lambda: _zeros(lay.abstract_master, lay.compute_dtype), out_shardings=sh.params)()
-        abstract_rems = jax.eval_shape(functools.partial(step_mod.stored_master, lay.step), lay.abstract_master)
-        rems = jax.jit(lambda: _zeros(abstract_rems), out_shardings=sh.master)()
-        master = master_of()
-        params, rems = _split_into_program(lay)(master, params, rems)
-        del master
-        return self._fresh_state(params, rems, opt_state, rest)
-
-    def _grad_accumulator(self, abstract: bool):
-        """offload_param with accumulation: the host-memory gradient accumulator the step adds each
-        micro-batch into (`TrainState.grad_accumulator`), allocated shard by shard straight in host
-        memory (a zero-filled array built on the device first would need the device memory it
-        exists to spare); else None. Its contents are scratch: each step's first micro-batch
-        overwrites them."""
-        if not step_mod.needs_grad_accumulator(self.layout.step):
-            return None
-        dtype = jnp.dtype(self.layout.step.accum_dtype)
-        sh = self.state_shardings.grad_accumulator
-        if abstract:
-            return jax.tree.map(lambda p, s: jax.ShapeDtypeStruct(p.shape, dtype, sharding=s), self.state.params, sh)
-        return jax.tree.map(lambda p, s: host_zeros(p.shape, dtype, s), self.state.params, sh)
-
-    def _fresh_state(self, params, master, opt_state, rest) -> TrainState:
-        zero = lambda: jax.device_put(jnp.zeros((), jnp.int32), NamedSharding(self.mesh, P()))  # noqa: E731
-        return TrainState(params=params, master=master, opt_state=opt_state, rest=rest,
-                          step=zero(), skipped_steps=zero(), global_samples=zero())
-
-    def _init_offloaded(self, init_fn, values) -> TrainState:
-        """Master chunks and optimizer states built straight into their memory kinds (one jit)."""
-        lay = self.layout
-        off, sh, cd, tx = lay.offload, lay.shardings, lay.compute_dtype, lay.tx
-        layout_leaves = off.layout.treedef.flatten_up_to
-
-        def build(master):
-            chunks = O.to_chunks(master, off.layout)
-            states = [tx.init(m) for m in chunks]
-            compute = jax.tree.map(lambda x: x.astype(cd), master)
-            return chunks, states, compute
-
-        outs = (list(off.master_shardings), list(off.state_shardings), lay.param_shardings)
-        groups = self._init_groups()
-        # NVMe: the swapped layers' state is written to the files a layer group at a time
-        # (`NvmeTier.init_files`), never built whole in host memory
-        to_files = init_fn is not None and lay.nvme is not None and lay.nvme.leaf_state_files(tx) is not None
-        split_done = False
-        if init_fn is not None and (len(groups) > 1 or to_files):
-            skip = lay.nvme.chunk if to_files else None
-            chunks, params, rest = self._init_offloaded_by_leaves(init_fn, groups, skip=skip)
-            # the host split now, each fp32 chunk freed as its remainder is made, and the moments
-            # after it from the chunks' shapes (zerojax's optimizers start from zeros, whatever the
-            # weights): host memory never holds the fp32 master beside the final state (32 GB at 8B)
-            chunks, split_done = lay.split_master(chunks, params, to_split=True, consume=True), True
-            state_sh = lay.nvme.live(list(off.state_shardings), "state") if to_files else off.state_shardings
-            m_tmpl, _ = O.chunk_templates(tx, lay.abstract_master, off.layout)
-            if skip is not None:  # the swap files' chunk, None in the live state: its state from that
-                m_tmpl[skip] = chunks[skip]
-            states = [jax.jit(lambda m=m: tx.init(_zeros(m)), out_shardings=s)() for m, s in zip(m_tmpl, state_sh)]
-            if to_files and not any(is_tracer(x) for x in jax.tree.leaves(states)):
-                # (traced: an abstract engine, no files)
-                lay.nvme.init_files(tx, lambda i: layout_leaves(_init_pure(init_fn)[0])[i], self._init_limit())
-        elif init_fn is not None:
-            def init():
-                p, r = _init_pure(init_fn)
-                return build(p), r
-
-            (chunks, states, params), rest = jax.jit(init, out_shardings=(outs, lay.rest_shardings))()
-        else:
-            master = jax.tree.map(lambda x, s: _place(x, s, jnp.float32), values[0], sh.master)
-            rest = jax.tree.map(_place, values[1], lay.rest_shardings)
-            with warnings.catch_warnings():
-                # the donation frees the fp32 copy where XLA can alias it (fp32 compute params
-                # sharded as the master: ZeRO-3); elsewhere no output can take it and JAX says
-                # so in a warning the user can do nothing about (`del master` frees it then)
-                warnings.filterwarnings("ignore", message="Some donated buffers were not usable")
-                chunks, states, params = jax.jit(build, out_shardings=outs, donate_argnums=0)(master)
-            del master
-        if lay.nvme is not None and not to_files:  # the layers' master and moments into the swap files
-            chunks, states = lay.nvme.spill(list(chunks), list(states))
-        opt_state = states
-        if lay.fp16:
-            ls = jax.jit(lambda: lay.step.offload.scaler.init(None),
-                         out_shardings=NamedSharding(self.mesh, P()))()
-            opt_state = ls._replace(inner_state=states)
-        if not split_done:
-            chunks = lay.split_master(list(chunks), params, to_split=True, consume=True)
-        return self._fresh_state(params, chunks, opt_state, rest)
-
-    def _init_groups(self) -> list[list[int]]:
-        """Param leaves (flat indices) grouped so that a group's fp32 values stay under
-        `options.init_group_bytes` (default: a quarter of the device's memory limit; CPU: no
-        limit, one group). One jit builds each group, so the device never holds every fp32 weight."""
-        leaves = self.layout.offload.layout.treedef.flatten_up_to(self.layout.abstract_master)
-        limit = self._init_limit()
-        if not limit:
-            return [list(range(len(leaves)))]
-        groups, size = [[]], 0
-        for i, x in enumerate(leaves):
-            n = int(np.prod(x.shape)) * 4
-            if groups[-1] and size + n > limit:
-                groups.append([])
-                size = 0
-            groups[-1].append(i)
-            size += n
-        return groups
-
-    def _init_limit(self) -> int:
-        """`options.init_group_bytes`, else a quarter of the device's memory limit (0: none known, CPU)."""
-        if self.options.init_group_bytes:
-            return self.options.init_group_bytes
-        budget = memory.device_budget()
-        return budget // 4 if budget else 0
-
-    def _init_offloaded_by_leaves(self, init_fn, groups, skip=None):
-        """Offload init for models too large to initialise on the device at once: per group of
-        leaves, one jit runs the model's initialiser, keeps only that group (XLA drops the other
-        leaves' random draws as dead code) and writes its master pieces and compute copy to their
-        memory kinds; chunk `skip` (the NVMe tier's, filled by `NvmeTier.init_files`) is left None.
-        -> (master chunks, compute params, rest)."""
-        lay = self.layout
-        off, cd = lay.offload, lay.compute_dtype
-        layout = off.layout
-        n_chunks = len(layout.chunks)
-        m_sh = [layout.treedef.flatten_up_to(s) for s in off.master_shardings]
-        p_sh = layout.treedef.flatten_up_to(lay.param_shardings)
-        pieces = [[None] * len(layout.stacked) for _ in range(n_chunks)]
-        compute = [None] * len(layout.stacked)
-
-        for group in groups:
-            def build(group=group):
-                leaves = layout.treedef.flatten_up_to(_init_pure(init_fn)[0])
-                out = []
-                for i in group:
-                    x = leaves[i]
-                    out.append(([None if j == skip else O.piece(x, layout.stacked[i], c)
-                                 for j, c in enumerate(layout.chunks)], x.astype(cd)))
-                return out
-
-            shardings = [([None if j == skip else m_sh[j][i] for j in range(n_chunks)], p_sh[i]) for i in group]
-            for i, (ps, c) in zip(group, jax.jit(build, out_shardings=shardings)()):
-                compute[i] = c
-                for j in range(n_chunks):
-                    pieces[j][i] = ps[j]
-        rest = jax.jit(lambda: _init_pure(init_fn)[1], out_shardings=lay.rest_shardings)()
-        chunks = [layout.treedef.unflatten(p) for p in pieces]
-        return chunks, layout.treedef.unflatten(compute), rest
+    def __getattr__(self, name):
+        # the layout's fields the engine once passed through, one release with a warning
+        moved = LAYOUT_FIELDS.get(name)
+        if moved is None:
+            raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
+        warnings.warn(f"Engine.{name} is deprecated and goes in the next release: read engine.layout.{moved}",
+                      DeprecationWarning, stacklevel=2)
+        return getattr(self.layout, moved)
 
     # ------------------------------------------------------------------ batches
 
@@ -543,7 +347,7 @@ class Engine:
     def _host_loop_notes(self) -> tuple[str, ...]:
         """For WillNotFitError under offload_loop="host": what its chunks hold on the device and
         the options that hold less."""
-        o, chunks = self.options, self.offload_settings["chunks"]
+        o, chunks = self.options, self.layout.offload_settings["chunks"]
         opt = self.layout.chunk_states(self.state.opt_state)
         during_jit, during_loop = self._host_loop.device_bytes(self.state.master, opt)
         return (f"Of that, offload_loop='host' keeps up to {memory.fmt_bytes(max(during_jit, during_loop))} of "
@@ -678,7 +482,7 @@ class Engine:
     @property
     def lr(self) -> float:
         """The learning rate the next step will use."""
-        return float(self.schedule(self.state.step - self.state.skipped_steps))
+        return float(self.layout.schedule(self.state.step - self.state.skipped_steps))
 
     @property
     def params(self):
@@ -702,7 +506,7 @@ class Engine:
         if off is not None:  # the host chunks merged into one tree on the device
             if not hasattr(self, "_merge_master"):
                 self._merge_master = jax.jit(lambda m: O.offload_master(O.OffloadState(m, []), off),
-                                             out_shardings=self.shardings.master)
+                                             out_shardings=self.layout.shardings.master)
             master = self.layout.split_master(self.state.master, self.state.params, to_split=False)
             if self.layout.nvme is not None:  # read back from the swap files
                 master = self.layout.nvme.fill(master, None)[0]
@@ -738,10 +542,10 @@ class Engine:
         s = self.state
         # offload_param: each micro-batch's gradients come to host memory (compute dtype); with
         # accumulation they are summed into the host accumulator the state carries
-        host_grads = self.offload_param
-        gdtype = self.compute_dtype if host_grads else self.accum_dtype
+        host_grads = self.layout.offload_param
+        gdtype = self.layout.compute_dtype if host_grads else self.layout.accum_dtype
         grads = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, gdtype), s.params)
-        grad_bytes = partition.per_device_bytes(grads, self.shardings.grads)
+        grad_bytes = partition.per_device_bytes(grads, self.layout.shardings.grads)
         report = MemoryReport(
             params=_nbytes(s.params, False),
             gradients=0 if host_grads else grad_bytes,
@@ -772,20 +576,6 @@ def step_compiler_options(*, platform: str) -> dict:
     return {ZERO_INIT_OPTION: True} if platform == "gpu" else {}
 
 
-def _split_into_program(lay):
-    """jit(master, params, rems) -> (params, rems): the fp32 master's compute copy and int16
-    remainders (EngineOptions.split_master, device) written into the donated `params` / `rems` buffers.
-    keep_unused: jit drops unused arguments by default, and a dropped donated buffer is freed, not
-    reused (measured on an H200: 2.9 GiB more at init and a fragmented pool)."""
-    def split(master, params, rems):
-        del params, rems  # only their buffers are used: the outputs alias them
-        cast = jax.tree.map(lambda m: m.astype(lay.compute_dtype), master)
-        return cast, step_mod.stored_master(lay.step, master)
-
-    return jax.jit(split, donate_argnums=(1, 2), keep_unused=True,
-                   out_shardings=(lay.shardings.params, lay.shardings.master))
-
-
 def _abstract_split(module):
     """(graphdef, Param state, other state) of `module` with ShapeDtypeStruct leaves (no arrays kept)."""
     graphdef, params, rest = nnx.split(module, nnx.Param, ...)
@@ -814,28 +604,4 @@ def _warn_fp32_compute(module, compute_dtype) -> None:
                       f"{jnp.dtype(compute_dtype).name} forward", stacklevel=3)
 
 
-def _zeros(tree, dtype=None):
-    """Zeros shaped like the abstract `tree` (in `dtype`, default each leaf's own)."""
-    return jax.tree.map(lambda s: jnp.zeros(s.shape, dtype or s.dtype), tree)
-
-
-def _init_pure(init_fn):
-    """(fp32 params, rest) of a fresh model from its init callable, as pure dicts; call under jit."""
-    with no_eager_sharding():
-        _, p, r = nnx.split(init_fn(), nnx.Param, ...)
-    return jax.tree.map(lambda x: x.astype(jnp.float32), pure_dict(p)), pure_dict(r)
-
-
-def _place(x, sharding, dtype=None):
-    if dtype is not None and jnp.issubdtype(x.dtype, jnp.floating) and x.dtype != dtype:
-        x = x.astype(dtype)
-    if jax.process_count() == 1:
-        return jax.device_put(x, sharding)
-    if jnp.issubdtype(x.dtype, jax.dtypes.prng_key):  # rng keys: place the raw key data
-        impl = jax.random.key_impl(x)
-        return jax.random.wrap_key_data(_place(jax.random.key_data(x), sharding), impl=impl)
-    host = np.asarray(jax.device_get(x))  # every process built the same model
-    return jax.make_array_from_callback(host.shape, sharding, lambda idx: host[idx])
-
-
-__all__ = ["Engine", "abstract_engine", "MemoryReport"]
+__all__ = ["Engine", "abstract_engine", "MemoryReport", "LAYOUT_FIELDS"]

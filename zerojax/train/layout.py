@@ -9,37 +9,60 @@ offload tier changes this build, not the engine.
 """
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import functools
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import jax
 import jax.numpy as jnp
 from flax import nnx
-from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
 
+from zerojax import model as contract
 from zerojax import offload as O
-from zerojax._jax_compat import filter_state, no_eager_sharding, variable_value
-
 from zerojax import streamed as stream_mod
-
-from zerojax.sharding import partition
-from zerojax.sharding.experts import expert_parallel_hook, split_experts
-from zerojax import model as contract, user_tree
+from zerojax import user_tree
+from zerojax._jax_compat import (
+    filter_state,
+    no_eager_sharding,  # noqa: F401 - its old path, zerojax.train.layout.no_eager_sharding
+    variable_value,
+)
 from zerojax.config import Config, ConfigError, load_config, pipeline_stages, remat_policy_for
-from zerojax.sharding.pipeline import PipelineSchedule, pipeline_scan, schedule_problems
-from zerojax.optim import build_optimizer, build_schedule
-from zerojax.options import EngineOptions
-from zerojax.precision import compute_dtype as compute_dtype_of, loss_scale_from_config, loss_scaler_from_config
 from zerojax.offload.nvme.tier import check_params_in_cpu, nvme_tier
 from zerojax.offload.stored import stored_params, stored_tree
-from zerojax.train.step import (OffloadStep, StepSettings, TrainState, needs_grad_accumulator, pure_dict, rebuilt_master,
-                          stored_master)
-
-PARAM_HOOK_ERROR = ("zero_optimization.offload_param: offload_param needs a model whose layer scan accepts a "
-                    "fetch hook (a `layer_fetch` attribute applied to each layer's params inside the scan); "
-                    "zerojax.models.gpt2.GPT2 does. {what}")
+from zerojax.optim import build_optimizer, build_schedule
+from zerojax.options import EngineOptions
+from zerojax.precision import compute_dtype as compute_dtype_of
+from zerojax.precision import loss_scale_from_config
+from zerojax.sharding import partition
+from zerojax.sharding.experts import expert_parallel_hook, split_experts
+from zerojax.sharding.pipeline import PipelineSchedule
+from zerojax.train.model_hooks import (
+    PARAM_HOOK_ERROR,
+    activation_modules,
+    attributes_set,
+    check_needs_stack,
+    config_error,
+    hook_modules,
+    install_layer_hook,
+    model_type,
+    modules_with,
+    pipeline_layout,
+    settings_applied,
+    vmapped_stack,
+)
+from zerojax.train.offload_choice import offload_layout, offloads, resolve_split_master
+from zerojax.train.step import (
+    OffloadStep,
+    StepSettings,
+    TrainState,
+    needs_grad_accumulator,
+    pure_dict,
+    rebuilt_master,
+    stored_master,
+)
 
 _ACCUM_DTYPES = {"fp32": jnp.float32, "bf16": jnp.bfloat16, "fp16": jnp.float16}
 
@@ -245,7 +268,7 @@ def resolve_config(cfg, mesh: Mesh | None) -> tuple[Config, Mesh]:
         except ValueError as e:
             if isinstance(e, ConfigError):
                 raise
-            raise _config_error(f"pipeline.stages = {cfg.pipeline.stages}: {e}") from None
+            raise config_error(f"pipeline.stages = {cfg.pipeline.stages}: {e}") from None
     n = partition.batch_world_size(mesh)
     if not isinstance(cfg, Config):
         cfg = load_config(cfg, world_size=n)
@@ -281,10 +304,10 @@ def build_layout(module: nnx.Module, cfg, *, loss_fn: Callable, mesh: Mesh | Non
     if (cfg.tensor_parallel.partition_config or {}).get("use_default_specs", True):
         constrain = partition.activation_constraint(mesh)
     # ep_size > 1: the mesh's "data" axis split into ("data", "expert") for everything that follows
-    experts, mesh = expert_parallel_hook(module, mesh, (options or EngineOptions()).ep_size, _modules_with)
-    with _attributes(_activation_modules(module) if constrain else [], activation_sharding=constrain), \
-            _attributes(_modules_with(module, "expert_parallel") if experts else [], expert_parallel=experts), \
-            _settings(_remat_settings(module, cfg)):
+    experts, mesh = expert_parallel_hook(module, mesh, (options or EngineOptions()).ep_size, modules_with)
+    with attributes_set(activation_modules(module) if constrain else [], activation_sharding=constrain), \
+            attributes_set(modules_with(module, "expert_parallel") if experts else [], expert_parallel=experts), \
+            settings_applied(_remat_settings(module, cfg)):
         return _build_layout(module, cfg, loss_fn=loss_fn, mesh=mesh, options=options)
 
 
@@ -328,20 +351,6 @@ def _remat_settings(module, cfg) -> list:
         raise ConfigError([str(e)]) from None
 
 
-@contextlib.contextmanager
-def _settings(settings):
-    """(module, attribute, value) settings applied for the duration (a block class swapped
-    through `object.__setattr__`), each put back after."""
-    saved = [(m, name, m.__class__ if name == "__class__" else getattr(m, name)) for m, name, _ in settings]
-    try:
-        for m, name, value in settings:
-            object.__setattr__(m, name, value) if name == "__class__" else setattr(m, name, value)
-        yield
-    finally:
-        for m, name, value in reversed(saved):
-            object.__setattr__(m, name, value) if name == "__class__" else setattr(m, name, value)
-
-
 def _build_layout(module, cfg: Config, *, loss_fn, mesh: Mesh, options) -> EngineLayout:
     options = options or EngineOptions()
     _check_lora_applied(module, cfg)
@@ -353,7 +362,7 @@ def _build_layout(module, cfg: Config, *, loss_fn, mesh: Mesh, options) -> Engin
     stage = int(zero.stage)
     offload_optimizer, offload_param = offloads(cfg)
     offloading = offload_optimizer or offload_param
-    _check_needs_stack(module, cfg, offload_param)
+    check_needs_stack(module, cfg, offload_param)
     if offloading and cfg.optimizer is not None and "".join(
             c for c in cfg.optimizer.type.lower() if c.isalnum()) == "lamb":
         raise ConfigError(["zero_optimization.offload_optimizer / offload_param with optimizer.type "
@@ -371,21 +380,21 @@ def _build_layout(module, cfg: Config, *, loss_fn, mesh: Mesh, options) -> Engin
     # the layer axis from the model contract (a "layers"-named axis, or the found block stack)
     prefixes = contract.stacked_prefixes(module)
     stacked = contract.stacked_flags(abstract_master, prefixes) if prefixes else None
-    base_specs = partition.tensor_specs(params, mesh, tp=cfg.tensor_parallel, model_type=_model_type(module),
+    base_specs = partition.tensor_specs(params, mesh, tp=cfg.tensor_parallel, model_type=model_type(module),
                                         stacked_prefixes=prefixes)
     if options.ep_size > 1:  # experts split over "expert" at every stage (ZeRO adds "data" on another dim)
         base_specs = split_experts(params, base_specs)
     shardings = partition.stage_shardings(
         abstract_master, mesh, stage, base_specs=base_specs,
         persistence_threshold=int(zero.stage3_param_persistence_threshold or 0))
-    rest_shardings = _rest_shardings(rest, mesh, cfg, stage, _model_type(module), prefixes, options.ep_size,
+    rest_shardings = _rest_shardings(rest, mesh, cfg, stage, model_type(module), prefixes, options.ep_size,
                                      O.host_memory_kind(bool(zero.offload_param.pin_memory)) if offload_param else None)
 
     off = offload_settings = offload_step = fetch_rest = nvme = None
     stage3_gather = None
     param_shardings, master_shardings = shardings.params, shardings.master
     if offloading:
-        off, offload_settings, opt_shardings, scaler = _offload_layout(
+        off, offload_settings, opt_shardings, scaler = offload_layout(
             cfg, options, tx, abstract_master, shardings, mesh, fp16, offload_optimizer, offload_param, stacked)
         master_shardings = off.shardings.master
         if offload_optimizer and zero.offload_optimizer.device == "nvme":
@@ -403,7 +412,7 @@ def _build_layout(module, cfg: Config, *, loss_fn, mesh: Mesh, options) -> Engin
             kind = O.host_memory_kind(bool(zero.offload_param.pin_memory))
             param_shardings = O.with_memory_kind(shardings.params, kind)
             # fetch layer i+1 while layer i computes (the model's layer scan, one layer per iteration)
-            graphdef, fetch_rest = _install_layer_hook(
+            graphdef, fetch_rest = install_layer_hook(
                 module, abstract_master, O.with_memory_kind(shardings.params, O.DEVICE), O.fetch,
                 {"scan_unroll": 1, "layer_scan": O.prefetch_scan}, stacked)
     host_split, device_split = resolve_split_master(options, cfg, offload_settings and offload_settings["loop"],
@@ -416,7 +425,7 @@ def _build_layout(module, cfg: Config, *, loss_fn, mesh: Mesh, options) -> Engin
     else:
         opt_shardings = partition.opt_state_shardings(tx, abstract_master, shardings.master, mesh)
     if (stage == 3 and not offload_param and partition.data_size(mesh) > 1
-            and (_hook_modules(module) or _vmapped_stack(module))
+            and (hook_modules(module) or vmapped_stack(module))
             and any(O.chunk_layout(abstract_master, 1, stacked=stacked).stacked)):
         # ZeRO-3's "all-gather on use": each layer's weights constrained to their stage-0
         # sharding inside the layer scan. Left to itself, GSPMD may keep a sharded weight
@@ -426,14 +435,14 @@ def _build_layout(module, cfg: Config, *, loss_fn, mesh: Mesh, options) -> Engin
         # ids and the full-batch fp32 logits (3.3 GB for GPT-2 Large at micro-batch 8 on 2
         # GPUs) -- stage 3 ran at 60% of stage 2
         gathered = partition.stage_shardings(abstract_master, mesh, 0, base_specs=base_specs).params
-        graphdef, fetch_rest = _install_layer_hook(
+        graphdef, fetch_rest = install_layer_hook(
             module, abstract_master, gathered, jax.lax.with_sharding_constraint,
             {"scan_unroll": 1, "layer_scan": None}, stacked)
         stage3_gather = "layer"
 
     schedule_ = None
     if partition.pipe_size(mesh) > 1 or pipeline_stages(cfg.pipeline) > 1:
-        schedule_, graphdef, takeover = _pipeline_layout(module, cfg, mesh, options, abstract_master, accum_dtype,
+        schedule_, graphdef, takeover = pipeline_layout(module, cfg, mesh, options, abstract_master, accum_dtype,
                                                          stacked)
         if takeover is not None:  # see _self_scanned_stages (pipelined: stage <= 1, no fetch_rest to keep)
             fetch_rest, checked = takeover
@@ -496,331 +505,6 @@ def _rest_shardings(rest, mesh: Mesh, cfg: Config, stage: int, model_type, prefi
     return jax.tree_util.tree_map_with_path(
         lambda path, s: NamedSharding(mesh, flat[path], memory_kind=host_kind if path in on_host else None)
         if path in flat else s, shardings)
-
-
-PIPELINE_HOOK_ERROR = ("pipeline.stages = {stages}: pipelining needs a model whose layers run as one stacked scan "
-                       "with a `layer_scan` hook (docs/CONTRACTS.md; zerojax.models.gpt2.GPT2 has it). {what}")
-SELF_SCAN_ERROR = ("pipeline.stages = {stages}: zerojax runs {model}'s nnx.vmap-stacked {block} in pipeline stages "
-                   "by handing the model's own layer scan the whole stack as its one item, which needs a scan "
-                   "whose body only calls the block on its carry (`x = block(x, ...)`); {what}. Give the module "
-                   "that scans its layers the `layer_scan` hook (docs/CONTRACTS.md, \"The model contract\"), or "
-                   "use pipeline.stages 1")
-
-
-def _check_needs_stack(module, cfg, offload_param: bool) -> None:
-    """Pipeline stages and per-layer parameter offload run the blocks as one stacked scan: on a
-    model whose list of blocks zerojax left as its own loop, the error names the loop's line."""
-    note = contract.unstacked_list_note(module)
-    if not note:
-        return
-    if pipeline_stages(cfg.pipeline) > 1:
-        raise _config_error(PIPELINE_HOOK_ERROR.format(stages=cfg.pipeline.stages, what=note.strip()))
-    if offload_param:
-        raise _config_error(PARAM_HOOK_ERROR.format(what=note.strip()))
-
-
-def _pipeline_layout(module, cfg, mesh, options, abstract_master, accum_dtype, stacked=None):
-    """(PipelineSchedule, the graphdef whose layer scan runs it, None or what a stack the model
-    scans itself needs besides: `_self_scanned_stages`) for pipeline.stages > 1."""
-    stages = pipeline_stages(cfg.pipeline)
-    if partition.pipe_size(mesh) != stages:
-        raise _config_error(f"pipeline.stages = {cfg.pipeline.stages} but the mesh's \"pipe\" axis has size "
-                            f"{partition.pipe_size(mesh)}; pass mesh=None or a mesh made with "
-                            f"zerojax.make_mesh(pipe={stages})")
-    hooked = [m for _, m in nnx.iter_graph(module) if isinstance(m, nnx.Module) and "layer_scan" in vars(m)]
-    block = None if hooked else _vmapped_stack(module)
-    layers = O.chunk_layout(abstract_master, 1, stacked=stacked).num_layers
-    if not (hooked or block is not None) or not layers:
-        raise _config_error(PIPELINE_HOOK_ERROR.format(
-            stages=stages, what=f"{type(module).__name__} has no " + (
-                "`layer_scan` attribute" if not hooked else "stacked (scanned) layer parameters")
-            + "; use pipeline.stages 1 (data parallelism with ZeRO) for it"))
-    schedule = PipelineSchedule(stages=stages, microbatches=int(cfg.gradient_accumulation_steps),
-                                repeats=options.pipeline_repeats,
-                                checkpoint_interval=int(cfg.pipeline.activation_checkpoint_interval),
-                                grad_accum_dtype=jnp.dtype(accum_dtype).name)
-    problems = schedule_problems(layers, stages, schedule.microbatches, schedule.repeats,
-                                 schedule.checkpoint_interval)
-    if problems:
-        raise ConfigError(problems)
-    if block is not None:
-        return (schedule, *_self_scanned_stages(module, block, pipeline_scan(schedule, mesh), stacked, stages))
-    return schedule, _split_with(module, hooked, {"layer_scan": pipeline_scan(schedule, mesh)}), None
-
-
-def _self_scanned_stages(module, block, layer_scan, stacked, stages):
-    """(graphdef, (params transform, loss_fn wrapper)) that run an `nnx.vmap`-built stack the
-    model scans itself (`nnx.scan` over the stacked block, no hooks) in pipeline stages. The
-    model's scan cannot be replaced, so it is handed the whole stack as its one item: the transform
-    gives every stacked leaf a leading axis of 1 ([L, ...] -> [1, L, ...]) before the model is
-    built, and the block's swapped call, getting all L layers at once, runs them through
-    `layer_scan` (`zerojax.model.hooked_block_class`). That equals the model's own loop only when
-    its scan body does nothing but call the block on its carry: the wrapped loss_fn checks so on
-    the traced program first (`zerojax.model.scans_block_alone`), an error naming the hook where
-    not."""
-    def error(what):
-        return SELF_SCAN_ERROR.format(stages=stages, model=type(module).__name__, block=type(block).__name__,
-                                      what=what)
-
-    if jax.tree.leaves(nnx.state(block, nnx.Not(nnx.Param))):
-        # its scan would take that state layer by layer, beside a stack of one item
-        raise _config_error(error(what="its blocks hold state besides their parameters (RNG streams, batch "
-                                       "statistics), which that scan takes layer by layer"))
-    path = contract.find_blocks(module).path
-    whole_ndim = jax.tree.leaves(nnx.state(block, nnx.Param))[0].ndim
-    cls = type(block)
-    swapped = contract.hooked_block_class(cls, policy=getattr(cls, "_zerojax_policy", None), layer_scan=layer_scan,
-                                          whole_ndim=whole_ndim)
-    with _settings([(block, "__class__", swapped)]), no_eager_sharding():
-        graphdef = nnx.split(module, nnx.Param, ...)[0]
-
-    def whole(params):
-        return jax.tree.map(lambda a, f: a.reshape(1, *a.shape) if f else a, params, stacked)
-
-    def checked(loss_fn):
-        def run(model, batch):
-            try:
-                alone = contract.scans_block_alone(lambda m: loss_fn(m, batch), model, path, whole_ndim)
-            except Exception as e:
-                raise _config_error(error(what="tracing the model that way failed (the error above)")) from e
-            if not alone:
-                raise _config_error(error(what="its scan does more than that (inputs scanned beside the "
-                                               "blocks, work around the block call)"))
-            return loss_fn(model, batch)
-        return run
-
-    return graphdef, (whole, checked)
-
-
-def offloads(cfg) -> tuple[bool, bool]:
-    """(offload_optimizer, offload_param) as DeepSpeed acts on them: the optimizer at stage >= 1,
-    the params at stage 3, each to cpu or nvme."""
-    zero = cfg.zero_optimization
-    stage = int(zero.stage)
-    return (zero.offload_optimizer.device in ("cpu", "nvme") and stage >= 1,
-            zero.offload_param.device in ("cpu", "nvme") and stage == 3)
-
-
-def _precision_name(cfg) -> str:
-    """"bf16", "fp16" or "fp32": the config's compute dtype as the split-master errors name it."""
-    return {jnp.dtype(jnp.bfloat16): "bf16", jnp.dtype(jnp.float16): "fp16"}.get(
-        jnp.dtype(compute_dtype_of(cfg)), "fp32")
-
-
-def split_master_applies(precision: str, loop: str | None, offloaded: bool,
-                         master_on_host: bool) -> tuple[bool, bool]:
-    """(host split, device split): where EngineOptions.split_master can act. The master's top half
-    is the bf16 compute copy, so both need bf16 compute; the host split an offload loop over a
-    master in host memory (`loop` "host", or "in_place" with `master_on_host`: the optimizer
-    offloaded to cpu, not to NVMe files), the device split the state whole on the device (not
-    `offloaded`)."""
-    bf16 = precision == "bf16"
-    return bf16 and (loop == "host" or (loop == "in_place" and master_on_host)), bf16 and not offloaded
-
-
-def _master_on_host(cfg) -> bool:
-    """The optimizer (its fp32 master) offloaded to cpu memory."""
-    opt = cfg.zero_optimization.offload_optimizer
-    return offloads(cfg)[0] and opt.device == "cpu"
-
-
-def resolve_split_master(options, cfg, loop: str | None, offloaded: bool) -> tuple[bool, bool]:
-    """EngineOptions.split_master checked against this config -> (host split, device split).
-    "auto": the host split with the "host" loop; "on": every split that applies (the in_place
-    loop's host split too), an error where none does; "off": neither."""
-    if options.split_master == "off":
-        return False, False
-    precision = _precision_name(cfg)
-    host, device = split_master_applies(precision, loop, offloaded, _master_on_host(cfg))
-    if options.split_master == "auto":
-        return host and loop == "host", False
-    if not (host or device):
-        raise ValueError(f"EngineOptions.split_master='on' needs bf16 compute with no offload or with the "
-                         f"optimizer offloaded to cpu (this config: {precision}, offload {loop or 'none'}, "
-                         f"optimizer {'in cpu memory' if _master_on_host(cfg) else 'not in cpu memory'}); enable "
-                         f"\"bf16\" (with optimizer offload to cpu, or none), or use split_master='auto'")
-    return host, device
-
-
-def options_for_config(options, cfg):
-    """`options` with what this config cannot take set back to "auto", for the planner's candidates
-    (a user's split_master="on" or offload_loop="host" is a choice about one layout; a plan that
-    offloads, or does not, must not fail for it)."""
-    offload_optimizer, offload_param = offloads(cfg)
-    changes = {}
-    if options.offload_loop == "host" and not chunk_loops_apply(cfg.zero_optimization, offload_optimizer,
-                                                                offload_param):
-        changes["offload_loop"] = "auto"
-    if options.split_master == "on":
-        loop = resolve_offload_loop(options.replace(**changes), cfg.zero_optimization, offload_optimizer,
-                                    offload_param) if offload_optimizer or offload_param else None
-        if not any(split_master_applies(_precision_name(cfg), loop, offload_optimizer or offload_param,
-                                        _master_on_host(cfg))):
-            changes["split_master"] = "auto"
-    return options.replace(**changes) if changes else options
-
-
-def chunk_loops_apply(zero, offload_optimizer: bool, offload_param: bool) -> bool:
-    """Whether offload_loop "host" can run: optimizer offload to cpu alone (one host chunk per
-    layer group, compute copies on the device; the NVMe tier and offload_param's host compute
-    copies stream a stacked layer buffer)."""
-    return offload_optimizer and zero.offload_optimizer.device == "cpu" and not offload_param
-
-
-def resolve_offload_loop(options, zero, offload_optimizer: bool, offload_param: bool) -> str:
-    """EngineOptions.offload_loop checked against this config (`chunk_loops_apply`): "auto" is
-    "host" where it applies, else "in_place"."""
-    applies = chunk_loops_apply(zero, offload_optimizer, offload_param)
-    if options.offload_loop == "auto":
-        return "host" if applies else "in_place"
-    if options.offload_loop == "host" and not applies:
-        raise ValueError(f"EngineOptions.offload_loop='host' works with offload_optimizer to cpu alone "
-                         f"(offload_param: {zero.offload_param.device!r}, offload_optimizer: "
-                         f"{zero.offload_optimizer.device!r}); use offload_loop='auto' or 'in_place'")
-    return options.offload_loop
-
-
-def _offload_layout(cfg, options, tx, abstract_master, shardings, mesh, fp16, offload_optimizer,
-                    offload_param, stacked=None):
-    """(OffloadLayout, its settings, the opt-state shardings, the fp16 loss scaler or None).
-
-    "in_place": one layer a group (the least device memory; faster than fewer, larger groups),
-    the non-layer leaves one more chunk. "host": one chunk per group of the fewest layers holding
-    offload_host_chunk_bytes of master per device (fewer transfers and dispatches)."""
-    zero = cfg.zero_optimization
-    loop = resolve_offload_loop(options, zero, offload_optimizer, offload_param)
-    if loop == "host":
-        k = O.groups_of_at_least(abstract_master, options.offload_host_chunk_bytes, shardings.master,
-                                 stacked=stacked)
-    else:
-        k = O.chunk_layout(abstract_master, 1, stacked=stacked).num_layers or 1
-    if offload_optimizer:
-        kind = O.host_memory_kind(bool(zero.offload_optimizer.pin_memory))
-        ratio = float(zero.offload_optimizer.ratio)
-    else:  # offload_param alone: the optimizer state stays on the device (one device chunk)
-        kind, ratio = O.DEVICE, 0.0
-    off = O.offload_layout(tx, abstract_master, shardings.master, k, kind=kind, ratio=ratio,
-                           per_group=loop == "host", stacked=stacked)
-    settings = dict(chunks=k, ratio=ratio, kind=kind, loop=loop)
-    scaler = loss_scaler_from_config(cfg.fp16) if fp16 else None
-    opt_shardings = off.shardings.opt_state
-    if scaler is not None:
-        rep = NamedSharding(mesh, P())
-        ls = jax.eval_shape(lambda: scaler.init(None))
-        opt_shardings = jax.tree.map(lambda _: rep, ls)._replace(inner_state=opt_shardings)
-    return off, settings, opt_shardings, scaler
-
-
-def _model_type(module) -> str:
-    """The model's type for `layer_specs[].model_types`: its checkpoint record's, else its class."""
-    record = getattr(module, "checkpoint_record", None)
-    return (record() if callable(record) else {}).get("type") or type(module).__name__.lower()
-
-
-def _activation_modules(model) -> list:
-    """The modules of `model` that expose the `activation_sharding` hook (docs/CONTRACTS.md)."""
-    return _modules_with(model, "activation_sharding")
-
-
-def _modules_with(model, hook: str) -> list:
-    """The modules of `model` that have the attribute `hook` (an engine hook, docs/CONTRACTS.md)."""
-    return [m for _, m in nnx.iter_graph(model) if isinstance(m, nnx.Module) and hook in vars(m)]
-
-
-@contextlib.contextmanager
-def _attributes(modules, **values):
-    """Set `values` on `modules` for the duration, each only where the module has that attribute
-    (graphdefs taken inside carry them); the user's modules are left as they were."""
-    saved = [(m, {k: vars(m)[k] for k in values if k in vars(m)}) for m in modules]
-    try:
-        for m, old in saved:
-            for k in old:
-                setattr(m, k, values[k])
-        yield
-    finally:
-        for m, old in saved:
-            for k, v in old.items():
-                setattr(m, k, v)
-
-
-def _vmapped_stack(model):
-    """The block module of an `nnx.vmap`-built stack the model scans itself, else None."""
-    stack = contract.find_blocks(model)
-    return contract.at(model, stack.path) if stack is not None and stack.kind == "stacked" else None
-
-
-def _hook_modules(model) -> list:
-    """The modules of `model` that expose the per-layer `layer_fetch` hook (docs/CONTRACTS.md)."""
-    return [m for _, m in nnx.iter_graph(model) if isinstance(m, nnx.Module) and "layer_fetch" in vars(m)]
-
-
-def _config_error(message):
-    return ConfigError([message])
-
-
-def _install_layer_hook(module, abstract_master, targets, move, knobs: dict, stacked=None):
-    """The model's graph with its per-layer hook installed -> (graphdef, fetch_rest).
-
-    `layer_fetch` = `move(layer slice, that layer's `targets` shardings)`, applied by the model to
-    each layer's params inside its scan: offload_param brings the layer from host to device
-    memory (`offload.fetch`), stage 3 constrains it to its gathered sharding (ZeRO-3's all-gather
-    on use). `knobs` (e.g. scan_unroll, layer_scan) are set where the module has them. The user's
-    module is left as it was: the hook lives only in the returned graphdef. A model whose blocks
-    are an `nnx.vmap`-built stack run by its own scan gets the hook through its block class
-    (`zerojax.model.hooked_block_class`)."""
-    probe = O.chunk_layout(abstract_master, 1, stacked=stacked)
-    flags = probe.treedef.unflatten(list(probe.stacked))
-    if not any(probe.stacked):
-        raise _config_error(PARAM_HOOK_ERROR.format(
-            what="This model has no stacked (scanned) layer parameters to fetch layer by layer."))
-    # every maximal subtree whose leaves are all stacked: its layer slice's structure -> shardings
-    table: dict = {}
-
-    def walk(f, d, root=False):
-        if isinstance(f, dict):
-            # the root is never one layer group: the model's scan takes its stacked subtrees
-            if f and all(jax.tree.leaves(f)) and not root:
-                key = jax.tree.structure(f)
-                layer = O.layer_shardings(d)
-                if key in table and table[key] != layer:
-                    raise _config_error(PARAM_HOOK_ERROR.format(
-                        what="Two stacked parameter groups with one structure are sharded differently."))
-                table[key] = layer
-                return
-            for name in f:
-                walk(f[name], d[name])
-
-    walk(flags, targets, root=True)
-
-    def layer_fetch(p):
-        target = table.get(jax.tree.structure(p))
-        if target is None:
-            raise ValueError("offload_param: the model's layer_fetch got a tree that matches no stacked "
-                             f"parameter group: {jax.tree.structure(p)}")
-        return move(p, target)
-
-    def fetch_rest(tree):  # the non-layer leaves (embeddings, final norm): whole, where used
-        return jax.tree.map(lambda x, f, s: x if f else move(x, s), tree, flags, targets)
-
-    hooked = _hook_modules(module)
-    block = _vmapped_stack(module)
-    if not hooked and block is not None:
-        cls = type(block)
-        swapped = contract.hooked_block_class(cls, policy=getattr(cls, "_zerojax_policy", None), fetch=layer_fetch)
-        with _settings([(block, "__class__", swapped)]), no_eager_sharding():
-            return nnx.split(module, nnx.Param, ...)[0], fetch_rest
-    if not hooked:
-        raise _config_error(PARAM_HOOK_ERROR.format(
-            what=f"{type(module).__name__} has no `layer_fetch` attribute, so its parameters would "
-                 "stay on the device."))
-    return _split_with(module, hooked, {"layer_fetch": layer_fetch, **knobs}), fetch_rest
-
-
-def _split_with(module, hooked, attrs: dict):
-    """The graphdef of `module` with `attrs` set on the `hooked` modules where they have them,
-    `module` itself left as it was."""
-    with _attributes(hooked, **attrs), no_eager_sharding():
-        return nnx.split(module, nnx.Param, ...)[0]
 
 
 __all__ = ["EngineLayout", "build_layout", "resolve_config", "PARAM_HOOK_ERROR"]

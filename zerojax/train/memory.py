@@ -20,7 +20,7 @@ import math
 import os
 import sys
 import tempfile
-from typing import Callable, Sequence
+from collections.abc import Callable, Sequence
 
 from zerojax._jax_compat import flat_state
 from zerojax.byte_sizes import GB, GiB, fmt_bytes, parse_bytes
@@ -55,7 +55,7 @@ class CompiledMemory:
         return self.host_argument + self.host_output + self.host_temp - self.host_alias
 
     @classmethod
-    def of(cls, compiled) -> "CompiledMemory":
+    def of(cls, compiled) -> CompiledMemory:
         """From a `jax.stages.Compiled`, its `memory_analysis()` result, or a CompiledMemory."""
         if isinstance(compiled, cls):
             return compiled

@@ -19,7 +19,8 @@ import os
 import socket
 import struct
 import time
-from typing import Any, Iterable
+from collections.abc import Iterable
+from typing import Any
 
 # metric key in the engine's metrics dict -> DeepSpeed event name
 EVENT_NAMES = {

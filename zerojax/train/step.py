@@ -9,7 +9,8 @@ donated.
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Callable, NamedTuple
+from collections.abc import Callable
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -20,8 +21,8 @@ from jax.sharding import Mesh
 from zerojax import offload as offload_mod
 from zerojax._jax_compat import to_pure_dict as pure_dict
 from zerojax.accumulate import accumulate_gradients
-from zerojax.sharding.partition import StageShardings, data_axes
 from zerojax.precision import all_finite
+from zerojax.sharding.partition import StageShardings, data_axes
 from zerojax.train_state import TrainState  # noqa: F401 (zerojax.train.step.TrainState, a public path)
 
 
@@ -44,7 +45,7 @@ class StepSettings:
     steps: int                    # gradient_accumulation_steps
     train_batch_size: int
     fp16: bool
-    offload: "OffloadStep | None" = None   # host offload (zero_optimization.offload_*)
+    offload: OffloadStep | None = None   # host offload (zero_optimization.offload_*)
     # EngineOptions.split_master (device split; no offload, bf16): `TrainState.master` holds int16
     # remainders against `params` (`offload.split_master`), the fp32 master rebuilt in the update
     split_master: bool = False
@@ -320,5 +321,6 @@ def eval_step(settings: StepSettings, params, rest, batch):
     return loss
 
 
-__all__ = ["TrainState", "StepSettings", "needs_grad_accumulator", "pure_dict", "OffloadStep", "train_step", "eval_step", "optimizer_update", "merge", "master_of",
+__all__ = ["TrainState", "StepSettings", "needs_grad_accumulator", "pure_dict", "OffloadStep", "train_step",
+           "eval_step", "optimizer_update", "merge", "master_of",
            "rebuilt_master", "stored_master"]

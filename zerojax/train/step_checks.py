@@ -8,7 +8,7 @@ error: a non-finite weight shows in the next step's loss, and a save checks the 
 """
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 import jax.numpy as jnp
 

@@ -6,39 +6,15 @@ import dataclasses
 import json
 import os
 
+from zerojax._moved import renamed
+from zerojax.model_arg import ModelChoice as _ModelChoice
+from zerojax.model_arg import tile_options  # noqa: F401 - read from here by the trainer
 
-class ModelChoice:
-    """The model a run trains: its registered `family` (`zerojax.models.registry.ModelFamily`), its
-    config, --model's name (`size`; "hf" for a checkpoint's) and the words the run prints for it."""
-
-    def __init__(self, family, config, size: str, label: str):
-        self.family_spec, self.config, self.size, self.label = family, config, size, label
-
-    @property
-    def family(self) -> str:
-        return self.family_spec.name
-
-    @property
-    def max_positions(self) -> int:
-        return self.family_spec.max_positions(self.config)
-
-    def build(self, seed: int, dtype, remat, param_dtype=None, mlp_tile=None):
-        """A randomly initialised model of this config (compute dtype, remat policy, MLP tile;
-        parameters in param_dtype, default fp32)."""
-        import jax.numpy as jnp
-        from flax import nnx
-
-        return self.family_spec.build(self.config, rngs=nnx.Rngs(seed), dtype=dtype, remat_policy=remat,
-                                      param_dtype=param_dtype or jnp.float32, **tile_options(mlp_tile))
+# the trainer's own ModelChoice became zerojax.model_arg's, which the commands use too
+__getattr__ = renamed(__name__, {"ModelChoice": "zerojax.model_arg.ModelChoice"})
 
 
-def tile_options(mlp_tile) -> dict:
-    """The model keywords for an MLP tile: none when untiled, so a family without `mlp_tile`
-    (GPT-2) is built as before."""
-    return {} if mlp_tile is None else {"mlp_tile": mlp_tile}
-
-
-def named_model(size: str) -> ModelChoice:
+def named_model(size: str) -> _ModelChoice:
     """--model's name -> its ModelChoice (a registered family's named shape)."""
     from zerojax.models import registry
 
@@ -47,7 +23,7 @@ def named_model(size: str) -> ModelChoice:
         raise ValueError(f"--model {size}: no registered family has this shape; choose one of "
                          f"{', '.join(registry.shape_names())}")
     config = family.config(size)
-    return ModelChoice(family, config, size, family.label_of(size, config))
+    return _ModelChoice.of_family(family, config, size)
 
 
 def hf_model_type(path: str) -> str:
@@ -78,7 +54,7 @@ def _record_shape(family, config: dict, saved: dict) -> dict:
     return json.loads(json.dumps({k: config.get(k) for k in family.shape_keys if k in saved}))
 
 
-def checkpoint_model(meta, args, choice: ModelChoice) -> ModelChoice:
+def checkpoint_model(meta, args, choice: _ModelChoice) -> _ModelChoice:
     """--resume: the model the checkpoint holds (its `checkpoint_record`, in the metadata) against
     the one this run asks for, before anything is built; --model auto takes the checkpoint's model
     where it is a named one. A checkpoint without a record is left to the load's own shape check."""

@@ -9,7 +9,7 @@ argparse's own usage errors keep its status 2 and its usage lines, ending in the
 from __future__ import annotations
 
 import sys
-from typing import Callable
+from collections.abc import Callable
 
 DEBUG_FLAG = "--debug"
 

@@ -37,7 +37,7 @@ def export_hf(args, engine, choice, settings, method=None):
 
     out, tok = args.export_hf, args.tokenizer if args.tokenizer and os.path.isdir(args.tokenizer) else None
     if method is not None and method.name == "reward":
-        from zerojax.methods.reward import save_reward_hf
+        from zerojax.scoring.reward_model import save_reward_hf
 
         save_reward_hf(engine.model, out)
         copy_tokenizer(tok, out)

@@ -9,7 +9,8 @@ import argparse
 import os
 import sys
 
-from zerojax.arg_types import mlp_tile as _mlp_tile, number as _number
+from zerojax.arg_types import mlp_tile as _mlp_tile
+from zerojax.arg_types import number as _number
 
 # the default --config: DeepSpeed's ZeRO-2 with bf16 and "auto" batch / lr keys, in the checkout
 DEFAULT_CONFIG = os.path.normpath(os.path.join(os.path.dirname(__file__), "..", "..", "configs", "zero2_bf16.json"))
@@ -34,8 +35,10 @@ def _micro_batch(text):
 # Flags whose value may be negative: argparse reads "-1e-3" as an option (its negative-number rule
 # misses exponents), so "--lr -1e-3" is rewritten "--lr=-1e-3" and the type checks then say why
 # a negative value is refused, instead of "expected one argument".
-_VALUE_FLAGS = ("--eval-every", "--save-every", "--steps", "--schedule-steps", "--seq-len", "--grad-accum", "--lr", "--loss-chunk",
-                "--eval-batches", "--sample-tokens", "--seed", "--peak-tflops", "--keep", "--micro-batch", "--lora", "--lora-alpha",
+_VALUE_FLAGS = ("--eval-every", "--save-every", "--steps", "--schedule-steps", "--seq-len", "--grad-accum", "--lr",
+                "--loss-chunk",
+                "--eval-batches", "--sample-tokens", "--seed", "--peak-tflops", "--keep", "--micro-batch", "--lora",
+                "--lora-alpha",
                 "--mlp-tile")
 
 QUANTIZE = ("int8", "nf4", "int4")
@@ -70,18 +73,27 @@ completion / assistant turns only)."""
 
 
 def parse_args(argv=None, *, prog=None, description=None):
-    from zerojax.config import REMAT_POLICY_NAMES  # no jax: zerojax.config imports none
-    from zerojax.options import OFFLOAD_LOOPS  # nor zerojax.options
+    p = argparse.ArgumentParser(prog=prog, description=description or DESCRIPTION,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--config", default=DEFAULT_CONFIG,
+                   help="a DeepSpeed JSON config (its \"auto\" values are filled from the flags below)")
+    _add_model_and_data_flags(p)
+    _add_training_flags(p)
+    _add_save_and_lora_flags(p)
+    _add_memory_flags(p)
+    _add_report_flags(p)
+    args = p.parse_args(_join_negative_values(list(sys.argv[1:] if argv is None else argv)))
+    _check_flag_pairs(p, args)
+    return args
 
+
+def _add_model_and_data_flags(p) -> None:
+    """What is trained and on what: --model / --hf-checkpoint, --method, --data, --tokenizer."""
     from zerojax import methods  # no jax: the methods import their code when they run
     from zerojax.models import registry
 
     families = registry.families().values()
     model_choices = ("auto", *registry.shape_names())
-    p = argparse.ArgumentParser(prog=prog, description=description or DESCRIPTION,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--config", default=DEFAULT_CONFIG,
-                   help="a DeepSpeed JSON config (its \"auto\" values are filled from the flags below)")
     p.add_argument("--model", default="auto", choices=model_choices, metavar="NAME",
                    help="the model, randomly initialised: a named shape of a registered family (" + "; ".join(
                        f"{f.label}: {', '.join(f.shapes)}" for f in families) + "; tiny-*: test shapes with a "
@@ -106,6 +118,12 @@ def parse_args(argv=None, *, prog=None, description=None):
                         "kept apart by segment ids; GPT-2, which has none, is always padded)")
     p.add_argument("--tokenizer", help="a tokenizer folder (tokenizer.json, tokenizer_config.json with the chat "
                                        "template) or tokenizer.json (default: the checkpoint's, else byte-level)")
+
+
+def _add_training_flags(p) -> None:
+    """How long and how: steps, schedule, sequence, batch, lr, precision, remat, MLP tile."""
+    from zerojax.config import REMAT_POLICY_NAMES  # no jax: zerojax.config imports none
+
     p.add_argument("--steps", type=_number(int, 0, note=" (0 = no training, evaluation only)"), default=None,
                    help="train until this global optimizer step (default 300 on CPU, 100 on GPU); with "
                         "--resume the run continues from the checkpoint's step up to it")
@@ -147,6 +165,10 @@ def parse_args(argv=None, *, prog=None, description=None):
                         "rerun in the backward; models with mlp_tile, the Llama family); auto = the planner "
                         "of --micro-batch auto chooses (a tile on long rows, where the tiled step is the fastest "
                         "that fits); default: untiled")
+
+
+def _add_save_and_lora_flags(p) -> None:
+    """Checkpoints and exports; LoRA adapters and the quantized base."""
     p.add_argument("--save", help="checkpoint folder (orbax); saved at the end")
     p.add_argument("--resume", action="store_true", help="continue from the latest checkpoint in --save")
     p.add_argument("--keep", type=_number(int, 1), default=None,
@@ -155,7 +177,8 @@ def parse_args(argv=None, *, prog=None, description=None):
     p.add_argument("--export-hf", metavar="DIR",
                    help="write the trained model as a Hugging Face folder (transformers' from_pretrained "
                         "loads it; the checkpoint's tokenizer files copied in); with LoRA: PEFT's adapter "
-                        "folder naming --hf-checkpoint as its base (peft.AutoPeftModelForCausalLM.from_pretrained), see --merge")
+                        "folder naming --hf-checkpoint as its base (peft.AutoPeftModelForCausalLM.from_pretrained), "
+                        "see --merge")
     p.add_argument("--lora", type=_number(int, 1), default=None, metavar="R",
                    help="train LoRA adapters of rank R on a frozen base (GPT-2 or the Llama family; zerojax.lora, "
                         "PEFT's settings); overrides the config's \"lora\" section's r")
@@ -173,6 +196,12 @@ def parse_args(argv=None, *, prog=None, description=None):
     p.add_argument("--merge", action="store_true",
                    help="with LoRA and --export-hf DIR: DIR gets the merged model (base + scale x B A, a "
                         "plain Hugging Face folder) and DIR/adapter the PEFT adapter")
+
+
+def _add_memory_flags(p) -> None:
+    """The knobs that trade memory for speed beyond the config (zerojax.EngineOptions)."""
+    from zerojax.options import OFFLOAD_LOOPS  # no jax: zerojax.options imports none
+
     p.add_argument("--loss-chunk", type=_number(int, 0), default=0,
                    help="cross entropy N positions at a time (zerojax.models.chunked_gpt2_loss / "
                         "chunked_llama_loss): the "
@@ -197,6 +226,10 @@ def parse_args(argv=None, *, prog=None, description=None):
                         "(zerojax.EngineOptions(split_master=\"on\")): 2 bytes a parameter less, the same "
                         "training but for exact ties (one fp32 ulp); needs bf16; under optimizer offload to cpu "
                         "it splits the host copy (the host loop does by default), not with NVMe)")
+
+
+def _add_report_flags(p) -> None:
+    """What the run reports and when: summary, evaluation, samples, periodic saves, seed, MFU."""
     p.add_argument("--summary-json", metavar="PATH",
                    help="also write the run's SUMMARY (settings, every loss, speed, memory: the JSON of the "
                         "`SUMMARY {...}` line, which lists the losses only for a run of at most 20 steps) to PATH")
@@ -222,7 +255,10 @@ def parse_args(argv=None, *, prog=None, description=None):
     # read (and removed) by run_cli before parsing, listed here for --help
     p.add_argument("--debug", action="store_true",
                    help="show the Python traceback of an error (default: one error: line, exit status 1)")
-    args = p.parse_args(_join_negative_values(list(sys.argv[1:] if argv is None else argv)))
+
+
+def _check_flag_pairs(p, args) -> None:
+    """Flags that need another flag: argparse's error line (exit status 2) naming both."""
     if args.keep is not None and not args.save:
         p.error("--keep needs --save DIR (the checkpoint folder to prune)")
     if args.save_every and not args.save:
@@ -236,7 +272,6 @@ def parse_args(argv=None, *, prog=None, description=None):
         p.error("--method-option needs --method NAME (sft has no options)")
     if args.merge and not args.export_hf:
         p.error("--merge needs --export-hf DIR (where the merged model is written)")
-    return args
 
 
 def method_options(items) -> dict:

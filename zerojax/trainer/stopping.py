@@ -16,7 +16,6 @@ import signal
 import sys
 import threading
 
-
 AGREE_EVERY = 10  # steps between the processes' agreement on a stop (several processes only)
 
 
@@ -27,7 +26,7 @@ class StopRequest:
         self.signal: str | None = None
         self._previous: dict = {}
 
-    def install(self) -> "StopRequest":
+    def install(self) -> StopRequest:
         if threading.current_thread() is threading.main_thread():
             for sig in (signal.SIGTERM, signal.SIGINT):
                 self._previous[sig] = signal.signal(sig, self._on_signal)

@@ -11,20 +11,40 @@ import math
 import os
 import sys
 import time
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 from zerojax.data.rows import load_data, load_method_data
-from zerojax.trainer.choice import ModelChoice, checkpoint_model, hf_model_type, named_model, tile_options
+from zerojax.model_arg import ModelChoice, tile_options
+from zerojax.trainer.choice import checkpoint_model, hf_model_type, named_model
 from zerojax.trainer.errors import ConfigMismatch
 from zerojax.trainer.export import export_hf, host_peak_rss
 from zerojax.trainer.flags import parse_args
 from zerojax.trainer.report import closing_line, last_good_checkpoint, rollout_times, stopped_line
+from zerojax.trainer.setup import (
+    batch_note,
+    check_lora_resume,
+    check_method,
+    check_task_data,
+    data_source,
+    engine_options,
+    filled_autos,
+    from_checkpoint,
+    lora_settings,
+    loss_fn_for,
+    offload_loop_auto,
+    plan_micro_batch,
+    print_run,
+    requested_options,
+    resolve_mlp_tile,
+    resolved_config_source,
+    resume_data,
+    run_folders,
+    summary_line,
+    training_method,
+    warn_replicated,
+)
 from zerojax.trainer.stopping import StopRequest
-from zerojax.trainer.setup import (batch_note, check_lora_resume, check_method, check_task_data, data_source,
-                                   engine_options, filled_autos, from_checkpoint, lora_settings, loss_fn_for,
-                                   offload_loop_auto, plan_micro_batch, print_run, requested_options,
-                                   resolve_mlp_tile, resolved_config_source, resume_data, run_folders,
-                                   summary_line, training_method, warn_replicated)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -33,7 +53,7 @@ class Hook:
     `StepInfo` (global step, metrics as device scalars, the engine, the trainer)."""
 
     every: int
-    fn: Callable[["StepInfo"], None]
+    fn: Callable[[StepInfo], None]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -42,7 +62,7 @@ class StepInfo:
     last: bool         # the run's last step
     metrics: dict      # the step's metrics (device scalars: reading one waits for the step)
     engine: Any
-    trainer: "Trainer"
+    trainer: Trainer
 
 
 class Trainer:
@@ -146,8 +166,8 @@ class Trainer:
 
             kind = hf_model_type(args.hf_checkpoint)
             family = registry.for_hf_type(kind)
-            choice = ModelChoice(family, family.hf_config(args.hf_checkpoint), "hf",
-                                 f"{kind} from {args.hf_checkpoint}")
+            choice = ModelChoice.of_family(family, family.hf_config(args.hf_checkpoint), "hf",
+                                           f"{kind} from {args.hf_checkpoint}")
             if os.path.exists(os.path.join(args.hf_checkpoint, "tokenizer.json")):
                 args.tokenizer = args.tokenizer or args.hf_checkpoint  # the folder: its chat template too
         else:
@@ -444,8 +464,8 @@ class Trainer:
             print(f"device memory after building: {stats['bytes_in_use'] / 2**30:.2f} GiB in use of "
                   f"{stats['bytes_limit'] / 2**30:.2f} (build peak {stats.get('peak_bytes_in_use', 0) / 2**30:.2f})")
         warn_replicated(engine, cfg)
-        if engine.offload_settings and cfg.zero_optimization.offload_optimizer.device == "cpu":
-            o = engine.offload_settings
+        if engine.layout.offload_settings and cfg.zero_optimization.offload_optimizer.device == "cpu":
+            o = engine.layout.offload_settings
             print(f"optimizer offload: {o['loop']} loop, {o['chunks']} layer group(s), "
                   f"master {'split (bf16 copy + 16-bit host remainder)' if o.get('split_master') else 'fp32'}, "
                   f"first moment {engine.options.adam_mu_dtype or 'fp32'}"
@@ -492,7 +512,8 @@ class Trainer:
         print(f"{choice.label} ({whole / 1e6:.1f}M params" + (f"; LoRA: {self.trained:,} trained" if lora_cfg else "")
               + f"), {n_dev} x {kind}, ZeRO stage {cfg.zero_optimization.stage}, "
               f"{dtype.name if hasattr(dtype, 'name') else dtype}, "
-              f"batch {cfg.train_batch_size} = {cfg.train_micro_batch_size_per_gpu} x {cfg.gradient_accumulation_steps} "
+              f"batch {cfg.train_batch_size} = {cfg.train_micro_batch_size_per_gpu} x "
+              f"{cfg.gradient_accumulation_steps} "
               f"x {cfg.world_size}, seq {self.seq_len}, remat {self.remat}; " + (
                   f"MFU against {peak:.3g} TFLOP/s per device ({self.peak_why})" if peak else self.peak_why)
               + "; tokens/s are per device, steps that compile excluded")

@@ -379,7 +379,7 @@ class NvmeSwapper:
         try:
             self.close()
         except Exception:  # noqa: BLE001 - interpreter shutdown
-            warnings.warn("zerojax NVMe swapper: could not remove its swap files", RuntimeWarning)
+            warnings.warn("zerojax NVMe swapper: could not remove its swap files", RuntimeWarning, stacklevel=2)
 
 
 def _accepts_direct(directory: str) -> bool:
@@ -428,7 +428,7 @@ def _pwrite(fd, view, offset, direct: bool = False):
         n += os.pwritev(fd, [view[n:]], offset + n)
 
 
-_OPEN: "weakref.WeakSet[NvmeSwapper]" = weakref.WeakSet()
+_OPEN: weakref.WeakSet[NvmeSwapper] = weakref.WeakSet()
 
 
 @atexit.register

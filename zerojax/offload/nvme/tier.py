@@ -19,12 +19,11 @@ import numpy as np
 from jax.experimental import io_callback
 
 from zerojax._jax_compat import is_tracer
-from zerojax.streamed import StreamedLeaf
-from zerojax.offload.chunks import OffloadLayout, chunk_templates, is_none
+from zerojax.offload.chunks import OffloadLayout, chunk_templates, group, is_none, put_group, slice_sharding
 from zerojax.offload.memory_kinds import DEVICE, is_sharding
 from zerojax.offload.nvme.swapper import NvmeSwapper, SwapLeaf, check_swap_path
-from zerojax.offload.chunks import group, put_group, slice_sharding
 from zerojax.offload.update import apply_chunk, grads_in
+from zerojax.streamed import StreamedLeaf
 
 
 def _flat(tree):
@@ -49,7 +48,7 @@ class NvmeTier:
 
     @classmethod
     def build(cls, tx, abstract_master, off: OffloadLayout, settings: dict, *,
-              host_layers: int = 0) -> "NvmeTier | None":
+              host_layers: int = 0) -> NvmeTier | None:
         """The tier of the host loop chunk; its first `host_layers` layers (the host / disk split) stay in
         host memory inside the swapper, so the chunk -- and the gradients and compute copy it is cut
         from -- stays one [L, ...] stack (two chunks would join their compute copies, and slice the
@@ -176,7 +175,8 @@ class NvmeTier:
             dev = slice_sharding(m_sh[i], per).with_memory_kind(DEVICE)
             ks = owners[i]
             made = sw.leaves[slot].group_bytes * (1 + len(ks))   # device bytes one group's outputs take
-            n = max((d for d in range(1, c.loop + 1) if c.loop % d == 0 and (not limit_bytes or d * made <= limit_bytes)),
+            n = max((d for d in range(1, c.loop + 1) if c.loop % d == 0
+                     and (not limit_bytes or d * made <= limit_bytes)),
                     default=1)   # groups per call: a divisor of the group count, so one program serves
 
             def build(g0, i=i, ks=ks, n=n):
