@@ -29,6 +29,30 @@ def host_peak_rss() -> int | None:
     return peak if sys.platform == "darwin" else peak * 1024
 
 
+def merged_model(model, base_dir, adapter_dir):
+    """(the plain model with the trained adapters folded in, its dtype's name) for --merge.
+
+    From a base folder: its own weights in the dtype they are stored in (transformers'
+    dtype="auto"), with the adapter folder just written (`adapter_dir`) folded in, as peft's
+    merge_and_unload does on that base. Not the training model's frozen base: LoRA stores it in
+    the compute dtype (or quantized), so an fp32 folder merged from it would come out rounded to
+    bf16. Built on the host CPU: beside the engine's training state a second copy of the weights
+    need not fit on the accelerator. Without a base folder (a randomly initialised --model): the
+    training model merged in its parameter dtype."""
+    import jax
+
+    import zerojax.models
+    from zerojax import lora
+
+    if base_dir is None:
+        merged = lora.merge(model)
+        return merged, jax.numpy.dtype(merged.param_dtype).name
+    dtype = zerojax.models.stored_dtype(base_dir)
+    with jax.default_device(jax.devices("cpu")[0]):
+        plain = zerojax.models.from_hf(base_dir, dtype=dtype)
+        return lora.merge(lora.load_peft(plain, adapter_dir), dtype=dtype), dtype
+
+
 def export_hf(args, engine, choice, settings, method=None):
     """--export-hf: the family's Hugging Face folder; with LoRA the PEFT adapter folder and
     (--merge) the merged model beside it; a reward model (--method reward) as the family's
@@ -58,9 +82,10 @@ def export_hf(args, engine, choice, settings, method=None):
             f"peft.AutoPeftModelForCausalLM.from_pretrained({adapter_dir!r}): its base is {base}" if base
             else f"peft.PeftModel.from_pretrained(base, {adapter_dir!r})") + ")")
         if args.merge:
-            zerojax.models.to_hf(lora.merge(model), out)
+            merged, dtype = merged_model(model, base, adapter_dir)
+            zerojax.models.to_hf(merged, out)
             copy_tokenizer(tok, out)
-            print(f"merged model (base + adapters) written to {out}")
+            print(f"merged model (base + adapters, {dtype}) written to {out}")
         return
     # the master as written out, not `engine.master_params`: under offload that merges the whole
     # fp32 master on the device (32 GB at 8B); this reads the host's layers a group at a time

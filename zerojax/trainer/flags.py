@@ -172,7 +172,8 @@ def parse_args(argv=None, *, prog=None, description=None):
                         "64-element blocks: QLoRA), dequantized layer by layer on use")
     p.add_argument("--merge", action="store_true",
                    help="with LoRA and --export-hf DIR: DIR gets the merged model (base + scale x B A, a "
-                        "plain Hugging Face folder) and DIR/adapter the PEFT adapter")
+                        "plain Hugging Face folder in the dtype the --hf-checkpoint folder stores) and "
+                        "DIR/adapter the PEFT adapter")
     p.add_argument("--loss-chunk", type=_number(int, 0), default=0,
                    help="cross entropy N positions at a time (zerojax.models.chunked_gpt2_loss / "
                         "chunked_llama_loss): the "
