@@ -6,7 +6,8 @@ All commands run in this one process through `zerojax.cli.main` (no subprocess e
 one scratch folder, after docs/flow.md's (whose outputs the other pages' placeholders name).
 How a documented command becomes the one that runs:
 - continuation lines joined, `# ...` comments dropped, `[optional parts]` left out;
-- `--steps N` lowered to STEPS, and `--steps STEPS` added to a `zerojax train` without one;
+- `--steps N` lowered to STEPS (FLOW_STEPS in docs/flow.md), and added to a `zerojax train`
+  without one;
 - placeholders: `DIR` and `BASE` -> one tiny fp32 Llama folder (tests/tiny_llama_folder.py: a
   byte-level BPE tokenizer, a chat template), `REWARD_MODEL_DIR` -> the flow's reward model
   (runs/rm); the files a page names (chat.jsonl, pairs.jsonl, prompts.jsonl, notes.txt, hostfile,
@@ -37,7 +38,9 @@ transformers = pytest.importorskip("transformers")
 peft = pytest.importorskip("peft")
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
-STEPS = 3  # DeepSpeed's warmup schedules run the first two steps at lr 0 (warmup_min_lr)
+# --steps lowered to: 3 in docs/flow.md, whose outputs must have trained (DeepSpeed's warmup
+# schedules run the first two steps at warmup_min_lr, 0), 1 elsewhere (the command runs)
+FLOW_STEPS, STEPS = 3, 1
 PLACEHOLDERS = {"DIR": "{base}", "BASE": "{base}", "REWARD_MODEL_DIR": "runs/rm"}
 # the start of a documented command -> why it does not run here
 SKIPPED = {
@@ -74,7 +77,7 @@ def documented_commands(text: str) -> list[tuple[int, str]]:
     return found
 
 
-def runnable(command: str, base) -> list[str]:
+def runnable(command: str, base, steps: int = STEPS) -> list[str]:
     """The command's argv as it runs here (see the module docstring)."""
     argv, depth = [], 0
     for word in shlex.split(command)[1:]:
@@ -86,9 +89,9 @@ def runnable(command: str, base) -> list[str]:
     if argv[:1] == ["train"]:
         if "--steps" in argv:
             at = argv.index("--steps") + 1
-            argv[at] = str(min(int(argv[at]), STEPS))
+            argv[at] = str(min(int(argv[at]), steps))
         else:
-            argv += ["--steps", str(STEPS)]
+            argv += ["--steps", str(steps)]
     return argv
 
 
@@ -147,7 +150,7 @@ def ran(tiny_llama_dir, tmp_path_factory):
             for line, command in documented_commands(page.read_text()):
                 if any(command.startswith(skip) for skip in SKIPPED):
                     continue
-                argv = runnable(command, tiny_llama_dir)
+                argv = runnable(command, tiny_llama_dir, FLOW_STEPS if page.name == "flow.md" else STEPS)
                 out, err = io.StringIO(), io.StringIO()
                 with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err), \
                         _stdin("What is 2 + 3?\n"):
@@ -189,12 +192,15 @@ def _generated(ran, marker):
 
 
 def _merged_equals_peft(merged, base, adapter):
-    """The merged folder against peft's merge_and_unload of `adapter` on `base`: dtype and weights."""
+    """The merged folder against peft's merge_and_unload of `adapter` on its base (the folder its
+    adapter_config.json names, `base`, loaded by peft's Auto class as docs/flow.md says): dtype and
+    weights."""
     ours = transformers.AutoModelForCausalLM.from_pretrained(merged, dtype="auto")
     start = transformers.AutoModelForCausalLM.from_pretrained(base, dtype="auto")
     assert ours.dtype == start.dtype == torch.float32  # the tiny base is stored fp32; training ran in bf16
-    before = {k: v.clone() for k, v in start.state_dict().items()}
-    theirs = peft.PeftModel.from_pretrained(start, adapter).merge_and_unload().state_dict()
+    assert json.loads((adapter / "adapter_config.json").read_text())["base_model_name_or_path"] == str(base.resolve())
+    theirs = peft.AutoPeftModelForCausalLM.from_pretrained(adapter, dtype="auto").merge_and_unload().state_dict()
+    before = start.state_dict()
     assert any(not torch.equal(theirs[k], before[k]) for k in before)  # the adapters trained
     for name, w in ours.state_dict().items():
         torch.testing.assert_close(w, theirs[name], rtol=0, atol=1e-6, msg=name)
