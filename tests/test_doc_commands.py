@@ -28,6 +28,7 @@ import os
 import pathlib
 import re
 import shlex
+import sys
 
 import pytest
 
@@ -41,10 +42,11 @@ ROOT = pathlib.Path(__file__).resolve().parent.parent
 # --steps lowered to: 3 in docs/flow.md, whose outputs must have trained (DeepSpeed's warmup
 # schedules run the first two steps at warmup_min_lr, 0), 1 elsewhere (the command runs)
 FLOW_STEPS, STEPS = 3, 1
+USER_MODULES = ("my_method", "mypkg")  # written into the scratch folder by _write_inputs
 PLACEHOLDERS = {"DIR": "{base}", "BASE": "{base}", "REWARD_MODEL_DIR": "runs/rm"}
 # the start of a documented command -> why it does not run here
 SKIPPED = {
-    "zerojax serve": "starts a server that runs until stopped (tests/serving/ run it in-process)",
+    "zerojax serve": "starts a server that runs until stopped (tests/serving/ serve over HTTP in-process)",
     "zerojax estimate --model tiny --gpus 2 --aot --cpu --budget 12MB --micro-batch auto":
         "README.md's: run as written (with --json) by tests/test_cli.py, which checks its plans (20 s of compiles)",
     "zerojax train --hf-checkpoint DIR --lora 16 --method grpo --data prompts.jsonl --seq-len 512":
@@ -145,6 +147,7 @@ def ran(tiny_llama_dir, tmp_path_factory):
     results = {}
     here = os.getcwd()
     os.chdir(folder)
+    _forget_user_modules()  # another test's my_method.py, imported first, would stand in for this folder's
     try:
         for page in pages():
             for line, command in documented_commands(page.read_text()):
@@ -154,18 +157,26 @@ def ran(tiny_llama_dir, tmp_path_factory):
                 out, err = io.StringIO(), io.StringIO()
                 with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err), \
                         _stdin("What is 2 + 3?\n"):
-                    status = cli.main(argv)
+                    try:
+                        status = cli.main(argv)
+                    except (Exception, SystemExit) as e:  # a bug's traceback, argparse's exit: reported below
+                        status = f"raised {e!r}"
                 results[(page.relative_to(ROOT).as_posix(), line)] = (command, argv, status, out.getvalue(),
                                                                       err.getvalue())
     finally:
         os.chdir(here)
+        _forget_user_modules()
     return {"folder": folder, "base": tiny_llama_dir, "results": results}
+
+
+def _forget_user_modules():
+    """The user's modules the commands import from the working folder, dropped from sys.modules."""
+    for name in [n for n in sys.modules if n.split(".")[0] in USER_MODULES]:
+        del sys.modules[name]
 
 
 @contextlib.contextmanager
 def _stdin(text):
-    import sys
-
     saved, sys.stdin = sys.stdin, io.StringIO(text)
     try:
         yield
@@ -177,6 +188,9 @@ def test_every_documented_command_runs_or_is_skipped_for_a_reason(ran):
     failed = [f"{page}:{line}: {' '.join(argv)} -> exit {status}\n{err[-2000:]}"
               for (page, line), (_, argv, status, _, err) in ran["results"].items() if status != 0]
     assert not failed, "\n\n".join(failed)
+    silent = [f"{page}:{line}" for (page, line), (command, _, _, out, _) in ran["results"].items()
+              if command.split()[1] in ("generate", "chat") and not out.strip()]
+    assert not silent, f"generate / chat printed no text: {silent}"
     every = [c for p in pages() for _, c in documented_commands(p.read_text())]
     unused = [s for s in SKIPPED if not any(c.startswith(s) for c in every)]
     assert not unused, f"SKIPPED entries that match no documented command: {unused}"
