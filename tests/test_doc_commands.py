@@ -212,6 +212,7 @@ def _merged_equals_peft(merged, base, adapter):
     ours = transformers.AutoModelForCausalLM.from_pretrained(merged, dtype="auto")
     start = transformers.AutoModelForCausalLM.from_pretrained(base, dtype="auto")
     assert ours.dtype == start.dtype == torch.float32  # the tiny base is stored fp32; training ran in bf16
+    assert ours.config.pad_token_id == start.config.pad_token_id is not None  # from the tokenizer, as export's
     assert json.loads((adapter / "adapter_config.json").read_text())["base_model_name_or_path"] == str(base.resolve())
     theirs = peft.AutoPeftModelForCausalLM.from_pretrained(adapter, dtype="auto").merge_and_unload().state_dict()
     before = start.state_dict()

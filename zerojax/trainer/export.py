@@ -7,7 +7,8 @@ import sys
 
 def copy_tokenizer(src, out_dir):
     """The tokenizer files of a Hugging Face folder copied into an exported one (what
-    AutoTokenizer.from_pretrained reads)."""
+    AutoTokenizer.from_pretrained reads), and config.json's pad_token_id set from them where the
+    folder has a config without one."""
     import shutil
 
     if not src or not os.path.isdir(src):
@@ -16,6 +17,28 @@ def copy_tokenizer(src, out_dir):
                  "tokenizer.model", "generation_config.json"):
         if os.path.exists(os.path.join(src, name)):
             shutil.copy(os.path.join(src, name), os.path.join(out_dir, name))
+    set_pad_token_id(out_dir)
+
+
+def set_pad_token_id(folder) -> None:
+    """config.json's pad_token_id from the folder's tokenizer (its pad token's id), where it names one
+    and config.json has none: what generation with padding and `AutoModel...` read."""
+    import json
+
+    config_file = os.path.join(folder, "config.json")
+    if not os.path.exists(config_file) or not os.path.exists(os.path.join(folder, "tokenizer.json")):
+        return
+    from zerojax.models import load_tokenizer
+
+    tokenizer = load_tokenizer(folder)
+    pad = tokenizer.special_tokens.get("pad_token")
+    pad_id = tokenizer.token_id(pad) if pad else None
+    with open(config_file) as f:
+        config = json.load(f)
+    if pad_id is None or config.get("pad_token_id") is not None:
+        return
+    with open(config_file, "w") as f:
+        json.dump({**config, "pad_token_id": pad_id}, f, indent=2, sort_keys=True)
 
 
 def host_peak_rss() -> int | None:
