@@ -43,7 +43,8 @@ ROOT = pathlib.Path(__file__).resolve().parent.parent
 # schedules run the first two steps at warmup_min_lr, 0), 1 elsewhere (the command runs)
 FLOW_STEPS, STEPS = 3, 1
 USER_MODULES = ("my_method", "mypkg")  # written into the scratch folder by _write_inputs
-PLACEHOLDERS = {"DIR": "{base}", "BASE": "{base}", "REWARD_MODEL_DIR": "runs/rm"}
+TINY_BASE = "<the tiny Llama folder>"
+PLACEHOLDERS = {"DIR": TINY_BASE, "BASE": TINY_BASE, "REWARD_MODEL_DIR": "runs/rm"}
 # the start of a documented command -> why it does not run here
 SKIPPED = {
     "zerojax serve": "starts a server that runs until stopped (tests/serving/ serve over HTTP in-process)",
@@ -86,7 +87,8 @@ def runnable(command: str, base, steps: int = STEPS) -> list[str]:
         depth += len(word) - len(word.lstrip("["))  # [optional] words, nested [--a [--b]] too
         if depth == 0:
             key, eq, value = word.rpartition("=")  # --method-option critic=REWARD_MODEL_DIR too
-            argv.append((key + eq + PLACEHOLDERS.get(value, value)).format(base=base))
+            value = PLACEHOLDERS.get(value, value)
+            argv.append(key + eq + (str(base) if value == TINY_BASE else value))
         depth -= len(word) - len(word.rstrip("]"))
     if argv[:1] == ["train"]:
         if "--steps" in argv:
