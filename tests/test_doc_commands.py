@@ -186,7 +186,16 @@ def _stdin(text):
         sys.stdin = saved
 
 
-def test_every_documented_command_runs_or_is_skipped_for_a_reason(ran):
+@pytest.mark.slow
+def test_documented_commands_run_and_the_flow_gives_what_transformers_and_peft_load(ran):
+    """One test over the one run of every command (under xdist's work stealing, a second test using
+    `ran` could run it again in another worker)."""
+    _every_documented_command_ran_or_is_skipped_for_a_reason(ran)
+    _the_flow_writes_folders_transformers_and_peft_load(ran)
+    _the_flow_generates_what_transformers_and_peft_generate(ran)
+
+
+def _every_documented_command_ran_or_is_skipped_for_a_reason(ran):
     failed = [f"{page}:{line}: {' '.join(argv)} -> exit {status}\n{err[-2000:]}"
               for (page, line), (_, argv, status, _, err) in ran["results"].items() if status != 0]
     assert not failed, "\n\n".join(failed)
@@ -223,7 +232,7 @@ def _merged_equals_peft(merged, base, adapter):
         torch.testing.assert_close(w, theirs[name], rtol=0, atol=1e-6, msg=name)
 
 
-def test_the_flow_writes_folders_transformers_and_peft_load(ran):
+def _the_flow_writes_folders_transformers_and_peft_load(ran):
     runs = ran["folder"] / "runs"
     # export: the SFT run's checkpoint as a folder, trained weights (not the base's) in fp32
     sft = transformers.AutoModelForCausalLM.from_pretrained(runs / "sft-hf", dtype="auto")
@@ -236,7 +245,7 @@ def test_the_flow_writes_folders_transformers_and_peft_load(ran):
     _merged_equals_peft(runs / "grpo-hf", runs / "dpo", runs / "grpo-hf" / "adapter")
 
 
-def test_the_flow_generates_what_transformers_and_peft_generate(ran):
+def _the_flow_generates_what_transformers_and_peft_generate(ran):
     runs = ran["folder"] / "runs"
     tok = transformers.PreTrainedTokenizerFast(tokenizer_file=str(runs / "grpo-hf" / "tokenizer.json"))
     ids = torch.tensor([tok.encode("What is 2 + 3?")])
