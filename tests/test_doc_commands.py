@@ -107,7 +107,8 @@ def pages() -> list[pathlib.Path]:
 
 def test_commands_are_read_as_written():
     page = ("x\n```bash\nzerojax train --model tiny \\\n    --steps 900 --lr 1e-3   # a comment\necho no\n```\n"
-            "```python\nzerojax = 1\n```\n```bash\nzerojax generate --hf-checkpoint DIR [--adapter X] --prompt \"a b\"\n```\n")
+            "```python\nzerojax = 1\n```\n"
+            "```bash\nzerojax generate --hf-checkpoint DIR [--adapter X] --prompt \"a b\"\n```\n")
     found = documented_commands(page)
     assert found == [(3, "zerojax train --model tiny --steps 900 --lr 1e-3"),
                      (11, "zerojax generate --hf-checkpoint DIR '[--adapter' 'X]' --prompt 'a b'")]
@@ -124,7 +125,8 @@ def _write_inputs(folder: pathlib.Path):
                                              {"role": "assistant", "content": str(a + b)}]}) + "\n")
     with open(folder / "pairs.jsonl", "w") as f:
         for a, b in sums:
-            f.write(json.dumps({"prompt": f"What is {a} + {b}?", "chosen": str(a + b), "rejected": str(a + b + 1)}) + "\n")
+            f.write(json.dumps({"prompt": f"What is {a} + {b}?", "chosen": str(a + b),
+                                "rejected": str(a + b + 1)}) + "\n")
     with open(folder / "prompts.jsonl", "w") as f:
         for a, b in sums:
             f.write(json.dumps({"prompt": f"What is {a} + {b}?", "answer": str(a + b)}) + "\n")
@@ -258,6 +260,6 @@ def _the_flow_generates_what_transformers_and_peft_generate(ran):
 
     merged = transformers.AutoModelForCausalLM.from_pretrained(runs / "grpo-hf", dtype=torch.float32).eval()
     assert _generated(ran, "runs/grpo-hf --prompt") == greedy(merged)
-    adapted = peft.PeftModel.from_pretrained(
-        transformers.AutoModelForCausalLM.from_pretrained(runs / "dpo", dtype=torch.float32), runs / "grpo-hf" / "adapter")
+    dpo = transformers.AutoModelForCausalLM.from_pretrained(runs / "dpo", dtype=torch.float32)
+    adapted = peft.PeftModel.from_pretrained(dpo, runs / "grpo-hf" / "adapter")
     assert _generated(ran, "--adapter runs/grpo-hf/adapter") == greedy(adapted.eval())
