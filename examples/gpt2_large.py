@@ -13,7 +13,8 @@ download. --data takes .txt, or .jsonl fine-tuning records: {"text"} (streamed a
 as .txt), {"prompt", "completion"} and {"messages"} (the checkpoint's chat template): the loss on the
 completion / assistant turns only, examples packed into rows (segment ids) or one a row (--pad).
 --lora R (or the config's "lora" section, PEFT's LoraConfig keys) freezes the base and trains
-adapters; --export-hf then writes PEFT's adapter folder (and with --merge the merged model).
+adapters; --export-hf then writes PEFT's adapter folder (and with --merge the merged model, in the
+base folder's stored dtype).
 """
 import os
 import sys

@@ -58,3 +58,15 @@ os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "0")
 import jax  # noqa: E402
 
 jax.config.update("jax_enable_x64", False)
+
+
+import pytest  # noqa: E402
+
+
+@pytest.fixture(scope="session")
+def tiny_llama_dir(tmp_path_factory):
+    """A tiny fp32 Llama folder with a byte-level tokenizer and a chat template, written once a
+    session (tests/tiny_llama_folder.py); tests read it, never write into it."""
+    from tiny_llama_folder import write_tiny_llama
+
+    return write_tiny_llama(tmp_path_factory.mktemp("tiny-llama") / "Llama-tiny")

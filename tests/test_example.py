@@ -225,13 +225,13 @@ def test_help_says_what_precision_the_default_config_runs_on_cpu(capsys):
         flags.parse_args(["--help"])
     help_text = " ".join(capsys.readouterr().out.split())
     cpu = SimpleNamespace(platform="cpu", device_kind="cpu")
-    _, mode, why = setup.resolve_precision(read_source(flags.parse_args([]).config), None, cpu)
+    _, mode, why, _ = setup.resolve_precision(read_source(flags.parse_args([]).config), None, cpu)
     assert (mode, why) == ("bf16", "the config's bf16.enabled: true")
     assert (f"the default config, configs/zero2_bf16.json, sets {mode}, so a run without --config trains in {mode}, "
             "on CPU too") in help_text, help_text
     # and where the config leaves it open, the CPU default the paragraph names
     assert setup.resolve_precision({"bf16": {"enabled": "auto"}}, None, cpu)[1] == "fp32"
-    assert "without one: bf16 on a GPU that has it, fp32 on CPU" in help_text
+    assert "or no fp16 / bf16 section): bf16 on a GPU that has it, fp32 on CPU" in help_text
 
 
 def test_hf_checkpoint_path_that_is_missing_says_so(tmp_path):
@@ -652,10 +652,14 @@ def test_steps_zero_evaluates_only(monkeypatch, capsys):
 
 
 @pytest.mark.parametrize("sections, flag, device, expect", [
-    # the config decides when it enables a mode (the flag must agree, as HF's "mismatch" check)
+    # the config decides when it enables a mode and no flag is given; a flag replaces it, said in a line
     ({"bf16": {"enabled": True}}, None, "cpu", ("bf16", {"bf16": True})),
     ({"bf16": {"enabled": True}}, "bf16", "gpu9", ("bf16", {"bf16": True})),
-    ({"bf16": {"enabled": True}}, "fp16", "gpu9", "--fp16 asks for fp16, but the config sets bf16.enabled: true"),
+    ({"bf16": {"enabled": True}}, "fp16", "gpu9", ("fp16", {"bf16": False, "fp16": True},
+                                                   "--fp16 replaces the config's bf16.enabled = true")),
+    ({"fp16": {"enabled": True, "loss_scale": 0}}, "bf16", "cpu", ("bf16", {"fp16": False, "bf16": True},
+                                                                   "--bf16 replaces the config's fp16.enabled = true")),
+    ({"fp16": {"enabled": True}}, "fp32", "cpu", ("fp32", {"fp16": False}, "--fp32 replaces the config's fp16")),
     # "auto" (or no section, as the guide's config has no bf16): the flag, else the default
     ({"fp16": {"enabled": "auto"}}, None, "gpu9", ("bf16", {"bf16": True, "fp16": False})),
     ({"fp16": {"enabled": "auto"}}, "fp16", "gpu9", ("fp16", {"fp16": True})),
@@ -666,7 +670,8 @@ def test_steps_zero_evaluates_only(monkeypatch, capsys):
      ("fp32", {"bf16": False, "fp16": False})),
     # a mode the config turns off is never chosen
     ({"bf16": {"enabled": False}}, None, "gpu9", ("fp32", {"bf16": False})),
-    ({"bf16": {"enabled": False}}, "bf16", "gpu9", "--bf16 asks for bf16, but the config sets bf16.enabled: false"),
+    ({"bf16": {"enabled": False}}, "bf16", "gpu9", ("bf16", {"bf16": True}, "--bf16 replaces the config's "
+                                                                             "bf16.enabled = false")),
 ])
 def test_precision_resolved_as_hugging_face_fills_it(sections, flag, device, expect):
     from types import SimpleNamespace
@@ -675,12 +680,10 @@ def test_precision_resolved_as_hugging_face_fills_it(sections, flag, device, exp
            "gpu9": SimpleNamespace(platform="gpu", device_kind="NVIDIA H200", compute_capability="9.0"),
            "gpu7": SimpleNamespace(platform="gpu", device_kind="Tesla V100", compute_capability="7.0")}[device]
     raw = {"train_batch_size": 8, **sections}
-    if isinstance(expect, str):
-        with pytest.raises(ConfigMismatch, match=expect.replace("(", r"\(")):
-            setup.resolve_precision(raw, flag, dev)
-        return
-    out, mode, _ = setup.resolve_precision(raw, flag, dev)
+    out, mode, _, said = setup.resolve_precision(raw, flag, dev)
     assert mode == expect[0] and {k: out[k]["enabled"] for k in expect[1]} == expect[1]
+    # one line where the flag replaced what the config set, none otherwise
+    assert ([line[:len(expect[2])] for line in said] == [expect[2]]) if len(expect) > 2 else said == [], said
     import zerojax
     from zerojax.precision import compute_dtype
 

@@ -70,3 +70,39 @@ def test_a_flag_replacing_a_config_value_says_so_and_trains_with_it(tmp_path, ca
     assert "--micro-batch 1 replaces the config's train_micro_batch_size_per_gpu = 2" in header
     assert "remat:     none (--remat, replacing the config's activation_checkpointing (full))" in header
     assert seen == [pytest.approx(0.002)] and summary["train_batch_size"] == 8  # 1 a device x the 8 devices
+
+
+def _shipped(name):
+    import pathlib
+
+    return str(pathlib.Path(__file__).resolve().parent.parent / "configs" / name)
+
+
+def test_bf16_flag_trains_a_shipped_fp16_config_as_its_bf16_rewrite(tmp_path, capsys):
+    """--bf16 over configs/zero2_fp16.json: its fp16 section off (one header line), and the run is the
+    one a user gets by rewriting the file by hand (the fp16 section replaced by bf16 enabled)."""
+    shipped = _shipped("zero2_fp16.json")
+    rewritten = json.loads(open(shipped).read())
+    del rewritten["fp16"]
+    rewritten["bf16"] = {"enabled": True}
+    (tmp_path / "by_hand.json").write_text(json.dumps(rewritten))
+    # one step: its loss is computed in the run's precision before any update
+    run = ["train", "--model", "tiny", "--seq-len", "8", "--micro-batch", "1", "--steps", "1", "--eval-batches", "0"]
+    summaries = []
+    for argv in (["--config", shipped, "--bf16"], ["--config", str(tmp_path / "by_hand.json")]):
+        out = tmp_path / f"summary{len(summaries)}.json"
+        assert cli.main([*run, *argv, "--summary-json", str(out)]) == 0
+        summaries.append(json.loads(out.read_text()))
+    header = capsys.readouterr().out
+    said = [line for line in header.splitlines() if "--bf16 replaces" in line]
+    assert len(said) == 1 and "fp16.enabled = true" in said[0] and "fp16 section off" in said[0], header
+    flagged, by_hand = summaries
+    assert flagged["precision"] == by_hand["precision"] == "bf16"
+    assert flagged["losses"] == by_hand["losses"]
+
+
+def test_an_fp16_config_on_cpu_is_one_line_naming_bf16(capsys):
+    assert cli.main(["train", "--model", "tiny", "--config", _shipped("zero2_fp16.json"), "--steps", "1"]) == 1
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("error: ") and "add --bf16" in err[0], err
+    assert "zero2_fp16.json" in err[0], err

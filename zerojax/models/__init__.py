@@ -3,7 +3,7 @@
 from zerojax.models import registry
 from zerojax.models.gpt2 import GPT2, GPT2Config, chunked_gpt2_loss, flops_per_token, gpt2_loss, num_params
 from zerojax.models.hf import gpt2_from_hf, gpt2_from_params, load_hf, save_hf
-from zerojax.models.hub import from_hf, to_hf
+from zerojax.models.hub import from_hf, stored_dtype, to_hf
 from zerojax.models.llama import Llama, LlamaConfig, chunked_llama_loss, llama_loss
 from zerojax.models.moe import MoEConfig, MoELlama, chunked_moe_loss, moe_loss
 from zerojax.models.pieces import Geometry, LayerPieces
@@ -35,5 +35,6 @@ def load_tokenizer(path):
 
 __all__ = ["GPT2", "GPT2Config", "chunked_gpt2_loss", "flops_per_token", "gpt2_loss", "num_params",
            "gpt2_from_hf", "gpt2_from_params", "load_hf", "save_hf", "weights_writer",
-           "Llama", "LlamaConfig", "llama_loss", "chunked_llama_loss", "from_hf", "to_hf", "load_tokenizer", "registry",
+           "Llama", "LlamaConfig", "llama_loss", "chunked_llama_loss", "from_hf", "stored_dtype", "to_hf",
+           "load_tokenizer", "registry",
            "MoEConfig", "MoELlama", "moe_loss", "chunked_moe_loss", "LayerPieces", "Geometry"]

@@ -164,6 +164,11 @@ class TensorReader:
             raise KeyError(f"{self.path!r}: tensor {name!r} missing from the safetensors files")
         return self._handles[self._where[name]].get_tensor(name)
 
+    def dtype_code(self, name: str) -> str:
+        """safetensors' code for the tensor's stored dtype ("F32", "BF16", ...), read from the
+        header alone (numpy has no bfloat16 to read the tensor into)."""
+        return self._handles[self._where[name]].get_slice(name).get_dtype()
+
     def close(self):
         self._handles.clear()
 

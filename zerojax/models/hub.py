@@ -7,7 +7,10 @@ import json
 import os
 
 from zerojax.models import registry
-from zerojax.models.hf import MAX_SHARD_BYTES
+from zerojax.models.hf import MAX_SHARD_BYTES, TensorReader
+
+# safetensors' dtype codes of the floating types a model's weights are stored in
+_SAFETENSORS_FLOATS = {"F64": "float64", "F32": "float32", "F16": "float16", "BF16": "bfloat16"}
 
 
 def _read_model_type(path: str) -> str:
@@ -44,3 +47,22 @@ def to_hf(model, out_dir, dtype=None, *, max_shard_size: int = MAX_SHARD_BYTES) 
         raise TypeError(f"to_hf: {type(model).__name__} is not a model of a registered family "
                         f"({', '.join(registry.families())})")
     return family.writer(model, model.config, os.fspath(out_dir), dtype=dtype, max_shard_size=max_shard_size)
+
+
+def stored_dtype(path) -> str:
+    """The dtype a Hugging Face folder's weights are stored in, read as transformers'
+    `from_pretrained(dtype="auto")` reads it: config.json's `dtype` (`torch_dtype` before
+    transformers 4.56), else the first floating tensor's in the safetensors files. A name such as
+    "float32" / "bfloat16"."""
+    path = os.fspath(path)
+    with open(os.path.join(path, "config.json")) as f:
+        cfg = json.load(f)
+    named = cfg.get("dtype") or cfg.get("torch_dtype")
+    if isinstance(named, str) and named in _SAFETENSORS_FLOATS.values():
+        return named
+    with TensorReader(path) as reader:
+        for name in reader.names:
+            code = reader.dtype_code(name)
+            if code in _SAFETENSORS_FLOATS:
+                return _SAFETENSORS_FLOATS[code]
+    raise ValueError(f"{path!r}: no floating-point tensor in its safetensors files and no dtype in config.json")

@@ -147,14 +147,15 @@ def _add_training_flags(p) -> None:
                         "tiny, 3e-4 others, 1e-4 from --hf-checkpoint; on --resume the checkpoint's)")
     # said once for the three flags: what decides the precision (resolve_precision, default_precision)
     precision = p.add_argument_group(
-        "precision", "The config decides where it sets fp16 / bf16 enabled: true (a flag asking for another\n"
-        "precision is then an error): the default config, configs/zero2_bf16.json, sets bf16, so a run\n"
+        "precision", "A flag decides: it replaces the config's fp16 / bf16 enabled (--bf16 over a shipped fp16\n"
+        "config turns its fp16 section off; the run header says so). Without one the config decides where\n"
+        "it sets enabled: true: the default config, configs/zero2_bf16.json, sets bf16, so a run\n"
         "without --config trains in bf16, on CPU too. Where the config leaves it open (enabled \"auto\",\n"
-        "or no fp16 / bf16 section) a flag picks; without one: bf16 on a GPU that has it, fp32 on CPU."
+        "or no fp16 / bf16 section): bf16 on a GPU that has it, fp32 on CPU."
     ).add_mutually_exclusive_group()
     for name in ("bf16", "fp16", "fp32"):
         precision.add_argument(f"--{name}", dest="precision", action="store_const", const=name,
-                               help=f"train in {name} where the config leaves precision open")
+                               help=f"train in {name}, whatever the config's fp16 / bf16 sections enable")
     p.add_argument("--remat", choices=list(REMAT_POLICY_NAMES), default=None,
                    help="activation checkpointing per layer (default: from the config's "
                         "activation_checkpointing section: its remat_policy, else cpu_checkpointing -> "
@@ -195,7 +196,8 @@ def _add_save_and_lora_flags(p) -> None:
                         "64-element blocks: QLoRA), dequantized layer by layer on use")
     p.add_argument("--merge", action="store_true",
                    help="with LoRA and --export-hf DIR: DIR gets the merged model (base + scale x B A, a "
-                        "plain Hugging Face folder) and DIR/adapter the PEFT adapter")
+                        "plain Hugging Face folder in the dtype the --hf-checkpoint folder stores) and "
+                        "DIR/adapter the PEFT adapter")
 
 
 def _add_memory_flags(p) -> None:

@@ -8,7 +8,6 @@ in one line naming the command that writes its PEFT adapter (the run resumed at 
 """
 from __future__ import annotations
 
-import json
 import os
 
 RUN_KEY = "gpt2_large_example"  # where the trainer keeps its run's settings in client_state
@@ -54,27 +53,7 @@ def export_run(path, out, tag=None, dtype: str = "fp32") -> str:
     tokenizer = record.get("tokenizer")
     if tokenizer and os.path.isdir(tokenizer):
         copy_tokenizer(tokenizer, out)
-        _set_pad_token_id(out)
     return written
-
-
-def _set_pad_token_id(folder) -> None:
-    """config.json's pad_token_id from the folder's tokenizer (its pad token's id), where it names one
-    and config.json has none: what generation with padding and `AutoModel...` read."""
-    config_file = os.path.join(folder, "config.json")
-    if not os.path.exists(config_file) or not os.path.exists(os.path.join(folder, "tokenizer.json")):
-        return
-    from zerojax.models import load_tokenizer
-
-    tokenizer = load_tokenizer(folder)
-    pad = tokenizer.special_tokens.get("pad_token")
-    pad_id = tokenizer.token_id(pad) if pad else None
-    with open(config_file) as f:
-        config = json.load(f)
-    if pad_id is None or config.get("pad_token_id") is not None:
-        return
-    with open(config_file, "w") as f:
-        json.dump({**config, "pad_token_id": pad_id}, f, indent=2, sort_keys=True)
 
 
 def model_folder_of(path) -> str:

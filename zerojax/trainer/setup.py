@@ -238,35 +238,41 @@ def default_precision(device) -> tuple[str, str]:
     return "bf16", f"default on {device.device_kind}"
 
 
-def resolve_precision(raw: dict, flag: str | None, device) -> tuple[dict, str, str]:
-    """The config's fp16 / bf16 `enabled` resolved as Hugging Face's Trainer fills them.
+def resolve_precision(raw: dict, flag: str | None, device) -> tuple[dict, str, str, list[str]]:
+    """The config's fp16 / bf16 `enabled` resolved as Hugging Face's Trainer fills them, a flag
+    over them as --lr is over the optimizer's lr.
 
-    A config that sets `enabled: true` decides (a contradicting flag is an error, as the Trainer's
-    "mismatch" check); otherwise, where `enabled` is "auto" or the section is absent, the flag
-    (--bf16 / --fp16 / --fp32) or `default_precision` picks, never a mode the config sets false.
-    Returns (config dict with both `enabled` set, precision, why).
+    A flag (--bf16 / --fp16 / --fp32) decides: where the config sets another mode's `enabled: true`
+    (a shipped fp16 config and --bf16) that section is turned off, and where it sets the flag's own
+    `enabled: false` it is turned on, each said in a line for the run header. Without a flag a
+    config that sets `enabled: true` decides; where `enabled` is "auto" or the section is absent,
+    `default_precision` picks, never a mode the config sets false.
+    Returns (config dict with both `enabled` set, precision, why, header lines for replaced keys).
     """
     raw = json.loads(json.dumps(raw))
     keys = {"fp16": "fp16", "bf16": "bfloat16" if "bfloat16" in raw and "bf16" not in raw else "bf16"}
     enabled = {m: (raw[k].get("enabled", False) if isinstance(raw.get(k), dict) else None)
                for m, k in keys.items()}
     chosen = [m for m in ("bf16", "fp16") if enabled[m] is True]
-    if chosen:
+    said = []
+    if flag is not None:
+        mode, why = flag, f"--{flag}"
+        # what the flag overrides: another mode the config enables, or the flag's own mode it disables
+        replaced = [f"{keys[m]}.enabled = {json.dumps(enabled[m])}" for m in ("bf16", "fp16")
+                    if (enabled[m] is True and m != mode) or (enabled[m] is False and m == mode)]
+        if replaced:
+            said.append(f"--{flag} replaces the config's {' and '.join(replaced)}: training in {flag}"
+                        + (f", the config's {keys[chosen[0]]} section off" if chosen and chosen[0] != mode else ""))
+    elif chosen:
         mode, why = chosen[0], f"the config's {keys[chosen[0]]}.enabled: true"
-        if flag is not None and flag != mode:
-            raise ConfigMismatch(f"--{flag} asks for {flag}, but the config sets {keys[mode]}.enabled: "
-                                 f"true; drop the flag, or set {keys[mode]}.enabled to \"auto\" so the flag decides")
     else:
-        mode, why = (flag, f"--{flag}") if flag else default_precision(device)
+        mode, why = default_precision(device)
         if mode != "fp32" and enabled[mode] is False:
-            if flag:
-                raise ConfigMismatch(f"--{flag} asks for {flag}, but the config sets {keys[mode]}.enabled: "
-                                     f"false; drop the flag, or set it to \"auto\" so the flag decides")
             mode, why = "fp32", f"the config sets {keys['bf16']}.enabled: false"
     for m, k in keys.items():
         if enabled[m] is not None or m == mode:
             raw[k] = {**raw.get(k, {}), "enabled": m == mode}
-    return raw, mode, why
+    return raw, mode, why, said
 
 
 def flag_values(args) -> dict:
@@ -311,8 +317,8 @@ def resolved_config_source(args, fill, hidden_size, device) -> tuple[dict, str, 
     written = read_source(args.config)
     zerojax.load_config(written, fill=fill, hidden_size=hidden_size, name=args.config)
     raw, said = flags_over_config(written, flag_values(args))
-    raw, precision, why = resolve_precision(raw, args.precision, device)
-    return raw, precision, why, said
+    raw, precision, why, precision_said = resolve_precision(raw, args.precision, device)
+    return raw, precision, why, said + precision_said
 
 
 def offload_loop_auto(cfg, make_model, seq_len, loss_fn, batch_shapes=None) -> tuple[str, str | None]:

@@ -220,8 +220,8 @@ class Trainer:
                 raise ConfigMismatch("--fp16: XLA does not run fp16 matrix products on CPU ('F16_F16_F32' is not "
                                      "supported by dot_general); use --bf16 or --fp32 here, or --fp16 on a GPU")
             raise ConfigMismatch(f"{args.config} enables fp16 (fp16.enabled: true), whose matrix products XLA does "
-                                 f"not run on CPU ('F16_F16_F32' is not supported by dot_general); use a GPU, or "
-                                 f"a bf16 config such as configs/zero2_bf16.json")
+                                 f"not run on CPU ('F16_F16_F32' is not supported by dot_general); add --bf16 (its "
+                                 f"fp16 section then off, the rest as written), or run it on a GPU")
         check_monitors(cfg)  # a monitor that cannot start (e.g. wandb not installed): now, not after the build
         self.cfg = cfg
         # the planner runs for --micro-batch auto, or for the config's "auto" where no flag fills it
