@@ -172,7 +172,8 @@ def _command_line(capsys, *argv):
     """What the example's `__main__` runs (trainer.run_cli with its prog and description: a user's
     mistake as one `error:` line and exit status 1), in this process: exit status and everything it
     printed, stdout then stderr as `_cli` joins them. A process of its own costs a jax import (~4
-    CPU seconds); the `__main__` line itself runs in one in test_a_bad_flag_through_the_entry_point."""
+    CPU seconds); the `__main__` itself runs in one in test_a_bad_flag_through_the_entry_point (argparse's
+    exit status 2) and test_a_bad_jsonl_line_is_one_error_line_naming_file_and_line (a mistake's 1)."""
     from zerojax import trainer
 
     capsys.readouterr()  # what earlier steps of the test printed is not this command's
@@ -940,10 +941,12 @@ def test_lora_refusals_are_one_line_before_anything_is_built(case, tmp_path):
         example.main(["--config", str(path), *argv, "--data", str(tmp_path / "never-read.jsonl")])
 
 
-def test_a_bad_jsonl_line_is_one_error_line_naming_file_and_line(tmp_path, capsys):
+def test_a_bad_jsonl_line_is_one_error_line_naming_file_and_line(tmp_path):
+    # in a process of its own, as a user runs the example: its `__main__` ends a mistake with exit
+    # status 1 and that one line, nothing else printed (the refusals above run the same run_cli in-process)
     bad = tmp_path / "bad.jsonl"
     bad.write_text('{"prompt": "hi", "completion": "there"}\n\n{"prompt": "hi", "completion": 3}\n')
-    code, out = _command_line(capsys, "--model", "tiny-llama", *TINY[2:], "--steps", "1", "--data", str(bad))
+    code, out = _cli("--model", "tiny-llama", *TINY[2:], "--steps", "1", "--data", str(bad))
     assert code == 1 and out.strip() == (f"error: {bad}:3: 'completion' must be a string (got int); each line is "
                                          '{"prompt": "...", "completion": "..."}'), out
 
