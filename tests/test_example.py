@@ -161,11 +161,25 @@ EXAMPLE = os.path.join(ROOT, "examples", "gpt2_large.py")
 TINY = ["--model", "tiny", "--seq-len", "32", "--micro-batch", "1", "--eval-batches", "0"]
 
 
-def _cli(*argv, timeout=300, env=None):
+def _cli(*argv, timeout=300):
     """The example as a user runs it (output to pipes, not a terminal): exit status and everything it printed."""
     p = subprocess.run([sys.executable, EXAMPLE, *argv], capture_output=True, text=True, timeout=timeout,
-                       env={**os.environ, "JAX_PLATFORMS": "cpu", **(env or {})})
+                       env={**os.environ, "JAX_PLATFORMS": "cpu"})
     return p.returncode, p.stdout + p.stderr
+
+
+def _command_line(capsys, *argv):
+    """What the example's `__main__` runs (trainer.run_cli with its prog and description: a user's
+    mistake as one `error:` line and exit status 1), in this process: exit status and everything it
+    printed, stdout then stderr as `_cli` joins them. A process of its own costs a jax import (~4
+    CPU seconds); the `__main__` itself runs in one in test_a_bad_flag_through_the_entry_point (argparse's
+    exit status 2) and test_a_bad_jsonl_line_is_one_error_line_naming_file_and_line (a mistake's 1)."""
+    from zerojax import trainer
+
+    capsys.readouterr()  # what earlier steps of the test printed is not this command's
+    code = trainer.run_cli(list(argv), prog="gpt2_large.py", description=_example().__doc__)
+    printed = capsys.readouterr()
+    return code, printed.out + printed.err
 
 
 def _config_file(tmp_path, name="ds.json", base="zero2_bf16.json", **sections):
@@ -179,14 +193,14 @@ def _config_file(tmp_path, name="ds.json", base="zero2_bf16.json", **sections):
 
 
 @pytest.mark.parametrize("case", ["wandb", "fp16 flag", "typo"])
-def test_setup_errors_are_one_line_before_anything_is_built(case, tmp_path):
+def test_setup_errors_are_one_line_before_anything_is_built(case, tmp_path, capsys, monkeypatch):
     """Refused at once, as `error: ...` naming the flag / file / section and the fix, exit status 1,
     before the run block and the model (and so before any folder a monitor would write)."""
-    env = None
     if case == "wandb":  # wandb not importable, whatever this environment has installed
         (tmp_path / "shadow").mkdir()
         (tmp_path / "shadow" / "wandb.py").write_text("raise ImportError('No module named wandb')\n")
-        env = {"PYTHONPATH": os.pathsep.join([str(tmp_path / "shadow"), ROOT])}
+        monkeypatch.syspath_prepend(str(tmp_path / "shadow"))  # found first, as on PYTHONPATH
+        monkeypatch.delitem(sys.modules, "wandb", raising=False)  # an import earlier in this process
         path = _config_file(tmp_path, wandb={"enabled": True},
                             csv_monitor={"enabled": True, "output_path": str(tmp_path / "csv"), "job_name": "j"})
         want = ("error: wandb.enabled is true but the wandb package cannot be imported (No module named wandb): "
@@ -199,8 +213,8 @@ def test_setup_errors_are_one_line_before_anything_is_built(case, tmp_path):
         path = _config_file(tmp_path, zero_optimization={"stage": 2, "overlap_com": True})
         want = (f"error: 1 problem(s) in the DeepSpeed config {path}:\n"
                 "  - zero_optimization.overlap_com: unknown key; did you mean 'overlap_comm'?")
-    code, out = _cli("--config", str(path), *TINY, "--steps", "2", *(["--fp16"] if case == "fp16 flag" else []),
-                     env=env)
+    code, out = _command_line(capsys, "--config", str(path), *TINY, "--steps", "2",
+                              *(["--fp16"] if case == "fp16 flag" else []))
     assert code == 1 and out.strip() == want, out
     assert not (tmp_path / "csv").exists()
 
@@ -276,15 +290,15 @@ def test_a_bad_flag_through_the_entry_point():
 
 
 @pytest.mark.slow
-def test_data_errors_name_file_and_place_before_any_compile(tmp_path):
-    # the issue's three through the entry point; every case is in tests/data/test_data.py
+def test_data_errors_name_file_and_place_before_any_compile(tmp_path, capsys):
+    # three through the example's command line; every case is in tests/data/test_data.py
     (tmp_path / "empty.txt").write_text("")
     (tmp_path / "model.bin.txt").write_bytes(b"PK\x03\x04" + bytes(range(256)))
     (tmp_path / "bad.jsonl").write_text('{"text": "fine"}\n{"text": "no closing quote}\n')
     for name, message in [("empty.txt", "empty.txt: no text"),
                           ("model.bin.txt", "model.bin.txt: byte offset 4: a NUL byte, so this is a binary file"),
                           ("bad.jsonl", "bad.jsonl:2: column 10: not JSON (Unterminated string")]:
-        code, out = _cli("--data", str(tmp_path / name), *TINY, "--steps", "1")
+        code, out = _command_line(capsys, "--data", str(tmp_path / name), *TINY, "--steps", "1")
         assert code == 1 and f"error: {tmp_path / name}" in out and message in out, (name, out)
         assert "Traceback" not in out and "run: GPT-2" not in out, out  # refused before the model
 
@@ -935,6 +949,8 @@ def test_lora_refusals_are_one_line_before_anything_is_built(case, tmp_path):
 
 
 def test_a_bad_jsonl_line_is_one_error_line_naming_file_and_line(tmp_path):
+    # in a process of its own, as a user runs the example: its `__main__` ends a mistake with exit
+    # status 1 and that one line, nothing else printed (the refusals above run the same run_cli in-process)
     bad = tmp_path / "bad.jsonl"
     bad.write_text('{"prompt": "hi", "completion": "there"}\n\n{"prompt": "hi", "completion": 3}\n')
     code, out = _cli("--model", "tiny-llama", *TINY[2:], "--steps", "1", "--data", str(bad))
