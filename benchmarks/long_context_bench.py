@@ -361,9 +361,9 @@ def longest(args, emit, dog):
     import jax
 
     import zerojax
+    from zerojax.engine.engine import abstract_engine
     from zerojax.models import chunked_llama_loss
     from zerojax.planning.memory import CompiledMemory
-    from zerojax.train.engine import abstract_engine
 
     name = "tiny" if args.tiny else args.lora_model
     tile = (args.mlp_tile or [0])[0] or None
@@ -426,9 +426,9 @@ def longest_full(args, emit, dog):
     import jax
 
     import zerojax
+    from zerojax.engine.engine import abstract_engine
     from zerojax.models import chunked_llama_loss
     from zerojax.planning import memory
-    from zerojax.train.engine import abstract_engine
 
     name = "tiny" if args.tiny else args.full_model
     tile = (args.mlp_tile or [0])[0] or None

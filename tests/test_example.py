@@ -72,7 +72,7 @@ def test_main_job_trains_and_writes_deepspeed_csv_logs(tmp_path, capsys):
     assert not os.path.exists(tmp_path / "logs" / "tiny" / "Train_Samples_loss_scale.csv")
 
     # tensorboard: one event file, the same events (the float32 TensorBoard stores)
-    from zerojax.train.monitor import read_events
+    from zerojax.engine.monitor import read_events
 
     (events,) = (tmp_path / "tb" / "tiny").glob("events.out.tfevents.*")
     got = read_events(str(events))
@@ -146,7 +146,7 @@ def _check_with_protobuf(data, loss):
 
 
 def test_tfrecord_crc_is_crc32c():
-    from zerojax.train.monitor import crc32c
+    from zerojax.engine.monitor import crc32c
 
     assert crc32c(b"123456789") == 0xE3069283  # the CRC-32C check value (RFC 3720, iSCSI)
 
@@ -443,7 +443,7 @@ def test_offload_loop_flag_trains_like_the_default_and_is_checked_against_the_co
     loop (the same arithmetic; fp32 on CPU); with a config that does not offload the optimizer it is
     refused before the engine is built, naming the key and a config that fits. A run that exports
     nothing never reads the whole fp32 master (under offload, every host chunk merged on the device)."""
-    from zerojax.train.engine import Engine
+    from zerojax.engine.engine import Engine
 
     example = _example()
     cfg = os.path.join(ROOT, "configs", "zero2_offload_optimizer.json")
@@ -628,7 +628,7 @@ def test_speed_excludes_every_step_that_compiles():
     import jax
     import jax.numpy as jnp
 
-    from zerojax.train.monitor import SpeedMeter
+    from zerojax.engine.monitor import SpeedMeter
 
     now = [0.0]
     meter = SpeedMeter(tokens_per_step=100, n_devices=4, flops_per_token=10.0, peak_tflops=1e-9,

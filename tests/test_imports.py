@@ -19,8 +19,8 @@ import pytest
 
 PKG = pathlib.Path(__file__).resolve().parent.parent / "zerojax"
 
-# Lowest first. A unit is a top-level module or a subpackage of zerojax (`zerojax.train.engine` is
-# unit "train"); units of one layer may import each other (the cycle test still applies).
+# Lowest first. A unit is a top-level module or a subpackage of zerojax (`zerojax.engine.engine` is
+# unit "engine"); units of one layer may import each other (the cycle test still applies).
 LAYERS = (
     ("_jax_compat", "version", "byte_sizes", "arg_types", "local_files", "options", "_moved", "streamed",
      "train_state", "user_code"),  # leaves
@@ -33,9 +33,9 @@ LAYERS = (
     ("block_loop", "model", "user_tree"),      # the model contract; the user's tree in and out
     ("offload",),
     ("checkpoint",),
-    ("train",),                                # layout, step, memory guard, engine
+    ("engine",),                               # layout, step, memory guard, engine
     ("planning",),                             # estimate, planner, mesh search (builds on train)
-    ("api", "planner", "estimate"),            # shard(); the moved-module shims
+    ("api", "planner", "estimate", "train"),   # shard(); the moved-module shims
     ("generation",),
     ("serving",),                              # continuous batching over a paged cache; the HTTP server
     ("scoring",),                              # log-probs, reward model, critic: read by rl and methods
@@ -136,7 +136,7 @@ def find_cycle(graph, ignore=frozenset()):
 def test_the_graph_reader_sees_function_local_imports_and_cycles():
     # the reader itself, on a graph with a known cycle: a test that could never fail proves nothing
     g = import_graph()
-    assert "zerojax.train.layout" in g["zerojax.train.engine"] and "zerojax.train.engine" in g["zerojax.api"]
+    assert "zerojax.engine.layout" in g["zerojax.engine.engine"] and "zerojax.engine.engine" in g["zerojax.api"]
     assert find_cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == ["a", "b", "c", "a"]
     assert find_cycle({"a": {"b"}, "b": set()}) is None
 
@@ -148,11 +148,11 @@ def test_every_package_has_a_layer():
 
 
 def test_the_layer_check_names_the_file_and_line_of_an_upward_import():
-    lines = [("zerojax.train.engine", "zerojax.planning.memory", "zerojax/train/engine.py:42"),
-             ("zerojax.planning.planner", "zerojax.train.engine", "zerojax/planning/planner.py:30")]
+    lines = [("zerojax.engine.engine", "zerojax.planning.memory", "zerojax/engine/engine.py:42"),
+             ("zerojax.planning.planner", "zerojax.engine.engine", "zerojax/planning/planner.py:30")]
     assert upward_imports(lines) == [
-        "zerojax/train/engine.py:42: zerojax.train.engine imports zerojax.planning.memory: planning "
-        f"(layer {RANK['planning']}) is above train (layer {RANK['train']}) in tests/test_imports.py's LAYERS"]
+        "zerojax/engine/engine.py:42: zerojax.engine.engine imports zerojax.planning.memory: planning "
+        f"(layer {RANK['planning']}) is above engine (layer {RANK['engine']}) in tests/test_imports.py's LAYERS"]
 
 
 def test_no_package_imports_a_package_above_it():
@@ -250,7 +250,7 @@ def test_no_module_takes_another_modules_private_names():
 
 def test_checkpoint_knows_pytrees_not_engines():
     deps = import_graph()["zerojax.checkpoint.state"]
-    assert not {d for d in deps if d.split(".")[1] in ("models", "train")}
+    assert not {d for d in deps if d.split(".")[1] in ("models", "engine")}
 
 
 # private JAX modules, and the JAX / Flax modules whose attributes differ between releases
@@ -286,10 +286,10 @@ def test_private_and_version_dependent_jax_apis_live_in_jax_compat_only():
 
 
 @pytest.mark.parametrize("old, new", [
-    ("zerojax.planning.memory", "zerojax.train.memory"),
-    ("zerojax.train.step.TrainState", "zerojax.train_state.TrainState"),
-    ("zerojax.train.step.pure_dict", "zerojax._jax_compat.to_pure_dict"),
-    ("zerojax.train.layout.no_eager_sharding", "zerojax._jax_compat.no_eager_sharding"),
+    ("zerojax.planning.memory", "zerojax.engine.memory"),
+    ("zerojax.engine.step.TrainState", "zerojax.train_state.TrainState"),
+    ("zerojax.engine.step.pure_dict", "zerojax._jax_compat.to_pure_dict"),
+    ("zerojax.engine.layout.no_eager_sharding", "zerojax._jax_compat.no_eager_sharding"),
     ("zerojax.checkpoint.stream.StreamedLeaf", "zerojax.streamed.StreamedLeaf"),
     ("zerojax.checkpoint.stream.is_streamed", "zerojax.streamed.is_streamed"),
     ("zerojax.planning.estimate.fmt_bytes", "zerojax.byte_sizes.fmt_bytes"),
@@ -318,7 +318,9 @@ def test_moved_modules_keep_working_with_a_warning_naming_the_new_path():
     for old, new in (("zerojax.planner", "zerojax.planning.planner"),
                      ("zerojax.estimate", "zerojax.planning.estimate"),
                      ("zerojax.methods.logprobs", "zerojax.scoring.logprobs"),
-                     ("zerojax.methods.shared_prompt", "zerojax.scoring.shared_prompt")):
+                     ("zerojax.methods.shared_prompt", "zerojax.scoring.shared_prompt"),
+                     ("zerojax.train.engine", "zerojax.engine.engine"),
+                     ("zerojax.train.layout", "zerojax.engine.layout")):
         sys.modules.pop(old, None)
         with pytest.warns(DeprecationWarning, match=f"{old} moved to {new}"):
             shim = importlib.import_module(old)
@@ -327,7 +329,8 @@ def test_moved_modules_keep_working_with_a_warning_naming_the_new_path():
             moved = importlib.import_module(new)
         assert shim.__getattr__("__doc__") is moved.__doc__
         name = {"zerojax.planner": "plan", "zerojax.estimate": "H200", "zerojax.methods.logprobs": "completion_logps",
-                "zerojax.methods.shared_prompt": "completion_logps_shared"}[old]
+                "zerojax.methods.shared_prompt": "completion_logps_shared", "zerojax.train.engine": "Engine",
+                "zerojax.train.layout": "build_layout"}[old]
         assert getattr(shim, name) is getattr(moved, name)
 
 

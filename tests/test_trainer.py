@@ -143,7 +143,7 @@ def test_mlp_tile_trains_as_the_untiled_mlp(fp32_config, tmp_path, capsys, monke
     run piece by piece, an order fp32 may round differently (rtol 1e-5; on CPU they come out
     equal). --mlp-tile auto hands the tile to the planner of --micro-batch auto (a device limit
     stands in for a GPU's): on rows this short its one choice is untiled."""
-    from zerojax.train import memory
+    from zerojax.engine import memory
 
     argv = ("--config", fp32_config, "--steps", "3", "--eval-batches", "0")
     untiled = train(tmp_path, *argv)

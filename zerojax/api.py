@@ -1,6 +1,6 @@
 """`zerojax.shard`: the user's entry point -- a model and a DeepSpeed config -> a training Engine.
 
-It builds the engine (`zerojax.train.engine.Engine`) and hands it the planner, so that a step that will
+It builds the engine (`zerojax.engine.engine.Engine`) and hands it the planner, so that a step that will
 not fit lists the plans that do. The engine itself only runs the memory check; the planner builds
 abstract engines, so it imports the engine and the engine never imports it.
 """
@@ -10,9 +10,9 @@ from collections.abc import Callable
 
 from jax.sharding import Mesh
 
+from zerojax.engine.engine import Engine
 from zerojax.options import EngineOptions
 from zerojax.planning.planner import engine_plans  # the planner imports the engine, never the reverse
-from zerojax.train.engine import Engine
 
 
 def shard(model, cfg, *, loss_fn: Callable, mesh: Mesh | None = None,

@@ -1,6 +1,6 @@
 """`TrainState`: the engine's state as a pytree (params, master, optimizer state, counters).
 
-A leaf module: the step (zerojax/train/step.py) computes on it, and checkpoints
+A leaf module: the step (zerojax/engine/step.py) computes on it, and checkpoints
 (zerojax/checkpoint/) save and restore it, without either importing the other.
 """
 from __future__ import annotations

@@ -157,7 +157,7 @@ def fp16_engine(loss_fn, **fp16):
 
 
 def test_fp16_a_static_scale_that_always_overflows_is_reported(tmp_path):
-    from zerojax.train.step_checks import STATIC_SCALE_PATIENCE
+    from zerojax.engine.step_checks import STATIC_SCALE_PATIENCE
 
     eng = fp16_engine(lambda m, b: jnp.mean((m(b["x"]) - b["y"]).astype(jnp.float32) ** 2), loss_scale=2.0 ** 40)
     with pytest.raises(FloatingPointError, match=rf"static loss scale 1\.09951e\+12 \(fp16.loss_scale\): the last "

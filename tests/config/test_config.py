@@ -548,7 +548,7 @@ def test_monitors_are_checked_before_any_folder_is_made(tmp_path, monkeypatch):
     no package beyond zerojax's dependencies; their folders appear at the first write."""
     import builtins
 
-    from zerojax.train.monitor import Monitor, MonitorError, monitor_problems
+    from zerojax.engine.monitor import Monitor, MonitorError, monitor_problems
 
     real_import = builtins.__import__
 

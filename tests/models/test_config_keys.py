@@ -23,7 +23,7 @@ from foreign_models import ListQwen, QwenShape, ScanLM, ScanShape, lm_loss  # no
 
 import zerojax
 from zerojax.config.docs import MODEL_NEEDS
-from zerojax.train.engine import abstract_engine
+from zerojax.engine.engine import abstract_engine
 
 PAGE = pathlib.Path(__file__).resolve().parents[2] / "docs" / "config-keys.md"
 ROWS, SEQ = 16, 9

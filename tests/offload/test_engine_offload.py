@@ -17,8 +17,8 @@ from flax import nnx
 import zerojax
 from zerojax import offload
 from zerojax.config import ConfigError
+from zerojax.engine import init_state
 from zerojax.models import gpt2
-from zerojax.train import init_state
 
 STEPS = 3
 LR = 1e-2
@@ -184,7 +184,7 @@ def test_offload_param_and_optimizer_stage3(prec):
     # the model's scan fetched each layer: the compiled step's parameters are host buffers
     assert eng.step_settings.graphdef is not None and eng.step_settings.fetch_rest is not None
     # ... one layer ahead (offload.prefetch_scan), the path these numbers went through
-    from zerojax.train.step import merge
+    from zerojax.engine.step import merge
     assert merge(eng.step_settings, eng.state.params, eng.state.rest).layer_scan is offload.prefetch_scan
 
 
@@ -266,7 +266,7 @@ def test_host_loop_matches_device(host):
 def test_offload_loop_auto_picks_host_where_it_applies(tmp_path):
     # "auto" (the default): "host" for optimizer offload to cpu alone, "in_place" with offload_param
     # or the NVMe tier; "host" where it cannot run is an error naming the fix
-    from zerojax.train.engine import abstract_engine
+    from zerojax.engine.engine import abstract_engine
     make = lambda: gpt2.GPT2(C, rngs=nnx.Rngs(0))  # noqa: E731
 
     def loop(cfg, **opts):
@@ -309,7 +309,7 @@ def test_host_loop_groups_layers_by_bytes():
     _, ref = run(2, "fp32", optimizer="sgd")
     close(master, ref, 1e-6)
     # the default (256 MiB) takes the tiny model's 4 layers as one chunk (the layout: an abstract engine)
-    from zerojax.train.engine import abstract_engine
+    from zerojax.engine.engine import abstract_engine
     default = abstract_engine(lambda: gpt2.GPT2(C, rngs=nnx.Rngs(0)), config(2, "fp32", "cpu"), loss_fn=gpt2.gpt2_loss,
                               options=zerojax.EngineOptions(offload_loop="host"))
     assert default.layout.offload_settings["chunks"] == 1

@@ -20,9 +20,9 @@ from flax import nnx
 
 import zerojax
 from zerojax.config import ConfigError
+from zerojax.engine.engine import abstract_engine
 from zerojax.models import gpt2
 from zerojax.offload.nvme.swapper import NvmeSwapper, SwapLeaf, check_swap_path
-from zerojax.train.engine import abstract_engine
 
 STEPS = 1
 C = gpt2.GPT2Config.named("tiny", n_embd=32, n_head=2, vocab_size=64, n_positions=16, n_layer=4)
@@ -348,7 +348,7 @@ def test_init_writes_the_files_without_the_state_in_host_memory(tmp_path, monkey
     # the files hold the model's initial master (its initialiser run whole) and Adam's zero moments;
     # the groups' programs draw the same normal values, each with code of its own, which may round
     # their arithmetic an ulp differently (tests/conftest.py): 4 eps relative
-    from zerojax.train.init_state import init_pure
+    from zerojax.engine.init_state import init_pure
     want = jax.tree.leaves(jax.jit(lambda: init_pure(make_big)[0]["h"])())
     got = read_swap_files(tier)
     for x, y in zip(got[:len(want)], want, strict=True):  # the master's files; the moments' below

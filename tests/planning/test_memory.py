@@ -310,7 +310,7 @@ def test_will_not_fit_lists_a_remat_plan_and_only_plans_the_guard_passes(monkeyp
     import zerojax
     from tiny_gpt2 import tiny_gpt2
     from zerojax.config import load_config
-    from zerojax.train.engine import abstract_engine
+    from zerojax.engine.engine import abstract_engine
 
     full = PL.step_memory(tiny_gpt2, CFG, SEQ, 1, remat="full").peak
     none = PL.step_memory(tiny_gpt2, CFG, SEQ, 1, remat=None).peak

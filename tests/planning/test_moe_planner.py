@@ -11,6 +11,7 @@ from flax import nnx
 
 from zerojax import EngineOptions
 from zerojax.config import load_config
+from zerojax.engine.engine import abstract_engine
 from zerojax.model import model_dims
 from zerojax.models import Llama, LlamaConfig, MoEConfig, MoELlama, llama_loss, moe_loss
 from zerojax.models.moe import active_params
@@ -18,7 +19,6 @@ from zerojax.planning import estimate as E
 from zerojax.planning import mesh_search as MS
 from zerojax.planning import planner as PL
 from zerojax.sharding.partition import make_mesh
-from zerojax.train.engine import abstract_engine
 
 T, MICRO, K, EXPERTS, D, M = 64, 4, 2, 8, 64, 32
 SHAPE = dict(vocab_size=128, hidden_size=D, head_dim=16, num_hidden_layers=2, num_attention_heads=4,

@@ -83,7 +83,7 @@ def test_planning_compiles_with_the_runs_engine_options():
     the formula's floor stays under every compiled peak, and a budget that only the bf16 moment
     meets is met only when the search is told of it. A candidate that offloads drops the device
     split (layout.options_for_config) instead of failing."""
-    from zerojax.train.offload_choice import options_for_config
+    from zerojax.engine.offload_choice import options_for_config
 
     params = PL.model_shape(factory, SEQ).params
     split_mu = EngineOptions(split_master="on", adam_mu_dtype="bfloat16")
@@ -313,10 +313,10 @@ def test_hardware_is_validated():
 # The mesh search (zerojax.planning.mesh_search): data x tensor x pipe shapes of a device count
 
 from tiny_gpt2 import TINY  # noqa: E402
+from zerojax.engine.engine import abstract_engine  # noqa: E402
 from zerojax.planning import mesh_search as MP  # noqa: E402
 from zerojax.planning.memory import CompiledMemory, compile_engine_step  # noqa: E402
 from zerojax.sharding.pipeline import PipelineSchedule  # noqa: E402
-from zerojax.train.engine import abstract_engine  # noqa: E402
 
 MESH_CFG = {**CFG, "train_batch_size": 32}
 MESH_CFG.pop("train_micro_batch_size_per_gpu")

@@ -255,7 +255,7 @@ def test_gpu_steps_compile_with_the_zero_init_option():
     # pipe 2 329.5 -> 309.5 ms, ZeRO-2 +0.9%, benchmarks/RESULTS.md); nowhere else. The option must be
     # one this XLA knows: DebugOptions fields are the same on every platform, so a CPU compile that
     # names it fails if a jaxlib renames or drops it (the engine would then warn and compile without it).
-    from zerojax.train.engine import ZERO_INIT_OPTION, step_compiler_options
+    from zerojax.engine.engine import ZERO_INIT_OPTION, step_compiler_options
     assert step_compiler_options(platform="gpu") == {ZERO_INIT_OPTION: True}
     assert step_compiler_options(platform="cpu") == {}
     x = np.zeros(3, np.float32)

@@ -13,9 +13,9 @@ from tiny_mlp import MLP  # noqa: E402 (tests/ is on sys.path under pytest)
 from tiny_mlp import loss_fn as mlp_loss
 
 from zerojax import ConfigError, load_config, shard
+from zerojax.engine.layout import build_layout
 from zerojax.models.gpt2 import GPT2, GPT2Config, gpt2_loss
 from zerojax.planning import estimate as est
-from zerojax.train.layout import build_layout
 
 N = 8  # devices (tests/conftest.py)
 STEPS, LR, SEQ = 3, 1e-2, 16

@@ -1,4 +1,4 @@
-"""An engine's checkpoint save / load: its state through its layout (`zerojax.train.layout.EngineLayout`)
+"""An engine's checkpoint save / load: its state through its layout (`zerojax.engine.layout.EngineLayout`)
 to the layout-free form `checkpoint.state` stores, and back, with the device memory a restore needs.
 
 Takes the layout and the state, never the engine: `Engine.save_checkpoint` / `load_checkpoint` are

@@ -33,7 +33,7 @@ DEEPSPEED_VERSION = "0.19.8"
 # activation_checkpointing.remat_policy's values (None written "none"): zerojax.models.gpt2.REMAT_POLICIES,
 # the generic ones any layer stack takes (zerojax.models.layer_stack.GENERIC_REMAT_POLICIES) and the ones
 # GPT-2's and Llama's activation tags add; the config imports nothing of the models, so
-# tests/train/test_speed_options.py checks the two agree
+# tests/engine/test_speed_options.py checks the two agree
 class _RematPolicyNames(tuple):
     """The fixed names, and also (membership only) "dots_<k>", k an int >= 1: "dots" on the first k
     layers, "full" on the rest (the model checks k < its layer count)."""

@@ -49,7 +49,7 @@ class _Target:
 
 
 def _target(model_or_engine) -> _Target:
-    from zerojax.train.engine import Engine
+    from zerojax.engine.engine import Engine
 
     if isinstance(model_or_engine, Engine):
         eng = model_or_engine

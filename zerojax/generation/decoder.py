@@ -58,10 +58,10 @@ class EngineSource:
     """An engine's live weights: (state.params, state.rest) merged as its step merges them. Equal
     (one compiled program) for one engine: its StepSettings compare by identity."""
 
-    settings: Any  # zerojax.train.step.StepSettings
+    settings: Any  # zerojax.engine.step.StepSettings
 
     def model(self, weights):
-        from zerojax.train import step as step_mod
+        from zerojax.engine import step as step_mod
 
         params, rest = weights
         if self.settings.fetch_rest is not None:  # stage 3 / offload_param: the non-layer leaves where used

@@ -30,6 +30,8 @@ from flax import nnx
 
 from zerojax import pinned_pool
 from zerojax.config import REMAT_POLICY_NAMES, load_config
+from zerojax.engine import engine as E
+from zerojax.engine import offload_choice
 from zerojax.model import LAYERS, model_dims
 from zerojax.options import EngineOptions
 from zerojax.planning import estimate as est
@@ -55,8 +57,6 @@ from zerojax.planning.plans import (
     zero_choice,
 )
 from zerojax.sharding import partition
-from zerojax.train import engine as E
-from zerojax.train import offload_choice
 
 # partial optimizer offload (DeepSpeed's offload_optimizer.ratio, stage 3) sits between none and full
 # positions per piece of the tiled MLP the planner tries on rows longer than this: a piece of 2048

@@ -1,5 +1,5 @@
 """How many KV pages the engine holds: asked for in tokens, or planned from the device's free
-memory (`zerojax.train.memory.device_free_bytes`, as generate's cache guard reads it) less the
+memory (`zerojax.engine.memory.device_free_bytes`, as generate's cache guard reads it) less the
 step's transients, with the same guard: a pool that cannot hold one request of max_model_len is
 refused with the numbers and the fix, before anything is allocated."""
 from __future__ import annotations

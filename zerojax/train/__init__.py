@@ -1,4 +1,5 @@
-"""Training: `layout` builds everything static about a run (a pure function of the model's
-abstract state, the config, the mesh and `EngineOptions`), `step` is the one jitted step,
-`memory` is the compiled step's peak and the guard run before the first step, and `engine`
-executes a layout (init, step, eval, save, load)."""
+"""Moved to `zerojax.engine` (the runtime: layout, step, memory guard, engine), apart from the
+`zerojax.trainer` program; `zerojax.train.*` keeps working for one release, with a DeprecationWarning."""
+from zerojax._moved import forward
+
+__getattr__ = forward(__name__, "zerojax.engine")

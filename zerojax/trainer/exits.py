@@ -17,8 +17,8 @@ DEBUG_FLAG = "--debug"
 # modules already imported (an error of a module never imported was never raised), so telling a
 # mistake from a bug imports nothing (`zerojax estimate` picks its backend before jax is imported)
 _USER_ERRORS = ("zerojax.checkpoint.errors.CheckpointError", "zerojax.generation.cache.CacheTooLargeError",
-                "zerojax.train.memory.WillNotFitError", "zerojax.train.memory.HeldMemoryError",
-                "zerojax.train.monitor.MonitorError")
+                "zerojax.engine.memory.WillNotFitError", "zerojax.engine.memory.HeldMemoryError",
+                "zerojax.engine.monitor.MonitorError")
 
 
 def split_debug(argv) -> tuple[list[str], bool]:

@@ -330,9 +330,9 @@ def offload_loop_auto(cfg, make_model, seq_len, loss_fn, batch_shapes=None) -> t
     import jax.numpy as jnp
 
     from zerojax import EngineOptions
+    from zerojax.engine.engine import abstract_engine
+    from zerojax.engine.offload_choice import chunk_loops_apply, offloads
     from zerojax.planning.memory import device_budget, fmt_bytes
-    from zerojax.train.engine import abstract_engine
-    from zerojax.train.offload_choice import chunk_loops_apply, offloads
 
     if not chunk_loops_apply(cfg.zero_optimization, *offloads(cfg)):
         return "in_place", None
@@ -371,7 +371,7 @@ def engine_options(args, cfg, loop=None, planned=False):
     """--offload-loop (else `loop`) and --master-split, checked against the config before the engine is built ->
     zerojax.EngineOptions. `planned`: the planner chose the config's offload (micro-batch auto), so
     --master-split gives way where that plan offloads (the host loop splits the master itself)."""
-    from zerojax.train.offload_choice import offloads, options_for_config, resolve_offload_loop, resolve_split_master
+    from zerojax.engine.offload_choice import offloads, options_for_config, resolve_offload_loop, resolve_split_master
 
     options = requested_options(args, loop)
     zero = cfg.zero_optimization

@@ -188,8 +188,8 @@ class Trainer:
         import jax
 
         import zerojax
+        from zerojax.engine.monitor import check_monitors
         from zerojax.precision import compute_dtype
-        from zerojax.train.monitor import check_monitors
 
         args, lr, gpu = self.args, self.lr, self.gpu
         micro = args.micro_batch if args.micro_batch not in (None, "auto") else (8 if gpu else 4)
@@ -540,10 +540,10 @@ class Trainer:
         """The loop: a step, its hooks, until --steps; False where a signal stopped it after a step."""
         from tqdm import tqdm
 
-        from zerojax.train.monitor import SpeedMeter
+        from zerojax.engine.monitor import SpeedMeter
 
         start, steps = self.start, self.steps
-        # one definition of speed (zerojax.train.monitor.SpeedMeter): tokens/s per device over the steps
+        # one definition of speed (zerojax.engine.monitor.SpeedMeter): tokens/s per device over the steps
         # that compiled nothing, in the progress bar, the log lines and the SUMMARY alike
         self.meter = SpeedMeter(self.cfg.train_batch_size * self.row_tokens, _device_count(), self.flops_per_token,
                                 self.peak)

@@ -6,7 +6,7 @@ import pytest
 from flax import nnx
 from tiny_mlp import MLP, loss_fn  # tests/ is on sys.path under pytest
 
-from zerojax.train.engine import LAYOUT_FIELDS, abstract_engine
+from zerojax.engine.engine import LAYOUT_FIELDS, abstract_engine
 
 MAX_PUBLIC = 30
 

@@ -260,7 +260,7 @@ def test_device_master_split_initial_state_is_the_split_of_the_fp32_one(built):
     init_state.initial_state) is the default initial state split: the same compute params, rest
     and optimizer state, and as remainders exactly `step.stored_master` of the fp32 master; from a
     model callable and from a built model's values."""
-    from zerojax.train import step
+    from zerojax.engine import step
 
     def engine(split):
         make = lambda: gpt2.GPT2(C, rngs=nnx.Rngs(0), dtype=jnp.bfloat16)  # noqa: E731
@@ -271,7 +271,7 @@ def test_device_master_split_initial_state_is_the_split_of_the_fp32_one(built):
     # the split writes into the donated params / remainder buffers (no second copy of either at
     # init: measured on an H200, jit's default of dropping unused arguments cost 2.9 GiB and a
     # fragmented pool): every output aliases an input
-    from zerojax.train.init_state import split_into_program
+    from zerojax.engine.init_state import split_into_program
 
     args = (whole.state.master, split.state.params, split.state.master)
     hlo = split_into_program(split.layout).lower(*args).compile().as_text()

@@ -306,8 +306,8 @@ def test_fp32_compute_under_bf16_config_is_named_in_a_warning():
     left at dtype=float32 under a bf16 config is told once (and one built in bf16 is not)."""
     import warnings
 
+    from zerojax.engine.engine import Engine
     from zerojax.models import GPT2, GPT2Config
-    from zerojax.train.engine import Engine
 
     cfg = {"train_micro_batch_size_per_gpu": 1, "bf16": {"enabled": True},
            "optimizer": {"type": "SGD", "params": {"lr": 0.1}}}
