@@ -217,10 +217,13 @@ def _grpo_rollouts(engine, data, options, *, seed, start_step, num_steps):
 
 
 def _grpo_check(options, rows, data):
+    from zerojax.methods.grpo import check_options
     from zerojax.rl.rollouts import RolloutOptions
 
     _check_reward_given("grpo", options, data)
     RolloutOptions.from_options(options).check(rows, data.completion_len)
+    # the loss's own settings too, before anything is built (make_grpo_loss checks them again)
+    check_options(*(options[k] for k in ("eps_low", "eps_high", "kl_coef", "loss_level", "tis_cap")))
 
 
 def _grpo_data_options(data):

@@ -366,7 +366,8 @@ class _Ahead:
 
     def __init__(self, r: int, fn, *args):
         self.r, self._out, self._error = r, None, None
-        self._thread = threading.Thread(target=self._run, args=(fn, r, *args), name=f"rollout-{r}", daemon=True)
+        # not a daemon: a run stopped early lets the rollout finish rather than exit under XLA's feet
+        self._thread = threading.Thread(target=self._run, args=(fn, r, *args), name=f"rollout-{r}")
         self._thread.start()
 
     def _run(self, fn, *args):
