@@ -230,16 +230,18 @@ class RolloutBatches:
         time/generate_s: what the step waited for its rollout (the part not overlapped, as the
         run's generation / training split counts it); time/generate_ahead_s: the thread's time."""
         began = time.perf_counter()
-        weights = self.policy.snapshot()  # this step's weights, before its update
-        if self._ahead is not None and self._ahead.r == r:
-            batch, metrics = self._ahead.result()
+        ahead, self._ahead = (self._ahead if self._ahead is not None and self._ahead.r == r else None), None
+        more = self.end is None or r + 1 < self.end
+        # this step's weights, before its update: copied only where a rollout is generated from them
+        weights = self.policy.snapshot() if ahead is None or more else None
+        if ahead is not None:
+            batch, metrics = ahead.result()
             metrics = {**metrics, "time/generate_ahead_s": metrics["time/generate_s"],
                        "time/generate_s": time.perf_counter() - began, "rollout/staleness": 1}
         else:
             batch, metrics = self._timed_rollout(r, weights)
             metrics = {**metrics, "time/generate_ahead_s": 0.0, "rollout/staleness": 0}
-        self._ahead = None
-        if self.end is None or r + 1 < self.end:
+        if more:
             self._ahead = _Ahead(r + 1, self._timed_rollout, weights)
         return batch, metrics
 
