@@ -48,16 +48,20 @@ class _Target:
     devices: int  # the devices the weights (and the cache) are spread over
 
 
-def _target(model_or_engine) -> _Target:
+def _target(model_or_engine, weights=None) -> _Target:
     from zerojax.engine.engine import Engine
 
+    if weights is not None and not isinstance(model_or_engine, Engine):
+        raise TypeError("zerojax.generate: weights= goes with an Engine (its (params, rest) as engine.state has them)")
     if isinstance(model_or_engine, Engine):
         eng = model_or_engine
-        eng.synchronize()
+        if weights is None:  # given weights are a copy: no step of the engine's to wait for
+            eng.synchronize()
+            weights = (eng.state.params, eng.state.rest)
         settings = eng.step_settings
         model = nnx.merge(settings.graphdef, settings.param_template, settings.rest_template)
         from zerojax.sharding import partition
-        return _Target((eng.state.params, eng.state.rest), decoder.EngineSource(settings), model,
+        return _Target(weights, decoder.EngineSource(settings), model,
                        partition.tensor_size(eng.mesh), eng.mesh.devices.flat[0], eng.mesh.devices.size)
     if isinstance(model_or_engine, nnx.Module):
         family_class(model_or_engine)  # a clear error for a model without a decoder
@@ -108,7 +112,8 @@ def _decode(tokenizer, ids) -> str:
 
 def generate(model_or_engine, prompts, *, max_new_tokens: int = 64, temperature: float = 0.0, top_k=None,
              top_p=None, repetition_penalty=None, stop=None, seed: int = 0, tokenizer=None,
-             add_special_tokens: bool = True, ignore_eos: bool = False, decode_attention: str = "xla") -> Generation:
+             add_special_tokens: bool = True, ignore_eos: bool = False, decode_attention: str = "xla",
+             weights=None) -> Generation:
     """Generate up to `max_new_tokens` new tokens for each prompt.
 
     model_or_engine: a zerojax `Llama` / `GPT2` (LoRA adapters applied, not merged; a quantized
@@ -123,11 +128,13 @@ def generate(model_or_engine, prompts, *, max_new_tokens: int = 64, temperature:
     decode_attention: "xla" (two batched products), "kernel" (one fused Pallas kernel per
         layer, reading each row's filled slots only) or "auto" (the kernel on one GPU where it
         takes the model's shape, else XLA; `zerojax.generation.decoder.DECODE_ATTENTIONS`).
+    weights: with an Engine, the (params, rest) to generate from instead of its live state, laid out
+        as `engine.state` holds them (a copy from before a step: one-step off-policy rollouts).
     """
     if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:
         raise ValueError(f"max_new_tokens={max_new_tokens!r}: an int >= 1")
     sampler, values = sampling.settings(temperature, top_k, top_p, repetition_penalty)
-    target = _target(model_or_engine)
+    target = _target(model_or_engine, weights)
     rows = _prompts(prompts, tokenizer, add_special_tokens)
     stop = [stop] if isinstance(stop, (str, int)) else list(stop or ())
     stop_strings = [s for s in stop if isinstance(s, str)]

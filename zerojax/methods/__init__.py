@@ -187,7 +187,7 @@ def _grpo_loss(options):
     from zerojax.methods.grpo import make_grpo_loss
 
     return make_grpo_loss(**{k: options[k] for k in ("eps_low", "eps_high", "kl_coef", "loss_level", "iterations",
-                                                     "temperature")},
+                                                     "temperature", "off_policy", "tis_cap")},
                           group=options["group"] if options["shared_prompt"] else None)
 
 
@@ -217,10 +217,13 @@ def _grpo_rollouts(engine, data, options, *, seed, start_step, num_steps):
 
 
 def _grpo_check(options, rows, data):
+    from zerojax.methods.grpo import check_options
     from zerojax.rl.rollouts import RolloutOptions
 
     _check_reward_given("grpo", options, data)
     RolloutOptions.from_options(options).check(rows, data.completion_len)
+    # the loss's own settings too, before anything is built (make_grpo_loss checks them again)
+    check_options(*(options[k] for k in ("eps_low", "eps_high", "kl_coef", "loss_level", "tis_cap")))
 
 
 def _grpo_data_options(data):
@@ -244,7 +247,8 @@ register(Method(
 # loss level: PPO's advantages are GAE's, its loss per token), their defaults in PPOOptions
 PPO_OPTIONS = ("reward", "reward_weights", "group", "max_new_tokens", "temperature", "top_p", "top_k", "stop",
                "ignore_eos", "reference", "iterations", "kl_ctl", "clip_reward_value", "gamma", "lam", "cliprange",
-               "cliprange_value", "critic_lr", "critic", "decode_attention")
+               "cliprange_value", "critic_lr", "critic", "decode_attention",
+               "off_policy")  # known, so that PPOOptions.check says why PPO refuses it
 
 
 def _ppo_options() -> dict:

@@ -49,8 +49,8 @@ def pick_reference(engine, reference: str, kl_coef: float) -> str:
 
 class EnginePolicy:
     """`logps(batch)` / `ref_logps(batch)` -> fp32 numpy [B, C] (`completion_logps` on the
-    engine's current weights / on the reference; group: rows in groups sharing a prompt, each
-    prompt run once per group)."""
+    engine's current weights, or a `snapshot` of earlier ones / on the reference; group: rows in
+    groups sharing a prompt, each prompt run once per group)."""
 
     def __init__(self, engine, *, temperature: float = 1.0, reference: str = "none", group: int | None = None):
         from zerojax.generation.decoder import EngineSource
@@ -61,26 +61,45 @@ class EnginePolicy:
         source = EngineSource(engine.step_settings)
         self._run = jax.jit(functools.partial(_logps, source, temperature, group, False))
         self._run_ref = jax.jit(functools.partial(_logps, source, temperature, group, reference == "adapters_off"))
-        self._frozen = None
-        if reference == "copy":  # the starting weights, where they live
-            weights = (engine.state.params, engine.state.rest)
-            self._frozen = jax.jit(lambda w: w, out_shardings=jax.tree.map(lambda x: x.sharding, weights))(weights)
+        self._frozen = self.snapshot() if reference == "copy" else None  # the starting weights
 
     def _place(self, batch):
         keys = ("input_ids", "prompt_lengths", "completion_mask")
         return {k: jax.device_put(np.asarray(batch[k]), self._rows) for k in keys}
 
-    def logps(self, batch) -> np.ndarray:
+    def snapshot(self):
+        """A copy of the engine's (params, rest) as they are now, where they live (one more
+        compute-dtype copy of the weights): the engine's next step donates the live arrays."""
         self.engine.synchronize()
-        state = self.engine.state
-        return np.asarray(self._run((state.params, state.rest), self._place(batch)), np.float32)
+        return copy_weights((self.engine.state.params, self.engine.state.rest))
 
-    def ref_logps(self, batch) -> np.ndarray:
+    def _weights(self, weights):
+        """The given weights (a snapshot: nothing of the engine's to wait for), else the live ones."""
+        if weights is not None:
+            return weights
+        self.engine.synchronize()
+        return self.engine.state.params, self.engine.state.rest
+
+    def logps(self, batch, weights=None) -> np.ndarray:
+        """On `weights` ((params, rest) as `snapshot` gives them) where given, else the live weights."""
+        return np.asarray(self._run(self._weights(weights), self._place(batch)), np.float32)
+
+    def ref_logps(self, batch, weights=None) -> np.ndarray:
+        """weights: as `logps`' (read by "adapters_off" only: the frozen base is in them)."""
         if self.reference == "none":
             raise ValueError("this policy has no reference (reference=\"none\")")
-        state = self.engine.state
-        weights = self._frozen if self._frozen is not None else (state.params, state.rest)
+        if self._frozen is not None:
+            return np.asarray(self._run_ref(self._frozen, self._place(batch)), np.float32)
+        if weights is None:
+            state = self.engine.state
+            weights = (state.params, state.rest)
         return np.asarray(self._run_ref(weights, self._place(batch)), np.float32)
+
+
+def copy_weights(weights):
+    """A copy of a tree of arrays in their shardings and memory kinds (not aliased: a later step that
+    donates the originals leaves it intact)."""
+    return jax.jit(lambda w: w, out_shardings=jax.tree.map(lambda x: x.sharding, weights))(weights)
 
 
 def _logps(source, temperature, group, adapters_off, weights, batch):
@@ -91,4 +110,4 @@ def _logps(source, temperature, group, adapters_off, weights, batch):
         return completion_logps(model, batch, temperature=temperature, group=group)
 
 
-__all__ = ["EnginePolicy", "pick_reference", "is_lora", "REFERENCES"]
+__all__ = ["EnginePolicy", "pick_reference", "is_lora", "copy_weights", "REFERENCES"]

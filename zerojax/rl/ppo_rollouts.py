@@ -94,6 +94,10 @@ class PPOOptions(RolloutOptions):
             if getattr(self, name) != defaults[name]:
                 raise ValueError(f"{name}={getattr(self, name)!r} is GRPO's; PPO's advantages are GAE's, averaged "
                                  f"over the step's tokens, every rollout kept: leave {name} unset")
+        if self.off_policy:
+            raise ValueError("off_policy=1 is GRPO's: PPO's rollout trains the critic on the values and GAE returns "
+                             "of the weights that generated it, and truncated importance sampling corrects the "
+                             "policy's gradient only, not a critic fit to the previous policy; leave off_policy 0")
         check_ppo_options(kl_ctl=self.kl_ctl, clip_reward_value=self.clip_reward_value, gamma=self.gamma, lam=self.lam,
                       cliprange=self.cliprange, cliprange_value=self.cliprange_value, critic_lr=self.critic_lr)
         if self.critic is not None and not os.path.isdir(self.critic):
@@ -205,8 +209,8 @@ class PPORollouts(RolloutBatches):
         batch["scores"][:len(groups)] = [score for _, _, score, _ in groups]
         return batch
 
-    def _with_logps(self, batch) -> dict:
-        o, mask = self.options, batch["completion_mask"]
+    def _with_logps(self, batch, weights=None) -> dict:
+        o, mask = self.options, batch["completion_mask"]  # weights: None here, PPO refuses off_policy
         logps = self.policy.logps(batch)
         ref = self.policy.ref_logps(batch) if self.reference != "none" else logps
         values = self.values(batch)

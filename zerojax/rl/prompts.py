@@ -21,7 +21,7 @@ from zerojax.rl import tasks
 
 EXAMPLE = '{"prompt": "What is 2+3?", "answer": "5"}'
 BATCH_KEYS = ("input_ids", "prompt_lengths", "completion_mask", "advantages", "old_logps", "ref_logps",
-              "token_weights")
+              "token_weights", "rollout_logps")
 _REPLACEMENT = "\ufffd".encode()  # U+FFFD in UTF-8
 
 
@@ -98,7 +98,9 @@ class PromptData:
         return {"input_ids": np.zeros((rows, T), np.int32), "prompt_lengths": np.ones((rows,), np.int32),
                 "completion_mask": np.zeros((rows, C), np.float32), "advantages": np.zeros((rows,), np.float32),
                 "old_logps": np.zeros((rows, C), np.float32), "ref_logps": np.zeros((rows, C), np.float32),
-                "token_weights": np.zeros((rows,), np.float32)}
+                "token_weights": np.zeros((rows,), np.float32),
+                # the generating weights' log-probs (off_policy); zeros, unread, on-policy: one batch shape for both
+                "rollout_logps": np.zeros((rows, C), np.float32)}
 
     def train_batches(self, batch_size: int, *, seed: int = 0, start_step: int = 0, num_steps: int | None = None):
         for _ in range(1 if num_steps is None else num_steps):

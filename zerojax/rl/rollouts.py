@@ -22,6 +22,7 @@ handing out the previous batch until this call, the engine's work waited for) pe
 from __future__ import annotations
 
 import dataclasses
+import threading
 import time
 import warnings
 from collections.abc import Mapping
@@ -57,7 +58,10 @@ class RolloutOptions:
     `make_grpo_loss(group=)`); generator: what generates the completions, "generate"
     (`zerojax.generate`: one batch decoded to its longest row's end) or "serving" (`zerojax.serving`'s
     continuous batching over the same live weights, `zerojax.rl.serving_rollouts`: a finished row
-    frees its place; greedy rollouts equal generate's, sampled ones draw each row's own stream)."""
+    frees its place; greedy rollouts equal generate's, sampled ones draw each row's own stream);
+    off_policy: 0 (on-policy) or 1: one-step off-policy, each step's rollout generated from the
+    weights of the step before, while that step trains (`RolloutBatches`; GRPO corrects it with
+    truncated importance sampling, `GRPOOptions.tis_cap`)."""
 
     group: int = 8
     max_new_tokens: int | None = None
@@ -77,6 +81,7 @@ class RolloutOptions:
     decode_attention: str = "auto"
     shared_prompt: bool = True
     generator: str = "generate"
+    off_policy: int = 0
     min_group: ClassVar[int] = 2  # GRPO compares a prompt's completions
 
     @classmethod
@@ -106,6 +111,7 @@ class RolloutOptions:
             raise ValueError(f"shared_prompt={self.shared_prompt!r}: true or false")
         if self.generator not in GENERATORS:
             raise ValueError(f"generator={self.generator!r}; choose one of {GENERATORS}")
+        check_off_policy(self.off_policy, self.iterations)
         if self.generator == "serving" and self.decode_attention != "auto":
             raise ValueError(f"decode_attention={self.decode_attention!r} is generate's: the serving engine "
                              "attends over its pages; leave decode_attention \"auto\" with generator \"serving\"")
@@ -117,12 +123,26 @@ class GRPOOptions(RolloutOptions):
     `--method-option`, `zerojax.methods.get("grpo").options` and `make_grpo_loss`'s keywords read
     these): the rollouts' (`RolloutOptions`), the reward (`reward`: specs, `zerojax.rl.rewards`;
     `reward_weights`: their weights) and the clipped ratio's bounds (eps_low, eps_high: DAPO's
-    clip-higher where they differ)."""
+    clip-higher where they differ), and tis_cap: off_policy's truncated importance weight's cap C
+    (2.0, Yao et al. 2025's and verl's example value; verl ships it off)."""
 
     reward: object = None
     reward_weights: object = None
     eps_low: float = 0.2
     eps_high: float = 0.2
+    tis_cap: float = 2.0
+
+
+def check_off_policy(off_policy, iterations: int = 1) -> None:
+    """off_policy 0 or 1 (True / False too: the command line's JSON gives either), else a ValueError
+    in one line; 1 takes one optimizer step per rollout only."""
+    if off_policy not in (0, 1):  # bool is an int: True == 1
+        raise ValueError(f"off_policy={off_policy!r}: 0 (on-policy) or 1 (each step trains on rollouts generated "
+                         "from the weights one step back, while that step trains)")
+    if off_policy and iterations != 1:
+        raise ValueError(f"off_policy=1 with iterations={iterations}: a rollout generated during one optimizer "
+                         f"step would then serve {iterations} steps, up to {iterations} steps stale; give "
+                         "iterations=1")
 
 
 def defaults(options_class, names=None) -> dict:
@@ -158,6 +178,12 @@ class RolloutBatches:
         self._cached = None  # (rollout index, batch, metrics)
         self._handed = None  # when the last batch was handed out
         self._served = None  # the serving engine's generator (generator "serving"), built at the first rollout
+        self._ahead = None  # off_policy: the next step's rollout, generating while this step trains
+        if o.off_policy and self.step:
+            warnings.warn(f"resuming at step {self.step} with off_policy=1: its rollout is generated from the "
+                          "restored weights (the uninterrupted run generated it from the step before's, which no "
+                          "checkpoint holds); the steps after it are one step off-policy again",
+                          RuntimeWarning, stacklevel=2)
         if o.iterations > 1 and self.step % o.iterations:
             warnings.warn(f"resuming at step {self.step}, inside a rollout of iterations={o.iterations}: it is "
                           "generated again from the restored weights (the uninterrupted run generated it "
@@ -175,11 +201,12 @@ class RolloutBatches:
             jax.block_until_ready(self.engine.state.params)  # the previous step's training
             train_s = time.perf_counter() - self._handed
         r = self.step // self.options.iterations
-        if self._cached is None or self._cached[0] != r:
-            began = time.perf_counter()
-            batch, metrics = self.rollout(r)
-            metrics["time/generate_s"] = time.perf_counter() - began
-            self._cached = (r, batch, metrics)
+        if self.options.off_policy:
+            self._cached = (r, *self._off_policy_rollout(r))
+            metrics = self._cached[2]
+        elif self._cached is None or self._cached[0] != r:
+            self._cached = (r, *self._timed_rollout(r))
+            metrics = self._cached[2]
         else:
             metrics = {**self._cached[2], "time/generate_s": 0.0}
         self.metrics = {**metrics, "time/train_s": train_s, "step": self.step}
@@ -187,6 +214,36 @@ class RolloutBatches:
         self.step += 1
         self._handed = time.perf_counter()
         return self._cached[1]
+
+    def _timed_rollout(self, r: int, weights=None):
+        """(batch, metrics) of rollout r, its time as metrics["time/generate_s"]."""
+        began = time.perf_counter()
+        batch, metrics = self.rollout(r, weights)
+        metrics["time/generate_s"] = time.perf_counter() - began
+        return batch, metrics
+
+    def _off_policy_rollout(self, r: int):
+        """(batch, metrics) of rollout r, one step off-policy: generated from the weights of step
+        r - 1 while that step trained (the first step of a run or a resume, with nothing generated
+        ahead: from the weights now). Then rollout r + 1 starts on a thread from a copy of the
+        weights now (the step about to train donates the live arrays), overlapping that step.
+        time/generate_s: what the step waited for its rollout (the part not overlapped, as the
+        run's generation / training split counts it); time/generate_ahead_s: the thread's time."""
+        began = time.perf_counter()
+        ahead, self._ahead = (self._ahead if self._ahead is not None and self._ahead.r == r else None), None
+        more = self.end is None or r + 1 < self.end
+        # this step's weights, before its update: copied only where a rollout is generated from them
+        weights = self.policy.snapshot() if ahead is None or more else None
+        if ahead is not None:
+            batch, metrics = ahead.result()
+            metrics = {**metrics, "time/generate_ahead_s": metrics["time/generate_s"],
+                       "time/generate_s": time.perf_counter() - began, "rollout/staleness": 1}
+        else:
+            batch, metrics = self._timed_rollout(r, weights)
+            metrics = {**metrics, "time/generate_ahead_s": 0.0, "rollout/staleness": 0}
+        if more:
+            self._ahead = _Ahead(r + 1, self._timed_rollout, weights)
+        return batch, metrics
 
     # ------------------------------------------------------------------ one rollout
 
@@ -210,28 +267,30 @@ class RolloutBatches:
                                             tokenizer=_TextTokenizer(self.tokenizer))
         return self._served
 
-    def generate(self, prompts: np.ndarray, seed: int):
-        """(completion token lists, completion texts) of each prompt index (already repeated per group)."""
+    def generate(self, prompts: np.ndarray, seed: int, weights=None):
+        """(completion token lists, completion texts) of each prompt index (already repeated per
+        group), from `weights` (a `EnginePolicy.snapshot`) where given, else the live weights."""
         import zerojax
 
         o = self.options
         if o.generator == "serving":
-            return self._serving_generator()([self.data.ids[i] for i in prompts], seed)
+            return self._serving_generator()([self.data.ids[i] for i in prompts], seed, weights)
         gen = zerojax.generate(self.engine, [self.data.ids[i] for i in prompts], max_new_tokens=self.max_new_tokens,
                                temperature=o.temperature, top_p=o.top_p, top_k=o.top_k, stop=list(o.stop),
                                ignore_eos=o.ignore_eos, seed=seed, tokenizer=_TextTokenizer(self.tokenizer),
-                               add_special_tokens=False, decode_attention=o.decode_attention)
+                               add_special_tokens=False, decode_attention=o.decode_attention, weights=weights)
         return gen.tokens, gen.texts
 
-    def rollout(self, r: int):
-        """(training batch, metrics) of rollout r."""
+    def rollout(self, r: int, weights=None):
+        """(training batch, metrics) of rollout r, generated from `weights` (a snapshot) where
+        given, else the live weights."""
         o, G = self.options, self.options.group
         n = self.rows // G
         groups = []  # (prompt index, tokens, reward, advantage) per kept group's row
         seen_rewards, lengths, dropped = [], [], 0
         for k in range(1 + (o.max_refills if o.drop_zero_variance else 0)):
             prompts = np.repeat(self.data.indices(n, seed=self.seed, step=r, refill=k), G)
-            tokens, texts = self.generate(prompts, self._sample_seed(r, k))
+            tokens, texts = self.generate(prompts, self._sample_seed(r, k), weights)
             fields = {**self.data.fields_of(prompts), "completion_ids": tokens}
             rewards = score(self.reward, [self.data.texts[i] for i in prompts], texts, fields)
             advs = adv_mod.group_advantages(rewards, G, scale_std=o.scale_std, eps=o.adv_eps)
@@ -244,7 +303,7 @@ class RolloutBatches:
             if len(groups) >= self.rows:
                 break
         batch = self._pack(groups)
-        batch = self._with_logps(batch)
+        batch = self._with_logps(batch, weights)
         rewards = np.concatenate(seen_rewards)
         metrics = {"reward/mean": float(rewards.mean()), "reward/std": float(rewards.std()),
                    "completion/length": float(np.mean(lengths)), "groups/dropped": dropped,
@@ -268,11 +327,13 @@ class RolloutBatches:
         batch["token_weights"][:] = self.rows / max(total, 1.0) if self.options.loss_level == "token" else 1.0
         return batch
 
-    def _with_logps(self, batch) -> dict:
+    def _with_logps(self, batch, weights=None) -> dict:
         if self.options.iterations > 1:
             batch["old_logps"] = self.policy.logps(batch)
+        if self.options.off_policy:  # the generating weights' log-probs: the loss's importance weights
+            batch["rollout_logps"] = self.policy.logps(batch, weights)
         if self.reference != "none":
-            batch["ref_logps"] = self.policy.ref_logps(batch)
+            batch["ref_logps"] = self.policy.ref_logps(batch, weights)
         return batch
 
 
@@ -299,6 +360,31 @@ def check_loss_groups(engine, group: int) -> None:
                          "micro-batch of whole groups, or shared_prompt=false (make_grpo_loss without group)")
 
 
+class _Ahead:
+    """`fn(r, *args)` running on a thread, so its host work (and its device work, where the device
+    runs programs side by side) overlaps the caller's optimizer step; `result()` waits for it and
+    raises what it raised. The rollout is a function of its weights and (seed, r): the same however
+    the thread and the step interleave."""
+
+    def __init__(self, r: int, fn, *args):
+        self.r, self._out, self._error = r, None, None
+        # not a daemon: a run stopped early lets the rollout finish rather than exit under XLA's feet
+        self._thread = threading.Thread(target=self._run, args=(fn, r, *args), name=f"rollout-{r}")
+        self._thread.start()
+
+    def _run(self, fn, *args):
+        try:
+            self._out = fn(*args)
+        except BaseException as e:  # noqa: BLE001 - handed to the caller's thread by result()
+            self._error = e
+
+    def result(self):
+        self._thread.join()
+        if self._error is not None:
+            raise self._error
+        return self._out
+
+
 class _TextTokenizer:
     """The run's tokenizer with `decode` (the trainer's byte-level ByteTokens has none)."""
 
@@ -315,4 +401,4 @@ class _TextTokenizer:
         return decode(self._tok, ids)
 
 
-__all__ = ["RolloutBatches", "RolloutOptions", "LOSS_LEVELS", "GENERATORS"]
+__all__ = ["RolloutBatches", "RolloutOptions", "GRPOOptions", "check_off_policy", "LOSS_LEVELS", "GENERATORS"]

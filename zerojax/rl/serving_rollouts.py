@@ -27,31 +27,38 @@ class ServingGenerator:
         self.max_model_len = prompt_len + max_new_tokens
         self.llm = None
 
-    def _serving_engine(self):
-        from zerojax.serving.live import follow, live_engine
+    def _serving_engine(self, weights=None):
+        """The serving engine on the training engine's live weights, or on `weights` (a snapshot)."""
+        from zerojax.serving.live import follow
 
         if self.llm is None:
-            from zerojax.serving.shapes import Buckets, pow2
-
-            pages = -(-self.max_model_len // PAGE_SIZE)
-            # every prompt of a rollout read in one step of one chunk length (prompts fit the data's
-            # longest): one chunk program per span; the decode rows shrink by buckets as rows finish
-            chunk = pow2(self.prompt_len)
-            self.llm = live_engine(self.engine, self.tokenizer, page_size=PAGE_SIZE,
-                                   kv_cache_tokens=self.rows * pages * PAGE_SIZE, max_num_seqs=self.rows,
-                                   max_model_len=self.max_model_len, max_batched_tokens=self.rows * chunk,
-                                   buckets=Buckets(min_chunk=chunk))
-        else:
-            follow(self.llm, self.engine)
+            self.llm = self._build()
+            if weights is None:
+                return self.llm  # built on the live weights
+        follow(self.llm, self.engine, weights)
         return self.llm
+
+    def _build(self):
+        from zerojax.serving.live import live_engine
+        from zerojax.serving.shapes import Buckets, pow2
+
+        pages = -(-self.max_model_len // PAGE_SIZE)
+        # every prompt of a rollout read in one step of one chunk length (prompts fit the data's
+        # longest): one chunk program per span; the decode rows shrink by buckets as rows finish
+        chunk = pow2(self.prompt_len)
+        return live_engine(self.engine, self.tokenizer, page_size=PAGE_SIZE,
+                           kv_cache_tokens=self.rows * pages * PAGE_SIZE, max_num_seqs=self.rows,
+                           max_model_len=self.max_model_len, max_batched_tokens=self.rows * chunk,
+                           buckets=Buckets(min_chunk=chunk))
 
     def warm_up(self) -> int:
         """Compile the serving engine's every shape bucket now (`LLMEngine.warm_up`; prompt chunks of
         the data's longest prompt: the pool holds every row, none is preempted) -> programs run."""
         return self._serving_engine().warm_up(max_chunk=self.prompt_len)
 
-    def __call__(self, prompts: list[list[int]], seed: int):
-        """(completion token lists, completion texts) of `prompts`, in order."""
+    def __call__(self, prompts: list[list[int]], seed: int, weights=None):
+        """(completion token lists, completion texts) of `prompts`, in order (from `weights`, a
+        snapshot of the engine's, where given: one-step off-policy rollouts)."""
         from zerojax.serving.llm import run_all
         from zerojax.serving.params import SamplingParams
 
@@ -62,7 +69,7 @@ class ServingGenerator:
         params = [SamplingParams(temperature=o.temperature, top_p=1.0 if o.top_p is None else o.top_p,
                                  top_k=o.top_k or 0, max_tokens=self.max_new_tokens, stop=stop,
                                  stop_token_ids=stop_ids, ignore_eos=o.ignore_eos, seed=int(s)) for s in streams]
-        outs = run_all(self._serving_engine(), prompts, params)
+        outs = run_all(self._serving_engine(weights), prompts, params)
         return [list(out.token_ids) for out in outs], [out.text for out in outs]
 
 

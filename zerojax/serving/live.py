@@ -26,10 +26,13 @@ def live_engine(engine, tokenizer=None, **engine_kwargs) -> LLMEngine:
     return llm
 
 
-def follow(llm: LLMEngine, engine) -> None:
-    """`llm` serves the training engine's current weights (after its last step; no copy)."""
-    engine.synchronize()
-    llm.use_weights((engine.state.params, engine.state.rest), EngineSource(engine.step_settings))
+def follow(llm: LLMEngine, engine, weights=None) -> None:
+    """`llm` serves the training engine's current weights (after its last step; no copy), or
+    `weights`: (params, rest) laid out as `engine.state` holds them (a copy from before a step)."""
+    if weights is None:  # given weights are a copy: no step of the engine's to wait for
+        engine.synchronize()
+        weights = (engine.state.params, engine.state.rest)
+    llm.use_weights(weights, EngineSource(engine.step_settings))
 
 
 __all__ = ["live_engine", "follow"]
