@@ -18,21 +18,11 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 BUDGET = 20_000_000  # a tiny Llama's fp32 step on the 8 CPU devices fits 256 tokens a row of it, not 384
 
 
-@pytest.fixture(scope="module")
-def fp32_config(tmp_path_factory):
-    with open(os.path.join(ROOT, "configs", "zero2_bf16.json")) as f:
-        cfg = json.load(f)
-    cfg["bf16"] = {"enabled": False}
-    path = tmp_path_factory.mktemp("cfg") / "zero2_fp32.json"
-    path.write_text(json.dumps(cfg))
-    return str(path)
-
-
-def test_train_seq_len_auto_prints_the_row_and_trains_at_it(fp32_config, tmp_path, capsys, monkeypatch):
+def test_train_seq_len_auto_prints_the_row_and_trains_at_it(tmp_path, capsys, monkeypatch):
     monkeypatch.setattr(memory, "device_budget", lambda device=None: BUDGET)
     out = tmp_path / "summary.json"
     assert cli.main(["train", "--model", "tiny-llama", "--seq-len", "auto", "--micro-batch", "1", "--steps", "1",
-                     "--eval-batches", "0", "--config", fp32_config, "--summary-json", str(out)]) == 0
+                     "--eval-batches", "0", "--fp32", "--summary-json", str(out)]) == 0
     summary, printed = json.loads(out.read_text()), capsys.readouterr().out
     L = summary["seq_len"]
     assert L % PL.SEQ_GRANULE == 0 and L >= PL.SEQ_GRANULE

@@ -227,6 +227,11 @@ def longest_seq_len(args, cfg, method, factory, loss_fn, cap, micro_auto: bool) 
     return found, micro
 
 
+def remat_named(args, cfg) -> bool:
+    """Whether --remat or the config's remat_policy names the policy (else micro-batch auto varies it)."""
+    return args.remat is not None or getattr(cfg.activation_checkpointing, "remat_policy", None) is not None
+
+
 def seq_len_why(found, micro: int, remat, micro_auto: bool) -> str:
     """The run header's words for a length --seq-len auto found: what it was searched at, its
     peaks and what ends it."""

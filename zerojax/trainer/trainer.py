@@ -36,6 +36,7 @@ from zerojax.trainer.setup import (
     offload_loop_auto,
     plan_micro_batch,
     print_run,
+    remat_named,
     requested_options,
     resolve_mlp_tile,
     resolved_config_source,
@@ -298,7 +299,7 @@ class Trainer:
             return
         tile = None if self.mlp_tile == "auto" else self.mlp_tile  # micro-batch auto then tiles the row found
         # where micro-batch auto chooses the remat, the longest row is the one its heaviest choice ("full") reaches
-        remat = "full" if self.planner_runs and not self._remat_named() else self.remat
+        remat = "full" if self.planner_runs and not remat_named(self.args, self.cfg) else self.remat
         found, micro = longest_seq_len(
             self.args, self.cfg, self.method, lambda: self.build_model(remat, mlp_tile=tile),
             loss_fn_for(self.args.loss_chunk, self.choice.family_spec), self.choice.position_cap, self.planner_runs)
@@ -354,18 +355,13 @@ class Trainer:
         args, cfg = self.args, self.cfg
         planned_remat = self.remat
         self.cfg, self.remat, self.mlp_tile = plan_micro_batch(
-            cfg, self.build_model, self.dtype, self.remat, not self._remat_named(), self.seq_len, self.loss_fn,
+            cfg, self.build_model, self.dtype, self.remat, not remat_named(args, cfg), self.seq_len, self.loss_fn,
             requested_options(args), lora=self.lora_cfg is not None, batch_fn=self.batch_fn, mlp_tile=self.mlp_tile)
         self.planned = True
         if self.remat != planned_remat:
             self.remat_why = "chosen by the planner (micro-batch auto)"
         if args.mlp_tile == "auto":
             self.mlp_tile_why = "--mlp-tile auto: chosen by the planner"
-
-    def _remat_named(self) -> bool:
-        """Whether --remat or the config's remat_policy names the policy (else micro-batch auto varies it)."""
-        policy = getattr(self.cfg.activation_checkpointing, "remat_policy", None)
-        return self.args.remat is not None or policy is not None
 
     def _counts(self) -> tuple[float, int]:
         """FLOPs a token for MFU and the parameter count: the family's own count, else read off the
