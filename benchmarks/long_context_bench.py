@@ -20,19 +20,23 @@ no [T, T] scores; "cudnn": the fused kernel; "xla": the dense path, for the befo
 (ALST's tiled MLP: one value for every length, or one per --seq length, 0 = untiled) and --sp
 (sequence_parallel_size over the local devices). Each length runs in this process after the
 previous one: tokens/s per device after warm-up, the allocator's peak, and the compiled step's
-predicted peak (XLA's memory analysis). Each row also has "flops_per_token", the count `zerojax
-estimate` prints ("GFLOPs per training token at seq N": `zerojax.planning.estimate.
-train_flops_per_token` of the model's shape at that length, 6N + 12·L·w·T, attention's quadratic
-term counted whole, no recompute), "achieved_tflops" = tokens/s x flops_per_token (per device),
-and "flops_per_token_run": that count plus what this run recomputes (the remat policy's forward,
-the tiled MLP's extra MLP forward).
+predicted peak (XLA's memory analysis). Each row also has "flops_per_token": 6N + 12·L·w·P / T,
+P the query-key pairs the mask keeps in a row (`kept_pairs`: causal within each packed document,
+documents not attending to each other; T(T+1)/2 for one document), no recompute;
+"achieved_tflops" = tokens/s x flops_per_token (per device); "flops_per_token_run": that count
+plus what this run recomputes (the remat policy's forward, the tiled MLP's extra MLP forward);
+and "flops_per_token_dense", the count `zerojax estimate` prints ("GFLOPs per training token at
+seq N", `zerojax.planning.estimate.train_flops_per_token`: every token charged all T keys, T^2
+pairs a row). The dense count charges a 32K row of 4 documents 8x the attention it computes
+(T^2 against ~T^2 / 8), so its achieved FLOP/s flattered long rows: the 32K / 2K comparison
+(benchmarks/cases_scale.py) is in tokens/s and in FLOP/s of the kept count.
 
 longest: Llama-3.1-8B's shape with LoRA r16 alpha 32 on every linear layer (bf16 base, frozen),
-micro 1. For each configuration, --remat policy x --attention (in that order), the row length
-doubles from --start until the compiled step's predicted peak passes --cap-gib (nothing runs:
-abstract engines, compiled only; a --start that does not fit halves instead, down to --floor; a
-compile error ends that configuration's search); a later configuration is tried only above the
-longest length found so far, and none once one reached --limit. Then --real-steps real steps (the
+micro 1. For each configuration, --remat policy x --attention (in that order), the longest row
+is the planner's (`zerojax.planning.planner.longest_row`, what `zerojax train --seq-len auto`
+runs: compiled peaks against --cap-gib and the host memory, nothing allocated): doubling from
+--start (halving first where it does not fit), then bisection, in multiples of --granule (default
+the planner's 128), capped only by --limit (default none). Then --real-steps real steps (the
 first compiles; the rest timed) at the longest length found (the configuration found first on a
 tie), whose allocator peak is printed beside the prediction. Run it with the cap also given to the
 allocator (XLA_PYTHON_CLIENT_MEM_FRACTION) so that the real step is held to it.
@@ -42,7 +46,8 @@ master and AdamW's m and v kept off the device (DeepSpeed's `zero_optimization.o
 {"device": "cpu", "pin_memory": true}`: pinned host memory), ZeRO-2, the tiled MLP (--mlp-tile,
 default 2048), the chunked loss, micro 1; configurations --remat (default "full" then "offload":
 the "offload" policy keeps each layer's input in pinned host memory instead of on the device) x
---attention, searched as `longest` does (default --start 65536). Each length is judged on the
+--attention, searched by the same doubling and bisection (`zerojax.engine.memory.longest_fitting`;
+default --start 65536) with this bench's own judge of each length: it is judged on the
 device (`Engine.step_memory`: the compiled step's peak, plus with the "host" loop its chunks on
 the device, against --cap-gib, default the allocator's limit) AND on the host (the optimizer
 state's bytes in host memory, read off the engine's state, plus the offloaded layer inputs, or
@@ -80,10 +85,11 @@ of host state) peaked at 117.5 GiB host RSS (benchmarks/RESULTS.md, "Llama-3.1-8
 so the process may take more than the 16 GB assumed: the real step's row reports the host's peak
 RSS.
 
-Bounded runs: --limit caps the lengths tried; --length-timeout S gives each phase (one length's
-compile, the build, the real steps) at most S seconds, --deadline S the whole run; either, when it
-passes, prints a JSON row {"timed_out": true, "phase": ..., "seq": ...}, writes --out and exits
-124 (the compile or step in flight cannot be interrupted otherwise). Real steps after the first
+Bounded runs: --limit caps the lengths tried (the suite's timed calls give one); --length-timeout
+S gives each phase (one length's compile, the build, the real steps) at most S seconds, --deadline
+S the whole run; either, when it passes, prints a JSON row {"timed_out": true, "phase": ...,
+"seq": ...}, writes --out and exits 124 (the compile or step in flight cannot be interrupted
+otherwise). Real steps after the first
 are skipped where 1.5 x the first step's time would pass --deadline.
 
 Prints one JSON line per measurement and writes them all to --out (default
@@ -150,6 +156,32 @@ def batch_of(rows: int, seq: int, vocab: int, docs: int = 4, seed: int = 0):
     # packed documents: the segment ids take the blockwise path's masking (a dense mask elsewhere)
     seg = np.repeat(np.arange(1, docs + 1), -(-seq // docs))[:seq][None].repeat(rows, 0).astype(np.int32)
     return {"input_ids": ids, "segment_ids": seg}
+
+
+def doc_lengths(seq: int, docs: int) -> list[int]:
+    """The lengths of the documents `batch_of` packs into a row: `docs` runs of ceil(seq / docs)
+    tokens, the last cut short (a row shorter than `docs` holds fewer)."""
+    size = -(-seq // max(docs, 1))
+    return [min(size, seq - start) for start in range(0, seq, size)]
+
+
+def kept_pairs(seq: int, docs: int) -> int:
+    """The query-key pairs of a row the attention mask keeps: causal within each packed document
+    (a query sees itself and the keys before it), none across documents."""
+    return sum(n * (n + 1) // 2 for n in doc_lengths(seq, docs))
+
+
+def masked_flops_per_token(shape, seq: int, docs: int, remat=None, tiled_mlp: bool = False) -> float:
+    """Training FLOPs a token with attention counted over the kept pairs only: `zerojax estimate`'s
+    count (`train_flops_per_token`, whose attention term charges every token all T keys, T^2 pairs
+    a row) with that term scaled to `kept_pairs` / T^2. The term is what the count adds over a
+    row of length 0, so remat's recompute of attention scales with it."""
+    import dataclasses
+
+    from zerojax.planning.estimate import train_flops_per_token
+
+    at = lambda t: train_flops_per_token(dataclasses.replace(shape, seq_len=t), remat, tiled_mlp)  # noqa: E731
+    return at(0) + (at(seq) - at(0)) * kept_pairs(seq, docs) / seq**2
 
 
 def shapes_of(batch):
@@ -237,8 +269,10 @@ def throughput(args, emit, dog):
         dog.phase("throughput", seq)
         make, cfg = model_factory(name, attention=attention, block=args.block, mlp_tile=tile, lora=False)
         shape = model_shape(make, seq)
-        flops = train_flops_per_token(shape)  # `zerojax estimate`'s "GFLOPs per training token at seq N"
-        flops_run = train_flops_per_token(shape, None if remat == "none" else remat, tiled_mlp=tile is not None)
+        dense = train_flops_per_token(shape)  # `zerojax estimate`'s "GFLOPs per training token at seq N"
+        flops = masked_flops_per_token(shape, seq, args.docs)  # the pairs the mask keeps
+        flops_run = masked_flops_per_token(shape, seq, args.docs, None if remat == "none" else remat,
+                                           tiled_mlp=tile is not None)
         eng = zerojax.shard(make, ds_config(sp=args.sp, remat=remat), loss_fn=chunked_llama_loss(args.loss_chunk),
                             options=zerojax.EngineOptions(memory_guard=False))
         rows = eng.layout.cfg.train_batch_size
@@ -258,44 +292,32 @@ def throughput(args, emit, dog):
               "attention": attention, "docs": args.docs, "mlp_tile": tile, "remat": remat,
               "step_s": round(dt, 4), "warmup_s": round(t1 - t0, 2), "tokens_per_s_per_device": round(tps, 1),
               "flops_per_token": flops, "achieved_tflops": round(tps * flops / 1e12, 3),
-              "flops_per_token_run": flops_run, "predicted_peak_gib": round(predicted / GiB, 3),
+              "flops_per_token_run": flops_run, "flops_per_token_dense": dense,
+              "predicted_peak_gib": round(predicted / GiB, 3),
               "peak_gib": peak_gib(), "loss": float(metrics["loss"]), "device": jax.devices()[0].device_kind})
         del eng
 
 
-def search(probe, start: int, limit: int, floor: int) -> int | None:
-    """The longest length `probe(seq)` passes (True fits, False does not, None: an error, which
-    ends the search): doubling from `start` while it fits and stays within `limit`; a `start` that
-    does not fit halves instead, down to `floor`."""
-    if start > limit:
-        return None
-    ok = probe(start)
-    if ok:
-        best = seq = start
-        while seq * 2 <= limit and probe(seq * 2):
-            best = seq = seq * 2
-        return best
-    seq = start // 2
-    while ok is not None and seq >= floor:
-        ok = probe(seq)
-        if ok:
-            return seq
-        seq //= 2
-    return None
+def search(probe, start: int, limit: int | None, granule: int) -> int | None:
+    """The longest length, a multiple of `granule`, that `probe(seq)` passes (True fits; False
+    and None, a compile error, do not): the planner's doubling then bisection
+    (`zerojax.engine.memory.longest_fitting`) from `start`, halving first where `start` does not
+    fit; capped only by `limit` (None: none). None where even one granule does not fit."""
+    from zerojax.engine.memory import longest_fitting
+
+    n, _ = longest_fitting(lambda n: bool(probe(n * granule)), max(1, start // granule),
+                           None if limit is None else limit // granule)
+    return n * granule or None
 
 
-def search_all(args, probe) -> tuple[dict, tuple | None]:
-    """`search` for each configuration (remat, attention) in --remat x --attention order, a later
-    one only above the longest length found so far, none once one reached --limit (the next
-    doubling would pass it) -> ({"remat/attention": longest or None}, the configuration of the
-    longest, the first found on a tie; None where nothing fit)."""
+def search_all(args, longest_of) -> tuple[dict, tuple | None]:
+    """`longest_of(remat, attention)` (the longest row of that configuration, or None) for each
+    configuration in --remat x --attention order -> ({"remat/attention": longest or None}, the
+    configuration of the longest, the first found on a tie; None where nothing fit)."""
     found, best, best_key = {}, None, None
     for remat in args.remat:
         for attention in args.attention:
-            if best is not None and best * 2 > args.limit:
-                return found, best_key
-            lowest = args.floor if best is None else max(args.floor, 2 * best)
-            seq = search(lambda s: probe(remat, attention, s), max(args.start, lowest), args.limit, lowest)  # noqa: B023 - called within this iteration
+            seq = longest_of(remat, attention)
             found[f"{remat}/{attention}"] = seq
             if seq is not None and (best is None or seq > best):
                 best, best_key = seq, (remat, attention)
@@ -348,7 +370,7 @@ def run_longest(args, emit, dog, *, bench: str, label: str, seq: int, build, voc
             first, dt, metrics = real_steps(eng, batch, args.real_steps, dog)
             return eng, seq, build_s, first, dt, metrics
         except Exception as e:  # noqa: BLE001 - out of memory: say so, try the half length once
-            if not is_oom(e) or attempt or seq // 2 < args.floor:
+            if not is_oom(e) or attempt or seq // 2 < args.granule:
                 raise
             emit({"bench": f"{bench}-oom", "seq": seq, "config": label, "fits": False, "phase": dog.name,
                   "error": first_error_line(e), "peak_gib": peak_gib()})
@@ -361,9 +383,8 @@ def longest(args, emit, dog):
     import jax
 
     import zerojax
-    from zerojax.engine.engine import abstract_engine
     from zerojax.models import chunked_llama_loss
-    from zerojax.planning.memory import CompiledMemory
+    from zerojax.planning.planner import longest_row
 
     name = "tiny" if args.tiny else args.lora_model
     tile = (args.mlp_tile or [0])[0] or None
@@ -374,24 +395,25 @@ def longest(args, emit, dog):
     options = zerojax.EngineOptions(memory_guard=False)
     vocab = factory(args.attention[0])[1].vocab_size
 
-    def probe(remat, attention, seq):
-        dog.phase(f"compile ({remat}/{attention})", seq)
-        row = {"bench": "longest-probe", "model": name, "remat": remat, "attention": attention, "docs": args.docs,
-               "seq": seq, "mlp_tile": tile}
+    batch_fn = lambda rows, seq: shapes_of(batch_of(rows, seq, vocab, args.docs))  # noqa: E731
+
+    def longest_of(remat, attention):
+        # the planner's search (compiled peaks, nothing allocated): the same as zerojax train --seq-len auto
+        dog.phase(f"search ({remat}/{attention})", args.start)
+        row = {"bench": "longest-search", "model": name, "remat": remat, "attention": attention, "docs": args.docs,
+               "mlp_tile": tile, "cap_gib": args.cap_gib}
         t0 = time.perf_counter()
         try:
-            eng = abstract_engine(factory(attention)[0], ds_config(sp=args.sp, lora=True, remat=remat),
-                                  loss_fn=loss_fn, options=options)
-            rows = eng.layout.cfg.train_batch_size
-            peak = CompiledMemory.of(eng.compiled_step(shapes_of(batch_of(rows, seq, vocab, args.docs)))).peak
-        except Exception as e:  # noqa: BLE001 - a compile that fails (out of memory included) ends this search
-            emit({**row, "fits": False, "error": first_error_line(e)})
+            found = longest_row(factory(attention)[0], ds_config(sp=args.sp, lora=True, remat=remat), cap,
+                                start=args.start, cap=args.limit, granule=args.granule, loss_fn=loss_fn,
+                                batch_fn=batch_fn, options=options)
+        except Exception as e:  # noqa: BLE001 - nothing fits, or a compile that fails: this configuration has none
+            emit({**row, "seq": None, "error": first_error_line(e)})
             return None
-        emit({**row, "predicted_peak_gib": round(peak / GiB, 3), "fits": peak <= cap,
-              "compile_s": round(time.perf_counter() - t0, 1)})
-        return peak <= cap
+        emit({**row, **found.to_dict(), "search_s": round(time.perf_counter() - t0, 1)})
+        return found.seq_len
 
-    found, key = search_all(args, probe)
+    found, key = search_all(args, longest_of)
     if key is None:
         emit({"bench": "longest", "model": name, "seq": None, "cap_gib": args.cap_gib, "found": found})
         return
@@ -477,7 +499,8 @@ def longest_full(args, emit, dog):
               "compile_s": round(time.perf_counter() - t0, 1)})
         return fits_device and fits_host
 
-    found, key = search_all(args, probe)
+    found, key = search_all(args, lambda remat, attention: search(
+        lambda seq: probe(remat, attention, seq), args.start, args.limit, args.granule))
     common = {"model": name, "docs": args.docs, "mlp_tile": tile, "found": found, "limit": args.limit,
               "cap_gib": None if cap_gib is None else round(cap_gib, 2), "host_gib": round(host_gib, 1),
               "host_reserve_gib": args.host_reserve_gib, "offload_loop": args.offload_loop,
@@ -533,8 +556,10 @@ def main(argv=None) -> int:
                    help="longest-full: the host master as the bf16 copy + a 16-bit remainder")
     p.add_argument("--adam-mu-dtype", default=None, choices=("bfloat16",), help="longest-full: Adam's m dtype")
     p.add_argument("--start", type=int, default=None, help="first length tried (longest: 4096; longest-full: 65536)")
-    p.add_argument("--limit", type=int, default=1 << 20, help="longest length tried")
-    p.add_argument("--floor", type=int, default=1024, help="shortest length a halving search tries")
+    p.add_argument("--limit", type=int, default=None,
+                   help="longest length tried (default: none; the search ends where a length does not fit)")
+    p.add_argument("--granule", type=int, default=None,
+                   help="the searches' lengths are multiples of it (default the planner's, 128; --tiny 16)")
     p.add_argument("--real-steps", type=int, default=2,
                    help="longest / longest-full: real steps at the longest length (the first compiles)")
     p.add_argument("--length-timeout", type=float, default=None, help="seconds for each phase (one length, ...)")
@@ -548,12 +573,16 @@ def main(argv=None) -> int:
         args.mlp_tile = [2048]
     if args.start is None:
         args.start = 65536 if full else 4096
+    if args.granule is None and not args.tiny:
+        from zerojax.planning.planner import SEQ_GRANULE
+
+        args.granule = SEQ_GRANULE
     if args.cap_gib is None and not full:
         args.cap_gib = 24.0
     if args.tiny:
         args.seq = [32, 64]
         args.steps, args.warmup, args.block, args.loss_chunk = 2, 1, 16, 16
-        args.start, args.limit, args.floor = 32, 128, 16
+        args.start, args.limit, args.granule = 32, 128, args.granule or 16
         args.mlp_tile = [t and min(t, 16) for t in args.mlp_tile] if args.mlp_tile else None
         if not full:
             args.cap_gib = min(args.cap_gib, 24.0)

@@ -64,8 +64,11 @@ def _add_estimate(sub):
     p.add_argument("--aot", action="store_true",
                    help="compile the real step (allocates nothing) for compiled peaks and a plan")
     p.add_argument("--config", help="DeepSpeed JSON config to start from (default: bf16 AdamW)")
-    p.add_argument("--seq", type=arg_types.number(int, 1), default=None,
-                   help=f"sequence length (default: the model's maximum positions, else {DEFAULT_SEQ})")
+    p.add_argument("--seq", "--seq-len", dest="seq", type=_seq_arg, default=None,
+                   help=f"sequence length (default: the model's maximum positions, else {DEFAULT_SEQ}), or auto "
+                        "(with --aot): the longest row whose compiled step fits --budget and the host memory, a "
+                        "multiple of 128, at --micro-batch (auto: 1), the --stage (else the config's), the --remat "
+                        "choice that holds the least; the rest of the estimate then runs at it")
     p.add_argument("--micro-batch", default="8", type=_micro_batch_arg,
                    help="micro-batch per device, or 'auto': every divisor of the rows per device "
                         "per step (the config's batch keys, else 8), accumulation raised to keep "
@@ -86,6 +89,11 @@ def _add_estimate(sub):
                    help="also write the results as JSON to FILE; without FILE, JSON on stdout "
                         "(the tables then go to stderr)")
     p.set_defaults(func=cmd_estimate)
+
+
+def _seq_arg(text: str):
+    """--seq's value: 'auto' or an int >= 1."""
+    return "auto" if text == "auto" else arg_types.number(int, 1)(text)
 
 
 def _micro_batch_arg(text: str) -> str:
@@ -188,8 +196,11 @@ def _add_plan(sub):
                     "GPU step) unless --aot compiles the real step. Prints the config keys to set.")
     p.add_argument("--model", default="large", help=MODEL_HELP)
     p.add_argument("--config", help="DeepSpeed JSON config to start from (default: bf16 AdamW)")
-    p.add_argument("--seq", type=arg_types.number(int, 1), default=None,
-                   help=f"sequence length (default: the model's maximum positions, else {DEFAULT_SEQ})")
+    p.add_argument("--seq", "--seq-len", dest="seq", type=_seq_arg, default=None,
+                   help=f"sequence length (default: the model's maximum positions, else {DEFAULT_SEQ}), or auto "
+                        "(with --aot): the longest row whose compiled step fits --budget and the host memory, a "
+                        "multiple of 128, at --micro-batch (auto: 1), the --stage (else the config's), the --remat "
+                        "choice that holds the least; the rest of the estimate then runs at it")
     p.add_argument("--devices", type=arg_types.number(int, 1), required=True,
                    help="devices to split (e.g. 4 GPUs of a node)")
     p.add_argument("--search-mesh", action="store_true",
@@ -500,6 +511,8 @@ def cmd_estimate(args) -> int:
     n_devices = args.gpus * args.nodes
     if (args.master_split or args.adam_mu_dtype) and not args.aot:
         raise FlagError("--master-split / --adam-mu-dtype change the compiled step: add --aot")
+    if args.seq == "auto" and (not args.aot or args.params):
+        raise FlagError("--seq auto compiles the step to find the longest row: add --aot, with --model")
     if args.aot and (args.cpu or os.environ.get("JAX_PLATFORMS", "") == "cpu"):
         _virtual_cpu_devices(n_devices)
     # with JSON on stdout, the human-readable tables go to stderr
@@ -523,6 +536,9 @@ def cmd_estimate(args) -> int:
 
         cfg0 = _load_base_config(args)
         choice = _model_of(args, cfg0)
+        if args.seq == "auto":
+            result["longest"] = _longest_row(args, say, choice, n_devices)
+            args.seq = result["longest"]["seq_len"]
         model = nnx.eval_shape(choice.factory)
         total, largest = count_params(model)
         if args.largest_layer:
@@ -615,17 +631,51 @@ def _load_base_config(args) -> dict:
     return json.loads(json.dumps(read_source(args.config)))
 
 
-def _estimate_aot(args, say, choice, stages, n_devices) -> dict:
+def _aot_mesh(n_devices):
+    """The data-parallel mesh --aot compiles on: the first n_devices devices jax sees."""
     import jax
+
+    from zerojax.sharding.partition import make_mesh
 
     if jax.device_count() < n_devices:
         raise FlagError(f"--aot for {n_devices} devices but jax sees {jax.device_count()} "
                          f"({jax.default_backend()}); run on the GPUs or add --cpu")
+    return make_mesh(data=n_devices, devices=jax.devices()[:n_devices])
+
+
+def _longest_row(args, say, choice, n_devices) -> dict:
+    """--seq auto: the planner's longest row (`planner.longest_row`) under --budget (else the
+    device's limit) and the host memory; said, and returned as the JSON's "longest"."""
+    from zerojax.planning import planner
+    from zerojax.planning.memory import device_budget, parse_bytes
+
+    budget = parse_bytes(args.budget) if args.budget else device_budget()
+    if budget is None:
+        raise FlagError("--seq auto: the device reports no memory limit (CPU); pass --budget, e.g. 24GB")
+    cfg = _load_base_config(args)
+    if args.stage is not None:
+        cfg = planner.merge_config(cfg, {"zero_optimization": {"stage": args.stage}})
+    micro = 1 if args.micro_batch == "auto" else int(args.micro_batch)
+    tile = planner.AS_BUILT if args.mlp_tile == "auto" else args.mlp_tile
+    remat = REMATS[args.remat][-1]  # the choice that holds the least reaches the longest row
+    try:
+        found = planner.longest_row(choice.factory, cfg, budget, micro_batch=micro, cap=choice.position_cap,
+                                    remat=remat, precision=planner.precision_choices(cfg, choice.factory)[0],
+                                    mesh=_aot_mesh(n_devices), options=_engine_options_of(args, cfg), mlp_tile=tile)
+    except planner.NoRowFits as e:
+        raise FlagError(f"--seq auto: {e}") from None
+    say(f"Longest row (--seq auto; micro-batch {micro}, remat {remat or 'none'}, ZeRO stage "
+        f"{(cfg.get('zero_optimization') or {}).get('stage', 0)}): {found.describe()}; {found.compiles} compiles")
+    return {**found.to_dict(), "micro_batch": micro, "remat": remat}
+
+
+def _estimate_aot(args, say, choice, stages, n_devices) -> dict:
+    import jax
+
     from zerojax.planning import planner
     from zerojax.planning.memory import device_budget, fmt_bytes, parse_bytes
-    from zerojax.sharding.partition import make_mesh
 
-    mesh = make_mesh(data=n_devices, devices=jax.devices()[:n_devices])
+    mesh = _aot_mesh(n_devices)
     cfg = _load_base_config(args)
     options = _engine_options_of(args, cfg)
     factory, seq = choice.factory, choice.seq_len(args.seq)

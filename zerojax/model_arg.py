@@ -61,6 +61,14 @@ class ModelChoice:
         """The registered family's name."""
         return self.family_spec.name
 
+    @property
+    def position_cap(self) -> int | None:
+        """The longest row the model can take: its maximum positions where they are a table of that
+        many rows (GPT-2's learned positions) or where an unregistered model names them; None for a
+        registered family with rotary positions, which extend past the length it was trained at."""
+        learned = self.family_spec is None or getattr(self.family_spec, "learned_positions", True)
+        return (self.max_positions or None) if learned else None
+
     def seq_len(self, seq: int | None) -> int:
         """--seq, else the model's maximum positions, else DEFAULT_SEQ."""
         return seq or self.max_positions or DEFAULT_SEQ

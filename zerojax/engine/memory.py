@@ -180,19 +180,42 @@ def largest_fitting(peak_of: Callable[[int], int], budget_bytes: int, *, start=1
                 lo = guess
             else:
                 hi = guess
-    step_one = lo > start + 1  # a guess that fits: try its successor first, then double
+    if hi is None and lo > start + 1 and lo < limit:  # a guess that fits: its successor first, then double
+        lo, hi = (lo + 1, None) if fits(lo + 1) else (lo, lo + 1)
+    return double_then_bisect(fits, lo, limit, hi)[0], peaks
+
+
+def double_then_bisect(fits: Callable[[int], bool], lo: int, limit: int | None = None,
+                       hi: int | None = None) -> tuple[int, int | None]:
+    """Largest n in [lo, limit] with fits(n), given that `lo` fits and `hi` (where known) does not,
+    fits being monotone: doubling from `lo` until a length fails or `limit` (None: no limit) is
+    reached, then bisection between the last that fit and the first that did not -> (n, the
+    smallest n' > n tried that did not fit, or None where the search stopped at `limit`)."""
     while hi is None:
-        nxt, step_one = min(lo + 1 if step_one else lo * 2, limit), False
+        nxt = lo * 2 if limit is None else min(lo * 2, limit)
         if nxt <= lo:
-            return lo, peaks
-        if fits(nxt):
-            lo = nxt
-        else:
-            hi = nxt
+            return lo, None
+        lo, hi = (nxt, None) if fits(nxt) else (lo, nxt)
     while hi - lo > 1:
         mid = (lo + hi) // 2
         lo, hi = (mid, hi) if fits(mid) else (lo, mid)
-    return lo, peaks
+    return lo, hi
+
+
+def longest_fitting(fits: Callable[[int], bool], start: int = 1,
+                    limit: int | None = None) -> tuple[int, int | None]:
+    """Largest n >= 1 (<= limit) with fits(n), fits monotone, starting from a guess: where `start`
+    fits, `double_then_bisect` upward; where it does not, halving until a length fits, then
+    bisection between it and the last that failed. A guess near the answer saves the compiles
+    of every doubling below it. -> (n, the smallest failing n' > n tried, None where the search
+    stopped at `limit`); n = 0 where even 1 does not fit."""
+    start = max(1, start if limit is None else min(start, limit))
+    if fits(start):
+        return double_then_bisect(fits, start, limit)
+    hi, n = start, start // 2
+    while n >= 1 and not fits(n):
+        hi, n = n, n // 2
+    return (0, hi) if n < 1 else double_then_bisect(fits, n, limit, hi)
 
 
 # Memory analysis comes from XLA's HLO passes and buffer assignment, before the CPU backend's
@@ -344,5 +367,5 @@ def logical_names(var) -> tuple:
 
 
 __all__ = ["CompiledMemory", "device_budget", "WillNotFitError", "HeldMemoryError", "check_fits", "check_free",
-           "largest_fitting", "compile_engine_step", "guard", "quiet_xla", "count_params",
-           "parse_bytes", "fmt_bytes", "GiB", "GB", "logical_names"]
+           "largest_fitting", "double_then_bisect", "longest_fitting", "compile_engine_step", "guard", "quiet_xla",
+           "count_params", "parse_bytes", "fmt_bytes", "GiB", "GB", "logical_names"]

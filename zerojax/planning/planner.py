@@ -437,8 +437,7 @@ def search(model_factory, cfg_dict, budget, seq_len, *, stages=(0, 1, 2, 3),
                 continue
             compiled[c] = m
             p = c.plan(peak_bytes=m.peak, host_bytes=m.host_peak, **speed)
-            host_fits = not m.host_peak or m.host_peak <= host_budget
-            fits = m.peak <= budget and host_fits
+            fits = fits_memory(m, budget, host_budget)
             if m.peak > budget:
                 too_big.append(c)  # (host memory alone: a smaller choice of the same kind may fit)
             (fitting.append(p) if fits else None)
@@ -454,6 +453,12 @@ def search(model_factory, cfg_dict, budget, seq_len, *, stages=(0, 1, 2, 3),
         if on_result:
             on_result(*tried[-1])
     return Search(rank_plans(fitting), tried, budget)
+
+
+def fits_memory(m: CompiledMemory, budget: int, host_budget: int) -> bool:
+    """Whether a compiled step fits both memories: its device peak the device budget, and what it
+    holds in host memory (offloaded states, host temporaries) the host's."""
+    return m.peak <= budget and (not m.host_peak or m.host_peak <= host_budget)
 
 
 def device_split(options, precision: str, offloaded: bool) -> bool:
@@ -532,6 +537,96 @@ def fit_micro_batch(model_factory, cfg_dict, budget, seq_len, *, remat=AS_BUILT,
     if m == 0:
         raise WillNotFitError(peaks[1], budget, (), what="micro-batch 1")
     return m
+
+
+# Lengths the longest-row search tries are multiples of this: the flash kernel's row multiple
+# (zerojax.models.flash_attention.FlashBlocks().row_multiple), so the row found runs there unpadded,
+# and a size the GPU's matmul tiles divide. The blockwise attention pads a row to its block (512):
+# its compiled peak, which the search reads, holds that padding as the run will.
+SEQ_GRANULE = 128
+
+
+def seq_granule(cfg_dict, granule: int = SEQ_GRANULE) -> int:
+    """The step of the longest-row search: `granule`, a multiple of sequence_parallel_size too (the
+    "seq" axis splits every row evenly)."""
+    sp = cfg_dict.get("sequence_parallel_size") or 1
+    return math.lcm(int(granule), sp if isinstance(sp, int) and sp > 0 else 1)
+
+
+@dataclasses.dataclass(frozen=True)
+class LongestRow:
+    """What `longest_row` found: the longest row `seq_len` (a multiple of `granule`) whose compiled
+    step fits, its peaks, and why the next granule is not it: `beyond` (seq_len + granule, where
+    the search compiled it) with its peaks, or None where the model's positions (`cap`) end it."""
+
+    seq_len: int
+    peak: int
+    host_peak: int
+    granule: int
+    budget: int
+    host_budget: int
+    cap: int | None = None
+    beyond: int | None = None
+    beyond_peak: int | None = None
+    beyond_host_peak: int | None = None
+    compiles: int = 0
+
+    def describe(self) -> str:
+        host = f", host {fmt_bytes(self.host_peak)} of {fmt_bytes(self.host_budget)}" if self.host_peak else ""
+        why = (f"the model has {self.cap:,} positions" if self.beyond is None else
+               f"{self.beyond:,} needs {fmt_bytes(self.beyond_peak)}"
+               + (f", host {fmt_bytes(self.beyond_host_peak)}" if self.beyond_host_peak else ""))
+        return (f"{self.seq_len:,} tokens (a multiple of {self.granule}): predicted peak {fmt_bytes(self.peak)} "
+                f"of {fmt_bytes(self.budget)}{host}; {why}")
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+def longest_row(model_factory, cfg_dict, budget, *, micro_batch=1, grad_accum=None, cap: int | None = None,
+                start: int | None = None, granule: int = SEQ_GRANULE, host_budget: int | None = None,
+                remat=AS_BUILT, precision=None, loss_fn=None, mesh=None, batch_fn=None,
+                options: EngineOptions | None = None, mlp_tile=AS_BUILT) -> LongestRow:
+    """The longest row (tokens, a multiple of `seq_granule(cfg_dict, granule)`) whose compiled step
+    (`step_memory`: nothing allocated) at `micro_batch` fits `budget` bytes per device and the host
+    budget (default: what is available now), all else as configured: doubling from `start` (default
+    one granule), then bisection, in granules; capped only by `cap` (the model's positions, where
+    it has a table of them). Raises WillNotFitError where even one granule does not fit."""
+    budget = parse_bytes(budget)
+    host_budget = parse_bytes(host_budget) if host_budget is not None else _host_budget(cfg_dict)[0]
+    g = seq_granule(cfg_dict, granule)
+    peaks: dict[int, CompiledMemory] = {}
+
+    def fits(n: int) -> bool:  # n granules
+        if n not in peaks:
+            peaks[n] = step_memory(model_factory, cfg_dict, n * g, micro_batch, remat=remat, precision=precision,
+                                   grad_accum=grad_accum, loss_fn=loss_fn, mesh=mesh, batch_fn=batch_fn,
+                                   options=options, mlp_tile=mlp_tile)
+        return fits_memory(peaks[n], budget, host_budget)
+
+    limit = None if not cap else cap // g
+    if limit == 0:
+        raise ValueError(f"the model's {cap} positions are fewer than one granule of {g} tokens")
+    n, over = mem.longest_fitting(fits, max(1, (start or g) // g), limit)
+    if n == 0:
+        raise NoRowFits(peaks[over], g, micro_batch, budget, host_budget)
+    m, o = peaks[n], peaks.get(over)
+    return LongestRow(n * g, m.peak, m.host_peak, g, budget, host_budget, cap, over and over * g,
+                      o and o.peak, o and o.host_peak, len(peaks))
+
+
+class NoRowFits(WillNotFitError):
+    """Even the shortest row the longest-row search tries does not fit: one line, naming the budget
+    (the device's or the host's) and what holds less."""
+
+    def __init__(self, m: CompiledMemory, g: int, micro_batch: int, budget: int, host_budget: int):
+        device = m.peak > budget
+        need, have = (m.peak, budget) if device else (m.host_peak, host_budget)
+        MemoryError.__init__(self, (
+            f"not even a row of {g} tokens (micro-batch {micro_batch}) fits: its step needs {fmt_bytes(need)} of "
+            f"the {fmt_bytes(have)} {'device' if device else 'host'} budget; hold less with activation checkpointing "
+            f"(remat full), ZeRO stage 3 over more devices or offload, or give a larger budget"))
+        self.predicted_bytes, self.budget_bytes, self.plans = need, have, []
 
 
 # The policies fit_remat_policy tries, fastest first. Measured on one H200 (GPT-2 Large, micro 8,
@@ -675,7 +770,8 @@ def device_budget_or(budget):
     return mem.device_budget() if budget is None else parse_bytes(budget)
 
 
-__all__ = ["Plan", "rank_plans", "Search", "search", "plan", "fit_micro_batch", "fit_remat_policy", "REMAT_LADDER",
+__all__ = ["Plan", "rank_plans", "Search", "search", "plan", "fit_micro_batch", "longest_row", "LongestRow",
+           "NoRowFits", "SEQ_GRANULE", "seq_granule", "fits_memory", "fit_remat_policy", "REMAT_LADDER",
            "remat_keeps_at_least", "step_memory", "model_shape", "precision_choices", "rows_per_device",
            "engine_model_factory", "engine_plans", "device_split", "AS_BUILT", "DEFAULT_OFFLOADS", "REMAT_CHOICES",
            "zero_choice", "model_source", "factory_kwargs", "merge_config", "configured_precision", "lm_loss",

@@ -28,6 +28,10 @@ def _learning_rate(text):
     return value
 
 
+def _seq_len(text):
+    return "auto" if text == "auto" else _number(int, 2, note=" (a row of T tokens gives T-1 predictions)")(text)
+
+
 def _micro_batch(text):
     return "auto" if text == "auto" else _number(int, 1, note=" (or auto)")(text)
 
@@ -131,8 +135,10 @@ def _add_training_flags(p) -> None:
                    help="length of the lr schedule (fills scheduler total_num_steps \"auto\"; warmup "
                         "is 10%% of it); default: --steps, or on --resume the length saved with the "
                         "checkpoint")
-    p.add_argument("--seq-len", type=_number(int, 2, note=" (a row of T tokens gives T-1 predictions)"),
-                   default=None, help="tokens per row (default 1024; tiny: 128)")
+    p.add_argument("--seq-len", type=_seq_len, default=None,
+                   help="tokens per row (default 1024; tiny: 128), or auto = the longest row that fits the device "
+                        "and the host memory (compiled peaks, found before anything is allocated; a multiple of 128; "
+                        "at --micro-batch N, or at micro-batch 1 with --micro-batch auto)")
     p.add_argument("--micro-batch", type=_micro_batch, default=None,
                    help="fills train_micro_batch_size_per_gpu \"auto\" (a number also replaces a value the config "
                         "sets; the run header says so): a number, or auto = the largest "

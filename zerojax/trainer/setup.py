@@ -197,6 +197,48 @@ def plan_micro_batch(cfg, build, dtype, remat, explore_remat, seq_len, loss_fn, 
     return cfg, (best.remat if explore_remat else remat), (best.mlp_tile if explore_tile else mlp_tile)
 
 
+def longest_seq_len(args, cfg, method, factory, loss_fn, cap, micro_auto: bool) -> tuple:
+    """--seq-len auto: the planner's longest row (`zerojax.planning.planner.longest_row`: compiled
+    peaks, nothing allocated) under the device's memory and the host's, the stage / offload as
+    configured. With --micro-batch N at that micro-batch; with auto at micro-batch 1 (the longest
+    row a device can hold; accumulation keeps the rows per step, as micro-batch auto's plan at that
+    length then does). `factory()` -> the run's model (with micro-batch auto choosing the remat:
+    remat "full", its choice that holds the least). Refused in one line: a method whose rows its
+    records shape, a device reporting no memory limit, and a budget not even one granule fits.
+    -> (`planner.LongestRow`, the micro-batch it was searched at)."""
+    from zerojax.planning import planner
+    from zerojax.planning.memory import device_budget
+
+    if method is not None:
+        raise ConfigMismatch(f"--seq-len auto: --method {method.name} trains on rows its records shape; it searches "
+                             "the next-token (sft) row only; give --seq-len N")
+    budget = device_budget()
+    if budget is None:
+        raise ConfigMismatch("--seq-len auto: this device reports no memory limit to search the longest row against "
+                             "(CPU); give --seq-len N, or find one with zerojax estimate --aot --budget B --seq auto")
+    micro = 1 if micro_auto else cfg.train_micro_batch_size_per_gpu
+    accum = cfg.train_micro_batch_size_per_gpu * cfg.gradient_accumulation_steps // micro
+    try:
+        found = planner.longest_row(factory, cfg.to_dict(), budget, micro_batch=micro, grad_accum=accum, cap=cap,
+                                    loss_fn=loss_fn, options=requested_options(args))
+    except planner.NoRowFits as e:
+        raise NoPlanFits(f"--seq-len auto: {e}") from None
+    print(f"seq-len auto: {found.describe()} ({found.compiles} compiles)")
+    return found, micro
+
+
+def remat_named(args, cfg) -> bool:
+    """Whether --remat or the config's remat_policy names the policy (else micro-batch auto varies it)."""
+    return args.remat is not None or getattr(cfg.activation_checkpointing, "remat_policy", None) is not None
+
+
+def seq_len_why(found, micro: int, remat, micro_auto: bool) -> str:
+    """The run header's words for a length --seq-len auto found: what it was searched at, its
+    peaks and what ends it."""
+    then = "; then micro-batch auto at it" if micro_auto else ""
+    return f"--seq-len auto at micro-batch {micro}, remat {remat or 'none'}{then}: {found.describe()}"
+
+
 def offload_hint(plan, params: int, n_data: int, options, dtype) -> str | None:
     """Where the planner's choice offloads a bf16 run and --master-split / --adam-mu-dtype bfloat16
     are not given: the model state each would keep off every device (the estimate's floor), as a
@@ -620,10 +662,10 @@ def summary_line(summary: dict) -> str:
 
 def print_run(args, cfg, label, size, steps, schedule_steps, lr, lr_default, precision, precision_why,
                remat, remat_why, seq_len, data, saved, notes, filled=(), lora=None, mlp_tile=None, mlp_tile_why="",
-               row_tokens=None):
+               row_tokens=None, seq_why=""):
     """The run as resolved from flags, config and checkpoint, printed once before any compile.
     row_tokens: the tokens one batch row trains (a preference pair: its chosen and rejected
-    sequences); default seq_len."""
+    sequences); default seq_len. seq_why: where the length was searched (--seq-len auto), how."""
     row_tokens = row_tokens or seq_len
     sched = cfg.to_dict().get("scheduler")
     sched_text = "none (constant lr)" if not sched else (
@@ -644,6 +686,8 @@ def print_run(args, cfg, label, size, steps, schedule_steps, lr, lr_default, pre
     print(f"  remat:     {remat or 'none'} ({remat_why})")
     if mlp_tile_why:
         print(f"  MLP tile:  {mlp_tile or 'none'} ({mlp_tile_why})")
+    if seq_why:
+        print(f"  seq-len:   {seq_len:,} ({seq_why})")
     print(f"  batch:     train_batch_size {cfg.train_batch_size} = micro-batch "
           f"{cfg.train_micro_batch_size_per_gpu} x accumulation {cfg.gradient_accumulation_steps} x "
           f"{cfg.world_size} data-parallel; seq {seq_len}: {cfg.train_batch_size * row_tokens:,} tokens/step"

@@ -30,16 +30,19 @@ from zerojax.trainer.setup import (
     engine_options,
     filled_autos,
     from_checkpoint,
+    longest_seq_len,
     lora_settings,
     loss_fn_for,
     offload_loop_auto,
     plan_micro_batch,
     print_run,
+    remat_named,
     requested_options,
     resolve_mlp_tile,
     resolved_config_source,
     resume_data,
     run_folders,
+    seq_len_why,
     summary_line,
     training_method,
     warn_replicated,
@@ -129,6 +132,8 @@ class Trainer:
         self.read_save_folder()
         self.choose_model()
         self.load_config()
+        self.choose_remat()
+        self.fit_seq_len()
         self.read_data()
         self.plan()
 
@@ -175,8 +180,11 @@ class Trainer:
         if self.meta is not None:  # the checkpoint's model, before anything is built
             choice = checkpoint_model(self.meta, args, choice)
         self.choice, self.size = choice, choice.size
+        self.seq_why = ""  # said in the run header where the length was searched (--seq-len auto)
         self.seq_len = args.seq_len if args.seq_len is not None else min(1024, choice.max_positions)
-        if self.seq_len > choice.max_positions and choice.family_spec.learned_positions:
+        if self.seq_len == "auto":
+            self.seq_len = None  # the longest row that fits: found once the config is read (fit_seq_len)
+        elif self.seq_len > choice.max_positions and choice.family_spec.learned_positions:
             raise ConfigMismatch(f"--seq-len {self.seq_len}: {choice.family_spec.label} has "
                                  f"{choice.max_positions} positions")
         tiny = self.size == "tiny" or self.size.startswith("tiny-")
@@ -270,11 +278,8 @@ class Trainer:
         self.row_tokens = self.seq_len if method is None else sum(
             np.shape(v)[1] for k, v in sample.items() if k.endswith("_ids"))
 
-    def plan(self) -> None:
-        """Remat, the loss, LoRA's shapes, the planner's micro-batch (--micro-batch auto), the
-        offload loop and the FLOPs a token; the run's header printed."""
-        import jax
-
+    def choose_remat(self) -> None:
+        """The remat policy: the flag's, else the config's."""
         import zerojax
 
         args, cfg = self.args, self.cfg
@@ -286,6 +291,26 @@ class Trainer:
             self.remat_why = ("the config has no activation_checkpointing section" if cfg.activation_checkpointing
                               is None else "the config's activation_checkpointing section")
         self.remat = None if remat == "none" else remat
+
+    def fit_seq_len(self) -> None:
+        """--seq-len auto: the longest row whose compiled step fits the device and the host memory,
+        before the data is cut into rows of it (`zerojax.trainer.setup.longest_seq_len`)."""
+        if self.seq_len is not None:
+            return
+        tile = None if self.mlp_tile == "auto" else self.mlp_tile  # micro-batch auto then tiles the row found
+        # where micro-batch auto chooses the remat, the longest row is the one its heaviest choice ("full") reaches
+        remat = "full" if self.planner_runs and not remat_named(self.args, self.cfg) else self.remat
+        found, micro = longest_seq_len(
+            self.args, self.cfg, self.method, lambda: self.build_model(remat, mlp_tile=tile),
+            loss_fn_for(self.args.loss_chunk, self.choice.family_spec), self.choice.position_cap, self.planner_runs)
+        self.seq_len, self.seq_why = found.seq_len, seq_len_why(found, micro, remat, self.planner_runs)
+
+    def plan(self) -> None:
+        """LoRA's shapes, the planner's micro-batch (--micro-batch auto), the offload loop and the
+        FLOPs a token; the run's header printed."""
+        import jax
+
+        args = self.args
         self.loss_fn = (loss_fn_for(args.loss_chunk, self.choice.family_spec) if self.method is None
                         else self.method.loss(self.method_opts))
         if self.lora_cfg is not None:
@@ -302,7 +327,7 @@ class Trainer:
                   self.lr_default, self.precision, self.precision_why, self.remat, self.remat_why, self.seq_len,
                   self.data, self.saved, self.notes, filled=filled_autos(self.raw, self.fill, self.cfg),
                   lora=self.lora_cfg, mlp_tile=self.mlp_tile, mlp_tile_why=self.mlp_tile_why,
-                  row_tokens=self.row_tokens)
+                  row_tokens=self.row_tokens, seq_why=self.seq_why)
         self.make_model = functools.partial(self.build_model, self.remat, mlp_tile=self.mlp_tile)
         shapes = None if self.batch_fn is None else jax.tree.map(
             lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), self.batch_fn(self.cfg.train_batch_size, self.seq_len))
@@ -329,10 +354,8 @@ class Trainer:
     def _plan_micro_batch(self) -> None:
         args, cfg = self.args, self.cfg
         planned_remat = self.remat
-        # the planner varies remat unless --remat or the config's remat_policy names one
-        named = args.remat is not None or getattr(cfg.activation_checkpointing, "remat_policy", None) is not None
         self.cfg, self.remat, self.mlp_tile = plan_micro_batch(
-            cfg, self.build_model, self.dtype, self.remat, not named, self.seq_len, self.loss_fn,
+            cfg, self.build_model, self.dtype, self.remat, not remat_named(args, cfg), self.seq_len, self.loss_fn,
             requested_options(args), lora=self.lora_cfg is not None, batch_fn=self.batch_fn, mlp_tile=self.mlp_tile)
         self.planned = True
         if self.remat != planned_remat:
