@@ -40,3 +40,13 @@ def test_every_cited_repository_path_exists():
                 if not ((ROOT / cited).exists() or (ROOT / (cited + ".py")).exists()):
                     missing.append(f"{rel}:{number}: {cited}")
     assert not missing, "paths that do not exist:\n" + "\n".join(missing)
+
+
+def test_no_file_keeps_a_merge_conflicts_marks():
+    """A merge resolved in haste can leave git's conflict marks in a page (ruff finds them only in
+    .py files); CHANGELOG.md is read here too, since its newest section is where two branches meet."""
+    marks = re.compile(r"^(<{7} |>{7} |={7}$)")
+    files = [*_sources(), ("CHANGELOG.md", ROOT / "CHANGELOG.md")]
+    found = [f"{rel}:{n}" for rel, path in files
+             for n, line in enumerate(path.read_text(errors="replace").splitlines(), 1) if marks.match(line)]
+    assert not found, "conflict marks left in:\n" + "\n".join(found)
