@@ -191,8 +191,8 @@ class PPORollouts(RolloutBatches):
 
     # ------------------------------------------------------------------ one rollout
 
-    def rollout(self, r: int):
-        batch, metrics = super().rollout(r)
+    def rollout(self, r: int, weights=None):  # weights: None here, PPO refuses off_policy
+        batch, metrics = super().rollout(r, weights)
         critic_batch = {k: batch.pop(k) if k in ("old_values", "returns") else batch[k] for k in CRITIC_KEYS}
         began = time.perf_counter()
         for _ in range(self.options.iterations):
