@@ -316,6 +316,7 @@ class LoraAdapter:
     settings: tuple  # sorted (key, value) pairs of the settings dict (hashable)
     family: str = "llama"
     enabled: bool = True  # False: the frozen base alone (`adapters_disabled`), the LoRA terms left out
+    zeroed: bool = False  # True: the frozen base's values, the LoRA terms run at scale 0 (`adapters_zeroed`)
 
     @property
     def family_parts(self) -> Family:
@@ -324,6 +325,12 @@ class LoraAdapter:
     @property
     def config(self) -> dict:
         return {k: (list(v) if isinstance(v, tuple) else v) for k, v in self.settings}
+
+    @property
+    def term_scale(self) -> float:
+        """What the LoRA terms are multiplied by: PEFT's scale, or 0.0 when zeroed (an exact zero
+        for finite terms; XLA keeps a float product by 0, whose NaN / inf semantics it may not fold)."""
+        return 0.0 if self.zeroed else self.scale
 
     def linear(self, eq, h, entry, dtype):
         """base(h) + scale * B(A(dropout(h))), the base dequantized on use."""
@@ -336,7 +343,7 @@ class LoraAdapter:
             keep = jax.random.bernoulli(jax.random.wrap_key_data(entry["dropout_key"]), 1 - rate, h.shape)
             h = jnp.where(keep, h / (1 - rate), 0).astype(dtype)
         u = jnp.tensordot(h, a, axes=a.ndim - 1)
-        return y + self.scale * jnp.tensordot(u, b, axes=1)
+        return y + self.term_scale * jnp.tensordot(u, b, axes=1)
 
     def ragged(self, x, entry, group_sizes, dtype):
         """An expert projection (`zerojax.models.moe.grouped_experts`): x [M, in] grouped by expert
@@ -348,7 +355,7 @@ class LoraAdapter:
         if "lora_A" not in entry or not self.enabled:
             return y
         u = grouped_product(x, entry["lora_A"].astype(dtype), group_sizes)
-        return y + self.scale * grouped_product(u, entry["lora_B"].astype(dtype), group_sizes)
+        return y + self.term_scale * grouped_product(u, entry["lora_B"].astype(dtype), group_sizes)
 
     def layer_inputs(self, model):
         """The stacked untrained per-layer inputs: the frozen base and (training, dropout > 0)
@@ -356,7 +363,7 @@ class LoraAdapter:
         fam = self.family_parts
         side = nnx.to_pure_dict(nnx.state(getattr(model, fam.stack), FrozenWeight))
         drop = getattr(model, "lora_dropout", None)
-        if self.enabled and drop is not None and not drop.deterministic and drop.rate > 0:
+        if self.enabled and not self.zeroed and drop is not None and not drop.deterministic and drop.rate > 0:
             key, L = drop.rngs.dropout(), _n_layer(model)
             for i, name in enumerate(self.targets):
                 keys = jax.random.key_data(jax.random.split(jax.random.fold_in(key, i), L))
@@ -496,6 +503,26 @@ def adapters_disabled(model):
         raise ValueError(f"adapters_disabled: modules_to_save {list(ad.savable)} are trained whole, with no "
                          "frozen copy to run instead; leave modules_to_save out")
     model.adapter = dataclasses.replace(ad, enabled=False)
+    try:
+        yield model
+    finally:
+        model.adapter = ad
+
+
+@contextlib.contextmanager
+def adapters_zeroed(model):
+    """Within it, `model` (a LoRA model) computes its frozen base's values through the policy's own
+    program: the LoRA terms run, multiplied by 0 (no dropout). Why not `adapters_disabled`: a pass
+    that reads no trained weight is not differentiated, and on a GPU an undifferentiated pass takes
+    other kernels (cuDNN attention's inference forward, the flash kernel's primal, other matmul
+    fusions) than the differentiated policy pass, so at step 0 (B = 0) a DPO reference scored the
+    same rows differently from the policy. Zeroed terms keep a tangent flowing in, so both passes
+    compile alike (`zerojax.methods.dpo`'s reference). Costs the adapters' two small products."""
+    ad = adapter_of(model)
+    if ad.savable:
+        raise ValueError(f"adapters_zeroed: modules_to_save {list(ad.savable)} are trained whole, with no "
+                         "frozen copy to run instead; leave modules_to_save out")
+    model.adapter = dataclasses.replace(ad, zeroed=True)
     try:
         yield model
     finally:
@@ -754,7 +781,7 @@ def trainable_count(model) -> int:
     return sum(int(np.prod(x.shape)) for x in jax.tree.leaves(nnx.state(model, nnx.Param)))
 
 
-__all__ = ["apply", "adapters_disabled", "save_peft", "load_peft", "merge", "from_config_dict", "FrozenWeight",
-           "LoraAdapter",
+__all__ = ["apply", "adapters_disabled", "adapters_zeroed", "save_peft", "load_peft", "merge", "from_config_dict",
+           "FrozenWeight", "LoraAdapter",
            "quantize_int8", "quantize_4bit", "dequantize_4bit", "quantization_bound", "kernel_of",
            "peft_tensors", "trainable_count", "Family", "family_of", "family_named"]

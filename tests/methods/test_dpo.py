@@ -7,6 +7,7 @@ on a toy preference set read by `zerojax.data.preference`."""
 import json
 import math
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -206,3 +207,40 @@ def test_sequence_logps_of_gpt2_agree_with_its_loss():
     assert float(-logps.sum() / n.sum()) == pytest.approx(float(loss), rel=1e-5)
     np.testing.assert_allclose(np.asarray(sequence_logps(model, {"input_ids": ids}, chunk=3)[0]), np.asarray(logps),
                                rtol=1e-5)
+
+
+def test_the_reference_pass_is_differentiated_as_the_policy_pass_is(toy, monkeypatch):
+    """Where a pass is differentiated decides its program on a GPU: cuDNN's attention (and the
+    flash kernel) run their training forward (`custom_vjp`'s fwd rule) only where a tangent flows
+    in, their inference forward otherwise, and the two round differently. A reference pass with its
+    LoRA terms dropped depends on no trained weight, took the inference forward, and at step 0 its
+    log-probs differed from the policy's (8B, 1,024 completion tokens: a first loss of 0.63, not
+    ln 2). The reference pass runs the adapters' terms at scale 0 instead: the same program as the
+    policy's. A spy attention names each rule's ops; the program of the engine's gradient (of the
+    trained LoRA weights only) must hold the training rule's alone."""
+    from zerojax.models import llama
+
+    rows, _ = toy
+    real = llama.causal_attention
+
+    def spied(**kw):  # custom_vjp takes arrays only: the call's settings are closed over
+        @jax.custom_vjp
+        def spy(q, k, v):
+            with jax.named_scope("spy_inference_forward"):
+                return real(q, k, v, **kw)
+
+        def spy_fwd(q, k, v):
+            with jax.named_scope("spy_training_forward"):
+                return real(q, k, v, **kw), (q, k, v)
+
+        spy.defvjp(spy_fwd, lambda res, g: jax.vjp(lambda *qkv: real(*qkv, **kw), *res)[1](g))
+        return spy
+
+    monkeypatch.setattr(llama, "causal_attention", lambda q, k, v, **kw: spied(**kw)(q, k, v))
+    graphdef, trained, frozen = nnx.split(_lora_model(), nnx.Param, ...)  # the engine differentiates the Params
+    batch = next(rows.train_batches(ROWS, seed=0, start_step=0, num_steps=1))
+    loss = make_dpo_loss()
+    step = jax.jit(jax.value_and_grad(lambda t: loss(nnx.merge(graphdef, t, frozen), batch)[0]))
+    program = step.lower(trained).as_text(debug_info=True)
+    assert "spy_training_forward" in program and "spy_inference_forward" not in program
+    assert float(step(trained)[0]) == pytest.approx(math.log(2), abs=1e-6)  # B = 0: reference = policy

@@ -16,9 +16,10 @@ With h = (log pi(y_w|x) - log pi(y_l|x)) - (log ref(y_w|x) - log ref(y_l|x)) per
 
 The reference:
 - "adapters_off": the model is a LoRA model (`zerojax.lora`) and the reference is its frozen
-  base, run in the same loss on the same arrays with the LoRA terms left out
-  (`lora.adapters_disabled`) under `stop_gradient`: no second copy of the weights. At step 0,
-  with PEFT's B = 0 initialisation, reference = policy and the DPO loss is ln 2.
+  base, run in the same loss on the same arrays with the LoRA terms at scale 0
+  (`lora.adapters_zeroed`: the reference compiles as the differentiated policy pass does, kernels
+  included) under `stop_gradient`: no second copy of the weights. At step 0, with PEFT's B = 0
+  initialisation, reference = policy and the DPO loss is ln 2.
 - "precomputed": the batch carries "ref_chosen_logps" / "ref_rejected_logps" (summed log-probs,
   [B] fp32), computed once before training by `precompute_reference(model, data, batch_size)`
   with the frozen starting model.
@@ -109,7 +110,7 @@ def reference_logps(model, pair, *, chunk=None):
     from zerojax import lora
 
     check_reference(model, "adapters_off")
-    with lora.adapters_disabled(model):
+    with lora.adapters_zeroed(model):  # the policy pass's program, not an undifferentiated one's
         logps, _ = sequence_logps(model, pair, chunk=chunk)
     return jax.lax.stop_gradient(logps)
 
