@@ -31,6 +31,8 @@ def parse_args(argv=None):
                    help="logs, JSON files and every record (default benchmarks/results/, not tracked)")
     p.add_argument("--before", metavar="DIR", help="an earlier tree: each run for it, then for this one")
     p.add_argument("--nvme", default="/tmp", help="the nvme case's swap directory (default /tmp)")
+    p.add_argument("--hf-checkpoint", default="", metavar="DIR",
+                   help="a pretrained model's Hugging Face folder, for the cases that train one (rl-curve)")
     p.add_argument("--only", nargs="+", default=(), metavar="RUN",
                    help="only these runs of the cases (their labels: `python -m benchmarks --runs CASE`)")
     p.add_argument("--runs", action="store_true", help="list each named case's runs and their commands")
@@ -66,6 +68,7 @@ def main(argv=None) -> int:
         print(run_list(args.cases))
         return 0
     settings = Settings(out=os.path.abspath(args.out), smoke=args.smoke, before=args.before, nvme=args.nvme,
+                        hf_checkpoint=os.path.abspath(args.hf_checkpoint) if args.hf_checkpoint else "",
                         quiet=args.quiet, only=tuple(args.only))
     results = [(CASES[name], run_case(CASES[name], settings)) for name in args.cases]
     print(format_table(results))

@@ -9,6 +9,7 @@ Placeholders in a run's argv and env, filled in by the runner (benchmarks/runner
                  H100's 80 GB, 0.17 of an H200's 141 GB: a fixed 0.17 would give an H100 only 13.5 GiB)
   {peak_tflops}  the bf16 matmul ceiling measured on this GPU (1 under --smoke)
   {nvme}         the --nvme swap directory
+  {hf_checkpoint} the --hf-checkpoint folder (a pretrained model; a case that names it refuses without it)
   {XLA_FLAGS}    the caller's XLA_FLAGS (a run that adds flags keeps the caller's)
 """
 from __future__ import annotations

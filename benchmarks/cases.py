@@ -252,6 +252,15 @@ SERVE = Case(
     match=("concurrency", "long_prompt_share"),
     runs=pair("serve", "benchmarks/serve_bench.py", 360, "benchmarks/serve_bench_hf.py", 230))
 
+_CURVE = ("benchmarks/rl_curve.py", "--out", "{out}")
+RL_CURVE = Case(
+    "rl-curve", "GRPO's reward curve on the word-problems task from a pretrained Qwen2.5-0.5B / Llama-3.2-1B "
+    "folder (--hf-checkpoint DIR): 200 steps of 16 prompts x 8 completions, up to 256 new tokens, full fine-tune "
+    "ZeRO-2 bf16, lr 1e-6, no KL; reward/mean a step in the csv_monitor's CSV and TensorBoard, a PNG, the wall "
+    "time", "none (the curve's own first steps)", 20, headline=("reward_last10", "wall_s"), match=("task",),
+    runs=(Run("curve", (*_CURVE, "--hf-checkpoint", "{hf_checkpoint}"), 1500, smoke=(*_CURVE, "--tiny")),))
+
+
 def _rl_generator(generator, anchor=False):
     argv = ("benchmarks/rl_bench.py", "--model", "llama-3.2-1b", "--new", "1024", "--stop-every", "256", "--steps", "3",
             "--generator", generator)
@@ -278,7 +287,7 @@ MOE = Case(
 def _registry():
     cases = (SPEED, OFFLOAD_24GB, NVME, MODELS, LLAMA8B_24GB, GENERATE, DECODE_HLO, RL, DECODE_ATTENTION,
              DECODE_ATTENTION_RL, RL_8B_LORA_24GB, DPO_8B_LORA_24GB, REWARD_1B, LONG_CONTEXT, LONG_CONTEXT_FULL,
-             SERVE, RL_SERVING, MOE, X2, X4, BEFORE_AFTER)
+             SERVE, RL_SERVING, RL_CURVE, MOE, X2, X4, BEFORE_AFTER)
     return {case.name: case for case in cases}
 
 

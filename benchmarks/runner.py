@@ -25,6 +25,7 @@ class Settings:
     smoke: bool = False
     before: str | None = None
     nvme: str = "/tmp"
+    hf_checkpoint: str = ""         # a pretrained model's folder, for cases whose runs name {hf_checkpoint}
     python: str = sys.executable
     quiet: bool = False
     only: tuple[str, ...] = ()      # run labels to run (empty: all)
@@ -198,7 +199,8 @@ def run_once(case: Case, run: Run, argv: tuple[str, ...], tree: tuple[str, str],
     """One run of one tree: started, logged, its records read, tagged and saved beside its log."""
     path, tree_name = tree
     values = {"py": settings.python, "out": settings.out, "tree": path, "tree_name": tree_name or "this",
-              "nvme": settings.nvme, "XLA_FLAGS": os.environ.get("XLA_FLAGS", "")}
+              "nvme": settings.nvme, "hf_checkpoint": settings.hf_checkpoint,
+              "XLA_FLAGS": os.environ.get("XLA_FLAGS", "")}
     name = f"{case.name}-{run.label}" + (f"-{tree_name}" if tree_name else "")
     log_path = os.path.join(settings.out, f"{name}.log")
     filled = tuple(fill(a, values, settings) for a in argv)
@@ -248,6 +250,11 @@ def check_case(case: Case, settings: Settings) -> None:
                          "(`git archive <commit> zerojax examples configs benchmarks | tar -x -C .before`)")
     if settings.before and not os.path.isdir(settings.before):
         raise SystemExit(f"--before {settings.before}: no such directory")
+    needs_weights = any("{hf_checkpoint}" in a for run in case.runs for a in run.argv)
+    if needs_weights and not settings.smoke and not os.path.isdir(settings.hf_checkpoint or ""):
+        raise SystemExit(f"case {case.name}: needs --hf-checkpoint DIR, a local Hugging Face folder of a pretrained "
+                         f"model (given: {settings.hf_checkpoint or 'none'}; a random init learns nothing in its "
+                         "steps; --smoke runs its CPU variant)")
     if case.gpus > 1 and not settings.smoke:
         found = len(gpu_query("name"))
         if found < case.gpus:

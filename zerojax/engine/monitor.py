@@ -28,6 +28,7 @@ EVENT_NAMES = {
     "lr": "Train/Samples/lr",
     "loss_scale": "Train/Samples/loss_scale",
 }
+METHOD_PREFIX = "Train/Samples/"  # a method's metric reward/mean -> Train/Samples/reward/mean
 
 
 class MonitorError(RuntimeError):
@@ -370,10 +371,18 @@ class Monitor:
         if self.backends:
             self._pending.append((global_samples, {k: metrics[k] for k in self._names if k in metrics}))
 
+    def record_method(self, global_samples: int, metrics: dict[str, Any]) -> None:
+        """A method's own scalars (the keys with a "/": GRPO's reward/mean, policy/kl, DPO's
+        rewards/chosen), logged as Train/Samples/<key> beside DeepSpeed's events, so that a run's
+        reward curve is in the same CSV / TensorBoard folder as its loss."""
+        if self.backends:
+            method = {METHOD_PREFIX + k: v for k, v in metrics.items() if "/" in k and getattr(v, "ndim", 0) == 0}
+            self._pending.append((global_samples, method))
+
     def flush(self) -> None:
         if not self._pending:
             return
-        events = [(EVENT_NAMES[k], float(v), step) for step, m in self._pending for k, v in m.items()]
+        events = [(EVENT_NAMES.get(k, k), float(v), step) for step, m in self._pending for k, v in m.items()]
         self._pending.clear()
         for backend in self.backends:
             backend.write_events(events)

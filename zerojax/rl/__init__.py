@@ -2,7 +2,7 @@
 generates, on the same arrays. docs/rl.md.
 
 - `rewards`: reward functions and specs (module:function, exact_match, regex, a reward model folder);
-- `tasks`: built-in verifiable tasks (arithmetic, digit);
+- `tasks`: built-in verifiable tasks (arithmetic, digit, word-problems);
 - `prompts`: the prompt reader (`load_prompts`, `PromptData`: fixed shapes);
 - `advantages`: group-relative advantages;
 - `policy`: old-policy and reference log-probs on the live weights;

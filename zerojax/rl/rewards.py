@@ -9,7 +9,7 @@ not read).
 - "exact_match" / "exact_match:FIELD": 1.0 where the completion's first line, stripped, equals
   the record's FIELD (default "answer"), else 0.0;
 - "regex:PATTERN": 1.0 where `re.search(PATTERN, completion)` finds it, else 0.0;
-- a built-in task's name ("arithmetic", "digit"; `zerojax.rl.tasks`);
+- a built-in task's name ("arithmetic", "digit", "word-problems"; `zerojax.rl.tasks`);
 - a folder: a reward model (`zerojax.methods.reward.reward_from_hf`, its tokenizer from the same
   folder) scored on prompt + completion;
 - "module:function": imported (`importlib`; the working folder first); the function is called as above.
@@ -64,8 +64,8 @@ def reward_model(path, *, max_length: int = 1024, batch_size: int = 16, dtype=No
 def _import(spec: str) -> RewardFn:
     """module:function, the module looked for in the working folder first (`zerojax.user_code`)."""
     fn = import_object(spec, f"reward {spec!r}", "give module:function (in the working folder or on PYTHONPATH), "
-                       "exact_match[:FIELD], regex:PATTERN, a built-in task (arithmetic, digit) or a reward model "
-                       "folder")
+                       f"exact_match[:FIELD], regex:PATTERN, a built-in task ({', '.join(tasks.TASKS)}) or a "
+                       "reward model folder")
     if not callable(fn):
         raise ValueError(f"reward {spec!r}: {spec.replace(':', '.')} is not callable")
     return fn
@@ -77,7 +77,7 @@ def resolve(spec) -> RewardFn:
         return spec
     if not isinstance(spec, str) or not spec:
         raise ValueError(f"reward {spec!r}: a callable or a string (module:function, exact_match[:FIELD], "
-                         "regex:PATTERN, arithmetic, digit, or a reward model folder)")
+                         f"regex:PATTERN, {', '.join(tasks.TASKS)}, or a reward model folder)")
     if spec in tasks.TASKS:
         return tasks.TASKS[spec].reward
     if spec == "exact_match" or spec.startswith("exact_match:"):

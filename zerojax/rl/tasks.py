@@ -6,6 +6,10 @@ run shows its reward rising on a fresh machine (byte-level tokenizer: no tokeniz
 - "digit": "n:" with a two-digit n; reward the mean over the completion's characters of 1.0 for
   "7", 0.25 for another digit, 0.0 otherwise (dense: a random byte-level model starts near 0.05),
   for tests and smoke runs of a tiny model.
+- "word-problems": short English word problems (buying, sharing, ages, distances, remainders; one
+  or two operations on small integers) after one worked example; reward 1.0 for the exact integer
+  after the completion's first "#### " (GSM8K's format), else 0.0 (`zerojax.rl.word_problems`).
+  For a pretrained 0.5B-1B model from a Hugging Face folder: a reward curve in a few hundred steps.
 
 `records(name, n, seed)` -> n dicts {"prompt", ...}; `TASKS[name].reward(prompts, completions, **fields)`.
 """
@@ -16,6 +20,7 @@ from collections.abc import Callable
 
 import numpy as np
 
+from zerojax.rl import word_problems
 from zerojax.rl.text_rewards import exact_match
 
 
@@ -45,6 +50,8 @@ def digit_reward(prompts, completions, **fields):
 TASKS = {
     "arithmetic": Task("arithmetic", "two-digit sums, exact answer", _arithmetic, exact_match("answer")),
     "digit": Task("digit", "emit the digit 7", _digit, digit_reward),
+    "word-problems": Task("word-problems", "English word problems, answer after ####", word_problems.make,
+                          word_problems.reward),
 }
 
 

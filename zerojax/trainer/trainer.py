@@ -551,12 +551,13 @@ class Trainer:
                                        num_steps=max(0, self.steps - self.start))
 
     def train_step(self, batch) -> dict:
-        """Forward, backward and update on one global batch: the step's metrics (device scalars),
-        the rollout's own (reward/mean, ...) beside the loss's."""
+        """Forward, backward and update on one global batch: the step's metrics (device scalars), the
+        rollout's own (reward/mean, ...) beside the loss's; the method's to the monitors (csv, ...) too."""
         metrics = self.engine.train_step(batch)
         if self.rollouts is not None:
             metrics = {**metrics, **{k: v for k, v in self.rollouts.metrics.items()
                                      if "/" in k and not k.startswith("time/")}}
+        self.engine.monitor.record_method(self.engine.global_steps * self.cfg.train_batch_size, metrics)
         return metrics
 
     def train(self) -> bool:
