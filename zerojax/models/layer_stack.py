@@ -12,6 +12,9 @@ from typing import Any, NamedTuple
 import jax
 from jax.ad_checkpoint import checkpoint_name
 
+# two-level checkpointing's names and segment length (jax-free: the config and the estimate read them too)
+from zerojax.remat_segments import SEGMENT_POLICIES, auto_segment, segment_length, segment_policy
+
 # the names a layer's input and its fetched weights carry inside the stack (remat policies read them)
 LAYER_INPUT = "layer_input"
 # a layer's weights after `fetch` (host -> device, or ZeRO-3's gather): never saved for the
@@ -20,9 +23,6 @@ FETCHED_PARAMS = "fetched_layer_params"
 # a segment's input under two-level checkpointing (`run_segments`): the only value "offload_segments" moves
 # to host memory (the layer inputs inside a segment are rebuilt on the device in its backward)
 SEGMENT_INPUT = "segment_input"
-# two-level checkpointing: "segments" keeps every k-th layer input on the device, "offload_segments" in
-# pinned host memory; "<name>_<k>" names k, the bare name takes k near sqrt(layers) (`auto_segment`)
-SEGMENT_POLICIES = ("segments", "offload_segments")
 # the remat policies any layer stack takes; a model with tags of its own (GPT-2's "save_*") adds more
 GENERIC_REMAT_POLICIES = (None, "full", "dots", "offload") + SEGMENT_POLICIES
 
@@ -54,46 +54,6 @@ def remat_policy(name):
             names_which_can_be_saved=[], names_which_can_be_offloaded=[LAYER_INPUT],
             offload_src="device", offload_dst="pinned_host")
     return None
-
-
-def segment_policy(name) -> tuple[str, int | None] | None:
-    """(outer, k) of a two-level remat name: outer one of SEGMENT_POLICIES, k its layers a segment
-    ("segments_4" -> ("segments", 4); None where the name leaves it to `segment_length`); None for
-    any other name. A malformed k ("segments_x", "segments_0") is an error, not another policy."""
-    if not isinstance(name, str):
-        return None
-    for outer in SEGMENT_POLICIES:
-        if name == outer:
-            return outer, None
-        if name.startswith(outer + "_"):
-            k = name[len(outer) + 1:]
-            if not k.isdigit() or int(k) < 1:
-                raise ValueError(f"remat_policy={name!r}: {outer}_<k> takes k, the layers a segment, an int >= 1")
-            return outer, int(k)
-    return None
-
-
-def segment_length(name, n_layer: int) -> int:
-    """The layers a segment of two-level remat policy `name` over `n_layer` layers: its k (1 ..
-    n_layer; one that does not divide n_layer leaves a shorter last segment), else `auto_segment`."""
-    outer, k = segment_policy(name)
-    if k is None:
-        return auto_segment(n_layer)
-    if k > n_layer:
-        raise ValueError(f"remat_policy={name!r}: segments of {k} layers, but the stack has {n_layer}; "
-                         f"k must be 1 .. {n_layer} (or {outer!r}: k chosen for the stack)")
-    return k
-
-
-def auto_segment(n_layer: int) -> int:
-    """The k that keeps the fewest layer inputs live, ceil(L / k) segment inputs plus the k of the
-    segment being rebuilt (about sqrt(L)); a k that does not divide L counts one more, since the
-    weights of the layers before the shorter last segment are then sliced apart (a copy), and of
-    equals the one nearest sqrt(L). L = 32: 4 (8 + 4 live, not 32); L = 28: 4; L = 7: 3."""
-    def cost(k):
-        return -(-n_layer // k) + k + (n_layer % k != 0), abs(k - n_layer ** 0.5)
-
-    return min(range(1, n_layer + 1), key=cost)
 
 
 def segment_remat_policy(outer: str):
