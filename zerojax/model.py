@@ -42,7 +42,15 @@ from zerojax import block_loop
 from zerojax._jax_compat import is_tracer, jaxpr_core, variable_metadata
 
 # the one layer-stack runner and remat vocabulary GPT-2 and the Llama family use too
-from zerojax.models.layer_stack import GENERIC_REMAT_POLICIES, LAYER_INPUT, layer_step, remat_policy, run_layers
+from zerojax.models.layer_stack import (
+    GENERIC_REMAT_POLICIES,
+    LAYER_INPUT,
+    layer_step,
+    remat_policy,
+    run_layers,
+    segment_length,
+    segment_policy,
+)
 
 jex = jaxpr_core()  # jax.extend.core: Jaxpr, Var, jaxprs_in_params
 
@@ -209,7 +217,8 @@ def remat_policy_fn(name):
     policy = remat_policy(name)
     if policy is None:
         raise ValueError(f"remat_policy={name!r}: a block stack found by zerojax takes one of "
-                         f"{GENERIC_REMAT_POLICIES[1:]} (the \"save_*\" policies need the model's own tags)")
+                         f"{GENERIC_REMAT_POLICIES[1:]} (\"segments_<k>\" too; the \"save_*\" policies need the "
+                         "model's own tags)")
     return policy
 
 
@@ -509,8 +518,9 @@ def remat_modules(module, policy) -> list[tuple[Any, str, Any]]:
     has one (GPT-2, Llama, `StackedBlocks`), else the stacked block's class swapped for one whose
     call is rematerialised (an `nnx.vmap`-built stack). Raises where there is no stack."""
     owners = [m for _, m in _modules(module) if "remat_policy" in vars(m)]
-    if any(isinstance(m, StackedBlocks) for m in owners):
-        remat_policy_fn(policy)  # a generic name, or the error naming them (now, not when the step is traced)
+    for m in owners:
+        if isinstance(m, StackedBlocks):  # a generic name, or the error naming them (now, not when traced)
+            _check_stack_policy(policy, m.layers)
     if owners:
         return [(m, "remat_policy", policy) for m in owners]
     stack = find_blocks(module)
@@ -520,12 +530,26 @@ def remat_modules(module, policy) -> list[tuple[Any, str, Any]]:
             f"{type(module).__name__} shows none (no list of same-structure blocks, no nnx.vmap-stacked "
             "layer, no `remat_policy` attribute); add a `remat_policy` attribute its block scan reads "
             "(docs/CONTRACTS.md) or remove the activation_checkpointing section")
+    if segment_policy(policy) is not None:
+        raise ValueError(
+            f"activation_checkpointing: remat_policy {policy!r} (two-level: segments of layers) needs the layer scan "
+            f"zerojax runs, and {type(module).__name__} runs its blocks itself ({stack.kind}: one layer a call); "
+            "use \"full\" or \"offload\", or give the model the layer_scan hook (docs/CONTRACTS.md)")
     remat_policy_fn(policy)  # a generic name, or the error naming them
     target = at(module, stack.path)
     if stack.kind == "list":  # left as the model's own loop (`stack_blocks`): each block rematted as it is called
         swapped = remat_block_class(type(target[0]), policy)
         return [(block, "__class__", swapped) for block in target]
     return [(target, "__class__", hooked_block_class(type(target), policy=policy))]
+
+
+def _check_stack_policy(policy, layers: int) -> None:
+    """A policy a `StackedBlocks` of `layers` blocks runs: a two-level one whose segments fit, or a
+    generic name; else the error naming them."""
+    if segment_policy(policy) is not None:
+        segment_length(policy, layers)
+    else:
+        remat_policy_fn(policy)
 
 
 def at(module, path):

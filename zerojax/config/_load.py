@@ -548,10 +548,15 @@ def _cross_checks(kwargs, zero, problems):
         problems.append("bf16.bf16_optimizer_states = true: it is only supported with ZeRO Stage 1, 2, or 3 "
                         "and requires bf16.bf16_master_weights_and_grads to be enabled")
     ac = kwargs.get("activation_checkpointing")
-    if ac is not None and ac.cpu_checkpointing and ac.remat_policy not in (None, "offload"):
+    if ac is not None and ac.cpu_checkpointing and ac.remat_policy not in (None, "offload") and not (
+            str(ac.remat_policy).startswith("offload_segments")):
         problems.append(f"activation_checkpointing.remat_policy = {ac.remat_policy!r} with cpu_checkpointing = "
-                        "true: cpu_checkpointing keeps layer inputs in host memory (remat_policy \"offload\"); "
-                        "remove one of the two keys")
+                        "true: cpu_checkpointing keeps layer inputs in host memory (remat_policy \"offload\" or "
+                        "\"offload_segments[_<k>]\"); remove one of the two keys")
+    if ac is not None and ac.number_checkpoints and ac.remat_policy not in (None, "none", "full", "offload"):
+        problems.append(f"activation_checkpointing.number_checkpoints = {ac.number_checkpoints} with remat_policy = "
+                        f"{ac.remat_policy!r}: number_checkpoints makes two-level segments of \"full\" or "
+                        "\"offload\" layers; remove one of the two keys (\"segments_<k>\" names k itself)")
     if kwargs.get("gradient_allreduce_op") == "sum":
         problems.append("gradient_allreduce_op = \"sum\": zerojax averages data-parallel gradients (DeepSpeed's "
                         "default \"mean\"); summing is not supported yet (DeepSpeed itself refuses it at ZeRO "

@@ -28,6 +28,7 @@ from zerojax.config._schema_zero import (  # noqa: F401
 )
 from zerojax.config._values import config_field as _f
 from zerojax.config._values import empty, is_auto, to_json  # _f: the fields below
+from zerojax.remat_segments import SEGMENT_POLICIES
 
 DEEPSPEED_VERSION = "0.19.8"
 # activation_checkpointing.remat_policy's values (None written "none"): zerojax.models.gpt2.REMAT_POLICIES,
@@ -35,17 +36,25 @@ DEEPSPEED_VERSION = "0.19.8"
 # GPT-2's and Llama's activation tags add; the config imports nothing of the models, so
 # tests/engine/test_speed_options.py checks the two agree
 class _RematPolicyNames(tuple):
-    """The fixed names, and also (membership only) "dots_<k>", k an int >= 1: "dots" on the first k
-    layers, "full" on the rest (the model checks k < its layer count)."""
+    """The fixed names, and also (membership only) "<name>_<k>", k an int >= 1, for "dots" ("dots"
+    on the first k layers, "full" on the rest), "segments" and "offload_segments" (two-level: k
+    layers a segment); the model checks k against its layer count."""
 
     def __contains__(self, value):
-        return tuple.__contains__(self, value) or (
-            isinstance(value, str) and value.startswith("dots_") and value[5:].isdigit() and int(value[5:]) >= 1)
+        if tuple.__contains__(self, value):
+            return True
+        name, _, k = value.rpartition("_") if isinstance(value, str) else ("", "", "")
+        return name in _WITH_K and k.isdigit() and int(k) >= 1
+
+
+# the names a "_<k>" may follow (see _RematPolicyNames); the two-level ones keep each k-th layer input
+_WITH_K = ("dots", "segments", "offload_segments")
+SEGMENT_NAMES = SEGMENT_POLICIES
 
 
 REMAT_POLICY_NAMES = _RematPolicyNames(
     ("none", "full", "dots", "save_qkv", "save_attention", "save_qkv_attention", "save_attention_block",
-     "offload"))
+     "offload") + SEGMENT_NAMES)
 
 
 # Features DeepSpeed removed (github.com/deepspeedai/DeepSpeed/issues/8489): any presence of the key, even null, {} or
@@ -199,7 +208,12 @@ class ActivationCheckpointingConfig:
     # DeepSpeed reads it with get_scalar_param (any value); configs in the wild write false for "unset".
     number_checkpoints: int | None = _f(None, "int", optional=True, ge=0, false_is_none=True)
     """Number of checkpoints (`false` reads as unset).
-    zerojax: **accepted, no effect**: every layer of the scanned stack is a checkpoint"""
+    zerojax: **acted on**: the layer inputs the forward pass keeps. N >= the model's layers (or 0, unset): one a
+      layer, as before; N < layers: two-level checkpointing, segments of ceil(layers / N) layers, each keeping its
+      input (in host memory with `cpu_checkpointing`), its layers' inputs kept only while the backward pass
+      rebuilds it (remat_policy "segments_<k>" / "offload_segments_<k>")
+    Model needs: a layer stack zerojax scans (GPT-2, the Llama family, a list of blocks it stacks); with
+      remat_policy unset, "full" or "offload" only (a ConfigError otherwise)"""
     synchronize_checkpoint_boundary: bool = _f(False, "bool")
     """cuda.synchronize at checkpoint boundaries.
     zerojax: **accepted, no effect**: —"""
@@ -217,7 +231,11 @@ class ActivationCheckpointingConfig:
     "save_qkv" (the qkv projection), "save_attention" (the attention output), "save_qkv_attention" (both),
     "save_attention_block" (both and the residual stream after the attention half: only the MLP half is
     recomputed), "dots_<k>" (e.g. "dots_24": "dots" on the first k layers, "full" on the rest: memory between
-    the two). Unset: "offload" with `cpu_checkpointing`, else "full".
+    the two). Two-level, for rows too long for one kept input a layer: "segments_<k>" (segments of k layers, each
+    keeping only its input; the backward pass rebuilds one segment at a time, keeping its k layer inputs, then
+    each layer from its input: about layers / k + k inputs live, for a second forward recompute),
+    "offload_segments_<k>" (the segment inputs in host memory), bare "segments" / "offload_segments": k near
+    sqrt(layers). Unset: "offload" with `cpu_checkpointing`, else "full" (segments with `number_checkpoints`).
     zerojax: **acted on**: set on the model's layer stack by the engine (`zerojax.model.remat_modules`: the
       `remat_policy` attribute of the module that scans the layers, else each found block's call run under
       `jax.checkpoint` with the policy); a policy other than "offload" with `cpu_checkpointing: true` is an
@@ -226,16 +244,27 @@ class ActivationCheckpointingConfig:
       (zerojax.models' GPT-2 and Llama), else a ConfigError naming the policies its layers take"""
 
 
-def remat_policy_for(cfg) -> str | None:
-    """The remat policy a model should be built with for `cfg`'s activation_checkpointing section:
-    None (no section, or remat_policy "none"), "offload" (cpu_checkpointing), else remat_policy or
-    "full" (DeepSpeed's activation checkpointing recomputes each checkpointed layer's forward)."""
+def remat_policy_for(cfg, layers: int | None = None) -> str | None:
+    """The remat policy a model of `layers` layers should be built with for `cfg`'s
+    activation_checkpointing section: None (no section, or remat_policy "none"), "offload"
+    (cpu_checkpointing), else remat_policy or "full" (DeepSpeed's activation checkpointing
+    recomputes each checkpointed layer's forward); "full" / "offload" as two-level segments where
+    number_checkpoints is fewer than `layers` (`checkpoints_policy`; `layers` None: not applied)."""
     ac = cfg.activation_checkpointing
     if ac is None or ac.remat_policy == "none":
         return None
-    if ac.remat_policy is not None:
-        return ac.remat_policy
-    return "offload" if ac.cpu_checkpointing else "full"
+    policy = ac.remat_policy or ("offload" if ac.cpu_checkpointing else "full")
+    return checkpoints_policy(policy, ac.number_checkpoints, layers)
+
+
+def checkpoints_policy(policy: str, number: int | None, layers: int | None) -> str:
+    """DeepSpeed's number_checkpoints N (the activation checkpoints a forward pass stores) on
+    `layers` layers: for N < layers, "full" -> "segments_<k>" and "offload" -> "offload_segments_<k>"
+    with k = ceil(layers / N) (at most N segment inputs kept); else `policy` as it is."""
+    if not number or layers is None or number >= layers or policy not in ("full", "offload"):
+        return policy
+    k = -(-layers // number)
+    return f"segments_{k}" if policy == "full" else f"offload_segments_{k}"
 
 
 

@@ -342,7 +342,9 @@ def _remat_settings(module, cfg) -> list:
     stack otherwise, and an error naming the hook where the model shows no blocks."""
     if cfg.activation_checkpointing is None:
         return []
-    policy = remat_policy_for(cfg)
+    # number_checkpoints counts against the stack's layers (two-level segments where it is fewer)
+    stack = contract.find_blocks(module) if cfg.activation_checkpointing.number_checkpoints else None
+    policy = remat_policy_for(cfg, None if stack is None else stack.layers)
     if policy is None:
         return []
     try:

@@ -55,8 +55,10 @@ ATTENTION_RESIDUAL = "attention_residual"
 #   half is recomputed (5 x d);
 #   "offload": the block input, in pinned host memory. (GPT-2 Large at micro 8 x 1024: d values
 #   per token per layer = 0.70 GiB over its 36 layers in bf16.)
+#   "segments" / "offload_segments" (and "<name>_<k>"): two-level, every k-th block input kept (on the
+#   device / in host memory), a segment's k block inputs while it is rebuilt (`layer_stack.run_segments`).
 REMAT_POLICIES = (None, "full", "dots", "save_qkv", "save_attention", "save_qkv_attention",
-                  "save_attention_block", "offload")
+                  "save_attention_block", "offload") + layer_stack.SEGMENT_POLICIES
 # and "dots_<k>" (k an int, 2 <= k <= n_layer - 2): "dots" on the first k layers, "full" on the rest:
 # between the two in memory (k x dots' extra per layer), so that the planner can pick the k that
 # fits a budget. Two layer scans, one per policy (`split_remat_policy`).
@@ -367,6 +369,17 @@ def split_remat_policy(name, n_layer: int):
 
 
 
+def check_remat_policy(name, n_layer: int) -> None:
+    """Raises ValueError, when a model is built, for a remat option name its layer stack would
+    refuse when traced: a two-level name whose k does not fit `n_layer`, an unknown name, a
+    "dots_<k>" outside its range."""
+    if layer_stack.segment_policy(name) is not None:
+        layer_stack.segment_length(name, n_layer)
+        return
+    for piece, _ in split_remat_policy(name, n_layer):
+        remat_policy_fn(piece)
+
+
 def _saves_cudnn_attention_forward(prim, *_, **__) -> bool:
     return prim.name == CUDNN_ATTENTION_FORWARD
 
@@ -388,8 +401,8 @@ def remat_policy_fn(name):
         return cp.save_from_both_policies(names, _saves_cudnn_attention_forward)
     policy = layer_stack.remat_policy(name)
     if policy is None:
-        raise ValueError(f"remat_policy={name!r}; choose one of {REMAT_POLICIES} or \"dots_<k>\" (k layers \"dots\", "
-                         "the rest \"full\")")
+        raise ValueError(f"remat_policy={name!r}; choose one of {REMAT_POLICIES}, \"dots_<k>\" (k layers \"dots\", "
+                         "the rest \"full\") or \"segments_<k>\" / \"offload_segments_<k>\" (k layers a segment)")
     return policy
 
 
@@ -466,8 +479,7 @@ class GPT2(nnx.Module):
             remat_policy = "offload"
         self.attention_block = check_block(attention_block)
         if remat_policy is not None:  # validate early
-            for name, _ in split_remat_policy(remat_policy, config.n_layer):
-                remat_policy_fn(name)
+            check_remat_policy(remat_policy, config.n_layer)
         if attention_impl not in ATTENTION_IMPLS:
             raise ValueError(f"{attention_impl=}; choose one of {ATTENTION_IMPLS}")
         if isinstance(scan_unroll, bool) or not isinstance(scan_unroll, int) or scan_unroll < 1:

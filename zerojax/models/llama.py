@@ -48,15 +48,14 @@ from zerojax.models.gpt2 import (  # the shared pieces: one remat vocabulary, on
     RESIDUAL,
     SEQ_WHOLE,
     adapted_layers,
+    check_remat_policy,
     fused_cross_entropy,
     lm_head,
     mean_over_tokens,
     nll_sum,
     plain_linear,
-    remat_policy_fn,
     resolve_attention,
     run_layers,
-    split_remat_policy,
     unconstrained,
 )
 from zerojax.models.tiling import check_tile, tiled_over_sequence
@@ -434,8 +433,7 @@ class Llama(nnx.Module):
         self.attention_block = check_block(attention_block)
         self.mlp_tile = check_tile(mlp_tile, "mlp_tile")
         if remat_policy is not None:
-            for name, _ in split_remat_policy(remat_policy, config.num_hidden_layers):
-                remat_policy_fn(name)
+            check_remat_policy(remat_policy, config.num_hidden_layers)
         if attention_impl not in ATTENTION_IMPLS:
             raise ValueError(f"{attention_impl=}; choose one of {ATTENTION_IMPLS}")
         if isinstance(scan_unroll, bool) or not isinstance(scan_unroll, int) or scan_unroll < 1:

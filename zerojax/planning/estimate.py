@@ -18,6 +18,7 @@ import dataclasses
 import math
 
 from zerojax.byte_sizes import GB, GiB, fmt_bytes, host_free_bytes, parse_bytes  # noqa: F401 (public here too)
+from zerojax.remat_segments import kept_inputs, segment_policy
 
 # ---------------------------------------------------------------------------------------------
 # 1. Formulas
@@ -270,7 +271,8 @@ REMAT_RECOMPUTE = {None: "nothing", "dots": "attention scores", "full": "every b
                    "save_qkv": "every block's forward but the q/k/v projection",
                    "save_attention": "every block's matmuls, not attention itself",
                    "save_qkv_attention": "the attention output projection and the MLP",
-                   "save_attention_block": "the MLP"}
+                   "save_attention_block": "the MLP",
+                   "segments": "every block's forward, twice", "offload_segments": "every block's forward, twice"}
 # (d^2 weights per layer whose matmul output is saved or not recomputed, attention's output saved):
 # the save_* policies of models.gpt2 (checkpoint_name tags on the q/k/v projection, the attention
 # output and the residual after the attention half, which spares the output projection's rerun)
@@ -381,6 +383,8 @@ def _remat_flops_per_token(shape: ModelShape, remat) -> float:
         return base
     if remat in ("full", "offload", True):
         return base + 2.0 * shape.layer_params + 4.0 * attn
+    if segment_policy(remat) is not None:  # a segment rebuilt, then each of its layers again
+        return base + 2.0 * (2.0 * shape.layer_params + 4.0 * attn)
     if remat == "dots":
         return base + 4.0 * attn
     if remat in _SAVED_BY_POLICY:
@@ -439,7 +443,8 @@ def tensor_parallel_bytes(shape: ModelShape, *, micro_batch: int, n_tensor: int,
     if n_tensor <= 1:
         return 0.0
     B = micro_batch * n_tensor * max(shape.seq_len, 1) * shape.d_model * PRECISION_BYTES[precision]
-    per_layer = 10 + (4 if remat in ("full", "offload", True) else 0)
+    reruns = 1 if remat in ("full", "offload", True) else 2 if segment_policy(remat) is not None else 0
+    per_layer = 10 + 4 * reruns
     return (n_tensor - 1) / n_tensor * B * (per_layer * shape.layers + 5)
 
 
@@ -512,8 +517,9 @@ def predict_step_time(shape: ModelShape, *, micro_batch: int, grad_accum: int = 
         host += grad_accum * 3 * pb * shard
         if grad_accum > 1:  # each micro-batch's gradients read back and added into the host accumulator
             host += grad_accum * (pb + 2 * 4) * shard
-    if remat == "offload":
-        host += 2 * grad_accum * shape.layers * micro_tokens * shape.d_model * pb
+    if remat == "offload" or (segment_policy(remat) or ("",))[0] == "offload_segments":
+        inputs = shape.layers if remat == "offload" else kept_inputs(remat, shape.layers)[1]
+        host += 2 * grad_accum * inputs * micro_tokens * shape.d_model * pb
     return StepTime(compute, comm / hardware.interconnect_bytes_per_s,
                     host / hardware.host_bytes_per_s, tokens)
 
@@ -597,7 +603,7 @@ def activation_bytes_per_layer(*, seq_len: int, rows: int, d_model: int, heads: 
     if not flash_attention and not heads:
         raise ValueError("activation_bytes_per_layer: without flash attention the score matrices need heads=")
     s, b, h, a, t = seq_len, rows, d_model, heads, n_tensor
-    if remat in ("full", "offload", True):
+    if remat in ("full", "offload", True) or segment_policy(remat) is not None:  # two-level: `mesh_peak_bytes`
         return int(2 * s * b * h / (t if sequence_parallel else 1))
     mlp = 0.0 if tiled_mlp else 2 * (mlp_values or 8 * h) / h
     inside = 24 - 16 + mlp + (0 if flash_attention else 5 * a * s / h)
@@ -704,7 +710,8 @@ def mesh_peak_bytes(shape: ModelShape, *, heads: int, vocab: int, micro_batch: i
     activations: `activation_bytes_per_layer` (Korthikanti et al.; 16-bit, scaled to the compute
       dtype) for the micro-batch a tensor group trains (micro_batch x n_tensor rows), times the
       device's layers. Unpipelined, one micro-batch is live at a time (the accumulation scan); a full
-      remat keeps each layer's input and one layer's activations while it is recomputed. Pipelined,
+      remat keeps each layer's input and one layer's activations while it is recomputed; two-level
+      segments of k keep ceil(layers / k) + k inputs (k under "offload_segments"). Pipelined,
       every iteration's activations are kept until the backward pass (M + S - 1 iterations), or
       with checkpoint_interval N only each group of N layers' input per iteration, plus one group's
       activations. The MLP's intermediate values are the model's (`ModelShape.mlp_values`); with
@@ -732,7 +739,10 @@ def mesh_peak_bytes(shape: ModelShape, *, heads: int, vocab: int, micro_batch: i
                                                   routing_values=shape.routing_values)
 
     full, kept = layer(None), layer(remat)
-    if n_pipe <= 1:
+    if n_pipe <= 1 and segment_policy(remat) is not None and layers:
+        # two-level: the segment inputs kept on the device and the rebuilt segment's layer inputs
+        acts = kept_inputs(remat, layers)[0] * kept + full
+    elif n_pipe <= 1:
         acts = layers * kept + (full if kept < full else 0)
     elif checkpoint_interval > 0:
         group = min(checkpoint_interval, layers)

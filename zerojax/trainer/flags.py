@@ -162,10 +162,13 @@ def _add_training_flags(p) -> None:
     for name in ("bf16", "fp16", "fp32"):
         precision.add_argument(f"--{name}", dest="precision", action="store_const", const=name,
                                help=f"train in {name}, whatever the config's fp16 / bf16 sections enable")
-    p.add_argument("--remat", choices=list(REMAT_POLICY_NAMES), default=None,
+    # the names object itself, not a list of it: its membership takes "<name>_<k>" too (dots_24, segments_4)
+    p.add_argument("--remat", choices=REMAT_POLICY_NAMES, default=None,
                    help="activation checkpointing per layer (default: from the config's "
                         "activation_checkpointing section: its remat_policy, else cpu_checkpointing -> "
-                        "offload, else full)")
+                        "offload, else full); segments / offload_segments: two-level, every k-th layer input "
+                        "kept (on the device / in host memory), a segment's k rebuilt in the backward, k near "
+                        "sqrt(layers), or segments_<k> / offload_segments_<k>; dots_<k>: dots on k layers")
     p.add_argument("--mlp-tile", type=_mlp_tile, default=None, metavar="N|auto",
                    help="run each layer's MLP N positions of the row at a time (ALST's tiled MLP: the "
                         "[batch, seq, intermediate] activations held one piece at a time, the MLP's forward "

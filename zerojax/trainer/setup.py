@@ -227,6 +227,21 @@ def longest_seq_len(args, cfg, method, factory, loss_fn, cap, micro_auto: bool) 
     return found, micro
 
 
+def configured_remat(cfg, build) -> str | None:
+    """The remat policy the config's activation_checkpointing section names
+    (`zerojax.config.remat_policy_for`); where its number_checkpoints is set, counted against the
+    layers of the model `build()` makes (traced abstractly; two-level segments where it is fewer)."""
+    from zerojax.config import remat_policy_for
+
+    if not getattr(cfg.activation_checkpointing, "number_checkpoints", None):
+        return remat_policy_for(cfg)
+    from flax import nnx
+
+    from zerojax.model import model_dims
+
+    return remat_policy_for(cfg, model_dims(nnx.eval_shape(build)).layers or None)
+
+
 def remat_named(args, cfg) -> bool:
     """Whether --remat or the config's remat_policy names the policy (else micro-batch auto varies it)."""
     return args.remat is not None or getattr(cfg.activation_checkpointing, "remat_policy", None) is not None

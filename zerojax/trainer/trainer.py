@@ -26,6 +26,7 @@ from zerojax.trainer.setup import (
     check_lora_resume,
     check_method,
     check_task_data,
+    configured_remat,
     data_source,
     engine_options,
     filled_autos,
@@ -280,10 +281,8 @@ class Trainer:
 
     def choose_remat(self) -> None:
         """The remat policy: the flag's, else the config's."""
-        import zerojax
-
         args, cfg = self.args, self.cfg
-        remat, configured = args.remat, zerojax.config.remat_policy_for(cfg)
+        remat, configured = args.remat, configured_remat(cfg, lambda: self.choice.build(self.seed, self.dtype, None))
         self.remat_why = "--remat" + (f", replacing the config's activation_checkpointing ({configured})"
                                       if configured not in (None, remat) else "")
         if remat is None:
