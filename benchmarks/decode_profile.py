@@ -20,8 +20,6 @@ their count and mean; the optimized HLO goes to $OUT/decode_<shape>.hlo.txt.
 """
 from __future__ import annotations
 
-import collections
-import glob
 import json
 import os
 import sys
@@ -32,26 +30,6 @@ sys.path[:0] = [ROOT, os.path.join(ROOT, "benchmarks")]
 
 SHAPES = {"8b1": ("llama-3.1-8b", 1, 128, 129), "1b64": ("llama-3.2-1b", 64, 256, 129),
           "8b64": ("llama-3.1-8b", 64, 512, 129)}
-
-
-def kernel_table(xplane: str, tiny: bool, top: int = 18) -> dict:
-    """{line name: [(kernel name, count, total ms)]} of a trace's device planes (on CPU, --tiny:
-    the host's XLA thread lines)."""
-    from jax.profiler import ProfileData
-
-    lines = {}
-    for plane in ProfileData.from_file(xplane).planes:
-        if "GPU" not in plane.name and not tiny:
-            continue
-        for line in plane.lines:
-            if not (line.name.startswith(("XLA Ops", "Stream")) or (tiny and "XLA" in line.name)):
-                continue
-            sums = collections.defaultdict(lambda: [0, 0.0])
-            for event in line.events:
-                sums[event.name][0] += 1
-                sums[event.name][1] += event.duration_ns / 1e6
-            lines[line.name] = sorted(((k, n, ms) for k, (n, ms) in sums.items()), key=lambda r: -r[2])[:top]
-    return lines
 
 
 def main(argv=None) -> int:
@@ -68,6 +46,7 @@ def main(argv=None) -> int:
     shape, tiny, lean, attention = args.shape, args.tiny, args.lean, args.decode_attention
     import generate_bench as gb
     import jax
+    from trace_kernels import kernel_table, xplane_file
 
     import zerojax
     from zerojax.generation.program_cost import decode_program
@@ -90,8 +69,7 @@ def main(argv=None) -> int:
     trace_dir = tempfile.mkdtemp()
     with jax.profiler.trace(trace_dir):
         zerojax.generate(model, prompts, max_new_tokens=new, ignore_eos=True, decode_attention=attention)
-    xplane = glob.glob(os.path.join(trace_dir, "**", "*.xplane.pb"), recursive=True)[0]
-    for line, rows in kernel_table(xplane, tiny).items():
+    for line, rows in kernel_table(xplane_file(trace_dir), tiny).items():
         print(f"{line}: {sum(ms for _, _, ms in rows):.1f} ms in its top {len(rows)} kernels "
               f"(one generate: the prefill and {new - 1} decode steps)")
         for kernel, n, ms in rows:
