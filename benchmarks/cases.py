@@ -284,10 +284,27 @@ MOE = Case(
                                reader="moe", records_file="{out}/moe_bench.json"),))
 
 
+def _profile_run(step, timeout_s, env=()):
+    argv = ("benchmarks/step_profile.py", step)
+    return Run(step, argv, timeout_s, env=env, smoke=(*argv, "--tiny", "--warmup", "1", "--steps", "2",
+                                                       "--profile-steps", "1"))
+
+
+PROFILE = Case(
+    "profile", "where each headline training step's time goes, read by kernel: GPT-2 Large with the example's "
+    "fastest flags, Llama-3.2-1B seq 2048 (micro 4, full remat), Llama-3.1-8B LoRA r16 and QLoRA nf4 seq 2048 "
+    "under a 24 GB cap; per step matmul (TFLOP/s against the ceiling), attention, norm, rope, elementwise, "
+    "loss, optimizer, copies, host transfers, idle, and the top 15 kernels", "none (the matmul ceiling)", 10,
+    headline=("step_ms",), match=("step",),
+    runs=(_profile_run("gpt2-large", 300), _profile_run("llama-1b", 300),
+          # the planner's search (--micro-batch auto) and the 8B compile come before the steps
+          _profile_run("llama8b-lora", 480, env=CAP24), _profile_run("llama8b-qlora", 420, env=CAP24)))
+
+
 def _registry():
     cases = (SPEED, OFFLOAD_24GB, NVME, MODELS, LLAMA8B_24GB, GENERATE, DECODE_HLO, RL, DECODE_ATTENTION,
              DECODE_ATTENTION_RL, RL_8B_LORA_24GB, DPO_8B_LORA_24GB, REWARD_1B, LONG_CONTEXT, LONG_CONTEXT_FULL,
-             SERVE, RL_SERVING, RL_CURVE, MOE, X2, X4, BEFORE_AFTER)
+             SERVE, RL_SERVING, RL_CURVE, MOE, PROFILE, X2, X4, BEFORE_AFTER)
     return {case.name: case for case in cases}
 
 

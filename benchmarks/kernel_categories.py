@@ -32,7 +32,8 @@ _BY_NAME = (
 # then the code the kernel's HLO instruction came from (its op_name, function and file): a fusion's
 # name says only its root op, the code says whether it was the loss, the update or a norm
 _BY_CODE = (
-    ("loss", {"loss", "entropy", "nll", "log_softmax", "logsumexp", "softmax_cross_entropy"}),
+    ("loss", {"loss", "entropy", "nll", "log_softmax", "logsumexp", "softmax_cross_entropy", "mean_over_tokens",
+              "shifted_labels"}),
     ("optimizer", {"optax", "optim", "adam", "adamw", "optimizer", "optimizer_update", "global_norm", "master",
                    "apply_updates", "clip_by_global_norm", "compute_params"}),
     ("rope", {"rope", "rotary", "rotate", "rope_frequencies"}),
