@@ -22,6 +22,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import sys
 import tempfile
 import time
@@ -201,6 +202,10 @@ def main(argv=None) -> int:
     print_table(record, top_kernels(labelled, args.profile_steps, args.top))
     print("STEP_PROFILE " + json.dumps(record), flush=True)
     trainer.close()
+    # the dumps of an 8B step and its planner's candidates are large; a trace asked for is kept
+    shutil.rmtree(dump_dir, ignore_errors=True)
+    if not args.trace_dir:
+        shutil.rmtree(trace_dir, ignore_errors=True)
     return 0
 
 
