@@ -54,12 +54,17 @@ def run_level(manager, reqs, concurrency: int):
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--tiny", action="store_true")
+    ap.add_argument("--levels", type=lambda t: tuple(int(x) for x in t.split(",")), default=None,
+                    help="concurrency levels, e.g. 64 (default serve_bench.py's; the last but one again with long "
+                         "prompts)")
     args = ap.parse_args(argv)
     import torch
     from hf_random_llama import random_llama
     from transformers import GenerationConfig
 
     s = shape(args.tiny)
+    if args.levels:
+        s["levels"] = args.levels
     device = "cuda" if torch.cuda.is_available() else "cpu"
     model = random_llama(s["name"], device, torch.bfloat16).eval()
     config = GenerationConfig(do_sample=False, max_new_tokens=s["max_output"], pad_token_id=0, eos_token_id=NEVER)
