@@ -142,32 +142,22 @@ def generate(model_or_engine, prompts, *, max_new_tokens: int = 64, temperature:
         raise ValueError("zerojax.generate: stop strings need tokenizer=")
     stop_ids = [int(s) for s in stop if not isinstance(s, str)] + ([] if ignore_eos else _eos_ids(target.model,
                                                                                                  tokenizer))
-    stop_arr = np.full((-(-max(len(stop_ids), 1) // STOP_ID_SLOTS) * STOP_ID_SLOTS,), -2, np.int32)
+    stop_arr = np.full((stop_slots(len(stop_ids)),), -2, np.int32)
     stop_arr[:len(stop_ids)] = stop_ids
 
+    distinct, expand = _distinct(rows, buckets.batch_bucket(len(rows)))
+    shapes = program_shapes(target, rows=len(rows), distinct=len(distinct), longest_prompt=max(len(r) for r in rows),
+                            max_new_tokens=max_new_tokens, decode_attention=decode_attention)
+    prompt_len, length, batch = shapes.prompt_len, shapes.length, shapes.batch
     geometry = geometry_of_config(target.model.config)
-    prompt_len = buckets.length_bucket(max(len(r) for r in rows))
-    out_len = buckets.length_bucket(max_new_tokens)
-    length = prompt_len + out_len
-    if geometry.max_positions is not None and max(len(r) for r in rows) + max_new_tokens > geometry.max_positions:
-        raise ValueError(f"zerojax.generate: prompt + max_new_tokens = {max(len(r) for r in rows) + max_new_tokens} "
-                         f"exceeds this model's {geometry.max_positions} learned positions")
-    kernel = decoder.check_decode_attention(decode_attention, geometry, length, target.devices)
-    batch = buckets.batch_bucket(len(rows))
-    distinct, expand = _distinct(rows, batch)
-    prefill_batch = buckets.batch_bucket(len(distinct))
-    heads = cache.per_rank(geometry.heads, target.tensor)
-    piece = decoder.prefill_piece(heads, prefill_batch, prompt_len)
     nbytes = cache.cache_bytes(geometry, batch, length, target.model.dtype, target.tensor)
-    cache.check_cache_fits(nbytes, batch, length, device_free_bytes(target.device),
-                           scores=decoder.prefill_scores_bytes(heads, prefill_batch, prompt_len, piece))
+    cache.check_cache_fits(nbytes, batch, length, device_free_bytes(target.device), scores=shapes.scores_bytes)
 
-    ids, pad = buckets.left_pad(distinct, prompt_len, prefill_batch)
+    ids, pad = buckets.left_pad(distinct, prompt_len, shapes.prefill_batch)
     live = np.arange(batch) < len(rows)
     key = jax.random.key(seed)
     state = decoder.prefill(target.weights, ids, pad, live, values, stop_arr, key, expand, source=target.source,
-                            sampler=sampler, length=length, out_len=out_len,
-                            piece=None if piece == prompt_len else piece)
+                            sampler=sampler, length=length, out_len=shapes.out_len, piece=shapes.prefill_piece)
     if expand is not None:
         pad = pad[expand]
     chunk = STOP_STRING_CHECK_EVERY if stop_strings else max_new_tokens
@@ -177,12 +167,54 @@ def generate(model_or_engine, prompts, *, max_new_tokens: int = 64, temperature:
         if step < max_new_tokens and not bool(np.all(np.asarray(state.done))):
             state = decoder.decode(target.weights, state, pad, np.int32(prompt_len),
                                    np.int32(min(step + chunk, max_new_tokens)), values, stop_arr, key,
-                                   source=target.source, sampler=sampler, kernel=kernel)
+                                   source=target.source, sampler=sampler, kernel=shapes.kernel)
         if stop_strings:
             state = _apply_stop_strings(state, tokenizer, stop_strings, cut, len(rows))
         if int(state.step) >= max_new_tokens or bool(np.all(np.asarray(state.done))):
             break
     return _result(np.asarray(state.tokens)[:len(rows), :max_new_tokens], stop_ids, cut, tokenizer)
+
+
+def stop_slots(n: int) -> int:
+    """The stop ids' array length for `n` ids: a multiple of STOP_ID_SLOTS (their count is a shape)."""
+    return -(-max(n, 1) // STOP_ID_SLOTS) * STOP_ID_SLOTS
+
+
+@dataclasses.dataclass(frozen=True)
+class ProgramShapes:
+    """The shapes a generate call compiles its prefill and decode programs for (what a planner
+    compiles too, `zerojax.generation.program_memory`, so that its figures are this call's)."""
+
+    prompt_len: int  # the prompts' length bucket
+    out_len: int  # max_new_tokens' bucket
+    batch: int  # the rows' batch bucket (the decode's rows)
+    prefill_batch: int  # the distinct prompts' bucket (the prefill's rows)
+    expand: bool  # prompts repeat: the prefill runs each once, its cache copied to its rows
+    prefill_piece: int | None  # prompt tokens per prefill pass (None: all)
+    scores_bytes: int  # one prefill piece's fp32 attention scores
+    kernel: bool  # the decode attends with the fused kernel
+
+    @property
+    def length(self) -> int:
+        return self.prompt_len + self.out_len
+
+
+def program_shapes(target: _Target, *, rows: int, distinct: int, longest_prompt: int, max_new_tokens: int,
+                   decode_attention: str) -> ProgramShapes:
+    """The shapes of a call of `rows` prompts (`distinct` of them different, the longest
+    `longest_prompt` tokens) for `max_new_tokens`, on `target`; ValueError past the model's positions."""
+    geometry = geometry_of_config(target.model.config)
+    prompt_len, out_len = buckets.length_bucket(longest_prompt), buckets.length_bucket(max_new_tokens)
+    if geometry.max_positions is not None and longest_prompt + max_new_tokens > geometry.max_positions:
+        raise ValueError(f"zerojax.generate: prompt + max_new_tokens = {longest_prompt + max_new_tokens} "
+                         f"exceeds this model's {geometry.max_positions} learned positions")
+    kernel = decoder.check_decode_attention(decode_attention, geometry, prompt_len + out_len, target.devices)
+    prefill_batch = buckets.batch_bucket(distinct)
+    heads = cache.per_rank(geometry.heads, target.tensor)
+    piece = decoder.prefill_piece(heads, prefill_batch, prompt_len)
+    return ProgramShapes(prompt_len, out_len, buckets.batch_bucket(rows), prefill_batch, distinct < rows,
+                         None if piece == prompt_len else piece,
+                         decoder.prefill_scores_bytes(heads, prefill_batch, prompt_len, piece), kernel)
 
 
 def _distinct(rows, batch: int):
