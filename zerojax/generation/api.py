@@ -48,7 +48,8 @@ class _Target:
     devices: int  # the devices the weights (and the cache) are spread over
 
 
-def _target(model_or_engine, weights=None) -> _Target:
+def generation_target(model_or_engine, weights=None) -> _Target:
+    """What generate's programs run on for a model or an engine (its live weights, or `weights`)."""
     from zerojax.engine.engine import Engine
 
     if weights is not None and not isinstance(model_or_engine, Engine):
@@ -134,7 +135,7 @@ def generate(model_or_engine, prompts, *, max_new_tokens: int = 64, temperature:
     if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:
         raise ValueError(f"max_new_tokens={max_new_tokens!r}: an int >= 1")
     sampler, values = sampling.settings(temperature, top_k, top_p, repetition_penalty)
-    target = _target(model_or_engine, weights)
+    target = generation_target(model_or_engine, weights)
     rows = _prompts(prompts, tokenizer, add_special_tokens)
     stop = [stop] if isinstance(stop, (str, int)) else list(stop or ())
     stop_strings = [s for s in stop if isinstance(s, str)]
@@ -288,4 +289,5 @@ def chat(model_or_engine, messages: Sequence[dict], *, tokenizer, template: str 
     return generate(model_or_engine, [text], tokenizer=tokenizer, add_special_tokens=False, **kwargs)
 
 
-__all__ = ["Generation", "generate", "chat", "check_chat_template", "STOP_STRING_CHECK_EVERY"]
+__all__ = ["Generation", "generate", "chat", "check_chat_template", "STOP_STRING_CHECK_EVERY", "ProgramShapes",
+           "program_shapes", "generation_target", "stop_slots"]

@@ -19,7 +19,7 @@ import jax.numpy as jnp
 
 from zerojax.engine.memory import CompiledMemory, quiet_xla, resident_bytes
 from zerojax.generation import decoder, sampling
-from zerojax.generation.api import ProgramShapes, _target, stop_slots
+from zerojax.generation.api import ProgramShapes, generation_target, stop_slots
 
 
 @dataclasses.dataclass(frozen=True)
@@ -46,7 +46,7 @@ def generate_memory(engine, shapes: ProgramShapes, *, sampler, stops: int, weigh
     """The prefill and decode programs of a generate call of `shapes` on `engine`'s weights (or
     `weights`, a copy laid out as the engine's), greedy or sampled as `sampler`, with `stops` stop
     ids: compiled as the call compiles them, their memory analysis read."""
-    target = _target(engine, weights)
+    target = generation_target(engine, weights)
     S, i32 = jax.ShapeDtypeStruct, jnp.int32
     values = sampling.settings()[1]  # the values are arguments: any give the program's shapes
     stop, key = S((stop_slots(stops),), i32), jax.random.key(0)

@@ -112,7 +112,7 @@ def generate_need(rollouts, chunk: int) -> int:
     from zerojax.generation.program_memory import generate_memory
 
     o = rollouts.options
-    shapes = api.program_shapes(api._target(rollouts.engine), rows=chunk,
+    shapes = api.program_shapes(api.generation_target(rollouts.engine), rows=chunk,
                                 distinct=distinct_prompts(rollouts.rows, chunk, o.group),
                                 longest_prompt=rollouts.data.prompt_len, max_new_tokens=rollouts.max_new_tokens,
                                 decode_attention=o.decode_attention)
@@ -125,14 +125,14 @@ def generate_need(rollouts, chunk: int) -> int:
 def serving_need(rollouts) -> int:
     """The serving generator's page pool (every row of a rollout at once) and its step's transients,
     by count as the serving engine plans them."""
-    from zerojax.generation.api import _target
+    from zerojax.generation.api import generation_target
     from zerojax.generation.families import geometry_of_config
     from zerojax.rl.serving_rollouts import PAGE_SIZE
     from zerojax.serving.planning import step_transient_bytes
     from zerojax.serving.shapes import pow2
     from zerojax.serving.step import pool_bytes_per_page
 
-    model = _target(rollouts.engine).model
+    model = generation_target(rollouts.engine).model
     g, rows, P = geometry_of_config(model.config), rollouts.rows, rollouts.data.prompt_len
     length = P + rollouts.max_new_tokens
     pages = rows * -(-length // PAGE_SIZE) + 1  # one scratch page
