@@ -189,6 +189,9 @@ def test_grpo_through_zerojax_train_raises_the_reward_and_resumes_exactly(fp32_c
                if line.startswith("step ") and "reward/mean" in line]
     assert len(rewards) == 2 and rewards[0] < rewards[1], out  # logged at steps 10 and 14
     assert whole["method_metrics"]["reward/mean"] > 0.3, whole["method_metrics"]
+    # the rollout plan, in the header and the SUMMARY: CPU reports no limit, so every row at once
+    assert whole["rollout_plan"]["chunk"] == whole["rollout_plan"]["rows"] == 32
+    assert "rollouts: 32 rows (4 prompts x group 8, prompt 3 + 8 new tokens), generated all at once" in out
     timed = whole["rollouts"]  # steps 2 .. 13: neither the first (compiles) nor the last (no next rollout)
     assert timed["steps_timed"] == 12 and timed["generate_s"] > 0 and timed["train_s"] > 0
     assert timed["samples_per_s"] == pytest.approx(32 * 12 / (timed["generate_s"] + timed["train_s"]), rel=1e-2)

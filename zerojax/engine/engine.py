@@ -52,16 +52,7 @@ from zerojax.user_tree import take_layer
 
 logger = logging.getLogger("zerojax")
 
-_HOST_KINDS = ("pinned_host", "unpinned_host")
-
-
-def _nbytes(tree, host: bool) -> int:
-    total = 0
-    for a in jax.tree.leaves(tree):
-        kind = getattr(a.sharding, "memory_kind", None)
-        if (kind in _HOST_KINDS) == host:
-            total += a.addressable_shards[0].data.nbytes
-    return total
+_nbytes = memory.resident_bytes
 
 
 class MemoryReport(dict):

@@ -103,6 +103,22 @@ def device_free_bytes(device=None) -> int | None:
     return int(stats["bytes_limit"]) - int(stats["bytes_in_use"])
 
 
+_HOST_KINDS = ("pinned_host", "unpinned_host")
+
+
+def resident_bytes(tree, host: bool = False) -> int:
+    """Bytes one device holds of a tree of arrays in device memory (host=True: in host memory,
+    offload's pinned or unpinned host kinds)."""
+    import jax
+
+    total = 0
+    for a in jax.tree.leaves(tree):
+        kind = getattr(a.sharding, "memory_kind", None)
+        if (kind in _HOST_KINDS) == host:
+            total += a.addressable_shards[0].data.nbytes
+    return total
+
+
 class WillNotFitError(MemoryError):
     """The compiled step needs more device memory than the budget; `plans` lists ones that fit
     (`zerojax.planning.planner.Plan`s: anything with `describe()` and `config_patch()`)."""
@@ -368,4 +384,4 @@ def logical_names(var) -> tuple:
 
 __all__ = ["CompiledMemory", "device_budget", "WillNotFitError", "HeldMemoryError", "check_fits", "check_free",
            "largest_fitting", "double_then_bisect", "longest_fitting", "compile_engine_step", "guard", "quiet_xla",
-           "count_params", "parse_bytes", "fmt_bytes", "GiB", "GB", "logical_names"]
+           "count_params", "parse_bytes", "resident_bytes", "fmt_bytes", "GiB", "GB", "logical_names"]

@@ -48,7 +48,8 @@ class _Target:
     devices: int  # the devices the weights (and the cache) are spread over
 
 
-def _target(model_or_engine, weights=None) -> _Target:
+def generation_target(model_or_engine, weights=None) -> _Target:
+    """What generate's programs run on for a model or an engine (its live weights, or `weights`)."""
     from zerojax.engine.engine import Engine
 
     if weights is not None and not isinstance(model_or_engine, Engine):
@@ -134,7 +135,7 @@ def generate(model_or_engine, prompts, *, max_new_tokens: int = 64, temperature:
     if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:
         raise ValueError(f"max_new_tokens={max_new_tokens!r}: an int >= 1")
     sampler, values = sampling.settings(temperature, top_k, top_p, repetition_penalty)
-    target = _target(model_or_engine, weights)
+    target = generation_target(model_or_engine, weights)
     rows = _prompts(prompts, tokenizer, add_special_tokens)
     stop = [stop] if isinstance(stop, (str, int)) else list(stop or ())
     stop_strings = [s for s in stop if isinstance(s, str)]
@@ -142,32 +143,22 @@ def generate(model_or_engine, prompts, *, max_new_tokens: int = 64, temperature:
         raise ValueError("zerojax.generate: stop strings need tokenizer=")
     stop_ids = [int(s) for s in stop if not isinstance(s, str)] + ([] if ignore_eos else _eos_ids(target.model,
                                                                                                  tokenizer))
-    stop_arr = np.full((-(-max(len(stop_ids), 1) // STOP_ID_SLOTS) * STOP_ID_SLOTS,), -2, np.int32)
+    stop_arr = np.full((stop_slots(len(stop_ids)),), -2, np.int32)
     stop_arr[:len(stop_ids)] = stop_ids
 
+    distinct, expand = _distinct(rows, buckets.batch_bucket(len(rows)))
+    shapes = program_shapes(target, rows=len(rows), distinct=len(distinct), longest_prompt=max(len(r) for r in rows),
+                            max_new_tokens=max_new_tokens, decode_attention=decode_attention)
+    prompt_len, length, batch = shapes.prompt_len, shapes.length, shapes.batch
     geometry = geometry_of_config(target.model.config)
-    prompt_len = buckets.length_bucket(max(len(r) for r in rows))
-    out_len = buckets.length_bucket(max_new_tokens)
-    length = prompt_len + out_len
-    if geometry.max_positions is not None and max(len(r) for r in rows) + max_new_tokens > geometry.max_positions:
-        raise ValueError(f"zerojax.generate: prompt + max_new_tokens = {max(len(r) for r in rows) + max_new_tokens} "
-                         f"exceeds this model's {geometry.max_positions} learned positions")
-    kernel = decoder.check_decode_attention(decode_attention, geometry, length, target.devices)
-    batch = buckets.batch_bucket(len(rows))
-    distinct, expand = _distinct(rows, batch)
-    prefill_batch = buckets.batch_bucket(len(distinct))
-    heads = cache.per_rank(geometry.heads, target.tensor)
-    piece = decoder.prefill_piece(heads, prefill_batch, prompt_len)
     nbytes = cache.cache_bytes(geometry, batch, length, target.model.dtype, target.tensor)
-    cache.check_cache_fits(nbytes, batch, length, device_free_bytes(target.device),
-                           scores=decoder.prefill_scores_bytes(heads, prefill_batch, prompt_len, piece))
+    cache.check_cache_fits(nbytes, batch, length, device_free_bytes(target.device), scores=shapes.scores_bytes)
 
-    ids, pad = buckets.left_pad(distinct, prompt_len, prefill_batch)
+    ids, pad = buckets.left_pad(distinct, prompt_len, shapes.prefill_batch)
     live = np.arange(batch) < len(rows)
     key = jax.random.key(seed)
     state = decoder.prefill(target.weights, ids, pad, live, values, stop_arr, key, expand, source=target.source,
-                            sampler=sampler, length=length, out_len=out_len,
-                            piece=None if piece == prompt_len else piece)
+                            sampler=sampler, length=length, out_len=shapes.out_len, piece=shapes.prefill_piece)
     if expand is not None:
         pad = pad[expand]
     chunk = STOP_STRING_CHECK_EVERY if stop_strings else max_new_tokens
@@ -177,12 +168,54 @@ def generate(model_or_engine, prompts, *, max_new_tokens: int = 64, temperature:
         if step < max_new_tokens and not bool(np.all(np.asarray(state.done))):
             state = decoder.decode(target.weights, state, pad, np.int32(prompt_len),
                                    np.int32(min(step + chunk, max_new_tokens)), values, stop_arr, key,
-                                   source=target.source, sampler=sampler, kernel=kernel)
+                                   source=target.source, sampler=sampler, kernel=shapes.kernel)
         if stop_strings:
             state = _apply_stop_strings(state, tokenizer, stop_strings, cut, len(rows))
         if int(state.step) >= max_new_tokens or bool(np.all(np.asarray(state.done))):
             break
     return _result(np.asarray(state.tokens)[:len(rows), :max_new_tokens], stop_ids, cut, tokenizer)
+
+
+def stop_slots(n: int) -> int:
+    """The stop ids' array length for `n` ids: a multiple of STOP_ID_SLOTS (their count is a shape)."""
+    return -(-max(n, 1) // STOP_ID_SLOTS) * STOP_ID_SLOTS
+
+
+@dataclasses.dataclass(frozen=True)
+class ProgramShapes:
+    """The shapes a generate call compiles its prefill and decode programs for (what a planner
+    compiles too, `zerojax.generation.program_memory`, so that its figures are this call's)."""
+
+    prompt_len: int  # the prompts' length bucket
+    out_len: int  # max_new_tokens' bucket
+    batch: int  # the rows' batch bucket (the decode's rows)
+    prefill_batch: int  # the distinct prompts' bucket (the prefill's rows)
+    expand: bool  # prompts repeat: the prefill runs each once, its cache copied to its rows
+    prefill_piece: int | None  # prompt tokens per prefill pass (None: all)
+    scores_bytes: int  # one prefill piece's fp32 attention scores
+    kernel: bool  # the decode attends with the fused kernel
+
+    @property
+    def length(self) -> int:
+        return self.prompt_len + self.out_len
+
+
+def program_shapes(target: _Target, *, rows: int, distinct: int, longest_prompt: int, max_new_tokens: int,
+                   decode_attention: str) -> ProgramShapes:
+    """The shapes of a call of `rows` prompts (`distinct` of them different, the longest
+    `longest_prompt` tokens) for `max_new_tokens`, on `target`; ValueError past the model's positions."""
+    geometry = geometry_of_config(target.model.config)
+    prompt_len, out_len = buckets.length_bucket(longest_prompt), buckets.length_bucket(max_new_tokens)
+    if geometry.max_positions is not None and longest_prompt + max_new_tokens > geometry.max_positions:
+        raise ValueError(f"zerojax.generate: prompt + max_new_tokens = {longest_prompt + max_new_tokens} "
+                         f"exceeds this model's {geometry.max_positions} learned positions")
+    kernel = decoder.check_decode_attention(decode_attention, geometry, prompt_len + out_len, target.devices)
+    prefill_batch = buckets.batch_bucket(distinct)
+    heads = cache.per_rank(geometry.heads, target.tensor)
+    piece = decoder.prefill_piece(heads, prefill_batch, prompt_len)
+    return ProgramShapes(prompt_len, out_len, buckets.batch_bucket(rows), prefill_batch, distinct < rows,
+                         None if piece == prompt_len else piece,
+                         decoder.prefill_scores_bytes(heads, prefill_batch, prompt_len, piece), kernel)
 
 
 def _distinct(rows, batch: int):
@@ -256,4 +289,5 @@ def chat(model_or_engine, messages: Sequence[dict], *, tokenizer, template: str 
     return generate(model_or_engine, [text], tokenizer=tokenizer, add_special_tokens=False, **kwargs)
 
 
-__all__ = ["Generation", "generate", "chat", "check_chat_template", "STOP_STRING_CHECK_EVERY"]
+__all__ = ["Generation", "generate", "chat", "check_chat_template", "STOP_STRING_CHECK_EVERY", "ProgramShapes",
+           "program_shapes", "generation_target", "stop_slots"]

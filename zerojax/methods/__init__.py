@@ -212,8 +212,14 @@ def _check_reward_given(name, options, data):
 def _grpo_rollouts(engine, data, options, *, seed, start_step, num_steps):
     from zerojax.rl.rollouts import RolloutBatches
 
-    return RolloutBatches(engine, data, _reward(options), options, seed=seed, start_step=start_step,
-                          num_steps=num_steps)
+    return _announced(RolloutBatches(engine, data, _reward(options), options, seed=seed, start_step=start_step,
+                                     num_steps=num_steps))
+
+
+def _announced(rollouts):
+    """The rollouts, their plan said in the run's header (rows generated at once, predicted peak)."""
+    print(rollouts.plan.describe())
+    return rollouts
 
 
 def _grpo_check(options, rows, data):
@@ -281,8 +287,8 @@ def _ppo_check(options, rows, data):
 def _ppo_rollouts(engine, data, options, *, seed, start_step, num_steps):
     from zerojax.rl.ppo_rollouts import PPORollouts
 
-    return PPORollouts(engine, data, _reward(options), options, seed=seed, start_step=start_step,
-                       num_steps=num_steps)
+    return _announced(PPORollouts(engine, data, _reward(options), options, seed=seed, start_step=start_step,
+                                  num_steps=num_steps))
 
 
 register(Method(

@@ -36,6 +36,7 @@ from zerojax.rl import advantages as adv_mod
 from zerojax.rl.policy import EnginePolicy, pick_reference
 from zerojax.rl.prompts import PromptData, decode
 from zerojax.rl.rewards import combined, score
+from zerojax.rl.rollout_plan import CHUNK_AUTO, check_chunk_option, chunks, plan_rollouts
 
 LOSS_LEVELS = ("sequence", "token")
 GENERATORS = ("generate", "serving")
@@ -61,7 +62,10 @@ class RolloutOptions:
     frees its place; greedy rollouts equal generate's, sampled ones draw each row's own stream);
     off_policy: 0 (on-policy) or 1: one-step off-policy, each step's rollout generated from the
     weights of the step before, while that step trains (`RolloutBatches`; GRPO corrects it with
-    truncated importance sampling, `GRPOOptions.tis_cap`)."""
+    truncated importance sampling, `GRPOOptions.tis_cap`); rollout_chunk: rows generate decodes at once
+    (generator "generate"), "auto" the most that fit the device beside the training states
+    (`zerojax.rl.rollout_plan`, checked before the first rollout; greedy rows are the same at any
+    chunk, sampled ones are drawn per chunk: an int pins them across devices)."""
 
     group: int = 8
     max_new_tokens: int | None = None
@@ -82,6 +86,7 @@ class RolloutOptions:
     shared_prompt: bool = True
     generator: str = "generate"
     off_policy: int = 0
+    rollout_chunk: int | str = "auto"
     min_group: ClassVar[int] = 2  # GRPO compares a prompt's completions
 
     @classmethod
@@ -112,6 +117,10 @@ class RolloutOptions:
         if self.generator not in GENERATORS:
             raise ValueError(f"generator={self.generator!r}; choose one of {GENERATORS}")
         check_off_policy(self.off_policy, self.iterations)
+        check_chunk_option(self.rollout_chunk)
+        if self.generator == "serving" and self.rollout_chunk != CHUNK_AUTO:
+            raise ValueError(f"rollout_chunk={self.rollout_chunk!r} is generate's: the serving engine holds a "
+                             "rollout's rows in its page pool; leave rollout_chunk \"auto\" with generator \"serving\"")
         if self.generator == "serving" and self.decode_attention != "auto":
             raise ValueError(f"decode_attention={self.decode_attention!r} is generate's: the serving engine "
                              "attends over its pages; leave decode_attention \"auto\" with generator \"serving\"")
@@ -173,6 +182,7 @@ class RolloutBatches:
         self.policy = EnginePolicy(engine, temperature=o.temperature or 1.0, reference=self.reference,
                                    group=o.group if o.shared_prompt else None)
         self.step, self.end = int(start_step), None if num_steps is None else int(start_step) + int(num_steps)
+        self.plan = plan_rollouts(self)  # before the first rollout: refused here where it cannot fit
         self.metrics: dict = {}
         self.history: list[dict] = []
         self._cached = None  # (rollout index, batch, metrics)
@@ -275,11 +285,18 @@ class RolloutBatches:
         o = self.options
         if o.generator == "serving":
             return self._serving_generator()([self.data.ids[i] for i in prompts], seed, weights)
-        gen = zerojax.generate(self.engine, [self.data.ids[i] for i in prompts], max_new_tokens=self.max_new_tokens,
-                               temperature=o.temperature, top_p=o.top_p, top_k=o.top_k, stop=list(o.stop),
-                               ignore_eos=o.ignore_eos, seed=seed, tokenizer=_TextTokenizer(self.tokenizer),
-                               add_special_tokens=False, decode_attention=o.decode_attention, weights=weights)
-        return gen.tokens, gen.texts
+        tokens, texts = [], []
+        parts = chunks(prompts, self.plan.chunk)
+        for j, part in enumerate(parts):
+            # one chunk keeps the rollout's seed (the rows of an unchunked run); more draw each its own
+            key = seed if len(parts) == 1 else int(np.random.default_rng([seed, j]).integers(2 ** 31 - 1))
+            gen = zerojax.generate(self.engine, [self.data.ids[i] for i in part], max_new_tokens=self.max_new_tokens,
+                                   temperature=o.temperature, top_p=o.top_p, top_k=o.top_k, stop=list(o.stop),
+                                   ignore_eos=o.ignore_eos, seed=key, tokenizer=_TextTokenizer(self.tokenizer),
+                                   add_special_tokens=False, decode_attention=o.decode_attention, weights=weights)
+            tokens += gen.tokens
+            texts += gen.texts
+        return tokens, texts
 
     def rollout(self, r: int, weights=None):
         """(training batch, metrics) of rollout r, generated from `weights` (a snapshot) where

@@ -18,6 +18,17 @@ def rollout_times(history: list, rows: int) -> dict:
             "samples_per_s": round(rows * len(pairs) / total, 2) if total > 0 else None}
 
 
+def rollout_summary(rollouts, rows: int) -> dict:
+    """An RL run's SUMMARY entries: "rollout_plan" (rows generated at once, the bytes planned,
+    `zerojax.rl.rollout_plan`) and, past two steps, "rollouts" (`rollout_times`); {} without rollouts."""
+    if rollouts is None:
+        return {}
+    out = {"rollout_plan": rollouts.plan.to_dict()} if getattr(rollouts, "plan", None) is not None else {}
+    if len(rollouts.history) > 2:
+        out["rollouts"] = rollout_times(rollouts.history, rows)
+    return out
+
+
 def closing_line(summary: dict) -> str:
     """The run in one line for people, from its SUMMARY: steps and time, loss first -> last,
     speed, validation loss, device peak."""
@@ -59,4 +70,4 @@ def stopped_line(signal_name: str, step: int, path: str | None) -> str:
     return f"{signal_name}: stopped after step {step}; nothing saved (no --save folder)"
 
 
-__all__ = ["rollout_times", "closing_line", "last_good_checkpoint", "stopped_line"]
+__all__ = ["rollout_times", "rollout_summary", "closing_line", "last_good_checkpoint", "stopped_line"]

@@ -20,7 +20,7 @@ from zerojax.trainer.choice import checkpoint_model, hf_model_type, named_model
 from zerojax.trainer.errors import ConfigMismatch
 from zerojax.trainer.export import export_hf, host_peak_rss
 from zerojax.trainer.flags import parse_args
-from zerojax.trainer.report import closing_line, last_good_checkpoint, rollout_times, stopped_line
+from zerojax.trainer.report import closing_line, last_good_checkpoint, rollout_summary, stopped_line
 from zerojax.trainer.setup import (
     batch_note,
     check_lora_resume,
@@ -698,8 +698,7 @@ class Trainer:
                            method_metrics={k: float(self.last_metrics[k]) for k in self.method_keys})
         elif self.method_keys:  # the model's loss terms beside the cross entropy (a mixture of experts' router losses)
             summary["loss_metrics"] = {k: float(self.last_metrics[k]) for k in self.method_keys}
-        if self.rollouts is not None and len(self.rollouts.history) > 2:
-            summary["rollouts"] = rollout_times(self.rollouts.history, cfg.train_batch_size)
+        summary.update(rollout_summary(self.rollouts, cfg.train_batch_size))
         if meter.tokens_per_s_per_device is not None:
             summary["tokens_per_s_per_device"] = round(meter.tokens_per_s_per_device)
         if meter.mfu is not None:
