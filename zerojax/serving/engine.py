@@ -7,6 +7,15 @@ requests give their pages back at once. Single-threaded: the server's engine thr
 A step is at most two program calls per adapter: the rows feeding one token (decodes) as [R, 1]
 and the rows feeding a prompt chunk as [R, C], each shape from `zerojax.serving.shapes`, so the
 programs compiled stay few whatever the requests' lengths.
+
+Steps overlap (`overlap=True`, vLLM's async scheduling): step t+1 is dispatched before step t's
+sampled tokens are read, so the device never waits on the host's scheduling, input building and
+output handling between steps. A decode row of t+1 feeds the token t sampled straight from the
+device (the token board: each step writes its rows' tokens at their slots, the next reads them);
+the host reads t's tokens while t+1 runs and handles stops and streaming one step behind. A
+request that stopped at t has computed one more token at t+1: it is dropped unread, and its pages
+went back when t was read. A step whose rows need a token still in flight on the host (a
+preempted request fed again, penalties counting it) reads it first.
 """
 from __future__ import annotations
 
@@ -74,12 +83,13 @@ class LLMEngine:
     new tokens of one request (default: the model's positions, at most the pool). buckets: the
     floors of the compiled shapes (`zerojax.serving.shapes.Buckets`). decode_attention: how a decode
     step reads the pages: "kernel", the fused kernel through each row's page table; "xla", the rows'
-    pages gathered for XLA's products; "auto", the kernel on one GPU where it takes the shapes."""
+    pages gathered for XLA's products; "auto", the kernel on one GPU where it takes the shapes.
+    overlap: dispatch each step before reading the one before's tokens (the module's docstring)."""
 
     def __init__(self, model, tokenizer=None, *, adapters=None, page_size: int = 16, kv_cache_tokens: int | None = None,
                  max_num_seqs: int = 64, max_batched_tokens: int = 512, max_model_len: int | None = None,
                  prefix_caching: bool = True, memory_fraction: float = 0.9, buckets: shapes.Buckets = shapes.Buckets(),
-                 decode_attention: str = "auto"):
+                 decode_attention: str = "auto", overlap: bool = True):
         for name, v in (("page_size", page_size), ("max_num_seqs", max_num_seqs),
                         ("max_batched_tokens", max_batched_tokens)):
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
@@ -112,6 +122,9 @@ class LLMEngine:
         self.buckets = buckets
         self._pool_sharding = None  # where the KV pool lies: the default device, or the weights' (use_weights)
         self.keys, self.values = self._fresh_pool()
+        self.board = self._fresh_board()
+        self.overlap = overlap
+        self._pending = None  # the step dispatched and not read yet: (plan, launched groups, rows that sample)
         self.detok = Detokenizer(tokenizer)
         self._requests: dict[str, Request] = {}
         self._sent: dict[str, tuple[int, str]] = {}
@@ -123,6 +136,11 @@ class LLMEngine:
     def _fresh_pool(self):
         pool = step_mod.empty_pool(self.geometry, self.pool.num_pages, self.page_size, self.dtype)
         return pool if self._pool_sharding is None else jax.device_put(pool, self._pool_sharding)
+
+    def _fresh_board(self):
+        """The token board: an entry per running request's slot, and the padding rows' last."""
+        board = np.zeros(self.scheduler.max_num_seqs + 1, np.int32)
+        return jax.device_put(board, self._pool_sharding) if self._pool_sharding is not None else jax.device_put(board)
 
     def use_weights(self, weights, source=None) -> None:
         """Serve the base from `weights` from the next step on, without a copy (a training engine's
@@ -147,7 +165,8 @@ class LLMEngine:
         elif leaf is not None and leaf.sharding.device_set != self.keys.sharding.device_set:
             self._pool_sharding = jax.sharding.SingleDeviceSharding(next(iter(leaf.devices())))
         if self._pool_sharding is not None and self.keys.sharding != self._pool_sharding:
-            self.keys, self.values = jax.device_put((self.keys, self.values), self._pool_sharding)
+            self.keys, self.values, self.board = jax.device_put((self.keys, self.values, self.board),
+                                                                self._pool_sharding)
 
     @staticmethod
     def _decode_kernel(choice: str, geometry, page_size: int) -> bool:
@@ -274,18 +293,62 @@ class LLMEngine:
     # ---- one step ----------------------------------------------------------------------------
 
     def step(self) -> list[RequestOutput]:
-        """One engine step -> an update for each request that got a token or finished."""
+        """One engine step -> an update for each request that got a token or finished. With
+        overlap, the tokens are the step before's: this step is dispatched first, then they are read."""
         plan = self.scheduler.schedule()
-        if not plan:
-            return []
-        try:
-            sampled = self._run(plan)
-        except Exception as e:
-            return self._recover(plan, e)
         outputs = []
+        if any(req.in_flight and (n > 1 or req.params.penalized) for req, n in plan):
+            # a row feeds (or counts) a token the host has not read: read it first; rows that stopped there go
+            outputs = self._read_pending()
+            plan = [(req, n) for req, n in plan if req.finish_reason is None]
+        launched = None
+        if plan:
+            try:
+                launched = self._dispatch(plan)
+            except Exception as e:
+                return outputs + self._read_pending() + self._recover(plan, e)
+        outputs += self._read_pending()
+        self._pending = launched
+        if not self.overlap:
+            outputs += self._read_pending()
+        return outputs
+
+    def _dispatch(self, plan) -> tuple:
+        """The plan's rows through the compiled step, grouped by adapter and by one token / a chunk,
+        every call dispatched before any result is read -> the pending step (plan, [(rows, StepOut)],
+        the requests that sample a token)."""
+        groups: dict = {}
         for req, n in plan:
+            groups.setdefault((None if self._stacked else req.adapter, n > 1), []).append((req, n))
+        launched = [(rows, self._launch(self._stacked[0] if self._stacked else self._models[adapter], rows))
+                    for (adapter, _), rows in groups.items()]
+        for _, out in launched:
+            out.tokens.copy_to_host_async()  # on its way to the host as soon as the step ends
+        sampling = set()
+        for req, n in plan:
+            if req.num_computed < len(req.prompt):
+                self.prompt_tokens += min(n, len(req.prompt) - req.num_computed)
             self.scheduler.computed(req, n)
-            if req.remaining > 0:  # mid-prompt: no token yet
+            if req.remaining == 0:  # past its prompt: the step samples its next token
+                req.in_flight += 1
+                sampling.add(req)
+        return plan, launched, sampling
+
+    def _read_pending(self) -> list[RequestOutput]:
+        """The pending step's tokens read (waiting for it to end), appended, checked for stops ->
+        the updates; a request finished or aborted since it was dispatched gets none."""
+        if self._pending is None:
+            return []
+        (plan, launched, sampling), self._pending = self._pending, None
+        sampled = {}
+        for rows, out in launched:
+            sampled.update(self._collect(rows, out))
+        outputs = []
+        for req, _ in plan:
+            if req not in sampling:  # mid-prompt: no token yet
+                continue
+            req.in_flight -= 1
+            if req.finish_reason is not None:  # stopped at the step before, or aborted: its token is dropped
                 continue
             token, logprob, top = sampled[req]
             if req.params.logprobs is not None:
@@ -304,32 +367,20 @@ class LLMEngine:
 
     def _recover(self, plan, error: Exception) -> list[RequestOutput]:
         """A step that raised: its requests fail (a 500 for their clients); where the pool it was
-        given is gone (donated to the failed call) a fresh one is made and every other running
-        request is preempted, to be recomputed: the engine keeps serving."""
+        given is gone (donated to the failed call) a fresh one is made, the cached prompt pages
+        forgotten, and every other running request is preempted, to be recomputed: the engine keeps
+        serving."""
         log.exception("serving step failed")
         failed = {req for req, _ in plan}
         out = self.fail(list(failed), f"{type(error).__name__}: {error}")
+        if self.board.is_deleted():
+            self.board = self._fresh_board()
         if self.keys.is_deleted() or self.values.is_deleted():
             self.keys, self.values = self._fresh_pool()
             for req in list(self.scheduler.running):
                 self.scheduler.preempt(req)
+            self.pool.forget_prefixes()
         return out
-
-    def _run(self, plan) -> dict:
-        """The plan's rows through the compiled step, grouped by adapter and by one token / a chunk
-        -> {request: (token, logprob, {top id: logprob})}."""
-        groups: dict = {}
-        for req, n in plan:
-            groups.setdefault((None if self._stacked else req.adapter, n > 1), []).append((req, n))
-            if req.num_computed < len(req.prompt):
-                self.prompt_tokens += min(n, len(req.prompt) - req.num_computed)
-        # every call dispatched before any result is read: the host prepares the next while one runs
-        launched = [(rows, self._launch(self._stacked[0] if self._stacked else self._models[adapter], rows))
-                    for (adapter, _), rows in groups.items()]
-        sampled = {}
-        for rows, out in launched:
-            sampled.update(self._collect(rows, jax.device_get(out)))
-        return sampled
 
     def _launch(self, model, rows) -> step_mod.StepOut:
         """One group's rows through the step (the pool updated in place) -> its outputs, on the device."""
@@ -344,33 +395,37 @@ class LLMEngine:
         tokens = np.zeros((R, C), np.int32)
         start, count = np.zeros(R, np.int32), np.zeros(R, np.int32)
         pages = np.full((R, P), SCRATCH_PAGE, np.int32)
+        slot, chained = np.full(R, self.scheduler.max_num_seqs, np.int32), np.zeros(R, bool)
         temperature, top_p = np.zeros(R, np.float32), np.ones(R, np.float32)
         top_k, seed, index = np.zeros(R, np.int32), np.zeros(R, np.uint32), np.zeros(R, np.int32)
         for r, (req, n) in enumerate(rows):
-            tokens[r, :n] = req.feed(n)
-            start[r], count[r] = req.num_computed, n
+            if req.in_flight:  # a decode of the token the step before sampled: read from the board
+                chained[r] = True
+            else:
+                tokens[r, :n] = req.feed(n)
+            start[r], count[r], slot[r] = req.num_computed, n, req.slot
             pages[r, :len(req.pages)] = req.pages
             p = req.params
             temperature[r], top_p[r], top_k[r] = p.temperature, p.top_p, p.top_k
-            seed[r], index[r] = req.seed, len(req.output)
+            seed[r], index[r] = req.seed, len(req.output) + req.in_flight
         adapter = None
         if self._stacked:
             adapter = np.zeros(R, np.int32)
             adapter[:len(rows)] = [self._stacked[1][req.adapter] for req, _ in rows]
         want_top = max((req.params.logprobs or 0) for req, _ in rows)
-        return self._call(model, step_mod.Rows(tokens, start, count, pages, adapter),
+        return self._call(model, step_mod.Rows(tokens, start, count, pages, adapter, slot, chained),
                           step_mod.RowSampling(temperature, top_p, top_k, seed, index), self._penalties(rows, R),
                           SamplingParams.MAX_LOGPROBS if want_top else 0)
 
     def _call(self, model, rows: step_mod.Rows, sampling: step_mod.RowSampling, penalties, top: int):
-        """One compiled step over `rows` (the pool updated in place) -> its StepOut on the device."""
+        """One compiled step over `rows` (the pool and the board updated in place) -> its StepOut on the device."""
         weights, source = model
         R, C = rows.tokens.shape
         self._programs.add((id(source), R, C, rows.pages.shape[1], penalties is not None, top))
         run = step_mod.step if C == 1 else step_mod.chunk_step
-        self.keys, self.values, out = run(weights, self.keys, self.values, rows, sampling, penalties, source=source,
-                                          page_size=self.page_size, top_logprobs=top,
-                                          kernel=self.decode_kernel and C == 1)
+        self.keys, self.values, self.board, out = run(
+            weights, self.keys, self.values, rows, sampling, penalties, self.board, source=source,
+            page_size=self.page_size, top_logprobs=top, kernel=self.decode_kernel and C == 1)
         return out
 
     def warm_up(self, max_chunk: int | None = None) -> int:
@@ -388,7 +443,9 @@ class LLMEngine:
             for R, C, P in shapes_:
                 z = np.zeros(R, np.int32)
                 adapter = z if self._stacked else None
-                rows = step_mod.Rows(np.zeros((R, C), np.int32), z, z, np.full((R, P), SCRATCH_PAGE, np.int32), adapter)
+                # padding rows: the board's padding entry
+                rows = step_mod.Rows(np.zeros((R, C), np.int32), z, z, np.full((R, P), SCRATCH_PAGE, np.int32), adapter,
+                                     np.full(R, self.scheduler.max_num_seqs, np.int32), np.zeros(R, bool))
                 sampling = step_mod.RowSampling(np.zeros(R, np.float32), np.ones(R, np.float32), z,
                                                 np.zeros(R, np.uint32), z)
                 outs.append(self._call(model, rows, sampling, None, 0))
@@ -397,7 +454,13 @@ class LLMEngine:
 
     @staticmethod
     def _collect(rows, out: step_mod.StepOut) -> dict:
-        tokens, logprobs = out.tokens.tolist(), out.logprob.tolist()
+        """{request: (token, logprob, {top id: logprob})} of a group's rows; the log-probabilities
+        cross to the host only where a row asked for them (a step's one wait is for its tokens)."""
+        tokens = np.asarray(out.tokens).tolist()
+        if not any(req.params.logprobs is not None for req, _ in rows):
+            return {req: (tokens[r], None, {}) for r, (req, _) in enumerate(rows)}
+        out = jax.device_get(out)
+        logprobs = out.logprob.tolist()
         result = {}
         for r, (req, _) in enumerate(rows):
             k = req.params.logprobs or 0

@@ -8,6 +8,12 @@ waits in the queue (never an out-of-memory). Pages are taken as tokens need them
 request needs a page and none is left, the youngest running request is preempted: its pages go
 back, and it waits at the head of the queue to be recomputed from its prompt and the tokens it
 already has (its output so far is kept, so its greedy tokens are unchanged).
+
+A request's last token may be in flight: sampled by a step the engine dispatched but has not read
+yet (`zerojax.serving.engine`: the next step is dispatched first). It counts as fed-to-come
+(`Request.remaining`), and a request whose in-flight tokens reach its max_tokens is not scheduled
+again. Each running request holds a slot of the engine's token board, where the step writes its
+sampled token for the next step to read on the device.
 """
 from __future__ import annotations
 
@@ -43,6 +49,8 @@ class Request:
     text: str = ""  # the new text so far (incremental detokenization below)
     prefix_offset: int = 0
     read_offset: int = 0
+    in_flight: int = 0  # tokens sampled by a dispatched step, not read yet (not in `output`)
+    slot: int = -1  # its entry of the engine's token board while running
 
     @property
     def tokens(self) -> list[int]:
@@ -57,8 +65,13 @@ class Request:
 
     @property
     def remaining(self) -> int:
-        """Tokens to feed before its next token can be sampled."""
-        return len(self.prompt) + len(self.output) - self.num_computed
+        """Tokens to feed before its next token can be sampled (an in-flight one included)."""
+        return len(self.prompt) + len(self.output) + self.in_flight - self.num_computed
+
+    @property
+    def length_reached(self) -> bool:
+        """Its tokens, the in-flight ones counted, reach max_tokens: it finishes once they are read."""
+        return len(self.output) + self.in_flight >= self.max_tokens
 
 
 class Scheduler:
@@ -73,6 +86,8 @@ class Scheduler:
         # oldest first; a dict for its order and O(1) membership (a step asks of every row)
         self.running: dict[Request, None] = {}
         self.preemptions = 0
+        # the token board's entries (`Request.slot`), one per running request; entry max_num_seqs is the padding's
+        self._free_slots = list(range(max_num_seqs - 1, -1, -1))
 
     def add(self, req: Request) -> None:
         if self.prefix_caching:
@@ -87,7 +102,7 @@ class Scheduler:
         planned: set[Request] = set()
         # decodes first, then the prompts being read: a long prompt's chunk never takes a decode's turn
         for req in sorted(self.running, key=lambda r: r.remaining > 1):
-            if req not in self.running:  # preempted below for an older request
+            if req not in self.running or req.length_reached:  # preempted below for an older request; done
                 continue
             n = min(req.remaining, budget)
             if n > 1:
@@ -114,12 +129,21 @@ class Scheduler:
                 self._release(req)
                 break
             self.waiting.popleft()
-            self.running[req] = None
+            self._run(req)
             plan.append((req, n))
             budget -= n
             if n > 1:
                 chunks.take(n)
         return plan
+
+    def _run(self, req: Request) -> None:
+        req.slot = self._free_slots.pop()
+        self.running[req] = None
+
+    def _stop_running(self, req: Request) -> None:
+        del self.running[req]
+        self._free_slots.append(req.slot)
+        req.slot = -1
 
     def _take_cached_prefix(self, req: Request) -> None:
         """Its prompt's longest cached run of full pages; one prompt token is always left to feed
@@ -153,7 +177,7 @@ class Scheduler:
 
     def preempt(self, req: Request) -> None:
         """Its pages back to the pool; it waits at the head of the queue to be recomputed."""
-        del self.running[req]
+        self._stop_running(req)
         self._release(req)
         self.waiting.appendleft(req)
         self.preemptions += 1
@@ -166,7 +190,7 @@ class Scheduler:
         """A request done (finished or aborted): out of the queue or the running set, its pages
         back to the pool at once."""
         if req in self.running:
-            del self.running[req]
+            self._stop_running(req)
         elif req in self.waiting:
             self.waiting.remove(req)
         self._release(req)

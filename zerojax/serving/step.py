@@ -40,6 +40,8 @@ class Rows(NamedTuple):
     count: jax.Array  # int32 [R]: tokens fed (0: a padding row)
     pages: jax.Array  # int32 [R, P]: the page table (unused entries: the scratch page 0)
     adapter: jax.Array | None = None  # int32 [R]: each row's adapter in a stacked-adapters model (0: none)
+    slot: jax.Array | None = None  # int32 [R]: each row's entry of the token board (padding rows: the last)
+    chained: jax.Array | None = None  # bool [R]: its token fed is the board's (sampled by the step before, unread)
 
 
 class RowSampling(NamedTuple):
@@ -143,12 +145,22 @@ def _sample(logits, s: RowSampling):
     return jax.lax.cond(jnp.any(s.temperature > 0), sampled, lambda _: greedy, logits)
 
 
-def _step(weights, keys, values, rows: Rows, sampling: RowSampling, penalties: Penalties | None = None, *, source,
-          page_size: int, top_logprobs: int = 0, kernel: bool = False):
-    """-> (keys, values, StepOut): the rows' tokens through every layer (their keys and values
-    written to the pool, donated), and each row's next token from its last fed token. kernel (one
-    token a row): the attention read from the pages by the fused decode kernel, not gathered."""
+def _board_tokens(board, rows: Rows):
+    """The rows' tokens, a chained row's first (a decode's one) read from the board on the device:
+    the host dispatches a step before it has read the tokens the step before sampled."""
+    if board is None:
+        return rows.tokens
+    return rows.tokens.at[:, 0].set(jnp.where(rows.chained, board[rows.slot], rows.tokens[:, 0]))
+
+
+def _step(weights, keys, values, rows: Rows, sampling: RowSampling, penalties: Penalties | None = None, board=None,
+          *, source, page_size: int, top_logprobs: int = 0, kernel: bool = False):
+    """-> (keys, values, board, StepOut): the rows' tokens through every layer (their keys and
+    values written to the pool, donated), and each row's next token from its last fed token, also
+    written to the token board (int32 [slots + 1], donated; None: none) at the row's slot. kernel
+    (one token a row): the attention read from the pages by the fused decode kernel, not gathered."""
     model = source.model(weights)
+    rows = rows._replace(tokens=_board_tokens(board, rows))
     # each row's own adapter (zerojax.serving.adapters), else the model's projections
     rows_linear = None if rows.adapter is None else functools.partial(model.adapter.rows_linear, rows=rows.adapter)
     fam = family_of(model, linear=rows_linear)
@@ -180,13 +192,16 @@ def _step(weights, keys, values, rows: Rows, sampling: RowSampling, penalties: P
     tok = _sample(logits, sampling)
     logprob = jnp.take_along_axis(raw, tok[:, None], axis=1)[:, 0]
     top_lp, top_ids = jax.lax.top_k(raw, top_logprobs)
-    return keys, values, StepOut(tok, logprob, top_ids.astype(jnp.int32), top_lp)
+    if board is not None:
+        board = board.at[rows.slot].set(tok)
+    return keys, values, board, StepOut(tok, logprob, top_ids.astype(jnp.int32), top_lp)
 
 
 # The step as two compiled functions with generate's XLA options (zerojax.generation.decoder: each
 # layer's weights read as a slice of the stack where it lies, not copied first; the decode's
 # products left unmerged): `step` for rows of one token (decodes), `chunk_step` for prompt chunks.
-_JIT = dict(static_argnames=("source", "page_size", "top_logprobs", "kernel"), donate_argnames=("keys", "values"))
+_JIT = dict(static_argnames=("source", "page_size", "top_logprobs", "kernel"),
+            donate_argnames=("keys", "values", "board"))
 step = jax.jit(_step, compiler_options=decoder.DECODE_COMPILER_OPTIONS, **_JIT)
 chunk_step = jax.jit(_step, compiler_options=decoder.COMPILER_OPTIONS, **_JIT)
 
