@@ -17,6 +17,11 @@ gathers the rows' pages into one [R, kv_heads, P * page_size, head_dim] operand 
 Each row computes only from its own tokens, pages and random key, so a row's tokens never depend
 on which other rows share the step. The shapes (R, C, P) come from a small set of buckets; the
 sampling values are arguments, so no request compiles anything new.
+
+The token board (int32 [slots + 1], donated like the pool) carries a decode's input token from one
+step to the next on the device: each step writes its rows' sampled tokens at their slots, and a
+row marked `chained` feeds its slot's token, so the engine can dispatch a step before it has read
+the tokens of the step before (`zerojax.serving.engine`).
 """
 from __future__ import annotations
 
