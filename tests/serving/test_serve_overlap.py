@@ -129,3 +129,31 @@ def test_abort_mid_stream_frees_the_pages_and_emits_nothing_more(served):
     assert all(o.request_id == kept for o in after)  # nothing more for the aborted request
     assert after[-1].token_ids == alone.token_ids
     assert engine.stats["pages_available"] == engine.pool.capacity
+
+
+def test_a_step_failing_behind_a_pending_one(served, monkeypatch):
+    """The step before's tokens still reach their request, then the failed step's requests end in an
+    error, once; the pool remade forgets its cached prompt pages: the same prompt again (its pages
+    were cached) gives the tokens of a run alone."""
+    from zerojax.serving import step as step_mod
+
+    requests = _requests(served)
+    prompt, params = requests["long"][0], SamplingParams(max_tokens=NEW, ignore_eos=True)
+    alone = _run(_engine(served, True), {"a": (prompt, params)})["a"][-1]
+    engine = _engine(served, True)
+    rid = engine.add_request(prompt, params)
+    updates = engine.step() + engine.step() + engine.step()
+    real = step_mod.step
+
+    def broken(*args, **kwargs):
+        real(*args, **kwargs)  # the pool was donated to it
+        raise RuntimeError("injected failure")
+
+    monkeypatch.setattr(step_mod, "step", broken)
+    updates += engine.step()
+    monkeypatch.setattr(step_mod, "step", real)
+    assert [u.finished for u in updates] == [False] * (len(updates) - 1) + [True]
+    assert updates[-1].finish_reason == "error" and updates[-1].request_id == rid
+    assert updates[-1].token_ids == alone.token_ids[:len(updates[-1].token_ids)] and updates[-1].token_ids
+    assert engine.stats["pages_available"] == engine.pool.capacity and not engine.has_unfinished()
+    assert _run(engine, {"a": (prompt, params)})["a"][-1].token_ids == alone.token_ids

@@ -341,8 +341,13 @@ class LLMEngine:
             return []
         (plan, launched, sampling), self._pending = self._pending, None
         sampled = {}
-        for rows, out in launched:
-            sampled.update(self._collect(rows, out))
+        try:
+            for rows, out in launched:
+                sampled.update(self._collect(rows, out))
+        except Exception as e:  # the step failed on the device: raised where its results are read
+            for req in sampling:
+                req.in_flight -= 1
+            return self._recover(plan, e)
         outputs = []
         for req, _ in plan:
             if req not in sampling:  # mid-prompt: no token yet
@@ -371,7 +376,8 @@ class LLMEngine:
         forgotten, and every other running request is preempted, to be recomputed: the engine keeps
         serving."""
         log.exception("serving step failed")
-        failed = {req for req, _ in plan}
+        # not those that finished meanwhile (the step before's tokens, read after this one was dispatched)
+        failed = {req for req, _ in plan if req.finish_reason is None}
         out = self.fail(list(failed), f"{type(error).__name__}: {error}")
         if self.board.is_deleted():
             self.board = self._fresh_board()
