@@ -61,7 +61,7 @@ def lora_copies(model, n: int) -> dict:
     return out
 
 
-def build_engine(s: dict, tiny: bool, adapters: int = 0, decode_attention: str = "auto"):
+def build_engine(s: dict, tiny: bool, adapters: int = 0, decode_attention: str = "auto", overlap: bool = True):
     import jax.numpy as jnp
     from flax import nnx
 
@@ -78,7 +78,7 @@ def build_engine(s: dict, tiny: bool, adapters: int = 0, decode_attention: str =
     buckets = Buckets() if tiny else Buckets(min_rows=32, min_span=span, min_chunk=512)
     return model, LLMEngine(model, None, adapters=lora_copies(model, adapters), max_num_seqs=s["max_num_seqs"],
                             max_batched_tokens=s["max_batched_tokens"], max_model_len=s["max_model_len"],
-                            buckets=buckets, decode_attention=decode_attention)
+                            buckets=buckets, decode_attention=decode_attention, overlap=overlap)
 
 
 def start_server(engine) -> tuple[str, object]:
@@ -142,6 +142,9 @@ def main(argv=None) -> int:
                          "to them: the multi-adapter case, beside a run without")
     ap.add_argument("--decode-attention", choices=("auto", "xla", "kernel"), default="auto",
                     help="how decode steps read the pages (the engine's option; auto: the kernel on a GPU)")
+    ap.add_argument("--no-overlap", action="store_true",
+                    help="read each step's tokens before dispatching the next (the engine's overlap=False): the "
+                         "comparison with overlapped steps")
     args = ap.parse_args(argv)
     import jax
 
@@ -151,7 +154,7 @@ def main(argv=None) -> int:
     s = shape(args.tiny)
     if args.levels:
         s["levels"] = args.levels
-    model, engine = build_engine(s, args.tiny, args.adapters, args.decode_attention)
+    model, engine = build_engine(s, args.tiny, args.adapters, args.decode_attention, not args.no_overlap)
     models = engine.adapters or ["bench"]
     print(engine.plan.describe(), flush=True)
     start = time.perf_counter()
@@ -162,7 +165,8 @@ def main(argv=None) -> int:
                              lambda reqs, c: asyncio.run(level(url, reqs, c, models)),
                              lambda: {"device": device, "preemptions": engine.stats["preemptions"],
                                       "adapters": len(engine.adapters),
-                                      "decode_attention": "kernel" if engine.decode_kernel else "xla"})
+                                      "decode_attention": "kernel" if engine.decode_kernel else "xla",
+                                      "overlap": engine.overlap})
     server.should_exit = True
     return 0
 

@@ -58,6 +58,9 @@ def add_serve_flags(p) -> None:
                    help="how a decode step reads its rows' pages: the fused Pallas kernel through each page table, "
                         "XLA's products over the pages gathered, or auto (the kernel on a GPU where it takes the "
                         "model's shape; docs/serving.md)")
+    p.add_argument("--no-overlap", action="store_true",
+                   help="read each step's tokens before dispatching the next (default: the next step is dispatched "
+                        "first, so the device does not wait on the host between steps)")
     floors = p.add_argument_group("compiled shapes", "the floors of the step's shape buckets (powers of two): "
                                   "higher floors compile fewer programs (seconds each for a large model) for more "
                                   "padding per step")
@@ -124,7 +127,7 @@ def main(args) -> int:
                            max_batched_tokens=args.max_batched_tokens, max_model_len=args.max_model_len,
                            prefix_caching=not args.no_prefix_caching, memory_fraction=args.memory_fraction,
                            buckets=Buckets(args.min_rows, args.min_span, args.min_chunk),
-                           decode_attention=args.decode_attention)
+                           decode_attention=args.decode_attention, overlap=not args.no_overlap)
     except (FileNotFoundError, ValueError, RuntimeError) as e:  # as `zerojax export` reports a checkpoint's
         print(f"error: {e}", file=sys.stderr)
         return 1
