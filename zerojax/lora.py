@@ -493,23 +493,27 @@ def adapter_of(model) -> LoraAdapter:
 
 
 @contextlib.contextmanager
-def adapters_disabled(model):
-    """Within it, `model` (a LoRA model) runs as its frozen base: the same arrays, the LoRA terms
-    left out (PEFT's `disable_adapter()`; e.g. DPO's reference pass, `zerojax.methods.dpo`). The
-    trained copies of `modules_to_save` have no base copy to fall back to: refused. Usable inside
-    a loss_fn (the engine's traced model): only a static attribute changes, restored on exit."""
+def _adapter_replaced(model, name: str, **changes):
+    """Within it, `model.adapter` has `changes` (a static attribute: usable inside a loss_fn on the
+    engine's traced model), restored on exit. The trained copies of `modules_to_save` have no
+    frozen copy to run instead: refused, naming the caller `name`."""
     ad = adapter_of(model)
     if ad.savable:
-        raise ValueError(f"adapters_disabled: modules_to_save {list(ad.savable)} are trained whole, with no "
+        raise ValueError(f"{name}: modules_to_save {list(ad.savable)} are trained whole, with no "
                          "frozen copy to run instead; leave modules_to_save out")
-    model.adapter = dataclasses.replace(ad, enabled=False)
+    model.adapter = dataclasses.replace(ad, **changes)
     try:
         yield model
     finally:
         model.adapter = ad
 
 
-@contextlib.contextmanager
+def adapters_disabled(model):
+    """Within it, `model` (a LoRA model) runs as its frozen base: the same arrays, the LoRA terms
+    left out (PEFT's `disable_adapter()`; e.g. the RL reference pass, `zerojax.rl.policy`)."""
+    return _adapter_replaced(model, "adapters_disabled", enabled=False)
+
+
 def adapters_zeroed(model):
     """Within it, `model` (a LoRA model) computes its frozen base's values through the policy's own
     program: the LoRA terms run, multiplied by 0 (no dropout). Why not `adapters_disabled`: a pass
@@ -518,15 +522,7 @@ def adapters_zeroed(model):
     fusions) than the differentiated policy pass, so at step 0 (B = 0) a DPO reference scored the
     same rows differently from the policy. Zeroed terms keep a tangent flowing in, so both passes
     compile alike (`zerojax.methods.dpo`'s reference). Costs the adapters' two small products."""
-    ad = adapter_of(model)
-    if ad.savable:
-        raise ValueError(f"adapters_zeroed: modules_to_save {list(ad.savable)} are trained whole, with no "
-                         "frozen copy to run instead; leave modules_to_save out")
-    model.adapter = dataclasses.replace(ad, zeroed=True)
-    try:
-        yield model
-    finally:
-        model.adapter = ad
+    return _adapter_replaced(model, "adapters_zeroed", zeroed=True)
 
 
 # --------------------------------------------------------------------------- PEFT's files
