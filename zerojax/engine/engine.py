@@ -52,8 +52,6 @@ from zerojax.user_tree import take_layer
 
 logger = logging.getLogger("zerojax")
 
-_nbytes = memory.resident_bytes
-
 
 class MemoryReport(dict):
     """Per-device bytes; `str()` is a small table."""
@@ -329,7 +327,7 @@ class Engine:
         lay = self.layout
         if (self.state.master is not None and lay.offload is None and not lay.step.split_master
                 and jnp.dtype(lay.compute_dtype) == jnp.dtype(jnp.bfloat16)):
-            master = _nbytes(self.state.master, False)
+            master = memory.resident_bytes(self.state.master)
             return (f"EngineOptions(split_master='on') keeps the fp32 master ({memory.fmt_bytes(master)} on this "
                     f"device) as the bf16 params plus an int16 remainder: {memory.fmt_bytes(master // 2)} less, "
                     f"the same training but for exact ties (one fp32 ulp); 0.3% slower on GPT-2 Large.",)
@@ -538,11 +536,11 @@ class Engine:
         grads = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, gdtype), s.params)
         grad_bytes = partition.per_device_bytes(grads, self.layout.shardings.grads)
         report = MemoryReport(
-            params=_nbytes(s.params, False),
+            params=memory.resident_bytes(s.params),
             gradients=0 if host_grads else grad_bytes,
-            master=_nbytes(s.master, False),
-            optimizer_state=_nbytes(s.opt_state, False),
-            host=(_nbytes((s.params, s.master, s.opt_state, s.grad_accumulator), True)
+            master=memory.resident_bytes(s.master),
+            optimizer_state=memory.resident_bytes(s.opt_state),
+            host=(memory.resident_bytes((s.params, s.master, s.opt_state, s.grad_accumulator), host=True)
                   + (grad_bytes if host_grads else 0)),
         )
         report["model_states"] = sum(report[k] for k in ("params", "gradients", "master", "optimizer_state"))
