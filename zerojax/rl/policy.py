@@ -63,6 +63,22 @@ class EnginePolicy:
         self._run_ref = jax.jit(functools.partial(_logps, source, temperature, group, reference == "adapters_off"))
         self._frozen = self.snapshot() if reference == "copy" else None  # the starting weights
 
+    @property
+    def frozen(self):
+        """The "copy" reference's weights (a copy of the starting ones), else None."""
+        return self._frozen
+
+    def logps_memory(self, batch):
+        """The log-prob pass over rows shaped as `batch`'s, compiled from shapes on the live
+        weights (nothing run) -> its `CompiledMemory` (the rollout planner's figure)."""
+        from zerojax.engine.memory import CompiledMemory, quiet_xla
+
+        weights = (self.engine.state.params, self.engine.state.rest)
+        shapes = {k: jax.ShapeDtypeStruct(np.shape(batch[k]), np.asarray(batch[k]).dtype, sharding=self._rows)
+                  for k in ("input_ids", "prompt_lengths", "completion_mask")}
+        with quiet_xla():
+            return CompiledMemory.of(self._run.lower(weights, shapes).compile())
+
     def _place(self, batch):
         keys = ("input_ids", "prompt_lengths", "completion_mask")
         return {k: jax.device_put(np.asarray(batch[k]), self._rows) for k in keys}
@@ -89,10 +105,9 @@ class EnginePolicy:
         if self.reference == "none":
             raise ValueError("this policy has no reference (reference=\"none\")")
         if self._frozen is not None:
-            return np.asarray(self._run_ref(self._frozen, self._place(batch)), np.float32)
-        if weights is None:
-            state = self.engine.state
-            weights = (state.params, state.rest)
+            weights = self._frozen
+        elif weights is None:
+            weights = (self.engine.state.params, self.engine.state.rest)
         return np.asarray(self._run_ref(weights, self._place(batch)), np.float32)
 
 

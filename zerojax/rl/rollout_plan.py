@@ -84,7 +84,7 @@ def _held(rollouts, weights_copy: int) -> tuple[int, list[str]]:
     "copy" reference's weights; off_policy: the step's compiled peak (its states included) and the
     weights' copy the rollout ahead reads during it."""
     engine = rollouts.engine
-    frozen = memory.resident_bytes(rollouts.policy._frozen) if rollouts.policy._frozen is not None else 0
+    frozen = memory.resident_bytes(rollouts.policy.frozen) if rollouts.policy.frozen is not None else 0
     parts = [f"the reference's copy {fmt_bytes(frozen)}"] if frozen else []
     if not rollouts.options.off_policy:
         states = memory.resident_bytes(engine.state)
@@ -97,13 +97,8 @@ def _held(rollouts, weights_copy: int) -> tuple[int, list[str]]:
 
 def logps_need(rollouts) -> int:
     """Bytes the log-prob pass over a rollout's rows adds beside its weights (its compiled peak less them)."""
-    policy, batch = rollouts.policy, rollouts.data.example_batch(rollouts.rows)
-    weights = (rollouts.engine.state.params, rollouts.engine.state.rest)
-    shapes = {k: jax.ShapeDtypeStruct(batch[k].shape, batch[k].dtype, sharding=policy._rows)
-              for k in ("input_ids", "prompt_lengths", "completion_mask")}
-    with memory.quiet_xla():
-        peak = memory.CompiledMemory.of(policy._run.lower(weights, shapes).compile()).peak
-    return peak - memory.resident_bytes(weights)
+    peak = rollouts.policy.logps_memory(rollouts.data.example_batch(rollouts.rows)).peak
+    return peak - memory.resident_bytes((rollouts.engine.state.params, rollouts.engine.state.rest))
 
 
 def generate_need(rollouts, chunk: int) -> int:
