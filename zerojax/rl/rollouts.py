@@ -21,8 +21,8 @@ handing out the previous batch until this call, the engine's work waited for) pe
 """
 from __future__ import annotations
 
+import concurrent.futures
 import dataclasses
-import threading
 import time
 import warnings
 from collections.abc import Mapping
@@ -188,7 +188,8 @@ class RolloutBatches:
         self._cached = None  # (rollout index, batch, metrics)
         self._handed = None  # when the last batch was handed out
         self._served = None  # the serving engine's generator (generator "serving"), built at the first rollout
-        self._ahead = None  # off_policy: the next step's rollout, generating while this step trains
+        self._ahead = None  # off_policy: (r, Future) of the next step's rollout, generating while this step trains
+        self._thread = None  # off_policy: the one thread that generates ahead (its pool, made at the first use)
         if o.off_policy and self.step:
             warnings.warn(f"resuming at step {self.step} with off_policy=1: its rollout is generated from the "
                           "restored weights (the uninterrupted run generated it from the step before's, which no "
@@ -240,7 +241,7 @@ class RolloutBatches:
         time/generate_s: what the step waited for its rollout (the part not overlapped, as the
         run's generation / training split counts it); time/generate_ahead_s: the thread's time."""
         began = time.perf_counter()
-        ahead, self._ahead = (self._ahead if self._ahead is not None and self._ahead.r == r else None), None
+        ahead, self._ahead = (self._ahead[1] if self._ahead is not None and self._ahead[0] == r else None), None
         more = self.end is None or r + 1 < self.end
         # this step's weights, before its update: copied only where a rollout is generated from them
         weights = self.policy.snapshot() if ahead is None or more else None
@@ -252,7 +253,9 @@ class RolloutBatches:
             batch, metrics = self._timed_rollout(r, weights)
             metrics = {**metrics, "time/generate_ahead_s": 0.0, "rollout/staleness": 0}
         if more:
-            self._ahead = _Ahead(r + 1, self._timed_rollout, weights)
+            # a pool's worker is joined at exit: a run stopped early lets the rollout finish, not exit under XLA
+            self._thread = self._thread or concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="rollout")
+            self._ahead = (r + 1, self._thread.submit(self._timed_rollout, r + 1, weights))
         return batch, metrics
 
     # ------------------------------------------------------------------ one rollout
@@ -375,31 +378,6 @@ def check_loss_groups(engine, group: int) -> None:
                          f"gradient_accumulation_steps={steps} over {n} data-parallel devices a micro-batch would "
                          "join parts of different groups, which the loss's shared prompt pass cannot take; give a "
                          "micro-batch of whole groups, or shared_prompt=false (make_grpo_loss without group)")
-
-
-class _Ahead:
-    """`fn(r, *args)` running on a thread, so its host work (and its device work, where the device
-    runs programs side by side) overlaps the caller's optimizer step; `result()` waits for it and
-    raises what it raised. The rollout is a function of its weights and (seed, r): the same however
-    the thread and the step interleave."""
-
-    def __init__(self, r: int, fn, *args):
-        self.r, self._out, self._error = r, None, None
-        # not a daemon: a run stopped early lets the rollout finish rather than exit under XLA's feet
-        self._thread = threading.Thread(target=self._run, args=(fn, r, *args), name=f"rollout-{r}")
-        self._thread.start()
-
-    def _run(self, fn, *args):
-        try:
-            self._out = fn(*args)
-        except BaseException as e:  # noqa: BLE001 - handed to the caller's thread by result()
-            self._error = e
-
-    def result(self):
-        self._thread.join()
-        if self._error is not None:
-            raise self._error
-        return self._out
 
 
 class _TextTokenizer:
