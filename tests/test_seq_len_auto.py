@@ -72,6 +72,9 @@ def test_train_seq_len_auto_mistakes_are_one_line(capsys, monkeypatch):
     with pytest.raises(SystemExit):
         cli.main(["train", "--seq-len", "long"])
     assert "argument --seq-len: " in capsys.readouterr().err
+    with pytest.raises(SystemExit):  # the mesh search plans at a length; only estimate searches one
+        cli.main(["plan", "--model", "tiny", "--devices", "1", "--seq", "auto"])
+    assert "argument --seq/--seq-len: 'auto' is not an integer" in capsys.readouterr().err
 
 
 def test_estimate_seq_auto_reports_the_row_and_estimates_at_it(tmp_path, capsys):

@@ -64,11 +64,7 @@ def _add_estimate(sub):
     p.add_argument("--aot", action="store_true",
                    help="compile the real step (allocates nothing) for compiled peaks and a plan")
     p.add_argument("--config", help="DeepSpeed JSON config to start from (default: bf16 AdamW)")
-    p.add_argument("--seq", "--seq-len", dest="seq", type=_seq_arg, default=None,
-                   help=f"sequence length (default: the model's maximum positions, else {DEFAULT_SEQ}), or auto "
-                        "(with --aot): the longest row whose compiled step fits --budget and the host memory, a "
-                        "multiple of 128, at --micro-batch (auto: 1), the --stage (else the config's), the --remat "
-                        "choice that holds the least; the rest of the estimate then runs at it")
+    _add_seq_flag(p, auto=True)
     p.add_argument("--micro-batch", default="8", type=_micro_batch_arg,
                    help="micro-batch per device, or 'auto': every divisor of the rows per device "
                         "per step (the config's batch keys, else 8), accumulation raised to keep "
@@ -89,6 +85,17 @@ def _add_estimate(sub):
                    help="also write the results as JSON to FILE; without FILE, JSON on stdout "
                         "(the tables then go to stderr)")
     p.set_defaults(func=cmd_estimate)
+
+
+def _add_seq_flag(p, *, auto: bool) -> None:
+    """--seq / --seq-len: a length, or (auto, estimate's) 'auto', the longest row that fits."""
+    help_ = f"sequence length (default: the model's maximum positions, else {DEFAULT_SEQ})"
+    if auto:
+        help_ += (", or auto (with --aot): the longest row whose compiled step fits --budget and the host memory, a "
+                  "multiple of 128, at --micro-batch (auto: 1), the --stage (else the config's), the --remat "
+                  "choice that holds the least; the rest of the estimate then runs at it")
+    p.add_argument("--seq", "--seq-len", dest="seq", type=_seq_arg if auto else arg_types.number(int, 1),
+                   default=None, help=help_)
 
 
 def _seq_arg(text: str):
@@ -196,11 +203,7 @@ def _add_plan(sub):
                     "GPU step) unless --aot compiles the real step. Prints the config keys to set.")
     p.add_argument("--model", default="large", help=MODEL_HELP)
     p.add_argument("--config", help="DeepSpeed JSON config to start from (default: bf16 AdamW)")
-    p.add_argument("--seq", "--seq-len", dest="seq", type=_seq_arg, default=None,
-                   help=f"sequence length (default: the model's maximum positions, else {DEFAULT_SEQ}), or auto "
-                        "(with --aot): the longest row whose compiled step fits --budget and the host memory, a "
-                        "multiple of 128, at --micro-batch (auto: 1), the --stage (else the config's), the --remat "
-                        "choice that holds the least; the rest of the estimate then runs at it")
+    _add_seq_flag(p, auto=False)
     p.add_argument("--devices", type=arg_types.number(int, 1), required=True,
                    help="devices to split (e.g. 4 GPUs of a node)")
     p.add_argument("--search-mesh", action="store_true",
