@@ -48,13 +48,12 @@ class _RematPolicyNames(tuple):
 
 
 # the names a "_<k>" may follow (see _RematPolicyNames); the two-level ones keep each k-th layer input
-_WITH_K = ("dots", "segments", "offload_segments")
-SEGMENT_NAMES = SEGMENT_POLICIES
+_WITH_K = ("dots",) + SEGMENT_POLICIES
 
 
 REMAT_POLICY_NAMES = _RematPolicyNames(
     ("none", "full", "dots", "save_qkv", "save_attention", "save_qkv_attention", "save_attention_block",
-     "offload") + SEGMENT_NAMES)
+     "offload") + SEGMENT_POLICIES)
 
 
 # Features DeepSpeed removed (github.com/deepspeedai/DeepSpeed/issues/8489): any presence of the key, even null, {} or
