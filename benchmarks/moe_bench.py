@@ -209,7 +209,10 @@ def run_row(args, row) -> dict:
     if row.startswith("qlora-zerojax") and fraction and not args.toy:
         env["XLA_PYTHON_CLIENT_MEM_FRACTION"] = fraction
     cmd = [sys.executable, os.path.abspath(__file__), "--row", row, *args.passthrough]
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
+    try:
+        proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=args.row_timeout)
+    except subprocess.TimeoutExpired:
+        return {"row": row, "error": f"over --row-timeout {args.row_timeout} s"}
     lines = [x for x in proc.stdout.splitlines() if x.startswith("RESULT ")]
     if not lines:
         tail = (proc.stderr or proc.stdout).strip().splitlines()[-1:] or ["no output"]
@@ -245,6 +248,7 @@ def main(argv=None) -> int:
     p.add_argument("--ft-seq", type=int, default=2048)
     p.add_argument("--peak-tflops", type=float, default=None,
                    help="the card's dense bf16 peak for MFU (H100 SXM: 989; default: none on CPU, else 989)")
+    p.add_argument("--row-timeout", type=float, default=None, help="seconds a row may take (a row past it is a row saying so)")
     p.add_argument("--out", default="moe_bench.json")
     p.add_argument("--row", choices=ROWS, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
@@ -259,11 +263,14 @@ def main(argv=None) -> int:
     bad = [r for r in rows if r not in ROWS]
     if bad:
         p.error(f"--rows: {bad} unknown; choose from {ROWS}")
-    results = [run_row(args, r) for r in rows]
     peak = args.peak_tflops if args.peak_tflops is not None else (None if args.toy else 989.0)
+    results = []
+    for r in rows:  # each row printed and saved as it ends: a run cut short keeps the rows it finished
+        results.append(run_row(args, r))
+        print(json.dumps(results[-1]), flush=True)
+        with open(args.out, "w") as f:
+            json.dump(results, f, indent=2)
     print(table(results, peak))
-    with open(args.out, "w") as f:
-        json.dump(results, f, indent=2)
     return 0
 
 
