@@ -16,6 +16,10 @@ Rows (random weights, the same batch and tokens on both sides):
       (nvidia-smi). A plan that does not fit is a row saying so (the engine's memory guard).
   qlora-transformers: transformers + PEFT with the same adapters on a bf16 base (no
       bitsandbytes here: 61 GB of weights, so uncapped), gradient checkpointing.
+  decode-zerojax / decode-transformers: all 16 layers of OLMoE-1B-7B in bf16, greedy, batch 1 and
+      64, --decode-prompt + --decode-new tokens (eos ignored): decode tokens/s as
+      benchmarks/generate_bench.py and hf_generate_bench.py measure them (transformers: its static
+      cache, as there).
 
 tokens/s after --warmup steps; MFU on the active parameters (6 N_active + attention FLOPs per
 token, `zerojax.models.moe.moe_flops_per_token`) against --peak-tflops; peak device memory. Each
@@ -33,7 +37,9 @@ import time
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
-ROWS = ("ft-zerojax", "ft-transformers", "qlora-zerojax", "qlora-zerojax-attention", "qlora-transformers")
+ROWS = ("ft-zerojax", "ft-transformers", "qlora-zerojax", "qlora-zerojax-attention", "qlora-transformers",
+        "decode-zerojax", "decode-transformers")
+DECODE_BATCHES = (1, 64)
 ATTENTION = ["q_proj", "k_proj", "v_proj", "o_proj"]
 EXPERTS = ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]
 BUDGET_GIB = 23.77
@@ -43,11 +49,39 @@ def shapes(args, row: str):
     """(MoEConfig, batch, seq) of a row."""
     from zerojax.models import MoEConfig
 
+    if args.toy and row.startswith("decode"):
+        return MoEConfig.named("tiny-qwen3-moe", vocab_size=512), None, None
     if args.toy:
         return MoEConfig.named("tiny-qwen3-moe", vocab_size=512), 2, 64
     if row.startswith("ft"):
         return MoEConfig.named("olmoe-1b-7b", num_hidden_layers=args.ft_layers), args.ft_batch, args.ft_seq
+    if row.startswith("decode"):
+        return MoEConfig.named("olmoe-1b-7b"), None, None
     return MoEConfig.named("qwen3-30b-a3b"), 1, args.seq
+
+
+def run_decode(args, row):
+    """decode-zerojax / decode-transformers: {"decode": [generate_bench's figures per batch]}."""
+    sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+    cfg, _, _ = shapes(args, row)
+    prompt, new = (16, 8) if args.toy else (args.decode_prompt, args.decode_new)
+    if row == "decode-zerojax":
+        import jax
+        from flax import nnx
+        from generate_bench import generation_speed
+
+        model = host_model(cfg, remat=None)
+        graphdef, state = nnx.split(model)
+        model = nnx.merge(graphdef, jax.device_put(state, jax.devices()[0]))
+        out = [generation_speed(model, b, prompt, new, cfg.vocab_size) for b in DECODE_BATCHES]
+    else:
+        import torch
+        from hf_generate_bench import speed
+
+        device = "cpu" if args.toy else "cuda"
+        model = hf_model(cfg, torch.bfloat16, device).eval()
+        out = [speed(model, b, prompt, new, device) for b in DECODE_BATCHES]
+    return {"decode": out}
 
 
 def batches(cfg, batch, seq, n):
@@ -228,6 +262,12 @@ def table(results, peak_tflops):
         if "error" in r:
             lines.append(f"{r['row']:<26}{'':>12}{'-':>11}{'-':>14}{'-':>10}  {r['error']}")
             continue
+        if "decode" in r:  # tokens/s: decode only (prefill apart); note: all new tokens a second
+            for d in r["decode"]:
+                lines.append(f"{r['row']:<26}{str(d['batch']) + ' x ' + str(d['new']):>12}"
+                             f"{d['decode_tokens_per_s'] or 0:>11,.0f}{'-':>14}{'-':>10}  "
+                             f"decode; {d['tokens_per_s']:,.0f} new tokens/s with prefill")
+            continue
         mfu = (f"{100 * r['tokens_per_s'] * r['flops_per_token'] / (peak_tflops * 1e12):.1f}%"
                if peak_tflops else "-")
         note = f"mem fraction {r['mem_fraction']}" if r.get("mem_fraction") else ""
@@ -245,6 +285,8 @@ def main(argv=None) -> int:
     p.add_argument("--seq", type=int, default=2048, help="QLoRA rows' sequence length")
     p.add_argument("--ft-layers", type=int, default=8, help="full fine-tune rows: OLMoE's layers kept")
     p.add_argument("--ft-batch", type=int, default=4)
+    p.add_argument("--decode-prompt", type=int, default=128, help="decode rows: prompt tokens")
+    p.add_argument("--decode-new", type=int, default=128, help="decode rows: new tokens")
     p.add_argument("--ft-seq", type=int, default=2048)
     p.add_argument("--peak-tflops", type=float, default=None,
                    help="the card's dense bf16 peak for MFU (H100 SXM: 989; default: none on CPU, else 989)")
@@ -253,10 +295,12 @@ def main(argv=None) -> int:
     p.add_argument("--row", choices=ROWS, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     args.passthrough = [f"--steps={args.steps}", f"--warmup={args.warmup}", f"--seq={args.seq}",
-                        f"--ft-layers={args.ft_layers}", f"--ft-batch={args.ft_batch}", f"--ft-seq={args.ft_seq}"]
+                        f"--ft-layers={args.ft_layers}", f"--ft-batch={args.ft_batch}", f"--ft-seq={args.ft_seq}",
+                        f"--decode-prompt={args.decode_prompt}", f"--decode-new={args.decode_new}"]
     args.passthrough += ["--toy"] if args.toy else []
     if args.row:  # one row, in this process
-        run = run_transformers if args.row.endswith("transformers") else run_zerojax
+        run = (run_decode if args.row.startswith("decode") else
+               run_transformers if args.row.endswith("transformers") else run_zerojax)
         print("RESULT " + json.dumps(run(args, args.row)), flush=True)
         return 0
     rows = [r for r in args.rows.split(",") if r]
