@@ -290,7 +290,8 @@ def main(argv=None) -> int:
     p.add_argument("--ft-seq", type=int, default=2048)
     p.add_argument("--peak-tflops", type=float, default=None,
                    help="the card's dense bf16 peak for MFU (H100 SXM: 989; default: none on CPU, else 989)")
-    p.add_argument("--row-timeout", type=float, default=None, help="seconds a row may take (a row past it is a row saying so)")
+    p.add_argument("--row-timeout", type=float, default=None,
+                   help="seconds a row may take (a row past it is a row saying so)")
     p.add_argument("--out", default="moe_bench.json")
     p.add_argument("--row", choices=ROWS, help=argparse.SUPPRESS)
     args = p.parse_args(argv)

@@ -39,7 +39,7 @@ def shape(tiny: bool) -> dict:
                     max_model_len=128, long_prompt=64, max_num_seqs=8, max_batched_tokens=64, requests=lambda c: 6)
     return dict(name="llama-3.1-8b", levels=serve_traffic.LEVELS, prompt_mean=512, output_mean=256, max_prompt=2048,
                 max_output=1024, max_model_len=4096, long_prompt=LONG_PROMPT, max_num_seqs=256,
-                max_batched_tokens=2048, requests=lambda c: min(max(4, 3 * c // 2), 256))
+                max_batched_tokens=2048, requests=lambda c: min(max(8, 4 * c), 1024))
 
 
 def lora_copies(model, n: int) -> dict:

@@ -27,9 +27,29 @@ def requests(n: int, *, prompt_mean: int, output_mean: int, max_prompt: int, max
     return [(rng.integers(10, vocab - 10, p).tolist(), int(o)) for p, o in zip(prompts, outputs)]
 
 
+def steady_rate(concurrency: int, runs: list[tuple[float, list[float]]]) -> float | None:
+    """Output tokens/s while `concurrency` requests are in flight: from the moment every one of the
+    first `concurrency` requests has its first token (the opening prefills done) to the last
+    request's start (a closed loop starts one as another ends; after the last start the load thins
+    out, and a whole run's rate mixes in that tail, which its longest output sets). None where the
+    window is empty (too few requests)."""
+    if len(runs) <= concurrency:
+        return None
+    ordered = sorted(runs, key=lambda r: r[0])
+    opened = [times[0] for _, times in ordered[:concurrency] if times]
+    if len(opened) < concurrency:
+        return None
+    w0, w1 = max(opened), ordered[-1][0]
+    if w1 <= w0:
+        return None
+    tokens = sum(1 for _, times in runs for t in times if w0 <= t <= w1)
+    return round(tokens / (w1 - w0), 1)
+
+
 def figures(framework: str, concurrency: int, runs: list[tuple[float, list[float]]], seconds: float, **extra) -> dict:
-    """runs: per request (its start, its token arrival times) -> the reported line: output tokens/s,
-    time to first token and inter-token latency (p50 / p99, ms)."""
+    """runs: per request (its start, its token arrival times) -> the reported line: output tokens/s
+    (the whole run's and the steady state's, `steady_rate`), time to first token and inter-token
+    latency (p50 / p99, ms)."""
     ttft = [times[0] - start for start, times in runs if times]
     itl = [b - a for _, times in runs for a, b in zip(times, times[1:])]
     tokens = sum(len(times) for _, times in runs)
@@ -39,6 +59,7 @@ def figures(framework: str, concurrency: int, runs: list[tuple[float, list[float
 
     return {"framework": framework, "concurrency": concurrency, "requests": len(runs), "output_tokens": tokens,
             "seconds": round(seconds, 3), "output_tokens_per_s": round(tokens / seconds, 1),
+            "steady_tokens_per_s": steady_rate(concurrency, runs),
             "ttft_p50_ms": pct(ttft, 50), "ttft_p99_ms": pct(ttft, 99), "itl_p50_ms": pct(itl, 50),
             "itl_p99_ms": pct(itl, 99), **extra}
 
@@ -66,7 +87,8 @@ def run_matrix(framework: str, s: dict, vocab: int, run_level, extra) -> list[di
 
 
 def table(rows: list[dict]) -> str:
-    cols = ["framework", "concurrency", "long_prompt_share", "requests", "output_tokens_per_s", "ttft_p50_ms",
+    cols = ["framework", "concurrency", "long_prompt_share", "requests", "output_tokens_per_s", "steady_tokens_per_s",
+            "ttft_p50_ms",
             "ttft_p99_ms", "itl_p50_ms",
             "itl_p99_ms"]
     lines = [" | ".join(cols)] + [" | ".join(str(r.get(c)) for c in cols) for r in rows]
