@@ -69,9 +69,13 @@ def test_each_command_ends_a_mistake_in_one_error_line(folder):
 
 
 def test_ctrl_c_outside_training_is_one_line_and_status_130(tmp_path):
-    # a model factory that takes its time (a download, a big init): Ctrl-C while it runs
+    # a model factory that takes its time (a download, a big init): Ctrl-C while it runs. It waits in
+    # short sleeps, as a download's reads do: the kernel may hand SIGINT to any of the process's
+    # threads (jax's among them), and then Python's flag is seen only when the main thread's sleep
+    # ends (one 120 s sleep made this test wait out its timeout now and then on a loaded machine)
     (tmp_path / "slow_model.py").write_text(
-        "import sys, time\n\ndef build():\n    print('building', file=sys.stderr, flush=True)\n    time.sleep(120)\n")
+        "import sys, time\n\ndef build():\n    print('building', file=sys.stderr, flush=True)\n"
+        "    for _ in range(1200):\n        time.sleep(0.1)\n")
     run = _start(["estimate", "--model", "slow_model:build"], tmp_path)
     assert run.stderr.readline().strip() == "building"
     time.sleep(0.2)
