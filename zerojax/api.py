@@ -19,6 +19,10 @@ def shard(model, cfg, *, loss_fn: Callable, mesh: Mesh | None = None,
           options: EngineOptions | None = None, **unknown) -> Engine:
     """Wrap `model` (an nnx.Module, or a zero-argument callable returning one) for training.
 
+    A callable's model is initialised in one sharded program (each device makes only its shards);
+    one returning weights that exist already (`lambda: model`, or weights read from files) is
+    placed leaf by leaf as a built model is. The engine keeps copies: the model's arrays stay the caller's.
+
     cfg: a Config, or anything `load_config` accepts (path, JSON text, dict).
     loss_fn(model, batch) -> loss, or (loss, metrics dict of scalars).
     mesh: a ("data", "tensor") mesh; default all devices, "tensor" = tensor_parallel.autotp_size.

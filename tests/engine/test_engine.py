@@ -2,6 +2,7 @@
 model-state bytes against the ZeRO paper's table, collectives in the compiled HLO, bad input."""
 import functools
 import re
+import warnings
 
 import jax
 import jax.numpy as jnp
@@ -318,3 +319,28 @@ def test_fp32_compute_under_bf16_config_is_named_in_a_warning():
         warnings.simplefilter("error", UserWarning)
         Engine(lambda: GPT2(tiny, rngs=nnx.Rngs(0), dtype=jnp.bfloat16), cfg,
               loss_fn=lambda m, b: m(b["input_ids"]).mean(), abstract=True)
+
+
+def test_a_callable_returning_a_built_model_is_placed_not_traced_into_constants():
+    # `shard(lambda: model, ...)` where model exists already (the docs' LoRA / PPO critic pattern):
+    # its weights must reach the devices as a built model's do; traced into the init program they
+    # became constants of it (14 GB for a MoE's layers: a compile that did not end in minutes)
+    model = MLP(nnx.Rngs(3))
+    weights = {k: np.asarray(v) for k, v in nnx.to_flat_state(nnx.state(model, nnx.Param))}
+    previous = jax.config.jax_captured_constants_warn_bytes
+    jax.config.update("jax_captured_constants_warn_bytes", 64)  # any weight matrix of MLP is larger
+    try:
+        with warnings.catch_warnings():
+            warnings.filterwarnings("error", message=".*constants were captured.*")
+            eng = shard(lambda: model, config(2, "fp32", 1), loss_fn=loss_fn)
+    finally:
+        jax.config.update("jax_captured_constants_warn_bytes", previous)
+    placed = {k: np.asarray(v) for k, v in nnx.to_flat_state(nnx.state(eng.model, nnx.Param))}
+    assert placed.keys() == weights.keys()
+    for k, w in weights.items():
+        np.testing.assert_array_equal(placed[k], w, err_msg=str(k))
+    # a callable that initialises its model still does so in one sharded program: a fresh model
+    fresh = shard(lambda: MLP(nnx.Rngs(4)), config(2, "fp32", 1), loss_fn=loss_fn)
+    expected = {k: np.asarray(v) for k, v in nnx.to_flat_state(nnx.state(MLP(nnx.Rngs(4)), nnx.Param))}
+    for k, v in nnx.to_flat_state(nnx.state(fresh.model, nnx.Param)):
+        np.testing.assert_allclose(np.asarray(v), expected[k], rtol=1e-6, err_msg=str(k))

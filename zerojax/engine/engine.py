@@ -38,7 +38,7 @@ from jax.sharding import PartitionSpec as P
 from zerojax import model as contract
 from zerojax import offload as O
 from zerojax import user_tree
-from zerojax._jax_compat import no_eager_sharding
+from zerojax._jax_compat import is_tracer, no_eager_sharding
 from zerojax.checkpoint import engine_io
 from zerojax.engine import memory
 from zerojax.engine import step as step_mod
@@ -104,11 +104,17 @@ class Engine:
             user = model
         elif callable(model):
             init_fn = functools.partial(_stacked, model)
+            built = []  # whether the callable hands back a model already built (`lambda: model`)
             with no_eager_sharding():
-                module = nnx.eval_shape(init_fn)
+                module = nnx.eval_shape(functools.partial(_noting_if_built, model, built))
                 stacked = any(isinstance(m, contract.StackedBlocks) for _, m in nnx.iter_graph(module))
                 user = nnx.eval_shape(model) if stacked else module
-            if not abstract and stacked:
+            if built[0]:
+                # its weights exist already: placed leaf by leaf as a built model's are, not traced
+                # into the init program as constants (an 8B model's 16 GB, compiled for minutes)
+                model = model()
+                module, user, init_fn = contract.stack_blocks(model), model, None
+            elif not abstract and stacked:
                 # a list of blocks, each initialised by its own code: as one XLA program they compile
                 # in minutes at real depths (28 blocks: over 100 s), run eagerly on the host in
                 # seconds; each device then receives only its own shards (`init_state.initial_state`'s values)
@@ -575,6 +581,24 @@ def _abstract_split(module):
 def _stacked(factory):
     """The model `factory` builds, its list of blocks (if any) stacked (`zerojax.model.stack_blocks`)."""
     return contract.stack_blocks(factory())
+
+
+def _noting_if_built(factory, built: list):
+    """factory()'s model, stacked, under tracing; appends to `built` whether most of its state's
+    bytes are concrete arrays: made before the trace (a model built outside the callable, or its
+    weights read from files inside it), not by initialisers that the trace can run sharded."""
+    module = factory()
+    concrete = traced = 0
+    for x in jax.tree.leaves(nnx.state(module)):
+        if jnp.issubdtype(getattr(x, "dtype", np.float32), jax.dtypes.prng_key):
+            continue
+        nbytes = int(np.prod(np.shape(x))) * np.dtype(x.dtype).itemsize if hasattr(x, "dtype") else 0
+        if is_tracer(x):
+            traced += nbytes
+        else:
+            concrete += nbytes
+    built.append(concrete > 0 and concrete >= traced)
+    return contract.stack_blocks(module)
 
 
 def _warn_fp32_compute(module, compute_dtype) -> None:

@@ -253,7 +253,10 @@ def place(x, sharding, dtype=None):
     if dtype is not None and jnp.issubdtype(x.dtype, jnp.floating) and x.dtype != dtype:
         x = x.astype(dtype)
     if jax.process_count() == 1:
-        return jax.device_put(x, sharding)
+        # a copy, never the caller's buffer: the engine donates its state at every step, and a leaf
+        # that aliased a model built on the device (another engine's live weights: a PPO critic
+        # made from its actor) would be deleted under its owner
+        return jax.device_put(x, sharding, may_alias=False)
     if jnp.issubdtype(x.dtype, jax.dtypes.prng_key):  # rng keys: place the raw key data
         impl = jax.random.key_impl(x)
         return jax.random.wrap_key_data(place(jax.random.key_data(x), sharding), impl=impl)

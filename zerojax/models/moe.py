@@ -221,15 +221,32 @@ def grouped_experts(h, weights, experts, p, dtype, *, ragged=None):
 
     ragged(x, entry, group_sizes, dtype) -> x's grouped product with entry["kernel"] [E, in, out]
     (an adapter's, e.g. LoRA's, replaces the plain `jax.lax.ragged_dot`)."""
-    ragged = ragged or ragged_linear
     N, k = experts.shape
     E = p["router"]["kernel"].shape[-1]
+    if ragged is None and 2 * N * k <= E:
+        return gathered_experts(h, weights, experts, p, dtype)
+    ragged = ragged or ragged_linear
     flat = experts.reshape(-1)
     order = jnp.argsort(flat, stable=True)  # pair index, grouped by expert (token order inside a group)
     group_sizes = jnp.bincount(flat, length=E).astype(jnp.int32)
     out = expert_swiglu(h[order // k], p, group_sizes, dtype, ragged)  # [N*k, d]
     # back to (token, slot) order by the inverse permutation: a gather, no scatter-add
     out = out[jnp.argsort(order)].reshape(N, k, -1)
+    return jnp.einsum("nkd,nk->nd", out, weights.astype(dtype))
+
+
+def gathered_experts(h, weights, experts, p, dtype):
+    """`grouped_experts` for few (token, expert) pairs, as a decode step has (batch x top_k at most
+    half the experts): each pair's expert kernels gathered and applied as a batched product, so
+    the step reads the chosen experts' weights only. A grouped product over all E groups costs the
+    same whether a group has rows or not (XLA's default lowering pads every group), and a decode
+    step of a 64-expert model read every expert's kernels for its 8 chosen ones."""
+    N, k = experts.shape
+    flat = experts.reshape(-1)
+    x = jnp.repeat(h, k, axis=0)  # [N*k, d]: each token once per chosen expert, in (token, slot) order
+    gate_up = jnp.einsum("md,mdjf->mjf", x, p["gate_up_proj"]["kernel"][flat].astype(dtype))
+    act = jax.nn.silu(gate_up[:, 0]) * gate_up[:, 1]
+    out = jnp.einsum("mf,mfd->md", act, p["down_proj"]["kernel"][flat].astype(dtype)).reshape(N, k, -1)
     return jnp.einsum("nkd,nk->nd", out, weights.astype(dtype))
 
 
