@@ -68,7 +68,8 @@ class Runs:
     """The option on (`split`) and off (`whole`), each built by `engine_with(option)` and trained on
     `data` side by side: per-step losses, the whole run's fp32 master after step 2 (numpy) and, where
     `save_to` is given, the split run's checkpoint after step 2 (`saved`). One pair of runs serves a
-    trains-as test and a checkpoint test: the engines are read afterwards, never trained further."""
+    trains-as test and a checkpoint test: the engines are read afterwards, never trained further.
+    A non-finite loss (a batch whose "scale" is NaN) is a skipped step, reported at synchronize."""
 
     def __init__(self, engine_with, data, save_to=None):
         self.split, self.whole = engine_with(True), engine_with(False)
@@ -77,6 +78,9 @@ class Runs:
         for i, b in enumerate(data):
             for option, eng in ((True, self.split), (False, self.whole)):
                 self.losses[option].append(float(eng.train_step(b)["loss"]))
+                if np.isnan(self.losses[option][-1]):
+                    with pytest.raises(FloatingPointError, match="not finite"):
+                        eng.synchronize()
             if i == 1:
                 self.whole_master_at2 = [np.asarray(x) for x in jax.tree.leaves(self.whole.master_params)]
                 if save_to is not None:
@@ -209,6 +213,7 @@ def device_batches(n, accum=1, nan_at=()):
 
 
 ACCUM = 2  # the stage-2 engine's accumulation steps (the checkpoint tests' and the memory guard's too)
+DEVICE_NAN_AT = (1,)  # the stage-2 runs' non-finite step (device_runs): skipped before the checkpoint after step 2
 
 
 def device_engine(option, stage=2, accum=ACCUM):
@@ -231,13 +236,19 @@ def train_on_device(split, stage=2, steps=3, accum=1, nan_at=()):
 # Stage 1 keeps the master and optimizer state as stage 2 does (sharded over "data"; the stages differ
 # in the gradient's sharding, which the split does not touch): its case, with 2 accumulation steps,
 # is stage 2's, with the non-finite step; stage 1 itself runs under the pipeline axis below (accumulation 4)
-@pytest.mark.parametrize("stage,accum,nan_at", [(0, 1, ()), (2, ACCUM, (1,)), (3, 1, ())])
+@pytest.mark.parametrize("stage,accum,nan_at", [(0, 1, ()), (2, ACCUM, DEVICE_NAN_AT), (3, 1, ())])
 @pytest.mark.slow
-def test_device_master_split_trains_as_the_fp32_master(stage, accum, nan_at):
+def test_device_master_split_trains_as_the_fp32_master(stage, accum, nan_at, request):
     # the same losses and compute params (bitwise), the master within four ulps; a non-finite step
-    # (stage 2's second, both of its micro-batches) skipped by both, the remainders kept as the master is
-    split, losses = train_on_device(True, stage, accum=accum, nan_at=nan_at)
-    whole, want = train_on_device(False, stage, accum=accum, nan_at=nan_at)
+    # (stage 2's second, both of its micro-batches) skipped by both, the remainders kept as the master is.
+    # Stage 2's pair of runs is device_runs' (4 steps), which the checkpoint tests below read too
+    if stage == 2:
+        runs = request.getfixturevalue("device_runs")
+        (split, losses), (whole, want) = (runs.split, runs.losses[True]), (runs.whole, runs.losses[False])
+    else:
+        split, losses = train_on_device(True, stage, accum=accum, nan_at=nan_at)
+        whole, want = train_on_device(False, stage, accum=accum, nan_at=nan_at)
+    assert sum(np.isnan(losses)) == len(nan_at)
     np.testing.assert_array_equal(losses, want)
     assert split.skipped_steps == whole.skipped_steps == len(nan_at)
     for x, y in zip(jax.tree.leaves(split.state.params), jax.tree.leaves(whole.state.params), strict=True):
@@ -290,14 +301,17 @@ def test_device_master_split_initial_state_is_the_split_of_the_fp32_one(built):
 
 @pytest.fixture(scope="module")
 def device_runs(tmp_path_factory):
-    """The device split on and off (stage 2, ACCUM micro-batches: the programs of the stage-2 case
-    above) on 4 batches, the split run saved after step 2: the checkpoint the two tests below load."""
-    return Runs(device_engine, device_batches(4, ACCUM), tmp_path_factory.mktemp("device_split"))
+    """The device split on and off (stage 2, ACCUM micro-batches) on 4 batches, the second of them
+    non-finite (DEVICE_NAN_AT: a skipped step), the split run saved after step 2: the stage-2 case
+    of test_device_master_split_trains_as_the_fp32_master and the checkpoint the two tests below load
+    (one pair of engines trained once for the three)."""
+    return Runs(device_engine, device_batches(4, ACCUM, DEVICE_NAN_AT), tmp_path_factory.mktemp("device_split"))
 
 
 @pytest.mark.slow
 def test_device_master_split_checkpoints_store_the_fp32_master(tmp_path, device_runs):
-    resumes_both_ways(tmp_path, device_runs, device_engine, device_batches(4, ACCUM)[2:])
+    # saved after a skipped step: the resumed engines train on as the uninterrupted run did
+    resumes_both_ways(tmp_path, device_runs, device_engine, device_batches(4, ACCUM, DEVICE_NAN_AT)[2:])
 
 
 @pytest.mark.slow
