@@ -396,7 +396,7 @@ class LLMEngine:
             R, C = self.buckets.decode_rows(len(rows), self.scheduler.max_num_seqs), 1
         else:
             C = self.buckets.chunk_length(longest, budget)
-            R = self.buckets.chunk_rows(C, budget)
+            R = self.buckets.chunk_rows_for(len(rows), C, budget)
         P = self.buckets.span_pages(max(len(req.pages) for req, _ in rows), ps, -(-self.max_model_len // ps))
         tokens = np.zeros((R, C), np.int32)
         start, count = np.zeros(R, np.int32), np.zeros(R, np.int32)

@@ -1,7 +1,8 @@
 """The shapes the serving step compiles for, few whatever the requests: rows, prompt-chunk length
 and page-table width, each a power of two above a floor. A step's prompt chunks share one
-program of at most max_batched_tokens token slots (rows x chunk length), so the chunk programs
-number one per chunk length, not one per (rows, length) pair."""
+program of at most max_batched_tokens token slots (rows x chunk length); its rows are a power of
+4 (or the most that fit), so the chunk programs number a few per chunk length, and a step with
+one prompt does not compute the budget's worth of padding rows."""
 from __future__ import annotations
 
 import dataclasses
@@ -40,6 +41,18 @@ class Buckets:
         """Prompt chunks one step takes at this length: rows x length <= max_batched_tokens (one at least)."""
         return max(1, max_batched_tokens // length)
 
+    def chunk_row_buckets(self, length: int, max_batched_tokens: int) -> list[int]:
+        """The row counts a chunk program of this length compiles for: powers of 4 below
+        `chunk_rows`, and it. A step computes every row of its program: with one row count (the
+        most), a lone prompt of 512 tokens paid for max_batched_tokens (2048: four times its work,
+        and so its time to first token); with these, a step computes at most 4x the rows it has."""
+        most = self.chunk_rows(length, max_batched_tokens)
+        return sorted({min(4 ** i, most) for i in range(most.bit_length())} | {most})
+
+    def chunk_rows_for(self, rows: int, length: int, max_batched_tokens: int) -> int:
+        """The chunk program's rows for a step with `rows` prompt chunks of at most `length` tokens."""
+        return next(r for r in self.chunk_row_buckets(length, max_batched_tokens) if r >= rows)
+
     def span_pages(self, pages: int, page_size: int, max_pages: int) -> int:
         """Page-table width for rows holding at most `pages` pages."""
         return min(pow2(pages, -(-self.min_span // page_size)), pow2(max_pages))
@@ -53,7 +66,8 @@ class Buckets:
         decodes = sorted({self.decode_rows(n, max_num_seqs) for n in range(1, max_num_seqs + 1)})
         longest = min(max_batched_tokens, max_chunk)
         lengths = sorted({self.chunk_length(n, max_batched_tokens) for n in range(2, longest + 1)})
-        shapes = [(rows, 1) for rows in decodes] + [(self.chunk_rows(c, max_batched_tokens), c) for c in lengths]
+        shapes = [(rows, 1) for rows in decodes] + [(rows, c) for c in lengths
+                                                    for rows in self.chunk_row_buckets(c, max_batched_tokens)]
         return [(rows, length, span) for rows, length in shapes for span in spans]
 
 
