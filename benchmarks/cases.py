@@ -276,12 +276,21 @@ RL_SERVING = Case(
     "row's end), the same run", 9, headline="samples_per_s",
     runs=(_rl_generator("generate", anchor=True), _rl_generator("serving")))
 
+def _moe_run(name, rows, timeout_s):
+    """moe_bench.py's `rows` (comma-separated) as one run, each row cut at a share of the run's time."""
+    out = f"{{out}}/moe-{name}.json"
+    argv = ("benchmarks/moe_bench.py", "--rows", rows, "--out", out)
+    return Run(name, (*argv, "--row-timeout", str(timeout_s // len(rows.split(",")))), timeout_s,
+               smoke=(*argv, "--toy"), reader="moe", records_file=out)
+
+
 MOE = Case(
-    "moe", "MoE training: OLMoE-1B-7B's shape full fine-tune (8 of 16 layers) and Qwen3-30B-A3B QLoRA nf4 r16 "
-    "under a 24 GB budget, one process per row", "transformers (+ PEFT), the same batch and tokens", 10,
-    match=("kind",), runs=(Run("moe", ("benchmarks/moe_bench.py", "--out", "{out}/moe_bench.json"), 590,
-                               smoke=("benchmarks/moe_bench.py", "--toy", "--out", "{out}/moe_bench.json"),
-                               reader="moe", records_file="{out}/moe_bench.json"),))
+    "moe", "MoE models: OLMoE-1B-7B's shape full fine-tune (8 of 16 layers) and Qwen3-30B-A3B QLoRA nf4 r16 "
+    "under a 24 GB budget, then OLMoE-1B-7B's decode at batch 1 and 64; one process per row",
+    "transformers (+ PEFT), the same batch and tokens; its generate (static cache)", 10,
+    match=("kind",), runs=(_moe_run("train", "ft-zerojax,ft-transformers,qlora-zerojax,qlora-zerojax-attention,"
+                                             "qlora-transformers", 590),
+                           _moe_run("decode", "decode-zerojax,decode-transformers", 300)))
 
 
 def _profile_run(step, timeout_s, env=()):

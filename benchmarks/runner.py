@@ -156,14 +156,19 @@ def bench_records(path: str) -> list[dict]:
 
 
 def moe_records(path: str) -> list[dict]:
-    """moe_bench.py's list: its transformers rows are the anchor; rows pair by kind (ft / qlora)."""
+    """moe_bench.py's list: its transformers rows are the anchor; rows pair by kind (ft / qlora, and
+    decode-<batch>: a decode row's batches, each a record of its own, tokens/s its decode rate)."""
     with open(path) as f:
         rows = json.load(f)
     records = []
     for r in rows:
         anchor = r.get("row", "").endswith("transformers")
-        records.append({"framework": "transformers" if anchor else "zerojax", "anchor": anchor,
-                        "kind": r.get("row", "").split("-")[0], **r})
+        base = {"framework": "transformers" if anchor else "zerojax", "anchor": anchor}
+        for d in r.get("decode", []):
+            records.append({**base, "kind": f"decode-{d['batch']}", "row": r["row"], **d,
+                            "tokens_per_s": d.get("decode_tokens_per_s")})
+        if "decode" not in r:
+            records.append({**base, "kind": r.get("row", "").split("-")[0], **r})
     return records
 
 
