@@ -19,8 +19,16 @@ import pytest
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
+# `zerojax` started as a terminal's shell starts it, SIGINT at its default: a child inherits an ignored
+# SIGINT through exec, and the xdist worker running these tests is at times caught with SIGINT and
+# SIGQUIT ignored (as C's system() leaves them while it waits: seen in a child's SigIgn), when Python
+# installs no KeyboardInterrupt handler and Ctrl-C does nothing
+_AS_FROM_A_SHELL = ("import os, signal, sys; signal.signal(signal.SIGINT, signal.SIG_DFL); "
+                    "os.execv(sys.executable, [sys.executable, '-m', 'zerojax.cli', *sys.argv[1:]])")
+
+
 def _start(argv, cwd):
-    return subprocess.Popen([sys.executable, "-m", "zerojax.cli", *argv], cwd=cwd, stdout=subprocess.PIPE,
+    return subprocess.Popen([sys.executable, "-c", _AS_FROM_A_SHELL, *argv], cwd=cwd, stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True, env={**os.environ, "PYTHONPATH": REPO})
 
 
@@ -73,15 +81,7 @@ def test_ctrl_c_outside_training_is_one_line_and_status_130(tmp_path):
     (tmp_path / "slow_model.py").write_text(
         "import sys, time\n\ndef build():\n    print('building', file=sys.stderr, flush=True)\n"
         "    for _ in range(1200):\n        time.sleep(0.1)\n")
-    # started as a terminal's shell starts it, SIGINT at its default: a child inherits an ignored
-    # SIGINT through exec, and the xdist worker running this test is at times caught with SIGINT and
-    # SIGQUIT ignored (as C's system() leaves them while it waits: seen in the child's SigIgn), when
-    # Python installs no KeyboardInterrupt handler and Ctrl-C does nothing
-    run = subprocess.Popen(
-        [sys.executable, "-c", "import os, signal, sys; signal.signal(signal.SIGINT, signal.SIG_DFL); "
-         "os.execv(sys.executable, [sys.executable, '-m', 'zerojax.cli', *sys.argv[1:]])",
-         "estimate", "--model", "slow_model:build"],
-        cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env={**os.environ, "PYTHONPATH": REPO})
+    run = _start(["estimate", "--model", "slow_model:build"], tmp_path)
     assert run.stderr.readline().strip() == "building"
     time.sleep(0.2)
     run.send_signal(signal.SIGINT)

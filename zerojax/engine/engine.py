@@ -107,14 +107,16 @@ class Engine:
             built = []  # whether the callable hands back a model already built (`lambda: model`)
             with no_eager_sharding():
                 module = nnx.eval_shape(functools.partial(_noting_if_built, model, built))
-                stacked = any(isinstance(m, contract.StackedBlocks) for _, m in nnx.iter_graph(module))
-                user = nnx.eval_shape(model) if stacked else module
             if built[0]:
                 # its weights exist already: placed leaf by leaf as a built model's are, not traced
                 # into the init program as constants (an 8B model's 16 GB, compiled for minutes)
-                model = model()
-                module, user, init_fn = contract.stack_blocks(model), model, None
-            elif not abstract and stacked:
+                user = model()
+                module, init_fn, stacked = contract.stack_blocks(user), None, False
+            else:
+                stacked = any(isinstance(m, contract.StackedBlocks) for _, m in nnx.iter_graph(module))
+                with no_eager_sharding():
+                    user = nnx.eval_shape(model) if stacked else module
+            if not abstract and stacked:
                 # a list of blocks, each initialised by its own code: as one XLA program they compile
                 # in minutes at real depths (28 blocks: over 100 s), run eagerly on the host in
                 # seconds; each device then receives only its own shards (`init_state.initial_state`'s values)
@@ -590,9 +592,9 @@ def _noting_if_built(factory, built: list):
     module = factory()
     concrete = traced = 0
     for x in jax.tree.leaves(nnx.state(module)):
-        if jnp.issubdtype(getattr(x, "dtype", np.float32), jax.dtypes.prng_key):
+        if not hasattr(x, "dtype") or jnp.issubdtype(x.dtype, jax.dtypes.prng_key):
             continue
-        nbytes = int(np.prod(np.shape(x))) * np.dtype(x.dtype).itemsize if hasattr(x, "dtype") else 0
+        nbytes = int(np.prod(np.shape(x))) * np.dtype(x.dtype).itemsize
         if is_tracer(x):
             traced += nbytes
         else:

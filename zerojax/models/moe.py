@@ -223,32 +223,32 @@ def grouped_experts(h, weights, experts, p, dtype, *, ragged=None):
     (an adapter's, e.g. LoRA's, replaces the plain `jax.lax.ragged_dot`)."""
     N, k = experts.shape
     E = p["router"]["kernel"].shape[-1]
-    if ragged is None and 2 * N * k <= E:
-        return gathered_experts(h, weights, experts, p, dtype)
-    ragged = ragged or ragged_linear
     flat = experts.reshape(-1)
-    order = jnp.argsort(flat, stable=True)  # pair index, grouped by expert (token order inside a group)
-    group_sizes = jnp.bincount(flat, length=E).astype(jnp.int32)
-    out = expert_swiglu(h[order // k], p, group_sizes, dtype, ragged)  # [N*k, d]
-    # back to (token, slot) order by the inverse permutation: a gather, no scatter-add
-    out = out[jnp.argsort(order)].reshape(N, k, -1)
-    return jnp.einsum("nkd,nk->nd", out, weights.astype(dtype))
+    if ragged is None and 2 * N * k <= E:  # few pairs (a decode step): read the chosen experts only
+        out = expert_swiglu(jnp.repeat(h, k, axis=0), p, None, dtype, gathered_linear(flat))
+    else:
+        order = jnp.argsort(flat, stable=True)  # pair index, grouped by expert (token order inside a group)
+        group_sizes = jnp.bincount(flat, length=E).astype(jnp.int32)
+        out = expert_swiglu(h[order // k], p, group_sizes, dtype, ragged)  # [N*k, d]
+        # back to (token, slot) order by the inverse permutation: a gather, no scatter-add
+        out = out[jnp.argsort(order)]
+    return jnp.einsum("nkd,nk->nd", out.reshape(N, k, -1), weights.astype(dtype))
 
 
-def gathered_experts(h, weights, experts, p, dtype):
-    """`grouped_experts` for few (token, expert) pairs, as a decode step has (batch x top_k at most
-    half the experts): each pair's expert kernels gathered and applied as a batched product, so
-    the step reads the chosen experts' weights only. XLA's default rewrite of a grouped product pads
-    every group to a dense product over all E experts, so a decode step can read every expert's
-    kernels for its few chosen ones: OLMoE's batch-1 decode measured 5.6 ms a step where its active
-    weights take ~0.7 ms to read (one H100, benchmarks/RESULTS.md)."""
-    N, k = experts.shape
-    flat = experts.reshape(-1)
-    x = jnp.repeat(h, k, axis=0)  # [N*k, d]: each token once per chosen expert, in (token, slot) order
-    gate_up = jnp.einsum("md,mdjf->mjf", x, p["gate_up_proj"]["kernel"][flat].astype(dtype))
-    act = jax.nn.silu(gate_up[:, 0]) * gate_up[:, 1]
-    out = jnp.einsum("mf,mfd->md", act, p["down_proj"]["kernel"][flat].astype(dtype)).reshape(N, k, -1)
-    return jnp.einsum("nkd,nk->nd", out, weights.astype(dtype))
+def gathered_linear(experts):
+    """A `ragged` for few (token, expert) pairs, as a decode step has (batch x top_k at most half
+    the experts): rows x [M, in] in (token, slot) order, each times its own expert's kernel, that
+    pair's `experts` [M] entry gathered, so the step reads the chosen experts' weights only. XLA's
+    default rewrite of a grouped product pads every group to a dense product over all E experts,
+    so a decode step can read every expert's kernels for its few chosen ones: OLMoE's batch-1
+    decode measured 5.6 ms a step where its active weights take ~0.7 ms to read (one H100,
+    benchmarks/RESULTS.md)."""
+
+    def linear(x, entry, group_sizes, dtype):
+        del group_sizes  # each row names its expert
+        return jnp.einsum("mi,mi...->m...", x, entry["kernel"][experts].astype(dtype))
+
+    return linear
 
 
 def expert_swiglu(x, p, group_sizes, dtype, ragged=None):
