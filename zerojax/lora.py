@@ -132,7 +132,8 @@ FIXED = dict(layers_to_transform=None, layers_pattern=None, rank_pattern={},
              alpha_pattern={}, use_dora=False, loftq_config={}, layer_replication=None, lora_bias=False,
              trainable_token_indices=None, use_qalora=False, megatron_config=None,
              eva_config=None, corda_config=None, lora_ga_config=None, alora_invocation_tokens=None,
-             arrow_config=None, velora_config=None, monteclora_config=None, kasa_config=None, use_bdlora=None)
+             arrow_config=None, velora_config=None, monteclora_config=None, kasa_config=None, use_bdlora=None,
+             astra_config=None)
 # PEFT keys that describe Hugging Face's weight layout, which the model's family fixes: checked
 # against it (with a model), not kept. fan_in_fan_out: true for GPT-2's Conv1D, false otherwise
 LAYOUT = dict(fan_in_fan_out=False)
@@ -155,6 +156,11 @@ def from_config_dict(d, model=None) -> dict:
     known = {**DEFAULTS, **EXTRAS, **FIXED, **LAYOUT}
     for key in d:
         if key not in known and key not in IGNORED:
+            if "peft_type" in d:  # written by PEFT: a key of a newer PEFT than this list knows
+                if d[key] in (None, False, {}, []):
+                    continue  # its feature left off (PEFT's default): nothing to act on
+                raise _problem(key, f"{d[key]!r}: a PEFT feature zerojax.lora does not implement; remove it "
+                                    "(or set it to null)")
             near = difflib.get_close_matches(key, list(known) + list(IGNORED), n=1)
             hint = f"; did you mean {near[0]!r}?" if near else f"; known keys: {sorted({**DEFAULTS, **EXTRAS})}"
             raise _problem(key, f"unknown key{hint}")
@@ -670,8 +676,10 @@ def load_peft(model, adapter_dir, **extras):
         saved = json.load(f)
     if saved.get("peft_type", "LORA") != "LORA":
         raise ValueError(f"{adapter_dir}: peft_type {saved.get('peft_type')!r}; zerojax.lora reads LORA adapters")
-    known = {**DEFAULTS, **FIXED, **LAYOUT}
-    config = {k: v for k, v in saved.items() if k in known}  # newer PEFT keys at their defaults: ignored
+    # checked whole, as PEFT's dict (a newer PEFT's key passes at its off value, a clear error
+    # otherwise; how the adapters were initialised does not matter to trained weights), then its settings
+    from_config_dict({"peft_type": "LORA", **saved, "init_lora_weights": True})
+    config = {k: v for k, v in saved.items() if k in {**DEFAULTS, **FIXED, **LAYOUT}}
     if getattr(model, "adapter", None) is None:
         model = apply(model, {**config, **extras, "init_lora_weights": True})
     ad = adapter_of(model)
