@@ -270,7 +270,9 @@ def table(results, peak_tflops):
             continue
         mfu = (f"{100 * r['tokens_per_s'] * r['flops_per_token'] / (peak_tflops * 1e12):.1f}%"
                if peak_tflops else "-")
-        note = f"mem fraction {r['mem_fraction']}" if r.get("mem_fraction") else ""
+        note = "; ".join(x for x in (f"mem fraction {r['mem_fraction']}" if r.get("mem_fraction") else "",
+                                     f"grouped products: {r['grouped_matmul']}" if r.get("grouped_matmul") else "")
+                         if x)
         lines.append(f"{r['row']:<26}{str(r['batch']) + ' x ' + str(r['seq']):>12}{r['tokens_per_s']:>11,.0f}"
                      f"{mfu:>14}{r['peak_gib']:>10.2f}  {note}")
     return "\n".join(lines)
@@ -292,17 +294,29 @@ def main(argv=None) -> int:
                    help="the card's dense bf16 peak for MFU (H100 SXM: 989; default: none on CPU, else 989)")
     p.add_argument("--row-timeout", type=float, default=None,
                    help="seconds a row may take (a row past it is a row saying so)")
+    p.add_argument("--grouped-matmul", default="auto", choices=("auto", "xla", "tokamax"),
+                   help="zerojax rows' grouped expert products (zerojax.models.grouped_matmul; auto: tokamax's "
+                        "kernels on a GPU where it is installed)")
     p.add_argument("--out", default="moe_bench.json")
     p.add_argument("--row", choices=ROWS, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     args.passthrough = [f"--steps={args.steps}", f"--warmup={args.warmup}", f"--seq={args.seq}",
                         f"--ft-layers={args.ft_layers}", f"--ft-batch={args.ft_batch}", f"--ft-seq={args.ft_seq}",
-                        f"--decode-prompt={args.decode_prompt}", f"--decode-new={args.decode_new}"]
+                        f"--decode-prompt={args.decode_prompt}", f"--decode-new={args.decode_new}",
+                        f"--grouped-matmul={args.grouped_matmul}"]
     args.passthrough += ["--toy"] if args.toy else []
     if args.row:  # one row, in this process
         run = (run_decode if args.row.startswith("decode") else
                run_transformers if args.row.endswith("transformers") else run_zerojax)
-        print("RESULT " + json.dumps(run(args, args.row)), flush=True)
+        if args.row.endswith("transformers"):
+            print("RESULT " + json.dumps(run(args, args.row)), flush=True)
+            return 0
+        from zerojax.models import grouped_matmul
+
+        with grouped_matmul.use(args.grouped_matmul):  # read as the row's programs trace
+            out = run(args, args.row)
+            out["grouped_matmul"] = grouped_matmul.resolved()
+        print("RESULT " + json.dumps(out), flush=True)
         return 0
     rows = [r for r in args.rows.split(",") if r]
     bad = [r for r in rows if r not in ROWS]

@@ -48,6 +48,7 @@ from flax import nnx
 from zerojax._jax_compat import no_eager_sharding
 from zerojax.config import ConfigError
 from zerojax.models import registry
+from zerojax.models.grouped_matmul import grouped_product
 from zerojax.models.quantize import (  # noqa: F401
     BLOCK,
     NF4,
@@ -355,8 +356,6 @@ class LoraAdapter:
         """An expert projection (`zerojax.models.moe.grouped_experts`): x [M, in] grouped by expert
         times the kernel [E, in, *out] (dequantized on use), plus scale * B_e(A_e(x)) with each
         row's own expert's adapters (lora_A [E, in, r], lora_B [E, r, *out]), as grouped products."""
-        from zerojax.models.moe import grouped_product
-
         y = grouped_product(x, kernel_of(entry, dtype), group_sizes)
         if "lora_A" not in entry or not self.enabled:
             return y

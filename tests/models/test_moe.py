@@ -144,6 +144,51 @@ def test_grouped_experts_equal_a_dense_loop_over_experts():
     np.testing.assert_allclose(np.asarray(one()), ref[6:7], rtol=1e-4, atol=1e-4)
 
 
+
+def test_tokamax_grouped_products_equal_xla_values_and_gradients(monkeypatch):
+    # the GPU's grouped kernels (tokamax, zerojax.models.grouped_matmul) through the experts' SwiGLU:
+    # on CPU tokamax runs its XLA fallback under its own VJP (the formulas its GPU kernels run
+    # under); values against a float64 loop, gradients against jax.lax.ragged_dot's own rules
+    pytest.importorskip("tokamax")
+    from zerojax.models import grouped_matmul
+
+    rng = np.random.default_rng(1)
+    N, d, m, E, k = 16, 8, 6, 4, 2
+    f32 = lambda a: jnp.asarray(a, jnp.float32)  # noqa: E731
+    h, weights = rng.normal(size=(N, d)), rng.uniform(size=(N, k))
+    experts = np.stack([rng.permutation(E)[:k] for _ in range(N)])
+    experts[experts == 3] = 0  # expert 3: an empty group
+    kernels = {"gate_up_proj": rng.normal(size=(E, d, 2, m)), "down_proj": rng.normal(size=(E, m, d))}
+    silu = lambda x: x / (1 + np.exp(-x))  # noqa: E731
+    gate, up = kernels["gate_up_proj"][:, :, 0], kernels["gate_up_proj"][:, :, 1]
+    every = np.stack([(silu(h @ gate[e]) * (h @ up[e])) @ kernels["down_proj"][e] for e in range(E)], 1)
+    ref = np.einsum("nkd,nk->nd", np.take_along_axis(every, experts[..., None], 1), weights)
+
+    def loss_fn():  # a new function each time: JAX keeps a function's trace, and the choice is read when tracing
+        def loss(h, kernels):
+            p = {name: {"kernel": w} for name, w in kernels.items()} | {"router": {"kernel": jnp.zeros((d, E))}}
+            out = grouped_experts(h, f32(weights), jnp.asarray(experts), p, jnp.float32)
+            return (out * jnp.cos(out)).sum(), out
+        return loss
+
+    args = (f32(h), jax.tree.map(f32, kernels))
+    runs = {}
+    for choice in ("xla", "tokamax"):
+        with grouped_matmul.use(choice):
+            assert grouped_matmul.resolved() == choice
+            jaxpr = str(jax.make_jaxpr(loss_fn())(*args))
+            assert ("custom_vjp_call" in jaxpr) == (choice == "tokamax")  # tokamax's op, under its VJP
+            runs[choice] = jax.grad(loss_fn(), argnums=(0, 1), has_aux=True)(*args)
+    np.testing.assert_allclose(np.asarray(runs["tokamax"][1]), ref, rtol=1e-4, atol=1e-4)
+    for a, b in zip(jax.tree.leaves(runs["tokamax"][0]), jax.tree.leaves(runs["xla"][0]), strict=True):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-4, atol=1e-4)
+    # "auto": XLA's here, tokamax's where the backend is a GPU; a misspelt choice names the choices
+    assert grouped_matmul.resolved() == "xla"
+    monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
+    assert grouped_matmul.resolved() == "tokamax"
+    with pytest.raises(ValueError, match="'auto', 'xla', 'tokamax'"), grouped_matmul.use("cutlass"):
+        pass
+
 LORA = {"r": 2, "lora_alpha": 4, "target_modules": ["q_proj", "k_proj", "v_proj", "o_proj"],
         "target_parameters": ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"],
         "init_lora_weights": False}  # random lora_B: the adapters change the outputs

@@ -7,8 +7,9 @@ MLP replaced by a sparse block of `num_experts` SwiGLU experts and a linear rout
 Routing, as transformers does it: router logits in the compute dtype, softmax in fp32, the top
 `num_experts_per_tok` probabilities (Qwen3-MoE renormalises them to sum 1 when `norm_topk_prob`;
 Mixtral always does). Dropless: every chosen (token, expert) pair is computed. The pairs are sorted
-by expert and each projection is one grouped matrix product (`jax.lax.ragged_dot`) over the
-experts' contiguous groups (MaxText's `layers/moe.py`, megablox), not a loop over experts.
+by expert and each projection is one grouped matrix product over the experts' contiguous groups
+(MaxText's `layers/moe.py`, megablox), not a loop over experts: `jax.lax.ragged_dot`, or on a GPU
+tokamax's grouped kernels (`zerojax.models.grouped_matmul`, which says why).
 
 Expert weights are [E, in, out] leaves inside the stacked layers ([L, E, in, out], logical axes
 "layers", "experts", "embed" / "mlp"), the router a [L, d, E] kernel. The layer scan carries the
@@ -33,6 +34,7 @@ from flax import nnx
 
 from zerojax.models.expert_parallel import expert_parallel_experts
 from zerojax.models.gpt2 import mean_over_tokens, nll_sum
+from zerojax.models.grouped_matmul import grouped_product
 from zerojax.models.llama import (
     Attention,
     Linear,
@@ -266,18 +268,6 @@ def ragged_linear(x, entry, group_sizes, dtype):
     return grouped_product(x, w, group_sizes)
 
 
-@jax.checkpoint
-def grouped_product(x, w, group_sizes):
-    """`jax.lax.ragged_dot` of x [M, in] with w [E, in, *out] (out axes flattened for it) -> [M, *out].
-
-    Checkpointed: the backward rebuilds the flattened kernel from w rather than keep it, which in
-    the layer scan would save a copy of every layer's experts (all of them, gathered at ZeRO-3)
-    beside the activations; the product itself is not rerun (its backward needs x and w only)."""
-    E, n_in, *outs = w.shape
-    y = jax.lax.ragged_dot(x, w.reshape(E, n_in, -1), group_sizes)
-    return y.reshape(x.shape[0], *outs)
-
-
 def sparse_feed_forward(config: MoEConfig, dtype, token_mask=None, found=None, ragged=None, expert_parallel=None):
     """The `feed_forward(h, p_mlp, linear)` a layer runs (`llama.attention_output_and_mlp`):
     routing then `grouped_experts`; each call's `RouterStats` appended to `found` (a list) when
@@ -390,6 +380,6 @@ def chunked_moe_loss(chunk: int = 128):
 
 
 __all__ = ["MoEConfig", "MoELlama", "RouterStats", "SparseMLP", "MOE_MODEL_TYPES", "EXPERTS", "route",
-           "router_stats", "grouped_experts", "expert_swiglu", "ragged_linear", "grouped_product",
+           "router_stats", "grouped_experts", "expert_swiglu", "ragged_linear",
            "sparse_feed_forward", "moe_loss", "chunked_moe_loss",
            "moe_num_params", "active_params", "moe_flops_per_token", "token_mask_of"]
