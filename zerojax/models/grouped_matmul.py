@@ -3,11 +3,11 @@
 x [M, in] with rows grouped by expert (`group_sizes` [E]; rows past their sum belong to no group
 and give zeros) times w [E, in, out]: row i of group e times w[e]. Two implementations:
 
-- "xla": `jax.lax.ragged_dot`. On CPU and TPU XLA computes it as grouped. On NVIDIA GPUs XLA's
-  `RaggedDotRewriter` expands it to a dense product over every expert with the other experts'
-  rows masked: E times the FLOPs and an [M, E, in] temporary. For OLMoE's 64 experts that is 64x
-  the work of the layer's MLP. (XLA's cuDNN ragged-dot fusion covers the forward only and needs
-  cuDNN 9.22 or newer.)
+- "xla": `jax.lax.ragged_dot`. On CPU and on NVIDIA GPUs, XLA's `RaggedDotRewriter` expands it to
+  a dense product over every expert, with the other experts' rows masked: E times the FLOPs and an
+  [M, E, in] temporary (`planning.estimate`'s `grouped_transient_values` counts that temporary). For
+  OLMoE's 64 experts that is 64x the work of the layer's MLP. XLA's cuDNN ragged-dot fusion covers
+  the forward only and needs cuDNN 9.22 or newer.
 - "tokamax": `tokamax.ragged_dot` (Google DeepMind's kernel library on PyPI). It is grouped on
   GPUs: a Pallas Mosaic GPU kernel on Hopper and newer, a Pallas Triton kernel on older cards,
   and its own XLA fallback elsewhere. Its VJP is also grouped products (the input gradient is a
