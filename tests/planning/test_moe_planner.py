@@ -49,6 +49,26 @@ def test_shape_counts_the_experts_and_a_tokens_share_of_them():
     assert E.train_flops_per_token(shape) == pytest.approx(6 * active_params(MOE) + attn, rel=1e-12)
 
 
+
+def test_grouped_kernels_drop_the_dense_products_transient_from_the_formula():
+    # where tokamax's grouped kernels run the experts' products (a GPU with tokamax installed), the
+    # transient of XLA's dense expansion is not there to count: the activations differ by exactly it
+    from zerojax.models import grouped_matmul
+
+    shapes = {}
+    for choice in ("xla", "tokamax"):
+        with grouped_matmul.use(choice):
+            shapes[choice] = PL.model_shape(moe_model, T)
+    assert shapes["xla"].dense_grouped_products and not shapes["tokamax"].dense_grouped_products
+    assert shapes["xla"].grouped_transient_values > 0 == shapes["tokamax"].grouped_transient_values
+    dims = model_dims(nnx.eval_shape(moe_model))
+    acts = {c: E.mesh_peak_bytes(s, heads=dims.heads, vocab=dims.vocab, micro_batch=MICRO, precision="fp32")
+            for c, s in shapes.items()}
+    scale = E.PRECISION_BYTES["fp32"] / 2
+    assert acts["xla"]["states"] == acts["tokamax"]["states"]
+    assert acts["xla"]["activations"] - acts["tokamax"]["activations"] == pytest.approx(
+        scale * 2 * MICRO * T * shapes["xla"].grouped_transient_values, abs=2)
+
 @pytest.mark.slow  # compiles two training steps
 def test_formula_counts_experts_and_routing_as_the_compiled_step_does():
     # the MoE's compiled peak less its dense twin's isolates what the experts add (their weights and

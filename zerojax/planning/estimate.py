@@ -294,7 +294,10 @@ class ModelShape:
     what a tiled MLP's backward reruns (0 when unknown). `n_layer=` is accepted for `layers` (its
     older, GPT-2 name). A mixture of experts: experts (a layer's), top_k (the experts a token
     runs), expert_params (all layers' expert weights, among params and mlp_params; what expert
-    parallelism splits); 0 for a dense model.
+    parallelism splits); 0 for a dense model. dense_grouped_products: the experts' grouped products
+    run as XLA's dense expansion (`jax.lax.ragged_dot` on CPU and NVIDIA GPUs, with its transient,
+    `grouped_transient_values`), False where tokamax's grouped kernels run them
+    (`zerojax.models.grouped_matmul`).
     """
 
     params: int
@@ -307,6 +310,7 @@ class ModelShape:
     experts: int = 0
     top_k: int = 0
     expert_params: int = 0
+    dense_grouped_products: bool = True
     n_layer: dataclasses.InitVar[int | None] = None
 
     def __post_init__(self, n_layer):
@@ -346,8 +350,9 @@ class ModelShape:
         experts x the gate-and-up width (2/3 of an expert's gated MLP values) for each of the
         top_k rows, three of them live in the backward (the product's, its gradient's and its
         input gradient's: fitted on CPU compiles of tiny shapes, the formula then 12% under to 18%
-        over their peaks' difference from a dense twin; not checked on GPU); 0 for a dense model."""
-        if not (self.experts and self.mlp_params and self.layers and self.d_model):
+        over their peaks' difference from a dense twin; not checked on GPU); 0 for a dense model
+        and where grouped kernels run the products (`dense_grouped_products` False)."""
+        if not (self.experts and self.mlp_params and self.layers and self.d_model and self.dense_grouped_products):
             return 0.0
         gate_up = 2.0 / 3.0 * self.mlp_params / (self.layers * self.d_model * self.experts)
         return 3.0 * self.experts * self.top_k * gate_up

@@ -33,6 +33,7 @@ from zerojax.config import REMAT_POLICY_NAMES, load_config
 from zerojax.engine import engine as E
 from zerojax.engine import offload_choice
 from zerojax.model import LAYERS, model_dims
+from zerojax.models import grouped_matmul
 from zerojax.options import EngineOptions
 from zerojax.planning import estimate as est
 from zerojax.planning import memory as mem
@@ -223,7 +224,8 @@ def model_shape(model_factory, seq_len) -> est.ModelShape:
         layer_params = sum(math.prod(var.shape) for var in stacked)
     return est.ModelShape(dims.params, layer_params, layers, dims.d_model, int(seq_len or 0),
                           attn_width=dims.heads * dims.head_dim, mlp_params=_mlp_params(model),
-                          experts=dims.experts, top_k=dims.top_k, expert_params=_expert_params(model))
+                          experts=dims.experts, top_k=dims.top_k, expert_params=_expert_params(model),
+                          dense_grouped_products=grouped_matmul.resolved() == "xla")
 
 
 def _mlp_params(model) -> int:
