@@ -158,7 +158,7 @@ def from_config_dict(d, model=None) -> dict:
     for key in d:
         if key not in known and key not in IGNORED:
             if "peft_type" in d:  # written by PEFT: a key of a newer PEFT than this list knows
-                if d[key] in (None, False, {}, []):
+                if d[key] in (None, False, {}, []):  # (0 and 0.0 equal False: off too)
                     continue  # its feature left off (PEFT's default): nothing to act on
                 raise _problem(key, f"{d[key]!r}: a PEFT feature zerojax.lora does not implement; remove it "
                                     "(or set it to null)")
