@@ -270,9 +270,9 @@ def table(results, peak_tflops):
             continue
         mfu = (f"{100 * r['tokens_per_s'] * r['flops_per_token'] / (peak_tflops * 1e12):.1f}%"
                if peak_tflops else "-")
-        note = "; ".join(x for x in (f"mem fraction {r['mem_fraction']}" if r.get("mem_fraction") else "",
-                                     f"grouped products: {r['grouped_matmul']}" if r.get("grouped_matmul") else "")
-                         if x)
+        notes = [f"mem fraction {r['mem_fraction']}"] if r.get("mem_fraction") else []
+        notes += [f"grouped products: {r['grouped_matmul']}"] if r.get("grouped_matmul") else []
+        note = "; ".join(notes)
         lines.append(f"{r['row']:<26}{str(r['batch']) + ' x ' + str(r['seq']):>12}{r['tokens_per_s']:>11,.0f}"
                      f"{mfu:>14}{r['peak_gib']:>10.2f}  {note}")
     return "\n".join(lines)
@@ -309,13 +309,12 @@ def main(argv=None) -> int:
         run = (run_decode if args.row.startswith("decode") else
                run_transformers if args.row.endswith("transformers") else run_zerojax)
         if args.row.endswith("transformers"):
-            print("RESULT " + json.dumps(run(args, args.row)), flush=True)
-            return 0
-        from zerojax.models import grouped_matmul
-
-        with grouped_matmul.use(args.grouped_matmul):  # read as the row's programs trace
             out = run(args, args.row)
-            out["grouped_matmul"] = grouped_matmul.resolved()
+        else:
+            from zerojax.models import grouped_matmul
+
+            with grouped_matmul.use(args.grouped_matmul):  # read as the row's programs trace
+                out = {**run(args, args.row), "grouped_matmul": grouped_matmul.resolved()}
         print("RESULT " + json.dumps(out), flush=True)
         return 0
     rows = [r for r in args.rows.split(",") if r]
