@@ -30,12 +30,15 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import subprocess
 import sys
 import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
+
+from zerojax.models import grouped_matmul  # noqa: E402  (no device work at import)
 
 ROWS = ("ft-zerojax", "ft-transformers", "qlora-zerojax", "qlora-zerojax-attention", "qlora-transformers",
         "decode-zerojax", "decode-transformers")
@@ -236,6 +239,15 @@ def mem_fraction() -> str | None:
     return f"{BUDGET_GIB * 1024 / float(out.split()[0]):.3f}"
 
 
+def failure_line(output: str) -> str:
+    """The exception line of a failed row's output (JAX prints a note after it), else its last line;
+    the whole output goes to stderr so that a log keeps the traceback."""
+    print(output, file=sys.stderr)
+    lines = [x.strip() for x in output.strip().splitlines() if x.strip()]
+    raised = [x for x in lines if re.match(r"^[\w.]+(Error|Exception|Exit)\b", x)]
+    return ((raised or lines or ["no output"])[-1])[:300]
+
+
 def run_row(args, row) -> dict:
     """Row `row` in a fresh process (its own card memory and memory fraction) -> its result."""
     env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
@@ -249,8 +261,7 @@ def run_row(args, row) -> dict:
         return {"row": row, "error": f"over --row-timeout {args.row_timeout} s"}
     lines = [x for x in proc.stdout.splitlines() if x.startswith("RESULT ")]
     if not lines:
-        tail = (proc.stderr or proc.stdout).strip().splitlines()[-1:] or ["no output"]
-        return {"row": row, "error": f"exit {proc.returncode}: {tail[0][:200]}"}
+        return {"row": row, "error": f"exit {proc.returncode}: {failure_line(proc.stderr or proc.stdout)}"}
     return {"row": row, **json.loads(lines[-1][len("RESULT "):]),
             "mem_fraction": env.get("XLA_PYTHON_CLIENT_MEM_FRACTION")}
 
@@ -294,9 +305,9 @@ def main(argv=None) -> int:
                    help="the card's dense bf16 peak for MFU (H100 SXM: 989; default: none on CPU, else 989)")
     p.add_argument("--row-timeout", type=float, default=None,
                    help="seconds a row may take (a row past it is a row saying so)")
-    p.add_argument("--grouped-matmul", default="auto", choices=("auto", "xla", "tokamax"),
-                   help="zerojax rows' grouped expert products (zerojax.models.grouped_matmul; auto: tokamax's "
-                        "kernels on a GPU where it is installed)")
+    p.add_argument("--grouped-matmul", default="auto", choices=grouped_matmul.CHOICES,
+                   help="zerojax rows' grouped expert products (zerojax.models.grouped_matmul; auto: JAX's Mosaic "
+                        "GPU kernels on a Hopper GPU, else XLA's)")
     p.add_argument("--out", default="moe_bench.json")
     p.add_argument("--row", choices=ROWS, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
@@ -311,8 +322,6 @@ def main(argv=None) -> int:
         if args.row.endswith("transformers"):
             out = run(args, args.row)
         else:
-            from zerojax.models import grouped_matmul
-
             with grouped_matmul.use(args.grouped_matmul):  # read as the row's programs trace
                 out = {**run(args, args.row), "grouped_matmul": grouped_matmul.resolved()}
         print("RESULT " + json.dumps(out), flush=True)

@@ -4,6 +4,8 @@ folders transformers loads; a padded batch equals its rows one by one; the group
 product equals a float64 loop over experts. Tiny random folders written by transformers, the
 router weights scaled up (init's 0.02 makes every expert nearly equally likely) so that routing
 decides the outputs."""
+import types
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -145,7 +147,7 @@ def test_grouped_experts_equal_a_dense_loop_over_experts():
 
 
 
-def test_tokamax_grouped_products_equal_xla_values_and_gradients(monkeypatch):
+def test_tokamax_grouped_products_equal_xla_values_and_gradients():
     # the GPU's grouped kernels (tokamax, zerojax.models.grouped_matmul) through the experts' SwiGLU:
     # on CPU tokamax runs its XLA fallback under its own VJP (the formulas its GPU kernels run
     # under); values against a float64 loop, gradients against jax.lax.ragged_dot's own rules
@@ -182,12 +184,65 @@ def test_tokamax_grouped_products_equal_xla_values_and_gradients(monkeypatch):
     np.testing.assert_allclose(np.asarray(runs["tokamax"][1]), ref, rtol=1e-4, atol=1e-4)
     for a, b in zip(jax.tree.leaves(runs["tokamax"][0]), jax.tree.leaves(runs["xla"][0]), strict=True):
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-4, atol=1e-4)
-    # "auto": XLA's here, tokamax's where the backend is a GPU; a misspelt choice names the choices
+
+def test_mosaic_grouped_product_vjp_equals_xla_with_reference_kernels(monkeypatch):
+    # JAX's Mosaic GPU kernels run on Hopper only; here their two products are stood in for by
+    # float64 NumPy loops (each group's rows times its kernel, and each group's rows contracted), so
+    # that what zerojax builds around them is checked: the VJP's formulas, rows past the groups' sum
+    # zeroed, shapes the kernels do not tile taking XLA's product
+    from zerojax.models import grouped_matmul
+
+    def product(x, w, group_sizes, transpose_rhs=False):
+        x, w, ends = np.asarray(x, np.float64), np.asarray(w, np.float64), np.cumsum(group_sizes)
+        y = np.full((x.shape[0], w.shape[1] if transpose_rhs else w.shape[2]), np.nan)  # unwritten rows
+        for e, (start, end) in enumerate(zip(ends - group_sizes, ends)):
+            y[start:end] = x[start:end] @ (w[e].T if transpose_rhs else w[e])
+        return y
+
+    def contract_groups(x, dy, group_sizes):
+        x, dy, ends = np.asarray(x, np.float64), np.asarray(dy, np.float64), np.cumsum(group_sizes)
+        return np.stack([x[s:e].T @ dy[s:e] for s, e in zip(ends - group_sizes, ends)])
+
+    def on_host(fn, shape_of):
+        return lambda *a, **kw: jax.pure_callback(lambda *b: fn(*b, **kw).astype(np.float32), shape_of(*a, **kw), *a)
+
+    monkeypatch.setattr(grouped_matmul, "_mosaic_kernels", lambda: (
+        on_host(product, lambda x, w, g, transpose_rhs=False: jax.ShapeDtypeStruct(
+            (x.shape[0], w.shape[1] if transpose_rhs else w.shape[2]), x.dtype)),
+        on_host(contract_groups,
+                lambda x, dy, g: jax.ShapeDtypeStruct((g.shape[0], x.shape[1], dy.shape[1]), x.dtype))))
+    monkeypatch.setattr(grouped_matmul, "_mosaic_fits", lambda x, w: w.shape[2] % 2 == 0)  # stands in for "tiles"
+    rng = np.random.default_rng(3)
+    M, n_in, E = 12, 4, 3
+    x = jnp.asarray(rng.normal(size=(M, n_in)), jnp.float32)
+    sizes = jnp.asarray([5, 0, 4], jnp.int32)  # an empty group; the last 3 rows in none
+    for n_out in (6, 3):  # 3: not "tiled", XLA's product
+        w = jnp.asarray(rng.normal(size=(E, n_in, n_out)), jnp.float32)
+        cot = jnp.asarray(rng.normal(size=(M, n_out)), jnp.float32)
+
+        def loss_fn(cot=cot):  # a new function each time: the choice is read when a function is traced
+            return lambda rows, kernels: (grouped_matmul.grouped_product(rows, kernels, sizes) * cot).sum()
+
+        runs = {}
+        for choice in ("xla", "mosaic"):
+            with grouped_matmul.use(choice):
+                jaxpr = str(jax.make_jaxpr(loss_fn())(x, w))
+                assert ("pure_callback" in jaxpr) == (choice == "mosaic" and n_out == 6)
+                y = grouped_matmul.grouped_product(x, w, sizes)
+                runs[choice] = (y, *jax.grad(loss_fn(), argnums=(0, 1))(x, w))
+        assert not np.isnan(np.asarray(runs["mosaic"][0])).any() and not np.asarray(runs["mosaic"][0][9:]).any()
+        for a, b in zip(runs["mosaic"], runs["xla"], strict=True):
+            np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-5)
+    # "auto": XLA's here and on other GPUs, the Mosaic kernels on a Hopper card; a misspelt choice
+    # names the choices
     assert grouped_matmul.resolved() == "xla"
-    monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
-    assert grouped_matmul.resolved() == "tokamax"
-    with pytest.raises(ValueError, match="'auto', 'xla', 'tokamax'"), grouped_matmul.use("cutlass"):
+    for capability, expected in (("8.0", "xla"), ("9.0", "mosaic")):
+        card = types.SimpleNamespace(platform="gpu", compute_capability=capability)
+        monkeypatch.setattr(jax, "devices", lambda card=card: [card])
+        assert grouped_matmul.resolved() == expected
+    with pytest.raises(ValueError, match="'auto', 'xla', 'mosaic', 'tokamax'"), grouped_matmul.use("cutlass"):
         pass
+
 
 LORA = {"r": 2, "lora_alpha": 4, "target_modules": ["q_proj", "k_proj", "v_proj", "o_proj"],
         "target_parameters": ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"],

@@ -8,26 +8,29 @@ and give zeros) times w [E, in, out]: row i of group e times w[e]. Two implement
   [M, E, in] temporary (`planning.estimate`'s `grouped_transient_values` counts that temporary). For
   OLMoE's 64 experts that is 64x the work of the layer's MLP. XLA's cuDNN ragged-dot fusion covers
   the forward only and needs cuDNN 9.22 or newer.
-- "tokamax": `tokamax.ragged_dot` (Google DeepMind's kernel library on PyPI). It is grouped on
-  GPUs: a Pallas Mosaic GPU kernel on Hopper and newer, a Pallas Triton kernel on older cards,
-  and its own XLA fallback elsewhere. Its VJP is also grouped products (the input gradient is a
-  grouped product with the kernels transposed; the kernel gradient contracts over each group's
-  rows).
+- "mosaic": the grouped kernels JAX itself ships for Hopper GPUs
+  (`jax.experimental.pallas.ops.gpu.ragged_dot_mgpu` / `transposed_ragged_dot_mgpu`, Pallas
+  Mosaic GPU), under a VJP here: the input gradient is the grouped product with the kernels
+  transposed, the kernel gradient contracts each group's rows. Shipped with jax, they always match
+  the installed version. They need equal bf16 / fp16 operands and both the in and out widths a
+  multiple of 128; other products (a LoRA adapter's rank-r factors) take XLA's.
+- "tokamax": `tokamax.ragged_dot` (Google DeepMind's kernel library on PyPI), if installed:
+  grouped on GPUs with its own kernels and its XLA fallback elsewhere.
 
-"auto", the default, is "tokamax" on a GPU backend where tokamax is installed (the `cuda12` /
-`cuda13` extras install it) and "xla" everywhere else. `use("xla")` / `use("tokamax")` pick one
-for the programs traced inside it, as the MoE benchmark does to put them side by side.
+"auto", the default, is "mosaic" on a Hopper GPU (compute capability 9.x) and "xla" everywhere
+else. `use(...)` picks one for the programs traced inside it, as the MoE benchmark does to put
+them side by side.
 """
 from __future__ import annotations
 
 import contextlib
 import contextvars
 import functools
-import importlib.util
 
 import jax
+import jax.numpy as jnp
 
-CHOICES = ("auto", "xla", "tokamax")
+CHOICES = ("auto", "xla", "mosaic", "tokamax")
 _choice = contextvars.ContextVar("zerojax_grouped_matmul", default="auto")
 
 
@@ -46,16 +49,23 @@ def use(choice: str):
 
 
 def resolved() -> str:
-    """The implementation a grouped product traced now takes: "xla" or "tokamax"."""
+    """The implementation a grouped product traced now takes: "xla", "mosaic" or "tokamax"."""
     choice = _choice.get()
     if choice == "auto":
-        return "tokamax" if jax.default_backend() == "gpu" and importlib.util.find_spec("tokamax") else "xla"
+        return "mosaic" if _hopper() else "xla"
     return choice
+
+
+def _hopper() -> bool:
+    device = jax.devices()[0]
+    return device.platform == "gpu" and str(getattr(device, "compute_capability", "")).startswith("9")
 
 
 def _ragged_dot(name: str):
     if name == "xla":
         return jax.lax.ragged_dot
+    if name == "mosaic":
+        return _mosaic_ragged_dot
     try:
         import tokamax
     except ImportError:
@@ -79,15 +89,72 @@ def grouped_product(x, w, group_sizes):
 
 def _product(x, w, group_sizes, *, name):
     E, n_in, *outs = w.shape
-    y = _ragged_dot(name)(x, w.reshape(E, n_in, -1), group_sizes)
+    w = w.reshape(E, n_in, -1)
+    if name == "mosaic" and not _mosaic_fits(x, w):
+        name = "xla"
+    y = _ragged_dot(name)(x, w, group_sizes)
     return y.reshape(x.shape[0], *outs)
+
+
+# Tile sizes of JAX's Mosaic GPU kernels: 128-row / 128-column output tiles over 64-wide slices
+# of the contraction, four slices in flight (the shapes its own autotuning sweeps).
+_MOSAIC_TILES = dict(block_m=128, block_n=128, block_k=64, max_concurrent_steps=4, grid_block_n=1)
+_MOSAIC_WIDTH = 128  # in and out widths the tiles divide (the kernel gradient tiles both)
+
+
+def _mosaic_fits(x, w) -> bool:
+    _, n_in, n_out = w.shape
+    return (x.dtype == w.dtype and x.dtype in (jnp.bfloat16, jnp.float16)
+            and n_in % _MOSAIC_WIDTH == 0 and n_out % _MOSAIC_WIDTH == 0)
+
+
+def _mosaic_kernels():
+    """(grouped product, its transposed form): JAX's Mosaic GPU kernels (Hopper only)."""
+    from jax.experimental.pallas.ops.gpu import ragged_dot_mgpu, transposed_ragged_dot_mgpu
+
+    def product(x, w, group_sizes, transpose_rhs=False):
+        return ragged_dot_mgpu.ragged_dot(x, w, group_sizes=group_sizes, transpose_rhs=transpose_rhs,
+                                          **_MOSAIC_TILES)
+
+    def contract_groups(x, dy, group_sizes):
+        return transposed_ragged_dot_mgpu.transposed_ragged_dot(x, dy, group_sizes=group_sizes, **_MOSAIC_TILES)
+
+    return product, contract_groups
+
+
+def _grouped_rows(y, group_sizes):
+    """y with the rows past the groups' sum zeroed: the kernels leave them unwritten."""
+    rows = jnp.arange(y.shape[0], dtype=group_sizes.dtype)[:, None]
+    return jnp.where(rows < jnp.sum(group_sizes), y, jnp.zeros((), y.dtype))
+
+
+@jax.custom_vjp
+def _mosaic_ragged_dot(x, w, group_sizes):
+    product, _ = _mosaic_kernels()
+    return _grouped_rows(product(x, w, group_sizes), group_sizes)
+
+
+def _mosaic_forward(x, w, group_sizes):
+    return _mosaic_ragged_dot(x, w, group_sizes), (x, w, group_sizes)
+
+
+def _mosaic_backward(saved, dy):
+    x, w, group_sizes = saved
+    product, contract_groups = _mosaic_kernels()
+    dy = dy.astype(x.dtype)
+    dx = _grouped_rows(product(dy, w, group_sizes, transpose_rhs=True), group_sizes)  # dy[rows of e] @ w[e].T
+    dw = contract_groups(x, dy, group_sizes)  # x[rows of e].T @ dy[rows of e]
+    return dx, dw.astype(w.dtype), None
+
+
+_mosaic_ragged_dot.defvjp(_mosaic_forward, _mosaic_backward)
 
 
 # Checkpointed: the backward rebuilds the flattened kernel from w rather than keep it, which in
 # the layer scan would save a copy of every layer's experts (all of them, gathered at ZeRO-3)
 # beside the activations; the product itself is not rerun (its backward needs x and w only).
 # One checkpointed function per implementation.
-_CHECKPOINTED = {name: jax.checkpoint(functools.partial(_product, name=name)) for name in ("xla", "tokamax")}
+_CHECKPOINTED = {name: jax.checkpoint(functools.partial(_product, name=name)) for name in CHOICES[1:]}
 
 
 __all__ = ["CHOICES", "use", "resolved", "grouped_product"]
