@@ -187,12 +187,14 @@ def test_tokamax_grouped_products_equal_xla_values_and_gradients():
 
 def test_mosaic_grouped_product_vjp_equals_xla_with_reference_kernels(monkeypatch):
     # JAX's Mosaic GPU kernels run on Hopper only; here their two products are stood in for by
-    # float64 NumPy loops (each group's rows times its kernel, and each group's rows contracted), so
-    # that what zerojax builds around them is checked: the VJP's formulas, rows past the groups' sum
-    # zeroed, shapes the kernels do not tile taking XLA's product
+    # float64 NumPy loops (each group's rows times its kernel, and each group's rows contracted) that
+    # insist on whole tiles (4 wide here), so that what zerojax builds around them is checked: the
+    # VJP's formulas, widths padded to tiles, rows past the groups' sum zeroed, dtypes the kernels
+    # do not take going to XLA's product
     from zerojax.models import grouped_matmul
 
     def product(x, w, group_sizes, transpose_rhs=False):
+        assert x.shape[1] % 4 == 0 and w.shape[1] % 4 == 0 and w.shape[2] % 4 == 0
         x, w, ends = np.asarray(x, np.float64), np.asarray(w, np.float64), np.cumsum(group_sizes)
         y = np.full((x.shape[0], w.shape[1] if transpose_rhs else w.shape[2]), np.nan)  # unwritten rows
         for e, (start, end) in enumerate(zip(ends - group_sizes, ends)):
@@ -200,6 +202,7 @@ def test_mosaic_grouped_product_vjp_equals_xla_with_reference_kernels(monkeypatc
         return y
 
     def contract_groups(x, dy, group_sizes):
+        assert x.shape[1] % 4 == 0 and dy.shape[1] % 4 == 0
         x, dy, ends = np.asarray(x, np.float64), np.asarray(dy, np.float64), np.cumsum(group_sizes)
         return np.stack([x[s:e].T @ dy[s:e] for s, e in zip(ends - group_sizes, ends)])
 
@@ -211,14 +214,15 @@ def test_mosaic_grouped_product_vjp_equals_xla_with_reference_kernels(monkeypatc
             (x.shape[0], w.shape[1] if transpose_rhs else w.shape[2]), x.dtype)),
         on_host(contract_groups,
                 lambda x, dy, g: jax.ShapeDtypeStruct((g.shape[0], x.shape[1], dy.shape[1]), x.dtype))))
-    monkeypatch.setattr(grouped_matmul, "_mosaic_fits", lambda x, w: w.shape[2] % 2 == 0)  # stands in for "tiles"
+    monkeypatch.setattr(grouped_matmul, "_MOSAIC_WIDTH", 4)
+    monkeypatch.setattr(grouped_matmul, "_MOSAIC_DTYPES", (jnp.float32,))
     rng = np.random.default_rng(3)
-    M, n_in, E = 12, 4, 3
-    x = jnp.asarray(rng.normal(size=(M, n_in)), jnp.float32)
+    M, E = 12, 3
     sizes = jnp.asarray([5, 0, 4], jnp.int32)  # an empty group; the last 3 rows in none
-    for n_out in (6, 3):  # 3: not "tiled", XLA's product
-        w = jnp.asarray(rng.normal(size=(E, n_in, n_out)), jnp.float32)
-        cot = jnp.asarray(rng.normal(size=(M, n_out)), jnp.float32)
+    for n_in, n_out, dtype in ((4, 8, jnp.float32), (3, 6, jnp.float32), (4, 8, jnp.float16)):  # fp16: XLA's
+        x = jnp.asarray(rng.normal(size=(M, n_in)), dtype)
+        w = jnp.asarray(rng.normal(size=(E, n_in, n_out)), dtype)
+        cot = jnp.asarray(rng.normal(size=(M, n_out)), dtype)
 
         def loss_fn(cot=cot):  # a new function each time: the choice is read when a function is traced
             return lambda rows, kernels: (grouped_matmul.grouped_product(rows, kernels, sizes) * cot).sum()
@@ -227,12 +231,13 @@ def test_mosaic_grouped_product_vjp_equals_xla_with_reference_kernels(monkeypatc
         for choice in ("xla", "mosaic"):
             with grouped_matmul.use(choice):
                 jaxpr = str(jax.make_jaxpr(loss_fn())(x, w))
-                assert ("pure_callback" in jaxpr) == (choice == "mosaic" and n_out == 6)
+                assert ("pure_callback" in jaxpr) == (choice == "mosaic" and dtype == jnp.float32)
                 y = grouped_matmul.grouped_product(x, w, sizes)
                 runs[choice] = (y, *jax.grad(loss_fn(), argnums=(0, 1))(x, w))
         assert not np.isnan(np.asarray(runs["mosaic"][0])).any() and not np.asarray(runs["mosaic"][0][9:]).any()
         for a, b in zip(runs["mosaic"], runs["xla"], strict=True):
-            np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-5)
+            assert a.shape == b.shape and a.dtype == b.dtype
+            np.testing.assert_allclose(np.asarray(a, np.float32), np.asarray(b, np.float32), rtol=1e-5, atol=1e-5)
     # "auto": XLA's here and on other GPUs, the Mosaic kernels on a Hopper card; a misspelt choice
     # names the choices
     assert grouped_matmul.resolved() == "xla"

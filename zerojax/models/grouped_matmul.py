@@ -12,8 +12,8 @@ and give zeros) times w [E, in, out]: row i of group e times w[e]. Two implement
   (`jax.experimental.pallas.ops.gpu.ragged_dot_mgpu` / `transposed_ragged_dot_mgpu`, Pallas
   Mosaic GPU), under a VJP here: the input gradient is the grouped product with the kernels
   transposed, the kernel gradient contracts each group's rows. Shipped with jax, they always match
-  the installed version. They need equal bf16 / fp16 operands and both the in and out widths a
-  multiple of 128; other products (a LoRA adapter's rank-r factors) take XLA's.
+  the installed version. They tile the in and out widths by 128 (narrower ones, a LoRA adapter's
+  rank-r factors, are padded with zeros) and need equal bf16 / fp16 operands (others take XLA's).
 - "tokamax": `tokamax.ragged_dot` (Google DeepMind's kernel library on PyPI), if installed:
   grouped on GPUs with its own kernels and its XLA fallback elsewhere.
 
@@ -90,9 +90,12 @@ def grouped_product(x, w, group_sizes):
 def _product(x, w, group_sizes, *, name):
     E, n_in, *outs = w.shape
     w = w.reshape(E, n_in, -1)
+    n_out = w.shape[-1]
     if name == "mosaic" and not _mosaic_fits(x, w):
         name = "xla"
-    y = _ragged_dot(name)(x, w, group_sizes)
+    if name == "mosaic":
+        x, w = _padded_to_tiles(x, w)
+    y = _ragged_dot(name)(x, w, group_sizes)[:, :n_out]
     return y.reshape(x.shape[0], *outs)
 
 
@@ -100,12 +103,24 @@ def _product(x, w, group_sizes, *, name):
 # of the contraction, four slices in flight (the shapes its own autotuning sweeps).
 _MOSAIC_TILES = dict(block_m=128, block_n=128, block_k=64, max_concurrent_steps=4, grid_block_n=1)
 _MOSAIC_WIDTH = 128  # in and out widths the tiles divide (the kernel gradient tiles both)
+_MOSAIC_DTYPES = (jnp.bfloat16, jnp.float16)
 
 
 def _mosaic_fits(x, w) -> bool:
+    return x.dtype == w.dtype and x.dtype in _MOSAIC_DTYPES
+
+
+def _padded_to_tiles(x, w):
+    """x and w with zeros appended to their in and out widths up to whole tiles: a LoRA adapter's
+    rank-16 factors become 128 wide, a few times their own small work, where XLA's product would
+    expand to every expert with an [M, E, in] temporary."""
     _, n_in, n_out = w.shape
-    return (x.dtype == w.dtype and x.dtype in (jnp.bfloat16, jnp.float16)
-            and n_in % _MOSAIC_WIDTH == 0 and n_out % _MOSAIC_WIDTH == 0)
+    pad_in, pad_out = -n_in % _MOSAIC_WIDTH, -n_out % _MOSAIC_WIDTH
+    if pad_in:
+        x = jnp.pad(x, ((0, 0), (0, pad_in)))
+    if pad_in or pad_out:
+        w = jnp.pad(w, ((0, 0), (0, pad_in), (0, pad_out)))
+    return x, w
 
 
 def _mosaic_kernels():
