@@ -8,8 +8,8 @@ Routing, as transformers does it: router logits in the compute dtype, softmax in
 `num_experts_per_tok` probabilities (Qwen3-MoE renormalises them to sum 1 when `norm_topk_prob`;
 Mixtral always does). Dropless: every chosen (token, expert) pair is computed. The pairs are sorted
 by expert and each projection is one grouped matrix product over the experts' contiguous groups
-(MaxText's `layers/moe.py`, megablox), not a loop over experts: `jax.lax.ragged_dot`, or on a GPU
-tokamax's grouped kernels (`zerojax.models.grouped_matmul`, which says why).
+(MaxText's `layers/moe.py`, megablox), not a loop over experts: `jax.lax.ragged_dot`, or on a Hopper
+GPU JAX's Mosaic GPU grouped kernels (`zerojax.models.grouped_matmul`, which says why).
 
 Expert weights are [E, in, out] leaves inside the stacked layers ([L, E, in, out], logical axes
 "layers", "experts", "embed" / "mlp"), the router a [L, d, E] kernel. The layer scan carries the
