@@ -51,22 +51,22 @@ def test_shape_counts_the_experts_and_a_tokens_share_of_them():
 
 
 def test_grouped_kernels_drop_the_dense_products_transient_from_the_formula():
-    # where tokamax's grouped kernels run the experts' products (a GPU with tokamax installed), the
+    # where grouped kernels run the experts' products (JAX's Mosaic GPU kernels on a Hopper card), the
     # transient of XLA's dense expansion is not there to count: the activations differ by exactly it
     from zerojax.models import grouped_matmul
 
     shapes = {}
-    for choice in ("xla", "tokamax"):
+    for choice in ("xla", "mosaic"):
         with grouped_matmul.use(choice):
             shapes[choice] = PL.model_shape(moe_model, T)
-    assert shapes["xla"].dense_grouped_products and not shapes["tokamax"].dense_grouped_products
-    assert shapes["xla"].grouped_transient_values > 0 == shapes["tokamax"].grouped_transient_values
+    assert shapes["xla"].dense_grouped_products and not shapes["mosaic"].dense_grouped_products
+    assert shapes["xla"].grouped_transient_values > 0 == shapes["mosaic"].grouped_transient_values
     dims = model_dims(nnx.eval_shape(moe_model))
     acts = {c: E.mesh_peak_bytes(s, heads=dims.heads, vocab=dims.vocab, micro_batch=MICRO, precision="fp32")
             for c, s in shapes.items()}
     scale = E.PRECISION_BYTES["fp32"] / 2
-    assert acts["xla"]["states"] == acts["tokamax"]["states"]
-    assert acts["xla"]["activations"] - acts["tokamax"]["activations"] == pytest.approx(
+    assert acts["xla"]["states"] == acts["mosaic"]["states"]
+    assert acts["xla"]["activations"] - acts["mosaic"]["activations"] == pytest.approx(
         scale * 2 * MICRO * T * shapes["xla"].grouped_transient_values, abs=2)
 
 @pytest.mark.slow  # compiles two training steps

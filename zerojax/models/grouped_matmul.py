@@ -14,8 +14,8 @@ and give zeros) times w [E, in, out]: row i of group e times w[e]. Two implement
   transposed, the kernel gradient contracts each group's rows. Shipped with jax, they always match
   the installed version. They tile the in and out widths by 128 (narrower ones, a LoRA adapter's
   rank-r factors, are padded with zeros) and need equal bf16 / fp16 operands (others take XLA's).
-- "tokamax": `tokamax.ragged_dot` (Google DeepMind's kernel library on PyPI), if installed:
-  grouped on GPUs with its own kernels and its XLA fallback elsewhere.
+  tokamax 0.0.12's grouped kernel, tried before these, calls a Mosaic GPU API that JAX 0.11 no
+  longer has (a TypeError on an H100).
 
 "auto", the default, is "mosaic" on a Hopper GPU (compute capability 9.x) and "xla" everywhere
 else. `use(...)` picks one for the programs traced inside it, as the MoE benchmark does to put
@@ -30,7 +30,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
-CHOICES = ("auto", "xla", "mosaic", "tokamax")
+CHOICES = ("auto", "xla", "mosaic")
 _choice = contextvars.ContextVar("zerojax_grouped_matmul", default="auto")
 
 
@@ -49,7 +49,7 @@ def use(choice: str):
 
 
 def resolved() -> str:
-    """The implementation a grouped product traced now takes: "xla", "mosaic" or "tokamax"."""
+    """The implementation a grouped product traced now takes: "xla" or "mosaic"."""
     choice = _choice.get()
     if choice == "auto":
         return "mosaic" if _hopper() else "xla"
@@ -62,23 +62,7 @@ def _hopper() -> bool:
 
 
 def _ragged_dot(name: str):
-    if name == "xla":
-        return jax.lax.ragged_dot
-    if name == "mosaic":
-        return _mosaic_ragged_dot
-    try:
-        import tokamax
-    except ImportError:
-        raise ImportError("grouped_matmul 'tokamax': tokamax is not installed; pip install tokamax "
-                          "(the zerojax[cuda12] / [cuda13] extras include it) or use 'xla'") from None
-    from absl import flags
-
-    # tokamax reads its settings from absl flags, and parses sys.argv for them on first use when
-    # nothing has: the program's own arguments (`zerojax train --hf-checkpoint ...`, pytest's) are
-    # not absl flags and would fail that parse. Marked parsed, its flags keep their defaults.
-    if not flags.FLAGS.is_parsed():
-        flags.FLAGS.mark_as_parsed()
-    return tokamax.ragged_dot
+    return _mosaic_ragged_dot if name == "mosaic" else jax.lax.ragged_dot
 
 
 def grouped_product(x, w, group_sizes):

@@ -296,7 +296,7 @@ class ModelShape:
     runs), expert_params (all layers' expert weights, among params and mlp_params; what expert
     parallelism splits); 0 for a dense model. dense_grouped_products: the experts' grouped products
     run as XLA's dense expansion (`jax.lax.ragged_dot` on CPU and NVIDIA GPUs, with its transient,
-    `grouped_transient_values`), False where grouped kernels (mosaic, tokamax) run them
+    `grouped_transient_values`), False where grouped kernels ("mosaic") run them
     (`zerojax.models.grouped_matmul`).
     """
 
