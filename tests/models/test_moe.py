@@ -206,12 +206,12 @@ def test_mosaic_grouped_product_vjp_equals_xla_with_reference_kernels(monkeypatc
         for a, b in zip(runs["mosaic"], runs["xla"], strict=True):
             assert a.shape == b.shape and a.dtype == b.dtype
             np.testing.assert_allclose(np.asarray(a, np.float32), np.asarray(b, np.float32), rtol=1e-5, atol=1e-5)
-    # "auto": XLA's here and on other GPUs, the Mosaic kernels on a Hopper card; a misspelt choice
-    # names the choices
+    # "auto": XLA's here, on other GPUs and over several devices, the Mosaic kernels on one Hopper
+    # card; a misspelt choice names the choices
     assert grouped_matmul.resolved() == "xla"
-    for capability, expected in (("8.0", "xla"), ("9.0", "mosaic")):
+    for capability, cards, expected in (("8.0", 1, "xla"), ("9.0", 1, "mosaic"), ("9.0", 2, "xla")):
         card = types.SimpleNamespace(platform="gpu", compute_capability=capability)
-        monkeypatch.setattr(jax, "devices", lambda card=card: [card])
+        monkeypatch.setattr(jax, "devices", lambda card=card, cards=cards: [card] * cards)
         assert grouped_matmul.resolved() == expected
     with pytest.raises(ValueError, match="'auto', 'xla', 'mosaic'"), grouped_matmul.use("cutlass"):
         pass

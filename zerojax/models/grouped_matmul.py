@@ -17,9 +17,9 @@ and give zeros) times w [E, in, out]: row i of group e times w[e]. Two implement
   tokamax 0.0.12's grouped kernel, tried before these, calls a Mosaic GPU API that JAX 0.11 no
   longer has (a TypeError on an H100).
 
-"auto", the default, is "mosaic" on a Hopper GPU (compute capability 9.x) and "xla" everywhere
-else. `use(...)` picks one for the programs traced inside it, as the MoE benchmark does to put
-them side by side.
+"auto", the default, is "mosaic" on one Hopper GPU (compute capability 9.x) and "xla" everywhere
+else (several devices too: XLA does not partition a Pallas kernel). `use(...)` picks one for the
+programs traced inside it, as the MoE benchmark does to put them side by side.
 """
 from __future__ import annotations
 
@@ -52,13 +52,16 @@ def resolved() -> str:
     """The implementation a grouped product traced now takes: "xla" or "mosaic"."""
     choice = _choice.get()
     if choice == "auto":
-        return "mosaic" if _hopper() else "xla"
+        return "mosaic" if _one_hopper() else "xla"
     return choice
 
 
-def _hopper() -> bool:
-    device = jax.devices()[0]
-    return device.platform == "gpu" and str(getattr(device, "compute_capability", "")).startswith("9")
+def _one_hopper() -> bool:
+    """One Hopper GPU. Over several devices a Pallas kernel is not split by XLA's SPMD partitioner
+    (it would gather its operands to every device); the kernels wait for a shard_map there."""
+    devices = jax.devices()
+    return (len(devices) == 1 and devices[0].platform == "gpu"
+            and str(getattr(devices[0], "compute_capability", "")).startswith("9"))
 
 
 def _ragged_dot(name: str):
