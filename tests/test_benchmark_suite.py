@@ -1,7 +1,8 @@
 """The benchmark suite (`python -m benchmarks`, benchmarks/cases.py): every case's programs and
 configs exist, the listing names every case, benchmarks/README.md documents every case, a
 multi-GPU case refuses on fewer GPUs, and the cheapest case runs end to end on the CPU (--smoke)
-with its table's figure equal to the JSON line the program itself printed."""
+with its table's figure equal to the JSON line the program itself printed; a failed MoE benchmark row
+names its exception."""
 import json
 import os
 import pathlib
@@ -106,3 +107,18 @@ def test_each_row_is_divided_by_its_own_anchor():
              {"row": "other", "tree": "before", key: 1.0, "anchor": True, "model": "a"},
              {"row": "bench", "tree": "after", key: 5.0, "model": "a"}]
     assert table_rows(case, trees)[-1][-1] == f"{5.0 / 4.0:.2f}x"
+
+
+def test_a_failed_moe_row_names_its_exception(capsys):
+    # JAX prints a note about its filtered frames after the exception: the row's error names the
+    # exception line, not that note, and the whole output goes on to the log (stderr)
+    from benchmarks import moe_bench
+
+    output = ("Traceback (most recent call last):\n  File \"x.py\", line 1, in <module>\n"
+              "jax.errors.JaxRuntimeError: RESOURCE_EXHAUSTED: Out of memory while trying to allocate 16.02GiB\n"
+              "--------------------\nFor simplicity, JAX has removed its internal frames from the traceback of "
+              "the following exception. Set JAX_TRACEBACK_FILTERING=off to include these.\n")
+    assert moe_bench.failure_line(output) == ("jax.errors.JaxRuntimeError: RESOURCE_EXHAUSTED: Out of memory while "
+                                              "trying to allocate 16.02GiB")
+    assert output.strip() in capsys.readouterr().err
+    assert moe_bench.failure_line("no exception, a last line\n") == "no exception, a last line"
