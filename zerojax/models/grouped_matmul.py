@@ -64,10 +64,6 @@ def _one_hopper() -> bool:
             and str(getattr(devices[0], "compute_capability", "")).startswith("9"))
 
 
-def _ragged_dot(name: str):
-    return _mosaic_ragged_dot if name == "mosaic" else jax.lax.ragged_dot
-
-
 def grouped_product(x, w, group_sizes):
     """x [M, in] grouped by expert times w [E, in, *out] (out axes flattened for the product)
     -> [M, *out], by the implementation `resolved()` names."""
@@ -77,12 +73,10 @@ def grouped_product(x, w, group_sizes):
 def _product(x, w, group_sizes, *, name):
     E, n_in, *outs = w.shape
     w = w.reshape(E, n_in, -1)
-    n_out = w.shape[-1]
-    if name == "mosaic" and not _mosaic_fits(x, w):
-        name = "xla"
-    if name == "mosaic":
-        x, w = _padded_to_tiles(x, w)
-    y = _ragged_dot(name)(x, w, group_sizes)[:, :n_out]
+    if name == "mosaic" and _mosaic_fits(x, w):
+        y = _mosaic_ragged_dot(*_padded_to_tiles(x, w), group_sizes)[:, :w.shape[-1]]
+    else:
+        y = jax.lax.ragged_dot(x, w, group_sizes)
     return y.reshape(x.shape[0], *outs)
 
 
