@@ -51,23 +51,28 @@ def test_shape_counts_the_experts_and_a_tokens_share_of_them():
 
 
 def test_grouped_kernels_drop_the_dense_products_transient_from_the_formula():
-    # where grouped kernels run the experts' products (JAX's Mosaic GPU kernels on a Hopper card), the
-    # transient of XLA's dense expansion is not there to count: the activations differ by exactly it
+    # where grouped kernels run the experts' products (JAX's Mosaic GPU kernels on a Hopper card, bf16
+    # or fp16 operands), the transient of XLA's dense expansion is not there to count: the activations
+    # differ by exactly it; fp32 operands take XLA's product under either choice, and count it
     from zerojax.models import grouped_matmul
 
     shapes = {}
     for choice in ("xla", "mosaic"):
         with grouped_matmul.use(choice):
             shapes[choice] = PL.model_shape(moe_model, T)
-    assert shapes["xla"].dense_grouped_products and not shapes["mosaic"].dense_grouped_products
-    assert shapes["xla"].grouped_transient_values > 0 == shapes["mosaic"].grouped_transient_values
+    assert shapes["xla"].grouped_kernel_precisions == () and shapes["mosaic"].grouped_kernel_precisions == (
+        "bf16", "fp16")
+    transient = shapes["xla"].grouped_transient_values
+    assert transient > 0 and shapes["mosaic"].grouped_transient_values == transient
     dims = model_dims(nnx.eval_shape(moe_model))
-    acts = {c: E.mesh_peak_bytes(s, heads=dims.heads, vocab=dims.vocab, micro_batch=MICRO, precision="fp32")
-            for c, s in shapes.items()}
-    scale = E.PRECISION_BYTES["fp32"] / 2
-    assert acts["xla"]["states"] == acts["mosaic"]["states"]
-    assert acts["xla"]["activations"] - acts["mosaic"]["activations"] == pytest.approx(
-        scale * 2 * MICRO * T * shapes["xla"].grouped_transient_values, abs=2)
+    for precision in ("bf16", "fp16", "fp32"):
+        acts = {c: E.mesh_peak_bytes(s, heads=dims.heads, vocab=dims.vocab, micro_batch=MICRO, precision=precision)
+                for c, s in shapes.items()}
+        assert acts["xla"]["states"] == acts["mosaic"]["states"]
+        scale = E.PRECISION_BYTES[precision] / 2
+        dropped = 0 if precision == "fp32" else scale * 2 * MICRO * T * transient
+        assert acts["xla"]["activations"] - acts["mosaic"]["activations"] == pytest.approx(dropped, abs=2)
+
 
 @pytest.mark.slow  # compiles two training steps
 def test_formula_counts_experts_and_routing_as_the_compiled_step_does():

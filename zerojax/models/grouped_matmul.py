@@ -84,7 +84,15 @@ def _product(x, w, group_sizes, *, name):
 # of the contraction, four slices in flight (the shapes its own autotuning sweeps).
 _MOSAIC_TILES = dict(block_m=128, block_n=128, block_k=64, max_concurrent_steps=4, grid_block_n=1)
 _MOSAIC_WIDTH = 128  # in and out widths the tiles divide (the kernel gradient tiles both)
-_MOSAIC_DTYPES = (jnp.bfloat16, jnp.float16)
+# the operands the kernels take, by the compute precision's name (planning counts by those names)
+_MOSAIC_PRECISIONS = {"bf16": jnp.bfloat16, "fp16": jnp.float16}
+_MOSAIC_DTYPES = tuple(_MOSAIC_PRECISIONS.values())
+
+
+def kernel_precisions() -> tuple[str, ...]:
+    """The compute precisions ("bf16", "fp16") whose grouped products, traced now, run as grouped
+    kernels; () where XLA's dense expansion runs them at every precision."""
+    return tuple(_MOSAIC_PRECISIONS) if resolved() == "mosaic" else ()
 
 
 def _mosaic_fits(x, w) -> bool:
@@ -153,4 +161,4 @@ _mosaic_ragged_dot.defvjp(_mosaic_forward, _mosaic_backward)
 _CHECKPOINTED = {name: jax.checkpoint(functools.partial(_product, name=name)) for name in CHOICES[1:]}
 
 
-__all__ = ["CHOICES", "use", "resolved", "grouped_product"]
+__all__ = ["CHOICES", "use", "resolved", "kernel_precisions", "grouped_product"]

@@ -294,10 +294,10 @@ class ModelShape:
     what a tiled MLP's backward reruns (0 when unknown). `n_layer=` is accepted for `layers` (its
     older, GPT-2 name). A mixture of experts: experts (a layer's), top_k (the experts a token
     runs), expert_params (all layers' expert weights, among params and mlp_params; what expert
-    parallelism splits); 0 for a dense model. dense_grouped_products: the experts' grouped products
-    run as XLA's dense expansion (`jax.lax.ragged_dot` on CPU and NVIDIA GPUs, with its transient,
-    `grouped_transient_values`), False where grouped kernels ("mosaic") run them
-    (`zerojax.models.grouped_matmul`).
+    parallelism splits); 0 for a dense model. grouped_kernel_precisions: the compute precisions
+    ("bf16", "fp16") at which grouped kernels run the experts' products
+    (`zerojax.models.grouped_matmul.kernel_precisions`); at any other, XLA's dense expansion runs
+    them (`jax.lax.ragged_dot` on CPU and NVIDIA GPUs) with its transient, `grouped_transient_values`.
     """
 
     params: int
@@ -310,7 +310,7 @@ class ModelShape:
     experts: int = 0
     top_k: int = 0
     expert_params: int = 0
-    dense_grouped_products: bool = True
+    grouped_kernel_precisions: tuple[str, ...] = ()
     n_layer: dataclasses.InitVar[int | None] = None
 
     def __post_init__(self, n_layer):
@@ -350,9 +350,9 @@ class ModelShape:
         experts x the gate-and-up width (2/3 of an expert's gated MLP values) for each of the
         top_k rows, three of them live in the backward (the product's, its gradient's and its
         input gradient's: fitted on CPU compiles of tiny shapes, the formula then 12% under to 18%
-        over their peaks' difference from a dense twin; not checked on GPU); 0 for a dense model
-        and where grouped kernels run the products (`dense_grouped_products` False)."""
-        if not (self.experts and self.mlp_params and self.layers and self.d_model and self.dense_grouped_products):
+        over their peaks' difference from a dense twin; not checked on GPU); 0 for a dense model.
+        Not there at the precisions grouped kernels run (`grouped_kernel_precisions`)."""
+        if not (self.experts and self.mlp_params and self.layers and self.d_model):
             return 0.0
         gate_up = 2.0 / 3.0 * self.mlp_params / (self.layers * self.d_model * self.experts)
         return 3.0 * self.experts * self.top_k * gate_up
@@ -758,8 +758,10 @@ def mesh_peak_bytes(shape: ModelShape, *, heads: int, vocab: int, micro_batch: i
         acts += scale * 2 * micro_batch * min(mlp_tile, T) * (shape.mlp_values or 8 * d)
     acts *= activation_factor
     # a mixture of experts: one layer's grouped product as XLA runs it, dense over the experts (a
-    # transient of its own, not the saved activations the factor was calibrated on)
-    acts += scale * 2 * micro_batch * T * shape.grouped_transient_values
+    # transient of its own, not the saved activations the factor was calibrated on); none where
+    # grouped kernels take this precision's operands
+    if precision not in shape.grouped_kernel_precisions:
+        acts += scale * 2 * micro_batch * T * shape.grouped_transient_values
     logits = 2 * 4 * micro_batch * n_tensor * T * vocab / n_tensor
     total = states + acts + logits
     return {"states": int(states), "activations": int(acts), "logits": int(logits), "total": int(total)}

@@ -225,7 +225,7 @@ def model_shape(model_factory, seq_len) -> est.ModelShape:
     return est.ModelShape(dims.params, layer_params, layers, dims.d_model, int(seq_len or 0),
                           attn_width=dims.heads * dims.head_dim, mlp_params=_mlp_params(model),
                           experts=dims.experts, top_k=dims.top_k, expert_params=_expert_params(model),
-                          dense_grouped_products=grouped_matmul.resolved() == "xla")
+                          grouped_kernel_precisions=grouped_matmul.kernel_precisions())
 
 
 def _mlp_params(model) -> int:
