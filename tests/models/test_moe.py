@@ -147,7 +147,6 @@ def test_grouped_experts_equal_a_dense_loop_over_experts():
     np.testing.assert_allclose(np.asarray(one()), ref[6:7], rtol=1e-4, atol=1e-4)
 
 
-
 def test_mosaic_grouped_product_vjp_equals_xla_with_reference_kernels(monkeypatch):
     # JAX's Mosaic GPU kernels run on Hopper only; here their two products are stood in for by
     # float64 NumPy loops (each group's rows times its kernel, and each group's rows contracted) that

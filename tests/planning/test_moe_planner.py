@@ -49,7 +49,6 @@ def test_shape_counts_the_experts_and_a_tokens_share_of_them():
     assert E.train_flops_per_token(shape) == pytest.approx(6 * active_params(MOE) + attn, rel=1e-12)
 
 
-
 def test_grouped_kernels_drop_the_dense_products_transient_from_the_formula():
     # where grouped kernels run the experts' products (JAX's Mosaic GPU kernels on a Hopper card, bf16
     # or fp16 operands), the transient of XLA's dense expansion is not there to count: the activations
