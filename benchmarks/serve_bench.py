@@ -11,6 +11,11 @@ with other prompts and 8 new tokens (its programs compile there).
     PYTHONPATH=. python benchmarks/serve_bench.py --tiny          # CPU smoke test: tiny shapes
     PYTHONPATH=. python benchmarks/serve_bench_hf.py              # the anchor: transformers' continuous batching
     PYTHONPATH=. python benchmarks/serve_bench.py --adapters 8 --levels 64   # 8 LoRA adapters over the base
+    PYTHONPATH=. python benchmarks/serve_bench.py --levels 1 --profile 1     # then where a served step's time goes
+
+--profile C: after the matrix, concurrency C once more under `jax.profiler.trace`: the engine's steps
+in the window, wall ms a step beside the card's busy ms a step (the union of its kernels; the rest is
+the card waiting on the host or the network) and the kernels by ms a step.
 
 Needs fastapi, uvicorn, prometheus-client (the serve extra), pydantic, starlette and aiohttp.
 """
@@ -102,6 +107,48 @@ def start_server(engine) -> tuple[str, object]:
     return f"http://127.0.0.1:{port}", server
 
 
+def profile_level(engine, s: dict, vocab: int, concurrency: int, run) -> dict:
+    """One more pass of `concurrency` under the profiler: {steps, wall / busy / idle ms a step, top
+    kernels}. run(requests, concurrency) serves them (as the matrix's levels do)."""
+    import tempfile
+
+    import jax
+    from kernel_categories import union_length
+    from trace_kernels import kernels, xplane_file
+
+    steps = [0]
+    step = engine.step
+
+    def counted():
+        steps[0] += 1
+        return step()
+
+    engine.step = counted
+    reqs = serve_traffic.requests(max(2, concurrency), seed=7, long_share=0.0, prompt_mean=s["prompt_mean"],
+                                  output_mean=min(s["output_mean"], 64), max_prompt=s["max_prompt"],
+                                  max_output=64, vocab=vocab, long_prompt=s["long_prompt"])
+    trace_dir = tempfile.mkdtemp()
+    try:
+        with jax.profiler.trace(trace_dir):
+            start = time.perf_counter()
+            run(reqs, concurrency)
+            wall = time.perf_counter() - start
+    finally:
+        engine.step = step
+    found = kernels(xplane_file(trace_dir), jax.default_backend() != "gpu")
+    n = max(steps[0], 1)
+    busy = union_length((k.start_ns, k.end_ns) for k in found) / 1e6 / n
+    sums: dict[str, list] = {}
+    for k in found:
+        row = sums.setdefault(k.name, [0.0, 0])
+        row[0] += (k.end_ns - k.start_ns) / 1e6 / n
+        row[1] += 1
+    top = sorted(((ms, c, name) for name, (ms, c) in sums.items()), reverse=True)[:15]
+    return {"concurrency": concurrency, "steps": steps[0], "wall_ms_per_step": round(1e3 * wall / n, 3),
+            "busy_ms_per_step": round(busy, 3), "idle_ms_per_step": round(1e3 * wall / n - busy, 3),
+            "top": [(round(ms, 4), c, name[:100]) for ms, c, name in top]}
+
+
 async def _one(session, url, prompt, new, model):
     body = {"model": model, "prompt": prompt, "max_tokens": new, "temperature": 0, "ignore_eos": True,
             "stream": True}
@@ -145,6 +192,9 @@ def main(argv=None) -> int:
     ap.add_argument("--no-overlap", action="store_true",
                     help="read each step's tokens before dispatching the next (the engine's overlap=False): the "
                          "comparison with overlapped steps")
+    ap.add_argument("--profile", type=int, nargs="?", const=1, default=None, metavar="CONCURRENCY",
+                    help="after the matrix, this concurrency (1 if not given) again under the profiler: wall vs the "
+                         "card's busy time a step, the kernels by time")
     args = ap.parse_args(argv)
     import jax
 
@@ -161,12 +211,19 @@ def main(argv=None) -> int:
     print(f"warmed up {engine.warm_up()} step programs in {time.perf_counter() - start:.0f} s", flush=True)
     url, server = start_server(engine)
     device = str(jax.devices()[0].device_kind)
-    serve_traffic.run_matrix("zerojax", s, model.config.vocab_size,
-                             lambda reqs, c: asyncio.run(level(url, reqs, c, models)),
+    run = lambda reqs, c: asyncio.run(level(url, reqs, c, models))  # noqa: E731
+    serve_traffic.run_matrix("zerojax", s, model.config.vocab_size, run,
                              lambda: {"device": device, "preemptions": engine.stats["preemptions"],
                                       "adapters": len(engine.adapters),
                                       "decode_attention": "kernel" if engine.decode_kernel else "xla",
                                       "overlap": engine.overlap})
+    if args.profile:
+        p = profile_level(engine, s, model.config.vocab_size, args.profile, run)
+        print(f"profile at concurrency {p['concurrency']}: {p['steps']} steps, {p['wall_ms_per_step']} ms a step "
+              f"wall, the card busy {p['busy_ms_per_step']} ms, idle {p['idle_ms_per_step']} ms")
+        for ms, c, name in p["top"]:
+            print(f"  {ms:8.3f} ms/step {c:6d}x  {name}")
+        print(json.dumps({"profile": p}), flush=True)
     server.should_exit = True
     return 0
 
