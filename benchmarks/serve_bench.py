@@ -11,9 +11,9 @@ with other prompts and 8 new tokens (its programs compile there).
     PYTHONPATH=. python benchmarks/serve_bench.py --tiny          # CPU smoke test: tiny shapes
     PYTHONPATH=. python benchmarks/serve_bench_hf.py              # the anchor: transformers' continuous batching
     PYTHONPATH=. python benchmarks/serve_bench.py --adapters 8 --levels 64   # 8 LoRA adapters over the base
-    PYTHONPATH=. python benchmarks/serve_bench.py --levels 1 --profile 1     # then where a served step's time goes
+    PYTHONPATH=. python benchmarks/serve_bench.py --profile 1,64             # then where a served step's time goes
 
---profile C: after the matrix, concurrency C once more under `jax.profiler.trace`: the engine's steps
+--profile C1,C2: after the matrix, each concurrency once more under `jax.profiler.trace`: the engine's steps
 in the window, wall ms a step beside the card's busy ms a step (the union of its kernels; the rest is
 the card waiting on the host or the network) and the kernels by ms a step.
 
@@ -192,9 +192,9 @@ def main(argv=None) -> int:
     ap.add_argument("--no-overlap", action="store_true",
                     help="read each step's tokens before dispatching the next (the engine's overlap=False): the "
                          "comparison with overlapped steps")
-    ap.add_argument("--profile", type=int, nargs="?", const=1, default=None, metavar="CONCURRENCY",
-                    help="after the matrix, this concurrency (1 if not given) again under the profiler: wall vs the "
-                         "card's busy time a step, the kernels by time")
+    ap.add_argument("--profile", type=lambda t: tuple(int(x) for x in t.split(",")), default=(), metavar="LEVELS",
+                    help="after the matrix, these concurrency levels (e.g. 1,64) again under the profiler: wall vs "
+                         "the card's busy time a step, the kernels by time")
     args = ap.parse_args(argv)
     import jax
 
@@ -217,8 +217,8 @@ def main(argv=None) -> int:
                                       "adapters": len(engine.adapters),
                                       "decode_attention": "kernel" if engine.decode_kernel else "xla",
                                       "overlap": engine.overlap})
-    if args.profile:
-        p = profile_level(engine, s, model.config.vocab_size, args.profile, run)
+    for concurrency in args.profile:
+        p = profile_level(engine, s, model.config.vocab_size, concurrency, run)
         print(f"profile at concurrency {p['concurrency']}: {p['steps']} steps, {p['wall_ms_per_step']} ms a step "
               f"wall, the card busy {p['busy_ms_per_step']} ms, idle {p['idle_ms_per_step']} ms")
         for ms, c, name in p["top"]:
