@@ -13,7 +13,7 @@ with other prompts and 8 new tokens (its programs compile there).
     PYTHONPATH=. python benchmarks/serve_bench.py --adapters 8 --levels 64   # 8 LoRA adapters over the base
     PYTHONPATH=. python benchmarks/serve_bench.py --profile 1,64             # then where a served step's time goes
 
---profile C1,C2: after the matrix, each concurrency once more under `jax.profiler.trace`: the engine's steps
+--profile C1,C2: before the matrix, each concurrency once under `jax.profiler.trace`: the engine's steps
 in the window, wall ms a step beside the card's busy ms a step (the union of its kernels; the rest is
 the card waiting on the host or the network) and the kernels by ms a step.
 
@@ -108,7 +108,7 @@ def start_server(engine) -> tuple[str, object]:
 
 
 def profile_level(engine, s: dict, vocab: int, concurrency: int, run) -> dict:
-    """One more pass of `concurrency` under the profiler: {steps, wall / busy / idle ms a step, top
+    """A pass of `concurrency` under the profiler: {steps, wall / busy / idle ms a step, top
     kernels}. run(requests, concurrency) serves them (as the matrix's levels do)."""
     import tempfile
 
@@ -127,6 +127,7 @@ def profile_level(engine, s: dict, vocab: int, concurrency: int, run) -> dict:
     reqs = serve_traffic.requests(max(2, concurrency), seed=7, long_share=0.0, prompt_mean=s["prompt_mean"],
                                   output_mean=min(s["output_mean"], 64), max_prompt=s["max_prompt"],
                                   max_output=64, vocab=vocab, long_prompt=s["long_prompt"])
+    run([(prompt, 8) for prompt, _ in reqs], concurrency)  # untimed, as the matrix's levels: connections open
     trace_dir = tempfile.mkdtemp()
     try:
         with jax.profiler.trace(trace_dir):
@@ -193,7 +194,7 @@ def main(argv=None) -> int:
                     help="read each step's tokens before dispatching the next (the engine's overlap=False): the "
                          "comparison with overlapped steps")
     ap.add_argument("--profile", type=lambda t: tuple(int(x) for x in t.split(",")), default=(), metavar="LEVELS",
-                    help="after the matrix, these concurrency levels (e.g. 1,64) again under the profiler: wall vs "
+                    help="before the matrix, these concurrency levels (e.g. 1,64) under the profiler: wall vs "
                          "the card's busy time a step, the kernels by time")
     args = ap.parse_args(argv)
     import jax
@@ -212,11 +213,6 @@ def main(argv=None) -> int:
     url, server = start_server(engine)
     device = str(jax.devices()[0].device_kind)
     run = lambda reqs, c: asyncio.run(level(url, reqs, c, models))  # noqa: E731
-    serve_traffic.run_matrix("zerojax", s, model.config.vocab_size, run,
-                             lambda: {"device": device, "preemptions": engine.stats["preemptions"],
-                                      "adapters": len(engine.adapters),
-                                      "decode_attention": "kernel" if engine.decode_kernel else "xla",
-                                      "overlap": engine.overlap})
     for concurrency in args.profile:
         p = profile_level(engine, s, model.config.vocab_size, concurrency, run)
         print(f"profile at concurrency {p['concurrency']}: {p['steps']} steps, {p['wall_ms_per_step']} ms a step "
@@ -224,6 +220,11 @@ def main(argv=None) -> int:
         for ms, c, name in p["top"]:
             print(f"  {ms:8.3f} ms/step {c:6d}x  {name}")
         print(json.dumps({"profile": p}), flush=True)
+    serve_traffic.run_matrix("zerojax", s, model.config.vocab_size, run,
+                             lambda: {"device": device, "preemptions": engine.stats["preemptions"],
+                                      "adapters": len(engine.adapters),
+                                      "decode_attention": "kernel" if engine.decode_kernel else "xla",
+                                      "overlap": engine.overlap})
     server.should_exit = True
     return 0
 
