@@ -108,27 +108,45 @@ def start_server(engine) -> tuple[str, object]:
 
 
 def profile_level(engine, s: dict, vocab: int, concurrency: int, run) -> dict:
-    """A pass of `concurrency` under the profiler: {steps, wall / busy / idle ms a step, top
-    kernels}. run(requests, concurrency) serves them (as the matrix's levels do)."""
+    """A pass of `concurrency` under the profiler: {steps, wall / busy / idle ms a step, the engine
+    thread's ms a step, top kernels}. run(requests, concurrency) serves them (as the matrix's levels do)."""
     import tempfile
 
     import jax
     from kernel_categories import union_length
     from trace_kernels import kernels, xplane_file
 
-    steps = [0]
-    step = engine.step
+    # the engine thread's time a step: in _dispatch (building rows, launching), in _read_pending
+    # (mostly waiting for the device), all of step(), and between steps (requests in, outputs out)
+    clock = {"steps": 0, "dispatch": 0.0, "read": 0.0, "step": 0.0, "between": 0.0, "last_end": None}
+    originals = {name: getattr(engine, name) for name in ("step", "_dispatch", "_read_pending")}
+
+    def timed(name):
+        def call(*a, **k):
+            t = time.perf_counter()
+            try:
+                return originals[name](*a, **k)
+            finally:
+                clock[name.strip("_").split("_")[0]] += time.perf_counter() - t
+        return call
 
     def counted():
-        steps[0] += 1
-        return step()
+        t = time.perf_counter()
+        if clock["last_end"] is not None:
+            clock["between"] += t - clock["last_end"]
+        clock["steps"] += 1
+        try:
+            return originals["step"]()
+        finally:
+            clock["last_end"] = time.perf_counter()
+            clock["step"] += clock["last_end"] - t
 
     warm, reqs = (serve_traffic.requests(max(2, concurrency), seed=seed, long_share=0.0, prompt_mean=s["prompt_mean"],
                                          output_mean=min(s["output_mean"], 64), max_prompt=s["max_prompt"],
                                          max_output=64, vocab=vocab, long_prompt=s["long_prompt"]) for seed in (8, 7))
     # untimed first, as the matrix's levels (other prompts: no prefix cache hit in the profiled pass)
     run([(prompt, 8) for prompt, _ in warm], concurrency)
-    engine.step = counted
+    engine.step, engine._dispatch, engine._read_pending = counted, timed("_dispatch"), timed("_read_pending")
     trace_dir = tempfile.mkdtemp()
     try:
         with jax.profiler.trace(trace_dir):
@@ -136,9 +154,10 @@ def profile_level(engine, s: dict, vocab: int, concurrency: int, run) -> dict:
             run(reqs, concurrency)
             wall = time.perf_counter() - start
     finally:
-        engine.step = step
+        for name in originals:  # the instance attributes dropped: the class's methods again
+            delattr(engine, name)
     found = kernels(xplane_file(trace_dir), jax.default_backend() != "gpu")
-    n = max(steps[0], 1)
+    n = max(clock["steps"], 1)
     busy = union_length((k.start_ns, k.end_ns) for k in found) / 1e6 / n
     sums: dict[str, list] = {}
     for k in found:
@@ -146,8 +165,9 @@ def profile_level(engine, s: dict, vocab: int, concurrency: int, run) -> dict:
         row[0] += (k.end_ns - k.start_ns) / 1e6 / n
         row[1] += 1
     top = sorted(((ms, c, name) for name, (ms, c) in sums.items()), reverse=True)[:15]
-    return {"concurrency": concurrency, "steps": steps[0], "wall_ms_per_step": round(1e3 * wall / n, 3),
-            "busy_ms_per_step": round(busy, 3), "idle_ms_per_step": round(1e3 * wall / n - busy, 3),
+    host = {f"{key}_ms_per_step": round(1e3 * clock[key] / n, 3) for key in ("dispatch", "read", "step", "between")}
+    return {"concurrency": concurrency, "steps": clock["steps"], "wall_ms_per_step": round(1e3 * wall / n, 3),
+            "busy_ms_per_step": round(busy, 3), "idle_ms_per_step": round(1e3 * wall / n - busy, 3), **host,
             "top": [(round(ms, 4), c, name[:100]) for ms, c, name in top]}
 
 
@@ -217,7 +237,9 @@ def main(argv=None) -> int:
     for concurrency in args.profile:
         p = profile_level(engine, s, model.config.vocab_size, concurrency, run)
         print(f"profile at concurrency {p['concurrency']}: {p['steps']} steps, {p['wall_ms_per_step']} ms a step "
-              f"wall, the card busy {p['busy_ms_per_step']} ms, idle {p['idle_ms_per_step']} ms")
+              f"wall, the card busy {p['busy_ms_per_step']} ms, idle {p['idle_ms_per_step']} ms; the engine thread: "
+              f"in step() {p['step_ms_per_step']} ms (dispatch {p['dispatch_ms_per_step']}, reading tokens "
+              f"{p['read_ms_per_step']}), between steps {p['between_ms_per_step']} ms")
         for ms, c, name in p["top"]:
             print(f"  {ms:8.3f} ms/step {c:6d}x  {name}")
         print(json.dumps({"profile": p}), flush=True)
