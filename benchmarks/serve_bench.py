@@ -214,6 +214,8 @@ def main(argv=None) -> int:
     ap.add_argument("--no-overlap", action="store_true",
                     help="read each step's tokens before dispatching the next (the engine's overlap=False): the "
                          "comparison with overlapped steps")
+    ap.add_argument("--no-long-prompts", action="store_true",
+                    help="leave out the closing level with a tenth of the prompts long (the chunked prefill's test)")
     ap.add_argument("--profile", type=lambda t: tuple(int(x) for x in t.split(",")), default=(), metavar="LEVELS",
                     help="before the matrix, these concurrency levels (e.g. 1,64) under the profiler: wall vs "
                          "the card's busy time a step, the kernels by time")
@@ -247,7 +249,8 @@ def main(argv=None) -> int:
                              lambda: {"device": device, "preemptions": engine.stats["preemptions"],
                                       "adapters": len(engine.adapters),
                                       "decode_attention": "kernel" if engine.decode_kernel else "xla",
-                                      "overlap": engine.overlap})
+                                      "overlap": engine.overlap},
+                             long_prompts=not args.no_long_prompts)
     server.should_exit = True
     return 0
 

@@ -64,8 +64,8 @@ def figures(framework: str, concurrency: int, runs: list[tuple[float, list[float
             "itl_p99_ms": pct(itl, 99), **extra}
 
 
-def run_matrix(framework: str, s: dict, vocab: int, run_level, extra) -> list[dict]:
-    """Each level of `s` (serve_bench.shape), then the one before last with a tenth long prompts:
+def run_matrix(framework: str, s: dict, vocab: int, run_level, extra, long_prompts: bool = True) -> list[dict]:
+    """Each level of `s` (serve_bench.shape), then (long_prompts) the one before last with a tenth long prompts:
     an untimed pass (other prompts, 8 new tokens: the programs compile), then the timed one.
     run_level(requests, concurrency) -> (per request (start, token times), seconds); extra() -> more
     keys for the line. Prints a JSON line per level and the table."""
@@ -75,7 +75,8 @@ def run_matrix(framework: str, s: dict, vocab: int, run_level, extra) -> list[di
                 max_output=s["max_output"], vocab=vocab, long_prompt=s["long_prompt"])
     levels = s["levels"]
     rows = []
-    for i, (c, long_share) in enumerate([(c, 0.0) for c in levels] + [(levels[-2 if len(levels) > 2 else -1], 0.1)]):
+    long_level = [(levels[-2 if len(levels) > 2 else -1], 0.1)] if long_prompts else []
+    for i, (c, long_share) in enumerate([(c, 0.0) for c in levels] + long_level):
         n = s["requests"](c)
         warm = requests(n, seed=1000 + i, long_share=long_share, **draw)
         run_level([(p, min(o, 8)) for p, o in warm], c)
