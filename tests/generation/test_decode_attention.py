@@ -4,7 +4,13 @@ import jax
 import numpy as np
 import pytest
 
-from zerojax.generation.decode_attention import decode_attention, paged_attention_supported, slot_block, split_count
+from zerojax.generation.decode_attention import (
+    chunk_attention,
+    decode_attention,
+    paged_attention_supported,
+    slot_block,
+    split_count,
+)
 
 
 def _reference(q, keys, values, layer, first, last):
@@ -61,6 +67,45 @@ def test_paged_pool_equals_the_formula_over_each_rows_pages(splits):
                                atol=1e-12)
 
 
+def _paged(rng, L, B, K, Dh, ps, P, N):
+    """A pool [2, L, N, K, ps, Dh] and page tables [B, P] (no page in two rows; page 0 the
+    scratch page) holding the slots of `dense` [2, L, B, K, P * ps, Dh]."""
+    dense = rng.standard_normal((2, L, B, K, P * ps, Dh))
+    pages = rng.permutation(np.arange(1, N))[:B * P].reshape(B, P).astype(np.int32)
+    pool = rng.standard_normal((2, L, N, K, ps, Dh))
+    for b in range(B):
+        for j in range(P):
+            pool[:, :, pages[b, j]] = dense[:, :, b, :, j * ps:(j + 1) * ps]
+    return dense, pool, pages
+
+
+def test_chunk_form_equals_the_formula_for_each_token():
+    """A prompt chunk's tokens (C a row) attend from the pool, each over its own slots: causal
+    within the chunk after a prefix already in the pages (row 0 from slot 40, across pages), a
+    chunk from slot 0 (row 1), a sliding window's first slots (row 2), padding tokens past a
+    row's count (their output undefined, the rest unaffected); 3 query heads a kv head (padded to
+    4: a program's rows are (token, head) pairs), several programs a row, 13 tokens (padded to 16:
+    whole programs)."""
+    rng = np.random.default_rng(2)
+    L, B, K, Dh, H, ps, P, N, C = 2, 3, 2, 16, 6, 16, 8, 30, 13
+    dense, pool, pages = _paged(rng, L, B, K, Dh, ps, P, N)
+    q = rng.standard_normal((B, C, H, Dh))
+    start, count = np.array([40, 0, 70]), np.array([13, 11, 13])
+    pos = start[:, None] + np.arange(C)[None]
+    last = np.where(np.arange(C)[None] < count[:, None], pos, -1)
+    first = np.zeros_like(last)
+    first[2] = np.maximum(0, pos[2] - 9)  # a window of 10 slots
+    with jax.enable_x64(True):
+        got = np.asarray(chunk_attention(q, pool[0], pool[1], np.int32(1), first, last, pages=pages,
+                                         rows_per_program=16))
+    assert got.shape == q.shape
+    for b in range(B):
+        for c in range(count[b]):
+            want = _reference(q[b, c][None], dense[0, :, b:b + 1], dense[1, :, b:b + 1], 1, first[b, c:c + 1],
+                              last[b, c:c + 1])
+            np.testing.assert_allclose(got[b, c], want[0], rtol=1e-12, atol=1e-12)
+
+
 def test_slot_block_split_count_and_refusals():
     assert (slot_block(512), slot_block(96), slot_block(48), slot_block(40)) == (64, 32, 16, None)
     # batch 64 x 8 kv heads fills the GPU with one program each; one row of 8 splits its 6 blocks
@@ -100,5 +145,12 @@ def test_lowers_to_triton_for_a_gpu(layers, batch, kv_heads, slots, head_dim, he
     paged = jax.jit(lambda *a: decode_attention(*a[:-1], pages=a[-1], interpret=False))
     text = paged.trace(sd((batch, heads, head_dim), jnp.bfloat16), pool, pool, sd((), jnp.int32), rows, rows,
                        sd((batch, 1 << (slots // 16 - 1).bit_length()), jnp.int32)).lower(
+                           lowering_platforms=("cuda",)).as_text()
+    assert "zerojax_decode_attention" in text
+    # a prompt chunk of 64 tokens read from the same pool
+    chunk = jax.jit(lambda *a: chunk_attention(*a[:-1], pages=a[-1], interpret=False))
+    bounds = sd((batch, 64), jnp.int32)
+    text = chunk.trace(sd((batch, 64, heads, head_dim), jnp.bfloat16), pool, pool, sd((), jnp.int32), bounds,
+                       bounds, sd((batch, 1 << (slots // 16 - 1).bit_length()), jnp.int32)).lower(
                            lowering_platforms=("cuda",)).as_text()
     assert "zerojax_decode_attention" in text

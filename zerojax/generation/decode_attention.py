@@ -10,7 +10,9 @@ Here one program per (row, kv head) streams that pair's keys and values once, wi
 softmax, and reads only the slots the row sees (from its first prompt token to the current slot),
 not the whole length bucket. Where rows x kv heads are too few programs to fill the GPU (one row of
 Llama-3.1-8B: 8), each pair's visible slots are split evenly over several programs and their
-partial softmaxes merged after (`split_count`).
+partial softmaxes merged after (`split_count`). A program's query rows each carry their own
+bounds: `chunk_attention` puts a prompt chunk's (token, query head) pairs in a program's rows, each
+token seeing the slots up to its own position (serving's chunked prefill).
 
 The cache stays [layers, batch, kv_heads, length, head_dim] (`zerojax.generation.cache`) and is
 handed over whole with the layer index as an operand: a slice of it would be a copy before a
@@ -77,10 +79,7 @@ def decode_attention(q, keys, values, layer, first, last, *, pages=None, scale: 
     if pages is not None:  # a paged pool: a page a block, the table's width in slots
         L, _, K, block, _ = keys.shape
         S = pages.shape[1] * block
-        if not paged_attention_supported(Dh, H, K, block, pages.shape[1]):
-            raise ValueError(f"decode_attention: head_dim {Dh}, {H} query / {K} kv heads, pages of {block} slots, "
-                             f"a table {pages.shape[1]} pages wide: it takes a power-of-two head_dim in 16..256, "
-                             "whole query groups, power-of-two pages of 16 slots or more and a power-of-two table")
+        _check_paged(Dh, H, K, block, pages)
     else:
         L, _, K, S, _ = keys.shape
         block = slot_block(S) if block is None else block
@@ -92,44 +91,94 @@ def decode_attention(q, keys, values, layer, first, last, *, pages=None, scale: 
     splits = split_count(B * K, blocks) if splits is None else max(1, min(splits, blocks))
     G = H // K
     rows = max(1 << (G - 1).bit_length(), _MIN_ROWS)  # Triton's blocks are powers of two
-    scale = float(Dh ** -0.5 if scale is None else scale)
-    interpret = jax.default_backend() != "gpu" if interpret is None else bool(interpret)
     qg = q.reshape(B, K, G, Dh)
     if rows > G:
         qg = jnp.pad(qg, ((0, 0), (0, 0), (0, rows - G), (0, 0)))
-    layer = jnp.broadcast_to(jnp.asarray(layer, jnp.int32), (B,))
-    # [B, 4] (a power of two, as Triton's blocks): layer, first, last and a spare column
-    bounds = jnp.stack([layer, jnp.asarray(first, jnp.int32), jnp.asarray(last, jnp.int32), layer], axis=1)
-    whole = pl.BlockSpec(keys.shape, lambda b, h, s: (0, 0, 0, 0, 0))
+    # each query row's bounds: its row's
+    first, last = (jnp.broadcast_to(jnp.asarray(x, jnp.int32)[:, None], (B, rows)) for x in (first, last))
+    o = _attend(qg, keys, values, layer, first, last, pages, block=block, splits=splits, rows_per_program=rows,
+                scale=scale, warps=warps, interpret=interpret)
+    return o[:, :, :G].reshape(B, H, Dh)
+
+
+def chunk_attention(q, keys, values, layer, first, last, *, pages, scale: float | None = None,
+                    rows_per_program: int = 64, warps: int = 4, interpret: bool | None = None):
+    """softmax(q k^T * scale) v of C new tokens per row (a prompt chunk) -> [B, C, H, Dh], read from
+    a paged pool through each row's page table, as `decode_attention(..., pages=)` reads one.
+
+    q [B, C, H, Dh]; keys, values [L, N, K, page_size, Dh]; pages [B, P]; first, last [B, C] int32:
+    token c of row b sees slots first[b, c] .. last[b, c] (its own position last: causal; a padding
+    token has last < first, and its output is undefined). One program per (row, kv head, block of
+    `rows_per_program` query rows), a query row being one (token, query head of the kv head) pair:
+    each kv page is read once for all the block's tokens and heads, never gathered into a copy."""
+    B, C, H, Dh = q.shape
+    L, _, K, block, _ = keys.shape
+    _check_paged(Dh, H, K, block, pages)
+    G = H // K
+    Gp = 1 << (G - 1).bit_length()  # query heads of a kv head, to a power of two: whole blocks of rows
+    if rows_per_program < _MIN_ROWS or rows_per_program & (rows_per_program - 1):
+        raise ValueError(f"chunk_attention: rows_per_program={rows_per_program}: a power of two >= {_MIN_ROWS}")
+    # a program's rows: a power of two, Triton's dot's 16 at least, whole kv-head groups; the
+    # tokens padded (as padding tokens, last < first) to whole programs
+    bq = max(min(rows_per_program, 1 << (C * Gp - 1).bit_length()), _MIN_ROWS, Gp)
+    Cp = -(-C * Gp // bq) * bq // Gp
+    qg = jnp.pad(q.reshape(B, C, K, G, Dh), ((0, 0), (0, Cp - C), (0, 0), (0, Gp - G), (0, 0)))
+    first, last = (jnp.pad(jnp.asarray(x, jnp.int32), ((0, 0), (0, Cp - C)), constant_values=v)
+                   for x, v in ((first, 0), (last, -1)))
+    R = Cp * Gp
+    qg = qg.transpose(0, 2, 1, 3, 4).reshape(B, K, R, Dh)  # row c * Gp + g: token c, query head g
+    first, last = (jnp.repeat(jnp.asarray(x, jnp.int32), Gp, axis=1) for x in (first, last))
+    o = _attend(qg, keys, values, layer, first, last, pages, block=block, splits=1, rows_per_program=bq,
+                scale=scale, warps=warps, interpret=interpret)
+    return o.reshape(B, K, Cp, Gp, Dh)[:, :, :C, :G].transpose(0, 2, 1, 3, 4).reshape(B, C, H, Dh)
+
+
+def _check_paged(Dh, H, K, block, pages):
+    if not paged_attention_supported(Dh, H, K, block, pages.shape[1]):
+        raise ValueError(f"decode_attention: head_dim {Dh}, {H} query / {K} kv heads, pages of {block} slots, "
+                         f"a table {pages.shape[1]} pages wide: it takes a power-of-two head_dim in 16..256, "
+                         "whole query groups, power-of-two pages of 16 slots or more and a power-of-two table")
+
+
+def _attend(q, keys, values, layer, first, last, pages, *, block, splits, rows_per_program, scale, warps, interpret):
+    """The kernel's call: q [B, K, R, Dh] (R query rows per (row, kv head)), first, last [B, R] each
+    query row's visible slots -> [B, K, R, Dh] in q's dtype."""
+    B, K, R, Dh = q.shape
+    bq = rows_per_program
+    scale = float(Dh ** -0.5 if scale is None else scale)
+    interpret = jax.default_backend() != "gpu" if interpret is None else bool(interpret)
+    # [B, 4] (a power of two, as Triton's blocks): the layer read, in each row's first column
+    layer = jnp.broadcast_to(jnp.asarray(layer, jnp.int32), (B, 4))
+    whole = pl.BlockSpec(keys.shape, lambda b, h, r, s: (0, 0, 0, 0, 0))
+    row_bounds = pl.BlockSpec((None, bq), lambda b, h, r, s: (b, r))
     table = [] if pages is None else [jnp.asarray(pages, jnp.int32)]
-    table_spec = [] if pages is None else [pl.BlockSpec((None, table[0].shape[1]), lambda b, h, s: (b, 0))]
+    table_spec = [] if pages is None else [pl.BlockSpec((None, table[0].shape[1]), lambda b, h, r, s: (b, 0))]
     acc_t = jnp.promote_types(q.dtype, jnp.float32)
     if splits == 1:  # the output itself, normalised in the kernel
-        out_specs = pl.BlockSpec((None, None, rows, Dh), lambda b, h, s: (b, h, 0, 0))
-        out_shape = jax.ShapeDtypeStruct((B, K, rows, Dh), q.dtype)
+        out_specs = pl.BlockSpec((None, None, bq, Dh), lambda b, h, r, s: (b, h, r, 0))
+        out_shape = jax.ShapeDtypeStruct((B, K, R, Dh), q.dtype)
     else:  # each split's unnormalised sum and its softmax statistics (max in base 2, sum)
-        out_specs = [pl.BlockSpec((None, None, None, rows, Dh), lambda b, h, s: (b, h, s, 0, 0)),
-                     pl.BlockSpec((None, None, None, rows), lambda b, h, s: (b, h, s, 0)),
-                     pl.BlockSpec((None, None, None, rows), lambda b, h, s: (b, h, s, 0))]
-        out_shape = [jax.ShapeDtypeStruct((B, K, splits, rows, Dh), acc_t),
-                     jax.ShapeDtypeStruct((B, K, splits, rows), acc_t),
-                     jax.ShapeDtypeStruct((B, K, splits, rows), acc_t)]
+        out_specs = [pl.BlockSpec((None, None, None, bq, Dh), lambda b, h, r, s: (b, h, s, r, 0)),
+                     pl.BlockSpec((None, None, None, bq), lambda b, h, r, s: (b, h, s, r)),
+                     pl.BlockSpec((None, None, None, bq), lambda b, h, r, s: (b, h, s, r))]
+        out_shape = [jax.ShapeDtypeStruct((B, K, splits, R, Dh), acc_t),
+                     jax.ShapeDtypeStruct((B, K, splits, R), acc_t),
+                     jax.ShapeDtypeStruct((B, K, splits, R), acc_t)]
     out = pl.pallas_call(
         functools.partial(_kernel, scale=scale, block=block, splits=splits, paged=pages is not None),
-        grid=(B, K, splits),
-        in_specs=[pl.BlockSpec((None, None, rows, Dh), lambda b, h, s: (b, h, 0, 0)), whole, whole,
-                  pl.BlockSpec((None, 4), lambda b, h, s: (b, 0)), *table_spec],
+        grid=(B, K, R // bq, splits),
+        in_specs=[pl.BlockSpec((None, None, bq, Dh), lambda b, h, r, s: (b, h, r, 0)), whole, whole,
+                  pl.BlockSpec((None, 4), lambda b, h, r, s: (b, 0)), row_bounds, row_bounds, *table_spec],
         out_specs=out_specs, out_shape=out_shape,
         compiler_params=plgpu.CompilerParams(num_warps=warps, num_stages=2),
         interpret=interpret, name="zerojax_decode_attention",
-    )(qg, keys, values, bounds, *table)
+    )(q, keys, values, layer, jnp.asarray(first, jnp.int32), jnp.asarray(last, jnp.int32), *table)
     if splits == 1:
-        o = out
-    else:  # the splits' online softmaxes merged; a split with no visible slot has m = -inf, weight 0
-        acc, m, l = out
-        w = jnp.exp2(m - m.max(axis=2, keepdims=True))
-        o = ((acc * w[..., None]).sum(2) / (l * w).sum(2)[..., None]).astype(q.dtype)
-    return o[:, :, :G].reshape(B, H, Dh)
+        return out
+    # the splits' online softmaxes merged; a split with no visible slot has m = -inf, weight 0
+    acc, m, l = out
+    w = jnp.exp2(m - m.max(axis=2, keepdims=True))
+    return ((acc * w[..., None]).sum(2) / (l * w).sum(2)[..., None]).astype(q.dtype)
 
 
 _TARGET_PROGRAMS = 264  # two programs per SM of an H100 (132 SMs)
@@ -141,15 +190,17 @@ def split_count(pairs: int, blocks: int) -> int:
     return max(1, min(blocks, -(-_TARGET_PROGRAMS // pairs)))
 
 
-def _kernel(q_ref, k_ref, v_ref, bounds_ref, *refs, scale, block, splits, paged):
-    """Program (row b, kv head h, split s): an online softmax over split s's share of the slot
-    blocks that hold the row's visible slots (the shares as even as whole blocks allow, however
-    long the cache or page table: a short row's blocks are spread over every split, not left to the
-    first ones); scores in base 2 (exp2). One split: the normalised output; else the sum, max and
-    denominator. paged: block j is the page the row's table names at j."""
+def _kernel(q_ref, k_ref, v_ref, layer_ref, first_ref, last_ref, *refs, scale, block, splits, paged):
+    """Program (row b, kv head h, block of query rows, split s): an online softmax per query row
+    over split s's share of the slot blocks that hold the block's visible slots (the shares as even
+    as whole blocks allow, however long the cache or page table: a short row's blocks are spread
+    over every split, not left to the first ones); each query row masked to its own slots; scores
+    in base 2 (exp2). One split: the normalised output; else the sum, max and denominator. paged:
+    block j is the page the row's table names at j."""
     table_ref, out_refs = (refs[0], refs[1:]) if paged else (None, refs)
-    b, h, s = pl.program_id(0), pl.program_id(1), pl.program_id(2)
-    layer, first, last = bounds_ref[0], bounds_ref[1], bounds_ref[2]
+    b, h, s = pl.program_id(0), pl.program_id(1), pl.program_id(3)
+    layer = layer_ref[0]
+    first, last = first_ref[...], last_ref[...]
     q = q_ref[...]
     s_scale = scale * LOG2E
     acc_t = jnp.promote_types(q.dtype, jnp.float32)  # float64 in the exact reference
@@ -163,7 +214,7 @@ def _kernel(q_ref, k_ref, v_ref, bounds_ref, *refs, scale, block, splits, paged)
         k = k_ref[at]
         qk = plgpu.dot(q, k.T).astype(acc_t) * s_scale
         cols = j * block + jnp.arange(block)
-        qk = jnp.where(((cols >= first) & (cols <= last))[None, :], qk, MASKED)
+        qk = jnp.where((cols[None, :] >= first[:, None]) & (cols[None, :] <= last[:, None]), qk, MASKED)
         m_new = jnp.maximum(m, qk.max(axis=-1))
         corr = jnp.exp2(m - m_new)
         p = jnp.exp2(qk - m_new[:, None])
@@ -173,8 +224,11 @@ def _kernel(q_ref, k_ref, v_ref, bounds_ref, *refs, scale, block, splits, paged)
 
     rows, dh = q.shape
     init = (jnp.zeros((rows, dh), acc_t), jnp.full((rows,), -jnp.inf, acc_t), jnp.zeros((rows,), acc_t))
-    # every block in [start, stop) holds a visible slot (they are one run): m is finite after it
-    lo, hi = lax.div(first, jnp.int32(block)), lax.div(last, jnp.int32(block)) + 1
+    # the blocks from the rows' first visible slot to their last (one run). A query row that sees
+    # none of a block's slots scores it MASKED, a finite value: its sums there are dropped (scaled
+    # by exp2(MASKED - m) = 0) at its first visible slot, which every real query row has in the run
+    lo = lax.div(jnp.min(first), jnp.int32(block))
+    hi = lax.div(jnp.maximum(jnp.max(last), 0), jnp.int32(block)) + 1
     per = lax.div(hi - lo + splits - 1, jnp.int32(splits))
     start = lo + s * per
     stop = jnp.minimum(start + per, hi)
@@ -185,4 +239,5 @@ def _kernel(q_ref, k_ref, v_ref, bounds_ref, *refs, scale, block, splits, paged)
         out_refs[0][...], out_refs[1][...], out_refs[2][...] = acc, m, l
 
 
-__all__ = ["decode_attention", "decode_attention_supported", "paged_attention_supported", "slot_block", "split_count"]
+__all__ = ["decode_attention", "chunk_attention", "decode_attention_supported", "paged_attention_supported",
+           "slot_block", "split_count"]

@@ -97,7 +97,7 @@ class LLMEngine:
         self.tokenizer = tokenizer
         self.dtype = model.dtype
         self.geometry = geometry_of_config(model.config)
-        # whether decode steps read the pages with the fused kernel (else XLA's products over a gather)
+        # whether steps read the pages with the fused kernels (else XLA's products over a gather)
         self.decode_kernel = self._decode_kernel(decode_attention, self.geometry, page_size)
         self.vocab_size = int(model.config.vocab_size)
         self.eos = eos_ids(model, tokenizer)
@@ -187,10 +187,11 @@ class LLMEngine:
         return True
 
     def _gather_rows(self, buckets: shapes.Buckets, max_num_seqs: int, max_batched_tokens: int) -> int:
-        """The most rows one step gathers the pages of: the shortest chunk program's rows, and the
-        decodes' unless the kernel reads their pages."""
-        chunk_rows = buckets.chunk_rows(buckets.chunk_length(2, max_batched_tokens), max_batched_tokens)
-        return chunk_rows if self.decode_kernel else max(chunk_rows, max_num_seqs)
+        """The most rows one step gathers the pages of: none where the kernels read them (decodes
+        and prompt chunks), else the decodes' or the shortest chunk program's rows."""
+        if self.decode_kernel:
+            return 0
+        return max(buckets.chunk_rows(buckets.chunk_length(2, max_batched_tokens), max_batched_tokens), max_num_seqs)
 
     @staticmethod
     def _split(model):
@@ -431,7 +432,7 @@ class LLMEngine:
         run = step_mod.step if C == 1 else step_mod.chunk_step
         self.keys, self.values, self.board, out = run(
             weights, self.keys, self.values, rows, sampling, penalties, self.board, source=source,
-            page_size=self.page_size, top_logprobs=top, kernel=self.decode_kernel and C == 1)
+            page_size=self.page_size, top_logprobs=top, kernel=self.decode_kernel)
         return out
 
     def warm_up(self, max_chunk: int | None = None) -> int:

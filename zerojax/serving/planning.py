@@ -40,14 +40,15 @@ class PagePlan:
 def step_transient_bytes(geometry: Geometry, dtype, *, max_num_seqs: int, max_batched_tokens: int,
                          max_model_len: int, vocab: int, gather_rows: int | None = None) -> int:
     """What the largest step holds beside the pool and the weights, by count: one layer's gathered
-    keys and values of `gather_rows` rows (default max_num_seqs: decodes gathered too; with the
-    decode kernel only a step's prompt-chunk rows gather; three copies: the gather, its attention
-    layout, one more that XLA may keep), the chunk's fp32 attention scores, and the rows' fp32
-    logits through sampling (a sort, a softmax, a cumulative sum)."""
+    keys and values of `gather_rows` rows (default max_num_seqs: decodes gathered too; three
+    copies: the gather, its attention layout, one more that XLA may keep) and the chunk's fp32
+    attention scores (both none at gather_rows 0: the kernels read every row's pages where they
+    lie, the scores on chip), and the rows' fp32 logits through sampling (a sort, a softmax, a
+    cumulative sum)."""
     item = np.dtype(dtype).itemsize
     rows = max_num_seqs if gather_rows is None else gather_rows
     gathered = 2 * 3 * rows * max_model_len * geometry.kv_heads * geometry.head_dim * item
-    scores = 2 * max_batched_tokens * geometry.heads * max_model_len * 4
+    scores = 2 * max_batched_tokens * geometry.heads * max_model_len * 4 if rows else 0
     logits = 6 * max_num_seqs * vocab * 4
     return gathered + scores + logits
 
