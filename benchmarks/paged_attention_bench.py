@@ -7,6 +7,10 @@ two, the microseconds a call and the bytes a call must read (the rows' visible k
 over that time. A row's visible slots lie in pages drawn at random from the pool (no two rows
 share one); the rest of its table names the scratch page 0, as in the engine.
 
+Then a prompt chunk's attention (`chunk_attention`): C tokens a row after a prefix already in the
+pages, each token over its own slots, beside XLA's products over the gathered pages with the
+[C, table] scores in memory (the engine's XLA path).
+
     PYTHONPATH=. python benchmarks/paged_attention_bench.py            # one GPU
     PYTHONPATH=. python benchmarks/paged_attention_bench.py --tiny     # CPU: Pallas' interpreter, small shapes
 """
@@ -42,15 +46,18 @@ def main(argv=None) -> int:
     import numpy as np
 
     from zerojax.generation import cache
-    from zerojax.generation.decode_attention import decode_attention
+    from zerojax.generation.decode_attention import chunk_attention, decode_attention
 
     if args.tiny:
         L, K, H, Dh, ps, cases, reps = 2, 2, 8, 16, 16, [(2, 40, 64)], 2
+        chunks = [(1, 16, 8, 64)]
     else:  # (rows, visible slots a row, the table's width in slots)
         L, K, H, Dh, ps, reps = 8, 8, 32, 128, 16, 20
         cases = [(1, 768, 4096), (16, 768, 4096), (64, 768, 4096), (256, 768, 4096), (64, 3072, 4096),
                  (64, 768, 2048)]
-    N = max(r * -(-v // ps) for r, v, _ in cases) + 1
+        # (rows, chunk tokens, prefix slots before the chunk, the table's width in slots)
+        chunks = [(1, 512, 0, 4096), (1, 2048, 0, 4096), (4, 512, 1024, 4096), (1, 512, 3072, 4096)]
+    N = max(max(r * -(-v // ps) for r, v, _ in cases), max(r * -(-(p + c) // ps) for r, c, p, _ in chunks)) + 1
     rng = np.random.default_rng(0)
     keys, values = jax.random.normal(jax.random.key(0), (2, L, N, K, ps, Dh), jnp.bfloat16)
     layer = jnp.int32(L // 2)
@@ -95,6 +102,45 @@ def main(argv=None) -> int:
             "xla_gather_gbps"]
     print(" | ".join(cols))
     for r in out:
+        print(" | ".join(str(r[c]) for c in cols))
+
+    @jax.jit
+    def chunk_kernel(q, keys, values, first, last, pages):
+        return chunk_attention(q, keys, values, layer, first, last, pages=pages)
+
+    @jax.jit
+    def chunk_gathered(q, keys, values, first, last, pages):
+        R, P = pages.shape
+
+        def rows(pool):
+            x = pool[layer][pages]
+            return x.swapaxes(1, 2).reshape(R, K, P * ps, Dh)
+
+        span = jnp.arange(P * ps)
+        mask = (span[None, None] >= first[..., None]) & (span[None, None] <= last[..., None])  # [R, C, slots]
+        return cache.attend(q, rows(keys), rows(values), mask[:, None])
+
+    chunk_rows = []
+    for R, C, prefix, width in chunks:
+        P, used = width // ps, -(-(prefix + C) // ps)
+        pages = np.zeros((R, P), np.int32)
+        pages[:, :used] = rng.permutation(np.arange(1, N))[:R * used].reshape(R, used)
+        pages = jnp.asarray(pages)
+        q = jnp.asarray(rng.standard_normal((R, C, H, Dh)), jnp.bfloat16)
+        last = jnp.asarray(np.broadcast_to(prefix + np.arange(C), (R, C)), jnp.int32)
+        first = jnp.zeros_like(last)
+        a = chunk_kernel(q, keys, values, first, last, pages)
+        b = chunk_gathered(q, keys, values, first, last, pages)
+        diff = float(jnp.abs(a.astype(jnp.float32) - b.astype(jnp.float32)).max())
+        row = {"rows": R, "chunk": C, "prefix": prefix, "width": width, "max_abs_diff": round(diff, 4),
+               "device": str(jax.devices()[0].device_kind)}
+        for name, fn in (("kernel", chunk_kernel), ("xla_gather", chunk_gathered)):
+            row[f"{name}_us"] = round(_time(fn, q, keys, values, first, last, pages, reps=reps) * 1e6, 1)
+        print(json.dumps(row), flush=True)
+        chunk_rows.append(row)
+    cols = ["rows", "chunk", "prefix", "width", "max_abs_diff", "kernel_us", "xla_gather_us"]
+    print(" | ".join(cols))
+    for r in chunk_rows:
         print(" | ".join(str(r[c]) for c in cols))
     return 0
 
