@@ -1,7 +1,8 @@
 """zerojax serve under load: the OpenAI-compatible server (uvicorn, in this process, on 127.0.0.1)
 over random-init Llama-3.1-8B (bf16, no hub access), and an async load generator (aiohttp) holding
 1, 16, 64 and 256 streamed requests in flight; prompt / output lengths drawn like chat traffic
-(mean 512 / 256, benchmarks/serve_traffic.py), eos ignored, greedy. Per level: output tokens/s,
+(mean 512 / 256, benchmarks/serve_traffic.py), eos ignored, greedy; the load generator runs in its
+own process (`--in-process-client`: in the server's, sharing its interpreter). Per level: output tokens/s,
 time to first token and inter-token latency p50 / p99, from each streamed chunk's arrival (a
 chunk per token). Then concurrency 64 again with a tenth of the prompts 3,072 tokens long (the
 chunked prefill's test: TTFT p99 beside the run without them). Each level runs once untimed first
@@ -150,9 +151,7 @@ def profile_level(engine, s: dict, vocab: int, concurrency: int, run) -> dict:
     trace_dir = tempfile.mkdtemp()
     try:
         with jax.profiler.trace(trace_dir):
-            start = time.perf_counter()
-            run(reqs, concurrency)
-            wall = time.perf_counter() - start
+            _, wall = run(reqs, concurrency)  # the load generator's clock: not its process's start
     finally:
         for name in originals:  # the instance attributes dropped: the class's methods again
             delattr(engine, name)
@@ -183,6 +182,35 @@ async def _one(session, url, prompt, new, model):
                 if json.loads(line[6:]).get("choices"):
                     times.append(time.perf_counter())
     return start, times
+
+
+def level_in_subprocess(url, reqs, concurrency: int, models=("bench",)):
+    """`level` run by a load generator in its own process, as clients are: its parsing of every
+    streamed chunk does not take the server's interpreter (its GIL) from the engine thread."""
+    import subprocess
+    import tempfile
+
+    with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as f:
+        json.dump({"url": url, "requests": reqs, "concurrency": concurrency, "models": list(models)}, f)
+    try:
+        done = subprocess.run([sys.executable, os.path.abspath(__file__), "--client", f.name], capture_output=True,
+                              text=True)
+    finally:
+        os.unlink(f.name)
+    if done.returncode:
+        raise RuntimeError(f"the load generator failed: {done.stderr.strip().splitlines()[-1:]}")
+    result = json.loads(done.stdout.strip().splitlines()[-1])
+    return [(start, times) for start, times in result["runs"]], result["seconds"]
+
+
+def client_main(path: str) -> int:
+    """--client: the load generator's process: the level in `path` (JSON), its runs as one JSON line."""
+    with open(path) as f:
+        job = json.load(f)
+    runs, seconds = asyncio.run(level(job["url"], [tuple(r) for r in job["requests"]], job["concurrency"],
+                                      tuple(job["models"])))
+    print(json.dumps({"runs": runs, "seconds": seconds}))
+    return 0
 
 
 async def level(url, reqs, concurrency: int, models=("bench",)):
@@ -216,10 +244,16 @@ def main(argv=None) -> int:
                          "comparison with overlapped steps")
     ap.add_argument("--no-long-prompts", action="store_true",
                     help="leave out the closing level with a tenth of the prompts long (the chunked prefill's test)")
+    ap.add_argument("--in-process-client", action="store_true",
+                    help="run the load generator in the server's process (as before: its parsing shares the "
+                         "engine thread's interpreter), not in its own")
+    ap.add_argument("--client", help=argparse.SUPPRESS)  # the load generator's own process: a level's JSON
     ap.add_argument("--profile", type=lambda t: tuple(int(x) for x in t.split(",")), default=(), metavar="LEVELS",
                     help="before the matrix, these concurrency levels (e.g. 1,64) under the profiler: wall vs "
                          "the card's busy time a step, the kernels by time")
     args = ap.parse_args(argv)
+    if args.client:
+        return client_main(args.client)
     import jax
 
     # a second run of this benchmark reuses the compiled programs
@@ -235,7 +269,10 @@ def main(argv=None) -> int:
     print(f"warmed up {engine.warm_up()} step programs in {time.perf_counter() - start:.0f} s", flush=True)
     url, server = start_server(engine)
     device = str(jax.devices()[0].device_kind)
-    run = lambda reqs, c: asyncio.run(level(url, reqs, c, models))  # noqa: E731
+    if args.in_process_client:
+        run = lambda reqs, c: asyncio.run(level(url, reqs, c, models))  # noqa: E731
+    else:
+        run = lambda reqs, c: level_in_subprocess(url, reqs, c, models)  # noqa: E731
     for concurrency in args.profile:
         p = profile_level(engine, s, model.config.vocab_size, concurrency, run)
         print(f"profile at concurrency {p['concurrency']}: {p['steps']} steps, {p['wall_ms_per_step']} ms a step "
