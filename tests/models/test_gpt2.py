@@ -202,22 +202,27 @@ def test_loss_labels_and_token_count():
     np.testing.assert_allclose(float(loss_m), nll[:, :3].mean(), rtol=1e-5)
 
 
+def _value_and_grad_on_the_chunked_batch(loss_fn):
+    """`loss_fn`'s value, aux and gradients (op by op, as a user's eager call) on one fixed model and a
+    batch with ignored labels and a prediction count (11) that no chunk of 3 or 16 divides."""
+    graphdef, params = nnx.split(GPT2(CFG, rngs=nnx.Rngs(0)))
+    ids = jnp.asarray(_ids(CFG, seq=12))
+    batch = {"input_ids": ids, "labels": ids.at[0, 5:9].set(-100)}
+    f = lambda p: loss_fn(nnx.merge(graphdef, p), batch)  # noqa: E731
+    return jax.value_and_grad(f, has_aux=True)(params)
+
+
+# the reference (full logits) is the same for every chunk size: computed once for the module
+_full_logits_value_and_grad = functools.cache(lambda: _value_and_grad_on_the_chunked_batch(gpt2_loss))
+
+
 @pytest.mark.parametrize("chunk", [1, 3, 16])
 @pytest.mark.slow
 def test_chunked_loss_matches_full_logits(chunk):
     """Value and gradients of the chunked cross entropy equal `gpt2_loss`'s (full logits), with
     ignored labels and a prediction count (11) that no chunk of 3 or 16 divides."""
-    model = GPT2(CFG, rngs=nnx.Rngs(0))
-    ids = jnp.asarray(_ids(CFG, seq=12))
-    batch = {"input_ids": ids, "labels": ids.at[0, 5:9].set(-100)}
-    graphdef, params = nnx.split(model)
-
-    def grad_of(loss_fn):
-        f = lambda p: loss_fn(nnx.merge(graphdef, p), batch)  # noqa: E731
-        return jax.value_and_grad(f, has_aux=True)(params)
-
-    (ref, ref_aux), ref_g = grad_of(gpt2_loss)
-    (got, got_aux), got_g = grad_of(chunked_gpt2_loss(chunk))
+    (ref, ref_aux), ref_g = _full_logits_value_and_grad()
+    (got, got_aux), got_g = _value_and_grad_on_the_chunked_batch(chunked_gpt2_loss(chunk))
     assert int(got_aux["tokens"]) == int(ref_aux["tokens"]) == 2 * 11 - 4
     np.testing.assert_allclose(float(got), float(ref), rtol=1e-6)
     for (path, a), b in zip(jax.tree_util.tree_leaves_with_path(got_g), jax.tree.leaves(ref_g), strict=True):
