@@ -135,7 +135,7 @@ def chunk_attention(q, keys, values, layer, first, last, *, pages, scale: float 
 
 def _check_paged(Dh, H, K, block, pages):
     if not paged_attention_supported(Dh, H, K, block, pages.shape[1]):
-        raise ValueError(f"decode_attention: head_dim {Dh}, {H} query / {K} kv heads, pages of {block} slots, "
+        raise ValueError(f"paged attention: head_dim {Dh}, {H} query / {K} kv heads, pages of {block} slots, "
                          f"a table {pages.shape[1]} pages wide: it takes a power-of-two head_dim in 16..256, "
                          "whole query groups, power-of-two pages of 16 slots or more and a power-of-two table")
 
