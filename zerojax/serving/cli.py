@@ -55,9 +55,9 @@ def add_serve_flags(p) -> None:
                    help="of the device's free memory, the share the cache plan may use (default 0.9)")
     p.add_argument("--no-prefix-caching", action="store_true", help="do not share cached prompt pages")
     p.add_argument("--decode-attention", choices=("auto", "xla", "kernel"), default="auto",
-                   help="how a decode step reads its rows' pages: the fused Pallas kernel through each page table, "
-                        "XLA's products over the pages gathered, or auto (the kernel on a GPU where it takes the "
-                        "model's shape; docs/serving.md)")
+                   help="how a step (decodes, prompt chunks) reads its rows' pages: the fused Pallas kernel through "
+                        "each page table, XLA's products over the pages gathered, or auto (the kernel on a GPU where "
+                        "it takes the model's shape; docs/serving.md)")
     p.add_argument("--no-overlap", action="store_true",
                    help="read each step's tokens before dispatching the next (default: the next step is dispatched "
                         "first, so the device does not wait on the host between steps)")

@@ -81,9 +81,10 @@ class LLMEngine:
     device's free memory, `zerojax.serving.planning`). max_num_seqs: requests running at once.
     max_batched_tokens: tokens one step feeds (decodes + prompt chunks). max_model_len: prompt +
     new tokens of one request (default: the model's positions, at most the pool). buckets: the
-    floors of the compiled shapes (`zerojax.serving.shapes.Buckets`). decode_attention: how a decode
-    step reads the pages: "kernel", the fused kernel through each row's page table; "xla", the rows'
-    pages gathered for XLA's products; "auto", the kernel on one GPU where it takes the shapes.
+    floors of the compiled shapes (`zerojax.serving.shapes.Buckets`). decode_attention: how a step
+    (decodes and prompt chunks) reads the pages: "kernel", the fused kernel through each row's page
+    table; "xla", the rows' pages gathered for XLA's products; "auto", the kernel on one GPU where it
+    takes the shapes.
     overlap: dispatch each step before reading the one before's tokens (the module's docstring)."""
 
     def __init__(self, model, tokenizer=None, *, adapters=None, page_size: int = 16, kv_cache_tokens: int | None = None,
@@ -170,7 +171,7 @@ class LLMEngine:
 
     @staticmethod
     def _decode_kernel(choice: str, geometry, page_size: int) -> bool:
-        """Whether decode steps read the pages with the fused kernel (`decode_attention`)."""
+        """Whether steps read the pages with the fused kernels (`decode_attention`, `chunk_attention`)."""
         from zerojax.generation.decode_attention import paged_attention_supported
 
         decoder.check_decode_attention_choice(choice)
