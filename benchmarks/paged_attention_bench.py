@@ -66,8 +66,9 @@ def main(argv=None) -> int:
     def kernel(q, keys, values, first, last, pages):
         return decode_attention(q, keys, values, layer, first, last, pages=pages)
 
-    @jax.jit
-    def gathered(q, keys, values, first, last, pages):
+    def gathered_attention(q, keys, values, first, last, pages):
+        """XLA's products over the rows' pages gathered first (the engine's XLA path): q [R, C, H,
+        Dh], token c of row r over slots first[r, c] .. last[r, c]."""
         R, P = pages.shape
 
         def rows(pool):
@@ -75,15 +76,28 @@ def main(argv=None) -> int:
             return x.swapaxes(1, 2).reshape(R, K, P * ps, Dh)
 
         span = jnp.arange(P * ps)
-        mask = ((span[None] >= first[:, None]) & (span[None] <= last[:, None]))[:, None, None]
-        return cache.attend(q[:, None], rows(keys), rows(values), mask)[:, 0]
+        mask = (span >= first[..., None]) & (span <= last[..., None])  # [R, C, slots]
+        return cache.attend(q, rows(keys), rows(values), mask[:, None])
+
+    @jax.jit
+    def gathered(q, keys, values, first, last, pages):  # one token a row
+        return gathered_attention(q[:, None], keys, values, first[:, None], last[:, None], pages)[:, 0]
+
+    def table(R, P, used):
+        """R rows' page tables P wide: `used` pages drawn at random (no page in two rows), then the
+        scratch page 0."""
+        pages = np.zeros((R, P), np.int32)
+        pages[:, :used] = rng.permutation(np.arange(1, N))[:R * used].reshape(R, used)
+        return jnp.asarray(pages)
+
+    def print_table(rows, cols):
+        print(" | ".join(cols))
+        for r in rows:
+            print(" | ".join(str(r[c]) for c in cols))
 
     out = []
     for R, visible, width in cases:
-        P, used = width // ps, -(-visible // ps)
-        pages = np.zeros((R, P), np.int32)
-        pages[:, :used] = rng.permutation(np.arange(1, N))[:R * used].reshape(R, used)
-        pages = jnp.asarray(pages)
+        pages = table(R, width // ps, -(-visible // ps))
         q = jnp.asarray(rng.standard_normal((R, H, Dh)), jnp.bfloat16)
         first, last = jnp.zeros(R, jnp.int32), jnp.full(R, visible - 1, jnp.int32)
         a = kernel(q, keys, values, first, last, pages)
@@ -98,34 +112,18 @@ def main(argv=None) -> int:
             row[f"{name}_gbps"] = round(must_read / t / 1e9, 1)
         print(json.dumps(row), flush=True)
         out.append(row)
-    cols = ["rows", "visible", "width", "max_abs_diff", "kernel_us", "kernel_gbps", "xla_gather_us",
-            "xla_gather_gbps"]
-    print(" | ".join(cols))
-    for r in out:
-        print(" | ".join(str(r[c]) for c in cols))
+    print_table(out, ["rows", "visible", "width", "max_abs_diff", "kernel_us", "kernel_gbps", "xla_gather_us",
+                      "xla_gather_gbps"])
 
     @jax.jit
     def chunk_kernel(q, keys, values, first, last, pages):
         return chunk_attention(q, keys, values, layer, first, last, pages=pages)
 
-    @jax.jit
-    def chunk_gathered(q, keys, values, first, last, pages):
-        R, P = pages.shape
-
-        def rows(pool):
-            x = pool[layer][pages]
-            return x.swapaxes(1, 2).reshape(R, K, P * ps, Dh)
-
-        span = jnp.arange(P * ps)
-        mask = (span[None, None] >= first[..., None]) & (span[None, None] <= last[..., None])  # [R, C, slots]
-        return cache.attend(q, rows(keys), rows(values), mask[:, None])
+    chunk_gathered = jax.jit(gathered_attention)
 
     chunk_rows = []
     for R, C, prefix, width in chunks:
-        P, used = width // ps, -(-(prefix + C) // ps)
-        pages = np.zeros((R, P), np.int32)
-        pages[:, :used] = rng.permutation(np.arange(1, N))[:R * used].reshape(R, used)
-        pages = jnp.asarray(pages)
+        pages = table(R, width // ps, -(-(prefix + C) // ps))
         q = jnp.asarray(rng.standard_normal((R, C, H, Dh)), jnp.bfloat16)
         last = jnp.asarray(np.broadcast_to(prefix + np.arange(C), (R, C)), jnp.int32)
         first = jnp.zeros_like(last)
@@ -138,10 +136,7 @@ def main(argv=None) -> int:
             row[f"{name}_us"] = round(_time(fn, q, keys, values, first, last, pages, reps=reps) * 1e6, 1)
         print(json.dumps(row), flush=True)
         chunk_rows.append(row)
-    cols = ["rows", "chunk", "prefix", "width", "max_abs_diff", "kernel_us", "xla_gather_us"]
-    print(" | ".join(cols))
-    for r in chunk_rows:
-        print(" | ".join(str(r[c]) for c in cols))
+    print_table(chunk_rows, ["rows", "chunk", "prefix", "width", "max_abs_diff", "kernel_us", "xla_gather_us"])
     return 0
 
 
