@@ -43,30 +43,6 @@ def test_equals_the_formula_over_each_rows_visible_slots(splits):
     np.testing.assert_allclose(np.asarray(got), _reference(q, keys, values, 1, first, last), rtol=1e-12, atol=1e-12)
 
 
-@pytest.mark.parametrize("splits", [1, 3])
-def test_paged_pool_equals_the_formula_over_each_rows_pages(splits):
-    """The serving pool's layout [L, pages, K, page_size, Dh]: each row's slots scattered over
-    pages in its own order (shared pages, the scratch page 0 past a row's end), read through its
-    page table; equal to the formula over the same slots laid out contiguously."""
-    rng = np.random.default_rng(1)
-    L, B, K, Dh, H, ps, P, N = 3, 4, 2, 16, 8, 16, 4, 20
-    q = rng.standard_normal((B, H, Dh))
-    dense = rng.standard_normal((2, L, B, K, P * ps, Dh))
-    pages = rng.permutation(np.arange(1, N))[:B * P].reshape(B, P).astype(np.int32)  # no page in two rows...
-    pages[1, 0] = pages[0, 0]  # ...but a shared prefix page, holding the same slots in both
-    dense[:, :, 1, :, :ps] = dense[:, :, 0, :, :ps]
-    pages[3, 2:] = 0  # row 3 ends in its second page: the table's rest is the scratch page
-    pool = rng.standard_normal((2, L, N, K, ps, Dh))
-    for b in range(B):
-        for j in range(P if b != 3 else 2):
-            pool[:, :, pages[b, j]] = dense[:, :, b, :, j * ps:(j + 1) * ps]
-    first, last = np.array([0, 5, 20, 0]), np.array([10, 63, 40, 31])
-    with jax.enable_x64(True):
-        got = decode_attention(q, pool[0], pool[1], np.int32(2), first, last, pages=pages, splits=splits)
-    np.testing.assert_allclose(np.asarray(got), _reference(q, dense[0], dense[1], 2, first, last), rtol=1e-12,
-                               atol=1e-12)
-
-
 def _paged(rng, L, B, K, Dh, ps, P, N):
     """A pool [2, L, N, K, ps, Dh] and page tables [B, P] (no page in two rows; page 0 the
     scratch page) holding the slots of `dense` [2, L, B, K, P * ps, Dh]."""
@@ -77,6 +53,25 @@ def _paged(rng, L, B, K, Dh, ps, P, N):
         for j in range(P):
             pool[:, :, pages[b, j]] = dense[:, :, b, :, j * ps:(j + 1) * ps]
     return dense, pool, pages
+
+
+@pytest.mark.parametrize("splits", [1, 3])
+def test_paged_pool_equals_the_formula_over_each_rows_pages(splits):
+    """The serving pool's layout [L, pages, K, page_size, Dh]: each row's slots scattered over
+    pages in its own order (shared pages, the scratch page 0 past a row's end), read through its
+    page table; equal to the formula over the same slots laid out contiguously."""
+    rng = np.random.default_rng(1)
+    L, B, K, Dh, H, ps, P, N = 3, 4, 2, 16, 8, 16, 4, 20
+    q = rng.standard_normal((B, H, Dh))
+    dense, pool, pages = _paged(rng, L, B, K, Dh, ps, P, N)  # no page in two rows...
+    pages[1, 0] = pages[0, 0]  # ...but a shared prefix page, holding the same slots in both
+    dense[:, :, 1, :, :ps] = dense[:, :, 0, :, :ps]
+    pages[3, 2:] = 0  # row 3 ends in its second page: the table's rest is the scratch page
+    first, last = np.array([0, 5, 20, 0]), np.array([10, 63, 40, 31])
+    with jax.enable_x64(True):
+        got = decode_attention(q, pool[0], pool[1], np.int32(2), first, last, pages=pages, splits=splits)
+    np.testing.assert_allclose(np.asarray(got), _reference(q, dense[0], dense[1], 2, first, last), rtol=1e-12,
+                               atol=1e-12)
 
 
 def test_chunk_form_equals_the_formula_for_each_token():
