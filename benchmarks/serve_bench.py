@@ -122,13 +122,13 @@ def profile_level(engine, s: dict, vocab: int, concurrency: int, run) -> dict:
     clock = {"steps": 0, "dispatch": 0.0, "read": 0.0, "step": 0.0, "between": 0.0, "last_end": None}
     originals = {name: getattr(engine, name) for name in ("step", "_dispatch", "_read_pending")}
 
-    def timed(name):
+    def timed(name, key):
         def call(*a, **k):
             t = time.perf_counter()
             try:
                 return originals[name](*a, **k)
             finally:
-                clock[name.strip("_").split("_")[0]] += time.perf_counter() - t
+                clock[key] += time.perf_counter() - t
         return call
 
     def counted():
@@ -147,7 +147,8 @@ def profile_level(engine, s: dict, vocab: int, concurrency: int, run) -> dict:
                                          max_output=64, vocab=vocab, long_prompt=s["long_prompt"]) for seed in (8, 7))
     # untimed first, as the matrix's levels (other prompts: no prefix cache hit in the profiled pass)
     run([(prompt, 8) for prompt, _ in warm], concurrency)
-    engine.step, engine._dispatch, engine._read_pending = counted, timed("_dispatch"), timed("_read_pending")
+    engine.step, engine._dispatch = counted, timed("_dispatch", "dispatch")
+    engine._read_pending = timed("_read_pending", "read")
     trace_dir = tempfile.mkdtemp()
     try:
         with jax.profiler.trace(trace_dir):

@@ -127,7 +127,7 @@ def chunk_attention(q, keys, values, layer, first, last, *, pages, scale: float 
                    for x, v in ((first, 0), (last, -1)))
     R = Cp * Gp
     qg = qg.transpose(0, 2, 1, 3, 4).reshape(B, K, R, Dh)  # row c * Gp + g: token c, query head g
-    first, last = (jnp.repeat(jnp.asarray(x, jnp.int32), Gp, axis=1) for x in (first, last))
+    first, last = (jnp.repeat(x, Gp, axis=1) for x in (first, last))  # a token's bounds on each of its rows
     o = _attend(qg, keys, values, layer, first, last, pages, block=block, splits=1, rows_per_program=bq,
                 scale=scale, warps=warps, interpret=interpret)
     return o.reshape(B, K, Cp, Gp, Dh)[:, :, :C, :G].transpose(0, 2, 1, 3, 4).reshape(B, C, H, Dh)
