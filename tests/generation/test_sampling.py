@@ -71,6 +71,25 @@ def test_top_p_keeps_the_nucleus():
     assert kept.tolist() == [[False, True, False, True, False], [True, False, False, False, False]]
 
 
+def test_per_row_top_k_then_top_p_equals_transformers_warpers():
+    """The serving step's filter (each row's own top_k and top_p, one sort) keeps what Hugging
+    Face's TopKLogitsWarper then TopPLogitsWarper keep, row by row."""
+    rng = np.random.default_rng(1)
+    logits = (rng.normal(size=(6, 50)) * 3).astype(np.float32)
+    top_k = np.array([0, 1, 5, 0, 12, 50], np.int32)
+    top_p = np.array([1.0, 0.9, 0.5, 0.3, 0.95, 0.8], np.float32)
+    got = np.asarray(sampling.top_k_top_p_filter(jnp.asarray(logits), jnp.asarray(top_k)[:, None],
+                                                 jnp.asarray(top_p)[:, None]))
+    for r in range(len(logits)):
+        ref = torch.from_numpy(logits[r:r + 1].copy())
+        if top_k[r]:
+            ref = transformers.TopKLogitsWarper(int(top_k[r]))(None, ref)
+        if top_p[r] < 1:
+            ref = transformers.TopPLogitsWarper(float(top_p[r]))(None, ref)
+        np.testing.assert_array_equal(np.isfinite(got[r]), np.isfinite(ref.numpy()[0]), err_msg=f"row {r}")
+        np.testing.assert_array_equal(got[r][np.isfinite(got[r])], logits[r][np.isfinite(got[r])])
+
+
 def test_repetition_penalty_equals_transformers():
     rng = np.random.default_rng(0)
     logits = rng.normal(size=(2, 11)).astype(np.float32)

@@ -64,15 +64,27 @@ def top_k_filter(logits, k: int):
     return jnp.where(logits < kth, -jnp.inf, logits)
 
 
-def top_p_filter(logits, top_p):
-    """HF's TopPLogitsWarper: sorted ascending, the tokens whose cumulative probability stays
-    <= 1 - top_p removed, the most likely token always kept."""
-    order = jnp.argsort(logits, axis=-1)
-    ascending = jnp.take_along_axis(logits, order, axis=-1)
-    cumulative = jnp.cumsum(jax.nn.softmax(ascending, axis=-1), axis=-1)
-    remove = (cumulative <= 1 - top_p).at[..., -1].set(False)
-    remove = jnp.take_along_axis(remove, jnp.argsort(order, axis=-1), axis=-1)  # back to vocab order
-    return jnp.where(remove, -jnp.inf, logits)
+def top_p_filter(logits, top_p, descending=None):
+    """HF's TopPLogitsWarper (the tokens whose ascending cumulative probability stays <= 1 - top_p
+    removed, the most likely always kept) by one sort of values: a token is kept where the
+    probability of the tokens before it in descending order is < top_p, so the kept tokens are
+    those at or above the least kept logit (ties at that logit all kept). descending: the logits
+    sorted descending, where the caller has them."""
+    d = -jnp.sort(-logits, axis=-1) if descending is None else descending
+    p = jax.nn.softmax(d, axis=-1)
+    kept = jnp.sum(jnp.cumsum(p, axis=-1) - p < top_p, axis=-1, keepdims=True)
+    cutoff = jnp.take_along_axis(d, jnp.maximum(kept - 1, 0), axis=-1)
+    return jnp.where(logits < cutoff, -jnp.inf, logits)
+
+
+def top_k_top_p_filter(logits, top_k, top_p):
+    """HF's TopKLogitsWarper then TopPLogitsWarper with each row's own values over one sort:
+    top_k int [B, 1] (0: off), top_p [B, 1] (1: off)."""
+    descending = -jnp.sort(-logits, axis=-1)
+    kth = jnp.take_along_axis(descending, jnp.clip(top_k - 1, 0, logits.shape[-1] - 1), axis=-1)
+    kth = jnp.where(top_k > 0, kth, -jnp.inf)
+    logits, descending = (jnp.where(x < kth, -jnp.inf, x) for x in (logits, descending))
+    return top_p_filter(logits, top_p, descending)
 
 
 def next_token(sampler: Sampler, values: SamplingValues, logits, seen, key):

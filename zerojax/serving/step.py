@@ -38,7 +38,7 @@ import jax.numpy as jnp
 
 from zerojax.generation import cache, decoder
 from zerojax.generation.families import decode_logits, family_of
-from zerojax.generation.sampling import apply_repetition_penalty, top_p_filter
+from zerojax.generation.sampling import apply_repetition_penalty, top_k_top_p_filter
 from zerojax.models.pieces import Geometry
 
 
@@ -144,20 +144,16 @@ def _penalize(logits, p: Penalties):
 
 def _sample(logits, s: RowSampling):
     """Each row's token: argmax where its temperature is 0, else sampled from its own stream after
-    temperature, top_k, top_p (Hugging Face's order). The sort runs only in a step with a sampled row."""
+    temperature, top_k, top_p (Hugging Face's order). Every step computes both, with one sort of
+    the logits: choosing by a `lax.cond` on the rows' temperatures made the GPU copy the predicate
+    to the host and the host wait for it inside every step, so a step could not be dispatched
+    ahead of the one before it finishing (`zerojax.serving.engine`'s overlap)."""
     greedy = jnp.argmax(logits, axis=-1).astype(jnp.int32)
-
-    def sampled(logits):
-        logits = logits / jnp.where(s.temperature > 0, s.temperature, 1.0)[:, None]
-        descending = -jnp.sort(-logits, axis=-1)
-        kth = jnp.take_along_axis(descending, jnp.clip(s.top_k - 1, 0, logits.shape[-1] - 1)[:, None], axis=1)
-        logits = jnp.where((s.top_k[:, None] > 0) & (logits < kth), -jnp.inf, logits)
-        logits = top_p_filter(logits, s.top_p[:, None])
-        keys = jax.vmap(lambda seed, i: jax.random.fold_in(jax.random.key(seed), i))(s.seed, s.index)
-        tok = jax.vmap(jax.random.categorical)(keys, logits).astype(jnp.int32)
-        return jnp.where(s.temperature > 0, tok, greedy)
-
-    return jax.lax.cond(jnp.any(s.temperature > 0), sampled, lambda _: greedy, logits)
+    logits = logits / jnp.where(s.temperature > 0, s.temperature, 1.0)[:, None]
+    logits = top_k_top_p_filter(logits, s.top_k[:, None], s.top_p[:, None])
+    keys = jax.vmap(lambda seed, i: jax.random.fold_in(jax.random.key(seed), i))(s.seed, s.index)
+    tok = jax.vmap(jax.random.categorical)(keys, logits).astype(jnp.int32)
+    return jnp.where(s.temperature > 0, tok, greedy)
 
 
 def _board_tokens(board, rows: Rows):
