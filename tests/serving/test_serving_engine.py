@@ -123,21 +123,25 @@ def test_shared_prefix_reuses_pages_and_equals_generate(pair):
 
 
 def test_sampling_is_per_request_and_stops(pair):
-    """A seeded sampled request gives the same tokens alone and beside others; top_k 1 is greedy;
-    a stop id ends a row where generate's does (the id kept)."""
+    """A seeded sampled request gives the same tokens alone and beside others (one with top_p, one
+    without, alone in the step variant without the filter and in the crowd's with it); top_k 1 is
+    greedy; a stop id ends a row where generate's does (the id kept)."""
     _, model = pair
     engine = _engine(model)
     p = _prompts(model.config.vocab_size, (6, 11, 4), seed=7)
     sampled = SamplingParams(temperature=1.3, top_p=0.9, seed=11, max_tokens=NEW, ignore_eos=True)
+    plain = SamplingParams(temperature=1.0, seed=3, max_tokens=NEW, ignore_eos=True)
     alone, _ = _drain(engine, [[("s", p[0], sampled)]])
+    alone.update(_drain(engine, [[("x", p[2], plain)]])[0])
     greedy_ref = zerojax.generate(model, p[1], max_new_tokens=NEW, ignore_eos=True).tokens[0]
     stop_id = greedy_ref[3]
     crowd, _ = _drain(engine, [[("g", p[1], SamplingParams(temperature=0.7, top_k=1, max_tokens=NEW,
                                                            ignore_eos=True)),
-                                ("s", p[0], sampled), ("x", p[2], SamplingParams(temperature=1.0, seed=3)),
+                                ("s", p[0], sampled), ("x", p[2], plain),
                                 ("stop", p[1],
                                  SamplingParams(max_tokens=NEW, stop_token_ids=[stop_id], ignore_eos=True))]])
     assert crowd["s"].token_ids == alone["s"].token_ids
+    assert crowd["x"].token_ids == alone["x"].token_ids
     assert crowd["g"].token_ids == greedy_ref
     stopped = zerojax.generate(model, p[1], max_new_tokens=NEW, stop=[stop_id], ignore_eos=True)
     assert crowd["stop"].token_ids == stopped.tokens[0] and crowd["stop"].finish_reason == "stop"
@@ -199,12 +203,14 @@ def test_warm_up_compiles_every_bucket_before_the_first_request(pair):
     compiled = lambda: step_mod.step._cache_size() + step_mod.chunk_step._cache_size()  # noqa: E731
     before = compiled()
     programs = engine.warm_up()
-    # decode rows 2, 4; chunks of 8 tokens on 1 or 2 rows, of 16 on 1 (one span: 8 pages)
-    assert programs == 2 + 3 == engine.stats["step_programs"]
+    # decode rows 2, 4; chunks of 8 tokens on 1 or 2 rows, of 16 on 1 (one span: 8 pages); each without
+    # and with the top_k / top_p filter
+    assert programs == 2 * (2 + 3) == engine.stats["step_programs"]
     assert compiled() - before == programs
     greedy = SamplingParams(max_tokens=NEW, ignore_eos=True)
+    nucleus = SamplingParams(max_tokens=NEW, ignore_eos=True, temperature=0.8, top_p=0.9, seed=1)
     prompts = _prompts(model.config.vocab_size, (3, 20, 9, 40, 1), seed=10)
-    done, _ = _drain(engine, [[(0, prompts[0], greedy)], [(i, prompts[i], greedy) for i in (1, 2, 3)], [],
-                              [(4, prompts[4], greedy)]])
+    done, _ = _drain(engine, [[(0, prompts[0], greedy)], [(1, prompts[1], nucleus), (2, prompts[2], greedy),
+                                                          (3, prompts[3], greedy)], [], [(4, prompts[4], nucleus)]])
     assert sorted(done) == list(range(len(prompts)))
     assert compiled() - before == programs == engine.stats["step_programs"]

@@ -74,6 +74,8 @@ def top_p_filter(logits, top_p, descending=None):
     p = jax.nn.softmax(d, axis=-1)
     kept = jnp.sum(jnp.cumsum(p, axis=-1) - p < top_p, axis=-1, keepdims=True)
     cutoff = jnp.take_along_axis(d, jnp.maximum(kept - 1, 0), axis=-1)
+    # top_p 1 keeps every token exactly (the rounded sums could otherwise reach 1 before the last)
+    cutoff = jnp.where(top_p < 1, cutoff, -jnp.inf)
     return jnp.where(logits < cutoff, -jnp.inf, logits)
 
 

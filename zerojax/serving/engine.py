@@ -423,25 +423,29 @@ class LLMEngine:
         want_top = max((req.params.logprobs or 0) for req, _ in rows)
         return self._call(model, step_mod.Rows(tokens, start, count, pages, adapter, slot, chained),
                           step_mod.RowSampling(temperature, top_p, top_k, seed, index), self._penalties(rows, R),
-                          SamplingParams.MAX_LOGPROBS if want_top else 0)
+                          SamplingParams.MAX_LOGPROBS if want_top else 0,
+                          any(step_mod.needs_filter(req.params) for req, _ in rows))
 
-    def _call(self, model, rows: step_mod.Rows, sampling: step_mod.RowSampling, penalties, top: int):
-        """One compiled step over `rows` (the pool and the board updated in place) -> its StepOut on the device."""
+    def _call(self, model, rows: step_mod.Rows, sampling: step_mod.RowSampling, penalties, top: int,
+              filtered: bool):
+        """One compiled step over `rows` (the pool and the board updated in place) -> its StepOut on the
+        device. filtered: a row asks for top_k / top_p (the step's variant that sorts the vocabulary)."""
         weights, source = model
         R, C = rows.tokens.shape
-        self._programs.add((id(source), R, C, rows.pages.shape[1], penalties is not None, top))
+        self._programs.add((id(source), R, C, rows.pages.shape[1], penalties is not None, top, filtered))
         run = step_mod.step if C == 1 else step_mod.chunk_step
         self.keys, self.values, self.board, out = run(
             weights, self.keys, self.values, rows, sampling, penalties, self.board, source=source,
-            page_size=self.page_size, top_logprobs=top, kernel=self.decode_kernel)
+            page_size=self.page_size, top_logprobs=top, kernel=self.decode_kernel, filtered=filtered)
         return out
 
     def warm_up(self, max_chunk: int | None = None) -> int:
         """Compile (and run once, on padding rows that write only the scratch page) the step program
         of every shape bucket for every model a step calls, so that no request pays a compile ->
         the programs run. max_chunk: the longest prompt chunk to expect (default max_model_len: a
-        preempted request's prompt and tokens read again). Requests asking for penalties or
-        logprobs still compile theirs on first use."""
+        preempted request's prompt and tokens read again). Each shape's two sampling variants are
+        compiled: with top_k / top_p, and without (no sort of the vocabulary). Requests asking for
+        penalties or logprobs still compile theirs on first use."""
         models = [self._stacked[0]] if self._stacked else list(self._models.values())
         shapes_ = self.buckets.programs(self.scheduler.max_num_seqs, self.scheduler.max_batched_tokens,
                                         self.page_size, -(-self.max_model_len // self.page_size),
@@ -456,7 +460,7 @@ class LLMEngine:
                                      np.full(R, self.scheduler.max_num_seqs, np.int32), np.zeros(R, bool))
                 sampling = step_mod.RowSampling(np.zeros(R, np.float32), np.ones(R, np.float32), z,
                                                 np.zeros(R, np.uint32), z)
-                outs.append(self._call(model, rows, sampling, None, 0))
+                outs += [self._call(model, rows, sampling, None, 0, filtered) for filtered in (False, True)]
         jax.block_until_ready(outs)
         return len(outs)
 
