@@ -254,6 +254,22 @@ def test_dequantized_within_bound(kind):
     assert err.max() > 0.2 * float(np.max(bound))  # the bound is not vacuous
 
 
+def test_quantizing_onto_a_full_device_fails_first_with_the_weight_and_sizes():
+    """A base whose codes will not fit the target device's free memory stops before anything is
+    copied there, naming the stacked weight, the codes' size and the room left (as the allocator
+    reports them; CPU reports none)."""
+    class NearlyFull:  # a device as jax's allocator describes it: 4 KiB left of 1 MiB
+        def memory_stats(self):
+            return {"bytes_limit": 2**20, "bytes_in_use": 2**20 - 4096}
+
+        def __str__(self):
+            return "cuda:0"
+
+    w = np.zeros((2, 64, 128), np.float32)  # nf4 codes: 2 x 64 x 64 bytes + absmax, past 4 KiB
+    with pytest.raises(MemoryError, match=r"onto cuda:0: a stacked weight \(2, 64, 128\)'s codes need .* GiB free"):
+        lora.quantize_4bit(w, "nf4", device=NearlyFull())
+
+
 def test_quantized_on_a_device_as_on_the_host(folder):
     """lora.apply(device=...): each kernel quantized where it is sent (QLoRA's base built on the
     host reaches the accelerator only quantized): the same codes as quantizing in place, on it."""

@@ -68,6 +68,7 @@ def _per_layer(fn, w, device=None):
         return jax.jit(lambda w: jax.lax.map(fn, w))(w)
     one = jax.jit(fn)
     shapes = jax.eval_shape(fn, jax.ShapeDtypeStruct(w.shape[1:], w.dtype))
+    _check_room(device, w, sum(w.shape[0] * x.size * x.dtype.itemsize for x in jax.tree.leaves(shapes)))
     with jax.default_device(device):
         outs = jax.tree.map(lambda x: jnp.zeros((w.shape[0], *x.shape), x.dtype), shapes)
     put = jax.jit(lambda outs, x, i: jax.tree.map(lambda o, v: o.at[i].set(v), outs, x), donate_argnums=0)
@@ -111,3 +112,21 @@ def kernel_of(entry, dtype):
 
 __all__ = ["QUANTIZE", "BLOCK", "NF4", "quantize_int8", "quantize_4bit", "dequantize_4bit", "quantization_bound",
            "kernel_of"]
+
+
+def _check_room(device, w, need: int) -> None:
+    """A clear error, before any copy, where the stacked codes of `w` will not fit `device`'s free
+    memory (the allocator's limit less what is in use; not known on CPU): a raw out-of-memory in
+    the middle of quantizing a base says neither which weight nor how far off."""
+    try:
+        stats = device.memory_stats() or {}
+    except Exception:  # noqa: BLE001 - some backends raise instead of returning None
+        stats = {}
+    if "bytes_limit" not in stats or "bytes_in_use" not in stats:
+        return
+    limit, used = int(stats["bytes_limit"]) / 2**30, int(stats["bytes_in_use"]) / 2**30
+    if need / 2**30 > limit - used:
+        raise MemoryError(f"quantizing the base onto {device}: a stacked weight {tuple(w.shape)}'s codes need "
+                          f"{need / 2**30:.2f} GiB and the device has {limit - used:.2f} GiB free ({used:.2f} GiB in "
+                          f"use of {limit:.2f}): the quantized base does not fit; use a device with more memory (or a "
+                          "larger XLA_PYTHON_CLIENT_MEM_FRACTION), or a smaller model")
