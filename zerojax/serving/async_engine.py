@@ -67,8 +67,7 @@ class AsyncEngine:
                 log.exception("serving engine step failed")
                 outputs = self.engine.fail(list(self.engine.scheduler.running) + list(self.engine.scheduler.waiting),
                                            f"{type(e).__name__}: {e}")
-            for out in outputs:
-                self._deliver(out)
+            self._deliver(outputs)
 
     def _drain(self, block: bool) -> None:
         while True:
@@ -85,18 +84,29 @@ class AsyncEngine:
                 if out is not None and self.metrics is not None:
                     self.metrics.on_abort()
 
-    def _deliver(self, out: RequestOutput) -> None:
-        stream = self._streams.get(out.request_id)
-        if stream is None:
-            return
-        loop, q, arrival, last = stream
-        if self.metrics is not None:
-            self.metrics.on_output(out, arrival, last[0])
-        if out.delta_token_ids:
-            last[0] = time.monotonic()
-        if out.finished:
-            self._streams.pop(out.request_id, None)
-        loop.call_soon_threadsafe(q.put_nowait, out)
+    def _deliver(self, outputs: list[RequestOutput]) -> None:
+        """A step's updates to their streams: one wake-up of each event loop a step, not one an
+        update (256 streams at 20 steps a second would be 5,000 cross-thread calls a second)."""
+        by_loop: dict = {}
+        for out in outputs:
+            stream = self._streams.get(out.request_id)
+            if stream is None:
+                continue
+            loop, q, arrival, last = stream
+            if self.metrics is not None:
+                self.metrics.on_output(out, arrival, last[0])
+            if out.delta_token_ids:
+                last[0] = time.monotonic()
+            if out.finished:
+                self._streams.pop(out.request_id, None)
+            by_loop.setdefault(loop, []).append((q, out))
+        for loop, items in by_loop.items():
+            loop.call_soon_threadsafe(_put_all, items)
+
+
+def _put_all(items) -> None:
+    for q, out in items:
+        q.put_nowait(out)
 
 
 __all__ = ["AsyncEngine"]
