@@ -77,6 +77,24 @@ def _per_layer(fn, w, device=None):
     return outs
 
 
+def _check_room(device, w, need: int) -> None:
+    """A clear error, before any copy, where the stacked codes of `w` will not fit `device`'s free
+    memory (the allocator's limit less what is in use; not known on CPU): a raw out-of-memory in
+    the middle of quantizing a base says neither which weight nor how far off."""
+    try:
+        stats = device.memory_stats() or {}
+    except Exception:  # noqa: BLE001 - some backends raise instead of returning None
+        stats = {}
+    if "bytes_limit" not in stats or "bytes_in_use" not in stats:
+        return
+    limit, used = int(stats["bytes_limit"]) / 2**30, int(stats["bytes_in_use"]) / 2**30
+    if need / 2**30 > limit - used:
+        raise MemoryError(f"quantizing the base onto {device}: a stacked weight {tuple(w.shape)}'s codes need "
+                          f"{need / 2**30:.2f} GiB and the device has {limit - used:.2f} GiB free ({used:.2f} GiB in "
+                          f"use of {limit:.2f}): the quantized base does not fit; use a device with more memory (or a "
+                          "larger XLA_PYTHON_CLIENT_MEM_FRACTION), or a smaller model")
+
+
 def _levels(kind):
     return jnp.asarray(NF4) if kind == "nf4" else (jnp.arange(16, dtype=jnp.float32) - 8) / 7
 
@@ -113,20 +131,3 @@ def kernel_of(entry, dtype):
 __all__ = ["QUANTIZE", "BLOCK", "NF4", "quantize_int8", "quantize_4bit", "dequantize_4bit", "quantization_bound",
            "kernel_of"]
 
-
-def _check_room(device, w, need: int) -> None:
-    """A clear error, before any copy, where the stacked codes of `w` will not fit `device`'s free
-    memory (the allocator's limit less what is in use; not known on CPU): a raw out-of-memory in
-    the middle of quantizing a base says neither which weight nor how far off."""
-    try:
-        stats = device.memory_stats() or {}
-    except Exception:  # noqa: BLE001 - some backends raise instead of returning None
-        stats = {}
-    if "bytes_limit" not in stats or "bytes_in_use" not in stats:
-        return
-    limit, used = int(stats["bytes_limit"]) / 2**30, int(stats["bytes_in_use"]) / 2**30
-    if need / 2**30 > limit - used:
-        raise MemoryError(f"quantizing the base onto {device}: a stacked weight {tuple(w.shape)}'s codes need "
-                          f"{need / 2**30:.2f} GiB and the device has {limit - used:.2f} GiB free ({used:.2f} GiB in "
-                          f"use of {limit:.2f}): the quantized base does not fit; use a device with more memory (or a "
-                          "larger XLA_PYTHON_CLIENT_MEM_FRACTION), or a smaller model")
