@@ -130,4 +130,3 @@ def kernel_of(entry, dtype):
 
 __all__ = ["QUANTIZE", "BLOCK", "NF4", "quantize_int8", "quantize_4bit", "dequantize_4bit", "quantization_bound",
            "kernel_of"]
-
