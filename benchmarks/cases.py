@@ -286,7 +286,8 @@ def _moe_run(name, rows, timeout_s):
 
 MOE = Case(
     "moe", "MoE models: OLMoE-1B-7B's shape full fine-tune (8 of 16 layers) and Qwen3-30B-A3B QLoRA nf4 r16 "
-    "under a 24 GB budget, then OLMoE-1B-7B's decode at batch 1 and 64; one process per row",
+    "under a 24 GB budget (the adapters' master and moments in host memory), then OLMoE-1B-7B's decode at "
+    "batch 1 and 64; one process per row",
     "transformers (+ PEFT), the same batch and tokens; its generate (static cache)", 10,
     match=("kind",), runs=(_moe_run("train", "ft-zerojax,ft-transformers,qlora-zerojax,qlora-zerojax-attention,"
                                              "qlora-transformers", 590),
