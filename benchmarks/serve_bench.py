@@ -39,7 +39,11 @@ import serve_traffic  # noqa: E402
 LONG_PROMPT = 3072
 
 
-def shape(tiny: bool) -> dict:
+def shape(tiny: bool, host_bound: bool = False) -> dict:
+    if host_bound:  # 128 short streams of a tiny model: the server's own host work per token dominates
+        return dict(name="tiny", levels=(128,), prompt_mean=16, output_mean=64, max_prompt=32, max_output=90,
+                    max_model_len=128, long_prompt=64, max_num_seqs=128, max_batched_tokens=512,
+                    requests=lambda c: 2 * c)
     if tiny:
         return dict(name="tiny", levels=(1, 4), prompt_mean=24, output_mean=12, max_prompt=48, max_output=24,
                     max_model_len=128, long_prompt=64, max_num_seqs=8, max_batched_tokens=64, requests=lambda c: 6)
@@ -233,6 +237,9 @@ async def level(url, reqs, concurrency: int, models=("bench",)):
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--tiny", action="store_true", help="CPU smoke test: the tiny Llama shape, levels 1 and 4")
+    ap.add_argument("--host-bound", action="store_true",
+                    help="CPU: a tiny Llama at 128 streams (256 requests of ~64 tokens), where the HTTP layer's and "
+                         "the engine thread's work per token, not the model, sets the rate")
     ap.add_argument("--levels", type=lambda t: tuple(int(x) for x in t.split(",")), default=None,
                     help="concurrency levels, e.g. 64 (default 1,16,64,256; the last but one again with long prompts)")
     ap.add_argument("--adapters", type=int, default=0, metavar="N",
@@ -260,10 +267,11 @@ def main(argv=None) -> int:
     # a second run of this benchmark reuses the compiled programs
     jax.config.update("jax_compilation_cache_dir", os.path.expanduser("~/.cache/zerojax-serve-bench"))
 
-    s = shape(args.tiny)
+    tiny = args.tiny or args.host_bound
+    s = shape(args.tiny, args.host_bound)
     if args.levels:
         s["levels"] = args.levels
-    model, engine = build_engine(s, args.tiny, args.adapters, args.decode_attention, not args.no_overlap)
+    model, engine = build_engine(s, tiny, args.adapters, args.decode_attention, not args.no_overlap)
     models = engine.adapters or ["bench"]
     print(engine.plan.describe(), flush=True)
     start = time.perf_counter()
