@@ -424,7 +424,7 @@ class LLMEngine:
         return self._call(model, step_mod.Rows(tokens, start, count, pages, adapter, slot, chained),
                           step_mod.RowSampling(temperature, top_p, top_k, seed, index), self._penalties(rows, R),
                           SamplingParams.MAX_LOGPROBS if want_top else 0,
-                          any(step_mod.needs_filter(req.params) for req, _ in rows))
+                          any(req.params.filtered for req, _ in rows))
 
     def _call(self, model, rows: step_mod.Rows, sampling: step_mod.RowSampling, penalties, top: int,
               filtered: bool):

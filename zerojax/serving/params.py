@@ -81,5 +81,10 @@ class SamplingParams:
     def penalized(self) -> bool:
         return self.repetition_penalty != 1 or self.presence_penalty != 0 or self.frequency_penalty != 0
 
+    @property
+    def filtered(self) -> bool:
+        """Whether sampling asks for top_k or top_p (the step variant that sorts the vocabulary)."""
+        return self.temperature > 0 and (bool(self.top_k) or self.top_p < 1)
+
 
 __all__ = ["SamplingParams", "BadRequestError"]

@@ -158,11 +158,6 @@ def _sample(logits, s: RowSampling, filtered: bool):
     return jnp.where(s.temperature > 0, tok, greedy)
 
 
-def needs_filter(params) -> bool:
-    """Whether a request's sampling asks for top_k or top_p (the step variant that sorts)."""
-    return params.temperature > 0 and (bool(params.top_k) or params.top_p < 1)
-
-
 def _board_tokens(board, rows: Rows):
     """The rows' tokens, a chained row's first (a decode's one) read from the board on the device:
     the host dispatches a step before it has read the tokens the step before sampled."""
@@ -177,7 +172,7 @@ def _step(weights, keys, values, rows: Rows, sampling: RowSampling, penalties: P
     values written to the pool, donated), and each row's next token from its last fed token, also
     written to the token board (int32 [slots + 1], donated; None: none) at the row's slot. kernel:
     the attention read from the pages by the fused kernels (decode or chunk), not gathered.
-    filtered: the variant that applies the rows' top_k / top_p (`needs_filter`)."""
+    filtered: the variant that applies the rows' top_k / top_p (`SamplingParams.filtered`)."""
     model = source.model(weights)
     rows = rows._replace(tokens=_board_tokens(board, rows))
     # each row's own adapter (zerojax.serving.adapters), else the model's projections
@@ -225,5 +220,4 @@ step = jax.jit(_step, compiler_options=decoder.DECODE_COMPILER_OPTIONS, **_JIT)
 chunk_step = jax.jit(_step, compiler_options=decoder.COMPILER_OPTIONS, **_JIT)
 
 
-__all__ = ["Rows", "RowSampling", "Penalties", "StepOut", "step", "chunk_step", "empty_pool", "pool_bytes_per_page",
-           "needs_filter"]
+__all__ = ["Rows", "RowSampling", "Penalties", "StepOut", "step", "chunk_step", "empty_pool", "pool_bytes_per_page"]
